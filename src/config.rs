@@ -1,0 +1,185 @@
+//! Configuration parts shared by the binaries, read from flags and
+//! environment variables (`ENV_*` names beside `DEFAULT_*` values), parsed
+//! into typed values before any work starts. Each binary composes the parts
+//! it needs; there is no `Default` for a whole binary's configuration.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+
+pub const ENV_NATS_URL: &str = "TOOLFLEET_NATS_URL";
+pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
+pub const ENV_SUBJECT_PREFIX: &str = "TOOLFLEET_SUBJECT_PREFIX";
+pub const ENV_REDIS_URL: &str = "TOOLFLEET_REDIS_URL";
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+pub const ENV_TOOL_DEFINITIONS: &str = "TOOLFLEET_TOOL_DEFINITIONS";
+pub const DEFAULT_TOOL_DEFINITIONS: &str = "tool_definitions";
+pub const ENV_METRICS_ADDR: &str = "TOOLFLEET_METRICS_ADDR";
+pub const ENV_LOG: &str = "TOOLFLEET_LOG";
+
+/// Exit code for a configuration error (EX_USAGE).
+pub const EXIT_CONFIG: i32 = 64;
+
+/// Where NATS is and which subject prefix the fleet uses.
+#[derive(Args, Debug, Clone)]
+pub struct NatsArgs {
+    /// NATS server URL(s), comma-separated.
+    #[arg(long = "nats-url", env = ENV_NATS_URL, default_value = DEFAULT_NATS_URL)]
+    pub url: String,
+    /// Prefix of every subject (and, upper-cased, of the stream names).
+    #[arg(long = "subject-prefix", env = ENV_SUBJECT_PREFIX, default_value = crate::protocol::DEFAULT_PREFIX)]
+    pub prefix: String,
+    /// How long to keep trying the first connection, in seconds.
+    #[arg(long = "nats-connect-wait", env = "TOOLFLEET_NATS_CONNECT_WAIT", default_value_t = 30)]
+    pub connect_wait_secs: u64,
+}
+
+impl NatsArgs {
+    pub fn subjects(&self) -> Result<crate::protocol::Subjects, crate::protocol::ProtocolError> {
+        crate::protocol::Subjects::new(&self.prefix)
+    }
+
+    /// Connects, retrying the first connection for `connect_wait_secs`
+    /// (processes of a fleet start in any order).
+    pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
+        connect_nats(&self.url, name, Duration::from_secs(self.connect_wait_secs)).await
+    }
+}
+
+/// Connects to NATS, retrying the first connection for up to `wait`.
+pub async fn connect_nats(url: &str, name: &str, wait: Duration) -> anyhow::Result<async_nats::Client> {
+    let opts = async_nats::ConnectOptions::new()
+        .name(name)
+        .retry_on_initial_connect()
+        .connection_timeout(Duration::from_secs(2));
+    match tokio::time::timeout(wait, opts.connect(url)).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => Err(anyhow::anyhow!("cannot connect to NATS at {}: {e}", redact_url(url))),
+        Err(_) => Err(anyhow::anyhow!(
+            "no NATS server answered at {} within {}s",
+            redact_url(url),
+            wait.as_secs()
+        )),
+    }
+}
+
+/// Where Redis is and how long invocation keys live.
+#[derive(Args, Debug, Clone)]
+pub struct RedisArgs {
+    /// Redis URL (the citation store and result ledger).
+    #[arg(long = "redis-url", env = ENV_REDIS_URL, default_value = DEFAULT_REDIS_URL, hide_env_values = true)]
+    pub url: String,
+    /// Lifetime of an invocation's citation keys, in seconds.
+    #[arg(long = "citation-ttl", env = "TOOLFLEET_CITATION_TTL", default_value_t = 86_400)]
+    pub ttl_secs: u64,
+}
+
+impl RedisArgs {
+    pub async fn connect(&self, prefix: &str) -> anyhow::Result<crate::citations::CitationStore> {
+        crate::citations::CitationStore::connect(&self.url, prefix, Duration::from_secs(self.ttl_secs))
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot connect to Redis at {}: {e}", redact_url(&self.url)))
+    }
+}
+
+/// Where the tool definition files are.
+#[derive(Args, Debug, Clone)]
+pub struct ToolDefsArgs {
+    /// Directory of tool definition files (one JSON file per tool).
+    #[arg(long = "tool-definitions", env = ENV_TOOL_DEFINITIONS, default_value = DEFAULT_TOOL_DEFINITIONS)]
+    pub dir: PathBuf,
+}
+
+/// The OpenAI-compatible model endpoint.
+#[derive(Args, Debug, Clone)]
+pub struct LlmArgs {
+    /// Base URL of an OpenAI-compatible API, including `/v1`.
+    #[arg(long = "llm-base-url", env = "TOOLFLEET_LLM_BASE_URL", default_value = "https://api.openai.com/v1")]
+    pub base_url: url::Url,
+    /// API key (sent as a bearer token; never logged).
+    #[arg(long = "llm-api-key", env = "TOOLFLEET_LLM_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Model name.
+    #[arg(long = "llm-model", env = "TOOLFLEET_LLM_MODEL", default_value = "gpt-4o-mini")]
+    pub model: String,
+    /// Connect timeout, in milliseconds.
+    #[arg(long = "llm-connect-timeout-ms", env = "TOOLFLEET_LLM_CONNECT_TIMEOUT_MS", default_value_t = 5_000)]
+    pub connect_timeout_ms: u64,
+    /// Time allowed until the first streamed chunk, in milliseconds.
+    #[arg(long = "llm-first-token-timeout-ms", env = "TOOLFLEET_LLM_FIRST_TOKEN_TIMEOUT_MS", default_value_t = 60_000)]
+    pub first_token_timeout_ms: u64,
+    /// Longest allowed gap between streamed chunks, in milliseconds.
+    #[arg(long = "llm-idle-timeout-ms", env = "TOOLFLEET_LLM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
+    pub idle_timeout_ms: u64,
+}
+
+impl LlmArgs {
+    pub fn to_config(&self) -> crate::llm::LlmConfig {
+        crate::llm::LlmConfig {
+            base_url: self.base_url.clone(),
+            api_key: self.api_key.clone(),
+            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
+            first_token_timeout: Duration::from_millis(self.first_token_timeout_ms),
+            idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+        }
+    }
+}
+
+/// A URL with any password replaced, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some("***"));
+            }
+            u.to_string()
+        }
+        Err(_) => "<unparseable url>".to_string(),
+    }
+}
+
+/// Installs the tracing subscriber (`TOOLFLEET_LOG`, default `info`).
+pub fn init_tracing() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env(ENV_LOG)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+/// Resolves when the process receives SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(redact_url("redis://:hunter2@host:6379/0"), "redis://:***@host:6379/0");
+        assert_eq!(redact_url("nats://host:4222"), "nats://host:4222");
+        assert!(!redact_url("not a url hunter2").contains("hunter2"));
+    }
+}

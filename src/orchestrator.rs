@@ -1,0 +1,824 @@
+//! The orchestrator: takes chat jobs from the `TOOLFLEET_CHAT` work queue
+//! with a bounded number in flight and runs one agentic loop per invocation.
+//!
+//! Per invocation: validate the job, build the context, offer the tools live
+//! workers serve, stream a completion (text deltas become `delta` events),
+//! publish every tool call as a JetStream tool job in parallel, await the
+//! results on the invocation's reply inbox under per-call deadlines, append
+//! them, repeat until the model answers or the round limit is hit; collect
+//! references before the stream, after each tool batch and at the end;
+//! publish `completed`; ack the chat job last. Every failure ends in an
+//! `error` event with a code — never silence.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
+use dashmap::DashMap;
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::{RwLock, Semaphore, mpsc};
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{Instrument, info, warn};
+
+use crate::citations::CitationStore;
+use crate::llm::{ChatRequest, FinishReason, LlmClient, Message, Usage};
+use crate::metrics::OrchestratorMetrics;
+use crate::protocol::{
+    CallContext, ChatEvent, ChatEventBody, ChatJob, ChatRole, DeadLetter, DeadLetterKind,
+    Envelope, InvocationContext, Reference, Subjects, ToolJob, ToolReply, ToolResult, ToolStatus,
+    encode, salvage_invocation_id, valid_invocation_id,
+};
+use crate::tools::{ToolDefinition, ToolRegistry};
+
+/// How the orchestrator runs.
+#[derive(Debug, Clone)]
+pub struct OrchestratorConfig {
+    pub subjects: Subjects,
+    /// Model name sent to the provider.
+    pub model: String,
+    pub temperature: Option<f32>,
+    pub system_prompt: Option<String>,
+    /// Chat jobs worked on at once by this process.
+    pub max_in_flight: usize,
+    /// Model calls per invocation.
+    pub max_rounds: u32,
+    /// Deadline of a chat job that names none.
+    pub default_timeout: Duration,
+    /// Added to a tool's own timeout while waiting for its result (queueing,
+    /// transport).
+    pub tool_wait_slack: Duration,
+    /// How often the live worker catalog is refreshed.
+    pub catalog_refresh: Duration,
+    /// How long a catalog query collects answers.
+    pub catalog_wait: Duration,
+}
+
+impl OrchestratorConfig {
+    pub fn new(subjects: Subjects, model: &str) -> Self {
+        Self {
+            subjects,
+            model: model.to_string(),
+            temperature: None,
+            system_prompt: Some(DEFAULT_SYSTEM_PROMPT.to_string()),
+            max_in_flight: 32,
+            max_rounds: 8,
+            default_timeout: Duration::from_secs(120),
+            tool_wait_slack: Duration::from_secs(2),
+            catalog_refresh: Duration::from_secs(2),
+            catalog_wait: Duration::from_millis(250),
+        }
+    }
+}
+
+pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a helpful assistant with tools. When a tool result contains markers like [doc:3], cite the passages you use with those exact markers.";
+
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    #[error("NATS: {0}")]
+    Nats(String),
+}
+
+/// What every invocation shares.
+struct Fleet {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    llm: LlmClient,
+    registry: Arc<ToolRegistry>,
+    store: CitationStore,
+    metrics: OrchestratorMetrics,
+    config: OrchestratorConfig,
+    live: RwLock<HashSet<String>>,
+    cancels: DashMap<String, CancellationToken>,
+}
+
+/// Creates the chat-job stream if it does not exist.
+pub async fn ensure_chat_stream(js: &jetstream::Context, subjects: &Subjects) -> Result<stream::Stream, OrchestratorError> {
+    js.get_or_create_stream(stream::Config {
+        name: subjects.chat_stream(),
+        subjects: vec![subjects.chat_submit()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        storage: stream::StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        max_message_size: crate::protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
+        ..Default::default()
+    })
+    .await
+    .map_err(|e| OrchestratorError::Nats(format!("chat stream {}: {e}", subjects.chat_stream())))
+}
+
+/// Runs the orchestrator until `shutdown`; then stops taking jobs and lets
+/// invocations in flight finish.
+pub async fn run(
+    client: async_nats::Client,
+    store: CitationStore,
+    llm: LlmClient,
+    registry: ToolRegistry,
+    config: OrchestratorConfig,
+    metrics: OrchestratorMetrics,
+    shutdown: CancellationToken,
+) -> Result<(), OrchestratorError> {
+    let js = jetstream::new(client.clone());
+    let stream = ensure_chat_stream(&js, &config.subjects).await?;
+    crate::worker::ensure_tools_stream(&js, &config.subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    let consumer: jetstream::consumer::Consumer<pull::Config> = stream
+        .get_or_create_consumer(
+            &config.subjects.chat_consumer(),
+            pull::Config {
+                durable_name: Some(config.subjects.chat_consumer()),
+                filter_subject: config.subjects.chat_submit(),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(60),
+                max_deliver: 3,
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+
+    let mut cancel_sub = client
+        .subscribe(config.subjects.chat_cancel_all())
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+
+    let fleet = Arc::new(Fleet {
+        client: client.clone(),
+        js,
+        llm,
+        registry: Arc::new(registry),
+        store,
+        metrics,
+        config: config.clone(),
+        live: RwLock::new(HashSet::new()),
+        cancels: DashMap::new(),
+    });
+    fleet.refresh_catalog().await;
+
+    let tracker = TaskTracker::new();
+    {
+        let fleet = fleet.clone();
+        let shutdown = shutdown.clone();
+        tracker.spawn(async move {
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(fleet.config.catalog_refresh) => fleet.refresh_catalog().await,
+                }
+            }
+        });
+    }
+    {
+        let fleet = fleet.clone();
+        let shutdown = shutdown.clone();
+        tracker.spawn(async move {
+            loop {
+                let msg = tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    m = cancel_sub.next() => match m { Some(m) => m, None => break },
+                };
+                if let Some(id) = msg.subject.as_str().rsplit('.').next()
+                    && let Some(token) = fleet.cancels.get(id)
+                {
+                    info!(invocation_id = id, "cancel requested");
+                    token.cancel();
+                }
+            }
+        });
+    }
+
+    info!(stream = %config.subjects.chat_stream(), model = %config.model, tools = fleet.registry.len(), "orchestrator taking chat jobs");
+    let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    let batch = config.max_in_flight.clamp(1, 64);
+    'outer: while !shutdown.is_cancelled() {
+        let mut messages = match consumer
+            .stream()
+            .max_messages_per_batch(batch)
+            .expires(Duration::from_secs(5))
+            .messages()
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(error = %e, "cannot pull chat jobs; retrying");
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                }
+            }
+        };
+        loop {
+            let permit = tokio::select! {
+                _ = shutdown.cancelled() => break 'outer,
+                p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break 'outer },
+            };
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => break 'outer,
+                n = messages.next() => n,
+            };
+            match next {
+                Some(Ok(msg)) => {
+                    let fleet = fleet.clone();
+                    tracker.spawn(async move {
+                        fleet.handle(msg).await;
+                        drop(permit);
+                    });
+                }
+                Some(Err(e)) => {
+                    warn!(error = %e, "chat pull error; re-subscribing");
+                    break;
+                }
+                None => break,
+            }
+        }
+    }
+    tracker.close();
+    tracker.wait().await;
+    Ok(())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
+}
+
+/// Why an invocation ended without an answer.
+#[derive(Debug)]
+struct Failure {
+    code: String,
+    message: String,
+}
+
+impl Failure {
+    fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Publishes one invocation's events in order, numbering them.
+struct Events {
+    tx: mpsc::UnboundedSender<ChatEventBody>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Events {
+    fn start(client: async_nats::Client, subject: String, invocation_id: String) -> Self {
+        let (tx, mut rx) = mpsc::unbounded_channel::<ChatEventBody>();
+        let task = tokio::spawn(async move {
+            let mut seq = 0;
+            while let Some(body) = rx.recv().await {
+                let event = ChatEvent {
+                    invocation_id: invocation_id.clone(),
+                    seq,
+                    body,
+                };
+                seq += 1;
+                if let Err(e) = client.publish(subject.clone(), encode(&event)).await {
+                    warn!(error = %e, "cannot publish a chat event");
+                }
+            }
+            let _ = client.flush().await;
+        });
+        Self { tx, task }
+    }
+
+    fn send(&self, body: ChatEventBody) {
+        let _ = self.tx.send(body);
+    }
+
+    /// Waits until every event sent so far is published.
+    async fn close(self) {
+        drop(self.tx);
+        let _ = self.task.await;
+    }
+}
+
+impl Fleet {
+    async fn refresh_catalog(&self) {
+        match crate::worker::live_tools(&self.client, &self.config.subjects, self.config.catalog_wait).await {
+            Ok(live) => *self.live.write().await = live,
+            Err(e) => warn!(error = %e, "cannot refresh the worker catalog"),
+        }
+    }
+
+    async fn is_live(&self, id: &str) -> bool {
+        if self.live.read().await.contains(id) {
+            return true;
+        }
+        // A worker may have started since the last refresh.
+        self.refresh_catalog().await;
+        self.live.read().await.contains(id)
+    }
+
+    async fn handle(self: &Arc<Self>, msg: jetstream::Message) {
+        let started = Instant::now();
+        let (attempt, sequence) = match msg.info() {
+            Ok(i) => (u32::try_from(i.delivered).unwrap_or(1), i.stream_sequence),
+            Err(_) => (1, 0),
+        };
+        let job: ChatJob = match Envelope::ChatJob.decode(&msg.payload) {
+            Ok(j) => j,
+            Err(e) => {
+                self.metrics.chat_jobs.with_label_values(&["malformed"]).inc();
+                let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
+                warn!(invocation_id = ?invocation_id, error = %e, "malformed chat job");
+                if let Some(id) = &invocation_id {
+                    let events = Events::start(self.client.clone(), self.config.subjects.chat_events(id), id.clone());
+                    events.send(ChatEventBody::Error {
+                        code: "malformed_job".into(),
+                        message: e.to_string(),
+                    });
+                    events.close().await;
+                }
+                let dead = DeadLetter {
+                    kind: DeadLetterKind::Chat,
+                    stream: self.config.subjects.chat_stream(),
+                    stream_sequence: sequence,
+                    invocation_id,
+                    call_id: None,
+                    tool_id: None,
+                    attempts: attempt,
+                    code: e.code().to_string(),
+                    error: e.to_string(),
+                    headers: Default::default(),
+                };
+                self.metrics.dead_letters.with_label_values(&[e.code()]).inc();
+                let _ = self
+                    .client
+                    .publish(self.config.subjects.dead_letter(DeadLetterKind::Chat), encode(&dead))
+                    .await;
+                let _ = msg.ack_with(AckKind::Term).await;
+                return;
+            }
+        };
+
+        let id = job.invocation_id.clone();
+        let span = tracing::info_span!("chat_job", invocation_id = %id, attempt);
+        async {
+            self.metrics.chat_jobs_in_flight.inc();
+            let cancel = CancellationToken::new();
+            self.cancels.insert(id.clone(), cancel.clone());
+            let events = Events::start(self.client.clone(), self.config.subjects.chat_events(&id), id.clone());
+
+            // Long invocations must not be redelivered to another
+            // orchestrator while this one still works on them.
+            let progress = CancellationToken::new();
+            let ticker = {
+                let progress = progress.clone();
+                let acker = msg.clone();
+                tokio::spawn(async move {
+                    loop {
+                        tokio::select! {
+                            _ = progress.cancelled() => break,
+                            _ = tokio::time::sleep(Duration::from_secs(20)) => { let _ = acker.ack_with(AckKind::Progress).await; }
+                        }
+                    }
+                })
+            };
+
+            let timeout = job.timeout_ms.map(Duration::from_millis).unwrap_or(self.config.default_timeout);
+            let deadline_ms = now_ms() + timeout.as_millis() as u64;
+            let outcome = tokio::select! {
+                r = self.invoke(&job, deadline_ms, &events) => r,
+                _ = tokio::time::sleep(timeout) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms", timeout.as_millis()))),
+                _ = cancel.cancelled() => Err(Failure::new("cancelled", "the invocation was cancelled")),
+            };
+            let label = match outcome {
+                Ok(()) => "completed",
+                Err(f) => {
+                    warn!(code = %f.code, message = %f.message, "invocation failed");
+                    events.send(ChatEventBody::Error { code: f.code, message: f.message });
+                    "error"
+                }
+            };
+            events.close().await;
+            progress.cancel();
+            let _ = ticker.await;
+            // Ack last: only after the terminal event is out.
+            let _ = msg.ack().await;
+            self.cancels.remove(&id);
+            self.metrics.chat_jobs.with_label_values(&[label]).inc();
+            self.metrics.chat_jobs_in_flight.dec();
+            self.metrics.chat_job_duration.observe(started.elapsed().as_secs_f64());
+        }
+        .instrument(span)
+        .await
+    }
+
+    async fn invoke(&self, job: &ChatJob, deadline_ms: u64, events: &Events) -> Result<(), Failure> {
+        let ctx = InvocationContext {
+            invocation_id: job.invocation_id.clone(),
+            tenant: job.tenant.clone(),
+            user: job.user.clone(),
+            profile: job.profile.clone(),
+            provider: job.provider.clone(),
+            connection: job.connection.clone(),
+            resource: job.resource.clone(),
+            data_source_id: job.data_source_id.clone(),
+            provider_confidence: job.provider_confidence,
+            deadline_ms: Some(deadline_ms),
+            traceparent: job.traceparent.clone(),
+        };
+
+        let mut messages = Vec::with_capacity(job.messages.len() + 1);
+        if let Some(p) = &self.config.system_prompt {
+            messages.push(Message::System { content: p.clone() });
+        }
+        for m in &job.messages {
+            messages.push(match m.role {
+                ChatRole::System => Message::System { content: m.content.clone() },
+                ChatRole::User => Message::User { content: m.content.clone() },
+                ChatRole::Assistant => Message::Assistant {
+                    content: Some(m.content.clone()),
+                    tool_calls: Vec::new(),
+                },
+            });
+        }
+
+        let live = self.live.read().await.clone();
+        let offered: Vec<&ToolDefinition> = self
+            .registry
+            .iter()
+            .filter(|d| live.contains(&d.id.to_string()))
+            .collect();
+        events.send(ChatEventBody::Started {
+            model: self.config.model.clone(),
+            tools: offered.iter().map(|d| d.id.to_string()).collect(),
+        });
+        let tools: Vec<Value> = offered.iter().map(|d| d.chat_completions_tool()).collect();
+
+        let mut seen_refs: HashSet<u64> = HashSet::new();
+        self.collect_references(&ctx.invocation_id, &mut seen_refs, events).await?;
+
+        let inbox = self.client.new_inbox();
+        let mut replies = self
+            .client
+            .subscribe(inbox.clone())
+            .await
+            .map_err(|e| Failure::new("nats_unavailable", e.to_string()))?;
+
+        let mut usage = Usage::default();
+        for round in 1..=self.config.max_rounds {
+            let request = ChatRequest {
+                model: self.config.model.clone(),
+                messages: messages.clone(),
+                tools: tools.clone(),
+                parallel_tool_calls: true,
+                temperature: self.config.temperature,
+                max_tokens: None,
+            };
+            let llm_started = Instant::now();
+            let completion = self
+                .llm
+                .stream_chat(&request, |text| events.send(ChatEventBody::Delta { text: text.to_string() }))
+                .await;
+            let model = self.config.model.as_str();
+            self.metrics
+                .llm_request_duration
+                .with_label_values(&[model])
+                .observe(llm_started.elapsed().as_secs_f64());
+            let completion = match completion {
+                Ok(c) => {
+                    self.metrics.llm_requests.with_label_values(&[model, "ok"]).inc();
+                    c
+                }
+                Err(e) => {
+                    self.metrics.llm_requests.with_label_values(&[model, e.code()]).inc();
+                    return Err(Failure::new(format!("llm_{}", e.code()), e.to_string()));
+                }
+            };
+            if let Some(u) = completion.usage {
+                for (kind, n) in [
+                    ("prompt", u.prompt_tokens),
+                    ("completion", u.completion_tokens),
+                    ("cached", u.cached_tokens),
+                    ("reasoning", u.reasoning_tokens),
+                ] {
+                    self.metrics.llm_tokens.with_label_values(&[model, kind]).inc_by(n);
+                }
+                usage += u;
+            }
+
+            if completion.tool_calls.is_empty() {
+                let text = match (&completion.refusal, completion.text.is_empty()) {
+                    (Some(r), true) => r.clone(),
+                    _ => completion.text.clone(),
+                };
+                self.collect_references(&ctx.invocation_id, &mut seen_refs, events).await?;
+                let references = self
+                    .store
+                    .references(&ctx.invocation_id)
+                    .await
+                    .map_err(|e| Failure::new("citation_store_unavailable", e.to_string()))?;
+                events.send(ChatEventBody::Completed {
+                    text,
+                    references,
+                    usage,
+                    rounds: round,
+                });
+                return Ok(());
+            }
+            if completion.finish_reason == FinishReason::Length {
+                return Err(Failure::new(
+                    "truncated_tool_call",
+                    "the model ran out of tokens while writing a tool call; its arguments are incomplete and were not run",
+                ));
+            }
+            if round == self.config.max_rounds {
+                return Err(Failure::new(
+                    "round_limit",
+                    format!(
+                        "the model still asked for tools after {} rounds; the limit is {}",
+                        round, self.config.max_rounds
+                    ),
+                ));
+            }
+
+            messages.push(Message::Assistant {
+                content: (!completion.text.is_empty()).then(|| completion.text.clone()),
+                tool_calls: completion.tool_calls.clone(),
+            });
+            let results = self
+                .run_tools(&ctx, &completion.tool_calls, &inbox, &mut replies, events)
+                .await;
+            for (call, result) in completion.tool_calls.iter().zip(results) {
+                messages.push(Message::Tool {
+                    call_id: call.id.clone(),
+                    content: result,
+                });
+            }
+            self.collect_references(&ctx.invocation_id, &mut seen_refs, events).await?;
+        }
+        Err(Failure::new("round_limit", "no rounds allowed"))
+    }
+
+    /// Publishes a `references` event with the references not seen yet.
+    async fn collect_references(&self, invocation_id: &str, seen: &mut HashSet<u64>, events: &Events) -> Result<(), Failure> {
+        let all = self
+            .store
+            .references(invocation_id)
+            .await
+            .map_err(|e| Failure::new("citation_store_unavailable", e.to_string()))?;
+        let new: Vec<Reference> = all.into_iter().filter(|r| seen.insert(r.index)).collect();
+        if !new.is_empty() {
+            events.send(ChatEventBody::References { references: new });
+        }
+        Ok(())
+    }
+
+    /// Dispatches a batch of tool calls in parallel and returns what the
+    /// model reads for each, in call order. Every call gets an answer.
+    async fn run_tools(
+        &self,
+        ctx: &InvocationContext,
+        calls: &[crate::llm::ToolCall],
+        inbox: &str,
+        replies: &mut async_nats::Subscriber,
+        events: &Events,
+    ) -> Vec<String> {
+        let mut answers: Vec<Option<String>> = vec![None; calls.len()];
+        // Internal call id → (position, definition, started, wait deadline).
+        let mut pending: HashMap<String, (usize, &ToolDefinition, Instant, tokio::time::Instant)> = HashMap::new();
+        let mut acks = Vec::new();
+
+        for (i, call) in calls.iter().enumerate() {
+            let Some(def) = self.registry.by_function_name(&call.name) else {
+                events.send(ChatEventBody::ToolCall {
+                    call_id: call.id.clone(),
+                    tool: call.name.clone(),
+                    arguments: Value::String("[unknown tool]".into()),
+                });
+                let names: Vec<&str> = self.registry.iter().map(|d| d.function.name.as_str()).collect();
+                answers[i] = Some(self.immediate(
+                    events,
+                    call,
+                    &call.name,
+                    ToolStatus::Error,
+                    "unknown_tool",
+                    format!("Error: there is no tool named {:?}. Available tools: {}.", call.name, names.join(", ")),
+                ));
+                continue;
+            };
+            let tool = def.id.to_string();
+            let arguments: Value = match serde_json::from_str(if call.arguments.trim().is_empty() { "{}" } else { &call.arguments }) {
+                Ok(v) => v,
+                Err(e) => {
+                    events.send(ChatEventBody::ToolCall {
+                        call_id: call.id.clone(),
+                        tool: tool.clone(),
+                        arguments: Value::String("[not JSON]".into()),
+                    });
+                    answers[i] = Some(self.immediate(
+                        events,
+                        call,
+                        &tool,
+                        ToolStatus::Error,
+                        "invalid_arguments",
+                        format!("Error: the arguments for {} are not valid JSON ({e}). Send a JSON object.", call.name),
+                    ));
+                    continue;
+                }
+            };
+            events.send(ChatEventBody::ToolCall {
+                call_id: call.id.clone(),
+                tool: tool.clone(),
+                arguments: redact(&arguments, &def.sensitive_arguments),
+            });
+            if !self.is_live(&tool).await {
+                answers[i] = Some(self.immediate(
+                    events,
+                    call,
+                    &tool,
+                    ToolStatus::Error,
+                    "no_worker",
+                    format!("Error: the tool {} is not available right now (no live worker serves it). Answer without it.", call.name),
+                ));
+                continue;
+            }
+            let call_id = if valid_invocation_id(&call.id) {
+                call.id.clone()
+            } else {
+                format!("call_{}", uuid::Uuid::new_v4().simple())
+            };
+            let call_ctx = CallContext {
+                invocation: ctx.clone(),
+                call_id: call_id.clone(),
+                tool_id: def.id.clone(),
+                attempt: 1,
+                reply_to: inbox.to_string(),
+            };
+            let body = encode(&ToolJob { arguments, settings: None });
+            let subject = self.config.subjects.tool(&def.id);
+            match self.js.publish_with_headers(subject, call_ctx.to_headers(), body).await {
+                Ok(ack) => acks.push((i, ack)),
+                Err(e) => {
+                    answers[i] = Some(self.immediate(
+                        events,
+                        call,
+                        &tool,
+                        ToolStatus::Error,
+                        "dispatch_failed",
+                        format!("Error: the tool job could not be queued: {e}"),
+                    ));
+                    continue;
+                }
+            }
+            let mut wait = def.timeout() + self.config.tool_wait_slack;
+            if let Some(d) = ctx.deadline_ms {
+                wait = wait.min(Duration::from_millis(d.saturating_sub(now_ms())));
+            }
+            pending.insert(call_id, (i, def, Instant::now(), tokio::time::Instant::now() + wait));
+        }
+
+        // JetStream must have stored every job; a job it refused is answered
+        // at once.
+        for (i, ack) in acks {
+            if let Err(e) = ack.await {
+                let call = &calls[i];
+                if let Some(key) = pending.iter().find(|(_, v)| v.0 == i).map(|(k, _)| k.clone()) {
+                    let (_, def, _, _) = pending.remove(&key).unwrap_or_else(|| unreachable!());
+                    answers[i] = Some(self.immediate(
+                        events,
+                        call,
+                        &def.id.to_string(),
+                        ToolStatus::Error,
+                        "dispatch_failed",
+                        format!("Error: the tool job was not stored: {e}"),
+                    ));
+                }
+            }
+        }
+
+        while !pending.is_empty() {
+            let next_deadline = pending.values().map(|v| v.3).min().unwrap_or_else(tokio::time::Instant::now);
+            match tokio::time::timeout_at(next_deadline, replies.next()).await {
+                Ok(Some(msg)) => {
+                    let reply: ToolReply = match Envelope::ToolReply.decode(&msg.payload) {
+                        Ok(r) => r,
+                        Err(e) => {
+                            warn!(error = %e, "malformed tool reply ignored");
+                            continue;
+                        }
+                    };
+                    let ToolReply::Result(result) = reply else { continue };
+                    let Some((i, def, started, _)) = pending.remove(&result.call_id) else {
+                        continue;
+                    };
+                    answers[i] = Some(self.record(events, &calls[i], def, started.elapsed(), &result));
+                }
+                Ok(None) => break,
+                Err(_) => {
+                    let now = tokio::time::Instant::now();
+                    let expired: Vec<String> = pending.iter().filter(|(_, v)| v.3 <= now).map(|(k, _)| k.clone()).collect();
+                    for key in expired {
+                        if let Some((i, def, started, _)) = pending.remove(&key) {
+                            let tool = def.id.to_string();
+                            self.metrics.tool_calls.with_label_values(&[tool.as_str(), "timeout"]).inc();
+                            events.send(ChatEventBody::ToolResult {
+                                call_id: calls[i].id.clone(),
+                                tool,
+                                status: ToolStatus::Timeout,
+                                duration_ms: started.elapsed().as_millis() as u64,
+                                error_code: Some("timeout".into()),
+                            });
+                            answers[i] = Some(format!(
+                                "Error: {} did not answer in time. Answer with what you have.",
+                                calls[i].name
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| "Error: no result.".to_string()))
+            .collect()
+    }
+
+    /// Answers a call without dispatching it.
+    fn immediate(
+        &self,
+        events: &Events,
+        call: &crate::llm::ToolCall,
+        tool: &str,
+        status: ToolStatus,
+        code: &str,
+        content: String,
+    ) -> String {
+        self.metrics.tool_calls.with_label_values(&[tool, status.as_str()]).inc();
+        events.send(ChatEventBody::ToolResult {
+            call_id: call.id.clone(),
+            tool: tool.to_string(),
+            status,
+            duration_ms: 0,
+            error_code: Some(code.to_string()),
+        });
+        content
+    }
+
+    fn record(
+        &self,
+        events: &Events,
+        call: &crate::llm::ToolCall,
+        def: &ToolDefinition,
+        elapsed: Duration,
+        result: &ToolResult,
+    ) -> String {
+        let tool = def.id.to_string();
+        self.metrics
+            .tool_calls
+            .with_label_values(&[tool.as_str(), result.status.as_str()])
+            .inc();
+        self.metrics
+            .tool_call_duration
+            .with_label_values(&[tool.as_str()])
+            .observe(elapsed.as_secs_f64());
+        events.send(ChatEventBody::ToolResult {
+            call_id: call.id.clone(),
+            tool,
+            status: result.status,
+            duration_ms: elapsed.as_millis() as u64,
+            error_code: result.error.as_ref().map(|e| e.code.clone()),
+        });
+        match result.status {
+            ToolStatus::Ok => result.content.clone(),
+            ToolStatus::Blocked => format!("Blocked: {}", result.content),
+            ToolStatus::Error | ToolStatus::Timeout => format!("Error: {}", result.content),
+        }
+    }
+}
+
+/// Replaces the values of sensitive arguments.
+fn redact(arguments: &Value, sensitive: &[String]) -> Value {
+    let mut out = arguments.clone();
+    if let Some(map) = out.as_object_mut() {
+        for name in sensitive {
+            if let Some(v) = map.get_mut(name) {
+                *v = Value::String("[redacted]".into());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sensitive_arguments_are_redacted() {
+        let args = serde_json::json!({"query": "q", "apiToken": "s3cret"});
+        let out = redact(&args, &["apiToken".to_string()]);
+        assert_eq!(out, serde_json::json!({"query": "q", "apiToken": "[redacted]"}));
+    }
+}
