@@ -23,10 +23,10 @@
 //!   index beside the old one and swaps the directories, so a worker that has
 //!   the old one open keeps reading it (its files stay mapped) until it
 //!   reopens.
-//! - User and model text is never query syntax: only words, double-quoted
-//!   phrases and the operators `AND`/`OR`/`NOT` survive, and what remains is
-//!   parsed leniently, so no query text makes a search fail except one with
-//!   no words at all.
+//! - User and model text is never query syntax: only words and
+//!   double-quoted phrases survive (`AND`, `OR`, `NOT` become plain stop
+//!   words), and what remains is parsed leniently, so no query text makes a
+//!   search fail except one with no words at all.
 //! - Indexing and searching use the same analyzer (registered under
 //!   [`TOKENIZER`]), so the index, the query and the snippet chooser agree on
 //!   what a word is.
@@ -352,11 +352,11 @@ impl DocumentIndex {
     /// document (its best passage), best first.
     ///
     /// Terms are OR-ed over title, section heading and text, with the title
-    /// weighted most. Double-quoted phrases and `AND`/`OR`/`NOT` keep their
-    /// meaning; every other query-syntax character is treated as a space, so
-    /// any text is a valid query. A query without a single letter or digit
-    /// is [`IndexError::EmptyQuery`]; one made only of stop words finds
-    /// nothing.
+    /// weighted most. Double-quoted phrases keep their meaning; every other
+    /// query-syntax character is treated as a space and `AND`/`OR`/`NOT` as
+    /// ordinary words, so any text is a valid query. A query without a single
+    /// letter or digit is [`IndexError::EmptyQuery`]; one made only of stop
+    /// words finds nothing.
     pub fn search(&self, query: &str, limit: usize) -> Result<Vec<SearchHit>, IndexError> {
         let cleaned = sanitize_query(query);
         if !cleaned.chars().any(char::is_alphanumeric) {
@@ -366,6 +366,13 @@ impl DocumentIndex {
             return Ok(Vec::new());
         }
         let inner = &*self.inner;
+        let mut analyzer = inner.analyzer.clone();
+        let query_terms = terms(&mut analyzer, &cleaned);
+        if query_terms.is_empty() {
+            // Only stop words. Tantivy reads a query with no positive clause
+            // as "match everything", which is no answer to a question.
+            return Ok(Vec::new());
+        }
         let (parsed, errors) = inner.parser.parse_query_lenient(&cleaned);
         if !errors.is_empty() {
             // Leftovers such as a dangling `AND` are dropped by the lenient
@@ -378,8 +385,6 @@ impl DocumentIndex {
         if total == 0 {
             return Ok(Vec::new());
         }
-        let mut analyzer = inner.analyzer.clone();
-        let query_terms = terms(&mut analyzer, &cleaned);
 
         // Passages of one document crowd each other out of the top N, so
         // fetch more than `limit` and widen until enough distinct documents
@@ -883,9 +888,11 @@ fn ends_sentence(word: &str) -> bool {
 // ---------------------------------------------------------------------------
 // Queries and snippets.
 
-/// Keeps words, whitespace, balanced double quotes (phrases) and nothing
-/// else, so that no text a model or user writes is read as field names,
-/// ranges, boosts, exclusions or wildcards.
+/// Keeps words, balanced double quotes (phrases) and nothing else, so that
+/// no text a model or user writes is read as field names, ranges, boosts,
+/// exclusions or wildcards. `AND`, `OR` and `NOT` are lowercased into plain
+/// (stop) words: a model that writes "bees AND NOT wasps" means words, and a
+/// purely negative query would otherwise match every document.
 fn sanitize_query(raw: &str) -> String {
     let unified: String = raw
         .chars()
@@ -895,7 +902,7 @@ fn sanitize_query(raw: &str) -> String {
         })
         .collect();
     let balanced = unified.matches('"').count().is_multiple_of(2);
-    unified
+    let kept: String = unified
         .chars()
         .map(|c| {
             if c.is_alphanumeric() || (c == '"' && balanced) {
@@ -904,7 +911,14 @@ fn sanitize_query(raw: &str) -> String {
                 ' '
             }
         })
-        .collect()
+        .collect();
+    kept.split(' ')
+        .map(|word| match word {
+            "AND" | "OR" | "NOT" => word.to_ascii_lowercase(),
+            _ => word.to_owned(),
+        })
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The analyzed terms of `text`, as the index sees them.
@@ -1262,6 +1276,10 @@ mod tests {
         // Only stop words: a valid query that finds nothing.
         let hits = index.search("how do the", 5).unwrap();
         assert!(hits.is_empty(), "{hits:#?}");
+        // A purely negative query is words, not "everything but owls".
+        let hits = index.search("NOT owls", 5).unwrap();
+        let ids: Vec<_> = hits.iter().map(|hit| hit.doc_id.as_str()).collect();
+        assert_eq!(ids, ["owls"]);
     }
 
     #[test]
@@ -1462,6 +1480,7 @@ mod tests {
         assert_eq!(sanitize_query("\"red kite\" -x"), "\"red kite\"  x");
         assert_eq!(sanitize_query("\"odd"), " odd");
         assert_eq!(sanitize_query("“curly”"), "\"curly\"");
+        assert_eq!(sanitize_query("bees AND NOT wasps"), "bees and not wasps");
     }
 
     #[test]

@@ -21,16 +21,20 @@
 //! - [`builtin`]: the tool implementations shipped with the fleet.
 //! - [`index`]: the full-text document index behind retrieval tools.
 //! - [`orchestrator`]: chat-job consumption and the agentic loop.
+//! - [`cli`]: the `toolfleet` command line.
 //! - [`client`]: submitting chat jobs and following their events.
 //! - [`metrics`]: Prometheus metrics per subsystem and the `/metrics` server.
 //! - [`config`]: shared configuration parts read from flags and environment.
+//! - [`fleet`]: assembling the orchestrator and workers from configuration.
 //! - [`local`]: bringing up `nats-server` and `redis-server` child processes
 //!   for the demo and the test harness.
 
 pub mod builtin;
 pub mod citations;
+pub mod cli;
 pub mod client;
 pub mod config;
+pub mod fleet;
 pub mod index;
 pub mod llm;
 pub mod local;

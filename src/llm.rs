@@ -713,6 +713,18 @@ mod tests {
     }
 
     #[test]
+    fn client_futures_can_be_spawned() {
+        fn is_send<T: Send + 'static>(_: &T) {}
+        fn borrows_are_send<T: Send>(_: T) {}
+        let client =
+            LlmClient::new(config(Url::parse("http://h/v1").expect("url"))).expect("client");
+        is_send(&client);
+        let req = request(vec![user("hi")]);
+        borrows_are_send(client.stream_chat(&req, |_| {}));
+        borrows_are_send(client.chat(&req));
+    }
+
+    #[test]
     fn usage_adds_up() {
         let mut total = Usage::default();
         let one = Usage {

@@ -1,1 +1,233 @@
-//! local (in progress)
+//! Local `nats-server` and `redis-server` child processes on free loopback
+//! ports, for the demo and the test harness. Each is killed on drop, keeps
+//! its data in its own temporary directory, and can be stopped and started
+//! again on the same port (tests use that to simulate an outage).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// What to install when a server binary is missing.
+pub const INSTALL_HINT: &str = "install it with `sudo apt-get install -y nats-server redis-server` (Debian/Ubuntu), \
+`brew install nats-server redis` (macOS), or download nats-server from https://github.com/nats-io/nats-server/releases";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("`{0}` was not found on PATH: {INSTALL_HINT}")]
+    Missing(&'static str),
+    #[error("{0} did not become ready within {1:?}; its output:\n{2}")]
+    NotReady(&'static str, Duration, String),
+    #[error("{0}: {1}")]
+    Io(&'static str, std::io::Error),
+}
+
+/// Is `program` on PATH?
+pub fn have(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|d| d.join(program).is_file()))
+        .unwrap_or(false)
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+const READY_WITHIN: Duration = Duration::from_secs(15);
+
+struct Proc {
+    name: &'static str,
+    child: Option<Child>,
+    log: std::path::PathBuf,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Result<Self, LocalError> {
+        if !have(name) {
+            return Err(LocalError::Missing(name));
+        }
+        let out = std::fs::File::create(log).map_err(|e| LocalError::Io(name, e))?;
+        let err = out.try_clone().map_err(|e| LocalError::Io(name, e))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| LocalError::Io(name, e))?;
+        Ok(Self {
+            name,
+            child: Some(child),
+            log: log.to_path_buf(),
+        })
+    }
+
+    fn wait_ready(&mut self, ready: impl Fn() -> bool) -> Result<(), LocalError> {
+        let start = Instant::now();
+        while start.elapsed() < READY_WITHIN {
+            if ready() {
+                return Ok(());
+            }
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                return Err(LocalError::NotReady(self.name, start.elapsed(), format!("exited with {status}\n{log}")));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        Err(LocalError::NotReady(self.name, READY_WITHIN, log))
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A `nats-server -js` child process.
+pub struct NatsServer {
+    proc: Proc,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl NatsServer {
+    pub fn start() -> Result<Self, LocalError> {
+        let dir = tempfile::tempdir().map_err(|e| LocalError::Io("nats-server", e))?;
+        let port = free_port().map_err(|e| LocalError::Io("nats-server", e))?;
+        Self::start_in(dir, port)
+    }
+
+    fn start_in(dir: tempfile::TempDir, port: u16) -> Result<Self, LocalError> {
+        let store = dir.path().join("jetstream");
+        let mut proc = Proc::spawn(
+            "nats-server",
+            Command::new("nats-server")
+                .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+                .arg(&store),
+            &dir.path().join("nats.log"),
+        )?;
+        let log = dir.path().join("nats.log");
+        // Ready when it accepts clients and JetStream is up.
+        proc.wait_ready(|| {
+            std::fs::read_to_string(&log)
+                .map(|l| l.contains("Server is ready"))
+                .unwrap_or(false)
+                && nats_answers(port)
+        })?;
+        Ok(Self { proc, port, dir })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (its JetStream data stays in the directory).
+    pub fn stop(&mut self) {
+        self.proc.kill();
+    }
+
+    /// Starts it again on the same port with the same data.
+    pub fn restart(self) -> Result<Self, LocalError> {
+        let Self { mut proc, port, dir } = self;
+        proc.kill();
+        Self::start_in(dir, port)
+    }
+}
+
+fn nats_answers(port: u16) -> bool {
+    let Ok(s) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).is_ok() && line.starts_with("INFO")
+}
+
+/// A `redis-server` child process that keeps nothing on disk.
+pub struct RedisServer {
+    proc: Proc,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    pub fn start() -> Result<Self, LocalError> {
+        let dir = tempfile::tempdir().map_err(|e| LocalError::Io("redis-server", e))?;
+        let port = free_port().map_err(|e| LocalError::Io("redis-server", e))?;
+        Self::start_in(dir, port)
+    }
+
+    fn start_in(dir: tempfile::TempDir, port: u16) -> Result<Self, LocalError> {
+        let mut proc = Proc::spawn(
+            "redis-server",
+            Command::new("redis-server")
+                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir"])
+                .arg(dir.path()),
+            &dir.path().join("redis.log"),
+        )?;
+        proc.wait_ready(|| redis_answers(port))?;
+        Ok(Self { proc, port, dir })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn stop(&mut self) {
+        self.proc.kill();
+    }
+
+    pub fn restart(self) -> Result<Self, LocalError> {
+        let Self { mut proc, port, dir } = self;
+        proc.kill();
+        Self::start_in(dir, port)
+    }
+}
+
+fn redis_answers(port: u16) -> bool {
+    let Ok(mut s) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)) else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+/// Is something answering NATS at `url`'s host and port?
+pub fn nats_reachable(url: &str) -> bool {
+    reachable(url, 4222, nats_answers)
+}
+
+/// Is something answering Redis at `url`'s host and port?
+pub fn redis_reachable(url: &str) -> bool {
+    reachable(url, 6379, redis_answers)
+}
+
+fn reachable(url: &str, default_port: u16, check: fn(u16) -> bool) -> bool {
+    let Ok(u) = url::Url::parse(url) else { return false };
+    let local = matches!(u.host_str(), Some("127.0.0.1") | Some("localhost"));
+    local && check(u.port().unwrap_or(default_port))
+}

@@ -120,6 +120,21 @@ pub async fn run(
     metrics: OrchestratorMetrics,
     shutdown: CancellationToken,
 ) -> Result<(), OrchestratorError> {
+    run_with_ready(client, store, llm, registry, config, metrics, shutdown, None).await
+}
+
+/// [`run`], telling `ready` once the chat consumer is in place.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_with_ready(
+    client: async_nats::Client,
+    store: CitationStore,
+    llm: LlmClient,
+    registry: ToolRegistry,
+    config: OrchestratorConfig,
+    metrics: OrchestratorMetrics,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
+) -> Result<(), OrchestratorError> {
     let js = jetstream::new(client.clone());
     let stream = ensure_chat_stream(&js, &config.subjects).await?;
     crate::worker::ensure_tools_stream(&js, &config.subjects)
@@ -192,6 +207,9 @@ pub async fn run(
     }
 
     info!(stream = %config.subjects.chat_stream(), model = %config.model, tools = fleet.registry.len(), "orchestrator taking chat jobs");
+    if let Some(ready) = ready {
+        let _ = ready.send(());
+    }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     let batch = config.max_in_flight.clamp(1, 64);
     'outer: while !shutdown.is_cancelled() {

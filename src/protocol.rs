@@ -846,9 +846,9 @@ mod tests {
         ] {
             let mut h = HeaderMap::new();
             for (k, v) in c.to_headers().iter() {
-                if k.as_ref() != name {
+                if k.to_string() != name {
                     for v in v {
-                        h.append(k.as_ref(), v.as_str());
+                        h.append(k.to_string().as_str(), v.as_str());
                     }
                 }
             }

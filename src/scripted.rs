@@ -180,6 +180,7 @@ impl ScriptError {
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct RawScript {
+    /// Lets a script explain itself; never read.
     #[serde(default)]
     #[allow(dead_code)]
     description: Option<String>,
@@ -194,6 +195,7 @@ struct RawScript {
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 struct RawRule {
+    /// Lets a rule explain itself; never read.
     #[serde(default)]
     #[allow(dead_code)]
     description: Option<String>,
@@ -278,8 +280,8 @@ enum Part {
 impl Script {
     /// Parses and validates a script.
     pub fn from_json(text: &str) -> Result<Self, ScriptError> {
-        let raw: RawScript =
-            serde_json::from_str(text).map_err(|source| ScriptError::Parse { path: None, source })?;
+        let raw: RawScript = serde_json::from_str(text)
+            .map_err(|source| ScriptError::Parse { path: None, source })?;
         Self::from_raw(raw).map_err(|message| ScriptError::Invalid {
             path: None,
             message,
@@ -388,9 +390,7 @@ fn steps_from_raw(at: &str, raw: Vec<RawStep>) -> Result<Vec<Step>, String> {
                 Action::Answer(parse_template(&answer).map_err(|e| format!("{at}.answer: {e}"))?)
             }
             _ => {
-                return Err(format!(
-                    "{at} needs exactly one of `toolCalls` or `answer`"
-                ));
+                return Err(format!("{at} needs exactly one of `toolCalls` or `answer`"));
             }
         };
         steps.push(Step { action });
@@ -473,7 +473,11 @@ struct ApiError {
 }
 
 impl ApiError {
-    fn invalid(message: impl Into<String>, param: Option<&str>, code: Option<&'static str>) -> Self {
+    fn invalid(
+        message: impl Into<String>,
+        param: Option<&str>,
+        code: Option<&'static str>,
+    ) -> Self {
         Self {
             status: StatusCode::BAD_REQUEST,
             message: message.into(),
@@ -554,10 +558,15 @@ fn read_request(body: &Value) -> Result<Vec<Turn>, ApiError> {
     };
     let mut turns = Vec::with_capacity(messages.len());
     for (i, message) in messages.iter().enumerate() {
-        let role = message.get("role").and_then(Value::as_str).unwrap_or_default();
+        let role = message
+            .get("role")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
         if !matches!(role, "system" | "developer" | "user" | "assistant" | "tool") {
             return Err(ApiError::invalid(
-                format!("Invalid value: '{role}'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'."),
+                format!(
+                    "Invalid value: '{role}'. Supported values are: 'system', 'developer', 'user', 'assistant' and 'tool'."
+                ),
                 Some(&format!("messages[{i}].role")),
                 Some("invalid_value"),
             ));
@@ -569,7 +578,9 @@ fn read_request(body: &Value) -> Result<Vec<Turn>, ApiError> {
                 calls
                     .iter()
                     .map(|c| {
-                        let text = |v: Option<&Value>| v.and_then(Value::as_str).unwrap_or_default().to_owned();
+                        let text = |v: Option<&Value>| {
+                            v.and_then(Value::as_str).unwrap_or_default().to_owned()
+                        };
                         (text(c.get("id")), text(c.pointer("/function/name")))
                     })
                     .collect()
@@ -896,10 +907,7 @@ fn stream_payloads(
             payloads.push(chunk(json!({}), Some("stop")));
         }
         Reply::ToolCalls(calls) => {
-            payloads.push(chunk(
-                json!({"role": "assistant", "content": null}),
-                None,
-            ));
+            payloads.push(chunk(json!({"role": "assistant", "content": null}), None));
             for (index, (id, name, arguments)) in calls.iter().enumerate() {
                 payloads.push(chunk(
                     json!({"tool_calls": [{"index": index, "id": id, "type": "function",
@@ -1094,6 +1102,7 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(5);
 /// A scripted server running in a background task, for tests.
 pub struct ScriptedServer {
     addr: SocketAddr,
+    base_url: Url,
     state: Arc<ServerState>,
     stop: CancellationToken,
     task: Option<JoinHandle<std::io::Result<()>>>,
@@ -1105,6 +1114,8 @@ impl ScriptedServer {
     pub async fn start(listen: SocketAddr, script: Script) -> std::io::Result<Self> {
         let listener = TcpListener::bind(listen).await?;
         let addr = listener.local_addr()?;
+        let base_url = Url::parse(&format!("http://{addr}/v1"))
+            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
         let state = Arc::new(ServerState {
             script,
             requests: Mutex::new(VecDeque::new()),
@@ -1117,6 +1128,7 @@ impl ScriptedServer {
         ));
         Ok(Self {
             addr,
+            base_url,
             state,
             stop,
             task: Some(task),
@@ -1129,9 +1141,7 @@ impl ScriptedServer {
 
     /// `http://ADDR/v1`, the base URL for an OpenAI client.
     pub fn base_url(&self) -> Url {
-        #[allow(clippy::expect_used)]
-        Url::parse(&format!("http://{}/v1", self.addr))
-            .expect("a socket address always makes a valid http URL")
+        self.base_url.clone()
     }
 
     /// Every request body received so far, oldest first (the last 1000).
@@ -1151,7 +1161,9 @@ impl ScriptedServer {
     pub async fn shutdown(mut self) {
         self.stop.cancel();
         if let Some(mut task) = self.task.take()
-            && tokio::time::timeout(SHUTDOWN_GRACE, &mut task).await.is_err()
+            && tokio::time::timeout(SHUTDOWN_GRACE, &mut task)
+                .await
+                .is_err()
         {
             task.abort();
         }
@@ -1161,5 +1173,621 @@ impl ScriptedServer {
 impl Drop for ScriptedServer {
     fn drop(&mut self) {
         self.stop.cancel();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+
+    use super::*;
+
+    const STEP: Duration = Duration::from_secs(20);
+
+    /// Every await in these tests is bounded.
+    async fn within<F: Future>(future: F) -> F::Output {
+        tokio::time::timeout(STEP, future)
+            .await
+            .expect("test step timed out")
+    }
+
+    fn demo_script() -> Script {
+        Script::load(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/examples/demo-script.json"
+        )))
+        .expect("the demo script is valid")
+    }
+
+    fn user(text: &str) -> Value {
+        json!({"role": "user", "content": text})
+    }
+
+    fn assistant_calls(calls: &[(&str, &str)]) -> Value {
+        json!({"role": "assistant", "content": null, "tool_calls": calls.iter().map(|(id, name)| json!({
+            "id": id, "type": "function", "function": {"name": name, "arguments": "{}"}
+        })).collect::<Vec<_>>()})
+    }
+
+    fn tool(id: &str, content: &str) -> Value {
+        json!({"role": "tool", "tool_call_id": id, "content": content})
+    }
+
+    fn turns(messages: Vec<Value>) -> Vec<Turn> {
+        read_request(&json!({"model": "m", "messages": messages})).expect("valid request")
+    }
+
+    fn call_names(reply: &Reply) -> Vec<&str> {
+        match reply {
+            Reply::ToolCalls(calls) => calls.iter().map(|(_, n, _)| n.as_str()).collect(),
+            Reply::Answer(text) => panic!("expected tool calls, got answer {text:?}"),
+        }
+    }
+
+    fn answer(reply: Reply) -> String {
+        match reply {
+            Reply::Answer(text) => text,
+            Reply::ToolCalls(calls) => panic!("expected an answer, got calls {calls:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_scripts_fail_with_a_pointed_message() {
+        let cases = [
+            ("{", "EOF"),
+            (r#"{"rulez": []}"#, "unknown field `rulez`"),
+            (
+                r#"{"rules": [{"whenUserContain": ["a"], "steps": []}]}"#,
+                "unknown field `whenUserContain`",
+            ),
+            (
+                r#"{"rules": [{"whenUserContains": [], "steps": [{"answer": "x"}]}]}"#,
+                "rules[0].whenUserContains must list at least one phrase",
+            ),
+            (
+                r#"{"rules": [{"whenUserContains": ["a"], "steps": []}]}"#,
+                "rules[0].steps must not be empty",
+            ),
+            (
+                r#"{"rules": [{"whenUserContains": ["a"], "steps": [{}]}]}"#,
+                "rules[0].steps[0] needs exactly one of `toolCalls` or `answer`",
+            ),
+            (
+                r#"{"rules": [{"whenUserContains": ["a"], "steps": [{"answer": "x", "toolCalls": [{"name": "f"}]}]}]}"#,
+                "needs exactly one of",
+            ),
+            (
+                r#"{"rules": [{"whenUserContains": ["a"], "steps": [{"toolCalls": [{"name": "f", "arguments": [1]}]}]}]}"#,
+                "rules[0].steps[0].toolCalls[0].arguments must be a JSON object",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "hi {{usr}}"}]}}"#,
+                "default.steps[0].answer: unknown placeholder {{usr}}",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "hi {{user"}]}}"#,
+                "unclosed `{{`",
+            ),
+            (
+                r#"{"rules": [{"whenUserContains": ["a"], "steps": [{"toolCalls": [{"name": "f"}]}, {"answer": "{{tool:g}}"}]}]}"#,
+                "uses {{tool:g}} but no step of this rule calls `g`",
+            ),
+            (r#"{"model": " "}"#, "`model` must not be empty"),
+            (r#"{"chunkDelayMs": -1}"#, "invalid value"),
+        ];
+        for (text, want) in cases {
+            let err = Script::from_json(text).expect_err(text).to_string();
+            assert!(err.contains(want), "{text}: got {err:?}, want {want:?}");
+        }
+    }
+
+    #[test]
+    fn load_errors_name_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let missing = dir.path().join("missing.json");
+        let err = Script::load(&missing).expect_err("missing");
+        assert!(matches!(err, ScriptError::Read { .. }));
+        assert!(err.to_string().contains("missing.json"), "{err}");
+        let bad = dir.path().join("bad.json");
+        std::fs::write(
+            &bad,
+            r#"{"rules": [{"whenUserContains": ["a"], "steps": []}]}"#,
+        )
+        .expect("write");
+        let err = Script::load(&bad).expect_err("invalid");
+        assert!(err.to_string().contains("bad.json"), "{err}");
+        assert!(err.to_string().contains("steps must not be empty"), "{err}");
+    }
+
+    #[test]
+    fn minimal_script_uses_the_built_in_defaults() {
+        let script = Script::from_json("{}").expect("empty script");
+        assert_eq!(script.model(), DEFAULT_MODEL);
+        assert_eq!(
+            answer(reply(&script, &turns(vec![user("anything")]))),
+            NO_SCRIPT_ANSWER
+        );
+    }
+
+    #[test]
+    fn demo_script_plays_every_rule() {
+        let script = demo_script();
+        assert_eq!(script.model(), DEFAULT_MODEL);
+
+        // Rule 1: both tools at once, then an answer quoting both.
+        let question = "What time is it, and how do lighthouses warn ships?";
+        let first = reply(&script, &turns(vec![user(question)]));
+        assert_eq!(call_names(&first), ["current_datetime", "search_documents"]);
+        let Reply::ToolCalls(calls) = &first else {
+            unreachable!()
+        };
+        let search: Value = serde_json::from_str(&calls[1].2).expect("arguments are JSON");
+        assert_eq!(search["limit"], json!(3));
+        assert!(
+            search["query"]
+                .as_str()
+                .is_some_and(|q| q.contains("lighthouse"))
+        );
+        let text = answer(reply(
+            &script,
+            &turns(vec![
+                user(question),
+                assistant_calls(&[("c1", "current_datetime"), ("c2", "search_documents")]),
+                tool("c1", "2026-11-21T22:50:00Z (Saturday)"),
+                tool(
+                    "c2",
+                    "[doc:1] Lighthouses › Fog signals: horns and bells [doc:2] Lighthouses: lights",
+                ),
+            ]),
+        ));
+        assert!(text.contains("2026-11-21T22:50:00Z (Saturday)"), "{text}");
+        assert!(
+            text.contains("[doc:1]") && text.contains("[doc:2]"),
+            "{text}"
+        );
+
+        // Rules 2 and 3: retrieval only.
+        for (question, topic) in [
+            ("How do honeybees find their way home?", "honeybees"),
+            ("Why does sourdough bread rise?", "sourdough"),
+        ] {
+            let first = reply(&script, &turns(vec![user(question)]));
+            assert_eq!(call_names(&first), ["search_documents"], "{question}");
+            let text = answer(reply(
+                &script,
+                &turns(vec![
+                    user(question),
+                    assistant_calls(&[("c1", "search_documents")]),
+                    tool("c1", &format!("[doc:1] about {topic}")),
+                ]),
+            ));
+            assert!(text.contains(&format!("[doc:1] about {topic}")), "{text}");
+        }
+
+        // Default: says what it is and echoes the question.
+        let text = answer(reply(&script, &turns(vec![user("Tell me a joke")])));
+        assert!(
+            text.contains("stand-in") && text.contains("Tell me a joke"),
+            "{text}"
+        );
+    }
+
+    const TWO_ROUNDS: &str = r#"{
+        "rules": [
+            {"whenUserContains": ["LOOP"], "steps": [{"toolCalls": [{"name": "f"}]}]},
+            {"whenUserContains": ["two"], "steps": [
+                {"toolCalls": [{"name": "f", "arguments": {"n": 1}}]},
+                {"toolCalls": [{"name": "g", "arguments": {"n": 2}}]},
+                {"answer": "f said {{tool:f}}, g said {{tool:g}}"}
+            ]}
+        ]
+    }"#;
+
+    #[test]
+    fn steps_advance_per_tool_round_and_end_in_an_answer() {
+        let script = Script::from_json(TWO_ROUNDS).expect("script");
+        let mut history = vec![user("do TWO things")];
+        assert_eq!(call_names(&reply(&script, &turns(history.clone()))), ["f"]);
+        history.push(assistant_calls(&[("a", "f")]));
+        history.push(tool("a", "one"));
+        assert_eq!(call_names(&reply(&script, &turns(history.clone()))), ["g"]);
+        history.push(assistant_calls(&[("b", "g")]));
+        history.push(tool("b", "two"));
+        let done = answer(reply(&script, &turns(history.clone())));
+        assert_eq!(done, "f said one, g said two");
+
+        // Past the end the last step (an answer) is replayed.
+        history.push(assistant_calls(&[("c", "f")]));
+        history.push(tool("c", "three"));
+        assert_eq!(
+            answer(reply(&script, &turns(history.clone()))),
+            "f said three, g said two",
+            "the most recent result for a name wins"
+        );
+
+        // A new user message starts again at step 0.
+        history.push(json!({"role": "assistant", "content": "ok"}));
+        history.push(user("and two more"));
+        assert_eq!(call_names(&reply(&script, &turns(history))), ["f"]);
+
+        // A rule that only calls tools ends with the fallback, not a loop.
+        let looping = vec![user("loop"), assistant_calls(&[("x", "f")]), tool("x", "r")];
+        assert_eq!(answer(reply(&script, &turns(looping))), FALLBACK_ANSWER);
+    }
+
+    #[test]
+    fn tool_placeholder_keeps_every_marker_of_a_long_result() {
+        let filler = "word ".repeat(100);
+        let content = format!("[doc:1] start {filler}[doc:2] middle {filler} end [doc:3] [doc:1]");
+        let quoted = excerpt(&content, EXCERPT_CHARS);
+        assert!(quoted.chars().count() < EXCERPT_CHARS + 30, "{quoted}");
+        assert!(quoted.starts_with("[doc:1] start word"));
+        for marker in ["[doc:1]", "[doc:2]", "[doc:3]"] {
+            assert!(quoted.contains(marker), "{marker} missing from {quoted}");
+        }
+        assert_eq!(quoted.matches("[doc:1]").count(), 1, "{quoted}");
+
+        // A cut that would fall inside a marker moves before it.
+        let content = format!("{}[doc:42] tail", "x".repeat(EXCERPT_CHARS - 3));
+        let quoted = excerpt(&content, EXCERPT_CHARS);
+        assert!(quoted.ends_with("… [doc:42]"), "{quoted}");
+        assert!(!quoted.contains("[doc:4…"), "{quoted}");
+
+        assert_eq!(excerpt("  short [doc:1] ", EXCERPT_CHARS), "short [doc:1]");
+    }
+
+    #[test]
+    fn citations_and_user_placeholders() {
+        let script = Script::from_json(
+            r#"{"default": {"steps": [{"answer": "You said: {{user}} | sources: {{citations}}"}]}}"#,
+        )
+        .expect("script");
+        let history = vec![
+            json!({"role": "system", "content": "Known: [doc:7]"}),
+            user("first [doc:x-1]"),
+            assistant_calls(&[("a", "f")]),
+            tool("a", "[doc:1] one [doc:2] two [doc:1] again [doc:] [doc:3"),
+            json!({"role": "user", "content": [{"type": "text", "text": "last question"}]}),
+        ];
+        assert_eq!(
+            answer(reply(&script, &turns(history))),
+            "You said: last question | sources: [doc:7] [doc:x-1] [doc:1] [doc:2]"
+        );
+    }
+
+    #[test]
+    fn request_checks_match_the_real_api() {
+        let err = |body: Value| read_request(&body).expect_err("must be rejected");
+        let e = err(json!([1]));
+        assert_eq!(e.code, Some("invalid_json"));
+        let e = err(json!({"messages": [user("x")]}));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            (Some("missing_required_parameter"), Some("model"))
+        );
+        let e = err(json!({"model": "m"}));
+        assert_eq!(e.param.as_deref(), Some("messages"));
+        let e = err(json!({"model": "m", "messages": []}));
+        assert_eq!(e.code, Some("empty_array"));
+        let e = err(json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}));
+        assert_eq!(
+            (e.code, e.param.as_deref()),
+            (Some("invalid_value"), Some("messages[0].role"))
+        );
+        let e = err(json!({"model": "m", "messages": [user("x"), tool("nope", "r")]}));
+        assert!(
+            e.message
+                .contains("must be a response to a preceeding message")
+        );
+        let e = err(json!({"model": "m", "messages": [
+            user("x"), assistant_calls(&[("a", "f"), ("b", "g")]), tool("a", "r"), user("y")
+        ]}));
+        assert!(
+            e.message.contains("did not have response messages: b"),
+            "{}",
+            e.message
+        );
+        let e = err(json!({"model": "m", "messages": [user("x"), assistant_calls(&[("a", "f")])]}));
+        assert!(e.message.contains(": a"), "{}", e.message);
+        assert!(e.status == StatusCode::BAD_REQUEST);
+    }
+
+    #[test]
+    fn markers_and_fragments() {
+        assert_eq!(
+            doc_markers("a [doc:1] b [doc:12][doc:x_y] [doc:] [doc:3 [doc:[doc:4]"),
+            ["[doc:1]", "[doc:12]", "[doc:x_y]", "[doc:4]"]
+        );
+        assert_eq!(fragments("{\"q\":\"é🐝\"}", 4), ["{\"q\"", ":\"é🐝", "\"}"]);
+        assert_eq!(answer_pieces("a b  c d\ne").concat(), "a b  c d\ne");
+        assert_eq!(
+            answer_pieces("one two three four"),
+            ["one two three ", "four"]
+        );
+    }
+
+    // -----------------------------------------------------------------------
+    // Over HTTP
+
+    async fn start(script: &str) -> (ScriptedServer, reqwest::Client) {
+        crate::llm::install_crypto_provider();
+        let server = within(ScriptedServer::start(
+            "127.0.0.1:0".parse().expect("addr"),
+            Script::from_json(script).expect("script"),
+        ))
+        .await
+        .expect("start");
+        (server, reqwest::Client::new())
+    }
+
+    async fn post(
+        client: &reqwest::Client,
+        server: &ScriptedServer,
+        body: String,
+    ) -> (u16, String, String) {
+        let response = within(
+            client
+                .post(format!("{}/chat/completions", server.base_url()))
+                .header("content-type", "application/json")
+                .body(body)
+                .send(),
+        )
+        .await
+        .expect("send");
+        let status = response.status().as_u16();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_owned();
+        (
+            status,
+            content_type,
+            within(response.text()).await.expect("body"),
+        )
+    }
+
+    /// The `data:` payloads of an SSE body, checking the framing on the way.
+    fn payloads(body: &str) -> Vec<String> {
+        assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+        body.split("\n\n")
+            .filter(|frame| !frame.is_empty())
+            .map(|frame| {
+                frame
+                    .strip_prefix("data: ")
+                    .unwrap_or_else(|| panic!("bad frame {frame:?}"))
+                    .to_owned()
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn streams_parallel_tool_calls_the_way_openai_does() {
+        let (server, client) = start(TWO_ROUNDS).await;
+        let body = json!({
+            "model": "whatever", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [user("loop")],
+        });
+        let script = r#"{"rules": [{"whenUserContains": ["both"], "steps": [{"toolCalls": [
+            {"name": "current_datetime", "arguments": {}},
+            {"name": "search_documents", "arguments": {"query": "how lighthouses warn ships", "limit": 3}}
+        ]}]}]}"#;
+        let (parallel, _) = start(script).await;
+        let mut body2 = body.clone();
+        body2["messages"] = json!([user("use both")]);
+        let (status, content_type, text) = post(&client, &parallel, body2.to_string()).await;
+        assert_eq!(status, 200);
+        assert_eq!(content_type, "text/event-stream");
+        let chunks: Vec<Value> = payloads(&text)
+            .iter()
+            .filter(|p| *p != "[DONE]")
+            .map(|p| serde_json::from_str(p).expect("chunk JSON"))
+            .collect();
+        for chunk in &chunks {
+            assert_eq!(chunk["object"], json!("chat.completion.chunk"));
+            assert_eq!(chunk["model"], json!(DEFAULT_MODEL));
+            assert_eq!(chunk["system_fingerprint"], json!(SYSTEM_FINGERPRINT));
+            assert_eq!(chunk["id"], chunks[0]["id"], "one id per completion");
+        }
+        assert_eq!(chunks[0]["choices"][0]["delta"]["role"], json!("assistant"));
+        let mut per_call: Vec<Vec<&Value>> = vec![Vec::new(), Vec::new()];
+        for chunk in &chunks[1..chunks.len() - 2] {
+            let call = &chunk["choices"][0]["delta"]["tool_calls"][0];
+            let index = call["index"].as_u64().expect("index") as usize;
+            per_call[index].push(call);
+        }
+        let mut ids = Vec::new();
+        for (calls, (name, args)) in per_call.iter().zip([
+            ("current_datetime", json!({})),
+            (
+                "search_documents",
+                json!({"query": "how lighthouses warn ships", "limit": 3}),
+            ),
+        ]) {
+            let head = calls[0];
+            assert_eq!(head["type"], json!("function"));
+            assert_eq!(head["function"]["name"], json!(name));
+            assert_eq!(head["function"]["arguments"], json!(""));
+            let id = head["id"].as_str().expect("id");
+            assert!(id.starts_with("call_") && id.len() == 29, "{id}");
+            ids.push(id.to_owned());
+            let mut arguments = String::new();
+            for fragment in &calls[1..] {
+                let keys: Vec<&String> = fragment.as_object().expect("object").keys().collect();
+                assert_eq!(keys, ["function", "index"], "fragments carry only index");
+                assert_eq!(fragment["function"].as_object().map(|f| f.len()), Some(1));
+                arguments.push_str(fragment["function"]["arguments"].as_str().expect("text"));
+            }
+            let parsed: Value = serde_json::from_str(&arguments).expect("arguments JSON");
+            assert_eq!(parsed, args);
+        }
+        assert!(
+            per_call[1].len() > 3,
+            "long arguments are split over chunks"
+        );
+        assert_ne!(ids[0], ids[1]);
+        let finish = &chunks[chunks.len() - 2];
+        assert_eq!(finish["choices"][0]["finish_reason"], json!("tool_calls"));
+        assert_eq!(finish["usage"], Value::Null);
+        let usage = &chunks[chunks.len() - 1];
+        assert_eq!(usage["choices"], json!([]));
+        let usage = &usage["usage"];
+        assert!(usage["prompt_tokens"].as_u64().is_some_and(|n| n > 0));
+        assert_eq!(
+            usage["total_tokens"].as_u64(),
+            Some(
+                usage["prompt_tokens"].as_u64().unwrap_or(0)
+                    + usage["completion_tokens"].as_u64().unwrap_or(0)
+            )
+        );
+
+        // Without include_usage there is no usage chunk; `loop` on the other
+        // server gets tool calls for `f` with `{}`.
+        let mut no_usage = body.clone();
+        no_usage
+            .as_object_mut()
+            .expect("object")
+            .remove("stream_options");
+        let (_, _, text) = post(&client, &server, no_usage.to_string()).await;
+        let frames = payloads(&text);
+        let last: Value = serde_json::from_str(&frames[frames.len() - 2]).expect("json");
+        assert_eq!(last["choices"][0]["finish_reason"], json!("tool_calls"));
+        assert!(last.get("usage").is_none());
+
+        within(server.shutdown()).await;
+        within(parallel.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn answers_stream_in_small_pieces_and_as_one_body() {
+        let (server, client) = start(TWO_ROUNDS).await;
+        let messages = json!([
+            user("two please"),
+            assistant_calls(&[("a", "f")]),
+            tool("a", "one"),
+            assistant_calls(&[("b", "g")]),
+            tool("b", "two"),
+        ]);
+        let body = json!({"model": "m", "stream": true, "messages": messages});
+        let (_, _, text) = post(&client, &server, body.to_string()).await;
+        let pieces: Vec<String> = payloads(&text)
+            .iter()
+            .filter(|p| *p != "[DONE]")
+            .filter_map(|p| {
+                let chunk: Value = serde_json::from_str(p).expect("json");
+                chunk["choices"][0]["delta"]["content"]
+                    .as_str()
+                    .map(str::to_owned)
+            })
+            .collect();
+        // The first chunk opens the message; then a few words per chunk.
+        assert_eq!(pieces, ["", "f said one, ", "g said two"]);
+
+        let body = json!({"model": "m", "messages": messages});
+        let (status, content_type, text) = post(&client, &server, body.to_string()).await;
+        assert_eq!((status, content_type.as_str()), (200, "application/json"));
+        let completion: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(completion["object"], json!("chat.completion"));
+        assert_eq!(completion["system_fingerprint"], json!(SYSTEM_FINGERPRINT));
+        assert_eq!(
+            completion["choices"][0]["message"]["content"],
+            json!("f said one, g said two")
+        );
+        assert_eq!(completion["choices"][0]["finish_reason"], json!("stop"));
+        assert!(
+            completion["usage"]["completion_tokens"]
+                .as_u64()
+                .is_some_and(|n| n > 0)
+        );
+
+        let body = json!({"model": "m", "messages": [user("two")]});
+        let (_, _, text) = post(&client, &server, body.to_string()).await;
+        let completion: Value = serde_json::from_str(&text).expect("json");
+        let message = &completion["choices"][0]["message"];
+        assert_eq!(message["content"], Value::Null);
+        assert_eq!(
+            message["tool_calls"][0]["function"]["arguments"],
+            json!("{\"n\":1}")
+        );
+        assert_eq!(
+            completion["choices"][0]["finish_reason"],
+            json!("tool_calls")
+        );
+        assert_eq!(server.requests().len(), 3);
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn bad_requests_get_openai_errors_and_are_recorded() {
+        let (server, client) = start("{}").await;
+        let (status, _, text) = post(&client, &server, "{not json".to_owned()).await;
+        assert_eq!(status, 400);
+        let error: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(error["error"]["type"], json!("invalid_request_error"));
+        assert_eq!(error["error"]["code"], json!("invalid_json"));
+        assert!(error["error"]["message"].is_string());
+
+        let (status, _, text) = post(&client, &server, json!({"model": "m"}).to_string()).await;
+        assert_eq!(status, 400);
+        let error: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(error["error"]["param"], json!("messages"));
+
+        assert_eq!(
+            server.requests(),
+            [json!("{not json"), json!({"model": "m"})],
+            "every body is recorded, even rejected ones"
+        );
+
+        let models = within(client.get(format!("{}/models", server.base_url())).send())
+            .await
+            .expect("models");
+        let models: Value = within(models.json()).await.expect("json");
+        assert_eq!(models["data"][0]["id"], json!(DEFAULT_MODEL));
+        assert!(
+            models["data"][0]["owned_by"]
+                .as_str()
+                .is_some_and(|o| o.contains("stand-in"))
+        );
+
+        let missing = within(
+            client
+                .get(format!("http://{}/v1/nope", server.addr()))
+                .send(),
+        )
+        .await
+        .expect("404");
+        assert_eq!(missing.status().as_u16(), 404);
+        let error: Value = within(missing.json()).await.expect("json");
+        assert_eq!(error["error"]["code"], json!("unknown_url"));
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn serve_runs_until_its_shutdown_future_completes() {
+        crate::llm::install_crypto_provider();
+        let listener = within(TcpListener::bind("127.0.0.1:0"))
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(serve(
+            listener,
+            Script::from_json(r#"{"model": "custom-stand-in"}"#).expect("script"),
+            async {
+                let _ = stopped.await;
+            },
+        ));
+        let response = within(
+            reqwest::Client::new()
+                .get(format!("http://{addr}/v1/models"))
+                .send(),
+        )
+        .await
+        .expect("models");
+        let models: Value = within(response.json()).await.expect("json");
+        assert_eq!(models["data"][0]["id"], json!("custom-stand-in"));
+        stop.send(()).expect("server still running");
+        within(task).await.expect("join").expect("serve returns Ok");
     }
 }

@@ -34,8 +34,8 @@ use crate::protocol::{
     CallContext, DeadLetter, DeadLetterKind, Envelope, ProtocolError, Reference, Subjects,
     ToolErrorBody, ToolJob, ToolReply, ToolResult, ToolStatus, encode,
 };
-use crate::schema::{Validator, Violation};
-use crate::tools::ToolDefinition;
+use crate::schema::Violation;
+use crate::tools::{CompiledTool, ToolDefinition};
 
 /// How a tool failed. The kind decides ack / nak / terminate; strings are
 /// never matched.
@@ -160,26 +160,26 @@ pub trait Hooks: Send + Sync + 'static {
 pub struct NoHooks;
 impl Hooks for NoHooks {}
 
-/// A tool as a worker serves it.
+/// A tool as a worker serves it: the definition with its compiled
+/// arguments validator (from the registry), the handler and its hooks.
 #[derive(Clone)]
 pub struct ServedTool {
-    pub definition: ToolDefinition,
-    pub arguments: Arc<Validator>,
+    pub tool: Arc<CompiledTool>,
     pub handler: Arc<dyn ToolHandler>,
     pub hooks: Arc<dyn Hooks>,
 }
 
 impl ServedTool {
-    pub fn new(definition: ToolDefinition, handler: Arc<dyn ToolHandler>) -> Result<Self, WorkerError> {
-        let arguments = Validator::compile(&definition.function.parameters).map_err(|e| {
-            WorkerError::Config(format!("{}: parameters do not compile: {e}", definition.id))
-        })?;
-        Ok(Self {
-            definition,
-            arguments: Arc::new(arguments),
+    pub fn new(tool: Arc<CompiledTool>, handler: Arc<dyn ToolHandler>) -> Self {
+        Self {
+            tool,
             handler,
             hooks: Arc::new(NoHooks),
-        })
+        }
+    }
+
+    pub fn definition(&self) -> &ToolDefinition {
+        &self.tool.definition
     }
 
     pub fn with_hooks(mut self, hooks: Arc<dyn Hooks>) -> Self {
@@ -255,6 +255,20 @@ pub async fn run(
     metrics: WorkerMetrics,
     shutdown: CancellationToken,
 ) -> Result<(), WorkerError> {
+    run_with_ready(client, store, tools, config, metrics, shutdown, None).await
+}
+
+/// [`run`], telling `ready` once every consumer and endpoint is in place.
+#[allow(clippy::too_many_arguments)]
+pub async fn run_with_ready(
+    client: async_nats::Client,
+    store: CitationStore,
+    tools: Vec<ServedTool>,
+    config: WorkerConfig,
+    metrics: WorkerMetrics,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
+) -> Result<(), WorkerError> {
     if tools.is_empty() {
         return Err(WorkerError::Config("a worker needs at least one tool".into()));
     }
@@ -283,10 +297,10 @@ pub async fn run(
         let tool = Arc::new(tool);
         let consumer: jetstream::consumer::Consumer<pull::Config> = stream
             .get_or_create_consumer(
-                &config.subjects.tool_consumer(&tool.definition.id),
+                &config.subjects.tool_consumer(&tool.definition().id),
                 pull::Config {
-                    durable_name: Some(config.subjects.tool_consumer(&tool.definition.id)),
-                    filter_subject: config.subjects.tool(&tool.definition.id),
+                    durable_name: Some(config.subjects.tool_consumer(&tool.definition().id)),
+                    filter_subject: config.subjects.tool(&tool.definition().id),
                     ack_policy: jetstream::consumer::AckPolicy::Explicit,
                     ack_wait: config.ack_wait,
                     // Our own cap terminates first; this is the backstop for a
@@ -297,20 +311,20 @@ pub async fn run(
                 },
             )
             .await
-            .map_err(|e| WorkerError::Nats(format!("consumer for {}: {e}", tool.definition.id)))?;
+            .map_err(|e| WorkerError::Nats(format!("consumer for {}: {e}", tool.definition().id)))?;
 
         let endpoint = service
             .endpoint_builder()
-            .name(&tool.definition.function.name)
+            .name(&tool.definition().function.name)
             .metadata(HashMap::from([
-                ("toolId".to_string(), tool.definition.id.to_string()),
-                ("delivery".to_string(), format!("{:?}", tool.definition.delivery).to_lowercase()),
+                ("toolId".to_string(), tool.definition().id.to_string()),
+                ("delivery".to_string(), format!("{:?}", tool.definition().delivery).to_lowercase()),
             ]))
-            .add(direct_subject(&config.subjects, &tool.definition))
+            .add(direct_subject(&config.subjects, tool.definition()))
             .await
-            .map_err(|e| WorkerError::Nats(format!("endpoint for {}: {e}", tool.definition.id)))?;
+            .map_err(|e| WorkerError::Nats(format!("endpoint for {}: {e}", tool.definition().id)))?;
 
-        info!(tool = %tool.definition.id, worker = %config.name, "serving tool");
+        info!(tool = %tool.definition().id, worker = %config.name, "serving tool");
         tracker.spawn(pull_loop(
             consumer,
             tool.clone(),
@@ -329,6 +343,9 @@ pub async fn run(
         ));
     }
 
+    if let Some(ready) = ready {
+        let _ = ready.send(());
+    }
     shutdown.cancelled().await;
     tracker.close();
     tracker.wait().await;
@@ -363,7 +380,7 @@ async fn pull_loop(
         {
             Ok(m) => m,
             Err(e) => {
-                warn!(tool = %tool.definition.id, error = %e, "cannot pull; retrying");
+                warn!(tool = %tool.definition().id, error = %e, "cannot pull; retrying");
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
@@ -389,7 +406,7 @@ async fn pull_loop(
                     });
                 }
                 Some(Err(e)) => {
-                    warn!(tool = %tool.definition.id, error = %e, "pull error; re-subscribing");
+                    warn!(tool = %tool.definition().id, error = %e, "pull error; re-subscribing");
                     break;
                 }
                 None => break,
@@ -459,7 +476,7 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &S
         Err(_) => (1, 0),
     };
     let headers = msg.headers.clone().unwrap_or_default();
-    let tool_label = tool.definition.id.to_string();
+    let tool_label = tool.definition().id.to_string();
 
     // In-progress acks keep a long job from being redelivered to another
     // worker while this one is still on it.
@@ -612,7 +629,7 @@ async fn process(
     tool: &ServedTool,
     shared: &Shared,
 ) -> Outcome {
-    let tool_label = tool.definition.id.to_string();
+    let tool_label = tool.definition().id.to_string();
     let count = |outcome: &str| {
         shared
             .metrics
@@ -664,17 +681,18 @@ async fn process_call(
         call: Some(call.clone()),
     };
 
-    if call.tool_id != tool.definition.id {
+    if call.tool_id != tool.definition().id {
         count("error");
         let msg = format!(
             "this subject serves {}, but the job names {}",
-            tool.definition.id, call.tool_id
+            tool.definition().id, call.tool_id
         );
         return done(error_result(&call, attempt, 0, "wrong_tool", &msg), Disposition::Terminate, "wrong_tool");
     }
 
-    // A redelivered job returns what the first attempt stored.
-    if attempt > 1 {
+    // A redelivered (or re-published) job returns what the first attempt
+    // stored, and writes no second set of citations.
+    {
         match shared.store.ledger_get(&call.invocation.invocation_id, &call.call_id).await {
             Ok(Some(mut stored)) => {
                 count("redelivered");
@@ -707,31 +725,31 @@ async fn process_call(
 
     // Invalid arguments: a model-readable error at once, no side effect,
     // nothing written to Redis, never retried.
-    if let Err(violations) = tool.arguments.validate(&job.arguments) {
+    if let Err(violations) = tool.tool.validate_arguments(&job.arguments) {
         count("invalid_arguments");
         let msg = format!(
             "Invalid arguments for {}: {}",
-            tool.definition.function.name,
+            tool.definition().function.name,
             crate::schema::describe(&violations)
         );
         let r = status_result(&call, attempt, 0, ToolStatus::Error, "invalid_arguments", &msg, violations);
         return done(r, Disposition::Ack, "invalid_arguments");
     }
 
-    if let (Some(min), conf) = (tool.definition.min_provider_confidence, call.invocation.provider_confidence)
+    if let (Some(min), conf) = (tool.definition().min_provider_confidence, call.invocation.provider_confidence)
         && conf.unwrap_or(0.0) < min
     {
         count("blocked");
         let msg = format!(
             "{} needs provider confidence of at least {min}; this invocation has {}",
-            tool.definition.function.name,
+            tool.definition().function.name,
             conf.map(|c| c.to_string()).unwrap_or_else(|| "none".into())
         );
         let r = status_result(&call, attempt, 0, ToolStatus::Blocked, "provider_confidence", &msg, Vec::new());
         return done(r, Disposition::Ack, "blocked");
     }
 
-    let mut budget = tool.definition.timeout();
+    let mut budget = tool.definition().timeout();
     if let Some(deadline) = call.invocation.deadline_ms {
         let left = deadline.saturating_sub(now_ms());
         if left == 0 {
@@ -758,7 +776,7 @@ async fn process_call(
         metrics: shared.metrics.clone(),
         cancel: CancellationToken::new(),
     };
-    let tool_label = tool.definition.id.to_string();
+    let tool_label = tool.definition().id.to_string();
     let in_flight = shared.metrics.tool_jobs_in_flight.with_label_values(&[tool_label.as_str()]);
     in_flight.inc();
     tool.hooks.on_start(&call);

@@ -1,0 +1,65 @@
+//! `toolfleet-orchestrator`: takes chat jobs and runs the agentic loop.
+//! Configured by flags and `TOOLFLEET_*` environment variables (`--help`).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use toolfleet::config::{self, LlmArgs, NatsArgs, RedisArgs, ToolDefsArgs};
+use toolfleet::fleet::FleetSpec;
+use toolfleet::orchestrator::OrchestratorConfig;
+
+#[derive(Parser, Debug)]
+#[command(version, about = "toolfleet orchestrator: takes chat jobs from JetStream and runs the agentic loop.")]
+struct Args {
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
+    redis: RedisArgs,
+    #[command(flatten)]
+    defs: ToolDefsArgs,
+    #[command(flatten)]
+    llm: LlmArgs,
+    /// Chat jobs in flight at once.
+    #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
+    max_in_flight: usize,
+    /// Model calls per invocation.
+    #[arg(long, env = "TOOLFLEET_MAX_ROUNDS", default_value_t = 8)]
+    max_rounds: u32,
+    /// Prometheus metrics and health endpoint.
+    #[arg(long, env = config::ENV_METRICS_ADDR, default_value = "0.0.0.0:9464")]
+    metrics_addr: SocketAddr,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::try_parse().unwrap_or_else(|e| {
+        let _ = e.print();
+        std::process::exit(if e.use_stderr() { config::EXIT_CONFIG } else { 0 })
+    });
+    config::init_tracing();
+    let subjects = args.nats.subjects()?;
+    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), &args.llm.model);
+    orchestrator.max_in_flight = args.max_in_flight;
+    orchestrator.max_rounds = args.max_rounds;
+    let spec = FleetSpec {
+        nats_url: args.nats.url.clone(),
+        redis_url: args.redis.url.clone(),
+        subjects,
+        citation_ttl: Duration::from_secs(args.redis.ttl_secs),
+        registry: toolfleet::fleet::load_registry(&args.defs.dir)?,
+        orchestrator: Some((args.llm.to_config(), orchestrator)),
+        workers: Vec::new(),
+        worker_concurrency: 0,
+        index: None,
+    };
+    let (shutdown, tracker, metrics) = (CancellationToken::new(), TaskTracker::new(), prometheus::Registry::new());
+    toolfleet::metrics::spawn(args.metrics_addr, metrics.clone(), shutdown.clone()).await?;
+    toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
+    config::shutdown_signal().await;
+    shutdown.cancel();
+    tracker.close();
+    let _ = tokio::time::timeout(Duration::from_secs(30), tracker.wait()).await;
+    Ok(())
+}

@@ -1,0 +1,25 @@
+//! `toolfleet`: the command line — chat, demo, up, tools, index, and the
+//! scripted model server. All logic lives in `toolfleet::cli`.
+
+use clap::Parser;
+
+#[tokio::main]
+async fn main() {
+    let cli = match toolfleet::cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => {
+            let code = if e.use_stderr() { toolfleet::config::EXIT_CONFIG } else { 0 };
+            let _ = e.print();
+            std::process::exit(code);
+        }
+    };
+    toolfleet::config::init_tracing();
+    let code = match toolfleet::cli::run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            1
+        }
+    };
+    std::process::exit(code);
+}

@@ -1,0 +1,62 @@
+//! `toolfleet-worker-retrieval`: serves retrieval:* tools over the document index.
+//! Start more copies to scale the pool: they share one durable consumer per
+//! tool. Configured by flags and `TOOLFLEET_*` environment variables.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio_util::{sync::CancellationToken, task::TaskTracker};
+use toolfleet::config::{self, NatsArgs, RedisArgs, ToolDefsArgs};
+use toolfleet::fleet::{FleetSpec, WorkerKind};
+
+#[derive(Parser, Debug)]
+#[command(version, about = "toolfleet worker: serves retrieval:* tools over the document index.")]
+struct Args {
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
+    redis: RedisArgs,
+    #[command(flatten)]
+    defs: ToolDefsArgs,
+    /// Tool jobs executed at once by this process.
+    #[arg(long, env = "TOOLFLEET_CONCURRENCY", default_value_t = 16)]
+    concurrency: usize,
+    /// Where the index lives (built from --corpus-dir at start when missing).
+    #[arg(long, env = "TOOLFLEET_INDEX_DIR", default_value = "target/toolfleet-index")]
+    index_dir: std::path::PathBuf,
+    /// The corpus of Markdown files to index when the index is missing.
+    #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
+    corpus_dir: std::path::PathBuf,
+    /// Prometheus metrics and health endpoint.
+    #[arg(long, env = config::ENV_METRICS_ADDR, default_value = "0.0.0.0:9466")]
+    metrics_addr: SocketAddr,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::try_parse().unwrap_or_else(|e| {
+        let _ = e.print();
+        std::process::exit(if e.use_stderr() { config::EXIT_CONFIG } else { 0 })
+    });
+    config::init_tracing();
+    let spec = FleetSpec {
+        nats_url: args.nats.url.clone(),
+        redis_url: args.redis.url.clone(),
+        subjects: args.nats.subjects()?,
+        citation_ttl: Duration::from_secs(args.redis.ttl_secs),
+        registry: toolfleet::fleet::load_registry(&args.defs.dir)?,
+        orchestrator: None,
+        workers: vec![WorkerKind::Retrieval],
+        worker_concurrency: args.concurrency,
+        index: Some(toolfleet::fleet::IndexPaths { index_dir: args.index_dir.clone(), corpus_dir: args.corpus_dir.clone() }),
+    };
+    let (shutdown, tracker, metrics) = (CancellationToken::new(), TaskTracker::new(), prometheus::Registry::new());
+    toolfleet::metrics::spawn(args.metrics_addr, metrics.clone(), shutdown.clone()).await?;
+    toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
+    config::shutdown_signal().await;
+    shutdown.cancel();
+    tracker.close();
+    let _ = tokio::time::timeout(Duration::from_secs(30), tracker.wait()).await;
+    Ok(())
+}
