@@ -48,7 +48,11 @@ impl CurrentDatetime {
 }
 
 impl ToolHandler for CurrentDatetime {
-    fn call<'a>(&'a self, _ctx: &'a ToolCtx, args: Value) -> BoxFuture<'a, Result<ToolOutput, ToolError>> {
+    fn call<'a>(
+        &'a self,
+        _ctx: &'a ToolCtx,
+        args: Value,
+    ) -> BoxFuture<'a, Result<ToolOutput, ToolError>> {
         async move { Self::at(time::OffsetDateTime::now_utc(), &args) }.boxed()
     }
 }
@@ -68,7 +72,11 @@ impl SearchDocuments {
 }
 
 impl ToolHandler for SearchDocuments {
-    fn call<'a>(&'a self, ctx: &'a ToolCtx, args: Value) -> BoxFuture<'a, Result<ToolOutput, ToolError>> {
+    fn call<'a>(
+        &'a self,
+        ctx: &'a ToolCtx,
+        args: Value,
+    ) -> BoxFuture<'a, Result<ToolOutput, ToolError>> {
         async move {
             let query = args
                 .get("query")
@@ -126,7 +134,9 @@ impl ToolHandler for SearchDocuments {
 pub fn handler(key: &str, index: Option<&DocumentIndex>) -> Option<Arc<dyn ToolHandler>> {
     match key {
         "system.current_datetime" => Some(Arc::new(CurrentDatetime)),
-        "retrieval.search_documents" => index.map(|i| Arc::new(SearchDocuments::new(i.clone())) as Arc<dyn ToolHandler>),
+        "retrieval.search_documents" => {
+            index.map(|i| Arc::new(SearchDocuments::new(i.clone())) as Arc<dyn ToolHandler>)
+        }
         _ => None,
     }
 }

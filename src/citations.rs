@@ -303,7 +303,8 @@ pub fn render(text: &str, references: &[Reference]) -> Rendered {
         .collect();
     cited.sort_unstable();
     cited.dedup();
-    let display: BTreeMap<u64, usize> = cited.iter().enumerate().map(|(i, n)| (*n, i + 1)).collect();
+    let display: BTreeMap<u64, usize> =
+        cited.iter().enumerate().map(|(i, n)| (*n, i + 1)).collect();
 
     // Phase 1: every marker becomes a placeholder (or nothing).
     let mut phase1 = String::with_capacity(text.len());
@@ -377,20 +378,33 @@ mod tests {
 
     #[test]
     fn finds_markers() {
-        assert_eq!(cited_indices("a [doc:3] b [doc:12][doc:x] [doc:] [doc:7]"), vec![3, 12, 7]);
+        assert_eq!(
+            cited_indices("a [doc:3] b [doc:12][doc:x] [doc:] [doc:7]"),
+            vec![3, 12, 7]
+        );
     }
 
     #[test]
     fn renders_only_cited_references_remapped_in_two_phases() {
         let refs = vec![r(1, "one"), r(2, "two"), r(3, "three"), r(5, "five")];
-        let out = render("B [doc:5], A [doc:2] and B again [doc:5]. Ghost [doc:9].", &refs);
+        let out = render(
+            "B [doc:5], A [doc:2] and B again [doc:5]. Ghost [doc:9].",
+            &refs,
+        );
         // [doc:2] → [1], [doc:5] → [2]; the uncited [doc:1] and [doc:3]
         // are dropped from the list and the unknown [doc:9] from the text.
         assert_eq!(out.text, "B [2], A [1] and B again [2]. Ghost.");
-        let titles: Vec<_> = out.references.iter().map(|r| (r.index, r.title.as_str())).collect();
+        let titles: Vec<_> = out
+            .references
+            .iter()
+            .map(|r| (r.index, r.title.as_str()))
+            .collect();
         assert_eq!(titles, vec![(1, "two"), (2, "five")]);
         let md = out.to_markdown();
-        assert!(md.ends_with("References:\n[1] two — two.md\n[2] five — five.md\n"), "{md}");
+        assert!(
+            md.ends_with("References:\n[1] two — two.md\n[2] five — five.md\n"),
+            "{md}"
+        );
     }
 
     #[test]

@@ -16,12 +16,19 @@ use crate::orchestrator::OrchestratorConfig;
 use crate::protocol::{ChatEvent, ChatEventBody};
 
 #[derive(Parser, Debug)]
-#[command(name = "toolfleet", version, about = "An event-driven fleet for LLM tool calling over NATS, JetStream and Redis.")]
+#[command(
+    name = "toolfleet",
+    version,
+    about = "An event-driven fleet for LLM tool calling over NATS, JetStream and Redis."
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
 }
 
+// Parsed once per process: the size difference between variants is
+// irrelevant.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Submit a chat job, stream the answer and print it with its references.
@@ -102,7 +109,11 @@ pub struct UpArgs {
     #[command(flatten)]
     pub llm: LlmArgs,
     /// Where the index lives (built from --corpus-dir when missing).
-    #[arg(long, env = "TOOLFLEET_INDEX_DIR", default_value = "target/toolfleet-index")]
+    #[arg(
+        long,
+        env = "TOOLFLEET_INDEX_DIR",
+        default_value = "target/toolfleet-index"
+    )]
     pub index_dir: PathBuf,
     #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
     pub corpus_dir: PathBuf,
@@ -143,13 +154,21 @@ pub enum IndexCommand {
     Build {
         #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
         corpus: PathBuf,
-        #[arg(long, env = "TOOLFLEET_INDEX_DIR", default_value = "target/toolfleet-index")]
+        #[arg(
+            long,
+            env = "TOOLFLEET_INDEX_DIR",
+            default_value = "target/toolfleet-index"
+        )]
         index: PathBuf,
     },
     /// Search the index (to check it).
     Search {
         query: String,
-        #[arg(long, env = "TOOLFLEET_INDEX_DIR", default_value = "target/toolfleet-index")]
+        #[arg(
+            long,
+            env = "TOOLFLEET_INDEX_DIR",
+            default_value = "target/toolfleet-index"
+        )]
         index: PathBuf,
         #[arg(long, default_value_t = 5)]
         limit: usize,
@@ -166,7 +185,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Index { command } => index(command),
         Command::ScriptedModel { listen, script } => {
             let script = crate::scripted::Script::load(&script)?;
-            let listener = tokio::net::TcpListener::bind(listen).await.with_context(|| format!("binding {listen}"))?;
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .with_context(|| format!("binding {listen}"))?;
             crate::scripted::serve(listener, script, crate::config::shutdown_signal()).await?;
             Ok(0)
         }
@@ -176,16 +197,32 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
 /// Prints an event as it arrives: tool activity on stderr, text on stdout.
 fn show_progress(event: &ChatEvent) {
     match &event.body {
-        ChatEventBody::ToolCall { tool, arguments, .. } => eprintln!("  → {tool} {arguments}"),
-        ChatEventBody::ToolResult { tool, status, duration_ms, error_code, .. } => {
-            let code = error_code.as_deref().map(|c| format!(" ({c})")).unwrap_or_default();
+        ChatEventBody::ToolCall {
+            tool, arguments, ..
+        } => eprintln!("  → {tool} {arguments}"),
+        ChatEventBody::ToolResult {
+            tool,
+            status,
+            duration_ms,
+            error_code,
+            ..
+        } => {
+            let code = error_code
+                .as_deref()
+                .map(|c| format!(" ({c})"))
+                .unwrap_or_default();
             eprintln!("  ← {tool}: {}{code} in {duration_ms} ms", status.as_str());
         }
         _ => {}
     }
 }
 
-async fn ask(client: &async_nats::Client, subjects: &crate::protocol::Subjects, question: &str, timeout: Duration) -> anyhow::Result<String> {
+async fn ask(
+    client: &async_nats::Client,
+    subjects: &crate::protocol::Subjects,
+    question: &str,
+    timeout: Duration,
+) -> anyhow::Result<String> {
     let job = crate::client::question(question);
     let outcome = crate::client::chat(client, subjects, &job, timeout, show_progress).await?;
     let rendered = crate::citations::render(&outcome.text, &outcome.references);
@@ -234,7 +271,10 @@ struct DemoServers {
 
 fn demo_servers(args: &DemoArgs) -> anyhow::Result<DemoServers> {
     let (nats_url, nats) = if !args.isolated && crate::local::nats_reachable(&args.nats_url) {
-        eprintln!("• using the NATS server at {}", crate::config::redact_url(&args.nats_url));
+        eprintln!(
+            "• using the NATS server at {}",
+            crate::config::redact_url(&args.nats_url)
+        );
         (args.nats_url.clone(), None)
     } else {
         eprint!("• starting nats-server -js … ");
@@ -243,7 +283,10 @@ fn demo_servers(args: &DemoArgs) -> anyhow::Result<DemoServers> {
         (s.url(), Some(s))
     };
     let (redis_url, redis) = if !args.isolated && crate::local::redis_reachable(&args.redis_url) {
-        eprintln!("• using the Redis server at {}", crate::config::redact_url(&args.redis_url));
+        eprintln!(
+            "• using the Redis server at {}",
+            crate::config::redact_url(&args.redis_url)
+        );
         (args.redis_url.clone(), None)
     } else {
         eprint!("• starting redis-server … ");
@@ -251,19 +294,31 @@ fn demo_servers(args: &DemoArgs) -> anyhow::Result<DemoServers> {
         eprintln!("on {}", s.url());
         (s.url(), Some(s))
     };
-    Ok(DemoServers { nats_url, redis_url, _nats: nats, _redis: redis })
+    Ok(DemoServers {
+        nats_url,
+        redis_url,
+        _nats: nats,
+        _redis: redis,
+    })
 }
 
 async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     eprintln!("toolfleet demo: a local fleet answering chat jobs with tools and citations");
     let servers = demo_servers(&args)?;
     let registry = crate::fleet::load_registry(&args.defs.dir)?;
-    eprintln!("• {} tool definitions loaded from {}", registry.len(), args.defs.dir.display());
+    eprintln!(
+        "• {} tool definitions loaded from {}",
+        registry.len(),
+        args.defs.dir.display()
+    );
 
     let script = crate::scripted::Script::load(&args.script)?;
     let model_name = script.model().to_string();
     let model = crate::scripted::ScriptedServer::start("127.0.0.1:0".parse()?, script).await?;
-    eprintln!("• model: the scripted stand-in server at {} (not a real model)", model.base_url());
+    eprintln!(
+        "• model: the scripted stand-in server at {} (not a real model)",
+        model.base_url()
+    );
 
     let work = tempfile::tempdir()?;
     eprint!("• indexing {} … ", args.corpus.display());
@@ -292,7 +347,10 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
         )),
         workers: vec![WorkerKind::System, WorkerKind::Retrieval],
         worker_concurrency: 8,
-        index: Some(IndexPaths { index_dir: work.path().join("index"), corpus_dir: args.corpus.clone() }),
+        index: Some(IndexPaths {
+            index_dir: work.path().join("index"),
+            corpus_dir: args.corpus.clone(),
+        }),
     };
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -301,7 +359,9 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     crate::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
     eprintln!("ready\n");
 
-    let client = crate::config::connect_nats(&servers.nats_url, "toolfleet-demo", Duration::from_secs(5)).await?;
+    let client =
+        crate::config::connect_nats(&servers.nats_url, "toolfleet-demo", Duration::from_secs(5))
+            .await?;
     let questions: Vec<String> = if args.questions.is_empty() {
         DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect()
     } else {
@@ -322,7 +382,10 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     eprint!("• shutting down … ");
     shutdown.cancel();
     tracker.close();
-    if tokio::time::timeout(Duration::from_secs(10), tracker.wait()).await.is_err() {
+    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
+        .await
+        .is_err()
+    {
         eprint!("(grace period over) ");
     }
     model.shutdown().await;
@@ -345,7 +408,10 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
         orchestrator: Some((args.llm.to_config(), orchestrator)),
         workers: vec![WorkerKind::System, WorkerKind::Retrieval],
         worker_concurrency: args.concurrency,
-        index: Some(IndexPaths { index_dir: args.index_dir.clone(), corpus_dir: args.corpus_dir.clone() }),
+        index: Some(IndexPaths {
+            index_dir: args.index_dir.clone(),
+            corpus_dir: args.corpus_dir.clone(),
+        }),
     };
     let shutdown = CancellationToken::new();
     let tracker = TaskTracker::new();
@@ -365,7 +431,12 @@ fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
         ToolsCommand::List(defs) => {
             let registry = crate::fleet::load_registry(&defs.dir)?;
             for d in registry.iter() {
-                println!("{:<40} {:<20} {}", d.id.to_string(), d.function.name, d.title);
+                println!(
+                    "{:<40} {:<20} {}",
+                    d.id.to_string(),
+                    d.function.name,
+                    d.title
+                );
             }
             Ok(0)
         }
@@ -377,12 +448,22 @@ fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
             }
             .with_context(|| format!("no tool {tool:?} in {}", defs.dir.display()))?;
             println!("{}", serde_json::to_string_pretty(def)?);
-            println!("\nChat Completions shape:\n{}", serde_json::to_string_pretty(&def.chat_completions_tool())?);
-            println!("\nResponses shape:\n{}", serde_json::to_string_pretty(&def.responses_tool())?);
+            println!(
+                "\nChat Completions shape:\n{}",
+                serde_json::to_string_pretty(&def.chat_completions_tool())?
+            );
+            println!(
+                "\nResponses shape:\n{}",
+                serde_json::to_string_pretty(&def.responses_tool())?
+            );
             Ok(0)
         }
         ToolsCommand::Validate { paths, defs } => {
-            let paths = if paths.is_empty() { vec![defs.dir] } else { paths };
+            let paths = if paths.is_empty() {
+                vec![defs.dir]
+            } else {
+                paths
+            };
             let mut bad = 0;
             for p in paths {
                 let result = if p.is_dir() {
@@ -407,13 +488,25 @@ fn index(command: IndexCommand) -> anyhow::Result<i32> {
     match command {
         IndexCommand::Build { corpus, index } => {
             let stats = crate::index::DocumentIndex::build(&corpus, &index)?;
-            println!("indexed {} documents ({} passages) into {}", stats.documents, stats.passages, index.display());
+            println!(
+                "indexed {} documents ({} passages) into {}",
+                stats.documents,
+                stats.passages,
+                index.display()
+            );
             Ok(0)
         }
-        IndexCommand::Search { query, index, limit } => {
+        IndexCommand::Search {
+            query,
+            index,
+            limit,
+        } => {
             let idx = crate::index::DocumentIndex::open(&index)?;
             for h in idx.search(&query, limit)? {
-                println!("{:.3}  {}  {}\n       {}", h.score, h.source, h.title, h.snippet);
+                println!(
+                    "{:.3}  {}  {}\n       {}",
+                    h.score, h.source, h.title, h.snippet
+                );
             }
             Ok(0)
         }

@@ -7,7 +7,9 @@ use std::time::Duration;
 use futures::StreamExt;
 
 use crate::llm::Usage;
-use crate::protocol::{ChatEvent, ChatEventBody, ChatJob, Envelope, Reference, Subjects, encode, headers};
+use crate::protocol::{
+    ChatEvent, ChatEventBody, ChatJob, Envelope, Reference, Subjects, encode, headers,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
@@ -57,7 +59,10 @@ pub async fn chat(
         .await
         .map_err(|e| ClientError::Nats(e.to_string()))?;
     // The subscription must be registered before the job can produce events.
-    client.flush().await.map_err(|e| ClientError::Nats(e.to_string()))?;
+    client
+        .flush()
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))?;
     submit(client, subjects, job).await?;
 
     let deadline = tokio::time::Instant::now() + timeout;
@@ -79,10 +84,23 @@ pub async fn chat(
         let body = event.body.clone();
         events.push(event);
         match body {
-            ChatEventBody::Completed { text, references, usage, rounds } => {
-                return Ok(ChatOutcome { text, references, usage, rounds, events });
+            ChatEventBody::Completed {
+                text,
+                references,
+                usage,
+                rounds,
+            } => {
+                return Ok(ChatOutcome {
+                    text,
+                    references,
+                    usage,
+                    rounds,
+                    events,
+                });
             }
-            ChatEventBody::Error { code, message } => return Err(ClientError::Failed { code, message }),
+            ChatEventBody::Error { code, message } => {
+                return Err(ClientError::Failed { code, message });
+            }
             _ => {}
         }
     }
@@ -91,7 +109,11 @@ pub async fn chat(
 /// Publishes a chat job to the JetStream stream and waits for it to be
 /// stored. `Nats-Msg-Id` is the invocation id, so a retried submit is a
 /// no-op inside the stream's duplicate window.
-pub async fn submit(client: &async_nats::Client, subjects: &Subjects, job: &ChatJob) -> Result<(), ClientError> {
+pub async fn submit(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    job: &ChatJob,
+) -> Result<(), ClientError> {
     let js = async_nats::jetstream::new(client.clone());
     let mut h = async_nats::HeaderMap::new();
     h.insert(headers::NATS_MSG_ID, job.invocation_id.as_str());

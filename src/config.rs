@@ -31,7 +31,11 @@ pub struct NatsArgs {
     #[arg(long = "subject-prefix", env = ENV_SUBJECT_PREFIX, default_value = crate::protocol::DEFAULT_PREFIX)]
     pub prefix: String,
     /// How long to keep trying the first connection, in seconds.
-    #[arg(long = "nats-connect-wait", env = "TOOLFLEET_NATS_CONNECT_WAIT", default_value_t = 30)]
+    #[arg(
+        long = "nats-connect-wait",
+        env = "TOOLFLEET_NATS_CONNECT_WAIT",
+        default_value_t = 30
+    )]
     pub connect_wait_secs: u64,
 }
 
@@ -47,20 +51,33 @@ impl NatsArgs {
     }
 }
 
-/// Connects to NATS, retrying the first connection for up to `wait`.
-pub async fn connect_nats(url: &str, name: &str, wait: Duration) -> anyhow::Result<async_nats::Client> {
-    let opts = async_nats::ConnectOptions::new()
-        .name(name)
-        .retry_on_initial_connect()
-        .connection_timeout(Duration::from_secs(2));
-    match tokio::time::timeout(wait, opts.connect(url)).await {
-        Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => Err(anyhow::anyhow!("cannot connect to NATS at {}: {e}", redact_url(url))),
-        Err(_) => Err(anyhow::anyhow!(
-            "no NATS server answered at {} within {}s",
-            redact_url(url),
-            wait.as_secs()
-        )),
+/// Connects to NATS, retrying the first connection for up to `wait`. (Not
+/// `retry_on_initial_connect`: with it `connect` returns at once and every
+/// later call waits forever on a server that never comes.)
+pub async fn connect_nats(
+    url: &str,
+    name: &str,
+    wait: Duration,
+) -> anyhow::Result<async_nats::Client> {
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let opts = async_nats::ConnectOptions::new()
+            .name(name)
+            .connection_timeout(Duration::from_secs(2));
+        match opts.connect(url).await {
+            Ok(c) => return Ok(c),
+            Err(e) if tokio::time::Instant::now() >= deadline => {
+                return Err(anyhow::anyhow!(
+                    "cannot connect to NATS at {} (tried for {}s): {e}",
+                    redact_url(url),
+                    wait.as_secs()
+                ));
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "NATS not reachable yet; retrying");
+                tokio::time::sleep(Duration::from_millis(250)).await;
+            }
+        }
     }
 }
 
@@ -71,15 +88,23 @@ pub struct RedisArgs {
     #[arg(long = "redis-url", env = ENV_REDIS_URL, default_value = DEFAULT_REDIS_URL, hide_env_values = true)]
     pub url: String,
     /// Lifetime of an invocation's citation keys, in seconds.
-    #[arg(long = "citation-ttl", env = "TOOLFLEET_CITATION_TTL", default_value_t = 86_400)]
+    #[arg(
+        long = "citation-ttl",
+        env = "TOOLFLEET_CITATION_TTL",
+        default_value_t = 86_400
+    )]
     pub ttl_secs: u64,
 }
 
 impl RedisArgs {
     pub async fn connect(&self, prefix: &str) -> anyhow::Result<crate::citations::CitationStore> {
-        crate::citations::CitationStore::connect(&self.url, prefix, Duration::from_secs(self.ttl_secs))
-            .await
-            .map_err(|e| anyhow::anyhow!("cannot connect to Redis at {}: {e}", redact_url(&self.url)))
+        crate::citations::CitationStore::connect(
+            &self.url,
+            prefix,
+            Duration::from_secs(self.ttl_secs),
+        )
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot connect to Redis at {}: {e}", redact_url(&self.url)))
     }
 }
 
@@ -95,22 +120,46 @@ pub struct ToolDefsArgs {
 #[derive(Args, Debug, Clone)]
 pub struct LlmArgs {
     /// Base URL of an OpenAI-compatible API, including `/v1`.
-    #[arg(long = "llm-base-url", env = "TOOLFLEET_LLM_BASE_URL", default_value = "https://api.openai.com/v1")]
+    #[arg(
+        long = "llm-base-url",
+        env = "TOOLFLEET_LLM_BASE_URL",
+        default_value = "https://api.openai.com/v1"
+    )]
     pub base_url: url::Url,
     /// API key (sent as a bearer token; never logged).
-    #[arg(long = "llm-api-key", env = "TOOLFLEET_LLM_API_KEY", hide_env_values = true)]
+    #[arg(
+        long = "llm-api-key",
+        env = "TOOLFLEET_LLM_API_KEY",
+        hide_env_values = true
+    )]
     pub api_key: Option<String>,
     /// Model name.
-    #[arg(long = "llm-model", env = "TOOLFLEET_LLM_MODEL", default_value = "gpt-4o-mini")]
+    #[arg(
+        long = "llm-model",
+        env = "TOOLFLEET_LLM_MODEL",
+        default_value = "gpt-4o-mini"
+    )]
     pub model: String,
     /// Connect timeout, in milliseconds.
-    #[arg(long = "llm-connect-timeout-ms", env = "TOOLFLEET_LLM_CONNECT_TIMEOUT_MS", default_value_t = 5_000)]
+    #[arg(
+        long = "llm-connect-timeout-ms",
+        env = "TOOLFLEET_LLM_CONNECT_TIMEOUT_MS",
+        default_value_t = 5_000
+    )]
     pub connect_timeout_ms: u64,
     /// Time allowed until the first streamed chunk, in milliseconds.
-    #[arg(long = "llm-first-token-timeout-ms", env = "TOOLFLEET_LLM_FIRST_TOKEN_TIMEOUT_MS", default_value_t = 60_000)]
+    #[arg(
+        long = "llm-first-token-timeout-ms",
+        env = "TOOLFLEET_LLM_FIRST_TOKEN_TIMEOUT_MS",
+        default_value_t = 60_000
+    )]
     pub first_token_timeout_ms: u64,
     /// Longest allowed gap between streamed chunks, in milliseconds.
-    #[arg(long = "llm-idle-timeout-ms", env = "TOOLFLEET_LLM_IDLE_TIMEOUT_MS", default_value_t = 30_000)]
+    #[arg(
+        long = "llm-idle-timeout-ms",
+        env = "TOOLFLEET_LLM_IDLE_TIMEOUT_MS",
+        default_value_t = 30_000
+    )]
     pub idle_timeout_ms: u64,
 }
 
@@ -141,8 +190,14 @@ pub fn redact_url(url: &str) -> String {
 
 /// Installs the tracing subscriber (`TOOLFLEET_LOG`, default `info`).
 pub fn init_tracing() {
+    init_tracing_with("info");
+}
+
+/// Installs the tracing subscriber with `default` as the filter when
+/// `TOOLFLEET_LOG` is not set (interactive commands use `warn`).
+pub fn init_tracing_with(default: &str) {
     let filter = tracing_subscriber::EnvFilter::try_from_env(ENV_LOG)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -154,13 +209,14 @@ pub async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {}
             _ = term.recv() => {}
@@ -178,7 +234,10 @@ mod tests {
 
     #[test]
     fn redacts_passwords() {
-        assert_eq!(redact_url("redis://:hunter2@host:6379/0"), "redis://:***@host:6379/0");
+        assert_eq!(
+            redact_url("redis://:hunter2@host:6379/0"),
+            "redis://:***@host:6379/0"
+        );
         assert_eq!(redact_url("nats://host:4222"), "nats://host:4222");
         assert!(!redact_url("not a url hunter2").contains("hunter2"));
     }

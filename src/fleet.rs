@@ -43,7 +43,8 @@ impl WorkerKind {
 
 /// Loads and validates the tool definitions.
 pub fn load_registry(dir: &Path) -> anyhow::Result<ToolRegistry> {
-    ToolRegistry::from_dir(dir).with_context(|| format!("loading tool definitions from {}", dir.display()))
+    ToolRegistry::from_dir(dir)
+        .with_context(|| format!("loading tool definitions from {}", dir.display()))
 }
 
 /// Opens the index at `index_dir`, building it from `corpus_dir` first when
@@ -54,25 +55,39 @@ pub fn open_or_build_index(index_dir: &Path, corpus_dir: &Path) -> anyhow::Resul
             .with_context(|| format!("building the index from {}", corpus_dir.display()))?;
         tracing::info!(documents = stats.documents, passages = stats.passages, index = %index_dir.display(), "index built");
     }
-    DocumentIndex::open(index_dir).with_context(|| format!("opening the index at {}", index_dir.display()))
+    DocumentIndex::open(index_dir)
+        .with_context(|| format!("opening the index at {}", index_dir.display()))
 }
 
 /// The tools of `kind` in the registry that this build has handlers for.
-pub fn served_tools(kind: WorkerKind, registry: &ToolRegistry, index: Option<&DocumentIndex>) -> anyhow::Result<Vec<ServedTool>> {
+pub fn served_tools(
+    kind: WorkerKind,
+    registry: &ToolRegistry,
+    index: Option<&DocumentIndex>,
+) -> anyhow::Result<Vec<ServedTool>> {
     let mut out = Vec::new();
     for compiled in registry.iter_compiled() {
         let def = &compiled.definition;
         if def.id.namespace != kind.namespace() {
             continue;
         }
-        let handler = crate::builtin::handler(&def.implementation_key, index)
-            .with_context(|| format!("{}: no implementation for key {:?}", def.id, def.implementation_key))?;
+        let handler =
+            crate::builtin::handler(&def.implementation_key, index).with_context(|| {
+                format!(
+                    "{}: no implementation for key {:?}",
+                    def.id, def.implementation_key
+                )
+            })?;
         let compiled = registry
             .compiled_arc(&def.id)
             .with_context(|| format!("{} is not compiled", def.id))?;
         out.push(ServedTool::new(compiled, handler));
     }
-    anyhow::ensure!(!out.is_empty(), "no {} tools in the tool definitions", kind.name());
+    anyhow::ensure!(
+        !out.is_empty(),
+        "no {} tools in the tool definitions",
+        kind.name()
+    );
     Ok(out)
 }
 
@@ -101,11 +116,21 @@ pub struct FleetSpec {
 /// Starts the parts of `spec` as tasks on `tracker`; they stop when
 /// `shutdown` is cancelled. Returns once every part is subscribed, so jobs
 /// published afterwards are taken.
-pub async fn start(spec: FleetSpec, metrics: &prometheus::Registry, tracker: &TaskTracker, shutdown: CancellationToken) -> anyhow::Result<()> {
+pub async fn start(
+    spec: FleetSpec,
+    metrics: &prometheus::Registry,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let wait = Duration::from_secs(10);
     let store = CitationStore::connect(&spec.redis_url, spec.subjects.prefix(), spec.citation_ttl)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot connect to Redis at {}: {e}", crate::config::redact_url(&spec.redis_url)))?;
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot connect to Redis at {}: {e}",
+                crate::config::redact_url(&spec.redis_url)
+            )
+        })?;
 
     if !spec.workers.is_empty() {
         let worker_metrics = WorkerMetrics::register(metrics)?;
@@ -116,13 +141,29 @@ pub async fn start(spec: FleetSpec, metrics: &prometheus::Registry, tracker: &Ta
         };
         for kind in &spec.workers {
             let tools = served_tools(*kind, &spec.registry, index.as_ref())?;
-            let client = crate::config::connect_nats(&spec.nats_url, &format!("toolfleet-worker-{}", kind.name()), wait).await?;
+            let client = crate::config::connect_nats(
+                &spec.nats_url,
+                &format!("toolfleet-worker-{}", kind.name()),
+                wait,
+            )
+            .await?;
             let mut config = WorkerConfig::new(kind.name(), spec.subjects.clone());
             config.concurrency = spec.worker_concurrency;
             let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-            let (store, metrics, shutdown) = (store.clone(), worker_metrics.clone(), shutdown.clone());
+            let (store, metrics, shutdown) =
+                (store.clone(), worker_metrics.clone(), shutdown.clone());
             tracker.spawn(async move {
-                if let Err(e) = crate::worker::run_with_ready(client, store, tools, config, metrics, shutdown, Some(ready_tx)).await {
+                if let Err(e) = crate::worker::run_with_ready(
+                    client,
+                    store,
+                    tools,
+                    config,
+                    metrics,
+                    shutdown,
+                    Some(ready_tx),
+                )
+                .await
+                {
                     tracing::error!(error = %e, "worker stopped");
                 }
             });
@@ -132,12 +173,24 @@ pub async fn start(spec: FleetSpec, metrics: &prometheus::Registry, tracker: &Ta
 
     if let Some((llm_config, config)) = spec.orchestrator {
         let llm = LlmClient::new(llm_config)?;
-        let client = crate::config::connect_nats(&spec.nats_url, "toolfleet-orchestrator", wait).await?;
+        let client =
+            crate::config::connect_nats(&spec.nats_url, "toolfleet-orchestrator", wait).await?;
         let m = OrchestratorMetrics::register(metrics)?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let registry = spec.registry;
         tracker.spawn(async move {
-            if let Err(e) = crate::orchestrator::run_with_ready(client, store, llm, registry, config, m, shutdown, Some(ready_tx)).await {
+            if let Err(e) = crate::orchestrator::run_with_ready(
+                client,
+                store,
+                llm,
+                registry,
+                config,
+                m,
+                shutdown,
+                Some(ready_tx),
+            )
+            .await
+            {
                 tracing::error!(error = %e, "orchestrator stopped");
             }
         });

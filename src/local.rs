@@ -73,7 +73,11 @@ impl Proc {
                 && let Ok(Some(status)) = c.try_wait()
             {
                 let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-                return Err(LocalError::NotReady(self.name, start.elapsed(), format!("exited with {status}\n{log}")));
+                return Err(LocalError::NotReady(
+                    self.name,
+                    start.elapsed(),
+                    format!("exited with {status}\n{log}"),
+                ));
             }
             std::thread::sleep(Duration::from_millis(25));
         }
@@ -144,14 +148,20 @@ impl NatsServer {
 
     /// Starts it again on the same port with the same data.
     pub fn restart(self) -> Result<Self, LocalError> {
-        let Self { mut proc, port, dir } = self;
+        let Self {
+            mut proc,
+            port,
+            dir,
+        } = self;
         proc.kill();
         Self::start_in(dir, port)
     }
 }
 
 fn nats_answers(port: u16) -> bool {
-    let Ok(s) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)) else {
+    let Ok(s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
@@ -177,7 +187,17 @@ impl RedisServer {
         let mut proc = Proc::spawn(
             "redis-server",
             Command::new("redis-server")
-                .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir"])
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                ])
                 .arg(dir.path()),
             &dir.path().join("redis.log"),
         )?;
@@ -198,14 +218,20 @@ impl RedisServer {
     }
 
     pub fn restart(self) -> Result<Self, LocalError> {
-        let Self { mut proc, port, dir } = self;
+        let Self {
+            mut proc,
+            port,
+            dir,
+        } = self;
         proc.kill();
         Self::start_in(dir, port)
     }
 }
 
 fn redis_answers(port: u16) -> bool {
-    let Ok(mut s) = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200)) else {
+    let Ok(mut s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
         return false;
     };
     let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
@@ -227,7 +253,9 @@ pub fn redis_reachable(url: &str) -> bool {
 }
 
 fn reachable(url: &str, default_port: u16, check: fn(u16) -> bool) -> bool {
-    let Ok(u) = url::Url::parse(url) else { return false };
+    let Ok(u) = url::Url::parse(url) else {
+        return false;
+    };
     let local = matches!(u.host_str(), Some("127.0.0.1") | Some("localhost"));
     local && check(u.port().unwrap_or(default_port))
 }

@@ -8,12 +8,23 @@ async fn main() {
     let cli = match toolfleet::cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {
-            let code = if e.use_stderr() { toolfleet::config::EXIT_CONFIG } else { 0 };
+            let code = if e.use_stderr() {
+                toolfleet::config::EXIT_CONFIG
+            } else {
+                0
+            };
             let _ = e.print();
             std::process::exit(code);
         }
     };
-    toolfleet::config::init_tracing();
+    // Interactive commands print their own progress; servers log.
+    let interactive = matches!(
+        cli.command,
+        toolfleet::cli::Command::Chat(_)
+            | toolfleet::cli::Command::Demo(_)
+            | toolfleet::cli::Command::Tools { .. }
+    );
+    toolfleet::config::init_tracing_with(if interactive { "warn" } else { "info" });
     let code = match toolfleet::cli::run(cli).await {
         Ok(code) => code,
         Err(e) => {

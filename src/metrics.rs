@@ -17,13 +17,23 @@ const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
-fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<IntCounterVec> {
+fn counter(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntCounterVec> {
     let c = IntCounterVec::new(Opts::new(name, help), labels)?;
     r.register(Box::new(c.clone()))?;
     Ok(c)
 }
 
-fn histogram(r: &Registry, name: &str, help: &str, labels: &[&str]) -> prometheus::Result<HistogramVec> {
+fn histogram(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<HistogramVec> {
     let h = HistogramVec::new(
         HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
         labels,
@@ -67,7 +77,12 @@ impl OrchestratorMetrics {
         )?;
         r.register(Box::new(chat_jobs_in_flight.clone()))?;
         Ok(Self {
-            chat_jobs: counter(r, "toolfleet_chat_jobs_total", "Chat jobs by outcome.", &["outcome"])?,
+            chat_jobs: counter(
+                r,
+                "toolfleet_chat_jobs_total",
+                "Chat jobs by outcome.",
+                &["outcome"],
+            )?,
             chat_job_duration,
             chat_jobs_in_flight,
             llm_requests: counter(
@@ -131,7 +146,12 @@ impl WorkerMetrics {
         )?;
         r.register(Box::new(in_flight.clone()))?;
         Ok(Self {
-            tool_jobs: counter(r, "toolfleet_tool_jobs_total", "Tool jobs by outcome.", &["tool", "outcome"])?,
+            tool_jobs: counter(
+                r,
+                "toolfleet_tool_jobs_total",
+                "Tool jobs by outcome.",
+                &["tool", "outcome"],
+            )?,
             tool_job_duration: histogram(
                 r,
                 "toolfleet_tool_job_duration_seconds",
@@ -223,10 +243,20 @@ mod tests {
         let o = OrchestratorMetrics::register(&r).unwrap();
         let w = WorkerMetrics::register(&r).unwrap();
         o.chat_jobs.with_label_values(&["completed"]).inc();
-        w.tool_jobs.with_label_values(&["system:current_datetime@1.0.0", "ok"]).inc();
+        w.tool_jobs
+            .with_label_values(&["system:current_datetime@1.0.0", "ok"])
+            .inc();
         let text = render(&r);
-        assert!(text.contains("toolfleet_chat_jobs_total{outcome=\"completed\"} 1"), "{text}");
-        assert!(text.contains("toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"} 1"), "{text}");
+        assert!(
+            text.contains("toolfleet_chat_jobs_total{outcome=\"completed\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"} 1"
+            ),
+            "{text}"
+        );
         // Registering twice on one registry is an error, not a silent double.
         assert!(WorkerMetrics::register(&r).is_err());
     }

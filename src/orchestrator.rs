@@ -27,9 +27,9 @@ use crate::citations::CitationStore;
 use crate::llm::{ChatRequest, FinishReason, LlmClient, Message, Usage};
 use crate::metrics::OrchestratorMetrics;
 use crate::protocol::{
-    CallContext, ChatEvent, ChatEventBody, ChatJob, ChatRole, DeadLetter, DeadLetterKind,
-    Envelope, InvocationContext, Reference, Subjects, ToolJob, ToolReply, ToolResult, ToolStatus,
-    encode, salvage_invocation_id, valid_invocation_id,
+    CallContext, ChatEvent, ChatEventBody, ChatJob, ChatRole, DeadLetter, DeadLetterKind, Envelope,
+    InvocationContext, Reference, Subjects, ToolJob, ToolReply, ToolResult, ToolStatus, encode,
+    salvage_invocation_id, valid_invocation_id,
 };
 use crate::tools::{ToolDefinition, ToolRegistry};
 
@@ -95,7 +95,10 @@ struct Fleet {
 }
 
 /// Creates the chat-job stream if it does not exist.
-pub async fn ensure_chat_stream(js: &jetstream::Context, subjects: &Subjects) -> Result<stream::Stream, OrchestratorError> {
+pub async fn ensure_chat_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<stream::Stream, OrchestratorError> {
     js.get_or_create_stream(stream::Config {
         name: subjects.chat_stream(),
         subjects: vec![subjects.chat_submit()],
@@ -120,7 +123,10 @@ pub async fn run(
     metrics: OrchestratorMetrics,
     shutdown: CancellationToken,
 ) -> Result<(), OrchestratorError> {
-    run_with_ready(client, store, llm, registry, config, metrics, shutdown, None).await
+    run_with_ready(
+        client, store, llm, registry, config, metrics, shutdown, None,
+    )
+    .await
 }
 
 /// [`run`], telling `ready` once the chat consumer is in place.
@@ -322,7 +328,13 @@ impl Events {
 
 impl Fleet {
     async fn refresh_catalog(&self) {
-        match crate::worker::live_tools(&self.client, &self.config.subjects, self.config.catalog_wait).await {
+        match crate::worker::live_tools(
+            &self.client,
+            &self.config.subjects,
+            self.config.catalog_wait,
+        )
+        .await
+        {
             Ok(live) => *self.live.write().await = live,
             Err(e) => warn!(error = %e, "cannot refresh the worker catalog"),
         }
@@ -346,11 +358,18 @@ impl Fleet {
         let job: ChatJob = match Envelope::ChatJob.decode(&msg.payload) {
             Ok(j) => j,
             Err(e) => {
-                self.metrics.chat_jobs.with_label_values(&["malformed"]).inc();
+                self.metrics
+                    .chat_jobs
+                    .with_label_values(&["malformed"])
+                    .inc();
                 let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
                 warn!(invocation_id = ?invocation_id, error = %e, "malformed chat job");
                 if let Some(id) = &invocation_id {
-                    let events = Events::start(self.client.clone(), self.config.subjects.chat_events(id), id.clone());
+                    let events = Events::start(
+                        self.client.clone(),
+                        self.config.subjects.chat_events(id),
+                        id.clone(),
+                    );
                     events.send(ChatEventBody::Error {
                         code: "malformed_job".into(),
                         message: e.to_string(),
@@ -369,10 +388,16 @@ impl Fleet {
                     error: e.to_string(),
                     headers: Default::default(),
                 };
-                self.metrics.dead_letters.with_label_values(&[e.code()]).inc();
+                self.metrics
+                    .dead_letters
+                    .with_label_values(&[e.code()])
+                    .inc();
                 let _ = self
                     .client
-                    .publish(self.config.subjects.dead_letter(DeadLetterKind::Chat), encode(&dead))
+                    .publish(
+                        self.config.subjects.dead_letter(DeadLetterKind::Chat),
+                        encode(&dead),
+                    )
                     .await;
                 let _ = msg.ack_with(AckKind::Term).await;
                 return;
@@ -432,7 +457,12 @@ impl Fleet {
         .await
     }
 
-    async fn invoke(&self, job: &ChatJob, deadline_ms: u64, events: &Events) -> Result<(), Failure> {
+    async fn invoke(
+        &self,
+        job: &ChatJob,
+        deadline_ms: u64,
+        events: &Events,
+    ) -> Result<(), Failure> {
         let ctx = InvocationContext {
             invocation_id: job.invocation_id.clone(),
             tenant: job.tenant.clone(),
@@ -453,8 +483,12 @@ impl Fleet {
         }
         for m in &job.messages {
             messages.push(match m.role {
-                ChatRole::System => Message::System { content: m.content.clone() },
-                ChatRole::User => Message::User { content: m.content.clone() },
+                ChatRole::System => Message::System {
+                    content: m.content.clone(),
+                },
+                ChatRole::User => Message::User {
+                    content: m.content.clone(),
+                },
                 ChatRole::Assistant => Message::Assistant {
                     content: Some(m.content.clone()),
                     tool_calls: Vec::new(),
@@ -475,7 +509,8 @@ impl Fleet {
         let tools: Vec<Value> = offered.iter().map(|d| d.chat_completions_tool()).collect();
 
         let mut seen_refs: HashSet<u64> = HashSet::new();
-        self.collect_references(&ctx.invocation_id, &mut seen_refs, events).await?;
+        self.collect_references(&ctx.invocation_id, &mut seen_refs, events)
+            .await?;
 
         let inbox = self.client.new_inbox();
         let mut replies = self
@@ -497,7 +532,11 @@ impl Fleet {
             let llm_started = Instant::now();
             let completion = self
                 .llm
-                .stream_chat(&request, |text| events.send(ChatEventBody::Delta { text: text.to_string() }))
+                .stream_chat(&request, |text| {
+                    events.send(ChatEventBody::Delta {
+                        text: text.to_string(),
+                    })
+                })
                 .await;
             let model = self.config.model.as_str();
             self.metrics
@@ -506,11 +545,17 @@ impl Fleet {
                 .observe(llm_started.elapsed().as_secs_f64());
             let completion = match completion {
                 Ok(c) => {
-                    self.metrics.llm_requests.with_label_values(&[model, "ok"]).inc();
+                    self.metrics
+                        .llm_requests
+                        .with_label_values(&[model, "ok"])
+                        .inc();
                     c
                 }
                 Err(e) => {
-                    self.metrics.llm_requests.with_label_values(&[model, e.code()]).inc();
+                    self.metrics
+                        .llm_requests
+                        .with_label_values(&[model, e.code()])
+                        .inc();
                     return Err(Failure::new(format!("llm_{}", e.code()), e.to_string()));
                 }
             };
@@ -521,7 +566,10 @@ impl Fleet {
                     ("cached", u.cached_tokens),
                     ("reasoning", u.reasoning_tokens),
                 ] {
-                    self.metrics.llm_tokens.with_label_values(&[model, kind]).inc_by(n);
+                    self.metrics
+                        .llm_tokens
+                        .with_label_values(&[model, kind])
+                        .inc_by(n);
                 }
                 usage += u;
             }
@@ -531,7 +579,8 @@ impl Fleet {
                     (Some(r), true) => r.clone(),
                     _ => completion.text.clone(),
                 };
-                self.collect_references(&ctx.invocation_id, &mut seen_refs, events).await?;
+                self.collect_references(&ctx.invocation_id, &mut seen_refs, events)
+                    .await?;
                 let references = self
                     .store
                     .references(&ctx.invocation_id)
@@ -574,13 +623,19 @@ impl Fleet {
                     content: result,
                 });
             }
-            self.collect_references(&ctx.invocation_id, &mut seen_refs, events).await?;
+            self.collect_references(&ctx.invocation_id, &mut seen_refs, events)
+                .await?;
         }
         Err(Failure::new("round_limit", "no rounds allowed"))
     }
 
     /// Publishes a `references` event with the references not seen yet.
-    async fn collect_references(&self, invocation_id: &str, seen: &mut HashSet<u64>, events: &Events) -> Result<(), Failure> {
+    async fn collect_references(
+        &self,
+        invocation_id: &str,
+        seen: &mut HashSet<u64>,
+        events: &Events,
+    ) -> Result<(), Failure> {
         let all = self
             .store
             .references(invocation_id)
@@ -605,7 +660,8 @@ impl Fleet {
     ) -> Vec<String> {
         let mut answers: Vec<Option<String>> = vec![None; calls.len()];
         // Internal call id → (position, definition, started, wait deadline).
-        let mut pending: HashMap<String, (usize, &ToolDefinition, Instant, tokio::time::Instant)> = HashMap::new();
+        let mut pending: HashMap<String, (usize, &ToolDefinition, Instant, tokio::time::Instant)> =
+            HashMap::new();
         let mut acks = Vec::new();
 
         for (i, call) in calls.iter().enumerate() {
@@ -615,19 +671,31 @@ impl Fleet {
                     tool: call.name.clone(),
                     arguments: Value::String("[unknown tool]".into()),
                 });
-                let names: Vec<&str> = self.registry.iter().map(|d| d.function.name.as_str()).collect();
+                let names: Vec<&str> = self
+                    .registry
+                    .iter()
+                    .map(|d| d.function.name.as_str())
+                    .collect();
                 answers[i] = Some(self.immediate(
                     events,
                     call,
                     &call.name,
                     ToolStatus::Error,
                     "unknown_tool",
-                    format!("Error: there is no tool named {:?}. Available tools: {}.", call.name, names.join(", ")),
+                    format!(
+                        "Error: there is no tool named {:?}. Available tools: {}.",
+                        call.name,
+                        names.join(", ")
+                    ),
                 ));
                 continue;
             };
             let tool = def.id.to_string();
-            let arguments: Value = match serde_json::from_str(if call.arguments.trim().is_empty() { "{}" } else { &call.arguments }) {
+            let arguments: Value = match serde_json::from_str(if call.arguments.trim().is_empty() {
+                "{}"
+            } else {
+                &call.arguments
+            }) {
                 Ok(v) => v,
                 Err(e) => {
                     events.send(ChatEventBody::ToolCall {
@@ -674,9 +742,16 @@ impl Fleet {
                 attempt: 1,
                 reply_to: inbox.to_string(),
             };
-            let body = encode(&ToolJob { arguments, settings: None });
+            let body = encode(&ToolJob {
+                arguments,
+                settings: None,
+            });
             let subject = self.config.subjects.tool(&def.id);
-            match self.js.publish_with_headers(subject, call_ctx.to_headers(), body).await {
+            match self
+                .js
+                .publish_with_headers(subject, call_ctx.to_headers(), body)
+                .await
+            {
                 Ok(ack) => acks.push((i, ack)),
                 Err(e) => {
                     answers[i] = Some(self.immediate(
@@ -694,7 +769,10 @@ impl Fleet {
             if let Some(d) = ctx.deadline_ms {
                 wait = wait.min(Duration::from_millis(d.saturating_sub(now_ms())));
             }
-            pending.insert(call_id, (i, def, Instant::now(), tokio::time::Instant::now() + wait));
+            pending.insert(
+                call_id,
+                (i, def, Instant::now(), tokio::time::Instant::now() + wait),
+            );
         }
 
         // JetStream must have stored every job; a job it refused is answered
@@ -702,7 +780,11 @@ impl Fleet {
         for (i, ack) in acks {
             if let Err(e) = ack.await {
                 let call = &calls[i];
-                if let Some(key) = pending.iter().find(|(_, v)| v.0 == i).map(|(k, _)| k.clone()) {
+                if let Some(key) = pending
+                    .iter()
+                    .find(|(_, v)| v.0 == i)
+                    .map(|(k, _)| k.clone())
+                {
                     let (_, def, _, _) = pending.remove(&key).unwrap_or_else(|| unreachable!());
                     answers[i] = Some(self.immediate(
                         events,
@@ -717,7 +799,11 @@ impl Fleet {
         }
 
         while !pending.is_empty() {
-            let next_deadline = pending.values().map(|v| v.3).min().unwrap_or_else(tokio::time::Instant::now);
+            let next_deadline = pending
+                .values()
+                .map(|v| v.3)
+                .min()
+                .unwrap_or_else(tokio::time::Instant::now);
             match tokio::time::timeout_at(next_deadline, replies.next()).await {
                 Ok(Some(msg)) => {
                     let reply: ToolReply = match Envelope::ToolReply.decode(&msg.payload) {
@@ -727,20 +813,30 @@ impl Fleet {
                             continue;
                         }
                     };
-                    let ToolReply::Result(result) = reply else { continue };
+                    let ToolReply::Result(result) = reply else {
+                        continue;
+                    };
                     let Some((i, def, started, _)) = pending.remove(&result.call_id) else {
                         continue;
                     };
-                    answers[i] = Some(self.record(events, &calls[i], def, started.elapsed(), &result));
+                    answers[i] =
+                        Some(self.record(events, &calls[i], def, started.elapsed(), &result));
                 }
                 Ok(None) => break,
                 Err(_) => {
                     let now = tokio::time::Instant::now();
-                    let expired: Vec<String> = pending.iter().filter(|(_, v)| v.3 <= now).map(|(k, _)| k.clone()).collect();
+                    let expired: Vec<String> = pending
+                        .iter()
+                        .filter(|(_, v)| v.3 <= now)
+                        .map(|(k, _)| k.clone())
+                        .collect();
                     for key in expired {
                         if let Some((i, def, started, _)) = pending.remove(&key) {
                             let tool = def.id.to_string();
-                            self.metrics.tool_calls.with_label_values(&[tool.as_str(), "timeout"]).inc();
+                            self.metrics
+                                .tool_calls
+                                .with_label_values(&[tool.as_str(), "timeout"])
+                                .inc();
                             events.send(ChatEventBody::ToolResult {
                                 call_id: calls[i].id.clone(),
                                 tool,
@@ -773,7 +869,10 @@ impl Fleet {
         code: &str,
         content: String,
     ) -> String {
-        self.metrics.tool_calls.with_label_values(&[tool, status.as_str()]).inc();
+        self.metrics
+            .tool_calls
+            .with_label_values(&[tool, status.as_str()])
+            .inc();
         events.send(ChatEventBody::ToolResult {
             call_id: call.id.clone(),
             tool: tool.to_string(),
@@ -837,6 +936,9 @@ mod tests {
     fn sensitive_arguments_are_redacted() {
         let args = serde_json::json!({"query": "q", "apiToken": "s3cret"});
         let out = redact(&args, &["apiToken".to_string()]);
-        assert_eq!(out, serde_json::json!({"query": "q", "apiToken": "[redacted]"}));
+        assert_eq!(
+            out,
+            serde_json::json!({"query": "q", "apiToken": "[redacted]"})
+        );
     }
 }

@@ -692,7 +692,10 @@ impl Envelope {
     }
 
     /// Size check, JSON parse, schema validation, then deserialisation.
-    pub fn decode<T: serde::de::DeserializeOwned>(self, payload: &[u8]) -> Result<T, ProtocolError> {
+    pub fn decode<T: serde::de::DeserializeOwned>(
+        self,
+        payload: &[u8],
+    ) -> Result<T, ProtocolError> {
         if payload.len() > MAX_JOB_BYTES {
             return Err(ProtocolError::TooLarge {
                 size: payload.len(),
@@ -754,15 +757,27 @@ mod tests {
         assert_eq!(s.chat_submit(), "toolfleet.chat.submit");
         assert_eq!(s.chat_events("abc"), "toolfleet.chat.events.abc");
         assert_eq!(s.chat_cancel("abc"), "toolfleet.chat.cancel.abc");
-        assert_eq!(s.tool(&id()), "toolfleet.tool.retrieval.search_documents.1_0_0");
+        assert_eq!(
+            s.tool(&id()),
+            "toolfleet.tool.retrieval.search_documents.1_0_0"
+        );
         assert_eq!(s.chat_stream(), "TOOLFLEET_CHAT");
         assert_eq!(s.tools_stream(), "TOOLFLEET_TOOLS");
-        assert_eq!(s.tool_consumer(&id()), "tool_retrieval_search_documents_1_0_0");
-        assert_eq!(s.dead_letter(DeadLetterKind::Tool), "toolfleet.deadletter.tool");
+        assert_eq!(
+            s.tool_consumer(&id()),
+            "tool_retrieval_search_documents_1_0_0"
+        );
+        assert_eq!(
+            s.dead_letter(DeadLetterKind::Tool),
+            "toolfleet.deadletter.tool"
+        );
         let t = Subjects::new("acme.tf").unwrap();
         assert_eq!(t.chat_stream(), "ACME_TF_CHAT");
         for bad in ["", "a..b", "a b", "a.*", "a.>"] {
-            assert_eq!(Subjects::new(bad), Err(ProtocolError::BadPrefix(bad.into())));
+            assert_eq!(
+                Subjects::new(bad),
+                Err(ProtocolError::BadPrefix(bad.into()))
+            );
         }
     }
 
@@ -779,9 +794,7 @@ mod tests {
                 data_source_id: Some("ds-3".into()),
                 provider_confidence: Some(0.75),
                 deadline_ms: Some(1_900_000_000_000),
-                traceparent: Some(
-                    "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into(),
-                ),
+                traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
             },
             call_id: "call_1".into(),
             tool_id: id(),
@@ -823,7 +836,10 @@ mod tests {
             (DEADLINE, "1900000000000"),
             (ATTEMPT, "3"),
             (REPLY_TO, "_INBOX.abc"),
-            (TRACEPARENT, "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"),
+            (
+                TRACEPARENT,
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
             (NATS_MSG_ID, "inv-1.call_1"),
         ];
         for (name, value) in expected {
@@ -958,7 +974,10 @@ mod tests {
             salvage_invocation_id(br#"{"invocationId":"abc","messages":7}"#, None),
             Some("abc".into())
         );
-        assert_eq!(salvage_invocation_id(br#"{"invocationId":"a b"}"#, None), None);
+        assert_eq!(
+            salvage_invocation_id(br#"{"invocationId":"a b"}"#, None),
+            None
+        );
         assert_eq!(salvage_invocation_id(b"garbage", None), None);
     }
 }

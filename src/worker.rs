@@ -69,14 +69,22 @@ impl ToolError {
     }
 
     pub fn is_retryable(&self) -> bool {
-        matches!(self, ToolError::Failed { retryable: true, .. })
+        matches!(
+            self,
+            ToolError::Failed {
+                retryable: true,
+                ..
+            }
+        )
     }
 
     pub fn code(&self) -> &'static str {
         match self {
             ToolError::InvalidInput(_) => "invalid_input",
             ToolError::Blocked(_) => "blocked",
-            ToolError::Failed { retryable: true, .. } => "transient_failure",
+            ToolError::Failed {
+                retryable: true, ..
+            } => "transient_failure",
             ToolError::Failed { .. } => "tool_failed",
         }
     }
@@ -110,7 +118,12 @@ impl ToolCtx {
         let tool = self.call.tool_id.to_string();
         let stored = self
             .store
-            .reserve(&self.call.invocation.invocation_id, &self.call.call_id, &tool, refs)
+            .reserve(
+                &self.call.invocation.invocation_id,
+                &self.call.call_id,
+                &tool,
+                refs,
+            )
             .await
             .map_err(|e| ToolError::transient(e.to_string()))?;
         self.metrics
@@ -137,13 +150,20 @@ impl ToolCtx {
     }
 
     fn take_cited(&self) -> Vec<Reference> {
-        self.cited.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default()
+        self.cited
+            .lock()
+            .map(|mut c| std::mem::take(&mut *c))
+            .unwrap_or_default()
     }
 }
 
 /// A tool implementation.
 pub trait ToolHandler: Send + Sync + 'static {
-    fn call<'a>(&'a self, ctx: &'a ToolCtx, args: Value) -> BoxFuture<'a, Result<ToolOutput, ToolError>>;
+    fn call<'a>(
+        &'a self,
+        ctx: &'a ToolCtx,
+        args: Value,
+    ) -> BoxFuture<'a, Result<ToolOutput, ToolError>>;
 }
 
 /// Lifecycle hooks around every call; every method is a no-op by default.
@@ -226,7 +246,10 @@ impl WorkerConfig {
 }
 
 /// Creates the tool-job stream if it does not exist.
-pub async fn ensure_tools_stream(js: &jetstream::Context, subjects: &Subjects) -> Result<stream::Stream, WorkerError> {
+pub async fn ensure_tools_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<stream::Stream, WorkerError> {
     js.get_or_create_stream(stream::Config {
         name: subjects.tools_stream(),
         subjects: vec![subjects.tools_all()],
@@ -270,7 +293,9 @@ pub async fn run_with_ready(
     ready: Option<tokio::sync::oneshot::Sender<()>>,
 ) -> Result<(), WorkerError> {
     if tools.is_empty() {
-        return Err(WorkerError::Config("a worker needs at least one tool".into()));
+        return Err(WorkerError::Config(
+            "a worker needs at least one tool".into(),
+        ));
     }
     let js = jetstream::new(client.clone());
     let stream = ensure_tools_stream(&js, &config.subjects).await?;
@@ -311,18 +336,25 @@ pub async fn run_with_ready(
                 },
             )
             .await
-            .map_err(|e| WorkerError::Nats(format!("consumer for {}: {e}", tool.definition().id)))?;
+            .map_err(|e| {
+                WorkerError::Nats(format!("consumer for {}: {e}", tool.definition().id))
+            })?;
 
         let endpoint = service
             .endpoint_builder()
             .name(&tool.definition().function.name)
             .metadata(HashMap::from([
                 ("toolId".to_string(), tool.definition().id.to_string()),
-                ("delivery".to_string(), format!("{:?}", tool.definition().delivery).to_lowercase()),
+                (
+                    "delivery".to_string(),
+                    format!("{:?}", tool.definition().delivery).to_lowercase(),
+                ),
             ]))
             .add(direct_subject(&config.subjects, tool.definition()))
             .await
-            .map_err(|e| WorkerError::Nats(format!("endpoint for {}: {e}", tool.definition().id)))?;
+            .map_err(|e| {
+                WorkerError::Nats(format!("endpoint for {}: {e}", tool.definition().id))
+            })?;
 
         info!(tool = %tool.definition().id, worker = %config.name, "serving tool");
         tracker.spawn(pull_loop(
@@ -437,7 +469,9 @@ async fn direct_loop(
             let headers = request.message.headers.clone().unwrap_or_default();
             let outcome = process(&headers, &request.message.payload, 1, &tool, &shared).await;
             if let Some(result) = &outcome.result {
-                let _ = request.respond(Ok(encode(&ToolReply::Result(result.clone())))).await;
+                let _ = request
+                    .respond(Ok(encode(&ToolReply::Result(result.clone()))))
+                    .await;
             } else {
                 let _ = request
                     .respond(Err(async_nats::service::error::Error {
@@ -472,7 +506,10 @@ struct Outcome {
 
 async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &Shared) {
     let (attempt, sequence) = match msg.info() {
-        Ok(i) => (u32::try_from(i.delivered).unwrap_or(1).max(1), i.stream_sequence),
+        Ok(i) => (
+            u32::try_from(i.delivered).unwrap_or(1).max(1),
+            i.stream_sequence,
+        ),
         Err(_) => (1, 0),
     };
     let headers = msg.headers.clone().unwrap_or_default();
@@ -498,15 +535,19 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &S
     progress.cancel();
     let _ = ticker.await;
 
-    if matches!(outcome.disposition, Disposition::Retry(_)) && attempt >= shared.config.max_attempts {
+    if matches!(outcome.disposition, Disposition::Retry(_)) && attempt >= shared.config.max_attempts
+    {
         outcome.disposition = Disposition::Terminate;
     }
     match &outcome.disposition {
         Disposition::Retry(delay) => {
-            shared.metrics.tool_job_retries.with_label_values(&[tool_label.as_str()]).inc();
+            shared
+                .metrics
+                .tool_job_retries
+                .with_label_values(&[tool_label.as_str()])
+                .inc();
             warn!(tool = %tool_label, attempt, error = ?outcome.error, "attempt failed; will retry");
             let _ = msg.ack_with(AckKind::Nak(Some(*delay))).await;
-            return;
         }
         Disposition::Ack => {
             if let Some(result) = &outcome.result {
@@ -530,7 +571,13 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &S
             if let (Some(result), Some(call)) = (&result, outcome.call.as_ref()) {
                 let mut result = result.clone();
                 if result.status == ToolStatus::Ok {
-                    result = error_result(call, attempt, result.duration_ms, &outcome.code, "the tool job failed");
+                    result = error_result(
+                        call,
+                        attempt,
+                        result.duration_ms,
+                        &outcome.code,
+                        "the tool job failed",
+                    );
                 }
                 publish_result(shared, Some(call), &result).await;
             }
@@ -539,7 +586,10 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &S
                 kind: DeadLetterKind::Tool,
                 stream: shared.stream_name.clone(),
                 stream_sequence: sequence,
-                invocation_id: outcome.call.as_ref().map(|c| c.invocation.invocation_id.clone()),
+                invocation_id: outcome
+                    .call
+                    .as_ref()
+                    .map(|c| c.invocation.invocation_id.clone()),
                 call_id: outcome.call.as_ref().map(|c| c.call_id.clone()),
                 tool_id: Some(tool_label.clone()),
                 attempts: attempt,
@@ -547,10 +597,17 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &S
                 error: outcome.error.clone().unwrap_or_default(),
                 headers: safe_headers(&headers),
             };
-            shared.metrics.dead_letters.with_label_values(&["tool"]).inc();
+            shared
+                .metrics
+                .dead_letters
+                .with_label_values(&["tool"])
+                .inc();
             let _ = shared
                 .client
-                .publish(shared.config.subjects.dead_letter(DeadLetterKind::Tool), encode(&dead))
+                .publish(
+                    shared.config.subjects.dead_letter(DeadLetterKind::Tool),
+                    encode(&dead),
+                )
                 .await;
             warn!(tool = %tool_label, attempt, code = %outcome.code, "tool job dead-lettered");
         }
@@ -589,8 +646,22 @@ fn now_ms() -> u64 {
         .unwrap_or_default()
 }
 
-fn error_result(call: &CallContext, attempt: u32, duration_ms: u64, code: &str, message: &str) -> ToolResult {
-    status_result(call, attempt, duration_ms, ToolStatus::Error, code, message, Vec::new())
+fn error_result(
+    call: &CallContext,
+    attempt: u32,
+    duration_ms: u64,
+    code: &str,
+    message: &str,
+) -> ToolResult {
+    status_result(
+        call,
+        attempt,
+        duration_ms,
+        ToolStatus::Error,
+        code,
+        message,
+        Vec::new(),
+    )
 }
 
 fn status_result(
@@ -685,15 +756,24 @@ async fn process_call(
         count("error");
         let msg = format!(
             "this subject serves {}, but the job names {}",
-            tool.definition().id, call.tool_id
+            tool.definition().id,
+            call.tool_id
         );
-        return done(error_result(&call, attempt, 0, "wrong_tool", &msg), Disposition::Terminate, "wrong_tool");
+        return done(
+            error_result(&call, attempt, 0, "wrong_tool", &msg),
+            Disposition::Terminate,
+            "wrong_tool",
+        );
     }
 
     // A redelivered (or re-published) job returns what the first attempt
     // stored, and writes no second set of citations.
     {
-        match shared.store.ledger_get(&call.invocation.invocation_id, &call.call_id).await {
+        match shared
+            .store
+            .ledger_get(&call.invocation.invocation_id, &call.call_id)
+            .await
+        {
             Ok(Some(mut stored)) => {
                 count("redelivered");
                 stored.replayed = true;
@@ -719,7 +799,11 @@ async fn process_call(
             count("error");
             let code = e.code();
             let msg = format!("malformed tool job: {e}");
-            return done(error_result(&call, attempt, 0, code, &msg), Disposition::Ack, code);
+            return done(
+                error_result(&call, attempt, 0, code, &msg),
+                Disposition::Ack,
+                code,
+            );
         }
     };
 
@@ -732,12 +816,22 @@ async fn process_call(
             tool.definition().function.name,
             crate::schema::describe(&violations)
         );
-        let r = status_result(&call, attempt, 0, ToolStatus::Error, "invalid_arguments", &msg, violations);
+        let r = status_result(
+            &call,
+            attempt,
+            0,
+            ToolStatus::Error,
+            "invalid_arguments",
+            &msg,
+            violations,
+        );
         return done(r, Disposition::Ack, "invalid_arguments");
     }
 
-    if let (Some(min), conf) = (tool.definition().min_provider_confidence, call.invocation.provider_confidence)
-        && conf.unwrap_or(0.0) < min
+    if let (Some(min), conf) = (
+        tool.definition().min_provider_confidence,
+        call.invocation.provider_confidence,
+    ) && conf.unwrap_or(0.0) < min
     {
         count("blocked");
         let msg = format!(
@@ -745,7 +839,15 @@ async fn process_call(
             tool.definition().function.name,
             conf.map(|c| c.to_string()).unwrap_or_else(|| "none".into())
         );
-        let r = status_result(&call, attempt, 0, ToolStatus::Blocked, "provider_confidence", &msg, Vec::new());
+        let r = status_result(
+            &call,
+            attempt,
+            0,
+            ToolStatus::Blocked,
+            "provider_confidence",
+            &msg,
+            Vec::new(),
+        );
         return done(r, Disposition::Ack, "blocked");
     }
 
@@ -777,7 +879,10 @@ async fn process_call(
         cancel: CancellationToken::new(),
     };
     let tool_label = tool.definition().id.to_string();
-    let in_flight = shared.metrics.tool_jobs_in_flight.with_label_values(&[tool_label.as_str()]);
+    let in_flight = shared
+        .metrics
+        .tool_jobs_in_flight
+        .with_label_values(&[tool_label.as_str()]);
     in_flight.inc();
     tool.hooks.on_start(&call);
     let started = Instant::now();
@@ -825,11 +930,22 @@ async fn process_call(
                 ToolError::Blocked(_) => ToolStatus::Blocked,
                 _ => ToolStatus::Error,
             };
-            let r = status_result(&call, attempt, duration_ms, status, e.code(), &e.to_string(), Vec::new());
+            let r = status_result(
+                &call,
+                attempt,
+                duration_ms,
+                status,
+                e.code(),
+                &e.to_string(),
+                Vec::new(),
+            );
             (r, Disposition::Ack, e.code())
         }
         Err(_) => {
-            let e = ToolError::failed(format!("the tool did not finish within {} ms", budget.as_millis()));
+            let e = ToolError::failed(format!(
+                "the tool did not finish within {} ms",
+                budget.as_millis()
+            ));
             tool.hooks.on_error(&call, &e);
             let r = status_result(
                 &call,
@@ -848,7 +964,8 @@ async fn process_call(
     // cannot be written the result still goes out: a later duplicate will
     // run again but reuse its citation indices.
     if let Err(e) = shared.store.ledger_put(&result).await {
-        tool.hooks.on_warning(&call, &format!("result ledger not written: {e}"));
+        tool.hooks
+            .on_warning(&call, &format!("result ledger not written: {e}"));
         warn!(error = %e, "result ledger not written");
     }
     if result.status == ToolStatus::Ok {
@@ -884,7 +1001,10 @@ pub async fn live_tools(
         )
         .await
         .map_err(|e| WorkerError::Nats(e.to_string()))?;
-    client.flush().await.map_err(|e| WorkerError::Nats(e.to_string()))?;
+    client
+        .flush()
+        .await
+        .map_err(|e| WorkerError::Nats(e.to_string()))?;
     let mut live = std::collections::HashSet::new();
     let deadline = tokio::time::Instant::now() + wait;
     while let Ok(Some(msg)) = tokio::time::timeout_at(deadline, sub.next()).await {

@@ -29,11 +29,18 @@ fn both_tools_script() -> Value {
     })
 }
 
-fn tool_results(events: &[toolfleet::protocol::ChatEvent]) -> Vec<(String, ToolStatus, Option<String>)> {
+fn tool_results(
+    events: &[toolfleet::protocol::ChatEvent],
+) -> Vec<(String, ToolStatus, Option<String>)> {
     events
         .iter()
         .filter_map(|e| match &e.body {
-            ChatEventBody::ToolResult { tool, status, error_code, .. } => Some((tool.clone(), *status, error_code.clone())),
+            ChatEventBody::ToolResult {
+                tool,
+                status,
+                error_code,
+                ..
+            } => Some((tool.clone(), *status, error_code.clone())),
             _ => None,
         })
         .collect()
@@ -55,7 +62,9 @@ fn tool_messages(env: &Env) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_tools_in_one_round_answer_with_citations() {
     let env = Env::start(both_tools_script()).await;
-    let (job, outcome) = env.ask("What time is it, and how do lighthouses warn ships?").await;
+    let (job, outcome) = env
+        .ask("What time is it, and how do lighthouses warn ships?")
+        .await;
     let outcome = outcome.expect("completed");
 
     // Both calls went out before either result came back: one parallel round.
@@ -78,19 +87,38 @@ async fn both_tools_in_one_round_answer_with_citations() {
     assert!(kinds.contains(&"references"));
     assert_eq!(*kinds.last().unwrap(), "completed");
     let seqs: Vec<u64> = outcome.events.iter().map(|e| e.seq).collect();
-    assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>(), "events are numbered without gaps");
+    assert_eq!(
+        seqs,
+        (0..seqs.len() as u64).collect::<Vec<_>>(),
+        "events are numbered without gaps"
+    );
     let results = tool_results(&outcome.events);
-    assert!(results.iter().all(|(_, s, _)| *s == ToolStatus::Ok), "{results:?}");
+    assert!(
+        results.iter().all(|(_, s, _)| *s == ToolStatus::Ok),
+        "{results:?}"
+    );
     assert_eq!(outcome.rounds, 2);
 
     // The answer cites [doc:N] markers that all resolve to references.
     let cited = cited_indices(&outcome.text);
     assert!(!cited.is_empty(), "{}", outcome.text);
     let known: HashSet<u64> = outcome.references.iter().map(|r| r.index).collect();
-    assert!(cited.iter().all(|n| known.contains(n)), "{cited:?} vs {known:?}");
-    assert!(outcome.references.iter().any(|r| r.source.as_deref() == Some("lighthouses.md")));
+    assert!(
+        cited.iter().all(|n| known.contains(n)),
+        "{cited:?} vs {known:?}"
+    );
+    assert!(
+        outcome
+            .references
+            .iter()
+            .any(|r| r.source.as_deref() == Some("lighthouses.md"))
+    );
     let rendered = render(&outcome.text, &outcome.references);
-    assert!(rendered.text.contains("[1]") && !rendered.text.contains("[doc:"), "{}", rendered.text);
+    assert!(
+        rendered.text.contains("[1]") && !rendered.text.contains("[doc:"),
+        "{}",
+        rendered.text
+    );
     assert!(rendered.to_markdown().contains("\n[1] "));
 
     // The model was sent both results as tool messages.
@@ -98,15 +126,32 @@ async fn both_tools_in_one_round_answer_with_citations() {
     assert_eq!(tools.len(), 2);
     assert!(tools.iter().any(|t| t.contains("[doc:1]")), "{tools:?}");
     // Nothing secret reached the model or the events.
-    let all_events = serde_json::to_string(&outcome.events.iter().map(|e| serde_json::to_value(e).unwrap()).collect::<Vec<_>>()).unwrap();
+    let all_events = serde_json::to_string(
+        &outcome
+            .events
+            .iter()
+            .map(|e| serde_json::to_value(e).unwrap())
+            .collect::<Vec<_>>(),
+    )
+    .unwrap();
     assert!(!all_events.contains("sk-test-secret"));
 
     // Redis keys follow the layout and carry a TTL.
     let keys = env.keys(&job.invocation_id).await;
     let id = &job.invocation_id;
-    assert!(keys.contains(&format!("toolfleet:{{{id}}}:seq")), "{keys:?}");
-    assert!(keys.contains(&format!("toolfleet:{{{id}}}:refs")), "{keys:?}");
-    assert!(keys.iter().any(|k| k.starts_with(&format!("toolfleet:{{{id}}}:result:"))), "{keys:?}");
+    assert!(
+        keys.contains(&format!("toolfleet:{{{id}}}:seq")),
+        "{keys:?}"
+    );
+    assert!(
+        keys.contains(&format!("toolfleet:{{{id}}}:refs")),
+        "{keys:?}"
+    );
+    assert!(
+        keys.iter()
+            .any(|k| k.starts_with(&format!("toolfleet:{{{id}}}:result:"))),
+        "{keys:?}"
+    );
     for k in &keys {
         let ttl = env.ttl(k).await;
         assert!(ttl > 0 && ttl <= 600, "{k} has TTL {ttl}");
@@ -140,12 +185,26 @@ async fn invalid_arguments_reach_the_model_and_write_nothing() {
     let (job, outcome) = env.ask("How do bees navigate?").await;
     let outcome = outcome.expect("the loop goes on to an answer");
     let results = tool_results(&outcome.events);
-    assert_eq!(results, vec![("retrieval:search_documents@1.0.0".into(), ToolStatus::Error, Some("invalid_arguments".into()))]);
+    assert_eq!(
+        results,
+        vec![(
+            "retrieval:search_documents@1.0.0".into(),
+            ToolStatus::Error,
+            Some("invalid_arguments".into())
+        )]
+    );
     let tools = tool_messages(&env);
     assert_eq!(tools.len(), 1);
-    assert!(tools[0].contains("Invalid arguments") && tools[0].contains("/limit"), "{}", tools[0]);
+    assert!(
+        tools[0].contains("Invalid arguments") && tools[0].contains("/limit"),
+        "{}",
+        tools[0]
+    );
     assert!(outcome.text.contains("/limit"), "{}", outcome.text);
-    assert!(env.keys(&job.invocation_id).await.is_empty(), "nothing written to Redis");
+    assert!(
+        env.keys(&job.invocation_id).await.is_empty(),
+        "nothing written to Redis"
+    );
     let text = env.metrics_text().await;
     assert!(text.contains("toolfleet_tool_jobs_total{outcome=\"invalid_arguments\",tool=\"retrieval:search_documents@1.0.0\"} 1"), "{text}");
 }
@@ -164,9 +223,21 @@ async fn unknown_tool_and_bad_json_arguments_are_answered_at_once() {
     let env = Env::start(script).await;
     let (_, outcome) = env.ask("Launch a rocket").await;
     let outcome = outcome.expect("completed");
-    assert_eq!(tool_results(&outcome.events), vec![("launch_rockets".into(), ToolStatus::Error, Some("unknown_tool".into()))]);
+    assert_eq!(
+        tool_results(&outcome.events),
+        vec![(
+            "launch_rockets".into(),
+            ToolStatus::Error,
+            Some("unknown_tool".into())
+        )]
+    );
     let tools = tool_messages(&env);
-    assert!(tools[0].contains("no tool named \"launch_rockets\"") && tools[0].contains("search_documents"), "{}", tools[0]);
+    assert!(
+        tools[0].contains("no tool named \"launch_rockets\"")
+            && tools[0].contains("search_documents"),
+        "{}",
+        tools[0]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -181,17 +252,32 @@ async fn a_tool_without_a_live_worker_is_answered_without_waiting_for_its_timeou
         }]
     });
     // Only the system worker runs: nobody serves search_documents.
-    let env = Env::start_with(script, Options { workers: vec![WorkerKind::System], ..Default::default() }).await;
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec![WorkerKind::System],
+            ..Default::default()
+        },
+    )
+    .await;
     let (_, outcome) = env.ask("What causes tides?").await;
     let outcome = outcome.expect("completed");
     let started = outcome.events.iter().find_map(|e| match &e.body {
         ChatEventBody::Started { tools, .. } => Some(tools.clone()),
         _ => None,
     });
-    assert_eq!(started, Some(vec!["system:current_datetime@1.0.0".to_string()]), "only live tools are offered");
+    assert_eq!(
+        started,
+        Some(vec!["system:current_datetime@1.0.0".to_string()]),
+        "only live tools are offered"
+    );
     assert_eq!(
         tool_results(&outcome.events),
-        vec![("retrieval:search_documents@1.0.0".into(), ToolStatus::Error, Some("no_worker".into()))]
+        vec![(
+            "retrieval:search_documents@1.0.0".into(),
+            ToolStatus::Error,
+            Some("no_worker".into())
+        )]
     );
     assert!(tool_messages(&env)[0].contains("no live worker"));
 }
@@ -204,11 +290,14 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
 
     // Schema violation with a salvageable invocation id → error event.
     let mut events = env.subscribe("toolfleet.chat.events.bad-1".into()).await;
-    js.publish("toolfleet.chat.submit", r#"{"invocationId":"bad-1","messages":[{"role":"wizard","content":"hi"}]}"#.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    js.publish(
+        "toolfleet.chat.submit",
+        r#"{"invocationId":"bad-1","messages":[{"role":"wizard","content":"hi"}]}"#.into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
     let ev = next_json(&mut events).await;
     assert_eq!(ev["type"], "error");
     assert_eq!(ev["code"], "malformed_job");
@@ -218,13 +307,20 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
     assert_eq!(d["invocationId"], "bad-1");
 
     // Not JSON at all → dead letter.
-    js.publish("toolfleet.chat.submit", "\u{1}garbage".into()).await.unwrap().await.unwrap();
+    js.publish("toolfleet.chat.submit", "\u{1}garbage".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
     let d = next_json(&mut dead).await;
     assert_eq!(d["code"], "malformed_json");
     assert_eq!(d["kind"], "chat");
 
     // Oversized → rejected with a clear error (by the stream or by us).
-    let big = format!(r#"{{"invocationId":"big-1","messages":[{{"role":"user","content":"{}"}}]}}"#, "x".repeat(2 * 1024 * 1024));
+    let big = format!(
+        r#"{{"invocationId":"big-1","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(2 * 1024 * 1024)
+    );
     let stored = match js.publish("toolfleet.chat.submit", big.into()).await {
         Ok(ack) => ack.await.is_ok(),
         Err(_) => false,
@@ -232,7 +328,9 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
     assert!(!stored, "an oversized job is refused");
 
     // The orchestrator still answers good jobs.
-    let (_, outcome) = env.ask("how do lighthouses warn ships? what time is it").await;
+    let (_, outcome) = env
+        .ask("how do lighthouses warn ships? what time is it")
+        .await;
     outcome.expect("a good job after bad ones completes");
 }
 
@@ -240,13 +338,18 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
 async fn fifty_concurrent_invocations_never_mix_citations() {
     let env = Env::start_with(
         both_tools_script(),
-        Options { tweak: |c| c.max_in_flight = 50, ..Default::default() },
+        Options {
+            tweak: |c| c.max_in_flight = 50,
+            ..Default::default()
+        },
     )
     .await;
     let asks = (0..50).map(|i| {
         let env = &env;
         async move {
-            let job = toolfleet::client::question(&format!("Question {i}: what time is it, and how do lighthouses warn ships?"));
+            let job = toolfleet::client::question(&format!(
+                "Question {i}: what time is it, and how do lighthouses warn ships?"
+            ));
             let out = env.submit(&job).await;
             (job, out)
         }
@@ -266,13 +369,22 @@ async fn fifty_concurrent_invocations_never_mix_citations() {
         // Every reference of this invocation came from this invocation's calls,
         // and the shared counter started at 1 for it.
         for r in &outcome.references {
-            assert!(my_calls.contains(r.call_id.as_deref().unwrap_or_default()), "{} got {:?}", job.invocation_id, r);
+            assert!(
+                my_calls.contains(r.call_id.as_deref().unwrap_or_default()),
+                "{} got {:?}",
+                job.invocation_id,
+                r
+            );
         }
         let mut indices: Vec<u64> = outcome.references.iter().map(|r| r.index).collect();
         indices.sort();
         assert_eq!(indices, (1..=indices.len() as u64).collect::<Vec<_>>());
         let known: HashSet<u64> = indices.into_iter().collect();
-        assert!(cited_indices(&outcome.text).iter().all(|n| known.contains(n)));
+        assert!(
+            cited_indices(&outcome.text)
+                .iter()
+                .all(|n| known.contains(n))
+        );
     }
 }
 
@@ -297,18 +409,30 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
         let mut h = call.to_headers();
         // A different message id: JetStream's de-duplication does not catch it.
         h.insert("Nats-Msg-Id", format!("ledger-1.call_1.{round}").as_str());
-        js.publish_with_headers(env.subjects.tool(&call.tool_id), h, body.clone().into()).await.unwrap().await.unwrap();
+        js.publish_with_headers(env.subjects.tool(&call.tool_id), h, body.clone().into())
+            .await
+            .unwrap()
+            .await
+            .unwrap();
         let reply = next_json(&mut replies).await;
         assert_eq!(reply["type"], "result");
         assert_eq!(reply["status"], "ok");
-        assert_eq!(reply["replayed"].as_bool().unwrap_or(false), round == 1, "{reply}");
+        assert_eq!(
+            reply["replayed"].as_bool().unwrap_or(false),
+            round == 1,
+            "{reply}"
+        );
         match &first_refs {
             None => first_refs = Some(reply["references"].clone()),
             Some(r) => assert_eq!(&reply["references"], r),
         }
     }
     let mut c = env.redis_conn.clone();
-    let seq: u64 = redis::cmd("GET").arg("toolfleet:{ledger-1}:seq").query_async(&mut c).await.unwrap();
+    let seq: u64 = redis::cmd("GET")
+        .arg("toolfleet:{ledger-1}:seq")
+        .query_async(&mut c)
+        .await
+        .unwrap();
     let refs = first_refs.unwrap().as_array().unwrap().len() as u64;
     assert!(refs > 0);
     assert_eq!(seq, refs, "each reference written once");
@@ -335,7 +459,9 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
     js.publish_with_headers(
         env.subjects.tool(&call.tool_id),
         call.to_headers(),
-        json!({ "arguments": { "query": "sourdough" } }).to_string().into(),
+        json!({ "arguments": { "query": "sourdough" } })
+            .to_string()
+            .into(),
     )
     .await
     .unwrap()
@@ -350,8 +476,16 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
     assert_eq!(reply["status"], "error");
     assert_eq!(reply["attempt"], 3);
     let text = env.metrics_text().await;
-    assert!(text.contains("toolfleet_tool_job_retries_total{tool=\"retrieval:search_documents@1.0.0\"} 2"), "{text}");
-    assert!(text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"), "{text}");
+    assert!(
+        text.contains(
+            "toolfleet_tool_job_retries_total{tool=\"retrieval:search_documents@1.0.0\"} 2"
+        ),
+        "{text}"
+    );
+    assert!(
+        text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"),
+        "{text}"
+    );
 }
 
 /// A tool job without its required headers is dead-lettered, not retried and
@@ -363,11 +497,15 @@ async fn a_tool_job_with_bad_headers_is_dead_lettered() {
     let mut dead = env.subscribe("toolfleet.deadletter.tool".into()).await;
     let mut h = async_nats::HeaderMap::new();
     h.insert("Toolfleet-Invocation-Id", "hdr-1");
-    js.publish_with_headers("toolfleet.tool.system.current_datetime.1_0_0", h, r#"{"arguments":{}}"#.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    js.publish_with_headers(
+        "toolfleet.tool.system.current_datetime.1_0_0",
+        h,
+        r#"{"arguments":{}}"#.into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
     let d = next_json(&mut dead).await;
     assert_eq!(d["code"], "bad_headers");
     assert!(d["error"].as_str().unwrap().contains("Toolfleet-"), "{d}");
@@ -380,10 +518,16 @@ async fn workers_answer_the_services_api() {
     let env = Env::start(both_tools_script()).await;
     let inbox = env.client.new_inbox();
     let mut sub = env.subscribe(inbox.clone()).await;
-    env.client.publish_with_reply("$SRV.PING.toolfleet-worker", inbox, "".into()).await.unwrap();
+    env.client
+        .publish_with_reply("$SRV.PING.toolfleet-worker", inbox, "".into())
+        .await
+        .unwrap();
     let mut names = HashSet::new();
     for _ in 0..2 {
-        let msg = tokio::time::timeout(WAIT, sub.next()).await.unwrap().unwrap();
+        let msg = tokio::time::timeout(WAIT, sub.next())
+            .await
+            .unwrap()
+            .unwrap();
         let v: Value = serde_json::from_slice(&msg.payload).unwrap();
         assert_eq!(v["type"], "io.nats.micro.v1.ping_response");
         assert_eq!(v["name"], "toolfleet-worker");

@@ -11,7 +11,10 @@ use toolfleet::fleet::FleetSpec;
 use toolfleet::orchestrator::OrchestratorConfig;
 
 #[derive(Parser, Debug)]
-#[command(version, about = "toolfleet orchestrator: takes chat jobs from JetStream and runs the agentic loop.")]
+#[command(
+    version,
+    about = "toolfleet orchestrator: takes chat jobs from JetStream and runs the agentic loop."
+)]
 struct Args {
     #[command(flatten)]
     nats: NatsArgs,
@@ -36,7 +39,11 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::try_parse().unwrap_or_else(|e| {
         let _ = e.print();
-        std::process::exit(if e.use_stderr() { config::EXIT_CONFIG } else { 0 })
+        std::process::exit(if e.use_stderr() {
+            config::EXIT_CONFIG
+        } else {
+            0
+        })
     });
     config::init_tracing();
     let subjects = args.nats.subjects()?;
@@ -54,7 +61,11 @@ async fn main() -> anyhow::Result<()> {
         worker_concurrency: 0,
         index: None,
     };
-    let (shutdown, tracker, metrics) = (CancellationToken::new(), TaskTracker::new(), prometheus::Registry::new());
+    let (shutdown, tracker, metrics) = (
+        CancellationToken::new(),
+        TaskTracker::new(),
+        prometheus::Registry::new(),
+    );
     toolfleet::metrics::spawn(args.metrics_addr, metrics.clone(), shutdown.clone()).await?;
     toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
     config::shutdown_signal().await;

@@ -95,13 +95,20 @@ impl Env {
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = prometheus::Registry::new();
-        let metrics_addr = toolfleet::metrics::spawn("127.0.0.1:0".parse().unwrap(), metrics.clone(), shutdown.clone())
-            .await
-            .unwrap();
-        tokio::time::timeout(WAIT, toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()))
-            .await
-            .expect("fleet start timed out")
-            .expect("fleet start");
+        let metrics_addr = toolfleet::metrics::spawn(
+            "127.0.0.1:0".parse().unwrap(),
+            metrics.clone(),
+            shutdown.clone(),
+        )
+        .await
+        .unwrap();
+        tokio::time::timeout(
+            WAIT,
+            toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()),
+        )
+        .await
+        .expect("fleet start timed out")
+        .expect("fleet start");
         let client = async_nats::connect(nats.url()).await.unwrap();
         let redis_conn = redis::Client::open(redis.url())
             .unwrap()
@@ -130,9 +137,12 @@ impl Env {
     }
 
     pub async fn submit(&self, job: &ChatJob) -> Result<ChatOutcome, ClientError> {
-        tokio::time::timeout(WAIT, toolfleet::client::chat(&self.client, &self.subjects, job, WAIT, |_| {}))
-            .await
-            .expect("chat timed out")
+        tokio::time::timeout(
+            WAIT,
+            toolfleet::client::chat(&self.client, &self.subjects, job, WAIT, |_| {}),
+        )
+        .await
+        .expect("chat timed out")
     }
 
     /// Every Redis key of an invocation.
@@ -149,7 +159,11 @@ impl Env {
 
     pub async fn ttl(&self, key: &str) -> i64 {
         let mut c = self.redis_conn.clone();
-        redis::cmd("TTL").arg(key).query_async(&mut c).await.unwrap()
+        redis::cmd("TTL")
+            .arg(key)
+            .query_async(&mut c)
+            .await
+            .unwrap()
     }
 
     pub async fn metrics_text(&self) -> String {
@@ -178,6 +192,9 @@ pub async fn reqwest_get(url: &str) -> String {
 }
 
 pub async fn next_json(sub: &mut async_nats::Subscriber) -> serde_json::Value {
-    let msg = tokio::time::timeout(WAIT, sub.next()).await.expect("no message in time").expect("subscription closed");
+    let msg = tokio::time::timeout(WAIT, sub.next())
+        .await
+        .expect("no message in time")
+        .expect("subscription closed");
     serde_json::from_slice(&msg.payload).unwrap()
 }

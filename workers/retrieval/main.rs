@@ -11,7 +11,10 @@ use toolfleet::config::{self, NatsArgs, RedisArgs, ToolDefsArgs};
 use toolfleet::fleet::{FleetSpec, WorkerKind};
 
 #[derive(Parser, Debug)]
-#[command(version, about = "toolfleet worker: serves retrieval:* tools over the document index.")]
+#[command(
+    version,
+    about = "toolfleet worker: serves retrieval:* tools over the document index."
+)]
 struct Args {
     #[command(flatten)]
     nats: NatsArgs,
@@ -23,7 +26,11 @@ struct Args {
     #[arg(long, env = "TOOLFLEET_CONCURRENCY", default_value_t = 16)]
     concurrency: usize,
     /// Where the index lives (built from --corpus-dir at start when missing).
-    #[arg(long, env = "TOOLFLEET_INDEX_DIR", default_value = "target/toolfleet-index")]
+    #[arg(
+        long,
+        env = "TOOLFLEET_INDEX_DIR",
+        default_value = "target/toolfleet-index"
+    )]
     index_dir: std::path::PathBuf,
     /// The corpus of Markdown files to index when the index is missing.
     #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
@@ -37,7 +44,11 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::try_parse().unwrap_or_else(|e| {
         let _ = e.print();
-        std::process::exit(if e.use_stderr() { config::EXIT_CONFIG } else { 0 })
+        std::process::exit(if e.use_stderr() {
+            config::EXIT_CONFIG
+        } else {
+            0
+        })
     });
     config::init_tracing();
     let spec = FleetSpec {
@@ -49,9 +60,16 @@ async fn main() -> anyhow::Result<()> {
         orchestrator: None,
         workers: vec![WorkerKind::Retrieval],
         worker_concurrency: args.concurrency,
-        index: Some(toolfleet::fleet::IndexPaths { index_dir: args.index_dir.clone(), corpus_dir: args.corpus_dir.clone() }),
+        index: Some(toolfleet::fleet::IndexPaths {
+            index_dir: args.index_dir.clone(),
+            corpus_dir: args.corpus_dir.clone(),
+        }),
     };
-    let (shutdown, tracker, metrics) = (CancellationToken::new(), TaskTracker::new(), prometheus::Registry::new());
+    let (shutdown, tracker, metrics) = (
+        CancellationToken::new(),
+        TaskTracker::new(),
+        prometheus::Registry::new(),
+    );
     toolfleet::metrics::spawn(args.metrics_addr, metrics.clone(), shutdown.clone()).await?;
     toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
     config::shutdown_signal().await;

@@ -11,7 +11,10 @@ use toolfleet::config::{self, NatsArgs, RedisArgs, ToolDefsArgs};
 use toolfleet::fleet::{FleetSpec, WorkerKind};
 
 #[derive(Parser, Debug)]
-#[command(version, about = "toolfleet worker: serves system:* tools (current date and time).")]
+#[command(
+    version,
+    about = "toolfleet worker: serves system:* tools (current date and time)."
+)]
 struct Args {
     #[command(flatten)]
     nats: NatsArgs,
@@ -31,7 +34,11 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args = Args::try_parse().unwrap_or_else(|e| {
         let _ = e.print();
-        std::process::exit(if e.use_stderr() { config::EXIT_CONFIG } else { 0 })
+        std::process::exit(if e.use_stderr() {
+            config::EXIT_CONFIG
+        } else {
+            0
+        })
     });
     config::init_tracing();
     let spec = FleetSpec {
@@ -45,7 +52,11 @@ async fn main() -> anyhow::Result<()> {
         worker_concurrency: args.concurrency,
         index: None,
     };
-    let (shutdown, tracker, metrics) = (CancellationToken::new(), TaskTracker::new(), prometheus::Registry::new());
+    let (shutdown, tracker, metrics) = (
+        CancellationToken::new(),
+        TaskTracker::new(),
+        prometheus::Registry::new(),
+    );
     toolfleet::metrics::spawn(args.metrics_addr, metrics.clone(), shutdown.clone()).await?;
     toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
     config::shutdown_signal().await;
