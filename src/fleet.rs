@@ -132,8 +132,9 @@ pub async fn start(
             )
         })?;
 
+    let dead_letters = crate::metrics::dead_letters(metrics)?;
     if !spec.workers.is_empty() {
-        let worker_metrics = WorkerMetrics::register(metrics)?;
+        let worker_metrics = WorkerMetrics::register(metrics, dead_letters.clone())?;
         let index = match (&spec.index, spec.workers.contains(&WorkerKind::Retrieval)) {
             (Some(p), true) => Some(open_or_build_index(&p.index_dir, &p.corpus_dir)?),
             (None, true) => anyhow::bail!("a retrieval worker needs an index directory"),
@@ -175,7 +176,7 @@ pub async fn start(
         let llm = LlmClient::new(llm_config)?;
         let client =
             crate::config::connect_nats(&spec.nats_url, "toolfleet-orchestrator", wait).await?;
-        let m = OrchestratorMetrics::register(metrics)?;
+        let m = OrchestratorMetrics::register(metrics, dead_letters)?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         let registry = spec.registry;
         tracker.spawn(async move {

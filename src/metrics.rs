@@ -57,12 +57,24 @@ pub struct OrchestratorMetrics {
     /// `tool`, `status`: ok | error | blocked | timeout.
     pub tool_calls: IntCounterVec,
     pub tool_call_duration: HistogramVec,
-    /// `kind`: chat.
+    /// `toolfleet_dead_letters_total`, shared with the workers of the
+    /// process; the orchestrator counts `kind="chat"`.
     pub dead_letters: IntCounterVec,
 }
 
+/// `toolfleet_dead_letters_total{kind}`: registered once per registry and
+/// shared by the orchestrator (`chat`) and the workers (`tool`) of a process.
+pub fn dead_letters(r: &Registry) -> prometheus::Result<IntCounterVec> {
+    counter(
+        r,
+        "toolfleet_dead_letters_total",
+        "Jobs terminated and published as dead letters, by kind (tool, chat).",
+        &["kind"],
+    )
+}
+
 impl OrchestratorMetrics {
-    pub fn register(r: &Registry) -> prometheus::Result<Self> {
+    pub fn register(r: &Registry, dead_letters: IntCounterVec) -> prometheus::Result<Self> {
         let chat_job_duration = Histogram::with_opts(
             HistogramOpts::new(
                 "toolfleet_chat_job_duration_seconds",
@@ -115,12 +127,7 @@ impl OrchestratorMetrics {
                 "Tool call round trip as the orchestrator sees it.",
                 &["tool"],
             )?,
-            dead_letters: counter(
-                r,
-                "toolfleet_chat_dead_letters_total",
-                "Chat jobs terminated and published as dead letters.",
-                &["code"],
-            )?,
+            dead_letters,
         })
     }
 }
@@ -139,7 +146,7 @@ pub struct WorkerMetrics {
 }
 
 impl WorkerMetrics {
-    pub fn register(r: &Registry) -> prometheus::Result<Self> {
+    pub fn register(r: &Registry, dead_letters: IntCounterVec) -> prometheus::Result<Self> {
         let in_flight = IntGaugeVec::new(
             Opts::new("toolfleet_tool_jobs_in_flight", "Tool jobs being executed."),
             &["tool"],
@@ -165,12 +172,7 @@ impl WorkerMetrics {
                 "Failed attempts handed back for a retry.",
                 &["tool"],
             )?,
-            dead_letters: counter(
-                r,
-                "toolfleet_dead_letters_total",
-                "Tool jobs terminated and published as dead letters.",
-                &["kind"],
-            )?,
+            dead_letters,
             citations_written: counter(
                 r,
                 "toolfleet_citations_written_total",
@@ -240,8 +242,9 @@ mod tests {
     #[test]
     fn orchestrator_and_worker_metrics_share_a_registry() {
         let r = Registry::new();
-        let o = OrchestratorMetrics::register(&r).unwrap();
-        let w = WorkerMetrics::register(&r).unwrap();
+        let dead = dead_letters(&r).unwrap();
+        let o = OrchestratorMetrics::register(&r, dead.clone()).unwrap();
+        let w = WorkerMetrics::register(&r, dead).unwrap();
         o.chat_jobs.with_label_values(&["completed"]).inc();
         w.tool_jobs
             .with_label_values(&["system:current_datetime@1.0.0", "ok"])
@@ -258,6 +261,11 @@ mod tests {
             "{text}"
         );
         // Registering twice on one registry is an error, not a silent double.
-        assert!(WorkerMetrics::register(&r).is_err());
+        assert!(dead_letters(&r).is_err());
+        o.dead_letters.with_label_values(&["chat"]).inc();
+        w.dead_letters.with_label_values(&["tool"]).inc();
+        let text = render(&r);
+        assert!(text.contains("toolfleet_dead_letters_total{kind=\"chat\"} 1"), "{text}");
+        assert!(text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"), "{text}");
     }
 }
