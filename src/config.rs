@@ -25,7 +25,7 @@ pub const EXIT_CONFIG: i32 = 64;
 #[derive(Args, Debug, Clone)]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated.
-    #[arg(long = "nats-url", env = ENV_NATS_URL, default_value = DEFAULT_NATS_URL)]
+    #[arg(id = "nats_url", long = "nats-url", env = ENV_NATS_URL, default_value = DEFAULT_NATS_URL)]
     pub url: String,
     /// Prefix of every subject (and, upper-cased, of the stream names).
     #[arg(long = "subject-prefix", env = ENV_SUBJECT_PREFIX, default_value = crate::protocol::DEFAULT_PREFIX)]
@@ -85,7 +85,7 @@ pub async fn connect_nats(
 #[derive(Args, Debug, Clone)]
 pub struct RedisArgs {
     /// Redis URL (the citation store and result ledger).
-    #[arg(long = "redis-url", env = ENV_REDIS_URL, default_value = DEFAULT_REDIS_URL, hide_env_values = true)]
+    #[arg(id = "redis_url", long = "redis-url", env = ENV_REDIS_URL, default_value = DEFAULT_REDIS_URL, hide_env_values = true)]
     pub url: String,
     /// Lifetime of an invocation's citation keys, in seconds.
     #[arg(

@@ -752,7 +752,7 @@ impl Fleet {
                 .publish_with_headers(subject, call_ctx.to_headers(), body)
                 .await
             {
-                Ok(ack) => acks.push((i, ack)),
+                Ok(ack) => acks.push((i, call_id.clone(), ack)),
                 Err(e) => {
                     answers[i] = Some(self.immediate(
                         events,
@@ -777,24 +777,18 @@ impl Fleet {
 
         // JetStream must have stored every job; a job it refused is answered
         // at once.
-        for (i, ack) in acks {
-            if let Err(e) = ack.await {
-                let call = &calls[i];
-                if let Some(key) = pending
-                    .iter()
-                    .find(|(_, v)| v.0 == i)
-                    .map(|(k, _)| k.clone())
-                {
-                    let (_, def, _, _) = pending.remove(&key).unwrap_or_else(|| unreachable!());
-                    answers[i] = Some(self.immediate(
-                        events,
-                        call,
-                        &def.id.to_string(),
-                        ToolStatus::Error,
-                        "dispatch_failed",
-                        format!("Error: the tool job was not stored: {e}"),
-                    ));
-                }
+        for (i, call_id, ack) in acks {
+            if let Err(e) = ack.await
+                && let Some((_, def, _, _)) = pending.remove(&call_id)
+            {
+                answers[i] = Some(self.immediate(
+                    events,
+                    &calls[i],
+                    &def.id.to_string(),
+                    ToolStatus::Error,
+                    "dispatch_failed",
+                    format!("Error: the tool job was not stored: {e}"),
+                ));
             }
         }
 

@@ -1,10 +1,10 @@
 //! End-to-end tests of the fleet against real nats-server and redis-server
 //! processes and the scripted model server (a stand-in for the provider).
 
+mod binaries;
 mod support;
 
 use std::collections::HashSet;
-use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{Value, json};
@@ -534,5 +534,4 @@ async fn workers_answer_the_services_api() {
         names.insert(v["id"].as_str().unwrap().to_string());
     }
     assert_eq!(names.len(), 2, "one service instance per worker");
-    let _ = Duration::ZERO;
 }
