@@ -194,9 +194,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
     }
 }
 
-/// Prints an event as it arrives: tool activity on stderr, text on stdout.
+/// Prints an event as it arrives on stderr: tool activity always, the
+/// answer's text as it streams when stderr is a terminal. The final answer,
+/// renumbered for the reader, goes to stdout.
 fn show_progress(event: &ChatEvent) {
+    use std::io::IsTerminal;
     match &event.body {
+        ChatEventBody::Delta { text } if std::io::stderr().is_terminal() => {
+            eprint!("{text}");
+            let _ = std::io::stderr().flush();
+        }
+        ChatEventBody::Completed { .. } if std::io::stderr().is_terminal() => eprintln!("\n"),
         ChatEventBody::ToolCall {
             tool, arguments, ..
         } => eprintln!("  → {tool} {arguments}"),
@@ -342,6 +350,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
                 connect_timeout: Duration::from_secs(5),
                 first_token_timeout: Duration::from_secs(30),
                 idle_timeout: Duration::from_secs(30),
+                ..crate::llm::LlmConfig::new(model.base_url())
             },
             orchestrator,
         )),

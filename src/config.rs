@@ -171,6 +171,7 @@ impl LlmArgs {
             connect_timeout: Duration::from_millis(self.connect_timeout_ms),
             first_token_timeout: Duration::from_millis(self.first_token_timeout_ms),
             idle_timeout: Duration::from_millis(self.idle_timeout_ms),
+            ..crate::llm::LlmConfig::new(self.base_url.clone())
         }
     }
 }

@@ -18,9 +18,12 @@
 //! - [`citations`]: the only module that speaks Redis: references, the
 //!   shared counter, the result ledger, and reader-side rendering.
 //! - [`worker`]: the runtime every worker binary shares.
+//! - [`bench`]: the load generator behind `toolfleet bench`.
 //! - [`builtin`]: the tool implementations shipped with the fleet.
 //! - [`index`]: the full-text document index behind retrieval tools.
 //! - [`orchestrator`]: chat-job consumption and the agentic loop.
+//! - [`profiles`]: profiles, deployments and prices from the TOML config file.
+//! - [`budget`]: the tool-result token cap (tiktoken, head + tail + notice).
 //! - [`cli`]: the `toolfleet` command line.
 //! - [`client`]: submitting chat jobs and following their events.
 //! - [`metrics`]: Prometheus metrics per subsystem and the `/metrics` server.
@@ -29,6 +32,8 @@
 //! - [`local`]: bringing up `nats-server` and `redis-server` child processes
 //!   for the demo and the test harness.
 
+pub mod bench;
+pub mod budget;
 pub mod builtin;
 pub mod citations;
 pub mod cli;
@@ -40,6 +45,7 @@ pub mod llm;
 pub mod local;
 pub mod metrics;
 pub mod orchestrator;
+pub mod profiles;
 pub mod protocol;
 pub mod schema;
 pub mod scripted;

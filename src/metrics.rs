@@ -265,7 +265,13 @@ mod tests {
         o.dead_letters.with_label_values(&["chat"]).inc();
         w.dead_letters.with_label_values(&["tool"]).inc();
         let text = render(&r);
-        assert!(text.contains("toolfleet_dead_letters_total{kind=\"chat\"} 1"), "{text}");
-        assert!(text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"), "{text}");
+        assert!(
+            text.contains("toolfleet_dead_letters_total{kind=\"chat\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"),
+            "{text}"
+        );
     }
 }

@@ -492,6 +492,7 @@ impl Fleet {
                 ChatRole::Assistant => Message::Assistant {
                     content: Some(m.content.clone()),
                     tool_calls: Vec::new(),
+                    opaque: Vec::new(),
                 },
             });
         }
@@ -506,7 +507,7 @@ impl Fleet {
             model: self.config.model.clone(),
             tools: offered.iter().map(|d| d.id.to_string()).collect(),
         });
-        let tools: Vec<Value> = offered.iter().map(|d| d.chat_completions_tool()).collect();
+        let tools: Vec<crate::llm::ToolSpec> = offered.iter().map(|d| d.tool_spec()).collect();
 
         let mut seen_refs: HashSet<u64> = HashSet::new();
         self.collect_references(&ctx.invocation_id, &mut seen_refs, events)
@@ -525,6 +526,7 @@ impl Fleet {
                 model: self.config.model.clone(),
                 messages: messages.clone(),
                 tools: tools.clone(),
+                tool_choice: None,
                 parallel_tool_calls: true,
                 temperature: self.config.temperature,
                 max_tokens: None,
@@ -613,6 +615,7 @@ impl Fleet {
             messages.push(Message::Assistant {
                 content: (!completion.text.is_empty()).then(|| completion.text.clone()),
                 tool_calls: completion.tool_calls.clone(),
+                opaque: completion.opaque.clone(),
             });
             let results = self
                 .run_tools(&ctx, &completion.tool_calls, &inbox, &mut replies, events)

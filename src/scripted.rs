@@ -3,11 +3,26 @@
 //! start-up log line, the `system_fingerprint` of every response and the
 //! `owned_by` of `GET /v1/models` all name it a scripted stand-in.
 //!
-//! It serves `POST /v1/chat/completions` (streaming SSE, `data: {..}\n\n`
-//! chunks ending in `data: [DONE]`, or one JSON body) and `GET /v1/models`,
-//! and answers by following a JSON script instead of thinking. It records
-//! every request body it receives so tests can assert what the model was
-//! sent ([`ScriptedServer::requests`]).
+//! It serves both OpenAI API shapes from the same script:
+//!
+//! - `POST /v1/chat/completions`: streaming SSE (`data: {..}\n\n` chunks
+//!   ending in `data: [DONE]`) or one JSON body;
+//! - `POST /v1/responses`: streaming SSE with `event: <type>` lines
+//!   (`response.created`, `response.in_progress`,
+//!   `response.output_item.added`, `response.output_text.delta`,
+//!   `response.function_call_arguments.delta` / `.done`,
+//!   `response.output_item.done`, `response.completed` or
+//!   `response.incomplete`) or one response object;
+//! - `GET /v1/models`.
+//!
+//! It answers by following a JSON script instead of thinking, can inject
+//! faults (error statuses, cut streams, malformed chunks, slow first tokens,
+//! truncation) per script step, and records what happened so tests can
+//! assert it: every request with its receive time, path, query, headers,
+//! body and injected fault ([`ScriptedServer::received`],
+//! [`ScriptedServer::requests`], [`ScriptedServer::fault_hits`]), and how
+//! every streamed body ended ([`ScriptedServer::stream_stats`]), including
+//! streams the client walked away from.
 //!
 //! # Script format
 //!
@@ -21,12 +36,15 @@
 //!       "description": "optional free text, ignored",
 //!       "whenUserContains": ["time", "tide"],
 //!       "steps": [
-//!         { "toolCalls": [
+//!         { "reasoning": true,
+//!           "fault": { "kind": "status", "status": 429, "retryAfterMs": 200, "times": 1 },
+//!           "toolCalls": [
 //!             { "name": "current_datetime", "arguments": {} },
 //!             { "name": "search_documents", "arguments": { "query": "tides" } } ] },
 //!         { "answer": "It is {{tool:current_datetime}}. The documents say: {{tool:search_documents}}" }
 //!       ]
-//!     }
+//!     },
+//!     { "whenUserContains": ["weapon"], "steps": [ { "refusal": "I can't help with that." } ] }
 //!   ],
 //!   "default": { "steps": [ { "answer": "I have no script for that." } ] }
 //! }
@@ -37,7 +55,8 @@
 //!
 //! - `model` (optional, default `toolfleet-scripted`): the model id in every
 //!   response and in `GET /v1/models`, whatever the request asked for.
-//! - `chunkDelayMs` (optional, default 0): pause before each streamed chunk.
+//! - `chunkDelayMs` (optional, default 0): pause before each streamed chunk
+//!   or event.
 //! - `rules` (optional): tried in order; the first rule with any
 //!   `whenUserContains` phrase inside the *last* user message (compared
 //!   case-insensitively as substrings) answers. Each rule needs at least one
@@ -47,73 +66,108 @@
 //! - A step has exactly one of:
 //!   - `toolCalls`: a non-empty list of `{ "name", "arguments" }`, with
 //!     `arguments` a JSON object (default `{}`). All calls go out in one
-//!     response, as parallel tool calls with `finish_reason: "tool_calls"`
-//!     and unique `call_<random>` ids. Streamed, each call is split the way
-//!     OpenAI splits it: a first chunk with `index`, `id`, `type` and
-//!     `function.name` and empty arguments, then argument fragments carrying
-//!     only `index`.
+//!     response, as parallel tool calls, with unique `call_<random>` ids.
+//!     Chat Completions: `finish_reason: "tool_calls"`; streamed, each call
+//!     is split the way OpenAI splits it: a first chunk with `index`, `id`,
+//!     `type` and `function.name` and empty arguments, then argument
+//!     fragments carrying only `index`. Responses: one `function_call`
+//!     item per call (`id` `fc_..`, `call_id`, `name`, `arguments`), its
+//!     arguments streamed as `response.function_call_arguments.delta`
+//!     events.
 //!   - `answer`: a text template, streamed a few words per chunk, ending
-//!     with `finish_reason: "stop"`. Placeholders:
-//!     - `{{tool:NAME}}`: the content of the most recent tool message that
-//!       answers a call to function `NAME` (found through the ids of the
-//!       assistant `tool_calls`). Long results are cut to about 400
-//!       characters, and every `[doc:N]` marker of the full result that the
-//!       cut dropped is appended, so citations survive. `NAME` must be
-//!       called by a `toolCalls` step of the same rule.
+//!     with `finish_reason: "stop"` (Responses: one `message` item with an
+//!     `output_text` part). Placeholders:
+//!     - `{{tool:NAME}}`: the content of the most recent tool result that
+//!       answers a call to function `NAME` (a Chat `tool` message or a
+//!       Responses `function_call_output`, matched through the call ids).
+//!       Long results are cut to about 400 characters, and every `[doc:N]`
+//!       marker of the full result that the cut dropped is appended, so
+//!       citations survive. `NAME` must be called by a `toolCalls` step of
+//!       the same rule.
 //!     - `{{citations}}`: every distinct `[doc:N]` marker in any message of
 //!       the request, in order of first appearance, space-separated.
 //!     - `{{user}}`: the last user message.
+//!   - `refusal`: a fixed refusal text. Chat Completions: `delta.refusal`
+//!     chunks (non-streaming: `message.refusal`), content `null`,
+//!     `finish_reason: "stop"`. Responses: a `message` item with a
+//!     `refusal` content part, streamed as `response.refusal.delta`.
 //!
-//! The step to play is the number of assistant messages with tool calls
-//! after the last user message: step 0 on the first call, step 1 after one
-//! tool round, and so on. When the steps run out the last one is replayed,
+//!   and optionally:
+//!   - `reasoning` (default `false`): Responses only: a `reasoning` output
+//!     item (with a labelled fake `encrypted_content`) comes first, at
+//!     `output_index` 0, and the usage counts reasoning tokens. Chat
+//!     Completions ignores it.
+//!   - `fault`: something to go wrong when this step is played, see below.
+//!
+//! The step to play is the number of assistant turns with tool calls after
+//! the last user message: step 0 on the first call, step 1 after one tool
+//! round, and so on. When the steps run out the last one is replayed,
 //! except that a last `toolCalls` step is replaced by a plain fallback answer
-//! so an agent loop cannot spin forever.
+//! (without its fault) so an agent loop cannot spin forever.
 //!
-//! Streaming honours `stream_options.include_usage` with a trailing
-//! usage-only chunk (`choices: []`); token counts are estimates (characters
-//! / 4), plausible rather than exact.
+//! Streaming Chat Completions honours `stream_options.include_usage` with a
+//! trailing usage-only chunk (`choices: []`); Responses always reports usage
+//! in its terminal event. Token counts are estimates (characters / 4),
+//! plausible rather than exact.
+//!
+//! # Faults
+//!
+//! `"fault": {"kind": .., "times": N}` on a step makes the first `N`
+//! requests that play that step (counted per step over the server's life,
+//! retries included) fail; after that the step behaves normally. Without
+//! `times` every request fails. Kinds:
+//!
+//! | kind | extra keys | effect |
+//! |---|---|---|
+//! | `status` | `status` (400–599, required), `retryAfterMs`, `retryAfter` (seconds), `code`, `message` | that HTTP status with an OpenAI error body (`code` defaults to `rate_limit_exceeded` for 429, `type` is `requests` for 429, `server_error` for 5xx, else `invalid_request_error`); `retryAfterMs` sends `retry-after-ms` and a rounded-up `retry-after`, `retryAfter` sends `retry-after` |
+//! | `cutMidToolCall` | | `toolCalls` steps only: the connection is dropped in the middle of the first call's arguments (after its head and half its argument fragments): no finish reason, no `[DONE]`, no terminal event |
+//! | `cutMidText` | | `answer` / `refusal` steps only: the connection is dropped right after the first text (or refusal) delta |
+//! | `malformedChunk` | | one `data:` line that is not JSON is sent after the first chunk or event; the rest follows normally |
+//! | `slowFirstToken` | `delayMs` (required) | the response headers go out at once, the first chunk or event only after `delayMs` (non-streaming: the whole response waits) |
+//! | `length` | | `toolCalls` / `answer` steps only: the model "runs out of tokens": the first call's arguments (or the text) are cut in half, later calls dropped, and the answer ends with `finish_reason: "length"` (Responses: item status `incomplete` and `response.incomplete` with `incomplete_details.reason: "max_output_tokens"`) |
+//!
+//! Non-streaming requests get the same faults in body form: the cuts drop
+//! the connection halfway through the JSON body, `malformedChunk` sends a
+//! 200 body that is not JSON.
 //!
 //! # Request checks
 //!
 //! Like OpenAI, it answers 400 with `{"error":{"message","type":
 //! "invalid_request_error","param","code"}}` to a body that is not JSON
-//! (`invalid_json`), a missing `model` or `messages`
-//! (`missing_required_parameter`), empty `messages` (`empty_array`), an
-//! unknown role (`invalid_value`), a tool message that answers no preceding
-//! tool call, or an assistant tool call left without a tool message (code
-//! `null`). Being as strict as the real API catches conversation bugs in
-//! tests rather than in production.
-//!
-//! The step type is a struct with one `action`, so later failure modes (a
-//! `fault` such as a 429 or a cut stream) can sit beside it.
+//! (`invalid_json`), a missing `model` or `messages` / `input`
+//! (`missing_required_parameter`), empty `messages` / `input`
+//! (`empty_array`), an unknown role or input item type (`invalid_value`),
+//! a tool result that answers no preceding tool call, or a tool call left
+//! without a result (code `null`). Being as strict as the real API catches
+//! conversation bugs in tests rather than in production.
 
 use std::collections::{HashMap, VecDeque};
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, State};
-use axum::http::{Method, StatusCode, Uri, header};
+use axum::http::{HeaderMap, Method, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use url::Url;
 
 /// The model id when the script names none.
 pub const DEFAULT_MODEL: &str = "toolfleet-scripted";
-/// Sent as `system_fingerprint` on every response: anyone reading a
-/// recorded response can tell it did not come from a real model.
+/// Sent as `system_fingerprint` on every response (Chat Completions and
+/// Responses alike): anyone reading a recorded response can tell it did
+/// not come from a real model.
 pub const SYSTEM_FINGERPRINT: &str = "fp_toolfleet_scripted_stand_in";
 /// The answer when no rule matches and the script has no `default`.
 const NO_SCRIPT_ANSWER: &str = "I have no script for that.";
@@ -126,11 +180,16 @@ const EXCERPT_CHARS: usize = 400;
 const WORDS_PER_CHUNK: usize = 3;
 /// Characters per streamed tool-argument fragment.
 const ARGUMENT_FRAGMENT_CHARS: usize = 6;
-/// Requests kept for [`ScriptedServer::requests`]; the oldest go first, so a
-/// long-running demo server does not grow without bound.
+/// Reasoning tokens reported for a step with `"reasoning": true`.
+const REASONING_TOKENS: u64 = 16;
+/// Requests kept for [`ScriptedServer::received`]; the oldest go first, so
+/// a long-running demo server does not grow without bound.
 const MAX_RECORDED_REQUESTS: usize = 1000;
 /// Request bodies carry whole conversations with tool results.
 const MAX_REQUEST_BYTES: usize = 32 * 1024 * 1024;
+/// Pause before a scripted cut, so the frames before it are flushed to the
+/// client first rather than lost with the connection.
+const CUT_FLUSH_PAUSE: Duration = Duration::from_millis(20);
 
 // ---------------------------------------------------------------------------
 // Script
@@ -214,6 +273,10 @@ struct RawDefault {
 struct RawStep {
     tool_calls: Option<Vec<RawCall>>,
     answer: Option<String>,
+    refusal: Option<String>,
+    #[serde(default)]
+    reasoning: bool,
+    fault: Option<RawFault>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -222,6 +285,21 @@ struct RawCall {
     name: String,
     #[serde(default = "empty_object")]
     arguments: Value,
+}
+
+/// Flat rather than a tagged enum so that a key used with the wrong kind
+/// gets a message naming both.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct RawFault {
+    kind: String,
+    status: Option<u16>,
+    retry_after_ms: Option<u64>,
+    retry_after: Option<u64>,
+    code: Option<String>,
+    message: Option<String>,
+    delay_ms: Option<u64>,
+    times: Option<u32>,
 }
 
 fn empty_object() -> Value {
@@ -244,17 +322,31 @@ struct Rule {
     steps: Vec<Step>,
 }
 
-/// One scripted model turn. A struct rather than a bare enum so failure
-/// modes can be added beside the action later.
+/// One scripted model turn: what the model says, and what goes wrong.
 #[derive(Clone, Debug)]
 struct Step {
     action: Action,
+    reasoning: bool,
+    fault: Option<Fault>,
+}
+
+impl Step {
+    fn answer(text: &str) -> Self {
+        Self {
+            action: Action::Answer(Template {
+                parts: vec![Part::Text(text.to_owned())],
+            }),
+            reasoning: false,
+            fault: None,
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
 enum Action {
     ToolCalls(Vec<ScriptedCall>),
     Answer(Template),
+    Refusal(String),
 }
 
 #[derive(Clone, Debug)]
@@ -262,6 +354,44 @@ struct ScriptedCall {
     name: String,
     /// JSON text, as a model would produce it.
     arguments: String,
+}
+
+/// An injected failure and how many requests get it.
+#[derive(Clone, Debug, PartialEq)]
+struct Fault {
+    kind: FaultKind,
+    /// `None`: every request.
+    times: Option<u32>,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum FaultKind {
+    Status {
+        status: StatusCode,
+        retry_after_ms: Option<u64>,
+        retry_after_secs: Option<u64>,
+        code: Option<String>,
+        message: Option<String>,
+    },
+    CutMidToolCall,
+    CutMidText,
+    MalformedChunk,
+    SlowFirstToken(Duration),
+    Length,
+}
+
+impl FaultKind {
+    /// The script's name for the kind, as recorded in [`Received::fault`].
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Status { .. } => "status",
+            Self::CutMidToolCall => "cutMidToolCall",
+            Self::CutMidText => "cutMidText",
+            Self::MalformedChunk => "malformedChunk",
+            Self::SlowFirstToken(_) => "slowFirstToken",
+            Self::Length => "length",
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -276,6 +406,10 @@ enum Part {
     Citations,
     User,
 }
+
+/// Identifies a step for fault counting: rule index (`None` for
+/// `default`) and step index.
+type StepKey = (Option<usize>, usize);
 
 impl Script {
     /// Parses and validates a script.
@@ -330,11 +464,7 @@ impl Script {
         }
         let default = match raw.default {
             Some(default) => steps_from_raw("default", default.steps)?,
-            None => vec![Step {
-                action: Action::Answer(Template {
-                    parts: vec![Part::Text(NO_SCRIPT_ANSWER.to_owned())],
-                }),
-            }],
+            None => vec![Step::answer(NO_SCRIPT_ANSWER)],
         };
         Ok(Self {
             model,
@@ -344,7 +474,8 @@ impl Script {
         })
     }
 
-    /// The steps for a conversation whose last user message is `user`.
+    /// The rule index (`None` for the default) and steps for a
+    /// conversation whose last user message is `user`.
     fn steps_for(&self, user: &str) -> (Option<usize>, &[Step]) {
         let user = user.to_lowercase();
         self.rules
@@ -364,8 +495,8 @@ fn steps_from_raw(at: &str, raw: Vec<RawStep>) -> Result<Vec<Step>, String> {
     let mut steps = Vec::with_capacity(raw.len());
     for (i, step) in raw.into_iter().enumerate() {
         let at = format!("{at}.steps[{i}]");
-        let action = match (step.tool_calls, step.answer) {
-            (Some(calls), None) => {
+        let action = match (step.tool_calls, step.answer, step.refusal) {
+            (Some(calls), None, None) => {
                 if calls.is_empty() {
                     return Err(format!("{at}.toolCalls must not be empty"));
                 }
@@ -386,14 +517,30 @@ fn steps_from_raw(at: &str, raw: Vec<RawStep>) -> Result<Vec<Step>, String> {
                 }
                 Action::ToolCalls(scripted)
             }
-            (None, Some(answer)) => {
+            (None, Some(answer), None) => {
                 Action::Answer(parse_template(&answer).map_err(|e| format!("{at}.answer: {e}"))?)
             }
+            (None, None, Some(refusal)) => {
+                if refusal.trim().is_empty() {
+                    return Err(format!("{at}.refusal must not be empty"));
+                }
+                Action::Refusal(refusal)
+            }
             _ => {
-                return Err(format!("{at} needs exactly one of `toolCalls` or `answer`"));
+                return Err(format!(
+                    "{at} needs exactly one of `toolCalls`, `answer` or `refusal`"
+                ));
             }
         };
-        steps.push(Step { action });
+        let fault = match step.fault {
+            Some(raw) => Some(fault_from_raw(&format!("{at}.fault"), raw, &action)?),
+            None => None,
+        };
+        steps.push(Step {
+            action,
+            reasoning: step.reasoning,
+            fault,
+        });
     }
     // A placeholder for a tool this rule never calls is a typo, and would
     // otherwise only show up as an odd sentence in a demo.
@@ -401,7 +548,7 @@ fn steps_from_raw(at: &str, raw: Vec<RawStep>) -> Result<Vec<Step>, String> {
         .iter()
         .filter_map(|s| match &s.action {
             Action::ToolCalls(calls) => Some(calls.iter().map(|c| c.name.as_str())),
-            Action::Answer(_) => None,
+            Action::Answer(_) | Action::Refusal(_) => None,
         })
         .flatten()
         .collect();
@@ -419,6 +566,99 @@ fn steps_from_raw(at: &str, raw: Vec<RawStep>) -> Result<Vec<Step>, String> {
         }
     }
     Ok(steps)
+}
+
+const FAULT_KINDS: &str =
+    "status, cutMidToolCall, cutMidText, malformedChunk, slowFirstToken, length";
+
+fn fault_from_raw(at: &str, raw: RawFault, action: &Action) -> Result<Fault, String> {
+    // Keys that only some kinds take, and which kind they belong to.
+    let extras = [
+        ("status", raw.status.is_some(), "status"),
+        ("retryAfterMs", raw.retry_after_ms.is_some(), "status"),
+        ("retryAfter", raw.retry_after.is_some(), "status"),
+        ("code", raw.code.is_some(), "status"),
+        ("message", raw.message.is_some(), "status"),
+        ("delayMs", raw.delay_ms.is_some(), "slowFirstToken"),
+    ];
+    for (key, present, owner) in extras {
+        if present && raw.kind != owner {
+            return Err(format!(
+                "{at}.{key} only applies to kind `{owner}`, not `{}`",
+                raw.kind
+            ));
+        }
+    }
+    if raw.times == Some(0) {
+        return Err(format!(
+            "{at}.times must be at least 1 (leave it out for every request)"
+        ));
+    }
+    let step_kind = match action {
+        Action::ToolCalls(_) => "toolCalls",
+        Action::Answer(_) => "answer",
+        Action::Refusal(_) => "refusal",
+    };
+    let needs = |ok: bool, which: &str| {
+        if ok {
+            Ok(())
+        } else {
+            Err(format!(
+                "{at}: kind `{}` needs a {which} step, not `{step_kind}`",
+                raw.kind
+            ))
+        }
+    };
+    let kind = match raw.kind.as_str() {
+        "status" => {
+            let status = raw
+                .status
+                .ok_or_else(|| format!("{at}.status is required for kind `status`"))?;
+            let status = StatusCode::from_u16(status)
+                .ok()
+                .filter(|s| s.is_client_error() || s.is_server_error())
+                .ok_or_else(|| format!("{at}.status must be an error status (400-599)"))?;
+            FaultKind::Status {
+                status,
+                retry_after_ms: raw.retry_after_ms,
+                retry_after_secs: raw.retry_after,
+                code: raw.code,
+                message: raw.message,
+            }
+        }
+        "cutMidToolCall" => {
+            needs(matches!(action, Action::ToolCalls(_)), "`toolCalls`")?;
+            FaultKind::CutMidToolCall
+        }
+        "cutMidText" => {
+            needs(
+                matches!(action, Action::Answer(_) | Action::Refusal(_)),
+                "`answer` or `refusal`",
+            )?;
+            FaultKind::CutMidText
+        }
+        "malformedChunk" => FaultKind::MalformedChunk,
+        "slowFirstToken" => FaultKind::SlowFirstToken(Duration::from_millis(
+            raw.delay_ms
+                .ok_or_else(|| format!("{at}.delayMs is required for kind `slowFirstToken`"))?,
+        )),
+        "length" => {
+            needs(
+                matches!(action, Action::ToolCalls(_) | Action::Answer(_)),
+                "`toolCalls` or `answer`",
+            )?;
+            FaultKind::Length
+        }
+        other => {
+            return Err(format!(
+                "{at}.kind {other:?} is unknown; known kinds are {FAULT_KINDS}"
+            ));
+        }
+    };
+    Ok(Fault {
+        kind,
+        times: raw.times,
+    })
 }
 
 fn parse_template(text: &str) -> Result<Template, String> {
@@ -644,17 +884,187 @@ fn unanswered(open: &[&str]) -> ApiError {
     )
 }
 
+/// Checks a Responses API request the way the real API would and extracts
+/// its turns: `instructions` becomes a system turn, message items keep
+/// their role, consecutive `function_call` items form one assistant turn
+/// with calls (joined to an assistant message right before them), and
+/// `function_call_output` items become tool turns. Reasoning items are
+/// accepted and skipped.
+fn read_responses_request(body: &Value) -> Result<Vec<Turn>, ApiError> {
+    let Some(object) = body.as_object() else {
+        return Err(ApiError::invalid(
+            "The request body must be a JSON object.",
+            None,
+            Some("invalid_json"),
+        ));
+    };
+    if !object.get("model").is_some_and(Value::is_string) {
+        return Err(ApiError::invalid(
+            "Missing required parameter: 'model'.",
+            Some("model"),
+            Some("missing_required_parameter"),
+        ));
+    }
+    let mut turns = Vec::new();
+    if let Some(instructions) = object.get("instructions").and_then(Value::as_str) {
+        turns.push(Turn {
+            role: "system".to_owned(),
+            text: instructions.to_owned(),
+            calls: Vec::new(),
+            call_id: None,
+        });
+    }
+    let items = match object.get("input") {
+        Some(Value::String(text)) if !text.is_empty() => {
+            turns.push(Turn {
+                role: "user".to_owned(),
+                text: text.clone(),
+                calls: Vec::new(),
+                call_id: None,
+            });
+            return Ok(turns);
+        }
+        Some(Value::Array(items)) if !items.is_empty() => items,
+        Some(Value::Array(_) | Value::String(_)) => {
+            return Err(ApiError::invalid(
+                "Invalid 'input': empty array. Expected an array with minimum length 1.",
+                Some("input"),
+                Some("empty_array"),
+            ));
+        }
+        _ => {
+            return Err(ApiError::invalid(
+                "Missing required parameter: 'input'.",
+                Some("input"),
+                Some("missing_required_parameter"),
+            ));
+        }
+    };
+    let text = |v: Option<&Value>| v.and_then(Value::as_str).map(str::to_owned);
+    for (i, item) in items.iter().enumerate() {
+        let kind = item
+            .get("type")
+            .and_then(Value::as_str)
+            .or_else(|| item.get("role").map(|_| "message"))
+            .unwrap_or_default();
+        let required = |field: &str| {
+            text(item.get(field)).ok_or_else(|| {
+                ApiError::invalid(
+                    format!("Missing required parameter: 'input[{i}].{field}'."),
+                    Some(&format!("input[{i}].{field}")),
+                    Some("missing_required_parameter"),
+                )
+            })
+        };
+        match kind {
+            "message" => {
+                let role = item.get("role").and_then(Value::as_str).unwrap_or_default();
+                if !matches!(role, "system" | "developer" | "user" | "assistant") {
+                    return Err(ApiError::invalid(
+                        format!(
+                            "Invalid value: '{role}'. Supported values are: 'assistant', 'system', 'developer', and 'user'."
+                        ),
+                        Some(&format!("input[{i}].role")),
+                        Some("invalid_value"),
+                    ));
+                }
+                turns.push(Turn {
+                    role: role.to_owned(),
+                    text: content_text(item.get("content")),
+                    calls: Vec::new(),
+                    call_id: None,
+                });
+            }
+            "function_call" => {
+                let call = (required("call_id")?, required("name")?);
+                required("arguments")?;
+                match turns.last_mut() {
+                    Some(last) if last.role == "assistant" => last.calls.push(call),
+                    _ => turns.push(Turn {
+                        role: "assistant".to_owned(),
+                        text: String::new(),
+                        calls: vec![call],
+                        call_id: None,
+                    }),
+                }
+            }
+            "function_call_output" => {
+                let call_id = required("call_id")?;
+                turns.push(Turn {
+                    role: "tool".to_owned(),
+                    text: content_text(item.get("output")),
+                    calls: Vec::new(),
+                    call_id: Some(call_id),
+                });
+            }
+            "reasoning" => {}
+            other => {
+                return Err(ApiError::invalid(
+                    format!(
+                        "Invalid value: '{other}'. Supported values are: 'message', 'function_call', 'function_call_output' and 'reasoning'."
+                    ),
+                    Some(&format!("input[{i}].type")),
+                    Some("invalid_value"),
+                ));
+            }
+        }
+    }
+    check_call_outputs(&turns)?;
+    Ok(turns)
+}
+
+/// Responses pairing, as the real API words it: every output answers an
+/// earlier call, and every call has an output.
+fn check_call_outputs(turns: &[Turn]) -> Result<(), ApiError> {
+    let mut open: Vec<&str> = Vec::new();
+    for turn in turns {
+        open.extend(turn.calls.iter().map(|(id, _)| id.as_str()));
+        if let Some(id) = turn.call_id.as_deref() {
+            match open.iter().position(|c| *c == id) {
+                Some(p) => {
+                    open.remove(p);
+                }
+                None => {
+                    return Err(ApiError::invalid(
+                        format!("No tool call found for function call output with call_id {id}."),
+                        Some("input"),
+                        None,
+                    ));
+                }
+            }
+        }
+    }
+    match open.first() {
+        Some(id) => Err(ApiError::invalid(
+            format!("No tool output found for function call {id}."),
+            Some("input"),
+            None,
+        )),
+        None => Ok(()),
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Choosing and rendering the reply
 
-#[derive(Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 enum Reply {
+    /// `(call id, function name, arguments JSON text)`.
     ToolCalls(Vec<(String, String, String)>),
     Answer(String),
+    Refusal(String),
 }
 
-/// What the script says to a conversation.
-fn reply(script: &Script, turns: &[Turn]) -> Reply {
+/// What the script says to a conversation, and what is to go wrong.
+#[derive(Debug)]
+struct Plan {
+    reply: Reply,
+    reasoning: bool,
+    fault: Option<(StepKey, Fault)>,
+}
+
+/// Plays the script against a conversation.
+fn plan(script: &Script, turns: &[Turn]) -> Plan {
     let last_user = turns.iter().rposition(|t| t.role == "user");
     let user = last_user.map_or("", |i| turns[i].text.as_str());
     let (rule, steps) = script.steps_for(user);
@@ -663,18 +1073,23 @@ fn reply(script: &Script, turns: &[Turn]) -> Reply {
         .filter(|t| t.role == "assistant" && !t.calls.is_empty())
         .count();
     tracing::debug!(rule = ?rule, step, "scripted reply");
-    let (chosen, past_end) = match steps.get(step) {
-        Some(chosen) => (chosen, false),
+    let fallback = || Plan {
+        reply: Reply::Answer(FALLBACK_ANSWER.to_owned()),
+        reasoning: false,
+        fault: None,
+    };
+    let (index, chosen, past_end) = match steps.get(step) {
+        Some(chosen) => (step, chosen, false),
         None => match steps.last() {
-            Some(last) => (last, true),
+            Some(last) => (steps.len() - 1, last, true),
             // Validation never lets a rule have no steps.
-            None => return Reply::Answer(FALLBACK_ANSWER.to_owned()),
+            None => return fallback(),
         },
     };
-    match &chosen.action {
+    let reply = match &chosen.action {
         // Replaying a tool round past the end of the rule would loop the
         // agent forever; answer instead.
-        Action::ToolCalls(_) if past_end => Reply::Answer(FALLBACK_ANSWER.to_owned()),
+        Action::ToolCalls(_) if past_end => return fallback(),
         Action::ToolCalls(calls) => Reply::ToolCalls(
             calls
                 .iter()
@@ -682,6 +1097,35 @@ fn reply(script: &Script, turns: &[Turn]) -> Reply {
                 .collect(),
         ),
         Action::Answer(template) => Reply::Answer(render(template, turns, user)),
+        Action::Refusal(text) => Reply::Refusal(text.clone()),
+    };
+    Plan {
+        reply,
+        reasoning: chosen.reasoning,
+        fault: chosen.fault.clone().map(|f| ((rule, index), f)),
+    }
+}
+
+/// The reply of a model that ran out of tokens: the first call's
+/// arguments or the text cut in half, later calls dropped.
+fn truncate(reply: Reply) -> Reply {
+    let half = |text: &str| {
+        let keep = text.chars().count() / 2;
+        text.chars().take(keep.max(1)).collect::<String>()
+    };
+    match reply {
+        Reply::ToolCalls(calls) => Reply::ToolCalls(
+            calls
+                .into_iter()
+                .take(1)
+                .map(|(id, name, arguments)| {
+                    let cut = half(&arguments);
+                    (id, name, cut)
+                })
+                .collect(),
+        ),
+        Reply::Answer(text) => Reply::Answer(half(&text)),
+        refusal @ Reply::Refusal(_) => refusal,
     }
 }
 
@@ -788,11 +1232,126 @@ fn excerpt(content: &str, limit: usize) -> String {
 }
 
 // ---------------------------------------------------------------------------
-// Response bodies
+// Response bodies: shared pieces
 
 fn estimate_tokens(chars: usize) -> u64 {
     (chars as u64).div_ceil(4).max(1)
 }
+
+fn reply_chars(reply: &Reply) -> usize {
+    match reply {
+        Reply::Answer(text) | Reply::Refusal(text) => text.chars().count(),
+        Reply::ToolCalls(calls) => calls.iter().map(|(_, n, a)| n.len() + a.len()).sum(),
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// `prefix_` and 24 random hex digits, the shape of OpenAI ids.
+fn new_id(prefix: &str) -> String {
+    let id = uuid::Uuid::new_v4().simple().to_string();
+    format!("{prefix}_{}", &id[..24])
+}
+
+/// Where a streamed frame sits in the answer, so faults can cut at the
+/// right place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Tag {
+    Other,
+    /// A text or refusal delta.
+    Text,
+    /// The first frame of call number `n` (its id and name).
+    CallHead(usize),
+    /// An argument fragment of call number `call`.
+    CallArgs {
+        call: usize,
+    },
+}
+
+/// One frame of a streamed body, already in wire form.
+#[derive(Debug)]
+struct Piece {
+    tag: Tag,
+    frame: Bytes,
+}
+
+/// A few words at a time, whitespace kept, so the pieces concatenate back
+/// to the text.
+fn answer_pieces(text: &str) -> Vec<String> {
+    let words: Vec<&str> = text.split_inclusive(char::is_whitespace).collect();
+    words
+        .chunks(WORDS_PER_CHUNK)
+        .map(|group| group.concat())
+        .collect()
+}
+
+/// `text` in pieces of at most `size` characters.
+fn fragments(text: &str, size: usize) -> Vec<&str> {
+    let mut pieces = Vec::new();
+    let mut rest = text;
+    while !rest.is_empty() {
+        let cut = rest.char_indices().nth(size).map_or(rest.len(), |(i, _)| i);
+        pieces.push(&rest[..cut]);
+        rest = &rest[cut..];
+    }
+    pieces
+}
+
+/// Applies a stream fault to the frames of a normal answer. Returns the
+/// frames to send and whether to drop the connection after them.
+fn apply_stream_fault(
+    pieces: Vec<Piece>,
+    fault: Option<&FaultKind>,
+    malformed: &str,
+) -> (Vec<Bytes>, bool) {
+    match fault {
+        Some(FaultKind::CutMidToolCall) => {
+            let fragments = pieces
+                .iter()
+                .filter(|p| p.tag == Tag::CallArgs { call: 0 })
+                .count();
+            let keep = fragments / 2;
+            let mut sent_args = 0;
+            let mut frames = Vec::new();
+            for piece in pieces {
+                let tag = piece.tag;
+                frames.push(piece.frame);
+                if tag == (Tag::CallArgs { call: 0 }) {
+                    sent_args += 1;
+                }
+                let past_head = tag == Tag::CallHead(0) || tag == (Tag::CallArgs { call: 0 });
+                if past_head && sent_args >= keep {
+                    break;
+                }
+            }
+            (frames, true)
+        }
+        Some(FaultKind::CutMidText) => {
+            let mut frames = Vec::new();
+            for piece in pieces {
+                frames.push(piece.frame);
+                if piece.tag == Tag::Text {
+                    break;
+                }
+            }
+            (frames, true)
+        }
+        Some(FaultKind::MalformedChunk) => {
+            let mut frames: Vec<Bytes> = pieces.into_iter().map(|p| p.frame).collect();
+            let at = frames.len().min(1);
+            frames.insert(at, Bytes::from(malformed.to_owned()));
+            (frames, false)
+        }
+        _ => (pieces.into_iter().map(|p| p.frame).collect(), false),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Chat Completions bodies
 
 struct Envelope<'a> {
     id: String,
@@ -802,13 +1361,9 @@ struct Envelope<'a> {
 
 impl Envelope<'_> {
     fn new(model: &str) -> Envelope<'_> {
-        let created = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_secs());
-        let id = uuid::Uuid::new_v4().simple().to_string();
         Envelope {
-            id: format!("chatcmpl-{}", &id[..24]),
-            created,
+            id: new_id("chatcmpl").replacen('_', "-", 1),
+            created: unix_now(),
             model,
         }
     }
@@ -843,29 +1398,33 @@ fn tool_calls_json(calls: &[(String, String, String)]) -> Value {
         .collect()
 }
 
-fn reply_chars(reply: &Reply) -> usize {
+fn chat_finish_reason(reply: &Reply, truncated: bool) -> &'static str {
     match reply {
-        Reply::Answer(text) => text.chars().count(),
-        Reply::ToolCalls(calls) => calls.iter().map(|(_, n, a)| n.len() + a.len()).sum(),
+        _ if truncated => "length",
+        Reply::ToolCalls(_) => "tool_calls",
+        Reply::Answer(_) | Reply::Refusal(_) => "stop",
     }
 }
 
 /// The non-streaming `chat.completion` body.
-fn completion_body(envelope: &Envelope<'_>, reply: &Reply, prompt_tokens: u64) -> Value {
-    let (message, finish_reason) = match reply {
-        Reply::Answer(text) => (
-            json!({"role": "assistant", "content": text, "refusal": null}),
-            "stop",
-        ),
-        Reply::ToolCalls(calls) => (
-            json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": tool_calls_json(calls)}),
-            "tool_calls",
-        ),
+fn completion_body(
+    envelope: &Envelope<'_>,
+    reply: &Reply,
+    prompt_tokens: u64,
+    truncated: bool,
+) -> Value {
+    let message = match reply {
+        Reply::Answer(text) => json!({"role": "assistant", "content": text, "refusal": null}),
+        Reply::Refusal(text) => json!({"role": "assistant", "content": null, "refusal": text}),
+        Reply::ToolCalls(calls) => {
+            json!({"role": "assistant", "content": null, "refusal": null, "tool_calls": tool_calls_json(calls)})
+        }
     };
     let mut body = envelope.base("chat.completion");
     body.insert(
         "choices".into(),
-        json!([{"index": 0, "message": message, "logprobs": null, "finish_reason": finish_reason}]),
+        json!([{"index": 0, "message": message, "logprobs": null,
+            "finish_reason": chat_finish_reason(reply, truncated)}]),
     );
     body.insert(
         "usage".into(),
@@ -874,13 +1433,14 @@ fn completion_body(envelope: &Envelope<'_>, reply: &Reply, prompt_tokens: u64) -
     Value::Object(body)
 }
 
-/// The `data:` payloads of a streamed reply, `[DONE]` included.
-fn stream_payloads(
+/// The frames of a streamed chat completion, `data: [DONE]` included.
+fn chat_stream_pieces(
     envelope: &Envelope<'_>,
     reply: &Reply,
     prompt_tokens: u64,
     include_usage: bool,
-) -> Vec<String> {
+    truncated: bool,
+) -> Vec<Piece> {
     let chunk = |delta: Value, finish_reason: Option<&str>| {
         let mut body = envelope.base("chat.completion.chunk");
         body.insert(
@@ -894,36 +1454,66 @@ fn stream_payloads(
         }
         Value::Object(body).to_string()
     };
-    let mut payloads = Vec::new();
+    let piece = |tag: Tag, payload: String| Piece {
+        tag,
+        frame: Bytes::from(format!("data: {payload}\n\n")),
+    };
+    let mut pieces = Vec::new();
     match reply {
         Reply::Answer(text) => {
-            payloads.push(chunk(
-                json!({"role": "assistant", "content": "", "refusal": null}),
-                None,
+            pieces.push(piece(
+                Tag::Other,
+                chunk(
+                    json!({"role": "assistant", "content": "", "refusal": null}),
+                    None,
+                ),
             ));
-            for piece in answer_pieces(text) {
-                payloads.push(chunk(json!({"content": piece}), None));
+            for part in answer_pieces(text) {
+                pieces.push(piece(Tag::Text, chunk(json!({"content": part}), None)));
             }
-            payloads.push(chunk(json!({}), Some("stop")));
+        }
+        Reply::Refusal(text) => {
+            pieces.push(piece(
+                Tag::Other,
+                chunk(
+                    json!({"role": "assistant", "content": null, "refusal": ""}),
+                    None,
+                ),
+            ));
+            for part in answer_pieces(text) {
+                pieces.push(piece(Tag::Text, chunk(json!({"refusal": part}), None)));
+            }
         }
         Reply::ToolCalls(calls) => {
-            payloads.push(chunk(json!({"role": "assistant", "content": null}), None));
+            pieces.push(piece(
+                Tag::Other,
+                chunk(json!({"role": "assistant", "content": null}), None),
+            ));
             for (index, (id, name, arguments)) in calls.iter().enumerate() {
-                payloads.push(chunk(
-                    json!({"tool_calls": [{"index": index, "id": id, "type": "function",
-                        "function": {"name": name, "arguments": ""}}]}),
-                    None,
+                pieces.push(piece(
+                    Tag::CallHead(index),
+                    chunk(
+                        json!({"tool_calls": [{"index": index, "id": id, "type": "function",
+                            "function": {"name": name, "arguments": ""}}]}),
+                        None,
+                    ),
                 ));
                 for fragment in fragments(arguments, ARGUMENT_FRAGMENT_CHARS) {
-                    payloads.push(chunk(
-                        json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
-                        None,
+                    pieces.push(piece(
+                        Tag::CallArgs { call: index },
+                        chunk(
+                            json!({"tool_calls": [{"index": index, "function": {"arguments": fragment}}]}),
+                            None,
+                        ),
                     ));
                 }
             }
-            payloads.push(chunk(json!({}), Some("tool_calls")));
         }
     }
+    pieces.push(piece(
+        Tag::Other,
+        chunk(json!({}), Some(chat_finish_reason(reply, truncated))),
+    ));
     if include_usage {
         let mut body = envelope.base("chat.completion.chunk");
         body.insert("choices".into(), json!([]));
@@ -931,68 +1521,570 @@ fn stream_payloads(
             "usage".into(),
             usage_json(prompt_tokens, estimate_tokens(reply_chars(reply))),
         );
-        payloads.push(Value::Object(body).to_string());
+        pieces.push(piece(Tag::Other, Value::Object(body).to_string()));
     }
-    payloads.push("[DONE]".to_owned());
-    payloads
-}
-
-/// A few words at a time, whitespace kept, so the pieces concatenate back
-/// to the text.
-fn answer_pieces(text: &str) -> Vec<String> {
-    let words: Vec<&str> = text.split_inclusive(char::is_whitespace).collect();
-    words
-        .chunks(WORDS_PER_CHUNK)
-        .map(|group| group.concat())
-        .collect()
-}
-
-/// `text` in pieces of at most `size` characters.
-fn fragments(text: &str, size: usize) -> Vec<&str> {
-    let mut pieces = Vec::new();
-    let mut rest = text;
-    while !rest.is_empty() {
-        let cut = rest.char_indices().nth(size).map_or(rest.len(), |(i, _)| i);
-        pieces.push(&rest[..cut]);
-        rest = &rest[cut..];
-    }
+    pieces.push(piece(Tag::Other, "[DONE]".to_owned()));
     pieces
+}
+
+// ---------------------------------------------------------------------------
+// Responses API bodies
+
+/// What a Responses answer is made of, before it is put in wire form.
+enum OutItem {
+    Reasoning {
+        id: String,
+    },
+    Message {
+        id: String,
+        text: String,
+        refusal: bool,
+    },
+    Call {
+        id: String,
+        call_id: String,
+        name: String,
+        arguments: String,
+    },
+}
+
+impl OutItem {
+    fn list(reply: &Reply, reasoning: bool) -> Vec<Self> {
+        let mut items = Vec::new();
+        if reasoning {
+            items.push(Self::Reasoning { id: new_id("rs") });
+        }
+        match reply {
+            Reply::Answer(text) | Reply::Refusal(text) => items.push(Self::Message {
+                id: new_id("msg"),
+                text: text.clone(),
+                refusal: matches!(reply, Reply::Refusal(_)),
+            }),
+            Reply::ToolCalls(calls) => {
+                items.extend(calls.iter().map(|(call_id, name, arguments)| Self::Call {
+                    id: new_id("fc"),
+                    call_id: call_id.clone(),
+                    name: name.clone(),
+                    arguments: arguments.clone(),
+                }));
+            }
+        }
+        items
+    }
+
+    fn id(&self) -> &str {
+        match self {
+            Self::Reasoning { id } | Self::Message { id, .. } | Self::Call { id, .. } => id,
+        }
+    }
+
+    fn content_part(text: &str, refusal: bool) -> Value {
+        if refusal {
+            json!({"type": "refusal", "refusal": text})
+        } else {
+            json!({"type": "output_text", "annotations": [], "logprobs": [], "text": text})
+        }
+    }
+
+    /// The item as `response.output_item.added` shows it: nothing
+    /// generated yet.
+    fn started(&self) -> Value {
+        match self {
+            Self::Reasoning { .. } => self.finished("completed"),
+            Self::Message { id, .. } => json!({
+                "id": id, "type": "message", "status": "in_progress",
+                "content": [], "role": "assistant"
+            }),
+            Self::Call {
+                id, call_id, name, ..
+            } => json!({
+                "id": id, "type": "function_call", "status": "in_progress",
+                "arguments": "", "call_id": call_id, "name": name
+            }),
+        }
+    }
+
+    /// The item as `response.output_item.done` and the final `output`
+    /// show it.
+    fn finished(&self, status: &str) -> Value {
+        match self {
+            Self::Reasoning { id } => json!({
+                "id": id, "type": "reasoning", "summary": [],
+                "encrypted_content": format!("toolfleet-scripted-stand-in-reasoning:{id}")
+            }),
+            Self::Message { id, text, refusal } => json!({
+                "id": id, "type": "message", "status": status,
+                "content": [Self::content_part(text, *refusal)], "role": "assistant"
+            }),
+            Self::Call {
+                id,
+                call_id,
+                name,
+                arguments,
+            } => json!({
+                "id": id, "type": "function_call", "status": status,
+                "arguments": arguments, "call_id": call_id, "name": name
+            }),
+        }
+    }
+}
+
+/// A Responses answer: the response object around the output items.
+struct ResponsesEnvelope<'a> {
+    id: String,
+    created_at: u64,
+    model: &'a str,
+    /// Echoed back the way the real API echoes request parameters.
+    request: &'a Value,
+}
+
+impl<'a> ResponsesEnvelope<'a> {
+    fn new(model: &'a str, request: &'a Value) -> Self {
+        Self {
+            id: new_id("resp"),
+            created_at: unix_now(),
+            model,
+            request,
+        }
+    }
+
+    fn response(&self, status: &str, output: Vec<Value>, usage: Option<Value>) -> Value {
+        let echo = |key: &str, default: Value| {
+            self.request
+                .get(key)
+                .filter(|v| !v.is_null())
+                .cloned()
+                .unwrap_or(default)
+        };
+        json!({
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "status": status,
+            "error": null,
+            "incomplete_details": if status == "incomplete" {
+                json!({"reason": "max_output_tokens"})
+            } else {
+                Value::Null
+            },
+            "instructions": echo("instructions", Value::Null),
+            "max_output_tokens": echo("max_output_tokens", Value::Null),
+            "model": self.model,
+            "output": output,
+            "parallel_tool_calls": echo("parallel_tool_calls", json!(true)),
+            "previous_response_id": null,
+            "reasoning": {"effort": null, "summary": null},
+            "store": echo("store", json!(true)),
+            "temperature": echo("temperature", json!(1.0)),
+            "text": {"format": {"type": "text"}},
+            "tool_choice": echo("tool_choice", json!("auto")),
+            "tools": echo("tools", json!([])),
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "usage": usage,
+            "metadata": {},
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        })
+    }
+}
+
+fn responses_usage(prompt_tokens: u64, reply: &Reply, reasoning: bool) -> Value {
+    let reasoning_tokens = if reasoning { REASONING_TOKENS } else { 0 };
+    let output_tokens = estimate_tokens(reply_chars(reply)) + reasoning_tokens;
+    json!({
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": prompt_tokens + output_tokens,
+    })
+}
+
+/// The whole non-streaming response object.
+fn responses_body(
+    envelope: &ResponsesEnvelope<'_>,
+    reply: &Reply,
+    reasoning: bool,
+    prompt_tokens: u64,
+    truncated: bool,
+) -> Value {
+    let status = if truncated { "incomplete" } else { "completed" };
+    let output = OutItem::list(reply, reasoning)
+        .iter()
+        .map(|item| item.finished(status))
+        .collect();
+    envelope.response(
+        status,
+        output,
+        Some(responses_usage(prompt_tokens, reply, reasoning)),
+    )
+}
+
+/// The events of a streamed response, each framed as `event: <type>` and
+/// `data: <json>` with its `sequence_number`.
+fn responses_stream_pieces(
+    envelope: &ResponsesEnvelope<'_>,
+    reply: &Reply,
+    reasoning: bool,
+    prompt_tokens: u64,
+    truncated: bool,
+) -> Vec<Piece> {
+    let status = if truncated { "incomplete" } else { "completed" };
+    let items = OutItem::list(reply, reasoning);
+    let mut events: Vec<(Tag, Value)> = Vec::new();
+    let opening = envelope.response("in_progress", Vec::new(), None);
+    events.push((
+        Tag::Other,
+        json!({"type": "response.created", "response": opening}),
+    ));
+    events.push((
+        Tag::Other,
+        json!({"type": "response.in_progress", "response": opening}),
+    ));
+    let mut call_number = 0;
+    for (output_index, item) in items.iter().enumerate() {
+        let item_id = item.id();
+        let head_tag = match item {
+            OutItem::Call { .. } => Tag::CallHead(call_number),
+            _ => Tag::Other,
+        };
+        events.push((
+            head_tag,
+            json!({"type": "response.output_item.added", "output_index": output_index, "item": item.started()}),
+        ));
+        match item {
+            OutItem::Reasoning { .. } => {}
+            OutItem::Message { text, refusal, .. } => {
+                let (delta_type, done_type, done_key) = if *refusal {
+                    ("response.refusal.delta", "response.refusal.done", "refusal")
+                } else {
+                    (
+                        "response.output_text.delta",
+                        "response.output_text.done",
+                        "text",
+                    )
+                };
+                events.push((
+                    Tag::Other,
+                    json!({"type": "response.content_part.added", "item_id": item_id,
+                        "output_index": output_index, "content_index": 0,
+                        "part": OutItem::content_part("", *refusal)}),
+                ));
+                for part in answer_pieces(text) {
+                    events.push((
+                        Tag::Text,
+                        json!({"type": delta_type, "item_id": item_id, "output_index": output_index,
+                            "content_index": 0, "delta": part}),
+                    ));
+                }
+                events.push((
+                    Tag::Other,
+                    json!({"type": done_type, "item_id": item_id, "output_index": output_index,
+                        "content_index": 0, done_key: text}),
+                ));
+                events.push((
+                    Tag::Other,
+                    json!({"type": "response.content_part.done", "item_id": item_id,
+                        "output_index": output_index, "content_index": 0,
+                        "part": OutItem::content_part(text, *refusal)}),
+                ));
+            }
+            OutItem::Call { arguments, .. } => {
+                for fragment in fragments(arguments, ARGUMENT_FRAGMENT_CHARS) {
+                    events.push((
+                        Tag::CallArgs { call: call_number },
+                        json!({"type": "response.function_call_arguments.delta", "item_id": item_id,
+                            "output_index": output_index, "delta": fragment}),
+                    ));
+                }
+                events.push((
+                    Tag::Other,
+                    json!({"type": "response.function_call_arguments.done", "item_id": item_id,
+                        "output_index": output_index, "arguments": arguments}),
+                ));
+                call_number += 1;
+            }
+        }
+        events.push((
+            Tag::Other,
+            json!({"type": "response.output_item.done", "output_index": output_index,
+                "item": item.finished(status)}),
+        ));
+    }
+    let output = items.iter().map(|item| item.finished(status)).collect();
+    let usage = responses_usage(prompt_tokens, reply, reasoning);
+    let terminal = if truncated {
+        "response.incomplete"
+    } else {
+        "response.completed"
+    };
+    events.push((
+        Tag::Other,
+        json!({"type": terminal, "response": envelope.response(status, output, Some(usage))}),
+    ));
+    events
+        .into_iter()
+        .enumerate()
+        .map(|(sequence, (tag, mut event))| {
+            let kind = event["type"].as_str().unwrap_or_default().to_owned();
+            event["sequence_number"] = json!(sequence);
+            Piece {
+                tag,
+                frame: Bytes::from(format!("event: {kind}\ndata: {event}\n\n")),
+            }
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------
 // The server
 
+/// One request as the server received it.
+#[derive(Clone, Debug)]
+pub struct Received {
+    /// When the handler started on it: gaps between these show how long a
+    /// client waited before retrying.
+    pub at: Instant,
+    /// `/v1/chat/completions` or `/v1/responses`.
+    pub path: String,
+    /// The raw query string, if any (e.g. `api-version=..`).
+    pub query: Option<String>,
+    /// Every request header, names lower-case.
+    pub headers: Vec<(String, String)>,
+    /// The body; one that was not JSON appears as a JSON string.
+    pub body: Value,
+    /// The fault injected into the answer (`status`, `cutMidToolCall`,
+    /// `cutMidText`, `malformedChunk`, `slowFirstToken`, `length`).
+    pub fault: Option<&'static str>,
+}
+
+impl Received {
+    /// The first value of header `name` (case-insensitive).
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// How the response bodies the server streamed have ended so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StreamStats {
+    /// Bodies that began.
+    pub started: u64,
+    /// Bodies sent to the end.
+    pub completed: u64,
+    /// Bodies cut on purpose by a `cutMidToolCall` / `cutMidText` fault.
+    pub cut: u64,
+    /// Bodies abandoned before their end because the client went away (or
+    /// the server shut down): the way a cancelled client shows up here.
+    pub dropped: u64,
+}
+
 struct ServerState {
     script: Script,
-    requests: Mutex<VecDeque<Value>>,
+    received: Mutex<VecDeque<Received>>,
+    /// Fault hits per step, for `times`.
+    fault_counts: Mutex<HashMap<StepKey, u32>>,
+    fault_hits: AtomicU64,
+    streams: watch::Sender<StreamStats>,
 }
 
 impl ServerState {
-    fn record(&self, body: Value) {
-        // A panic elsewhere while holding the lock leaves a usable log.
-        let mut requests = self.requests.lock().unwrap_or_else(PoisonError::into_inner);
-        if requests.len() == MAX_RECORDED_REQUESTS {
-            requests.pop_front();
+    fn new(script: Script) -> Self {
+        Self {
+            script,
+            received: Mutex::new(VecDeque::new()),
+            fault_counts: Mutex::new(HashMap::new()),
+            fault_hits: AtomicU64::new(0),
+            streams: watch::Sender::new(StreamStats::default()),
         }
-        requests.push_back(body);
     }
+
+    fn record(&self, received: Received) {
+        // A panic elsewhere while holding the lock leaves a usable log.
+        let mut log = self.received.lock().unwrap_or_else(PoisonError::into_inner);
+        if log.len() == MAX_RECORDED_REQUESTS {
+            log.pop_front();
+        }
+        log.push_back(received);
+    }
+
+    /// Whether this request gets the step's fault, counting it if so.
+    fn take_fault(&self, key: StepKey, fault: &Fault) -> bool {
+        let mut counts = self
+            .fault_counts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let hits = counts.entry(key).or_insert(0);
+        if fault.times.is_some_and(|times| *hits >= times) {
+            return false;
+        }
+        *hits += 1;
+        self.fault_hits.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+}
+
+/// Counts a streamed body in [`StreamStats`]; a body dropped before it
+/// ended counts as `dropped`.
+struct StreamGuard {
+    state: Arc<ServerState>,
+    ended: bool,
+}
+
+impl StreamGuard {
+    fn new(state: Arc<ServerState>) -> Self {
+        state.streams.send_modify(|s| s.started += 1);
+        Self {
+            state,
+            ended: false,
+        }
+    }
+
+    fn end(&mut self, cut: bool) {
+        if !self.ended {
+            self.ended = true;
+            self.state.streams.send_modify(|s| {
+                if cut {
+                    s.cut += 1;
+                } else {
+                    s.completed += 1;
+                }
+            });
+        }
+    }
+}
+
+impl Drop for StreamGuard {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.state.streams.send_modify(|s| s.dropped += 1);
+        }
+    }
+}
+
+/// What a streamed body still has to send.
+struct Feed {
+    frames: VecDeque<Bytes>,
+    cut: bool,
+    first_delay: Duration,
+    delay: Duration,
+    sent: usize,
+    guard: StreamGuard,
+}
+
+/// A body that sends `frames` (pausing `delay` before each, and
+/// `first_delay` more before the first), then ends, or with `cut` drops the
+/// connection mid-body the way a crashed upstream does.
+fn feed_body(
+    state: &Arc<ServerState>,
+    frames: Vec<Bytes>,
+    cut: bool,
+    first_delay: Duration,
+    delay: Duration,
+) -> Body {
+    let feed = Feed {
+        frames: frames.into(),
+        cut,
+        first_delay,
+        delay,
+        sent: 0,
+        guard: StreamGuard::new(state.clone()),
+    };
+    let stream = futures::stream::unfold(feed, |mut feed| async move {
+        if let Some(frame) = feed.frames.pop_front() {
+            let pause = if feed.sent == 0 {
+                feed.first_delay + feed.delay
+            } else {
+                feed.delay
+            };
+            if !pause.is_zero() {
+                tokio::time::sleep(pause).await;
+            }
+            feed.sent += 1;
+            return Some((Ok(frame), feed));
+        }
+        if feed.cut && !feed.guard.ended {
+            tokio::time::sleep(CUT_FLUSH_PAUSE).await;
+            feed.guard.end(true);
+            // An error from the body makes hyper drop the connection
+            // without the final empty chunk: the client sees a body that
+            // broke off, not one that ended.
+            let cut = std::io::Error::other("scripted fault: the stream is cut here");
+            return Some((Err(cut), feed));
+        }
+        feed.guard.end(false);
+        None
+    });
+    Body::from_stream(stream)
 }
 
 fn router(state: Arc<ServerState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .fallback(unknown_url)
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(state)
 }
 
-async fn chat_completions(State(state): State<Arc<ServerState>>, body: Bytes) -> Response {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Api {
+    Chat,
+    Responses,
+}
+
+async fn chat_completions(
+    State(state): State<Arc<ServerState>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    respond(state, Api::Chat, uri, headers, body).await
+}
+
+async fn responses(
+    State(state): State<Arc<ServerState>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    respond(state, Api::Responses, uri, headers, body).await
+}
+
+/// Reads, records and answers one request in either API shape.
+async fn respond(
+    state: Arc<ServerState>,
+    api: Api,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    let mut received = Received {
+        at: Instant::now(),
+        path: uri.path().to_owned(),
+        query: uri.query().map(str::to_owned),
+        headers: headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_owned(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+        body: Value::Null,
+        fault: None,
+    };
     let request: Value = match serde_json::from_slice(&body) {
         Ok(request) => request,
         Err(e) => {
             // Recorded as text so a test can still see what was sent.
-            state.record(Value::String(String::from_utf8_lossy(&body).into_owned()));
+            received.body = Value::String(String::from_utf8_lossy(&body).into_owned());
+            state.record(received);
             return ApiError::invalid(
                 format!("We could not parse the JSON body of your request: {e}"),
                 None,
@@ -1001,43 +2093,180 @@ async fn chat_completions(State(state): State<Arc<ServerState>>, body: Bytes) ->
             .into_response();
         }
     };
-    state.record(request.clone());
-    let turns = match read_request(&request) {
-        Ok(turns) => turns,
-        Err(e) => return e.into_response(),
+    received.body = request.clone();
+    let turns = match api {
+        Api::Chat => read_request(&request),
+        Api::Responses => read_responses_request(&request),
     };
-    let script = &state.script;
-    let reply = reply(script, &turns);
+    let turns = match turns {
+        Ok(turns) => turns,
+        Err(e) => {
+            state.record(received);
+            return e.into_response();
+        }
+    };
+    let plan = plan(&state.script, &turns);
+    let fault = plan
+        .fault
+        .as_ref()
+        .filter(|(key, fault)| state.take_fault(*key, fault))
+        .map(|(_, fault)| fault.kind.clone());
+    received.fault = fault.as_ref().map(FaultKind::name);
+    state.record(received);
+    if let Some(fault) = &fault {
+        tracing::debug!(fault = fault.name(), "scripted fault injected");
+    }
+    if let Some(FaultKind::Status {
+        status,
+        retry_after_ms,
+        retry_after_secs,
+        code,
+        message,
+    }) = &fault
+    {
+        return status_fault(
+            *status,
+            *retry_after_ms,
+            *retry_after_secs,
+            code.as_deref(),
+            message.as_deref(),
+        );
+    }
+    let truncated = fault == Some(FaultKind::Length);
+    let reply = if truncated {
+        truncate(plan.reply)
+    } else {
+        plan.reply
+    };
+    let slow = match fault {
+        Some(FaultKind::SlowFirstToken(delay)) => delay,
+        _ => Duration::ZERO,
+    };
     let prompt_chars: usize = turns.iter().map(|t| t.text.chars().count()).sum::<usize>()
         + request.get("tools").map_or(0, |t| t.to_string().len());
     let prompt_tokens = estimate_tokens(prompt_chars);
-    let envelope = Envelope::new(&script.model);
-    if request.get("stream").and_then(Value::as_bool) != Some(true) {
-        return axum::Json(completion_body(&envelope, &reply, prompt_tokens)).into_response();
+    let script = &state.script;
+    let stream = request.get("stream").and_then(Value::as_bool) == Some(true);
+    if !stream {
+        let body = match api {
+            Api::Chat => completion_body(
+                &Envelope::new(&script.model),
+                &reply,
+                prompt_tokens,
+                truncated,
+            ),
+            Api::Responses => responses_body(
+                &ResponsesEnvelope::new(&script.model, &request),
+                &reply,
+                plan.reasoning,
+                prompt_tokens,
+                truncated,
+            ),
+        };
+        return plain_answer(&state, body, fault.as_ref(), slow).await;
     }
-    let include_usage = request
-        .pointer("/stream_options/include_usage")
-        .and_then(Value::as_bool)
-        == Some(true);
-    let frames: Vec<Bytes> = stream_payloads(&envelope, &reply, prompt_tokens, include_usage)
-        .into_iter()
-        .map(|payload| Bytes::from(format!("data: {payload}\n\n")))
-        .collect();
-    let delay = script.chunk_delay;
-    let stream = futures::stream::iter(frames).then(move |frame| async move {
-        if !delay.is_zero() {
-            tokio::time::sleep(delay).await;
+    let (pieces, malformed) = match api {
+        Api::Chat => {
+            let include_usage = request
+                .pointer("/stream_options/include_usage")
+                .and_then(Value::as_bool)
+                == Some(true);
+            (
+                chat_stream_pieces(
+                    &Envelope::new(&script.model),
+                    &reply,
+                    prompt_tokens,
+                    include_usage,
+                    truncated,
+                ),
+                "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"scripted malformed chunk\"\n\n",
+            )
         }
-        Ok::<_, Infallible>(frame)
-    });
+        Api::Responses => (
+            responses_stream_pieces(
+                &ResponsesEnvelope::new(&script.model, &request),
+                &reply,
+                plan.reasoning,
+                prompt_tokens,
+                truncated,
+            ),
+            "event: response.output_text.delta\ndata: {\"type\": \"response.output_text.delta\", \"delta\": scripted malformed chunk\n\n",
+        ),
+    };
+    let (frames, cut) = apply_stream_fault(pieces, fault.as_ref(), malformed);
     (
         [
             (header::CONTENT_TYPE, "text/event-stream"),
             (header::CACHE_CONTROL, "no-cache"),
         ],
-        Body::from_stream(stream),
+        feed_body(&state, frames, cut, slow, script.chunk_delay),
     )
         .into_response()
+}
+
+/// A non-streaming answer, with its fault in body form.
+async fn plain_answer(
+    state: &Arc<ServerState>,
+    body: Value,
+    fault: Option<&FaultKind>,
+    slow: Duration,
+) -> Response {
+    if !slow.is_zero() {
+        tokio::time::sleep(slow).await;
+    }
+    let text = body.to_string();
+    let half = || Bytes::copy_from_slice(&text.as_bytes()[..text.len() / 2]);
+    let body = match fault {
+        Some(FaultKind::CutMidToolCall | FaultKind::CutMidText) => {
+            feed_body(state, vec![half()], true, Duration::ZERO, Duration::ZERO)
+        }
+        Some(FaultKind::MalformedChunk) => Body::from(half()),
+        _ => Body::from(text.clone()),
+    };
+    ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// The error response of a `status` fault, shaped like OpenAI's.
+fn status_fault(
+    status: StatusCode,
+    retry_after_ms: Option<u64>,
+    retry_after_secs: Option<u64>,
+    code: Option<&str>,
+    message: Option<&str>,
+) -> Response {
+    let (kind, default_code, default_message) = match status.as_u16() {
+        429 => (
+            "requests",
+            Some("rate_limit_exceeded"),
+            "Rate limit reached (scripted stand-in fault).",
+        ),
+        500..=599 => (
+            "server_error",
+            None,
+            "The server had an error while processing your request (scripted stand-in fault).",
+        ),
+        _ => (
+            "invalid_request_error",
+            None,
+            "The request was rejected (scripted stand-in fault).",
+        ),
+    };
+    let body = json!({"error": {
+        "message": message.unwrap_or(default_message),
+        "type": kind,
+        "param": null,
+        "code": code.or(default_code),
+    }});
+    let mut response = (status, axum::Json(body)).into_response();
+    let headers = response.headers_mut();
+    if let Some(ms) = retry_after_ms {
+        headers.insert("retry-after-ms", ms.into());
+        headers.insert("retry-after", ms.div_ceil(1000).into());
+    }
+    if let Some(secs) = retry_after_secs {
+        headers.insert(header::RETRY_AFTER, secs.into());
+    }
+    response
 }
 
 async fn models(State(state): State<Arc<ServerState>>) -> Response {
@@ -1057,7 +2286,7 @@ async fn unknown_url(method: Method, uri: Uri) -> Response {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: format!(
-            "Unknown request URL: {method} {}. The scripted stand-in serves POST /v1/chat/completions and GET /v1/models.",
+            "Unknown request URL: {method} {}. The scripted stand-in serves POST /v1/chat/completions, POST /v1/responses and GET /v1/models.",
             uri.path()
         ),
         param: None,
@@ -1089,11 +2318,7 @@ pub async fn serve(
     script: Script,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let state = Arc::new(ServerState {
-        script,
-        requests: Mutex::new(VecDeque::new()),
-    });
-    serve_state(listener, state, shutdown).await
+    serve_state(listener, Arc::new(ServerState::new(script)), shutdown).await
 }
 
 /// How long [`ScriptedServer::shutdown`] lets open streams finish.
@@ -1116,10 +2341,7 @@ impl ScriptedServer {
         let addr = listener.local_addr()?;
         let base_url = Url::parse(&format!("http://{addr}/v1"))
             .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        let state = Arc::new(ServerState {
-            script,
-            requests: Mutex::new(VecDeque::new()),
-        });
+        let state = Arc::new(ServerState::new(script));
         let stop = CancellationToken::new();
         let task = tokio::spawn(serve_state(
             listener,
@@ -1148,12 +2370,49 @@ impl ScriptedServer {
     /// A body that was not JSON appears as a JSON string.
     pub fn requests(&self) -> Vec<Value> {
         self.state
-            .requests
+            .received
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|r| r.body.clone())
+            .collect()
+    }
+
+    /// Every request received so far with its time, path, query, headers
+    /// and injected fault, oldest first (the last 1000).
+    pub fn received(&self) -> Vec<Received> {
+        self.state
+            .received
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .cloned()
             .collect()
+    }
+
+    /// How many requests got a scripted fault, over the server's life.
+    pub fn fault_hits(&self) -> u64 {
+        self.state.fault_hits.load(Ordering::Relaxed)
+    }
+
+    /// How the streamed bodies have ended so far.
+    pub fn stream_stats(&self) -> StreamStats {
+        *self.state.streams.borrow()
+    }
+
+    /// Waits until the stream counts satisfy `ready` and returns them.
+    /// Unbounded: wrap it in a timeout.
+    pub async fn wait_for_streams(
+        &self,
+        mut ready: impl FnMut(&StreamStats) -> bool,
+    ) -> StreamStats {
+        let mut changes = self.state.streams.subscribe();
+        // The sender lives in `self.state`, so the channel cannot close
+        // while we hold `self`.
+        match changes.wait_for(|s| ready(s)).await {
+            Ok(stats) => *stats,
+            Err(_) => self.stream_stats(),
+        }
     }
 
     /// Stops accepting, lets open responses finish for a few seconds, then
@@ -1217,17 +2476,21 @@ mod tests {
         read_request(&json!({"model": "m", "messages": messages})).expect("valid request")
     }
 
+    fn reply(script: &Script, turns: &[Turn]) -> Reply {
+        plan(script, turns).reply
+    }
+
     fn call_names(reply: &Reply) -> Vec<&str> {
         match reply {
             Reply::ToolCalls(calls) => calls.iter().map(|(_, n, _)| n.as_str()).collect(),
-            Reply::Answer(text) => panic!("expected tool calls, got answer {text:?}"),
+            other => panic!("expected tool calls, got {other:?}"),
         }
     }
 
     fn answer(reply: Reply) -> String {
         match reply {
             Reply::Answer(text) => text,
-            Reply::ToolCalls(calls) => panic!("expected an answer, got calls {calls:?}"),
+            other => panic!("expected an answer, got {other:?}"),
         }
     }
 
@@ -1250,7 +2513,7 @@ mod tests {
             ),
             (
                 r#"{"rules": [{"whenUserContains": ["a"], "steps": [{}]}]}"#,
-                "rules[0].steps[0] needs exactly one of `toolCalls` or `answer`",
+                "rules[0].steps[0] needs exactly one of `toolCalls`, `answer` or `refusal`",
             ),
             (
                 r#"{"rules": [{"whenUserContains": ["a"], "steps": [{"answer": "x", "toolCalls": [{"name": "f"}]}]}]}"#,
@@ -1274,6 +2537,58 @@ mod tests {
             ),
             (r#"{"model": " "}"#, "`model` must not be empty"),
             (r#"{"chunkDelayMs": -1}"#, "invalid value"),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "refusal": "no"}]}}"#,
+                "needs exactly one of",
+            ),
+            (
+                r#"{"default": {"steps": [{"refusal": " "}]}}"#,
+                "default.steps[0].refusal must not be empty",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "explode"}}]}}"#,
+                "default.steps[0].fault.kind \"explode\" is unknown; known kinds are status,",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "status"}}]}}"#,
+                "default.steps[0].fault.status is required for kind `status`",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "status", "status": 200}}]}}"#,
+                "must be an error status (400-599)",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "status", "status": 500, "delayMs": 5}}]}}"#,
+                "fault.delayMs only applies to kind `slowFirstToken`, not `status`",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "slowFirstToken", "retryAfterMs": 5}}]}}"#,
+                "fault.retryAfterMs only applies to kind `status`",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "slowFirstToken"}}]}}"#,
+                "fault.delayMs is required for kind `slowFirstToken`",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "cutMidToolCall"}}]}}"#,
+                "kind `cutMidToolCall` needs a `toolCalls` step, not `answer`",
+            ),
+            (
+                r#"{"default": {"steps": [{"toolCalls": [{"name": "f"}], "fault": {"kind": "cutMidText"}}]}}"#,
+                "kind `cutMidText` needs a `answer` or `refusal` step",
+            ),
+            (
+                r#"{"default": {"steps": [{"refusal": "no", "fault": {"kind": "length"}}]}}"#,
+                "kind `length` needs a `toolCalls` or `answer` step, not `refusal`",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "length", "times": 0}}]}}"#,
+                "fault.times must be at least 1",
+            ),
+            (
+                r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "length", "time": 1}}]}}"#,
+                "unknown field `time`",
+            ),
         ];
         for (text, want) in cases {
             let err = Script::from_json(text).expect_err(text).to_string();
@@ -1789,5 +3104,468 @@ mod tests {
         assert_eq!(models["data"][0]["id"], json!("custom-stand-in"));
         stop.send(()).expect("server still running");
         within(task).await.expect("join").expect("serve returns Ok");
+    }
+
+    // -----------------------------------------------------------------------
+    // The Responses API, refusals and faults over HTTP
+
+    /// Posts `body` to `path` (under `/v1`) and reads the whole response,
+    /// noting whether the body broke off instead of ending.
+    async fn send(
+        client: &reqwest::Client,
+        server: &ScriptedServer,
+        path: &str,
+        body: &Value,
+    ) -> (reqwest::StatusCode, HeaderMap, String, bool) {
+        let mut response = within(
+            client
+                .post(format!("{}/{path}", server.base_url()))
+                .json(body)
+                .send(),
+        )
+        .await
+        .expect("send");
+        let status = response.status();
+        let headers = response.headers().clone();
+        let mut bytes = Vec::new();
+        let mut broken = false;
+        loop {
+            match within(response.chunk()).await {
+                Ok(Some(chunk)) => bytes.extend_from_slice(&chunk),
+                Ok(None) => break,
+                Err(_) => {
+                    broken = true;
+                    break;
+                }
+            }
+        }
+        let text = String::from_utf8(bytes).expect("utf-8 body");
+        (status, headers, text, broken)
+    }
+
+    /// The events of a Responses SSE body, checking that every frame is
+    /// `event: <type>` + `data: <json with that type>`.
+    fn response_events(body: &str) -> Vec<Value> {
+        body.split("\n\n")
+            .filter(|frame| !frame.is_empty())
+            .map(|frame| {
+                let (event, data) = frame.split_once('\n').expect("two lines");
+                let kind = event.strip_prefix("event: ").expect("event line");
+                let data: Value =
+                    serde_json::from_str(data.strip_prefix("data: ").expect("data line"))
+                        .expect("data JSON");
+                assert_eq!(data["type"], json!(kind));
+                data
+            })
+            .collect()
+    }
+
+    fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
+        events.iter().filter(|e| e["type"] == kind).collect()
+    }
+
+    const RESPONSES: &str = r#"{
+        "rules": [
+            {"whenUserContains": ["weather"], "steps": [
+                {"reasoning": true, "toolCalls": [
+                    {"name": "get_weather", "arguments": {"city": "Paris", "units": "metric"}},
+                    {"name": "lookup", "arguments": {}}]},
+                {"answer": "It is {{tool:get_weather}} ({{tool:lookup}})"}]},
+            {"whenUserContains": ["refuse"], "steps": [{"refusal": "I can't help with that."}]}
+        ]
+    }"#;
+
+    #[tokio::test]
+    async fn responses_stream_events_the_way_openai_does() {
+        let (server, client) = start(RESPONSES).await;
+        let body = json!({"model": "m", "stream": true, "instructions": "be brief",
+            "input": [{"role": "user", "content": "weather in Paris?"}],
+            "tools": [{"type": "function", "name": "get_weather", "parameters": {}}]});
+        let (status, headers, text, broken) = send(&client, &server, "responses", &body).await;
+        assert_eq!(status, 200);
+        assert!(!broken);
+        assert_eq!(headers["content-type"], "text/event-stream");
+        assert!(!text.contains("[DONE]"), "the Responses API has no [DONE]");
+        let events = response_events(&text);
+        let sequence: Vec<u64> = events
+            .iter()
+            .map(|e| e["sequence_number"].as_u64().expect("sequence_number"))
+            .collect();
+        assert_eq!(sequence, (0..events.len() as u64).collect::<Vec<_>>());
+        assert_eq!(events[0]["type"], json!("response.created"));
+        assert_eq!(events[0]["response"]["status"], json!("in_progress"));
+        assert_eq!(events[0]["response"]["instructions"], json!("be brief"));
+        assert_eq!(events[0]["response"]["tools"], body["tools"], "echoed");
+        assert_eq!(events[1]["type"], json!("response.in_progress"));
+
+        let added = of_type(&events, "response.output_item.added");
+        let kinds: Vec<(&Value, &Value)> = added
+            .iter()
+            .map(|e| (&e["output_index"], &e["item"]["type"]))
+            .collect();
+        assert_eq!(
+            kinds,
+            [
+                (&json!(0), &json!("reasoning")),
+                (&json!(1), &json!("function_call")),
+                (&json!(2), &json!("function_call"))
+            ],
+            "the reasoning item comes first"
+        );
+        for (call, (name, arguments)) in added[1..].iter().zip([
+            ("get_weather", r#"{"city":"Paris","units":"metric"}"#),
+            ("lookup", "{}"),
+        ]) {
+            let item = &call["item"];
+            assert_eq!(item["name"], json!(name));
+            assert_eq!(item["arguments"], json!(""));
+            assert_eq!(item["status"], json!("in_progress"));
+            let id = item["id"].as_str().expect("item id");
+            assert!(id.starts_with("fc_"), "{id}");
+            assert!(
+                item["call_id"]
+                    .as_str()
+                    .is_some_and(|c| c.starts_with("call_"))
+            );
+            let deltas: String = of_type(&events, "response.function_call_arguments.delta")
+                .iter()
+                .filter(|d| d["item_id"] == id)
+                .map(|d| d["delta"].as_str().expect("delta"))
+                .collect();
+            assert_eq!(deltas, arguments);
+            let done = of_type(&events, "response.function_call_arguments.done");
+            assert!(
+                done.iter()
+                    .any(|d| d["item_id"] == id && d["arguments"] == arguments)
+            );
+        }
+        let last = events.last().expect("events");
+        assert_eq!(last["type"], json!("response.completed"));
+        let response = &last["response"];
+        assert_eq!(response["status"], json!("completed"));
+        assert_eq!(response["system_fingerprint"], json!(SYSTEM_FINGERPRINT));
+        assert_eq!(response["output"].as_array().map(Vec::len), Some(3));
+        assert!(
+            response["output"][0]["encrypted_content"]
+                .as_str()
+                .is_some_and(|c| c.contains("stand-in"))
+        );
+        assert_eq!(response["output"][1]["status"], json!("completed"));
+        let usage = &response["usage"];
+        assert_eq!(
+            usage["output_tokens_details"]["reasoning_tokens"],
+            json!(REASONING_TOKENS)
+        );
+        assert_eq!(
+            usage["total_tokens"].as_u64(),
+            Some(
+                usage["input_tokens"].as_u64().unwrap_or(0)
+                    + usage["output_tokens"].as_u64().unwrap_or(0)
+            )
+        );
+
+        // The second round, with the reasoning item replayed and the
+        // outputs correlated by call_id, gets the answer.
+        let calls: Vec<&Value> = response["output"].as_array().expect("output")[1..]
+            .iter()
+            .collect();
+        let round_two = json!({"model": "m", "stream": true, "input": [
+            {"role": "user", "content": "weather in Paris?"},
+            response["output"][0],
+            {"type": "function_call", "call_id": calls[0]["call_id"], "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call", "call_id": calls[1]["call_id"], "name": "lookup", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": calls[0]["call_id"], "output": "sunny"},
+            {"type": "function_call_output", "call_id": calls[1]["call_id"], "output": [{"type": "input_text", "text": "dry"}]},
+        ]});
+        let (_, _, text, _) = send(&client, &server, "responses", &round_two).await;
+        let events = response_events(&text);
+        let deltas: String = of_type(&events, "response.output_text.delta")
+            .iter()
+            .map(|d| d["delta"].as_str().expect("delta"))
+            .collect();
+        assert_eq!(deltas, "It is sunny (dry)");
+        assert!(of_type(&events, "response.output_text.delta").len() > 1);
+        let done = of_type(&events, "response.output_item.done");
+        assert_eq!(
+            done[0]["item"]["content"][0]["text"],
+            json!("It is sunny (dry)")
+        );
+        assert_eq!(of_type(&events, "response.content_part.added").len(), 1);
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn responses_answer_without_streaming_and_check_requests() {
+        let (server, client) = start(RESPONSES).await;
+        let body = json!({"model": "m", "input": "weather?"});
+        let (status, headers, text, _) = send(&client, &server, "responses", &body).await;
+        assert_eq!(status, 200);
+        assert_eq!(headers["content-type"], "application/json");
+        let response: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(response["object"], json!("response"));
+        assert_eq!(response["status"], json!("completed"));
+        let types: Vec<&Value> = response["output"]
+            .as_array()
+            .expect("output")
+            .iter()
+            .map(|i| &i["type"])
+            .collect();
+        assert_eq!(
+            types,
+            [
+                &json!("reasoning"),
+                &json!("function_call"),
+                &json!("function_call")
+            ]
+        );
+
+        let (_, _, text, _) = send(
+            &client,
+            &server,
+            "responses",
+            &json!({"model": "m", "input": "please refuse"}),
+        )
+        .await;
+        let response: Value = serde_json::from_str(&text).expect("json");
+        assert_eq!(
+            response["output"][0]["content"][0],
+            json!({"type": "refusal", "refusal": "I can't help with that."})
+        );
+
+        for (body, param, message) in [
+            (
+                json!({"model": "m"}),
+                "input",
+                "Missing required parameter: 'input'.",
+            ),
+            (json!({"model": "m", "input": []}), "input", "empty array"),
+            (
+                json!({"input": "x"}),
+                "model",
+                "Missing required parameter: 'model'.",
+            ),
+            (
+                json!({"model": "m", "input": [{"type": "magic"}]}),
+                "input[0].type",
+                "Invalid value: 'magic'",
+            ),
+            (
+                json!({"model": "m", "input": [{"role": "wizard", "content": "x"}]}),
+                "input[0].role",
+                "Invalid value: 'wizard'",
+            ),
+            (
+                json!({"model": "m", "input": [{"type": "function_call", "name": "f", "arguments": "{}"}]}),
+                "input[0].call_id",
+                "Missing required parameter",
+            ),
+            (
+                json!({"model": "m", "input": [{"role": "user", "content": "x"},
+                {"type": "function_call_output", "call_id": "nope", "output": "r"}]}),
+                "input",
+                "No tool call found for function call output with call_id nope.",
+            ),
+            (
+                json!({"model": "m", "input": [{"role": "user", "content": "x"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}]}),
+                "input",
+                "No tool output found for function call c1.",
+            ),
+        ] {
+            let (status, _, text, _) = send(&client, &server, "responses", &body).await;
+            assert_eq!(status, 400, "{body}");
+            let error: Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(error["error"]["param"], json!(param), "{body}");
+            assert!(
+                error["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains(message)),
+                "{body}: {error}"
+            );
+        }
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn chat_refusals_stream_as_refusal_deltas() {
+        let (server, client) = start(RESPONSES).await;
+        let body = json!({"model": "m", "stream": true, "messages": [user("refuse please")]});
+        let (_, _, text, _) = send(&client, &server, "chat/completions", &body).await;
+        let chunks: Vec<Value> = payloads(&text)
+            .iter()
+            .filter(|p| *p != "[DONE]")
+            .map(|p| serde_json::from_str(p).expect("chunk"))
+            .collect();
+        let refusal: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"][0]["delta"]["refusal"].as_str())
+            .collect();
+        assert_eq!(refusal, "I can't help with that.");
+        assert!(chunks.iter().all(|c| {
+            c["choices"][0]["delta"]
+                .get("content")
+                .is_none_or(Value::is_null)
+        }));
+        assert_eq!(
+            chunks.last().expect("chunks")["choices"][0]["finish_reason"],
+            json!("stop")
+        );
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn status_faults_hit_as_many_requests_as_scripted() {
+        let (server, client) = start(
+            r#"{"default": {"steps": [{"answer": "fine now",
+                "fault": {"kind": "status", "status": 429, "retryAfterMs": 1500, "times": 2}}]}}"#,
+        )
+        .await;
+        let body = json!({"model": "m", "messages": [user("hi")]});
+        for _ in 0..2 {
+            let (status, headers, text, _) =
+                send(&client, &server, "chat/completions", &body).await;
+            assert_eq!(status, 429);
+            assert_eq!(headers["retry-after-ms"], "1500");
+            assert_eq!(headers["retry-after"], "2", "rounded up to whole seconds");
+            let error: Value = serde_json::from_str(&text).expect("json");
+            assert_eq!(error["error"]["code"], json!("rate_limit_exceeded"));
+            assert_eq!(error["error"]["type"], json!("requests"));
+        }
+        let (status, _, text, _) = send(&client, &server, "chat/completions", &body).await;
+        assert_eq!(status, 200);
+        assert!(text.contains("fine now"));
+        let faults: Vec<Option<&str>> = server.received().iter().map(|r| r.fault).collect();
+        assert_eq!(faults, [Some("status"), Some("status"), None]);
+        assert_eq!(server.fault_hits(), 2);
+        assert_eq!(server.received()[0].path, "/v1/chat/completions");
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn stream_faults_cut_corrupt_and_truncate_the_body() {
+        let (server, client) = start(
+            r#"{"rules": [
+                {"whenUserContains": ["cut call"], "steps": [{"toolCalls": [
+                    {"name": "f", "arguments": {"query": "a long enough query", "n": 1}},
+                    {"name": "g"}], "fault": {"kind": "cutMidToolCall"}}]},
+                {"whenUserContains": ["cut text"], "steps": [{"answer": "one two three four five six",
+                    "fault": {"kind": "cutMidText"}}]},
+                {"whenUserContains": ["garbage"], "steps": [{"answer": "fine",
+                    "fault": {"kind": "malformedChunk"}}]},
+                {"whenUserContains": ["long"], "steps": [{"toolCalls": [
+                    {"name": "f", "arguments": {"query": "abcdefgh"}}, {"name": "g"}],
+                    "fault": {"kind": "length"}}]}
+            ]}"#,
+        )
+        .await;
+        let chat = |prompt: &str| json!({"model": "m", "stream": true, "messages": [user(prompt)]});
+        let responses = |prompt: &str| json!({"model": "m", "stream": true, "input": prompt});
+
+        // A cut mid tool call: the call's head and part of its arguments,
+        // then the connection drops: no finish reason, no [DONE].
+        let (_, _, text, broken) =
+            send(&client, &server, "chat/completions", &chat("cut call")).await;
+        assert!(broken, "the body breaks off");
+        assert!(text.contains(r#""name":"f""#), "{text}");
+        assert!(!text.contains(r#""name":"g""#), "{text}");
+        assert!(
+            !text.contains("finish_reason\":\"") && !text.contains("[DONE]"),
+            "{text}"
+        );
+        let (_, _, text, broken) =
+            send(&client, &server, "responses", &responses("cut call")).await;
+        assert!(broken);
+        let events = response_events(&text);
+        assert!(!of_type(&events, "response.function_call_arguments.delta").is_empty());
+        assert!(of_type(&events, "response.function_call_arguments.done").is_empty());
+        assert!(of_type(&events, "response.completed").is_empty());
+
+        // A cut after the first text delta.
+        let (_, _, text, broken) =
+            send(&client, &server, "chat/completions", &chat("cut text")).await;
+        assert!(broken);
+        assert!(
+            text.contains("one two three ") && !text.contains("four"),
+            "{text}"
+        );
+
+        // One `data:` line that is not JSON; the rest still follows.
+        let (_, _, text, broken) =
+            send(&client, &server, "chat/completions", &chat("garbage")).await;
+        assert!(!broken);
+        let bad: Vec<String> = payloads(&text)
+            .into_iter()
+            .filter(|p| p != "[DONE]" && serde_json::from_str::<Value>(p).is_err())
+            .collect();
+        assert_eq!(bad.len(), 1, "{text}");
+        let (_, _, text, _) = send(&client, &server, "responses", &responses("garbage")).await;
+        assert_eq!(
+            text.split("\n\n")
+                .filter(|f| f.contains("scripted malformed chunk"))
+                .count(),
+            1
+        );
+
+        // Out of tokens: the first call's arguments cut, the rest dropped.
+        let (_, _, text, _) = send(&client, &server, "chat/completions", &chat("long")).await;
+        let chunks: Vec<Value> = payloads(&text)
+            .iter()
+            .filter(|p| *p != "[DONE]")
+            .map(|p| serde_json::from_str(p).expect("chunk"))
+            .collect();
+        assert_eq!(
+            chunks.last().expect("chunk")["choices"][0]["finish_reason"],
+            json!("length")
+        );
+        let arguments: String = chunks
+            .iter()
+            .filter_map(|c| {
+                c["choices"][0]["delta"]["tool_calls"][0]["function"]["arguments"].as_str()
+            })
+            .collect();
+        assert_eq!(arguments, r#"{"query":""#, "half of the arguments");
+        assert!(!text.contains(r#""name":"g""#));
+        let (_, _, text, _) = send(&client, &server, "responses", &responses("long")).await;
+        let events = response_events(&text);
+        let last = events.last().expect("events");
+        assert_eq!(last["type"], json!("response.incomplete"));
+        assert_eq!(
+            last["response"]["incomplete_details"]["reason"],
+            json!("max_output_tokens")
+        );
+        assert_eq!(last["response"]["output"][0]["status"], json!("incomplete"));
+        assert_eq!(last["response"]["output"].as_array().map(Vec::len), Some(1));
+
+        // The same faults in non-streaming form.
+        let plain = json!({"model": "m", "messages": [user("cut call")]});
+        let (_, _, _, broken) = send(&client, &server, "chat/completions", &plain).await;
+        assert!(broken);
+        let plain = json!({"model": "m", "messages": [user("garbage")]});
+        let (status, _, text, _) = send(&client, &server, "chat/completions", &plain).await;
+        assert_eq!(status, 200);
+        assert!(serde_json::from_str::<Value>(&text).is_err());
+
+        let stats = server.stream_stats();
+        assert_eq!((stats.cut, stats.dropped), (4, 0), "{stats:?}");
+        assert_eq!(server.fault_hits(), 9);
+        within(server.shutdown()).await;
+    }
+
+    #[test]
+    fn every_example_script_is_valid() {
+        let dir = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/examples"));
+        let mut loaded = 0;
+        for entry in std::fs::read_dir(dir).expect("examples dir") {
+            let path = entry.expect("entry").path();
+            let name = path
+                .file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or_default();
+            if name.ends_with("-script.json") {
+                Script::load(&path).unwrap_or_else(|e| panic!("{e}"));
+                loaded += 1;
+            }
+        }
+        assert!(loaded >= 2, "the demo and the faults example");
     }
 }

@@ -30,7 +30,7 @@ use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use serde_json::{Value, json};
+use serde_json::Value;
 
 use crate::schema::{SchemaError, Validator, Violation, describe};
 
@@ -426,32 +426,30 @@ pub struct ToolVariant {
 }
 
 impl ToolDefinition {
+    /// The tool as the model client offers it, in neutral form; the client
+    /// renders it in the API shape of its endpoint.
+    #[must_use]
+    pub fn tool_spec(&self) -> crate::llm::ToolSpec {
+        crate::llm::ToolSpec {
+            name: self.function.name.clone(),
+            description: self.function.description.clone(),
+            parameters: self.function.parameters.clone(),
+            strict: self.function.strict,
+        }
+    }
+
     /// The tool in the Chat Completions shape:
     /// `{"type":"function","function":{name, description, parameters, strict}}`.
     #[must_use]
     pub fn chat_completions_tool(&self) -> Value {
-        json!({
-            "type": "function",
-            "function": {
-                "name": self.function.name,
-                "description": self.function.description,
-                "parameters": self.function.parameters,
-                "strict": self.function.strict,
-            }
-        })
+        self.tool_spec().to_chat_completions()
     }
 
     /// The tool in the Responses API shape (flat):
     /// `{"type":"function", name, description, parameters, strict}`.
     #[must_use]
     pub fn responses_tool(&self) -> Value {
-        json!({
-            "type": "function",
-            "name": self.function.name,
-            "description": self.function.description,
-            "parameters": self.function.parameters,
-            "strict": self.function.strict,
-        })
+        self.tool_spec().to_responses()
     }
 
     /// How long one call may run.
@@ -1015,6 +1013,8 @@ impl ToolRegistry {
 
 #[cfg(test)]
 mod tests {
+    use serde_json::json;
+
     use super::*;
 
     fn definitions_dir() -> PathBuf {

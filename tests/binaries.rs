@@ -18,7 +18,9 @@ impl Drop for Proc {
 
 fn spawn(bin: &str, env: &[(&str, String)]) -> Proc {
     let mut cmd = Command::new(bin);
-    cmd.current_dir(support::root()).stdout(Stdio::null()).stderr(Stdio::piped());
+    cmd.current_dir(support::root())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped());
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -27,7 +29,9 @@ fn spawn(bin: &str, env: &[(&str, String)]) -> Proc {
 
 async fn scrape(port: u16) -> Option<String> {
     toolfleet::llm::install_crypto_provider();
-    let r = reqwest::get(format!("http://127.0.0.1:{port}/metrics")).await.ok()?;
+    let r = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
+        .await
+        .ok()?;
     r.text().await.ok()
 }
 
@@ -37,13 +41,18 @@ async fn wait_for_metrics(port: u16) -> String {
         if let Some(t) = scrape(port).await {
             return t;
         }
-        assert!(tokio::time::Instant::now() < deadline, "no /metrics on {port}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no /metrics on {port}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
 
 fn sigterm(p: &Proc) {
-    let _ = Command::new("kill").args(["-TERM", &p.0.id().to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-TERM", &p.0.id().to_string()])
+        .status();
 }
 
 fn wait_exit(p: &mut Proc) -> std::process::ExitStatus {
@@ -52,7 +61,10 @@ fn wait_exit(p: &mut Proc) -> std::process::ExitStatus {
         if let Some(status) = p.0.try_wait().unwrap() {
             return status;
         }
-        assert!(std::time::Instant::now() < deadline, "did not exit after SIGTERM");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "did not exit after SIGTERM"
+        );
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -61,10 +73,16 @@ fn wait_exit(p: &mut Proc) -> std::process::ExitStatus {
 async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
     let nats = toolfleet::local::NatsServer::start().unwrap();
     let redis = toolfleet::local::RedisServer::start().unwrap();
-    let script = toolfleet::scripted::Script::load(&support::root().join("examples/demo-script.json")).unwrap();
-    let model = toolfleet::scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script).await.unwrap();
+    let script =
+        toolfleet::scripted::Script::load(&support::root().join("examples/demo-script.json"))
+            .unwrap();
+    let model = toolfleet::scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
     let index = tempfile::tempdir().unwrap();
-    let ports: Vec<u16> = (0..3).map(|_| toolfleet::local::free_port().unwrap()).collect();
+    let ports: Vec<u16> = (0..3)
+        .map(|_| toolfleet::local::free_port().unwrap())
+        .collect();
     let common = vec![
         ("TOOLFLEET_NATS_URL", nats.url()),
         ("TOOLFLEET_REDIS_URL", redis.url()),
@@ -87,13 +105,19 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
         ),
         spawn(
             env!("CARGO_BIN_EXE_toolfleet-worker-system"),
-            &with(vec![("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[1]))]),
+            &with(vec![(
+                "TOOLFLEET_METRICS_ADDR",
+                format!("127.0.0.1:{}", ports[1]),
+            )]),
         ),
         spawn(
             env!("CARGO_BIN_EXE_toolfleet-worker-retrieval"),
             &with(vec![
                 ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[2])),
-                ("TOOLFLEET_INDEX_DIR", index.path().join("idx").display().to_string()),
+                (
+                    "TOOLFLEET_INDEX_DIR",
+                    index.path().join("idx").display().to_string(),
+                ),
             ]),
         ),
     ];
@@ -106,7 +130,10 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
     let deadline = std::time::Instant::now() + WAIT;
     let out = loop {
         let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
-            .args(["chat", "What time is it, and how do lighthouses warn ships?"])
+            .args([
+                "chat",
+                "What time is it, and how do lighthouses warn ships?",
+            ])
             .env("TOOLFLEET_NATS_URL", nats.url())
             .output()
             .unwrap();
@@ -114,18 +141,41 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
         if out.status.success() && stdout.contains("References:") {
             break stdout;
         }
-        assert!(std::time::Instant::now() < deadline, "no cited answer: {stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no cited answer: {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
-    assert!(out.contains("[1]") && out.contains("lighthouses.md"), "{out}");
-    assert!(!out.contains("[doc:"), "markers are renumbered for the reader: {out}");
+    assert!(
+        out.contains("[1]") && out.contains("lighthouses.md"),
+        "{out}"
+    );
+    assert!(
+        !out.contains("[doc:"),
+        "markers are renumbered for the reader: {out}"
+    );
 
     let orchestrator = scrape(ports[0]).await.unwrap();
-    assert!(orchestrator.contains("toolfleet_chat_jobs_total{outcome=\"completed\"}"), "{orchestrator}");
+    assert!(
+        orchestrator.contains("toolfleet_chat_jobs_total{outcome=\"completed\"}"),
+        "{orchestrator}"
+    );
     let system = scrape(ports[1]).await.unwrap();
-    assert!(system.contains("toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"}"), "{system}");
+    assert!(
+        system.contains(
+            "toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"}"
+        ),
+        "{system}"
+    );
     let retrieval = scrape(ports[2]).await.unwrap();
-    assert!(retrieval.contains("toolfleet_citations_written_total{tool=\"retrieval:search_documents@1.0.0\"}"), "{retrieval}");
+    assert!(
+        retrieval.contains(
+            "toolfleet_citations_written_total{tool=\"retrieval:search_documents@1.0.0\"}"
+        ),
+        "{retrieval}"
+    );
     for text in [&orchestrator, &system, &retrieval] {
         assert!(!text.contains("sk-binary-test-secret"));
     }
@@ -144,11 +194,18 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
             let _ = e.read_to_string(&mut stderr);
         }
     }
-    assert!(!stderr.contains("sk-binary-test-secret"), "the key never reaches the logs");
+    assert!(
+        !stderr.contains("sk-binary-test-secret"),
+        "the key never reaches the logs"
+    );
 }
 
 fn toolfleet(args: &[&str]) -> std::process::Output {
-    Command::new(env!("CARGO_BIN_EXE_toolfleet")).current_dir(support::root()).args(args).output().unwrap()
+    Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .current_dir(support::root())
+        .args(args)
+        .output()
+        .unwrap()
 }
 
 #[test]
@@ -156,36 +213,89 @@ fn tools_commands_list_show_and_validate() {
     let out = toolfleet(&["tools", "list"]);
     assert!(out.status.success());
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("system:current_datetime@1.0.0") && text.contains("retrieval:search_documents@1.0.0"), "{text}");
+    assert!(
+        text.contains("system:current_datetime@1.0.0")
+            && text.contains("retrieval:search_documents@1.0.0"),
+        "{text}"
+    );
 
     let out = toolfleet(&["tools", "show", "search_documents"]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success() && text.contains("Responses shape") && text.contains("\"type\": \"function\""), "{text}");
+    assert!(
+        out.status.success()
+            && text.contains("Responses shape")
+            && text.contains("\"type\": \"function\""),
+        "{text}"
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let bad = dir.path().join("bad.json");
     std::fs::write(&bad, r#"{"schemaVersion": 1, "id": "nope"}"#).unwrap();
-    let out = toolfleet(&["tools", "validate", bad.to_str().unwrap(), "tool_definitions"]);
+    let out = toolfleet(&[
+        "tools",
+        "validate",
+        bad.to_str().unwrap(),
+        "tool_definitions",
+    ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("FAIL") && text.contains("bad.json"), "{text}");
-    assert!(text.contains("ok   tool_definitions (2 definition(s))"), "{text}");
+    assert!(
+        text.contains("ok   tool_definitions (2 definition(s))"),
+        "{text}"
+    );
 }
 
 #[test]
 fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
     let out = toolfleet(&["chat"]);
     assert_eq!(out.status.code(), Some(64));
-    for sub in [&["up"][..], &["demo"], &["chat"], &["tools", "list"], &["index", "build"], &["scripted-model"]] {
+    for sub in [
+        &["up"][..],
+        &["demo"],
+        &["chat"],
+        &["tools", "list"],
+        &["index", "build"],
+        &["scripted-model"],
+    ] {
         let mut args = sub.to_vec();
         args.push("--help");
         let out = toolfleet(&args);
-        assert!(out.status.success(), "toolfleet {sub:?} --help: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "toolfleet {sub:?} --help: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
     for (bin, must) in [
-        (env!("CARGO_BIN_EXE_toolfleet-orchestrator"), &["TOOLFLEET_NATS_URL", "TOOLFLEET_REDIS_URL", "TOOLFLEET_LLM_BASE_URL", "TOOLFLEET_LLM_API_KEY", "TOOLFLEET_METRICS_ADDR", "TOOLFLEET_TOOL_DEFINITIONS"][..]),
-        (env!("CARGO_BIN_EXE_toolfleet-worker-system"), &["TOOLFLEET_NATS_URL", "TOOLFLEET_REDIS_URL", "TOOLFLEET_CONCURRENCY", "TOOLFLEET_METRICS_ADDR"][..]),
-        (env!("CARGO_BIN_EXE_toolfleet-worker-retrieval"), &["TOOLFLEET_INDEX_DIR", "TOOLFLEET_CORPUS_DIR", "TOOLFLEET_METRICS_ADDR"][..]),
+        (
+            env!("CARGO_BIN_EXE_toolfleet-orchestrator"),
+            &[
+                "TOOLFLEET_NATS_URL",
+                "TOOLFLEET_REDIS_URL",
+                "TOOLFLEET_LLM_BASE_URL",
+                "TOOLFLEET_LLM_API_KEY",
+                "TOOLFLEET_METRICS_ADDR",
+                "TOOLFLEET_TOOL_DEFINITIONS",
+            ][..],
+        ),
+        (
+            env!("CARGO_BIN_EXE_toolfleet-worker-system"),
+            &[
+                "TOOLFLEET_NATS_URL",
+                "TOOLFLEET_REDIS_URL",
+                "TOOLFLEET_CONCURRENCY",
+                "TOOLFLEET_METRICS_ADDR",
+            ][..],
+        ),
+        (
+            env!("CARGO_BIN_EXE_toolfleet-worker-retrieval"),
+            &[
+                "TOOLFLEET_INDEX_DIR",
+                "TOOLFLEET_CORPUS_DIR",
+                "TOOLFLEET_METRICS_ADDR",
+            ][..],
+        ),
     ] {
         let out = Command::new(bin).arg("--help").output().unwrap();
         assert!(out.status.success());
@@ -193,7 +303,10 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
         for m in must {
             assert!(help.contains(m), "{bin} --help lacks {m}");
         }
-        let out = Command::new(bin).args(["--metrics-addr", "not-an-address"]).output().unwrap();
+        let out = Command::new(bin)
+            .args(["--metrics-addr", "not-an-address"])
+            .output()
+            .unwrap();
         assert_eq!(out.status.code(), Some(64), "{bin}");
     }
 }
@@ -201,7 +314,14 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
 #[test]
 fn chat_against_a_dead_server_fails_clearly() {
     let port = toolfleet::local::free_port().unwrap();
-    let out = toolfleet(&["chat", "hi", "--nats-url", &format!("nats://127.0.0.1:{port}"), "--nats-connect-wait", "1"]);
+    let out = toolfleet(&[
+        "chat",
+        "hi",
+        "--nats-url",
+        &format!("nats://127.0.0.1:{port}"),
+        "--nats-connect-wait",
+        "1",
+    ]);
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot connect to NATS"), "{err}");

@@ -12,7 +12,9 @@
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
-use super::{ChatRequest, Completion, FinishReason, LlmError, Message, ToolCall, Usage};
+use super::{
+    ChatRequest, Completion, FinishReason, LlmError, Message, ToolCall, ToolChoice, Usage,
+};
 
 // ---------------------------------------------------------------------------
 // Request
@@ -21,10 +23,10 @@ use super::{ChatRequest, Completion, FinishReason, LlmError, Message, ToolCall, 
 pub(super) struct WireRequest<'a> {
     model: &'a str,
     messages: Vec<WireMessage<'a>>,
-    #[serde(skip_serializing_if = "<[Value]>::is_empty")]
-    tools: &'a [Value],
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    tools: Vec<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    tool_choice: Option<&'static str>,
+    tool_choice: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     parallel_tool_calls: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -87,10 +89,14 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool) -> WireRequest<'_> {
     WireRequest {
         model: &req.model,
         messages: req.messages.iter().map(message_to_wire).collect(),
-        tools: &req.tools,
+        tools: req.tools.iter().map(|t| t.to_chat_completions()).collect(),
         // `tool_choice` and `parallel_tool_calls` are rejected by OpenAI
         // when no tools are sent, so they travel only with tools.
-        tool_choice: has_tools.then_some("auto"),
+        tool_choice: req
+            .tool_choice
+            .as_ref()
+            .filter(|_| has_tools)
+            .map(tool_choice_to_wire),
         parallel_tool_calls: has_tools.then_some(req.parallel_tool_calls),
         temperature: req.temperature,
         max_tokens: req.max_tokens,
@@ -101,13 +107,29 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool) -> WireRequest<'_> {
     }
 }
 
+/// `"auto"`, `"none"`, `"required"` or
+/// `{"type":"function","function":{"name":..}}`.
+fn tool_choice_to_wire(choice: &ToolChoice) -> Value {
+    match choice {
+        ToolChoice::Auto => Value::from("auto"),
+        ToolChoice::None => Value::from("none"),
+        ToolChoice::Required => Value::from("required"),
+        ToolChoice::Function(name) => {
+            serde_json::json!({"type": "function", "function": {"name": name}})
+        }
+    }
+}
+
 fn message_to_wire(message: &Message) -> WireMessage<'_> {
     match message {
         Message::System { content } => WireMessage::System { content },
         Message::User { content } => WireMessage::User { content },
+        // `opaque` items belong to the Responses API; Chat Completions has
+        // nowhere to put them.
         Message::Assistant {
             content,
             tool_calls,
+            ..
         } => WireMessage::Assistant {
             content: match (content.as_deref(), tool_calls.is_empty()) {
                 (None, true) => Some(""),
@@ -230,7 +252,7 @@ fn shorten(message: &str) -> String {
     }
 }
 
-fn provider_error(error: &Value) -> LlmError {
+pub(super) fn provider_error(error: &Value) -> LlmError {
     let (code, message) = error_fields(error);
     let message = format!(
         "model provider reported an error{}",
@@ -323,13 +345,15 @@ pub(super) fn completion_from_wire(body: &[u8]) -> Result<Completion, LlmError> 
         tool_calls,
         finish_reason,
         usage: wire.usage.map(Usage::from),
+        opaque: Vec::new(),
+        attempts: 1,
     })
 }
 
 /// Checks a reassembled call. A call without an id gets one, since some
 /// local servers omit it and the tool result must point at something; a call
 /// without a function name cannot be executed at all.
-fn finished_call(
+pub(super) fn finished_call(
     position: usize,
     id: Option<String>,
     name: Option<String>,
@@ -511,13 +535,25 @@ impl ChatStreamAccumulator {
         self.finish_reason.is_some()
     }
 
+    /// Whether any of the answer has arrived: text, a refusal or the start
+    /// of a tool call. Once it has, repeating the request could produce a
+    /// different answer the caller cannot reconcile with this one.
+    pub fn has_output(&self) -> bool {
+        !self.text.is_empty() || self.refusal.is_some() || !self.calls.is_empty()
+    }
+
     /// The completion. Fails with `Protocol` if no finish reason ever
-    /// arrived or a tool call never got a function name.
+    /// arrived or a tool call never got a function name. With
+    /// `finish_reason: length` the calls are kept as far as they got (a call
+    /// cut off before its name is dropped): see [`Completion::is_truncated`].
     pub fn finish(self) -> Result<Completion, LlmError> {
         let finish_reason = self
             .finish_reason
             .ok_or_else(|| LlmError::protocol("stream ended without a finish_reason"))?;
         let mut calls = self.calls;
+        if finish_reason == FinishReason::Length {
+            calls.retain(|c| !c.name.is_empty());
+        }
         // Stable, so unindexed calls keep their arrival order.
         calls.sort_by_key(|c| c.index.unwrap_or(u32::MAX));
         let tool_calls = calls
@@ -531,6 +567,8 @@ impl ChatStreamAccumulator {
             tool_calls,
             finish_reason,
             usage: self.usage,
+            opaque: Vec::new(),
+            attempts: 1,
         })
     }
 }
@@ -540,13 +578,23 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::llm::{LlmErrorKind, SseDecoder};
+    use crate::llm::{LlmErrorKind, SseDecoder, ToolSpec};
 
-    fn request(messages: Vec<Message>, tools: Vec<Value>) -> ChatRequest {
+    fn spec(name: &str, strict: bool) -> ToolSpec {
+        ToolSpec {
+            name: name.into(),
+            description: format!("does {name}"),
+            parameters: json!({"type": "object"}),
+            strict,
+        }
+    }
+
+    fn request(messages: Vec<Message>, tools: Vec<ToolSpec>) -> ChatRequest {
         ChatRequest {
             model: "m".into(),
             messages,
             tools,
+            tool_choice: Some(ToolChoice::Auto),
             parallel_tool_calls: true,
             temperature: Some(0.25),
             max_tokens: Some(100),
@@ -570,6 +618,7 @@ mod tests {
                         name: "f".into(),
                         arguments: "{\"a\":1}".into(),
                     }],
+                    opaque: vec![json!({"type": "reasoning", "id": "rs_1"})],
                 },
                 Message::Tool {
                     call_id: "call_1".into(),
@@ -578,13 +627,15 @@ mod tests {
                 Message::Assistant {
                     content: Some("done".into()),
                     tool_calls: vec![],
+                    opaque: vec![],
                 },
                 Message::Assistant {
                     content: None,
                     tool_calls: vec![],
+                    opaque: vec![],
                 },
             ],
-            vec![json!({"type": "function", "function": {"name": "f", "parameters": {}}})],
+            vec![spec("f", true)],
         );
         let body = serde_json::to_value(to_wire(&req, true)).expect("serialise");
         assert_eq!(
@@ -601,7 +652,9 @@ mod tests {
                     {"role": "assistant", "content": "done"},
                     {"role": "assistant", "content": ""},
                 ],
-                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "tools": [{"type": "function", "function": {
+                    "name": "f", "description": "does f",
+                    "parameters": {"type": "object"}, "strict": true}}],
                 "tool_choice": "auto",
                 "parallel_tool_calls": true,
                 "temperature": 0.25,
@@ -778,6 +831,64 @@ mod tests {
             .collect();
         assert_eq!(calls, [("a", "f", "{\"x\":1}"), ("b", "g", "{}")]);
         assert_eq!(completion.usage, None);
+    }
+
+    #[test]
+    fn tool_choice_shapes_and_strict_tools() {
+        assert_eq!(tool_choice_to_wire(&ToolChoice::Auto), json!("auto"));
+        assert_eq!(tool_choice_to_wire(&ToolChoice::None), json!("none"));
+        assert_eq!(
+            tool_choice_to_wire(&ToolChoice::Required),
+            json!("required")
+        );
+        assert_eq!(
+            tool_choice_to_wire(&ToolChoice::Function("f".into())),
+            json!({"type": "function", "function": {"name": "f"}})
+        );
+        let mut req = request(
+            vec![Message::User {
+                content: "hi".into(),
+            }],
+            vec![spec("f", false)],
+        );
+        req.tool_choice = None;
+        req.parallel_tool_calls = false;
+        let body = serde_json::to_value(to_wire(&req, false)).expect("serialise");
+        assert!(body.get("tool_choice").is_none(), "left to the provider");
+        assert_eq!(body["parallel_tool_calls"], json!(false));
+        assert_eq!(body["tools"][0]["function"]["strict"], json!(false));
+    }
+
+    #[test]
+    fn length_keeps_the_named_partial_calls() {
+        let mut acc = ChatStreamAccumulator::new();
+        assert!(!acc.has_output());
+        for data in [
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":""}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{\"q\":"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":1,"function":{"arguments":"{"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}"#,
+        ] {
+            acc.push(data).expect("chunk");
+        }
+        assert!(acc.has_output(), "a tool call has begun");
+        let completion = acc.finish().expect("finish");
+        assert!(completion.is_truncated());
+        assert_eq!(
+            completion.tool_calls,
+            [ToolCall {
+                id: "c1".into(),
+                name: "f".into(),
+                arguments: "{\"q\":".into()
+            }],
+            "kept as far as it got; the nameless one is dropped"
+        );
+
+        let mut acc = ChatStreamAccumulator::new();
+        acc.push(r#"{"choices":[{"index":0,"delta":{"refusal":"no"}}]}"#)
+            .expect("chunk");
+        assert!(acc.has_output(), "a refusal counts");
     }
 
     // -----------------------------------------------------------------------

@@ -38,6 +38,9 @@ pub struct LlmError {
     code: String,
     message: String,
     retry_after: Option<Duration>,
+    /// HTTP requests made for the call that ended in this error, retries
+    /// included.
+    attempts: u32,
 }
 
 /// Provider error codes that describe a condition which will not go away by
@@ -97,7 +100,13 @@ impl LlmError {
             code: code.into(),
             message: message.into(),
             retry_after: None,
+            attempts: 1,
         }
+    }
+
+    pub(crate) fn with_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts;
+        self
     }
 
     pub(crate) fn with_retry_after(mut self, retry_after: Option<Duration>) -> Self {
@@ -134,6 +143,12 @@ impl LlmError {
     /// `retry-after-ms`), when it said.
     pub fn retry_after(&self) -> Option<Duration> {
         self.retry_after
+    }
+
+    /// How many HTTP requests the call made before giving up with this
+    /// error, retries included (1 when it was not retried). For metrics.
+    pub fn attempts(&self) -> u32 {
+        self.attempts
     }
 
     /// Whether the same request may succeed if sent again: connection

@@ -82,6 +82,7 @@ impl Env {
                     connect_timeout: Duration::from_secs(2),
                     first_token_timeout: Duration::from_secs(10),
                     idle_timeout: Duration::from_secs(10),
+                    ..toolfleet::llm::LlmConfig::new(model.base_url())
                 },
                 orchestrator,
             )),
