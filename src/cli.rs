@@ -335,7 +335,12 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     eprintln!("{} documents, {} passages", stats.documents, stats.passages);
 
     let subjects = crate::protocol::Subjects::new(crate::protocol::DEFAULT_PREFIX)?;
-    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), &model_name);
+    // The scripted stand-in plays the model of the one default profile.
+    let profiles = crate::profiles::FleetConfig::single(crate::profiles::Deployment::new(
+        model.base_url(),
+        model_name,
+    ));
+    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
     orchestrator.max_in_flight = 8;
     let spec = FleetSpec {
         nats_url: servers.nats_url.clone(),
@@ -343,17 +348,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
         subjects: subjects.clone(),
         citation_ttl: Duration::from_secs(3600),
         registry,
-        orchestrator: Some((
-            crate::llm::LlmConfig {
-                base_url: model.base_url(),
-                api_key: None,
-                connect_timeout: Duration::from_secs(5),
-                first_token_timeout: Duration::from_secs(30),
-                idle_timeout: Duration::from_secs(30),
-                ..crate::llm::LlmConfig::new(model.base_url())
-            },
-            orchestrator,
-        )),
+        orchestrator: Some(orchestrator),
         workers: vec![WorkerKind::System, WorkerKind::Retrieval],
         worker_concurrency: 8,
         index: Some(IndexPaths {
@@ -406,7 +401,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
 async fn up(args: UpArgs) -> anyhow::Result<i32> {
     let subjects = args.nats.subjects()?;
     let registry = crate::fleet::load_registry(&args.defs.dir)?;
-    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), &args.llm.model);
+    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), args.llm.fleet_config()?);
     orchestrator.max_in_flight = args.max_in_flight;
     let spec = FleetSpec {
         nats_url: args.nats.url.clone(),
@@ -414,7 +409,7 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
         subjects,
         citation_ttl: Duration::from_secs(args.redis.ttl_secs),
         registry,
-        orchestrator: Some((args.llm.to_config(), orchestrator)),
+        orchestrator: Some(orchestrator),
         workers: vec![WorkerKind::System, WorkerKind::Retrieval],
         worker_concurrency: args.concurrency,
         index: Some(IndexPaths {

@@ -40,6 +40,8 @@ pub struct ChatOutcome {
     pub text: String,
     pub references: Vec<Reference>,
     pub usage: Usage,
+    pub cost_usd: Option<f64>,
+    pub llm_calls: Vec<crate::protocol::LlmCall>,
     pub rounds: u32,
     /// Every event received, in order.
     pub events: Vec<ChatEvent>,
@@ -88,12 +90,16 @@ pub async fn chat(
                 text,
                 references,
                 usage,
+                cost_usd,
+                llm_calls,
                 rounds,
             } => {
                 return Ok(ChatOutcome {
                     text,
                     references,
                     usage,
+                    cost_usd,
+                    llm_calls,
                     rounds,
                     events,
                 });

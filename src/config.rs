@@ -116,9 +116,17 @@ pub struct ToolDefsArgs {
     pub dir: PathBuf,
 }
 
-/// The OpenAI-compatible model endpoint.
+/// The model endpoint: a profiles file, or one deployment from flags.
 #[derive(Args, Debug, Clone)]
 pub struct LlmArgs {
+    /// Profiles and deployments file (TOML, see
+    /// `config/toolfleet.example.toml`). Without it, one profile `default`
+    /// is built from the `--llm-*` settings.
+    #[arg(long = "config", env = "TOOLFLEET_CONFIG")]
+    pub config: Option<std::path::PathBuf>,
+    /// API shape of the endpoint: chat_completions or responses.
+    #[arg(long = "llm-api", env = "TOOLFLEET_LLM_API", default_value = "chat_completions", value_parser = parse_api)]
+    pub api: crate::llm::ApiShape,
     /// Base URL of an OpenAI-compatible API, including `/v1`.
     #[arg(
         long = "llm-base-url",
@@ -163,15 +171,22 @@ pub struct LlmArgs {
     pub idle_timeout_ms: u64,
 }
 
+fn parse_api(s: &str) -> Result<crate::llm::ApiShape, String> {
+    match s {
+        "chat_completions" => Ok(crate::llm::ApiShape::ChatCompletions),
+        "responses" => Ok(crate::llm::ApiShape::Responses),
+        other => Err(format!("{other:?} is not chat_completions or responses")),
+    }
+}
+
 impl LlmArgs {
-    pub fn to_config(&self) -> crate::llm::LlmConfig {
-        crate::llm::LlmConfig {
-            base_url: self.base_url.clone(),
-            api_key: self.api_key.clone(),
-            connect_timeout: Duration::from_millis(self.connect_timeout_ms),
-            first_token_timeout: Duration::from_millis(self.first_token_timeout_ms),
-            idle_timeout: Duration::from_millis(self.idle_timeout_ms),
-            ..crate::llm::LlmConfig::new(self.base_url.clone())
+    /// The profiles: the `--config` file, or one profile from the flags.
+    pub fn fleet_config(&self) -> anyhow::Result<crate::profiles::FleetConfig> {
+        match &self.config {
+            Some(path) => Ok(crate::profiles::FleetConfig::load(path)?),
+            None => Ok(crate::profiles::FleetConfig::single(
+                crate::profiles::Deployment::from_llm_args(self),
+            )),
         }
     }
 }

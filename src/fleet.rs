@@ -11,7 +11,6 @@ use tokio_util::task::TaskTracker;
 
 use crate::citations::CitationStore;
 use crate::index::DocumentIndex;
-use crate::llm::{LlmClient, LlmConfig};
 use crate::metrics::{OrchestratorMetrics, WorkerMetrics};
 use crate::orchestrator::OrchestratorConfig;
 use crate::protocol::Subjects;
@@ -105,8 +104,8 @@ pub struct FleetSpec {
     pub subjects: Subjects,
     pub citation_ttl: Duration,
     pub registry: ToolRegistry,
-    /// Run an orchestrator with this model endpoint and config.
-    pub orchestrator: Option<(LlmConfig, OrchestratorConfig)>,
+    /// Run an orchestrator with this configuration (profiles included).
+    pub orchestrator: Option<OrchestratorConfig>,
     /// Run these workers.
     pub workers: Vec<WorkerKind>,
     pub worker_concurrency: usize,
@@ -172,8 +171,7 @@ pub async fn start(
         }
     }
 
-    if let Some((llm_config, config)) = spec.orchestrator {
-        let llm = LlmClient::new(llm_config)?;
+    if let Some(config) = spec.orchestrator {
         let client =
             crate::config::connect_nats(&spec.nats_url, "toolfleet-orchestrator", wait).await?;
         let m = OrchestratorMetrics::register(metrics, dead_letters)?;
@@ -183,7 +181,6 @@ pub async fn start(
             if let Err(e) = crate::orchestrator::run_with_ready(
                 client,
                 store,
-                llm,
                 registry,
                 config,
                 m,

@@ -8,8 +8,8 @@
 use std::net::SocketAddr;
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, IntGaugeVec, Opts,
-    Registry, TextEncoder,
+    CounterVec, Encoder, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 use tokio_util::sync::CancellationToken;
 
@@ -52,8 +52,18 @@ pub struct OrchestratorMetrics {
     /// `model`, `outcome`: ok | error code.
     pub llm_requests: IntCounterVec,
     pub llm_request_duration: HistogramVec,
-    /// `model`, `kind`: prompt | completion | cached | reasoning.
+    /// `model`, `kind`: prompt | completion | cached | reasoning, `purpose`:
+    /// conversation | planning | tool.
     pub llm_tokens: IntCounterVec,
+    /// USD from the price table, by `model` and `purpose`.
+    pub llm_cost: CounterVec,
+    /// HTTP attempts beyond the first, by `model`.
+    pub llm_retries: IntCounterVec,
+    /// Loop caps hit, by `limit`: rounds | calls_per_turn |
+    /// consecutive_tool_errors | truncated_tool_call.
+    pub loop_limits: IntCounterVec,
+    /// Tool results cut to the token cap, by function name.
+    pub tool_results_truncated: IntCounterVec,
     /// `tool`, `status`: ok | error | blocked | timeout.
     pub tool_calls: IntCounterVec,
     pub tool_call_duration: HistogramVec,
@@ -112,8 +122,37 @@ impl OrchestratorMetrics {
             llm_tokens: counter(
                 r,
                 "toolfleet_llm_tokens_total",
-                "Tokens reported by the model, by kind.",
-                &["model", "kind"],
+                "Tokens reported by the model, by kind and purpose.",
+                &["model", "kind", "purpose"],
+            )?,
+            llm_cost: {
+                let c = CounterVec::new(
+                    Opts::new(
+                        "toolfleet_llm_cost_usd_total",
+                        "Model cost in USD from the configured price table.",
+                    ),
+                    &["model", "purpose"],
+                )?;
+                r.register(Box::new(c.clone()))?;
+                c
+            },
+            llm_retries: counter(
+                r,
+                "toolfleet_llm_retries_total",
+                "Model HTTP attempts beyond the first (429, 5xx, connect, timeout).",
+                &["model"],
+            )?,
+            loop_limits: counter(
+                r,
+                "toolfleet_loop_limits_total",
+                "Loop caps hit; the model is then told to answer with what it has.",
+                &["limit"],
+            )?,
+            tool_results_truncated: counter(
+                r,
+                "toolfleet_tool_results_truncated_total",
+                "Tool results cut to the per-profile token cap.",
+                &["function"],
             )?,
             tool_calls: counter(
                 r,

@@ -23,28 +23,30 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{Instrument, info, warn};
 
+use crate::budget::TokenBudget;
 use crate::citations::CitationStore;
-use crate::llm::{ChatRequest, FinishReason, LlmClient, Message, Usage};
+use crate::llm::{ChatRequest, LlmClient, Message, Usage};
 use crate::metrics::OrchestratorMetrics;
+use crate::profiles::{
+    EnvSource, FleetConfig, LoopPolicy, ProcessEnv, ResolvedProfile, TruncatedPolicy,
+};
 use crate::protocol::{
     CallContext, ChatEvent, ChatEventBody, ChatJob, ChatRole, DeadLetter, DeadLetterKind, Envelope,
-    InvocationContext, Reference, Subjects, ToolJob, ToolReply, ToolResult, ToolStatus, encode,
-    salvage_invocation_id, valid_invocation_id,
+    InvocationContext, LlmCall, Reference, Subjects, ToolJob, ToolReply, ToolResult, ToolStatus,
+    encode, salvage_invocation_id, valid_invocation_id,
 };
 use crate::tools::{ToolDefinition, ToolRegistry};
 
-/// How the orchestrator runs.
-#[derive(Debug, Clone)]
+/// How the orchestrator runs. Model endpoints, prompts and loop policies
+/// come from the profiles ([`FleetConfig`]), resolved per chat job.
+#[derive(Clone)]
 pub struct OrchestratorConfig {
     pub subjects: Subjects,
-    /// Model name sent to the provider.
-    pub model: String,
-    pub temperature: Option<f32>,
-    pub system_prompt: Option<String>,
+    pub profiles: Arc<FleetConfig>,
+    /// Where API-key variables are read.
+    pub env: Arc<dyn EnvSource + Send + Sync>,
     /// Chat jobs worked on at once by this process.
     pub max_in_flight: usize,
-    /// Model calls per invocation.
-    pub max_rounds: u32,
     /// Deadline of a chat job that names none.
     pub default_timeout: Duration,
     /// Added to a tool's own timeout while waiting for its result (queueing,
@@ -56,15 +58,26 @@ pub struct OrchestratorConfig {
     pub catalog_wait: Duration,
 }
 
+impl std::fmt::Debug for OrchestratorConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrchestratorConfig")
+            .field("subjects", &self.subjects)
+            .field(
+                "profiles",
+                &self.profiles.profiles.keys().collect::<Vec<_>>(),
+            )
+            .field("max_in_flight", &self.max_in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
 impl OrchestratorConfig {
-    pub fn new(subjects: Subjects, model: &str) -> Self {
+    pub fn new(subjects: Subjects, profiles: FleetConfig) -> Self {
         Self {
             subjects,
-            model: model.to_string(),
-            temperature: None,
-            system_prompt: Some(DEFAULT_SYSTEM_PROMPT.to_string()),
+            profiles: Arc::new(profiles),
+            env: Arc::new(ProcessEnv),
             max_in_flight: 32,
-            max_rounds: 8,
             default_timeout: Duration::from_secs(120),
             tool_wait_slack: Duration::from_secs(2),
             catalog_refresh: Duration::from_secs(2),
@@ -85,7 +98,8 @@ pub enum OrchestratorError {
 struct Fleet {
     client: async_nats::Client,
     js: jetstream::Context,
-    llm: LlmClient,
+    /// One client per deployment, built on first use.
+    llms: DashMap<String, LlmClient>,
     registry: Arc<ToolRegistry>,
     store: CitationStore,
     metrics: OrchestratorMetrics,
@@ -117,24 +131,18 @@ pub async fn ensure_chat_stream(
 pub async fn run(
     client: async_nats::Client,
     store: CitationStore,
-    llm: LlmClient,
     registry: ToolRegistry,
     config: OrchestratorConfig,
     metrics: OrchestratorMetrics,
     shutdown: CancellationToken,
 ) -> Result<(), OrchestratorError> {
-    run_with_ready(
-        client, store, llm, registry, config, metrics, shutdown, None,
-    )
-    .await
+    run_with_ready(client, store, registry, config, metrics, shutdown, None).await
 }
 
 /// [`run`], telling `ready` once the chat consumer is in place.
-#[allow(clippy::too_many_arguments)]
 pub async fn run_with_ready(
     client: async_nats::Client,
     store: CitationStore,
-    llm: LlmClient,
     registry: ToolRegistry,
     config: OrchestratorConfig,
     metrics: OrchestratorMetrics,
@@ -170,7 +178,7 @@ pub async fn run_with_ready(
     let fleet = Arc::new(Fleet {
         client: client.clone(),
         js,
-        llm,
+        llms: DashMap::new(),
         registry: Arc::new(registry),
         store,
         metrics,
@@ -212,7 +220,10 @@ pub async fn run_with_ready(
         });
     }
 
-    info!(stream = %config.subjects.chat_stream(), model = %config.model, tools = fleet.registry.len(), "orchestrator taking chat jobs");
+    for w in config.profiles.warnings() {
+        warn!("{w}");
+    }
+    info!(stream = %config.subjects.chat_stream(), profiles = config.profiles.profiles.len(), tools = fleet.registry.len(), "orchestrator taking chat jobs");
     if let Some(ready) = ready {
         let _ = ready.send(());
     }
@@ -457,30 +468,66 @@ impl Fleet {
         .await
     }
 
+    /// The client of a resolved profile's deployment, built once.
+    fn llm_for(&self, resolved: &ResolvedProfile) -> Result<LlmClient, Failure> {
+        if let Some(c) = self.llms.get(&resolved.deployment_name) {
+            return Ok(c.clone());
+        }
+        let client = LlmClient::new(resolved.llm_config()).map_err(|e| {
+            Failure::new(
+                "bad_deployment",
+                format!("deployment {:?}: {e}", resolved.deployment_name),
+            )
+        })?;
+        self.llms
+            .insert(resolved.deployment_name.clone(), client.clone());
+        Ok(client)
+    }
+
     async fn invoke(
         &self,
         job: &ChatJob,
         deadline_ms: u64,
         events: &Events,
     ) -> Result<(), Failure> {
+        // No resolvable deployment is fatal for the job, at once.
+        let resolved = self
+            .config
+            .profiles
+            .resolve(job.profile.as_deref(), &*self.config.env)
+            .map_err(|e| Failure::new(e.code(), e.to_string()))?;
+        if resolved.fell_back || resolved.orchestrator_fell_back {
+            info!(profile = %resolved.name, requested = ?resolved.requested, orchestrator = %resolved.orchestrator, "profile or orchestrator fell back to the default");
+        }
+        let llm = self.llm_for(&resolved)?;
+        let profile = &resolved.profile;
+        let policy = &profile.policy;
+        let model = resolved.model().to_string();
+
         let ctx = InvocationContext {
             invocation_id: job.invocation_id.clone(),
             tenant: job.tenant.clone(),
             user: job.user.clone(),
-            profile: job.profile.clone(),
+            profile: Some(resolved.name.clone()),
             provider: job.provider.clone(),
             connection: job.connection.clone(),
             resource: job.resource.clone(),
-            data_source_id: job.data_source_id.clone(),
+            data_source_id: job
+                .data_source_id
+                .clone()
+                .or_else(|| profile.data_source.clone()),
             provider_confidence: job.provider_confidence,
             deadline_ms: Some(deadline_ms),
             traceparent: job.traceparent.clone(),
         };
 
-        let mut messages = Vec::with_capacity(job.messages.len() + 1);
-        if let Some(p) = &self.config.system_prompt {
-            messages.push(Message::System { content: p.clone() });
-        }
+        let mut messages = Vec::with_capacity(job.messages.len() + 2);
+        messages.push(Message::System {
+            content: profile
+                .system_prompt
+                .clone()
+                .unwrap_or_else(|| DEFAULT_SYSTEM_PROMPT.to_string()),
+        });
         for m in &job.messages {
             messages.push(match m.role {
                 ChatRole::System => Message::System {
@@ -504,10 +551,14 @@ impl Fleet {
             .filter(|d| live.contains(&d.id.to_string()))
             .collect();
         events.send(ChatEventBody::Started {
-            model: self.config.model.clone(),
+            model: model.clone(),
+            profile: Some(resolved.name.clone()),
             tools: offered.iter().map(|d| d.id.to_string()).collect(),
         });
         let tools: Vec<crate::llm::ToolSpec> = offered.iter().map(|d| d.tool_spec()).collect();
+        let budget = policy
+            .max_tool_result_tokens
+            .map(|cap| (TokenBudget::for_model(&model), cap));
 
         let mut seen_refs: HashSet<u64> = HashSet::new();
         self.collect_references(&ctx.invocation_id, &mut seen_refs, events)
@@ -520,62 +571,101 @@ impl Fleet {
             .await
             .map_err(|e| Failure::new("nats_unavailable", e.to_string()))?;
 
-        let mut usage = Usage::default();
-        for round in 1..=self.config.max_rounds {
+        let mut ledger = UsageLedger::default();
+        let mut consecutive_errors = 0u32;
+        // Set when a cap is hit: from then on the model gets no tools and is
+        // told to answer with what it has.
+        let mut stop_tools: Option<String> = None;
+        for round in 1..=policy.max_rounds {
+            if stop_tools.is_none() && round == policy.max_rounds && policy.max_rounds > 1 {
+                stop_tools = Some(format!("this is the last of {} rounds", policy.max_rounds));
+                self.metrics
+                    .loop_limits
+                    .with_label_values(&["rounds"])
+                    .inc();
+            }
+            let tools_allowed = stop_tools.is_none();
+            if let Some(reason) = &stop_tools
+                && !matches!(messages.last(), Some(Message::System { .. }))
+            {
+                messages.push(Message::System {
+                    content: format!("Tool limit reached ({reason}). Do not call any more tools: answer now with what you have, and say what you could not find out."),
+                });
+            }
             let request = ChatRequest {
-                model: self.config.model.clone(),
+                model: model.clone(),
                 messages: messages.clone(),
+                // The tools stay in the request (the prompt prefix, and its
+                // cache, do not change); `tool_choice: none` forbids them.
                 tools: tools.clone(),
-                tool_choice: None,
-                parallel_tool_calls: true,
-                temperature: self.config.temperature,
+                tool_choice: (!tools_allowed).then_some(crate::llm::ToolChoice::None),
+                parallel_tool_calls: policy.parallel_tool_calls,
+                temperature: profile.temperature,
                 max_tokens: None,
             };
             let llm_started = Instant::now();
-            let completion = self
-                .llm
+            let completion = llm
                 .stream_chat(&request, |text| {
                     events.send(ChatEventBody::Delta {
                         text: text.to_string(),
                     })
                 })
                 .await;
-            let model = self.config.model.as_str();
             self.metrics
                 .llm_request_duration
-                .with_label_values(&[model])
+                .with_label_values(&[model.as_str()])
                 .observe(llm_started.elapsed().as_secs_f64());
+            let attempts = match &completion {
+                Ok(c) => c.attempts,
+                Err(e) => e.attempts(),
+            };
+            if attempts > 1 {
+                self.metrics
+                    .llm_retries
+                    .with_label_values(&[model.as_str()])
+                    .inc_by(u64::from(attempts - 1));
+            }
             let completion = match completion {
                 Ok(c) => {
                     self.metrics
                         .llm_requests
-                        .with_label_values(&[model, "ok"])
+                        .with_label_values(&[model.as_str(), "ok"])
                         .inc();
                     c
                 }
                 Err(e) => {
                     self.metrics
                         .llm_requests
-                        .with_label_values(&[model, e.code()])
+                        .with_label_values(&[model.as_str(), e.code()])
                         .inc();
                     return Err(Failure::new(format!("llm_{}", e.code()), e.to_string()));
                 }
             };
-            if let Some(u) = completion.usage {
-                for (kind, n) in [
-                    ("prompt", u.prompt_tokens),
-                    ("completion", u.completion_tokens),
-                    ("cached", u.cached_tokens),
-                    ("reasoning", u.reasoning_tokens),
-                ] {
-                    self.metrics
-                        .llm_tokens
-                        .with_label_values(&[model, kind])
-                        .inc_by(n);
-                }
-                usage += u;
-            }
+            let usage = completion.usage.unwrap_or_default();
+            let cost = self.config.profiles.prices.cost(&model, &usage);
+            self.record_usage(&model, PURPOSE_CONVERSATION, &usage, cost);
+            ledger.add(&model, PURPOSE_CONVERSATION, usage, cost, attempts);
 
+            if completion.is_truncated() && !completion.tool_calls.is_empty() {
+                self.metrics
+                    .loop_limits
+                    .with_label_values(&["truncated_tool_call"])
+                    .inc();
+                match policy.on_truncated_tool_call {
+                    TruncatedPolicy::Error => {
+                        return Err(Failure::new(
+                            "truncated_tool_call",
+                            "the model ran out of tokens while writing a tool call; its arguments are incomplete and were not run",
+                        ));
+                    }
+                    TruncatedPolicy::AskAgain => {
+                        messages.push(Message::System {
+                            content: "Your last tool call was cut off at the output token limit, so it was not run. Call the tool again with shorter arguments, or answer without it.".into(),
+                        });
+                        continue;
+                    }
+                }
+            }
             if completion.tool_calls.is_empty() {
                 let text = match (&completion.refusal, completion.text.is_empty()) {
                     (Some(r), true) => r.clone(),
@@ -591,23 +681,20 @@ impl Fleet {
                 events.send(ChatEventBody::Completed {
                     text,
                     references,
-                    usage,
+                    usage: ledger.total,
+                    cost_usd: ledger.cost,
+                    llm_calls: ledger.calls,
                     rounds: round,
                 });
                 return Ok(());
             }
-            if completion.finish_reason == FinishReason::Length {
-                return Err(Failure::new(
-                    "truncated_tool_call",
-                    "the model ran out of tokens while writing a tool call; its arguments are incomplete and were not run",
-                ));
-            }
-            if round == self.config.max_rounds {
+            if !tools_allowed {
                 return Err(Failure::new(
                     "round_limit",
                     format!(
-                        "the model still asked for tools after {} rounds; the limit is {}",
-                        round, self.config.max_rounds
+                        "the model asked for tools after being told to answer ({}); round {round} of {}",
+                        stop_tools.as_deref().unwrap_or_default(),
+                        policy.max_rounds
                     ),
                 ));
             }
@@ -618,18 +705,85 @@ impl Fleet {
                 opaque: completion.opaque.clone(),
             });
             let results = self
-                .run_tools(&ctx, &completion.tool_calls, &inbox, &mut replies, events)
+                .run_tools(
+                    &ctx,
+                    &completion.tool_calls,
+                    policy,
+                    &inbox,
+                    &mut replies,
+                    events,
+                )
                 .await;
-            for (call, result) in completion.tool_calls.iter().zip(results) {
+            if completion.tool_calls.len() > policy.max_calls_per_turn {
+                self.metrics
+                    .loop_limits
+                    .with_label_values(&["calls_per_turn"])
+                    .inc();
+                stop_tools.get_or_insert_with(|| {
+                    format!("at most {} tool calls per turn", policy.max_calls_per_turn)
+                });
+            }
+            for (call, (content, status)) in completion.tool_calls.iter().zip(results) {
+                if status == ToolStatus::Ok {
+                    consecutive_errors = 0;
+                } else {
+                    consecutive_errors += 1;
+                }
+                let content = match &budget {
+                    Some((b, cap)) => {
+                        let capped = b.cap(&content, *cap);
+                        if capped.truncated {
+                            self.metrics
+                                .tool_results_truncated
+                                .with_label_values(&[call.name.as_str()])
+                                .inc();
+                        }
+                        capped.text
+                    }
+                    None => content,
+                };
                 messages.push(Message::Tool {
                     call_id: call.id.clone(),
-                    content: result,
+                    content,
                 });
+            }
+            if policy.max_consecutive_tool_errors > 0
+                && consecutive_errors >= policy.max_consecutive_tool_errors
+                && stop_tools.is_none()
+            {
+                self.metrics
+                    .loop_limits
+                    .with_label_values(&["consecutive_tool_errors"])
+                    .inc();
+                stop_tools = Some(format!("{consecutive_errors} tool calls failed in a row"));
             }
             self.collect_references(&ctx.invocation_id, &mut seen_refs, events)
                 .await?;
         }
-        Err(Failure::new("round_limit", "no rounds allowed"))
+        Err(Failure::new(
+            "round_limit",
+            format!("no answer within {} rounds", policy.max_rounds),
+        ))
+    }
+
+    fn record_usage(&self, model: &str, purpose: &str, usage: &Usage, cost: Option<f64>) {
+        for (kind, n) in [
+            ("prompt", usage.prompt_tokens),
+            ("completion", usage.completion_tokens),
+            ("cached", usage.cached_tokens),
+            ("reasoning", usage.reasoning_tokens),
+        ] {
+            self.metrics
+                .llm_tokens
+                .with_label_values(&[model, kind, purpose])
+                .inc_by(n);
+        }
+        if let Some(c) = cost {
+            self.metrics
+                .llm_cost
+                .with_label_values(&[model, purpose])
+                .inc_by(c);
+        }
     }
 
     /// Publishes a `references` event with the references not seen yet.
@@ -651,17 +805,80 @@ impl Fleet {
         Ok(())
     }
 
-    /// Dispatches a batch of tool calls in parallel and returns what the
-    /// model reads for each, in call order. Every call gets an answer.
+    /// Runs one turn's tool calls under the loop policy and returns what the
+    /// model reads for each, with its status, in call order. Every call gets
+    /// an answer. Calls over the per-turn cap are not run; with parallel
+    /// calls on, the parallel-safe calls go out together and each unsafe one
+    /// runs alone after them; with them off, every call runs alone.
     async fn run_tools(
+        &self,
+        ctx: &InvocationContext,
+        calls: &[crate::llm::ToolCall],
+        policy: &LoopPolicy,
+        inbox: &str,
+        replies: &mut async_nats::Subscriber,
+        events: &Events,
+    ) -> Vec<(String, ToolStatus)> {
+        let mut out: Vec<Option<(String, ToolStatus)>> = vec![None; calls.len()];
+        let run = calls.len().min(policy.max_calls_per_turn);
+        for (i, call) in calls.iter().enumerate().skip(run) {
+            let tool = self
+                .registry
+                .by_function_name(&call.name)
+                .map(|d| d.id.to_string())
+                .unwrap_or_else(|| call.name.clone());
+            out[i] = Some(self.immediate(
+                events,
+                call,
+                &tool,
+                ToolStatus::Error,
+                "calls_per_turn",
+                format!(
+                    "Error: not run: at most {} tool calls per turn.",
+                    policy.max_calls_per_turn
+                ),
+            ));
+        }
+        let parallel_safe = |c: &crate::llm::ToolCall| {
+            self.registry
+                .by_function_name(&c.name)
+                .is_none_or(|d| d.parallel_safe)
+        };
+        let mut batches: Vec<Vec<usize>> = Vec::new();
+        if policy.parallel_tool_calls {
+            batches.push((0..run).filter(|&i| parallel_safe(&calls[i])).collect());
+            batches.extend(
+                (0..run)
+                    .filter(|&i| !parallel_safe(&calls[i]))
+                    .map(|i| vec![i]),
+            );
+        } else {
+            batches.extend((0..run).map(|i| vec![i]));
+        }
+        for batch in batches.into_iter().filter(|b| !b.is_empty()) {
+            let subset: Vec<crate::llm::ToolCall> =
+                batch.iter().map(|&i| calls[i].clone()).collect();
+            let results = self.run_batch(ctx, &subset, inbox, replies, events).await;
+            for (i, r) in batch.into_iter().zip(results) {
+                out[i] = Some(r);
+            }
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or_else(|| ("Error: no result.".to_string(), ToolStatus::Error)))
+            .collect()
+    }
+
+    /// Dispatches a batch of tool calls in parallel and awaits their results
+    /// under per-call deadlines.
+    async fn run_batch(
         &self,
         ctx: &InvocationContext,
         calls: &[crate::llm::ToolCall],
         inbox: &str,
         replies: &mut async_nats::Subscriber,
         events: &Events,
-    ) -> Vec<String> {
-        let mut answers: Vec<Option<String>> = vec![None; calls.len()];
+    ) -> Vec<(String, ToolStatus)> {
+        let mut answers: Vec<Option<(String, ToolStatus)>> = vec![None; calls.len()];
         // Internal call id → (position, definition, started, wait deadline).
         let mut pending: HashMap<String, (usize, &ToolDefinition, Instant, tokio::time::Instant)> =
             HashMap::new();
@@ -816,8 +1033,10 @@ impl Fleet {
                     let Some((i, def, started, _)) = pending.remove(&result.call_id) else {
                         continue;
                     };
-                    answers[i] =
-                        Some(self.record(events, &calls[i], def, started.elapsed(), &result));
+                    answers[i] = Some((
+                        self.record(events, &calls[i], def, started.elapsed(), &result),
+                        result.status,
+                    ));
                 }
                 Ok(None) => break,
                 Err(_) => {
@@ -841,9 +1060,12 @@ impl Fleet {
                                 duration_ms: started.elapsed().as_millis() as u64,
                                 error_code: Some("timeout".into()),
                             });
-                            answers[i] = Some(format!(
-                                "Error: {} did not answer in time. Answer with what you have.",
-                                calls[i].name
+                            answers[i] = Some((
+                                format!(
+                                    "Error: {} did not answer in time. Answer with what you have.",
+                                    calls[i].name
+                                ),
+                                ToolStatus::Timeout,
                             ));
                         }
                     }
@@ -852,7 +1074,7 @@ impl Fleet {
         }
         answers
             .into_iter()
-            .map(|a| a.unwrap_or_else(|| "Error: no result.".to_string()))
+            .map(|a| a.unwrap_or_else(|| ("Error: no result.".to_string(), ToolStatus::Error)))
             .collect()
     }
 
@@ -865,7 +1087,7 @@ impl Fleet {
         status: ToolStatus,
         code: &str,
         content: String,
-    ) -> String {
+    ) -> (String, ToolStatus) {
         self.metrics
             .tool_calls
             .with_label_values(&[tool, status.as_str()])
@@ -877,7 +1099,7 @@ impl Fleet {
             duration_ms: 0,
             error_code: Some(code.to_string()),
         });
-        content
+        (content, status)
     }
 
     fn record(
@@ -909,6 +1131,34 @@ impl Fleet {
             ToolStatus::Blocked => format!("Blocked: {}", result.content),
             ToolStatus::Error | ToolStatus::Timeout => format!("Error: {}", result.content),
         }
+    }
+}
+
+/// The `purpose` label of the conversation's own model calls (planning and
+/// LLM-backed tools have their own).
+pub const PURPOSE_CONVERSATION: &str = "conversation";
+
+/// Token usage and cost of one invocation, per model call.
+#[derive(Debug, Default)]
+struct UsageLedger {
+    total: Usage,
+    cost: Option<f64>,
+    calls: Vec<LlmCall>,
+}
+
+impl UsageLedger {
+    fn add(&mut self, model: &str, purpose: &str, usage: Usage, cost: Option<f64>, attempts: u32) {
+        self.total += usage;
+        if let Some(c) = cost {
+            *self.cost.get_or_insert(0.0) += c;
+        }
+        self.calls.push(LlmCall {
+            model: model.to_string(),
+            purpose: purpose.to_string(),
+            usage,
+            cost_usd: cost,
+            attempts,
+        });
     }
 }
 

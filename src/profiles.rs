@@ -773,6 +773,7 @@ impl Deployment {
     /// The deployment described by a binary's `--llm-*` flags.
     pub fn from_llm_args(args: &crate::config::LlmArgs) -> Self {
         let mut deployment = Self::new(args.base_url.clone(), args.model.clone());
+        deployment.api = args.api;
         deployment.connect_timeout = Duration::from_millis(args.connect_timeout_ms);
         deployment.first_token_timeout = Duration::from_millis(args.first_token_timeout_ms);
         deployment.idle_timeout = Duration::from_millis(args.idle_timeout_ms);

@@ -479,6 +479,10 @@ pub struct ChatEvent {
 pub enum ChatEventBody {
     Started {
         model: String,
+        /// The profile the job runs under (after falling back to the
+        /// default when it named none or an unknown one).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        profile: Option<String>,
         tools: Vec<String>,
     },
     Delta {
@@ -504,10 +508,19 @@ pub enum ChatEventBody {
     References {
         references: Vec<Reference>,
     },
+    #[serde(rename_all = "camelCase")]
     Completed {
         text: String,
         references: Vec<Reference>,
+        /// Tokens of every model call of the invocation, summed.
         usage: Usage,
+        /// Cost in USD from the configured price table, when every model
+        /// used has a price (absent otherwise).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_usd: Option<f64>,
+        /// Each model call: model, purpose, usage, cost, attempts.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        llm_calls: Vec<LlmCall>,
         rounds: u32,
     },
     Error {
@@ -523,6 +536,20 @@ impl ChatEventBody {
             ChatEventBody::Completed { .. } | ChatEventBody::Error { .. }
         )
     }
+}
+
+/// One model call of an invocation, for usage and cost accounting.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LlmCall {
+    pub model: String,
+    /// `conversation`, `planning` or `tool`.
+    pub purpose: String,
+    pub usage: Usage,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
+    /// HTTP attempts, retries included.
+    pub attempts: u32,
 }
 
 /// The body of a tool job; the context travels in headers.
@@ -946,6 +973,14 @@ mod tests {
                     call_id: None,
                 }],
                 usage: Usage::default(),
+                cost_usd: Some(0.00042),
+                llm_calls: vec![LlmCall {
+                    model: "gpt-4o-mini".into(),
+                    purpose: "conversation".into(),
+                    usage: Usage::default(),
+                    cost_usd: Some(0.00042),
+                    attempts: 1,
+                }],
                 rounds: 2,
             },
         };

@@ -103,7 +103,10 @@
 //! the last user message: step 0 on the first call, step 1 after one tool
 //! round, and so on. When the steps run out the last one is replayed,
 //! except that a last `toolCalls` step is replaced by a plain fallback answer
-//! (without its fault) so an agent loop cannot spin forever.
+//! (without its fault) so an agent loop cannot spin forever. A request that
+//! says `tool_choice: "none"` never gets tool calls: a `toolCalls` step is
+//! answered with the rule's next `answer` step instead, as a real model told
+//! to answer would.
 //!
 //! Streaming Chat Completions honours `stream_options.include_usage` with a
 //! trailing usage-only chunk (`choices: []`); Responses always reports usage
@@ -1063,8 +1066,16 @@ struct Plan {
     fault: Option<(StepKey, Fault)>,
 }
 
-/// Plays the script against a conversation.
-fn plan(script: &Script, turns: &[Turn]) -> Plan {
+/// Whether a request lets the model call tools: it does not say
+/// `tool_choice: "none"`.
+fn offers_tools(request: &Value) -> bool {
+    request["tool_choice"] != "none"
+}
+
+/// Plays the script against a conversation. When the request says
+/// `tool_choice: "none"`, a `toolCalls` step is answered like a real model
+/// would: with the rule's next `answer` step, or the fallback answer.
+fn plan(script: &Script, turns: &[Turn], tools_offered: bool) -> Plan {
     let last_user = turns.iter().rposition(|t| t.role == "user");
     let user = last_user.map_or("", |i| turns[i].text.as_str());
     let (rule, steps) = script.steps_for(user);
@@ -1090,6 +1101,15 @@ fn plan(script: &Script, turns: &[Turn]) -> Plan {
         // Replaying a tool round past the end of the rule would loop the
         // agent forever; answer instead.
         Action::ToolCalls(_) if past_end => return fallback(),
+        Action::ToolCalls(_) if !tools_offered => {
+            match steps[index..].iter().find_map(|s| match &s.action {
+                Action::Answer(t) => Some(t),
+                _ => None,
+            }) {
+                Some(template) => Reply::Answer(render(template, turns, user)),
+                None => return fallback(),
+            }
+        }
         Action::ToolCalls(calls) => Reply::ToolCalls(
             calls
                 .iter()
@@ -2105,7 +2125,7 @@ async fn respond(
             return e.into_response();
         }
     };
-    let plan = plan(&state.script, &turns);
+    let plan = plan(&state.script, &turns, offers_tools(&request));
     let fault = plan
         .fault
         .as_ref()
@@ -2477,7 +2497,7 @@ mod tests {
     }
 
     fn reply(script: &Script, turns: &[Turn]) -> Reply {
-        plan(script, turns).reply
+        plan(script, turns, true).reply
     }
 
     fn call_names(reply: &Reply) -> Vec<&str> {

@@ -27,9 +27,6 @@ struct Args {
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     max_in_flight: usize,
-    /// Model calls per invocation.
-    #[arg(long, env = "TOOLFLEET_MAX_ROUNDS", default_value_t = 8)]
-    max_rounds: u32,
     /// Prometheus metrics and health endpoint.
     #[arg(long, env = config::ENV_METRICS_ADDR, default_value = "0.0.0.0:9464")]
     metrics_addr: SocketAddr,
@@ -47,16 +44,19 @@ async fn main() -> anyhow::Result<()> {
     });
     config::init_tracing();
     let subjects = args.nats.subjects()?;
-    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), &args.llm.model);
+    let profiles = args.llm.fleet_config().unwrap_or_else(|e| {
+        eprintln!("error: {e:#}");
+        std::process::exit(config::EXIT_CONFIG)
+    });
+    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
     orchestrator.max_in_flight = args.max_in_flight;
-    orchestrator.max_rounds = args.max_rounds;
     let spec = FleetSpec {
         nats_url: args.nats.url.clone(),
         redis_url: args.redis.url.clone(),
         subjects,
         citation_ttl: Duration::from_secs(args.redis.ttl_secs),
         registry: toolfleet::fleet::load_registry(&args.defs.dir)?,
-        orchestrator: Some((args.llm.to_config(), orchestrator)),
+        orchestrator: Some(orchestrator),
         workers: Vec::new(),
         worker_concurrency: 0,
         index: None,

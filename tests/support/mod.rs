@@ -5,7 +5,9 @@
 
 #![allow(dead_code)]
 
+use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -42,6 +44,11 @@ pub struct Env {
 pub struct Options {
     pub workers: Vec<WorkerKind>,
     pub tweak: fn(&mut OrchestratorConfig),
+    /// A profiles file; `{base_url}` is replaced by the scripted server's
+    /// URL. Without it: one default profile on the scripted server.
+    pub profiles_toml: Option<&'static str>,
+    /// The environment the orchestrator reads API-key variables from.
+    pub env: Vec<(&'static str, &'static str)>,
 }
 
 impl Default for Options {
@@ -49,6 +56,8 @@ impl Default for Options {
         Self {
             workers: vec![WorkerKind::System, WorkerKind::Retrieval],
             tweak: |_| {},
+            profiles_toml: None,
+            env: Vec::new(),
         }
     }
 }
@@ -67,7 +76,25 @@ impl Env {
             .expect("scripted model");
         let dir = tempfile::tempdir().unwrap();
         let subjects = Subjects::new("toolfleet").unwrap();
-        let mut orchestrator = OrchestratorConfig::new(subjects.clone(), "toolfleet-scripted");
+        let profiles = match options.profiles_toml {
+            Some(text) => toolfleet::profiles::FleetConfig::from_toml(
+                &text.replace("{base_url}", model.base_url().as_str()),
+                "test profiles",
+            )
+            .expect("test profiles"),
+            None => toolfleet::profiles::FleetConfig::single(
+                toolfleet::profiles::Deployment::new(model.base_url(), "toolfleet-scripted")
+                    .with_api_key("sk-test-secret-never-logged".to_string()),
+            ),
+        };
+        let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
+        orchestrator.env = Arc::new(
+            options
+                .env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect::<HashMap<String, String>>(),
+        );
         (options.tweak)(&mut orchestrator);
         let spec = FleetSpec {
             nats_url: nats.url(),
@@ -75,17 +102,7 @@ impl Env {
             subjects: subjects.clone(),
             citation_ttl: Duration::from_secs(600),
             registry: toolfleet::fleet::load_registry(&root().join("tool_definitions")).unwrap(),
-            orchestrator: Some((
-                toolfleet::llm::LlmConfig {
-                    base_url: model.base_url(),
-                    api_key: Some("sk-test-secret-never-logged".into()),
-                    connect_timeout: Duration::from_secs(2),
-                    first_token_timeout: Duration::from_secs(10),
-                    idle_timeout: Duration::from_secs(10),
-                    ..toolfleet::llm::LlmConfig::new(model.base_url())
-                },
-                orchestrator,
-            )),
+            orchestrator: Some(orchestrator),
             workers: options.workers,
             worker_concurrency: 16,
             index: Some(IndexPaths {
