@@ -2,6 +2,7 @@
 //! processes and the scripted model server (a stand-in for the provider).
 
 mod binaries;
+mod policies;
 mod support;
 
 use std::collections::HashSet;

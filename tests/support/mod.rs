@@ -49,6 +49,8 @@ pub struct Options {
     pub profiles_toml: Option<&'static str>,
     /// The environment the orchestrator reads API-key variables from.
     pub env: Vec<(&'static str, &'static str)>,
+    /// Tool definitions directory (default: the shipped one).
+    pub defs_dir: Option<PathBuf>,
 }
 
 impl Default for Options {
@@ -58,6 +60,7 @@ impl Default for Options {
             tweak: |_| {},
             profiles_toml: None,
             env: Vec::new(),
+            defs_dir: None,
         }
     }
 }
@@ -101,7 +104,13 @@ impl Env {
             redis_url: redis.url(),
             subjects: subjects.clone(),
             citation_ttl: Duration::from_secs(600),
-            registry: toolfleet::fleet::load_registry(&root().join("tool_definitions")).unwrap(),
+            registry: toolfleet::fleet::load_registry(
+                &options
+                    .defs_dir
+                    .clone()
+                    .unwrap_or_else(|| root().join("tool_definitions")),
+            )
+            .unwrap(),
             orchestrator: Some(orchestrator),
             workers: options.workers,
             worker_concurrency: 16,

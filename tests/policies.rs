@@ -1,0 +1,611 @@
+//! Issue 3 behaviour end to end: profiles and deployments, both API shapes,
+//! loop policies, resilience, usage and cost — against the real fleet and
+//! the scripted model server's real HTTP streams.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde_json::{Value, json};
+use toolfleet::protocol::{ChatEventBody, ToolStatus};
+
+use crate::support::{Env, Options, WAIT, next_json};
+
+fn lighthouse_script() -> Value {
+    json!({
+        "rules": [{
+            "whenUserContains": ["lighthouse"],
+            "steps": [
+                { "toolCalls": [
+                    { "name": "current_datetime", "arguments": {} },
+                    { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 3 } }
+                ] },
+                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_documents}}" }
+            ]
+        }]
+    })
+}
+
+fn kinds(events: &[toolfleet::protocol::ChatEvent]) -> Vec<String> {
+    events
+        .iter()
+        .filter_map(|e| match &e.body {
+            ChatEventBody::ToolCall { tool, .. } => Some(format!("call {tool}")),
+            ChatEventBody::ToolResult { tool, .. } => Some(format!("result {tool}")),
+            _ => None,
+        })
+        .collect()
+}
+
+fn started_profile(events: &[toolfleet::protocol::ChatEvent]) -> Option<String> {
+    events.iter().find_map(|e| match &e.body {
+        ChatEventBody::Started { profile, .. } => profile.clone(),
+        _ => None,
+    })
+}
+
+const TWO_PROFILES: &str = r#"
+default_profile = "default"
+
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+
+[deployments.keyed]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+api_key_env = "TOOLFLEET_TEST_MISSING_KEY"
+
+[profiles.default]
+deployment = "scripted"
+
+[profiles.locked]
+deployments = ["keyed"]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_resolvable_deployment_ends_the_job_at_once_naming_the_profile() {
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            profiles_toml: Some(TWO_PROFILES),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut job = toolfleet::client::question("how do lighthouses work?");
+    job.profile = Some("locked".into());
+    let err = env.submit(&job).await.expect_err("no deployment");
+    assert_eq!(err.code(), "no_deployment");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("locked") && msg.contains("TOOLFLEET_TEST_MISSING_KEY"),
+        "{msg}"
+    );
+    assert!(
+        env.model.requests().is_empty(),
+        "the model was never called"
+    );
+
+    // An unknown profile falls back to the default one.
+    let mut job = toolfleet::client::question("how do lighthouses work?");
+    job.profile = Some("no-such-profile".into());
+    let outcome = env.submit(&job).await.expect("falls back to default");
+    assert_eq!(started_profile(&outcome.events).as_deref(), Some("default"));
+}
+
+const RESPONSES: &str = r#"
+default_profile = "default"
+[deployments.responses]
+api = "responses"
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+api_key_env = "TEST_KEY"
+[profiles.default]
+deployment = "responses"
+[prices."toolfleet-scripted"]
+input = 2.5
+cached_input = 1.25
+output = 10.0
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_responses_api_runs_the_same_loop_with_citations_usage_and_cost() {
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            profiles_toml: Some(RESPONSES),
+            env: vec![("TEST_KEY", "sk-responses-secret")],
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env
+        .ask("What time is it, and how do lighthouses warn ships?")
+        .await;
+    let outcome = outcome.expect("completed");
+    assert!(!outcome.references.is_empty());
+    let known: HashSet<u64> = outcome.references.iter().map(|r| r.index).collect();
+    let cited = toolfleet::citations::cited_indices(&outcome.text);
+    assert!(
+        !cited.is_empty() && cited.iter().all(|n| known.contains(n)),
+        "{}",
+        outcome.text
+    );
+
+    // The second request carried the results as function_call_output items
+    // correlated by call_id with the function_call items.
+    let received = env.model.received();
+    assert!(received.iter().all(|r| r.path.ends_with("/responses")));
+    assert_eq!(
+        received[0].header("authorization").as_deref(),
+        Some("Bearer sk-responses-secret")
+    );
+    let input = received[1].body["input"].as_array().unwrap();
+    let calls: HashSet<&str> = input
+        .iter()
+        .filter(|i| i["type"] == "function_call")
+        .map(|i| i["call_id"].as_str().unwrap())
+        .collect();
+    let outputs: HashSet<&str> = input
+        .iter()
+        .filter(|i| i["type"] == "function_call_output")
+        .map(|i| i["call_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(calls.len(), 2);
+    assert_eq!(calls, outputs);
+
+    // Usage per call and per invocation, and cost from the price table.
+    assert_eq!(outcome.llm_calls.len(), 2);
+    assert!(
+        outcome
+            .llm_calls
+            .iter()
+            .all(|c| c.purpose == "conversation" && c.model == "toolfleet-scripted")
+    );
+    let total: u64 = outcome
+        .llm_calls
+        .iter()
+        .map(|c| c.usage.prompt_tokens)
+        .sum();
+    assert_eq!(outcome.usage.prompt_tokens, total);
+    let cost = outcome.cost_usd.expect("priced");
+    let expected: f64 = outcome.llm_calls.iter().map(|c| c.cost_usd.unwrap()).sum();
+    assert!(
+        cost > 0.0 && (cost - expected).abs() < 1e-12,
+        "{cost} vs {expected}"
+    );
+    let text = env.metrics_text().await;
+    assert!(
+        text.contains(
+            "toolfleet_llm_cost_usd_total{model=\"toolfleet-scripted\",purpose=\"conversation\"}"
+        ),
+        "{text}"
+    );
+    assert!(text.contains("toolfleet_llm_tokens_total{kind=\"prompt\",model=\"toolfleet-scripted\",purpose=\"conversation\"}"), "{text}");
+    // The key never reaches events or metrics.
+    assert!(!format!("{:?}", outcome.events).contains("sk-responses-secret"));
+    assert!(!text.contains("sk-responses-secret"));
+}
+
+fn policy_profile(policy: &str) -> String {
+    format!(
+        r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "{{base_url}}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+[profiles.default.policy]
+{policy}
+"#
+    )
+}
+
+/// The last request the model got, and whether it forbade tools.
+fn last_request(env: &Env) -> Value {
+    env.model.requests().last().cloned().expect("a request")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_over_the_per_turn_cap_are_not_run_and_the_model_is_told_to_answer() {
+    let toml: &'static str = Box::leak(policy_profile("max_calls_per_turn = 1").into_boxed_str());
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            profiles_toml: Some(toml),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env
+        .ask("What time is it, and how do lighthouses warn ships?")
+        .await;
+    let outcome = outcome.expect("completed");
+    let results: Vec<(ToolStatus, Option<String>)> = outcome
+        .events
+        .iter()
+        .filter_map(|e| match &e.body {
+            ChatEventBody::ToolResult {
+                status, error_code, ..
+            } => Some((*status, error_code.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(results.len(), 2);
+    assert!(
+        results.contains(&(ToolStatus::Error, Some("calls_per_turn".into()))),
+        "{results:?}"
+    );
+    assert!(results.iter().any(|r| r.0 == ToolStatus::Ok));
+    let last = last_request(&env);
+    assert_eq!(last["tool_choice"], "none");
+    let note = last["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|m| m["role"] == "system")
+        .unwrap();
+    assert!(
+        note["content"]
+            .as_str()
+            .unwrap()
+            .contains("answer now with what you have"),
+        "{note}"
+    );
+    assert!(
+        env.metrics_text()
+            .await
+            .contains("toolfleet_loop_limits_total{limit=\"calls_per_turn\"} 1")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consecutive_tool_errors_stop_the_tools() {
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["bees"],
+            "steps": [
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "bees", "limit": 99 } } ] },
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "bees", "limit": 98 } } ] },
+                { "answer": "I could not search: {{tool:search_documents}}" }
+            ]
+        }]
+    });
+    let toml: &'static str =
+        Box::leak(policy_profile("max_consecutive_tool_errors = 1").into_boxed_str());
+    let env = Env::start_with(
+        script,
+        Options {
+            profiles_toml: Some(toml),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("How do bees navigate?").await;
+    let outcome = outcome.expect("answers with what it has");
+    assert_eq!(kinds(&outcome.events).len(), 2, "only one tool round ran");
+    assert_eq!(outcome.rounds, 2);
+    assert_eq!(last_request(&env)["tool_choice"], "none");
+    assert!(
+        env.metrics_text()
+            .await
+            .contains("toolfleet_loop_limits_total{limit=\"consecutive_tool_errors\"} 1")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_round_forbids_tools_so_the_model_answers() {
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["tides"],
+            "steps": [
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "tides" } } ] },
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "moon" } } ] },
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "sun" } } ] },
+                { "answer": "Tides: {{tool:search_documents}}" }
+            ]
+        }]
+    });
+    let toml: &'static str = Box::leak(policy_profile("max_rounds = 2").into_boxed_str());
+    let env = Env::start_with(
+        script,
+        Options {
+            profiles_toml: Some(toml),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("What causes tides?").await;
+    let outcome = outcome.expect("answers on the last round");
+    assert_eq!(outcome.rounds, 2);
+    assert_eq!(env.model.requests().len(), 2);
+    assert_eq!(last_request(&env)["tool_choice"], "none");
+    assert!(
+        env.metrics_text()
+            .await
+            .contains("toolfleet_loop_limits_total{limit=\"rounds\"} 1")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parallel_off_runs_calls_one_at_a_time_and_says_so_to_the_model() {
+    let toml: &'static str =
+        Box::leak(policy_profile("parallel_tool_calls = false").into_boxed_str());
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            profiles_toml: Some(toml),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env
+        .ask("What time is it, and how do lighthouses warn ships?")
+        .await;
+    let outcome = outcome.expect("completed");
+    assert_eq!(
+        kinds(&outcome.events),
+        vec![
+            "call system:current_datetime@1.0.0",
+            "result system:current_datetime@1.0.0",
+            "call retrieval:search_documents@1.0.0",
+            "result retrieval:search_documents@1.0.0",
+        ]
+    );
+    assert_eq!(env.model.requests()[0]["parallel_tool_calls"], false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_that_is_not_parallel_safe_runs_alone_after_the_others() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = crate::support::root().join("tool_definitions");
+    let mut datetime: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("system.current_datetime.json")).unwrap(),
+    )
+    .unwrap();
+    datetime["parallelSafe"] = json!(false);
+    std::fs::write(
+        dir.path().join("system.current_datetime.json"),
+        datetime.to_string(),
+    )
+    .unwrap();
+    std::fs::copy(
+        root.join("retrieval.search_documents.json"),
+        dir.path().join("retrieval.search_documents.json"),
+    )
+    .unwrap();
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            defs_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env
+        .ask("What time is it, and how do lighthouses warn ships?")
+        .await;
+    let outcome = outcome.expect("completed");
+    // The model listed current_datetime first; it still runs after the safe batch.
+    assert_eq!(
+        kinds(&outcome.events),
+        vec![
+            "call retrieval:search_documents@1.0.0",
+            "result retrieval:search_documents@1.0.0",
+            "call system:current_datetime@1.0.0",
+            "result system:current_datetime@1.0.0",
+        ]
+    );
+    // The model still gets the results in its own call order.
+    let tools: Vec<String> = env.model.requests()[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool")
+        .map(|m| m["content"].as_str().unwrap().to_string())
+        .collect();
+    assert!(
+        tools[0].contains('(') && tools[1].contains("[doc:"),
+        "{tools:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_tool_results_are_cut_to_the_token_cap_with_a_notice() {
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["bread"],
+            "steps": [
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "sourdough bread yeast bacteria starter flour water lighthouse bees tides rust", "limit": 10 } } ] },
+                { "answer": "Done." }
+            ]
+        }]
+    });
+    let toml: &'static str =
+        Box::leak(policy_profile("max_tool_result_tokens = 80").into_boxed_str());
+    let env = Env::start_with(
+        script,
+        Options {
+            profiles_toml: Some(toml),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("Tell me about bread").await;
+    outcome.expect("completed");
+    let tool = env.model.requests()[1]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["role"] == "tool")
+        .unwrap()["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(tool.contains("tokens cut"), "{tool}");
+    let budget = toolfleet::budget::TokenBudget::for_model("toolfleet-scripted");
+    assert!(budget.count(&tool) <= 80, "{} tokens", budget.count(&tool));
+    assert!(
+        env.metrics_text()
+            .await
+            .contains("toolfleet_tool_results_truncated_total{function=\"search_documents\"} 1")
+    );
+}
+
+fn truncating_script() -> Value {
+    json!({
+        "rules": [{
+            "whenUserContains": ["sourdough"],
+            "steps": [
+                { "fault": { "kind": "length", "times": 1 }, "toolCalls": [ { "name": "search_documents", "arguments": { "query": "sourdough starter", "limit": 3 } } ] },
+                { "answer": "Sourdough: {{tool:search_documents}}" }
+            ]
+        }]
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_truncated_tool_call_is_never_run_and_ends_or_is_asked_again_by_policy() {
+    let env = Env::start(truncating_script()).await;
+    let (job, outcome) = env.ask("How does sourdough rise?").await;
+    let err = outcome.expect_err("error policy");
+    assert_eq!(err.code(), "truncated_tool_call");
+    assert!(
+        env.keys(&job.invocation_id).await.is_empty(),
+        "the cut call never ran"
+    );
+
+    let toml: &'static str =
+        Box::leak(policy_profile(r#"on_truncated_tool_call = "ask_again""#).into_boxed_str());
+    let env = Env::start_with(
+        truncating_script(),
+        Options {
+            profiles_toml: Some(toml),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("How does sourdough rise?").await;
+    let outcome = outcome.expect("asked again, then answered");
+    assert_eq!(kinds(&outcome.events).len(), 2, "one full tool call ran");
+    let second = &env.model.requests()[1];
+    assert!(
+        second["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["role"] == "system" && m["content"].as_str().unwrap().contains("cut off"))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn provider_errors_reach_the_client_with_the_providers_code_and_retries_are_counted() {
+    let script = json!({
+        "rules": [
+            { "whenUserContains": ["quota"], "steps": [ { "fault": { "kind": "status", "status": 429, "code": "insufficient_quota" }, "answer": "never" } ] },
+            { "whenUserContains": ["flaky"], "steps": [ { "fault": { "kind": "status", "status": 500, "times": 1 }, "answer": "Second time lucky." } ] }
+        ]
+    });
+    let env = Env::start(script).await;
+    let (_, outcome) = env.ask("Am I over quota?").await;
+    let err = outcome.expect_err("provider error");
+    assert_eq!(err.code(), "llm_insufficient_quota");
+    assert!(!err.to_string().contains("sk-test-secret"));
+
+    let (_, outcome) = env.ask("A flaky provider").await;
+    let outcome = outcome.expect("retried");
+    assert_eq!(outcome.text, "Second time lucky.");
+    assert_eq!(outcome.llm_calls[0].attempts, 2);
+    let text = env.metrics_text().await;
+    assert!(
+        text.contains("toolfleet_llm_retries_total{model=\"toolfleet-scripted\"} 1"),
+        "{text}"
+    );
+    assert!(text.contains("toolfleet_llm_requests_total{model=\"toolfleet-scripted\",outcome=\"insufficient_quota\"} 1"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
+    let script = json!({
+        "rules": [{ "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 20000 }, "answer": "too late" } ] }]
+    });
+    let env = Env::start(script).await;
+    let job = toolfleet::client::question("a slow question");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .await;
+    toolfleet::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    let started = next_json(&mut events).await;
+    assert_eq!(started["type"], "started");
+    // The model has the request before we cancel.
+    tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.started >= 1))
+        .await
+        .expect("stream began");
+    env.client
+        .publish(env.subjects.chat_cancel(&job.invocation_id), "".into())
+        .await
+        .unwrap();
+    let ev = next_json(&mut events).await;
+    assert_eq!(ev["type"], "error");
+    assert_eq!(ev["code"], "cancelled");
+    let stats = tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.dropped >= 1))
+        .await
+        .expect("the HTTP stream was dropped");
+    assert_eq!(stats.completed, 0);
+    // Nothing more arrives for this invocation.
+    assert!(
+        tokio::time::timeout(Duration::from_millis(300), events.next())
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_and_non_streaming_deployments_complete() {
+    let script = json!({
+        "rules": [
+            { "whenUserContains": ["weapon"], "steps": [ { "refusal": "I can't help with that." } ] },
+            { "whenUserContains": ["lighthouse"], "steps": [
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "lighthouse" } } ] },
+                { "answer": "Lighthouses: {{tool:search_documents}}" }
+            ] }
+        ]
+    });
+    const NO_STREAM: &str = r#"
+default_profile = "default"
+[deployments.plain]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+stream = false
+[profiles.default]
+deployment = "plain"
+"#;
+    let env = Env::start_with(
+        script,
+        Options {
+            profiles_toml: Some(NO_STREAM),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("How do I build a weapon?").await;
+    assert_eq!(
+        outcome.expect("a refusal is an answer").text,
+        "I can't help with that."
+    );
+    let (_, outcome) = env.ask("How do lighthouses work?").await;
+    let outcome = outcome.expect("completed without streaming");
+    assert!(outcome.text.contains("[doc:1]"), "{}", outcome.text);
+    let deltas = outcome
+        .events
+        .iter()
+        .filter(|e| matches!(e.body, ChatEventBody::Delta { .. }))
+        .count();
+    assert_eq!(deltas, 1, "the whole text arrives once");
+    assert!(env.model.requests().iter().all(|r| r["stream"] != true));
+}
