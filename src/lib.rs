@@ -12,7 +12,9 @@
 //!   envelopes of the public contract. The only module that knows names.
 //! - [`schema`]: JSON Schema validators, compiled once, used at boundaries.
 //! - [`tools`]: tool definition files, tool ids, wire shapes, the registry.
-//! - [`llm`]: the only module that speaks provider HTTP (Chat Completions).
+//! - [`llm`]: the only module that speaks provider HTTP (Chat Completions
+//!   and Responses API, streaming and not, with retries and timeouts).
+//! - [`profiles`]: profiles, deployments and prices from the config file.
 //! - [`scripted`]: the scripted OpenAI-compatible model server (a stand-in
 //!   for tests and the offline demo, labelled as such).
 //! - [`citations`]: the only module that speaks Redis: references, the

@@ -1356,7 +1356,7 @@ mod tests {
     use super::*;
 
     const EXAMPLE: &str = include_str!("../config/toolfleet.example.toml");
-    const PROVIDERS_DOC: &str = include_str!("../docs/providers.md");
+    const PROVIDERS_DOC: &str = include_str!("../README.md");
 
     fn env(pairs: &[(&str, &str)]) -> HashMap<String, String> {
         pairs

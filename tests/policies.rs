@@ -138,7 +138,7 @@ async fn the_responses_api_runs_the_same_loop_with_citations_usage_and_cost() {
     let received = env.model.received();
     assert!(received.iter().all(|r| r.path.ends_with("/responses")));
     assert_eq!(
-        received[0].header("authorization").as_deref(),
+        received[0].header("authorization"),
         Some("Bearer sk-responses-secret")
     );
     let input = received[1].body["input"].as_array().unwrap();
