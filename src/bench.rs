@@ -77,6 +77,7 @@ pub async fn run(
     jobs: usize,
     concurrency: usize,
     timeout: Duration,
+    slow: Duration,
 ) -> BenchReport {
     let started = Instant::now();
     let results: Vec<(bool, usize, f64)> = futures::stream::iter(0..jobs)
@@ -86,12 +87,22 @@ pub async fn run(
                 let job = crate::client::question(q);
                 let t = Instant::now();
                 let mut tools = 0;
+                let mut timeline = Vec::new();
                 let r = crate::client::chat(client, subjects, &job, timeout, |e| {
+                    timeline.push((t.elapsed().as_millis(), event_name(&e.body)));
                     if matches!(e.body, ChatEventBody::ToolResult { .. }) {
                         tools += 1;
                     }
                 })
                 .await;
+                // An outlier is worth its story: when each event arrived.
+                if t.elapsed() > slow {
+                    eprintln!(
+                        "slow job {} ({} ms): {timeline:?}",
+                        job.invocation_id,
+                        t.elapsed().as_millis()
+                    );
+                }
                 (r.is_ok(), tools, t.elapsed().as_secs_f64() * 1000.0)
             }
         })
@@ -117,6 +128,18 @@ pub async fn run(
         latency_ms_p99: percentile(&latencies, 99.0),
         latency_ms_max: latencies.last().copied().unwrap_or(0.0),
         peak_rss_mib: peak_rss_mib(),
+    }
+}
+
+fn event_name(body: &ChatEventBody) -> &'static str {
+    match body {
+        ChatEventBody::Started { .. } => "started",
+        ChatEventBody::Delta { .. } => "delta",
+        ChatEventBody::ToolCall { .. } => "tool_call",
+        ChatEventBody::ToolResult { .. } => "tool_result",
+        ChatEventBody::References { .. } => "references",
+        ChatEventBody::Completed { .. } => "completed",
+        ChatEventBody::Error { .. } => "error",
     }
 }
 

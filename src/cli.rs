@@ -38,6 +38,9 @@ pub enum Command {
     Demo(DemoArgs),
     /// Run the orchestrator and every worker in one process (development).
     Up(UpArgs),
+    /// Load generator: chat jobs at a fixed concurrency through a local
+    /// fleet; prints throughput, latency percentiles and peak memory.
+    Bench(BenchArgs),
     /// Inspect and validate tool definition files.
     Tools {
         #[command(subcommand)]
@@ -82,6 +85,13 @@ pub struct DemoArgs {
     /// The scripted model's script.
     #[arg(long, default_value = "examples/demo-script.json")]
     pub script: PathBuf,
+    #[command(flatten)]
+    pub local: LocalArgs,
+}
+
+/// Where a local fleet gets its servers, corpus and tools.
+#[derive(Args, Debug)]
+pub struct LocalArgs {
     /// The example corpus to index.
     #[arg(long, default_value = "examples/corpus")]
     pub corpus: PathBuf,
@@ -96,6 +106,27 @@ pub struct DemoArgs {
     /// Always start private nats-server and redis-server child processes.
     #[arg(long)]
     pub isolated: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Chat jobs to run (after a warm-up of one batch).
+    #[arg(long, default_value_t = 500)]
+    pub jobs: usize,
+    /// Jobs in flight at once (also the orchestrator's and workers' limit).
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// The scripted model's script (no artificial delay by default).
+    #[arg(long, default_value = "examples/bench-script.json")]
+    pub script: PathBuf,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Print the event timeline of every job slower than this, in ms.
+    #[arg(long, default_value_t = 1000)]
+    pub slow_ms: u64,
+    #[command(flatten)]
+    pub local: LocalArgs,
 }
 
 #[derive(Args, Debug)]
@@ -181,6 +212,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Chat(args) => chat(args).await,
         Command::Demo(args) => demo(args).await,
         Command::Up(args) => up(args).await,
+        Command::Bench(args) => bench(args).await,
         Command::Tools { command } => tools(command),
         Command::Index { command } => index(command),
         Command::ScriptedModel { listen, script } => {
@@ -277,7 +309,7 @@ struct DemoServers {
     _redis: Option<crate::local::RedisServer>,
 }
 
-fn demo_servers(args: &DemoArgs) -> anyhow::Result<DemoServers> {
+fn demo_servers(args: &LocalArgs) -> anyhow::Result<DemoServers> {
     let (nats_url, nats) = if !args.isolated && crate::local::nats_reachable(&args.nats_url) {
         eprintln!(
             "• using the NATS server at {}",
@@ -310,62 +342,111 @@ fn demo_servers(args: &DemoArgs) -> anyhow::Result<DemoServers> {
     })
 }
 
+/// A whole fleet on this machine: servers (reused or child processes), the
+/// scripted model, an index of the corpus, the orchestrator and both
+/// workers in this process. Used by `demo` and `bench`.
+struct LocalFleet {
+    servers: DemoServers,
+    model: crate::scripted::ScriptedServer,
+    subjects: crate::protocol::Subjects,
+    client: async_nats::Client,
+    shutdown: CancellationToken,
+    tracker: TaskTracker,
+    _work: tempfile::TempDir,
+}
+
+impl LocalFleet {
+    async fn start(
+        args: &LocalArgs,
+        script: &std::path::Path,
+        max_in_flight: usize,
+    ) -> anyhow::Result<Self> {
+        let servers = demo_servers(args)?;
+        let registry = crate::fleet::load_registry(&args.defs.dir)?;
+        eprintln!(
+            "• {} tool definitions loaded from {}",
+            registry.len(),
+            args.defs.dir.display()
+        );
+
+        let script = crate::scripted::Script::load(script)?;
+        let model_name = script.model().to_string();
+        let model = crate::scripted::ScriptedServer::start("127.0.0.1:0".parse()?, script).await?;
+        eprintln!(
+            "• model: the scripted stand-in server at {} (not a real model)",
+            model.base_url()
+        );
+
+        let work = tempfile::tempdir()?;
+        eprint!("• indexing {} … ", args.corpus.display());
+        let _ = std::io::stderr().flush();
+        let stats = crate::index::DocumentIndex::build(&args.corpus, &work.path().join("index"))?;
+        eprintln!("{} documents, {} passages", stats.documents, stats.passages);
+
+        let subjects = crate::protocol::Subjects::new(crate::protocol::DEFAULT_PREFIX)?;
+        // The scripted stand-in plays the model of the one default profile.
+        let profiles = crate::profiles::FleetConfig::single(crate::profiles::Deployment::new(
+            model.base_url(),
+            model_name,
+        ));
+        let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
+        orchestrator.max_in_flight = max_in_flight;
+        let spec = FleetSpec {
+            nats_url: servers.nats_url.clone(),
+            redis_url: servers.redis_url.clone(),
+            subjects: subjects.clone(),
+            citation_ttl: Duration::from_secs(3600),
+            registry,
+            orchestrator: Some(orchestrator),
+            workers: vec![WorkerKind::System, WorkerKind::Retrieval],
+            worker_concurrency: max_in_flight,
+            index: Some(IndexPaths {
+                index_dir: work.path().join("index"),
+                corpus_dir: args.corpus.clone(),
+            }),
+        };
+        let shutdown = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let metrics = prometheus::Registry::new();
+        eprint!("• starting the orchestrator and the system and retrieval workers … ");
+        crate::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
+        eprintln!("ready\n");
+        let client = crate::config::connect_nats(
+            &servers.nats_url,
+            "toolfleet-demo",
+            Duration::from_secs(5),
+        )
+        .await?;
+        Ok(Self {
+            servers,
+            model,
+            subjects,
+            client,
+            shutdown,
+            tracker,
+            _work: work,
+        })
+    }
+
+    async fn stop(self) {
+        eprint!("• shutting down … ");
+        self.shutdown.cancel();
+        self.tracker.close();
+        if tokio::time::timeout(Duration::from_secs(10), self.tracker.wait())
+            .await
+            .is_err()
+        {
+            eprint!("(grace period over) ");
+        }
+        self.model.shutdown().await;
+        drop(self.servers);
+        eprintln!("done");
+    }
+}
+
 async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     eprintln!("toolfleet demo: a local fleet answering chat jobs with tools and citations");
-    let servers = demo_servers(&args)?;
-    let registry = crate::fleet::load_registry(&args.defs.dir)?;
-    eprintln!(
-        "• {} tool definitions loaded from {}",
-        registry.len(),
-        args.defs.dir.display()
-    );
-
-    let script = crate::scripted::Script::load(&args.script)?;
-    let model_name = script.model().to_string();
-    let model = crate::scripted::ScriptedServer::start("127.0.0.1:0".parse()?, script).await?;
-    eprintln!(
-        "• model: the scripted stand-in server at {} (not a real model)",
-        model.base_url()
-    );
-
-    let work = tempfile::tempdir()?;
-    eprint!("• indexing {} … ", args.corpus.display());
-    let _ = std::io::stderr().flush();
-    let stats = crate::index::DocumentIndex::build(&args.corpus, &work.path().join("index"))?;
-    eprintln!("{} documents, {} passages", stats.documents, stats.passages);
-
-    let subjects = crate::protocol::Subjects::new(crate::protocol::DEFAULT_PREFIX)?;
-    // The scripted stand-in plays the model of the one default profile.
-    let profiles = crate::profiles::FleetConfig::single(crate::profiles::Deployment::new(
-        model.base_url(),
-        model_name,
-    ));
-    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
-    orchestrator.max_in_flight = 8;
-    let spec = FleetSpec {
-        nats_url: servers.nats_url.clone(),
-        redis_url: servers.redis_url.clone(),
-        subjects: subjects.clone(),
-        citation_ttl: Duration::from_secs(3600),
-        registry,
-        orchestrator: Some(orchestrator),
-        workers: vec![WorkerKind::System, WorkerKind::Retrieval],
-        worker_concurrency: 8,
-        index: Some(IndexPaths {
-            index_dir: work.path().join("index"),
-            corpus_dir: args.corpus.clone(),
-        }),
-    };
-    let shutdown = CancellationToken::new();
-    let tracker = TaskTracker::new();
-    let metrics = prometheus::Registry::new();
-    eprint!("• starting the orchestrator and the system and retrieval workers … ");
-    crate::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
-    eprintln!("ready\n");
-
-    let client =
-        crate::config::connect_nats(&servers.nats_url, "toolfleet-demo", Duration::from_secs(5))
-            .await?;
+    let fleet = LocalFleet::start(&args.local, &args.script, 8).await?;
     let questions: Vec<String> = if args.questions.is_empty() {
         DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect()
     } else {
@@ -374,7 +455,7 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     let mut failures = 0;
     for q in &questions {
         println!("Q: {q}");
-        match ask(&client, &subjects, q, Duration::from_secs(60)).await {
+        match ask(&fleet.client, &fleet.subjects, q, Duration::from_secs(60)).await {
             Ok(answer) => println!("A: {answer}\n"),
             Err(e) => {
                 failures += 1;
@@ -382,20 +463,43 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
             }
         }
     }
-
-    eprint!("• shutting down … ");
-    shutdown.cancel();
-    tracker.close();
-    if tokio::time::timeout(Duration::from_secs(10), tracker.wait())
-        .await
-        .is_err()
-    {
-        eprint!("(grace period over) ");
-    }
-    model.shutdown().await;
-    drop(servers);
-    eprintln!("done");
+    fleet.stop().await;
     Ok(if failures == 0 { 0 } else { 1 })
+}
+
+async fn bench(args: BenchArgs) -> anyhow::Result<i32> {
+    eprintln!("toolfleet bench: chat jobs through a local fleet (scripted stand-in model)");
+    let fleet = LocalFleet::start(&args.local, &args.script, args.concurrency).await?;
+    let questions: Vec<String> = DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect();
+    // Warm up: the first jobs pay for connections and lazy start-up.
+    let slow = Duration::from_millis(args.slow_ms);
+    let _ = crate::bench::run(
+        &fleet.client,
+        &fleet.subjects,
+        &questions,
+        args.concurrency.min(args.jobs),
+        args.concurrency,
+        Duration::from_secs(60),
+        slow,
+    )
+    .await;
+    let report = crate::bench::run(
+        &fleet.client,
+        &fleet.subjects,
+        &questions,
+        args.jobs,
+        args.concurrency,
+        Duration::from_secs(120),
+        slow,
+    )
+    .await;
+    fleet.stop().await;
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{report}");
+    }
+    Ok(if report.failed == 0 { 0 } else { 1 })
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<i32> {

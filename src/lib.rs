@@ -20,6 +20,7 @@
 //! - [`citations`]: the only module that speaks Redis: references, the
 //!   shared counter, the result ledger, and reader-side rendering.
 //! - [`worker`]: the runtime every worker binary shares.
+//! - [`jobs`]: bounded pulling from a durable JetStream consumer.
 //! - [`bench`]: the load generator behind `toolfleet bench`.
 //! - [`builtin`]: the tool implementations shipped with the fleet.
 //! - [`index`]: the full-text document index behind retrieval tools.
@@ -43,6 +44,7 @@ pub mod client;
 pub mod config;
 pub mod fleet;
 pub mod index;
+pub mod jobs;
 pub mod llm;
 pub mod local;
 pub mod metrics;

@@ -228,48 +228,20 @@ pub async fn run_with_ready(
         let _ = ready.send(());
     }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
-    let batch = config.max_in_flight.clamp(1, 64);
-    'outer: while !shutdown.is_cancelled() {
-        let mut messages = match consumer
-            .stream()
-            .max_messages_per_batch(batch)
-            .expires(Duration::from_secs(5))
-            .messages()
-            .await
-        {
-            Ok(m) => m,
-            Err(e) => {
-                warn!(error = %e, "cannot pull chat jobs; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                }
-            }
-        };
-        loop {
-            let permit = tokio::select! {
-                _ = shutdown.cancelled() => break 'outer,
-                p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break 'outer },
-            };
-            let next = tokio::select! {
-                _ = shutdown.cancelled() => break 'outer,
-                n = messages.next() => n,
-            };
-            match next {
-                Some(Ok(msg)) => {
-                    let fleet = fleet.clone();
-                    tracker.spawn(async move {
-                        fleet.handle(msg).await;
-                        drop(permit);
-                    });
-                }
-                Some(Err(e)) => {
-                    warn!(error = %e, "chat pull error; re-subscribing");
-                    break;
-                }
-                None => break,
-            }
-        }
+    {
+        let fleet = fleet.clone();
+        crate::jobs::pull_bounded(
+            consumer,
+            permits,
+            tracker.clone(),
+            shutdown.clone(),
+            config.subjects.chat_consumer(),
+            move |msg| {
+                let fleet = fleet.clone();
+                async move { fleet.handle(msg).await }
+            },
+        )
+        .await;
     }
     tracker.close();
     tracker.wait().await;

@@ -2326,6 +2326,13 @@ async fn serve_state(
         model = %state.script.model,
         "scripted model server (a stand-in for an OpenAI-compatible provider) listening on {addr}"
     );
+    use axum::serve::ListenerExt;
+    // Every SSE chunk is a small write: without TCP_NODELAY, Nagle's
+    // algorithm meets the client's delayed ACK and each round trip gains
+    // ~40 ms that no real provider adds.
+    let listener = listener.tap_io(|tcp| {
+        let _ = tcp.set_nodelay(true);
+    });
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
         .await

@@ -357,14 +357,20 @@ pub async fn run_with_ready(
             })?;
 
         info!(tool = %tool.definition().id, worker = %config.name, "serving tool");
-        tracker.spawn(pull_loop(
-            consumer,
-            tool.clone(),
-            shared.clone(),
-            permits.clone(),
-            tracker.clone(),
-            shutdown.clone(),
-        ));
+        {
+            let (tool, shared) = (tool.clone(), shared.clone());
+            tracker.spawn(crate::jobs::pull_bounded(
+                consumer,
+                permits.clone(),
+                tracker.clone(),
+                shutdown.clone(),
+                tool.definition().id.to_string(),
+                move |msg| {
+                    let (tool, shared) = (tool.clone(), shared.clone());
+                    async move { handle_jetstream(msg, &tool, &shared).await }
+                },
+            ));
+        }
         tracker.spawn(direct_loop(
             endpoint,
             tool,
@@ -391,60 +397,6 @@ struct Shared {
     metrics: WorkerMetrics,
     config: WorkerConfig,
     stream_name: String,
-}
-
-async fn pull_loop(
-    consumer: jetstream::consumer::Consumer<pull::Config>,
-    tool: Arc<ServedTool>,
-    shared: Arc<Shared>,
-    permits: Arc<Semaphore>,
-    tracker: TaskTracker,
-    shutdown: CancellationToken,
-) {
-    let batch = shared.config.concurrency.clamp(1, 64);
-    'outer: while !shutdown.is_cancelled() {
-        let mut messages = match consumer
-            .stream()
-            .max_messages_per_batch(batch)
-            .expires(Duration::from_secs(5))
-            .messages()
-            .await
-        {
-            Ok(m) => m,
-            Err(e) => {
-                warn!(tool = %tool.definition().id, error = %e, "cannot pull; retrying");
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
-                }
-            }
-        };
-        loop {
-            let permit = tokio::select! {
-                _ = shutdown.cancelled() => break 'outer,
-                p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break 'outer },
-            };
-            let next = tokio::select! {
-                _ = shutdown.cancelled() => break 'outer,
-                n = messages.next() => n,
-            };
-            match next {
-                Some(Ok(msg)) => {
-                    let tool = tool.clone();
-                    let shared = shared.clone();
-                    tracker.spawn(async move {
-                        handle_jetstream(msg, &tool, &shared).await;
-                        drop(permit);
-                    });
-                }
-                Some(Err(e)) => {
-                    warn!(tool = %tool.definition().id, error = %e, "pull error; re-subscribing");
-                    break;
-                }
-                None => break,
-            }
-        }
-    }
 }
 
 async fn direct_loop(

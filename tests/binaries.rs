@@ -253,6 +253,7 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
     for sub in [
         &["up"][..],
         &["demo"],
+        &["bench"],
         &["chat"],
         &["tools", "list"],
         &["index", "build"],

@@ -1,0 +1,93 @@
+//! Bounded pulling from a durable JetStream consumer, shared by the
+//! orchestrator (chat jobs) and the worker runtime (tool jobs).
+//!
+//! Each round asks the server for at most as many messages as this process
+//! can start now (free permits), waits up to a few seconds for them, and
+//! then asks again. Nothing is prefetched beyond what can run, so an idle
+//! copy of the process elsewhere takes the rest, and no pull-request
+//! bookkeeping lives across rounds: with a long-lived pull stream and a
+//! small batch we saw a job wait two full pull expiries (10 s) before
+//! delivery under steady load (`toolfleet bench --concurrency 1`).
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::pull};
+use futures::StreamExt;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::warn;
+
+/// How long one pull request waits for messages before the next is sent.
+pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+/// Pulls messages from `consumer` until `shutdown`, running `handle` for
+/// each on `tracker` while holding one of `permits`.
+pub async fn pull_bounded<F, Fut>(
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    permits: Arc<Semaphore>,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+    what: String,
+    handle: F,
+) where
+    F: Fn(jetstream::Message) -> Fut,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    'outer: while !shutdown.is_cancelled() {
+        // Ask only when something can run.
+        let first = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+        };
+        let want = 1 + permits.available_permits();
+        let mut batch = match consumer
+            .batch()
+            .max_messages(want)
+            .expires(PULL_EXPIRES)
+            .messages()
+            .await
+        {
+            Ok(b) => b,
+            Err(e) => {
+                warn!(consumer = %what, error = %e, "cannot pull; retrying");
+                drop(first);
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+                }
+            }
+        };
+        let mut reserved = Some(first);
+        loop {
+            let next = tokio::select! {
+                _ = shutdown.cancelled() => break 'outer,
+                n = batch.next() => n,
+            };
+            match next {
+                Some(Ok(msg)) => {
+                    let permit = match reserved.take() {
+                        Some(p) => p,
+                        None => tokio::select! {
+                            _ = shutdown.cancelled() => break 'outer,
+                            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break 'outer },
+                        },
+                    };
+                    let job = handle(msg);
+                    tracker.spawn(async move {
+                        job.await;
+                        drop(permit);
+                    });
+                }
+                Some(Err(e)) => {
+                    warn!(consumer = %what, error = %e, "pull error; asking again");
+                    break;
+                }
+                // The request was filled or expired: ask again.
+                None => break,
+            }
+        }
+    }
+}
