@@ -22,6 +22,7 @@ async fn main() {
         cli.command,
         toolfleet::cli::Command::Chat(_)
             | toolfleet::cli::Command::Demo(_)
+            | toolfleet::cli::Command::Bench(_)
             | toolfleet::cli::Command::Tools { .. }
     );
     toolfleet::config::init_tracing_with(if interactive { "warn" } else { "info" });

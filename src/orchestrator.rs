@@ -371,10 +371,7 @@ impl Fleet {
                     error: e.to_string(),
                     headers: Default::default(),
                 };
-                self.metrics
-                    .dead_letters
-                    .with_label_values(&[e.code()])
-                    .inc();
+                self.metrics.dead_letters.with_label_values(&["chat"]).inc();
                 let _ = self
                     .client
                     .publish(

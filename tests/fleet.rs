@@ -3,6 +3,7 @@
 
 mod binaries;
 mod policies;
+mod prometheus;
 mod support;
 
 use std::collections::HashSet;
@@ -333,6 +334,15 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
         .ask("how do lighthouses warn ships? what time is it")
         .await;
     outcome.expect("a good job after bad ones completes");
+    let text = env.metrics_text().await;
+    assert!(
+        text.contains("toolfleet_dead_letters_total{kind=\"chat\"} 2"),
+        "{text}"
+    );
+    assert!(
+        text.contains("toolfleet_chat_jobs_total{outcome=\"malformed\"} 2"),
+        "{text}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
