@@ -521,16 +521,7 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
             corpus_dir: args.corpus_dir.clone(),
         }),
     };
-    let shutdown = CancellationToken::new();
-    let tracker = TaskTracker::new();
-    let metrics = prometheus::Registry::new();
-    let addr = crate::metrics::spawn(args.metrics_addr, metrics.clone(), shutdown.clone()).await?;
-    crate::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
-    tracing::info!(metrics = %addr, "fleet up; Ctrl-C to stop");
-    crate::config::shutdown_signal().await;
-    shutdown.cancel();
-    tracker.close();
-    let _ = tokio::time::timeout(Duration::from_secs(30), tracker.wait()).await;
+    crate::fleet::serve_until_signal(spec, args.metrics_addr).await?;
     Ok(0)
 }
 

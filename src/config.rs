@@ -204,6 +204,15 @@ pub fn redact_url(url: &str) -> String {
     }
 }
 
+/// Parses the command line, exiting with [`EXIT_CONFIG`] on a bad value
+/// (0 for `--help` / `--version`).
+pub fn parse_or_exit<T: clap::Parser>() -> T {
+    T::try_parse().unwrap_or_else(|e| {
+        let _ = e.print();
+        std::process::exit(if e.use_stderr() { EXIT_CONFIG } else { 0 })
+    })
+}
+
 /// Installs the tracing subscriber (`TOOLFLEET_LOG`, default `info`).
 pub fn init_tracing() {
     init_tracing_with("info");

@@ -196,3 +196,34 @@ pub async fn start(
     }
     Ok(())
 }
+
+/// How long a process waits for work in flight after SIGTERM.
+pub const GRACE_PERIOD: Duration = Duration::from_secs(30);
+
+/// What every fleet binary does after parsing its configuration: serve
+/// `/metrics` on `metrics_addr`, start the parts of `spec`, wait for SIGINT
+/// or SIGTERM, stop taking work, and drain within [`GRACE_PERIOD`].
+pub async fn serve_until_signal(
+    spec: FleetSpec,
+    metrics_addr: std::net::SocketAddr,
+) -> anyhow::Result<()> {
+    let shutdown = CancellationToken::new();
+    let tracker = TaskTracker::new();
+    let metrics = prometheus::Registry::new();
+    let addr = crate::metrics::spawn(metrics_addr, metrics.clone(), shutdown.clone())
+        .await
+        .with_context(|| format!("serving metrics on {metrics_addr}"))?;
+    start(spec, &metrics, &tracker, shutdown.clone()).await?;
+    tracing::info!(metrics = %addr, "running; SIGTERM or Ctrl-C to stop");
+    crate::config::shutdown_signal().await;
+    tracing::info!("stopping: no new jobs; finishing those in flight");
+    shutdown.cancel();
+    tracker.close();
+    if tokio::time::timeout(GRACE_PERIOD, tracker.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("grace period over; exiting with jobs in flight (they will be redelivered)");
+    }
+    Ok(())
+}

@@ -6,7 +6,6 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use clap::Parser;
-use tokio_util::{sync::CancellationToken, task::TaskTracker};
 use toolfleet::config::{self, NatsArgs, RedisArgs, ToolDefsArgs};
 use toolfleet::fleet::{FleetSpec, WorkerKind};
 
@@ -42,14 +41,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let args = Args::try_parse().unwrap_or_else(|e| {
-        let _ = e.print();
-        std::process::exit(if e.use_stderr() {
-            config::EXIT_CONFIG
-        } else {
-            0
-        })
-    });
+    let args: Args = config::parse_or_exit();
     config::init_tracing();
     let spec = FleetSpec {
         nats_url: args.nats.url.clone(),
@@ -65,16 +57,5 @@ async fn main() -> anyhow::Result<()> {
             corpus_dir: args.corpus_dir.clone(),
         }),
     };
-    let (shutdown, tracker, metrics) = (
-        CancellationToken::new(),
-        TaskTracker::new(),
-        prometheus::Registry::new(),
-    );
-    toolfleet::metrics::spawn(args.metrics_addr, metrics.clone(), shutdown.clone()).await?;
-    toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
-    config::shutdown_signal().await;
-    shutdown.cancel();
-    tracker.close();
-    let _ = tokio::time::timeout(Duration::from_secs(30), tracker.wait()).await;
-    Ok(())
+    toolfleet::fleet::serve_until_signal(spec, args.metrics_addr).await
 }
