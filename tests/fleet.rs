@@ -4,6 +4,7 @@
 mod binaries;
 mod policies;
 mod prometheus;
+mod runtime;
 mod support;
 
 use std::collections::HashSet;
