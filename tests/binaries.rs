@@ -327,3 +327,64 @@ fn chat_against_a_dead_server_fails_clearly() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("cannot connect to NATS"), "{err}");
 }
+
+/// `toolfleet up` runs the whole fleet in one process from a profiles file
+/// (`--config`), as a developer runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
+    let nats = toolfleet::local::NatsServer::start().unwrap();
+    let redis = toolfleet::local::RedisServer::start().unwrap();
+    let script =
+        toolfleet::scripted::Script::load(&support::root().join("examples/demo-script.json"))
+            .unwrap();
+    let model = toolfleet::scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "default_profile = \"default\"\n[deployments.stand-in]\napi = \"responses\"\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n[profiles.default]\ndeployment = \"stand-in\"\n",
+            model.base_url()
+        ),
+    )
+    .unwrap();
+    let port = toolfleet::local::free_port().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_toolfleet"));
+    cmd.arg("up")
+        .current_dir(support::root())
+        .env("TOOLFLEET_NATS_URL", nats.url())
+        .env("TOOLFLEET_REDIS_URL", redis.url())
+        .env("TOOLFLEET_CONFIG", &config)
+        .env("TOOLFLEET_INDEX_DIR", dir.path().join("index"))
+        .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .env("TOOLFLEET_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut up = Proc(cmd.spawn().unwrap());
+    wait_for_metrics(port).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .args(["chat", "How do honeybees find their way back to the hive?"])
+            .env("TOOLFLEET_NATS_URL", nats.url())
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+        if out.status.success() && stdout.contains("honeybees.md") {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "no answer: {stdout}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(
+        model
+            .received()
+            .iter()
+            .all(|r| r.path.ends_with("/responses")),
+        "the profile's API shape was used"
+    );
+    sigterm(&up);
+    assert!(wait_exit(&mut up).success());
+}
