@@ -334,9 +334,13 @@ impl Fleet {
 
     async fn handle(self: &Arc<Self>, msg: jetstream::Message) {
         let started = Instant::now();
-        let (attempt, sequence) = match msg.info() {
-            Ok(i) => (u32::try_from(i.delivered).unwrap_or(1), i.stream_sequence),
-            Err(_) => (1, 0),
+        let (attempt, sequence, published_ms) = match msg.info() {
+            Ok(i) => (
+                u32::try_from(i.delivered).unwrap_or(1),
+                i.stream_sequence,
+                u64::try_from(i.published.unix_timestamp_nanos() / 1_000_000).ok(),
+            ),
+            Err(_) => (1, 0, None),
         };
         let job: ChatJob = match Envelope::ChatJob.decode(&msg.payload) {
             Ok(j) => j,
@@ -408,11 +412,15 @@ impl Fleet {
                 })
             };
 
+            // The client's clock starts at submission: time spent queued in
+            // the stream counts.
             let timeout = job.timeout_ms.map(Duration::from_millis).unwrap_or(self.config.default_timeout);
-            let deadline_ms = now_ms() + timeout.as_millis() as u64;
+            let now = now_ms();
+            let deadline_ms = published_ms.unwrap_or(now).min(now) + timeout.as_millis() as u64;
+            let left = Duration::from_millis(deadline_ms.saturating_sub(now));
             let outcome = tokio::select! {
-                r = self.invoke(&job, deadline_ms, &events) => r,
-                _ = tokio::time::sleep(timeout) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms", timeout.as_millis()))),
+                r = self.invoke(&job, deadline_ms, &events), if !left.is_zero() => r,
+                _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),
                 _ = cancel.cancelled() => Err(Failure::new("cancelled", "the invocation was cancelled")),
             };
             let label = match outcome {

@@ -609,3 +609,20 @@ deployment = "plain"
     assert_eq!(deltas, 1, "the whole text arrives once");
     assert!(env.model.requests().iter().all(|r| r["stream"] != true));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_past_its_deadline_ends_with_an_error_event() {
+    let script = json!({
+        "rules": [{ "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 20000 }, "answer": "too late" } ] }]
+    });
+    let env = Env::start(script).await;
+    let mut job = toolfleet::client::question("a slow question");
+    job.timeout_ms = Some(1000);
+    let err = env.submit(&job).await.expect_err("deadline");
+    assert_eq!(err.code(), "deadline_exceeded");
+    let text = env.metrics_text().await;
+    assert!(
+        text.contains("toolfleet_chat_jobs_total{outcome=\"error\"} 1"),
+        "{text}"
+    );
+}
