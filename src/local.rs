@@ -19,6 +19,8 @@ pub enum LocalError {
     Missing(&'static str),
     #[error("{0} did not become ready within {1:?}; its output:\n{2}")]
     NotReady(&'static str, Duration, String),
+    #[error("{0} exited while starting ({1}); its output:\n{2}")]
+    Exited(&'static str, String, String),
     #[error("{0}: {1}")]
     Io(&'static str, std::io::Error),
 }
@@ -36,6 +38,20 @@ pub fn free_port() -> std::io::Result<u16> {
 }
 
 const READY_WITHIN: Duration = Duration::from_secs(15);
+
+/// Tries `start` up to three times when the server exited while starting
+/// (a lost race for its port); anything else fails at once.
+fn with_retries<T>(mut start: impl FnMut() -> Result<T, LocalError>) -> Result<T, LocalError> {
+    let mut last = None;
+    for _ in 0..3 {
+        match start() {
+            Ok(t) => return Ok(t),
+            Err(e @ LocalError::Exited(..)) => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or(LocalError::Missing("server")))
+}
 
 struct Proc {
     name: &'static str,
@@ -73,11 +89,7 @@ impl Proc {
                 && let Ok(Some(status)) = c.try_wait()
             {
                 let log = std::fs::read_to_string(&self.log).unwrap_or_default();
-                return Err(LocalError::NotReady(
-                    self.name,
-                    start.elapsed(),
-                    format!("exited with {status}\n{log}"),
-                ));
+                return Err(LocalError::Exited(self.name, status.to_string(), log));
             }
             std::thread::sleep(Duration::from_millis(25));
         }
@@ -107,10 +119,15 @@ pub struct NatsServer {
 }
 
 impl NatsServer {
+    /// Starts on a free port. Another process may take the port between
+    /// our probe and the server's bind, so a failed start is retried on a
+    /// new port.
     pub fn start() -> Result<Self, LocalError> {
-        let dir = tempfile::tempdir().map_err(|e| LocalError::Io("nats-server", e))?;
-        let port = free_port().map_err(|e| LocalError::Io("nats-server", e))?;
-        Self::start_in(dir, port)
+        with_retries(|| {
+            let dir = tempfile::tempdir().map_err(|e| LocalError::Io("nats-server", e))?;
+            let port = free_port().map_err(|e| LocalError::Io("nats-server", e))?;
+            Self::start_in(dir, port)
+        })
     }
 
     fn start_in(dir: tempfile::TempDir, port: u16) -> Result<Self, LocalError> {
@@ -177,10 +194,14 @@ pub struct RedisServer {
 }
 
 impl RedisServer {
+    /// Starts on a free port, retried on a new port like
+    /// [`NatsServer::start`].
     pub fn start() -> Result<Self, LocalError> {
-        let dir = tempfile::tempdir().map_err(|e| LocalError::Io("redis-server", e))?;
-        let port = free_port().map_err(|e| LocalError::Io("redis-server", e))?;
-        Self::start_in(dir, port)
+        with_retries(|| {
+            let dir = tempfile::tempdir().map_err(|e| LocalError::Io("redis-server", e))?;
+            let port = free_port().map_err(|e| LocalError::Io("redis-server", e))?;
+            Self::start_in(dir, port)
+        })
     }
 
     fn start_in(dir: tempfile::TempDir, port: u16) -> Result<Self, LocalError> {
@@ -258,4 +279,48 @@ fn reachable(url: &str, default_port: u16, check: fn(u16) -> bool) -> bool {
     };
     let local = matches!(u.host_str(), Some("127.0.0.1") | Some("localhost"));
     local && check(u.port().unwrap_or(default_port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_port_race_is_retried_and_a_missing_binary_is_not() {
+        let mut tries = 0;
+        let r = with_retries(|| {
+            tries += 1;
+            if tries < 3 {
+                Err(LocalError::Exited(
+                    "nats-server",
+                    "exit 1".into(),
+                    "address in use".into(),
+                ))
+            } else {
+                Ok(tries)
+            }
+        });
+        assert_eq!(r.unwrap(), 3);
+        let mut tries = 0;
+        let r: Result<(), _> = with_retries(|| {
+            tries += 1;
+            Err(LocalError::Missing("nats-server"))
+        });
+        assert_eq!(tries, 1);
+        assert!(r.unwrap_err().to_string().contains("apt-get install"));
+    }
+
+    #[test]
+    fn servers_start_answer_and_restart_on_the_same_port() {
+        let nats = NatsServer::start().unwrap();
+        assert!(nats_reachable(&nats.url()));
+        let port = nats.port();
+        let nats = nats.restart().unwrap();
+        assert_eq!(nats.port(), port);
+        assert!(nats_reachable(&nats.url()));
+        let mut redis = RedisServer::start().unwrap();
+        assert!(redis_reachable(&redis.url()));
+        redis.stop();
+        assert!(!redis_reachable(&redis.url()));
+    }
 }
