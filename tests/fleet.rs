@@ -528,22 +528,53 @@ async fn a_tool_job_with_bad_headers_is_dead_lettered() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_answer_the_services_api() {
     let env = Env::start(both_tools_script()).await;
-    let inbox = env.client.new_inbox();
-    let mut sub = env.subscribe(inbox.clone()).await;
-    env.client
-        .publish_with_reply("$SRV.PING.toolfleet-worker", inbox, "".into())
-        .await
+    let dir = support::root().join("../shared/conformance/nats-micro-schemas");
+    assert!(
+        dir.is_dir(),
+        "conformance schemas expected at {}",
+        dir.display()
+    );
+    let mut tools_seen = HashSet::new();
+    for verb in ["PING", "INFO", "STATS"] {
+        // The schemas nats.rs validates its own replies against.
+        let schema: Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("{}_response.json", verb.to_lowercase())))
+                .unwrap(),
+        )
         .unwrap();
-    let mut names = HashSet::new();
-    for _ in 0..2 {
-        let msg = tokio::time::timeout(WAIT, sub.next())
+        let validator = toolfleet::schema::Validator::compile(&schema).unwrap();
+        let inbox = env.client.new_inbox();
+        let mut sub = env.subscribe(inbox.clone()).await;
+        env.client
+            .publish_with_reply(format!("$SRV.{verb}.toolfleet-worker"), inbox, "".into())
             .await
-            .unwrap()
             .unwrap();
-        let v: Value = serde_json::from_slice(&msg.payload).unwrap();
-        assert_eq!(v["type"], "io.nats.micro.v1.ping_response");
-        assert_eq!(v["name"], "toolfleet-worker");
-        names.insert(v["id"].as_str().unwrap().to_string());
+        let mut ids = HashSet::new();
+        for _ in 0..2 {
+            let msg = tokio::time::timeout(WAIT, sub.next())
+                .await
+                .unwrap()
+                .unwrap();
+            let v: Value = serde_json::from_slice(&msg.payload).unwrap();
+            validator.validate(&v).unwrap_or_else(|e| {
+                panic!("$SRV.{verb} reply does not match the schema: {e:?}\n{v}")
+            });
+            assert_eq!(v["name"], "toolfleet-worker");
+            ids.insert(v["id"].as_str().unwrap().to_string());
+            if verb == "INFO" {
+                for e in v["endpoints"].as_array().unwrap() {
+                    tools_seen.insert(e["metadata"]["toolId"].as_str().unwrap().to_string());
+                }
+            }
+        }
+        assert_eq!(ids.len(), 2, "one service instance per worker");
     }
-    assert_eq!(names.len(), 2, "one service instance per worker");
+    let expected: HashSet<String> = [
+        "system:current_datetime@1.0.0",
+        "retrieval:search_documents@1.0.0",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    assert_eq!(tools_seen, expected, "the catalog names every served tool");
 }
