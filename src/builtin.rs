@@ -113,14 +113,17 @@ impl ToolHandler for SearchDocuments {
                 })
                 .collect();
             let cited = ctx.cite(refs).await?;
-            let mut content = format!(
-                "{} passage(s) for {query:?}. Cite them with their markers.\n",
-                hits.len()
-            );
-            for (h, r) in hits.iter().zip(&cited) {
-                let section = h.section.as_deref().map(|s| format!(" › {s}")).unwrap_or_default();
-                content.push_str(&format!("{} {}{section}: {}\n", r.marker(), h.title, h.snippet));
-            }
+            // One line per passage, led by its marker. The tool's
+            // description tells the model to cite with these markers.
+            let content = hits
+                .iter()
+                .zip(&cited)
+                .map(|(h, r)| {
+                    let section = h.section.as_deref().map(|s| format!(" › {s}")).unwrap_or_default();
+                    format!("{} {}{section}: {}", r.marker(), h.title, h.snippet)
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
             Ok(ToolOutput {
                 content,
                 data: Some(json!({ "hits": hits, "indices": cited.iter().map(|r| r.index).collect::<Vec<_>>() })),
