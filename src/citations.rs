@@ -29,13 +29,6 @@ pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 #[error("citation store: {0}")]
 pub struct CitationError(String);
 
-impl CitationError {
-    /// Redis being away is worth another attempt.
-    pub fn is_retryable(&self) -> bool {
-        true
-    }
-}
-
 impl From<redis::RedisError> for CitationError {
     fn from(e: redis::RedisError) -> Self {
         // RedisError's Display can include the server's message but never
@@ -136,9 +129,14 @@ impl CitationStore {
     /// Atomically takes indices from the invocation's counter and stores the
     /// references under them. A second call for the same `call_id` with the
     /// same number of references reuses the first call's indices.
+    ///
+    /// `reservation` names this reservation (the call id, or the call id
+    /// and a counter when one call cites more than once); `call_id` goes
+    /// into the references.
     pub async fn reserve(
         &self,
         invocation_id: &str,
+        reservation: &str,
         call_id: &str,
         tool_id: &str,
         refs: Vec<NewReference>,
@@ -146,7 +144,7 @@ impl CitationStore {
         let mut inv = self.reserve.prepare_invoke();
         inv.key(self.key(invocation_id, "seq"))
             .key(self.key(invocation_id, "refs"))
-            .key(self.key(invocation_id, &format!("call:{call_id}")))
+            .key(self.key(invocation_id, &format!("call:{reservation}")))
             .arg(self.ttl.as_secs().max(1));
         let mut stored = Vec::with_capacity(refs.len());
         for r in refs {

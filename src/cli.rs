@@ -98,7 +98,7 @@ pub struct LocalArgs {
     #[command(flatten)]
     pub defs: ToolDefsArgs,
     /// Use this NATS server instead of a child process (when reachable).
-    #[arg(long, env = crate::config::ENV_NATS_URL, default_value = crate::config::DEFAULT_NATS_URL)]
+    #[arg(long, env = crate::config::ENV_NATS_URL, default_value = crate::config::DEFAULT_NATS_URL, hide_env_values = true)]
     pub nats_url: String,
     /// Use this Redis server instead of a child process (when reachable).
     #[arg(long, env = crate::config::ENV_REDIS_URL, default_value = crate::config::DEFAULT_REDIS_URL, hide_env_values = true)]
@@ -503,9 +503,12 @@ async fn bench(args: BenchArgs) -> anyhow::Result<i32> {
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<i32> {
-    let subjects = args.nats.subjects()?;
-    let registry = crate::fleet::load_registry(&args.defs.dir)?;
-    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), args.llm.fleet_config()?);
+    let subjects = crate::config::or_exit(args.nats.subjects().map_err(Into::into));
+    let registry = crate::config::or_exit(crate::fleet::load_registry(&args.defs.dir));
+    let mut orchestrator = OrchestratorConfig::new(
+        subjects.clone(),
+        crate::config::or_exit(args.llm.fleet_config()),
+    );
     orchestrator.max_in_flight = args.max_in_flight;
     let spec = FleetSpec {
         nats_url: args.nats.url.clone(),

@@ -25,7 +25,7 @@ pub const EXIT_CONFIG: i32 = 64;
 #[derive(Args, Debug, Clone)]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated.
-    #[arg(id = "nats_url", long = "nats-url", env = ENV_NATS_URL, default_value = DEFAULT_NATS_URL)]
+    #[arg(id = "nats_url", long = "nats-url", env = ENV_NATS_URL, default_value = DEFAULT_NATS_URL, hide_env_values = true)]
     pub url: String,
     /// Prefix of every subject (and, upper-cased, of the stream names).
     #[arg(long = "subject-prefix", env = ENV_SUBJECT_PREFIX, default_value = crate::protocol::DEFAULT_PREFIX)]
@@ -195,8 +195,12 @@ impl LlmArgs {
 pub fn redact_url(url: &str) -> String {
     match url::Url::parse(url) {
         Ok(mut u) => {
+            // A NATS token travels as the user part: hide both.
             if u.password().is_some() {
                 let _ = u.set_password(Some("***"));
+            }
+            if !u.username().is_empty() {
+                let _ = u.set_username("***");
             }
             u.to_string()
         }
@@ -210,6 +214,15 @@ pub fn parse_or_exit<T: clap::Parser>() -> T {
     T::try_parse().unwrap_or_else(|e| {
         let _ = e.print();
         std::process::exit(if e.use_stderr() { EXIT_CONFIG } else { 0 })
+    })
+}
+
+/// The value, or exit with [`EXIT_CONFIG`] naming the configuration error
+/// (a bad prefix, a missing profiles file, unreadable tool definitions).
+pub fn or_exit<T>(r: anyhow::Result<T>) -> T {
+    r.unwrap_or_else(|e| {
+        eprintln!("configuration error: {e:#}");
+        std::process::exit(EXIT_CONFIG)
     })
 }
 
@@ -264,6 +277,14 @@ mod tests {
             "redis://:***@host:6379/0"
         );
         assert_eq!(redact_url("nats://host:4222"), "nats://host:4222");
+        assert_eq!(
+            redact_url("nats://s3cr3t-token@host:4222"),
+            "nats://***@host:4222"
+        );
+        assert_eq!(
+            redact_url("nats://user:pw@host:4222"),
+            "nats://***:***@host:4222"
+        );
         assert!(!redact_url("not a url hunter2").contains("hunter2"));
     }
 }

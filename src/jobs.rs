@@ -42,10 +42,16 @@ pub async fn pull_bounded<F, Fut>(
             _ = shutdown.cancelled() => break,
             p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
-        let want = 1 + permits.available_permits();
+        // Reserve a permit for every message asked for, so none waits
+        // un-acked in our buffer (its ack wait would run out and another
+        // copy would run it too); unused ones go back when the round ends.
+        let mut reserved = vec![first];
+        while let Ok(p) = permits.clone().try_acquire_owned() {
+            reserved.push(p);
+        }
         let mut batch = match consumer
             .batch()
-            .max_messages(want)
+            .max_messages(reserved.len())
             .expires(PULL_EXPIRES)
             .messages()
             .await
@@ -53,14 +59,13 @@ pub async fn pull_bounded<F, Fut>(
             Ok(b) => b,
             Err(e) => {
                 warn!(consumer = %what, error = %e, "cannot pull; retrying");
-                drop(first);
+                drop(reserved);
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
                 }
             }
         };
-        let mut reserved = Some(first);
         loop {
             let next = tokio::select! {
                 _ = shutdown.cancelled() => break 'outer,
@@ -68,12 +73,11 @@ pub async fn pull_bounded<F, Fut>(
             };
             match next {
                 Some(Ok(msg)) => {
-                    let permit = match reserved.take() {
-                        Some(p) => p,
-                        None => tokio::select! {
-                            _ = shutdown.cancelled() => break 'outer,
-                            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break 'outer },
-                        },
+                    // The server sends at most as many as we asked for.
+                    let Some(permit) = reserved.pop() else {
+                        warn!(consumer = %what, "more messages than asked for; handing one back");
+                        let _ = msg.ack_with(jetstream::AckKind::Nak(None)).await;
+                        continue;
                     };
                     let job = handle(msg);
                     tracker.spawn(async move {
@@ -90,4 +94,24 @@ pub async fn pull_bounded<F, Fut>(
             }
         }
     }
+}
+
+/// Sends in-progress acks for `msg` every `every` until the returned guard
+/// is dropped — however the work ends, a panic included — so a long job is
+/// not redelivered while it runs, and a dead one is.
+pub fn keep_alive(msg: &jetstream::Message, every: Duration) -> tokio_util::sync::DropGuard {
+    let stop = CancellationToken::new();
+    let acker = msg.clone();
+    let token = stop.clone();
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = token.cancelled() => break,
+                _ = tokio::time::sleep(every) => {
+                    let _ = acker.ack_with(jetstream::AckKind::Progress).await;
+                }
+            }
+        }
+    });
+    stop.drop_guard()
 }

@@ -12,11 +12,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use dashmap::DashMap;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use serde_json::Value;
 use tokio::sync::{RwLock, Semaphore, mpsc};
 use tokio_util::sync::CancellationToken;
@@ -33,7 +33,7 @@ use crate::profiles::{
 use crate::protocol::{
     CallContext, ChatEvent, ChatEventBody, ChatJob, ChatRole, DeadLetter, DeadLetterKind, Envelope,
     InvocationContext, LlmCall, Reference, Subjects, ToolJob, ToolReply, ToolResult, ToolStatus,
-    encode, salvage_invocation_id, valid_invocation_id,
+    encode, salvage_invocation_id,
 };
 use crate::tools::{ToolDefinition, ToolRegistry};
 
@@ -86,6 +86,11 @@ impl OrchestratorConfig {
     }
 }
 
+/// Deliveries of one chat job that are run (an orchestrator that dies
+/// mid-way gets the job redelivered); the next one ends it with an error
+/// event and a dead letter.
+pub const MAX_CHAT_ATTEMPTS: u32 = 3;
+
 pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a helpful assistant with tools. When a tool result contains markers like [doc:3], cite the passages you use with those exact markers.";
 
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +125,8 @@ pub async fn ensure_chat_stream(
         storage: stream::StorageType::File,
         duplicate_window: Duration::from_secs(120),
         max_message_size: crate::protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
+        // A job nobody took within a day has no one waiting for it.
+        max_age: Duration::from_secs(24 * 3600),
         ..Default::default()
     })
     .await
@@ -162,7 +169,9 @@ pub async fn run_with_ready(
                 filter_subject: config.subjects.chat_submit(),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
                 ack_wait: Duration::from_secs(60),
-                max_deliver: 3,
+                // One more than we run, so the delivery after the last
+                // attempt can still end the invocation visibly.
+                max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
                 max_ack_pending: 10_000,
                 ..Default::default()
             },
@@ -248,13 +257,6 @@ pub async fn run_with_ready(
     Ok(())
 }
 
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or_default()
-}
-
 /// Why an invocation ended without an answer.
 #[derive(Debug)]
 struct Failure {
@@ -289,7 +291,25 @@ impl Events {
                     body,
                 };
                 seq += 1;
-                if let Err(e) = client.publish(subject.clone(), encode(&event)).await {
+                let terminal = event.body.is_terminal();
+                let mut payload = encode(&event);
+                // A terminal event too big for the server would leave the
+                // client waiting: say so in a small one instead.
+                let limit = client.server_info().max_payload;
+                if terminal && limit > 0 && payload.len() > limit {
+                    payload = encode(&ChatEvent {
+                        invocation_id: invocation_id.clone(),
+                        seq: event.seq,
+                        body: ChatEventBody::Error {
+                            code: "answer_too_large".into(),
+                            message: format!(
+                                "the answer event is {} bytes; the NATS server takes at most {limit}",
+                                payload.len()
+                            ),
+                        },
+                    });
+                }
+                if let Err(e) = client.publish(subject.clone(), payload).await {
                     warn!(error = %e, "cannot publish a chat event");
                 }
             }
@@ -351,42 +371,37 @@ impl Fleet {
                     .inc();
                 let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
                 warn!(invocation_id = ?invocation_id, error = %e, "malformed chat job");
-                if let Some(id) = &invocation_id {
-                    let events = Events::start(
-                        self.client.clone(),
-                        self.config.subjects.chat_events(id),
-                        id.clone(),
-                    );
-                    events.send(ChatEventBody::Error {
-                        code: "malformed_job".into(),
-                        message: e.to_string(),
-                    });
-                    events.close().await;
-                }
-                let dead = DeadLetter {
-                    kind: DeadLetterKind::Chat,
-                    stream: self.config.subjects.chat_stream(),
-                    stream_sequence: sequence,
+                self.dead_letter(
+                    &msg,
                     invocation_id,
-                    call_id: None,
-                    tool_id: None,
-                    attempts: attempt,
-                    code: e.code().to_string(),
-                    error: e.to_string(),
-                    headers: Default::default(),
-                };
-                self.metrics.dead_letters.with_label_values(&["chat"]).inc();
-                let _ = self
-                    .client
-                    .publish(
-                        self.config.subjects.dead_letter(DeadLetterKind::Chat),
-                        encode(&dead),
-                    )
-                    .await;
-                let _ = msg.ack_with(AckKind::Term).await;
+                    attempt,
+                    sequence,
+                    "malformed_job",
+                    e.code(),
+                    &e.to_string(),
+                )
+                .await;
                 return;
             }
         };
+        if attempt > MAX_CHAT_ATTEMPTS {
+            self.metrics.chat_jobs.with_label_values(&["error"]).inc();
+            let message = format!(
+                "the job was delivered {attempt} times without finishing (an orchestrator stopped while running it each time)"
+            );
+            warn!(invocation_id = %job.invocation_id, "{message}");
+            self.dead_letter(
+                &msg,
+                Some(job.invocation_id.clone()),
+                attempt,
+                sequence,
+                "too_many_attempts",
+                "too_many_attempts",
+                &message,
+            )
+            .await;
+            return;
+        }
 
         let id = job.invocation_id.clone();
         let span = tracing::info_span!("chat_job", invocation_id = %id, attempt);
@@ -398,28 +413,20 @@ impl Fleet {
 
             // Long invocations must not be redelivered to another
             // orchestrator while this one still works on them.
-            let progress = CancellationToken::new();
-            let ticker = {
-                let progress = progress.clone();
-                let acker = msg.clone();
-                tokio::spawn(async move {
-                    loop {
-                        tokio::select! {
-                            _ = progress.cancelled() => break,
-                            _ = tokio::time::sleep(Duration::from_secs(20)) => { let _ = acker.ack_with(AckKind::Progress).await; }
-                        }
-                    }
-                })
-            };
+            let keep_alive = crate::jobs::keep_alive(&msg, Duration::from_secs(20));
 
             // The client's clock starts at submission: time spent queued in
             // the stream counts.
             let timeout = job.timeout_ms.map(Duration::from_millis).unwrap_or(self.config.default_timeout);
-            let now = now_ms();
+            let now = crate::protocol::now_ms();
             let deadline_ms = published_ms.unwrap_or(now).min(now) + timeout.as_millis() as u64;
             let left = Duration::from_millis(deadline_ms.saturating_sub(now));
             let outcome = tokio::select! {
-                r = self.invoke(&job, deadline_ms, &events), if !left.is_zero() => r,
+                // A bug must end the invocation with an error event, not
+                // leave it silent.
+                r = std::panic::AssertUnwindSafe(self.invoke(&job, deadline_ms, &events)).catch_unwind(), if !left.is_zero() => {
+                    r.unwrap_or_else(|_| Err(Failure::new("internal_error", "the orchestrator failed unexpectedly; see its log")))
+                }
                 _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),
                 _ = cancel.cancelled() => Err(Failure::new("cancelled", "the invocation was cancelled")),
             };
@@ -432,8 +439,7 @@ impl Fleet {
                 }
             };
             events.close().await;
-            progress.cancel();
-            let _ = ticker.await;
+            drop(keep_alive);
             // Ack last: only after the terminal event is out.
             let _ = msg.ack().await;
             self.cancels.remove(&id);
@@ -443,6 +449,54 @@ impl Fleet {
         }
         .instrument(span)
         .await
+    }
+
+    /// Ends a chat job that will not run: an `error` event when the
+    /// invocation id is known, a dead letter, and `term`.
+    #[allow(clippy::too_many_arguments)]
+    async fn dead_letter(
+        &self,
+        msg: &jetstream::Message,
+        invocation_id: Option<String>,
+        attempt: u32,
+        sequence: u64,
+        event_code: &str,
+        code: &str,
+        error: &str,
+    ) {
+        if let Some(id) = &invocation_id {
+            let events = Events::start(
+                self.client.clone(),
+                self.config.subjects.chat_events(id),
+                id.clone(),
+            );
+            events.send(ChatEventBody::Error {
+                code: event_code.into(),
+                message: error.to_string(),
+            });
+            events.close().await;
+        }
+        let dead = DeadLetter {
+            kind: DeadLetterKind::Chat,
+            stream: self.config.subjects.chat_stream(),
+            stream_sequence: sequence,
+            invocation_id,
+            call_id: None,
+            tool_id: None,
+            attempts: attempt,
+            code: code.to_string(),
+            error: error.to_string(),
+            headers: Default::default(),
+        };
+        self.metrics.dead_letters.with_label_values(&["chat"]).inc();
+        let _ = self
+            .client
+            .publish(
+                self.config.subjects.dead_letter(DeadLetterKind::Chat),
+                encode(&dead),
+            )
+            .await;
+        let _ = msg.ack_with(AckKind::Term).await;
     }
 
     /// The client of a resolved profile's deployment, built once.
@@ -549,12 +603,13 @@ impl Fleet {
             .map_err(|e| Failure::new("nats_unavailable", e.to_string()))?;
 
         let mut ledger = UsageLedger::default();
-        let mut consecutive_errors = 0u32;
+        // Rounds in a row whose tool calls all failed.
+        let mut failed_rounds = 0u32;
         // Set when a cap is hit: from then on the model gets no tools and is
         // told to answer with what it has.
         let mut stop_tools: Option<String> = None;
         for round in 1..=policy.max_rounds {
-            if stop_tools.is_none() && round == policy.max_rounds && policy.max_rounds > 1 {
+            if stop_tools.is_none() && round == policy.max_rounds {
                 stop_tools = Some(format!("this is the last of {} rounds", policy.max_rounds));
                 self.metrics
                     .loop_limits
@@ -681,15 +736,20 @@ impl Fleet {
                 tool_calls: completion.tool_calls.clone(),
                 opaque: completion.opaque.clone(),
             });
+            // The model's call ids are not ours to trust as idempotency keys
+            // (some servers repeat them): every call gets a fresh id for
+            // the fleet — jobs, events, citations — and the model's id only
+            // pairs the result with its call in the conversation.
+            let ours: Vec<crate::llm::ToolCall> = completion
+                .tool_calls
+                .iter()
+                .map(|c| crate::llm::ToolCall {
+                    id: format!("call_{}", uuid::Uuid::new_v4().simple()),
+                    ..c.clone()
+                })
+                .collect();
             let results = self
-                .run_tools(
-                    &ctx,
-                    &completion.tool_calls,
-                    policy,
-                    &inbox,
-                    &mut replies,
-                    events,
-                )
+                .run_tools(&ctx, &ours, policy, &inbox, &mut replies, events)
                 .await;
             if completion.tool_calls.len() > policy.max_calls_per_turn {
                 self.metrics
@@ -700,19 +760,24 @@ impl Fleet {
                     format!("at most {} tool calls per turn", policy.max_calls_per_turn)
                 });
             }
-            for (call, (content, status)) in completion.tool_calls.iter().zip(results) {
-                if status == ToolStatus::Ok {
-                    consecutive_errors = 0;
-                } else {
-                    consecutive_errors += 1;
-                }
+            if results.iter().all(|(_, status)| *status != ToolStatus::Ok) {
+                failed_rounds += 1;
+            } else {
+                failed_rounds = 0;
+            }
+            for (call, (content, _)) in completion.tool_calls.iter().zip(results) {
                 let content = match &budget {
                     Some((b, cap)) => {
                         let capped = b.cap(&content, *cap);
                         if capped.truncated {
+                            // Bounded label: a name the model made up is "unknown".
+                            let function = self
+                                .registry
+                                .by_function_name(&call.name)
+                                .map_or("unknown", |d| d.function.name.as_str());
                             self.metrics
                                 .tool_results_truncated
-                                .with_label_values(&[call.name.as_str()])
+                                .with_label_values(&[function])
                                 .inc();
                         }
                         capped.text
@@ -725,14 +790,16 @@ impl Fleet {
                 });
             }
             if policy.max_consecutive_tool_errors > 0
-                && consecutive_errors >= policy.max_consecutive_tool_errors
+                && failed_rounds >= policy.max_consecutive_tool_errors
                 && stop_tools.is_none()
             {
                 self.metrics
                     .loop_limits
                     .with_label_values(&["consecutive_tool_errors"])
                     .inc();
-                stop_tools = Some(format!("{consecutive_errors} tool calls failed in a row"));
+                stop_tools = Some(format!(
+                    "every tool call failed in {failed_rounds} round(s) in a row"
+                ));
             }
             self.collect_references(&ctx.invocation_id, &mut seen_refs, events)
                 .await?;
@@ -927,11 +994,9 @@ impl Fleet {
                 ));
                 continue;
             }
-            let call_id = if valid_invocation_id(&call.id) {
-                call.id.clone()
-            } else {
-                format!("call_{}", uuid::Uuid::new_v4().simple())
-            };
+            // Ours, minted per call (see `invoke`): unique within the
+            // invocation, so it is safe as an idempotency key.
+            let call_id = call.id.clone();
             let call_ctx = CallContext {
                 invocation: ctx.clone(),
                 call_id: call_id.clone(),
@@ -964,7 +1029,9 @@ impl Fleet {
             }
             let mut wait = def.timeout() + self.config.tool_wait_slack;
             if let Some(d) = ctx.deadline_ms {
-                wait = wait.min(Duration::from_millis(d.saturating_sub(now_ms())));
+                wait = wait.min(Duration::from_millis(
+                    d.saturating_sub(crate::protocol::now_ms()),
+                ));
             }
             pending.insert(
                 call_id,
@@ -975,7 +1042,14 @@ impl Fleet {
         // JetStream must have stored every job; a job it refused is answered
         // at once.
         for (i, call_id, ack) in acks {
-            if let Err(e) = ack.await
+            // A duplicate means JetStream already holds a job under this id:
+            // ours would never run.
+            let failed = match ack.await {
+                Ok(a) if a.duplicate => Some("a job with this id is already queued".to_string()),
+                Ok(_) => None,
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(e) = failed
                 && let Some((_, def, _, _)) = pending.remove(&call_id)
             {
                 answers[i] = Some(self.immediate(
@@ -1065,9 +1139,15 @@ impl Fleet {
         code: &str,
         content: String,
     ) -> (String, ToolStatus) {
+        // Bounded label: a tool name the model made up is "unknown".
+        let known = tool
+            .parse::<crate::tools::ToolId>()
+            .ok()
+            .and_then(|id| self.registry.get(&id))
+            .is_some();
         self.metrics
             .tool_calls
-            .with_label_values(&[tool, status.as_str()])
+            .with_label_values(&[if known { tool } else { "unknown" }, status.as_str()])
             .inc();
         events.send(ChatEventBody::ToolResult {
             call_id: call.id.clone(),

@@ -239,10 +239,20 @@ where
         .transpose()
 }
 
+/// Header values cannot hold line breaks (the NATS client would panic):
+/// such a value is left out. Inbound schemas already refuse them.
 fn put(h: &mut HeaderMap, name: &'static str, value: Option<&str>) {
-    if let Some(v) = value {
+    if let Some(v) = value.filter(|v| !v.contains(['\r', '\n'])) {
         h.insert(name, v);
     }
+}
+
+/// Unix time in milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
 }
 
 impl InvocationContext {

@@ -16,12 +16,12 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
 use async_nats::service::ServiceExt;
-use futures::StreamExt;
 use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
 use serde_json::Value;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
@@ -31,8 +31,8 @@ use tracing::{Instrument, info, warn};
 use crate::citations::{CitationStore, NewReference};
 use crate::metrics::WorkerMetrics;
 use crate::protocol::{
-    CallContext, DeadLetter, DeadLetterKind, Envelope, ProtocolError, Reference, Subjects,
-    ToolErrorBody, ToolJob, ToolReply, ToolResult, ToolStatus, encode,
+    CallContext, DeadLetter, DeadLetterKind, Envelope, Reference, Subjects, ToolErrorBody, ToolJob,
+    ToolReply, ToolResult, ToolStatus, encode,
 };
 use crate::schema::Violation;
 use crate::tools::{CompiledTool, ToolDefinition};
@@ -103,6 +103,8 @@ pub struct ToolCtx {
     store: CitationStore,
     client: async_nats::Client,
     cited: Mutex<Vec<Reference>>,
+    /// How many times this job has cited so far.
+    cites: std::sync::atomic::AtomicU32,
     metrics: WorkerMetrics,
     /// Cancelled when the tool's time is up or the worker shuts down.
     pub cancel: CancellationToken,
@@ -116,10 +118,22 @@ impl ToolCtx {
             return Ok(Vec::new());
         }
         let tool = self.call.tool_id.to_string();
+        // Each cite of a job has its own reservation, so a second cite
+        // never reuses (and overwrites) the first one's indices, and a
+        // redelivered job that cites in the same order gets them all back.
+        let n = self
+            .cites
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let reservation = if n == 0 {
+            self.call.call_id.clone()
+        } else {
+            format!("{}.{n}", self.call.call_id)
+        };
         let stored = self
             .store
             .reserve(
                 &self.call.invocation.invocation_id,
+                &reservation,
                 &self.call.call_id,
                 &tool,
                 refs,
@@ -257,6 +271,8 @@ pub async fn ensure_tools_stream(
         storage: stream::StorageType::File,
         duplicate_window: Duration::from_secs(120),
         max_message_size: crate::protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
+        // Past the longest chat deadline (1 h) nobody waits for a result.
+        max_age: Duration::from_secs(2 * 3600),
         ..Default::default()
     })
     .await
@@ -315,7 +331,6 @@ pub async fn run_with_ready(
         store,
         metrics,
         config: config.clone(),
-        stream_name: config.subjects.tools_stream(),
     });
 
     for tool in tools {
@@ -396,7 +411,6 @@ struct Shared {
     store: CitationStore,
     metrics: WorkerMetrics,
     config: WorkerConfig,
-    stream_name: String,
 }
 
 async fn direct_loop(
@@ -469,23 +483,9 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &S
 
     // In-progress acks keep a long job from being redelivered to another
     // worker while this one is still on it.
-    let progress = CancellationToken::new();
-    let ticker = {
-        let progress = progress.clone();
-        let acker = msg.clone();
-        let every = shared.config.ack_wait / 2;
-        tokio::spawn(async move {
-            loop {
-                tokio::select! {
-                    _ = progress.cancelled() => break,
-                    _ = tokio::time::sleep(every) => { let _ = acker.ack_with(AckKind::Progress).await; }
-                }
-            }
-        })
-    };
+    let keep_alive = crate::jobs::keep_alive(&msg, shared.config.ack_wait / 2);
     let mut outcome = process(&headers, &msg.payload, attempt, tool, shared).await;
-    progress.cancel();
-    let _ = ticker.await;
+    drop(keep_alive);
 
     if matches!(outcome.disposition, Disposition::Retry(_)) && attempt >= shared.config.max_attempts
     {
@@ -536,7 +536,7 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &ServedTool, shared: &S
             let _ = msg.ack_with(AckKind::Term).await;
             let dead = DeadLetter {
                 kind: DeadLetterKind::Tool,
-                stream: shared.stream_name.clone(),
+                stream: shared.config.subjects.tools_stream(),
                 stream_sequence: sequence,
                 invocation_id: outcome
                     .call
@@ -579,23 +579,33 @@ fn safe_headers(h: &async_nats::HeaderMap) -> std::collections::BTreeMap<String,
 
 async fn publish_result(shared: &Shared, call: Option<&CallContext>, result: &ToolResult) {
     let Some(call) = call else { return };
-    let reply = ToolReply::Result(result.clone());
+    let mut payload = encode(&ToolReply::Result(result.clone()));
+    // A result too big for the server would never arrive: the caller gets
+    // a small error result instead of waiting out its timeout.
+    let limit = shared.client.server_info().max_payload;
+    if limit > 0 && payload.len() > limit {
+        let message = format!(
+            "the tool's result is {} bytes; the NATS server takes at most {limit}",
+            payload.len()
+        );
+        warn!(tool = %call.tool_id, "{message}");
+        payload = encode(&ToolReply::Result(error_result(
+            call,
+            result.attempt,
+            result.duration_ms,
+            "result_too_large",
+            &message,
+        )));
+    }
     let mut headers = call.invocation.to_headers();
     headers.insert(crate::protocol::headers::CALL_ID, call.call_id.as_str());
     if let Err(e) = shared
         .client
-        .publish_with_headers(call.reply_to.clone(), headers, encode(&reply))
+        .publish_with_headers(call.reply_to.clone(), headers, payload)
         .await
     {
         warn!(error = %e, "cannot publish the tool result");
     }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or_default()
 }
 
 fn error_result(
@@ -805,7 +815,7 @@ async fn process_call(
 
     let mut budget = tool.definition().timeout();
     if let Some(deadline) = call.invocation.deadline_ms {
-        let left = deadline.saturating_sub(now_ms());
+        let left = deadline.saturating_sub(crate::protocol::now_ms());
         if left == 0 {
             count("timeout");
             let r = status_result(
@@ -827,6 +837,7 @@ async fn process_call(
         store: shared.store.clone(),
         client: shared.client.clone(),
         cited: Mutex::new(Vec::new()),
+        cites: std::sync::atomic::AtomicU32::new(0),
         metrics: shared.metrics.clone(),
         cancel: CancellationToken::new(),
     };
@@ -838,7 +849,17 @@ async fn process_call(
     in_flight.inc();
     tool.hooks.on_start(&call);
     let started = Instant::now();
-    let ran = tokio::time::timeout(budget, tool.handler.call(&ctx, job.arguments)).await;
+    // A panicking handler is a failed call, not a stuck job.
+    let call_fut =
+        std::panic::AssertUnwindSafe(tool.handler.call(&ctx, job.arguments)).catch_unwind();
+    let ran = match tokio::time::timeout(budget, call_fut).await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(_panic)) => Ok(Err(ToolError::Failed {
+            message: "the tool failed unexpectedly (it panicked); see the worker's log".into(),
+            retryable: false,
+        })),
+        Err(e) => Err(e),
+    };
     ctx.cancel.cancel();
     let elapsed = started.elapsed();
     in_flight.dec();
@@ -924,13 +945,6 @@ async fn process_call(
         tool.hooks.on_complete(&call, &result);
     }
     done(result, disposition, code)
-}
-
-/// Protocol errors are never retried.
-impl From<ProtocolError> for ToolError {
-    fn from(e: ProtocolError) -> Self {
-        ToolError::InvalidInput(e.to_string())
-    }
 }
 
 /// The tools live workers serve right now, by tool id, from the NATS

@@ -35,11 +35,8 @@ struct Args {
 async fn main() -> anyhow::Result<()> {
     let args: Args = config::parse_or_exit();
     config::init_tracing();
-    let subjects = args.nats.subjects()?;
-    let profiles = args.llm.fleet_config().unwrap_or_else(|e| {
-        eprintln!("error: {e:#}");
-        std::process::exit(config::EXIT_CONFIG)
-    });
+    let subjects = config::or_exit(args.nats.subjects().map_err(Into::into));
+    let profiles = config::or_exit(args.llm.fleet_config());
     let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
     orchestrator.max_in_flight = args.max_in_flight;
     let spec = FleetSpec {
@@ -47,7 +44,7 @@ async fn main() -> anyhow::Result<()> {
         redis_url: args.redis.url.clone(),
         subjects,
         citation_ttl: Duration::from_secs(args.redis.ttl_secs),
-        registry: toolfleet::fleet::load_registry(&args.defs.dir)?,
+        registry: config::or_exit(toolfleet::fleet::load_registry(&args.defs.dir)),
         orchestrator: Some(orchestrator),
         workers: Vec::new(),
         worker_concurrency: 0,

@@ -46,9 +46,9 @@ async fn main() -> anyhow::Result<()> {
     let spec = FleetSpec {
         nats_url: args.nats.url.clone(),
         redis_url: args.redis.url.clone(),
-        subjects: args.nats.subjects()?,
+        subjects: config::or_exit(args.nats.subjects().map_err(Into::into)),
         citation_ttl: Duration::from_secs(args.redis.ttl_secs),
-        registry: toolfleet::fleet::load_registry(&args.defs.dir)?,
+        registry: config::or_exit(toolfleet::fleet::load_registry(&args.defs.dir)),
         orchestrator: None,
         workers: vec![WorkerKind::Retrieval],
         worker_concurrency: args.concurrency,
