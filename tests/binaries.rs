@@ -309,6 +309,15 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
             .output()
             .unwrap();
         assert_eq!(out.status.code(), Some(64), "{bin}");
+        // Errors found after parsing are configuration errors too.
+        let out = Command::new(bin)
+            .args(["--subject-prefix", "a b"])
+            .current_dir(support::root())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{bin}: {err}");
+        assert!(err.contains("subject prefix"), "{err}");
     }
 }
 

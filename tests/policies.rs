@@ -626,3 +626,38 @@ async fn a_job_past_its_deadline_ends_with_an_error_event() {
         "{text}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_one_round_the_model_answers_without_tools() {
+    let toml: &'static str = Box::leak(policy_profile("max_rounds = 1").into_boxed_str());
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            profiles_toml: Some(toml),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env
+        .ask("What time is it, and how do lighthouses warn ships?")
+        .await;
+    let outcome = outcome.expect("answers in its one round");
+    assert_eq!(outcome.rounds, 1);
+    assert!(kinds(&outcome.events).is_empty(), "no tool ran");
+    assert_eq!(last_request(&env)["tool_choice"], "none");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_field_that_cannot_travel_in_a_header_is_refused_clearly() {
+    let env = Env::start(lighthouse_script()).await;
+    let mut job = toolfleet::client::question("how do lighthouses warn ships? what time is it");
+    job.tenant = Some("acme\ninjected: header".into());
+    let err = env.submit(&job).await.expect_err("refused");
+    assert_eq!(err.code(), "malformed_job");
+    assert!(err.to_string().contains("tenant"), "{err}");
+    // And the fleet goes on.
+    let (_, outcome) = env
+        .ask("how do lighthouses warn ships? what time is it")
+        .await;
+    outcome.expect("completed");
+}

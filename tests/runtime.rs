@@ -46,13 +46,24 @@ impl Hooks for Recorder {
     }
 }
 
-/// Behaves by its `mode` argument: ok, fail, or hang.
+/// Behaves by its `utcOffset` argument: fail, hang, panic, cite twice, or
+/// succeed.
 struct Moody;
+
+fn reference(title: &str) -> toolfleet::citations::NewReference {
+    toolfleet::citations::NewReference {
+        kind: "document".into(),
+        title: title.into(),
+        source: None,
+        url: None,
+        snippet: None,
+    }
+}
 
 impl ToolHandler for Moody {
     fn call<'a>(
         &'a self,
-        _ctx: &'a ToolCtx,
+        ctx: &'a ToolCtx,
         args: Value,
     ) -> BoxFuture<'a, Result<ToolOutput, ToolError>> {
         async move {
@@ -61,6 +72,23 @@ impl ToolHandler for Moody {
                 Some("+02:00") => {
                     tokio::time::sleep(Duration::from_secs(60)).await;
                     Ok(ToolOutput::default())
+                }
+                Some("+03:00") => {
+                    let empty: Vec<u8> = Vec::new();
+                    let i = args["utcOffset"].as_str().map_or(0, str::len);
+                    Ok(ToolOutput {
+                        content: empty[i].to_string(),
+                        data: None,
+                    })
+                }
+                Some("+04:00") => {
+                    let a = ctx.cite(vec![reference("a1"), reference("a2")]).await?;
+                    let b = ctx.cite(vec![reference("b1"), reference("b2")]).await?;
+                    let markers: Vec<String> = a.iter().chain(&b).map(|r| r.marker()).collect();
+                    Ok(ToolOutput {
+                        content: markers.join(" "),
+                        data: None,
+                    })
                 }
                 _ => Ok(ToolOutput {
                     content: "fine".into(),
@@ -177,6 +205,31 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
         hooks.take(),
         vec!["start c_slow", "error c_slow tool_failed"]
     );
+
+    // A panicking handler is an error result, not a stuck job.
+    let panicked = ask("c_panic", json!({ "utcOffset": "+03:00" })).await;
+    assert_eq!(panicked["status"], "error");
+    assert!(
+        panicked["content"].as_str().unwrap().contains("panicked"),
+        "{panicked}"
+    );
+    assert_eq!(
+        hooks.take(),
+        vec!["start c_panic", "error c_panic tool_failed"]
+    );
+
+    // Two cites in one job get distinct indices; the job's references are
+    // all four.
+    let cited = ask("c_cite", json!({ "utcOffset": "+04:00" })).await;
+    assert_eq!(cited["content"], "[doc:1] [doc:2] [doc:3] [doc:4]");
+    let titles: Vec<&str> = cited["references"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["title"].as_str().unwrap())
+        .collect();
+    assert_eq!(titles, vec!["a1", "a2", "b1", "b2"]);
+    hooks.take();
 
     // Invalid arguments never reach the hooks or the handler.
     let invalid = ask("c_bad", json!({ "utcOffset": "soon" })).await;
