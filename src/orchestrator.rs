@@ -35,7 +35,7 @@ use crate::protocol::{
     InvocationContext, LlmCall, Reference, Subjects, ToolJob, ToolReply, ToolResult, ToolStatus,
     encode, salvage_invocation_id,
 };
-use crate::tools::{ToolDefinition, ToolRegistry};
+use crate::tools::{Delivery, ToolDefinition, ToolRegistry};
 
 /// How the orchestrator runs. Model endpoints, prompts and loop policies
 /// come from the profiles ([`FleetConfig`]), resolved per chat job.
@@ -598,7 +598,7 @@ impl Fleet {
         let inbox = self.client.new_inbox();
         let mut replies = self
             .client
-            .subscribe(inbox.clone())
+            .subscribe(format!("{inbox}.*"))
             .await
             .map_err(|e| Failure::new("nats_unavailable", e.to_string()))?;
 
@@ -997,24 +997,46 @@ impl Fleet {
             // Ours, minted per call (see `invoke`): unique within the
             // invocation, so it is safe as an idempotency key.
             let call_id = call.id.clone();
+            // Each call answers on its own subject under the invocation's
+            // inbox, so even a bare "no responders" names its call.
+            let reply_to = format!("{inbox}.{call_id}");
             let call_ctx = CallContext {
                 invocation: ctx.clone(),
                 call_id: call_id.clone(),
                 tool_id: def.id.clone(),
                 attempt: 1,
-                reply_to: inbox.to_string(),
+                reply_to: reply_to.clone(),
             };
             let body = encode(&ToolJob {
                 arguments,
                 settings: None,
             });
-            let subject = self.config.subjects.tool(&def.id);
-            match self
-                .js
-                .publish_with_headers(subject, call_ctx.to_headers(), body)
-                .await
-            {
-                Ok(ack) => acks.push((i, call_id.clone(), ack)),
+            let dispatched = match def.delivery {
+                // Core request-reply to the pool's queue group: no stream,
+                // and no worker means "no responders" at once.
+                Delivery::Direct => self
+                    .client
+                    .publish_with_reply_and_headers(
+                        self.config.subjects.tool_direct(&def.id),
+                        reply_to,
+                        call_ctx.to_headers(),
+                        body,
+                    )
+                    .await
+                    .map_err(|e| e.to_string()),
+                Delivery::Jetstream => self
+                    .js
+                    .publish_with_headers(
+                        self.config.subjects.tool(&def.id),
+                        call_ctx.to_headers(),
+                        body,
+                    )
+                    .await
+                    .map(|ack| acks.push((i, call_id.clone(), ack)))
+                    .map_err(|e| e.to_string()),
+            };
+            match dispatched {
+                Ok(()) => {}
                 Err(e) => {
                     answers[i] = Some(self.immediate(
                         events,
@@ -1071,6 +1093,20 @@ impl Fleet {
                 .unwrap_or_else(tokio::time::Instant::now);
             match tokio::time::timeout_at(next_deadline, replies.next()).await {
                 Ok(Some(msg)) => {
+                    if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+                        let call_id = msg.subject.as_str().rsplit('.').next().unwrap_or_default();
+                        if let Some((i, def, _, _)) = pending.remove(call_id) {
+                            answers[i] = Some(self.immediate(
+                                events,
+                                &calls[i],
+                                &def.id.to_string(),
+                                ToolStatus::Error,
+                                "no_worker",
+                                format!("Error: the tool {} is not available right now (no live worker serves it). Answer without it.", calls[i].name),
+                            ));
+                        }
+                        continue;
+                    }
                     let reply: ToolReply = match Envelope::ToolReply.decode(&msg.payload) {
                         Ok(r) => r,
                         Err(e) => {

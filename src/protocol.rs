@@ -131,6 +131,13 @@ impl Subjects {
         format!("{}.tool.>", self.prefix)
     }
 
+    /// A tool's services-API endpoint: direct request-reply for tools with
+    /// `delivery: direct` (outside `<p>.tool.>`, so the tool stream does not
+    /// capture it).
+    pub fn tool_direct(&self, id: &ToolId) -> String {
+        format!("{}.direct.{}", self.prefix, id.subject_token())
+    }
+
     pub fn dead_letter(&self, kind: DeadLetterKind) -> String {
         format!("{}.deadletter.{}", self.prefix, kind.as_str())
     }

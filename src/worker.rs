@@ -279,11 +279,6 @@ pub async fn ensure_tools_stream(
     .map_err(|e| WorkerError::Nats(format!("tool stream {}: {e}", subjects.tools_stream())))
 }
 
-/// The subject of a tool's services endpoint (direct request-reply).
-pub fn direct_subject(subjects: &Subjects, def: &ToolDefinition) -> String {
-    format!("{}.direct.{}", subjects.prefix(), def.id.subject_token())
-}
-
 /// Runs a worker until `shutdown` is cancelled, then stops pulling and lets
 /// in-flight jobs finish (the caller bounds that with its grace period).
 pub async fn run(
@@ -365,7 +360,7 @@ pub async fn run_with_ready(
                     format!("{:?}", tool.definition().delivery).to_lowercase(),
                 ),
             ]))
-            .add(direct_subject(&config.subjects, tool.definition()))
+            .add(config.subjects.tool_direct(&tool.definition().id))
             .await
             .map_err(|e| {
                 WorkerError::Nats(format!("endpoint for {}: {e}", tool.definition().id))
@@ -433,7 +428,18 @@ async fn direct_loop(
         let shared = shared.clone();
         tracker.spawn(async move {
             let headers = request.message.headers.clone().unwrap_or_default();
-            let outcome = process(&headers, &request.message.payload, 1, &tool, &shared).await;
+            let mut outcome = process(&headers, &request.message.payload, 1, &tool, &shared).await;
+            // Direct delivery has no redelivery: a failure that JetStream
+            // would retry is the caller's error result now.
+            if outcome.result.is_none()
+                && let Some(call) = &outcome.call
+            {
+                let message = outcome
+                    .error
+                    .clone()
+                    .unwrap_or_else(|| "the tool job failed".into());
+                outcome.result = Some(error_result(call, 1, 0, &outcome.code, &message));
+            }
             if let Some(result) = &outcome.result {
                 let _ = request
                     .respond(Ok(encode(&ToolReply::Result(result.clone()))))

@@ -661,3 +661,57 @@ async fn a_job_field_that_cannot_travel_in_a_header_is_refused_clearly() {
         .await;
     outcome.expect("completed");
 }
+
+/// A tool marked `delivery: direct` goes by core request-reply to its pool's
+/// services endpoint, never through the tool stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn direct_delivery_uses_request_reply_not_the_stream() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = crate::support::root().join("tool_definitions");
+    let mut datetime: Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("system.current_datetime.json")).unwrap(),
+    )
+    .unwrap();
+    datetime["delivery"] = json!("direct");
+    std::fs::write(
+        dir.path().join("system.current_datetime.json"),
+        datetime.to_string(),
+    )
+    .unwrap();
+    std::fs::copy(
+        root.join("retrieval.search_documents.json"),
+        dir.path().join("retrieval.search_documents.json"),
+    )
+    .unwrap();
+    let script = json!({
+        "rules": [{ "whenUserContains": ["time"], "steps": [
+            { "toolCalls": [ { "name": "current_datetime", "arguments": { "utcOffset": "+01:00" } } ] },
+            { "answer": "It is {{tool:current_datetime}}." }
+        ] }]
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            defs_dir: Some(dir.path().to_path_buf()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("What time is it?").await;
+    let outcome = outcome.expect("completed");
+    assert!(outcome.text.contains("+01:00"), "{}", outcome.text);
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut stream = js.get_stream("TOOLFLEET_TOOLS").await.unwrap();
+    assert_eq!(
+        stream.info().await.unwrap().state.last_sequence,
+        0,
+        "nothing went through the tool stream"
+    );
+    let text = env.metrics_text().await;
+    assert!(
+        text.contains(
+            "toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"} 1"
+        ),
+        "{text}"
+    );
+}
