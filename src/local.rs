@@ -131,15 +131,20 @@ impl NatsServer {
     }
 
     fn start_in(dir: tempfile::TempDir, port: u16) -> Result<Self, LocalError> {
-        let store = dir.path().join("jetstream");
+        let proc = Self::spawn_in(dir.path(), port)?;
+        Ok(Self { proc, port, dir })
+    }
+
+    fn spawn_in(dir: &Path, port: u16) -> Result<Proc, LocalError> {
+        // The log is truncated at every start, so readiness is this run's.
+        let log = dir.join("nats.log");
         let mut proc = Proc::spawn(
             "nats-server",
             Command::new("nats-server")
                 .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
-                .arg(&store),
-            &dir.path().join("nats.log"),
+                .arg(dir.join("jetstream")),
+            &log,
         )?;
-        let log = dir.path().join("nats.log");
         // Ready when it accepts clients and JetStream is up.
         proc.wait_ready(|| {
             std::fs::read_to_string(&log)
@@ -147,7 +152,15 @@ impl NatsServer {
                 .unwrap_or(false)
                 && nats_answers(port)
         })?;
-        Ok(Self { proc, port, dir })
+        Ok(proc)
+    }
+
+    /// Starts a stopped server again on the same port with the same
+    /// JetStream data (clients reconnect on their own).
+    pub fn start_again(&mut self) -> Result<(), LocalError> {
+        self.proc.kill();
+        self.proc = Self::spawn_in(self.dir.path(), self.port)?;
+        Ok(())
     }
 
     pub fn port(&self) -> u16 {

@@ -578,3 +578,40 @@ async fn workers_answer_the_services_api() {
     .collect();
     assert_eq!(tools_seen, expected, "the catalog names every served tool");
 }
+
+/// NATS goes away and comes back: the fleet reconnects, and chat jobs are
+/// answered again without restarting anything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_fleet_recovers_when_nats_restarts() {
+    let mut env = Env::start(both_tools_script()).await;
+    let (_, outcome) = env
+        .ask("how do lighthouses warn ships? what time is it")
+        .await;
+    outcome.expect("before the restart");
+    env.nats.stop();
+    env.nats.start_again().expect("nats-server restarts");
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let job = toolfleet::client::question("how do lighthouses warn ships? what time is it");
+        let r = tokio::time::timeout(
+            std::time::Duration::from_secs(5),
+            toolfleet::client::chat(
+                &env.client,
+                &env.subjects,
+                &job,
+                std::time::Duration::from_secs(5),
+                |_| {},
+            ),
+        )
+        .await;
+        if let Ok(Ok(outcome)) = r {
+            assert!(!outcome.references.is_empty());
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no answer after the restart: {r:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+    }
+}
