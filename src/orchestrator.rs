@@ -110,7 +110,11 @@ struct Fleet {
     metrics: OrchestratorMetrics,
     config: OrchestratorConfig,
     live: RwLock<HashSet<String>>,
-    cancels: DashMap<String, CancellationToken>,
+    /// Cancel tokens of the invocations running here. Tokens are keyed by
+    /// invocation id; the number tells two runs of one id apart, so the end
+    /// of one never removes the other's token.
+    cancels: DashMap<String, (u64, CancellationToken)>,
+    runs: std::sync::atomic::AtomicU64,
 }
 
 /// Creates the chat-job stream if it does not exist.
@@ -194,6 +198,7 @@ pub async fn run_with_ready(
         config: config.clone(),
         live: RwLock::new(HashSet::new()),
         cancels: DashMap::new(),
+        runs: std::sync::atomic::AtomicU64::new(0),
     });
     fleet.refresh_catalog().await;
 
@@ -220,7 +225,8 @@ pub async fn run_with_ready(
                     m = cancel_sub.next() => match m { Some(m) => m, None => break },
                 };
                 if let Some(id) = msg.subject.as_str().rsplit('.').next()
-                    && let Some(token) = fleet.cancels.get(id)
+                    && let Some(entry) = fleet.cancels.get(id)
+                    && let (_, token) = &*entry
                 {
                     info!(invocation_id = id, "cancel requested");
                     token.cancel();
@@ -408,7 +414,8 @@ impl Fleet {
         async {
             self.metrics.chat_jobs_in_flight.inc();
             let cancel = CancellationToken::new();
-            self.cancels.insert(id.clone(), cancel.clone());
+            let run = self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.cancels.insert(id.clone(), (run, cancel.clone()));
             let events = Events::start(self.client.clone(), self.config.subjects.chat_events(&id), id.clone());
 
             // Long invocations must not be redelivered to another
@@ -442,7 +449,7 @@ impl Fleet {
             drop(keep_alive);
             // Ack last: only after the terminal event is out.
             let _ = msg.ack().await;
-            self.cancels.remove(&id);
+            self.cancels.remove_if(&id, |_, (r, _)| *r == run);
             self.metrics.chat_jobs.with_label_values(&[label]).inc();
             self.metrics.chat_jobs_in_flight.dec();
             self.metrics.chat_job_duration.observe(started.elapsed().as_secs_f64());
