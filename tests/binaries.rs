@@ -397,3 +397,67 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
     sigterm(&up);
     assert!(wait_exit(&mut up).success());
 }
+
+/// SIGTERM with a chat job in flight: the process stops taking work,
+/// finishes the job (its client gets `completed`), then exits cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_the_job_in_flight() {
+    let nats = toolfleet::local::NatsServer::start().unwrap();
+    let redis = toolfleet::local::RedisServer::start().unwrap();
+    let script = toolfleet::scripted::Script::from_json(
+        r#"{"rules": [{"whenUserContains": ["slow"], "steps": [
+            {"fault": {"kind": "slowFirstToken", "delayMs": 1500}, "answer": "Worth the wait."}
+        ]}]}"#,
+    )
+    .unwrap();
+    let model = toolfleet::scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let port = toolfleet::local::free_port().unwrap();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_toolfleet"));
+    cmd.arg("up")
+        .current_dir(support::root())
+        .env("TOOLFLEET_NATS_URL", nats.url())
+        .env("TOOLFLEET_REDIS_URL", redis.url())
+        .env("TOOLFLEET_LLM_BASE_URL", model.base_url().as_str())
+        .env("TOOLFLEET_LLM_MODEL", "toolfleet-scripted")
+        .env("TOOLFLEET_INDEX_DIR", dir.path().join("index"))
+        .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .env("TOOLFLEET_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut up = Proc(cmd.spawn().unwrap());
+    wait_for_metrics(port).await;
+
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subjects = toolfleet::protocol::Subjects::new("toolfleet").unwrap();
+    let job = toolfleet::client::question("a slow question");
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let mut started_tx = Some(started_tx);
+    let chat = {
+        let (client, subjects, job) = (client.clone(), subjects.clone(), job.clone());
+        tokio::spawn(async move {
+            toolfleet::client::chat(&client, &subjects, &job, WAIT, move |e| {
+                if matches!(e.body, toolfleet::protocol::ChatEventBody::Started { .. })
+                    && let Some(tx) = started_tx.take()
+                {
+                    let _ = tx.send(());
+                }
+            })
+            .await
+        })
+    };
+    tokio::time::timeout(WAIT, started_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    sigterm(&up);
+    let outcome = tokio::time::timeout(WAIT, chat)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("the job in flight completes");
+    assert_eq!(outcome.text, "Worth the wait.");
+    assert!(wait_exit(&mut up).success());
+}
