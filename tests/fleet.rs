@@ -11,26 +11,10 @@ use std::collections::HashSet;
 
 use futures::StreamExt;
 use serde_json::{Value, json};
-use support::{Env, Options, WAIT, next_json};
+use support::{Env, Options, WAIT, lighthouse_script, next_json};
 use toolfleet::citations::{cited_indices, render};
 use toolfleet::fleet::WorkerKind;
 use toolfleet::protocol::{ChatEventBody, ToolStatus};
-
-fn both_tools_script() -> Value {
-    json!({
-        "rules": [{
-            "whenUserContains": ["lighthouse"],
-            "steps": [
-                { "toolCalls": [
-                    { "name": "current_datetime", "arguments": {} },
-                    { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 3 } }
-                ] },
-                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_documents}}" }
-            ]
-        }],
-        "default": { "steps": [ { "answer": "no script" } ] }
-    })
-}
 
 fn tool_results(
     events: &[toolfleet::protocol::ChatEvent],
@@ -64,7 +48,7 @@ fn tool_messages(env: &Env) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn both_tools_in_one_round_answer_with_citations() {
-    let env = Env::start(both_tools_script()).await;
+    let env = Env::start(lighthouse_script()).await;
     let (job, outcome) = env
         .ask("What time is it, and how do lighthouses warn ships?")
         .await;
@@ -287,7 +271,7 @@ async fn a_tool_without_a_live_worker_is_answered_without_waiting_for_its_timeou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_fleet_goes_on() {
-    let env = Env::start(both_tools_script()).await;
+    let env = Env::start(lighthouse_script()).await;
     let js = async_nats::jetstream::new(env.client.clone());
     let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
 
@@ -349,7 +333,7 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fifty_concurrent_invocations_never_mix_citations() {
     let env = Env::start_with(
-        both_tools_script(),
+        lighthouse_script(),
         Options {
             tweak: |c| c.max_in_flight = 50,
             ..Default::default()
@@ -404,7 +388,7 @@ async fn fifty_concurrent_invocations_never_mix_citations() {
 /// the stored result and writes no second set of citations.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_tool_job_is_answered_from_the_ledger() {
-    let env = Env::start(both_tools_script()).await;
+    let env = Env::start(lighthouse_script()).await;
     let js = async_nats::jetstream::new(env.client.clone());
     let inbox = env.client.new_inbox();
     let mut replies = env.subscribe(inbox.clone()).await;
@@ -455,7 +439,7 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
 /// error result.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
-    let mut env = Env::start(both_tools_script()).await;
+    let mut env = Env::start(lighthouse_script()).await;
     let js = async_nats::jetstream::new(env.client.clone());
     let inbox = env.client.new_inbox();
     let mut replies = env.subscribe(inbox.clone()).await;
@@ -504,7 +488,7 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
 /// not a crash.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_job_with_bad_headers_is_dead_lettered() {
-    let env = Env::start(both_tools_script()).await;
+    let env = Env::start(lighthouse_script()).await;
     let js = async_nats::jetstream::new(env.client.clone());
     let mut dead = env.subscribe("toolfleet.deadletter.tool".into()).await;
     let mut h = async_nats::HeaderMap::new();
@@ -527,7 +511,7 @@ async fn a_tool_job_with_bad_headers_is_dead_lettered() {
 /// Workers register with the NATS services API.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_answer_the_services_api() {
-    let env = Env::start(both_tools_script()).await;
+    let env = Env::start(lighthouse_script()).await;
     let dir = support::root().join("../shared/conformance/nats-micro-schemas");
     assert!(
         dir.is_dir(),
@@ -583,7 +567,7 @@ async fn workers_answer_the_services_api() {
 /// answered again without restarting anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_fleet_recovers_when_nats_restarts() {
-    let mut env = Env::start(both_tools_script()).await;
+    let mut env = Env::start(lighthouse_script()).await;
     let (_, outcome) = env
         .ask("how do lighthouses warn ships? what time is it")
         .await;

@@ -9,22 +9,7 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use toolfleet::protocol::{ChatEventBody, ToolStatus};
 
-use crate::support::{Env, Options, WAIT, next_json};
-
-fn lighthouse_script() -> Value {
-    json!({
-        "rules": [{
-            "whenUserContains": ["lighthouse"],
-            "steps": [
-                { "toolCalls": [
-                    { "name": "current_datetime", "arguments": {} },
-                    { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 3 } }
-                ] },
-                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_documents}}" }
-            ]
-        }]
-    })
-}
+use crate::support::{Env, Options, WAIT, lighthouse_script, next_json};
 
 fn kinds(events: &[toolfleet::protocol::ChatEvent]) -> Vec<String> {
     events
@@ -68,7 +53,7 @@ async fn no_resolvable_deployment_ends_the_job_at_once_naming_the_profile() {
     let env = Env::start_with(
         lighthouse_script(),
         Options {
-            profiles_toml: Some(TWO_PROFILES),
+            profiles_toml: Some(TWO_PROFILES.into()),
             ..Default::default()
         },
     )
@@ -114,7 +99,7 @@ async fn the_responses_api_runs_the_same_loop_with_citations_usage_and_cost() {
     let env = Env::start_with(
         lighthouse_script(),
         Options {
-            profiles_toml: Some(RESPONSES),
+            profiles_toml: Some(RESPONSES.into()),
             env: vec![("TEST_KEY", "sk-responses-secret")],
             ..Default::default()
         },
@@ -210,7 +195,7 @@ fn last_request(env: &Env) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_over_the_per_turn_cap_are_not_run_and_the_model_is_told_to_answer() {
-    let toml: &'static str = Box::leak(policy_profile("max_calls_per_turn = 1").into_boxed_str());
+    let toml = policy_profile("max_calls_per_turn = 1");
     let env = Env::start_with(
         lighthouse_script(),
         Options {
@@ -274,8 +259,7 @@ async fn consecutive_tool_errors_stop_the_tools() {
             ]
         }]
     });
-    let toml: &'static str =
-        Box::leak(policy_profile("max_consecutive_tool_errors = 1").into_boxed_str());
+    let toml = policy_profile("max_consecutive_tool_errors = 1");
     let env = Env::start_with(
         script,
         Options {
@@ -309,7 +293,7 @@ async fn the_last_round_forbids_tools_so_the_model_answers() {
             ]
         }]
     });
-    let toml: &'static str = Box::leak(policy_profile("max_rounds = 2").into_boxed_str());
+    let toml = policy_profile("max_rounds = 2");
     let env = Env::start_with(
         script,
         Options {
@@ -332,8 +316,7 @@ async fn the_last_round_forbids_tools_so_the_model_answers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parallel_off_runs_calls_one_at_a_time_and_says_so_to_the_model() {
-    let toml: &'static str =
-        Box::leak(policy_profile("parallel_tool_calls = false").into_boxed_str());
+    let toml = policy_profile("parallel_tool_calls = false");
     let env = Env::start_with(
         lighthouse_script(),
         Options {
@@ -424,8 +407,7 @@ async fn long_tool_results_are_cut_to_the_token_cap_with_a_notice() {
             ]
         }]
     });
-    let toml: &'static str =
-        Box::leak(policy_profile("max_tool_result_tokens = 80").into_boxed_str());
+    let toml = policy_profile("max_tool_result_tokens = 80");
     let env = Env::start_with(
         script,
         Options {
@@ -478,8 +460,7 @@ async fn a_truncated_tool_call_is_never_run_and_ends_or_is_asked_again_by_policy
         "the cut call never ran"
     );
 
-    let toml: &'static str =
-        Box::leak(policy_profile(r#"on_truncated_tool_call = "ask_again""#).into_boxed_str());
+    let toml = policy_profile(r#"on_truncated_tool_call = "ask_again""#);
     let env = Env::start_with(
         truncating_script(),
         Options {
@@ -588,7 +569,7 @@ deployment = "plain"
     let env = Env::start_with(
         script,
         Options {
-            profiles_toml: Some(NO_STREAM),
+            profiles_toml: Some(NO_STREAM.into()),
             ..Default::default()
         },
     )
@@ -629,7 +610,7 @@ async fn a_job_past_its_deadline_ends_with_an_error_event() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_one_round_the_model_answers_without_tools() {
-    let toml: &'static str = Box::leak(policy_profile("max_rounds = 1").into_boxed_str());
+    let toml = policy_profile("max_rounds = 1");
     let env = Env::start_with(
         lighthouse_script(),
         Options {

@@ -474,7 +474,7 @@ async fn every_dashboard_query_and_alert_rule_works_against_a_real_prometheus() 
     let mut env = Env::start_with(
         script(),
         Options {
-            profiles_toml: Some(PROFILES),
+            profiles_toml: Some(PROFILES.into()),
             ..Default::default()
         },
     )

@@ -46,7 +46,7 @@ pub struct Options {
     pub tweak: fn(&mut OrchestratorConfig),
     /// A profiles file; `{base_url}` is replaced by the scripted server's
     /// URL. Without it: one default profile on the scripted server.
-    pub profiles_toml: Option<&'static str>,
+    pub profiles_toml: Option<String>,
     /// The environment the orchestrator reads API-key variables from.
     pub env: Vec<(&'static str, &'static str)>,
     /// Tool definitions directory (default: the shipped one).
@@ -79,7 +79,7 @@ impl Env {
             .expect("scripted model");
         let dir = tempfile::tempdir().unwrap();
         let subjects = Subjects::new("toolfleet").unwrap();
-        let profiles = match options.profiles_toml {
+        let profiles = match &options.profiles_toml {
             Some(text) => toolfleet::profiles::FleetConfig::from_toml(
                 &text.replace("{base_url}", model.base_url().as_str()),
                 "test profiles",
@@ -224,4 +224,22 @@ pub async fn next_json(sub: &mut async_nats::Subscriber) -> serde_json::Value {
         .expect("no message in time")
         .expect("subscription closed");
     serde_json::from_slice(&msg.payload).unwrap()
+}
+
+/// A script for the question "What time is it, and how do lighthouses warn
+/// ships?": both tools in one round, then an answer quoting both.
+pub fn lighthouse_script() -> serde_json::Value {
+    serde_json::json!({
+        "rules": [{
+            "whenUserContains": ["lighthouse"],
+            "steps": [
+                { "toolCalls": [
+                    { "name": "current_datetime", "arguments": {} },
+                    { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 3 } }
+                ] },
+                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_documents}}" }
+            ]
+        }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    })
 }
