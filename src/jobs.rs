@@ -25,12 +25,20 @@ pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
 /// Pulls messages from `consumer` until `shutdown`, running `handle` for
 /// each on `tracker` while holding one of `permits`.
+///
+/// A round holds one permit while it waits (so consumers sharing `permits`
+/// — a worker's tools and its direct endpoint — cannot starve each other)
+/// and asks for as many messages as there are permits free. A message that
+/// arrives before a permit frees up waits in its own task and sends
+/// in-progress acks every `progress_every` meanwhile, so its ack wait never
+/// runs out and no other copy runs it too.
 pub async fn pull_bounded<F, Fut>(
     consumer: jetstream::consumer::Consumer<pull::Config>,
     permits: Arc<Semaphore>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
     what: String,
+    progress_every: Duration,
     handle: F,
 ) where
     F: Fn(jetstream::Message) -> Fut,
@@ -42,16 +50,10 @@ pub async fn pull_bounded<F, Fut>(
             _ = shutdown.cancelled() => break,
             p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
-        // Reserve a permit for every message asked for, so none waits
-        // un-acked in our buffer (its ack wait would run out and another
-        // copy would run it too); unused ones go back when the round ends.
-        let mut reserved = vec![first];
-        while let Ok(p) = permits.clone().try_acquire_owned() {
-            reserved.push(p);
-        }
+        let want = 1 + permits.available_permits();
         let mut batch = match consumer
             .batch()
-            .max_messages(reserved.len())
+            .max_messages(want)
             .expires(PULL_EXPIRES)
             .messages()
             .await
@@ -59,32 +61,42 @@ pub async fn pull_bounded<F, Fut>(
             Ok(b) => b,
             Err(e) => {
                 warn!(consumer = %what, error = %e, "cannot pull; retrying");
-                drop(reserved);
+                drop(first);
                 tokio::select! {
                     _ = shutdown.cancelled() => break,
                     _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
                 }
             }
         };
+        let mut first = Some(first);
         loop {
             let next = tokio::select! {
                 _ = shutdown.cancelled() => break 'outer,
                 n = batch.next() => n,
             };
             match next {
-                Some(Ok(msg)) => {
-                    // The server sends at most as many as we asked for.
-                    let Some(permit) = reserved.pop() else {
-                        warn!(consumer = %what, "more messages than asked for; handing one back");
-                        let _ = msg.ack_with(jetstream::AckKind::Nak(None)).await;
-                        continue;
-                    };
-                    let job = handle(msg);
-                    tracker.spawn(async move {
-                        job.await;
-                        drop(permit);
-                    });
-                }
+                Some(Ok(msg)) => match first.take() {
+                    Some(permit) => {
+                        let job = handle(msg);
+                        tracker.spawn(async move {
+                            job.await;
+                            drop(permit);
+                        });
+                    }
+                    None => {
+                        let waiting = keep_alive(&msg, progress_every);
+                        let job = handle(msg);
+                        let permits = permits.clone();
+                        tracker.spawn(async move {
+                            let Ok(permit) = permits.acquire_owned().await else {
+                                return;
+                            };
+                            drop(waiting);
+                            job.await;
+                            drop(permit);
+                        });
+                    }
+                },
                 Some(Err(e)) => {
                     warn!(consumer = %what, error = %e, "pull error; asking again");
                     break;

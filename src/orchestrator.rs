@@ -86,6 +86,11 @@ impl OrchestratorConfig {
     }
 }
 
+/// Ack wait of the chat consumer; running jobs send in-progress acks at a
+/// third of it.
+const CHAT_ACK_WAIT: Duration = Duration::from_secs(60);
+const CHAT_PROGRESS_EVERY: Duration = Duration::from_secs(20);
+
 /// Deliveries of one chat job that are run (an orchestrator that dies
 /// mid-way gets the job redelivered); the next one ends it with an error
 /// event and a dead letter.
@@ -172,7 +177,7 @@ pub async fn run_with_ready(
                 durable_name: Some(config.subjects.chat_consumer()),
                 filter_subject: config.subjects.chat_submit(),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: Duration::from_secs(60),
+                ack_wait: CHAT_ACK_WAIT,
                 // One more than we run, so the delivery after the last
                 // attempt can still end the invocation visibly.
                 max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
@@ -251,6 +256,7 @@ pub async fn run_with_ready(
             tracker.clone(),
             shutdown.clone(),
             config.subjects.chat_consumer(),
+            CHAT_PROGRESS_EVERY,
             move |msg| {
                 let fleet = fleet.clone();
                 async move { fleet.handle(msg).await }
@@ -420,7 +426,7 @@ impl Fleet {
 
             // Long invocations must not be redelivered to another
             // orchestrator while this one still works on them.
-            let keep_alive = crate::jobs::keep_alive(&msg, Duration::from_secs(20));
+            let keep_alive = crate::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
 
             // The client's clock starts at submission: time spent queued in
             // the stream counts.

@@ -375,6 +375,7 @@ pub async fn run_with_ready(
                 tracker.clone(),
                 shutdown.clone(),
                 tool.definition().id.to_string(),
+                config.ack_wait / 2,
                 move |msg| {
                     let (tool, shared) = (tool.clone(), shared.clone());
                     async move { handle_jetstream(msg, &tool, &shared).await }
