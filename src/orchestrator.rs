@@ -91,6 +91,9 @@ impl OrchestratorConfig {
 const CHAT_ACK_WAIT: Duration = Duration::from_secs(60);
 const CHAT_PROGRESS_EVERY: Duration = Duration::from_secs(20);
 
+/// How often a wait for tool results looks at the worker catalog.
+const LIVENESS_CHECK: Duration = Duration::from_secs(1);
+
 /// Deliveries of one chat job that are run (an orchestrator that dies
 /// mid-way gets the job redelivered); the next one ends it with an error
 /// event and a dead letter.
@@ -115,6 +118,9 @@ struct Fleet {
     metrics: OrchestratorMetrics,
     config: OrchestratorConfig,
     live: RwLock<HashSet<String>>,
+    /// Counts catalog refreshes, so a wait can tell a new refresh from an
+    /// old one.
+    catalog_generation: std::sync::atomic::AtomicU64,
     /// Cancel tokens of the invocations running here. Tokens are keyed by
     /// invocation id; the number tells two runs of one id apart, so the end
     /// of one never removes the other's token.
@@ -202,6 +208,7 @@ pub async fn run_with_ready(
         metrics,
         config: config.clone(),
         live: RwLock::new(HashSet::new()),
+        catalog_generation: std::sync::atomic::AtomicU64::new(0),
         cancels: DashMap::new(),
         runs: std::sync::atomic::AtomicU64::new(0),
     });
@@ -350,7 +357,11 @@ impl Fleet {
         )
         .await
         {
-            Ok(live) => *self.live.write().await = live,
+            Ok(live) => {
+                *self.live.write().await = live;
+                self.catalog_generation
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
             Err(e) => warn!(error = %e, "cannot refresh the worker catalog"),
         }
     }
@@ -1098,12 +1109,16 @@ impl Fleet {
             }
         }
 
+        // Calls whose tool has been missing from the catalog: the refresh
+        // generation last seen missing and how many refreshes in a row.
+        let mut missing: HashMap<String, (u64, u32)> = HashMap::new();
         while !pending.is_empty() {
             let next_deadline = pending
                 .values()
                 .map(|v| v.3)
                 .min()
-                .unwrap_or_else(tokio::time::Instant::now);
+                .unwrap_or_else(tokio::time::Instant::now)
+                .min(tokio::time::Instant::now() + LIVENESS_CHECK);
             match tokio::time::timeout_at(next_deadline, replies.next()).await {
                 Ok(Some(msg)) => {
                     if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
@@ -1146,6 +1161,39 @@ impl Fleet {
                         .filter(|(_, v)| v.3 <= now)
                         .map(|(k, _)| k.clone())
                         .collect();
+                    // A pool that died after dispatch: two catalog refreshes
+                    // in a row without the tool end the wait (one missed
+                    // INFO reply under load is not enough).
+                    let generation = self
+                        .catalog_generation
+                        .load(std::sync::atomic::Ordering::Relaxed);
+                    let live = self.live.read().await.clone();
+                    let mut gone = Vec::new();
+                    for (key, (_, def, _, _)) in &pending {
+                        if live.contains(&def.id.to_string()) {
+                            missing.remove(key);
+                            continue;
+                        }
+                        let entry = missing.entry(key.clone()).or_insert((generation, 0));
+                        if entry.0 != generation || entry.1 == 0 {
+                            *entry = (generation, entry.1 + 1);
+                        }
+                        if entry.1 >= 2 {
+                            gone.push(key.clone());
+                        }
+                    }
+                    for key in gone {
+                        if let Some((i, def, _, _)) = pending.remove(&key) {
+                            answers[i] = Some(self.immediate(
+                                events,
+                                &calls[i],
+                                &def.id.to_string(),
+                                ToolStatus::Error,
+                                "no_worker",
+                                format!("Error: the tool {} lost its last live worker while running this call. Answer without it.", calls[i].name),
+                            ));
+                        }
+                    }
                     for key in expired {
                         if let Some((i, def, started, _)) = pending.remove(&key) {
                             let tool = def.id.to_string();

@@ -461,3 +461,68 @@ async fn sigterm_drains_the_job_in_flight() {
     assert_eq!(outcome.text, "Worth the wait.");
     assert!(wait_exit(&mut up).success());
 }
+
+/// A worker pool that dies after its tool call was dispatched: the call is
+/// answered `no_worker` once the catalog has missed the pool twice, not
+/// after the tool's timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_that_dies_mid_call_is_noticed_before_the_timeout() {
+    let script = serde_json::json!({
+        "rules": [{ "whenUserContains": ["honeybee"], "steps": [
+            { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "honeybee waggle dance" } } ] },
+            { "answer": "Bees: {{tool:search_documents}}" }
+        ] }]
+    });
+    let env = support::Env::start_with(
+        script,
+        support::Options {
+            workers: vec![toolfleet::fleet::WorkerKind::System],
+            ..Default::default()
+        },
+    )
+    .await;
+    let index = tempfile::tempdir().unwrap();
+    let port = toolfleet::local::free_port().unwrap();
+    let mut worker = spawn(
+        env!("CARGO_BIN_EXE_toolfleet-worker-retrieval"),
+        &[
+            ("TOOLFLEET_NATS_URL", env.nats.url()),
+            ("TOOLFLEET_REDIS_URL", env.redis.url()),
+            (
+                "TOOLFLEET_INDEX_DIR",
+                index.path().join("idx").display().to_string(),
+            ),
+            ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
+            ("TOOLFLEET_LOG", "warn".into()),
+        ],
+    );
+    wait_for_metrics(port).await;
+    // Served while the pool lives (the catalog may need a refresh first).
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let (_, outcome) = env.ask("How do honeybees navigate?").await;
+        if outcome.is_ok_and(|o| !o.references.is_empty()) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the retrieval pool never answered"
+        );
+    }
+    // The pool dies without a goodbye; its tool's timeout is 10 s.
+    let _ = worker.0.kill();
+    let _ = worker.0.wait();
+    let (_, outcome) = env.ask("How do honeybees navigate?").await;
+    let outcome = outcome.expect("the loop goes on without the tool");
+    let codes: Vec<Option<String>> = outcome
+        .events
+        .iter()
+        .filter_map(|e| match &e.body {
+            toolfleet::protocol::ChatEventBody::ToolResult { error_code, .. } => {
+                Some(error_code.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(codes, vec![Some("no_worker".to_string())]);
+}
