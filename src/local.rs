@@ -175,17 +175,6 @@ impl NatsServer {
     pub fn stop(&mut self) {
         self.proc.kill();
     }
-
-    /// Starts it again on the same port with the same data.
-    pub fn restart(self) -> Result<Self, LocalError> {
-        let Self {
-            mut proc,
-            port,
-            dir,
-        } = self;
-        proc.kill();
-        Self::start_in(dir, port)
-    }
 }
 
 fn nats_answers(port: u16) -> bool {
@@ -218,6 +207,11 @@ impl RedisServer {
     }
 
     fn start_in(dir: tempfile::TempDir, port: u16) -> Result<Self, LocalError> {
+        let proc = Self::spawn_in(dir.path(), port)?;
+        Ok(Self { proc, port, dir })
+    }
+
+    fn spawn_in(dir: &Path, port: u16) -> Result<Proc, LocalError> {
         let mut proc = Proc::spawn(
             "redis-server",
             Command::new("redis-server")
@@ -232,11 +226,11 @@ impl RedisServer {
                     "no",
                     "--dir",
                 ])
-                .arg(dir.path()),
-            &dir.path().join("redis.log"),
+                .arg(dir),
+            &dir.join("redis.log"),
         )?;
         proc.wait_ready(|| redis_answers(port))?;
-        Ok(Self { proc, port, dir })
+        Ok(proc)
     }
 
     pub fn port(&self) -> u16 {
@@ -251,14 +245,12 @@ impl RedisServer {
         self.proc.kill();
     }
 
-    pub fn restart(self) -> Result<Self, LocalError> {
-        let Self {
-            mut proc,
-            port,
-            dir,
-        } = self;
-        proc.kill();
-        Self::start_in(dir, port)
+    /// Starts a stopped server again on the same port (empty: it keeps
+    /// nothing on disk).
+    pub fn start_again(&mut self) -> Result<(), LocalError> {
+        self.proc.kill();
+        self.proc = Self::spawn_in(self.dir.path(), self.port)?;
+        Ok(())
     }
 }
 
@@ -325,15 +317,19 @@ mod tests {
 
     #[test]
     fn servers_start_answer_and_restart_on_the_same_port() {
-        let nats = NatsServer::start().unwrap();
+        let mut nats = NatsServer::start().unwrap();
         assert!(nats_reachable(&nats.url()));
         let port = nats.port();
-        let nats = nats.restart().unwrap();
+        nats.stop();
+        assert!(!nats_reachable(&nats.url()));
+        nats.start_again().unwrap();
         assert_eq!(nats.port(), port);
         assert!(nats_reachable(&nats.url()));
         let mut redis = RedisServer::start().unwrap();
         assert!(redis_reachable(&redis.url()));
         redis.stop();
         assert!(!redis_reachable(&redis.url()));
+        redis.start_again().unwrap();
+        assert!(redis_reachable(&redis.url()));
     }
 }

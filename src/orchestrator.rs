@@ -1008,14 +1008,7 @@ impl Fleet {
                 arguments: redact(&arguments, &def.sensitive_arguments),
             });
             if !self.is_live(&tool).await {
-                answers[i] = Some(self.immediate(
-                    events,
-                    call,
-                    &tool,
-                    ToolStatus::Error,
-                    "no_worker",
-                    format!("Error: the tool {} is not available right now (no live worker serves it). Answer without it.", call.name),
-                ));
+                answers[i] = Some(self.no_worker(events, call, &tool, "no live worker serves it"));
                 continue;
             }
             // Ours, minted per call (see `invoke`): unique within the
@@ -1124,13 +1117,11 @@ impl Fleet {
                     if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
                         let call_id = msg.subject.as_str().rsplit('.').next().unwrap_or_default();
                         if let Some((i, def, _, _)) = pending.remove(call_id) {
-                            answers[i] = Some(self.immediate(
+                            answers[i] = Some(self.no_worker(
                                 events,
                                 &calls[i],
                                 &def.id.to_string(),
-                                ToolStatus::Error,
-                                "no_worker",
-                                format!("Error: the tool {} is not available right now (no live worker serves it). Answer without it.", calls[i].name),
+                                "no live worker serves it",
                             ));
                         }
                         continue;
@@ -1184,13 +1175,11 @@ impl Fleet {
                     }
                     for key in gone {
                         if let Some((i, def, _, _)) = pending.remove(&key) {
-                            answers[i] = Some(self.immediate(
+                            answers[i] = Some(self.no_worker(
                                 events,
                                 &calls[i],
                                 &def.id.to_string(),
-                                ToolStatus::Error,
-                                "no_worker",
-                                format!("Error: the tool {} lost its last live worker while running this call. Answer without it.", calls[i].name),
+                                "its last live worker went away during this call",
                             ));
                         }
                     }
@@ -1224,6 +1213,27 @@ impl Fleet {
             .into_iter()
             .map(|a| a.unwrap_or_else(|| ("Error: no result.".to_string(), ToolStatus::Error)))
             .collect()
+    }
+
+    /// Answers a call whose tool has no live worker, saying why.
+    fn no_worker(
+        &self,
+        events: &Events,
+        call: &crate::llm::ToolCall,
+        tool: &str,
+        why: &str,
+    ) -> (String, ToolStatus) {
+        self.immediate(
+            events,
+            call,
+            tool,
+            ToolStatus::Error,
+            "no_worker",
+            format!(
+                "Error: the tool {} is not available right now ({why}). Answer without it.",
+                call.name
+            ),
+        )
     }
 
     /// Answers a call without dispatching it.
