@@ -5,7 +5,7 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-use toolfleet::budget::TokenBudget;
+use toolfleet_llm::budget::TokenBudget;
 
 fn median_per_call(mut f: impl FnMut(), calls: u32) -> Duration {
     f(); // warm-up
@@ -99,7 +99,7 @@ fn main() {
 /// private `nats-server`.
 fn nats_round_trip() -> Option<Duration> {
     use futures::StreamExt;
-    let server = toolfleet::local::NatsServer::start().ok()?;
+    let server = toolfleet_local::servers::NatsServer::start().ok()?;
     let rt = tokio::runtime::Runtime::new().ok()?;
     rt.block_on(async {
         let client = async_nats::connect(server.url()).await.ok()?;

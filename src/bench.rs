@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 
-use crate::protocol::{ChatEventBody, Subjects};
+use toolfleet_protocol::{ChatEventBody, Subjects};
 
 /// What a run measured.
 #[derive(Debug, Clone, serde::Serialize)]
@@ -52,7 +52,7 @@ impl std::fmt::Display for BenchReport {
     }
 }
 
-fn percentile(sorted: &[f64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
         return 0.0;
     }
@@ -84,12 +84,12 @@ pub async fn run(
         .map(|i| {
             let q = &questions[i % questions.len().max(1)];
             async move {
-                let job = crate::client::question(q);
+                let job = toolfleet_protocol::client::question(q);
                 let t = Instant::now();
                 let mut tools = 0;
                 let mut timeline = Vec::new();
-                let r = crate::client::chat(client, subjects, &job, timeout, |e| {
-                    timeline.push((t.elapsed().as_millis(), event_name(&e.body)));
+                let r = toolfleet_protocol::client::chat(client, subjects, &job, timeout, |e| {
+                    timeline.push((t.elapsed().as_millis(), ChatEventBody::name(&e.body)));
                     if matches!(e.body, ChatEventBody::ToolResult { .. }) {
                         tools += 1;
                     }
@@ -128,18 +128,6 @@ pub async fn run(
         latency_ms_p99: percentile(&latencies, 99.0),
         latency_ms_max: latencies.last().copied().unwrap_or(0.0),
         peak_rss_mib: peak_rss_mib(),
-    }
-}
-
-fn event_name(body: &ChatEventBody) -> &'static str {
-    match body {
-        ChatEventBody::Started { .. } => "started",
-        ChatEventBody::Delta { .. } => "delta",
-        ChatEventBody::ToolCall { .. } => "tool_call",
-        ChatEventBody::ToolResult { .. } => "tool_result",
-        ChatEventBody::References { .. } => "references",
-        ChatEventBody::Completed { .. } => "completed",
-        ChatEventBody::Error { .. } => "error",
     }
 }
 

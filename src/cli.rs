@@ -10,10 +10,13 @@ use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use crate::config::{LlmArgs, NatsArgs, RedisArgs, ToolDefsArgs};
-use crate::fleet::{FleetSpec, IndexPaths, WorkerKind};
-use crate::orchestrator::OrchestratorConfig;
-use crate::protocol::{ChatEvent, ChatEventBody};
+use toolfleet_llm::args::LlmArgs;
+use toolfleet_local::fleet::FleetSpec;
+use toolfleet_service::args::{NatsArgs, ToolDefsArgs};
+
+use crate::families::IndexArgs;
+use toolfleet_orchestrator::OrchestratorConfig;
+use toolfleet_protocol::{ChatEvent, ChatEventBody};
 
 #[derive(Parser, Debug)]
 #[command(
@@ -98,10 +101,10 @@ pub struct LocalArgs {
     #[command(flatten)]
     pub defs: ToolDefsArgs,
     /// Use this NATS server instead of a child process (when reachable).
-    #[arg(long, env = crate::config::ENV_NATS_URL, default_value = crate::config::DEFAULT_NATS_URL, hide_env_values = true)]
+    #[arg(long, env = toolfleet_service::args::ENV_NATS_URL, default_value = toolfleet_service::args::DEFAULT_NATS_URL, hide_env_values = true)]
     pub nats_url: String,
     /// Use this Redis server instead of a child process (when reachable).
-    #[arg(long, env = crate::config::ENV_REDIS_URL, default_value = crate::config::DEFAULT_REDIS_URL, hide_env_values = true)]
+    #[arg(long, env = toolfleet_service::args::ENV_REDIS_URL, default_value = toolfleet_service::args::DEFAULT_REDIS_URL, hide_env_values = true)]
     pub redis_url: String,
     /// Always start private nats-server and redis-server child processes.
     #[arg(long)]
@@ -125,37 +128,29 @@ pub struct BenchArgs {
     /// Print the event timeline of every job slower than this, in ms.
     #[arg(long, default_value_t = 1000)]
     pub slow_ms: u64,
+    /// Also measure the transport floors on the same server at the same
+    /// concurrency (a JetStream work-queue round trip, a core NATS
+    /// request-reply) and print the fleet's figures as ratios to them.
+    #[arg(long)]
+    pub floor: bool,
     #[command(flatten)]
     pub local: LocalArgs,
 }
 
 #[derive(Args, Debug)]
 pub struct UpArgs {
+    /// NATS, Redis, definitions and concurrency, as every worker has them.
     #[command(flatten)]
-    pub nats: NatsArgs,
-    #[command(flatten)]
-    pub redis: RedisArgs,
-    #[command(flatten)]
-    pub defs: ToolDefsArgs,
+    pub worker: toolfleet_worker::WorkerArgs,
     #[command(flatten)]
     pub llm: LlmArgs,
-    /// Where the index lives (built from --corpus-dir when missing).
-    #[arg(
-        long,
-        env = "TOOLFLEET_INDEX_DIR",
-        default_value = "target/toolfleet-index"
-    )]
-    pub index_dir: PathBuf,
-    #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
-    pub corpus_dir: PathBuf,
+    #[command(flatten)]
+    pub index: IndexArgs,
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     pub max_in_flight: usize,
-    /// Tool jobs executed at once per worker.
-    #[arg(long, env = "TOOLFLEET_CONCURRENCY", default_value_t = 16)]
-    pub concurrency: usize,
     /// Prometheus metrics and health endpoint.
-    #[arg(long, env = crate::config::ENV_METRICS_ADDR, default_value = "127.0.0.1:9464")]
+    #[arg(long, env = toolfleet_service::args::ENV_METRICS_ADDR, default_value = "127.0.0.1:9464")]
     pub metrics_addr: SocketAddr,
 }
 
@@ -216,11 +211,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Tools { command } => tools(command),
         Command::Index { command } => index(command),
         Command::ScriptedModel { listen, script } => {
-            let script = crate::scripted::Script::load(&script)?;
+            let script = toolfleet_scripted::Script::load(&script)?;
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("binding {listen}"))?;
-            crate::scripted::serve(listener, script, crate::config::shutdown_signal()).await?;
+            toolfleet_scripted::serve(listener, script, toolfleet_service::args::shutdown_signal())
+                .await?;
             Ok(0)
         }
     }
@@ -259,13 +255,14 @@ fn show_progress(event: &ChatEvent) {
 
 async fn ask(
     client: &async_nats::Client,
-    subjects: &crate::protocol::Subjects,
+    subjects: &toolfleet_protocol::Subjects,
     question: &str,
     timeout: Duration,
 ) -> anyhow::Result<String> {
-    let job = crate::client::question(question);
-    let outcome = crate::client::chat(client, subjects, &job, timeout, show_progress).await?;
-    let rendered = crate::citations::render(&outcome.text, &outcome.references);
+    let job = toolfleet_protocol::client::question(question);
+    let outcome =
+        toolfleet_protocol::client::chat(client, subjects, &job, timeout, show_progress).await?;
+    let rendered = toolfleet_protocol::references::render(&outcome.text, &outcome.references);
     Ok(rendered.to_markdown())
 }
 
@@ -274,8 +271,8 @@ async fn chat(args: ChatArgs) -> anyhow::Result<i32> {
     let client = args.nats.connect("toolfleet-chat").await?;
     let timeout = Duration::from_secs(args.timeout);
     if args.json {
-        let job = crate::client::question(&args.question);
-        let result = crate::client::chat(&client, &subjects, &job, timeout, |e| {
+        let job = toolfleet_protocol::client::question(&args.question);
+        let result = toolfleet_protocol::client::chat(&client, &subjects, &job, timeout, |e| {
             println!("{}", serde_json::to_string(e).unwrap_or_default());
         })
         .await;
@@ -305,35 +302,37 @@ pub const DEMO_QUESTIONS: [&str; 3] = [
 struct DemoServers {
     nats_url: String,
     redis_url: String,
-    _nats: Option<crate::local::NatsServer>,
-    _redis: Option<crate::local::RedisServer>,
+    _nats: Option<toolfleet_local::servers::NatsServer>,
+    _redis: Option<toolfleet_local::servers::RedisServer>,
 }
 
 fn demo_servers(args: &LocalArgs) -> anyhow::Result<DemoServers> {
-    let (nats_url, nats) = if !args.isolated && crate::local::nats_reachable(&args.nats_url) {
-        eprintln!(
-            "• using the NATS server at {}",
-            crate::config::redact_url(&args.nats_url)
-        );
-        (args.nats_url.clone(), None)
-    } else {
-        eprint!("• starting nats-server -js … ");
-        let s = crate::local::NatsServer::start()?;
-        eprintln!("on {}", s.url());
-        (s.url(), Some(s))
-    };
-    let (redis_url, redis) = if !args.isolated && crate::local::redis_reachable(&args.redis_url) {
-        eprintln!(
-            "• using the Redis server at {}",
-            crate::config::redact_url(&args.redis_url)
-        );
-        (args.redis_url.clone(), None)
-    } else {
-        eprint!("• starting redis-server … ");
-        let s = crate::local::RedisServer::start()?;
-        eprintln!("on {}", s.url());
-        (s.url(), Some(s))
-    };
+    let (nats_url, nats) =
+        if !args.isolated && toolfleet_local::servers::nats_reachable(&args.nats_url) {
+            eprintln!(
+                "• using the NATS server at {}",
+                toolfleet_protocol::redact_url(&args.nats_url)
+            );
+            (args.nats_url.clone(), None)
+        } else {
+            eprint!("• starting nats-server -js … ");
+            let s = toolfleet_local::servers::NatsServer::start()?;
+            eprintln!("on {}", s.url());
+            (s.url(), Some(s))
+        };
+    let (redis_url, redis) =
+        if !args.isolated && toolfleet_local::servers::redis_reachable(&args.redis_url) {
+            eprintln!(
+                "• using the Redis server at {}",
+                toolfleet_protocol::redact_url(&args.redis_url)
+            );
+            (args.redis_url.clone(), None)
+        } else {
+            eprint!("• starting redis-server … ");
+            let s = toolfleet_local::servers::RedisServer::start()?;
+            eprintln!("on {}", s.url());
+            (s.url(), Some(s))
+        };
     Ok(DemoServers {
         nats_url,
         redis_url,
@@ -347,8 +346,8 @@ fn demo_servers(args: &LocalArgs) -> anyhow::Result<DemoServers> {
 /// workers in this process. Used by `demo` and `bench`.
 struct LocalFleet {
     servers: DemoServers,
-    model: crate::scripted::ScriptedServer,
-    subjects: crate::protocol::Subjects,
+    model: toolfleet_scripted::ScriptedServer,
+    subjects: toolfleet_protocol::Subjects,
     client: async_nats::Client,
     shutdown: CancellationToken,
     tracker: TaskTracker,
@@ -362,16 +361,17 @@ impl LocalFleet {
         max_in_flight: usize,
     ) -> anyhow::Result<Self> {
         let servers = demo_servers(args)?;
-        let registry = crate::fleet::load_registry(&args.defs.dir)?;
+        let registry = load_registry(&args.defs.dir)?;
         eprintln!(
             "• {} tool definitions loaded from {}",
             registry.len(),
             args.defs.dir.display()
         );
 
-        let script = crate::scripted::Script::load(script)?;
+        let script = toolfleet_scripted::Script::load(script)?;
         let model_name = script.model().to_string();
-        let model = crate::scripted::ScriptedServer::start("127.0.0.1:0".parse()?, script).await?;
+        let model =
+            toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse()?, script).await?;
         eprintln!(
             "• model: the scripted stand-in server at {} (not a real model)",
             model.base_url()
@@ -380,38 +380,43 @@ impl LocalFleet {
         let work = tempfile::tempdir()?;
         eprint!("• indexing {} … ", args.corpus.display());
         let _ = std::io::stderr().flush();
-        let stats = crate::index::DocumentIndex::build(&args.corpus, &work.path().join("index"))?;
+        let stats = toolfleet_worker_retrieval::index::DocumentIndex::build(
+            &args.corpus,
+            &work.path().join("index"),
+        )?;
         eprintln!("{} documents, {} passages", stats.documents, stats.passages);
 
-        let subjects = crate::protocol::Subjects::new(crate::protocol::DEFAULT_PREFIX)?;
+        let subjects = toolfleet_protocol::Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         // The scripted stand-in plays the model of the one default profile.
-        let profiles = crate::profiles::FleetConfig::single(crate::profiles::Deployment::new(
-            model.base_url(),
-            model_name,
-        ));
+        let profiles = toolfleet_llm::profiles::FleetConfig::single(
+            toolfleet_llm::profiles::Deployment::new(model.base_url(), model_name),
+        );
         let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
         orchestrator.max_in_flight = max_in_flight;
+        let workers = crate::families::all(
+            &args.defs.dir,
+            &IndexArgs {
+                index_dir: work.path().join("index"),
+                corpus_dir: args.corpus.clone(),
+            },
+        )?;
         let spec = FleetSpec {
             nats_url: servers.nats_url.clone(),
             redis_url: servers.redis_url.clone(),
             subjects: subjects.clone(),
             citation_ttl: Duration::from_secs(3600),
-            registry,
             orchestrator: Some(orchestrator),
-            workers: vec![WorkerKind::System, WorkerKind::Retrieval],
+            workers,
             worker_concurrency: max_in_flight,
-            index: Some(IndexPaths {
-                index_dir: work.path().join("index"),
-                corpus_dir: args.corpus.clone(),
-            }),
+            nats_connect_wait: Duration::from_secs(10),
         };
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = prometheus::Registry::new();
         eprint!("• starting the orchestrator and the system and retrieval workers … ");
-        crate::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
+        toolfleet_local::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
         eprintln!("ready\n");
-        let client = crate::config::connect_nats(
+        let client = toolfleet_service::args::connect_nats(
             &servers.nats_url,
             "toolfleet-demo",
             Duration::from_secs(5),
@@ -493,45 +498,73 @@ async fn bench(args: BenchArgs) -> anyhow::Result<i32> {
         slow,
     )
     .await;
+    let floors = if args.floor {
+        Some((
+            crate::floor::jetstream_round_trip(&fleet.client, args.jobs, args.concurrency).await?,
+            crate::floor::request_reply(&fleet.client, args.jobs, args.concurrency).await?,
+        ))
+    } else {
+        None
+    };
     fleet.stop().await;
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let value = match &floors {
+            Some((js, rr)) => serde_json::json!({
+                "fleet": report,
+                "floors": [js, rr],
+                "ratios": ratios(&report, js),
+            }),
+            None => serde_json::to_value(&report)?,
+        };
+        println!("{}", serde_json::to_string_pretty(&value)?);
     } else {
         print!("{report}");
+        if let Some((js, rr)) = &floors {
+            print!("{js}{rr}");
+            let r = ratios(&report, js);
+            println!(
+                "fleet / jetstream floor: p50 {:.2}x, p99 {:.2}x, throughput {:.3}x (one chat job = {:.2} tool calls and two model calls)",
+                r["p50"].as_f64().unwrap_or_default(),
+                r["p99"].as_f64().unwrap_or_default(),
+                r["throughput"].as_f64().unwrap_or_default(),
+                report.tool_calls as f64 / report.completed.max(1) as f64,
+            );
+        }
     }
     Ok(if report.failed == 0 { 0 } else { 1 })
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<i32> {
-    let subjects = crate::config::or_exit(args.nats.subjects().map_err(Into::into));
-    let registry = crate::config::or_exit(crate::fleet::load_registry(&args.defs.dir));
+    let subjects =
+        toolfleet_service::args::or_exit(args.worker.nats.subjects().map_err(Into::into));
     let mut orchestrator = OrchestratorConfig::new(
         subjects.clone(),
-        crate::config::or_exit(args.llm.fleet_config()),
+        toolfleet_service::args::or_exit(args.llm.fleet_config().map_err(Into::into)),
     );
     orchestrator.max_in_flight = args.max_in_flight;
+    let workers =
+        toolfleet_service::args::or_exit(crate::families::all(&args.worker.defs.dir, &args.index));
     let spec = FleetSpec {
-        nats_url: args.nats.url.clone(),
-        redis_url: args.redis.url.clone(),
+        nats_url: args.worker.nats.url.clone(),
+        redis_url: args.worker.redis.url.clone(),
         subjects,
-        citation_ttl: Duration::from_secs(args.redis.ttl_secs),
-        registry,
+        citation_ttl: args.worker.redis.ttl(),
         orchestrator: Some(orchestrator),
-        workers: vec![WorkerKind::System, WorkerKind::Retrieval],
-        worker_concurrency: args.concurrency,
-        index: Some(IndexPaths {
-            index_dir: args.index_dir.clone(),
-            corpus_dir: args.corpus_dir.clone(),
-        }),
+        workers,
+        worker_concurrency: args.worker.concurrency,
+        nats_connect_wait: Duration::from_secs(args.worker.nats.connect_wait_secs),
     };
-    crate::fleet::serve_until_signal(spec, args.metrics_addr).await?;
+    toolfleet_service::serve_until_signal(args.metrics_addr, |rt| async move {
+        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()).await
+    })
+    .await?;
     Ok(0)
 }
 
 fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
     match command {
         ToolsCommand::List(defs) => {
-            let registry = crate::fleet::load_registry(&defs.dir)?;
+            let registry = load_registry(&defs.dir)?;
             for d in registry.iter() {
                 println!(
                     "{:<40} {:<20} {}",
@@ -543,8 +576,8 @@ fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
             Ok(0)
         }
         ToolsCommand::Show { tool, defs } => {
-            let registry = crate::fleet::load_registry(&defs.dir)?;
-            let def = match tool.parse::<crate::tools::ToolId>() {
+            let registry = load_registry(&defs.dir)?;
+            let def = match tool.parse::<toolfleet_protocol::tools::ToolId>() {
                 Ok(id) => registry.get(&id),
                 Err(_) => registry.by_function_name(&tool),
             }
@@ -569,9 +602,9 @@ fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
             let mut bad = 0;
             for p in paths {
                 let result = if p.is_dir() {
-                    crate::tools::load_dir(&p).map(|d| d.len())
+                    toolfleet_protocol::tools::load_dir(&p).map(|d| d.len())
                 } else {
-                    crate::tools::load_file(&p).map(|_| 1)
+                    toolfleet_protocol::tools::load_file(&p).map(|_| 1)
                 };
                 match result {
                     Ok(n) => println!("ok   {} ({n} definition(s))", p.display()),
@@ -589,7 +622,7 @@ fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
 fn index(command: IndexCommand) -> anyhow::Result<i32> {
     match command {
         IndexCommand::Build { corpus, index } => {
-            let stats = crate::index::DocumentIndex::build(&corpus, &index)?;
+            let stats = toolfleet_worker_retrieval::index::DocumentIndex::build(&corpus, &index)?;
             println!(
                 "indexed {} documents ({} passages) into {}",
                 stats.documents,
@@ -603,7 +636,7 @@ fn index(command: IndexCommand) -> anyhow::Result<i32> {
             index,
             limit,
         } => {
-            let idx = crate::index::DocumentIndex::open(&index)?;
+            let idx = toolfleet_worker_retrieval::index::DocumentIndex::open(&index)?;
             for h in idx.search(&query, limit)? {
                 println!(
                     "{:.3}  {}  {}\n       {}",
@@ -613,4 +646,23 @@ fn index(command: IndexCommand) -> anyhow::Result<i32> {
             Ok(0)
         }
     }
+}
+
+/// Loads and validates the tool definition files in `dir`.
+fn load_registry(dir: &std::path::Path) -> anyhow::Result<toolfleet_protocol::tools::ToolRegistry> {
+    toolfleet_protocol::tools::ToolRegistry::from_dir(dir)
+        .with_context(|| format!("loading tool definitions from {}", dir.display()))
+}
+
+/// The fleet's chat-job figures over the JetStream floor's.
+fn ratios(
+    fleet: &crate::bench::BenchReport,
+    floor: &crate::floor::FloorReport,
+) -> serde_json::Value {
+    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
+    serde_json::json!({
+        "p50": ratio(fleet.latency_ms_p50, floor.latency_ms_p50),
+        "p99": ratio(fleet.latency_ms_p99, floor.latency_ms_p99),
+        "throughput": ratio(fleet.jobs_per_sec, floor.ops_per_sec),
+    })
 }

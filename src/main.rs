@@ -9,7 +9,7 @@ async fn main() {
         Ok(cli) => cli,
         Err(e) => {
             let code = if e.use_stderr() {
-                toolfleet::config::EXIT_CONFIG
+                toolfleet_service::args::EXIT_CONFIG
             } else {
                 0
             };
@@ -25,7 +25,7 @@ async fn main() {
             | toolfleet::cli::Command::Bench(_)
             | toolfleet::cli::Command::Tools { .. }
     );
-    toolfleet::config::init_tracing_with(if interactive { "warn" } else { "info" });
+    toolfleet_service::args::init_tracing_with(if interactive { "warn" } else { "info" });
     let code = match toolfleet::cli::run(cli).await {
         Ok(code) => code,
         Err(e) => {

@@ -28,11 +28,42 @@ fn spawn(bin: &str, env: &[(&str, String)]) -> Proc {
 }
 
 async fn scrape(port: u16) -> Option<String> {
-    toolfleet::llm::install_crypto_provider();
+    toolfleet_llm::install_crypto_provider();
     let r = reqwest::get(format!("http://127.0.0.1:{port}/metrics"))
         .await
         .ok()?;
     r.text().await.ok()
+}
+
+/// Submits `job` and follows it on a task of its own; returns once the
+/// job's `started` event has arrived (an orchestrator is running it).
+async fn chat_once_started(
+    client: &async_nats::Client,
+    subjects: &toolfleet_protocol::Subjects,
+    job: &toolfleet_protocol::ChatJob,
+) -> tokio::task::JoinHandle<
+    Result<toolfleet_protocol::client::ChatOutcome, toolfleet_protocol::client::ClientError>,
+> {
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
+    let mut started_tx = Some(started_tx);
+    let chat = {
+        let (client, subjects, job) = (client.clone(), subjects.clone(), job.clone());
+        tokio::spawn(async move {
+            toolfleet_protocol::client::chat(&client, &subjects, &job, WAIT, move |e| {
+                if matches!(e.body, toolfleet_protocol::ChatEventBody::Started { .. })
+                    && let Some(tx) = started_tx.take()
+                {
+                    let _ = tx.send(());
+                }
+            })
+            .await
+        })
+    };
+    tokio::time::timeout(WAIT, started_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    chat
 }
 
 async fn wait_for_metrics(port: u16) -> String {
@@ -71,17 +102,17 @@ fn wait_exit(p: &mut Proc) -> std::process::ExitStatus {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
-    let nats = toolfleet::local::NatsServer::start().unwrap();
-    let redis = toolfleet::local::RedisServer::start().unwrap();
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
     let script =
-        toolfleet::scripted::Script::load(&support::root().join("examples/demo-script.json"))
+        toolfleet_scripted::Script::load(&support::root().join("examples/demo-script.json"))
             .unwrap();
-    let model = toolfleet::scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
         .await
         .unwrap();
     let index = tempfile::tempdir().unwrap();
     let ports: Vec<u16> = (0..3)
-        .map(|_| toolfleet::local::free_port().unwrap())
+        .map(|_| toolfleet_local::servers::free_port().unwrap())
         .collect();
     let common = vec![
         ("TOOLFLEET_NATS_URL", nats.url()),
@@ -95,7 +126,7 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
     };
     let mut procs = vec![
         spawn(
-            env!("CARGO_BIN_EXE_toolfleet-orchestrator"),
+            &support::sibling_bin("toolfleet-orchestrator"),
             &with(vec![
                 ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[0])),
                 ("TOOLFLEET_LLM_BASE_URL", model.base_url().to_string()),
@@ -104,14 +135,14 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
             ]),
         ),
         spawn(
-            env!("CARGO_BIN_EXE_toolfleet-worker-system"),
+            &support::sibling_bin("toolfleet-worker-system"),
             &with(vec![(
                 "TOOLFLEET_METRICS_ADDR",
                 format!("127.0.0.1:{}", ports[1]),
             )]),
         ),
         spawn(
-            env!("CARGO_BIN_EXE_toolfleet-worker-retrieval"),
+            &support::sibling_bin("toolfleet-worker-retrieval"),
             &with(vec![
                 ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[2])),
                 (
@@ -174,6 +205,12 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
         retrieval.contains(
             "toolfleet_citations_written_total{tool=\"retrieval:search_documents@1.0.0\"}"
         ),
+        "{retrieval}"
+    );
+    // The family's own metrics, registered by the SDK beside the runtime's.
+    assert!(
+        retrieval.contains("toolfleet_retrieval_search_duration_seconds_count 1")
+            && retrieval.contains("toolfleet_retrieval_index_passages 55"),
         "{retrieval}"
     );
     for text in [&orchestrator, &system, &retrieval] {
@@ -270,27 +307,35 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
     }
     for (bin, must) in [
         (
-            env!("CARGO_BIN_EXE_toolfleet-orchestrator"),
+            &support::sibling_bin("toolfleet-orchestrator"),
             &[
                 "TOOLFLEET_NATS_URL",
                 "TOOLFLEET_REDIS_URL",
                 "TOOLFLEET_LLM_BASE_URL",
                 "TOOLFLEET_LLM_API_KEY",
                 "TOOLFLEET_METRICS_ADDR",
-                "TOOLFLEET_TOOL_DEFINITIONS",
             ][..],
         ),
         (
-            env!("CARGO_BIN_EXE_toolfleet-worker-system"),
+            &support::sibling_bin("toolfleet-worker-system"),
             &[
                 "TOOLFLEET_NATS_URL",
                 "TOOLFLEET_REDIS_URL",
                 "TOOLFLEET_CONCURRENCY",
+                "TOOLFLEET_TOOL_DEFINITIONS",
                 "TOOLFLEET_METRICS_ADDR",
             ][..],
         ),
         (
-            env!("CARGO_BIN_EXE_toolfleet-worker-retrieval"),
+            &support::sibling_bin("units-worker"),
+            &[
+                "TOOLFLEET_NATS_URL",
+                "TOOLFLEET_REDIS_URL",
+                "TOOLFLEET_METRICS_ADDR",
+            ][..],
+        ),
+        (
+            &support::sibling_bin("toolfleet-worker-retrieval"),
             &[
                 "TOOLFLEET_INDEX_DIR",
                 "TOOLFLEET_CORPUS_DIR",
@@ -323,7 +368,7 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
 
 #[test]
 fn chat_against_a_dead_server_fails_clearly() {
-    let port = toolfleet::local::free_port().unwrap();
+    let port = toolfleet_local::servers::free_port().unwrap();
     let out = toolfleet(&[
         "chat",
         "hi",
@@ -341,12 +386,12 @@ fn chat_against_a_dead_server_fails_clearly() {
 /// (`--config`), as a developer runs it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
-    let nats = toolfleet::local::NatsServer::start().unwrap();
-    let redis = toolfleet::local::RedisServer::start().unwrap();
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
     let script =
-        toolfleet::scripted::Script::load(&support::root().join("examples/demo-script.json"))
+        toolfleet_scripted::Script::load(&support::root().join("examples/demo-script.json"))
             .unwrap();
-    let model = toolfleet::scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -359,7 +404,7 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
         ),
     )
     .unwrap();
-    let port = toolfleet::local::free_port().unwrap();
+    let port = toolfleet_local::servers::free_port().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_toolfleet"));
     cmd.arg("up")
         .current_dir(support::root())
@@ -402,19 +447,19 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
 /// finishes the job (its client gets `completed`), then exits cleanly.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_the_job_in_flight() {
-    let nats = toolfleet::local::NatsServer::start().unwrap();
-    let redis = toolfleet::local::RedisServer::start().unwrap();
-    let script = toolfleet::scripted::Script::from_json(
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let script = toolfleet_scripted::Script::from_json(
         r#"{"rules": [{"whenUserContains": ["slow"], "steps": [
             {"fault": {"kind": "slowFirstToken", "delayMs": 1500}, "answer": "Worth the wait."}
         ]}]}"#,
     )
     .unwrap();
-    let model = toolfleet::scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let port = toolfleet::local::free_port().unwrap();
+    let port = toolfleet_local::servers::free_port().unwrap();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_toolfleet"));
     cmd.arg("up")
         .current_dir(support::root())
@@ -431,27 +476,9 @@ async fn sigterm_drains_the_job_in_flight() {
     wait_for_metrics(port).await;
 
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let subjects = toolfleet::protocol::Subjects::new("toolfleet").unwrap();
-    let job = toolfleet::client::question("a slow question");
-    let (started_tx, started_rx) = tokio::sync::oneshot::channel();
-    let mut started_tx = Some(started_tx);
-    let chat = {
-        let (client, subjects, job) = (client.clone(), subjects.clone(), job.clone());
-        tokio::spawn(async move {
-            toolfleet::client::chat(&client, &subjects, &job, WAIT, move |e| {
-                if matches!(e.body, toolfleet::protocol::ChatEventBody::Started { .. })
-                    && let Some(tx) = started_tx.take()
-                {
-                    let _ = tx.send(());
-                }
-            })
-            .await
-        })
-    };
-    tokio::time::timeout(WAIT, started_rx)
-        .await
-        .unwrap()
-        .unwrap();
+    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+    let job = toolfleet_protocol::client::question("a slow question");
+    let chat = chat_once_started(&client, &subjects, &job).await;
     sigterm(&up);
     let outcome = tokio::time::timeout(WAIT, chat)
         .await
@@ -476,15 +503,15 @@ async fn a_pool_that_dies_mid_call_is_noticed_before_the_timeout() {
     let env = support::Env::start_with(
         script,
         support::Options {
-            workers: vec![toolfleet::fleet::WorkerKind::System],
+            workers: vec!["system"],
             ..Default::default()
         },
     )
     .await;
     let index = tempfile::tempdir().unwrap();
-    let port = toolfleet::local::free_port().unwrap();
+    let port = toolfleet_local::servers::free_port().unwrap();
     let mut worker = spawn(
-        env!("CARGO_BIN_EXE_toolfleet-worker-retrieval"),
+        &support::sibling_bin("toolfleet-worker-retrieval"),
         &[
             ("TOOLFLEET_NATS_URL", env.nats.url()),
             ("TOOLFLEET_REDIS_URL", env.redis.url()),
@@ -518,11 +545,62 @@ async fn a_pool_that_dies_mid_call_is_noticed_before_the_timeout() {
         .events
         .iter()
         .filter_map(|e| match &e.body {
-            toolfleet::protocol::ChatEventBody::ToolResult { error_code, .. } => {
+            toolfleet_protocol::ChatEventBody::ToolResult { error_code, .. } => {
                 Some(error_code.clone())
             }
             _ => None,
         })
         .collect();
     assert_eq!(codes, vec![Some("no_worker".to_string())]);
+}
+
+/// An orchestrator killed mid-job (SIGKILL: no drain, no ack) loses
+/// nothing, and not for long: the job comes back after the chat consumer's
+/// short ack wait and another orchestrator finishes it, well inside the
+/// client's wait (before the ack wait was shortened, a minute).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_orchestrators_job_is_finished_by_another() {
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let script = toolfleet_scripted::Script::from_json(
+        r#"{"rules": [{"whenUserContains": ["slow"], "steps": [
+            {"fault": {"kind": "slowFirstToken", "delayMs": 1500}, "answer": "Finished elsewhere."}
+        ]}]}"#,
+    )
+    .unwrap();
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let orchestrator = |port: u16| {
+        spawn(
+            &support::sibling_bin("toolfleet-orchestrator"),
+            &[
+                ("TOOLFLEET_NATS_URL", nats.url()),
+                ("TOOLFLEET_REDIS_URL", redis.url()),
+                ("TOOLFLEET_LLM_BASE_URL", model.base_url().to_string()),
+                ("TOOLFLEET_LLM_MODEL", "toolfleet-scripted".into()),
+                ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
+                ("TOOLFLEET_LOG", "warn".into()),
+            ],
+        )
+    };
+    let first_port = toolfleet_local::servers::free_port().unwrap();
+    let mut first = orchestrator(first_port);
+    wait_for_metrics(first_port).await;
+
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+    let job = toolfleet_protocol::client::question("a slow question");
+    let chat = chat_once_started(&client, &subjects, &job).await;
+    first.0.kill().unwrap();
+    first.0.wait().unwrap();
+
+    let second_port = toolfleet_local::servers::free_port().unwrap();
+    let _second = orchestrator(second_port);
+    let outcome = tokio::time::timeout(WAIT, chat)
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("another orchestrator finishes the job");
+    assert_eq!(outcome.text, "Finished elsewhere.");
 }

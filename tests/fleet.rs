@@ -2,6 +2,8 @@
 //! processes and the scripted model server (a stand-in for the provider).
 
 mod binaries;
+mod layout;
+mod orchestrator;
 mod policies;
 mod prometheus;
 mod runtime;
@@ -12,12 +14,11 @@ use std::collections::HashSet;
 use futures::StreamExt;
 use serde_json::{Value, json};
 use support::{Env, Options, WAIT, lighthouse_script, next_json};
-use toolfleet::citations::{cited_indices, render};
-use toolfleet::fleet::WorkerKind;
-use toolfleet::protocol::{ChatEventBody, ToolStatus};
+use toolfleet_protocol::references::{cited_indices, render};
+use toolfleet_protocol::{ChatEventBody, ToolStatus};
 
 fn tool_results(
-    events: &[toolfleet::protocol::ChatEvent],
+    events: &[toolfleet_protocol::ChatEvent],
 ) -> Vec<(String, ToolStatus, Option<String>)> {
     events
         .iter()
@@ -55,19 +56,7 @@ async fn both_tools_in_one_round_answer_with_citations() {
     let outcome = outcome.expect("completed");
 
     // Both calls went out before either result came back: one parallel round.
-    let kinds: Vec<&str> = outcome
-        .events
-        .iter()
-        .map(|e| match &e.body {
-            ChatEventBody::Started { .. } => "started",
-            ChatEventBody::Delta { .. } => "delta",
-            ChatEventBody::ToolCall { .. } => "tool_call",
-            ChatEventBody::ToolResult { .. } => "tool_result",
-            ChatEventBody::References { .. } => "references",
-            ChatEventBody::Completed { .. } => "completed",
-            ChatEventBody::Error { .. } => "error",
-        })
-        .collect();
+    let kinds: Vec<&str> = outcome.events.iter().map(|e| e.body.name()).collect();
     assert_eq!(kinds[0], "started");
     assert_eq!(&kinds[1..3], ["tool_call", "tool_call"], "{kinds:?}");
     assert_eq!(&kinds[3..5], ["tool_result", "tool_result"], "{kinds:?}");
@@ -238,11 +227,12 @@ async fn a_tool_without_a_live_worker_is_answered_without_waiting_for_its_timeou
             ]
         }]
     });
-    // Only the system worker runs: nobody serves search_documents.
+    // Only the system worker runs: nobody in this fleet serves (or ever
+    // advertised) search_documents, so the orchestrator does not know it.
     let env = Env::start_with(
         script,
         Options {
-            workers: vec![WorkerKind::System],
+            workers: vec!["system"],
             ..Default::default()
         },
     )
@@ -258,15 +248,22 @@ async fn a_tool_without_a_live_worker_is_answered_without_waiting_for_its_timeou
         Some(vec!["system:current_datetime@1.0.0".to_string()]),
         "only live tools are offered"
     );
+    // Answered at once (not waited out as a timeout), naming only the tools
+    // a live worker serves.
     assert_eq!(
         tool_results(&outcome.events),
         vec![(
-            "retrieval:search_documents@1.0.0".into(),
+            "search_documents".into(),
             ToolStatus::Error,
-            Some("no_worker".into())
+            Some("unknown_tool".into())
         )]
     );
-    assert!(tool_messages(&env)[0].contains("no live worker"));
+    let message = &tool_messages(&env)[0];
+    assert!(
+        message.contains("no tool named \"search_documents\"")
+            && message.contains("Available tools: current_datetime."),
+        "{message}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -343,7 +340,7 @@ async fn fifty_concurrent_invocations_never_mix_citations() {
     let asks = (0..50).map(|i| {
         let env = &env;
         async move {
-            let job = toolfleet::client::question(&format!(
+            let job = toolfleet_protocol::client::question(&format!(
                 "Question {i}: what time is it, and how do lighthouses warn ships?"
             ));
             let out = env.submit(&job).await;
@@ -392,8 +389,8 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
     let js = async_nats::jetstream::new(env.client.clone());
     let inbox = env.client.new_inbox();
     let mut replies = env.subscribe(inbox.clone()).await;
-    let call = toolfleet::protocol::CallContext {
-        invocation: toolfleet::protocol::InvocationContext::new("ledger-1"),
+    let call = toolfleet_protocol::CallContext {
+        invocation: toolfleet_protocol::InvocationContext::new("ledger-1"),
         call_id: "call_1".into(),
         tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
         attempt: 1,
@@ -445,8 +442,8 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
     let mut replies = env.subscribe(inbox.clone()).await;
     let mut dead = env.subscribe("toolfleet.deadletter.tool".into()).await;
     env.redis.stop();
-    let call = toolfleet::protocol::CallContext {
-        invocation: toolfleet::protocol::InvocationContext::new("dead-1"),
+    let call = toolfleet_protocol::CallContext {
+        invocation: toolfleet_protocol::InvocationContext::new("dead-1"),
         call_id: "call_9".into(),
         tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
         attempt: 1,
@@ -526,7 +523,7 @@ async fn workers_answer_the_services_api() {
                 .unwrap(),
         )
         .unwrap();
-        let validator = toolfleet::schema::Validator::compile(&schema).unwrap();
+        let validator = toolfleet_protocol::schema::Validator::compile(&schema).unwrap();
         let inbox = env.client.new_inbox();
         let mut sub = env.subscribe(inbox.clone()).await;
         env.client
@@ -576,10 +573,11 @@ async fn the_fleet_recovers_when_nats_restarts() {
     env.nats.start_again().expect("nats-server restarts");
     let deadline = std::time::Instant::now() + WAIT;
     loop {
-        let job = toolfleet::client::question("how do lighthouses warn ships? what time is it");
+        let job =
+            toolfleet_protocol::client::question("how do lighthouses warn ships? what time is it");
         let r = tokio::time::timeout(
             std::time::Duration::from_secs(5),
-            toolfleet::client::chat(
+            toolfleet_protocol::client::chat(
                 &env.client,
                 &env.subjects,
                 &job,

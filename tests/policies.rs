@@ -7,11 +7,11 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use serde_json::{Value, json};
-use toolfleet::protocol::{ChatEventBody, ToolStatus};
+use toolfleet_protocol::{ChatEventBody, ToolStatus};
 
 use crate::support::{Env, Options, WAIT, lighthouse_script, next_json};
 
-fn kinds(events: &[toolfleet::protocol::ChatEvent]) -> Vec<String> {
+fn kinds(events: &[toolfleet_protocol::ChatEvent]) -> Vec<String> {
     events
         .iter()
         .filter_map(|e| match &e.body {
@@ -22,7 +22,7 @@ fn kinds(events: &[toolfleet::protocol::ChatEvent]) -> Vec<String> {
         .collect()
 }
 
-fn started_profile(events: &[toolfleet::protocol::ChatEvent]) -> Option<String> {
+fn started_profile(events: &[toolfleet_protocol::ChatEvent]) -> Option<String> {
     events.iter().find_map(|e| match &e.body {
         ChatEventBody::Started { profile, .. } => profile.clone(),
         _ => None,
@@ -58,7 +58,7 @@ async fn no_resolvable_deployment_ends_the_job_at_once_naming_the_profile() {
         },
     )
     .await;
-    let mut job = toolfleet::client::question("how do lighthouses work?");
+    let mut job = toolfleet_protocol::client::question("how do lighthouses work?");
     job.profile = Some("locked".into());
     let err = env.submit(&job).await.expect_err("no deployment");
     assert_eq!(err.code(), "no_deployment");
@@ -73,7 +73,7 @@ async fn no_resolvable_deployment_ends_the_job_at_once_naming_the_profile() {
     );
 
     // An unknown profile falls back to the default one.
-    let mut job = toolfleet::client::question("how do lighthouses work?");
+    let mut job = toolfleet_protocol::client::question("how do lighthouses work?");
     job.profile = Some("no-such-profile".into());
     let outcome = env.submit(&job).await.expect("falls back to default");
     assert_eq!(started_profile(&outcome.events).as_deref(), Some("default"));
@@ -111,7 +111,7 @@ async fn the_responses_api_runs_the_same_loop_with_citations_usage_and_cost() {
     let outcome = outcome.expect("completed");
     assert!(!outcome.references.is_empty());
     let known: HashSet<u64> = outcome.references.iter().map(|r| r.index).collect();
-    let cited = toolfleet::citations::cited_indices(&outcome.text);
+    let cited = toolfleet_protocol::references::cited_indices(&outcome.text);
     assert!(
         !cited.is_empty() && cited.iter().all(|n| known.contains(n)),
         "{}",
@@ -208,16 +208,7 @@ async fn calls_over_the_per_turn_cap_are_not_run_and_the_model_is_told_to_answer
         .ask("What time is it, and how do lighthouses warn ships?")
         .await;
     let outcome = outcome.expect("completed");
-    let results: Vec<(ToolStatus, Option<String>)> = outcome
-        .events
-        .iter()
-        .filter_map(|e| match &e.body {
-            ChatEventBody::ToolResult {
-                status, error_code, ..
-            } => Some((*status, error_code.clone())),
-            _ => None,
-        })
-        .collect();
+    let results = crate::support::result_codes(&outcome.events);
     assert_eq!(results.len(), 2);
     assert!(
         results.contains(&(ToolStatus::Error, Some("calls_per_turn".into()))),
@@ -428,7 +419,7 @@ async fn long_tool_results_are_cut_to_the_token_cap_with_a_notice() {
         .unwrap()
         .to_string();
     assert!(tool.contains("tokens cut"), "{tool}");
-    let budget = toolfleet::budget::TokenBudget::for_model("toolfleet-scripted");
+    let budget = toolfleet_llm::budget::TokenBudget::for_model("toolfleet-scripted");
     assert!(budget.count(&tool) <= 80, "{} tokens", budget.count(&tool));
     assert!(
         env.metrics_text()
@@ -514,11 +505,11 @@ async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
         "rules": [{ "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 20000 }, "answer": "too late" } ] }]
     });
     let env = Env::start(script).await;
-    let job = toolfleet::client::question("a slow question");
+    let job = toolfleet_protocol::client::question("a slow question");
     let mut events = env
         .subscribe(env.subjects.chat_events(&job.invocation_id))
         .await;
-    toolfleet::client::submit(&env.client, &env.subjects, &job)
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
         .await
         .unwrap();
     let started = next_json(&mut events).await;
@@ -597,7 +588,7 @@ async fn a_job_past_its_deadline_ends_with_an_error_event() {
         "rules": [{ "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 20000 }, "answer": "too late" } ] }]
     });
     let env = Env::start(script).await;
-    let mut job = toolfleet::client::question("a slow question");
+    let mut job = toolfleet_protocol::client::question("a slow question");
     job.timeout_ms = Some(1000);
     let err = env.submit(&job).await.expect_err("deadline");
     assert_eq!(err.code(), "deadline_exceeded");
@@ -631,7 +622,8 @@ async fn with_one_round_the_model_answers_without_tools() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_job_field_that_cannot_travel_in_a_header_is_refused_clearly() {
     let env = Env::start(lighthouse_script()).await;
-    let mut job = toolfleet::client::question("how do lighthouses warn ships? what time is it");
+    let mut job =
+        toolfleet_protocol::client::question("how do lighthouses warn ships? what time is it");
     job.tenant = Some("acme\ninjected: header".into());
     let err = env.submit(&job).await.expect_err("refused");
     assert_eq!(err.code(), "malformed_job");
@@ -695,4 +687,64 @@ async fn direct_delivery_uses_request_reply_not_the_stream() {
         ),
         "{text}"
     );
+}
+
+/// A cancel that arrives while the job still waits in the stream (behind a
+/// busy orchestrator) is remembered: when the job's turn comes it ends with
+/// `error: cancelled` at once and the model is never asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cancelled_while_queued_never_runs() {
+    let script = json!({
+        "rules": [
+            { "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 1500 }, "answer": "done slowly" } ] },
+            { "whenUserContains": ["queued"], "steps": [ { "answer": "should not run" } ] }
+        ]
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            tweak: |o| o.max_in_flight = 1,
+            ..Default::default()
+        },
+    )
+    .await;
+    // The one slot is busy with a slow job.
+    let slow = toolfleet_protocol::client::question("a slow question");
+    let mut slow_events = env
+        .subscribe(env.subjects.chat_events(&slow.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &slow)
+        .await
+        .unwrap();
+    assert_eq!(next_json(&mut slow_events).await["type"], "started");
+
+    // The second job waits in the stream; cancel it there.
+    let queued = toolfleet_protocol::client::question("a queued question");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(&queued.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &queued)
+        .await
+        .unwrap();
+    env.client
+        .publish(env.subjects.chat_cancel(&queued.invocation_id), "".into())
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
+
+    let ev = next_json(&mut events).await;
+    assert_eq!(ev["type"], "error", "{ev}");
+    assert_eq!(ev["code"], "cancelled", "{ev}");
+    assert_eq!(ev["seq"], 0, "nothing ran before the error: {ev}");
+    // The slow job finished normally, and the model only ever saw it.
+    loop {
+        let ev = next_json(&mut slow_events).await;
+        if ev["type"] == "completed" {
+            break;
+        }
+        assert_ne!(ev["type"], "error", "{ev}");
+    }
+    let asked: Vec<String> = env.model.requests().iter().map(|r| r.to_string()).collect();
+    assert_eq!(asked.len(), 1, "{asked:?}");
+    assert!(asked[0].contains("slow question"), "{asked:?}");
 }

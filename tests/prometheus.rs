@@ -23,7 +23,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
-use toolfleet::protocol::{CallContext, InvocationContext};
+use toolfleet_protocol::{CallContext, InvocationContext};
 
 use crate::support::{Env, Options, WAIT, next_json, root};
 
@@ -130,7 +130,7 @@ impl Prometheus {
     fn start(target: SocketAddr, alerts: &Path) -> Prometheus {
         let binary = prometheus_binary();
         let dir = tempfile::tempdir().unwrap();
-        let port = toolfleet::local::free_port().unwrap();
+        let port = toolfleet_local::servers::free_port().unwrap();
         // JSON strings are YAML strings: any path quotes safely.
         let alerts = serde_json::to_string(&alerts.display().to_string()).unwrap();
         let target = serde_json::to_string(&target.to_string()).unwrap();
@@ -395,7 +395,7 @@ async fn traffic(env: &mut Env) {
     let runs = jobs.iter().map(|(question, profile, expected)| {
         let env = &*env;
         async move {
-            let mut job = toolfleet::client::question(question);
+            let mut job = toolfleet_protocol::client::question(question);
             job.profile = profile.map(str::to_string);
             let got = env
                 .submit(&job)
@@ -447,7 +447,7 @@ async fn traffic(env: &mut Env) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_dashboard_query_and_alert_rule_works_against_a_real_prometheus() {
-    toolfleet::llm::install_crypto_provider();
+    toolfleet_llm::install_crypto_provider();
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(5))
         .build()

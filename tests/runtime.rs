@@ -5,14 +5,13 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use futures::FutureExt;
-use futures::future::BoxFuture;
+use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-use toolfleet::local::{NatsServer, RedisServer};
-use toolfleet::protocol::{CallContext, Envelope, InvocationContext, Subjects, ToolResult};
-use toolfleet::worker::{
-    Hooks, ServedTool, ToolCtx, ToolError, ToolHandler, ToolOutput, WorkerConfig,
+use toolfleet_local::servers::{NatsServer, RedisServer};
+use toolfleet_protocol::{CallContext, Envelope, InvocationContext, Subjects, ToolResult};
+use toolfleet_worker::{
+    CallInfo, Hooks, Refusal, Tool, ToolCtx, ToolError, ToolOutput, Worker, WorkerConfig,
 };
 
 use crate::support::{self, next_json};
@@ -46,12 +45,27 @@ impl Hooks for Recorder {
     }
 }
 
+/// A policy: refuses calls at +05:00 before anything runs.
+struct NoFive;
+
+impl Hooks for NoFive {
+    fn before_call(&self, info: &CallInfo<'_>) -> Result<(), Refusal> {
+        if info.arguments["utcOffset"] == "+05:00" {
+            return Err(Refusal::new(
+                "no_five",
+                "calls at +05:00 are not allowed here",
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// Behaves by its `utcOffset` argument: fail, hang, panic, cite twice, or
 /// succeed.
 struct Moody;
 
-fn reference(title: &str) -> toolfleet::citations::NewReference {
-    toolfleet::citations::NewReference {
+fn reference(title: &str) -> toolfleet_store::NewReference {
+    toolfleet_store::NewReference {
         kind: "document".into(),
         title: title.into(),
         source: None,
@@ -60,43 +74,35 @@ fn reference(title: &str) -> toolfleet::citations::NewReference {
     }
 }
 
-impl ToolHandler for Moody {
-    fn call<'a>(
-        &'a self,
-        ctx: &'a ToolCtx,
-        args: Value,
-    ) -> BoxFuture<'a, Result<ToolOutput, ToolError>> {
-        async move {
-            match args["utcOffset"].as_str() {
-                Some("+01:00") => Err(ToolError::failed("the backend said no")),
-                Some("+02:00") => {
-                    tokio::time::sleep(Duration::from_secs(60)).await;
-                    Ok(ToolOutput::default())
-                }
-                Some("+03:00") => {
-                    let empty: Vec<u8> = Vec::new();
-                    let i = args["utcOffset"].as_str().map_or(0, str::len);
-                    Ok(ToolOutput {
-                        content: empty[i].to_string(),
-                        data: None,
-                    })
-                }
-                Some("+04:00") => {
-                    let a = ctx.cite(vec![reference("a1"), reference("a2")]).await?;
-                    let b = ctx.cite(vec![reference("b1"), reference("b2")]).await?;
-                    let markers: Vec<String> = a.iter().chain(&b).map(|r| r.marker()).collect();
-                    Ok(ToolOutput {
-                        content: markers.join(" "),
-                        data: None,
-                    })
-                }
-                _ => Ok(ToolOutput {
-                    content: "fine".into(),
-                    data: None,
-                }),
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct MoodyArgs {
+    utc_offset: Option<String>,
+}
+
+impl Tool for Moody {
+    type Args = MoodyArgs;
+
+    async fn call(&self, ctx: &ToolCtx, args: MoodyArgs) -> Result<ToolOutput, ToolError> {
+        match args.utc_offset.as_deref() {
+            Some("+01:00") => Err(ToolError::failed("the backend said no")),
+            Some("+02:00") => {
+                tokio::time::sleep(Duration::from_secs(60)).await;
+                Ok(ToolOutput::default())
             }
+            Some("+03:00") => {
+                let empty: Vec<u8> = Vec::new();
+                let i = args.utc_offset.as_deref().map_or(0, str::len);
+                Ok(ToolOutput::text(empty[i].to_string()))
+            }
+            Some("+04:00") => {
+                let a = ctx.cite(vec![reference("a1"), reference("a2")]).await?;
+                let b = ctx.cite(vec![reference("b1"), reference("b2")]).await?;
+                let markers: Vec<String> = a.iter().chain(&b).map(|r| r.marker()).collect();
+                Ok(ToolOutput::text(markers.join(" ")))
+            }
+            _ => Ok(ToolOutput::text("fine")),
         }
-        .boxed()
     }
 }
 
@@ -105,13 +111,10 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
     let nats = NatsServer::start().unwrap();
     let redis = RedisServer::start().unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
-    let store = toolfleet::citations::CitationStore::connect(
-        &redis.url(),
-        "toolfleet",
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
+    let store =
+        toolfleet_store::CitationStore::connect(&redis.url(), "toolfleet", Duration::from_secs(60))
+            .await
+            .unwrap();
     let subjects = Subjects::new("toolfleet").unwrap();
 
     // The shipped current_datetime definition, with a short timeout, served
@@ -126,32 +129,31 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
     .unwrap();
     def["timeoutMs"] = json!(300);
     std::fs::write(dir.path().join("t.json"), def.to_string()).unwrap();
-    let registry = toolfleet::tools::ToolRegistry::from_dir(dir.path()).unwrap();
-    let id: toolfleet::tools::ToolId = "system:current_datetime@1.0.0".parse().unwrap();
+    let id: toolfleet_protocol::tools::ToolId = "system:current_datetime@1.0.0".parse().unwrap();
     let hooks = Arc::new(Recorder::default());
-    let tool = ServedTool::new(registry.compiled_arc(&id).unwrap(), Arc::new(Moody))
-        .with_hooks(hooks.clone());
-
-    let metrics = toolfleet::metrics::WorkerMetrics::register(
-        &prometheus::Registry::new(),
-        toolfleet::metrics::dead_letters(&prometheus::Registry::new()).unwrap(),
-    )
-    .unwrap();
-    let shutdown = CancellationToken::new();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let worker = tokio::spawn(toolfleet::worker::run_with_ready(
-        client.clone(),
-        store,
-        vec![tool],
-        WorkerConfig::new("test", subjects.clone()),
-        metrics,
-        shutdown.clone(),
-        Some(ready_tx),
-    ));
-    tokio::time::timeout(support::WAIT, ready_rx)
-        .await
-        .unwrap()
+    let worker = Worker::builder("test")
+        .definitions_dir(dir.path())
+        .tool("system.current_datetime", Moody)
+        .hooks(NoFive)
+        .hooks(hooks.clone())
+        .build()
         .unwrap();
+
+    let shutdown = CancellationToken::new();
+    let worker = tokio::time::timeout(
+        support::WAIT,
+        worker.start(
+            client.clone(),
+            store,
+            WorkerConfig::new(subjects.clone()),
+            toolfleet_worker::metrics::WorkerMetrics::register_all(&prometheus::Registry::new())
+                .unwrap(),
+            shutdown.clone(),
+        ),
+    )
+    .await
+    .expect("the worker starts in time")
+    .expect("the worker starts");
 
     let js = async_nats::jetstream::new(client.clone());
     let inbox = client.new_inbox();
@@ -201,10 +203,7 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
         slow["content"].as_str().unwrap().contains("300 ms"),
         "{slow}"
     );
-    assert_eq!(
-        hooks.take(),
-        vec!["start c_slow", "error c_slow tool_failed"]
-    );
+    assert_eq!(hooks.take(), vec!["start c_slow", "error c_slow timeout"]);
 
     // A panicking handler is an error result, not a stuck job.
     let panicked = ask("c_panic", json!({ "utcOffset": "+03:00" })).await;
@@ -230,6 +229,13 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
         .collect();
     assert_eq!(titles, vec!["a1", "a2", "b1", "b2"]);
     hooks.take();
+
+    // A policy refuses before anything runs: blocked, with its reason, and
+    // no start hook.
+    let refused = ask("c_five", json!({ "utcOffset": "+05:00" })).await;
+    assert_eq!(refused["status"], "blocked");
+    assert_eq!(refused["error"]["code"], "no_five");
+    assert!(hooks.take().is_empty());
 
     // Invalid arguments never reach the hooks or the handler.
     let invalid = ask("c_bad", json!({ "utcOffset": "soon" })).await;
@@ -281,7 +287,7 @@ async fn a_plain_json_client_gets_schema_valid_events() {
         &std::fs::read_to_string(support::root().join("schemas/chat_event.schema.json")).unwrap(),
     )
     .unwrap();
-    let validator = toolfleet::schema::Validator::compile(&schema).unwrap();
+    let validator = toolfleet_protocol::schema::Validator::compile(&schema).unwrap();
     let mut seen = Vec::new();
     loop {
         let ev = next_json(&mut events).await;
@@ -307,4 +313,289 @@ async fn a_plain_json_client_gets_schema_valid_events() {
         .is_err(),
         "one terminal event, once"
     );
+}
+
+/// The example third-party worker (`examples/units`, written against the
+/// worker SDK alone) joins a running fleet as its own process, carrying its
+/// own definition: the orchestrator learns its tool from the catalog
+/// (no file on the orchestrator's side), the model calls it, and its
+/// citation reaches the answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_third_party_worker_answers_a_chat_job_end_to_end() {
+    let env = support::Env::start(json!({
+        "rules": [{ "whenUserContains": ["miles"], "steps": [
+            { "toolCalls": [ { "name": "convert_units", "arguments": { "value": 5, "from": "km", "to": "mi" } } ] },
+            { "answer": "That is {{tool:convert_units}}" }
+        ] }]
+    }))
+    .await;
+    let port = toolfleet_local::servers::free_port().unwrap();
+    let mut worker = std::process::Command::new(support::sibling_bin("units-worker"))
+        .env("TOOLFLEET_NATS_URL", env.nats.url())
+        .env("TOOLFLEET_REDIS_URL", env.redis.url())
+        .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("units-worker");
+    let _kill = support::KillOnDrop(&mut worker);
+
+    // The worker advertises itself; wait until the fleet's catalog has it.
+    let deadline = tokio::time::Instant::now() + support::WAIT;
+    loop {
+        let catalog = toolfleet_protocol::catalog::discover(
+            &env.client,
+            &env.subjects,
+            Duration::from_millis(250),
+            &Default::default(),
+        )
+        .await
+        .unwrap();
+        if let Some(entry) = catalog.get("units:convert@1.0.0") {
+            assert_eq!(entry.families, ["units"]);
+            assert_eq!(entry.definition().function.name, "convert_units");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the units worker never appeared in the catalog"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let (_, outcome) = env.ask("how many miles is 5 km?").await;
+    let outcome = outcome.expect("completed");
+    assert!(
+        outcome.text.contains("5 km = 3.10686 mi [doc:1]"),
+        "{}",
+        outcome.text
+    );
+    let reference = &outcome.references[0];
+    assert_eq!(reference.index, 1);
+    assert_eq!(reference.tool_id.as_deref(), Some("units:convert@1.0.0"));
+    assert_eq!(
+        reference.url.as_deref(),
+        Some("https://www.nist.gov/pml/special-publication-811")
+    );
+}
+
+/// One fleet of the two that share a NATS server in
+/// `two_fleets_on_one_server_never_see_each_other`.
+async fn start_fleet(
+    nats: &NatsServer,
+    redis: &RedisServer,
+    model: &toolfleet_scripted::ScriptedServer,
+    prefix: &str,
+    family: &'static str,
+    index_dir: &std::path::Path,
+    rt: &toolfleet_service::Runtime,
+) -> Subjects {
+    let subjects = Subjects::new(prefix).unwrap();
+    let profiles = toolfleet_llm::profiles::FleetConfig::single(
+        toolfleet_llm::profiles::Deployment::new(model.base_url(), "toolfleet-scripted"),
+    );
+    let workers = toolfleet::families::some(
+        &[family],
+        &support::root().join("tool_definitions"),
+        &toolfleet::families::IndexArgs {
+            index_dir: index_dir.to_path_buf(),
+            corpus_dir: support::root().join("examples/corpus"),
+        },
+    )
+    .unwrap();
+    let spec = toolfleet_local::fleet::FleetSpec {
+        nats_url: nats.url(),
+        redis_url: redis.url(),
+        subjects: subjects.clone(),
+        citation_ttl: Duration::from_secs(600),
+        orchestrator: Some(toolfleet_orchestrator::OrchestratorConfig::new(
+            subjects.clone(),
+            profiles,
+        )),
+        workers,
+        worker_concurrency: 4,
+        nats_connect_wait: Duration::from_secs(5),
+    };
+    tokio::time::timeout(
+        support::WAIT,
+        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()),
+    )
+    .await
+    .expect("fleet start timed out")
+    .expect("fleet start");
+    subjects
+}
+
+/// Two fleets with different prefixes on one NATS server (and one Redis):
+/// each sees only its own workers' tools, streams, consumers and events. A
+/// tool only the other fleet serves is answered at once, never waited for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_fleets_on_one_server_never_see_each_other() {
+    let nats = NatsServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let script =
+        toolfleet_scripted::Script::from_json(&support::lighthouse_script().to_string()).unwrap();
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (rt_a, rt_b) = (
+        toolfleet_service::Runtime::new(),
+        toolfleet_service::Runtime::new(),
+    );
+    let a = start_fleet(
+        &nats,
+        &redis,
+        &model,
+        "fleet-a",
+        "system",
+        &dir.path().join("a"),
+        &rt_a,
+    )
+    .await;
+    let b = start_fleet(
+        &nats,
+        &redis,
+        &model,
+        "fleet-b",
+        "retrieval",
+        &dir.path().join("b"),
+        &rt_b,
+    )
+    .await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+
+    // The catalogs.
+    let ids = |c: &toolfleet_protocol::catalog::Catalog| -> Vec<String> {
+        c.iter().map(|e| e.definition().id.to_string()).collect()
+    };
+    for (subjects, want) in [
+        (&a, "system:current_datetime@1.0.0"),
+        (&b, "retrieval:search_documents@1.0.0"),
+    ] {
+        let catalog = toolfleet_protocol::catalog::discover(
+            &client,
+            subjects,
+            Duration::from_millis(300),
+            &Default::default(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(ids(&catalog), [want], "{}", subjects.prefix());
+    }
+
+    // Streams and consumers.
+    let js = async_nats::jetstream::new(client.clone());
+    let mut names: Vec<String> = futures::StreamExt::collect::<Vec<_>>(js.stream_names())
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "FLEET-A_CHAT",
+            "FLEET-A_TOOLS",
+            "FLEET-B_CHAT",
+            "FLEET-B_TOOLS",
+            "KV_FLEET-A_CATALOG",
+            "KV_FLEET-B_CATALOG"
+        ]
+    );
+    for (stream, want) in [
+        ("FLEET-A_TOOLS", "tool_system_current_datetime_1_0_0"),
+        ("FLEET-B_TOOLS", "tool_retrieval_search_documents_1_0_0"),
+    ] {
+        let s = js.get_stream(stream).await.unwrap();
+        let consumers: Vec<String> = futures::StreamExt::collect::<Vec<_>>(s.consumer_names())
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        assert_eq!(consumers, [want], "{stream}");
+    }
+
+    // A job in fleet A: its own tool runs; the other fleet's tool is
+    // answered at once; fleet B hears nothing.
+    let mut b_events = client.subscribe("fleet-b.>").await.unwrap();
+    client.flush().await.unwrap();
+    let job = toolfleet_protocol::client::question("how do lighthouses warn ships?");
+    let outcome = toolfleet_protocol::client::chat(&client, &a, &job, support::WAIT, |_| {})
+        .await
+        .expect("fleet A answers");
+    let body = |e: &toolfleet_protocol::ChatEvent| serde_json::to_value(&e.body).unwrap();
+    let events: Vec<Value> = outcome.events.iter().map(body).collect();
+    let offered = events.iter().find(|e| e["type"] == "started").unwrap();
+    assert_eq!(offered["tools"], json!(["system:current_datetime@1.0.0"]));
+    let results: Vec<(String, String)> = events
+        .iter()
+        .filter(|e| e["type"] == "tool_result")
+        .map(|e| {
+            (
+                e["tool"].as_str().unwrap().to_string(),
+                e["errorCode"].as_str().unwrap_or("ok").to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        results.contains(&("system:current_datetime@1.0.0".into(), "ok".into())),
+        "{results:?}"
+    );
+    assert!(
+        // Answered at once (`unknown_tool`), not waited out (`timeout`).
+        results.contains(&("search_documents".into(), "unknown_tool".into())),
+        "{results:?}"
+    );
+    assert!(
+        tokio::time::timeout(
+            Duration::from_millis(300),
+            futures::StreamExt::next(&mut b_events)
+        )
+        .await
+        .is_err(),
+        "fleet B saw traffic of fleet A"
+    );
+
+    // And fleet B runs its own.
+    let outcome = toolfleet_protocol::client::chat(&client, &b, &job, support::WAIT, |_| {})
+        .await
+        .expect("fleet B answers");
+    assert!(outcome.text.contains("[doc:1]"), "{}", outcome.text);
+    for rt in [rt_a, rt_b] {
+        assert!(rt.drain(Duration::from_secs(10)).await);
+    }
+}
+
+/// The bench's transport floors run against a real server: every
+/// operation completes and the JetStream floor cleans up its stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_bench_floors_measure_a_real_server() {
+    let nats = NatsServer::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = tokio::time::timeout(
+        support::WAIT,
+        toolfleet::floor::jetstream_round_trip(&client, 50, 8),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!((js.ops, js.failed), (50, 0), "{js}");
+    assert!(js.ops_per_sec > 0.0 && js.latency_ms_p50 > 0.0, "{js}");
+    let rr = tokio::time::timeout(
+        support::WAIT,
+        toolfleet::floor::request_reply(&client, 50, 8),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!((rr.ops, rr.failed), (50, 0), "{rr}");
+    let streams: Vec<String> = futures::StreamExt::collect::<Vec<_>>(
+        async_nats::jetstream::new(client.clone()).stream_names(),
+    )
+    .await
+    .into_iter()
+    .map(Result::unwrap)
+    .collect();
+    assert!(streams.is_empty(), "{streams:?}");
 }

@@ -13,12 +13,13 @@ use std::time::Duration;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use toolfleet::client::{ChatOutcome, ClientError};
-use toolfleet::fleet::{FleetSpec, IndexPaths, WorkerKind};
-use toolfleet::local::{NatsServer, RedisServer};
-use toolfleet::orchestrator::OrchestratorConfig;
-use toolfleet::protocol::{ChatJob, Subjects};
-use toolfleet::scripted::{Script, ScriptedServer};
+use toolfleet::families::IndexArgs;
+use toolfleet_local::fleet::FleetSpec;
+use toolfleet_local::servers::{NatsServer, RedisServer};
+use toolfleet_orchestrator::OrchestratorConfig;
+use toolfleet_protocol::client::{ChatOutcome, ClientError};
+use toolfleet_protocol::{ChatJob, Subjects};
+use toolfleet_scripted::{Script, ScriptedServer};
 
 /// Every await in a test is bounded by this.
 pub const WAIT: Duration = Duration::from_secs(30);
@@ -42,7 +43,7 @@ pub struct Env {
 }
 
 pub struct Options {
-    pub workers: Vec<WorkerKind>,
+    pub workers: Vec<&'static str>,
     pub tweak: fn(&mut OrchestratorConfig),
     /// A profiles file; `{base_url}` is replaced by the scripted server's
     /// URL. Without it: one default profile on the scripted server.
@@ -56,7 +57,7 @@ pub struct Options {
 impl Default for Options {
     fn default() -> Self {
         Self {
-            workers: vec![WorkerKind::System, WorkerKind::Retrieval],
+            workers: vec!["system", "retrieval"],
             tweak: |_| {},
             profiles_toml: None,
             env: Vec::new(),
@@ -80,13 +81,13 @@ impl Env {
         let dir = tempfile::tempdir().unwrap();
         let subjects = Subjects::new("toolfleet").unwrap();
         let profiles = match &options.profiles_toml {
-            Some(text) => toolfleet::profiles::FleetConfig::from_toml(
+            Some(text) => toolfleet_llm::profiles::FleetConfig::from_toml(
                 &text.replace("{base_url}", model.base_url().as_str()),
                 "test profiles",
             )
             .expect("test profiles"),
-            None => toolfleet::profiles::FleetConfig::single(
-                toolfleet::profiles::Deployment::new(model.base_url(), "toolfleet-scripted")
+            None => toolfleet_llm::profiles::FleetConfig::single(
+                toolfleet_llm::profiles::Deployment::new(model.base_url(), "toolfleet-scripted")
                     .with_api_key("sk-test-secret-never-logged".to_string()),
             ),
         };
@@ -99,30 +100,32 @@ impl Env {
                 .collect::<HashMap<String, String>>(),
         );
         (options.tweak)(&mut orchestrator);
+        let workers = toolfleet::families::some(
+            &options.workers,
+            &options
+                .defs_dir
+                .clone()
+                .unwrap_or_else(|| root().join("tool_definitions")),
+            &IndexArgs {
+                index_dir: dir.path().join("index"),
+                corpus_dir: root().join("examples/corpus"),
+            },
+        )
+        .expect("families");
         let spec = FleetSpec {
             nats_url: nats.url(),
             redis_url: redis.url(),
             subjects: subjects.clone(),
             citation_ttl: Duration::from_secs(600),
-            registry: toolfleet::fleet::load_registry(
-                &options
-                    .defs_dir
-                    .clone()
-                    .unwrap_or_else(|| root().join("tool_definitions")),
-            )
-            .unwrap(),
             orchestrator: Some(orchestrator),
-            workers: options.workers,
+            workers,
             worker_concurrency: 16,
-            index: Some(IndexPaths {
-                index_dir: dir.path().join("index"),
-                corpus_dir: root().join("examples/corpus"),
-            }),
+            nats_connect_wait: Duration::from_secs(10),
         };
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = prometheus::Registry::new();
-        let metrics_addr = toolfleet::metrics::spawn(
+        let metrics_addr = toolfleet_service::metrics::spawn(
             "127.0.0.1:0".parse().unwrap(),
             metrics.clone(),
             shutdown.clone(),
@@ -131,7 +134,7 @@ impl Env {
         .unwrap();
         tokio::time::timeout(
             WAIT,
-            toolfleet::fleet::start(spec, &metrics, &tracker, shutdown.clone()),
+            toolfleet_local::fleet::start(spec, &metrics, &tracker, shutdown.clone()),
         )
         .await
         .expect("fleet start timed out")
@@ -158,7 +161,7 @@ impl Env {
     }
 
     pub async fn ask(&self, question: &str) -> (ChatJob, Result<ChatOutcome, ClientError>) {
-        let job = toolfleet::client::question(question);
+        let job = toolfleet_protocol::client::question(question);
         let out = self.submit(&job).await;
         (job, out)
     }
@@ -166,7 +169,7 @@ impl Env {
     pub async fn submit(&self, job: &ChatJob) -> Result<ChatOutcome, ClientError> {
         tokio::time::timeout(
             WAIT,
-            toolfleet::client::chat(&self.client, &self.subjects, job, WAIT, |_| {}),
+            toolfleet_protocol::client::chat(&self.client, &self.subjects, job, WAIT, |_| {}),
         )
         .await
         .expect("chat timed out")
@@ -214,7 +217,7 @@ impl Drop for Env {
 
 /// A plain HTTP GET over a TCP socket, so tests need no TLS setup.
 pub async fn reqwest_get(url: &str) -> String {
-    toolfleet::llm::install_crypto_provider();
+    toolfleet_llm::install_crypto_provider();
     reqwest::get(url).await.unwrap().text().await.unwrap()
 }
 
@@ -242,4 +245,94 @@ pub fn lighthouse_script() -> serde_json::Value {
         }],
         "default": { "steps": [ { "answer": "no script" } ] }
     })
+}
+
+/// A binary of another workspace package, built beside `toolfleet` (the
+/// test command builds the whole workspace: `cargo nextest run
+/// --workspace`).
+pub fn sibling_bin(name: &str) -> String {
+    let path = std::path::Path::new(env!("CARGO_BIN_EXE_toolfleet")).with_file_name(name);
+    assert!(
+        path.exists(),
+        "{} is missing: build the whole workspace first (scripts/test does)",
+        path.display()
+    );
+    path.to_string_lossy().into_owned()
+}
+
+/// Kills a child process when dropped (a failed assertion must not leave
+/// it running).
+pub struct KillOnDrop<'a>(pub &'a mut std::process::Child);
+
+impl Drop for KillOnDrop<'_> {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Each `tool_result` event's status and error code, in order.
+pub fn result_codes(
+    events: &[toolfleet_protocol::ChatEvent],
+) -> Vec<(toolfleet_protocol::ToolStatus, Option<String>)> {
+    events
+        .iter()
+        .filter_map(|e| match &e.body {
+            toolfleet_protocol::ChatEventBody::ToolResult {
+                status, error_code, ..
+            } => Some((*status, error_code.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// A worker of a test's own, serving beside the fleet of an [`Env`].
+pub struct TestWorker {
+    task: tokio::task::JoinHandle<Result<(), toolfleet_worker::WorkerError>>,
+    shutdown: CancellationToken,
+}
+
+impl Env {
+    /// Starts `worker` on this fleet's servers (its own NATS connection and
+    /// metrics); returns once it takes jobs.
+    pub async fn start_worker(&self, worker: toolfleet_worker::Worker) -> TestWorker {
+        let store = toolfleet_store::CitationStore::connect(
+            &self.redis.url(),
+            self.subjects.prefix(),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        let shutdown = CancellationToken::new();
+        let task =
+            tokio::time::timeout(
+                WAIT,
+                worker.start(
+                    async_nats::connect(self.nats.url()).await.unwrap(),
+                    store,
+                    toolfleet_worker::WorkerConfig::new(self.subjects.clone()),
+                    toolfleet_worker::metrics::WorkerMetrics::register_all(
+                        &prometheus::Registry::new(),
+                    )
+                    .unwrap(),
+                    shutdown.clone(),
+                ),
+            )
+            .await
+            .expect("the worker starts in time")
+            .expect("the worker starts");
+        TestWorker { task, shutdown }
+    }
+}
+
+impl TestWorker {
+    /// Stops the worker and waits for it to finish cleanly.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        tokio::time::timeout(WAIT, self.task)
+            .await
+            .expect("the worker stops in time")
+            .expect("no panic")
+            .expect("the worker stops cleanly");
+    }
 }

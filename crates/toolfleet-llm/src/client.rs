@@ -1,0 +1,2045 @@
+//! Neutral conversation types, [`LlmConfig`] and [`LlmClient`]: request,
+//! authentication, timeouts, retries, status handling.
+
+pub use toolfleet_protocol::{ToolSpec, Usage};
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use tokio::time::Instant;
+use url::Url;
+
+pub use crate::chat_wire::ChatStreamAccumulator;
+pub use crate::error::{LlmError, LlmErrorKind};
+pub use crate::responses_wire::ResponsesStreamAccumulator;
+pub use crate::retry::{
+    DEFAULT_BASE_DELAY, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DELAY, DEFAULT_MAX_ELAPSED, RetryPolicy,
+};
+pub use crate::sse::{MAX_EVENT_BYTES, SseDecoder, SseEvent};
+
+/// One turn of a conversation, in neutral form.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "role", rename_all = "snake_case")]
+pub enum Message {
+    System {
+        content: String,
+    },
+    User {
+        content: String,
+    },
+    Assistant {
+        content: Option<String>,
+        tool_calls: Vec<ToolCall>,
+        /// Provider output items to send back verbatim in the next request
+        /// (Responses API reasoning items with their `encrypted_content`,
+        /// which a stateless `store: false` conversation needs). Ignored by
+        /// Chat Completions. Copied from [`Completion::opaque`] by
+        /// [`Completion::assistant_message`].
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        opaque: Vec<Value>,
+    },
+    Tool {
+        call_id: String,
+        content: String,
+    },
+}
+
+/// A function call the model asked for.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The id the tool result must quote: Chat Completions `tool_calls[].id`,
+    /// Responses `call_id`.
+    pub id: String,
+    pub name: String,
+    /// The raw JSON text exactly as the model produced it. It may be invalid
+    /// (for example cut short by `max_tokens`); validating it is the
+    /// caller's job at its boundary.
+    pub arguments: String,
+}
+
+/// Which tool the model may or must call. Sent only when tools are.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolChoice {
+    /// The model decides (the provider default).
+    Auto,
+    /// No tool calls.
+    None,
+    /// At least one tool call.
+    Required,
+    /// Exactly this function.
+    Function(String),
+}
+
+/// One call to the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatRequest {
+    pub model: String,
+    pub messages: Vec<Message>,
+    pub tools: Vec<ToolSpec>,
+    /// `None` leaves it to the provider (`auto` whenever tools are sent).
+    pub tool_choice: Option<ToolChoice>,
+    /// Sent only together with tools (OpenAI rejects it otherwise).
+    pub parallel_tool_calls: bool,
+    pub temperature: Option<f32>,
+    /// `max_tokens` (Chat Completions) or `max_output_tokens` (Responses).
+    pub max_tokens: Option<u32>,
+}
+
+/// What the model answered.
+///
+/// When the model ran out of tokens (`finish_reason` [`FinishReason::Length`],
+/// see [`is_truncated`](Self::is_truncated)) the tool calls it had started
+/// are kept as far as they got, so the caller can report them, but their
+/// arguments may be cut mid-JSON: a caller must never run the calls of a
+/// truncated completion.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Completion {
+    /// The content text; empty when the model only called tools or refused.
+    pub text: String,
+    /// The refusal text, when the model declined (`delta.refusal` /
+    /// a Responses `refusal` content part).
+    pub refusal: Option<String>,
+    /// The calls to run, in the model's order. This list, not
+    /// `finish_reason`, says whether there is tool work: some compatible
+    /// servers report `stop` next to tool calls.
+    pub tool_calls: Vec<ToolCall>,
+    pub finish_reason: FinishReason,
+    pub usage: Option<Usage>,
+    /// Output items to replay verbatim in the next request (Responses
+    /// reasoning items); always empty for Chat Completions.
+    pub opaque: Vec<Value>,
+    /// HTTP requests this answer took, retries included (1 when the first
+    /// one succeeded). For metrics.
+    pub attempts: u32,
+}
+
+impl Completion {
+    /// The assistant message to append to the conversation before the tool
+    /// results.
+    pub fn assistant_message(&self) -> Message {
+        Message::Assistant {
+            content: (!self.text.is_empty()).then(|| self.text.clone()),
+            tool_calls: self.tool_calls.clone(),
+            opaque: self.opaque.clone(),
+        }
+    }
+
+    /// Whether the model stopped because it ran out of tokens: the text may
+    /// end mid-sentence and tool-call arguments may be incomplete.
+    pub fn is_truncated(&self) -> bool {
+        self.finish_reason == FinishReason::Length
+    }
+}
+
+/// Why the model stopped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FinishReason {
+    Stop,
+    ToolCalls,
+    /// `finish_reason: "length"`, or a Responses `response.incomplete`
+    /// (`max_output_tokens`).
+    Length,
+    ContentFilter,
+    /// Anything else the provider said, verbatim.
+    Other(String),
+}
+
+/// Which OpenAI API an endpoint speaks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ApiShape {
+    /// `POST {base}/chat/completions`: OpenAI, Azure OpenAI, Ollama, vLLM,
+    /// llama.cpp and nearly every compatible server.
+    #[default]
+    ChatCompletions,
+    /// `POST {base}/responses`: OpenAI and Azure OpenAI; needed to keep
+    /// reasoning items between the rounds of a tool loop.
+    Responses,
+}
+
+/// How the API key is sent.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Auth {
+    /// `Authorization: Bearer <key>`.
+    #[default]
+    Bearer,
+    /// The key alone in the named header, e.g. `api-key` for Azure OpenAI.
+    Header(String),
+}
+
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// Generous because reasoning models may think for a long time before the
+/// first token, and a non-streaming call waits for the whole answer.
+pub const DEFAULT_FIRST_TOKEN_TIMEOUT: Duration = Duration::from_secs(120);
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Where the provider is, how to talk to it and how long to wait for it.
+#[derive(Clone)]
+pub struct LlmConfig {
+    /// The API root, e.g. `http://127.0.0.1:8080/v1`; requests go to
+    /// `{base_url}/chat/completions` or `{base_url}/responses` (with or
+    /// without a trailing slash, and any query string is kept).
+    pub base_url: Url,
+    pub api_key: Option<String>,
+    pub api: ApiShape,
+    /// The model is a reasoning model (OpenAI's o-series, gpt-5): Responses
+    /// requests ask for `include: ["reasoning.encrypted_content"]`, so its
+    /// reasoning items can be replayed in the next round of a stateless
+    /// (`store: false`) tool loop. `false` by default, because other models
+    /// (gpt-4o, gpt-4o-mini, ...) answer that request with 400. Chat
+    /// Completions ignores it.
+    pub reasoning: bool,
+    pub auth: Auth,
+    /// Query parameters added to every request, e.g. Azure OpenAI's
+    /// `("api-version", "2025-04-01-preview")`.
+    pub extra_query: Vec<(String, String)>,
+    /// `true` (the default): stream and hand text to the caller as it
+    /// comes. `false`: one JSON answer; [`LlmClient::stream_chat`] then
+    /// passes the whole text to its callback once.
+    pub stream: bool,
+    pub retry: RetryPolicy,
+    /// TCP (and TLS) connect.
+    pub connect_timeout: Duration,
+    /// From sending the request until the first event of a stream, or the
+    /// response headers of a non-streaming call (which a provider sends only
+    /// when the whole answer is ready).
+    pub first_token_timeout: Duration,
+    /// Longest gap between two chunks of a response body.
+    pub idle_timeout: Duration,
+}
+
+impl LlmConfig {
+    /// Chat Completions, streamed, bearer auth, not a reasoning model, the
+    /// default retry policy, the `DEFAULT_*` timeouts and no API key.
+    pub fn new(base_url: Url) -> Self {
+        Self {
+            base_url,
+            api_key: None,
+            api: ApiShape::default(),
+            reasoning: false,
+            auth: Auth::default(),
+            extra_query: Vec::new(),
+            stream: true,
+            retry: RetryPolicy::default(),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
+            first_token_timeout: DEFAULT_FIRST_TOKEN_TIMEOUT,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+        }
+    }
+}
+
+impl fmt::Debug for LlmConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Query values are hidden too: some deployments put a key there.
+        let query: Vec<&str> = self.extra_query.iter().map(|(k, _)| k.as_str()).collect();
+        f.debug_struct("LlmConfig")
+            .field("base_url", &redacted_url(&self.base_url))
+            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            .field("api", &self.api)
+            .field("reasoning", &self.reasoning)
+            .field("auth", &self.auth)
+            .field("extra_query", &query)
+            .field("stream", &self.stream)
+            .field("retry", &self.retry)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("first_token_timeout", &self.first_token_timeout)
+            .field("idle_timeout", &self.idle_timeout)
+            .finish()
+    }
+}
+
+/// A URL for humans: no user info and no query, either of which may carry a
+/// credential.
+fn redacted_url(url: &Url) -> String {
+    let mut shown = url.clone();
+    // Both setters only fail for URLs that cannot have credentials at all.
+    let _ = shown.set_username("");
+    let _ = shown.set_password(None);
+    if shown.query().is_some() {
+        shown.set_query(Some("[redacted]"));
+    }
+    shown.to_string()
+}
+
+/// Installs rustls' `ring` crypto provider for the process. reqwest is built
+/// with `rustls-no-provider`, so something must do this before the first
+/// client is built; doing it again is harmless.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// Largest non-streaming or error body we read. A completion is a few
+/// kilobytes; this only stops a broken server from filling memory.
+const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+/// Error bodies are read only for their code and message.
+const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
+
+/// A model client for one endpoint. Cheap to clone: clones share one
+/// connection pool.
+#[derive(Clone)]
+pub struct LlmClient {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    http: reqwest::Client,
+    api: ApiShape,
+    /// [`LlmConfig::reasoning`].
+    reasoning: bool,
+    endpoint: Url,
+    /// `host:port`, the only part of the endpoint that goes into messages.
+    server: String,
+    credential: Option<(HeaderName, HeaderValue)>,
+    /// Kept only to scrub it from provider-supplied error text.
+    api_key: Option<String>,
+    stream: bool,
+    retry: RetryPolicy,
+    first_token_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+impl fmt::Debug for LlmClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LlmClient")
+            .field("api", &self.inner.api)
+            .field("endpoint", &redacted_url(&self.inner.endpoint))
+            .finish_non_exhaustive()
+    }
+}
+
+/// What one streamed attempt has handed to the caller so far.
+#[derive(Default)]
+struct Progress {
+    /// Text, a refusal or a tool call has streamed: the attempt must not be
+    /// repeated.
+    emitted: bool,
+}
+
+/// The two stream accumulators, as the client drives them.
+trait Accumulate {
+    /// Whether the stream is over once the model has finished (Responses:
+    /// nothing follows the terminal event) or a usage chunk and `[DONE]`
+    /// may still follow (Chat Completions).
+    const ENDS_AT_FINISH: bool;
+    fn push_event(&mut self, event: &SseEvent) -> Result<Option<String>, LlmError>;
+    fn is_finished(&self) -> bool;
+    fn has_output(&self) -> bool;
+    fn finish(self) -> Result<Completion, LlmError>;
+}
+
+impl Accumulate for ChatStreamAccumulator {
+    const ENDS_AT_FINISH: bool = false;
+    fn push_event(&mut self, event: &SseEvent) -> Result<Option<String>, LlmError> {
+        self.push(&event.data)
+    }
+    fn is_finished(&self) -> bool {
+        ChatStreamAccumulator::is_finished(self)
+    }
+    fn has_output(&self) -> bool {
+        ChatStreamAccumulator::has_output(self)
+    }
+    fn finish(self) -> Result<Completion, LlmError> {
+        ChatStreamAccumulator::finish(self)
+    }
+}
+
+impl Accumulate for ResponsesStreamAccumulator {
+    const ENDS_AT_FINISH: bool = true;
+    fn push_event(&mut self, event: &SseEvent) -> Result<Option<String>, LlmError> {
+        ResponsesStreamAccumulator::push_event(self, event)
+    }
+    fn is_finished(&self) -> bool {
+        ResponsesStreamAccumulator::is_finished(self)
+    }
+    fn has_output(&self) -> bool {
+        ResponsesStreamAccumulator::has_output(self)
+    }
+    fn finish(self) -> Result<Completion, LlmError> {
+        ResponsesStreamAccumulator::finish(self)
+    }
+}
+
+impl LlmClient {
+    /// Builds the client. Fails (kind `Protocol`, code `config`) on a base
+    /// URL that is not http(s), an auth header name that is not a valid
+    /// header name, or an API key that cannot go in a header.
+    pub fn new(config: LlmConfig) -> Result<Self, LlmError> {
+        install_crypto_provider();
+        let path = match config.api {
+            ApiShape::ChatCompletions => "chat/completions",
+            ApiShape::Responses => "responses",
+        };
+        let endpoint = endpoint_url(&config.base_url, path, &config.extra_query)?;
+        let server = format!(
+            "{}:{}",
+            endpoint.host_str().unwrap_or("?"),
+            endpoint.port_or_known_default().unwrap_or(0)
+        );
+        let api_key = config.api_key.filter(|k| !k.is_empty());
+        let credential = match api_key.as_deref() {
+            Some(key) => Some(credential(&config.auth, key)?),
+            None => None,
+        };
+        let http = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .user_agent(concat!("toolfleet/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| {
+                LlmError::config(format!(
+                    "could not build the HTTP client: {}",
+                    error_chain(&e)
+                ))
+            })?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                http,
+                api: config.api,
+                reasoning: config.reasoning,
+                endpoint,
+                server,
+                credential,
+                api_key,
+                stream: config.stream,
+                retry: config.retry,
+                first_token_timeout: config.first_token_timeout,
+                idle_timeout: config.idle_timeout,
+            }),
+        })
+    }
+
+    /// The API shape this client speaks.
+    pub fn api(&self) -> ApiShape {
+        self.inner.api
+    }
+
+    /// Asks the model, streaming unless the config says `stream: false`,
+    /// calls `on_text` for every content text delta (or once with the whole
+    /// text when not streaming), and returns the reassembled completion.
+    ///
+    /// Retryable failures are retried per [`RetryPolicy`] as long as
+    /// nothing has streamed yet; [`Completion::attempts`] and
+    /// [`LlmError::attempts`] say how many requests it took. On error
+    /// `on_text` may already have seen part of the answer. Dropping the
+    /// future closes the connection at once.
+    pub async fn stream_chat(
+        &self,
+        req: &ChatRequest,
+        mut on_text: impl FnMut(&str) + Send,
+    ) -> Result<Completion, LlmError> {
+        self.call(req, self.inner.stream, &mut on_text)
+            .await
+            .map_err(|e| e.redact(self.inner.api_key.as_deref()))
+    }
+
+    /// The non-streaming variant, whatever the config says; retried like
+    /// [`stream_chat`](Self::stream_chat).
+    pub async fn chat(&self, req: &ChatRequest) -> Result<Completion, LlmError> {
+        self.call(req, false, &mut |_: &str| {})
+            .await
+            .map_err(|e| e.redact(self.inner.api_key.as_deref()))
+    }
+
+    /// Encodes once, then runs attempts until one succeeds or the retry
+    /// policy (or a streamed answer) says stop.
+    async fn call<F: FnMut(&str) + Send>(
+        &self,
+        req: &ChatRequest,
+        stream: bool,
+        on_text: &mut F,
+    ) -> Result<Completion, LlmError> {
+        let body = self.encode(req, stream)?;
+        tracing::debug!(
+            api = ?self.inner.api,
+            model = %req.model,
+            messages = req.messages.len(),
+            tools = req.tools.len(),
+            stream,
+            "model request"
+        );
+        let started = Instant::now();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let mut progress = Progress::default();
+            let result = if stream {
+                self.stream_once(body.clone(), on_text, &mut progress).await
+            } else {
+                self.plain_once(body.clone()).await
+            };
+            let error = match result {
+                Ok(mut completion) => {
+                    if !stream && !completion.text.is_empty() {
+                        on_text(&completion.text);
+                    }
+                    completion.attempts = attempt;
+                    self.note_unreplayable_reasoning(&completion);
+                    return Ok(log_completion(completion, self.inner.api, stream));
+                }
+                Err(error) => error.with_attempts(attempt),
+            };
+            let delay = if progress.emitted {
+                None
+            } else {
+                self.inner.retry.delay_before_retry(
+                    attempt,
+                    started.elapsed(),
+                    &error,
+                    crate::retry::jitter(),
+                )
+            };
+            let Some(delay) = delay else {
+                tracing::debug!(
+                    attempt,
+                    code = error.code(),
+                    retryable = error.is_retryable(),
+                    streamed = progress.emitted,
+                    "model request failed"
+                );
+                return Err(error);
+            };
+            tracing::warn!(
+                attempt,
+                code = error.code(),
+                delay_ms = delay.as_millis() as u64,
+                server = %self.inner.server,
+                "model request failed; retrying"
+            );
+            tokio::time::sleep(delay).await;
+        }
+    }
+
+    fn encode(&self, req: &ChatRequest, stream: bool) -> Result<Bytes, LlmError> {
+        let body = match self.inner.api {
+            ApiShape::ChatCompletions => {
+                serde_json::to_vec(&crate::chat_wire::to_wire(req, stream))
+            }
+            ApiShape::Responses => serde_json::to_vec(&crate::responses_wire::to_wire(
+                req,
+                stream,
+                self.inner.reasoning,
+            )),
+        };
+        body.map(Bytes::from)
+            .map_err(|e| LlmError::protocol(format!("could not encode the request: {e}")))
+    }
+
+    /// Reasoning items without their encrypted content come from a
+    /// reasoning model on a deployment not marked as one: they cannot be
+    /// replayed (and are not), so the model loses its reasoning between
+    /// rounds. Worth a word to the operator, who can fix the config.
+    fn note_unreplayable_reasoning(&self, completion: &Completion) {
+        if self.inner.api == ApiShape::Responses
+            && !self.inner.reasoning
+            && crate::responses_wire::has_unreplayable_reasoning(completion)
+        {
+            tracing::warn!(
+                server = %self.inner.server,
+                "the model returned reasoning items, but the deployment is not marked as a \
+                 reasoning model; they are not replayed. Set `reasoning = true` on the \
+                 deployment to keep them between rounds"
+            );
+        }
+    }
+
+    fn parse_body(&self, body: &[u8]) -> Result<Completion, LlmError> {
+        match self.inner.api {
+            ApiShape::ChatCompletions => crate::chat_wire::completion_from_wire(body),
+            ApiShape::Responses => crate::responses_wire::completion_from_wire(body),
+        }
+    }
+
+    async fn plain_once(&self, body: Bytes) -> Result<Completion, LlmError> {
+        let (mut response, _) = self.send(body, false).await?;
+        let body = self.read_body(&mut response, MAX_BODY_BYTES).await?;
+        self.parse_body(&body)
+    }
+
+    async fn stream_once<F: FnMut(&str) + Send>(
+        &self,
+        body: Bytes,
+        on_text: &mut F,
+        progress: &mut Progress,
+    ) -> Result<Completion, LlmError> {
+        let (mut response, first_deadline) = self.send(body, true).await?;
+        if is_json(response.headers()) {
+            // A server that ignores `stream: true` answers with one JSON
+            // body; that is still a complete, usable answer.
+            let body = self.read_body(&mut response, MAX_BODY_BYTES).await?;
+            let completion = self.parse_body(&body)?;
+            if !completion.text.is_empty() {
+                progress.emitted = true;
+                on_text(&completion.text);
+            }
+            return Ok(completion);
+        }
+        match self.inner.api {
+            ApiShape::ChatCompletions => {
+                self.read_stream(
+                    response,
+                    first_deadline,
+                    ChatStreamAccumulator::new(),
+                    on_text,
+                    progress,
+                )
+                .await
+            }
+            ApiShape::Responses => {
+                self.read_stream(
+                    response,
+                    first_deadline,
+                    ResponsesStreamAccumulator::new(),
+                    on_text,
+                    progress,
+                )
+                .await
+            }
+        }
+    }
+
+    /// Reads SSE events into `acc` until the stream ends, honouring the
+    /// first-token and idle timeouts.
+    async fn read_stream<A: Accumulate, F: FnMut(&str) + Send>(
+        &self,
+        mut response: reqwest::Response,
+        first_deadline: Instant,
+        mut acc: A,
+        on_text: &mut F,
+        progress: &mut Progress,
+    ) -> Result<Completion, LlmError> {
+        let mut decoder = SseDecoder::new();
+        let mut got_event = false;
+        let mut done = false;
+        let mut deliver = |acc: &mut A, event: &SseEvent| -> Result<bool, LlmError> {
+            if event.is_done() {
+                return Ok(true);
+            }
+            let text = acc.push_event(event)?;
+            if acc.has_output() {
+                progress.emitted = true;
+            }
+            if let Some(text) = text {
+                on_text(&text);
+            }
+            Ok(A::ENDS_AT_FINISH && acc.is_finished())
+        };
+        while !done {
+            let deadline = if got_event {
+                Instant::now() + self.inner.idle_timeout
+            } else {
+                first_deadline
+            };
+            let chunk = match tokio::time::timeout_at(deadline, response.chunk()).await {
+                Err(_) if got_event => {
+                    return Err(LlmError::timeout(format!(
+                        "the model provider sent nothing for {:?} mid-stream",
+                        self.inner.idle_timeout
+                    )));
+                }
+                Err(_) => return Err(self.first_token_timeout()),
+                Ok(Err(e)) => return Err(self.transport_error(e)),
+                Ok(Ok(None)) => break,
+                Ok(Ok(Some(chunk))) => chunk,
+            };
+            for event in decoder.push(&chunk)? {
+                got_event = true;
+                if deliver(&mut acc, &event)? {
+                    done = true;
+                    break;
+                }
+            }
+        }
+        if !done {
+            if let Some(event) = decoder.finish() {
+                done = deliver(&mut acc, &event)?;
+            }
+            // Without an end marker the answer still counts if the model
+            // said it was finished (only the usage chunk may be missing);
+            // otherwise the stream was cut and the same request is worth
+            // retrying.
+            if !done && !acc.is_finished() {
+                return Err(LlmError::connection_lost(format!(
+                    "the model provider at {} closed the stream before the answer was complete",
+                    self.inner.server
+                )));
+            }
+        }
+        // Dropping the response here closes the connection if the server
+        // sent more than we read (a Responses stream after its terminal
+        // event).
+        acc.finish()
+    }
+
+    /// Sends the request and checks the status. Returns the response and
+    /// the deadline for the first event.
+    async fn send(
+        &self,
+        body: Bytes,
+        stream: bool,
+    ) -> Result<(reqwest::Response, Instant), LlmError> {
+        let mut request = self
+            .inner
+            .http
+            .post(self.inner.endpoint.clone())
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(
+                header::ACCEPT,
+                if stream {
+                    "text/event-stream"
+                } else {
+                    "application/json"
+                },
+            )
+            .body(body);
+        if let Some((name, value)) = &self.inner.credential {
+            request = request.header(name.clone(), value.clone());
+        }
+        let first_deadline = Instant::now() + self.inner.first_token_timeout;
+        let mut response = match tokio::time::timeout_at(first_deadline, request.send()).await {
+            Err(_) => return Err(self.first_token_timeout()),
+            Ok(Err(e)) => return Err(self.transport_error(e)),
+            Ok(Ok(response)) => response,
+        };
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = retry_after(response.headers());
+            // The body only adds detail; a status error stands without it.
+            let body = self
+                .read_body(&mut response, MAX_ERROR_BODY_BYTES)
+                .await
+                .unwrap_or_default();
+            let (code, message) = crate::chat_wire::error_body_fields(&body);
+            let status = status.as_u16();
+            let message = match (status, message) {
+                // OpenAI echoes part of a rejected key in its 401 message.
+                (401 | 403, _) => {
+                    format!("the model provider rejected the credentials (HTTP {status})")
+                }
+                (_, Some(message)) => {
+                    format!("the model provider returned HTTP {status}: {message}")
+                }
+                (_, None) => format!("the model provider returned HTTP {status}"),
+            };
+            return Err(LlmError::status(status, code, message).with_retry_after(retry_after));
+        }
+        Ok((response, first_deadline))
+    }
+
+    /// Reads a whole body, bounded in size and by `idle_timeout` per chunk.
+    async fn read_body(
+        &self,
+        response: &mut reqwest::Response,
+        limit: usize,
+    ) -> Result<Vec<u8>, LlmError> {
+        let mut body = Vec::new();
+        loop {
+            let chunk: Option<Bytes> =
+                match tokio::time::timeout(self.inner.idle_timeout, response.chunk()).await {
+                    Err(_) => {
+                        return Err(LlmError::timeout(format!(
+                            "the model provider sent nothing for {:?} mid-body",
+                            self.inner.idle_timeout
+                        )));
+                    }
+                    Ok(Err(e)) => return Err(self.transport_error(e)),
+                    Ok(Ok(chunk)) => chunk,
+                };
+            let Some(chunk) = chunk else {
+                return Ok(body);
+            };
+            if body.len() + chunk.len() > limit {
+                return Err(LlmError::protocol(format!(
+                    "response body larger than {limit} bytes"
+                )));
+            }
+            body.extend_from_slice(&chunk);
+        }
+    }
+
+    fn first_token_timeout(&self) -> LlmError {
+        LlmError::timeout(format!(
+            "no response from the model provider at {} within {:?}",
+            self.inner.server, self.inner.first_token_timeout
+        ))
+    }
+
+    /// Maps a reqwest failure. The URL is stripped first: it may carry a
+    /// credential in its query or user info.
+    fn transport_error(&self, error: reqwest::Error) -> LlmError {
+        let error = error.without_url();
+        let server = &self.inner.server;
+        if error.is_connect() {
+            LlmError::connect(format!(
+                "could not connect to the model provider at {server}: {}",
+                error_chain(&error)
+            ))
+        } else if error.is_timeout() {
+            LlmError::timeout(format!(
+                "timed out talking to the model provider at {server}: {}",
+                error_chain(&error)
+            ))
+        } else {
+            LlmError::connection_lost(format!(
+                "connection to the model provider at {server} failed: {}",
+                error_chain(&error)
+            ))
+        }
+    }
+}
+
+/// The header that carries the key, marked sensitive so hyper's and
+/// reqwest's own debug output never shows it.
+fn credential(auth: &Auth, key: &str) -> Result<(HeaderName, HeaderValue), LlmError> {
+    let (name, value) = match auth {
+        Auth::Bearer => (header::AUTHORIZATION, format!("Bearer {key}")),
+        Auth::Header(name) => (
+            HeaderName::from_bytes(name.trim().as_bytes()).map_err(|_| {
+                LlmError::config(format!("{name:?} is not a valid HTTP header name"))
+            })?,
+            key.to_owned(),
+        ),
+    };
+    let mut value = HeaderValue::from_str(&value).map_err(|_| {
+        LlmError::config("the API key contains characters not allowed in an HTTP header")
+    })?;
+    value.set_sensitive(true);
+    Ok((name, value))
+}
+
+/// `{base}/{path}`, whether or not `base` ends in `/`, keeping any query
+/// string of `base` and adding `extra_query`.
+fn endpoint_url(base: &Url, path: &str, extra_query: &[(String, String)]) -> Result<Url, LlmError> {
+    if !matches!(base.scheme(), "http" | "https") || base.cannot_be_a_base() {
+        return Err(LlmError::config(format!(
+            "the model base URL must be http(s), got scheme {:?}",
+            base.scheme()
+        )));
+    }
+    let mut dir = base.clone();
+    dir.set_query(None);
+    dir.set_fragment(None);
+    if !dir.path().ends_with('/') {
+        let path = format!("{}/", dir.path());
+        dir.set_path(&path);
+    }
+    let mut endpoint = dir
+        .join(path)
+        .map_err(|e| LlmError::config(format!("invalid model base URL: {e}")))?;
+    endpoint.set_query(base.query());
+    if !extra_query.is_empty() {
+        endpoint.query_pairs_mut().extend_pairs(extra_query);
+    }
+    Ok(endpoint)
+}
+
+fn is_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.trim_start().starts_with("application/json"))
+}
+
+/// `retry-after-ms` (OpenAI) or `Retry-After` in seconds. The HTTP-date form
+/// is not used by model providers and is ignored.
+fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let value = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0 && *v < 1e9)
+    };
+    value("retry-after-ms")
+        .map(|ms| Duration::from_secs_f64(ms / 1000.0))
+        .or_else(|| value("retry-after").map(Duration::from_secs_f64))
+}
+
+/// An error and its sources, `: `-joined: reqwest's own message alone
+/// ("error sending request") hides the cause.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let cause_text = cause.to_string();
+        if !text.contains(&cause_text) {
+            text.push_str(": ");
+            text.push_str(&cause_text);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+fn log_completion(completion: Completion, api: ApiShape, stream: bool) -> Completion {
+    tracing::debug!(
+        ?api,
+        stream,
+        attempts = completion.attempts,
+        finish_reason = ?completion.finish_reason,
+        tool_calls = completion.tool_calls.len(),
+        text_chars = completion.text.len(),
+        total_tokens = completion.usage.map(|u| u.total_tokens),
+        "model answer received"
+    );
+    completion
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::net::SocketAddr;
+    use std::sync::Mutex;
+
+    use axum::Router;
+    use axum::body::Body;
+    use axum::http::{HeaderMap as AxumHeaders, StatusCode};
+    use axum::response::{IntoResponse, Response};
+    use axum::routing::post;
+    use futures::StreamExt;
+    use serde_json::json;
+
+    use super::*;
+    use toolfleet_scripted::{Script, ScriptedServer, StreamStats};
+
+    const STEP: Duration = Duration::from_secs(20);
+    const SECRET: &str = "sk-test-SECRET-never-printed";
+
+    /// Every await in these tests is bounded.
+    async fn within<F: Future>(future: F) -> F::Output {
+        tokio::time::timeout(STEP, future)
+            .await
+            .expect("test step timed out")
+    }
+
+    fn config(base_url: Url) -> LlmConfig {
+        LlmConfig {
+            api_key: Some(SECRET.to_owned()),
+            // Retry behaviour has its own tests; here every call is one
+            // request.
+            retry: RetryPolicy::never(),
+            connect_timeout: Duration::from_secs(2),
+            first_token_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(5),
+            ..LlmConfig::new(base_url)
+        }
+    }
+
+    fn user(content: &str) -> Message {
+        Message::User {
+            content: content.to_owned(),
+        }
+    }
+
+    fn request(messages: Vec<Message>) -> ChatRequest {
+        ChatRequest {
+            model: "toolfleet-scripted".into(),
+            messages,
+            tools: vec![tool("get_weather"), tool("lookup")],
+            tool_choice: Some(ToolChoice::Auto),
+            parallel_tool_calls: true,
+            temperature: None,
+            max_tokens: None,
+        }
+    }
+
+    fn tool(name: &str) -> ToolSpec {
+        ToolSpec {
+            name: name.to_owned(),
+            description: format!("the {name} tool"),
+            parameters: json!({"type": "object"}),
+            strict: false,
+        }
+    }
+
+    /// Serves `router` on a free loopback port.
+    async fn spawn(router: Router) -> Url {
+        let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        tokio::spawn(async move {
+            let _ = axum::serve(listener, router).await;
+        });
+        Url::parse(&format!("http://{addr}/v1/")).expect("url")
+    }
+
+    fn sse(frames: &[&str]) -> Vec<Result<Bytes, std::convert::Infallible>> {
+        frames
+            .iter()
+            .map(|f| Ok(Bytes::from(format!("data: {f}\n\n"))))
+            .collect()
+    }
+
+    fn sse_response(body: Body) -> Response {
+        ([(header::CONTENT_TYPE, "text/event-stream")], body).into_response()
+    }
+
+    #[test]
+    fn endpoint_url_handles_slashes_and_queries() {
+        let url = |s: &str| {
+            endpoint_url(&Url::parse(s).expect("url"), "chat/completions", &[])
+                .map(|u| u.to_string())
+        };
+        assert_eq!(
+            url("http://127.0.0.1:8080/v1").expect("ok"),
+            "http://127.0.0.1:8080/v1/chat/completions"
+        );
+        assert_eq!(
+            url("http://127.0.0.1:8080/v1/").expect("ok"),
+            "http://127.0.0.1:8080/v1/chat/completions"
+        );
+        assert_eq!(
+            url("https://h.example/openai/deployments/d?api-version=2024-10-21").expect("ok"),
+            "https://h.example/openai/deployments/d/chat/completions?api-version=2024-10-21"
+        );
+        assert_eq!(url("http://h").expect("ok"), "http://h/chat/completions");
+        let err = url("file:///tmp/x").expect_err("not http");
+        assert_eq!(err.code(), "config");
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_key() {
+        let mut cfg = config(Url::parse("http://user:pw@h/v1?key=k").expect("url"));
+        assert!(format!("{cfg:?}").contains("reasoning: false"));
+        cfg.extra_query = vec![("api-version".into(), "v-secret-ish".into())];
+        let text = format!("{cfg:?}");
+        assert!(!text.contains("v-secret-ish"), "{text}");
+        assert!(!text.contains(SECRET), "{text}");
+        assert!(!text.contains("pw") && !text.contains("key=k"), "{text}");
+        assert!(text.contains("[redacted]"));
+        cfg.api_key = None;
+        assert!(format!("{cfg:?}").contains("api_key: None"));
+        let client =
+            LlmClient::new(config(Url::parse("http://h/v1").expect("url"))).expect("client");
+        assert!(!format!("{client:?}").contains(SECRET));
+    }
+
+    #[test]
+    fn client_futures_can_be_spawned() {
+        fn is_send<T: Send + 'static>(_: &T) {}
+        fn borrows_are_send<T: Send>(_: T) {}
+        let client =
+            LlmClient::new(config(Url::parse("http://h/v1").expect("url"))).expect("client");
+        is_send(&client);
+        let req = request(vec![user("hi")]);
+        borrows_are_send(client.stream_chat(&req, |_| {}));
+        borrows_are_send(client.chat(&req));
+    }
+
+    #[test]
+    fn config_enums_read_as_documented() {
+        let shape: ApiShape = serde_json::from_value(json!("responses")).expect("shape");
+        assert_eq!(shape, ApiShape::Responses);
+        assert_eq!(
+            serde_json::to_value(ApiShape::ChatCompletions).expect("json"),
+            json!("chat_completions")
+        );
+        assert_eq!(ApiShape::default(), ApiShape::ChatCompletions);
+        let auth: Auth = serde_json::from_value(json!({"header": "api-key"})).expect("auth");
+        assert_eq!(auth, Auth::Header("api-key".into()));
+        assert_eq!(
+            serde_json::from_value::<Auth>(json!("bearer")).expect("auth"),
+            Auth::Bearer
+        );
+        let choice: ToolChoice =
+            serde_json::from_value(json!({"function": "get_weather"})).expect("choice");
+        assert_eq!(choice, ToolChoice::Function("get_weather".into()));
+        let cfg = LlmConfig::new(Url::parse("http://h/v1").expect("url"));
+        assert!(cfg.stream);
+        assert!(
+            !cfg.reasoning,
+            "never assumed: other models refuse its request"
+        );
+        assert_eq!(cfg.retry, RetryPolicy::default());
+        assert_eq!(
+            (cfg.api, cfg.auth),
+            (ApiShape::ChatCompletions, Auth::Bearer)
+        );
+        // Older conversations without `opaque` still read.
+        let message: Message =
+            serde_json::from_value(json!({"role": "assistant", "content": "hi", "tool_calls": []}))
+                .expect("message");
+        assert_eq!(
+            message,
+            Message::Assistant {
+                content: Some("hi".into()),
+                tool_calls: vec![],
+                opaque: vec![]
+            }
+        );
+        assert!(
+            serde_json::to_value(&message)
+                .expect("json")
+                .get("opaque")
+                .is_none()
+        );
+    }
+
+    #[test]
+    fn usage_adds_up() {
+        let mut total = Usage::default();
+        let one = Usage {
+            prompt_tokens: 1,
+            completion_tokens: 2,
+            total_tokens: 3,
+            cached_tokens: 4,
+            reasoning_tokens: 5,
+        };
+        total += one;
+        total += one;
+        assert_eq!(
+            total,
+            Usage {
+                prompt_tokens: 2,
+                completion_tokens: 4,
+                total_tokens: 6,
+                cached_tokens: 8,
+                reasoning_tokens: 10
+            }
+        );
+    }
+
+    #[test]
+    fn retry_after_prefers_milliseconds() {
+        let mut headers = HeaderMap::new();
+        headers.insert("retry-after", HeaderValue::from_static("3"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(3)));
+        headers.insert("retry-after-ms", HeaderValue::from_static("250"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_millis(250)));
+        headers.insert("retry-after-ms", HeaderValue::from_static("soon"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(3)));
+    }
+
+    const SCRIPT: &str = r#"{
+        "rules": [{
+            "whenUserContains": ["weather"],
+            "steps": [
+                {"toolCalls": [
+                    {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    {"name": "lookup", "arguments": {"q": "umbrella etiquette"}}
+                ]},
+                {"answer": "The weather: {{tool:get_weather}} Also: {{tool:lookup}}"}
+            ]
+        }]
+    }"#;
+
+    #[tokio::test]
+    async fn stream_chat_and_chat_run_a_tool_round_against_the_scripted_server() {
+        let script = Script::from_json(SCRIPT).expect("script");
+        let server = within(ScriptedServer::start(
+            "127.0.0.1:0".parse().expect("addr"),
+            script,
+        ))
+        .await
+        .expect("start");
+        let client = LlmClient::new(config(server.base_url())).expect("client");
+
+        // Round 1: both calls in one streamed response.
+        let mut messages = vec![user("What's the weather in Paris?")];
+        let mut deltas = Vec::new();
+        let first =
+            within(client.stream_chat(&request(messages.clone()), |t| deltas.push(t.to_owned())))
+                .await
+                .expect("first round");
+        assert_eq!(first.finish_reason, FinishReason::ToolCalls);
+        assert!(deltas.is_empty(), "a tool-call turn has no text");
+        let names: Vec<_> = first.tool_calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["get_weather", "lookup"]);
+        let args: serde_json::Value =
+            serde_json::from_str(&first.tool_calls[0].arguments).expect("arguments are JSON");
+        assert_eq!(args, json!({"city": "Paris"}));
+        assert_ne!(first.tool_calls[0].id, first.tool_calls[1].id);
+        assert!(first.usage.is_some_and(|u| u.total_tokens > 0));
+
+        // Round 2: the answer quotes the tool results, streamed in pieces.
+        messages.push(first.assistant_message());
+        for (call, result) in first
+            .tool_calls
+            .iter()
+            .zip(["21C and sunny [doc:1]", "bring one [doc:2]"])
+        {
+            messages.push(Message::Tool {
+                call_id: call.id.clone(),
+                content: result.to_owned(),
+            });
+        }
+        let mut deltas = Vec::new();
+        let second =
+            within(client.stream_chat(&request(messages.clone()), |t| deltas.push(t.to_owned())))
+                .await
+                .expect("second round");
+        let want = "The weather: 21C and sunny [doc:1] Also: bring one [doc:2]";
+        assert_eq!(second.text, want);
+        assert_eq!(second.finish_reason, FinishReason::Stop);
+        assert!(second.tool_calls.is_empty());
+        assert!(deltas.len() > 1, "text arrives in several deltas");
+        assert_eq!(deltas.concat(), want);
+
+        // The same conversation without streaming.
+        let plain = within(client.chat(&request(messages))).await.expect("chat");
+        assert_eq!(plain.text, want);
+        assert!(plain.usage.is_some());
+
+        // What the provider was actually sent.
+        let sent = server.requests();
+        assert_eq!(sent.len(), 3);
+        assert_eq!(sent[0]["stream"], json!(true));
+        assert_eq!(sent[0]["stream_options"], json!({"include_usage": true}));
+        assert_eq!(sent[0]["tool_choice"], json!("auto"));
+        assert_eq!(sent[0]["parallel_tool_calls"], json!(true));
+        assert_eq!(sent[0]["tools"].as_array().map(Vec::len), Some(2));
+        let history = &sent[1]["messages"];
+        assert_eq!(history[1]["role"], json!("assistant"));
+        assert_eq!(history[1]["tool_calls"][0]["type"], json!("function"));
+        assert_eq!(
+            history[1]["tool_calls"][0]["id"],
+            json!(first.tool_calls[0].id)
+        );
+        assert_eq!(history[2]["role"], json!("tool"));
+        assert_eq!(history[2]["tool_call_id"], json!(first.tool_calls[0].id));
+        assert_eq!(sent[2]["stream"], json!(false));
+        assert!(sent[2].get("stream_options").is_none());
+        within(server.shutdown()).await;
+    }
+
+    #[derive(Default)]
+    struct Seen {
+        authorization: Mutex<Vec<String>>,
+    }
+
+    #[tokio::test]
+    async fn error_statuses_carry_code_retry_hint_and_no_secret() {
+        let seen = Arc::new(Seen::default());
+        let record = seen.clone();
+        let router = Router::new()
+            .route(
+                "/v1/chat/completions",
+                post(move |headers: AxumHeaders, body: Bytes| {
+                    let record = record.clone();
+                    async move {
+                        let auth = headers
+                            .get(header::AUTHORIZATION)
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or_default()
+                            .to_owned();
+                        record
+                            .authorization
+                            .lock()
+                            .expect("lock")
+                            .push(auth);
+                        let body: serde_json::Value =
+                            serde_json::from_slice(&body).expect("request body is JSON");
+                        let prompt = body["messages"][0]["content"].as_str().unwrap_or_default().to_owned();
+                        match prompt.as_str() {
+                            "429" => (
+                                StatusCode::TOO_MANY_REQUESTS,
+                                [("retry-after", "2")],
+                                r#"{"error":{"message":"Rate limit reached","type":"requests","param":null,"code":"rate_limit_exceeded"}}"#,
+                            )
+                                .into_response(),
+                            "quota" => (
+                                StatusCode::TOO_MANY_REQUESTS,
+                                r#"{"error":{"message":"You exceeded your current quota","type":"insufficient_quota","param":null,"code":"insufficient_quota"}}"#,
+                            )
+                                .into_response(),
+                            "401" => (
+                                StatusCode::UNAUTHORIZED,
+                                format!(r#"{{"error":{{"message":"Incorrect API key provided: {SECRET}","type":"invalid_request_error","code":"invalid_api_key"}}}}"#),
+                            )
+                                .into_response(),
+                            "echo" => (
+                                StatusCode::BAD_REQUEST,
+                                format!(r#"{{"error":{{"message":"bad value {SECRET}","type":"invalid_request_error","code":null}}}}"#),
+                            )
+                                .into_response(),
+                            _ => (StatusCode::INTERNAL_SERVER_ERROR, "upstream exploded").into_response(),
+                        }
+                    }
+                }),
+            );
+        let base = spawn(router).await;
+        let client = LlmClient::new(config(base)).expect("client");
+        let call = |prompt: &'static str| {
+            let client = client.clone();
+            async move {
+                within(client.stream_chat(&request(vec![user(prompt)]), |_| {}))
+                    .await
+                    .expect_err("must fail")
+            }
+        };
+
+        let err = call("429").await;
+        assert_eq!(
+            err.kind(),
+            &LlmErrorKind::Status {
+                status: 429,
+                code: Some("rate_limit_exceeded".into())
+            }
+        );
+        assert!(err.is_retryable());
+        assert_eq!(err.retry_after(), Some(Duration::from_secs(2)));
+        assert!(err.to_string().contains("Rate limit reached"), "{err}");
+
+        let err = call("quota").await;
+        assert_eq!(err.code(), "insufficient_quota");
+        assert!(!err.is_retryable(), "waiting does not refill a quota");
+
+        let err = call("500").await;
+        assert_eq!(
+            err.kind(),
+            &LlmErrorKind::Status {
+                status: 500,
+                code: None
+            }
+        );
+        assert_eq!(err.code(), "http_500");
+        assert!(err.is_retryable());
+
+        let err = call("401").await;
+        assert_eq!(err.code(), "invalid_api_key");
+        assert!(!err.is_retryable());
+        let err2 = within(client.chat(&request(vec![user("echo")])))
+            .await
+            .expect_err("400");
+        for e in [&err, &err2] {
+            assert!(!e.to_string().contains(SECRET), "{e}");
+            assert!(!format!("{e:?}").contains(SECRET), "{e:?}");
+        }
+        assert!(err2.to_string().contains("[redacted]"));
+
+        let auth = seen.authorization.lock().expect("lock").clone();
+        assert_eq!(auth.len(), 5);
+        assert!(auth.iter().all(|a| a == &format!("Bearer {SECRET}")));
+    }
+
+    #[tokio::test]
+    async fn connection_refused_is_a_retryable_connect_error() {
+        // A port that was free a moment ago and has no listener now.
+        let addr: SocketAddr = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            listener.local_addr().expect("addr")
+        };
+        let client = LlmClient::new(config(
+            Url::parse(&format!("http://{addr}/v1")).expect("url"),
+        ))
+        .expect("client");
+        let err = within(client.stream_chat(&request(vec![user("hi")]), |_| {}))
+            .await
+            .expect_err("nothing listens");
+        assert_eq!(err.kind(), &LlmErrorKind::Connect);
+        assert_eq!(err.code(), "connect");
+        assert!(err.is_retryable());
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
+        let err = within(client.chat(&request(vec![user("hi")])))
+            .await
+            .expect_err("nothing listens");
+        assert_eq!(err.kind(), &LlmErrorKind::Connect);
+    }
+
+    #[tokio::test]
+    async fn slow_stalled_and_cut_streams_fail_as_the_caller_needs() {
+        let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#;
+        let text = r#"{"choices":[{"index":0,"delta":{"content":"Hello"}}]}"#;
+        let stop = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+        let router = Router::new().route(
+            "/v1/chat/completions",
+            post(move |body: Bytes| async move {
+                let body: serde_json::Value = serde_json::from_slice(&body).expect("json");
+                match body["messages"][0]["content"].as_str().unwrap_or_default() {
+                    "slow" => {
+                        tokio::time::sleep(Duration::from_secs(30)).await;
+                        StatusCode::OK.into_response()
+                    }
+                    "stall" => sse_response(Body::from_stream(
+                        futures::stream::iter(sse(&[role, text])).chain(futures::stream::pending()),
+                    )),
+                    "cut" => sse_response(Body::from_stream(futures::stream::iter(sse(&[role, text])))),
+                    "no-done" => sse_response(Body::from_stream(futures::stream::iter(sse(&[role, text, stop])))),
+                    "garbage" => sse_response(Body::from_stream(futures::stream::iter(sse(&[role, "{oops"])))),
+                    _ => (
+                        [(header::CONTENT_TYPE, "application/json")],
+                        r#"{"choices":[{"index":0,"message":{"role":"assistant","content":"whole"},"finish_reason":"stop"}]}"#,
+                    )
+                        .into_response(),
+                }
+            }),
+        );
+        let base = spawn(router).await;
+        let client = LlmClient::new(LlmConfig {
+            first_token_timeout: Duration::from_millis(300),
+            idle_timeout: Duration::from_millis(300),
+            ..config(base)
+        })
+        .expect("client");
+        let run = |prompt: &'static str| {
+            let client = client.clone();
+            async move {
+                let mut text = String::new();
+                let result =
+                    within(client.stream_chat(&request(vec![user(prompt)]), |t| text.push_str(t)))
+                        .await;
+                (result, text)
+            }
+        };
+
+        let (result, _) = run("slow").await;
+        let err = result.expect_err("slow first token");
+        assert_eq!(err.kind(), &LlmErrorKind::Timeout);
+        assert!(err.is_retryable());
+        let err = within(client.chat(&request(vec![user("slow")])))
+            .await
+            .expect_err("slow non-streaming");
+        assert_eq!(err.kind(), &LlmErrorKind::Timeout);
+
+        let (result, text) = run("stall").await;
+        let err = result.expect_err("stalled mid-stream");
+        assert_eq!(err.kind(), &LlmErrorKind::Timeout);
+        assert_eq!(text, "Hello", "text before the stall was delivered");
+
+        let (result, _) = run("cut").await;
+        let err = result.expect_err("cut before finish");
+        assert_eq!(err.kind(), &LlmErrorKind::Connect);
+        assert_eq!(err.code(), "connection_lost");
+        assert!(err.is_retryable());
+
+        let (result, text) = run("no-done").await;
+        let completion = result.expect("finished without [DONE] is still an answer");
+        assert_eq!(
+            (completion.text.as_str(), text.as_str()),
+            ("Hello", "Hello")
+        );
+
+        let (result, _) = run("garbage").await;
+        assert_eq!(result.expect_err("garbage").kind(), &LlmErrorKind::Protocol);
+
+        let (result, text) = run("json").await;
+        assert_eq!(
+            result.expect("JSON reply to a stream request").text,
+            "whole"
+        );
+        assert_eq!(text, "whole");
+    }
+
+    // -----------------------------------------------------------------------
+    // Resilience, both API shapes and cancellation, against real HTTP
+    // streams from the scripted server and its injected faults.
+
+    async fn scripted(script: &str) -> ScriptedServer {
+        within(ScriptedServer::start(
+            "127.0.0.1:0".parse().expect("addr"),
+            Script::from_json(script).expect("script"),
+        ))
+        .await
+        .expect("start")
+    }
+
+    /// Quick retries, so tests spend their time where the server says.
+    fn fast_retries() -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: 3,
+            max_elapsed: Duration::from_secs(10),
+            base_delay: Duration::from_millis(10),
+            max_delay: Duration::from_millis(50),
+        }
+    }
+
+    fn client(server: &ScriptedServer, api: ApiShape) -> LlmClient {
+        LlmClient::new(LlmConfig {
+            api,
+            retry: fast_retries(),
+            ..config(server.base_url())
+        })
+        .expect("client")
+    }
+
+    /// Runs one streamed call, returning its result and the text deltas.
+    async fn run(client: &LlmClient, prompt: &str) -> (Result<Completion, LlmError>, Vec<String>) {
+        let mut deltas = Vec::new();
+        let result =
+            within(client.stream_chat(&request(vec![user(prompt)]), |t| deltas.push(t.to_owned())))
+                .await;
+        (result, deltas)
+    }
+
+    const SHAPES: [ApiShape; 2] = [ApiShape::ChatCompletions, ApiShape::Responses];
+
+    #[tokio::test]
+    async fn a_429_is_retried_after_the_wait_the_server_asked_for() {
+        let server = scripted(
+            r#"{"default": {"steps": [{"answer": "after the wait",
+                "fault": {"kind": "status", "status": 429, "retryAfterMs": 200,
+                          "code": "rate_limit_exceeded", "times": 1}}]}}"#,
+        )
+        .await;
+        let (result, deltas) = run(&client(&server, ApiShape::ChatCompletions), "hi").await;
+        let completion = result.expect("second attempt succeeds");
+        assert_eq!(completion.text, "after the wait");
+        assert_eq!(deltas.concat(), "after the wait");
+        assert_eq!(completion.attempts, 2);
+        let received = server.received();
+        assert_eq!(received.len(), 2);
+        assert_eq!(received[0].fault, Some("status"));
+        assert_eq!(received[1].fault, None);
+        assert_eq!(server.fault_hits(), 1);
+        // Measured where it matters, on the server: the retry came no
+        // sooner than the server asked, though the backoff alone would
+        // have been 10 ms or less.
+        let gap = received[1].at.duration_since(received[0].at);
+        assert!(gap >= Duration::from_millis(200), "retried after {gap:?}");
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn server_errors_are_retried_a_bounded_number_of_times() {
+        let server = scripted(
+            r#"{"rules": [
+                {"whenUserContains": ["flaky"], "steps": [{"answer": "third time lucky",
+                    "fault": {"kind": "status", "status": 500, "times": 2}}]},
+                {"whenUserContains": ["broken"], "steps": [{"answer": "never",
+                    "fault": {"kind": "status", "status": 503}}]},
+                {"whenUserContains": ["come back later"], "steps": [{"answer": "never",
+                    "fault": {"kind": "status", "status": 429, "retryAfterMs": 60000}}]},
+                {"whenUserContains": ["bad request"], "steps": [{"answer": "never",
+                    "fault": {"kind": "status", "status": 400, "code": "invalid_value"}}]}
+            ]}"#,
+        )
+        .await;
+        let client = client(&server, ApiShape::ChatCompletions);
+        let count = |phrase: &str| {
+            server
+                .requests()
+                .iter()
+                .filter(|r| r.to_string().contains(phrase))
+                .count()
+        };
+
+        let (result, _) = run(&client, "flaky").await;
+        let completion = result.expect("succeeds on the third attempt");
+        assert_eq!(completion.text, "third time lucky");
+        assert_eq!(completion.attempts, 3);
+        assert_eq!(count("flaky"), 3);
+
+        let (result, deltas) = run(&client, "broken").await;
+        let err = result.expect_err("fails every time");
+        assert_eq!(
+            err.kind(),
+            &LlmErrorKind::Status {
+                status: 503,
+                code: Some("server_error".into())
+            }
+        );
+        assert_eq!(err.attempts(), 3, "max_attempts");
+        assert_eq!(count("broken"), 3);
+        assert!(deltas.is_empty());
+
+        // Waiting longer than the time budget allows is not attempted.
+        let (result, _) = run(&client, "come back later").await;
+        let err = result.expect_err("gives up at once");
+        assert_eq!(err.attempts(), 1);
+        assert_eq!(err.retry_after(), Some(Duration::from_secs(60)));
+        assert_eq!(count("come back later"), 1);
+
+        // Not retryable at all.
+        let err = within(client.chat(&request(vec![user("bad request")])))
+            .await
+            .expect_err("400");
+        assert_eq!(err.code(), "invalid_value");
+        assert_eq!(err.attempts(), 1);
+        assert_eq!(count("bad request"), 1);
+        assert_eq!(server.fault_hits(), 2 + 3 + 1 + 1);
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn nothing_is_retried_once_text_or_a_tool_call_has_streamed() {
+        let server = scripted(
+            r#"{"rules": [
+                {"whenUserContains": ["cut text"], "steps": [{"answer": "one two three four five six",
+                    "fault": {"kind": "cutMidText"}}]},
+                {"whenUserContains": ["cut call"], "steps": [{"toolCalls": [
+                    {"name": "get_weather", "arguments": {"city": "Paris", "units": "metric"}}],
+                    "fault": {"kind": "cutMidToolCall"}}]}
+            ]}"#,
+        )
+        .await;
+        for api in SHAPES {
+            let client = client(&server, api);
+            let before = server.received().len();
+            let (result, deltas) = run(&client, "cut text").await;
+            let err = result.expect_err("cut after the first text");
+            assert_eq!(err.kind(), &LlmErrorKind::Connect, "{api:?}");
+            assert_eq!(err.code(), "connection_lost", "{api:?}");
+            assert!(err.is_retryable(), "{api:?}: retryable in itself");
+            assert_eq!(err.attempts(), 1, "{api:?}: but text had streamed");
+            assert_eq!(deltas, ["one two three "], "{api:?}");
+
+            let (result, deltas) = run(&client, "cut call").await;
+            let err = result.expect_err("cut mid tool call");
+            assert_eq!(err.kind(), &LlmErrorKind::Connect, "{api:?}");
+            assert_eq!(err.code(), "connection_lost", "{api:?}");
+            assert_eq!(err.attempts(), 1, "{api:?}");
+            assert!(deltas.is_empty(), "{api:?}");
+            assert_eq!(
+                server.received().len(),
+                before + 2,
+                "{api:?}: one request each"
+            );
+        }
+        assert_eq!(server.stream_stats().cut, 4);
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn malformed_chunks_are_protocol_errors_and_not_retried() {
+        let server = scripted(
+            r#"{"default": {"steps": [{"answer": "x", "fault": {"kind": "malformedChunk"}}]}}"#,
+        )
+        .await;
+        for api in SHAPES {
+            let client = client(&server, api);
+            let (result, _) = run(&client, "hi").await;
+            let err = result.expect_err("malformed");
+            assert_eq!(err.kind(), &LlmErrorKind::Protocol, "{api:?}");
+            assert_eq!(err.attempts(), 1, "{api:?}");
+            let err = within(client.chat(&request(vec![user("hi")])))
+                .await
+                .expect_err("malformed body");
+            assert_eq!(err.kind(), &LlmErrorKind::Protocol, "{api:?}");
+        }
+        assert_eq!(server.fault_hits(), 4);
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn a_slow_first_token_times_out_and_is_retried() {
+        let server = scripted(
+            r#"{"rules": [
+                {"whenUserContains": ["once"], "steps": [{"answer": "worth the wait",
+                    "fault": {"kind": "slowFirstToken", "delayMs": 5000, "times": 1}}]},
+                {"whenUserContains": ["always"], "steps": [{"answer": "too late",
+                    "fault": {"kind": "slowFirstToken", "delayMs": 5000}}]}
+            ]}"#,
+        )
+        .await;
+        for api in SHAPES {
+            let client = LlmClient::new(LlmConfig {
+                api,
+                first_token_timeout: Duration::from_millis(500),
+                retry: RetryPolicy {
+                    max_attempts: 2,
+                    ..fast_retries()
+                },
+                ..config(server.base_url())
+            })
+            .expect("client");
+            let (result, _) = run(&client, "always").await;
+            let err = result.expect_err("never in time");
+            assert_eq!(err.kind(), &LlmErrorKind::Timeout, "{api:?}");
+            assert_eq!(err.attempts(), 2, "{api:?}: timeouts are retried");
+        }
+        let client = LlmClient::new(LlmConfig {
+            first_token_timeout: Duration::from_millis(500),
+            retry: fast_retries(),
+            ..config(server.base_url())
+        })
+        .expect("client");
+        let (result, _) = run(&client, "once").await;
+        let completion = result.expect("the retry is on time");
+        assert_eq!(completion.text, "worth the wait");
+        assert_eq!(completion.attempts, 2);
+        assert_eq!(server.fault_hits(), 5);
+        // The client hung up on every slow stream.
+        let stats = within(server.wait_for_streams(|s| s.dropped == 5)).await;
+        assert_eq!(stats.completed, 1);
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn running_out_of_tokens_marks_the_completion_truncated() {
+        let server = scripted(
+            r#"{"rules": [
+                {"whenUserContains": ["calls"], "steps": [{"toolCalls": [
+                    {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    {"name": "lookup", "arguments": {}}], "fault": {"kind": "length"}}]},
+                {"whenUserContains": ["essay"], "steps": [{"answer": "a very long essay indeed",
+                    "fault": {"kind": "length"}}]}
+            ]}"#,
+        )
+        .await;
+        for api in SHAPES {
+            let client = client(&server, api);
+            for streamed in [true, false] {
+                let ctx = format!("{api:?} streamed={streamed}");
+                let completion = if streamed {
+                    run(&client, "calls").await.0
+                } else {
+                    within(client.chat(&request(vec![user("calls")]))).await
+                }
+                .expect("a truncated answer is still an answer");
+                assert_eq!(completion.finish_reason, FinishReason::Length, "{ctx}");
+                assert!(completion.is_truncated(), "{ctx}");
+                assert_eq!(completion.tool_calls.len(), 1, "{ctx}");
+                assert_eq!(completion.tool_calls[0].name, "get_weather", "{ctx}");
+                assert!(
+                    serde_json::from_str::<serde_json::Value>(&completion.tool_calls[0].arguments)
+                        .is_err(),
+                    "{ctx}: the arguments were cut"
+                );
+                let completion = if streamed {
+                    run(&client, "essay").await.0
+                } else {
+                    within(client.chat(&request(vec![user("essay")]))).await
+                }
+                .expect("truncated text");
+                assert!(completion.is_truncated(), "{ctx}");
+                assert_eq!(completion.text, "a very long ", "{ctx}: half the text");
+            }
+        }
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn refusals_arrive_in_both_shapes() {
+        let server =
+            scripted(r#"{"default": {"steps": [{"refusal": "I can't help with that."}]}}"#).await;
+        for api in SHAPES {
+            let client = client(&server, api);
+            let (result, deltas) = run(&client, "something bad").await;
+            let plain = within(client.chat(&request(vec![user("something bad")]))).await;
+            for completion in [result, plain] {
+                let completion = completion.expect("a refusal is an answer");
+                assert_eq!(
+                    completion.refusal.as_deref(),
+                    Some("I can't help with that."),
+                    "{api:?}"
+                );
+                assert_eq!(completion.text, "", "{api:?}");
+                assert!(completion.tool_calls.is_empty(), "{api:?}");
+                assert_eq!(completion.finish_reason, FinishReason::Stop, "{api:?}");
+            }
+            assert!(deltas.is_empty(), "{api:?}: a refusal is not answer text");
+        }
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn the_responses_api_runs_a_tool_round_with_reasoning_replayed() {
+        let server = scripted(
+            r#"{"rules": [{"whenUserContains": ["weather"], "steps": [
+                {"reasoning": true, "toolCalls": [
+                    {"name": "get_weather", "arguments": {"city": "Paris"}},
+                    {"name": "lookup", "arguments": {"q": "umbrella etiquette"}}]},
+                {"answer": "The weather: {{tool:get_weather}} Also: {{tool:lookup}}"}
+            ]}]}"#,
+        )
+        .await;
+        assert!(server_is_reasoning_model(&server));
+        let client = LlmClient::new(LlmConfig {
+            api: ApiShape::Responses,
+            reasoning: true,
+            retry: fast_retries(),
+            ..config(server.base_url())
+        })
+        .expect("client");
+        assert_eq!(client.api(), ApiShape::Responses);
+        let mut messages = vec![
+            Message::System {
+                content: "Be brief.".into(),
+            },
+            user("What's the weather in Paris?"),
+        ];
+        let mut deltas = Vec::new();
+        let first =
+            within(client.stream_chat(&request(messages.clone()), |t| deltas.push(t.to_owned())))
+                .await
+                .expect("first round");
+        assert!(deltas.is_empty());
+        assert_eq!(first.finish_reason, FinishReason::ToolCalls);
+        let names: Vec<_> = first.tool_calls.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["get_weather", "lookup"]);
+        assert!(first.tool_calls.iter().all(|c| c.id.starts_with("call_")));
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&first.tool_calls[0].arguments)
+                .expect("arguments JSON"),
+            json!({"city": "Paris"})
+        );
+        assert_eq!(first.opaque.len(), 1);
+        assert_eq!(first.opaque[0]["type"], json!("reasoning"));
+        assert!(first.usage.is_some_and(|u| u.reasoning_tokens > 0));
+
+        messages.push(first.assistant_message());
+        for (call, result) in first
+            .tool_calls
+            .iter()
+            .zip(["21C and sunny [doc:1]", "bring one [doc:2]"])
+        {
+            messages.push(Message::Tool {
+                call_id: call.id.clone(),
+                content: result.to_owned(),
+            });
+        }
+        let mut deltas = Vec::new();
+        let second = within(client.stream_chat(&request(messages), |t| deltas.push(t.to_owned())))
+            .await
+            .expect("second round");
+        let want = "The weather: 21C and sunny [doc:1] Also: bring one [doc:2]";
+        assert_eq!(second.text, want);
+        assert_eq!(deltas.concat(), want);
+        assert!(deltas.len() > 1);
+        assert_eq!(second.finish_reason, FinishReason::Stop);
+        assert!(second.opaque.is_empty());
+
+        let received = server.received();
+        assert_eq!(received.len(), 2);
+        assert!(received.iter().all(|r| r.path == "/v1/responses"));
+        let sent = &received[0].body;
+        assert_eq!(sent["instructions"], json!("Be brief."));
+        assert_eq!(sent["stream"], json!(true));
+        assert_eq!(sent["store"], json!(false));
+        assert_eq!(sent["include"], json!(["reasoning.encrypted_content"]));
+        assert_eq!(sent["tool_choice"], json!("auto"));
+        assert_eq!(sent["parallel_tool_calls"], json!(true));
+        assert_eq!(sent["tools"][0]["name"], json!("get_weather"), "flat tools");
+        assert!(sent["tools"][0].get("function").is_none());
+        // The second request carries the round: the reasoning item as it
+        // came, the calls, and their outputs correlated by call_id.
+        let input = received[1].body["input"].as_array().expect("input items");
+        let kinds: Vec<&str> = input.iter().filter_map(|i| i["type"].as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "message",
+                "reasoning",
+                "function_call",
+                "function_call",
+                "function_call_output",
+                "function_call_output"
+            ]
+        );
+        assert_eq!(input[1], first.opaque[0]);
+        for (i, call) in first.tool_calls.iter().enumerate() {
+            assert_eq!(input[2 + i]["call_id"], json!(call.id));
+            assert_eq!(input[2 + i]["name"], json!(call.name));
+            assert_eq!(input[2 + i]["arguments"], json!(call.arguments));
+            assert_eq!(input[4 + i]["call_id"], json!(call.id));
+        }
+        assert_eq!(input[4]["output"], json!("21C and sunny [doc:1]"));
+        within(server.shutdown()).await;
+    }
+
+    /// Whether the scripted server stands in for a reasoning model (its
+    /// script says so, or a step reasons).
+    fn server_is_reasoning_model(server: &ScriptedServer) -> bool {
+        server.script().is_reasoning_model()
+    }
+
+    /// The default: gpt-4o-mini and friends answer 400 to a request for
+    /// encrypted reasoning, so a deployment not marked as a reasoning model
+    /// never sends one, and its tool loop runs.
+    #[tokio::test]
+    async fn a_model_not_marked_as_reasoning_is_not_asked_for_encrypted_reasoning() {
+        let server = scripted(SCRIPT).await;
+        assert!(!server_is_reasoning_model(&server));
+        for stream in [true, false] {
+            let client = LlmClient::new(LlmConfig {
+                api: ApiShape::Responses,
+                stream,
+                ..config(server.base_url())
+            })
+            .expect("client");
+            let mut messages = vec![user("What's the weather in Paris?")];
+            let first = within(client.stream_chat(&request(messages.clone()), |_| {}))
+                .await
+                .expect("first round");
+            assert_eq!(first.tool_calls.len(), 2);
+            assert!(first.opaque.is_empty());
+            messages.push(first.assistant_message());
+            for call in &first.tool_calls {
+                messages.push(Message::Tool {
+                    call_id: call.id.clone(),
+                    content: "sunny".into(),
+                });
+            }
+            let second = within(client.stream_chat(&request(messages), |_| {}))
+                .await
+                .expect("second round");
+            assert_eq!(second.text, "The weather: sunny Also: sunny");
+        }
+        let received = server.received();
+        assert_eq!(received.len(), 4);
+        for r in &received {
+            assert!(r.body.get("include").is_none(), "{}", r.body);
+            assert_eq!(r.body["store"], json!(false));
+        }
+
+        // Marking it as a reasoning model anyway gets the real API's answer.
+        let client = LlmClient::new(LlmConfig {
+            api: ApiShape::Responses,
+            reasoning: true,
+            ..config(server.base_url())
+        })
+        .expect("client");
+        let (result, _) = run(&client, "What's the weather in Paris?").await;
+        let err = result.expect_err("refused");
+        assert!(
+            matches!(err.kind(), LlmErrorKind::Status { status: 400, .. }),
+            "{err:?}"
+        );
+        assert!(!err.is_retryable());
+        assert!(
+            err.to_string()
+                .contains("Encrypted content is not supported with this model"),
+            "{err}"
+        );
+        within(server.shutdown()).await;
+    }
+
+    /// A reasoning model on a deployment not marked as one sends reasoning
+    /// items without their encrypted content; with `store: false` they
+    /// cannot go back (the API answers 404), so the loop goes on without
+    /// them.
+    #[tokio::test]
+    async fn an_unmarked_reasoning_model_still_runs_its_tool_loop() {
+        let server = scripted(
+            r#"{"rules": [{"whenUserContains": ["weather"], "steps": [
+                {"reasoning": true, "toolCalls": [{"name": "get_weather", "arguments": {}}]},
+                {"answer": "It is {{tool:get_weather}}"}
+            ]}]}"#,
+        )
+        .await;
+        assert!(server_is_reasoning_model(&server));
+        let client = client(&server, ApiShape::Responses);
+        let mut messages = vec![user("weather?")];
+        let first = within(client.stream_chat(&request(messages.clone()), |_| {}))
+            .await
+            .expect("first round");
+        assert_eq!(first.opaque.len(), 1);
+        assert!(first.opaque[0].get("encrypted_content").is_none());
+        messages.push(first.assistant_message());
+        messages.push(Message::Tool {
+            call_id: first.tool_calls[0].id.clone(),
+            content: "sunny".into(),
+        });
+        let second = within(client.stream_chat(&request(messages), |_| {}))
+            .await
+            .expect("second round");
+        assert_eq!(second.text, "It is sunny");
+        let received = server.received();
+        assert_eq!(received.len(), 2);
+        let kinds: Vec<&str> = received[1].body["input"]
+            .as_array()
+            .expect("input")
+            .iter()
+            .filter_map(|i| i["type"].as_str())
+            .collect();
+        assert_eq!(
+            kinds,
+            ["message", "function_call", "function_call_output"],
+            "the bare reasoning item stays out"
+        );
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn without_streaming_the_whole_text_comes_once() {
+        let server = scripted(
+            r#"{"default": {"steps": [{"answer": "one whole answer in a single body"}]}}"#,
+        )
+        .await;
+        for api in SHAPES {
+            let client = LlmClient::new(LlmConfig {
+                api,
+                stream: false,
+                ..config(server.base_url())
+            })
+            .expect("client");
+            let (result, deltas) = run(&client, "hi").await;
+            let completion = result.expect("answer");
+            assert_eq!(completion.text, "one whole answer in a single body");
+            assert_eq!(deltas, ["one whole answer in a single body"], "{api:?}");
+            assert_eq!(completion.finish_reason, FinishReason::Stop);
+            assert!(completion.usage.is_some_and(|u| u.total_tokens > 0));
+        }
+        let received = server.received();
+        assert_eq!(received[0].path, "/v1/chat/completions");
+        assert_eq!(received[1].path, "/v1/responses");
+        for r in &received {
+            assert_eq!(r.body["stream"], json!(false));
+            assert_eq!(r.header("accept"), Some("application/json"));
+        }
+        assert_eq!(server.stream_stats(), StreamStats::default(), "no streams");
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn azure_style_key_header_and_api_version_reach_the_server() {
+        let server = scripted(r#"{"default": {"steps": [{"answer": "hello Azure"}]}}"#).await;
+        for api in SHAPES {
+            let client = LlmClient::new(LlmConfig {
+                api,
+                auth: Auth::Header("api-key".into()),
+                extra_query: vec![("api-version".into(), "2025-04-01-preview".into())],
+                ..config(server.base_url())
+            })
+            .expect("client");
+            let (result, _) = run(&client, "hi").await;
+            assert_eq!(result.expect("answer").text, "hello Azure");
+        }
+        for received in server.received() {
+            assert_eq!(received.header("api-key"), Some(SECRET));
+            assert_eq!(received.header("authorization"), None);
+            assert_eq!(
+                received.query.as_deref(),
+                Some("api-version=2025-04-01-preview")
+            );
+        }
+        let err = LlmClient::new(LlmConfig {
+            auth: Auth::Header("bad header".into()),
+            ..config(server.base_url())
+        })
+        .expect_err("not a header name");
+        assert_eq!(err.code(), "config");
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn dropping_the_call_closes_the_stream_at_once() {
+        let words = vec!["word"; 90].join(" ");
+        let server = scripted(&format!(
+            r#"{{"chunkDelayMs": 50, "default": {{"steps": [{{"answer": "{words}"}}]}}}}"#
+        ))
+        .await;
+        for api in SHAPES {
+            let before = server.stream_stats();
+            let client = client(&server, api);
+            let req = request(vec![user("tell me everything")]);
+            let (first_text, got_text) = tokio::sync::oneshot::channel();
+            let mut first_text = Some(first_text);
+            let mut call = Box::pin(client.stream_chat(&req, move |_| {
+                if let Some(tx) = first_text.take() {
+                    let _ = tx.send(());
+                }
+            }));
+            within(async {
+                tokio::select! {
+                    _ = &mut call => panic!("the answer ended before it could be cancelled"),
+                    got = got_text => got.expect("first text"),
+                }
+            })
+            .await;
+            assert_eq!(server.stream_stats().started, before.started + 1);
+            drop(call);
+            // 30 chunks 50 ms apart were still to come: the server sees the
+            // client go long before it could finish.
+            let stats = within(server.wait_for_streams(|s| s.dropped == before.dropped + 1)).await;
+            assert_eq!(stats.completed, before.completed, "{api:?}");
+        }
+        within(server.shutdown()).await;
+    }
+}

@@ -1,0 +1,59 @@
+//! toolfleet-llm: the only crate that speaks provider HTTP: OpenAI Chat Completions and
+//! the OpenAI Responses API, streamed and not, with timeouts, retries and
+//! cancellation.
+//!
+//! The rest of the crate works with the neutral conversation types defined
+//! here ([`Message`], [`ToolCall`], [`ToolSpec`], [`ChatRequest`],
+//! [`Completion`]); each API shape lives in private serde types in its own
+//! submodule (`to_wire` / `from_wire`) and never leaks out. Tool
+//! implementations and the orchestrator never learn which shape was used:
+//! [`LlmConfig::api`] picks it per endpoint.
+//!
+//! # Layout
+//!
+//! - `client` (re-exported at the root): neutral types, [`LlmConfig`], [`LlmClient`] (request,
+//!   authentication, timeouts, retries, status handling);
+//! - `chat_wire`: Chat Completions wire types and
+//!   [`ChatStreamAccumulator`];
+//! - `responses_wire`: Responses API wire types and
+//!   [`ResponsesStreamAccumulator`];
+//! - `sse`: [`SseDecoder`], bytes to server-sent events;
+//! - `retry`: [`RetryPolicy`] and the pure retry decision;
+//! - `error`: [`LlmError`] and [`LlmErrorKind`].
+//!
+//! # Invariants
+//!
+//! - The API key is sent only in the configured header (`Authorization:
+//!   Bearer` or, for Azure OpenAI, `api-key`), marked sensitive, and never
+//!   appears in `Debug` output, logs or error messages; error messages are
+//!   built here, provider text is bounded and scrubbed.
+//! - Decoding is pure and synchronous ([`SseDecoder`],
+//!   [`ChatStreamAccumulator`], [`ResponsesStreamAccumulator`]), so it is
+//!   tested byte-for-byte against recorded provider streams without a
+//!   network.
+//! - Every wait on the network is bounded: `connect_timeout` for the TCP/TLS
+//!   connect, `first_token_timeout` until the first event arrives,
+//!   `idle_timeout` between chunks after that, and [`RetryPolicy`] bounds
+//!   retries in count and time.
+//! - A call is retried only while nothing of its answer has reached the
+//!   caller: once text or a tool call has streamed, a failure is returned
+//!   as it is, since a second answer could not be told apart from the
+//!   first.
+//! - Dropping a call's future closes its HTTP connection at once: no task
+//!   is spawned, so nothing keeps reading a stream nobody wants.
+//! - [`profiles`]: deployments, profiles (loop policy included) and prices
+//!   from the TOML config file, resolved per job;
+//! - [`budget`]: the tool-result token cap (tiktoken);
+//! - [`args`]: the `--llm-*` / `--config` command-line group.
+
+pub mod args;
+pub mod budget;
+mod chat_wire;
+mod client;
+mod error;
+pub mod profiles;
+mod responses_wire;
+mod retry;
+mod sse;
+
+pub use client::*;

@@ -1,0 +1,151 @@
+//! Assembling a fleet in one process: an orchestrator and any workers the
+//! caller lists (`toolfleet up`, the demo, the bench and the tests). This
+//! module knows no tool family; callers build each family's tools.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+
+use toolfleet_orchestrator::OrchestratorConfig;
+use toolfleet_orchestrator::metrics::OrchestratorMetrics;
+use toolfleet_protocol::Subjects;
+use toolfleet_store::CitationStore;
+use toolfleet_worker::metrics::WorkerMetrics;
+use toolfleet_worker::{Worker, WorkerConfig};
+
+/// Everything one process needs to run some or all of the fleet.
+pub struct FleetSpec {
+    pub nats_url: String,
+    pub redis_url: String,
+    pub subjects: Subjects,
+    pub citation_ttl: Duration,
+    /// Run an orchestrator with this configuration (profiles included).
+    pub orchestrator: Option<OrchestratorConfig>,
+    /// Run these workers.
+    pub workers: Vec<Worker>,
+    pub worker_concurrency: usize,
+    /// How long to keep trying the first NATS connection.
+    pub nats_connect_wait: Duration,
+}
+
+/// Starts the parts of `spec` as tasks on `tracker`; they stop when
+/// `shutdown` is cancelled. Returns once every part is subscribed, so jobs
+/// published afterwards are taken.
+pub async fn start(
+    spec: FleetSpec,
+    metrics: &prometheus::Registry,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    let wait = spec.nats_connect_wait;
+    let store = CitationStore::connect(&spec.redis_url, spec.subjects.prefix(), spec.citation_ttl)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot connect to Redis at {}: {e}",
+                toolfleet_protocol::redact_url(&spec.redis_url)
+            )
+        })?;
+
+    let dead_letters = toolfleet_service::metrics::dead_letters(metrics)?;
+    if !spec.workers.is_empty() {
+        let worker_metrics = WorkerMetrics::register(metrics, dead_letters.clone())?;
+        for mut worker in spec.workers {
+            worker.register_metrics(metrics)?;
+            let client = toolfleet_service::args::connect_nats(
+                &spec.nats_url,
+                &format!("toolfleet-worker-{}", worker.name()),
+                wait,
+            )
+            .await?;
+            let mut config = WorkerConfig::new(spec.subjects.clone());
+            config.concurrency = spec.worker_concurrency;
+            let task = worker
+                .start(
+                    client,
+                    store.clone(),
+                    config,
+                    worker_metrics.clone(),
+                    shutdown.clone(),
+                )
+                .await
+                .context("a worker cannot start")?;
+            tracker.spawn(async move {
+                match task.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::error!(error = %e, "worker stopped"),
+                    Err(e) => tracing::error!(error = %e, "worker task failed"),
+                }
+            });
+        }
+    }
+
+    if let Some(config) = spec.orchestrator {
+        let client =
+            toolfleet_service::args::connect_nats(&spec.nats_url, "toolfleet-orchestrator", wait)
+                .await?;
+        let m = OrchestratorMetrics::register(metrics, dead_letters)?;
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        tracker.spawn(async move {
+            if let Err(e) = toolfleet_orchestrator::run_with_ready(
+                client,
+                store,
+                config,
+                m,
+                shutdown,
+                Some(ready_tx),
+            )
+            .await
+            {
+                tracing::error!(error = %e, "orchestrator stopped");
+            }
+        });
+        ready_rx.await.context("the orchestrator failed to start")?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus::Registry;
+    use toolfleet_service::metrics::{dead_letters, render};
+
+    #[test]
+    fn orchestrator_and_worker_metrics_share_a_registry() {
+        let r = Registry::new();
+        let dead = dead_letters(&r).unwrap();
+        let o = OrchestratorMetrics::register(&r, dead.clone()).unwrap();
+        let w = WorkerMetrics::register(&r, dead).unwrap();
+        o.chat_jobs.with_label_values(&["completed"]).inc();
+        w.tool_jobs
+            .with_label_values(&["system:current_datetime@1.0.0", "ok"])
+            .inc();
+        let text = render(&r);
+        assert!(
+            text.contains("toolfleet_chat_jobs_total{outcome=\"completed\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"} 1"
+            ),
+            "{text}"
+        );
+        // Registering twice on one registry is an error, not a silent double.
+        assert!(dead_letters(&r).is_err());
+        o.dead_letters.with_label_values(&["chat"]).inc();
+        w.dead_letters.with_label_values(&["tool"]).inc();
+        let text = render(&r);
+        assert!(
+            text.contains("toolfleet_dead_letters_total{kind=\"chat\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"),
+            "{text}"
+        );
+    }
+}

@@ -1,0 +1,12 @@
+//! toolfleet-local: a fleet on one machine, for the demo, the bench and
+//! the tests. Not linked into any production worker.
+//!
+//! # Layout
+//!
+//! - [`servers`]: `nats-server` and `redis-server` as child processes on
+//!   free loopback ports, killed on drop, restartable on the same port.
+//! - [`fleet`]: an orchestrator and any listed workers in one process. It
+//!   knows no tool family: the caller builds each family's tools.
+
+pub mod fleet;
+pub mod servers;

@@ -1,0 +1,351 @@
+//! Local `nats-server` and `redis-server` child processes on free loopback
+//! ports, for the demo and the test harness. Each is killed on drop, keeps
+//! its data in its own temporary directory, and can be stopped and started
+//! again on the same port (tests use that to simulate an outage).
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// What to install when a server binary is missing.
+pub const INSTALL_HINT: &str = "install it with `sudo apt-get install -y nats-server redis-server` (Debian/Ubuntu), \
+`brew install nats-server redis` (macOS), or download nats-server from https://github.com/nats-io/nats-server/releases";
+
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("`{0}` was not found on PATH: {INSTALL_HINT}")]
+    Missing(&'static str),
+    #[error("{0} did not become ready within {1:?}; its output:\n{2}")]
+    NotReady(&'static str, Duration, String),
+    #[error("{0} exited while starting ({1}); its output:\n{2}")]
+    Exited(&'static str, String, String),
+    #[error("{0}: {1}")]
+    Io(&'static str, std::io::Error),
+}
+
+/// Is `program` on PATH?
+pub fn have(program: &str) -> bool {
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|d| d.join(program).is_file()))
+        .unwrap_or(false)
+}
+
+/// A free TCP port on 127.0.0.1.
+pub fn free_port() -> std::io::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+const READY_WITHIN: Duration = Duration::from_secs(15);
+
+/// Tries `start` up to three times when the server exited while starting
+/// (a lost race for its port); anything else fails at once.
+fn with_retries<T>(mut start: impl FnMut() -> Result<T, LocalError>) -> Result<T, LocalError> {
+    let mut last = None;
+    for _ in 0..3 {
+        match start() {
+            Ok(t) => return Ok(t),
+            Err(e @ LocalError::Exited(..)) => last = Some(e),
+            Err(e) => return Err(e),
+        }
+    }
+    Err(last.unwrap_or(LocalError::Missing("server")))
+}
+
+struct Proc {
+    name: &'static str,
+    child: Option<Child>,
+    log: std::path::PathBuf,
+}
+
+impl Proc {
+    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Result<Self, LocalError> {
+        if !have(name) {
+            return Err(LocalError::Missing(name));
+        }
+        let out = std::fs::File::create(log).map_err(|e| LocalError::Io(name, e))?;
+        let err = out.try_clone().map_err(|e| LocalError::Io(name, e))?;
+        let child = cmd
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| LocalError::Io(name, e))?;
+        Ok(Self {
+            name,
+            child: Some(child),
+            log: log.to_path_buf(),
+        })
+    }
+
+    fn wait_ready(&mut self, ready: impl Fn() -> bool) -> Result<(), LocalError> {
+        let start = Instant::now();
+        while start.elapsed() < READY_WITHIN {
+            if ready() {
+                return Ok(());
+            }
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+                return Err(LocalError::Exited(self.name, status.to_string(), log));
+            }
+            std::thread::sleep(Duration::from_millis(25));
+        }
+        let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+        Err(LocalError::NotReady(self.name, READY_WITHIN, log))
+    }
+
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A `nats-server -js` child process.
+pub struct NatsServer {
+    proc: Proc,
+    port: u16,
+    dir: tempfile::TempDir,
+    /// A `max_payload` other than the server's default (1 MiB).
+    max_payload: Option<usize>,
+}
+
+impl NatsServer {
+    /// Starts on a free port. Another process may take the port between
+    /// our probe and the server's bind, so a failed start is retried on a
+    /// new port.
+    pub fn start() -> Result<Self, LocalError> {
+        Self::start_with(None)
+    }
+
+    /// [`NatsServer::start`] with the server's `max_payload` set to
+    /// `bytes` (it has no flag for it: a config file carries it).
+    pub fn start_with_max_payload(bytes: usize) -> Result<Self, LocalError> {
+        Self::start_with(Some(bytes))
+    }
+
+    fn start_with(max_payload: Option<usize>) -> Result<Self, LocalError> {
+        with_retries(|| {
+            let dir = tempfile::tempdir().map_err(|e| LocalError::Io("nats-server", e))?;
+            let port = free_port().map_err(|e| LocalError::Io("nats-server", e))?;
+            let proc = Self::spawn_in(dir.path(), port, max_payload)?;
+            Ok(Self {
+                proc,
+                port,
+                dir,
+                max_payload,
+            })
+        })
+    }
+
+    fn spawn_in(dir: &Path, port: u16, max_payload: Option<usize>) -> Result<Proc, LocalError> {
+        // The log is truncated at every start, so readiness is this run's.
+        let log = dir.join("nats.log");
+        let mut cmd = Command::new("nats-server");
+        if let Some(bytes) = max_payload {
+            let config = dir.join("nats.conf");
+            std::fs::write(&config, format!("max_payload: {bytes}\n"))
+                .map_err(|e| LocalError::Io("nats-server", e))?;
+            cmd.arg("-c").arg(config);
+        }
+        cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
+            .arg(dir.join("jetstream"));
+        let mut proc = Proc::spawn("nats-server", &mut cmd, &log)?;
+        // Ready when it accepts clients and JetStream is up.
+        proc.wait_ready(|| {
+            std::fs::read_to_string(&log)
+                .map(|l| l.contains("Server is ready"))
+                .unwrap_or(false)
+                && nats_answers(port)
+        })?;
+        Ok(proc)
+    }
+
+    /// Starts a stopped server again on the same port with the same
+    /// JetStream data (clients reconnect on their own).
+    pub fn start_again(&mut self) -> Result<(), LocalError> {
+        self.proc.kill();
+        self.proc = Self::spawn_in(self.dir.path(), self.port, self.max_payload)?;
+        Ok(())
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Kills the server (its JetStream data stays in the directory).
+    pub fn stop(&mut self) {
+        self.proc.kill();
+    }
+}
+
+fn nats_answers(port: u16) -> bool {
+    let Ok(s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    let mut line = String::new();
+    BufReader::new(s).read_line(&mut line).is_ok() && line.starts_with("INFO")
+}
+
+/// A `redis-server` child process that keeps nothing on disk.
+pub struct RedisServer {
+    proc: Proc,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl RedisServer {
+    /// Starts on a free port, retried on a new port like
+    /// [`NatsServer::start`].
+    pub fn start() -> Result<Self, LocalError> {
+        with_retries(|| {
+            let dir = tempfile::tempdir().map_err(|e| LocalError::Io("redis-server", e))?;
+            let port = free_port().map_err(|e| LocalError::Io("redis-server", e))?;
+            Self::start_in(dir, port)
+        })
+    }
+
+    fn start_in(dir: tempfile::TempDir, port: u16) -> Result<Self, LocalError> {
+        let proc = Self::spawn_in(dir.path(), port)?;
+        Ok(Self { proc, port, dir })
+    }
+
+    fn spawn_in(dir: &Path, port: u16) -> Result<Proc, LocalError> {
+        let mut proc = Proc::spawn(
+            "redis-server",
+            Command::new("redis-server")
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                ])
+                .arg(dir),
+            &dir.join("redis.log"),
+        )?;
+        proc.wait_ready(|| redis_answers(port))?;
+        Ok(proc)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    pub fn stop(&mut self) {
+        self.proc.kill();
+    }
+
+    /// Starts a stopped server again on the same port (empty: it keeps
+    /// nothing on disk).
+    pub fn start_again(&mut self) -> Result<(), LocalError> {
+        self.proc.kill();
+        self.proc = Self::spawn_in(self.dir.path(), self.port)?;
+        Ok(())
+    }
+}
+
+fn redis_answers(port: u16) -> bool {
+    let Ok(mut s) =
+        TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+    else {
+        return false;
+    };
+    let _ = s.set_read_timeout(Some(Duration::from_millis(500)));
+    if s.write_all(b"PING\r\n").is_err() {
+        return false;
+    }
+    let mut buf = [0u8; 7];
+    s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+/// Is something answering NATS at `url`'s host and port?
+pub fn nats_reachable(url: &str) -> bool {
+    reachable(url, 4222, nats_answers)
+}
+
+/// Is something answering Redis at `url`'s host and port?
+pub fn redis_reachable(url: &str) -> bool {
+    reachable(url, 6379, redis_answers)
+}
+
+fn reachable(url: &str, default_port: u16, check: fn(u16) -> bool) -> bool {
+    let Ok(u) = url::Url::parse(url) else {
+        return false;
+    };
+    let local = matches!(u.host_str(), Some("127.0.0.1") | Some("localhost"));
+    local && check(u.port().unwrap_or(default_port))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lost_port_race_is_retried_and_a_missing_binary_is_not() {
+        let mut tries = 0;
+        let r = with_retries(|| {
+            tries += 1;
+            if tries < 3 {
+                Err(LocalError::Exited(
+                    "nats-server",
+                    "exit 1".into(),
+                    "address in use".into(),
+                ))
+            } else {
+                Ok(tries)
+            }
+        });
+        assert_eq!(r.unwrap(), 3);
+        let mut tries = 0;
+        let r: Result<(), _> = with_retries(|| {
+            tries += 1;
+            Err(LocalError::Missing("nats-server"))
+        });
+        assert_eq!(tries, 1);
+        assert!(r.unwrap_err().to_string().contains("apt-get install"));
+    }
+
+    #[test]
+    fn servers_start_answer_and_restart_on_the_same_port() {
+        let mut nats = NatsServer::start().unwrap();
+        assert!(nats_reachable(&nats.url()));
+        let port = nats.port();
+        nats.stop();
+        assert!(!nats_reachable(&nats.url()));
+        nats.start_again().unwrap();
+        assert_eq!(nats.port(), port);
+        assert!(nats_reachable(&nats.url()));
+        let mut redis = RedisServer::start().unwrap();
+        assert!(redis_reachable(&redis.url()));
+        redis.stop();
+        assert!(!redis_reachable(&redis.url()));
+        redis.start_again().unwrap();
+        assert!(redis_reachable(&redis.url()));
+    }
+}

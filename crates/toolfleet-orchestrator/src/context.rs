@@ -1,0 +1,189 @@
+//! Context: from a chat job to an [`Invocation`] — the value every later
+//! stage works on.
+//!
+//! [`build`] runs the steps below in order; each is one function that
+//! reads the job (and the fleet) and fills in part of the invocation:
+//!
+//! 1. [`resolve_profile`] — the job's profile among the configured ones
+//!    (falling back to the default), its first deployment with a usable
+//!    key, and the orchestrator its `orchestrator` name resolves to among
+//!    the registered ones. No resolvable deployment (or one whose client
+//!    cannot be built) ends the job at once.
+//! 2. [`invocation_context`] — the [`InvocationContext`] every tool job
+//!    carries in its headers, with the deadline.
+//! 3. [`conversation`] — the system prompt, then the job's messages.
+//! 4. [`offer_tools`] — the tools of the catalog snapshot (those a live
+//!    worker serves).
+//!
+//! # Adding a step
+//!
+//! Steps that shape what the model sees before its first call go here, as
+//! one more function called from [`build`] in its place: **tool scoping**
+//! narrows [`Invocation::tools`] after step 4 (the model is then offered
+//! only what is left; note that dispatch also accepts a call to a live tool
+//! that was not offered — a worker that joined after the offer — which
+//! scoping will want to turn off); **preemptive retrieval** runs
+//! after step 4 as well, calls tools through the fleet, and adds what it
+//! found to [`Invocation::messages`] — its citations reach the client with
+//! the first `references` event, published right after `started`. A step
+//! fails the job by returning a [`Failure`].
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use toolfleet_llm::profiles::ResolvedProfile;
+use toolfleet_llm::{Message, ToolSpec};
+use toolfleet_protocol::catalog::Catalog;
+use toolfleet_protocol::tools::CompiledTool;
+use toolfleet_protocol::{ChatJob, ChatRole, InvocationContext};
+use tracing::info;
+
+use crate::fleet::ReferencesSeen;
+use crate::{DEFAULT_SYSTEM_PROMPT, Failure, Fleet, UsageLedger};
+
+/// One chat job on its way to an answer.
+#[derive(Debug)]
+pub struct Invocation {
+    /// The job as submitted.
+    pub job: ChatJob,
+    /// The profile, deployment and orchestrator name the job runs with.
+    pub profile: ResolvedProfile,
+    /// The context every tool job of the invocation carries.
+    pub ctx: InvocationContext,
+    /// The conversation so far, system prompt first.
+    pub messages: Vec<Message>,
+    /// The tools offered to the model; tool calls are resolved among these.
+    pub tools: Vec<Arc<CompiledTool>>,
+    /// Unix time in milliseconds after which nobody waits for the answer.
+    pub deadline_ms: u64,
+    /// The model calls so far.
+    pub usage: UsageLedger,
+    /// Reference indices already published in a `references` event.
+    pub(crate) references_seen: ReferencesSeen,
+}
+
+impl Invocation {
+    /// The conversation model.
+    pub fn model(&self) -> &str {
+        self.profile.model()
+    }
+
+    /// The offered tool a model calls by `function_name`.
+    pub fn tool(&self, function_name: &str) -> Option<&Arc<CompiledTool>> {
+        self.tools
+            .iter()
+            .find(|t| t.definition.function.name == function_name)
+    }
+
+    /// The offered tools as the model sees them.
+    pub fn tool_specs(&self) -> Vec<ToolSpec> {
+        self.tools
+            .iter()
+            .map(|t| t.definition.tool_spec())
+            .collect()
+    }
+
+    /// The ids of the offered tools (`ns:name@x.y.z`).
+    pub fn tool_ids(&self) -> Vec<String> {
+        self.tools
+            .iter()
+            .map(|t| t.definition.id.to_string())
+            .collect()
+    }
+}
+
+/// Builds the invocation of `job`, step by step (see the module docs).
+pub fn build(fleet: &Fleet, job: ChatJob, deadline_ms: u64) -> Result<Invocation, Failure> {
+    let profile = resolve_profile(fleet, &job)?;
+    let ctx = invocation_context(&job, &profile, deadline_ms);
+    let messages = conversation(&job, &profile);
+    let tools = offer_tools(&fleet.catalog());
+    Ok(Invocation {
+        job,
+        profile,
+        ctx,
+        messages,
+        tools,
+        deadline_ms,
+        usage: UsageLedger::default(),
+        references_seen: HashSet::new(),
+    })
+}
+
+/// Step 1: the profile the job named (or the default), its deployment, and
+/// its orchestrator among those registered in the configuration.
+pub fn resolve_profile(fleet: &Fleet, job: &ChatJob) -> Result<ResolvedProfile, Failure> {
+    let config = fleet.config();
+    let resolved = config
+        .profiles
+        .resolve_among(
+            job.profile.as_deref(),
+            &*config.env,
+            &config.orchestrator_names(),
+        )
+        .map_err(|e| Failure::new(e.code(), e.to_string()))?;
+    // A deployment whose client cannot be built fails the job here, before
+    // `started`, like one that does not resolve.
+    fleet.llm_for(&resolved)?;
+    if resolved.fell_back || resolved.orchestrator_fell_back {
+        info!(profile = %resolved.name, requested = ?resolved.requested, orchestrator = %resolved.orchestrator, "profile or orchestrator fell back to the default");
+    }
+    Ok(resolved)
+}
+
+/// Step 2: the context tool jobs carry. The data source is the job's, or
+/// the profile's when the job names none.
+pub fn invocation_context(
+    job: &ChatJob,
+    profile: &ResolvedProfile,
+    deadline_ms: u64,
+) -> InvocationContext {
+    InvocationContext {
+        invocation_id: job.invocation_id.clone(),
+        tenant: job.tenant.clone(),
+        user: job.user.clone(),
+        profile: Some(profile.name.clone()),
+        provider: job.provider.clone(),
+        connection: job.connection.clone(),
+        resource: job.resource.clone(),
+        data_source_id: job
+            .data_source_id
+            .clone()
+            .or_else(|| profile.profile.data_source.clone()),
+        provider_confidence: job.provider_confidence,
+        deadline_ms: Some(deadline_ms),
+        traceparent: job.traceparent.clone(),
+    }
+}
+
+/// Step 3: the profile's system prompt (or [`DEFAULT_SYSTEM_PROMPT`]),
+/// then the job's messages as they came.
+pub fn conversation(job: &ChatJob, profile: &ResolvedProfile) -> Vec<Message> {
+    let mut messages = Vec::with_capacity(job.messages.len() + 2);
+    messages.push(Message::System {
+        content: profile
+            .profile
+            .system_prompt
+            .clone()
+            .unwrap_or_else(|| DEFAULT_SYSTEM_PROMPT.to_string()),
+    });
+    messages.extend(job.messages.iter().map(|m| match m.role {
+        ChatRole::System => Message::System {
+            content: m.content.clone(),
+        },
+        ChatRole::User => Message::User {
+            content: m.content.clone(),
+        },
+        ChatRole::Assistant => Message::Assistant {
+            content: Some(m.content.clone()),
+            tool_calls: Vec::new(),
+            opaque: Vec::new(),
+        },
+    }));
+    messages
+}
+
+/// Step 4: every tool of the catalog snapshot, in tool-id order.
+pub fn offer_tools(catalog: &Catalog) -> Vec<Arc<CompiledTool>> {
+    catalog.iter().map(|e| e.tool.clone()).collect()
+}

@@ -1,0 +1,775 @@
+//! Dispatch: [`ToolRunner`] runs one turn's tool calls and answers every
+//! one of them.
+//!
+//! Calls over the per-turn cap are not run. With parallel calls on, the
+//! parallel-safe calls go out together as one batch and each unsafe one
+//! runs alone after them; with them off, every call runs alone. A call is
+//! answered at once, without a job, when its tool is neither offered nor
+//! live now (a worker that joined after the offer still counts), its
+//! arguments are not JSON, no live worker serves it (after one fresh
+//! catalog reading), or its job would not fit the size limits
+//! ([`PayloadLimits`](crate::PayloadLimits)). Otherwise its job goes out —
+//! to JetStream, or core request-reply for `delivery: direct` tools — with
+//! its reply subject under the invocation's inbox (`<inbox>.<call id>`, so
+//! even a bare "no responders" names its call).
+//!
+//! A batch then waits for one closed set of events (`Waited`): a result,
+//! a progress message (passed on as a `tool_progress` event), "no
+//! responders", a catalog reading, the earliest call deadline, or the end
+//! of the reply subscription. A call whose tool is missing from two
+//! catalog readings in a row while it waits is answered `no_worker` (one
+//! missed `INFO` answer under load is not enough); a call past its deadline
+//! (its tool's timeout plus slack, never past the invocation's) is answered
+//! `timeout`.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::context::PublishAckFuture;
+use futures::StreamExt;
+use serde_json::Value;
+use tokio::sync::watch;
+use toolfleet_llm::ToolCall;
+use toolfleet_protocol::catalog::Catalog;
+use toolfleet_protocol::tools::{CompiledTool, Delivery};
+use toolfleet_protocol::{
+    CallContext, ChatEventBody, Envelope, MAX_PROGRESS_CHARS, ToolJob, ToolReply, ToolResult,
+    ToolStatus, encode,
+};
+use tracing::warn;
+
+use crate::metrics::OrchestratorMetrics;
+use crate::{Events, Failure, Fleet, Invocation};
+
+/// What a tool call came to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolOutcome {
+    /// What the model reads.
+    pub content: String,
+    pub status: ToolStatus,
+}
+
+/// Runs tool calls for one invocation: owns the invocation's reply inbox.
+pub struct ToolRunner<'f> {
+    fleet: &'f Fleet,
+    inbox: String,
+    replies: async_nats::Subscriber,
+}
+
+impl Fleet {
+    /// A [`ToolRunner`] with its reply inbox subscribed (before any job is
+    /// published, so no reply is missed).
+    pub async fn tool_runner(&self) -> Result<ToolRunner<'_>, Failure> {
+        let inbox = self.client.new_inbox();
+        let replies = self
+            .client
+            .subscribe(format!("{inbox}.*"))
+            .await
+            .map_err(|e| Failure::new("nats_unavailable", e.to_string()))?;
+        Ok(ToolRunner {
+            fleet: self,
+            inbox,
+            replies,
+        })
+    }
+}
+
+/// What a batch waits for: one closed set of events.
+#[derive(Debug)]
+enum Waited {
+    /// A call's final result.
+    Result(ToolResult),
+    /// A progress message from the worker running a call.
+    Progress { call_id: String, message: String },
+    /// Nobody took a direct call's request.
+    NoResponders { call_id: String },
+    /// A new catalog reading (changed or not).
+    Catalog(Arc<Catalog>),
+    /// The earliest deadline of the waiting calls passed.
+    Deadline,
+    /// The reply subscription ended (the connection is gone for good).
+    Closed,
+}
+
+/// A call whose job is out.
+struct Pending {
+    /// Position in the batch.
+    index: usize,
+    tool: Arc<CompiledTool>,
+    started: Instant,
+    deadline: tokio::time::Instant,
+    /// Catalog readings in a row without the tool.
+    misses: u32,
+}
+
+/// One batch of calls sent together, and their answers so far.
+struct Batch<'c> {
+    calls: Vec<&'c ToolCall>,
+    answers: Vec<Option<ToolOutcome>>,
+    /// By call id.
+    pending: HashMap<String, Pending>,
+}
+
+/// A fresh call id for the fleet (`call_<32 hex>`): unique within the
+/// invocation, a single subject token, and safe as an idempotency key.
+pub fn new_call_id() -> String {
+    format!("call_{}", uuid::Uuid::new_v4().simple())
+}
+
+impl ToolRunner<'_> {
+    /// Runs one turn's `calls` under the invocation's loop policy; returns
+    /// an outcome per call, in call order. Each call's id must be one of
+    /// ours ([`new_call_id`]), never the model's: it names the call's job,
+    /// reply subject, events and citations.
+    pub async fn run(
+        &mut self,
+        inv: &Invocation,
+        calls: &[ToolCall],
+        events: &Events,
+    ) -> Vec<ToolOutcome> {
+        let policy = &inv.profile.profile.policy;
+        let mut out: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+        let run = calls.len().min(policy.max_calls_per_turn);
+        for (i, call) in calls.iter().enumerate().skip(run) {
+            let tool = inv
+                .tool(&call.name)
+                .map_or_else(|| call.name.clone(), |t| t.definition.id.to_string());
+            out[i] = Some(immediate(
+                &self.fleet.metrics,
+                events,
+                call,
+                &tool,
+                "calls_per_turn",
+                format!(
+                    "Error: not run: at most {} tool calls per turn.",
+                    policy.max_calls_per_turn
+                ),
+            ));
+        }
+        let parallel_safe =
+            |c: &ToolCall| inv.tool(&c.name).is_none_or(|t| t.definition.parallel_safe);
+        for batch in batches(&calls[..run], policy.parallel_tool_calls, parallel_safe) {
+            let subset: Vec<&ToolCall> = batch.iter().map(|&i| &calls[i]).collect();
+            let outcomes = self.run_batch(inv, subset, events).await;
+            for (i, outcome) in batch.into_iter().zip(outcomes) {
+                out[i] = Some(outcome);
+            }
+        }
+        out.into_iter()
+            .map(|o| o.unwrap_or_else(no_result))
+            .collect()
+    }
+
+    /// Dispatches a batch of calls together and awaits their answers.
+    async fn run_batch(
+        &mut self,
+        inv: &Invocation,
+        calls: Vec<&ToolCall>,
+        events: &Events,
+    ) -> Vec<ToolOutcome> {
+        // Before any job goes out: every reading after this one counts.
+        let mut readings = self.fleet.catalog.subscribe();
+        let mut batch = Batch {
+            answers: vec![None; calls.len()],
+            calls,
+            pending: HashMap::new(),
+        };
+        let mut acks = Vec::new();
+        for (index, call) in batch.calls.iter().enumerate() {
+            match self.dispatch(inv, call, index, events).await {
+                Ok((pending, ack)) => {
+                    if let Some(ack) = ack {
+                        acks.push((call.id.clone(), ack));
+                    }
+                    batch.pending.insert(call.id.clone(), pending);
+                }
+                Err(outcome) => batch.answers[index] = Some(outcome),
+            }
+        }
+        self.confirm_stored(acks, &mut batch, events).await;
+        self.await_answers(&mut batch, &mut readings, events).await;
+        batch
+            .answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(no_result))
+            .collect()
+    }
+
+    /// Sends one call's job, or answers it at once.
+    async fn dispatch(
+        &self,
+        inv: &Invocation,
+        call: &ToolCall,
+        index: usize,
+        events: &Events,
+    ) -> Result<(Pending, Option<PublishAckFuture>), ToolOutcome> {
+        let (tool, arguments) = self.accept(inv, call, events).await?;
+        let metrics = &self.fleet.metrics;
+        let def = &tool.definition;
+        let id = def.id.to_string();
+        // Our call id, minted per call: unique within the invocation, so
+        // safe as an idempotency key.
+        let call_ctx = CallContext {
+            invocation: inv.ctx.clone(),
+            call_id: call.id.clone(),
+            tool_id: def.id.clone(),
+            attempt: 1,
+            reply_to: format!("{}.{}", self.inbox, call.id),
+        };
+        let headers = call_ctx.to_headers();
+        let body = encode(&ToolJob {
+            arguments,
+            settings: None,
+        });
+        if let Err(e) = self.fleet.limits().check_job(&headers, body.len()) {
+            return Err(immediate(
+                metrics,
+                events,
+                call,
+                &id,
+                "too_large",
+                format!(
+                    "Error: the job for {} is {} bytes, and at most {} fit. Send shorter arguments.",
+                    call.name, e.body, e.limit
+                ),
+            ));
+        }
+        let ack = match self.publish(def.delivery, &call_ctx, headers, body).await {
+            Ok(ack) => ack,
+            Err(e) => {
+                return Err(immediate(
+                    metrics,
+                    events,
+                    call,
+                    &id,
+                    "dispatch_failed",
+                    format!("Error: the tool job could not be queued: {e}"),
+                ));
+            }
+        };
+        let mut wait = def.timeout() + self.fleet.config.tool_wait_slack;
+        wait = wait.min(Duration::from_millis(
+            inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()),
+        ));
+        Ok((
+            Pending {
+                index,
+                tool,
+                started: Instant::now(),
+                deadline: tokio::time::Instant::now() + wait,
+                misses: 0,
+            },
+            ack,
+        ))
+    }
+
+    /// Resolves a call's tool and arguments and publishes its `tool_call`
+    /// event; answers at once a call to an unknown tool, with arguments
+    /// that are not JSON, or to a tool no live worker serves.
+    async fn accept(
+        &self,
+        inv: &Invocation,
+        call: &ToolCall,
+        events: &Events,
+    ) -> Result<(Arc<CompiledTool>, Value), ToolOutcome> {
+        let metrics = &self.fleet.metrics;
+        // A tool that is not offered may have joined the fleet since the
+        // offer was made (a worker started after this invocation did).
+        let tool = match inv.tool(&call.name) {
+            Some(tool) => Some(tool.clone()),
+            None => self.fleet.catalog.by_function_name(&call.name).await,
+        };
+        let Some(tool) = tool else {
+            events.send(ChatEventBody::ToolCall {
+                call_id: call.id.clone(),
+                tool: call.name.clone(),
+                arguments: Value::String("[unknown tool]".into()),
+            });
+            let names: Vec<&str> = inv
+                .tools
+                .iter()
+                .map(|t| t.definition.function.name.as_str())
+                .collect();
+            return Err(immediate(
+                metrics,
+                events,
+                call,
+                &call.name,
+                "unknown_tool",
+                format!(
+                    "Error: there is no tool named {:?}. Available tools: {}.",
+                    call.name,
+                    names.join(", ")
+                ),
+            ));
+        };
+        let def = &tool.definition;
+        let id = def.id.to_string();
+        let arguments = match parse_arguments(&call.arguments) {
+            Ok(v) => v,
+            Err(e) => {
+                events.send(ChatEventBody::ToolCall {
+                    call_id: call.id.clone(),
+                    tool: id.clone(),
+                    arguments: Value::String("[not JSON]".into()),
+                });
+                return Err(immediate(
+                    metrics,
+                    events,
+                    call,
+                    &id,
+                    "invalid_arguments",
+                    format!(
+                        "Error: the arguments for {} are not valid JSON ({e}). Send a JSON object.",
+                        call.name
+                    ),
+                ));
+            }
+        };
+        events.send(ChatEventBody::ToolCall {
+            call_id: call.id.clone(),
+            tool: id.clone(),
+            arguments: redact(&arguments, &def.sensitive_arguments),
+        });
+        if !self.fleet.catalog.is_live(&id).await {
+            return Err(no_worker(
+                metrics,
+                events,
+                call,
+                &id,
+                "no live worker serves it",
+            ));
+        }
+        Ok((tool, arguments))
+    }
+
+    /// Publishes a job: to the tool's stream (the ack comes later), or as a
+    /// core request to its pool's queue group, where no worker means "no
+    /// responders" at once.
+    async fn publish(
+        &self,
+        delivery: Delivery,
+        call: &CallContext,
+        headers: async_nats::HeaderMap,
+        body: bytes::Bytes,
+    ) -> Result<Option<PublishAckFuture>, String> {
+        let subjects = &self.fleet.config.subjects;
+        match delivery {
+            Delivery::Direct => self
+                .fleet
+                .client
+                .publish_with_reply_and_headers(
+                    subjects.tool_direct(&call.tool_id),
+                    call.reply_to.clone(),
+                    headers,
+                    body,
+                )
+                .await
+                .map(|()| None)
+                .map_err(|e| e.to_string()),
+            Delivery::Jetstream => self
+                .fleet
+                .js
+                .publish_with_headers(subjects.tool(&call.tool_id), headers, body)
+                .await
+                .map(Some)
+                .map_err(|e| e.to_string()),
+        }
+    }
+
+    /// JetStream must have stored every job; a job it refused is answered
+    /// at once.
+    async fn confirm_stored(
+        &self,
+        acks: Vec<(String, PublishAckFuture)>,
+        batch: &mut Batch<'_>,
+        events: &Events,
+    ) {
+        for (call_id, ack) in acks {
+            // A duplicate means JetStream already holds a job under this
+            // id: ours would never run.
+            let failed = match ack.await {
+                Ok(a) if a.duplicate => Some("a job with this id is already queued".to_string()),
+                Ok(_) => None,
+                Err(e) => Some(e.to_string()),
+            };
+            if let Some(e) = failed
+                && let Some(p) = batch.pending.remove(&call_id)
+            {
+                batch.answers[p.index] = Some(immediate(
+                    &self.fleet.metrics,
+                    events,
+                    batch.calls[p.index],
+                    &p.tool.definition.id.to_string(),
+                    "dispatch_failed",
+                    format!("Error: the tool job was not stored: {e}"),
+                ));
+            }
+        }
+    }
+
+    /// Waits until every pending call of the batch is answered.
+    async fn await_answers(
+        &mut self,
+        batch: &mut Batch<'_>,
+        readings: &mut watch::Receiver<Arc<Catalog>>,
+        events: &Events,
+    ) {
+        let mut readings_open = true;
+        while let Some(deadline) = batch.pending.values().map(|p| p.deadline).min() {
+            let waited = self.next(readings, &mut readings_open, deadline).await;
+            let metrics = &self.fleet.metrics;
+            match waited {
+                Waited::Result(result) => {
+                    if let Some(p) = batch.pending.remove(&result.call_id) {
+                        let outcome = record(metrics, events, batch.calls[p.index], &p, &result);
+                        batch.answers[p.index] = Some(outcome);
+                    }
+                }
+                Waited::Progress { call_id, message } => {
+                    if let Some(p) = batch.pending.get(&call_id) {
+                        events.send(ChatEventBody::ToolProgress {
+                            call_id,
+                            tool: p.tool.definition.id.to_string(),
+                            message: shorten(&message, MAX_PROGRESS_CHARS),
+                        });
+                    }
+                }
+                Waited::NoResponders { call_id } => {
+                    if let Some(p) = batch.pending.remove(&call_id) {
+                        batch.answers[p.index] = Some(no_worker(
+                            metrics,
+                            events,
+                            batch.calls[p.index],
+                            &p.tool.definition.id.to_string(),
+                            "no live worker serves it",
+                        ));
+                    }
+                }
+                Waited::Catalog(catalog) => batch.note_reading(&catalog, metrics, events),
+                Waited::Deadline => batch.expire(tokio::time::Instant::now(), metrics, events),
+                Waited::Closed => break,
+            }
+        }
+    }
+
+    /// The next event for a batch whose earliest deadline is `deadline`.
+    async fn next(
+        &mut self,
+        readings: &mut watch::Receiver<Arc<Catalog>>,
+        readings_open: &mut bool,
+        deadline: tokio::time::Instant,
+    ) -> Waited {
+        loop {
+            tokio::select! {
+                msg = self.replies.next() => match msg {
+                    None => return Waited::Closed,
+                    Some(msg) => if let Some(waited) = classify(msg) {
+                        return waited;
+                    },
+                },
+                changed = readings.changed(), if *readings_open => match changed {
+                    Ok(()) => return Waited::Catalog(readings.borrow_and_update().clone()),
+                    // The catalog task ended (shutdown): deadlines still hold.
+                    Err(_) => *readings_open = false,
+                },
+                () = tokio::time::sleep_until(deadline) => return Waited::Deadline,
+            }
+        }
+    }
+}
+
+impl Batch<'_> {
+    /// Counts a catalog reading against each pending call: two readings in
+    /// a row without its tool answer it `no_worker`.
+    fn note_reading(&mut self, catalog: &Catalog, metrics: &OrchestratorMetrics, events: &Events) {
+        let mut gone = Vec::new();
+        for (call_id, p) in &mut self.pending {
+            if catalog.is_live(&p.tool.definition.id.to_string()) {
+                p.misses = 0;
+            } else {
+                p.misses += 1;
+                if p.misses >= 2 {
+                    gone.push(call_id.clone());
+                }
+            }
+        }
+        for call_id in gone {
+            if let Some(p) = self.pending.remove(&call_id) {
+                self.answers[p.index] = Some(no_worker(
+                    metrics,
+                    events,
+                    self.calls[p.index],
+                    &p.tool.definition.id.to_string(),
+                    "its last live worker went away during this call",
+                ));
+            }
+        }
+    }
+
+    /// Answers `timeout` to every pending call whose deadline is `now` or
+    /// earlier.
+    fn expire(
+        &mut self,
+        now: tokio::time::Instant,
+        metrics: &OrchestratorMetrics,
+        events: &Events,
+    ) {
+        let expired: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.deadline <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for call_id in expired {
+            let Some(p) = self.pending.remove(&call_id) else {
+                continue;
+            };
+            let call = self.calls[p.index];
+            let tool = p.tool.definition.id.to_string();
+            metrics
+                .tool_calls
+                .with_label_values(&[tool.as_str(), "timeout"])
+                .inc();
+            events.send(ChatEventBody::ToolResult {
+                call_id: call.id.clone(),
+                tool,
+                status: ToolStatus::Timeout,
+                duration_ms: p.started.elapsed().as_millis() as u64,
+                error_code: Some("timeout".into()),
+            });
+            self.answers[p.index] = Some(ToolOutcome {
+                content: format!(
+                    "Error: {} did not answer in time. Answer with what you have.",
+                    call.name
+                ),
+                status: ToolStatus::Timeout,
+            });
+        }
+    }
+}
+
+/// A reply message as a [`Waited`] event; `None` for one to ignore.
+fn classify(msg: async_nats::Message) -> Option<Waited> {
+    if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+        let call_id = msg.subject.as_str().rsplit('.').next().unwrap_or_default();
+        return Some(Waited::NoResponders {
+            call_id: call_id.to_string(),
+        });
+    }
+    match Envelope::ToolReply.decode::<ToolReply>(&msg.payload) {
+        Ok(ToolReply::Result(result)) => Some(Waited::Result(result)),
+        Ok(ToolReply::Progress {
+            call_id, message, ..
+        }) => Some(Waited::Progress { call_id, message }),
+        Err(e) => {
+            warn!(error = %e, "malformed tool reply ignored");
+            None
+        }
+    }
+}
+
+/// Splits the calls to run into batches of indices: with parallel calls
+/// on, the parallel-safe ones together, then each unsafe one alone; with
+/// them off, each call alone. Empty batches are left out.
+fn batches(
+    calls: &[ToolCall],
+    parallel: bool,
+    parallel_safe: impl Fn(&ToolCall) -> bool,
+) -> Vec<Vec<usize>> {
+    let mut batches: Vec<Vec<usize>> = Vec::new();
+    if parallel {
+        batches.push(
+            (0..calls.len())
+                .filter(|&i| parallel_safe(&calls[i]))
+                .collect(),
+        );
+        batches.extend(
+            (0..calls.len())
+                .filter(|&i| !parallel_safe(&calls[i]))
+                .map(|i| vec![i]),
+        );
+    } else {
+        batches.extend((0..calls.len()).map(|i| vec![i]));
+    }
+    batches.retain(|b| !b.is_empty());
+    batches
+}
+
+fn parse_arguments(arguments: &str) -> Result<Value, serde_json::Error> {
+    serde_json::from_str(if arguments.trim().is_empty() {
+        "{}"
+    } else {
+        arguments
+    })
+}
+
+fn no_result() -> ToolOutcome {
+    ToolOutcome {
+        content: "Error: no result.".to_string(),
+        status: ToolStatus::Error,
+    }
+}
+
+/// Answers a call whose tool has no live worker, saying why.
+fn no_worker(
+    metrics: &OrchestratorMetrics,
+    events: &Events,
+    call: &ToolCall,
+    tool: &str,
+    why: &str,
+) -> ToolOutcome {
+    immediate(
+        metrics,
+        events,
+        call,
+        tool,
+        "no_worker",
+        format!(
+            "Error: the tool {} is not available right now ({why}). Answer without it.",
+            call.name
+        ),
+    )
+}
+
+/// Answers a call with an error without a result from a worker.
+fn immediate(
+    metrics: &OrchestratorMetrics,
+    events: &Events,
+    call: &ToolCall,
+    tool: &str,
+    code: &str,
+    content: String,
+) -> ToolOutcome {
+    let status = ToolStatus::Error;
+    // Bounded label: a tool name the model made up is "unknown" (only
+    // catalog tools are named by their id here).
+    let known = tool.parse::<toolfleet_protocol::tools::ToolId>().is_ok();
+    metrics
+        .tool_calls
+        .with_label_values(&[if known { tool } else { "unknown" }, status.as_str()])
+        .inc();
+    events.send(ChatEventBody::ToolResult {
+        call_id: call.id.clone(),
+        tool: tool.to_string(),
+        status,
+        duration_ms: 0,
+        error_code: Some(code.to_string()),
+    });
+    ToolOutcome { content, status }
+}
+
+/// A worker's result: metrics, the `tool_result` event, and what the model
+/// reads.
+fn record(
+    metrics: &OrchestratorMetrics,
+    events: &Events,
+    call: &ToolCall,
+    pending: &Pending,
+    result: &ToolResult,
+) -> ToolOutcome {
+    let tool = pending.tool.definition.id.to_string();
+    let elapsed = pending.started.elapsed();
+    metrics
+        .tool_calls
+        .with_label_values(&[tool.as_str(), result.status.as_str()])
+        .inc();
+    metrics
+        .tool_call_duration
+        .with_label_values(&[tool.as_str()])
+        .observe(elapsed.as_secs_f64());
+    events.send(ChatEventBody::ToolResult {
+        call_id: call.id.clone(),
+        tool,
+        status: result.status,
+        duration_ms: elapsed.as_millis() as u64,
+        error_code: result.error.as_ref().map(|e| e.code.clone()),
+    });
+    let content = match result.status {
+        ToolStatus::Ok => result.content.clone(),
+        ToolStatus::Blocked => format!("Blocked: {}", result.content),
+        ToolStatus::Error | ToolStatus::Timeout => format!("Error: {}", result.content),
+    };
+    ToolOutcome {
+        content,
+        status: result.status,
+    }
+}
+
+/// Replaces the values of sensitive arguments.
+fn redact(arguments: &Value, sensitive: &[String]) -> Value {
+    let mut out = arguments.clone();
+    if let Some(map) = out.as_object_mut() {
+        for name in sensitive {
+            if let Some(v) = map.get_mut(name) {
+                *v = Value::String("[redacted]".into());
+            }
+        }
+    }
+    out
+}
+
+/// `text` cut to `max` characters, with `…` when cut.
+fn shorten(text: &str, max: usize) -> String {
+    match text.char_indices().nth(max) {
+        Some((end, _)) => format!("{}…", &text[..end]),
+        None => text.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sensitive_arguments_are_redacted() {
+        let args = serde_json::json!({"query": "q", "apiToken": "s3cret"});
+        let out = redact(&args, &["apiToken".to_string()]);
+        assert_eq!(
+            out,
+            serde_json::json!({"query": "q", "apiToken": "[redacted]"})
+        );
+    }
+
+    fn call(name: &str) -> ToolCall {
+        ToolCall {
+            id: format!("call_{name}"),
+            name: name.into(),
+            arguments: "{}".into(),
+        }
+    }
+
+    #[test]
+    fn parallel_safe_calls_share_a_batch_and_unsafe_ones_run_alone() {
+        let calls = [call("a"), call("unsafe1"), call("b"), call("unsafe2")];
+        let safe = |c: &ToolCall| !c.name.starts_with("unsafe");
+        assert_eq!(
+            batches(&calls, true, safe),
+            vec![vec![0, 2], vec![1], vec![3]]
+        );
+        assert_eq!(
+            batches(&calls, false, safe),
+            vec![vec![0], vec![1], vec![2], vec![3]]
+        );
+        let all_unsafe = |_: &ToolCall| false;
+        assert_eq!(
+            batches(&calls[..2], true, all_unsafe),
+            vec![vec![0], vec![1]]
+        );
+        assert!(batches(&[], true, safe).is_empty());
+    }
+
+    #[test]
+    fn empty_arguments_are_an_empty_object() {
+        assert_eq!(parse_arguments("  ").unwrap(), serde_json::json!({}));
+        assert!(parse_arguments("{not json").is_err());
+    }
+
+    #[test]
+    fn progress_messages_are_cut_on_a_character_boundary() {
+        assert_eq!(shorten("short", 10), "short");
+        assert_eq!(shorten("ééééé", 3), "ééé…");
+        assert_eq!(shorten(&"x".repeat(10), 10), "x".repeat(10));
+    }
+}

@@ -1,0 +1,164 @@
+//! [`Events`]: one invocation's event publisher.
+//!
+//! Stages send event bodies without waiting; one task per invocation
+//! numbers them (`seq` 0, 1, 2, …) and publishes them in the order they
+//! were sent, so a client can detect a gap. An event too big for the NATS
+//! server is made smaller rather than lost: a tool call's arguments are
+//! replaced by their size, and a terminal event too big becomes an
+//! `answer_too_large` error (a lost terminal event would leave the client
+//! waiting).
+
+use serde_json::Value;
+use tokio::sync::mpsc;
+use toolfleet_protocol::{ChatEvent, ChatEventBody, encode};
+use tracing::warn;
+
+/// Publishes one invocation's events in order, numbering them.
+pub struct Events {
+    tx: mpsc::UnboundedSender<ChatEventBody>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Events {
+    /// Starts the publishing task for `invocation_id`'s events on `subject`.
+    pub(crate) fn start(
+        client: async_nats::Client,
+        subject: String,
+        invocation_id: String,
+    ) -> Self {
+        let (tx, mut rx) = mpsc::unbounded_channel::<ChatEventBody>();
+        let task = tokio::spawn(async move {
+            let mut seq = 0;
+            while let Some(body) = rx.recv().await {
+                let event = ChatEvent {
+                    invocation_id: invocation_id.clone(),
+                    seq,
+                    body,
+                };
+                seq += 1;
+                let payload = fit(event, client.server_info().max_payload);
+                if let Err(e) = client.publish(subject.clone(), payload).await {
+                    warn!(error = %e, "cannot publish a chat event");
+                }
+            }
+            let _ = client.flush().await;
+        });
+        Self { tx, task }
+    }
+
+    /// Queues an event; it is published after every event sent before it.
+    /// Terminal events (`completed`, `error`) are the frame's to send, once:
+    /// one sent here is refused and logged, so an [`crate::Orchestrator`]
+    /// cannot end an invocation twice.
+    pub fn send(&self, body: ChatEventBody) {
+        if body.is_terminal() {
+            tracing::error!(
+                kind = body.name(),
+                "an orchestrator tried to send a terminal event itself; it is dropped (return the answer or a Failure instead)"
+            );
+            return;
+        }
+        let _ = self.tx.send(body);
+    }
+
+    /// Queues the invocation's one terminal event.
+    pub(crate) fn finish(&self, body: ChatEventBody) {
+        let _ = self.tx.send(body);
+    }
+
+    /// Waits until every event sent so far is published.
+    pub(crate) async fn close(self) {
+        drop(self.tx);
+        let _ = self.task.await;
+    }
+}
+
+/// The event's payload, made to fit in `limit` bytes (0: no limit known)
+/// where it can be.
+fn fit(event: ChatEvent, limit: usize) -> bytes::Bytes {
+    let payload = encode(&event);
+    if limit == 0 || payload.len() <= limit {
+        return payload;
+    }
+    let size = payload.len();
+    let body = match event.body {
+        ChatEventBody::ToolCall { call_id, tool, .. } => ChatEventBody::ToolCall {
+            call_id,
+            tool,
+            arguments: Value::String(format!("[{size} bytes: too large for an event]")),
+        },
+        terminal if terminal.is_terminal() => ChatEventBody::Error {
+            code: "answer_too_large".into(),
+            message: format!(
+                "the answer event is {size} bytes; the NATS server takes at most {limit}"
+            ),
+        },
+        other => {
+            warn!(
+                event = other.name(),
+                size, limit, "a chat event is too large for the NATS server"
+            );
+            return payload;
+        }
+    };
+    encode(&ChatEvent { body, ..event })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(body: ChatEventBody) -> ChatEvent {
+        ChatEvent {
+            invocation_id: "inv-1".into(),
+            seq: 7,
+            body,
+        }
+    }
+
+    fn decoded(payload: &[u8]) -> ChatEvent {
+        serde_json::from_slice(payload).expect("an event")
+    }
+
+    #[test]
+    fn events_that_fit_are_published_as_they_are() {
+        let e = event(ChatEventBody::Delta { text: "hi".into() });
+        assert_eq!(decoded(&fit(e.clone(), 1000)), e);
+        assert_eq!(decoded(&fit(e.clone(), 0)), e);
+    }
+
+    #[test]
+    fn big_tool_call_arguments_are_replaced_by_their_size() {
+        let e = event(ChatEventBody::ToolCall {
+            call_id: "call_1".into(),
+            tool: "system:current_datetime@1.0.0".into(),
+            arguments: serde_json::json!({ "utcOffset": "x".repeat(5000) }),
+        });
+        let out = decoded(&fit(e, 1000));
+        assert_eq!(out.seq, 7);
+        match out.body {
+            ChatEventBody::ToolCall {
+                call_id, arguments, ..
+            } => {
+                assert_eq!(call_id, "call_1");
+                assert!(
+                    arguments.as_str().is_some_and(|a| a.contains("bytes")),
+                    "{arguments}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_terminal_event_too_big_becomes_a_small_error() {
+        let e = event(ChatEventBody::Error {
+            code: "x".into(),
+            message: "y".repeat(5000),
+        });
+        match decoded(&fit(e, 1000)).body {
+            ChatEventBody::Error { code, .. } => assert_eq!(code, "answer_too_large"),
+            other => panic!("{other:?}"),
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! [`Fleet`]: what every invocation of this process shares — the NATS and
+//! Redis connections, the model clients, the live catalog, the metrics,
+//! the configuration and the cancel tokens of the invocations running here.
+//!
+//! An [`Orchestrator`](crate::Orchestrator) reaches the rest of the fleet
+//! through it: [`Fleet::call_model`] (the model, with streamed deltas and
+//! usage recorded), [`Fleet::tool_runner`] (tool calls), and
+//! [`Fleet::publish_references`] (citations the tools wrote).
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_nats::jetstream;
+use dashmap::DashMap;
+use tokio_util::sync::CancellationToken;
+use toolfleet_llm::LlmClient;
+use toolfleet_llm::profiles::ResolvedProfile;
+use toolfleet_protocol::catalog::Catalog;
+use toolfleet_protocol::{ChatEventBody, Reference};
+use toolfleet_store::CitationStore;
+use tracing::info;
+
+use crate::catalog::LiveCatalog;
+use crate::metrics::OrchestratorMetrics;
+use crate::{Events, Failure, Invocation, OrchestratorConfig, PayloadLimits};
+
+/// What every invocation shares. Built once per orchestrator process.
+pub struct Fleet {
+    pub(crate) client: async_nats::Client,
+    pub(crate) js: jetstream::Context,
+    /// One client per deployment, built on first use.
+    llms: DashMap<String, LlmClient>,
+    pub(crate) store: CitationStore,
+    pub(crate) metrics: OrchestratorMetrics,
+    pub(crate) config: OrchestratorConfig,
+    pub(crate) catalog: LiveCatalog,
+    /// Cancel tokens of the invocations running here, by invocation id;
+    /// the number tells two runs of one id apart, so the end of one never
+    /// removes the other's token.
+    cancels: DashMap<String, (u64, CancellationToken)>,
+    runs: AtomicU64,
+}
+
+impl Fleet {
+    pub(crate) fn new(
+        client: async_nats::Client,
+        js: jetstream::Context,
+        store: CitationStore,
+        metrics: OrchestratorMetrics,
+        config: OrchestratorConfig,
+    ) -> Self {
+        let catalog =
+            LiveCatalog::new(client.clone(), config.subjects.clone(), config.catalog_wait);
+        Self {
+            client,
+            js,
+            llms: DashMap::new(),
+            store,
+            metrics,
+            config,
+            catalog,
+            cancels: DashMap::new(),
+            runs: AtomicU64::new(0),
+        }
+    }
+
+    /// The configuration this orchestrator runs with.
+    pub fn config(&self) -> &OrchestratorConfig {
+        &self.config
+    }
+
+    /// The orchestrator's metrics.
+    pub fn metrics(&self) -> &OrchestratorMetrics {
+        &self.metrics
+    }
+
+    /// The latest catalog reading.
+    pub fn catalog(&self) -> Arc<Catalog> {
+        self.catalog.current()
+    }
+
+    /// The size limits jobs are held to now (the server's `max_payload`
+    /// is read each time: a reconnect may reach another server).
+    pub fn limits(&self) -> PayloadLimits {
+        PayloadLimits::of(&self.client)
+    }
+
+    /// Publishes a `references` event with the invocation's references not
+    /// published yet (tools write them to the citation store as they run).
+    pub async fn publish_references(
+        &self,
+        inv: &mut Invocation,
+        events: &Events,
+    ) -> Result<(), Failure> {
+        let all = self.references(&inv.ctx.invocation_id).await?;
+        let new: Vec<Reference> = all
+            .into_iter()
+            .filter(|r| inv.references_seen.insert(r.index))
+            .collect();
+        if !new.is_empty() {
+            events.send(ChatEventBody::References { references: new });
+        }
+        Ok(())
+    }
+
+    /// Every reference of an invocation, in index order.
+    pub(crate) async fn references(&self, invocation_id: &str) -> Result<Vec<Reference>, Failure> {
+        self.store
+            .references(invocation_id)
+            .await
+            .map_err(|e| Failure::new("citation_store_unavailable", e.to_string()))
+    }
+
+    /// The client of a resolved profile's deployment, built once.
+    pub(crate) fn llm_for(&self, resolved: &ResolvedProfile) -> Result<LlmClient, Failure> {
+        if let Some(c) = self.llms.get(&resolved.deployment_name) {
+            return Ok(c.clone());
+        }
+        let client = LlmClient::new(resolved.llm_config()).map_err(|e| {
+            Failure::new(
+                "bad_deployment",
+                format!("deployment {:?}: {e}", resolved.deployment_name),
+            )
+        })?;
+        self.llms
+            .insert(resolved.deployment_name.clone(), client.clone());
+        Ok(client)
+    }
+
+    /// Registers a run of `invocation_id`; its token is cancelled by
+    /// [`cancel`](Self::cancel) until [`forget_run`](Self::forget_run).
+    pub(crate) fn register_run(&self, invocation_id: &str) -> (u64, CancellationToken) {
+        let token = CancellationToken::new();
+        let run = self.runs.fetch_add(1, Ordering::Relaxed);
+        self.cancels
+            .insert(invocation_id.to_string(), (run, token.clone()));
+        (run, token)
+    }
+
+    pub(crate) fn forget_run(&self, invocation_id: &str, run: u64) {
+        self.cancels.remove_if(invocation_id, |_, (r, _)| *r == run);
+    }
+
+    /// Cancels the run of `invocation_id` in this process, if any.
+    pub(crate) fn cancel(&self, invocation_id: &str) {
+        if let Some(entry) = self.cancels.get(invocation_id) {
+            info!(invocation_id, "cancel requested");
+            entry.1.cancel();
+        }
+    }
+}
+
+/// The set of reference indices an invocation has published.
+pub(crate) type ReferencesSeen = HashSet<u64>;

@@ -1,0 +1,339 @@
+//! Intake: one chat job from the stream to its ack.
+//!
+//! A job is decoded (size against the smaller of the contract's and the
+//! server's limit, then schema); one that cannot be decoded, or that has
+//! been delivered more than [`MAX_CHAT_ATTEMPTS`] times, is ended with an
+//! `error` event (when its invocation id can be found) and a dead letter,
+//! and terminated. A good job runs under its deadline — counted from the
+//! stream's publish time, since the client's clock starts at submission —
+//! and its cancel token, with in-progress acks so a long invocation is not
+//! redelivered to another orchestrator. Whatever happens, the invocation
+//! ends in exactly one terminal event, and the job is acked only after it
+//! is published.
+//!
+//! The durable chat consumer every orchestrator shares (`chat_consumer`:
+//! ack wait, deliveries) and the listener that cancels invocations on
+//! their cancel subject (`listen_for_cancels`) live here too.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind, consumer::pull};
+use futures::{FutureExt, StreamExt};
+use tokio_util::sync::CancellationToken;
+use toolfleet_protocol::{
+    ChatEventBody, ChatJob, DeadLetter, DeadLetterKind, Envelope, Subjects, dead_letter_headers,
+    encode, salvage_invocation_id,
+};
+use tracing::{Instrument, warn};
+
+use crate::orchestrator::invoke;
+use crate::{Events, Failure, Fleet, OrchestratorError};
+
+/// Ack wait of the chat consumer: how long the jobs of an orchestrator
+/// that died (crash, SIGKILL, lost host) wait before another takes them.
+/// Short, because running jobs prove they are alive with in-progress acks
+/// (a heartbeat, as Temporal's activity heartbeat timeout) at a third of it.
+const CHAT_ACK_WAIT: Duration = Duration::from_secs(10);
+pub(crate) const CHAT_PROGRESS_EVERY: Duration = Duration::from_secs(3);
+
+/// Deliveries of one chat job that are run (an orchestrator that dies
+/// mid-way gets the job redelivered); the next one ends it with an error
+/// event and a dead letter.
+pub const MAX_CHAT_ATTEMPTS: u32 = 3;
+
+/// The streams, and the durable chat consumer every orchestrator shares.
+pub(crate) async fn chat_consumer(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, OrchestratorError> {
+    let stream = toolfleet_protocol::streams::ensure_chat_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_tools_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    let config = pull::Config {
+        durable_name: Some(subjects.chat_consumer()),
+        filter_subject: subjects.chat_submit(),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: CHAT_ACK_WAIT,
+        // One more than we run, so the delivery after the last
+        // attempt can still end the invocation visibly.
+        max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    };
+    let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
+        .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+    // A consumer made by an earlier release keeps its longer ack wait:
+    // bring it to this one's (an editable setting).
+    let info = consumer
+        .info()
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+    if info.config.ack_wait != CHAT_ACK_WAIT {
+        match stream.create_consumer(config).await {
+            Ok(updated) => consumer = updated,
+            Err(e) => warn!(error = %e, ack_wait = ?info.config.ack_wait,
+                "cannot shorten the chat consumer's ack wait; a crashed orchestrator's jobs wait that long"),
+        }
+    }
+    Ok(consumer)
+}
+
+/// Cancels the invocations running here whose cancel subject is published,
+/// and remembers every cancel (a tombstone in the store, with its TTL) so a
+/// job still queued when its cancel came is answered `cancelled` when it
+/// starts instead of being run. The tombstone is written before the running
+/// invocation is looked up, and a run registers before it checks the
+/// tombstone, so a cancel is never missed between the two.
+pub(crate) async fn listen_for_cancels(
+    fleet: Arc<Fleet>,
+    mut cancel_sub: async_nats::Subscriber,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let msg = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            m = cancel_sub.next() => match m { Some(m) => m, None => break },
+        };
+        let Some(id) = msg.subject.as_str().rsplit('.').next() else {
+            continue;
+        };
+        if !toolfleet_protocol::valid_invocation_id(id) {
+            continue;
+        }
+        if let Err(e) = fleet.store.mark_cancelled(id).await {
+            warn!(invocation_id = id, error = %e, "cancel not remembered (the store is unavailable); only a running invocation is cancelled");
+        }
+        fleet.cancel(id);
+    }
+}
+
+/// Whether a cancel for `id` came before its job started. A store that
+/// cannot answer does not stop the job (logged).
+async fn cancelled_before_start(fleet: &Fleet, id: &str) -> bool {
+    match fleet.store.is_cancelled(id).await {
+        Ok(cancelled) => cancelled,
+        Err(e) => {
+            warn!(invocation_id = id, error = %e, "cannot read the cancel tombstone; running the job");
+            false
+        }
+    }
+}
+
+/// What the stream says about one delivery.
+#[derive(Debug, Clone, Copy)]
+struct Delivery {
+    /// 1 for the first delivery.
+    attempt: u32,
+    stream_sequence: u64,
+    /// When the client published the job (Unix ms), if known.
+    published_ms: Option<u64>,
+}
+
+impl Delivery {
+    fn of(msg: &jetstream::Message) -> Self {
+        match msg.info() {
+            Ok(i) => Self {
+                attempt: u32::try_from(i.delivered).unwrap_or(1),
+                stream_sequence: i.stream_sequence,
+                published_ms: u64::try_from(i.published.unix_timestamp_nanos() / 1_000_000).ok(),
+            },
+            Err(_) => Self {
+                attempt: 1,
+                stream_sequence: 0,
+                published_ms: None,
+            },
+        }
+    }
+}
+
+/// Why a job is dead-lettered instead of run.
+struct Rejection<'a> {
+    invocation_id: Option<String>,
+    /// The `error` event's code.
+    event_code: &'a str,
+    /// The dead letter's code.
+    code: &'a str,
+    error: String,
+}
+
+/// Handles one delivery of a chat job.
+pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
+    let started = Instant::now();
+    let delivery = Delivery::of(&msg);
+    let limit = fleet.limits().job_body();
+    let job: ChatJob = match Envelope::ChatJob.decode_within(&msg.payload, limit) {
+        Ok(job) => job,
+        Err(e) => {
+            fleet
+                .metrics
+                .chat_jobs
+                .with_label_values(&["malformed"])
+                .inc();
+            let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
+            warn!(invocation_id = ?invocation_id, error = %e, "malformed chat job");
+            let rejection = Rejection {
+                invocation_id,
+                event_code: "malformed_job",
+                code: e.code(),
+                error: e.to_string(),
+            };
+            return dead_letter(fleet, &msg, delivery, rejection).await;
+        }
+    };
+    if delivery.attempt > MAX_CHAT_ATTEMPTS {
+        fleet.metrics.chat_jobs.with_label_values(&["error"]).inc();
+        let error = format!(
+            "the job was delivered {} times without finishing (an orchestrator stopped while running it each time)",
+            delivery.attempt
+        );
+        warn!(invocation_id = %job.invocation_id, "{error}");
+        let rejection = Rejection {
+            invocation_id: Some(job.invocation_id),
+            event_code: "too_many_attempts",
+            code: "too_many_attempts",
+            error,
+        };
+        return dead_letter(fleet, &msg, delivery, rejection).await;
+    }
+    let span = tracing::info_span!("chat_job", invocation_id = %job.invocation_id, attempt = delivery.attempt);
+    run(fleet, msg, job, delivery, started)
+        .instrument(span)
+        .await
+}
+
+/// Runs a decoded job to its terminal event, then acks it.
+async fn run(
+    fleet: &Arc<Fleet>,
+    msg: jetstream::Message,
+    job: ChatJob,
+    delivery: Delivery,
+    started: Instant,
+) {
+    let metrics = &fleet.metrics;
+    metrics.chat_jobs_in_flight.inc();
+    let id = job.invocation_id.clone();
+    let (run, cancel) = fleet.register_run(&id);
+    let events = Events::start(
+        fleet.client.clone(),
+        fleet.config.subjects.chat_events(&id),
+        id.clone(),
+    );
+    let keep_alive = toolfleet_service::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
+
+    let timeout = job
+        .timeout_ms
+        .map(Duration::from_millis)
+        .unwrap_or(fleet.config.default_timeout);
+    let now = toolfleet_protocol::now_ms();
+    let deadline_ms = deadline_ms(delivery.published_ms, now, timeout);
+    let left = Duration::from_millis(deadline_ms.saturating_sub(now));
+    let cancelled_early = cancelled_before_start(fleet, &id).await;
+    let outcome = tokio::select! {
+        biased;
+        // Cancelled while it waited in the stream: nothing runs.
+        _ = std::future::ready(()), if cancelled_early => Err(Failure::new("cancelled", "the invocation was cancelled before it started")),
+        // A bug must end the invocation with an error event, not leave it
+        // silent.
+        r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, &events)).catch_unwind(), if !left.is_zero() && !cancelled_early => {
+            r.unwrap_or_else(|_| Err(Failure::new("internal_error", "the orchestrator failed unexpectedly; see its log")))
+        }
+        _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),
+        _ = cancel.cancelled() => Err(Failure::new("cancelled", "the invocation was cancelled")),
+    };
+    let label = match outcome {
+        Ok(()) => "completed",
+        Err(f) => {
+            warn!(code = %f.code, message = %f.message, "invocation failed");
+            events.finish(ChatEventBody::Error {
+                code: f.code,
+                message: f.message,
+            });
+            "error"
+        }
+    };
+    events.close().await;
+    drop(keep_alive);
+    // Ack last: only after the terminal event is out.
+    let _ = msg.ack().await;
+    fleet.forget_run(&id, run);
+    metrics.chat_jobs.with_label_values(&[label]).inc();
+    metrics.chat_jobs_in_flight.dec();
+    metrics
+        .chat_job_duration
+        .observe(started.elapsed().as_secs_f64());
+}
+
+/// The invocation's deadline (Unix ms): `timeout` after the job was
+/// published — time queued in the stream counts — or after `now` when the
+/// publish time is unknown or in the future (clock skew).
+fn deadline_ms(published_ms: Option<u64>, now: u64, timeout: Duration) -> u64 {
+    published_ms.unwrap_or(now).min(now) + timeout.as_millis() as u64
+}
+
+/// Ends a chat job that will not run: an `error` event when the invocation
+/// id is known, a dead letter that always carries the id (when one was
+/// found) and the job's safe headers, and `term`.
+async fn dead_letter(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    delivery: Delivery,
+    rejection: Rejection<'_>,
+) {
+    if let Some(id) = &rejection.invocation_id {
+        let events = Events::start(
+            fleet.client.clone(),
+            fleet.config.subjects.chat_events(id),
+            id.clone(),
+        );
+        events.finish(ChatEventBody::Error {
+            code: rejection.event_code.into(),
+            message: rejection.error.clone(),
+        });
+        events.close().await;
+    }
+    let dead = DeadLetter {
+        kind: DeadLetterKind::Chat,
+        stream: fleet.config.subjects.chat_stream(),
+        stream_sequence: delivery.stream_sequence,
+        invocation_id: rejection.invocation_id,
+        call_id: None,
+        tool_id: None,
+        attempts: delivery.attempt,
+        code: rejection.code.to_string(),
+        error: rejection.error,
+        headers: dead_letter_headers(msg.headers.as_ref()),
+    };
+    fleet
+        .metrics
+        .dead_letters
+        .with_label_values(&["chat"])
+        .inc();
+    let _ = fleet
+        .client
+        .publish(
+            fleet.config.subjects.dead_letter(DeadLetterKind::Chat),
+            encode(&dead),
+        )
+        .await;
+    let _ = msg.ack_with(AckKind::Term).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_deadline_counts_from_publication_never_from_the_future() {
+        let t = Duration::from_secs(10);
+        assert_eq!(deadline_ms(Some(1_000), 5_000, t), 11_000);
+        assert_eq!(deadline_ms(None, 5_000, t), 15_000);
+        // A publish time ahead of our clock is not trusted.
+        assert_eq!(deadline_ms(Some(9_000), 5_000, t), 15_000);
+    }
+}

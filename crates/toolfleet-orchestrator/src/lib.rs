@@ -1,0 +1,335 @@
+//! The orchestrator: takes chat jobs from the `TOOLFLEET_CHAT` work queue
+//! with a bounded number in flight and runs one invocation per job.
+//!
+//! An invocation goes through stages, each a module: **intake** takes the
+//! job off the stream; **context** resolves its profile and builds the
+//! [`Invocation`] (prompt, conversation, the tools offered); an
+//! [`Orchestrator`] chosen by the profile's `orchestrator` name runs it —
+//! by default [`Agentic`], the **rounds** loop, which calls the model and
+//! has **dispatch** run the tool calls it asks for; then the common end
+//! publishes `completed` (or `error`) and intake acks the job last. Every
+//! failure ends in an `error` event with a code — never silence.
+//!
+//! # Layout
+//!
+//! - [`intake`]: the chat consumer; decoding the chat job, attempts
+//!   ([`MAX_CHAT_ATTEMPTS`]), the deadline from the stream's publish time,
+//!   dead letters, cancel tokens, in-progress acks, the ack after the
+//!   terminal event.
+//! - [`context`]: [`Invocation`], built step by step from the job, the
+//!   profile and the catalog snapshot; where context steps (preemptive
+//!   retrieval, tool scoping) plug in.
+//! - [`orchestrator`]: the [`Orchestrator`] trait, its [`Answer`] and
+//!   [`Failure`], and the frame every invocation runs in (`started`, the
+//!   chosen orchestrator, `completed`).
+//! - [`rounds`]: [`Agentic`], the agentic round loop — model calls with
+//!   streamed deltas, and the loop policy's caps.
+//! - [`dispatch`]: [`ToolRunner`] — tool jobs out (JetStream or direct),
+//!   replies, progress, deadlines and catalog readings in, as one closed
+//!   event enum.
+//! - [`events`]: [`Events`], one invocation's ordered event publisher.
+//! - [`usage`]: [`UsageLedger`], tokens and cost per model call.
+//! - [`catalog`]: [`LiveCatalog`], the fleet's tools as one value swapped
+//!   whole on every reading.
+//! - [`limits`]: [`PayloadLimits`], the smaller of the contract's and the
+//!   NATS server's size limits.
+//! - [`fleet`]: [`Fleet`], what every invocation shares.
+//! - [`metrics`]: the orchestrator's Prometheus metrics.
+//!
+//! # Invariants
+//!
+//! - Every invocation ends in exactly one terminal event, and the chat job
+//!   is acked after it.
+//! - Events are numbered in publish order by one task per invocation.
+//! - Only tools a live worker serves are offered; a call to any other tool
+//!   is answered at once, and so is a call whose tool has been missing from
+//!   two catalog readings in a row while it waits.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tracing::{info, warn};
+
+pub mod catalog;
+pub mod context;
+pub mod dispatch;
+pub mod events;
+pub mod fleet;
+pub mod intake;
+pub mod limits;
+pub mod metrics;
+pub mod orchestrator;
+pub mod rounds;
+pub mod usage;
+
+pub use catalog::LiveCatalog;
+pub use context::Invocation;
+pub use dispatch::{ToolOutcome, ToolRunner};
+pub use events::Events;
+pub use fleet::Fleet;
+pub use intake::MAX_CHAT_ATTEMPTS;
+pub use limits::PayloadLimits;
+pub use orchestrator::{Answer, Failure, Orchestrator};
+pub use rounds::{Agentic, PURPOSE_CONVERSATION};
+pub use usage::UsageLedger;
+
+use crate::metrics::OrchestratorMetrics;
+use toolfleet_llm::profiles::{DEFAULT_ORCHESTRATOR, EnvSource, FleetConfig, ProcessEnv};
+use toolfleet_protocol::Subjects;
+use toolfleet_store::CitationStore;
+
+/// The system prompt of a profile that sets none.
+pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a helpful assistant with tools. When a tool result contains markers like [doc:3], cite the passages you use with those exact markers.";
+
+/// How the orchestrator runs. Model endpoints, prompts and loop policies
+/// come from the profiles ([`FleetConfig`]), resolved per chat job; the
+/// profile's `orchestrator` names one of [`orchestrators`](Self::register_orchestrator)
+/// registered here.
+#[derive(Clone)]
+pub struct OrchestratorConfig {
+    pub subjects: Subjects,
+    pub profiles: Arc<FleetConfig>,
+    /// Where API-key variables are read.
+    pub env: Arc<dyn EnvSource + Send + Sync>,
+    /// Chat jobs worked on at once by this process.
+    pub max_in_flight: usize,
+    /// Deadline of a chat job that names none.
+    pub default_timeout: Duration,
+    /// Added to a tool's own timeout while waiting for its result (queueing,
+    /// transport).
+    pub tool_wait_slack: Duration,
+    /// How often the live worker catalog is read.
+    pub catalog_refresh: Duration,
+    /// How long a catalog reading collects answers.
+    pub catalog_wait: Duration,
+    /// Orchestrators by the name a profile gives; [`Agentic`] is
+    /// registered as [`DEFAULT_ORCHESTRATOR`].
+    orchestrators: BTreeMap<String, Arc<dyn Orchestrator>>,
+}
+
+impl std::fmt::Debug for OrchestratorConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OrchestratorConfig")
+            .field("subjects", &self.subjects)
+            .field(
+                "profiles",
+                &self.profiles.profiles.keys().collect::<Vec<_>>(),
+            )
+            .field("orchestrators", &self.orchestrator_names())
+            .field("max_in_flight", &self.max_in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OrchestratorConfig {
+    pub fn new(subjects: Subjects, profiles: FleetConfig) -> Self {
+        let mut config = Self {
+            subjects,
+            profiles: Arc::new(profiles),
+            env: Arc::new(ProcessEnv),
+            max_in_flight: 32,
+            default_timeout: Duration::from_secs(120),
+            tool_wait_slack: Duration::from_secs(2),
+            catalog_refresh: Duration::from_secs(2),
+            catalog_wait: Duration::from_millis(250),
+            orchestrators: BTreeMap::new(),
+        };
+        config.register_orchestrator(DEFAULT_ORCHESTRATOR, Agentic);
+        config
+    }
+
+    /// Registers `orchestrator` under `name`: a profile with
+    /// `orchestrator = "<name>"` then runs with it. Registering a name again
+    /// replaces the earlier one (`agentic` included).
+    pub fn register_orchestrator(
+        &mut self,
+        name: impl Into<String>,
+        orchestrator: impl Orchestrator,
+    ) -> &mut Self {
+        self.orchestrators
+            .insert(name.into(), Arc::new(orchestrator));
+        self
+    }
+
+    /// The registered orchestrator names, sorted.
+    pub fn orchestrator_names(&self) -> Vec<&str> {
+        self.orchestrators.keys().map(String::as_str).collect()
+    }
+
+    /// The orchestrator registered under `name`.
+    pub fn orchestrator(&self, name: &str) -> Option<Arc<dyn Orchestrator>> {
+        self.orchestrators.get(name).cloned()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    #[error("NATS: {0}")]
+    Nats(String),
+}
+
+/// Connects to NATS and Redis as configured, registers the metrics on
+/// `rt`, and runs the orchestrator on `rt`'s tracker until its shutdown.
+/// Returns once the chat consumer is in place.
+pub async fn start(
+    nats: &toolfleet_service::args::NatsArgs,
+    redis: &toolfleet_service::args::RedisArgs,
+    config: OrchestratorConfig,
+    rt: toolfleet_service::Runtime,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let store = CitationStore::connect(&redis.url, config.subjects.prefix(), redis.ttl())
+        .await
+        .with_context(|| {
+            format!(
+                "cannot connect to Redis at {}",
+                toolfleet_protocol::redact_url(&redis.url)
+            )
+        })?;
+    let client = nats.connect("toolfleet-orchestrator").await?;
+    let dead_letters = toolfleet_service::metrics::dead_letters(&rt.metrics)?;
+    let metrics = OrchestratorMetrics::register(&rt.metrics, dead_letters)?;
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let shutdown = rt.shutdown.clone();
+    rt.tracker.spawn(async move {
+        if let Err(e) =
+            run_with_ready(client, store, config, metrics, shutdown, Some(ready_tx)).await
+        {
+            tracing::error!(error = %e, "orchestrator stopped");
+        }
+    });
+    ready_rx.await.context("the orchestrator failed to start")?;
+    Ok(())
+}
+
+/// Runs the orchestrator until `shutdown`; then stops taking jobs and lets
+/// invocations in flight finish.
+pub async fn run(
+    client: async_nats::Client,
+    store: CitationStore,
+    config: OrchestratorConfig,
+    metrics: OrchestratorMetrics,
+    shutdown: CancellationToken,
+) -> Result<(), OrchestratorError> {
+    run_with_ready(client, store, config, metrics, shutdown, None).await
+}
+
+/// [`run`], telling `ready` once the chat consumer is in place.
+pub async fn run_with_ready(
+    client: async_nats::Client,
+    store: CitationStore,
+    config: OrchestratorConfig,
+    metrics: OrchestratorMetrics,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
+) -> Result<(), OrchestratorError> {
+    match PayloadLimits::of(&client).startup_message() {
+        Some((limits::Severity::Warning, message)) => warn!("{message}"),
+        Some((limits::Severity::Notice, message)) => info!("{message}"),
+        None => {}
+    }
+    let js = jetstream::new(client.clone());
+    let consumer = intake::chat_consumer(&js, &config.subjects).await?;
+    let cancel_sub = client
+        .subscribe(config.subjects.chat_cancel_all())
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+
+    let fleet = Arc::new(Fleet::new(client, js, store, metrics, config.clone()));
+    fleet.catalog.refresh().await;
+
+    let tracker = TaskTracker::new();
+    {
+        let fleet = fleet.clone();
+        let shutdown = shutdown.clone();
+        tracker.spawn(async move {
+            fleet
+                .catalog
+                .run(fleet.config.catalog_refresh, shutdown)
+                .await
+        });
+    }
+    tracker.spawn(intake::listen_for_cancels(
+        fleet.clone(),
+        cancel_sub,
+        shutdown.clone(),
+    ));
+
+    let known = config.orchestrator_names();
+    for w in config.profiles.warnings_among(&known) {
+        warn!("{w}");
+    }
+    info!(stream = %config.subjects.chat_stream(), profiles = config.profiles.profiles.len(), orchestrators = ?known, "orchestrator taking chat jobs");
+    if let Some(ready) = ready {
+        let _ = ready.send(());
+    }
+    let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    {
+        let fleet = fleet.clone();
+        toolfleet_service::jobs::pull_bounded(
+            consumer,
+            permits,
+            tracker.clone(),
+            shutdown.clone(),
+            config.subjects.chat_consumer(),
+            intake::CHAT_PROGRESS_EVERY,
+            move |msg| {
+                let fleet = fleet.clone();
+                async move { intake::handle(&fleet, msg).await }
+            },
+        )
+        .await;
+    }
+    tracker.close();
+    tracker.wait().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config() -> OrchestratorConfig {
+        let profiles = FleetConfig::from_toml(
+            r#"
+default_profile = "default"
+[deployments.d]
+base_url = "http://127.0.0.1:9/v1"
+model = "m"
+[profiles.default]
+deployment = "d"
+[profiles.custom]
+deployment = "d"
+orchestrator = "custom"
+"#,
+            "test",
+        )
+        .expect("profiles");
+        OrchestratorConfig::new(Subjects::new("toolfleet").expect("prefix"), profiles)
+    }
+
+    #[test]
+    fn agentic_is_registered_by_default_and_more_can_be_registered() {
+        let mut config = config();
+        assert_eq!(config.orchestrator_names(), [DEFAULT_ORCHESTRATOR]);
+        let unknown = config.profiles.warnings_among(&config.orchestrator_names());
+        assert!(
+            unknown.iter().any(|w| w.contains("\"custom\"")),
+            "{unknown:?}"
+        );
+
+        config.register_orchestrator("custom", Agentic);
+        assert_eq!(config.orchestrator_names(), ["agentic", "custom"]);
+        assert!(config.orchestrator("custom").is_some());
+        assert!(config.orchestrator("swarm").is_none());
+        // A registered name is no longer worth a warning.
+        let warnings = config.profiles.warnings_among(&config.orchestrator_names());
+        assert!(warnings.is_empty(), "{warnings:?}");
+        assert!(format!("{config:?}").contains("custom"));
+    }
+}

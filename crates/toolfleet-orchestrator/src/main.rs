@@ -1,0 +1,45 @@
+//! `toolfleet-orchestrator`: takes chat jobs and runs the agentic loop.
+//! Configured by flags and `TOOLFLEET_*` environment variables (`--help`).
+//! It reads no tool definition files: the tools it offers are those the
+//! fleet's live workers advertise.
+
+use std::net::SocketAddr;
+
+use clap::Parser;
+use toolfleet_llm::args::LlmArgs;
+use toolfleet_orchestrator::OrchestratorConfig;
+use toolfleet_service::args::{self, NatsArgs, RedisArgs};
+
+#[derive(Parser, Debug)]
+#[command(
+    version,
+    about = "toolfleet orchestrator: takes chat jobs from JetStream and runs the agentic loop."
+)]
+struct Args {
+    #[command(flatten)]
+    nats: NatsArgs,
+    #[command(flatten)]
+    redis: RedisArgs,
+    #[command(flatten)]
+    llm: LlmArgs,
+    /// Chat jobs in flight at once.
+    #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
+    max_in_flight: usize,
+    /// Prometheus metrics and health endpoint.
+    #[arg(long, env = args::ENV_METRICS_ADDR, default_value = "0.0.0.0:9464")]
+    metrics_addr: SocketAddr,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let a: Args = args::parse_or_exit();
+    args::init_tracing();
+    let subjects = args::or_exit(a.nats.subjects().map_err(Into::into));
+    let profiles = args::or_exit(a.llm.fleet_config().map_err(Into::into));
+    let mut config = OrchestratorConfig::new(subjects, profiles);
+    config.max_in_flight = a.max_in_flight;
+    toolfleet_service::serve_until_signal(a.metrics_addr, |rt| {
+        toolfleet_orchestrator::start(&a.nats, &a.redis, config, rt)
+    })
+    .await
+}

@@ -1,0 +1,111 @@
+//! The [`Orchestrator`] trait, and the frame every invocation runs in.
+//!
+//! A profile's `orchestrator` name picks an implementation registered in
+//! [`OrchestratorConfig`](crate::OrchestratorConfig) (`agentic`, the
+//! [`Agentic`](crate::Agentic) round loop, by default). The frame around it
+//! is the same for every orchestrator, so a custom one plugs in without
+//! touching the loop and cannot forget the contract:
+//!
+//! 1. [`context::build`](crate::context) makes the [`Invocation`];
+//! 2. `started` is published (model, profile, offered tools), then the
+//!    references any context step wrote;
+//! 3. the orchestrator runs, publishing what it does through [`Events`];
+//! 4. on [`Answer`]: the references not published yet, then `completed`
+//!    with the answer, all references and the usage ledger. On
+//!    [`Failure`], intake publishes the `error` event.
+
+use futures::future::BoxFuture;
+use toolfleet_protocol::{ChatEventBody, ChatJob};
+
+use crate::{Events, Fleet, Invocation, context};
+
+/// Runs one invocation to its answer.
+///
+/// The invocation arrives built: profile resolved, conversation and offered
+/// tools in place, `started` already published. An implementation reaches
+/// the model with [`Fleet::call_model`], the tools with
+/// [`Fleet::tool_runner`], and publishes citations with
+/// [`Fleet::publish_references`]; it may also send events of its own
+/// (say, `delta`s) through `events`. It returns the answer's text, or a
+/// [`Failure`] that ends the invocation with an `error` event. It never
+/// sends a terminal event itself.
+///
+/// The future is dropped when the invocation's deadline passes or it is
+/// cancelled; an implementation needs no timeouts of its own for that.
+pub trait Orchestrator: Send + Sync + 'static {
+    fn run<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        fleet: &'a Fleet,
+        events: &'a Events,
+    ) -> BoxFuture<'a, Result<Answer, Failure>>;
+}
+
+/// What an orchestrator answers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Answer {
+    /// The answer, with `[doc:N]` markers as the model wrote them.
+    pub text: String,
+    /// Model rounds it took (0 for an answer without a model call).
+    pub rounds: u32,
+}
+
+/// Why an invocation ended without an answer: the `error` event's code and
+/// message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Failure {
+    /// Stable and machine-readable, e.g. `round_limit`, `llm_http_429`.
+    pub code: String,
+    /// For people; never holds a secret.
+    pub message: String,
+}
+
+impl Failure {
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Runs `job` through the frame: context, `started`, the profile's
+/// orchestrator, `completed`.
+pub(crate) async fn invoke(
+    fleet: &Fleet,
+    job: ChatJob,
+    deadline_ms: u64,
+    events: &Events,
+) -> Result<(), Failure> {
+    let mut inv = context::build(fleet, job, deadline_ms)?;
+    let orchestrator = fleet
+        .config()
+        .orchestrator(&inv.profile.orchestrator)
+        .ok_or_else(|| {
+            Failure::new(
+                "internal_error",
+                format!(
+                    "no orchestrator is registered as {:?}",
+                    inv.profile.orchestrator
+                ),
+            )
+        })?;
+    events.send(ChatEventBody::Started {
+        model: inv.model().to_string(),
+        profile: Some(inv.profile.name.clone()),
+        tools: inv.tool_ids(),
+    });
+    fleet.publish_references(&mut inv, events).await?;
+    let answer = orchestrator.run(&mut inv, fleet, events).await?;
+    fleet.publish_references(&mut inv, events).await?;
+    let references = fleet.references(&inv.ctx.invocation_id).await?;
+    events.finish(ChatEventBody::Completed {
+        text: answer.text,
+        references,
+        usage: inv.usage.total(),
+        cost_usd: inv.usage.cost(),
+        llm_calls: inv.usage.into_calls(),
+        rounds: answer.rounds,
+    });
+    Ok(())
+}

@@ -1,0 +1,308 @@
+//! Rounds: [`Agentic`], the default orchestrator — the agentic loop — and
+//! [`Fleet::call_model`], one model call with its deltas, metrics and
+//! usage.
+//!
+//! Each round streams a completion (text deltas become `delta` events);
+//! tool calls, if any, run through the [`ToolRunner`] and their results
+//! join the conversation; the loop ends when the model answers without
+//! tools. The profile's loop policy caps it: when a cap is hit (rounds,
+//! calls per turn, consecutive rounds of failed calls) the tools stay in
+//! the request with `tool_choice: none` and a system note tells the model
+//! to answer with what it has; the last round always forbids tools. A
+//! truncated tool call is never run.
+
+use std::time::Instant;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use toolfleet_llm::budget::TokenBudget;
+use toolfleet_llm::profiles::{LoopPolicy, TruncatedPolicy};
+use toolfleet_llm::{ChatRequest, Completion, Message, ToolCall, ToolChoice};
+use toolfleet_protocol::{ChatEventBody, ToolStatus};
+
+use crate::dispatch::new_call_id;
+use crate::usage::ModelCall;
+use crate::{Answer, Events, Failure, Fleet, Invocation, Orchestrator, ToolOutcome, ToolRunner};
+
+/// The `purpose` label of the conversation's own model calls (planning and
+/// LLM-backed tools have their own).
+pub const PURPOSE_CONVERSATION: &str = "conversation";
+
+/// The agentic round loop, registered as `agentic`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Agentic;
+
+impl Orchestrator for Agentic {
+    fn run<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        fleet: &'a Fleet,
+        events: &'a Events,
+    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+        rounds(inv, fleet, events).boxed()
+    }
+}
+
+async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<Answer, Failure> {
+    let policy = inv.profile.profile.policy;
+    let mut tools = fleet.tool_runner().await?;
+    let mut caps = Caps::default();
+    for round in 1..=policy.max_rounds {
+        let tools_allowed = caps.open_round(round, &policy, fleet, &mut inv.messages);
+        let request = request(inv, &policy, tools_allowed);
+        let completion = fleet.call_model(inv, &request, events).await?;
+        if completion.is_truncated() && !completion.tool_calls.is_empty() {
+            truncated_tool_call(fleet, &policy, &mut inv.messages)?;
+            continue;
+        }
+        if completion.tool_calls.is_empty() {
+            let text = match (&completion.refusal, completion.text.is_empty()) {
+                (Some(r), true) => r.clone(),
+                _ => completion.text,
+            };
+            return Ok(Answer {
+                text,
+                rounds: round,
+            });
+        }
+        if !tools_allowed {
+            return Err(Failure::new(
+                "round_limit",
+                format!(
+                    "the model asked for tools after being told to answer ({}); round {round} of {}",
+                    caps.stop.as_deref().unwrap_or_default(),
+                    policy.max_rounds
+                ),
+            ));
+        }
+        let outcomes = run_calls(inv, &mut tools, &completion, &policy, fleet, events).await;
+        caps.close_round(&completion, &outcomes, &policy, fleet);
+        fleet.publish_references(inv, events).await?;
+    }
+    Err(Failure::new(
+        "round_limit",
+        format!("no answer within {} rounds", policy.max_rounds),
+    ))
+}
+
+/// The loop policy's caps, as they stand between rounds.
+#[derive(Debug, Default)]
+struct Caps {
+    /// Rounds in a row whose tool calls all failed.
+    failed_rounds: u32,
+    /// Set when a cap is hit: from then on the model may call no tool and
+    /// is told to answer with what it has. Says which cap.
+    stop: Option<String>,
+}
+
+impl Caps {
+    /// Starts a round; returns whether tools are allowed in it.
+    fn open_round(
+        &mut self,
+        round: u32,
+        policy: &LoopPolicy,
+        fleet: &Fleet,
+        messages: &mut Vec<Message>,
+    ) -> bool {
+        if self.stop.is_none() && round == policy.max_rounds {
+            self.stop = Some(format!("this is the last of {} rounds", policy.max_rounds));
+            limit_hit(fleet, "rounds");
+        }
+        if let Some(reason) = &self.stop
+            && !matches!(messages.last(), Some(Message::System { .. }))
+        {
+            messages.push(Message::System {
+                content: format!("Tool limit reached ({reason}). Do not call any more tools: answer now with what you have, and say what you could not find out."),
+            });
+        }
+        self.stop.is_none()
+    }
+
+    /// Ends a round whose calls ran: the per-turn and the failed-rounds caps.
+    fn close_round(
+        &mut self,
+        completion: &Completion,
+        outcomes: &[ToolOutcome],
+        policy: &LoopPolicy,
+        fleet: &Fleet,
+    ) {
+        if completion.tool_calls.len() > policy.max_calls_per_turn {
+            limit_hit(fleet, "calls_per_turn");
+            self.stop.get_or_insert_with(|| {
+                format!("at most {} tool calls per turn", policy.max_calls_per_turn)
+            });
+        }
+        if outcomes.iter().all(|o| o.status != ToolStatus::Ok) {
+            self.failed_rounds += 1;
+        } else {
+            self.failed_rounds = 0;
+        }
+        if policy.max_consecutive_tool_errors > 0
+            && self.failed_rounds >= policy.max_consecutive_tool_errors
+            && self.stop.is_none()
+        {
+            limit_hit(fleet, "consecutive_tool_errors");
+            self.stop = Some(format!(
+                "every tool call failed in {} round(s) in a row",
+                self.failed_rounds
+            ));
+        }
+    }
+}
+
+fn limit_hit(fleet: &Fleet, limit: &str) {
+    fleet
+        .metrics()
+        .loop_limits
+        .with_label_values(&[limit])
+        .inc();
+}
+
+/// The round's request. The tools stay in it even when they are forbidden
+/// (the prompt prefix, and its cache, do not change); `tool_choice: none`
+/// forbids them.
+fn request(inv: &Invocation, policy: &LoopPolicy, tools_allowed: bool) -> ChatRequest {
+    ChatRequest {
+        model: inv.model().to_string(),
+        messages: inv.messages.clone(),
+        tools: inv.tool_specs(),
+        tool_choice: (!tools_allowed).then_some(ToolChoice::None),
+        parallel_tool_calls: policy.parallel_tool_calls,
+        temperature: inv.profile.profile.temperature,
+        max_tokens: None,
+    }
+}
+
+/// The model ran out of tokens while writing a tool call: the call is not
+/// run; the policy says whether the job fails or the model is asked again.
+fn truncated_tool_call(
+    fleet: &Fleet,
+    policy: &LoopPolicy,
+    messages: &mut Vec<Message>,
+) -> Result<(), Failure> {
+    limit_hit(fleet, "truncated_tool_call");
+    match policy.on_truncated_tool_call {
+        TruncatedPolicy::Error => Err(Failure::new(
+            "truncated_tool_call",
+            "the model ran out of tokens while writing a tool call; its arguments are incomplete and were not run",
+        )),
+        TruncatedPolicy::AskAgain => {
+            messages.push(Message::System {
+                content: "Your last tool call was cut off at the output token limit, so it was not run. Call the tool again with shorter arguments, or answer without it.".into(),
+            });
+            Ok(())
+        }
+    }
+}
+
+/// Runs the completion's tool calls and appends the assistant message and
+/// one tool message per call (cut to the profile's token cap) to the
+/// conversation.
+async fn run_calls(
+    inv: &mut Invocation,
+    tools: &mut ToolRunner<'_>,
+    completion: &Completion,
+    policy: &LoopPolicy,
+    fleet: &Fleet,
+    events: &Events,
+) -> Vec<ToolOutcome> {
+    inv.messages.push(completion.assistant_message());
+    // The model's call ids are not ours to trust as idempotency keys (some
+    // servers repeat them): every call gets a fresh id for the fleet —
+    // jobs, events, citations — and the model's id only pairs the result
+    // with its call in the conversation.
+    let ours: Vec<ToolCall> = completion
+        .tool_calls
+        .iter()
+        .map(|c| ToolCall {
+            id: new_call_id(),
+            ..c.clone()
+        })
+        .collect();
+    let outcomes = tools.run(inv, &ours, events).await;
+    let budget = policy
+        .max_tool_result_tokens
+        .map(|cap| (TokenBudget::for_model(inv.model()), cap));
+    for (call, outcome) in completion.tool_calls.iter().zip(&outcomes) {
+        let content = match &budget {
+            Some((b, cap)) => {
+                let capped = b.cap(&outcome.content, *cap);
+                if capped.truncated {
+                    // Bounded label: a name the model made up is "unknown".
+                    let function = inv
+                        .tool(&call.name)
+                        .map_or("unknown", |t| t.definition.function.name.as_str());
+                    fleet
+                        .metrics()
+                        .tool_results_truncated
+                        .with_label_values(&[function])
+                        .inc();
+                }
+                capped.text
+            }
+            None => outcome.content.clone(),
+        };
+        inv.messages.push(Message::Tool {
+            call_id: call.id.clone(),
+            content,
+        });
+    }
+    outcomes
+}
+
+impl Fleet {
+    /// One model call for `inv`: text deltas are sent as `delta` events as
+    /// they stream; the request, retry and duration metrics and the usage
+    /// ledger (with its token and cost metrics) are updated. A failed call
+    /// is a [`Failure`] with code `llm_<kind>`.
+    pub async fn call_model(
+        &self,
+        inv: &mut Invocation,
+        request: &ChatRequest,
+        events: &Events,
+    ) -> Result<Completion, Failure> {
+        let llm = self.llm_for(&inv.profile)?;
+        let model = request.model.as_str();
+        let started = Instant::now();
+        let completion = llm
+            .stream_chat(request, |text| {
+                events.send(ChatEventBody::Delta {
+                    text: text.to_string(),
+                })
+            })
+            .await;
+        let m = &self.metrics;
+        m.llm_request_duration
+            .with_label_values(&[model])
+            .observe(started.elapsed().as_secs_f64());
+        let attempts = match &completion {
+            Ok(c) => c.attempts,
+            Err(e) => e.attempts(),
+        };
+        if attempts > 1 {
+            m.llm_retries
+                .with_label_values(&[model])
+                .inc_by(u64::from(attempts - 1));
+        }
+        let completion = match completion {
+            Ok(c) => c,
+            Err(e) => {
+                m.llm_requests.with_label_values(&[model, e.code()]).inc();
+                return Err(Failure::new(format!("llm_{}", e.code()), e.to_string()));
+            }
+        };
+        m.llm_requests.with_label_values(&[model, "ok"]).inc();
+        let usage = completion.usage.unwrap_or_default();
+        inv.usage.record(
+            m,
+            ModelCall {
+                model,
+                purpose: PURPOSE_CONVERSATION,
+                usage,
+                cost: self.config.profiles.prices.cost(model, &usage),
+                attempts,
+            },
+        );
+        Ok(completion)
+    }
+}

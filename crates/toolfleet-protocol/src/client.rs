@@ -1,0 +1,294 @@
+//! Submitting chat jobs and following their events: what `toolfleet chat`
+//! and the demo use, and the model for a client in any language
+//! (subscribe to the events subject, then publish the job).
+//!
+//! # How big a job may be
+//!
+//! A chat job is one NATS message, so two limits apply, and [`submit`] and
+//! [`chat`] check both before anything is sent, failing with
+//! [`ClientError::JobTooLarge`] (code `job_too_large`) rather than with an
+//! error from NATS:
+//!
+//! - the fleet's: the encoded job (its JSON body) may be at most
+//!   [`MAX_JOB_BYTES`] (1 MiB); orchestrators refuse anything bigger;
+//! - the NATS server's: body and headers together may be at most the
+//!   `max_payload` the connected server advertises, 1 MiB unless its
+//!   configuration says otherwise. With the default, that is the tighter
+//!   limit for a job just under [`MAX_JOB_BYTES`], since the headers count
+//!   too.
+//!
+//! The job schema allows bigger jobs (long conversations, attached
+//! documents); a caller that may build one should catch `job_too_large`
+//! and send less.
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::StreamExt;
+
+use crate::usage::Usage;
+use crate::{
+    ChatEvent, ChatEventBody, ChatJob, Envelope, MAX_JOB_BYTES, Reference, Subjects, encode,
+    headers,
+};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("NATS: {0}")]
+    Nats(String),
+    #[error("the fleet did not accept the job: {0}")]
+    Rejected(String),
+    #[error("no terminal event within {0:?} (is an orchestrator running?)")]
+    Timeout(Duration),
+    #[error("{code}: {message}")]
+    Failed { code: String, message: String },
+    /// The encoded job is bigger than `limit` allows; nothing was sent. See
+    /// [the module docs](self#how-big-a-job-may-be).
+    #[error(
+        "the job is too large: {size} bytes, more than the {limit} bytes {limit_of}; \
+         send less (fewer or shorter messages, smaller attached documents)"
+    )]
+    JobTooLarge {
+        /// What the limit counts: the body for [`JobSizeLimit::Fleet`],
+        /// body and headers for [`JobSizeLimit::Server`].
+        size: usize,
+        limit: usize,
+        limit_of: JobSizeLimit,
+    },
+}
+
+/// Whose limit a [`ClientError::JobTooLarge`] job went over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JobSizeLimit {
+    /// [`MAX_JOB_BYTES`], on the encoded body: what orchestrators accept.
+    Fleet,
+    /// The connected NATS server's `max_payload`, on body and headers.
+    Server,
+}
+
+impl fmt::Display for JobSizeLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            JobSizeLimit::Fleet => "the fleet accepts in a job body (MAX_JOB_BYTES)",
+            JobSizeLimit::Server => {
+                "the NATS server accepts in one message, headers included (its max_payload)"
+            }
+        })
+    }
+}
+
+impl ClientError {
+    pub fn code(&self) -> &str {
+        match self {
+            ClientError::Nats(_) => "nats",
+            ClientError::Rejected(_) => "rejected",
+            ClientError::Timeout(_) => "timeout",
+            ClientError::Failed { code, .. } => code,
+            ClientError::JobTooLarge { .. } => "job_too_large",
+        }
+    }
+}
+
+/// The answer of a completed invocation.
+#[derive(Debug, Clone)]
+pub struct ChatOutcome {
+    pub text: String,
+    pub references: Vec<Reference>,
+    pub usage: Usage,
+    pub cost_usd: Option<f64>,
+    pub llm_calls: Vec<crate::LlmCall>,
+    pub rounds: u32,
+    /// Every event received, in order.
+    pub events: Vec<ChatEvent>,
+}
+
+/// Submits `job` and waits for its terminal event, calling `on_event` for
+/// every event on the way.
+///
+/// # Errors
+///
+/// As [`submit`] (a job too large fails before anything is subscribed or
+/// sent), then [`ClientError::Timeout`] without a terminal event in time,
+/// [`ClientError::Failed`] for an `error` event.
+pub async fn chat(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    job: &ChatJob,
+    timeout: Duration,
+    mut on_event: impl FnMut(&ChatEvent),
+) -> Result<ChatOutcome, ClientError> {
+    let message = SubmitMessage::new(client, job)?;
+    let mut sub = client
+        .subscribe(subjects.chat_events(&job.invocation_id))
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))?;
+    // The subscription must be registered before the job can produce events.
+    client
+        .flush()
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))?;
+    message.publish(client, subjects).await?;
+
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut events = Vec::new();
+    loop {
+        let msg = match tokio::time::timeout_at(deadline, sub.next()).await {
+            Ok(Some(m)) => m,
+            Ok(None) => return Err(ClientError::Nats("event subscription closed".into())),
+            Err(_) => return Err(ClientError::Timeout(timeout)),
+        };
+        let event: ChatEvent = match Envelope::ChatEvent.decode(&msg.payload) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(error = %e, "malformed chat event ignored");
+                continue;
+            }
+        };
+        on_event(&event);
+        let body = event.body.clone();
+        events.push(event);
+        match body {
+            ChatEventBody::Completed {
+                text,
+                references,
+                usage,
+                cost_usd,
+                llm_calls,
+                rounds,
+            } => {
+                return Ok(ChatOutcome {
+                    text,
+                    references,
+                    usage,
+                    cost_usd,
+                    llm_calls,
+                    rounds,
+                    events,
+                });
+            }
+            ChatEventBody::Error { code, message } => {
+                return Err(ClientError::Failed { code, message });
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Publishes a chat job to the JetStream stream and waits for it to be
+/// stored. `Nats-Msg-Id` is the invocation id, so a retried submit is a
+/// no-op inside the stream's duplicate window.
+///
+/// The job's size is checked first (see [the module
+/// docs](self#how-big-a-job-may-be)): its encoded body against
+/// [`MAX_JOB_BYTES`], then body and headers against the `max_payload` the
+/// connected NATS server advertises (1 MiB by default).
+///
+/// # Errors
+///
+/// [`ClientError::JobTooLarge`] (code `job_too_large`, naming both sizes)
+/// when either limit is exceeded, before anything is sent;
+/// [`ClientError::Rejected`] when JetStream does not store the job.
+pub async fn submit(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    job: &ChatJob,
+) -> Result<(), ClientError> {
+    SubmitMessage::new(client, job)?
+        .publish(client, subjects)
+        .await
+}
+
+/// A chat job encoded for publishing, already checked against both size
+/// limits.
+struct SubmitMessage {
+    headers: async_nats::HeaderMap,
+    body: Bytes,
+}
+
+impl SubmitMessage {
+    fn new(client: &async_nats::Client, job: &ChatJob) -> Result<Self, ClientError> {
+        let body = encode(job);
+        if body.len() > MAX_JOB_BYTES {
+            return Err(ClientError::JobTooLarge {
+                size: body.len(),
+                limit: MAX_JOB_BYTES,
+                limit_of: JobSizeLimit::Fleet,
+            });
+        }
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(headers::NATS_MSG_ID, job.invocation_id.as_str());
+        h.insert(headers::INVOCATION_ID, job.invocation_id.as_str());
+        // What the connected server advertised in its INFO (async-nats
+        // keeps it current across reconnects; before the first INFO, the
+        // NATS default).
+        let max_payload = client.max_payload();
+        let size = header_wire_len(&h) + body.len();
+        if size > max_payload {
+            return Err(ClientError::JobTooLarge {
+                size,
+                limit: max_payload,
+                limit_of: JobSizeLimit::Server,
+            });
+        }
+        Ok(Self { headers: h, body })
+    }
+
+    async fn publish(
+        self,
+        client: &async_nats::Client,
+        subjects: &Subjects,
+    ) -> Result<(), ClientError> {
+        let js = async_nats::jetstream::new(client.clone());
+        js.publish_with_headers(subjects.chat_submit(), self.headers, self.body)
+            .await
+            .map_err(|e| ClientError::Rejected(e.to_string()))?
+            .await
+            .map_err(|e| ClientError::Rejected(e.to_string()))?;
+        Ok(())
+    }
+}
+
+/// The size of a header block on the wire, as the server counts it against
+/// `max_payload` (`HPUB`'s header bytes): `NATS/1.0\r\n`, then
+/// `Name: value\r\n` per value, then `\r\n`.
+fn header_wire_len(h: &async_nats::HeaderMap) -> usize {
+    const VERSION_LINE: usize = "NATS/1.0\r\n".len();
+    const END: usize = "\r\n".len();
+    let fields: usize = h
+        .iter()
+        .flat_map(|(name, values)| {
+            values.iter().map(move |value| {
+                AsRef::<[u8]>::as_ref(name).len() + ": ".len() + value.as_str().len() + END
+            })
+        })
+        .sum();
+    VERSION_LINE + fields + END
+}
+
+/// A new invocation id.
+pub fn new_invocation_id() -> String {
+    format!("inv-{}", uuid::Uuid::new_v4().simple())
+}
+
+/// A chat job with one user message.
+pub fn question(text: &str) -> ChatJob {
+    ChatJob {
+        invocation_id: new_invocation_id(),
+        messages: vec![crate::ChatMessage {
+            role: crate::ChatRole::User,
+            content: text.to_string(),
+        }],
+        profile: None,
+        tenant: None,
+        user: None,
+        provider: None,
+        connection: None,
+        resource: None,
+        data_source_id: None,
+        attached_documents: Vec::new(),
+        provider_confidence: None,
+        timeout_ms: None,
+        traceparent: None,
+    }
+}

@@ -1,0 +1,33 @@
+//! toolfleet-protocol: the contract every part of the fleet shares, and
+//! nothing else. It depends on no crate of ours.
+//!
+//! # Layout
+//!
+//! - [`wire`] (re-exported at the root): subject names, header names, the
+//!   invocation and call context carried in headers, the envelopes (chat
+//!   job, chat event, tool job, tool reply, dead letter), error codes. The
+//!   only place that knows a subject or header name.
+//! - [`schema`]: JSON Schema validators, compiled once, no remote `$ref`.
+//! - [`tools`]: tool ids, definition files, the neutral [`ToolSpec`] the
+//!   provider wire shapes are generated from, the registry.
+//! - [`usage`]: token usage of model calls.
+//! - [`references`]: the one `[doc:N]` scanner and the reader-side renderer.
+//! - [`streams`]: the JetStream stream definitions.
+//! - [`catalog`]: what the fleet's live workers serve.
+//! - [`client`]: submitting a chat job and following its events.
+//! - [`redact`]: credentials out of URLs before they reach a message.
+
+pub mod catalog;
+pub mod client;
+pub mod redact;
+pub mod references;
+pub mod schema;
+pub mod streams;
+pub mod tools;
+pub mod usage;
+pub mod wire;
+
+pub use redact::redact_url;
+pub use tools::{ToolId, ToolSpec};
+pub use usage::Usage;
+pub use wire::*;

@@ -1,0 +1,1275 @@
+//! The public contract: subject names, header names, the invocation context
+//! carried in headers, and the envelopes of chat jobs, chat events, tool jobs,
+//! tool replies and dead letters.
+//!
+//! This is the only module that knows subject and header names. Every
+//! envelope has a JSON Schema in `schemas/` (embedded here, so a binary always
+//! validates against the contract it was built with); inbound messages are
+//! validated against it before they are deserialised.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::LazyLock;
+
+use async_nats::HeaderMap;
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::schema::{Validator, Violation};
+use crate::tools::ToolId;
+use crate::usage::Usage;
+
+/// Default subject prefix.
+pub const DEFAULT_PREFIX: &str = "toolfleet";
+
+/// Largest accepted chat job or tool job body. Bigger messages are rejected
+/// with a clear error before they are parsed.
+pub const MAX_JOB_BYTES: usize = 1024 * 1024;
+
+/// Header names. NATS headers are case-sensitive: these are exact.
+pub mod headers {
+    pub const INVOCATION_ID: &str = "Toolfleet-Invocation-Id";
+    pub const CALL_ID: &str = "Toolfleet-Call-Id";
+    pub const TOOL_ID: &str = "Toolfleet-Tool-Id";
+    pub const TENANT: &str = "Toolfleet-Tenant";
+    pub const USER: &str = "Toolfleet-User";
+    pub const PROFILE: &str = "Toolfleet-Profile";
+    pub const PROVIDER: &str = "Toolfleet-Provider";
+    pub const CONNECTION: &str = "Toolfleet-Connection";
+    pub const RESOURCE: &str = "Toolfleet-Resource";
+    pub const DATA_SOURCE_ID: &str = "Toolfleet-Data-Source-Id";
+    pub const PROVIDER_CONFIDENCE: &str = "Toolfleet-Provider-Confidence";
+    pub const DEADLINE: &str = "Toolfleet-Deadline";
+    pub const ATTEMPT: &str = "Toolfleet-Attempt";
+    pub const REPLY_TO: &str = "Toolfleet-Reply-To";
+    pub const TRACEPARENT: &str = "traceparent";
+    pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
+}
+
+/// Why a message could not be understood.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtocolError {
+    #[error("missing required header {0}")]
+    MissingHeader(&'static str),
+    #[error("malformed header {name}: {reason}")]
+    MalformedHeader { name: &'static str, reason: String },
+    #[error("message of {size} bytes exceeds the limit of {limit} bytes")]
+    TooLarge { size: usize, limit: usize },
+    #[error("message is not valid JSON: {0}")]
+    NotJson(String),
+    #[error("message does not match {schema}: {details}")]
+    Schema {
+        schema: &'static str,
+        details: String,
+    },
+    #[error(
+        "invalid subject prefix {0:?}: use lowercase letters, digits and '-', in tokens separated by '.' (e.g. acme.tf-prod)"
+    )]
+    BadPrefix(String),
+}
+
+impl ProtocolError {
+    /// A short stable code for events, results and metrics.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ProtocolError::MissingHeader(_) | ProtocolError::MalformedHeader { .. } => {
+                "bad_headers"
+            }
+            ProtocolError::TooLarge { .. } => "too_large",
+            ProtocolError::NotJson(_) => "malformed_json",
+            ProtocolError::Schema { .. } => "schema_violation",
+            ProtocolError::BadPrefix(_) => "bad_prefix",
+        }
+    }
+}
+
+/// Subject, stream and consumer names under one prefix.
+///
+/// A prefix is one or more tokens of `[a-z0-9-]` joined by `.`. The
+/// alphabet is what keeps fleets apart: stream, bucket and service names
+/// are built by uppercasing the prefix and turning `.` into `_`
+/// ([`Subjects::chat_stream`], [`Subjects::worker_service`]), which is
+/// one-to-one only because a prefix holds neither `_` nor an uppercase
+/// letter. With them, `a.b`, `a_b` and `A.B` would share every stream and
+/// the catalog bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subjects {
+    prefix: String,
+}
+
+impl Subjects {
+    /// # Errors
+    ///
+    /// [`ProtocolError::BadPrefix`] unless `prefix` is tokens of
+    /// `[a-z0-9-]` joined by `.`.
+    pub fn new(prefix: &str) -> Result<Self, ProtocolError> {
+        let ok = !prefix.is_empty()
+            && prefix.split('.').all(|t| {
+                !t.is_empty()
+                    && t.chars()
+                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+            });
+        if !ok {
+            return Err(ProtocolError::BadPrefix(prefix.to_string()));
+        }
+        Ok(Self {
+            prefix: prefix.to_string(),
+        })
+    }
+
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    pub fn chat_submit(&self) -> String {
+        format!("{}.chat.submit", self.prefix)
+    }
+
+    pub fn chat_events(&self, invocation_id: &str) -> String {
+        format!("{}.chat.events.{invocation_id}", self.prefix)
+    }
+
+    pub fn chat_cancel(&self, invocation_id: &str) -> String {
+        format!("{}.chat.cancel.{invocation_id}", self.prefix)
+    }
+
+    pub fn chat_cancel_all(&self) -> String {
+        format!("{}.chat.cancel.*", self.prefix)
+    }
+
+    pub fn tool(&self, id: &ToolId) -> String {
+        format!("{}.tool.{}", self.prefix, id.subject_token())
+    }
+
+    pub fn tools_all(&self) -> String {
+        format!("{}.tool.>", self.prefix)
+    }
+
+    /// A tool's services-API endpoint: direct request-reply for tools with
+    /// `delivery: direct` (outside `<p>.tool.>`, so the tool stream does not
+    /// capture it).
+    pub fn tool_direct(&self, id: &ToolId) -> String {
+        format!("{}.direct.{}", self.prefix, id.subject_token())
+    }
+
+    pub fn dead_letter(&self, kind: DeadLetterKind) -> String {
+        format!("{}.deadletter.{}", self.prefix, kind.as_str())
+    }
+
+    /// The JetStream stream that holds chat jobs (`TOOLFLEET_CHAT` for the
+    /// default prefix).
+    pub fn chat_stream(&self) -> String {
+        format!("{}_CHAT", self.stream_stem())
+    }
+
+    /// The JetStream stream that holds tool jobs (`TOOLFLEET_TOOLS`).
+    pub fn tools_stream(&self) -> String {
+        format!("{}_TOOLS", self.stream_stem())
+    }
+
+    /// The durable consumer shared by every orchestrator.
+    pub fn chat_consumer(&self) -> String {
+        "orchestrators".to_string()
+    }
+
+    /// The durable consumer shared by every worker of one tool.
+    pub fn tool_consumer(&self, id: &ToolId) -> String {
+        format!("tool_{}", id.subject_token().replace('.', "_"))
+    }
+
+    /// The NATS services API name every worker of this fleet registers
+    /// under: scoped to the prefix, so two fleets on one server never see
+    /// each other's workers (`toolfleet` → `toolfleet-worker`; dots, which
+    /// a service name may not hold, become `_`, which a prefix may not
+    /// hold). Discovery also checks the `fleet` metadata.
+    pub fn worker_service(&self) -> String {
+        format!("{}-worker", self.prefix.replace('.', "_"))
+    }
+
+    /// The JetStream key-value bucket where workers advertise the
+    /// definitions of the tools they serve.
+    pub fn catalog_bucket(&self) -> String {
+        format!("{}_CATALOG", self.stream_stem())
+    }
+
+    /// The prefix uppercased, `.` as `_` (`acme.tf-prod` → `ACME_TF-PROD`):
+    /// a valid stream name, and a different one for every prefix (see
+    /// [`Subjects`]).
+    fn stream_stem(&self) -> String {
+        self.prefix.to_ascii_uppercase().replace('.', "_")
+    }
+}
+
+/// Is `id` usable as an invocation id (a single subject token and part of a
+/// Redis key)?
+pub fn valid_invocation_id(id: &str) -> bool {
+    !id.is_empty()
+        && id.len() <= 128
+        && id
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// The context of one invocation, carried explicitly in NATS headers on every
+/// job and result.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct InvocationContext {
+    pub invocation_id: String,
+    pub tenant: Option<String>,
+    pub user: Option<String>,
+    pub profile: Option<String>,
+    pub provider: Option<String>,
+    pub connection: Option<String>,
+    pub resource: Option<String>,
+    pub data_source_id: Option<String>,
+    pub provider_confidence: Option<f64>,
+    /// Unix time in milliseconds after which nobody waits for the answer.
+    pub deadline_ms: Option<u64>,
+    pub traceparent: Option<String>,
+}
+
+/// The context of one tool call: the invocation plus the call's own headers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CallContext {
+    pub invocation: InvocationContext,
+    pub call_id: String,
+    pub tool_id: ToolId,
+    /// 1 for the first delivery.
+    pub attempt: u32,
+    pub reply_to: String,
+}
+
+fn get<'a>(h: &'a HeaderMap, name: &'static str) -> Option<&'a str> {
+    h.get(name).map(|v| v.as_str()).filter(|v| !v.is_empty())
+}
+
+fn required<'a>(h: &'a HeaderMap, name: &'static str) -> Result<&'a str, ProtocolError> {
+    get(h, name).ok_or(ProtocolError::MissingHeader(name))
+}
+
+fn parsed<T: std::str::FromStr>(
+    h: &HeaderMap,
+    name: &'static str,
+) -> Result<Option<T>, ProtocolError>
+where
+    T::Err: fmt::Display,
+{
+    get(h, name)
+        .map(|v| {
+            v.parse::<T>().map_err(|e| ProtocolError::MalformedHeader {
+                name,
+                reason: format!("{v:?}: {e}"),
+            })
+        })
+        .transpose()
+}
+
+/// Header values cannot hold line breaks (the NATS client would panic):
+/// such a value is left out. Inbound schemas already refuse them.
+fn put(h: &mut HeaderMap, name: &'static str, value: Option<&str>) {
+    if let Some(v) = value.filter(|v| !v.contains(['\r', '\n'])) {
+        h.insert(name, v);
+    }
+}
+
+/// Unix time in milliseconds.
+pub fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or_default()
+}
+
+impl InvocationContext {
+    pub fn new(invocation_id: impl Into<String>) -> Self {
+        Self {
+            invocation_id: invocation_id.into(),
+            ..Self::default()
+        }
+    }
+
+    pub fn write_headers(&self, h: &mut HeaderMap) {
+        use headers::*;
+        h.insert(INVOCATION_ID, self.invocation_id.as_str());
+        put(h, TENANT, self.tenant.as_deref());
+        put(h, USER, self.user.as_deref());
+        put(h, PROFILE, self.profile.as_deref());
+        put(h, PROVIDER, self.provider.as_deref());
+        put(h, CONNECTION, self.connection.as_deref());
+        put(h, RESOURCE, self.resource.as_deref());
+        put(h, DATA_SOURCE_ID, self.data_source_id.as_deref());
+        if let Some(c) = self.provider_confidence {
+            h.insert(PROVIDER_CONFIDENCE, c.to_string().as_str());
+        }
+        if let Some(d) = self.deadline_ms {
+            h.insert(DEADLINE, d.to_string().as_str());
+        }
+        put(h, TRACEPARENT, self.traceparent.as_deref());
+    }
+
+    pub fn to_headers(&self) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        self.write_headers(&mut h);
+        h
+    }
+
+    pub fn from_headers(h: &HeaderMap) -> Result<Self, ProtocolError> {
+        use headers::*;
+        let invocation_id = required(h, INVOCATION_ID)?;
+        if !valid_invocation_id(invocation_id) {
+            return Err(ProtocolError::MalformedHeader {
+                name: INVOCATION_ID,
+                reason: format!("{invocation_id:?} is not 1-128 of [A-Za-z0-9_-]"),
+            });
+        }
+        let provider_confidence: Option<f64> = parsed(h, PROVIDER_CONFIDENCE)?;
+        if let Some(c) = provider_confidence
+            && !(0.0..=1.0).contains(&c)
+        {
+            return Err(ProtocolError::MalformedHeader {
+                name: PROVIDER_CONFIDENCE,
+                reason: format!("{c} is outside 0..=1"),
+            });
+        }
+        let owned = |name| get(h, name).map(str::to_string);
+        Ok(Self {
+            invocation_id: invocation_id.to_string(),
+            tenant: owned(TENANT),
+            user: owned(USER),
+            profile: owned(PROFILE),
+            provider: owned(PROVIDER),
+            connection: owned(CONNECTION),
+            resource: owned(RESOURCE),
+            data_source_id: owned(DATA_SOURCE_ID),
+            provider_confidence,
+            deadline_ms: parsed(h, DEADLINE)?,
+            traceparent: owned(TRACEPARENT),
+        })
+    }
+}
+
+impl CallContext {
+    /// `Nats-Msg-Id` for the tool job: JetStream drops a duplicate publish
+    /// inside the stream's duplicate window.
+    pub fn msg_id(&self) -> String {
+        format!("{}.{}", self.invocation.invocation_id, self.call_id)
+    }
+
+    pub fn to_headers(&self) -> HeaderMap {
+        use headers::*;
+        let mut h = self.invocation.to_headers();
+        h.insert(CALL_ID, self.call_id.as_str());
+        h.insert(TOOL_ID, self.tool_id.to_string().as_str());
+        h.insert(ATTEMPT, self.attempt.to_string().as_str());
+        h.insert(REPLY_TO, self.reply_to.as_str());
+        h.insert(NATS_MSG_ID, self.msg_id().as_str());
+        h
+    }
+
+    pub fn from_headers(h: &HeaderMap) -> Result<Self, ProtocolError> {
+        use headers::*;
+        let invocation = InvocationContext::from_headers(h)?;
+        let tool_id = required(h, TOOL_ID)?;
+        let tool_id = tool_id
+            .parse::<ToolId>()
+            .map_err(|e| ProtocolError::MalformedHeader {
+                name: TOOL_ID,
+                reason: e.to_string(),
+            })?;
+        let call_id = required(h, CALL_ID)?;
+        if !valid_invocation_id(call_id) {
+            return Err(ProtocolError::MalformedHeader {
+                name: CALL_ID,
+                reason: format!("{call_id:?} is not 1-128 of [A-Za-z0-9_-]"),
+            });
+        }
+        Ok(Self {
+            invocation,
+            call_id: call_id.to_string(),
+            tool_id,
+            attempt: parsed(h, ATTEMPT)?.unwrap_or(1),
+            reply_to: required(h, REPLY_TO)?.to_string(),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Envelopes
+
+/// One message of the conversation a client submits.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ChatMessage {
+    pub role: ChatRole,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ChatRole {
+    System,
+    User,
+    Assistant,
+}
+
+/// A chat job, published by a client to `toolfleet.chat.submit`
+/// (`schemas/chat_job.schema.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ChatJob {
+    pub invocation_id: String,
+    pub messages: Vec<ChatMessage>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub profile: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tenant: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub connection: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resource: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data_source_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub attached_documents: Vec<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub provider_confidence: Option<f64>,
+    /// How long the client waits for the answer, from submission.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+}
+
+/// A reference a tool or retrieval step produced; `index` is the `N` of the
+/// `[doc:N]` marker that cites it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Reference {
+    pub index: u64,
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub title: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snippet: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<String>,
+}
+
+impl Reference {
+    /// The marker a model cites this reference with.
+    pub fn marker(&self) -> String {
+        format!("[doc:{}]", self.index)
+    }
+}
+
+/// Outcome of a tool call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolStatus {
+    Ok,
+    Error,
+    Blocked,
+    Timeout,
+}
+
+impl ToolStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ToolStatus::Ok => "ok",
+            ToolStatus::Error => "error",
+            ToolStatus::Blocked => "blocked",
+            ToolStatus::Timeout => "timeout",
+        }
+    }
+}
+
+/// Token usage totals of an invocation.
+pub type UsageTotals = Usage;
+
+/// An event of one invocation, published to `toolfleet.chat.events.<id>`.
+// No `deny_unknown_fields` here: serde does not support it with `flatten`;
+// the schema closes the object instead.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChatEvent {
+    pub invocation_id: String,
+    /// 0, 1, 2, … per invocation, so a client can detect gaps.
+    pub seq: u64,
+    #[serde(flatten)]
+    pub body: ChatEventBody,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ChatEventBody {
+    Started {
+        model: String,
+        /// The profile the job runs under (after falling back to the
+        /// default when it named none or an unknown one).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        profile: Option<String>,
+        tools: Vec<String>,
+    },
+    Delta {
+        text: String,
+    },
+    #[serde(rename_all = "camelCase")]
+    ToolCall {
+        call_id: String,
+        tool: String,
+        /// Arguments as the model sent them, with `sensitiveArguments`
+        /// replaced by `"[redacted]"`.
+        arguments: Value,
+    },
+    #[serde(rename_all = "camelCase")]
+    ToolResult {
+        call_id: String,
+        tool: String,
+        status: ToolStatus,
+        duration_ms: u64,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        error_code: Option<String>,
+    },
+    /// A progress message a tool sent while working on a call (its
+    /// worker's `progress` reply), passed on as it came, shortened to
+    /// [`MAX_PROGRESS_CHARS`].
+    #[serde(rename_all = "camelCase")]
+    ToolProgress {
+        call_id: String,
+        tool: String,
+        message: String,
+    },
+    References {
+        references: Vec<Reference>,
+    },
+    #[serde(rename_all = "camelCase")]
+    Completed {
+        text: String,
+        references: Vec<Reference>,
+        /// Tokens of every model call of the invocation, summed.
+        usage: Usage,
+        /// Cost in USD from the configured price table, when every model
+        /// used has a price (absent otherwise).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        cost_usd: Option<f64>,
+        /// Each model call: model, purpose, usage, cost, attempts.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        llm_calls: Vec<LlmCall>,
+        rounds: u32,
+    },
+    Error {
+        code: String,
+        message: String,
+    },
+}
+
+/// The longest progress message a `tool_progress` event carries, in
+/// characters; a longer one is cut and ends with `…`.
+pub const MAX_PROGRESS_CHARS: usize = 1000;
+
+impl ChatEventBody {
+    /// The event's `type` as it appears on the wire.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ChatEventBody::Started { .. } => "started",
+            ChatEventBody::Delta { .. } => "delta",
+            ChatEventBody::ToolCall { .. } => "tool_call",
+            ChatEventBody::ToolResult { .. } => "tool_result",
+            ChatEventBody::ToolProgress { .. } => "tool_progress",
+            ChatEventBody::References { .. } => "references",
+            ChatEventBody::Completed { .. } => "completed",
+            ChatEventBody::Error { .. } => "error",
+        }
+    }
+
+    pub fn is_terminal(&self) -> bool {
+        matches!(
+            self,
+            ChatEventBody::Completed { .. } | ChatEventBody::Error { .. }
+        )
+    }
+}
+
+/// One model call of an invocation, for usage and cost accounting.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LlmCall {
+    pub model: String,
+    /// `conversation`, `planning` or `tool`.
+    pub purpose: String,
+    pub usage: Usage,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cost_usd: Option<f64>,
+    /// HTTP attempts, retries included.
+    pub attempts: u32,
+}
+
+/// The body of a tool job; the context travels in headers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ToolJob {
+    pub arguments: Value,
+    /// Per-tenant tool settings (may hold secrets: never echoed anywhere).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub settings: Option<Value>,
+}
+
+/// A model-readable error of a failed tool call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ToolErrorBody {
+    pub code: String,
+    pub message: String,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub violations: Vec<Violation>,
+}
+
+/// The final answer of a tool call.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ToolResult {
+    pub invocation_id: String,
+    pub call_id: String,
+    pub tool_id: String,
+    pub status: ToolStatus,
+    /// What the model reads.
+    pub content: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<ToolErrorBody>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub references: Vec<Reference>,
+    pub attempt: u32,
+    pub duration_ms: u64,
+    /// Set when this result was answered from the ledger of an earlier
+    /// attempt.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub replayed: bool,
+}
+
+/// What a worker publishes to a job's `Toolfleet-Reply-To`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ToolReply {
+    #[serde(rename_all = "camelCase")]
+    Progress {
+        invocation_id: String,
+        call_id: String,
+        message: String,
+    },
+    Result(ToolResult),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DeadLetterKind {
+    Tool,
+    Chat,
+}
+
+impl DeadLetterKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DeadLetterKind::Tool => "tool",
+            DeadLetterKind::Chat => "chat",
+        }
+    }
+}
+
+/// A job that will not be tried again, published to
+/// `toolfleet.deadletter.<kind>`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeadLetter {
+    pub kind: DeadLetterKind,
+    pub stream: String,
+    pub stream_sequence: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub invocation_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub call_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_id: Option<String>,
+    pub attempts: u32,
+    pub code: String,
+    pub error: String,
+    /// Headers of the dead message, secrets excluded.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub headers: BTreeMap<String, String>,
+}
+
+// ---------------------------------------------------------------------------
+// Schemas
+
+/// The envelope schemas, embedded at build time.
+pub mod schema_text {
+    pub const CHAT_JOB: &str = include_str!("../../../schemas/chat_job.schema.json");
+    pub const CHAT_EVENT: &str = include_str!("../../../schemas/chat_event.schema.json");
+    pub const TOOL_JOB: &str = include_str!("../../../schemas/tool_job.schema.json");
+    pub const TOOL_REPLY: &str = include_str!("../../../schemas/tool_reply.schema.json");
+    pub const DEAD_LETTER: &str = include_str!("../../../schemas/dead_letter.schema.json");
+}
+
+/// An envelope kind with its schema.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Envelope {
+    ChatJob,
+    ChatEvent,
+    ToolJob,
+    ToolReply,
+    DeadLetter,
+}
+
+impl Envelope {
+    pub const ALL: [Envelope; 5] = [
+        Envelope::ChatJob,
+        Envelope::ChatEvent,
+        Envelope::ToolJob,
+        Envelope::ToolReply,
+        Envelope::DeadLetter,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Envelope::ChatJob => "chat_job.schema.json",
+            Envelope::ChatEvent => "chat_event.schema.json",
+            Envelope::ToolJob => "tool_job.schema.json",
+            Envelope::ToolReply => "tool_reply.schema.json",
+            Envelope::DeadLetter => "dead_letter.schema.json",
+        }
+    }
+
+    pub fn schema_text(self) -> &'static str {
+        match self {
+            Envelope::ChatJob => schema_text::CHAT_JOB,
+            Envelope::ChatEvent => schema_text::CHAT_EVENT,
+            Envelope::ToolJob => schema_text::TOOL_JOB,
+            Envelope::ToolReply => schema_text::TOOL_REPLY,
+            Envelope::DeadLetter => schema_text::DEAD_LETTER,
+        }
+    }
+
+    pub fn validator(self) -> &'static Validator {
+        static COMPILED: LazyLock<Vec<Validator>> = LazyLock::new(|| {
+            Envelope::ALL
+                .iter()
+                .map(|e| {
+                    // Start-up invariant: the embedded schemas are tested to
+                    // compile (`protocol::tests::schemas_compile`).
+                    let schema: Value = serde_json::from_str(e.schema_text())
+                        .expect("embedded envelope schema is JSON");
+                    Validator::compile(&schema).expect("embedded envelope schema compiles")
+                })
+                .collect()
+        });
+        let i = Envelope::ALL
+            .iter()
+            .position(|e| *e == self)
+            .unwrap_or_default();
+        &COMPILED[i]
+    }
+
+    /// Size check, JSON parse, schema validation, then deserialisation.
+    pub fn decode<T: serde::de::DeserializeOwned>(
+        self,
+        payload: &[u8],
+    ) -> Result<T, ProtocolError> {
+        self.decode_within(payload, MAX_JOB_BYTES)
+    }
+
+    /// [`decode`](Self::decode) with a size limit of the reader's: the
+    /// smaller of [`MAX_JOB_BYTES`] and `limit` (a reader passes its NATS
+    /// server's `max_payload`, which may be the smaller).
+    pub fn decode_within<T: serde::de::DeserializeOwned>(
+        self,
+        payload: &[u8],
+        limit: usize,
+    ) -> Result<T, ProtocolError> {
+        let limit = limit.min(MAX_JOB_BYTES);
+        if payload.len() > limit {
+            return Err(ProtocolError::TooLarge {
+                size: payload.len(),
+                limit,
+            });
+        }
+        let value: Value =
+            serde_json::from_slice(payload).map_err(|e| ProtocolError::NotJson(e.to_string()))?;
+        if let Err(violations) = self.validator().validate(&value) {
+            return Err(ProtocolError::Schema {
+                schema: self.name(),
+                details: crate::schema::describe(&violations),
+            });
+        }
+        serde_json::from_value(value).map_err(|e| ProtocolError::Schema {
+            schema: self.name(),
+            details: e.to_string(),
+        })
+    }
+}
+
+/// Best effort: the invocation id of a payload that failed validation, so the
+/// client still hears about it on its events subject and its dead letter
+/// names it.
+///
+/// The first of these that is a valid invocation id
+/// ([`valid_invocation_id`]) wins:
+///
+/// 1. the body's `invocationId`, when the body parses as JSON — it is what
+///    the client's events subject is named after;
+/// 2. the `Toolfleet-Invocation-Id` header;
+/// 3. the `Nats-Msg-Id` header: clients that submit through
+///    [`crate::client::submit`] set it to the invocation id, so a body that
+///    is not JSON at all can still be answered on the right subject.
+pub fn salvage_invocation_id(payload: &[u8], h: Option<&HeaderMap>) -> Option<String> {
+    let from_body = serde_json::from_slice::<Value>(payload)
+        .ok()
+        .and_then(|v| v.get("invocationId")?.as_str().map(str::to_string));
+    let header = |name| h.and_then(|h| get(h, name)).map(str::to_string);
+    [
+        from_body,
+        header(headers::INVOCATION_ID),
+        header(headers::NATS_MSG_ID),
+    ]
+    .into_iter()
+    .flatten()
+    .find(|id| valid_invocation_id(id))
+}
+
+/// The headers of a dead message worth keeping in its [`DeadLetter`]: the
+/// `Toolfleet-*` context, `traceparent` and `Nats-Msg-Id` — nothing else,
+/// so a header a client added (credentials included) never travels on.
+/// Settings travel in job bodies, never in headers, so none are kept.
+pub fn dead_letter_headers(h: Option<&HeaderMap>) -> BTreeMap<String, String> {
+    let Some(h) = h else {
+        return BTreeMap::new();
+    };
+    h.iter()
+        .filter(|(k, _)| {
+            let k = k.to_string();
+            k.starts_with("Toolfleet-") || k == headers::TRACEPARENT || k == headers::NATS_MSG_ID
+        })
+        .filter_map(|(k, v)| v.first().map(|v| (k.to_string(), v.to_string())))
+        .collect()
+}
+
+pub fn encode<T: Serialize>(value: &T) -> bytes::Bytes {
+    // Serialising our own envelopes (strings, numbers, maps with string keys)
+    // cannot fail.
+    serde_json::to_vec(value)
+        .map(bytes::Bytes::from)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> ToolId {
+        "retrieval:search_documents@1.0.0".parse().unwrap()
+    }
+
+    #[test]
+    fn subjects_follow_the_contract() {
+        let s = Subjects::new("toolfleet").unwrap();
+        assert_eq!(s.chat_submit(), "toolfleet.chat.submit");
+        assert_eq!(s.chat_events("abc"), "toolfleet.chat.events.abc");
+        assert_eq!(s.chat_cancel("abc"), "toolfleet.chat.cancel.abc");
+        assert_eq!(
+            s.tool(&id()),
+            "toolfleet.tool.retrieval.search_documents.1_0_0"
+        );
+        assert_eq!(s.chat_stream(), "TOOLFLEET_CHAT");
+        assert_eq!(s.tools_stream(), "TOOLFLEET_TOOLS");
+        assert_eq!(
+            s.tool_consumer(&id()),
+            "tool_retrieval_search_documents_1_0_0"
+        );
+        assert_eq!(
+            s.dead_letter(DeadLetterKind::Tool),
+            "toolfleet.deadletter.tool"
+        );
+        assert_eq!(s.catalog_bucket(), "TOOLFLEET_CATALOG");
+        assert_eq!(s.worker_service(), "toolfleet-worker");
+        let t = Subjects::new("acme.tf-prod").unwrap();
+        assert_eq!(t.chat_stream(), "ACME_TF-PROD_CHAT");
+        assert_eq!(t.catalog_bucket(), "ACME_TF-PROD_CATALOG");
+        assert_eq!(t.worker_service(), "acme_tf-prod-worker");
+        for bad in [
+            "", "a..b", ".a", "a.", "a b", "a.*", "a.>", "a_b", "A", "a.B", "a/b", "é",
+        ] {
+            assert_eq!(
+                Subjects::new(bad),
+                Err(ProtocolError::BadPrefix(bad.into())),
+                "{bad:?}"
+            );
+        }
+    }
+
+    /// Different prefixes never share a stream, bucket or service name:
+    /// the prefixes that used to collide (`a.b`, `a_b`, `a-b`, `A.B`) and
+    /// their neighbours, pairwise.
+    #[test]
+    fn distinct_prefixes_get_distinct_names() {
+        let prefixes = [
+            "a.b",
+            "a_b",
+            "a-b",
+            "A.B",
+            "ab",
+            "a",
+            "b",
+            "a.b.c",
+            "a-b.c",
+            "a.b-c",
+            "a--b",
+            "a.chat",
+            "a.tools",
+            "a.catalog",
+            "kv.a",
+            "a-worker",
+            "toolfleet",
+        ];
+        let valid: Vec<Subjects> = prefixes
+            .iter()
+            .filter_map(|p| Subjects::new(p).ok())
+            .collect();
+        let mut owner: std::collections::HashMap<String, &str> = Default::default();
+        for s in &valid {
+            // Stream names (the bucket by its stream) and service names.
+            let names = [
+                s.chat_stream(),
+                s.tools_stream(),
+                format!("KV_{}", s.catalog_bucket()),
+                s.worker_service(),
+            ];
+            for name in names {
+                assert!(
+                    !name.is_empty() && !name.contains(['.', '*', '>', ' ']),
+                    "{name:?} is not a valid stream or service name"
+                );
+                if let Some(other) = owner.insert(name.clone(), s.prefix()) {
+                    panic!("{other:?} and {:?} both map to {name:?}", s.prefix());
+                }
+            }
+        }
+        assert_eq!(
+            valid.iter().map(Subjects::prefix).collect::<Vec<_>>(),
+            prefixes
+                .iter()
+                .copied()
+                .filter(|p| !p.contains('_') && !p.contains(|c: char| c.is_ascii_uppercase()))
+                .collect::<Vec<_>>()
+        );
+    }
+
+    fn full_call() -> CallContext {
+        CallContext {
+            invocation: InvocationContext {
+                invocation_id: "inv-1".into(),
+                tenant: Some("acme".into()),
+                user: Some("u-7".into()),
+                profile: Some("default".into()),
+                provider: Some("openai".into()),
+                connection: Some("conn-1".into()),
+                resource: Some("res-9".into()),
+                data_source_id: Some("ds-3".into()),
+                provider_confidence: Some(0.75),
+                deadline_ms: Some(1_900_000_000_000),
+                traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+            },
+            call_id: "call_1".into(),
+            tool_id: id(),
+            attempt: 3,
+            reply_to: "_INBOX.abc".into(),
+        }
+    }
+
+    #[test]
+    fn call_context_round_trips_through_headers() {
+        let c = full_call();
+        let h = c.to_headers();
+        assert_eq!(CallContext::from_headers(&h).unwrap(), c);
+        assert_eq!(
+            h.get(headers::NATS_MSG_ID).unwrap().as_str(),
+            "inv-1.call_1"
+        );
+    }
+
+    /// Every header, one at a time: written under its exact name and read
+    /// back.
+    #[test]
+    fn each_header_round_trips() {
+        use headers::*;
+        let c = full_call();
+        let h = c.to_headers();
+        let expected = [
+            (INVOCATION_ID, "inv-1"),
+            (CALL_ID, "call_1"),
+            (TOOL_ID, "retrieval:search_documents@1.0.0"),
+            (TENANT, "acme"),
+            (USER, "u-7"),
+            (PROFILE, "default"),
+            (PROVIDER, "openai"),
+            (CONNECTION, "conn-1"),
+            (RESOURCE, "res-9"),
+            (DATA_SOURCE_ID, "ds-3"),
+            (PROVIDER_CONFIDENCE, "0.75"),
+            (DEADLINE, "1900000000000"),
+            (ATTEMPT, "3"),
+            (REPLY_TO, "_INBOX.abc"),
+            (
+                TRACEPARENT,
+                "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+            ),
+            (NATS_MSG_ID, "inv-1.call_1"),
+        ];
+        for (name, value) in expected {
+            assert_eq!(h.get(name).map(|v| v.as_str()), Some(value), "{name}");
+            // Case matters: a lower-cased name is a different header.
+            if name != TRACEPARENT {
+                assert!(h.get(name.to_lowercase().as_str()).is_none(), "{name}");
+            }
+        }
+    }
+
+    #[test]
+    fn missing_and_malformed_headers_are_clear_errors() {
+        let c = full_call();
+        for name in [
+            headers::INVOCATION_ID,
+            headers::CALL_ID,
+            headers::TOOL_ID,
+            headers::REPLY_TO,
+        ] {
+            let mut h = HeaderMap::new();
+            for (k, v) in c.to_headers().iter() {
+                if k.to_string() != name {
+                    for v in v {
+                        h.append(k.to_string().as_str(), v.as_str());
+                    }
+                }
+            }
+            assert_eq!(
+                CallContext::from_headers(&h),
+                Err(ProtocolError::MissingHeader(name))
+            );
+        }
+        for (name, bad) in [
+            (headers::TOOL_ID, "search_documents"),
+            (headers::DEADLINE, "tomorrow"),
+            (headers::ATTEMPT, "-1"),
+            (headers::PROVIDER_CONFIDENCE, "1.5"),
+            (headers::INVOCATION_ID, "a.b"),
+        ] {
+            let mut h = c.to_headers();
+            h.insert(name, bad);
+            match CallContext::from_headers(&h) {
+                Err(ProtocolError::MalformedHeader { name: n, reason }) => {
+                    assert_eq!(n, name);
+                    assert!(!reason.is_empty());
+                }
+                other => panic!("{name}={bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn schemas_compile() {
+        for e in Envelope::ALL {
+            let _ = e.validator();
+        }
+    }
+
+    fn examples(e: Envelope) -> Vec<Value> {
+        let schema: Value = serde_json::from_str(e.schema_text()).unwrap();
+        let ex = schema["examples"].as_array().cloned().unwrap_or_default();
+        assert!(!ex.is_empty(), "{} has no examples", e.name());
+        ex
+    }
+
+    fn round_trip<T: Serialize + serde::de::DeserializeOwned>(e: Envelope) {
+        for ex in examples(e) {
+            let bytes = serde_json::to_vec(&ex).unwrap();
+            let typed: T = e
+                .decode(&bytes)
+                .unwrap_or_else(|err| panic!("{}: {err}\n{ex}", e.name()));
+            assert_eq!(serde_json::to_value(&typed).unwrap(), ex, "{}", e.name());
+        }
+    }
+
+    /// The serde types and the schemas agree: every example validates,
+    /// deserialises and serialises back to the same JSON.
+    #[test]
+    fn schema_examples_round_trip_through_the_types() {
+        round_trip::<ChatJob>(Envelope::ChatJob);
+        round_trip::<ChatEvent>(Envelope::ChatEvent);
+        round_trip::<ToolJob>(Envelope::ToolJob);
+        round_trip::<ToolReply>(Envelope::ToolReply);
+        round_trip::<DeadLetter>(Envelope::DeadLetter);
+    }
+
+    /// And the other way: what the types produce validates.
+    #[test]
+    fn typed_values_validate() {
+        let ev = ChatEvent {
+            invocation_id: "inv-1".into(),
+            seq: 4,
+            body: ChatEventBody::Completed {
+                text: "Hi [doc:1]".into(),
+                references: vec![Reference {
+                    index: 1,
+                    kind: "document".into(),
+                    title: "T".into(),
+                    source: None,
+                    url: None,
+                    snippet: None,
+                    tool_id: None,
+                    call_id: None,
+                }],
+                usage: Usage::default(),
+                cost_usd: Some(0.00042),
+                llm_calls: vec![LlmCall {
+                    model: "gpt-4o-mini".into(),
+                    purpose: "conversation".into(),
+                    usage: Usage::default(),
+                    cost_usd: Some(0.00042),
+                    attempts: 1,
+                }],
+                rounds: 2,
+            },
+        };
+        let v = serde_json::to_value(&ev).unwrap();
+        Envelope::ChatEvent.validator().validate(&v).unwrap();
+    }
+
+    #[test]
+    fn decode_rejects_bad_input_clearly() {
+        let e = Envelope::ChatJob;
+        assert_eq!(
+            e.decode::<ChatJob>(b"{not json").unwrap_err().code(),
+            "malformed_json"
+        );
+        let err = e
+            .decode::<ChatJob>(br#"{"invocationId":"a.b","messages":[]}"#)
+            .unwrap_err();
+        assert_eq!(err.code(), "schema_violation");
+        let big = vec![b' '; MAX_JOB_BYTES + 1];
+        assert_eq!(e.decode::<ChatJob>(&big).unwrap_err().code(), "too_large");
+    }
+
+    #[test]
+    fn salvage_finds_the_invocation_id() {
+        assert_eq!(
+            salvage_invocation_id(br#"{"invocationId":"abc","messages":7}"#, None),
+            Some("abc".into())
+        );
+        assert_eq!(
+            salvage_invocation_id(br#"{"invocationId":"a b"}"#, None),
+            None
+        );
+        assert_eq!(salvage_invocation_id(b"garbage", None), None);
+    }
+
+    #[test]
+    fn salvage_prefers_the_body_then_the_invocation_header_then_the_message_id() {
+        let mut h = HeaderMap::new();
+        h.insert(headers::NATS_MSG_ID, "from-msg-id");
+        assert_eq!(
+            salvage_invocation_id(b"{not json", Some(&h)).as_deref(),
+            Some("from-msg-id")
+        );
+        h.insert(headers::INVOCATION_ID, "from-header");
+        assert_eq!(
+            salvage_invocation_id(b"{not json", Some(&h)).as_deref(),
+            Some("from-header")
+        );
+        assert_eq!(
+            salvage_invocation_id(br#"{"invocationId":"from-body"}"#, Some(&h)).as_deref(),
+            Some("from-body")
+        );
+        // An invalid id anywhere is skipped, not used.
+        assert_eq!(
+            salvage_invocation_id(br#"{"invocationId":"a b"}"#, Some(&h)).as_deref(),
+            Some("from-header")
+        );
+        let mut bad = HeaderMap::new();
+        bad.insert(headers::NATS_MSG_ID, "inv-1.call_1");
+        assert_eq!(salvage_invocation_id(b"{not json", Some(&bad)), None);
+    }
+
+    #[test]
+    fn dead_letters_keep_only_the_context_headers() {
+        let mut h = full_call().to_headers();
+        h.insert("Authorization", "Bearer sk-secret");
+        h.insert("X-Tenant-Settings", "{\"apiKey\":\"sk-secret\"}");
+        let kept = dead_letter_headers(Some(&h));
+        assert_eq!(
+            kept.get(headers::INVOCATION_ID).map(String::as_str),
+            Some("inv-1")
+        );
+        assert_eq!(
+            kept.get(headers::NATS_MSG_ID).map(String::as_str),
+            Some("inv-1.call_1")
+        );
+        assert!(kept.contains_key(headers::TRACEPARENT));
+        assert!(kept.keys().all(|k| k.starts_with("Toolfleet-")
+            || k == headers::TRACEPARENT
+            || k == headers::NATS_MSG_ID));
+        assert!(!format!("{kept:?}").contains("sk-secret"));
+        assert!(dead_letter_headers(None).is_empty());
+    }
+
+    #[test]
+    fn decode_within_takes_the_smaller_limit() {
+        let job = br#"{"invocationId":"a","messages":[]}"#;
+        let e = Envelope::ChatJob
+            .decode_within::<ChatJob>(job, 10)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            ProtocolError::TooLarge {
+                size: job.len(),
+                limit: 10
+            }
+        );
+        let big = vec![b' '; MAX_JOB_BYTES + 1];
+        assert_eq!(
+            Envelope::ChatJob
+                .decode_within::<ChatJob>(&big, usize::MAX)
+                .unwrap_err(),
+            ProtocolError::TooLarge {
+                size: big.len(),
+                limit: MAX_JOB_BYTES
+            }
+        );
+    }
+
+    #[test]
+    fn event_names_are_the_wire_types() {
+        let body = ChatEventBody::ToolProgress {
+            call_id: "call_1".into(),
+            tool: "system:current_datetime@1.0.0".into(),
+            message: "halfway".into(),
+        };
+        let v = serde_json::to_value(ChatEvent {
+            invocation_id: "inv-1".into(),
+            seq: 3,
+            body: body.clone(),
+        })
+        .unwrap();
+        assert_eq!(v["type"], body.name());
+        assert_eq!(v["callId"], "call_1");
+        Envelope::ChatEvent.validator().validate(&v).unwrap();
+    }
+}

@@ -1,0 +1,20 @@
+//! toolfleet-service: the process plumbing every fleet binary shares. It
+//! depends only on the contract crate.
+//!
+//! # Layout
+//!
+//! - [`args`]: command-line and environment groups (`NatsArgs`,
+//!   `RedisArgs`, `ToolDefsArgs`), NATS connection with a start-up wait,
+//!   tracing set-up, exit code 64 on bad configuration, signals.
+//! - [`metrics`]: registration helpers and the `/metrics` + `/healthz`
+//!   endpoint; each subsystem owns its metric struct.
+//! - [`jobs`]: bounded pulling from a durable JetStream consumer, and
+//!   in-progress acks for long jobs.
+//! - [`serve`]: serve until a signal, then drain within a grace period.
+
+pub mod args;
+pub mod jobs;
+pub mod metrics;
+pub mod serve;
+
+pub use serve::{GRACE_PERIOD, Runtime, serve_until_signal};

@@ -1,0 +1,105 @@
+//! Prometheus plumbing every process shares: registration helpers for the
+//! metric structs each subsystem owns (registered on a registry that is
+//! passed in, never a global), and the `/metrics` + `/healthz` endpoint.
+//!
+//! Labels have bounded cardinality: tool ids, models, outcomes, kinds —
+//! never an invocation id, a user or anything secret.
+
+use std::net::SocketAddr;
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounterVec, Opts, Registry, TextEncoder,
+};
+use tokio_util::sync::CancellationToken;
+
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
+pub fn counter(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<IntCounterVec> {
+    let c = IntCounterVec::new(Opts::new(name, help), labels)?;
+    r.register(Box::new(c.clone()))?;
+    Ok(c)
+}
+
+pub fn histogram(
+    r: &Registry,
+    name: &str,
+    help: &str,
+    labels: &[&str],
+) -> prometheus::Result<HistogramVec> {
+    let h = HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+        labels,
+    )?;
+    r.register(Box::new(h.clone()))?;
+    Ok(h)
+}
+
+/// `toolfleet_dead_letters_total{kind}`: registered once per registry and
+/// shared by the orchestrator (`chat`) and the workers (`tool`) of a process.
+pub fn dead_letters(r: &Registry) -> prometheus::Result<IntCounterVec> {
+    counter(
+        r,
+        "toolfleet_dead_letters_total",
+        "Jobs terminated and published as dead letters, by kind (tool, chat).",
+        &["kind"],
+    )
+}
+
+/// Renders the registry in the Prometheus text format.
+pub fn render(registry: &Registry) -> String {
+    let mut buf = Vec::new();
+    // Encoding into a Vec only fails on invalid metric families, which
+    // registration already rejects.
+    let _ = TextEncoder::new().encode(&registry.gather(), &mut buf);
+    String::from_utf8(buf).unwrap_or_default()
+}
+
+/// Serves `GET /metrics` and `GET /healthz` on `listener` until `shutdown`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    registry: Registry,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    use axum::{Router, routing::get};
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let registry = registry.clone();
+                async move {
+                    (
+                        [("content-type", "text/plain; version=0.0.4")],
+                        render(&registry),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok" }));
+    axum::serve(listener, app)
+        .with_graceful_shutdown(async move { shutdown.cancelled().await })
+        .await
+}
+
+/// Binds `addr` and serves metrics in a background task; returns the bound
+/// address (useful with port 0).
+pub async fn spawn(
+    addr: SocketAddr,
+    registry: Registry,
+    shutdown: CancellationToken,
+) -> std::io::Result<SocketAddr> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tokio::spawn(async move {
+        if let Err(e) = serve(listener, registry, shutdown).await {
+            tracing::error!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    Ok(local)
+}

@@ -1,0 +1,174 @@
+//! [`ToolCtx`]: what a tool gets besides its arguments — the call's
+//! context, its settings, cancellation, citations and progress.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use futures::future::BoxFuture;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+use toolfleet_protocol::{CallContext, InvocationContext, Reference};
+use toolfleet_store::NewReference;
+
+use crate::hooks::HookSet;
+use crate::tool::ToolError;
+
+/// Where a call's citations and progress go: Redis and NATS in a worker
+/// ([`crate::runtime`]), memory in a [`crate::TestCtx`].
+pub(crate) trait Sink: Send + Sync {
+    /// Stores `refs` under the invocation's shared counter. The same
+    /// `reservation` always gets the same indices back (a redelivered job).
+    fn cite<'a>(
+        &'a self,
+        call: &'a CallContext,
+        reservation: String,
+        refs: Vec<NewReference>,
+    ) -> BoxFuture<'a, Result<Vec<Reference>, ToolError>>;
+
+    /// Tells the caller how the call is going.
+    fn progress<'a>(&'a self, call: &'a CallContext, message: String) -> BoxFuture<'a, ()>;
+}
+
+/// What a tool gets besides its arguments.
+pub struct ToolCtx {
+    call: CallContext,
+    settings: Option<Value>,
+    cancel: CancellationToken,
+    deadline: Option<tokio::time::Instant>,
+    sink: Arc<dyn Sink>,
+    hooks: Arc<HookSet>,
+    cited: Mutex<Vec<Reference>>,
+    /// How many times this call has cited so far.
+    cites: AtomicU32,
+}
+
+impl ToolCtx {
+    pub(crate) fn new(
+        call: CallContext,
+        settings: Option<Value>,
+        sink: Arc<dyn Sink>,
+        hooks: Arc<HookSet>,
+        cancel: CancellationToken,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Self {
+        Self {
+            call,
+            settings,
+            cancel,
+            deadline,
+            sink,
+            hooks,
+            cited: Mutex::new(Vec::new()),
+            cites: AtomicU32::new(0),
+        }
+    }
+
+    /// The call: invocation context, call id, tool id, attempt.
+    pub fn call(&self) -> &CallContext {
+        &self.call
+    }
+
+    /// The invocation: tenant, user, profile, data source, deadline, ….
+    pub fn invocation(&self) -> &InvocationContext {
+        &self.call.invocation
+    }
+
+    /// The per-tenant settings sent with the job (`settings` of the tool
+    /// job), if any.
+    pub fn settings(&self) -> Option<&Value> {
+        self.settings.as_ref()
+    }
+
+    /// One setting, deserialised. `Ok(None)` when it is absent.
+    ///
+    /// # Errors
+    ///
+    /// A non-retryable [`ToolError::Failed`] when the value has the wrong
+    /// shape: a configuration problem, not something the model can fix.
+    pub fn setting<T: DeserializeOwned>(&self, name: &str) -> Result<Option<T>, ToolError> {
+        match self.settings.as_ref().and_then(|s| s.get(name)) {
+            None | Some(Value::Null) => Ok(None),
+            Some(v) => serde_json::from_value(v.clone()).map(Some).map_err(|e| {
+                tracing::error!(tool = %self.call.tool_id, setting = name, error = %e, "a setting has the wrong shape");
+                ToolError::failed(format!("the tool's setting {name:?} is misconfigured"))
+            }),
+        }
+    }
+
+    /// Cancelled when the invocation is cancelled (the worker then drops
+    /// the call's future and answers `cancelled`), and once the call is
+    /// over: it answered, failed or ran out of time. Hand a clone to work
+    /// that would outlive the future (`spawn_blocking`, threads) so that
+    /// work stops too. A worker's shutdown does not cancel calls in flight:
+    /// they finish while the worker drains.
+    pub fn cancellation(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// Completes when [`ToolCtx::cancellation`] is cancelled.
+    pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
+        self.cancel.cancelled()
+    }
+
+    /// When the call's time is up: the tool's timeout, or the invocation's
+    /// deadline when that is nearer. `None` in a [`crate::TestCtx`] without
+    /// one.
+    pub fn deadline(&self) -> Option<tokio::time::Instant> {
+        self.deadline
+    }
+
+    /// Stores references in the invocation's citation store and returns them
+    /// with their `[doc:N]` indices (shared with every other tool and the
+    /// orchestrator, so they never collide). A redelivered job that cites in
+    /// the same order gets the same indices back.
+    ///
+    /// # Errors
+    ///
+    /// A retryable [`ToolError`] when the store is unavailable.
+    pub async fn cite(&self, refs: Vec<NewReference>) -> Result<Vec<Reference>, ToolError> {
+        if refs.is_empty() {
+            return Ok(Vec::new());
+        }
+        // Each cite of a call has its own reservation, so a second cite never
+        // reuses (and overwrites) the first one's indices.
+        let n = self.cites.fetch_add(1, Ordering::Relaxed);
+        let reservation = if n == 0 {
+            self.call.call_id.clone()
+        } else {
+            format!("{}.{n}", self.call.call_id)
+        };
+        let stored = self.sink.cite(&self.call, reservation, refs).await?;
+        if let Ok(mut cited) = self.cited.lock() {
+            cited.extend(stored.iter().cloned());
+        }
+        Ok(stored)
+    }
+
+    /// Sends a progress message to the caller (a `tool_progress` event for
+    /// the chat client). Best effort: a lost progress message is not an
+    /// error.
+    pub async fn progress(&self, message: impl Into<String>) {
+        self.sink.progress(&self.call, message.into()).await;
+    }
+
+    /// Reports a move from one model or backend to the next in the tool's
+    /// list (runs the `on_fallback` hooks).
+    pub fn fallback(&self, from: &str, to: &str, reason: &str) {
+        self.hooks.on_fallback(&self.call, from, to, reason);
+    }
+
+    /// Reports something worth a look that did not fail the call (runs the
+    /// `on_warning` hooks).
+    pub fn warning(&self, message: &str) {
+        self.hooks.on_warning(&self.call, message);
+    }
+
+    /// The references cited so far by this call.
+    pub(crate) fn take_cited(&self) -> Vec<Reference> {
+        self.cited
+            .lock()
+            .map(|mut c| std::mem::take(&mut *c))
+            .unwrap_or_default()
+    }
+}

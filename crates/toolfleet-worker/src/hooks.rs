@@ -1,0 +1,151 @@
+//! Lifecycle hooks around every call, and policies that may refuse one.
+//!
+//! Every method has a no-op default, so a hook implements only what it
+//! needs (the shape of ripgrep's `Sink`). [`Hooks::before_call`] runs after
+//! the arguments are validated and before anything runs: the place for
+//! provider-confidence, SSRF and settings policies. A refusal answers the
+//! call `blocked` with the refusal's reason; no tool code runs and nothing
+//! is written to the store.
+
+use std::sync::Arc;
+
+use serde_json::Value;
+use toolfleet_protocol::tools::ToolDefinition;
+use toolfleet_protocol::{CallContext, ToolResult};
+
+use crate::tool::ToolError;
+
+/// What [`Hooks::before_call`] sees of a call.
+#[derive(Debug, Clone, Copy)]
+pub struct CallInfo<'a> {
+    pub call: &'a CallContext,
+    pub definition: &'a ToolDefinition,
+    /// The validated arguments.
+    pub arguments: &'a Value,
+    /// The per-tenant settings sent with the job.
+    pub settings: Option<&'a Value>,
+}
+
+/// Why a policy refused a call. Answered as a `blocked` result with this
+/// code and message (the message is for the model: say what to do).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    pub code: String,
+    pub message: String,
+}
+
+impl Refusal {
+    pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            code: code.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// Lifecycle hooks around every call; every method is a no-op by default.
+pub trait Hooks: Send + Sync + 'static {
+    /// Before the tool runs, after its arguments are validated. `Err`
+    /// refuses the call.
+    fn before_call(&self, _call: &CallInfo<'_>) -> Result<(), Refusal> {
+        Ok(())
+    }
+    /// The tool is about to run.
+    fn on_start(&self, _call: &CallContext) {}
+    /// The tool answered `ok`.
+    fn on_complete(&self, _call: &CallContext, _result: &ToolResult) {}
+    /// The tool failed (including a timeout).
+    fn on_error(&self, _call: &CallContext, _error: &ToolError) {}
+    /// The tool moved from one model (or backend) to the next in its list.
+    fn on_fallback(&self, _call: &CallContext, _from: &str, _to: &str, _reason: &str) {}
+    /// Something worth a look that did not fail the call.
+    fn on_warning(&self, _call: &CallContext, _message: &str) {}
+}
+
+/// Hooks shared with the caller (a recorder a test reads, say).
+impl<H: Hooks> Hooks for Arc<H> {
+    fn before_call(&self, call: &CallInfo<'_>) -> Result<(), Refusal> {
+        (**self).before_call(call)
+    }
+    fn on_start(&self, call: &CallContext) {
+        (**self).on_start(call)
+    }
+    fn on_complete(&self, call: &CallContext, result: &ToolResult) {
+        (**self).on_complete(call, result)
+    }
+    fn on_error(&self, call: &CallContext, error: &ToolError) {
+        (**self).on_error(call, error)
+    }
+    fn on_fallback(&self, call: &CallContext, from: &str, to: &str, reason: &str) {
+        (**self).on_fallback(call, from, to, reason)
+    }
+    fn on_warning(&self, call: &CallContext, message: &str) {
+        (**self).on_warning(call, message)
+    }
+}
+
+/// The definition's `minProviderConfidence`: a call from an invocation
+/// whose provider confidence is lower (or unknown) is refused. Every worker
+/// runs it first; it is not added by hand.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ProviderConfidence;
+
+impl Hooks for ProviderConfidence {
+    fn before_call(&self, info: &CallInfo<'_>) -> Result<(), Refusal> {
+        let Some(min) = info.definition.min_provider_confidence else {
+            return Ok(());
+        };
+        let have = info.call.invocation.provider_confidence;
+        if have.unwrap_or(0.0) >= min {
+            return Ok(());
+        }
+        Err(Refusal::new(
+            "provider_confidence",
+            format!(
+                "{} needs provider confidence of at least {min}; this invocation has {}",
+                info.definition.function.name,
+                have.map_or_else(|| "none".to_string(), |c| c.to_string())
+            ),
+        ))
+    }
+}
+
+/// The hooks of a worker, in order: the built-in policies, then the
+/// author's.
+#[derive(Clone)]
+pub(crate) struct HookSet(Vec<Arc<dyn Hooks>>);
+
+impl HookSet {
+    pub(crate) fn new(authored: Vec<Arc<dyn Hooks>>) -> Self {
+        let mut all: Vec<Arc<dyn Hooks>> = vec![Arc::new(ProviderConfidence)];
+        all.extend(authored);
+        Self(all)
+    }
+
+    /// The first refusal wins.
+    pub(crate) fn before_call(&self, info: &CallInfo<'_>) -> Result<(), Refusal> {
+        self.0.iter().try_for_each(|h| h.before_call(info))
+    }
+
+    pub(crate) fn on_start(&self, call: &CallContext) {
+        self.0.iter().for_each(|h| h.on_start(call));
+    }
+
+    pub(crate) fn on_complete(&self, call: &CallContext, result: &ToolResult) {
+        self.0.iter().for_each(|h| h.on_complete(call, result));
+    }
+
+    pub(crate) fn on_error(&self, call: &CallContext, error: &ToolError) {
+        self.0.iter().for_each(|h| h.on_error(call, error));
+    }
+
+    pub(crate) fn on_fallback(&self, call: &CallContext, from: &str, to: &str, reason: &str) {
+        self.0
+            .iter()
+            .for_each(|h| h.on_fallback(call, from, to, reason));
+    }
+
+    pub(crate) fn on_warning(&self, call: &CallContext, message: &str) {
+        self.0.iter().for_each(|h| h.on_warning(call, message));
+    }
+}

@@ -1,0 +1,175 @@
+//! A worker binary's whole life: connect, serve its tools until a signal,
+//! drain. Family binaries parse [`WorkerArgs`] and call [`Worker::serve`].
+
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use clap::{Args, FromArgMatches};
+use toolfleet_service::args::{NatsArgs, RedisArgs, ToolDefsArgs};
+use toolfleet_store::CitationStore;
+
+use crate::metrics::WorkerMetrics;
+use crate::{Worker, WorkerConfig};
+
+/// The command-line and environment settings every worker binary shares.
+#[derive(Args, Debug, Clone)]
+pub struct WorkerArgs {
+    #[command(flatten)]
+    pub nats: NatsArgs,
+    #[command(flatten)]
+    pub redis: RedisArgs,
+    #[command(flatten)]
+    pub defs: ToolDefsArgs,
+    /// Tool jobs executed at once by this process.
+    #[arg(long, env = "TOOLFLEET_CONCURRENCY", default_value_t = 16)]
+    pub concurrency: usize,
+}
+
+impl Worker {
+    /// Serves this worker's tools as a process until SIGINT or SIGTERM,
+    /// with `/metrics` on `metrics_addr`, then drains within the grace
+    /// period.
+    ///
+    /// # Errors
+    ///
+    /// A bad prefix, an unreachable NATS or Redis, or a worker that cannot
+    /// set up its consumers and endpoints.
+    pub async fn serve(
+        mut self,
+        args: &WorkerArgs,
+        metrics_addr: SocketAddr,
+    ) -> anyhow::Result<()> {
+        let subjects = args.nats.subjects()?;
+        toolfleet_service::serve_until_signal(metrics_addr, |rt| async move {
+            let store =
+                CitationStore::connect(&args.redis.url, subjects.prefix(), args.redis.ttl())
+                    .await
+                    .with_context(|| {
+                        format!(
+                            "cannot connect to Redis at {}",
+                            toolfleet_protocol::redact_url(&args.redis.url)
+                        )
+                    })?;
+            let client = args
+                .nats
+                .connect(&format!("toolfleet-worker-{}", self.name()))
+                .await?;
+            let metrics = WorkerMetrics::register_all(&rt.metrics)?;
+            self.register_metrics(&rt.metrics)?;
+            let mut config = WorkerConfig::new(subjects);
+            config.concurrency = args.concurrency;
+            let task = self
+                .start(client, store, config, metrics, rt.shutdown.clone())
+                .await
+                .context("the worker cannot start")?;
+            // Draining waits for the worker's jobs in flight.
+            rt.tracker.spawn(async move {
+                match task.await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => tracing::error!(error = %e, "worker stopped"),
+                    Err(e) => tracing::error!(error = %e, "worker task failed"),
+                }
+            });
+            Ok(())
+        })
+        .await
+    }
+}
+
+/// A worker binary's settings: the shared [`WorkerArgs`], the binary's
+/// own (`A`), and where to serve metrics.
+#[derive(clap::Parser, Debug)]
+struct StandaloneArgs<A: Args> {
+    #[command(flatten)]
+    worker: WorkerArgs,
+    #[command(flatten)]
+    own: A,
+    /// Prometheus metrics and health endpoint.
+    #[arg(long, env = toolfleet_service::args::ENV_METRICS_ADDR)]
+    metrics_addr: Option<SocketAddr>,
+}
+
+/// For a worker binary with no settings of its own.
+#[derive(Args, Debug, Clone, Copy, Default)]
+pub struct NoArgs {}
+
+/// The whole `main` of the worker binary `binary` (its name in `--help`):
+/// parses the shared settings and the
+/// binary's own `A` (flags and `TOOLFLEET_*` environment variables;
+/// `--help` lists them), builds the worker with `build`, serves it until
+/// SIGTERM and drains. A bad setting or a worker that cannot be built exits
+/// with code 64 (EX_USAGE), anything else that stops it with 1.
+///
+/// ```no_run
+/// # struct Convert;
+/// # impl toolfleet_worker::Tool for Convert {
+/// #     type Args = serde_json::Value;
+/// #     async fn call(&self, _: &toolfleet_worker::ToolCtx, _: serde_json::Value)
+/// #         -> Result<toolfleet_worker::ToolOutput, toolfleet_worker::ToolError> { todo!() }
+/// # }
+/// use toolfleet_worker::process::NoArgs;
+///
+/// #[tokio::main]
+/// async fn main() -> std::process::ExitCode {
+///     toolfleet_worker::process::main("units-worker", "toolfleet worker: converts units.", "0.0.0.0:9470", |args, _: &NoArgs| {
+///         toolfleet_worker::Worker::builder("units")
+///             .definitions_dir(&args.defs.dir)
+///             .tool("units.convert", Convert)
+///             .build()
+///     })
+///     .await
+/// }
+/// ```
+pub async fn main<A, E>(
+    binary: &'static str,
+    about: &'static str,
+    default_metrics_addr: &str,
+    build: impl FnOnce(&WorkerArgs, &A) -> Result<Worker, E>,
+) -> std::process::ExitCode
+where
+    A: Args + FromArgMatches,
+    E: std::fmt::Display,
+{
+    use clap::CommandFactory;
+    let usage = |message: &dyn std::fmt::Display| {
+        eprintln!("configuration error: {message}");
+        std::process::ExitCode::from(toolfleet_service::args::EXIT_CONFIG as u8)
+    };
+    let command = StandaloneArgs::<A>::command().name(binary).about(about);
+    let args = match command
+        .try_get_matches()
+        .and_then(|m| StandaloneArgs::<A>::from_arg_matches(&m))
+    {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                std::process::ExitCode::from(toolfleet_service::args::EXIT_CONFIG as u8)
+            } else {
+                std::process::ExitCode::SUCCESS
+            };
+        }
+    };
+    toolfleet_service::args::init_tracing();
+    if let Err(e) = args.worker.nats.subjects() {
+        return usage(&e);
+    }
+    let metrics_addr = match args.metrics_addr {
+        Some(a) => a,
+        None => match default_metrics_addr.parse() {
+            Ok(a) => a,
+            Err(e) => return usage(&format!("metrics address {default_metrics_addr:?}: {e}")),
+        },
+    };
+    let worker = match build(&args.worker, &args.own) {
+        Ok(w) => w,
+        Err(e) => return usage(&e),
+    };
+    match worker.serve(&args.worker, metrics_addr).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

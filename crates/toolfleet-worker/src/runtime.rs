@@ -1,0 +1,1132 @@
+//! Serving a [`Worker`]'s tools on NATS.
+//!
+//! For each tool: its definition goes into the fleet's catalog bucket, then
+//! jobs are pulled from the tool's durable consumer on the tool stream
+//! (shared by every copy of the worker, so a pool scales by starting more
+//! copies) and direct requests are answered on the tool's services-API
+//! endpoint (which is also what makes the tool live in the catalog).
+//!
+//! One job: headers → call context; the result ledger (a redelivered job
+//! returns the stored result); envelope and argument validation (invalid
+//! arguments are answered at once and touch nothing); `before_call`
+//! policies; the tool under its timeout with in-progress acks; the result
+//! to `Toolfleet-Reply-To`; only then the ack. Retries are ours: a
+//! retryable failure is `nak`ed with our own delay until the attempt cap,
+//! then terminated and published as a dead letter — and the caller still
+//! gets an error result.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind, consumer::pull, kv};
+use async_nats::service::ServiceExt;
+use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use toolfleet_protocol::schema::Violation;
+use toolfleet_protocol::{
+    CallContext, DeadLetter, DeadLetterKind, Envelope, Reference, Subjects, ToolErrorBody, ToolJob,
+    ToolReply, ToolResult, ToolStatus, catalog, encode,
+};
+use toolfleet_store::{CitationStore, NewReference};
+use tracing::{Instrument, info, warn};
+
+use crate::builder::{Served, Worker, WorkerError};
+use crate::ctx::{Sink, ToolCtx};
+use crate::hooks::{CallInfo, HookSet};
+use crate::metrics::WorkerMetrics;
+use crate::tool::ToolError;
+
+/// How a worker runs (the same for every tool it serves).
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub subjects: Subjects,
+    /// Jobs executed at once by this process, across its tools.
+    pub concurrency: usize,
+    /// Attempts before a job is terminated and dead-lettered.
+    pub max_attempts: u32,
+    /// Delay before a failed attempt is delivered again.
+    pub retry_delay: Duration,
+    /// The consumer's ack wait; in-progress acks go out at half of it.
+    pub ack_wait: Duration,
+}
+
+impl WorkerConfig {
+    pub fn new(subjects: Subjects) -> Self {
+        Self {
+            subjects,
+            concurrency: 16,
+            max_attempts: 3,
+            retry_delay: Duration::from_millis(500),
+            ack_wait: Duration::from_secs(30),
+        }
+    }
+}
+
+/// What every job of a worker shares.
+struct Shared {
+    client: async_nats::Client,
+    store: CitationStore,
+    metrics: WorkerMetrics,
+    config: WorkerConfig,
+    hooks: Arc<HookSet>,
+    sink: Arc<dyn Sink>,
+    /// The cancellation of each call running here, by invocation, so a
+    /// cancel of the invocation stops its tools.
+    running: Running,
+}
+
+/// Calls running in this worker: invocation id → (call serial, token); and
+/// the invocations cancelled lately, so a call that registers just after
+/// its invocation's cancel arrived (it was being pulled or checked) is
+/// cancelled too.
+#[derive(Default)]
+struct Running {
+    state: std::sync::Mutex<RunningState>,
+    serial: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Default)]
+struct RunningState {
+    calls: HashMap<String, Vec<(u64, CancellationToken)>>,
+    cancelled: HashMap<String, Instant>,
+}
+
+/// How long a worker remembers a cancel for calls that start after it.
+const REMEMBER_CANCEL: Duration = Duration::from_secs(600);
+/// At most this many remembered cancels (a flood of cancels cannot grow
+/// the worker without bound).
+const MAX_REMEMBERED_CANCELS: usize = 10_000;
+
+impl Running {
+    /// Registers a call; the guard deregisters it when dropped. A call of
+    /// an invocation cancelled lately starts cancelled.
+    fn register<'a>(&'a self, invocation_id: &str, token: CancellationToken) -> RunningGuard<'a> {
+        let serial = self
+            .serial
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let Ok(mut state) = self.state.lock() {
+            if state
+                .cancelled
+                .get(invocation_id)
+                .is_some_and(|at| at.elapsed() < REMEMBER_CANCEL)
+            {
+                token.cancel();
+            }
+            state
+                .calls
+                .entry(invocation_id.to_string())
+                .or_default()
+                .push((serial, token));
+        }
+        RunningGuard {
+            running: self,
+            invocation_id: invocation_id.to_string(),
+            serial,
+        }
+    }
+
+    /// Cancels every call of `invocation_id` running here, and remembers
+    /// the cancel for calls that start after it.
+    fn cancel(&self, invocation_id: &str) -> usize {
+        let Ok(mut state) = self.state.lock() else {
+            return 0;
+        };
+        state
+            .cancelled
+            .retain(|_, at| at.elapsed() < REMEMBER_CANCEL);
+        if state.cancelled.len() >= MAX_REMEMBERED_CANCELS {
+            state.cancelled.clear();
+        }
+        state
+            .cancelled
+            .insert(invocation_id.to_string(), Instant::now());
+        let tokens = state
+            .calls
+            .get(invocation_id)
+            .map(Vec::as_slice)
+            .unwrap_or(&[]);
+        for (_, token) in tokens {
+            token.cancel();
+        }
+        tokens.len()
+    }
+}
+
+struct RunningGuard<'a> {
+    running: &'a Running,
+    invocation_id: String,
+    serial: u64,
+}
+
+impl Drop for RunningGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut state) = self.running.state.lock()
+            && let Some(list) = state.calls.get_mut(&self.invocation_id)
+        {
+            list.retain(|(s, _)| *s != self.serial);
+            if list.is_empty() {
+                state.calls.remove(&self.invocation_id);
+            }
+        }
+    }
+}
+
+/// Stops the running calls of every invocation whose cancel subject is
+/// published.
+async fn listen_for_cancels(
+    shared: Arc<Shared>,
+    mut cancels: async_nats::Subscriber,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let msg = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            m = cancels.next() => match m { Some(m) => m, None => break },
+        };
+        if let Some(id) = msg.subject.as_str().rsplit('.').next()
+            && toolfleet_protocol::valid_invocation_id(id)
+        {
+            let stopped = shared.running.cancel(id);
+            if stopped > 0 {
+                info!(
+                    invocation_id = id,
+                    calls = stopped,
+                    "cancel: stopping the invocation's tool calls"
+                );
+            }
+        }
+    }
+}
+
+impl Worker {
+    /// Serves the tools on a task of its own and returns once every tool is
+    /// advertised and taking jobs. The task ends when `shutdown` is
+    /// cancelled and the jobs in flight are done.
+    ///
+    /// # Errors
+    ///
+    /// As [`Worker::run`], when the worker cannot start.
+    pub async fn start(
+        self,
+        client: async_nats::Client,
+        store: CitationStore,
+        config: WorkerConfig,
+        metrics: WorkerMetrics,
+        shutdown: CancellationToken,
+    ) -> Result<tokio::task::JoinHandle<Result<(), WorkerError>>, WorkerError> {
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let task = tokio::spawn(self.run(client, store, config, metrics, shutdown, Some(ready_tx)));
+        match ready_rx.await {
+            Ok(Ok(())) => Ok(task),
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(match task.await {
+                Ok(Err(e)) => e,
+                _ => WorkerError::Config("the worker stopped while starting".into()),
+            }),
+        }
+    }
+
+    /// Serves the tools until `shutdown` is cancelled, then stops pulling
+    /// and lets jobs in flight finish (the caller bounds that with its
+    /// grace period). `ready` is told once every tool is advertised and
+    /// taking jobs.
+    ///
+    /// # Errors
+    ///
+    /// [`WorkerError::Nats`] when a stream, consumer, bucket or endpoint
+    /// cannot be set up.
+    pub async fn run(
+        self,
+        client: async_nats::Client,
+        store: CitationStore,
+        config: WorkerConfig,
+        metrics: WorkerMetrics,
+        shutdown: CancellationToken,
+        ready: Option<tokio::sync::oneshot::Sender<Result<(), WorkerError>>>,
+    ) -> Result<(), WorkerError> {
+        // Everything is set up before anything is served: a worker that
+        // cannot serve one of its tools serves none, and says why.
+        let setup = match set_up(&self, &client, &config).await {
+            Ok(setup) => setup,
+            Err(e) => {
+                if let Some(ready) = ready {
+                    let _ = ready.send(Err(e.clone()));
+                }
+                return Err(e);
+            }
+        };
+        let shared = Arc::new(Shared {
+            client: client.clone(),
+            store: store.clone(),
+            metrics: metrics.clone(),
+            config: config.clone(),
+            hooks: self.hooks.clone(),
+            sink: Arc::new(LiveSink {
+                client,
+                store,
+                metrics,
+            }),
+            running: Running::default(),
+        });
+        // Jobs wait in the consumers until the loops below take them; a
+        // caller that stopped waiting for us gets no worker running behind
+        // its back.
+        if let Some(ready) = ready
+            && ready.send(Ok(())).is_err()
+        {
+            let _ = setup.service.stop().await;
+            return Ok(());
+        }
+        let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
+        let tracker = TaskTracker::new();
+        for (tool, consumer, endpoint) in setup.tools {
+            let label = tool.definition().id.to_string();
+            info!(tool = %label, worker = %self.name, "serving tool");
+            {
+                let (tool, shared) = (tool.clone(), shared.clone());
+                tracker.spawn(toolfleet_service::jobs::pull_bounded(
+                    consumer,
+                    permits.clone(),
+                    tracker.clone(),
+                    shutdown.clone(),
+                    label,
+                    config.ack_wait / 2,
+                    move |msg| {
+                        let (tool, shared) = (tool.clone(), shared.clone());
+                        async move { handle_jetstream(msg, &tool, &shared).await }
+                    },
+                ));
+            }
+            tracker.spawn(direct_loop(
+                endpoint,
+                tool,
+                shared.clone(),
+                permits.clone(),
+                tracker.clone(),
+                shutdown.clone(),
+            ));
+        }
+        tracker.spawn(listen_for_cancels(
+            shared.clone(),
+            setup.cancels,
+            shutdown.clone(),
+        ));
+        tracker.spawn(keep_advertised(
+            setup.catalog,
+            jetstream::new(shared.client.clone()),
+            config.subjects.clone(),
+            self.tools.iter().map(|t| t.definition().clone()).collect(),
+            shutdown.clone(),
+        ));
+        shutdown.cancelled().await;
+        // Not live any more: new calls go to other copies (or are answered
+        // no_worker) while the jobs in flight finish.
+        let _ = setup.service.stop().await;
+        tracker.close();
+        tracker.wait().await;
+        Ok(())
+    }
+}
+
+/// What a worker sets up before it serves: the services-API registration,
+/// the catalog bucket, and per tool its consumer and endpoint.
+struct SetUp {
+    service: async_nats::service::Service,
+    catalog: kv::Store,
+    cancels: async_nats::Subscriber,
+    tools: Vec<(
+        Arc<Served>,
+        jetstream::consumer::Consumer<pull::Config>,
+        async_nats::service::endpoint::Endpoint,
+    )>,
+}
+
+async fn set_up(
+    worker: &Worker,
+    client: &async_nats::Client,
+    config: &WorkerConfig,
+) -> Result<SetUp, WorkerError> {
+    let nats = |e: &dyn std::fmt::Display| WorkerError::Nats(e.to_string());
+    let js = jetstream::new(client.clone());
+    let stream = toolfleet_protocol::streams::ensure_tools_stream(&js, &config.subjects)
+        .await
+        .map_err(|e| nats(&e))?;
+    let catalog = catalog::bucket(&js, &config.subjects)
+        .await
+        .map_err(|e| nats(&e))?;
+    let cancels = client
+        .subscribe(config.subjects.chat_cancel_all())
+        .await
+        .map_err(|e| nats(&e))?;
+    let service = client
+        .service_builder()
+        .description(format!("toolfleet worker: {}", worker.name))
+        .metadata(HashMap::from([
+            (catalog::META_WORKER.to_string(), worker.name.clone()),
+            (
+                catalog::META_FLEET.to_string(),
+                config.subjects.prefix().to_string(),
+            ),
+        ]))
+        .start(config.subjects.worker_service(), env!("CARGO_PKG_VERSION"))
+        .await
+        .map_err(|e| WorkerError::Nats(format!("services API: {e}")))?;
+    let mut tools = Vec::with_capacity(worker.tools.len());
+    for tool in &worker.tools {
+        match set_up_tool(tool, &stream, &catalog, &service, config).await {
+            Ok((consumer, endpoint)) => tools.push((tool.clone(), consumer, endpoint)),
+            Err(e) => {
+                // Nothing of this worker stays live.
+                let _ = service.stop().await;
+                return Err(e);
+            }
+        }
+    }
+    Ok(SetUp {
+        service,
+        catalog,
+        cancels,
+        tools,
+    })
+}
+
+/// One tool's consumer and endpoint, and its entry in the catalog. The
+/// definition goes into the catalog before the endpoint that makes the
+/// tool live appears.
+async fn set_up_tool(
+    tool: &Served,
+    stream: &jetstream::stream::Stream,
+    catalog: &kv::Store,
+    service: &async_nats::service::Service,
+    config: &WorkerConfig,
+) -> Result<
+    (
+        jetstream::consumer::Consumer<pull::Config>,
+        async_nats::service::endpoint::Endpoint,
+    ),
+    WorkerError,
+> {
+    let def = tool.definition();
+    let consumer = consumer(stream, config, def).await?;
+    let digest = catalog::advertise(catalog, def)
+        .await
+        .map_err(|e| WorkerError::Nats(e.to_string()))?;
+    let delivery = serde_json::to_value(def.delivery)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let endpoint = service
+        .endpoint_builder()
+        // Named by the id (`-` joins its parts: no namespace or name holds
+        // one), so two versions of one function are two endpoints.
+        .name(def.id.subject_token().replace('.', "-"))
+        .metadata(HashMap::from([
+            (catalog::META_TOOL_ID.to_string(), def.id.to_string()),
+            (catalog::META_DIGEST.to_string(), digest),
+            (catalog::META_DELIVERY.to_string(), delivery),
+        ]))
+        .add(config.subjects.tool_direct(&def.id))
+        .await
+        .map_err(|e| WorkerError::Nats(format!("endpoint for {}: {e}", def.id)))?;
+    Ok((consumer, endpoint))
+}
+
+/// How often a worker writes its definitions into the catalog again: they
+/// stay fresh under the bucket's age limit, and a bucket lost with a NATS
+/// server that kept no storage is created and filled again.
+const READVERTISE_EVERY: Duration = Duration::from_secs(60);
+
+async fn keep_advertised(
+    mut catalog: kv::Store,
+    js: jetstream::Context,
+    subjects: toolfleet_protocol::Subjects,
+    definitions: Vec<toolfleet_protocol::tools::ToolDefinition>,
+    shutdown: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tokio::time::sleep(READVERTISE_EVERY) => {}
+        }
+        for def in &definitions {
+            if catalog::advertise(&catalog, def).await.is_ok() {
+                continue;
+            }
+            // The bucket may be gone: look it up (or create it) once more.
+            let retried = match catalog::bucket(&js, &subjects).await {
+                Ok(store) => {
+                    catalog = store;
+                    catalog::advertise(&catalog, def).await.map(|_| ())
+                }
+                Err(e) => Err(e),
+            };
+            if let Err(e) = retried {
+                warn!(tool = %def.id, error = %e, "cannot write the definition into the catalog");
+            }
+        }
+    }
+}
+
+/// The durable consumer of one tool, shared by every copy of its worker.
+async fn consumer(
+    stream: &jetstream::stream::Stream,
+    config: &WorkerConfig,
+    def: &toolfleet_protocol::tools::ToolDefinition,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, WorkerError> {
+    let name = config.subjects.tool_consumer(&def.id);
+    let filter = config.subjects.tool(&def.id);
+    let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
+        .get_or_create_consumer(
+            &name,
+            pull::Config {
+                durable_name: Some(name.clone()),
+                filter_subject: filter.clone(),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: config.ack_wait,
+                // Our own cap terminates first; this is the backstop for a
+                // job that kills its worker every time.
+                max_deliver: i64::from(config.max_attempts) + 2,
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| WorkerError::Nats(format!("consumer for {}: {e}", def.id)))?;
+    // Consumer names fold `.` into `_`, so two ids can meet in one name
+    // (`a:b_c` and `a_b:c`): never pull another tool's jobs.
+    let info = consumer
+        .info()
+        .await
+        .map_err(|e| WorkerError::Nats(format!("consumer {name}: {e}")))?;
+    if info.config.filter_subject != filter {
+        return Err(WorkerError::Config(format!(
+            "the consumer {name} belongs to {}, not to {} (their ids fold to one consumer name; rename one tool)",
+            info.config.filter_subject, def.id
+        )));
+    }
+    Ok(consumer)
+}
+
+/// Citations to Redis, progress to the caller's reply subject.
+struct LiveSink {
+    client: async_nats::Client,
+    store: CitationStore,
+    metrics: WorkerMetrics,
+}
+
+impl Sink for LiveSink {
+    fn cite<'a>(
+        &'a self,
+        call: &'a CallContext,
+        reservation: String,
+        refs: Vec<NewReference>,
+    ) -> BoxFuture<'a, Result<Vec<Reference>, ToolError>> {
+        async move {
+            let tool = call.tool_id.to_string();
+            let stored = self
+                .store
+                .reserve(
+                    &call.invocation.invocation_id,
+                    &reservation,
+                    &call.call_id,
+                    &tool,
+                    refs,
+                )
+                .await
+                .map_err(|e| ToolError::transient(e.to_string()))?;
+            self.metrics
+                .citations_written
+                .with_label_values(&[tool.as_str()])
+                .inc_by(stored.len() as u64);
+            Ok(stored)
+        }
+        .boxed()
+    }
+
+    fn progress<'a>(&'a self, call: &'a CallContext, message: String) -> BoxFuture<'a, ()> {
+        async move {
+            let reply = ToolReply::Progress {
+                invocation_id: call.invocation.invocation_id.clone(),
+                call_id: call.call_id.clone(),
+                message,
+            };
+            let _ = self
+                .client
+                .publish(call.reply_to.clone(), encode(&reply))
+                .await;
+        }
+        .boxed()
+    }
+}
+
+async fn direct_loop(
+    mut endpoint: async_nats::service::endpoint::Endpoint,
+    tool: Arc<Served>,
+    shared: Arc<Shared>,
+    permits: Arc<Semaphore>,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+) {
+    loop {
+        let request = tokio::select! {
+            _ = shutdown.cancelled() => break,
+            r = endpoint.next() => match r { Some(r) => r, None => break },
+        };
+        let Ok(permit) = permits.clone().acquire_owned().await else {
+            break;
+        };
+        let (tool, shared) = (tool.clone(), shared.clone());
+        tracker.spawn(async move {
+            let headers = request.message.headers.clone().unwrap_or_default();
+            let outcome = process(&headers, &request.message.payload, 1, &tool, &shared).await;
+            // Direct delivery has no redelivery: a failure that JetStream
+            // would retry is the caller's error result now.
+            let response = match outcome {
+                Outcome::Answer(result) => Ok(fit_result(&shared, result)),
+                Outcome::Retry(failure) => Ok(fit_result(&shared, failure.result(1))),
+                Outcome::Dead {
+                    call: Some(call),
+                    failure,
+                } => Ok(fit_result(&shared, failure.result_for(&call, 1))),
+                // No call context to answer in: the service error says why.
+                Outcome::Dead {
+                    call: None,
+                    failure,
+                } => Err(async_nats::service::error::Error {
+                    status: format!("{}: {}", failure.code, failure.message),
+                    code: 400,
+                }),
+            };
+            let _ = request.respond(response).await;
+            drop(permit);
+        });
+    }
+    let _ = endpoint.stop().await;
+}
+
+/// A failure with no result yet: its code and message.
+struct Failure {
+    call: CallContext,
+    code: String,
+    message: String,
+}
+
+impl Failure {
+    fn result(&self, attempt: u32) -> ToolResult {
+        error_result(&self.call, attempt, 0, &self.code, &self.message)
+    }
+}
+
+/// What became of one delivery of a job.
+enum Outcome {
+    /// Tell the caller this result; the job is done.
+    Answer(ToolResult),
+    /// Another attempt may help (until the attempt cap).
+    Retry(Failure),
+    /// Never again: terminate and dead-letter. The caller, when there is
+    /// one to tell, gets an error result.
+    Dead {
+        call: Option<CallContext>,
+        failure: DeadFailure,
+    },
+}
+
+/// Why a job is dead.
+struct DeadFailure {
+    code: String,
+    message: String,
+}
+
+impl DeadFailure {
+    fn result_for(&self, call: &CallContext, attempt: u32) -> ToolResult {
+        error_result(call, attempt, 0, &self.code, &self.message)
+    }
+}
+
+async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Shared) {
+    let (attempt, sequence) = match msg.info() {
+        Ok(i) => (
+            u32::try_from(i.delivered).unwrap_or(1).max(1),
+            i.stream_sequence,
+        ),
+        Err(_) => (1, 0),
+    };
+    let headers = msg.headers.clone().unwrap_or_default();
+    let label = tool.definition().id.to_string();
+    // In-progress acks keep a long job from being redelivered to another
+    // worker while this one is still on it.
+    let keep_alive = toolfleet_service::jobs::keep_alive(&msg, shared.config.ack_wait / 2);
+    let outcome = process(&headers, &msg.payload, attempt, tool, shared).await;
+    drop(keep_alive);
+
+    let (call, failure) = match outcome {
+        Outcome::Answer(result) => {
+            publish_result(shared, &result, &headers).await;
+            let _ = msg.ack().await;
+            return;
+        }
+        Outcome::Retry(failure) if attempt < shared.config.max_attempts => {
+            shared
+                .metrics
+                .tool_job_retries
+                .with_label_values(&[label.as_str()])
+                .inc();
+            warn!(tool = %label, attempt, error = %failure.message, "attempt failed; will retry");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(shared.config.retry_delay)))
+                .await;
+            return;
+        }
+        Outcome::Retry(failure) => (
+            Some(failure.call),
+            DeadFailure {
+                code: failure.code,
+                message: failure.message,
+            },
+        ),
+        Outcome::Dead { call, failure } => (call, failure),
+    };
+    // The caller always gets an answer, even for a dead job.
+    if let Some(call) = &call {
+        publish_result(shared, &failure.result_for(call, attempt), &headers).await;
+    }
+    let _ = msg.ack_with(AckKind::Term).await;
+    let dead = DeadLetter {
+        kind: DeadLetterKind::Tool,
+        stream: shared.config.subjects.tools_stream(),
+        stream_sequence: sequence,
+        invocation_id: call.as_ref().map(|c| c.invocation.invocation_id.clone()),
+        call_id: call.as_ref().map(|c| c.call_id.clone()),
+        tool_id: Some(label.clone()),
+        attempts: attempt,
+        code: failure.code.clone(),
+        error: failure.message,
+        headers: toolfleet_protocol::dead_letter_headers(Some(&headers)),
+    };
+    shared
+        .metrics
+        .dead_letters
+        .with_label_values(&["tool"])
+        .inc();
+    let _ = shared
+        .client
+        .publish(
+            shared.config.subjects.dead_letter(DeadLetterKind::Tool),
+            encode(&dead),
+        )
+        .await;
+    warn!(tool = %label, attempt, code = %failure.code, "tool job dead-lettered");
+}
+
+/// Publishes a result to the call's reply subject (named in `headers`).
+async fn publish_result(shared: &Shared, result: &ToolResult, headers: &async_nats::HeaderMap) {
+    let Ok(call) = CallContext::from_headers(headers) else {
+        return;
+    };
+    let payload = fit_result(shared, result.clone());
+    let mut out = call.invocation.to_headers();
+    out.insert(toolfleet_protocol::headers::CALL_ID, call.call_id.as_str());
+    if let Err(e) = shared
+        .client
+        .publish_with_headers(call.reply_to.clone(), out, payload)
+        .await
+    {
+        warn!(error = %e, "cannot publish the tool result");
+    }
+}
+
+/// The encoded result reply. A result too big for the server would never
+/// arrive: the caller gets a small error result instead of waiting out its
+/// timeout.
+fn fit_result(shared: &Shared, result: ToolResult) -> bytes::Bytes {
+    let payload = encode(&ToolReply::Result(result.clone()));
+    let limit = shared.client.server_info().max_payload;
+    if limit == 0 || payload.len() <= limit {
+        return payload;
+    }
+    let message = format!(
+        "the tool's result is {} bytes; the NATS server takes at most {limit}",
+        payload.len()
+    );
+    warn!(tool = %result.tool_id, "{message}");
+    encode(&ToolReply::Result(ToolResult {
+        status: ToolStatus::Error,
+        content: message.clone(),
+        data: None,
+        error: Some(ToolErrorBody {
+            code: "result_too_large".into(),
+            message,
+            violations: Vec::new(),
+        }),
+        references: Vec::new(),
+        ..result
+    }))
+}
+
+pub(crate) fn error_result(
+    call: &CallContext,
+    attempt: u32,
+    duration_ms: u64,
+    code: &str,
+    message: &str,
+) -> ToolResult {
+    status_result(
+        call,
+        attempt,
+        duration_ms,
+        ToolStatus::Error,
+        code,
+        message,
+        Vec::new(),
+    )
+}
+
+pub(crate) fn status_result(
+    call: &CallContext,
+    attempt: u32,
+    duration_ms: u64,
+    status: ToolStatus,
+    code: &str,
+    message: &str,
+    violations: Vec<Violation>,
+) -> ToolResult {
+    ToolResult {
+        invocation_id: call.invocation.invocation_id.clone(),
+        call_id: call.call_id.clone(),
+        tool_id: call.tool_id.to_string(),
+        status,
+        content: message.to_string(),
+        data: None,
+        error: Some(ToolErrorBody {
+            code: code.to_string(),
+            message: message.to_string(),
+            violations,
+        }),
+        references: Vec::new(),
+        attempt,
+        duration_ms,
+        replayed: false,
+    }
+}
+
+/// Processes one delivery. Shared by JetStream and direct delivery.
+async fn process(
+    headers: &async_nats::HeaderMap,
+    payload: &[u8],
+    attempt: u32,
+    tool: &Served,
+    shared: &Shared,
+) -> Outcome {
+    let label = tool.definition().id.to_string();
+    let mut call = match CallContext::from_headers(headers) {
+        Ok(c) => c,
+        Err(e) => {
+            shared.count(&label, "error");
+            warn!(tool = %label, error = %e, "tool job with bad headers");
+            return Outcome::Dead {
+                call: None,
+                failure: DeadFailure {
+                    code: e.code().to_string(),
+                    message: e.to_string(),
+                },
+            };
+        }
+    };
+    call.attempt = attempt;
+    let span = tracing::info_span!(
+        "tool_job",
+        invocation_id = %call.invocation.invocation_id,
+        call_id = %call.call_id,
+        tool_id = %label,
+        attempt
+    );
+    process_call(call, payload, tool, shared)
+        .instrument(span)
+        .await
+}
+
+impl Shared {
+    fn count(&self, tool: &str, outcome: &str) {
+        self.metrics
+            .tool_jobs
+            .with_label_values(&[tool, outcome])
+            .inc();
+    }
+}
+
+/// The checks before a call runs; `Err` is the answer without running it.
+async fn admit(
+    call: &CallContext,
+    payload: &[u8],
+    tool: &Served,
+    shared: &Shared,
+) -> Result<ToolJob, Outcome> {
+    let def = tool.definition();
+    let label = def.id.to_string();
+    let attempt = call.attempt;
+    if call.tool_id != def.id {
+        shared.count(&label, "error");
+        return Err(Outcome::Dead {
+            call: Some(call.clone()),
+            failure: DeadFailure {
+                code: "wrong_tool".into(),
+                message: format!(
+                    "this subject serves {}, but the job names {}",
+                    def.id, call.tool_id
+                ),
+            },
+        });
+    }
+    // A redelivered (or re-published) job returns what the first attempt
+    // stored, and writes no second set of citations.
+    match shared
+        .store
+        .ledger_get(&call.invocation.invocation_id, &call.call_id)
+        .await
+    {
+        Ok(Some(mut stored)) => {
+            shared.count(&label, "redelivered");
+            stored.replayed = true;
+            stored.attempt = attempt;
+            return Err(Outcome::Answer(stored));
+        }
+        Ok(None) => {}
+        Err(e) => {
+            return Err(Outcome::Retry(Failure {
+                call: call.clone(),
+                code: "store_unavailable".into(),
+                message: e.to_string(),
+            }));
+        }
+    }
+    let job: ToolJob = Envelope::ToolJob.decode(payload).map_err(|e| {
+        shared.count(&label, "error");
+        let message = format!("malformed tool job: {e}");
+        Outcome::Answer(error_result(call, attempt, 0, e.code(), &message))
+    })?;
+    // Invalid arguments: a model-readable error at once, no side effect,
+    // nothing written to Redis, never retried.
+    if let Err(violations) = tool.tool.validate_arguments(&job.arguments) {
+        shared.count(&label, "invalid_arguments");
+        let message = format!(
+            "Invalid arguments for {}: {}",
+            def.function.name,
+            toolfleet_protocol::schema::describe(&violations)
+        );
+        return Err(Outcome::Answer(status_result(
+            call,
+            attempt,
+            0,
+            ToolStatus::Error,
+            "invalid_arguments",
+            &message,
+            violations,
+        )));
+    }
+    let info = CallInfo {
+        call,
+        definition: def,
+        arguments: &job.arguments,
+        settings: job.settings.as_ref(),
+    };
+    if let Err(refusal) = shared.hooks.before_call(&info) {
+        shared.count(&label, "blocked");
+        return Err(Outcome::Answer(status_result(
+            call,
+            attempt,
+            0,
+            ToolStatus::Blocked,
+            &refusal.code,
+            &refusal.message,
+            Vec::new(),
+        )));
+    }
+    Ok(job)
+}
+
+/// How long the call may run: the tool's timeout, or less when the
+/// invocation's deadline is nearer. `None` when the deadline has passed.
+fn budget(call: &CallContext, tool: &Served) -> Option<Duration> {
+    let timeout = tool.definition().timeout();
+    match call.invocation.deadline_ms {
+        None => Some(timeout),
+        Some(deadline) => {
+            let left = deadline.saturating_sub(toolfleet_protocol::now_ms());
+            (left > 0).then(|| timeout.min(Duration::from_millis(left)))
+        }
+    }
+}
+
+async fn process_call(
+    call: CallContext,
+    payload: &[u8],
+    tool: &Served,
+    shared: &Shared,
+) -> Outcome {
+    let job = match admit(&call, payload, tool, shared).await {
+        Ok(job) => job,
+        Err(outcome) => return outcome,
+    };
+    let label = tool.definition().id.to_string();
+    let attempt = call.attempt;
+    let Some(budget) = budget(&call, tool) else {
+        shared.count(&label, "timeout");
+        return Outcome::Answer(status_result(
+            &call,
+            attempt,
+            0,
+            ToolStatus::Timeout,
+            "deadline_exceeded",
+            "the invocation's deadline passed before the tool could run",
+            Vec::new(),
+        ));
+    };
+    let token = CancellationToken::new();
+    let _running = shared
+        .running
+        .register(&call.invocation.invocation_id, token.clone());
+    let ctx = ToolCtx::new(
+        call.clone(),
+        job.settings,
+        shared.sink.clone(),
+        shared.hooks.clone(),
+        // Not tied to the worker's shutdown: calls in flight finish during
+        // the drain (SIGTERM stops pulling, not working). A cancel of the
+        // invocation does stop them.
+        token,
+        Some(tokio::time::Instant::now() + budget),
+    );
+    let in_flight = shared
+        .metrics
+        .tool_jobs_in_flight
+        .with_label_values(&[label.as_str()]);
+    in_flight.inc();
+    shared.hooks.on_start(&call);
+    let started = Instant::now();
+    let ran = run_tool(tool, &ctx, job.arguments, budget).await;
+    ctx.cancellation().cancel();
+    in_flight.dec();
+    let elapsed = started.elapsed();
+    shared
+        .metrics
+        .tool_job_duration
+        .with_label_values(&[label.as_str()])
+        .observe(elapsed.as_secs_f64());
+    let duration_ms = elapsed.as_millis() as u64;
+
+    let result = match ran {
+        Ok(output) => ToolResult {
+            invocation_id: call.invocation.invocation_id.clone(),
+            call_id: call.call_id.clone(),
+            tool_id: label.clone(),
+            status: ToolStatus::Ok,
+            content: output.content,
+            data: output.data,
+            error: None,
+            references: ctx.take_cited(),
+            attempt,
+            duration_ms,
+            replayed: false,
+        },
+        Err(e) => {
+            shared.hooks.on_error(&call, &e);
+            if e.is_retryable() {
+                shared.count(&label, "error");
+                return Outcome::Retry(Failure {
+                    call,
+                    code: e.code().to_string(),
+                    message: e.to_string(),
+                });
+            }
+            let status = match e {
+                ToolError::Blocked(_) => ToolStatus::Blocked,
+                ToolError::Timeout(_) => ToolStatus::Timeout,
+                _ => ToolStatus::Error,
+            };
+            status_result(
+                &call,
+                attempt,
+                duration_ms,
+                status,
+                e.code(),
+                &e.to_string(),
+                Vec::new(),
+            )
+        }
+    };
+    finish(shared, &call, &label, result).await
+}
+
+/// Counts the result, writes it to the ledger and runs the completion
+/// hooks.
+async fn finish(shared: &Shared, call: &CallContext, label: &str, result: ToolResult) -> Outcome {
+    shared.count(label, result.status.as_str());
+    // The ledger makes a redelivery of this job return this result. If it
+    // cannot be written the result still goes out: a later duplicate will
+    // run again but reuse its citation indices.
+    if let Err(e) = shared.store.ledger_put(&result).await {
+        shared
+            .hooks
+            .on_warning(call, &format!("result ledger not written: {e}"));
+        warn!(error = %e, "result ledger not written");
+    }
+    if result.status == ToolStatus::Ok {
+        shared.hooks.on_complete(call, &result);
+    }
+    Outcome::Answer(result)
+}
+
+/// Runs the tool under `budget`. A panicking tool is a failed call, not a
+/// stuck job; one out of time is [`ToolError::Timeout`].
+async fn run_tool(
+    tool: &Served,
+    ctx: &ToolCtx,
+    arguments: serde_json::Value,
+    budget: Duration,
+) -> Result<crate::ToolOutput, ToolError> {
+    let call = std::panic::AssertUnwindSafe(tool.imp.call_json(ctx, arguments)).catch_unwind();
+    let ran = tokio::select! {
+        ran = tokio::time::timeout(budget, call) => ran,
+        _ = ctx.cancelled() => {
+            return Err(ToolError::Cancelled(
+                "the invocation was cancelled; the tool was stopped".into(),
+            ));
+        }
+    };
+    match ran {
+        Ok(Ok(ran)) => ran,
+        Ok(Err(_panic)) => Err(ToolError::failed(
+            "the tool failed unexpectedly (it panicked); see the worker's log",
+        )),
+        Err(_) => Err(ToolError::Timeout(format!(
+            "the tool did not finish within {} ms",
+            budget.as_millis()
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cancel_reaches_running_calls_and_calls_that_register_after_it() {
+        let running = Running::default();
+        let before = CancellationToken::new();
+        let guard = running.register("inv-1", before.clone());
+        let other = CancellationToken::new();
+        let _other = running.register("inv-2", other.clone());
+        assert_eq!(running.cancel("inv-1"), 1);
+        assert!(before.is_cancelled());
+        assert!(!other.is_cancelled());
+        drop(guard);
+        // Registered after the cancel: starts cancelled.
+        let after = CancellationToken::new();
+        let _after = running.register("inv-1", after.clone());
+        assert!(after.is_cancelled());
+    }
+}

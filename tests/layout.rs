@@ -1,0 +1,133 @@
+//! The workspace's dependency rules (ARCHITECTURE.md), checked on the
+//! manifests so a change that breaks one fails here, and the system
+//! worker's dependency weight, checked on the resolved tree.
+
+use std::collections::BTreeSet;
+use std::process::Command;
+
+use crate::support;
+
+/// The toolfleet crates a manifest names in `[dependencies]`, and in
+/// `[dev-dependencies]` when `dev` (the layering holds for both;
+/// test-only stand-ins may appear in dev-dependencies).
+fn our_deps_of(manifest: &str, dev: bool) -> BTreeSet<String> {
+    let text = std::fs::read_to_string(support::root().join(manifest))
+        .unwrap_or_else(|e| panic!("{manifest}: {e}"));
+    let doc: toml::Table = text.parse().unwrap_or_else(|e| panic!("{manifest}: {e}"));
+    assert!(
+        !doc.contains_key("target"),
+        "{manifest}: target-specific dependencies are not checked here"
+    );
+    let table = if dev {
+        "dev-dependencies"
+    } else {
+        "dependencies"
+    };
+    doc.get(table)
+        .and_then(|d| d.as_table())
+        .map(|t| {
+            t.keys()
+                .filter(|k| k.starts_with("toolfleet") || k.ends_with("-worker"))
+                .cloned()
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn our_deps(manifest: &str) -> BTreeSet<String> {
+    our_deps_of(manifest, false)
+}
+
+fn set(items: &[&str]) -> BTreeSet<String> {
+    items.iter().map(|s| s.to_string()).collect()
+}
+
+#[test]
+fn crates_depend_only_where_the_rules_allow() {
+    // The contract depends on no crate of ours; scripted is stand-alone.
+    for m in [
+        "crates/toolfleet-protocol/Cargo.toml",
+        "crates/toolfleet-scripted/Cargo.toml",
+    ] {
+        assert_eq!(our_deps(m), set(&[]), "{m}");
+    }
+    // Store and service: only the contract.
+    for m in [
+        "crates/toolfleet-store/Cargo.toml",
+        "crates/toolfleet-service/Cargo.toml",
+    ] {
+        assert_eq!(our_deps(m), set(&["toolfleet-protocol"]), "{m}");
+    }
+    // The SDK: never the LLM client or the orchestrator.
+    assert_eq!(
+        our_deps("crates/toolfleet-worker/Cargo.toml"),
+        set(&["toolfleet-protocol", "toolfleet-service", "toolfleet-store"])
+    );
+    // The orchestrator: never the SDK or a family (nor the test stand-ins).
+    assert_eq!(
+        our_deps("crates/toolfleet-orchestrator/Cargo.toml"),
+        set(&[
+            "toolfleet-llm",
+            "toolfleet-protocol",
+            "toolfleet-service",
+            "toolfleet-store"
+        ])
+    );
+    assert_eq!(
+        our_deps("crates/toolfleet-llm/Cargo.toml"),
+        set(&["toolfleet-protocol"])
+    );
+    // Families and the third-party example: the SDK only, never each other
+    // (not even for tests).
+    for m in [
+        "workers/system/Cargo.toml",
+        "workers/retrieval/Cargo.toml",
+        "examples/units/Cargo.toml",
+    ] {
+        assert_eq!(our_deps(m), set(&["toolfleet-worker"]), "{m}");
+        assert!(our_deps_of(m, true).is_empty(), "{m}: dev-dependencies");
+    }
+    // The SDK's and the orchestrator's tests stay on their side too.
+    assert!(
+        !our_deps_of("crates/toolfleet-worker/Cargo.toml", true)
+            .iter()
+            .any(|d| d == "toolfleet-llm" || d == "toolfleet-orchestrator")
+    );
+    assert!(
+        !our_deps_of("crates/toolfleet-orchestrator/Cargo.toml", true)
+            .iter()
+            .any(|d| d == "toolfleet-worker" || d.starts_with("toolfleet-worker-"))
+    );
+}
+
+#[test]
+fn the_system_worker_links_no_search_engine_tokenizer_or_http_client() {
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "tree",
+            "--offline",
+            "-p",
+            "toolfleet-worker-system",
+            "-e",
+            "normal",
+            "--prefix",
+            "none",
+        ])
+        .current_dir(support::root())
+        .output()
+        .expect("cargo tree");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tree = String::from_utf8_lossy(&out.stdout);
+    let names: BTreeSet<&str> = tree
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(names.contains("toolfleet-worker"), "{tree}");
+    for heavy in ["tantivy", "tiktoken-rs", "reqwest", "toolfleet-llm"] {
+        assert!(!names.contains(heavy), "the system worker links {heavy}");
+    }
+}

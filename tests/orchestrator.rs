@@ -1,0 +1,589 @@
+//! Issue 8 behaviour end to end: the orchestrator's stages — intake (dead
+//! letters of undecodable jobs), the orchestrator trait (custom
+//! orchestrators chosen by a profile), tool progress events, and payload
+//! limits — against the real fleet.
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde_json::{Value, json};
+use toolfleet_llm::ToolCall;
+use toolfleet_orchestrator::dispatch::new_call_id;
+use toolfleet_orchestrator::{Answer, Events, Failure, Fleet, Invocation, Orchestrator};
+use toolfleet_protocol::{ChatEvent, ChatEventBody, Envelope, MAX_JOB_BYTES, ToolStatus};
+use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
+
+use crate::support::{self, Env, Options, WAIT, lighthouse_script, next_json};
+
+/// Every event validates against the published schema and the numbering
+/// has no gap.
+fn assert_valid_and_numbered(events: &[ChatEvent]) {
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e.seq, i as u64, "{events:?}");
+        let v = serde_json::to_value(e).unwrap();
+        Envelope::ChatEvent
+            .validator()
+            .validate(&v)
+            .unwrap_or_else(|err| panic!("{v}: {err:?}"));
+    }
+}
+
+fn names(events: &[ChatEvent]) -> Vec<&'static str> {
+    events.iter().map(|e| e.body.name()).collect()
+}
+
+/// A chat job whose body is not JSON but whose `Nats-Msg-Id` is a valid
+/// invocation id still ends visibly: an `error` event on that id, and a
+/// dead letter carrying the id and the safe headers of the job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_job_with_only_a_message_id_gets_an_error_event_and_a_full_dead_letter() {
+    let env = Env::start(lighthouse_script()).await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
+    let mut events = env.subscribe("toolfleet.chat.events.msgid-7".into()).await;
+
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("Nats-Msg-Id", "msgid-7");
+    h.insert(
+        "traceparent",
+        "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+    );
+    h.insert("X-Api-Key", "sk-never-in-a-dead-letter");
+    js.publish_with_headers("toolfleet.chat.submit", h, "{not json".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+
+    let ev = next_json(&mut events).await;
+    assert_eq!(ev["type"], "error", "{ev}");
+    assert_eq!(ev["code"], "malformed_job", "{ev}");
+    let d = next_json(&mut dead).await;
+    assert_eq!(d["code"], "malformed_json", "{d}");
+    assert_eq!(d["invocationId"], "msgid-7", "{d}");
+    assert_eq!(d["headers"]["Nats-Msg-Id"], "msgid-7", "{d}");
+    assert_eq!(
+        d["headers"]["traceparent"], "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+        "{d}"
+    );
+    assert!(!d.to_string().contains("sk-never"), "{d}");
+    Envelope::DeadLetter
+        .validator()
+        .validate(&d)
+        .expect("the dead letter follows its schema");
+
+    // The id in the body wins over the headers when the body parses.
+    let mut events = env
+        .subscribe("toolfleet.chat.events.body-id-1".into())
+        .await;
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("Nats-Msg-Id", "header-id-1");
+    h.insert("Toolfleet-Invocation-Id", "header-id-2");
+    js.publish_with_headers(
+        "toolfleet.chat.submit",
+        h,
+        json!({"invocationId": "body-id-1", "messages": 7})
+            .to_string()
+            .into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let ev = next_json(&mut events).await;
+    assert_eq!(ev["code"], "malformed_job", "{ev}");
+    let d = next_json(&mut dead).await;
+    assert_eq!(d["invocationId"], "body-id-1", "{d}");
+    assert_eq!(
+        d["headers"]["Toolfleet-Invocation-Id"], "header-id-2",
+        "{d}"
+    );
+}
+
+/// Answers without calling the model: the last user message, echoed.
+struct Echo;
+
+impl Orchestrator for Echo {
+    fn run<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        _fleet: &'a Fleet,
+        events: &'a Events,
+    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+        async move {
+            let question = inv.job.messages.last().map(|m| m.content.clone());
+            let Some(question) = question else {
+                return Err(Failure::new("nothing_to_echo", "the job has no message"));
+            };
+            events.send(ChatEventBody::Delta {
+                text: "echo: ".into(),
+            });
+            Ok(Answer {
+                text: format!("echo: {question}"),
+                rounds: 0,
+            })
+        }
+        .boxed()
+    }
+}
+
+/// Runs one tool itself, with no model: what a custom orchestrator can do
+/// through the fleet's public API.
+struct Clock;
+
+impl Orchestrator for Clock {
+    fn run<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        fleet: &'a Fleet,
+        events: &'a Events,
+    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+        async move {
+            let mut tools = fleet.tool_runner().await?;
+            let call = ToolCall {
+                id: new_call_id(),
+                name: "current_datetime".into(),
+                arguments: "{}".into(),
+            };
+            let outcome = tools.run(inv, &[call], events).await;
+            match outcome.first() {
+                Some(o) if o.status == ToolStatus::Ok => Ok(Answer {
+                    text: format!("The clock says {}", o.content),
+                    rounds: 0,
+                }),
+                other => Err(Failure::new("clock_failed", format!("{other:?}"))),
+            }
+        }
+        .boxed()
+    }
+}
+
+const ORCHESTRATOR_PROFILES: &str = r#"
+default_profile = "default"
+
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+
+[profiles.default]
+deployment = "scripted"
+
+[profiles.echo]
+deployment = "scripted"
+orchestrator = "echo"
+
+[profiles.clock]
+deployment = "scripted"
+orchestrator = "clock"
+
+[profiles.swarm]
+deployment = "scripted"
+orchestrator = "swarm"
+"#;
+
+fn started_profile(events: &[ChatEvent]) -> Option<String> {
+    events.iter().find_map(|e| match &e.body {
+        ChatEventBody::Started { profile, .. } => profile.clone(),
+        _ => None,
+    })
+}
+
+/// A profile's `orchestrator` picks a registered implementation; the frame
+/// around it (started, references, completed) is the same for all; an
+/// unregistered name falls back to the agentic loop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_profile_selects_a_custom_orchestrator_registered_in_the_config() {
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            profiles_toml: Some(ORCHESTRATOR_PROFILES.into()),
+            tweak: |c| {
+                c.register_orchestrator("echo", Echo)
+                    .register_orchestrator("clock", Clock);
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+
+    let mut job = toolfleet_protocol::client::question("is anyone there?");
+    job.profile = Some("echo".into());
+    let outcome = env.submit(&job).await.expect("echo completes");
+    assert_eq!(outcome.text, "echo: is anyone there?");
+    assert_eq!(outcome.rounds, 0);
+    assert!(outcome.llm_calls.is_empty());
+    assert_eq!(started_profile(&outcome.events).as_deref(), Some("echo"));
+    assert_eq!(
+        names(&outcome.events),
+        ["started", "delta", "completed"],
+        "{:?}",
+        outcome.events
+    );
+    assert_valid_and_numbered(&outcome.events);
+    assert!(env.model.requests().is_empty(), "the model was not called");
+
+    // A custom orchestrator runs tools through the same dispatch.
+    let mut job = toolfleet_protocol::client::question("what time is it?");
+    job.profile = Some("clock".into());
+    let outcome = env.submit(&job).await.expect("clock completes");
+    assert!(
+        outcome.text.starts_with("The clock says "),
+        "{}",
+        outcome.text
+    );
+    assert_eq!(
+        names(&outcome.events),
+        ["started", "tool_call", "tool_result", "completed"],
+        "{:?}",
+        outcome.events
+    );
+    assert_valid_and_numbered(&outcome.events);
+    assert!(env.model.requests().is_empty(), "the model was not called");
+
+    // An orchestrator nobody registered: the agentic loop runs instead.
+    let mut job = toolfleet_protocol::client::question("how do lighthouses warn ships?");
+    job.profile = Some("swarm".into());
+    let outcome = env.submit(&job).await.expect("falls back to agentic");
+    assert_eq!(started_profile(&outcome.events).as_deref(), Some("swarm"));
+    assert!(outcome.rounds >= 1);
+    assert!(!env.model.requests().is_empty(), "the model was called");
+}
+
+/// Sends two progress messages, the second longer than an event carries,
+/// then answers.
+struct SlowClock;
+
+impl Tool for SlowClock {
+    type Args = Value;
+    async fn call(&self, ctx: &ToolCtx, _args: Value) -> Result<ToolOutput, ToolError> {
+        ctx.progress("reading the clock").await;
+        ctx.progress("é".repeat(3000)).await;
+        Ok(ToolOutput::text("12:00"))
+    }
+}
+
+/// The shipped `current_datetime` definition, renamed so no shipped
+/// family serves it.
+fn slow_clock_definition(dir: &std::path::Path) -> std::path::PathBuf {
+    let mut def: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            support::root().join("tool_definitions/system.current_datetime.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    let def_map = def.as_object_mut().unwrap();
+    def_map.remove("$schema");
+    def_map.remove("outputSchema");
+    def["id"] = json!("testing:slow_clock@1.0.0");
+    def["implementationKey"] = json!("testing.slow_clock");
+    def["function"]["name"] = json!("slow_clock");
+    let path = dir.join("testing.slow_clock.json");
+    std::fs::write(&path, def.to_string()).unwrap();
+    path
+}
+
+/// A tool's `progress` messages reach the chat client as `tool_progress`
+/// events, between the call's `tool_call` and `tool_result`, naming the
+/// call and the tool; a long one is cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tool_progress_reaches_the_client_as_events() {
+    let env = Env::start(json!({
+        "rules": [{ "whenUserContains": ["clock"], "steps": [
+            { "toolCalls": [ { "name": "slow_clock", "arguments": {} } ] },
+            { "answer": "The slow clock says {{tool:slow_clock}}" }
+        ] }]
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let worker = Worker::builder("testing")
+        .definition_file(slow_clock_definition(dir.path()))
+        .tool("testing.slow_clock", SlowClock)
+        .build()
+        .unwrap();
+    let running = env.start_worker(worker).await;
+
+    // The orchestrator's catalog may not have the new worker yet: a call
+    // to it takes a fresh reading.
+    let (_, outcome) = env.ask("what does the slow clock say?").await;
+    let outcome = outcome.expect("completed");
+    assert_eq!(outcome.text, "The slow clock says 12:00");
+    assert_valid_and_numbered(&outcome.events);
+    let calls: Vec<&ChatEvent> = outcome
+        .events
+        .iter()
+        .filter(|e| {
+            matches!(
+                e.body,
+                ChatEventBody::ToolCall { .. }
+                    | ChatEventBody::ToolProgress { .. }
+                    | ChatEventBody::ToolResult { .. }
+            )
+        })
+        .collect();
+    let kinds: Vec<&str> = calls.iter().map(|e| e.body.name()).collect();
+    assert_eq!(
+        kinds,
+        ["tool_call", "tool_progress", "tool_progress", "tool_result"]
+    );
+    let ChatEventBody::ToolCall { call_id, .. } = &calls[0].body else {
+        unreachable!()
+    };
+    let progress: Vec<(&str, &str, &str)> = calls[1..3]
+        .iter()
+        .map(|e| match &e.body {
+            ChatEventBody::ToolProgress {
+                call_id,
+                tool,
+                message,
+            } => (call_id.as_str(), tool.as_str(), message.as_str()),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        progress[0],
+        (
+            call_id.as_str(),
+            "testing:slow_clock@1.0.0",
+            "reading the clock"
+        )
+    );
+    let long = progress[1].2;
+    assert_eq!(long.chars().count(), 1001, "cut to 1000 characters and …");
+    assert!(long.ends_with("é…"));
+
+    running.stop().await;
+}
+
+/// The server's default `max_payload` (1 MiB) is the contract's
+/// `MAX_JOB_BYTES` of body alone: a tool job the contract allows but the
+/// server cannot carry with its headers is answered at once with
+/// `too_large` (naming the limit the model must stay under), not sent; the
+/// oversized `tool_call` event is shrunk rather than lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_job_over_the_servers_limit_is_answered_too_large_without_being_sent() {
+    // Job body: {"arguments":{"utcOffset":"…"}} — 30 bytes around the
+    // value, so the body stays within the contract's limit.
+    let value = "x".repeat(MAX_JOB_BYTES - 100);
+    let env = Env::start(json!({
+        "rules": [{ "whenUserContains": ["huge"], "steps": [
+            { "toolCalls": [ { "name": "current_datetime", "arguments": { "utcOffset": value } } ] },
+            { "answer": "Could not: {{tool:current_datetime}}" }
+        ] }]
+    }))
+    .await;
+    assert_eq!(
+        env.client.server_info().max_payload,
+        MAX_JOB_BYTES,
+        "the test server runs with nats-server's default max_payload"
+    );
+    let (_, outcome) = env.ask("a huge question").await;
+    let outcome = outcome.expect("the loop goes on to an answer");
+    assert_valid_and_numbered(&outcome.events);
+    let results = crate::support::result_codes(&outcome.events);
+    assert_eq!(results, [(ToolStatus::Error, Some("too_large".into()))]);
+    let shown = outcome.events.iter().find_map(|e| match &e.body {
+        ChatEventBody::ToolCall { arguments, .. } => Some(arguments.clone()),
+        _ => None,
+    });
+    assert!(
+        shown
+            .as_ref()
+            .and_then(Value::as_str)
+            .is_some_and(|s| s.contains("too large for an event")),
+        "{shown:?}"
+    );
+    // The model is told the limit it must stay under, which is below the
+    // contract's: the server's limit counts the headers too.
+    let limit: usize = outcome
+        .text
+        .split("at most ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no limit in {:?}", outcome.text));
+    assert!(limit < MAX_JOB_BYTES - 100, "{limit}");
+    let metrics = env.metrics_text().await;
+    assert!(
+        !metrics.contains(
+            "toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"}"
+        ),
+        "no job reached the worker"
+    );
+}
+
+/// A tool that never finishes by itself; it says when its future is
+/// dropped (the worker stopped it).
+struct Stuck(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+struct SetOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Drop for SetOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Tool for Stuck {
+    type Args = Value;
+    async fn call(&self, _ctx: &ToolCtx, _args: Value) -> Result<ToolOutput, ToolError> {
+        let _flag = SetOnDrop(self.0.clone());
+        tokio::time::sleep(Duration::from_secs(3600)).await;
+        Ok(ToolOutput::text("never"))
+    }
+}
+
+/// Cancelling an invocation reaches the tool call it is waiting for: the
+/// worker stops the tool (its future is dropped) and acks the job, instead
+/// of running it to its timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_an_invocation_stops_its_running_tool() {
+    let env = Env::start(json!({
+        "rules": [{ "whenUserContains": ["clock"], "steps": [
+            { "toolCalls": [ { "name": "slow_clock", "arguments": {} } ] },
+            { "answer": "It is {{tool:slow_clock}}" }
+        ] }]
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let stopped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // A timeout far past the test's waits: only the cancel can stop it.
+    let path = slow_clock_definition(dir.path());
+    let mut def: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    def["timeoutMs"] = json!(3_600_000);
+    std::fs::write(&path, def.to_string()).unwrap();
+    let worker = Worker::builder("testing")
+        .definition_file(path)
+        .tool("testing.slow_clock", Stuck(stopped.clone()))
+        .build()
+        .unwrap();
+    let running = env.start_worker(worker).await;
+
+    let job = toolfleet_protocol::client::question("what does the clock say?");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    loop {
+        let ev = next_json(&mut events).await;
+        assert_ne!(ev["type"], "error", "{ev}");
+        if ev["type"] == "tool_call" {
+            break;
+        }
+    }
+    // Cancel once the worker has the call.
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(env.subjects.tools_stream())
+        .await
+        .unwrap()
+        .get_consumer("tool_testing_slow_clock_1_0_0")
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while consumer.info().await.unwrap().num_ack_pending == 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the worker never took the call"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    env.client
+        .publish(env.subjects.chat_cancel(&job.invocation_id), "".into())
+        .await
+        .unwrap();
+    // The worker's `cancelled` result may reach the orchestrator before its
+    // own cancel does: then a tool_result comes first. Either way the
+    // invocation ends in `error: cancelled`.
+    let ev = loop {
+        let ev = next_json(&mut events).await;
+        if ev["type"] != "tool_result" {
+            break ev;
+        }
+        assert_eq!(ev["errorCode"], "cancelled", "{ev}");
+    };
+    assert_eq!(ev["type"], "error", "{ev}");
+    assert_eq!(ev["code"], "cancelled", "{ev}");
+
+    // The tool was stopped and its job acked, long before its timeout.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !stopped.load(std::sync::atomic::Ordering::SeqCst)
+        || consumer.info().await.unwrap().num_ack_pending != 0
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the tool still runs, or its job is not acked"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    running.stop().await;
+}
+
+/// A chat consumer left by an earlier release with a long ack wait is
+/// brought to the current, short one when an orchestrator starts (so the
+/// crash-recovery time holds on an upgraded server too).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_chat_consumer_gets_the_short_ack_wait() {
+    use async_nats::jetstream::consumer::pull;
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client.clone());
+    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+    let stream = toolfleet_protocol::streams::ensure_chat_stream(&js, &subjects)
+        .await
+        .unwrap();
+    stream
+        .create_consumer(pull::Config {
+            durable_name: Some(subjects.chat_consumer()),
+            filter_subject: subjects.chat_submit(),
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(60),
+            max_deliver: 4,
+            max_ack_pending: 10_000,
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+
+    let model = toolfleet_scripted::ScriptedServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        toolfleet_scripted::Script::from_json(&lighthouse_script().to_string()).unwrap(),
+    )
+    .await
+    .unwrap();
+    let rt = toolfleet_service::Runtime::new();
+    let spec = toolfleet_local::fleet::FleetSpec {
+        nats_url: nats.url(),
+        redis_url: redis.url(),
+        subjects: subjects.clone(),
+        citation_ttl: Duration::from_secs(60),
+        orchestrator: Some(toolfleet_orchestrator::OrchestratorConfig::new(
+            subjects.clone(),
+            toolfleet_llm::profiles::FleetConfig::single(toolfleet_llm::profiles::Deployment::new(
+                model.base_url(),
+                "toolfleet-scripted",
+            )),
+        )),
+        workers: Vec::new(),
+        worker_concurrency: 1,
+        nats_connect_wait: Duration::from_secs(5),
+    };
+    tokio::time::timeout(
+        WAIT,
+        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&subjects.chat_consumer())
+        .await
+        .unwrap();
+    let ack_wait = consumer.info().await.unwrap().config.ack_wait;
+    assert_eq!(ack_wait, Duration::from_secs(10));
+    assert!(rt.drain(Duration::from_secs(10)).await);
+}
