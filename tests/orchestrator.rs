@@ -413,9 +413,12 @@ async fn a_tool_job_over_the_servers_limit_is_answered_too_large_without_being_s
     );
 }
 
-/// A tool that never finishes by itself; it says when its future is
-/// dropped (the worker stopped it).
-struct Stuck(std::sync::Arc<std::sync::atomic::AtomicBool>);
+/// A tool that never finishes by itself; it says when it starts and when
+/// its future is dropped (the worker stopped it).
+struct Stuck {
+    started: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stopped: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
 
 struct SetOnDrop(std::sync::Arc<std::sync::atomic::AtomicBool>);
 
@@ -428,7 +431,9 @@ impl Drop for SetOnDrop {
 impl Tool for Stuck {
     type Args = Value;
     async fn call(&self, _ctx: &ToolCtx, _args: Value) -> Result<ToolOutput, ToolError> {
-        let _flag = SetOnDrop(self.0.clone());
+        self.started
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let _flag = SetOnDrop(self.stopped.clone());
         tokio::time::sleep(Duration::from_secs(3600)).await;
         Ok(ToolOutput::text("never"))
     }
@@ -447,6 +452,7 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
     }))
     .await;
     let dir = tempfile::tempdir().unwrap();
+    let started = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stopped = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // A timeout far past the test's waits: only the cancel can stop it.
     let path = slow_clock_definition(dir.path());
@@ -455,7 +461,13 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
     std::fs::write(&path, def.to_string()).unwrap();
     let worker = Worker::builder("testing")
         .definition_file(path)
-        .tool("testing.slow_clock", Stuck(stopped.clone()))
+        .tool(
+            "testing.slow_clock",
+            Stuck {
+                started: started.clone(),
+                stopped: stopped.clone(),
+            },
+        )
         .build()
         .unwrap();
     let running = env.start_worker(worker).await;
@@ -474,7 +486,7 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
             break;
         }
     }
-    // Cancel once the worker has the call.
+    // Cancel once the tool is running.
     let js = async_nats::jetstream::new(env.client.clone());
     let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
         .get_stream(env.subjects.tools_stream())
@@ -484,10 +496,10 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
         .await
         .unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;
-    while consumer.info().await.unwrap().num_ack_pending == 0 {
+    while !started.load(std::sync::atomic::Ordering::SeqCst) {
         assert!(
             tokio::time::Instant::now() < deadline,
-            "the worker never took the call"
+            "the worker never started the tool"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

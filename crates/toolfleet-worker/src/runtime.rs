@@ -1089,13 +1089,16 @@ async fn run_tool(
     budget: Duration,
 ) -> Result<crate::ToolOutput, ToolError> {
     let call = std::panic::AssertUnwindSafe(tool.imp.call_json(ctx, arguments)).catch_unwind();
+    // Biased: a call whose invocation was cancelled before it started
+    // never starts its tool.
     let ran = tokio::select! {
-        ran = tokio::time::timeout(budget, call) => ran,
+        biased;
         _ = ctx.cancelled() => {
             return Err(ToolError::Cancelled(
                 "the invocation was cancelled; the tool was stopped".into(),
             ));
         }
+        ran = tokio::time::timeout(budget, call) => ran,
     };
     match ran {
         Ok(Ok(ran)) => ran,
