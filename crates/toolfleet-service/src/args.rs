@@ -7,13 +7,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
+
+pub use crate::redis_args::{DEFAULT_REDIS_URL, ENV_REDIS_URL, RedisArgs};
 use toolfleet_protocol::redact_url;
 
 pub const ENV_NATS_URL: &str = "TOOLFLEET_NATS_URL";
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 pub const ENV_SUBJECT_PREFIX: &str = "TOOLFLEET_SUBJECT_PREFIX";
-pub const ENV_REDIS_URL: &str = "TOOLFLEET_REDIS_URL";
-pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 pub const ENV_TOOL_DEFINITIONS: &str = "TOOLFLEET_TOOL_DEFINITIONS";
 pub const DEFAULT_TOOL_DEFINITIONS: &str = "tool_definitions";
 pub const ENV_METRICS_ADDR: &str = "TOOLFLEET_METRICS_ADDR";
@@ -82,28 +82,6 @@ pub async fn connect_nats(
                 tokio::time::sleep(Duration::from_millis(250)).await;
             }
         }
-    }
-}
-
-/// Where Redis is and how long invocation keys live.
-#[derive(Args, Debug, Clone)]
-pub struct RedisArgs {
-    /// Redis URL (the citation store and result ledger).
-    #[arg(id = "redis_url", long = "redis-url", env = ENV_REDIS_URL, default_value = DEFAULT_REDIS_URL, hide_env_values = true)]
-    pub url: String,
-    /// Lifetime of an invocation's citation keys, in seconds.
-    #[arg(
-        long = "citation-ttl",
-        env = "TOOLFLEET_CITATION_TTL",
-        default_value_t = 86_400
-    )]
-    pub ttl_secs: u64,
-}
-
-impl RedisArgs {
-    /// How long an invocation's keys live.
-    pub fn ttl(&self) -> Duration {
-        Duration::from_secs(self.ttl_secs)
     }
 }
 

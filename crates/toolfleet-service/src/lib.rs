@@ -15,6 +15,7 @@
 pub mod args;
 pub mod jobs;
 pub mod metrics;
+pub mod redis_args;
 pub mod serve;
 
 pub use serve::{GRACE_PERIOD, Runtime, serve_until_signal};
