@@ -395,6 +395,7 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
         tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
         attempt: 1,
         reply_to: inbox,
+        citation_floor: 0,
     };
     let body = json!({ "arguments": { "query": "honeybee waggle dance", "limit": 2 } }).to_string();
     let mut first_refs = None;
@@ -448,6 +449,7 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
         tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
         attempt: 1,
         reply_to: inbox,
+        citation_floor: 0,
     };
     js.publish_with_headers(
         env.subjects.tool(&call.tool_id),

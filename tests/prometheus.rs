@@ -427,6 +427,7 @@ async fn traffic(env: &mut Env) {
         tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
         attempt: 1,
         reply_to: env.client.new_inbox(),
+        citation_floor: 0,
     };
     js.publish_with_headers(
         env.subjects.tool(&call.tool_id),

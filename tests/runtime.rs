@@ -166,6 +166,7 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
             tool_id: id.clone(),
             attempt: 1,
             reply_to: inbox.clone(),
+            citation_floor: 0,
         };
         js.publish_with_headers(
             subjects.tool(&id),

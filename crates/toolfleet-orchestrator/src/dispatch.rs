@@ -216,6 +216,7 @@ impl ToolRunner<'_> {
             tool_id: def.id.clone(),
             attempt: 1,
             reply_to: format!("{}.{}", self.inbox, call.id),
+            citation_floor: 0,
         };
         let headers = call_ctx.to_headers();
         let body = encode(&ToolJob {

@@ -42,6 +42,9 @@ pub mod headers {
     pub const DEADLINE: &str = "Toolfleet-Deadline";
     pub const ATTEMPT: &str = "Toolfleet-Attempt";
     pub const REPLY_TO: &str = "Toolfleet-Reply-To";
+    /// The highest `[doc:N]` the invocation had announced when the call
+    /// was sent: a worker's new citation indices are always above it.
+    pub const CITATION_FLOOR: &str = "Toolfleet-Citation-Floor";
     pub const TRACEPARENT: &str = "traceparent";
     pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
 }
@@ -135,6 +138,33 @@ impl Subjects {
 
     pub fn chat_cancel_all(&self) -> String {
         format!("{}.chat.cancel.*", self.prefix)
+    }
+
+    /// Where tool results go: every orchestrator's call inbox is under it
+    /// (`<p>.reply.<orchestrator>.<call>`), and a worker refuses a reply
+    /// subject outside it.
+    pub fn replies_all(&self) -> String {
+        format!("{}.reply.>", self.prefix)
+    }
+
+    /// A fresh call inbox for one orchestrator (under [`Subjects::replies_all`]).
+    pub fn reply_inbox(&self) -> String {
+        format!("{}.reply.{}", self.prefix, uuid::Uuid::new_v4().simple())
+    }
+
+    /// Is `subject` a reply subject of this fleet (under
+    /// [`Subjects::replies_all`], one or more tokens after `reply`, no
+    /// wildcards)?
+    pub fn is_reply_subject(&self, subject: &str) -> bool {
+        subject
+            .strip_prefix(self.prefix.as_str())
+            .and_then(|rest| rest.strip_prefix(".reply."))
+            .is_some_and(|rest| {
+                !rest.is_empty()
+                    && rest.split('.').all(|t| {
+                        !t.is_empty() && t != "*" && t != ">" && !t.contains(char::is_whitespace)
+                    })
+            })
     }
 
     pub fn tool(&self, id: &ToolId) -> String {
@@ -237,6 +267,8 @@ pub struct CallContext {
     /// 1 for the first delivery.
     pub attempt: u32,
     pub reply_to: String,
+    /// See [`headers::CITATION_FLOOR`]; 0 when absent.
+    pub citation_floor: u64,
 }
 
 fn get<'a>(h: &'a HeaderMap, name: &'static str) -> Option<&'a str> {
@@ -362,6 +394,9 @@ impl CallContext {
         h.insert(TOOL_ID, self.tool_id.to_string().as_str());
         h.insert(ATTEMPT, self.attempt.to_string().as_str());
         h.insert(REPLY_TO, self.reply_to.as_str());
+        if self.citation_floor > 0 {
+            h.insert(CITATION_FLOOR, self.citation_floor.to_string().as_str());
+        }
         h.insert(NATS_MSG_ID, self.msg_id().as_str());
         h
     }
@@ -389,6 +424,7 @@ impl CallContext {
             tool_id,
             attempt: parsed(h, ATTEMPT)?.unwrap_or(1),
             reply_to: required(h, REPLY_TO)?.to_string(),
+            citation_floor: parsed(h, CITATION_FLOOR)?.unwrap_or(0),
         })
     }
 }

@@ -11,6 +11,7 @@
 //! | `<p>:{<inv>}:call:<call>` | string | the indices a call reserved, so a redelivered job reuses them |
 //! | `<p>:{<inv>}:result:<call>` | string | the result ledger: a redelivered job returns the stored result |
 //! | `<p>:{<inv>}:cancelled` | string | a cancel tombstone: a job that starts after its cancel is not run |
+//! | `<p>:{<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation |
 //!
 //! Every key carries the TTL. References are written by one Lua script, so
 //! a reservation is atomic: the counter, the hash and the call's indices move
@@ -40,7 +41,7 @@ impl From<redis::RedisError> for CitationError {
 }
 
 const RESERVE: &str = r#"
-local n = #ARGV - 1
+local n = #ARGV - 2
 local ttl = tonumber(ARGV[1])
 local existing = redis.call('GET', KEYS[3])
 if existing then
@@ -51,7 +52,7 @@ if existing then
   if count == n then
     local i = 1
     for idx in string.gmatch(existing, '[^,]+') do
-      redis.call('HSET', KEYS[2], '[doc:' .. idx .. ']', ARGV[i + 1])
+      redis.call('HSET', KEYS[2], '[doc:' .. idx .. ']', ARGV[i + 2])
       i = i + 1
     end
     return existing
@@ -59,11 +60,17 @@ if existing then
 end
 local out = {}
 if n > 0 then
-  local last = redis.call('INCRBY', KEYS[1], n)
+  -- The floor is the highest index the caller knows was handed out: a
+  -- counter lost with a Redis restart never hands out an index again.
+  local cur = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
+  local floor = tonumber(ARGV[2])
+  if cur < floor then cur = floor end
+  local last = cur + n
+  redis.call('SET', KEYS[1], tostring(last))
   local first = last - n + 1
   for i = 1, n do
     local idx = first + i - 1
-    redis.call('HSET', KEYS[2], '[doc:' .. idx .. ']', ARGV[i + 1])
+    redis.call('HSET', KEYS[2], '[doc:' .. idx .. ']', ARGV[i + 2])
     out[i] = tostring(idx)
   end
 end
@@ -90,6 +97,17 @@ impl std::fmt::Debug for CitationStore {
             .field("ttl", &self.ttl)
             .finish_non_exhaustive()
     }
+}
+
+/// The outcome of [`CitationStore::claim`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Claim {
+    /// Nobody held the invocation; now this owner does.
+    New,
+    /// This owner already held it (a redelivery of the same job).
+    Again,
+    /// Another owner holds it (named).
+    Other(String),
 }
 
 /// A reference before it has an index.
@@ -152,6 +170,10 @@ impl CitationStore {
     /// `reservation` names this reservation (the call id, or the call id
     /// and a counter when one call cites more than once); `call_id` goes
     /// into the references.
+    ///
+    /// `floor` is the highest index the invocation is known to have handed
+    /// out (the orchestrator sends it with each tool job): new indices are
+    /// always above it, even when Redis lost the counter.
     pub async fn reserve(
         &self,
         invocation_id: &str,
@@ -159,12 +181,14 @@ impl CitationStore {
         call_id: &str,
         tool_id: &str,
         refs: Vec<NewReference>,
+        floor: u64,
     ) -> Result<Vec<Reference>, CitationError> {
         let mut inv = self.reserve.prepare_invoke();
         inv.key(self.key(invocation_id, "seq"))
             .key(self.key(invocation_id, "refs"))
             .key(self.key(invocation_id, &format!("call:{reservation}")))
-            .arg(self.ttl.as_secs().max(1));
+            .arg(self.ttl.as_secs().max(1))
+            .arg(floor);
         let mut stored = Vec::with_capacity(refs.len());
         for r in refs {
             let reference = r.cited(0, tool_id, call_id);
@@ -258,6 +282,35 @@ impl CitationStore {
         let json = serde_json::to_string(result).map_err(|e| CitationError(e.to_string()))?;
         let _: () = conn.set_ex(key, json, self.ttl.as_secs().max(1)).await?;
         Ok(())
+    }
+
+    /// Claims the invocation for `owner` (the stream sequence of the chat
+    /// job that carries it), once: the first claim wins for the store's
+    /// TTL; the same owner claiming again (a redelivery of that message)
+    /// continues; any other owner is told who holds it.
+    pub async fn claim(&self, invocation_id: &str, owner: &str) -> Result<Claim, CitationError> {
+        let mut conn = self.conn.clone();
+        let key = self.key(invocation_id, "owner");
+        let set: bool = redis::cmd("SET")
+            .arg(&key)
+            .arg(owner)
+            .arg("NX")
+            .arg("EX")
+            .arg(self.ttl.as_secs().max(1))
+            .query_async::<Option<String>>(&mut conn)
+            .await?
+            .is_some();
+        if set {
+            return Ok(Claim::New);
+        }
+        let holder: Option<String> = conn.get(&key).await?;
+        Ok(match holder {
+            Some(h) if h == owner => Claim::Again,
+            Some(h) => Claim::Other(h),
+            // Expired between the two commands: the TTL is a day, so this
+            // is a claim that lapsed; treat it as ours again.
+            None => Claim::Again,
+        })
     }
 
     /// Is the store answering?

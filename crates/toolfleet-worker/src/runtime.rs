@@ -535,6 +535,7 @@ impl Sink for LiveSink {
                     &call.call_id,
                     &tool,
                     refs,
+                    call.citation_floor,
                 )
                 .await
                 .map_err(|e| ToolError::transient(e.to_string()))?;
