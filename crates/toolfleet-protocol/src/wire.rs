@@ -1027,7 +1027,8 @@ mod tests {
             call_id: "call_1".into(),
             tool_id: id(),
             attempt: 3,
-            reply_to: "_INBOX.abc".into(),
+            reply_to: "toolfleet.reply.abc.call_1".into(),
+            citation_floor: 7,
         }
     }
 
