@@ -3,10 +3,13 @@
 
 mod binaries;
 mod layout;
+mod nats_cluster;
 mod orchestrator;
 mod policies;
 mod prometheus;
+mod redis_store;
 mod runtime;
+mod security;
 mod support;
 
 use std::collections::HashSet;
