@@ -2,6 +2,7 @@
 //! processes and the scripted model server (a stand-in for the provider).
 
 mod binaries;
+mod delivery;
 mod layout;
 mod nats_cluster;
 mod orchestrator;
@@ -390,7 +391,7 @@ async fn fifty_concurrent_invocations_never_mix_citations() {
 async fn a_repeated_tool_job_is_answered_from_the_ledger() {
     let env = Env::start(lighthouse_script()).await;
     let js = async_nats::jetstream::new(env.client.clone());
-    let inbox = env.client.new_inbox();
+    let inbox = env.subjects.reply_inbox();
     let mut replies = env.subscribe(inbox.clone()).await;
     let call = toolfleet_protocol::CallContext {
         invocation: toolfleet_protocol::InvocationContext::new("ledger-1"),
@@ -442,7 +443,7 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
 async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
     let mut env = Env::start(lighthouse_script()).await;
     let js = async_nats::jetstream::new(env.client.clone());
-    let inbox = env.client.new_inbox();
+    let inbox = env.subjects.reply_inbox();
     let mut replies = env.subscribe(inbox.clone()).await;
     let mut dead = env.subscribe("toolfleet.deadletter.tool".into()).await;
     env.redis.stop();

@@ -426,7 +426,7 @@ async fn traffic(env: &mut Env) {
         call_id: "call_1".into(),
         tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
         attempt: 1,
-        reply_to: env.client.new_inbox(),
+        reply_to: env.subjects.reply_inbox(),
         citation_floor: 0,
     };
     js.publish_with_headers(

@@ -156,7 +156,7 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
     .expect("the worker starts");
 
     let js = async_nats::jetstream::new(client.clone());
-    let inbox = client.new_inbox();
+    let inbox = subjects.reply_inbox();
     let mut replies = client.subscribe(inbox.clone()).await.unwrap();
     client.flush().await.unwrap();
     let mut ask = async |call: &str, args: Value| -> Value {

@@ -28,17 +28,16 @@
 //! the first `references` event, published right after `started`. A step
 //! fails the job by returning a [`Failure`].
 
-use std::collections::HashSet;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use toolfleet_llm::profiles::ResolvedProfile;
 use toolfleet_llm::{Message, ToolSpec};
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_protocol::tools::CompiledTool;
-use toolfleet_protocol::{ChatJob, ChatRole, InvocationContext};
+use toolfleet_protocol::{ChatJob, ChatRole, InvocationContext, Reference};
 use tracing::info;
 
-use crate::fleet::ReferencesSeen;
 use crate::{DEFAULT_SYSTEM_PROMPT, Failure, Fleet, UsageLedger};
 
 /// One chat job on its way to an answer.
@@ -58,8 +57,71 @@ pub struct Invocation {
     pub deadline_ms: u64,
     /// The model calls so far.
     pub usage: UsageLedger,
-    /// Reference indices already published in a `references` event.
-    pub(crate) references_seen: ReferencesSeen,
+    /// The references this run's own tool calls returned.
+    pub citations: Citations,
+}
+
+/// The references of one run, by index, as its own tool calls returned
+/// them — never read back from the store, so a reference some other job
+/// wrote under this invocation's id, a dead earlier run's, or one Redis
+/// lost, cannot reach `completed`.
+#[derive(Debug, Default)]
+pub struct Citations {
+    by_index: BTreeMap<u64, Reference>,
+    /// The highest index already sent in a `references` event.
+    published: u64,
+}
+
+impl Citations {
+    /// The highest index this run has seen: every tool job carries it, and
+    /// a worker's new indices are above it even if Redis lost its counter.
+    pub fn floor(&self) -> u64 {
+        self.by_index.last_key_value().map_or(0, |(i, _)| *i)
+    }
+
+    /// Adds a call's references. The same reference again (a replayed
+    /// result) is fine; a different one under a known index means the
+    /// store handed an index out twice (it lost its counter mid-round),
+    /// and the invocation fails rather than cite the wrong document.
+    pub fn add(&mut self, refs: &[Reference]) -> Result<(), Failure> {
+        for r in refs {
+            match self.by_index.get(&r.index) {
+                Some(known) if known != r => {
+                    return Err(Failure::new(
+                        "citation_conflict",
+                        format!(
+                            "two tool calls were given citation [doc:{}] (the citation store lost its counter, e.g. Redis restarted without persistence); the answer could cite the wrong document",
+                            r.index
+                        ),
+                    ));
+                }
+                Some(_) => {}
+                None => {
+                    self.by_index.insert(r.index, r.clone());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The references not yet published, in index order; marks them
+    /// published.
+    pub fn unpublished(&mut self) -> Vec<Reference> {
+        let new: Vec<Reference> = self
+            .by_index
+            .range(self.published + 1..)
+            .map(|(_, r)| r.clone())
+            .collect();
+        if let Some(last) = new.last() {
+            self.published = last.index;
+        }
+        new
+    }
+
+    /// Every reference, in index order.
+    pub fn all(&self) -> Vec<Reference> {
+        self.by_index.values().cloned().collect()
+    }
 }
 
 impl Invocation {
@@ -106,7 +168,7 @@ pub fn build(fleet: &Fleet, job: ChatJob, deadline_ms: u64) -> Result<Invocation
         tools,
         deadline_ms,
         usage: UsageLedger::default(),
-        references_seen: HashSet::new(),
+        citations: Citations::default(),
     })
 }
 
@@ -186,4 +248,47 @@ pub fn conversation(job: &ChatJob, profile: &ResolvedProfile) -> Vec<Message> {
 /// Step 4: every tool of the catalog snapshot, in tool-id order.
 pub fn offer_tools(catalog: &Catalog) -> Vec<Arc<CompiledTool>> {
     catalog.iter().map(|e| e.tool.clone()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reference(index: u64, call: &str, title: &str) -> Reference {
+        Reference {
+            index,
+            kind: "document".into(),
+            title: title.into(),
+            source: None,
+            url: None,
+            snippet: None,
+            tool_id: Some("testing:t@1.0.0".into()),
+            call_id: Some(call.into()),
+        }
+    }
+
+    #[test]
+    fn citations_publish_once_keep_a_floor_and_refuse_a_reused_index() {
+        let mut c = Citations::default();
+        assert_eq!(c.floor(), 0);
+        c.add(&[reference(1, "a", "one"), reference(2, "a", "two")])
+            .unwrap();
+        assert_eq!(c.floor(), 2);
+        assert_eq!(c.unpublished().len(), 2);
+        assert!(c.unpublished().is_empty());
+        // A replayed result brings the same references again: fine.
+        c.add(&[reference(2, "a", "two")]).unwrap();
+        assert!(c.unpublished().is_empty());
+        // Another call given a known index: the store lost its counter.
+        let e = c.add(&[reference(2, "b", "other")]).unwrap_err();
+        assert_eq!(e.code, "citation_conflict");
+        c.add(&[reference(3, "b", "three")]).unwrap();
+        let new = c.unpublished();
+        assert_eq!(new.len(), 1);
+        assert_eq!(new[0].index, 3);
+        assert_eq!(
+            c.all().iter().map(|r| r.index).collect::<Vec<_>>(),
+            [1, 2, 3]
+        );
+    }
 }

@@ -34,8 +34,8 @@ use toolfleet_llm::ToolCall;
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_protocol::tools::{CompiledTool, Delivery};
 use toolfleet_protocol::{
-    CallContext, ChatEventBody, Envelope, MAX_PROGRESS_CHARS, ToolJob, ToolReply, ToolResult,
-    ToolStatus, encode,
+    CallContext, ChatEventBody, Envelope, MAX_PROGRESS_CHARS, Reference, ToolJob, ToolReply,
+    ToolResult, ToolStatus, encode,
 };
 use tracing::warn;
 
@@ -43,11 +43,14 @@ use crate::metrics::OrchestratorMetrics;
 use crate::{Events, Failure, Fleet, Invocation};
 
 /// What a tool call came to.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct ToolOutcome {
     /// What the model reads.
     pub content: String,
     pub status: ToolStatus,
+    /// The references the call's result carried (only those naming the
+    /// call itself).
+    pub references: Vec<Reference>,
 }
 
 /// Runs tool calls for one invocation: owns the invocation's reply inbox.
@@ -61,7 +64,9 @@ impl Fleet {
     /// A [`ToolRunner`] with its reply inbox subscribed (before any job is
     /// published, so no reply is missed).
     pub async fn tool_runner(&self) -> Result<ToolRunner<'_>, Failure> {
-        let inbox = self.client.new_inbox();
+        // Under the fleet's reply prefix: workers refuse any other reply
+        // subject, and NATS permissions let only orchestrators read it.
+        let inbox = self.config.subjects.reply_inbox();
         let replies = self
             .client
             .subscribe(format!("{inbox}.*"))
@@ -188,7 +193,8 @@ impl ToolRunner<'_> {
             }
         }
         self.confirm_stored(acks, &mut batch, events).await;
-        self.await_answers(&mut batch, &mut readings, events).await;
+        self.await_answers(&inv.ctx.invocation_id, &mut batch, &mut readings, events)
+            .await;
         batch
             .answers
             .into_iter()
@@ -216,7 +222,7 @@ impl ToolRunner<'_> {
             tool_id: def.id.clone(),
             attempt: 1,
             reply_to: format!("{}.{}", self.inbox, call.id),
-            citation_floor: 0,
+            citation_floor: inv.citations.floor(),
         };
         let headers = call_ctx.to_headers();
         let body = encode(&ToolJob {
@@ -413,6 +419,7 @@ impl ToolRunner<'_> {
     /// Waits until every pending call of the batch is answered.
     async fn await_answers(
         &mut self,
+        invocation_id: &str,
         batch: &mut Batch<'_>,
         readings: &mut watch::Receiver<Arc<Catalog>>,
         events: &Events,
@@ -423,6 +430,19 @@ impl ToolRunner<'_> {
             let metrics = &self.fleet.metrics;
             match waited {
                 Waited::Result(result) => {
+                    // Only the call's own answer counts: same invocation,
+                    // same call, same tool (the reply subject alone is
+                    // not proof where permissions are loose).
+                    let ours = batch.pending.get(&result.call_id).is_some_and(|p| {
+                        result.invocation_id == invocation_id
+                            && result.tool_id == p.tool.definition.id.to_string()
+                    });
+                    if !ours {
+                        if batch.pending.contains_key(&result.call_id) {
+                            warn!(call_id = %result.call_id, tool = %result.tool_id, "a result that does not match its call was ignored");
+                        }
+                        continue;
+                    }
                     if let Some(p) = batch.pending.remove(&result.call_id) {
                         let outcome = record(metrics, events, batch.calls[p.index], &p, &result);
                         batch.answers[p.index] = Some(outcome);
@@ -546,6 +566,7 @@ impl Batch<'_> {
                     call.name
                 ),
                 status: ToolStatus::Timeout,
+                references: Vec::new(),
             });
         }
     }
@@ -610,6 +631,7 @@ fn no_result() -> ToolOutcome {
     ToolOutcome {
         content: "Error: no result.".to_string(),
         status: ToolStatus::Error,
+        references: Vec::new(),
     }
 }
 
@@ -658,7 +680,11 @@ fn immediate(
         duration_ms: 0,
         error_code: Some(code.to_string()),
     });
-    ToolOutcome { content, status }
+    ToolOutcome {
+        content,
+        status,
+        references: Vec::new(),
+    }
 }
 
 /// A worker's result: metrics, the `tool_result` event, and what the model
@@ -695,6 +721,12 @@ fn record(
     ToolOutcome {
         content,
         status: result.status,
+        references: result
+            .references
+            .iter()
+            .filter(|r| r.call_id.as_deref() == Some(result.call_id.as_str()))
+            .cloned()
+            .collect(),
     }
 }
 

@@ -7,7 +7,6 @@
 //! usage recorded), [`Fleet::tool_runner`] (tool calls), and
 //! [`Fleet::publish_references`] (citations the tools wrote).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -16,8 +15,8 @@ use dashmap::DashMap;
 use tokio_util::sync::CancellationToken;
 use toolfleet_llm::LlmClient;
 use toolfleet_llm::profiles::ResolvedProfile;
+use toolfleet_protocol::ChatEventBody;
 use toolfleet_protocol::catalog::Catalog;
-use toolfleet_protocol::{ChatEventBody, Reference};
 use toolfleet_store::CitationStore;
 use tracing::info;
 
@@ -86,30 +85,22 @@ impl Fleet {
         PayloadLimits::of(&self.client)
     }
 
-    /// Publishes a `references` event with the invocation's references not
-    /// published yet (tools write them to the citation store as they run).
-    pub async fn publish_references(
+    /// Takes the references of a turn's tool calls into the invocation and
+    /// publishes a `references` event with those not published yet.
+    pub fn publish_references(
         &self,
         inv: &mut Invocation,
+        outcomes: &[crate::ToolOutcome],
         events: &Events,
     ) -> Result<(), Failure> {
-        let all = self.references(&inv.ctx.invocation_id).await?;
-        let new: Vec<Reference> = all
-            .into_iter()
-            .filter(|r| inv.references_seen.insert(r.index))
-            .collect();
+        for outcome in outcomes {
+            inv.citations.add(&outcome.references)?;
+        }
+        let new = inv.citations.unpublished();
         if !new.is_empty() {
             events.send(ChatEventBody::References { references: new });
         }
         Ok(())
-    }
-
-    /// Every reference of an invocation, in index order.
-    pub(crate) async fn references(&self, invocation_id: &str) -> Result<Vec<Reference>, Failure> {
-        self.store
-            .references(invocation_id)
-            .await
-            .map_err(|e| Failure::new("citation_store_unavailable", e.to_string()))
     }
 
     /// The client of a resolved profile's deployment, built once.
@@ -150,6 +141,3 @@ impl Fleet {
         }
     }
 }
-
-/// The set of reference indices an invocation has published.
-pub(crate) type ReferencesSeen = HashSet<u64>;

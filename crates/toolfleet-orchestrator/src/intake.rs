@@ -155,6 +155,10 @@ impl Delivery {
 /// Why a job is dead-lettered instead of run.
 struct Rejection<'a> {
     invocation_id: Option<String>,
+    /// Whether the sender gets an `error` event: only when this message
+    /// holds the invocation's claim (an event on another job's invocation
+    /// would be a second terminal event there).
+    tell_sender: bool,
     /// The `error` event's code.
     event_code: &'a str,
     /// The dead letter's code.
@@ -177,8 +181,13 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
                 .inc();
             let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
             warn!(invocation_id = ?invocation_id, error = %e, "malformed chat job");
+            let tell_sender = match &invocation_id {
+                Some(id) => matches!(claim(fleet, id, delivery).await, Claimed::Ours),
+                None => false,
+            };
             let rejection = Rejection {
                 invocation_id,
+                tell_sender,
                 event_code: "malformed_job",
                 code: e.code(),
                 error: e.to_string(),
@@ -193,18 +202,81 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             delivery.attempt
         );
         warn!(invocation_id = %job.invocation_id, "{error}");
+        let tell_sender = matches!(
+            claim(fleet, &job.invocation_id, delivery).await,
+            Claimed::Ours
+        );
         let rejection = Rejection {
             invocation_id: Some(job.invocation_id),
+            tell_sender,
             event_code: "too_many_attempts",
             code: "too_many_attempts",
             error,
         };
         return dead_letter(fleet, &msg, delivery, rejection).await;
     }
+    match claim(fleet, &job.invocation_id, delivery).await {
+        Claimed::Ours => {}
+        Claimed::Other(owner) => {
+            fleet
+                .metrics
+                .chat_jobs
+                .with_label_values(&["duplicate"])
+                .inc();
+            let error = format!(
+                "invocation {} already belongs to another chat job ({owner}); this one is not run",
+                job.invocation_id
+            );
+            warn!(invocation_id = %job.invocation_id, "{error}");
+            let rejection = Rejection {
+                invocation_id: Some(job.invocation_id),
+                tell_sender: false,
+                event_code: "duplicate_invocation",
+                code: "duplicate_invocation",
+                error,
+            };
+            return dead_letter(fleet, &msg, delivery, rejection).await;
+        }
+        Claimed::Unknown(e) => {
+            // Not run unclaimed (a duplicate could run twice), not lost:
+            // it comes back when the store may answer again.
+            warn!(invocation_id = %job.invocation_id, error = %e, "cannot claim the invocation (the store is unavailable); the job will be delivered again");
+            let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
+            return;
+        }
+    }
     let span = tracing::info_span!("chat_job", invocation_id = %job.invocation_id, attempt = delivery.attempt);
     run(fleet, msg, job, delivery, started)
         .instrument(span)
         .await
+}
+
+/// How long a job waits before it is delivered again when its invocation
+/// cannot be claimed (the store did not answer within its retry budget).
+const CLAIM_RETRY_DELAY: Duration = Duration::from_secs(5);
+
+/// Whether a delivery may speak for its invocation.
+enum Claimed {
+    /// This message claimed the invocation (now or on an earlier delivery).
+    Ours,
+    /// Another message holds it: named by its stream sequence.
+    Other(String),
+    /// The store could not say.
+    Unknown(String),
+}
+
+/// Claims the invocation for this message (its stream sequence), so that
+/// one invocation id runs once however often it is submitted: a second
+/// message with the same id — a resubmission under a new `Nats-Msg-Id`,
+/// a forgery — is refused, while a redelivery of the claiming message
+/// (an orchestrator died) continues.
+async fn claim(fleet: &Fleet, invocation_id: &str, delivery: Delivery) -> Claimed {
+    let owner = format!("chat-seq-{}", delivery.stream_sequence);
+    match fleet.store.claim(invocation_id, &owner).await {
+        Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => Claimed::Ours,
+        Ok(toolfleet_store::Claim::Other(owner)) => Claimed::Other(owner),
+        Err(e) => Claimed::Unknown(e.to_string()),
+    }
 }
 
 /// Runs a decoded job to its terminal event, then acks it.
@@ -285,7 +357,11 @@ async fn dead_letter(
     delivery: Delivery,
     rejection: Rejection<'_>,
 ) {
-    if let Some(id) = &rejection.invocation_id {
+    if let Some(id) = rejection
+        .invocation_id
+        .as_ref()
+        .filter(|_| rejection.tell_sender)
+    {
         let events = Events::start(
             fleet.client.clone(),
             fleet.config.subjects.chat_events(id),

@@ -95,13 +95,11 @@ pub(crate) async fn invoke(
         profile: Some(inv.profile.name.clone()),
         tools: inv.tool_ids(),
     });
-    fleet.publish_references(&mut inv, events).await?;
     let answer = orchestrator.run(&mut inv, fleet, events).await?;
-    fleet.publish_references(&mut inv, events).await?;
-    let references = fleet.references(&inv.ctx.invocation_id).await?;
+    fleet.publish_references(&mut inv, &[], events)?;
     events.finish(ChatEventBody::Completed {
         text: answer.text,
-        references,
+        references: inv.citations.all(),
         usage: inv.usage.total(),
         cost_usd: inv.usage.cost(),
         llm_calls: inv.usage.into_calls(),

@@ -77,7 +77,7 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
         }
         let outcomes = run_calls(inv, &mut tools, &completion, &policy, fleet, events).await;
         caps.close_round(&completion, &outcomes, &policy, fleet);
-        fleet.publish_references(inv, events).await?;
+        fleet.publish_references(inv, &outcomes, events)?;
     }
     Err(Failure::new(
         "round_limit",

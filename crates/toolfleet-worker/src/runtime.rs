@@ -838,6 +838,24 @@ async fn process(
         }
     };
     call.attempt = attempt;
+    // Results go only to the fleet's reply subjects: a job that names
+    // anything else (another fleet's subject, `chat.submit`, an events
+    // subject) is a forgery or a bug, and gets no answer.
+    if !shared.config.subjects.is_reply_subject(&call.reply_to) {
+        shared.count(&label, "error");
+        warn!(tool = %label, reply_to = %call.reply_to, "tool job with a reply subject outside the fleet's reply prefix");
+        return Outcome::Dead {
+            call: None,
+            failure: DeadFailure {
+                code: "bad_reply_subject".into(),
+                message: format!(
+                    "the reply subject {:?} is not under {}",
+                    call.reply_to,
+                    shared.config.subjects.replies_all()
+                ),
+            },
+        };
+    }
     let span = tracing::info_span!(
         "tool_job",
         invocation_id = %call.invocation.invocation_id,

@@ -1,0 +1,376 @@
+//! Delivery guarantees under faults and forgeries, on real servers: an
+//! invocation runs once and ends in one terminal event; its citations are
+//! its own calls' and never reuse an index, whatever Redis loses; results
+//! go only to the fleet's reply subjects.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use tokio::sync::Notify;
+use toolfleet_protocol::{CallContext, InvocationContext};
+use toolfleet_store::NewReference;
+use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
+
+use crate::support::{Env, WAIT, next_json};
+
+/// A tool that cites one document named after its `round` argument. The
+/// call of round 2 stops before it cites until the test says go (once), so
+/// the test can break something in between.
+#[derive(Clone)]
+struct CiteRound {
+    reached: Arc<Notify>,
+    go: Arc<Notify>,
+    waited: Arc<AtomicBool>,
+}
+
+impl CiteRound {
+    fn new() -> Self {
+        Self {
+            reached: Arc::new(Notify::new()),
+            go: Arc::new(Notify::new()),
+            waited: Arc::new(AtomicBool::new(false)),
+        }
+    }
+}
+
+impl Tool for CiteRound {
+    type Args = Value;
+    async fn call(&self, ctx: &ToolCtx, args: Value) -> Result<ToolOutput, ToolError> {
+        let round = args["round"].as_u64().unwrap_or(0);
+        if round == 2 && !self.waited.swap(true, Ordering::SeqCst) {
+            self.reached.notify_one();
+            self.go.notified().await;
+        }
+        let refs = ctx
+            .cite(vec![NewReference {
+                kind: "document".into(),
+                title: format!("round {round}"),
+                source: Some(format!("round-{round}.md")),
+                url: None,
+                snippet: None,
+            }])
+            .await?;
+        Ok(ToolOutput::text(format!(
+            "[doc:{}] says round {round}",
+            refs[0].index
+        )))
+    }
+}
+
+const CITE_ROUND: &str = r#"{
+  "schemaVersion": 1,
+  "id": "testing:cite_round@1.0.0",
+  "implementationKey": "testing.cite_round",
+  "title": "Cite a round",
+  "description": "Cites one document per round.",
+  "category": "testing",
+  "purpose": "general",
+  "selectable": true,
+  "tags": [],
+  "function": {
+    "name": "cite_round",
+    "description": "Cites one document named after the round.",
+    "parameters": {
+      "type": "object",
+      "properties": { "round": { "type": "integer" } },
+      "required": ["round"],
+      "additionalProperties": false
+    }
+  },
+  "timeoutMs": 20000,
+  "delivery": "jetstream",
+  "parallelSafe": true
+}"#;
+
+fn cite_round_worker(tool: CiteRound) -> Worker {
+    Worker::builder("testing")
+        .definition_json(CITE_ROUND)
+        .tool("testing.cite_round", tool)
+        .build()
+        .unwrap()
+}
+
+/// Two rounds, each citing once, then an answer.
+fn two_rounds() -> Value {
+    json!({
+        "rules": [{ "whenUserContains": ["rounds"], "steps": [
+            { "toolCalls": [ { "name": "cite_round", "arguments": { "round": 1 } } ] },
+            { "toolCalls": [ { "name": "cite_round", "arguments": { "round": 2 } } ] },
+            { "answer": "Both rounds: {{tool:cite_round}}" }
+        ] }]
+    })
+}
+
+/// Every event of an invocation until its terminal one.
+async fn events_until_terminal(events: &mut async_nats::Subscriber) -> Vec<Value> {
+    let mut out = Vec::new();
+    loop {
+        let ev = next_json(events).await;
+        let terminal = ev["type"] == "completed" || ev["type"] == "error";
+        out.push(ev);
+        if terminal {
+            return out;
+        }
+    }
+}
+
+/// Redis restarted without persistence between two rounds of one
+/// invocation loses the citation counter; round 2 must still get a new
+/// index (the orchestrator sends the highest it has announced as a floor),
+/// and `completed` must agree with the `references` events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_restart_between_rounds_never_reuses_a_citation_index() {
+    let mut env = Env::start(two_rounds()).await;
+    let tool = CiteRound::new();
+    let worker = env.start_worker(cite_round_worker(tool.clone())).await;
+
+    let job = toolfleet_protocol::client::question("cite two rounds please");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, tool.reached.notified())
+        .await
+        .expect("round 2 never started");
+    // Round 1 cited [doc:1]; Redis forgets it.
+    env.redis.stop();
+    env.redis.start_again().unwrap();
+    tool.go.notify_one();
+
+    let all = events_until_terminal(&mut events).await;
+    let last = all.last().unwrap();
+    assert_eq!(last["type"], "completed", "{all:#?}");
+    let completed: Vec<(u64, String)> = last["references"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            (
+                r["index"].as_u64().unwrap(),
+                r["title"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        completed,
+        vec![(1, "round 1".to_string()), (2, "round 2".to_string())],
+        "{all:#?}"
+    );
+    let announced: Vec<(u64, String)> = all
+        .iter()
+        .filter(|e| e["type"] == "references")
+        .flat_map(|e| e["references"].as_array().unwrap().clone())
+        .map(|r| {
+            (
+                r["index"].as_u64().unwrap(),
+                r["title"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(announced, completed, "events and completed agree");
+    worker.stop().await;
+}
+
+/// A tool job forged with another invocation's id (anyone who can publish
+/// to a tool subject can do it) writes its reference under that
+/// invocation's keys, but it never reaches that invocation's `completed`:
+/// an invocation's references are its own calls'.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_tool_job_cannot_add_references_to_another_invocation() {
+    let env = Env::start(two_rounds()).await;
+    let tool = CiteRound::new();
+    let worker = env.start_worker(cite_round_worker(tool.clone())).await;
+
+    let job = toolfleet_protocol::client::question("cite two rounds please");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, tool.reached.notified())
+        .await
+        .expect("round 2 never started");
+
+    // The forgery: a search under the victim's invocation id.
+    let inbox = env.subjects.reply_inbox();
+    let mut replies = env.subscribe(inbox.clone()).await;
+    let forged = CallContext {
+        invocation: InvocationContext::new(job.invocation_id.clone()),
+        call_id: "call_forged".into(),
+        tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
+        attempt: 1,
+        reply_to: inbox,
+        citation_floor: 0,
+    };
+    let js = async_nats::jetstream::new(env.client.clone());
+    js.publish_with_headers(
+        env.subjects.tool(&forged.tool_id),
+        forged.to_headers(),
+        json!({ "arguments": { "query": "lighthouse" } })
+            .to_string()
+            .into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let reply = next_json(&mut replies).await;
+    assert_eq!(reply["status"], "ok", "{reply}");
+    assert!(
+        !reply["references"].as_array().unwrap().is_empty(),
+        "the forged call cited something: {reply}"
+    );
+    tool.go.notify_one();
+
+    let all = events_until_terminal(&mut events).await;
+    let last = all.last().unwrap();
+    assert_eq!(last["type"], "completed", "{all:#?}");
+    let text = serde_json::to_string(&all).unwrap();
+    assert!(
+        !text.contains("call_forged") && !text.contains("lighthouse"),
+        "a forged reference reached the invocation's events: {all:#?}"
+    );
+    let refs = last["references"].as_array().unwrap();
+    assert_eq!(refs.len(), 2, "{refs:#?}");
+    worker.stop().await;
+}
+
+/// A tool job whose reply subject is outside the fleet's reply prefix (a
+/// result aimed at `chat.submit`, say) is dead-lettered without running
+/// and nothing is published there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_job_replying_outside_the_fleet_is_refused() {
+    let env = Env::start(json!({ "rules": [] })).await;
+    let mut dead = env.subscribe("toolfleet.deadletter.tool".into()).await;
+    let mut submits = env.subscribe(env.subjects.chat_submit()).await;
+    for target in [
+        env.subjects.chat_submit(),
+        "toolfleet.chat.events.someone-else".to_string(),
+        "_INBOX.abc".to_string(),
+        "toolfleet.reply.>".to_string(),
+    ] {
+        let call = CallContext {
+            invocation: InvocationContext::new("aimed-1"),
+            call_id: "call_1".into(),
+            tool_id: "system:current_datetime@1.0.0".parse().unwrap(),
+            attempt: 1,
+            reply_to: target.clone(),
+            citation_floor: 0,
+        };
+        let mut h = call.to_headers();
+        h.insert("Nats-Msg-Id", target.as_str());
+        async_nats::jetstream::new(env.client.clone())
+            .publish_with_headers(
+                env.subjects.tool(&call.tool_id),
+                h,
+                r#"{"arguments":{}}"#.into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        let d = next_json(&mut dead).await;
+        assert_eq!(d["code"], "bad_reply_subject", "{target}: {d}");
+        assert_eq!(d["attempts"], 1);
+    }
+    assert!(
+        tokio::time::timeout(
+            Duration::from_millis(300),
+            futures::StreamExt::next(&mut submits)
+        )
+        .await
+        .is_err(),
+        "something was published to chat.submit"
+    );
+}
+
+/// One invocation id runs once: the same job resubmitted under a new
+/// `Nats-Msg-Id` (JetStream's de-duplication does not catch it) is
+/// dead-lettered as a duplicate, and the invocation's subject carries one
+/// run and one terminal event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invocation_id_is_run_once() {
+    let env = Env::start(json!({
+        "rules": [{ "whenUserContains": ["hello"], "steps": [ { "answer": "Hi." } ] }]
+    }))
+    .await;
+    let job = toolfleet_protocol::client::question("hello there");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .await;
+    let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    for copy in 0..2 {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Nats-Msg-Id", format!("copy-{copy}").as_str());
+        js.publish_with_headers(
+            env.subjects.chat_submit(),
+            h,
+            serde_json::to_vec(&job).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let d = next_json(&mut dead).await;
+    assert_eq!(d["code"], "duplicate_invocation", "{d}");
+    assert_eq!(d["invocationId"], job.invocation_id.as_str());
+    let mut terminal = 0;
+    let mut started = 0;
+    while let Ok(Some(msg)) = tokio::time::timeout(
+        Duration::from_millis(1500),
+        futures::StreamExt::next(&mut events),
+    )
+    .await
+    {
+        let ev: Value = serde_json::from_slice(&msg.payload).unwrap();
+        started += usize::from(ev["type"] == "started");
+        terminal += usize::from(ev["type"] == "completed" || ev["type"] == "error");
+    }
+    assert_eq!((started, terminal), (1, 1));
+}
+
+/// A malformed chat job that carries the id of an invocation another job
+/// holds is dead-lettered without an event on that invocation's subject
+/// (which would be its second terminal event).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_job_cannot_end_another_jobs_invocation() {
+    let env = Env::start(json!({
+        "rules": [{ "whenUserContains": ["hello"], "steps": [ { "answer": "Hi." } ] }]
+    }))
+    .await;
+    let (job, outcome) = env.ask("hello there").await;
+    outcome.expect("completed");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .await;
+    let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    js.publish(
+        env.subjects.chat_submit(),
+        json!({ "invocationId": job.invocation_id, "messages": "not a list" })
+            .to_string()
+            .into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let d = next_json(&mut dead).await;
+    assert_eq!(d["invocationId"], job.invocation_id.as_str(), "{d}");
+    assert!(
+        tokio::time::timeout(
+            Duration::from_millis(500),
+            futures::StreamExt::next(&mut events)
+        )
+        .await
+        .is_err(),
+        "the malformed job published on the other invocation's subject"
+    );
+}
