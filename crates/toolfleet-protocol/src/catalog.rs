@@ -129,6 +129,7 @@ pub async fn bucket(
                     // old digest) leaves the bucket.
                     max_age: CATALOG_MAX_AGE,
                     storage: jetstream::stream::StorageType::File,
+                    num_replicas: crate::streams::default_replicas(),
                     ..Default::default()
                 })
                 .await
@@ -140,6 +141,7 @@ pub async fn bucket(
         }
     };
     ours(store.stream.cached_info())?;
+    crate::streams::check_replicas(store.stream.cached_info());
     Ok(store)
 }
 

@@ -1,6 +1,13 @@
 //! The JetStream streams of the contract: one definition each, created by
 //! whichever process starts first (orchestrators and workers alike).
+//!
+//! Replicas: streams (and the catalog bucket) are created with the
+//! process's replica count ([`set_default_replicas`], set from
+//! `--stream-replicas` when a process connects; 1 unless said), and their
+//! consumers inherit it. An existing stream keeps the count it has: a
+//! different one is logged, never changed behind the operator's back.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_nats::jetstream::{self, stream};
@@ -11,6 +18,19 @@ use crate::Subjects;
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("NATS: {0}")]
 pub struct StreamError(String);
+
+static DEFAULT_REPLICAS: AtomicUsize = AtomicUsize::new(1);
+
+/// Sets the replica count of the streams and buckets this process creates
+/// from now on (at least 1; a 3-node cluster takes 3).
+pub fn set_default_replicas(replicas: usize) {
+    DEFAULT_REPLICAS.store(replicas.max(1), Ordering::Relaxed);
+}
+
+/// The replica count of the streams and buckets this process creates.
+pub fn default_replicas() -> usize {
+    DEFAULT_REPLICAS.load(Ordering::Relaxed)
+}
 
 /// Creates the chat-job stream if it does not exist.
 pub async fn ensure_chat_stream(
@@ -57,12 +77,24 @@ async fn work_queue(
             duplicate_window: Duration::from_secs(120),
             max_message_size: crate::MAX_JOB_BYTES as i32 + 64 * 1024,
             max_age: Duration::from_secs(max_age_secs),
+            num_replicas: default_replicas(),
             ..Default::default()
         })
         .await
         .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
     check_subjects(stream.cached_info(), &subject)?;
+    check_replicas(stream.cached_info());
     Ok(stream)
+}
+
+/// Logs an existing stream whose replica count is not this process's.
+pub(crate) fn check_replicas(info: &stream::Info) {
+    let wanted = default_replicas();
+    if info.config.num_replicas != wanted {
+        tracing::warn!(stream = %info.config.name, replicas = info.config.num_replicas, wanted,
+            "the stream exists with another replica count; it keeps its own (change it with \
+             `nats stream edit --replicas`)");
+    }
 }
 
 /// The existing stream `info` must hold exactly `subject`.

@@ -22,7 +22,58 @@ pub const ENV_LOG: &str = "TOOLFLEET_LOG";
 /// Exit code for a configuration error (EX_USAGE).
 pub const EXIT_CONFIG: i32 = 64;
 
-/// Where NATS is and which subject prefix the fleet uses.
+pub const ENV_NATS_USER: &str = "TOOLFLEET_NATS_USER";
+pub const ENV_NATS_PASSWORD: &str = "TOOLFLEET_NATS_PASSWORD";
+pub const ENV_NATS_TOKEN: &str = "TOOLFLEET_NATS_TOKEN";
+pub const ENV_NATS_NKEY: &str = "TOOLFLEET_NATS_NKEY";
+pub const ENV_NATS_CREDS: &str = "TOOLFLEET_NATS_CREDS";
+pub const ENV_NATS_TLS_CA: &str = "TOOLFLEET_NATS_TLS_CA";
+pub const ENV_NATS_TLS_CERT: &str = "TOOLFLEET_NATS_TLS_CERT";
+pub const ENV_NATS_TLS_KEY: &str = "TOOLFLEET_NATS_TLS_KEY";
+pub const ENV_NATS_TLS_REQUIRED: &str = "TOOLFLEET_NATS_TLS_REQUIRED";
+pub const ENV_NATS_INBOX_PREFIX: &str = "TOOLFLEET_NATS_INBOX_PREFIX";
+pub const ENV_STREAM_REPLICAS: &str = "TOOLFLEET_STREAM_REPLICAS";
+pub const DEFAULT_STREAM_REPLICAS: usize = 1;
+
+/// A secret setting (a password, a token): its `Debug` never shows it, so
+/// neither does a logged configuration.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Self {
+        Self(value.into())
+    }
+
+    /// The secret itself, for the one place that hands it to a client.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+impl std::str::FromStr for Secret {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self(s.to_string()))
+    }
+}
+
+/// Where NATS is, who we are to it, and which subject prefix the fleet
+/// uses.
+///
+/// One identity at a time: user and password, a token, an NKey seed file,
+/// or a `.creds` file (user JWT + seed, for servers in operator mode). TLS
+/// is independent of the identity: a CA to trust, a client certificate for
+/// servers that verify clients, or TLS required even when the server does
+/// not ask for it (`tls://` URLs require it too). Secrets are never logged
+/// and no error names them.
 #[derive(Args, Debug, Clone)]
 pub struct NatsArgs {
     /// NATS server URL(s), comma-separated.
@@ -39,37 +90,277 @@ pub struct NatsArgs {
         default_value_t = 30
     )]
     pub connect_wait_secs: u64,
+    /// NATS user name (with `--nats-password`).
+    #[arg(long = "nats-user", env = ENV_NATS_USER, requires = "nats_password",
+          conflicts_with_all = ["nats_token", "nats_nkey", "nats_creds"])]
+    pub user: Option<String>,
+    /// NATS password of `--nats-user`.
+    #[arg(id = "nats_password", long = "nats-password", env = ENV_NATS_PASSWORD,
+          hide_env_values = true, requires = "user")]
+    pub password: Option<Secret>,
+    /// NATS authentication token.
+    #[arg(id = "nats_token", long = "nats-token", env = ENV_NATS_TOKEN, hide_env_values = true,
+          conflicts_with_all = ["nats_nkey", "nats_creds"])]
+    pub token: Option<Secret>,
+    /// File holding an NKey user seed (`SU…`): the server knows the public key.
+    #[arg(id = "nats_nkey", long = "nats-nkey", env = ENV_NATS_NKEY, conflicts_with = "nats_creds")]
+    pub nkey_seed_file: Option<PathBuf>,
+    /// A `.creds` file (user JWT and NKey seed), for servers in operator mode.
+    #[arg(id = "nats_creds", long = "nats-creds", env = ENV_NATS_CREDS)]
+    pub creds_file: Option<PathBuf>,
+    /// PEM file of the CA(s) that signed the server's certificate.
+    #[arg(long = "nats-tls-ca", env = ENV_NATS_TLS_CA)]
+    pub tls_ca: Option<PathBuf>,
+    /// PEM client certificate, for servers that verify clients (with
+    /// `--nats-tls-key`).
+    #[arg(long = "nats-tls-cert", env = ENV_NATS_TLS_CERT, requires = "tls_key")]
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `--nats-tls-cert`.
+    #[arg(long = "nats-tls-key", env = ENV_NATS_TLS_KEY, requires = "tls_cert")]
+    pub tls_key: Option<PathBuf>,
+    /// Refuse to talk to a server without TLS.
+    #[arg(long = "nats-tls-required", env = ENV_NATS_TLS_REQUIRED)]
+    pub tls_required: bool,
+    /// Prefix of this process's own request inboxes (JetStream API answers,
+    /// pulled jobs, publish acks) instead of `_INBOX`: with one prefix per
+    /// role, a server's permissions keep one role from reading another's
+    /// inboxes (see ops/nats/).
+    #[arg(long = "nats-inbox-prefix", env = ENV_NATS_INBOX_PREFIX)]
+    pub inbox_prefix: Option<String>,
+    /// Replicas of the streams and the catalog bucket this process creates
+    /// (3 on a 3-node cluster; existing streams keep theirs).
+    #[arg(long = "stream-replicas", env = ENV_STREAM_REPLICAS, default_value_t = DEFAULT_STREAM_REPLICAS,
+          value_parser = clap::builder::TypedValueParser::map(clap::value_parser!(u8).range(1..=5), usize::from))]
+    pub stream_replicas: usize,
 }
 
 impl NatsArgs {
+    /// Settings for `url` with the defaults of everything else (no
+    /// identity, no TLS, the default prefix): for tests and local fleets.
+    pub fn for_url(url: impl Into<String>) -> Self {
+        Self {
+            url: url.into(),
+            prefix: toolfleet_protocol::DEFAULT_PREFIX.to_string(),
+            connect_wait_secs: 30,
+            user: None,
+            password: None,
+            token: None,
+            nkey_seed_file: None,
+            creds_file: None,
+            tls_ca: None,
+            tls_cert: None,
+            tls_key: None,
+            tls_required: false,
+            inbox_prefix: None,
+            stream_replicas: DEFAULT_STREAM_REPLICAS,
+        }
+    }
+
     pub fn subjects(
         &self,
     ) -> Result<toolfleet_protocol::Subjects, toolfleet_protocol::ProtocolError> {
         toolfleet_protocol::Subjects::new(&self.prefix)
     }
 
-    /// Connects, retrying the first connection for `connect_wait_secs`
-    /// (processes of a fleet start in any order).
+    /// Connects with this identity and TLS, retrying the first connection
+    /// for `connect_wait_secs` (processes of a fleet start in any order).
+    /// Also makes `--stream-replicas` the replica count of the streams this
+    /// process creates.
+    ///
+    /// # Errors
+    ///
+    /// An unreadable seed, credentials or TLS file, credentials the server
+    /// refuses (at once: they will not get better), or no server within
+    /// the wait.
     pub async fn connect(&self, name: &str) -> anyhow::Result<async_nats::Client> {
-        connect_nats(&self.url, name, Duration::from_secs(self.connect_wait_secs)).await
+        self.connect_inner(name, self.inbox_prefix.as_deref()).await
+    }
+
+    /// [`NatsArgs::connect`] with request inboxes under `prefix` (whatever
+    /// `--nats-inbox-prefix` says).
+    pub async fn connect_with_inbox(
+        &self,
+        name: &str,
+        prefix: &str,
+    ) -> anyhow::Result<async_nats::Client> {
+        self.connect_inner(name, Some(prefix)).await
+    }
+
+    async fn connect_inner(
+        &self,
+        name: &str,
+        inbox_prefix: Option<&str>,
+    ) -> anyhow::Result<async_nats::Client> {
+        toolfleet_protocol::streams::set_default_replicas(self.stream_replicas);
+        let identity = Identity::load(self).await?;
+        let tls = Tls {
+            ca: self.tls_ca.clone(),
+            cert: self.tls_cert.clone().zip(self.tls_key.clone()),
+            required: self.tls_required,
+        };
+        tls.check()?;
+        connect_with(
+            &self.url,
+            Duration::from_secs(self.connect_wait_secs),
+            || {
+                let mut opts = identity.apply(async_nats::ConnectOptions::new().name(name));
+                opts = tls.apply(opts);
+                if let Some(prefix) = inbox_prefix {
+                    opts = opts.custom_inbox_prefix(prefix);
+                }
+                opts
+            },
+        )
+        .await
     }
 }
 
-/// Connects to NATS, retrying the first connection for up to `wait`. (Not
-/// `retry_on_initial_connect`: with it `connect` returns at once and every
-/// later call waits forever on a server that never comes.)
+/// Who a process is to NATS, read once from the files named.
+enum Identity {
+    Anonymous,
+    UserPassword(String, Secret),
+    Token(Secret),
+    NKey(Secret),
+    /// The contents of a `.creds` file.
+    Creds(Secret),
+}
+
+impl Identity {
+    async fn load(args: &NatsArgs) -> anyhow::Result<Self> {
+        if let Some(path) = &args.creds_file {
+            let text = read_secret_file(path, "NATS credentials").await?;
+            // Checked here so a bad file is a configuration error that names
+            // the file, never its contents.
+            if async_nats::ConnectOptions::with_credentials(&text).is_err() {
+                anyhow::bail!(
+                    "NATS credentials file {} holds no user JWT and NKey seed",
+                    path.display()
+                );
+            }
+            return Ok(Self::Creds(Secret(text)));
+        }
+        if let Some(path) = &args.nkey_seed_file {
+            let seed = read_secret_file(path, "NATS NKey seed").await?;
+            let seed = seed.trim().to_string();
+            if nkeys::KeyPair::from_seed(&seed).is_err() {
+                anyhow::bail!("NATS NKey seed file {} holds no valid seed", path.display());
+            }
+            return Ok(Self::NKey(Secret(seed)));
+        }
+        if let Some(token) = &args.token {
+            return Ok(Self::Token(token.clone()));
+        }
+        if let (Some(user), Some(password)) = (&args.user, &args.password) {
+            return Ok(Self::UserPassword(user.clone(), password.clone()));
+        }
+        Ok(Self::Anonymous)
+    }
+
+    fn apply(&self, opts: async_nats::ConnectOptions) -> async_nats::ConnectOptions {
+        match self {
+            Self::Anonymous => opts,
+            Self::UserPassword(user, password) => {
+                opts.user_and_password(user.clone(), password.expose().to_string())
+            }
+            Self::Token(token) => opts.token(token.expose().to_string()),
+            Self::NKey(seed) => opts.nkey(seed.expose().to_string()),
+            // Parsed once in `load`; parsing the same text cannot fail.
+            Self::Creds(text) => match opts.credentials(text.expose()) {
+                Ok(opts) => opts,
+                Err(_) => async_nats::ConnectOptions::new(),
+            },
+        }
+    }
+}
+
+async fn read_secret_file(path: &std::path::Path, what: &str) -> anyhow::Result<String> {
+    tokio::fs::read_to_string(path)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot read the {what} file {}: {e}", path.display()))
+}
+
+/// TLS towards NATS.
+struct Tls {
+    ca: Option<PathBuf>,
+    /// Client certificate and key.
+    cert: Option<(PathBuf, PathBuf)>,
+    required: bool,
+}
+
+impl Tls {
+    /// The files must exist (the client reads them only when it connects,
+    /// and would report a missing one as a connection failure).
+    fn check(&self) -> anyhow::Result<()> {
+        let files = self
+            .ca
+            .iter()
+            .chain(self.cert.iter().flat_map(|(c, k)| [c, k]));
+        for f in files {
+            if !f.is_file() {
+                anyhow::bail!("NATS TLS file {} does not exist", f.display());
+            }
+        }
+        Ok(())
+    }
+
+    fn apply(&self, mut opts: async_nats::ConnectOptions) -> async_nats::ConnectOptions {
+        if let Some(ca) = &self.ca {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        if let Some((cert, key)) = &self.cert {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
+        if self.required {
+            opts = opts.require_tls(true);
+        }
+        opts
+    }
+}
+
+/// Connects to NATS with no identity and no TLS, retrying the first
+/// connection for up to `wait` (see [`NatsArgs::connect`] for the rest).
 pub async fn connect_nats(
     url: &str,
     name: &str,
     wait: Duration,
 ) -> anyhow::Result<async_nats::Client> {
+    connect_with(url, wait, || async_nats::ConnectOptions::new().name(name)).await
+}
+
+/// Connects with the options `options` builds, retrying the first
+/// connection for up to `wait`. (Not `retry_on_initial_connect`: with it
+/// `connect` returns at once and every later call waits forever on a server
+/// that never comes.) A refusal of the credentials or a TLS failure ends the
+/// wait at once.
+async fn connect_with(
+    url: &str,
+    wait: Duration,
+    options: impl Fn() -> async_nats::ConnectOptions,
+) -> anyhow::Result<async_nats::Client> {
+    use async_nats::ConnectErrorKind as Kind;
     let deadline = tokio::time::Instant::now() + wait;
     loop {
-        let opts = async_nats::ConnectOptions::new()
-            .name(name)
-            .connection_timeout(Duration::from_secs(2));
+        let opts = options().connection_timeout(Duration::from_secs(2));
         match opts.connect(url).await {
             Ok(c) => return Ok(c),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    Kind::Authentication | Kind::AuthorizationViolation
+                ) =>
+            {
+                return Err(anyhow::anyhow!(
+                    "NATS at {} refused this process's credentials ({})",
+                    redact_url(url),
+                    e.kind()
+                ));
+            }
+            Err(e) if e.kind() == Kind::Tls => {
+                return Err(anyhow::anyhow!(
+                    "TLS with NATS at {} failed: {e}",
+                    redact_url(url)
+                ));
+            }
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(anyhow::anyhow!(
                     "cannot connect to NATS at {} (tried for {}s): {e}",
@@ -154,6 +445,88 @@ pub async fn shutdown_signal() {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use clap::Parser;
+
+    #[derive(Parser, Debug)]
+    struct Cli {
+        #[command(flatten)]
+        nats: NatsArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<NatsArgs, clap::Error> {
+        Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied())).map(|c| c.nats)
+    }
+
+    #[test]
+    fn identities_and_tls_parse_and_secrets_stay_out_of_debug() {
+        let a = parse(&["--nats-user", "orch", "--nats-password", "hunter2"]).unwrap();
+        assert_eq!(a.user.as_deref(), Some("orch"));
+        assert_eq!(a.password.as_ref().unwrap().expose(), "hunter2");
+        assert!(!format!("{a:?}").contains("hunter2"), "{a:?}");
+        let a = parse(&["--nats-token", "s3cr3t", "--stream-replicas", "3"]).unwrap();
+        assert!(!format!("{a:?}").contains("s3cr3t"));
+        assert_eq!(a.stream_replicas, 3);
+        let a = parse(&[
+            "--nats-tls-ca",
+            "ca.pem",
+            "--nats-tls-cert",
+            "c.pem",
+            "--nats-tls-key",
+            "k.pem",
+            "--nats-tls-required",
+            "--nats-inbox-prefix",
+            "_INBOX.client",
+        ])
+        .unwrap();
+        assert!(a.tls_required && a.tls_key.is_some());
+        assert_eq!(a.inbox_prefix.as_deref(), Some("_INBOX.client"));
+        assert_eq!(parse(&[]).unwrap().stream_replicas, 1);
+    }
+
+    #[test]
+    fn contradictory_identities_are_configuration_errors() {
+        for bad in [
+            &["--nats-user", "u"][..],
+            &["--nats-password", "p"],
+            &["--nats-token", "t", "--nats-creds", "x.creds"],
+            &[
+                "--nats-user",
+                "u",
+                "--nats-password",
+                "p",
+                "--nats-nkey",
+                "seed",
+            ],
+            &["--nats-tls-cert", "c.pem"],
+            &["--stream-replicas", "0"],
+            &["--stream-replicas", "7"],
+        ] {
+            assert!(parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[tokio::test]
+    async fn unreadable_or_invalid_key_files_fail_without_showing_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let seed = dir.path().join("seed");
+        std::fs::write(&seed, "SUnot-a-seed-but-secret").unwrap();
+        let mut a = NatsArgs::for_url("nats://127.0.0.1:1");
+        a.nkey_seed_file = Some(seed);
+        let e = a.connect("t").await.unwrap_err().to_string();
+        assert!(e.contains("no valid seed") && !e.contains("secret"), "{e}");
+        let creds = dir.path().join("u.creds");
+        std::fs::write(&creds, "secret garbage").unwrap();
+        a.nkey_seed_file = None;
+        a.creds_file = Some(creds);
+        let e = a.connect("t").await.unwrap_err().to_string();
+        assert!(e.contains("no user JWT") && !e.contains("secret"), "{e}");
+        a.creds_file = Some(dir.path().join("missing.creds"));
+        assert!(a.connect("t").await.is_err());
+        a.creds_file = None;
+        a.tls_ca = Some(dir.path().join("missing-ca.pem"));
+        let e = a.connect("t").await.unwrap_err().to_string();
+        assert!(e.contains("does not exist"), "{e}");
+    }
 
     #[test]
     fn redacts_passwords() {
