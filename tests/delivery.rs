@@ -374,3 +374,97 @@ async fn a_malformed_job_cannot_end_another_jobs_invocation() {
         "the malformed job published on the other invocation's subject"
     );
 }
+
+/// The system worker, as its binary builds it.
+fn system_worker() -> Worker {
+    toolfleet::families::some(
+        &["system"],
+        &crate::support::root().join("tool_definitions"),
+        &toolfleet::families::IndexArgs {
+            index_dir: std::env::temp_dir().join("unused-index"),
+            corpus_dir: crate::support::root().join("examples/corpus"),
+        },
+    )
+    .unwrap()
+    .remove(0)
+}
+
+/// A worker that froze (or died) holding a tool job does not cost the call:
+/// the tool consumer's ack wait is a fraction of the tool's timeout, so a
+/// live worker of the pool gets the job again and answers while the
+/// caller still waits (the tool's timeout plus the orchestrator's slack).
+/// Here the test itself is the frozen worker: it pulls the job and never
+/// acks it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_workers_call_is_finished_by_another_inside_the_callers_wait() {
+    let env = Env::start_with(
+        json!({ "rules": [] }),
+        crate::support::Options {
+            workers: vec![],
+            ..Default::default()
+        },
+    )
+    .await;
+    let id: toolfleet_protocol::tools::ToolId = "system:current_datetime@1.0.0".parse().unwrap();
+    // A first copy makes the consumer, as a worker of the pool would.
+    env.start_worker(system_worker()).await.stop().await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    let consumer: async_nats::jetstream::consumer::PullConsumer = js
+        .get_stream(env.subjects.tools_stream())
+        .await
+        .unwrap()
+        .get_consumer(&env.subjects.tool_consumer(&id))
+        .await
+        .unwrap();
+    let mut frozen = consumer
+        .batch()
+        .max_messages(1)
+        .expires(Duration::from_secs(20))
+        .messages()
+        .await
+        .unwrap();
+
+    let inbox = env.subjects.reply_inbox();
+    let mut replies = env.subscribe(inbox.clone()).await;
+    let call = CallContext {
+        invocation: InvocationContext::new("frozen-1"),
+        call_id: "call_1".into(),
+        tool_id: id.clone(),
+        attempt: 1,
+        reply_to: inbox,
+        citation_floor: 0,
+    };
+    js.publish_with_headers(
+        env.subjects.tool(&id),
+        call.to_headers(),
+        r#"{"arguments":{}}"#.into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let published = tokio::time::Instant::now();
+    let held = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut frozen))
+        .await
+        .expect("the frozen worker got the job")
+        .unwrap()
+        .unwrap();
+
+    // The live copy of the pool.
+    let live = env.start_worker(system_worker()).await;
+    // The caller's wait for this tool: its timeout (5 s) plus the
+    // orchestrator's default slack (2 s).
+    let callers_wait = Duration::from_secs(7);
+    let reply = tokio::time::timeout_at(
+        published + callers_wait,
+        futures::StreamExt::next(&mut replies),
+    )
+    .await
+    .expect("the call was not finished inside the caller's wait")
+    .unwrap();
+    let reply: Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(reply["status"], "ok", "{reply}");
+    assert_eq!(reply["attempt"], 2, "{reply}");
+    drop(held);
+    live.stop().await;
+}

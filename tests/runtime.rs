@@ -567,36 +567,3 @@ async fn two_fleets_on_one_server_never_see_each_other() {
         assert!(rt.drain(Duration::from_secs(10)).await);
     }
 }
-
-/// The bench's transport floors run against a real server: every
-/// operation completes and the JetStream floor cleans up its stream.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_bench_floors_measure_a_real_server() {
-    let nats = NatsServer::start().unwrap();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = tokio::time::timeout(
-        support::WAIT,
-        toolfleet::floor::jetstream_round_trip(&client, 50, 8),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    assert_eq!((js.ops, js.failed), (50, 0), "{js}");
-    assert!(js.ops_per_sec > 0.0 && js.latency_ms_p50 > 0.0, "{js}");
-    let rr = tokio::time::timeout(
-        support::WAIT,
-        toolfleet::floor::request_reply(&client, 50, 8),
-    )
-    .await
-    .unwrap()
-    .unwrap();
-    assert_eq!((rr.ops, rr.failed), (50, 0), "{rr}");
-    let streams: Vec<String> = futures::StreamExt::collect::<Vec<_>>(
-        async_nats::jetstream::new(client.clone()).stream_names(),
-    )
-    .await
-    .into_iter()
-    .map(Result::unwrap)
-    .collect();
-    assert!(streams.is_empty(), "{streams:?}");
-}

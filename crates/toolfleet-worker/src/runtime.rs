@@ -50,8 +50,27 @@ pub struct WorkerConfig {
     pub max_attempts: u32,
     /// Delay before a failed attempt is delivered again.
     pub retry_delay: Duration,
-    /// The consumer's ack wait; in-progress acks go out at half of it.
+    /// The longest ack wait of a tool's consumer. Each tool's is a quarter
+    /// of its timeout within [`MIN_ACK_WAIT`] and this (see
+    /// [`WorkerConfig::ack_wait_for`]); in-progress acks go out at a third
+    /// of it.
     pub ack_wait: Duration,
+}
+
+/// The shortest ack wait of a tool consumer.
+pub const MIN_ACK_WAIT: Duration = Duration::from_secs(2);
+
+impl WorkerConfig {
+    /// The ack wait of `def`'s consumer: how long the jobs of a worker that
+    /// froze or died stay invisible before another worker of the pool gets
+    /// them. A quarter of the tool's timeout, so a redelivered call still
+    /// finishes inside the caller's wait (the tool's timeout plus slack);
+    /// live workers prove they are alive with in-progress acks (a
+    /// heartbeat, as Temporal's activity heartbeat timeout) at a third of
+    /// it.
+    pub fn ack_wait_for(&self, def: &toolfleet_protocol::tools::ToolDefinition) -> Duration {
+        (def.timeout() / 4).clamp(MIN_ACK_WAIT, self.ack_wait.max(MIN_ACK_WAIT))
+    }
 }
 
 impl WorkerConfig {
@@ -287,6 +306,7 @@ impl Worker {
             let label = tool.definition().id.to_string();
             info!(tool = %label, worker = %self.name, "serving tool");
             {
+                let heartbeat = config.ack_wait_for(tool.definition()) / 3;
                 let (tool, shared) = (tool.clone(), shared.clone());
                 tracker.spawn(toolfleet_service::jobs::pull_bounded(
                     consumer,
@@ -294,7 +314,7 @@ impl Worker {
                     tracker.clone(),
                     shutdown.clone(),
                     label,
-                    config.ack_wait / 2,
+                    heartbeat,
                     move |msg| {
                         let (tool, shared) = (tool.clone(), shared.clone());
                         async move { handle_jetstream(msg, &tool, &shared).await }
@@ -479,21 +499,19 @@ async fn consumer(
 ) -> Result<jetstream::consumer::Consumer<pull::Config>, WorkerError> {
     let name = config.subjects.tool_consumer(&def.id);
     let filter = config.subjects.tool(&def.id);
+    let settings = pull::Config {
+        durable_name: Some(name.clone()),
+        filter_subject: filter.clone(),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: config.ack_wait_for(def),
+        // Our own cap terminates first; this is the backstop for a job
+        // that kills its worker every time.
+        max_deliver: i64::from(config.max_attempts) + 2,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    };
     let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
-        .get_or_create_consumer(
-            &name,
-            pull::Config {
-                durable_name: Some(name.clone()),
-                filter_subject: filter.clone(),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: config.ack_wait,
-                // Our own cap terminates first; this is the backstop for a
-                // job that kills its worker every time.
-                max_deliver: i64::from(config.max_attempts) + 2,
-                max_ack_pending: 10_000,
-                ..Default::default()
-            },
-        )
+        .get_or_create_consumer(&name, settings.clone())
         .await
         .map_err(|e| WorkerError::Nats(format!("consumer for {}: {e}", def.id)))?;
     // Consumer names fold `.` into `_`, so two ids can meet in one name
@@ -507,6 +525,16 @@ async fn consumer(
             "the consumer {name} belongs to {}, not to {} (their ids fold to one consumer name; rename one tool)",
             info.config.filter_subject, def.id
         )));
+    }
+    // Made by an earlier release or with another timeout: bring its ack
+    // wait to this one's (an editable setting; the copies of a pool agree
+    // because they serve the same definition).
+    if info.config.ack_wait != settings.ack_wait {
+        match stream.create_consumer(settings.clone()).await {
+            Ok(updated) => consumer = updated,
+            Err(e) => warn!(consumer = %name, error = %e, ack_wait = ?info.config.ack_wait,
+                "cannot update the consumer's ack wait; a frozen worker's jobs wait that long"),
+        }
     }
     Ok(consumer)
 }
@@ -660,7 +688,10 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Share
     let label = tool.definition().id.to_string();
     // In-progress acks keep a long job from being redelivered to another
     // worker while this one is still on it.
-    let keep_alive = toolfleet_service::jobs::keep_alive(&msg, shared.config.ack_wait / 2);
+    let keep_alive = toolfleet_service::jobs::keep_alive(
+        &msg,
+        shared.config.ack_wait_for(tool.definition()) / 3,
+    );
     let outcome = process(&headers, &msg.payload, attempt, tool, shared).await;
     drop(keep_alive);
 
