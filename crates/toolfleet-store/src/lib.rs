@@ -16,27 +16,88 @@
 //! Every key carries the TTL. References are written by one Lua script, so
 //! a reservation is atomic: the counter, the hash and the call's indices move
 //! together or not at all.
+//!
+//! # Layout
+//!
+//! - this file: [`CitationStore`], its operations and the key layout.
+//! - [`connection`]: [`RedisOptions`] (one server or a Redis Cluster, auth
+//!   in the URL, `rediss://` with a custom CA and client certificate) and
+//!   the one connection type every command goes through.
+//! - `retry`: which Redis errors are transient, and the backoff between
+//!   tries. Every operation retries transient errors within the options'
+//!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
+//!   at once. Every operation is safe to repeat (see each one).
+
+pub mod connection;
+mod retry;
 
 use std::collections::HashMap;
-use std::time::Duration;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use redis::AsyncCommands;
-use redis::aio::ConnectionManager;
 
 use toolfleet_protocol::{Reference, ToolResult};
+
+use connection::{Conn, Connector, Secrets};
+pub use connection::{DEFAULT_RETRY_BUDGET, RedisOptions, redact_url};
 
 /// Default lifetime of an invocation's keys.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
 
+/// What went wrong, for callers to decide by type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Redis did not answer (down, restarting, unreachable) within the
+    /// retry budget. Worth retrying the job later.
+    Unavailable,
+    /// The configuration is wrong (URL, TLS files). Retrying will not help.
+    Config,
+    /// Redis answered with an error (authentication, script, wrong type).
+    Rejected,
+    /// Redis answered something the store cannot read.
+    Corrupt,
+}
+
+/// A store error. Its text names the operation and the cause, never the
+/// URL's password.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("citation store: {0}")]
-pub struct CitationError(String);
+#[error("citation store: {message}")]
+pub struct CitationError {
+    kind: ErrorKind,
+    message: String,
+}
+
+impl CitationError {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+        }
+    }
+
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// Did Redis stay unreachable for the whole retry budget?
+    pub fn is_unavailable(&self) -> bool {
+        self.kind == ErrorKind::Unavailable
+    }
+}
 
 impl From<redis::RedisError> for CitationError {
     fn from(e: redis::RedisError) -> Self {
         // RedisError's Display can include the server's message but never
         // the URL or password.
-        CitationError(e.to_string())
+        let kind = if retry::is_transient(&e) {
+            ErrorKind::Unavailable
+        } else {
+            ErrorKind::Rejected
+        };
+        CitationError::new(kind, e.to_string())
     }
 }
 
@@ -84,10 +145,12 @@ return s
 /// A handle on the citation store; cheap to clone.
 #[derive(Clone)]
 pub struct CitationStore {
-    conn: ConnectionManager,
+    conn: Conn,
     prefix: String,
     ttl: Duration,
     reserve: redis::Script,
+    retry_budget: Duration,
+    secrets: Arc<Secrets>,
 }
 
 impl std::fmt::Debug for CitationStore {
@@ -95,6 +158,7 @@ impl std::fmt::Debug for CitationStore {
         f.debug_struct("CitationStore")
             .field("prefix", &self.prefix)
             .field("ttl", &self.ttl)
+            .field("retry_budget", &self.retry_budget)
             .finish_non_exhaustive()
     }
 }
@@ -138,20 +202,53 @@ impl NewReference {
 }
 
 impl CitationStore {
-    /// Connects, with automatic reconnection afterwards.
+    /// Connects to one server at `url` (or a cluster, when `url` lists
+    /// several comma-separated nodes) with the default retry budget.
+    /// Same as [`CitationStore::connect_with`] with [`RedisOptions::new`].
     pub async fn connect(url: &str, prefix: &str, ttl: Duration) -> Result<Self, CitationError> {
-        let client = redis::Client::open(url)?;
-        let config = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(Duration::from_secs(3)))
-            .set_response_timeout(Some(Duration::from_secs(5)))
-            .set_number_of_retries(2);
-        let conn = client.get_connection_manager_with_config(config).await?;
+        Self::connect_with(&RedisOptions::new(url), prefix, ttl).await
+    }
+
+    /// Connects as `options` say (cluster, TLS, retry budget), retrying a
+    /// Redis that is not up yet within the budget; reconnects on its own
+    /// afterwards. A configuration error fails at once.
+    pub async fn connect_with(
+        options: &RedisOptions,
+        prefix: &str,
+        ttl: Duration,
+    ) -> Result<Self, CitationError> {
+        let connector = Connector::new(options)?;
+        let secrets = Arc::new(connector.secrets.clone());
+        let conn = with_retries(options.retry_budget, &secrets, "connect", || {
+            connector.connect()
+        })
+        .await?;
         Ok(Self {
             conn,
             prefix: prefix.to_string(),
             ttl,
             reserve: redis::Script::new(RESERVE),
+            retry_budget: options.retry_budget,
+            secrets,
         })
+    }
+
+    /// How long transient errors are retried before an operation fails.
+    pub fn retry_budget(&self) -> Duration {
+        self.retry_budget
+    }
+
+    /// Runs `op` (named `what` in errors) on a fresh handle of the
+    /// connection until it succeeds, fails for good, or the budget is spent.
+    async fn run<T, F, Fut>(&self, what: &'static str, mut op: F) -> Result<T, CitationError>
+    where
+        F: FnMut(Conn) -> Fut,
+        Fut: Future<Output = redis::RedisResult<T>>,
+    {
+        with_retries(self.retry_budget, &self.secrets, what, || {
+            op(self.conn.clone())
+        })
+        .await
     }
 
     /// The key layout, in one place.
@@ -195,22 +292,35 @@ impl CitationStore {
             inv.arg(toolfleet_protocol::encode(&reference).to_vec());
             stored.push(reference);
         }
-        let mut conn = self.conn.clone();
-        let indices: String = inv.invoke_async(&mut conn).await?;
+        // Safe to repeat: the reservation key makes a second run return
+        // the first run's indices.
+        let inv = &inv;
+        let indices: String = self
+            .run("reserve", |mut conn| async move {
+                inv.invoke_async(&mut conn).await
+            })
+            .await?;
         let indices = indices
             .split(',')
             .filter(|s| !s.is_empty())
             .map(|s| {
-                s.parse::<u64>()
-                    .map_err(|_| CitationError(format!("bad index {s:?} from the store")))
+                s.parse::<u64>().map_err(|_| {
+                    CitationError::new(
+                        ErrorKind::Corrupt,
+                        format!("bad index {s:?} from the store"),
+                    )
+                })
             })
             .collect::<Result<Vec<_>, _>>()?;
         if indices.len() != stored.len() {
-            return Err(CitationError(format!(
-                "store returned {} indices for {} references",
-                indices.len(),
-                stored.len()
-            )));
+            return Err(CitationError::new(
+                ErrorKind::Corrupt,
+                format!(
+                    "store returned {} indices for {} references",
+                    indices.len(),
+                    stored.len()
+                ),
+            ));
         }
         for (r, i) in stored.iter_mut().zip(indices) {
             r.index = i;
@@ -220,8 +330,13 @@ impl CitationStore {
 
     /// Every reference of the invocation, sorted by index.
     pub async fn references(&self, invocation_id: &str) -> Result<Vec<Reference>, CitationError> {
-        let mut conn = self.conn.clone();
-        let all: HashMap<String, String> = conn.hgetall(self.key(invocation_id, "refs")).await?;
+        let key = &self.key(invocation_id, "refs");
+        let all: HashMap<String, String> = self
+            .run(
+                "references",
+                |mut conn| async move { conn.hgetall(key).await },
+            )
+            .await?;
         let mut out = Vec::with_capacity(all.len());
         for (field, json) in all {
             let Some(index) = field
@@ -248,9 +363,9 @@ impl CitationStore {
         invocation_id: &str,
         call_id: &str,
     ) -> Result<Option<ToolResult>, CitationError> {
-        let mut conn = self.conn.clone();
-        let v: Option<String> = conn
-            .get(self.key(invocation_id, &format!("result:{call_id}")))
+        let key = &self.key(invocation_id, &format!("result:{call_id}"));
+        let v: Option<String> = self
+            .run("ledger_get", |mut conn| async move { conn.get(key).await })
             .await?;
         Ok(v.and_then(|s| serde_json::from_str(&s).ok()))
     }
@@ -258,30 +373,34 @@ impl CitationStore {
     /// Remembers that the invocation was cancelled (for the store's TTL),
     /// so a job still queued when its cancel arrived is not run later.
     pub async fn mark_cancelled(&self, invocation_id: &str) -> Result<(), CitationError> {
-        let mut conn = self.conn.clone();
-        let _: () = conn
-            .set_ex(
-                self.key(invocation_id, "cancelled"),
-                "1",
-                self.ttl.as_secs().max(1),
-            )
-            .await?;
-        Ok(())
+        let key = &self.key(invocation_id, "cancelled");
+        let ttl = self.ttl.as_secs().max(1);
+        self.run("mark_cancelled", |mut conn| async move {
+            conn.set_ex::<_, _, ()>(key, "1", ttl).await
+        })
+        .await
     }
 
     /// Was the invocation cancelled ([`CitationStore::mark_cancelled`])?
     pub async fn is_cancelled(&self, invocation_id: &str) -> Result<bool, CitationError> {
-        let mut conn = self.conn.clone();
-        let exists: bool = conn.exists(self.key(invocation_id, "cancelled")).await?;
-        Ok(exists)
+        let key = &self.key(invocation_id, "cancelled");
+        self.run(
+            "is_cancelled",
+            |mut conn| async move { conn.exists(key).await },
+        )
+        .await
     }
 
     pub async fn ledger_put(&self, result: &ToolResult) -> Result<(), CitationError> {
-        let mut conn = self.conn.clone();
-        let key = self.key(&result.invocation_id, &format!("result:{}", result.call_id));
-        let json = serde_json::to_string(result).map_err(|e| CitationError(e.to_string()))?;
-        let _: () = conn.set_ex(key, json, self.ttl.as_secs().max(1)).await?;
-        Ok(())
+        let key = &self.key(&result.invocation_id, &format!("result:{}", result.call_id));
+        let json = &serde_json::to_string(result)
+            .map_err(|e| CitationError::new(ErrorKind::Corrupt, e.to_string()))?;
+        let ttl = self.ttl.as_secs().max(1);
+        // Safe to repeat: the same value under the same key.
+        self.run("ledger_put", |mut conn| async move {
+            conn.set_ex::<_, _, ()>(key, json, ttl).await
+        })
+        .await
     }
 
     /// Claims the invocation for `owner` (the stream sequence of the chat
@@ -289,34 +408,86 @@ impl CitationStore {
     /// TTL; the same owner claiming again (a redelivery of that message)
     /// continues; any other owner is told who holds it.
     pub async fn claim(&self, invocation_id: &str, owner: &str) -> Result<Claim, CitationError> {
-        let mut conn = self.conn.clone();
-        let key = self.key(invocation_id, "owner");
-        let set: bool = redis::cmd("SET")
-            .arg(&key)
-            .arg(owner)
-            .arg("NX")
-            .arg("EX")
-            .arg(self.ttl.as_secs().max(1))
-            .query_async::<Option<String>>(&mut conn)
-            .await?
-            .is_some();
-        if set {
-            return Ok(Claim::New);
-        }
-        let holder: Option<String> = conn.get(&key).await?;
-        Ok(match holder {
-            Some(h) if h == owner => Claim::Again,
-            Some(h) => Claim::Other(h),
-            // Expired between the two commands: the TTL is a day, so this
-            // is a claim that lapsed; treat it as ours again.
-            None => Claim::Again,
+        let key = &self.key(invocation_id, "owner");
+        let ttl = self.ttl.as_secs().max(1);
+        // Safe to repeat: a SET NX that ran before the connection broke is
+        // found on the next try as "held by this owner", i.e. `Again`.
+        self.run("claim", |mut conn| async move {
+            let set = redis::cmd("SET")
+                .arg(key)
+                .arg(owner)
+                .arg("NX")
+                .arg("EX")
+                .arg(ttl)
+                .query_async::<Option<String>>(&mut conn)
+                .await?
+                .is_some();
+            if set {
+                return Ok(Claim::New);
+            }
+            let holder: Option<String> = conn.get(key).await?;
+            Ok(match holder {
+                Some(h) if h == owner => Claim::Again,
+                Some(h) => Claim::Other(h),
+                // Expired between the two commands: the TTL is a day, so
+                // this is a claim that lapsed; treat it as ours again.
+                None => Claim::Again,
+            })
         })
+        .await
     }
 
     /// Is the store answering?
     pub async fn ping(&self) -> Result<(), CitationError> {
-        let mut conn = self.conn.clone();
-        let _: String = redis::cmd("PING").query_async(&mut conn).await?;
-        Ok(())
+        self.run("ping", |mut conn| async move {
+            redis::cmd("PING").query_async::<String>(&mut conn).await
+        })
+        .await
+        .map(drop)
+    }
+}
+
+/// The retry loop: `attempt` until it succeeds, fails with an error that
+/// is not transient, or `budget` is spent (then one last try at the
+/// deadline, so the whole budget is used).
+async fn with_retries<T, F, Fut>(
+    budget: Duration,
+    secrets: &Secrets,
+    what: &'static str,
+    mut attempt: F,
+) -> Result<T, CitationError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = redis::RedisResult<T>>,
+{
+    let start = Instant::now();
+    let mut tries: u32 = 0;
+    loop {
+        let left = budget.saturating_sub(start.elapsed());
+        let outcome = tokio::time::timeout(retry::attempt_limit(left), attempt()).await;
+        tries += 1;
+        let last = match outcome {
+            Ok(Ok(v)) => return Ok(v),
+            Ok(Err(e)) if !retry::is_transient(&e) => {
+                return Err(CitationError::new(
+                    ErrorKind::Rejected,
+                    format!("{what}: {}", secrets.redact(&e.to_string())),
+                ));
+            }
+            Ok(Err(e)) => secrets.redact(&e.to_string()),
+            Err(_) => "no answer in time".to_string(),
+        };
+        let left = budget.saturating_sub(start.elapsed());
+        if left.is_zero() {
+            return Err(CitationError::new(
+                ErrorKind::Unavailable,
+                format!(
+                    "unavailable: Redis did not answer {what} within the {budget:?} retry budget \
+                     ({tries} tries, last error: {last})"
+                ),
+            ));
+        }
+        tracing::debug!(op = what, tries, error = %last, "redis: transient error, retrying");
+        tokio::time::sleep(retry::backoff(tries - 1).min(left)).await;
     }
 }
