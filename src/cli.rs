@@ -41,9 +41,14 @@ pub enum Command {
     Demo(DemoArgs),
     /// Run the orchestrator and every worker in one process (development).
     Up(UpArgs),
-    /// Load generator: chat jobs at a fixed concurrency through a local
-    /// fleet; prints throughput, latency percentiles and peak memory.
+    /// Load generator: raw tool calls or whole chat jobs at a fixed
+    /// concurrency through a local fleet, optionally beside the transport
+    /// floors; prints throughput, latency percentiles, errors and memory.
     Bench(BenchArgs),
+    /// A worker process for `toolfleet bench --processes`: every family
+    /// this command ships plus the bench's `bench:sleep` tool.
+    #[command(hide = true)]
+    BenchWorker(BenchWorkerArgs),
     /// Inspect and validate tool definition files.
     Tools {
         #[command(subcommand)]
@@ -63,6 +68,14 @@ pub enum Command {
         /// The script file (see `examples/demo-script.json`).
         #[arg(long)]
         script: PathBuf,
+        /// Pause before every response's first token, in ms (a slow model;
+        /// replaces the script's `firstTokenDelayMs`).
+        #[arg(long)]
+        first_token_delay_ms: Option<u64>,
+        /// Pause before each streamed chunk, in ms (replaces the script's
+        /// `chunkDelayMs`).
+        #[arg(long)]
+        chunk_delay_ms: Option<u64>,
     },
 }
 
@@ -111,30 +124,101 @@ pub struct LocalArgs {
     pub isolated: bool,
 }
 
+/// What `toolfleet bench` drives through the fleet.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BenchMode {
+    /// Raw tool calls: a tool job on the tools stream, the result awaited
+    /// on a reply inbox (no orchestrator, no model).
+    Tool,
+    /// Whole chat jobs: model calls, tool calls, citations and events.
+    Chat,
+}
+
 #[derive(Args, Debug)]
 pub struct BenchArgs {
-    /// Chat jobs to run (after a warm-up of one batch).
-    #[arg(long, default_value_t = 500)]
-    pub jobs: usize,
-    /// Jobs in flight at once (also the orchestrator's and workers' limit).
+    /// Raw tool calls or whole chat jobs.
+    #[arg(long, value_enum, default_value_t = BenchMode::Chat)]
+    pub mode: BenchMode,
+    /// Operations to run (after the warm-up). With --duration, whichever
+    /// ends first.
+    #[arg(long, visible_alias = "jobs")]
+    pub count: Option<usize>,
+    /// Run for this many seconds instead of (or at most, with --count) a
+    /// count.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Operations in flight at once (also the orchestrator's limit).
     #[arg(long, default_value_t = 32)]
     pub concurrency: usize,
-    /// The scripted model's script (no artificial delay by default).
+    /// Operations before the measured run, discarded (default: one batch
+    /// of --concurrency).
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// Tool mode: the tool to call. Default: bench:sleep@1.0.0 when
+    /// --tool-delay-ms is given, else system:current_datetime@1.0.0.
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// Tool mode: the tool's arguments (JSON object).
+    #[arg(long)]
+    pub tool_args: Option<String>,
+    /// Tool mode: call the bench's own tool (`bench:sleep`), which waits
+    /// this long: a stand-in for a tool's own work.
+    #[arg(long)]
+    pub tool_delay_ms: Option<u64>,
+    /// Chat mode: the scripted model's pause before every first token, in
+    /// ms (a slow model; each chat job makes two model calls).
+    #[arg(long, default_value_t = 0)]
+    pub model_delay_ms: u64,
+    /// The scripted model's script (no artificial delay of its own).
     #[arg(long, default_value = "examples/bench-script.json")]
     pub script: PathBuf,
+    /// Run the scripted model in a process of its own.
+    #[arg(long)]
+    pub model_process: bool,
+    /// Run the model, the orchestrator (`toolfleet-orchestrator` beside
+    /// this binary) and the workers as processes of their own; the
+    /// orchestrator's memory is then read from /proc.
+    #[arg(long)]
+    pub processes: bool,
+    /// Worker processes (with --processes).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Tool jobs each worker process (or the in-process workers) runs at
+    /// once. Default: --concurrency.
+    #[arg(long)]
+    pub worker_concurrency: Option<usize>,
+    /// Seconds an operation may take before it counts as a `timeout`.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_secs: u64,
     /// Print the report as JSON.
     #[arg(long)]
     pub json: bool,
-    /// Print the event timeline of every job slower than this, in ms.
-    #[arg(long, default_value_t = 1000)]
+    /// Write an SVG chart of the latency distributions here.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Chat mode: print the event timeline of every job slower than this,
+    /// in ms.
+    #[arg(long, default_value_t = 10_000)]
     pub slow_ms: u64,
-    /// Also measure the transport floors on the same server at the same
-    /// concurrency (a JetStream work-queue round trip, a core NATS
+    /// Also measure the transport floors on the same server under the same
+    /// load (a JetStream work-queue round trip, a core NATS
     /// request-reply) and print the fleet's figures as ratios to them.
     #[arg(long)]
     pub floor: bool,
     #[command(flatten)]
     pub local: LocalArgs,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchWorkerArgs {
+    #[command(flatten)]
+    pub worker: toolfleet_worker::WorkerArgs,
+    #[command(flatten)]
+    pub index: IndexArgs,
+    /// Prometheus metrics and health endpoint.
+    #[arg(long, env = toolfleet_service::args::ENV_METRICS_ADDR, default_value = "127.0.0.1:0")]
+    pub metrics_addr: SocketAddr,
 }
 
 #[derive(Args, Debug)]
@@ -208,10 +292,23 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Demo(args) => demo(args).await,
         Command::Up(args) => up(args).await,
         Command::Bench(args) => bench(args).await,
+        Command::BenchWorker(args) => bench_worker(args).await,
         Command::Tools { command } => tools(command),
         Command::Index { command } => index(command),
-        Command::ScriptedModel { listen, script } => {
-            let script = toolfleet_scripted::Script::load(&script)?;
+        Command::ScriptedModel {
+            listen,
+            script,
+            first_token_delay_ms,
+            chunk_delay_ms,
+        } => {
+            toolfleet_service::serve::raise_fd_limit();
+            let mut script = toolfleet_scripted::Script::load(&script)?;
+            if let Some(ms) = first_token_delay_ms {
+                script = script.with_first_token_delay(Duration::from_millis(ms));
+            }
+            if let Some(ms) = chunk_delay_ms {
+                script = script.with_chunk_delay(Duration::from_millis(ms));
+            }
             let listener = tokio::net::TcpListener::bind(listen)
                 .await
                 .with_context(|| format!("binding {listen}"))?;
@@ -299,14 +396,14 @@ pub const DEMO_QUESTIONS: [&str; 3] = [
 
 /// NATS and Redis for the demo: the configured ones when reachable,
 /// otherwise child processes (killed when dropped).
-struct DemoServers {
-    nats_url: String,
-    redis_url: String,
+pub(crate) struct DemoServers {
+    pub(crate) nats_url: String,
+    pub(crate) redis_url: String,
     _nats: Option<toolfleet_local::servers::NatsServer>,
     _redis: Option<toolfleet_local::servers::RedisServer>,
 }
 
-fn demo_servers(args: &LocalArgs) -> anyhow::Result<DemoServers> {
+pub(crate) fn demo_servers(args: &LocalArgs) -> anyhow::Result<DemoServers> {
     let (nats_url, nats) =
         if !args.isolated && toolfleet_local::servers::nats_reachable(&args.nats_url) {
             eprintln!(
@@ -473,65 +570,31 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
 }
 
 async fn bench(args: BenchArgs) -> anyhow::Result<i32> {
-    eprintln!("toolfleet bench: chat jobs through a local fleet (scripted stand-in model)");
-    let fleet = LocalFleet::start(&args.local, &args.script, args.concurrency).await?;
-    let questions: Vec<String> = DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect();
-    // Warm up: the first jobs pay for connections and lazy start-up.
-    let slow = Duration::from_millis(args.slow_ms);
-    let _ = crate::bench::run(
-        &fleet.client,
-        &fleet.subjects,
-        &questions,
-        args.concurrency.min(args.jobs),
-        args.concurrency,
-        Duration::from_secs(60),
-        slow,
-    )
-    .await;
-    let report = crate::bench::run(
-        &fleet.client,
-        &fleet.subjects,
-        &questions,
-        args.jobs,
-        args.concurrency,
-        Duration::from_secs(120),
-        slow,
-    )
-    .await;
-    let floors = if args.floor {
-        Some((
-            crate::floor::jetstream_round_trip(&fleet.client, args.jobs, args.concurrency).await?,
-            crate::floor::request_reply(&fleet.client, args.jobs, args.concurrency).await?,
-        ))
-    } else {
-        None
+    crate::bench_run::run(args).await
+}
+
+async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
+    let subjects =
+        toolfleet_service::args::or_exit(args.worker.nats.subjects().map_err(Into::into));
+    let workers = toolfleet_service::args::or_exit(crate::bench_fleet::bench_workers(
+        &args.worker.defs.dir,
+        &args.index,
+    ));
+    let spec = FleetSpec {
+        nats_url: args.worker.nats.url.clone(),
+        redis_url: args.worker.redis.url.clone(),
+        subjects,
+        citation_ttl: args.worker.redis.ttl(),
+        orchestrator: None,
+        workers,
+        worker_concurrency: args.worker.concurrency,
+        nats_connect_wait: Duration::from_secs(args.worker.nats.connect_wait_secs),
     };
-    fleet.stop().await;
-    if args.json {
-        let value = match &floors {
-            Some((js, rr)) => serde_json::json!({
-                "fleet": report,
-                "floors": [js, rr],
-                "ratios": ratios(&report, js),
-            }),
-            None => serde_json::to_value(&report)?,
-        };
-        println!("{}", serde_json::to_string_pretty(&value)?);
-    } else {
-        print!("{report}");
-        if let Some((js, rr)) = &floors {
-            print!("{js}{rr}");
-            let r = ratios(&report, js);
-            println!(
-                "fleet / jetstream floor: p50 {:.2}x, p99 {:.2}x, throughput {:.3}x (one chat job = {:.2} tool calls and two model calls)",
-                r["p50"].as_f64().unwrap_or_default(),
-                r["p99"].as_f64().unwrap_or_default(),
-                r["throughput"].as_f64().unwrap_or_default(),
-                report.tool_calls as f64 / report.completed.max(1) as f64,
-            );
-        }
-    }
-    Ok(if report.failed == 0 { 0 } else { 1 })
+    toolfleet_service::serve_until_signal(args.metrics_addr, |rt| async move {
+        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()).await
+    })
+    .await?;
+    Ok(0)
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<i32> {
@@ -652,17 +715,4 @@ fn index(command: IndexCommand) -> anyhow::Result<i32> {
 fn load_registry(dir: &std::path::Path) -> anyhow::Result<toolfleet_protocol::tools::ToolRegistry> {
     toolfleet_protocol::tools::ToolRegistry::from_dir(dir)
         .with_context(|| format!("loading tool definitions from {}", dir.display()))
-}
-
-/// The fleet's chat-job figures over the JetStream floor's.
-fn ratios(
-    fleet: &crate::bench::BenchReport,
-    floor: &crate::floor::FloorReport,
-) -> serde_json::Value {
-    let ratio = |a: f64, b: f64| if b > 0.0 { a / b } else { 0.0 };
-    serde_json::json!({
-        "p50": ratio(fleet.latency_ms_p50, floor.latency_ms_p50),
-        "p99": ratio(fleet.latency_ms_p99, floor.latency_ms_p99),
-        "throughput": ratio(fleet.jobs_per_sec, floor.ops_per_sec),
-    })
 }

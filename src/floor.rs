@@ -1,91 +1,40 @@
 //! The floors the fleet's figures are measured against (`toolfleet bench
-//! --floor`): on the same NATS server, in the same run, at the same
-//! concurrency, the bare transport a chat job rides on. On a shared machine
+//! --floor`): on the same NATS server, in the same run, under the same
+//! load, the bare transport a tool call rides on. On a shared machine
 //! absolute numbers drift; the ratio of the fleet to these floors is the
 //! result.
 //!
 //! - **JetStream work queue**: publish a job to a work-queue stream with
-//!   file storage (the fleet's stream settings), await the publish ack, a
-//!   pulling responder takes it, answers on core NATS to the reply subject
-//!   named in a header, and acks it — one tool call's transport, with no
-//!   validation, store or model.
-//! - **Core NATS request-reply**: a request to a queue-group responder.
+//!   the tools stream's settings (file storage, duplicate window, size and
+//!   age limits) and a consumer with the tool consumers' settings, await the
+//!   publish ack; a responder on a connection of its own pulls it, answers
+//!   on core NATS to the reply subject named in a header, and acks it. The
+//!   caller awaits the reply exactly as `--mode tool` does ([`Replies`]):
+//!   one tool call's transport, with no validation, ledger or tool.
+//! - **Core NATS request-reply**: a request to a queue-group responder on a
+//!   connection of its own.
 
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull, stream};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
-/// What one floor measured.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct FloorReport {
-    pub name: &'static str,
-    pub ops: usize,
-    pub concurrency: usize,
-    pub failed: usize,
-    pub ops_per_sec: f64,
-    pub latency_ms_p50: f64,
-    pub latency_ms_p99: f64,
-}
-
-impl std::fmt::Display for FloorReport {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        writeln!(
-            f,
-            "floor {}: {} ops (concurrency {}), {} failed: {:.1} ops/s, p50 {:.2} ms, p99 {:.2} ms",
-            self.name,
-            self.ops,
-            self.concurrency,
-            self.failed,
-            self.ops_per_sec,
-            self.latency_ms_p50,
-            self.latency_ms_p99
-        )
-    }
-}
-
-/// Runs `ops` operations `op(i)` at `concurrency`, timing each.
-async fn measure<F, Fut>(name: &'static str, ops: usize, concurrency: usize, op: F) -> FloorReport
-where
-    F: Fn(usize) -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let started = Instant::now();
-    let results: Vec<Option<f64>> = futures::stream::iter(0..ops)
-        .map(|i| {
-            let fut = op(i);
-            async move {
-                let t = Instant::now();
-                fut.await.then(|| t.elapsed().as_secs_f64() * 1000.0)
-            }
-        })
-        .buffer_unordered(concurrency.max(1))
-        .collect()
-        .await;
-    let elapsed = started.elapsed().as_secs_f64();
-    let mut latencies: Vec<f64> = results.iter().flatten().copied().collect();
-    latencies.sort_by(f64::total_cmp);
-    FloorReport {
-        name,
-        ops,
-        concurrency,
-        failed: ops - latencies.len(),
-        ops_per_sec: latencies.len() as f64 / elapsed.max(f64::EPSILON),
-        latency_ms_p50: crate::bench::percentile(&latencies, 50.0),
-        latency_ms_p99: crate::bench::percentile(&latencies, 99.0),
-    }
-}
+use crate::bench::{Load, Op, Replies, Summary, drive};
 
 const REPLY_TO: &str = "Floor-Reply-To";
+/// The tool consumers' ack wait and pending limit (worker runtime).
+const ACK_WAIT: Duration = Duration::from_secs(30);
+const MAX_ACK_PENDING: i64 = 10_000;
 
 /// The JetStream work-queue round trip (see the module docs). Creates and
-/// deletes its own stream.
+/// deletes its own stream; the responder connects to `nats_url`.
 pub async fn jetstream_round_trip(
     client: &async_nats::Client,
-    ops: usize,
-    concurrency: usize,
-) -> anyhow::Result<FloorReport> {
+    nats_url: &str,
+    load: &Load,
+) -> anyhow::Result<Summary> {
     let js = jetstream::new(client.clone());
     let id = uuid_token();
     let name = format!("FLOOR_{id}");
@@ -97,6 +46,8 @@ pub async fn jetstream_round_trip(
             retention: stream::RetentionPolicy::WorkQueue,
             storage: stream::StorageType::File,
             duplicate_window: Duration::from_secs(120),
+            max_message_size: toolfleet_protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
+            max_age: Duration::from_secs(2 * 3600),
             ..Default::default()
         })
         .await?;
@@ -106,14 +57,18 @@ pub async fn jetstream_round_trip(
             pull::Config {
                 durable_name: Some("floor".into()),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                max_ack_pending: 10_000,
+                ack_wait: ACK_WAIT,
+                max_ack_pending: MAX_ACK_PENDING,
                 ..Default::default()
             },
         )
         .await?;
+    let responder_client =
+        toolfleet_service::args::connect_nats(nats_url, "toolfleet-floor", Duration::from_secs(5))
+            .await?;
     let stop = CancellationToken::new();
     let responder = {
-        let (client, stop) = (client.clone(), stop.clone());
+        let (client, stop) = (responder_client.clone(), stop.clone());
         let mut messages = consumer.messages().await?;
         tokio::spawn(async move {
             loop {
@@ -128,67 +83,76 @@ pub async fn jetstream_round_trip(
             }
         })
     };
-    let inbox = client.new_inbox();
-    let report = measure("jetstream work queue", ops, concurrency, |i| {
-        let (client, js, subject) = (client.clone(), js.clone(), subject.clone());
-        let reply = format!("{inbox}.{i}");
-        async move {
-            let Ok(mut sub) = client.subscribe(reply.clone()).await else {
-                return false;
-            };
+    let replies = Replies::subscribe(client, client.new_inbox()).await?;
+    let op: Op = Arc::new(move |i| {
+        let (js, subject, replies) = (js.clone(), subject.clone(), replies.clone());
+        Box::pin(async move {
+            let key = format!("f{i}");
+            let (reply, rx) = replies.expect(&key);
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(REPLY_TO, reply.as_str());
             let body = bytes::Bytes::from_static(b"{\"arguments\":{}}");
-            let Ok(ack) = js.publish_with_headers(subject, headers, body).await else {
-                return false;
-            };
-            if ack.await.is_err() {
-                return false;
+            let result = async {
+                let ack = js
+                    .publish_with_headers(subject, headers, body)
+                    .await
+                    .map_err(|_| "publish".to_string())?;
+                ack.await.map_err(|_| "publish_ack".to_string())?;
+                tokio::time::timeout(Duration::from_secs(30), rx)
+                    .await
+                    .map_err(|_| "timeout".to_string())?
+                    .map_err(|_| "inbox_closed".to_string())?;
+                Ok(0)
             }
-            matches!(
-                tokio::time::timeout(Duration::from_secs(10), sub.next()).await,
-                Ok(Some(_))
-            )
-        }
-    })
-    .await;
+            .await;
+            if result.is_err() {
+                replies.forget(&key);
+            }
+            result
+        })
+    });
+    let report = drive("floor: jetstream work queue", load, op).await;
     stop.cancel();
     let _ = responder.await;
-    let _ = js.delete_stream(&name).await;
+    let _ = jetstream::new(client.clone()).delete_stream(&name).await;
     Ok(report)
 }
 
 /// The core NATS request-reply round trip to a queue-group responder.
 pub async fn request_reply(
     client: &async_nats::Client,
-    ops: usize,
-    concurrency: usize,
-) -> anyhow::Result<FloorReport> {
+    nats_url: &str,
+    load: &Load,
+) -> anyhow::Result<Summary> {
     let subject = format!("floor.{}.rr", uuid_token());
-    let mut sub = client
+    let responder_client =
+        toolfleet_service::args::connect_nats(nats_url, "toolfleet-floor", Duration::from_secs(5))
+            .await?;
+    let mut sub = responder_client
         .queue_subscribe(subject.clone(), "floor".into())
         .await?;
-    let responder = {
-        let client = client.clone();
-        tokio::spawn(async move {
-            while let Some(msg) = sub.next().await {
-                if let Some(reply) = msg.reply {
-                    let _ = client.publish(reply, msg.payload).await;
-                }
+    responder_client.flush().await?;
+    let responder = tokio::spawn(async move {
+        while let Some(msg) = sub.next().await {
+            if let Some(reply) = msg.reply {
+                let _ = responder_client.publish(reply, msg.payload).await;
             }
-        })
-    };
-    client.flush().await?;
-    let report = measure("core request-reply", ops, concurrency, |_| {
+        }
+    });
+    let client = client.clone();
+    let op: Op = Arc::new(move |_| {
         let (client, subject) = (client.clone(), subject.clone());
-        async move {
-            client
+        Box::pin(async move {
+            match client
                 .request(subject, bytes::Bytes::from_static(b"{}"))
                 .await
-                .is_ok()
-        }
-    })
-    .await;
+            {
+                Ok(_) => Ok(0),
+                Err(e) => Err(format!("{:?}", e.kind()).to_ascii_lowercase()),
+            }
+        })
+    });
+    let report = drive("floor: core request-reply", load, op).await;
     responder.abort();
     Ok(report)
 }

@@ -32,6 +32,7 @@
 //!   "model": "toolfleet-scripted",
 //!   "reasoningModel": true,
 //!   "chunkDelayMs": 0,
+//!   "firstTokenDelayMs": 0,
 //!   "rules": [
 //!     {
 //!       "description": "optional free text, ignored",
@@ -64,6 +65,12 @@
 //!   `include: ["reasoning.encrypted_content"]` (see *Request checks*).
 //! - `chunkDelayMs` (optional, default 0): pause before each streamed chunk
 //!   or event.
+//! - `firstTokenDelayMs` (optional, default 0): a slow model: every
+//!   response's headers go out at once and its first chunk or event only
+//!   after this pause (non-streaming: the whole response waits), on top of
+//!   any `slowFirstToken` fault. `toolfleet scripted-model
+//!   --first-token-delay-ms` and `toolfleet bench --model-delay-ms` set it
+//!   without editing the script ([`Script::with_first_token_delay`]).
 //! - `rules` (optional): tried in order; the first rule with any
 //!   `whenUserContains` phrase inside the *last* user message (compared
 //!   case-insensitively as substrings) answers. Each rule needs at least one
@@ -271,6 +278,8 @@ struct RawScript {
     #[serde(default)]
     chunk_delay_ms: u64,
     #[serde(default)]
+    first_token_delay_ms: u64,
+    #[serde(default)]
     rules: Vec<RawRule>,
     default: Option<RawDefault>,
 }
@@ -338,6 +347,8 @@ pub struct Script {
     /// reasoning.
     reasoning_model: bool,
     chunk_delay: Duration,
+    /// Added to every response's first chunk (a slow model).
+    first_token_delay: Duration,
     rules: Vec<Rule>,
     default: Vec<Step>,
 }
@@ -463,6 +474,29 @@ impl Script {
         &self.model
     }
 
+    /// The pause before every response's first chunk (`firstTokenDelayMs`).
+    pub fn first_token_delay(&self) -> Duration {
+        self.first_token_delay
+    }
+
+    /// Replaces `firstTokenDelayMs`: every response waits `delay` before
+    /// its first chunk (a slow model, for benchmarks and timeout tests).
+    pub fn with_first_token_delay(mut self, delay: Duration) -> Self {
+        self.first_token_delay = delay;
+        self
+    }
+
+    /// The pause before each streamed chunk (`chunkDelayMs`).
+    pub fn chunk_delay(&self) -> Duration {
+        self.chunk_delay
+    }
+
+    /// Replaces `chunkDelayMs`.
+    pub fn with_chunk_delay(mut self, delay: Duration) -> Self {
+        self.chunk_delay = delay;
+        self
+    }
+
     /// Whether the script stands in for a reasoning model (`reasoningModel`,
     /// or a step with `"reasoning": true`).
     pub fn is_reasoning_model(&self) -> bool {
@@ -519,6 +553,7 @@ impl Script {
             model,
             reasoning_model,
             chunk_delay: Duration::from_millis(raw.chunk_delay_ms),
+            first_token_delay: Duration::from_millis(raw.first_token_delay_ms),
             rules,
             default,
         })
@@ -2265,10 +2300,11 @@ async fn respond(
     } else {
         plan.reply
     };
-    let slow = match fault {
-        Some(FaultKind::SlowFirstToken(delay)) => delay,
-        _ => Duration::ZERO,
-    };
+    let slow = state.script.first_token_delay
+        + match fault {
+            Some(FaultKind::SlowFirstToken(delay)) => delay,
+            _ => Duration::ZERO,
+        };
     let prompt_chars: usize = turns.iter().map(|t| t.text.chars().count()).sum::<usize>()
         + request.get("tools").map_or(0, |t| t.to_string().len());
     let prompt_tokens = estimate_tokens(prompt_chars);
@@ -2754,6 +2790,24 @@ mod tests {
         ));
         assert!(declared(RESPONSES));
         assert!(!declared(r#"{"reasoningModel": false}"#));
+    }
+
+    #[test]
+    fn delays_come_from_the_script_or_its_builder() {
+        let script =
+            Script::from_json(r#"{"chunkDelayMs": 5, "firstTokenDelayMs": 250}"#).expect("script");
+        assert_eq!(script.chunk_delay(), Duration::from_millis(5));
+        assert_eq!(script.first_token_delay(), Duration::from_millis(250));
+        let script = script
+            .with_first_token_delay(Duration::from_secs(20))
+            .with_chunk_delay(Duration::ZERO);
+        assert_eq!(script.first_token_delay(), Duration::from_secs(20));
+        assert_eq!(script.chunk_delay(), Duration::ZERO);
+        assert_eq!(
+            Script::from_json("{}").expect("script").first_token_delay(),
+            Duration::ZERO
+        );
+        assert!(Script::from_json(r#"{"firstTokenDelayMs": -1}"#).is_err());
     }
 
     #[test]

@@ -1,6 +1,6 @@
-//! The life of a fleet process after its configuration is parsed: serve
-//! `/metrics`, start the parts, wait for SIGINT or SIGTERM, stop taking
-//! work, and drain within [`GRACE_PERIOD`].
+//! The life of a fleet process after its configuration is parsed: raise the
+//! open-file limit, serve `/metrics`, start the parts, wait for SIGINT or
+//! SIGTERM, stop taking work, and drain within [`GRACE_PERIOD`].
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -58,6 +58,7 @@ where
     F: FnOnce(Runtime) -> Fut,
     Fut: Future<Output = anyhow::Result<()>>,
 {
+    raise_fd_limit();
     let runtime = Runtime::new();
     // Bind first (a taken port is a start-up error before any work), serve
     // once the parts take work: an answering /healthz means ready.
@@ -81,4 +82,121 @@ where
         tracing::warn!("grace period over; exiting with jobs in flight (they will be redelivered)");
     }
     Ok(())
+}
+
+/// Below this many open files a long-lived process says so at start: every
+/// chat job in flight holds a connection to the model, and every open
+/// file (a socket, a stream's file) counts.
+pub const LOW_FD_LIMIT: u64 = 4096;
+
+/// The open-file limits of this process after [`raise_fd_limit`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FdLimit {
+    /// The soft limit in force (`None`: unlimited).
+    pub soft: Option<u64>,
+    /// The hard limit (`None`: unlimited).
+    pub hard: Option<u64>,
+    /// Whether this call raised the soft limit.
+    pub raised: bool,
+}
+
+impl FdLimit {
+    /// Whether the soft limit is below [`LOW_FD_LIMIT`].
+    pub fn is_low(&self) -> bool {
+        self.soft.is_some_and(|s| s < LOW_FD_LIMIT)
+    }
+}
+
+/// Raises this process's soft limit on open files to its hard limit, as
+/// long-lived servers do (a default soft limit of 1024 is a few hundred
+/// chat jobs in flight: the bench saw `Too many open files` from the
+/// model client). Logs the outcome, and warns when the limit stays below
+/// [`LOW_FD_LIMIT`] (raise the hard limit: `ulimit -Hn`, systemd
+/// `LimitNOFILE=`, Docker `--ulimit nofile=`). [`serve_until_signal`]
+/// calls it; other long-lived commands call it themselves.
+pub fn raise_fd_limit() -> FdLimit {
+    let limit = raise_soft_to_hard();
+    let show = |v: Option<u64>| v.map_or("unlimited".to_string(), |v| v.to_string());
+    if limit.is_low() {
+        tracing::warn!(
+            soft = %show(limit.soft),
+            hard = %show(limit.hard),
+            "the open-file limit is low: each chat job in flight holds a connection; \
+             raise the hard limit (ulimit -Hn, LimitNOFILE=, --ulimit nofile=)"
+        );
+    } else {
+        tracing::debug!(soft = %show(limit.soft), hard = %show(limit.hard), raised = limit.raised, "open-file limit");
+    }
+    limit
+}
+
+#[cfg(unix)]
+fn raise_soft_to_hard() -> FdLimit {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let old = getrlimit(Resource::Nofile);
+    let wanted = |soft: Option<u64>| match (soft, old.maximum) {
+        (None, _) => false,
+        (Some(_), None) => true,
+        (Some(s), Some(h)) => s < h,
+    };
+    if !wanted(old.current) {
+        return FdLimit {
+            soft: old.current,
+            hard: old.maximum,
+            raised: false,
+        };
+    }
+    let new = Rlimit {
+        current: old.maximum,
+        maximum: old.maximum,
+    };
+    // macOS refuses a soft limit above OPEN_MAX even under an unlimited
+    // hard limit: keep the old one then.
+    let raised = setrlimit(Resource::Nofile, new).is_ok();
+    let now = getrlimit(Resource::Nofile);
+    FdLimit {
+        soft: now.current,
+        hard: now.maximum,
+        raised: raised && now.current != old.current,
+    }
+}
+
+#[cfg(not(unix))]
+fn raise_soft_to_hard() -> FdLimit {
+    FdLimit {
+        soft: None,
+        hard: None,
+        raised: false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_soft_fd_limit_ends_at_the_hard_limit() {
+        let first = raise_fd_limit();
+        assert_eq!(first.soft, first.hard, "{first:?}");
+        // Idempotent: nothing left to raise.
+        let again = raise_fd_limit();
+        assert_eq!(again.soft, first.soft);
+        assert!(!again.raised);
+    }
+
+    #[test]
+    fn a_low_limit_is_named() {
+        let low = FdLimit {
+            soft: Some(1024),
+            hard: Some(1024),
+            raised: false,
+        };
+        assert!(low.is_low());
+        let unlimited = FdLimit {
+            soft: None,
+            hard: None,
+            raised: false,
+        };
+        assert!(!unlimited.is_low());
+    }
 }

@@ -1,0 +1,279 @@
+//! `toolfleet bench` from its arguments to its report: start the fleet in
+//! the asked shape ([`crate::bench_fleet`]), warm up, drive the load
+//! ([`crate::bench`]), measure the floors on the same servers
+//! ([`crate::floor`]), read the orchestrator's memory, print a table (or
+//! JSON) and write the chart ([`crate::svg`]).
+
+use std::time::Duration;
+
+use anyhow::Context;
+
+use crate::bench::{Load, Memory, Ratios, Summary, ToolCaller, chat_op, drive, table};
+use crate::bench_fleet::{BenchFleet, OrchestratorMemory, SLEEP_TOOL, Sampler, Shape};
+use crate::cli::{BenchArgs, BenchMode, DEMO_QUESTIONS};
+
+/// Operations when neither `--count` nor `--duration` is given.
+const DEFAULT_COUNT: usize = 500;
+
+/// Everything a run measured (the `--json` report).
+#[derive(Debug, serde::Serialize)]
+struct Report {
+    mode: BenchMode,
+    /// Tool mode: the tool called and its arguments.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    tool_arguments: Option<serde_json::Value>,
+    /// Chat mode: the scripted model's first-token delay.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model_delay_ms: Option<u64>,
+    processes: bool,
+    model_process: bool,
+    worker_processes: usize,
+    worker_concurrency: usize,
+    load: Load,
+    fleet: Summary,
+    floors: Vec<Summary>,
+    ratios: Vec<Ratios>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    orchestrator_memory: Option<OrchestratorMemory>,
+    /// Peak RSS of the bench's own process (the whole fleet when it runs
+    /// in-process), KiB.
+    bench_process_peak_rss_kib: u64,
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    toolfleet_service::serve::raise_fd_limit();
+    let duration = args
+        .duration
+        .map(Duration::try_from_secs_f64)
+        .transpose()
+        .context("--duration")?;
+    let load = Load {
+        concurrency: args.concurrency.max(1),
+        count: match (args.count, duration) {
+            (None, None) => Some(DEFAULT_COUNT),
+            (count, _) => count,
+        },
+        duration,
+    };
+    let timeout = Duration::from_secs(args.timeout_secs);
+    let (tool, tool_arguments) = match args.mode {
+        BenchMode::Chat => (None, None),
+        BenchMode::Tool => {
+            let tool = match (&args.tool, args.tool_delay_ms) {
+                (Some(t), _) => t.clone(),
+                (None, Some(_)) => SLEEP_TOOL.to_string(),
+                (None, None) => "system:current_datetime@1.0.0".to_string(),
+            };
+            let arguments: serde_json::Value = match (&args.tool_args, args.tool_delay_ms) {
+                (Some(a), _) => serde_json::from_str(a).context("--tool-args is not JSON")?,
+                (None, Some(ms)) if tool == SLEEP_TOOL => serde_json::json!({ "ms": ms }),
+                _ => serde_json::json!({}),
+            };
+            (Some(tool), Some(arguments))
+        }
+    };
+    let shape = Shape {
+        chat: args.mode == BenchMode::Chat,
+        model_process: args.model_process,
+        processes: args.processes,
+        workers: args.workers.max(1),
+        worker_concurrency: args.worker_concurrency.unwrap_or(load.concurrency),
+        orchestrator_in_flight: load.concurrency,
+        script: args.script.clone(),
+        model_delay: Duration::from_millis(args.model_delay_ms),
+    };
+    eprintln!(
+        "toolfleet bench --mode {}: {} in flight, {}{} (scripted stand-in model)",
+        match args.mode {
+            BenchMode::Tool => "tool",
+            BenchMode::Chat => "chat",
+        },
+        load.concurrency,
+        load.count
+            .map(|c| format!("{c} operations"))
+            .unwrap_or_default(),
+        load.duration
+            .map(|d| format!(" for at most {d:?}"))
+            .unwrap_or_default(),
+    );
+    let fleet = BenchFleet::start(&args.local, &shape).await?;
+    let result = measure(
+        &args,
+        &fleet,
+        &load,
+        timeout,
+        tool.as_deref(),
+        tool_arguments.clone(),
+    )
+    .await;
+    let own_peak = Memory::of("self").unwrap_or_default().hwm_kib;
+    fleet.stop().await;
+    let (summary, floors, memory) = result?;
+
+    let ratios: Vec<Ratios> = floors.iter().map(|f| Ratios::of(&summary, f)).collect();
+    if let Some(path) = &args.svg {
+        let mut series = vec![crate::svg::Series {
+            name: &summary.name,
+            sorted_ms: &summary.sorted_ms,
+        }];
+        series.extend(floors.iter().map(|f| crate::svg::Series {
+            name: &f.name,
+            sorted_ms: &f.sorted_ms,
+        }));
+        let title = format!(
+            "toolfleet bench --mode {} · {} in flight",
+            serde_json::to_value(args.mode)?
+                .as_str()
+                .unwrap_or_default(),
+            load.concurrency
+        );
+        std::fs::write(path, crate::svg::latency_cdf(&title, &series))
+            .with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("• latency chart written to {}", path.display());
+    }
+    let failed = summary.errors;
+    let report = Report {
+        mode: args.mode,
+        tool,
+        tool_arguments,
+        model_delay_ms: (args.mode == BenchMode::Chat).then_some(args.model_delay_ms),
+        processes: args.processes,
+        model_process: args.model_process || args.processes,
+        worker_processes: if args.processes { shape.workers } else { 0 },
+        worker_concurrency: shape.worker_concurrency,
+        load,
+        fleet: summary,
+        floors,
+        ratios,
+        orchestrator_memory: memory,
+        bench_process_peak_rss_kib: own_peak,
+    };
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print!("{}", render(&report));
+    }
+    Ok(if failed == 0 { 0 } else { 1 })
+}
+
+type Measured = (Summary, Vec<Summary>, Option<OrchestratorMemory>);
+
+async fn measure(
+    args: &BenchArgs,
+    fleet: &BenchFleet,
+    load: &Load,
+    timeout: Duration,
+    tool: Option<&str>,
+    tool_arguments: Option<serde_json::Value>,
+) -> anyhow::Result<Measured> {
+    let (op, name) = match tool {
+        Some(tool) => {
+            let id = tool
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--tool {tool:?}: {e}"))?;
+            let caller = ToolCaller::new(
+                &fleet.client,
+                &fleet.subjects,
+                id,
+                tool_arguments.unwrap_or_default(),
+                timeout,
+            )
+            .await?;
+            (caller.op(), format!("fleet: tool calls ({tool})"))
+        }
+        None => (
+            chat_op(
+                fleet.client.clone(),
+                fleet.subjects.clone(),
+                DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect(),
+                timeout,
+                Duration::from_millis(args.slow_ms),
+            ),
+            "fleet: chat jobs".to_string(),
+        ),
+    };
+    // The orchestrator's idle memory is read before any job.
+    let sampler = fleet.orchestrator.as_ref().map(Sampler::start);
+    let warm = match args.warmup {
+        Some(n) => Load {
+            count: Some(n),
+            duration: None,
+            ..*load
+        },
+        None => load.warm_up(),
+    };
+    if warm.count != Some(0) {
+        eprint!("• warming up ({} operations) … ", warm.count.unwrap_or(0));
+        let w = drive("warm-up", &warm, op.clone()).await;
+        eprintln!("{} ok, {} errors {:?}", w.ok, w.errors, w.error_codes);
+    }
+    eprintln!("• measuring …");
+    let summary = drive(&name, load, op).await;
+    let memory = match sampler {
+        Some(s) => Some(s.finish().await),
+        None => None,
+    };
+    let mut floors = Vec::new();
+    if args.floor {
+        eprintln!("• measuring the floors on the same server …");
+        floors
+            .push(crate::floor::jetstream_round_trip(&fleet.client, &fleet.nats_url, load).await?);
+        floors.push(crate::floor::request_reply(&fleet.client, &fleet.nats_url, load).await?);
+    }
+    Ok((summary, floors, memory))
+}
+
+fn render(r: &Report) -> String {
+    let mut out = String::new();
+    let mut rows = vec![&r.fleet];
+    rows.extend(r.floors.iter());
+    out.push_str(&table(&rows));
+    if r.mode == BenchMode::Chat && r.fleet.ok > 0 {
+        out.push_str(&format!(
+            "chat jobs: {:.2} tool calls per job, model first-token delay {} ms\n",
+            r.fleet.tool_calls as f64 / r.fleet.ok as f64,
+            r.model_delay_ms.unwrap_or(0)
+        ));
+    }
+    if !r.fleet.error_codes.is_empty() {
+        out.push_str(&format!("errors: {:?}\n", r.fleet.error_codes));
+    }
+    for ratio in &r.ratios {
+        out.push_str(&format!(
+            "fleet / {}: p50 {:.2}x, p90 {:.2}x, p99 {:.2}x, throughput {:.3}x\n",
+            ratio.floor.trim_start_matches("floor: "),
+            ratio.p50,
+            ratio.p90,
+            ratio.p99,
+            ratio.throughput
+        ));
+    }
+    if r.mode == BenchMode::Chat && !r.ratios.is_empty() {
+        out.push_str("(a chat job is two model calls, its tool calls, citations and ~30 events; a floor operation is one round trip)\n");
+    }
+    if let Some(m) = &r.orchestrator_memory {
+        out.push_str(&format!(
+            "orchestrator process {}: idle RSS {:.1} MiB, peak RSS {:.1} MiB (VmHWM {:.1} MiB) with up to {} chat jobs in flight: {:.1} KiB per invocation\n",
+            m.pid,
+            m.idle_rss_kib as f64 / 1024.0,
+            m.peak_rss_kib as f64 / 1024.0,
+            m.hwm_kib as f64 / 1024.0,
+            m.max_in_flight,
+            m.per_invocation_kib
+        ));
+    }
+    out.push_str(&format!(
+        "bench process peak RSS {:.1} MiB{}\n",
+        r.bench_process_peak_rss_kib as f64 / 1024.0,
+        if r.processes {
+            " (load generator only)"
+        } else if r.model_process {
+            " (fleet and load generator)"
+        } else {
+            " (fleet, model and load generator)"
+        }
+    ));
+    out
+}
