@@ -9,4 +9,5 @@
 //!   knows no tool family: the caller builds each family's tools.
 
 pub mod fleet;
+pub mod redis_cluster;
 pub mod servers;

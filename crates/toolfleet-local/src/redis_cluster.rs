@@ -1,0 +1,223 @@
+//! A Redis Cluster of `redis-server` child processes on loopback ports:
+//! N masters, no replicas, slots spread by `redis-cli --cluster create`.
+//! For tests of the store's cluster mode; killed on drop, data in a
+//! temporary directory.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::servers::{LocalError, free_port, have};
+
+const READY_WITHIN: Duration = Duration::from_secs(30);
+
+struct Node {
+    port: u16,
+    child: Child,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A running cluster; every master answers `cluster_state:ok` once
+/// [`RedisCluster::start`] returns.
+pub struct RedisCluster {
+    nodes: Vec<Node>,
+    dir: tempfile::TempDir,
+}
+
+impl RedisCluster {
+    /// Starts `masters` (at least 3, as Redis requires) nodes and joins
+    /// them. A start that loses a port race is retried on new ports.
+    pub fn start(masters: usize) -> Result<Self, LocalError> {
+        if !have("redis-server") {
+            return Err(LocalError::Missing("redis-server"));
+        }
+        if !have("redis-cli") {
+            return Err(LocalError::Missing("redis-cli"));
+        }
+        let mut last = None;
+        for _ in 0..3 {
+            match Self::try_start(masters.max(3)) {
+                Ok(c) => return Ok(c),
+                Err(e @ LocalError::Exited(..)) => last = Some(e),
+                Err(e) => return Err(e),
+            }
+        }
+        Err(last.unwrap_or(LocalError::Missing("redis-server")))
+    }
+
+    fn try_start(masters: usize) -> Result<Self, LocalError> {
+        let io = |e| LocalError::Io("redis-server", e);
+        let dir = tempfile::tempdir().map_err(io)?;
+        let mut nodes = Vec::with_capacity(masters);
+        for _ in 0..masters {
+            nodes.push(spawn_node(dir.path())?);
+        }
+        for node in &mut nodes {
+            wait_until(node, dir.path(), answers_ping)?;
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let out = Command::new("redis-cli")
+            .arg("--cluster")
+            .arg("create")
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| LocalError::Io("redis-cli", e))?;
+        if !out.status.success() {
+            return Err(LocalError::Exited(
+                "redis-cli",
+                out.status.to_string(),
+                String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr),
+            ));
+        }
+        let known = format!("cluster_known_nodes:{masters}");
+        for node in &mut nodes {
+            wait_until(node, dir.path(), |port| {
+                cluster_info(port)
+                    .is_some_and(|i| i.contains("cluster_state:ok") && i.contains(&known))
+            })?;
+        }
+        Ok(Self { nodes, dir })
+    }
+
+    /// The nodes' ports.
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.port).collect()
+    }
+
+    /// Every node's URL, comma-separated: what `--redis-url` takes for a
+    /// cluster.
+    pub fn url(&self) -> String {
+        self.ports()
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// Where the nodes keep their files (logs, `nodes-<port>.conf`).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+fn spawn_node(dir: &Path) -> Result<Node, LocalError> {
+    let io = |e| LocalError::Io("redis-server", e);
+    let port = free_port().map_err(io)?;
+    // The cluster bus gets a free port of its own rather than the default
+    // port + 10000, which may be taken or out of range.
+    let bus = free_port().map_err(io)?;
+    let node_dir = dir.join(port.to_string());
+    std::fs::create_dir_all(&node_dir).map_err(io)?;
+    let log = std::fs::File::create(node_dir.join("redis.log")).map_err(io)?;
+    let err = log.try_clone().map_err(io)?;
+    let child = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args([
+            "--cluster-enabled",
+            "yes",
+            "--cluster-port",
+            &bus.to_string(),
+        ])
+        .arg("--cluster-config-file")
+        .arg(node_dir.join(format!("nodes-{port}.conf")))
+        .args(["--cluster-node-timeout", "5000"])
+        .args(["--save", "", "--appendonly", "no", "--dir"])
+        .arg(&node_dir)
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .spawn()
+        .map_err(io)?;
+    Ok(Node { port, child })
+}
+
+fn wait_until(node: &mut Node, dir: &Path, ready: impl Fn(u16) -> bool) -> Result<(), LocalError> {
+    let log = || {
+        std::fs::read_to_string(dir.join(node.port.to_string()).join("redis.log"))
+            .unwrap_or_default()
+    };
+    let start = Instant::now();
+    while start.elapsed() < READY_WITHIN {
+        if ready(node.port) {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = node.child.try_wait() {
+            return Err(LocalError::Exited(
+                "redis-server",
+                status.to_string(),
+                log(),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    Err(LocalError::NotReady("redis-server", READY_WITHIN, log()))
+}
+
+fn connect(port: u16) -> Option<TcpStream> {
+    let s = TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
+        .ok()?;
+    s.set_read_timeout(Some(Duration::from_millis(500))).ok()?;
+    Some(s)
+}
+
+fn answers_ping(port: u16) -> bool {
+    let Some(mut s) = connect(port) else {
+        return false;
+    };
+    let mut buf = [0u8; 7];
+    s.write_all(b"PING\r\n").is_ok() && s.read_exact(&mut buf).is_ok() && &buf == b"+PONG\r\n"
+}
+
+/// The node's `CLUSTER INFO` text.
+fn cluster_info(port: u16) -> Option<String> {
+    let mut s = connect(port)?;
+    s.write_all(b"CLUSTER INFO\r\n").ok()?;
+    // A bulk string: `$<len>\r\n<text>\r\n`; read until all of it is in.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        let n = s.read(&mut buf).ok()?;
+        if n == 0 {
+            return None;
+        }
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got);
+        if let Some((head, body)) = text.split_once("\r\n") {
+            let len: usize = head.strip_prefix('$')?.parse().ok()?;
+            if body.len() >= len {
+                return Some(body[..len].to_string());
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_three_master_cluster_starts_and_covers_every_slot() {
+        let cluster = RedisCluster::start(3).unwrap();
+        assert_eq!(cluster.ports().len(), 3);
+        for port in cluster.ports() {
+            let info = cluster_info(port).unwrap();
+            assert!(info.contains("cluster_slots_assigned:16384"), "{info}");
+            assert!(info.contains("cluster_known_nodes:3"), "{info}");
+        }
+        assert_eq!(cluster.url().split(',').count(), 3);
+    }
+}
