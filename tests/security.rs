@@ -1,1 +1,768 @@
-//! (tests land here)
+//! NATS identities and least privilege (issue 9, item 9), on a real
+//! `nats-server` running the shipped `ops/nats/auth.conf`: the fleet's
+//! binaries answer a chat job under their role identities without one
+//! permission violation, and each role is refused what it must not do.
+//! Then each way to authenticate (user and password, token, NKey, `.creds`)
+//! and TLS (server verified by a CA, client certificates) connects through
+//! `NatsArgs`, the settings every command shares.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use futures::StreamExt;
+use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer, free_port};
+use toolfleet_protocol::{ChatEventBody, Subjects, ToolStatus};
+use toolfleet_service::args::{NatsArgs, Secret};
+
+use crate::support::{self, WAIT};
+
+/// (user, the server's environment variable with its password).
+const USERS: [(&str, &str); 5] = [
+    ("client", "TOOLFLEET_NATS_CLIENT_PASSWORD"),
+    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
+    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
+    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
+    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
+];
+
+/// The inbox prefix a role's processes set (ops/nats/auth.conf).
+fn inbox_prefix(user: &str) -> String {
+    match user.strip_prefix("worker-") {
+        Some(family) => format!("_INBOX.worker.{family}"),
+        None => format!("_INBOX.{user}"),
+    }
+}
+
+fn password(user: &str) -> String {
+    format!("pw-{user}-canary-7f3a")
+}
+
+/// A server running the shipped role identities.
+struct Secure {
+    nats: NatsServer,
+}
+
+impl Secure {
+    fn start() -> Self {
+        let auth = std::fs::read(support::root().join("ops/nats/auth.conf")).unwrap();
+        let nats = NatsServer::start_configured(NatsConfig {
+            extra: Some("include \"auth.conf\"".into()),
+            files: vec![("auth.conf".into(), auth)],
+            env: USERS
+                .iter()
+                .map(|(user, var)| (var.to_string(), password(user)))
+                .collect(),
+            ..NatsConfig::default()
+        })
+        .expect("nats-server with ops/nats/auth.conf");
+        Self { nats }
+    }
+
+    fn args(&self, user: &str) -> NatsArgs {
+        let mut a = NatsArgs::for_url(self.nats.url());
+        a.user = Some(user.into());
+        a.password = Some(Secret::new(password(user)));
+        a.inbox_prefix = Some(inbox_prefix(user));
+        a.connect_wait_secs = 10;
+        a
+    }
+
+    /// The environment a binary of `user`'s role runs with.
+    fn env(&self, user: &str) -> Vec<(&'static str, String)> {
+        vec![
+            ("TOOLFLEET_NATS_URL", self.nats.url()),
+            ("TOOLFLEET_NATS_USER", user.into()),
+            ("TOOLFLEET_NATS_PASSWORD", password(user)),
+            ("TOOLFLEET_NATS_INBOX_PREFIX", inbox_prefix(user)),
+        ]
+    }
+
+    async fn connect(&self, user: &str) -> async_nats::Client {
+        self.args(user).connect(user).await.expect("connect")
+    }
+
+    /// A connection of `user` that reports the server's errors (the
+    /// permission violations) on the returned channel.
+    async fn hostile(&self, user: &str) -> Hostile {
+        let (tx, errors) = tokio::sync::mpsc::unbounded_channel();
+        let client =
+            async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
+                .custom_inbox_prefix(inbox_prefix(user))
+                .event_callback(move |event| {
+                    let tx = tx.clone();
+                    async move {
+                        if let async_nats::Event::ServerError(e) = event {
+                            let _ = tx.send(e.to_string());
+                        }
+                    }
+                })
+                .connect(self.nats.url())
+                .await
+                .expect("connect");
+        Hostile { client, errors }
+    }
+
+    /// Permission violations the server logged.
+    fn violations(&self) -> Vec<String> {
+        self.nats
+            .log()
+            .lines()
+            .filter(|l| l.contains("Violation"))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+struct Hostile {
+    client: async_nats::Client,
+    errors: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+impl Hostile {
+    /// Waits for the server to refuse `what` (`Publish` or `Subscription`)
+    /// on `subject`: it drops the message or the subscription and says so.
+    async fn refused(&mut self, what: &str, subject: &str) {
+        let wanted = format!("permissions violation for {what} to \"{subject}\"").to_lowercase();
+        let deadline = tokio::time::Instant::now() + WAIT;
+        loop {
+            let e = tokio::time::timeout_at(deadline, self.errors.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{what} to {subject} was not refused"))
+                .expect("errors");
+            if e.to_lowercase().contains(&wanted) {
+                return;
+            }
+        }
+    }
+
+    async fn publish(&mut self, subject: &str) {
+        self.client
+            .publish(subject.to_string(), "forged".into())
+            .await
+            .unwrap();
+        self.client.flush().await.unwrap();
+        self.refused("Publish", subject).await;
+    }
+
+    async fn subscribe(&mut self, subject: &str) -> async_nats::Subscriber {
+        let sub = self.client.subscribe(subject.to_string()).await.unwrap();
+        self.client.flush().await.unwrap();
+        self.refused("Subscription", subject).await;
+        sub
+    }
+}
+
+/// `publisher` sends a job on `subject`, then a marker on `marker_subject`
+/// (which the refused side may read on `seen`), until a marker arrives: a
+/// flush is not a round trip, so the first rounds may come before the
+/// subscription is registered. Then nothing is waiting on `refused`: the
+/// server delivers one publisher's messages to one connection in order.
+async fn nothing_before_marker(
+    publisher: &async_nats::Client,
+    subject: &str,
+    marker_subject: &str,
+    refused: &mut async_nats::Subscriber,
+    seen: &mut async_nats::Subscriber,
+) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        publisher
+            .publish(subject.to_string(), "job".into())
+            .await
+            .unwrap();
+        publisher
+            .publish(marker_subject.to_string(), "marker".into())
+            .await
+            .unwrap();
+        publisher.flush().await.unwrap();
+        if let Ok(marker) = tokio::time::timeout(Duration::from_secs(1), seen.next()).await {
+            assert_eq!(&marker.unwrap().payload[..], b"marker");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no marker");
+    }
+    assert!(
+        futures::FutureExt::now_or_never(refused.next()).is_none(),
+        "a refused subscription received a message"
+    );
+}
+
+struct Proc {
+    child: Child,
+    log: std::path::PathBuf,
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn spawn(bin: &str, env: &[(&'static str, String)], log: std::path::PathBuf) -> Proc {
+    let out = std::fs::File::create(&log).unwrap();
+    let child = Command::new(support::sibling_bin(bin))
+        .current_dir(support::root())
+        .envs(env.iter().map(|(k, v)| (*k, v)))
+        .stdout(Stdio::null())
+        .stderr(out)
+        .spawn()
+        .unwrap_or_else(|e| panic!("{bin}: {e}"));
+    Proc { child, log }
+}
+
+fn time_script() -> serde_json::Value {
+    serde_json::json!({
+        "rules": [{
+            "whenUserContains": ["time"],
+            "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "It is {{tool:current_datetime}}." }
+            ]
+        }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_the_fleet_answers_under_least_privilege_role_identities() {
+    let secure = Secure::start();
+    let redis = RedisServer::start().unwrap();
+    let script = toolfleet_scripted::Script::from_json(&time_script().to_string()).unwrap();
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let with = |user: &str, extra: Vec<(&'static str, String)>| {
+        let mut env = secure.env(user);
+        env.push(("TOOLFLEET_REDIS_URL", redis.url()));
+        env.push(("TOOLFLEET_LOG", "info".into()));
+        env.push((
+            "TOOLFLEET_METRICS_ADDR",
+            format!("127.0.0.1:{}", free_port().unwrap()),
+        ));
+        env.extend(extra);
+        env
+    };
+    let procs = [
+        spawn(
+            "toolfleet-orchestrator",
+            &with(
+                "orchestrator",
+                vec![
+                    ("TOOLFLEET_LLM_BASE_URL", model.base_url().to_string()),
+                    ("TOOLFLEET_LLM_MODEL", "toolfleet-scripted".into()),
+                    ("TOOLFLEET_LLM_API_KEY", "sk-security-test".into()),
+                ],
+            ),
+            logs.path().join("orchestrator.log"),
+        ),
+        spawn(
+            "toolfleet-worker-system",
+            &with("worker-system", vec![]),
+            logs.path().join("worker-system.log"),
+        ),
+    ];
+
+    // The client asks until the live catalog offers the tool (workers
+    // advertise on start; the orchestrator reads the catalog).
+    let client = secure.connect("client").await;
+    let subjects = Subjects::new("toolfleet").unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let outcome = loop {
+        let job = toolfleet_protocol::client::question("What time is it?");
+        // The chat stream is there once the orchestrator has started (a
+        // client may not create it).
+        let outcome =
+            match toolfleet_protocol::client::chat(&client, &subjects, &job, WAIT, |_| {}).await {
+                Ok(outcome) => outcome,
+                Err(toolfleet_protocol::client::ClientError::Rejected(e))
+                    if tokio::time::Instant::now() < deadline =>
+                {
+                    tracing::debug!(error = %e, "not yet");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    continue;
+                }
+                Err(e) => panic!(
+                    "the job is answered: {e}\n{}",
+                    std::fs::read_to_string(&procs[0].log).unwrap_or_default()
+                ),
+            };
+        let tool_ok = outcome.events.iter().any(|e| {
+            matches!(&e.body, ChatEventBody::ToolResult { tool, status: ToolStatus::Ok, .. }
+                if tool.contains("current_datetime"))
+        });
+        if tool_ok {
+            break outcome;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the tool never answered: {:?}\n{}",
+            outcome.events,
+            std::fs::read_to_string(&procs[0].log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(outcome.text.starts_with("It is "), "{}", outcome.text);
+    assert!(!outcome.text.contains("{{tool"), "{}", outcome.text);
+
+    // Not one permission was missing on the way, and no secret was logged.
+    assert_eq!(secure.violations(), Vec::<String>::new());
+    drop(procs);
+    for name in ["orchestrator.log", "worker-system.log"] {
+        let log = std::fs::read_to_string(logs.path().join(name)).unwrap();
+        assert!(!log.contains("canary"), "{name} shows a password:\n{log}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_client_cannot_read_tool_jobs_or_results_nor_forge_them() {
+    let secure = Secure::start();
+    let orchestrator = secure.connect("orchestrator").await;
+    let js = async_nats::jetstream::new(orchestrator.clone());
+    let subjects = Subjects::new("toolfleet").unwrap();
+    let tools = toolfleet_protocol::streams::ensure_tools_stream(&js, &subjects)
+        .await
+        .unwrap();
+    let mut client = secure.hostile("client").await;
+
+    // Tool jobs carry their reply subject in a header: no client sees them.
+    let mut jobs = client.subscribe("toolfleet.tool.>").await;
+    let mut jobs_of_one = client
+        .subscribe("toolfleet.tool.system.current_datetime.1_0_0")
+        .await;
+    let mut events = client
+        .client
+        .subscribe("toolfleet.chat.events.marker")
+        .await
+        .unwrap();
+    client.client.flush().await.unwrap();
+    nothing_before_marker(
+        &orchestrator,
+        "toolfleet.tool.system.current_datetime.1_0_0",
+        "toolfleet.chat.events.marker",
+        &mut jobs,
+        &mut events,
+    )
+    .await;
+    assert!(futures::FutureExt::now_or_never(jobs_of_one.next()).is_none());
+
+    // Nor results, nor anyone's inboxes.
+    client.subscribe("toolfleet.reply.>").await;
+    client.subscribe("toolfleet.reply.*.*").await;
+    client.subscribe("_INBOX.>").await;
+    client.subscribe("_INBOX.orchestrator.>").await;
+
+    // A forged result never reaches the orchestrator's call inbox: the
+    // orchestrator sees the real worker's result first.
+    let inbox = subjects.reply_inbox();
+    let mut results = orchestrator.subscribe(format!("{inbox}.*")).await.unwrap();
+    orchestrator.flush().await.unwrap();
+    client.publish(&format!("{inbox}.call-1")).await;
+    let worker = secure.connect("worker-system").await;
+    worker
+        .publish(format!("{inbox}.call-1"), "marker".into())
+        .await
+        .unwrap();
+    worker.flush().await.unwrap();
+    let first = tokio::time::timeout(WAIT, results.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&first.payload[..], b"marker", "the forged result arrived");
+
+    // Nor tool jobs, dead letters or events of its own making: between two
+    // jobs the orchestrator stores (each acked), the stream gains nothing.
+    // (An acked publish also means every earlier one of that connection is
+    // stored.)
+    let stored = || {
+        let (js, tools) = (js.clone(), tools.clone());
+        async move {
+            js.publish("toolfleet.tool.system.current_datetime.1_0_0", "job".into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+            tools.clone().info().await.unwrap().state.messages
+        }
+    };
+    let before = stored().await;
+    client
+        .publish("toolfleet.tool.system.current_datetime.1_0_0")
+        .await;
+    client.publish("toolfleet.chat.events.someone-else").await;
+    client.publish("toolfleet.deadletter.tool").await;
+    client
+        .publish("$JS.API.STREAM.DELETE.TOOLFLEET_TOOLS")
+        .await;
+    assert_eq!(stored().await, before + 1, "a forged job was stored");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_worker_family_keeps_to_its_own_tools() {
+    let secure = Secure::start();
+    let orchestrator = secure.connect("orchestrator").await;
+    let js = async_nats::jetstream::new(orchestrator.clone());
+    let subjects = Subjects::new("toolfleet").unwrap();
+    let chat = toolfleet_protocol::streams::ensure_chat_stream(&js, &subjects)
+        .await
+        .unwrap();
+    let tools = toolfleet_protocol::streams::ensure_tools_stream(&js, &subjects)
+        .await
+        .unwrap();
+    let mut system = secure.hostile("worker-system").await;
+
+    // It cannot start chat jobs or speak for the orchestrator.
+    system.publish("toolfleet.chat.submit").await;
+    system.publish("toolfleet.chat.events.someone-else").await;
+    system.publish("toolfleet.deadletter.chat").await;
+    assert_eq!(chat.clone().info().await.unwrap().state.messages, 0);
+
+    // Nor publish, read or pull another family's tool jobs.
+    system
+        .publish("toolfleet.tool.retrieval.search_documents.1_0_0")
+        .await;
+    system
+        .publish("toolfleet.tool.system.current_datetime.1_0_0")
+        .await;
+    assert_eq!(tools.clone().info().await.unwrap().state.messages, 0);
+    let mut others = system
+        .subscribe("toolfleet.tool.retrieval.search_documents.1_0_0")
+        .await;
+    system.subscribe("toolfleet.tool.>").await;
+    system.subscribe("toolfleet.direct.retrieval.>").await;
+    system.subscribe("toolfleet.reply.>").await;
+    system.subscribe("_INBOX.worker.retrieval.>").await;
+    system
+        .publish("$JS.API.CONSUMER.MSG.NEXT.TOOLFLEET_TOOLS.tool_retrieval_search_documents_1_0_0")
+        .await;
+    // Its own consumer's create is pinned to its own tool's subject.
+    system
+        .publish(
+            "$JS.API.CONSUMER.CREATE.TOOLFLEET_TOOLS.tool_system_current_datetime_1_0_0.toolfleet.tool.retrieval.search_documents.1_0_0",
+        )
+        .await;
+    system
+        .publish("$KV.TOOLFLEET_CATALOG.retrieval.search_documents.1_0_0.abc")
+        .await;
+    let mut marker = system
+        .client
+        .subscribe("toolfleet.direct.system.marker")
+        .await
+        .unwrap();
+    system.client.flush().await.unwrap();
+    nothing_before_marker(
+        &orchestrator,
+        "toolfleet.tool.retrieval.search_documents.1_0_0",
+        "toolfleet.direct.system.marker",
+        &mut others,
+        &mut marker,
+    )
+    .await;
+
+    // What it may do, it can: its own consumer, pinned to its own subject.
+    let worker = secure.connect("worker-system").await;
+    let own = async_nats::jetstream::new(worker)
+        .get_stream("TOOLFLEET_TOOLS")
+        .await
+        .unwrap()
+        .get_or_create_consumer(
+            "tool_system_current_datetime_1_0_0",
+            async_nats::jetstream::consumer::pull::Config {
+                durable_name: Some("tool_system_current_datetime_1_0_0".into()),
+                filter_subject: "toolfleet.tool.system.current_datetime.1_0_0".into(),
+                ..Default::default()
+            },
+        )
+        .await;
+    assert!(own.is_ok(), "{:?}", own.err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_wrong_password_is_refused_at_once_without_showing_it() {
+    let secure = Secure::start();
+    let mut args = secure.args("orchestrator");
+    args.password = Some(Secret::new("wrong-canary-secret"));
+    args.connect_wait_secs = 60;
+    let started = std::time::Instant::now();
+    let e = args.connect("t").await.unwrap_err().to_string();
+    assert!(started.elapsed() < Duration::from_secs(30), "retried: {e}");
+    assert!(e.contains("refused"), "{e}");
+    assert!(!e.contains("canary"), "{e}");
+}
+
+/// A server with `authorization` set to `block`, and the env it reads.
+fn server_with(block: &str, env: Vec<(String, String)>) -> NatsServer {
+    NatsServer::start_configured(NatsConfig {
+        extra: Some(block.to_string()),
+        env,
+        ..NatsConfig::default()
+    })
+    .unwrap()
+}
+
+/// `args` connects and a message round-trips.
+async fn round_trip(args: &NatsArgs) {
+    let client = args.connect("t").await.expect("connects");
+    let mut sub = client.subscribe("ping").await.unwrap();
+    client.flush().await.unwrap();
+    client.publish("ping", "pong".into()).await.unwrap();
+    let msg = tokio::time::timeout(WAIT, sub.next())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(&msg.payload[..], b"pong");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_token_authentication_connects() {
+    let nats = server_with(
+        "authorization { token: $TOKEN }",
+        vec![("TOKEN".into(), "tok-canary-1".into())],
+    );
+    let mut args = NatsArgs::for_url(nats.url());
+    args.token = Some(Secret::new("tok-canary-1"));
+    round_trip(&args).await;
+    args.token = Some(Secret::new("tok-canary-2"));
+    let e = args.connect("t").await.unwrap_err().to_string();
+    assert!(e.contains("refused") && !e.contains("canary"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_nkey_authentication_connects() {
+    let user = nkeys::KeyPair::new_user();
+    let nats = server_with(
+        &format!(
+            "authorization {{ users = [ {{ nkey: {} }} ] }}",
+            user.public_key()
+        ),
+        vec![],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let seed = dir.path().join("user.nk");
+    std::fs::write(&seed, format!("{}\n", user.seed().unwrap())).unwrap();
+    let mut args = NatsArgs::for_url(nats.url());
+    args.nkey_seed_file = Some(seed.clone());
+    round_trip(&args).await;
+    // Another key is refused.
+    std::fs::write(&seed, nkeys::KeyPair::new_user().seed().unwrap()).unwrap();
+    let e = args.connect("t").await.unwrap_err().to_string();
+    assert!(e.contains("refused") && !e.contains("SU"), "{e}");
+}
+
+/// JWTs as `nsc` writes them: header, claims and an ed25519 signature by
+/// the issuer's NKey, each base64url without padding.
+fn jwt(issuer: &nkeys::KeyPair, subject: &str, name: &str, nats: serde_json::Value) -> String {
+    use base64::Engine;
+    let b64 = |b: &[u8]| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(b);
+    let header = b64(br#"{"typ":"JWT","alg":"ed25519-nkey"}"#);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    let claims = serde_json::json!({
+        "jti": format!("{:X}", now.as_nanos()),
+        "iat": now.as_secs(),
+        "iss": issuer.public_key(),
+        "name": name,
+        "sub": subject,
+        "nats": nats,
+    });
+    let claims = b64(claims.to_string().as_bytes());
+    let signed = format!("{header}.{claims}");
+    let sig = issuer.sign(signed.as_bytes()).unwrap();
+    format!("{signed}.{}", b64(&sig))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_creds_file_authentication_connects() {
+    // An operator, an account and a user, as `nsc` would make them; the
+    // server trusts the operator and preloads the account.
+    let operator = nkeys::KeyPair::new_operator();
+    let account = nkeys::KeyPair::new_account();
+    let user = nkeys::KeyPair::new_user();
+    let unlimited = serde_json::json!({ "subs": -1, "data": -1, "payload": -1 });
+    let op_jwt = jwt(
+        &operator,
+        &operator.public_key(),
+        "op",
+        serde_json::json!({ "type": "operator", "version": 2 }),
+    );
+    let acc_jwt = jwt(
+        &operator,
+        &account.public_key(),
+        "acc",
+        serde_json::json!({
+            "type": "account", "version": 2,
+            "limits": { "subs": -1, "data": -1, "payload": -1, "imports": -1, "exports": -1,
+                        "wildcards": true, "conn": -1, "leaf": -1 },
+        }),
+    );
+    let mut user_claims = unlimited.clone();
+    user_claims["type"] = "user".into();
+    user_claims["version"] = 2.into();
+    let user_jwt = jwt(&account, &user.public_key(), "u", user_claims.clone());
+    // JetStream (every test server runs it) needs a system account.
+    let system = nkeys::KeyPair::new_account();
+    let sys_jwt = jwt(
+        &operator,
+        &system.public_key(),
+        "SYS",
+        serde_json::json!({ "type": "account", "version": 2 }),
+    );
+    let nats = server_with(
+        &format!(
+            "operator: {op_jwt}\nsystem_account: {sys}\nresolver: MEMORY\n\
+             resolver_preload: {{ {acc}: {acc_jwt}, {sys}: {sys_jwt} }}\n",
+            acc = account.public_key(),
+            sys = system.public_key(),
+        ),
+        vec![],
+    );
+    let creds = |jwt: &str, seed: &str| {
+        format!(
+            "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\
+             NKEY Seed printed below can be used to sign and prove identity.\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        )
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("user.creds");
+    std::fs::write(&file, creds(&user_jwt, &user.seed().unwrap())).unwrap();
+    let mut args = NatsArgs::for_url(nats.url());
+    args.creds_file = Some(file.clone());
+    round_trip(&args).await;
+    // A user signed by an account the server does not know is refused.
+    let stranger = nkeys::KeyPair::new_account();
+    let other = jwt(&stranger, &user.public_key(), "u", user_claims);
+    std::fs::write(&file, creds(&other, &user.seed().unwrap())).unwrap();
+    let e = args.connect("t").await.unwrap_err().to_string();
+    assert!(e.contains("refused") && !e.contains("SU"), "{e}");
+}
+
+/// Runs `openssl` with `args` in `dir`.
+fn openssl(dir: &std::path::Path, args: &[&str]) {
+    let out = Command::new("openssl")
+        .current_dir(dir)
+        .args(args)
+        .output()
+        .expect("openssl: install it with `apt-get install -y openssl`");
+    assert!(
+        out.status.success(),
+        "openssl {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate, in
+/// `dir` (ECDSA P-256, valid for a day).
+fn certificates(dir: &std::path::Path) {
+    let key = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:prime256v1",
+        "-nodes",
+    ];
+    let mut ca = vec!["req", "-x509"];
+    ca.extend(key);
+    ca.extend([
+        "-keyout",
+        "ca-key.pem",
+        "-out",
+        "ca.pem",
+        "-days",
+        "1",
+        "-subj",
+        "/CN=toolfleet test CA",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign",
+    ]);
+    openssl(dir, &ca);
+    for (name, ext) in [
+        (
+            "server",
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+        ),
+        ("client", "extendedKeyUsage=clientAuth\n"),
+    ] {
+        let (k, csr, pem, extfile) = (
+            format!("{name}-key.pem"),
+            format!("{name}.csr"),
+            format!("{name}.pem"),
+            format!("{name}.ext"),
+        );
+        std::fs::write(dir.join(&extfile), ext).unwrap();
+        let mut req = vec!["req"];
+        req.extend(key);
+        req.extend(["-keyout", &k, "-out", &csr, "-subj"]);
+        let subj = format!("/CN=toolfleet test {name}");
+        req.push(&subj);
+        openssl(dir, &req);
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca-key.pem",
+                "-CAcreateserial",
+                "-out",
+                &pem,
+                "-days",
+                "1",
+                "-extfile",
+                &extfile,
+            ],
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_tls_with_a_ca_and_client_certificates() {
+    let certs = tempfile::tempdir().unwrap();
+    certificates(certs.path());
+    let file = |name: &str| certs.path().join(name);
+    let files = ["ca.pem", "server.pem", "server-key.pem"]
+        .map(|n| (n.to_string(), std::fs::read(file(n)).unwrap()))
+        .to_vec();
+    let nats = NatsServer::start_configured(NatsConfig {
+        extra: Some(
+            "tls { cert_file: \"server.pem\", key_file: \"server-key.pem\", ca_file: \"ca.pem\", verify: true }"
+                .into(),
+        ),
+        files,
+        ..NatsConfig::default()
+    })
+    .unwrap();
+    let mut args = NatsArgs::for_url(nats.url());
+    args.connect_wait_secs = 3;
+    args.tls_ca = Some(file("ca.pem"));
+    args.tls_cert = Some(file("client.pem"));
+    args.tls_key = Some(file("client-key.pem"));
+    args.tls_required = true;
+    round_trip(&args).await;
+
+    // Without its certificate the server refuses the client…
+    let mut anonymous = args.clone();
+    anonymous.tls_cert = None;
+    anonymous.tls_key = None;
+    assert!(anonymous.connect("t").await.is_err());
+    // …and without the CA the client does not trust the server.
+    let mut untrusting = args.clone();
+    untrusting.tls_ca = None;
+    assert!(untrusting.connect("t").await.is_err());
+
+    // TLS required of a server without it fails.
+    let plain = NatsServer::start().unwrap();
+    let mut required = NatsArgs::for_url(plain.url());
+    required.connect_wait_secs = 3;
+    required.tls_required = true;
+    assert!(required.connect("t").await.is_err());
+}

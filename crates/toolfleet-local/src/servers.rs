@@ -41,7 +41,9 @@ const READY_WITHIN: Duration = Duration::from_secs(15);
 
 /// Tries `start` up to three times when the server exited while starting
 /// (a lost race for its port); anything else fails at once.
-fn with_retries<T>(mut start: impl FnMut() -> Result<T, LocalError>) -> Result<T, LocalError> {
+pub(crate) fn with_retries<T>(
+    mut start: impl FnMut() -> Result<T, LocalError>,
+) -> Result<T, LocalError> {
     let mut last = None;
     for _ in 0..3 {
         match start() {
@@ -53,14 +55,18 @@ fn with_retries<T>(mut start: impl FnMut() -> Result<T, LocalError>) -> Result<T
     Err(last.unwrap_or(LocalError::Missing("server")))
 }
 
-struct Proc {
+pub(crate) struct Proc {
     name: &'static str,
     child: Option<Child>,
     log: std::path::PathBuf,
 }
 
 impl Proc {
-    fn spawn(name: &'static str, cmd: &mut Command, log: &Path) -> Result<Self, LocalError> {
+    pub(crate) fn spawn(
+        name: &'static str,
+        cmd: &mut Command,
+        log: &Path,
+    ) -> Result<Self, LocalError> {
         if !have(name) {
             return Err(LocalError::Missing(name));
         }
@@ -79,7 +85,7 @@ impl Proc {
         })
     }
 
-    fn wait_ready(&mut self, ready: impl Fn() -> bool) -> Result<(), LocalError> {
+    pub(crate) fn wait_ready(&mut self, ready: impl Fn() -> bool) -> Result<(), LocalError> {
         let start = Instant::now();
         while start.elapsed() < READY_WITHIN {
             if ready() {
@@ -97,7 +103,7 @@ impl Proc {
         Err(LocalError::NotReady(self.name, READY_WITHIN, log))
     }
 
-    fn kill(&mut self) {
+    pub(crate) fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
@@ -111,13 +117,30 @@ impl Drop for Proc {
     }
 }
 
+/// Settings of a [`NatsServer`] beyond the defaults (plain
+/// `nats-server -js`, no authentication).
+#[derive(Debug, Clone, Default)]
+pub struct NatsConfig {
+    /// A `max_payload` other than the server's default (1 MiB).
+    pub max_payload: Option<usize>,
+    /// More configuration, appended to the server's config file (which
+    /// lives in the server's directory, the server's working directory:
+    /// relative paths and `include`s resolve there).
+    pub extra: Option<String>,
+    /// Files written into the server's directory before it starts: an
+    /// included `auth.conf`, TLS certificates.
+    pub files: Vec<(String, Vec<u8>)>,
+    /// Environment of the server process (a config's `$NAME`s are read
+    /// from it).
+    pub env: Vec<(String, String)>,
+}
+
 /// A `nats-server -js` child process.
 pub struct NatsServer {
     proc: Proc,
     port: u16,
     dir: tempfile::TempDir,
-    /// A `max_payload` other than the server's default (1 MiB).
-    max_payload: Option<usize>,
+    config: NatsConfig,
 }
 
 impl NatsServer {
@@ -125,39 +148,58 @@ impl NatsServer {
     /// our probe and the server's bind, so a failed start is retried on a
     /// new port.
     pub fn start() -> Result<Self, LocalError> {
-        Self::start_with(None)
+        Self::start_configured(NatsConfig::default())
     }
 
     /// [`NatsServer::start`] with the server's `max_payload` set to
     /// `bytes` (it has no flag for it: a config file carries it).
     pub fn start_with_max_payload(bytes: usize) -> Result<Self, LocalError> {
-        Self::start_with(Some(bytes))
+        Self::start_configured(NatsConfig {
+            max_payload: Some(bytes),
+            ..NatsConfig::default()
+        })
     }
 
-    fn start_with(max_payload: Option<usize>) -> Result<Self, LocalError> {
+    /// [`NatsServer::start`] with `config` (authorization, TLS, …). The
+    /// port, the loopback address and the JetStream directory are flags,
+    /// which override what the config says.
+    pub fn start_configured(config: NatsConfig) -> Result<Self, LocalError> {
         with_retries(|| {
             let dir = tempfile::tempdir().map_err(|e| LocalError::Io("nats-server", e))?;
+            for (name, bytes) in &config.files {
+                std::fs::write(dir.path().join(name), bytes)
+                    .map_err(|e| LocalError::Io("nats-server", e))?;
+            }
             let port = free_port().map_err(|e| LocalError::Io("nats-server", e))?;
-            let proc = Self::spawn_in(dir.path(), port, max_payload)?;
+            let proc = Self::spawn_in(dir.path(), port, &config)?;
             Ok(Self {
                 proc,
                 port,
                 dir,
-                max_payload,
+                config: config.clone(),
             })
         })
     }
 
-    fn spawn_in(dir: &Path, port: u16, max_payload: Option<usize>) -> Result<Proc, LocalError> {
+    fn spawn_in(dir: &Path, port: u16, config: &NatsConfig) -> Result<Proc, LocalError> {
         // The log is truncated at every start, so readiness is this run's.
         let log = dir.join("nats.log");
         let mut cmd = Command::new("nats-server");
-        if let Some(bytes) = max_payload {
-            let config = dir.join("nats.conf");
-            std::fs::write(&config, format!("max_payload: {bytes}\n"))
-                .map_err(|e| LocalError::Io("nats-server", e))?;
-            cmd.arg("-c").arg(config);
+        cmd.current_dir(dir);
+        let mut text = String::new();
+        if let Some(bytes) = config.max_payload {
+            text.push_str(&format!("max_payload: {bytes}\n"));
         }
+        if let Some(extra) = &config.extra {
+            text.push_str(extra);
+            text.push('\n');
+        }
+        if !text.is_empty() {
+            let file = dir.join("nats.conf");
+            std::fs::write(&file, text).map_err(|e| LocalError::Io("nats-server", e))?;
+            cmd.arg("-c").arg(file);
+        }
+        cmd.envs(config.env.iter().map(|(k, v)| (k, v)));
         cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(dir.join("jetstream"));
         let mut proc = Proc::spawn("nats-server", &mut cmd, &log)?;
@@ -175,7 +217,7 @@ impl NatsServer {
     /// JetStream data (clients reconnect on their own).
     pub fn start_again(&mut self) -> Result<(), LocalError> {
         self.proc.kill();
-        self.proc = Self::spawn_in(self.dir.path(), self.port, self.max_payload)?;
+        self.proc = Self::spawn_in(self.dir.path(), self.port, &self.config)?;
         Ok(())
     }
 
@@ -187,13 +229,23 @@ impl NatsServer {
         format!("nats://127.0.0.1:{}", self.port)
     }
 
+    /// The server's directory (its config, log and JetStream data).
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("nats.log")).unwrap_or_default()
+    }
+
     /// Kills the server (its JetStream data stays in the directory).
     pub fn stop(&mut self) {
         self.proc.kill();
     }
 }
 
-fn nats_answers(port: u16) -> bool {
+pub(crate) fn nats_answers(port: u16) -> bool {
     let Ok(s) =
         TcpStream::connect_timeout(&([127, 0, 0, 1], port).into(), Duration::from_millis(200))
     else {
