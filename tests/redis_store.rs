@@ -1,1 +1,631 @@
-//! (tests land here)
+//! The citation store against real Redis: outages retried within the
+//! budget, the reservation floor across a restart that lost the counter,
+//! claims, password and ACL users, `rediss://` with a client certificate,
+//! and a 3-master Redis Cluster.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use toolfleet_local::redis_cluster::RedisCluster;
+use toolfleet_local::servers::{RedisServer, free_port};
+use toolfleet_protocol::{ToolResult, ToolStatus};
+use toolfleet_store::{CitationStore, Claim, ErrorKind, NewReference, RedisOptions};
+
+use crate::support::WAIT;
+
+const TTL: Duration = Duration::from_secs(600);
+
+fn refs(titles: &[&str]) -> Vec<NewReference> {
+    titles
+        .iter()
+        .map(|t| NewReference {
+            kind: "document".into(),
+            title: t.to_string(),
+            source: None,
+            url: None,
+            snippet: Some(format!("about {t}")),
+        })
+        .collect()
+}
+
+fn indices(r: &[toolfleet_protocol::Reference]) -> Vec<u64> {
+    r.iter().map(|r| r.index).collect()
+}
+
+fn result(inv: &str, call: &str) -> ToolResult {
+    ToolResult {
+        invocation_id: inv.into(),
+        call_id: call.into(),
+        tool_id: "system.echo".into(),
+        status: ToolStatus::Ok,
+        content: format!("answer of {call}"),
+        data: None,
+        error: None,
+        references: Vec::new(),
+        attempt: 1,
+        duration_ms: 3,
+        replayed: false,
+    }
+}
+
+async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(WAIT, f)
+        .await
+        .expect("the store answered in time")
+}
+
+fn options(url: &str, budget: Duration) -> RedisOptions {
+    RedisOptions {
+        retry_budget: budget,
+        ..RedisOptions::new(url)
+    }
+}
+
+/// A `redis-server` with extra arguments (auth, TLS), killed on drop.
+struct CustomRedis {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl CustomRedis {
+    /// `args(port)` gives the server's arguments; ready when its log says
+    /// so (a TLS or password-protected port does not answer a bare PING).
+    fn start(args: impl Fn(u16) -> Vec<String>) -> Self {
+        for _ in 0..3 {
+            let dir = tempfile::tempdir().unwrap();
+            let port = free_port().unwrap();
+            let log = dir.path().join("redis.log");
+            let out = std::fs::File::create(&log).unwrap();
+            let mut child = Command::new("redis-server")
+                .args(args(port))
+                .args(["--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+                .arg("--dir")
+                .arg(dir.path())
+                .stdin(Stdio::null())
+                .stdout(out.try_clone().unwrap())
+                .stderr(out)
+                .spawn()
+                .expect("redis-server on PATH (apt-get install redis-server)");
+            let start = Instant::now();
+            loop {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if text.contains("Ready to accept connections") {
+                    return Self {
+                        child,
+                        port,
+                        _dir: dir,
+                    };
+                }
+                if child.try_wait().unwrap().is_some() {
+                    break; // lost the port race (or bad args): try again
+                }
+                assert!(start.elapsed() < WAIT, "redis-server not ready:\n{text}");
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        }
+        panic!("redis-server did not start in three tries");
+    }
+}
+
+impl Drop for CustomRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
+    let mut redis = RedisServer::start().unwrap();
+    // A generous budget: the restart below waits for the server to be
+    // ready, which on a loaded machine can take a while.
+    let store = within(CitationStore::connect_with(
+        &options(&redis.url(), Duration::from_secs(25)),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    let first = within(store.reserve("inv-o", "c1", "c1", "t", refs(&["a"]), 0))
+        .await
+        .unwrap();
+    assert_eq!(indices(&first), [1]);
+
+    redis.stop();
+    // Issued while Redis is down: each retries until it is back. The
+    // reservation also finds the script cache empty and loads it again.
+    let s = store.clone();
+    let reserve =
+        tokio::spawn(async move { s.reserve("inv-o", "c2", "c2", "t", refs(&["b"]), 1).await });
+    let s = store.clone();
+    let cancel = tokio::spawn(async move { s.mark_cancelled("inv-o").await });
+    let s = store.clone();
+    let put = tokio::spawn(async move { s.ledger_put(&result("inv-o", "c2")).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !reserve.is_finished() && !cancel.is_finished() && !put.is_finished(),
+        "operations wait for Redis instead of failing"
+    );
+    // Keep the server: dropping it would kill it again.
+    let _redis = tokio::task::spawn_blocking(move || {
+        redis.start_again().unwrap();
+        redis
+    })
+    .await
+    .unwrap();
+
+    let second = within(reserve).await.unwrap().unwrap();
+    // The counter was lost with the restart; the floor keeps [doc:1] from
+    // being handed out again.
+    assert_eq!(indices(&second), [2]);
+    within(cancel).await.unwrap().unwrap();
+    within(put).await.unwrap().unwrap();
+    assert!(within(store.is_cancelled("inv-o")).await.unwrap());
+    let stored = within(store.ledger_get("inv-o", "c2"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(stored.content, "answer of c2");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_gone_past_the_budget_fails_as_unavailable_without_the_password() {
+    let password = "canary-Pa55word";
+    let redis = CustomRedis::start(|port| {
+        vec![
+            "--port".into(),
+            port.to_string(),
+            "--requirepass".into(),
+            password.into(),
+        ]
+    });
+    let url = format!("redis://:{password}@127.0.0.1:{}", redis.port);
+    let budget = Duration::from_millis(800);
+    let store = within(CitationStore::connect_with(
+        &options(&url, budget),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    within(store.ping()).await.unwrap();
+    drop(redis);
+
+    let started = Instant::now();
+    let err = within(store.claim("inv-gone", "seq-1")).await.unwrap_err();
+    let elapsed = started.elapsed();
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(err.is_unavailable());
+    let text = err.to_string();
+    assert!(text.contains("unavailable"), "{text}");
+    assert!(text.contains("claim"), "{text}");
+    assert!(!text.contains(password), "{text}");
+    assert!(!format!("{err:?}{store:?}").contains(password));
+    // It did retry for the whole budget rather than fail at the first
+    // refused connection.
+    assert!(elapsed >= budget, "gave up after {elapsed:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_that_is_not_transient_fails_at_once() {
+    let redis = RedisServer::start().unwrap();
+    // A budget longer than the test's wait: a retried error would time
+    // the test out.
+    let store = within(CitationStore::connect_with(
+        &options(&redis.url(), WAIT * 4),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut raw = client.get_multiplexed_async_connection().await.unwrap();
+    // Something else wrote a string where the references hash belongs.
+    let _: () = redis::cmd("SET")
+        .arg(store.key("inv-w", "refs"))
+        .arg("not a hash")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let err = within(store.references("inv-w")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Rejected, "{err}");
+    assert!(err.to_string().contains("WRONGTYPE"), "{err}");
+    let err = within(store.reserve("inv-w", "c", "c", "t", refs(&["x"]), 0))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Rejected, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reservations_stay_above_the_floor_after_a_restart_lost_the_counter() {
+    let mut redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    let a = within(store.reserve("inv-f", "a", "a", "t", refs(&["1", "2", "3"]), 0))
+        .await
+        .unwrap();
+    assert_eq!(indices(&a), [1, 2, 3]);
+    // A redelivery of the same reservation reuses its indices.
+    let again = within(store.reserve("inv-f", "a", "a", "t", refs(&["1", "2", "3"]), 0))
+        .await
+        .unwrap();
+    assert_eq!(indices(&again), [1, 2, 3]);
+
+    // No persistence: the restart loses the counter and the references.
+    redis.stop();
+    let mut redis = tokio::task::spawn_blocking(move || {
+        redis.start_again().unwrap();
+        redis
+    })
+    .await
+    .unwrap();
+    let b = within(store.reserve("inv-f", "b", "b", "t", refs(&["4", "5"]), 3))
+        .await
+        .unwrap();
+    assert_eq!(indices(&b), [4, 5], "never an index at or below the floor");
+    // A floor below the counter does not pull it back.
+    let c = within(store.reserve("inv-f", "c", "c", "t", refs(&["6"]), 1))
+        .await
+        .unwrap();
+    assert_eq!(indices(&c), [6]);
+    let all = within(store.references("inv-f")).await.unwrap();
+    assert_eq!(indices(&all), [4, 5, 6]);
+    assert_eq!(all[0].title, "4");
+    assert_eq!(all[0].call_id.as_deref(), Some("b"));
+
+    // Without the floor the lost counter would start at 1 again: the
+    // floor is what keeps [doc:1] unique.
+    redis.stop();
+    let _redis = tokio::task::spawn_blocking(move || {
+        redis.start_again().unwrap();
+        redis
+    })
+    .await
+    .unwrap();
+    let d = within(store.reserve("inv-f", "d", "d", "t", refs(&["7"]), 6))
+        .await
+        .unwrap();
+    assert_eq!(indices(&d), [7]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invocation_is_claimed_once() {
+    let redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    assert_eq!(
+        within(store.claim("inv-c", "17")).await.unwrap(),
+        Claim::New
+    );
+    assert_eq!(
+        within(store.claim("inv-c", "17")).await.unwrap(),
+        Claim::Again
+    );
+    assert_eq!(
+        within(store.claim("inv-c", "18")).await.unwrap(),
+        Claim::Other("17".into())
+    );
+    assert_eq!(
+        within(store.claim("inv-d", "18")).await.unwrap(),
+        Claim::New
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_password_and_an_acl_user_authenticate() {
+    let redis = CustomRedis::start(|port| {
+        vec![
+            "--port".into(),
+            port.to_string(),
+            "--requirepass".into(),
+            "default-secret".into(),
+            // An ACL user that may touch only the fleet's keys.
+            "--user".into(),
+            "fleet".into(),
+            "on".into(),
+            ">fleet-secret".into(),
+            "~tf:*".into(),
+            "+@all".into(),
+        ]
+    });
+    let port = redis.port;
+    for url in [
+        format!("redis://:default-secret@127.0.0.1:{port}"),
+        format!("redis://fleet:fleet-secret@127.0.0.1:{port}/0"),
+    ] {
+        let store = within(CitationStore::connect(&url, "tf", TTL))
+            .await
+            .unwrap();
+        let inv = format!("inv-{}", url.len());
+        let r = within(store.reserve(&inv, "c", "c", "t", refs(&["a", "b"]), 0))
+            .await
+            .unwrap();
+        assert_eq!(indices(&r), [1, 2]);
+        assert_eq!(
+            within(store.claim(&inv, "1")).await.unwrap(),
+            Claim::New,
+            "{}",
+            toolfleet_store::redact_url(&url)
+        );
+    }
+    // The ACL user is held to its key pattern.
+    let outside = within(CitationStore::connect(
+        &format!("redis://fleet:fleet-secret@127.0.0.1:{port}"),
+        "other",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    let err = within(outside.claim("inv", "1")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Rejected, "{err}");
+
+    // A wrong password fails at once, as a rejection, and is not echoed.
+    let wrong = format!("redis://fleet:not-the-Secret@127.0.0.1:{port}");
+    let err = match within(CitationStore::connect_with(
+        &options(&wrong, WAIT * 4),
+        "tf",
+        TTL,
+    ))
+    .await
+    {
+        Ok(store) => within(store.ping()).await.unwrap_err(),
+        Err(e) => e,
+    };
+    assert_ne!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(!err.to_string().contains("not-the-Secret"), "{err}");
+    assert!(!format!("{err:?}").contains("not-the-Secret"), "{err:?}");
+}
+
+/// A CA, a server certificate for 127.0.0.1 and a client certificate,
+/// made with the `openssl` command.
+struct Pki {
+    dir: tempfile::TempDir,
+}
+
+impl Pki {
+    fn new() -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(dir.path())
+                .output()
+                .expect("openssl on PATH (apt-get install openssl)");
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        std::fs::write(
+            dir.path().join("server.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("client.ext"),
+            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
+             extendedKeyUsage=clientAuth\n",
+        )
+        .unwrap();
+        for ca in ["ca", "other-ca"] {
+            run(&[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                &format!("/CN=toolfleet test {ca}"),
+                "-keyout",
+                &format!("{ca}.key"),
+                "-out",
+                &format!("{ca}.pem"),
+            ]);
+        }
+        for (name, ext) in [("server", "server.ext"), ("client", "client.ext")] {
+            run(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-subj",
+                &format!("/CN={name}"),
+                "-keyout",
+                &format!("{name}.key"),
+                "-out",
+                &format!("{name}.csr"),
+            ]);
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                &format!("{name}.csr"),
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-extfile",
+                ext,
+                "-out",
+                &format!("{name}.pem"),
+            ]);
+        }
+        Self { dir }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+fn tls_options(url: &str, pki: &Pki, ca: &str, client: bool, budget: Duration) -> RedisOptions {
+    RedisOptions {
+        tls_ca: Some(pki.path(ca)),
+        tls_cert: client.then(|| pki.path("client.pem")),
+        tls_key: client.then(|| pki.path("client.key")),
+        ..options(url, budget)
+    }
+}
+
+fn path_str(p: &Path) -> String {
+    p.to_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rediss_with_a_custom_ca_a_client_certificate_and_a_password() {
+    let pki = Pki::new();
+    let redis = CustomRedis::start(|port| {
+        vec![
+            "--port".into(),
+            "0".into(),
+            "--tls-port".into(),
+            port.to_string(),
+            "--tls-cert-file".into(),
+            path_str(&pki.path("server.pem")),
+            "--tls-key-file".into(),
+            path_str(&pki.path("server.key")),
+            "--tls-ca-cert-file".into(),
+            path_str(&pki.path("ca.pem")),
+            "--tls-auth-clients".into(),
+            "yes".into(),
+            "--requirepass".into(),
+            "tls-secret".into(),
+        ]
+    });
+    let url = format!("rediss://:tls-secret@127.0.0.1:{}", redis.port);
+
+    let store = within(CitationStore::connect_with(
+        &tls_options(&url, &pki, "ca.pem", true, Duration::from_secs(5)),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    let r = within(store.reserve("inv-t", "c", "c", "t", refs(&["a", "b"]), 4))
+        .await
+        .unwrap();
+    assert_eq!(indices(&r), [5, 6]);
+    let all = within(store.references("inv-t")).await.unwrap();
+    assert_eq!(indices(&all), [5, 6]);
+    within(store.ledger_put(&result("inv-t", "c")))
+        .await
+        .unwrap();
+    assert!(
+        within(store.ledger_get("inv-t", "c"))
+            .await
+            .unwrap()
+            .is_some()
+    );
+
+    // A server certificate from a CA we were not told to trust is refused
+    // at once (not retried as an outage).
+    let err = within(CitationStore::connect_with(
+        &tls_options(&url, &pki, "other-ca.pem", true, WAIT * 4),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap_err();
+    assert_ne!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(!err.to_string().contains("tls-secret"), "{err}");
+
+    // Without a client certificate the server refuses us.
+    let refused = async {
+        let store = CitationStore::connect_with(
+            &tls_options(&url, &pki, "ca.pem", false, Duration::from_millis(500)),
+            "tf",
+            TTL,
+        )
+        .await?;
+        store.ping().await
+    };
+    let err = within(refused).await.unwrap_err();
+    assert!(!err.to_string().contains("tls-secret"), "{err}");
+
+    // A plain redis:// URL with TLS files is a configuration error.
+    let plain = format!("redis://127.0.0.1:{}", redis.port);
+    let err =
+        CitationStore::connect_with(&tls_options(&plain, &pki, "ca.pem", true, WAIT), "tf", TTL)
+            .await
+            .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_works_on_a_three_master_cluster() {
+    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3).unwrap())
+        .await
+        .unwrap();
+    // Every node listed: cluster mode is implied.
+    let store = within(CitationStore::connect(&cluster.url(), "tf", TTL))
+        .await
+        .unwrap();
+    // One seed node and the flag: the client finds the rest.
+    let seed = format!("redis://127.0.0.1:{}", cluster.ports()[0]);
+    let seeded = within(CitationStore::connect_with(
+        &RedisOptions {
+            cluster: true,
+            ..RedisOptions::new(&seed)
+        },
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+
+    // Many invocations: their hash tags spread them over every master.
+    for n in 0..48 {
+        let inv = format!("inv-{n}");
+        let s = if n % 2 == 0 { &store } else { &seeded };
+        let a = within(s.reserve(&inv, "a", "a", "t", refs(&["x", "y"]), 0))
+            .await
+            .unwrap();
+        assert_eq!(indices(&a), [1, 2], "{inv}");
+        let again = within(s.reserve(&inv, "a", "a", "t", refs(&["x", "y"]), 0))
+            .await
+            .unwrap();
+        assert_eq!(indices(&again), [1, 2], "{inv}");
+        let b = within(s.reserve(&inv, "b", "b", "t", refs(&["z"]), 5))
+            .await
+            .unwrap();
+        assert_eq!(indices(&b), [6], "{inv}");
+        let all = within(store.references(&inv)).await.unwrap();
+        assert_eq!(indices(&all), [1, 2, 6], "{inv}");
+        within(s.ledger_put(&result(&inv, "a"))).await.unwrap();
+        let got = within(seeded.ledger_get(&inv, "a")).await.unwrap().unwrap();
+        assert_eq!(got.content, "answer of a");
+        assert_eq!(within(s.claim(&inv, "1")).await.unwrap(), Claim::New);
+        assert_eq!(within(store.claim(&inv, "1")).await.unwrap(), Claim::Again);
+        assert_eq!(
+            within(seeded.claim(&inv, "2")).await.unwrap(),
+            Claim::Other("1".into())
+        );
+        assert!(!within(store.is_cancelled(&inv)).await.unwrap());
+        within(s.mark_cancelled(&inv)).await.unwrap();
+        assert!(within(seeded.is_cancelled(&inv)).await.unwrap());
+    }
+    within(store.ping()).await.unwrap();
+
+    // Every master holds some of those keys.
+    for port in cluster.ports() {
+        let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
+        let mut conn = within(client.get_multiplexed_async_connection())
+            .await
+            .unwrap();
+        let keys: i64 = within(redis::cmd("DBSIZE").query_async(&mut conn))
+            .await
+            .unwrap();
+        assert!(keys > 0, "node {port} holds no keys");
+    }
+}
