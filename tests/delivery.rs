@@ -468,3 +468,35 @@ async fn a_frozen_workers_call_is_finished_by_another_inside_the_callers_wait() 
     drop(held);
     live.stop().await;
 }
+
+/// A short NATS restart does not stall the fleet until its pulls expire:
+/// every pull loop asks again as soon as its connection is back, so the
+/// first job after the restart is answered well inside a 4 s timeout (the
+/// lost pulls would hold it for up to their expiry plus slack, ~10 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_job_after_a_nats_restart_is_not_held_by_lost_pulls() {
+    let mut env = Env::start(crate::support::lighthouse_script()).await;
+    let (_, outcome) = env
+        .ask("how do lighthouses warn ships? what time is it")
+        .await;
+    outcome.expect("before the restart");
+    // Let every pull loop settle into a fresh pull request.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    env.nats.stop();
+    env.nats.start_again().expect("nats-server restarts");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while env.client.connection_state() != async_nats::connection::State::Connected {
+        assert!(tokio::time::Instant::now() < deadline, "never reconnected");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut job =
+        toolfleet_protocol::client::question("how do lighthouses warn ships? what time is it");
+    job.timeout_ms = Some(4_000);
+    let t0 = std::time::Instant::now();
+    let outcome = toolfleet_protocol::client::chat(&env.client, &env.subjects, &job, WAIT, |e| {
+        eprintln!("{:?} {e:?}", t0.elapsed())
+    })
+    .await
+    .expect("answered inside its timeout");
+    assert!(!outcome.references.is_empty());
+}

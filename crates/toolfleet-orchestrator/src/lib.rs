@@ -271,8 +271,11 @@ pub async fn run_with_ready(
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
     {
         let fleet = fleet.clone();
+        let reconnects =
+            toolfleet_service::jobs::Reconnects::watch(fleet.client.clone(), shutdown.clone());
         toolfleet_service::jobs::pull_bounded(
             consumer,
+            reconnects,
             permits,
             tracker.clone(),
             shutdown.clone(),

@@ -8,6 +8,12 @@
 //! bookkeeping lives across rounds: with a long-lived pull stream and a
 //! small batch we saw a job wait two full pull expiries (10 s) before
 //! delivery under steady load (`toolfleet bench --concurrency 1`).
+//!
+//! A pull request lives on the server, for one connection: when NATS
+//! restarts or the connection drops, the request in flight is gone, and
+//! the client would wait out its expiry (plus slack) before asking again.
+//! [`Reconnects`] tells every pull loop of a process when the connection
+//! is back, and each asks again at once.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -15,13 +21,61 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
-use tokio::sync::Semaphore;
+use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::warn;
 
 /// How long one pull request waits for messages before the next is sent.
 pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+/// How often the connection state is looked at.
+const CONNECTION_POLL: Duration = Duration::from_millis(50);
+
+/// Counts the times a process's NATS connection came back after it was
+/// lost: one watcher per connection, shared by every pull loop.
+#[derive(Clone, Debug)]
+pub struct Reconnects(watch::Receiver<u64>);
+
+impl Reconnects {
+    /// Watches `client`'s connection until `shutdown`.
+    pub fn watch(client: async_nats::Client, shutdown: CancellationToken) -> Self {
+        let (tx, rx) = watch::channel(0u64);
+        // The client counts its connections: a loss and a return between
+        // two looks (a restart can take 50 ms) still shows.
+        let stats = client.statistics();
+        tokio::spawn(async move {
+            let connects = || stats.connects.load(std::sync::atomic::Ordering::Relaxed);
+            let mut seen = connects();
+            loop {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    _ = tokio::time::sleep(CONNECTION_POLL) => {}
+                    _ = tx.closed() => break,
+                }
+                let now = connects();
+                if now != seen {
+                    seen = now;
+                    tx.send_modify(|n| *n += 1);
+                }
+            }
+        });
+        Self(rx)
+    }
+
+    /// Resolves at the next reconnection after the last one seen.
+    async fn next(&mut self) {
+        if self.0.changed().await.is_err() {
+            // The watcher stopped (shutdown): never again.
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Marks every reconnection so far as seen.
+    fn mark_seen(&mut self) {
+        self.0.borrow_and_update();
+    }
+}
 
 /// Pulls messages from `consumer` until `shutdown`, running `handle` for
 /// each on `tracker` while holding one of `permits`.
@@ -31,9 +85,13 @@ pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
 /// and asks for as many messages as there are permits free. A message that
 /// arrives before a permit frees up waits in its own task and sends
 /// in-progress acks every `progress_every` meanwhile, so its ack wait never
-/// runs out and no other copy runs it too.
+/// runs out and no other copy runs it too. When the connection comes back
+/// after a loss (`reconnects`), the pull in flight is abandoned and a new
+/// one sent at once.
+#[allow(clippy::too_many_arguments)]
 pub async fn pull_bounded<F, Fut>(
     consumer: jetstream::consumer::Consumer<pull::Config>,
+    mut reconnects: Reconnects,
     permits: Arc<Semaphore>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
@@ -51,6 +109,7 @@ pub async fn pull_bounded<F, Fut>(
             p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
         let want = 1 + permits.available_permits();
+        reconnects.mark_seen();
         let mut batch = match consumer
             .batch()
             .max_messages(want)
@@ -72,6 +131,8 @@ pub async fn pull_bounded<F, Fut>(
         loop {
             let next = tokio::select! {
                 _ = shutdown.cancelled() => break 'outer,
+                // The server forgot our request with the old connection.
+                _ = reconnects.next() => break,
                 n = batch.next() => n,
             };
             match next {

@@ -302,6 +302,8 @@ impl Worker {
         }
         let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
         let tracker = TaskTracker::new();
+        let reconnects =
+            toolfleet_service::jobs::Reconnects::watch(shared.client.clone(), shutdown.clone());
         for (tool, consumer, endpoint) in setup.tools {
             let label = tool.definition().id.to_string();
             info!(tool = %label, worker = %self.name, "serving tool");
@@ -310,6 +312,7 @@ impl Worker {
                 let (tool, shared) = (tool.clone(), shared.clone());
                 tracker.spawn(toolfleet_service::jobs::pull_bounded(
                     consumer,
+                    reconnects.clone(),
                     permits.clone(),
                     tracker.clone(),
                     shutdown.clone(),
