@@ -629,3 +629,66 @@ async fn the_store_works_on_a_three_master_cluster() {
         assert!(keys > 0, "node {port} holds no keys");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_master_restarted_mid_operation_is_waited_for() {
+    let mut cluster = tokio::task::spawn_blocking(|| RedisCluster::start(3).unwrap())
+        .await
+        .unwrap();
+    let store = within(CitationStore::connect_with(
+        &options(&cluster.url(), Duration::from_secs(25)),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    // An invocation whose slot the first master serves: that node answers
+    // for its key (any other would answer MOVED).
+    let first = redis::Client::open(format!("redis://127.0.0.1:{}", cluster.ports()[0])).unwrap();
+    let mut first = within(first.get_multiplexed_async_connection())
+        .await
+        .unwrap();
+    let mut inv = None;
+    for n in 0..200 {
+        let candidate = format!("inv-r{n}");
+        let r = within(store.reserve(&candidate, "a", "a", "t", refs(&["x"]), 0))
+            .await
+            .unwrap();
+        assert_eq!(indices(&r), [1]);
+        let here: redis::RedisResult<i64> = redis::cmd("EXISTS")
+            .arg(store.key(&candidate, "refs"))
+            .query_async(&mut first)
+            .await;
+        if here == Ok(1) {
+            inv = Some(candidate);
+            break;
+        }
+    }
+    let inv = inv.expect("some invocation lands on the first master");
+
+    cluster.stop(0);
+    let s = store.clone();
+    let i = inv.clone();
+    let reserve = tokio::spawn(async move { s.reserve(&i, "b", "b", "t", refs(&["y"]), 1).await });
+    let s = store.clone();
+    let i = inv.clone();
+    let claim = tokio::spawn(async move { s.claim(&i, "7").await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !reserve.is_finished() && !claim.is_finished(),
+        "operations on the stopped master's slots wait for it"
+    );
+    let _cluster = tokio::task::spawn_blocking(move || {
+        cluster.start_again(0).unwrap();
+        cluster
+    })
+    .await
+    .unwrap();
+
+    // The master came back empty; the floor keeps [doc:1] unique.
+    let b = within(reserve).await.unwrap().unwrap();
+    assert_eq!(indices(&b), [2]);
+    assert_eq!(within(claim).await.unwrap().unwrap(), Claim::New);
+    let all = within(store.references(&inv)).await.unwrap();
+    assert_eq!(indices(&all), [2]);
+}

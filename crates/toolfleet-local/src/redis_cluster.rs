@@ -15,13 +15,23 @@ const READY_WITHIN: Duration = Duration::from_secs(30);
 
 struct Node {
     port: u16,
-    child: Child,
+    /// The cluster bus port, kept so a restart rejoins on the same one.
+    bus: u16,
+    child: Option<Child>,
+}
+
+impl Node {
+    fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
 }
 
 impl Drop for Node {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.kill();
     }
 }
 
@@ -83,14 +93,38 @@ impl RedisCluster {
                     + &String::from_utf8_lossy(&out.stderr),
             ));
         }
-        let known = format!("cluster_known_nodes:{masters}");
-        for node in &mut nodes {
-            wait_until(node, dir.path(), |port| {
+        let mut cluster = Self { nodes, dir };
+        cluster.wait_all_ok()?;
+        Ok(cluster)
+    }
+
+    /// Waits until every running node sees the whole cluster, every slot
+    /// served.
+    fn wait_all_ok(&mut self) -> Result<(), LocalError> {
+        let known = format!("cluster_known_nodes:{}", self.nodes.len());
+        for node in self.nodes.iter_mut().filter(|n| n.child.is_some()) {
+            wait_until(node, self.dir.path(), |port| {
                 cluster_info(port)
                     .is_some_and(|i| i.contains("cluster_state:ok") && i.contains(&known))
             })?;
         }
-        Ok(Self { nodes, dir })
+        Ok(())
+    }
+
+    /// Kills node `i` (a master: its slots are unserved until it is back).
+    pub fn stop(&mut self, i: usize) {
+        self.nodes[i].kill();
+    }
+
+    /// Starts node `i` again on its ports with its cluster config (its
+    /// data is gone: nothing is persisted), and waits until the cluster is
+    /// whole again.
+    pub fn start_again(&mut self, i: usize) -> Result<(), LocalError> {
+        let node = &mut self.nodes[i];
+        node.kill();
+        node.child = Some(spawn_at(self.dir.path(), node.port, node.bus)?);
+        wait_until(node, self.dir.path(), answers_ping)?;
+        self.wait_all_ok()
     }
 
     /// The nodes' ports.
@@ -120,11 +154,21 @@ fn spawn_node(dir: &Path) -> Result<Node, LocalError> {
     // The cluster bus gets a free port of its own rather than the default
     // port + 10000, which may be taken or out of range.
     let bus = free_port().map_err(io)?;
+    let child = spawn_at(dir, port, bus)?;
+    Ok(Node {
+        port,
+        bus,
+        child: Some(child),
+    })
+}
+
+fn spawn_at(dir: &Path, port: u16, bus: u16) -> Result<Child, LocalError> {
+    let io = |e| LocalError::Io("redis-server", e);
     let node_dir = dir.join(port.to_string());
     std::fs::create_dir_all(&node_dir).map_err(io)?;
     let log = std::fs::File::create(node_dir.join("redis.log")).map_err(io)?;
     let err = log.try_clone().map_err(io)?;
-    let child = Command::new("redis-server")
+    Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args([
             "--cluster-enabled",
@@ -141,8 +185,7 @@ fn spawn_node(dir: &Path) -> Result<Node, LocalError> {
         .stdout(log)
         .stderr(err)
         .spawn()
-        .map_err(io)?;
-    Ok(Node { port, child })
+        .map_err(io)
 }
 
 fn wait_until(node: &mut Node, dir: &Path, ready: impl Fn(u16) -> bool) -> Result<(), LocalError> {
@@ -155,7 +198,7 @@ fn wait_until(node: &mut Node, dir: &Path, ready: impl Fn(u16) -> bool) -> Resul
         if ready(node.port) {
             return Ok(());
         }
-        if let Ok(Some(status)) = node.child.try_wait() {
+        if let Some(Ok(Some(status))) = node.child.as_mut().map(Child::try_wait) {
             return Err(LocalError::Exited(
                 "redis-server",
                 status.to_string(),
