@@ -495,3 +495,149 @@ async fn the_first_job_after_a_nats_restart_is_not_held_by_lost_pulls() {
     let outcome = env.submit(&job).await.expect("answered inside its timeout");
     assert!(!outcome.references.is_empty());
 }
+
+/// Publishes `payload` to `subject` with a raw header block, over a bare
+/// TCP connection speaking the NATS protocol (the client library refuses
+/// to send headers it could not read back), and waits until the server
+/// has processed it.
+async fn publish_raw(url: &str, subject: &str, header_block: &[u8], payload: &[u8]) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let addr = url.trim_start_matches("nats://");
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (read, mut write) = stream.into_split();
+    let mut lines = tokio::io::BufReader::new(read).lines();
+    let info = lines.next_line().await.unwrap().unwrap();
+    assert!(info.starts_with("INFO"), "{info}");
+    let mut out = Vec::new();
+    out.extend_from_slice(
+        b"CONNECT {\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}\r\n",
+    );
+    out.extend_from_slice(
+        format!(
+            "HPUB {subject} {} {}\r\n",
+            header_block.len(),
+            header_block.len() + payload.len()
+        )
+        .as_bytes(),
+    );
+    out.extend_from_slice(header_block);
+    out.extend_from_slice(payload);
+    out.extend_from_slice(b"\r\nPING\r\n");
+    write.write_all(&out).await.unwrap();
+    loop {
+        let line = lines.next_line().await.unwrap().unwrap();
+        assert!(!line.starts_with("-ERR"), "{line}");
+        if line == "PONG" {
+            break;
+        }
+    }
+}
+
+/// A chat job whose header value is not UTF-8 (which the NATS client takes
+/// for a broken connection) is found after the one disconnect it causes,
+/// removed from the queue and dead-lettered with its headers as stored;
+/// its sender gets an `error` event, and the jobs behind it are answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_job_with_unreadable_headers_is_dead_lettered_and_the_rest_answered() {
+    let env = Env::start(json!({
+        "rules": [{ "whenUserContains": ["hello"], "steps": [ { "answer": "Hi." } ] }]
+    }))
+    .await;
+    let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
+    let mut poison = toolfleet_protocol::client::question("hello poison");
+    poison.invocation_id = "poison-chat-1".into();
+    let mut poison_events = env
+        .subscribe(env.subjects.chat_events(&poison.invocation_id))
+        .await;
+    publish_raw(
+        &env.nats.url(),
+        &env.subjects.chat_submit(),
+        b"NATS/1.0\r\nToolfleet-Tenant: \xff\xfe\r\n\r\n",
+        &serde_json::to_vec(&poison).unwrap(),
+    )
+    .await;
+    // Jobs right behind it are all answered.
+    let jobs: Vec<_> = (0..6)
+        .map(|_| toolfleet_protocol::client::question("hello there"))
+        .collect();
+    let outcomes = futures::future::join_all(jobs.iter().map(|j| env.submit(j))).await;
+    for o in outcomes {
+        o.expect("a job behind the poison completes");
+    }
+    let d = next_json(&mut dead).await;
+    assert_eq!(d["code"], "unreadable_headers", "{d}");
+    assert_eq!(d["invocationId"], "poison-chat-1", "{d}");
+    use base64::Engine as _;
+    let raw = base64::engine::general_purpose::STANDARD
+        .decode(d["rawHeaders"].as_str().unwrap())
+        .unwrap();
+    assert!(raw.windows(2).any(|w| w == [0xff, 0xfe]), "{raw:?}");
+    let ev = next_json(&mut poison_events).await;
+    assert_eq!(ev["type"], "error", "{ev}");
+    assert_eq!(ev["code"], "unreadable_headers", "{ev}");
+    // Nothing of it is left in the queue.
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut stream = js.get_stream(env.subjects.chat_stream()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while stream.info().await.unwrap().state.messages != 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the queue keeps a message"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The same for a tool job: the caller gets an error result on its reply
+/// subject at once (not a timeout), and the tool's next job is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_job_with_unreadable_headers_gets_an_error_result_and_a_dead_letter() {
+    let env = Env::start(json!({ "rules": [] })).await;
+    let mut dead = env.subscribe("toolfleet.deadletter.tool".into()).await;
+    let id: toolfleet_protocol::tools::ToolId = "system:current_datetime@1.0.0".parse().unwrap();
+    let poisoned_inbox = env.subjects.reply_inbox();
+    let mut poisoned_replies = env.subscribe(poisoned_inbox.clone()).await;
+    let block = format!(
+        "NATS/1.0\r\nToolfleet-Invocation-Id: poison-tool-1\r\nToolfleet-Call-Id: call_1\r\nToolfleet-Tool-Id: {id}\r\nToolfleet-Reply-To: {poisoned_inbox}\r\nToolfleet-Tenant: "
+    );
+    let mut block = block.into_bytes();
+    block.extend_from_slice(b"\xff\xfe\r\n\r\n");
+    publish_raw(
+        &env.nats.url(),
+        &env.subjects.tool(&id),
+        &block,
+        br#"{"arguments":{}}"#,
+    )
+    .await;
+    // A good job right behind it.
+    let inbox = env.subjects.reply_inbox();
+    let mut replies = env.subscribe(inbox.clone()).await;
+    let call = CallContext {
+        invocation: InvocationContext::new("good-1"),
+        call_id: "call_2".into(),
+        tool_id: id.clone(),
+        attempt: 1,
+        reply_to: inbox,
+        citation_floor: 0,
+    };
+    async_nats::jetstream::new(env.client.clone())
+        .publish_with_headers(
+            env.subjects.tool(&id),
+            call.to_headers(),
+            r#"{"arguments":{}}"#.into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let good = next_json(&mut replies).await;
+    assert_eq!(good["status"], "ok", "{good}");
+    let bad = next_json(&mut poisoned_replies).await;
+    assert_eq!(bad["status"], "error", "{bad}");
+    assert_eq!(bad["error"]["code"], "unreadable_headers", "{bad}");
+    assert_eq!(bad["callId"], "call_1", "{bad}");
+    let d = next_json(&mut dead).await;
+    assert_eq!(d["code"], "unreadable_headers", "{d}");
+    assert_eq!(d["invocationId"], "poison-tool-1", "{d}");
+    assert!(d["rawHeaders"].is_string(), "{d}");
+}

@@ -384,6 +384,7 @@ async fn dead_letter(
         code: rejection.code.to_string(),
         error: rejection.error,
         headers: dead_letter_headers(msg.headers.as_ref()),
+        raw_headers: None,
     };
     fleet
         .metrics
@@ -398,6 +399,73 @@ async fn dead_letter(
         )
         .await;
     let _ = msg.ack_with(AckKind::Term).await;
+}
+
+/// Ends a chat job whose headers the NATS client cannot read (found by the
+/// pull loop's sweep and already removed from the stream): an `error`
+/// event when an invocation id can be read from it and it may speak for
+/// that invocation, and a dead letter with the headers as stored.
+pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison::Poison) {
+    use toolfleet_protocol::headers::INVOCATION_ID;
+    let invocation_id = salvage_invocation_id(&poison.payload, None).or_else(|| {
+        poison
+            .header(INVOCATION_ID)
+            .filter(|id| toolfleet_protocol::valid_invocation_id(id))
+            .map(str::to_string)
+    });
+    let delivery = Delivery {
+        attempt: 1,
+        stream_sequence: poison.stream_sequence,
+        published_ms: None,
+    };
+    let error = format!(
+        "the job's headers cannot be read ({}); it was removed from the queue",
+        poison.reason
+    );
+    fleet
+        .metrics
+        .chat_jobs
+        .with_label_values(&["malformed"])
+        .inc();
+    if let Some(id) = &invocation_id
+        && matches!(claim(&fleet, id, delivery).await, Claimed::Ours)
+    {
+        let events = Events::start(
+            fleet.client.clone(),
+            fleet.config.subjects.chat_events(id),
+            id.clone(),
+        );
+        events.finish(ChatEventBody::Error {
+            code: "unreadable_headers".into(),
+            message: error.clone(),
+        });
+        events.close().await;
+    }
+    let dead = DeadLetter {
+        kind: DeadLetterKind::Chat,
+        stream: fleet.config.subjects.chat_stream(),
+        stream_sequence: poison.stream_sequence,
+        invocation_id,
+        call_id: None,
+        tool_id: None,
+        attempts: 1,
+        code: "unreadable_headers".into(),
+        error,
+        headers: Default::default(),
+        raw_headers: Some(poison.raw_headers),
+    };
+    fleet
+        .metrics
+        .dead_letters
+        .with_label_values(&["chat"])
+        .inc();
+    let _ = fleet
+        .client
+        .publish(
+            fleet.config.subjects.dead_letter(DeadLetterKind::Chat),
+            encode(&dead),
+        )
+        .await;
 }
 
 #[cfg(test)]

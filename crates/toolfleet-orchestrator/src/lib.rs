@@ -273,9 +273,20 @@ pub async fn run_with_ready(
         let fleet = fleet.clone();
         let reconnects =
             toolfleet_service::jobs::Reconnects::watch(fleet.client.clone(), shutdown.clone());
+        let sweeper = {
+            let fleet = fleet.clone();
+            toolfleet_service::jobs::Sweeper {
+                js: async_nats::jetstream::new(fleet.client.clone()),
+                stream: config.subjects.chat_stream(),
+                on_poison: Arc::new(move |p| {
+                    futures::FutureExt::boxed(intake::poison(fleet.clone(), p))
+                }),
+            }
+        };
         toolfleet_service::jobs::pull_bounded(
             consumer,
             reconnects,
+            sweeper,
             permits,
             tracker.clone(),
             shutdown.clone(),

@@ -743,6 +743,10 @@ pub struct DeadLetter {
     /// Headers of the dead message, secrets excluded.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub headers: BTreeMap<String, String>,
+    /// The header block exactly as stored, base64 (standard alphabet), for
+    /// a message whose headers could not be read (`unreadable_headers`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw_headers: Option<String>,
 }
 
 // ---------------------------------------------------------------------------

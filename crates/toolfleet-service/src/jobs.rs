@@ -21,13 +21,48 @@ use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
+use futures::future::BoxFuture;
 use tokio::sync::{Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::warn;
 
+use crate::poison::Poison;
+
 /// How long one pull request waits for messages before the next is sent.
 pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
+
+/// What a pull loop does with poison messages (see [`crate::poison`]):
+/// it sweeps its consumer at start and after every reconnection, and
+/// hands each poison found to `on_poison` (dead-letter it, tell its
+/// sender).
+#[derive(Clone)]
+pub struct Sweeper {
+    pub js: jetstream::Context,
+    /// The stream the consumer reads.
+    pub stream: String,
+    pub on_poison: Arc<dyn Fn(Poison) -> BoxFuture<'static, ()> + Send + Sync>,
+}
+
+impl std::fmt::Debug for Sweeper {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sweeper")
+            .field("stream", &self.stream)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Sweeper {
+    async fn run(
+        &self,
+        consumer: &mut jetstream::consumer::Consumer<pull::Config>,
+        tracker: &TaskTracker,
+    ) {
+        for poison in crate::poison::sweep(&self.js, &self.stream, consumer).await {
+            tracker.spawn((self.on_poison)(poison));
+        }
+    }
+}
 
 /// How often the connection state is looked at.
 const CONNECTION_POLL: Duration = Duration::from_millis(50);
@@ -71,9 +106,12 @@ impl Reconnects {
         }
     }
 
-    /// Marks every reconnection so far as seen.
-    fn mark_seen(&mut self) {
+    /// Whether the connection came back since the last look; marks every
+    /// reconnection so far as seen.
+    fn take_new(&mut self) -> bool {
+        let new = self.0.has_changed().unwrap_or(false);
         self.0.borrow_and_update();
+        new
     }
 }
 
@@ -90,8 +128,9 @@ impl Reconnects {
 /// one sent at once.
 #[allow(clippy::too_many_arguments)]
 pub async fn pull_bounded<F, Fut>(
-    consumer: jetstream::consumer::Consumer<pull::Config>,
+    mut consumer: jetstream::consumer::Consumer<pull::Config>,
     mut reconnects: Reconnects,
+    sweeper: Sweeper,
     permits: Arc<Semaphore>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
@@ -102,14 +141,17 @@ pub async fn pull_bounded<F, Fut>(
     F: Fn(jetstream::Message) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
+    let mut sweep = true;
     'outer: while !shutdown.is_cancelled() {
+        if reconnects.take_new() | std::mem::take(&mut sweep) {
+            sweeper.run(&mut consumer, &tracker).await;
+        }
         // Ask only when something can run.
         let first = tokio::select! {
             _ = shutdown.cancelled() => break,
             p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
         };
         let want = 1 + permits.available_permits();
-        reconnects.mark_seen();
         let mut batch = match consumer
             .batch()
             .max_messages(want)
@@ -131,8 +173,12 @@ pub async fn pull_bounded<F, Fut>(
         loop {
             let next = tokio::select! {
                 _ = shutdown.cancelled() => break 'outer,
-                // The server forgot our request with the old connection.
-                _ = reconnects.next() => break,
+                // The server forgot our request with the old connection
+                // (which a poison message may have broken: sweep).
+                _ = reconnects.next() => {
+                    sweep = true;
+                    break;
+                }
                 n = batch.next() => n,
             };
             match next {

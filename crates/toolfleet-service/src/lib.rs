@@ -15,6 +15,7 @@
 pub mod args;
 pub mod jobs;
 pub mod metrics;
+pub mod poison;
 pub mod redis_args;
 pub mod serve;
 

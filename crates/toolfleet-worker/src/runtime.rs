@@ -309,10 +309,21 @@ impl Worker {
             info!(tool = %label, worker = %self.name, "serving tool");
             {
                 let heartbeat = config.ack_wait_for(tool.definition()) / 3;
+                let sweeper = {
+                    let (tool, shared) = (tool.clone(), shared.clone());
+                    toolfleet_service::jobs::Sweeper {
+                        js: jetstream::new(shared.client.clone()),
+                        stream: config.subjects.tools_stream(),
+                        on_poison: Arc::new(move |p| {
+                            poison(tool.clone(), shared.clone(), p).boxed()
+                        }),
+                    }
+                };
                 let (tool, shared) = (tool.clone(), shared.clone());
                 tracker.spawn(toolfleet_service::jobs::pull_bounded(
                     consumer,
                     reconnects.clone(),
+                    sweeper,
                     permits.clone(),
                     tracker.clone(),
                     shutdown.clone(),
@@ -741,6 +752,7 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Share
         code: failure.code.clone(),
         error: failure.message,
         headers: toolfleet_protocol::dead_letter_headers(Some(&headers)),
+        raw_headers: None,
     };
     shared
         .metrics
@@ -755,6 +767,77 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Share
         )
         .await;
     warn!(tool = %label, attempt, code = %failure.code, "tool job dead-lettered");
+}
+
+/// Ends a tool job whose headers the NATS client cannot read (found by the
+/// pull loop's sweep and already removed from the stream): an error result
+/// to its caller when the call can be read from it — invocation, call id
+/// and a reply subject of this fleet — and a dead letter with the headers
+/// as stored.
+async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_service::poison::Poison) {
+    use toolfleet_protocol::headers::{CALL_ID, INVOCATION_ID, REPLY_TO};
+    let label = tool.definition().id.to_string();
+    let valid = |name| {
+        poison
+            .header(name)
+            .filter(|v| toolfleet_protocol::valid_invocation_id(v))
+            .map(str::to_string)
+    };
+    let invocation_id = valid(INVOCATION_ID);
+    let call_id = valid(CALL_ID);
+    let message = format!(
+        "the tool job's headers cannot be read ({}); it was removed from the queue",
+        poison.reason
+    );
+    shared.count(&label, "error");
+    if let (Some(inv), Some(call_id), Some(reply_to)) = (
+        &invocation_id,
+        &call_id,
+        poison
+            .header(REPLY_TO)
+            .filter(|r| shared.config.subjects.is_reply_subject(r)),
+    ) {
+        let call = CallContext {
+            invocation: toolfleet_protocol::InvocationContext::new(inv.clone()),
+            call_id: call_id.clone(),
+            tool_id: tool.definition().id.clone(),
+            attempt: 1,
+            reply_to: reply_to.to_string(),
+            citation_floor: 0,
+        };
+        let result = error_result(&call, 1, 0, "unreadable_headers", &message);
+        let mut out = call.invocation.to_headers();
+        out.insert(CALL_ID, call.call_id.as_str());
+        let _ = shared
+            .client
+            .publish_with_headers(call.reply_to.clone(), out, fit_result(&shared, result))
+            .await;
+    }
+    let dead = DeadLetter {
+        kind: DeadLetterKind::Tool,
+        stream: shared.config.subjects.tools_stream(),
+        stream_sequence: poison.stream_sequence,
+        invocation_id,
+        call_id,
+        tool_id: Some(label),
+        attempts: 1,
+        code: "unreadable_headers".into(),
+        error: message,
+        headers: Default::default(),
+        raw_headers: Some(poison.raw_headers),
+    };
+    shared
+        .metrics
+        .dead_letters
+        .with_label_values(&["tool"])
+        .inc();
+    let _ = shared
+        .client
+        .publish(
+            shared.config.subjects.dead_letter(DeadLetterKind::Tool),
+            encode(&dead),
+        )
+        .await;
 }
 
 /// Publishes a result to the call's reply subject (named in `headers`).
