@@ -692,3 +692,37 @@ async fn a_cluster_master_restarted_mid_operation_is_waited_for() {
     let all = within(store.references(&inv)).await.unwrap();
     assert_eq!(indices(&all), [2]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
+    let redis = CustomRedis::start(|port| vec!["--port".into(), port.to_string()]);
+    let budget = Duration::from_millis(700);
+    let store = within(CitationStore::connect_with(
+        &options(&format!("redis://127.0.0.1:{}", redis.port), budget),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    within(store.mark_cancelled("inv-z")).await.unwrap();
+    let signal = |sig: &str| {
+        let ok = Command::new("kill")
+            .args([sig, &redis.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig}");
+    };
+    // Frozen, not gone: the connection stays open and nothing answers, so
+    // only the budget ends the wait.
+    signal("-STOP");
+    let started = Instant::now();
+    let err = within(store.is_cancelled("inv-z")).await.unwrap_err();
+    let elapsed = started.elapsed();
+    signal("-CONT");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(err.to_string().contains("is_cancelled"), "{err}");
+    assert!(elapsed >= budget, "gave up after {elapsed:?}");
+    // Thawed, the same store answers again.
+    assert!(within(store.is_cancelled("inv-z")).await.unwrap());
+}

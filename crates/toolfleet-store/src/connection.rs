@@ -1,10 +1,10 @@
 //! How the store reaches Redis: one server or a Redis Cluster, plain or
 //! TLS, with credentials in the URL. Whatever the topology, commands go
-//! through one [`Conn`], so every store operation has one code path.
+//! through one `Conn`, so every store operation has one code path.
 //!
 //! Secrets (the password in the URL, the client key) are never printed:
 //! [`RedisOptions`]'s `Debug` redacts the URL, and every error is passed
-//! through [`Secrets::redact`] before it leaves the crate.
+//! through `Secrets::redact` before it leaves the crate.
 
 use std::path::PathBuf;
 use std::time::Duration;
