@@ -10,6 +10,7 @@ mod policies;
 mod prometheus;
 mod redis_store;
 mod runtime;
+mod secrets;
 mod security;
 mod support;
 
