@@ -187,9 +187,10 @@ async fn nothing_before_marker(
     );
 }
 
-struct Proc {
+/// A binary of the fleet, killed on drop; its stderr goes to `log`.
+pub(crate) struct Proc {
     child: Child,
-    log: std::path::PathBuf,
+    pub(crate) log: std::path::PathBuf,
 }
 
 impl Drop for Proc {
@@ -199,7 +200,7 @@ impl Drop for Proc {
     }
 }
 
-fn spawn(bin: &str, env: &[(&'static str, String)], log: std::path::PathBuf) -> Proc {
+pub(crate) fn spawn(bin: &str, env: &[(&'static str, String)], log: std::path::PathBuf) -> Proc {
     let out = std::fs::File::create(&log).unwrap();
     let child = Command::new(support::sibling_bin(bin))
         .current_dir(support::root())
@@ -211,7 +212,8 @@ fn spawn(bin: &str, env: &[(&'static str, String)], log: std::path::PathBuf) -> 
     Proc { child, log }
 }
 
-fn time_script() -> serde_json::Value {
+/// The model asks for the time, then answers with it.
+pub(crate) fn time_script() -> serde_json::Value {
     serde_json::json!({
         "rules": [{
             "whenUserContains": ["time"],

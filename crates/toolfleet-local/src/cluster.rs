@@ -16,6 +16,7 @@ struct Node {
     name: String,
     port: u16,
     cluster_port: u16,
+    monitor_port: u16,
     dir: tempfile::TempDir,
     proc: Option<Proc>,
 }
@@ -42,6 +43,7 @@ impl NatsCluster {
                 name: format!("node-{i}"),
                 port: free_port().map_err(io)?,
                 cluster_port: free_port().map_err(io)?,
+                monitor_port: free_port().map_err(io)?,
                 dir: tempfile::tempdir().map_err(io)?,
                 proc: None,
             });
@@ -69,6 +71,7 @@ impl NatsCluster {
         let mut cmd = Command::new("nats-server");
         cmd.current_dir(node.dir.path())
             .args(["-js", "-a", "127.0.0.1", "-p", &node.port.to_string()])
+            .args(["-m", &node.monitor_port.to_string()])
             .args(["-n", &node.name, "--cluster_name", CLUSTER_NAME])
             .arg("--cluster")
             .arg(format!("nats://127.0.0.1:{}", node.cluster_port))
@@ -163,10 +166,40 @@ impl NatsCluster {
         self.wait_ready(i)
     }
 
+    /// The node a client named `name` (its `ConnectOptions::name`) is
+    /// connected to, from each node's monitoring endpoint (`/connz`).
+    pub fn node_of_client(&self, name: &str) -> Option<usize> {
+        let wanted = format!("\"name\":\"{name}\"");
+        (0..self.nodes.len()).find(|&i| {
+            self.nodes[i].proc.is_some()
+                && http_get(self.nodes[i].monitor_port, "/connz")
+                    .map(|body| body.replace([' ', '\n'], "").contains(&wanted))
+                    .unwrap_or(false)
+        })
+    }
+
     /// What node `i` has logged since it last started.
     pub fn log(&self, i: usize) -> String {
         self.log_of(&self.nodes[i])
     }
+}
+
+/// The body of `GET path` on 127.0.0.1:`port` (HTTP/1.0: the server
+/// closes the connection after the answer).
+fn http_get(port: u16, path: &str) -> std::io::Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(
+        &([127, 0, 0, 1], port).into(),
+        Duration::from_millis(500),
+    )?;
+    s.set_read_timeout(Some(Duration::from_secs(2)))?;
+    s.write_all(format!("GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").as_bytes())?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    Ok(text
+        .split_once("\r\n\r\n")
+        .map(|(_, body)| body.to_string())
+        .unwrap_or_default())
 }
 
 fn log_path(dir: &Path) -> std::path::PathBuf {
@@ -184,6 +217,9 @@ mod tests {
         for i in 0..3 {
             assert!(nats_answers(cluster.nodes[i].port));
         }
+        let body = http_get(cluster.nodes[0].monitor_port, "/connz").unwrap();
+        assert!(body.contains("\"connections\""), "{body}");
+        assert_eq!(cluster.node_of_client("nobody"), None);
         cluster.kill(1);
         assert!(!nats_answers(cluster.nodes[1].port));
         cluster.restart(1).unwrap();

@@ -338,10 +338,21 @@ async fn connect_with(
     options: impl Fn() -> async_nats::ConnectOptions,
 ) -> anyhow::Result<async_nats::Client> {
     use async_nats::ConnectErrorKind as Kind;
+    let shown = url
+        .split(',')
+        .map(|u| redact_url(u.trim()))
+        .collect::<Vec<_>>()
+        .join(",");
+    // `nats://a:4222,nats://b:4222`: a cluster's nodes, any one will do.
+    let servers = url
+        .split(',')
+        .map(|u| u.trim().parse::<async_nats::ServerAddr>())
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| anyhow::anyhow!("bad NATS URL {shown}: {e}"))?;
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         let opts = options().connection_timeout(Duration::from_secs(2));
-        match opts.connect(url).await {
+        match opts.connect(servers.clone()).await {
             Ok(c) => return Ok(c),
             Err(e)
                 if matches!(
@@ -350,21 +361,16 @@ async fn connect_with(
                 ) =>
             {
                 return Err(anyhow::anyhow!(
-                    "NATS at {} refused this process's credentials ({})",
-                    redact_url(url),
+                    "NATS at {shown} refused this process's credentials ({})",
                     e.kind()
                 ));
             }
-            Err(e) if e.kind() == Kind::Tls => {
-                return Err(anyhow::anyhow!(
-                    "TLS with NATS at {} failed: {e}",
-                    redact_url(url)
-                ));
+            Err(e) if matches!(e.kind(), Kind::Tls | Kind::ServerParse) => {
+                return Err(anyhow::anyhow!("cannot connect to NATS at {shown}: {e}"));
             }
             Err(e) if tokio::time::Instant::now() >= deadline => {
                 return Err(anyhow::anyhow!(
-                    "cannot connect to NATS at {} (tried for {}s): {e}",
-                    redact_url(url),
+                    "cannot connect to NATS at {shown} (tried for {}s): {e}",
                     wait.as_secs()
                 ));
             }
@@ -503,6 +509,17 @@ mod tests {
         ] {
             assert!(parse(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_bad_url_among_several_is_a_configuration_error_at_once() {
+        let mut a = NatsArgs::for_url("nats://127.0.0.1:1, nats://user:pw-secret@127.0.0.1:99999");
+        a.connect_wait_secs = 60;
+        let e = a.connect("t").await.unwrap_err().to_string();
+        assert!(
+            e.contains("bad NATS URL") && !e.contains("pw-secret"),
+            "{e}"
+        );
     }
 
     #[tokio::test]
