@@ -234,3 +234,33 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
         (*ends.last().unwrap() - load_started).as_secs_f64(),
     );
 }
+
+#[test]
+fn nats_cluster_the_shipped_server_configs_are_valid() {
+    let dir = crate::support::root().join("ops/nats");
+    for file in [
+        "nats-server.conf",
+        "nats-secure.conf",
+        "cluster/nats-1.conf",
+        "cluster/nats-2.conf",
+        "cluster/nats-3.conf",
+    ] {
+        // auth.conf reads its passwords from the server's environment.
+        let out = std::process::Command::new("nats-server")
+            .arg("-t")
+            .arg("-c")
+            .arg(dir.join(file))
+            .envs(
+                ["CLIENT", "ORCHESTRATOR", "SYSTEM", "RETRIEVAL", "UNITS"]
+                    .map(|r| (format!("TOOLFLEET_NATS_{r}_PASSWORD"), "x")),
+            )
+            .output()
+            .expect("nats-server");
+        let text = String::from_utf8_lossy(&out.stderr).to_string()
+            + &String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success() && text.contains("is valid"),
+            "{file}: {text}"
+        );
+    }
+}

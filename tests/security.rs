@@ -230,11 +230,13 @@ pub(crate) fn time_script() -> serde_json::Value {
 async fn security_the_fleet_answers_under_least_privilege_role_identities() {
     let secure = Secure::start();
     let redis = RedisServer::start().unwrap();
-    let script = toolfleet_scripted::Script::from_json(&time_script().to_string()).unwrap();
+    let script =
+        toolfleet_scripted::Script::from_json(&support::lighthouse_script().to_string()).unwrap();
     let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
         .await
         .unwrap();
     let logs = tempfile::tempdir().unwrap();
+    let index = logs.path().join("index");
     let with = |user: &str, extra: Vec<(&'static str, String)>| {
         let mut env = secure.env(user);
         env.push(("TOOLFLEET_REDIS_URL", redis.url()));
@@ -264,15 +266,25 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
             &with("worker-system", vec![]),
             logs.path().join("worker-system.log"),
         ),
+        spawn(
+            "toolfleet-worker-retrieval",
+            &with(
+                "worker-retrieval",
+                vec![("TOOLFLEET_INDEX_DIR", index.display().to_string())],
+            ),
+            logs.path().join("worker-retrieval.log"),
+        ),
     ];
 
-    // The client asks until the live catalog offers the tool (workers
-    // advertise on start; the orchestrator reads the catalog).
+    // The client asks until the live catalog offers both families' tools
+    // (workers advertise on start; the orchestrator reads the catalog).
     let client = secure.connect("client").await;
     let subjects = Subjects::new("toolfleet").unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;
     let outcome = loop {
-        let job = toolfleet_protocol::client::question("What time is it?");
+        let job = toolfleet_protocol::client::question(
+            "What time is it, and how do lighthouses warn ships?",
+        );
         // The chat stream is there once the orchestrator has started (a
         // client may not create it).
         let outcome =
@@ -290,10 +302,13 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
                     std::fs::read_to_string(&procs[0].log).unwrap_or_default()
                 ),
             };
-        let tool_ok = outcome.events.iter().any(|e| {
-            matches!(&e.body, ChatEventBody::ToolResult { tool, status: ToolStatus::Ok, .. }
-                if tool.contains("current_datetime"))
-        });
+        let ok = |name: &str| {
+            outcome.events.iter().any(|e| {
+                matches!(&e.body, ChatEventBody::ToolResult { tool, status: ToolStatus::Ok, .. }
+                    if tool.contains(name))
+            })
+        };
+        let tool_ok = ok("current_datetime") && ok("search_documents");
         if tool_ok {
             break outcome;
         }
@@ -307,11 +322,19 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
     };
     assert!(outcome.text.starts_with("It is "), "{}", outcome.text);
     assert!(!outcome.text.contains("{{tool"), "{}", outcome.text);
+    assert!(
+        !outcome.references.is_empty(),
+        "retrieval cited its passages"
+    );
 
     // Not one permission was missing on the way, and no secret was logged.
     assert_eq!(secure.violations(), Vec::<String>::new());
     drop(procs);
-    for name in ["orchestrator.log", "worker-system.log"] {
+    for name in [
+        "orchestrator.log",
+        "worker-system.log",
+        "worker-retrieval.log",
+    ] {
         let log = std::fs::read_to_string(logs.path().join(name)).unwrap();
         assert!(!log.contains("canary"), "{name} shows a password:\n{log}");
     }
@@ -752,6 +775,7 @@ async fn security_tls_with_a_ca_and_client_certificates() {
     round_trip(&args).await;
 
     // Without its certificate the server refuses the client…
+    args.connect_wait_secs = 1;
     let mut anonymous = args.clone();
     anonymous.tls_cert = None;
     anonymous.tls_key = None;
@@ -764,7 +788,7 @@ async fn security_tls_with_a_ca_and_client_certificates() {
     // TLS required of a server without it fails.
     let plain = NatsServer::start().unwrap();
     let mut required = NatsArgs::for_url(plain.url());
-    required.connect_wait_secs = 3;
+    required.connect_wait_secs = 1;
     required.tls_required = true;
     assert!(required.connect("t").await.is_err());
 }
