@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use toolfleet_local::redis_cluster::RedisCluster;
+use toolfleet_local::redis_cluster::{ClusterOptions, ClusterTls, RedisCluster};
 use toolfleet_local::servers::{RedisServer, free_port};
 use toolfleet_protocol::{ToolResult, ToolStatus};
 use toolfleet_store::{CitationStore, Claim, ErrorKind, NewReference, RedisOptions};
@@ -404,7 +404,7 @@ impl Pki {
         std::fs::write(
             dir.path().join("server.ext"),
             "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
-             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n",
         )
         .unwrap();
         std::fs::write(
@@ -725,4 +725,52 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     assert!(elapsed >= budget, "gave up after {elapsed:?}");
     // Thawed, the same store answers again.
     assert!(within(store.is_cancelled("inv-z")).await.unwrap());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_works_on_a_tls_cluster_with_a_password() {
+    let pki = Pki::new();
+    let options = ClusterOptions {
+        tls: Some(ClusterTls {
+            cert: pki.path("server.pem"),
+            key: pki.path("server.key"),
+            ca: pki.path("ca.pem"),
+        }),
+        password: Some("cluster-secret".into()),
+    };
+    let cluster = tokio::task::spawn_blocking(|| RedisCluster::start_with(3, options).unwrap())
+        .await
+        .unwrap();
+    let url = cluster.url();
+    assert!(url.starts_with("rediss://"), "{url}");
+    let store = within(CitationStore::connect_with(
+        &tls_options(&url, &pki, "ca.pem", false, Duration::from_secs(5)),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap();
+    for n in 0..24 {
+        let inv = format!("inv-s{n}");
+        let a = within(store.reserve(&inv, "a", "a", "t", refs(&["x", "y"]), 2))
+            .await
+            .unwrap();
+        assert_eq!(indices(&a), [3, 4], "{inv}");
+        assert_eq!(
+            indices(&within(store.references(&inv)).await.unwrap()),
+            [3, 4]
+        );
+        assert_eq!(within(store.claim(&inv, "1")).await.unwrap(), Claim::New);
+        assert_eq!(within(store.claim(&inv, "1")).await.unwrap(), Claim::Again);
+    }
+    // The cluster client needs the CA like the single-server one.
+    let err = within(CitationStore::connect_with(
+        &tls_options(&url, &pki, "other-ca.pem", false, WAIT * 4),
+        "tf",
+        TTL,
+    ))
+    .await
+    .unwrap_err();
+    assert_ne!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(!err.to_string().contains("cluster-secret"), "{err}");
 }

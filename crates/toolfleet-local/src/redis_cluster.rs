@@ -1,11 +1,12 @@
 //! A Redis Cluster of `redis-server` child processes on loopback ports:
 //! N masters, no replicas, slots spread by `redis-cli --cluster create`.
 //! For tests of the store's cluster mode; killed on drop, data in a
-//! temporary directory.
+//! temporary directory. Optionally TLS-only (`tls-cluster yes`, clients
+//! and the cluster bus both) and password-protected.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -35,10 +36,64 @@ impl Drop for Node {
     }
 }
 
+/// PEM files of a TLS cluster: the nodes' certificate and key (used for
+/// clients and the cluster bus) and the CA that signed it.
+#[derive(Debug, Clone)]
+pub struct ClusterTls {
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+}
+
+/// How the nodes are set up beyond the defaults (plain TCP, no password).
+#[derive(Debug, Clone, Default)]
+pub struct ClusterOptions {
+    /// TLS only: the plain port is off.
+    pub tls: Option<ClusterTls>,
+    /// `requirepass` (and `masterauth`) on every node.
+    pub password: Option<String>,
+}
+
+impl ClusterOptions {
+    /// `redis-cli`'s connection flags for a node.
+    fn cli_args(&self, port: u16) -> Vec<String> {
+        let mut args = vec![
+            "-h".into(),
+            "127.0.0.1".into(),
+            "-p".into(),
+            port.to_string(),
+        ];
+        args.extend(self.cli_auth_args());
+        args
+    }
+
+    fn cli_auth_args(&self) -> Vec<String> {
+        let mut args = Vec::new();
+        if let Some(tls) = &self.tls {
+            args.extend(["--tls".into(), "--cacert".into(), path(&tls.ca)]);
+        }
+        if let Some(p) = &self.password {
+            args.extend(["-a".into(), p.clone(), "--no-auth-warning".into()]);
+        }
+        args
+    }
+
+    /// Plain nodes without a password are probed over raw TCP; others
+    /// through `redis-cli`, which speaks TLS and AUTH.
+    fn plain(&self) -> bool {
+        self.tls.is_none() && self.password.is_none()
+    }
+}
+
+fn path(p: &Path) -> String {
+    p.to_string_lossy().into_owned()
+}
+
 /// A running cluster; every master answers `cluster_state:ok` once
 /// [`RedisCluster::start`] returns.
 pub struct RedisCluster {
     nodes: Vec<Node>,
+    options: ClusterOptions,
     dir: tempfile::TempDir,
 }
 
@@ -46,6 +101,11 @@ impl RedisCluster {
     /// Starts `masters` (at least 3, as Redis requires) nodes and joins
     /// them. A start that loses a port race is retried on new ports.
     pub fn start(masters: usize) -> Result<Self, LocalError> {
+        Self::start_with(masters, ClusterOptions::default())
+    }
+
+    /// [`RedisCluster::start`] with TLS and/or a password.
+    pub fn start_with(masters: usize, options: ClusterOptions) -> Result<Self, LocalError> {
         if !have("redis-server") {
             return Err(LocalError::Missing("redis-server"));
         }
@@ -54,7 +114,7 @@ impl RedisCluster {
         }
         let mut last = None;
         for _ in 0..3 {
-            match Self::try_start(masters.max(3)) {
+            match Self::try_start(masters.max(3), &options) {
                 Ok(c) => return Ok(c),
                 Err(e @ LocalError::Exited(..)) => last = Some(e),
                 Err(e) => return Err(e),
@@ -63,21 +123,22 @@ impl RedisCluster {
         Err(last.unwrap_or(LocalError::Missing("redis-server")))
     }
 
-    fn try_start(masters: usize) -> Result<Self, LocalError> {
+    fn try_start(masters: usize, options: &ClusterOptions) -> Result<Self, LocalError> {
         let io = |e| LocalError::Io("redis-server", e);
         let dir = tempfile::tempdir().map_err(io)?;
         let mut nodes = Vec::with_capacity(masters);
         for _ in 0..masters {
-            nodes.push(spawn_node(dir.path())?);
+            nodes.push(spawn_node(dir.path(), options)?);
         }
         for node in &mut nodes {
-            wait_until(node, dir.path(), answers_ping)?;
+            wait_until(node, dir.path(), |port| answers_ping(port, options))?;
         }
         let addrs: Vec<String> = nodes
             .iter()
             .map(|n| format!("127.0.0.1:{}", n.port))
             .collect();
         let out = Command::new("redis-cli")
+            .args(options.cli_auth_args())
             .arg("--cluster")
             .arg("create")
             .args(&addrs)
@@ -93,7 +154,11 @@ impl RedisCluster {
                     + &String::from_utf8_lossy(&out.stderr),
             ));
         }
-        let mut cluster = Self { nodes, dir };
+        let mut cluster = Self {
+            nodes,
+            options: options.clone(),
+            dir,
+        };
         cluster.wait_all_ok()?;
         Ok(cluster)
     }
@@ -102,9 +167,10 @@ impl RedisCluster {
     /// served.
     fn wait_all_ok(&mut self) -> Result<(), LocalError> {
         let known = format!("cluster_known_nodes:{}", self.nodes.len());
+        let options = &self.options;
         for node in self.nodes.iter_mut().filter(|n| n.child.is_some()) {
             wait_until(node, self.dir.path(), |port| {
-                cluster_info(port)
+                cluster_info(port, options)
                     .is_some_and(|i| i.contains("cluster_state:ok") && i.contains(&known))
             })?;
         }
@@ -122,8 +188,14 @@ impl RedisCluster {
     pub fn start_again(&mut self, i: usize) -> Result<(), LocalError> {
         let node = &mut self.nodes[i];
         node.kill();
-        node.child = Some(spawn_at(self.dir.path(), node.port, node.bus)?);
-        wait_until(node, self.dir.path(), answers_ping)?;
+        node.child = Some(spawn_at(
+            self.dir.path(),
+            node.port,
+            node.bus,
+            &self.options,
+        )?);
+        let options = &self.options;
+        wait_until(node, self.dir.path(), |port| answers_ping(port, options))?;
         self.wait_all_ok()
     }
 
@@ -133,11 +205,20 @@ impl RedisCluster {
     }
 
     /// Every node's URL, comma-separated: what `--redis-url` takes for a
-    /// cluster.
+    /// cluster (`rediss://` when TLS, with the password when set).
     pub fn url(&self) -> String {
+        let scheme = if self.options.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        let auth = match &self.options.password {
+            Some(p) => format!(":{p}@"),
+            None => String::new(),
+        };
         self.ports()
             .iter()
-            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .map(|p| format!("{scheme}://{auth}127.0.0.1:{p}"))
             .collect::<Vec<_>>()
             .join(",")
     }
@@ -148,13 +229,13 @@ impl RedisCluster {
     }
 }
 
-fn spawn_node(dir: &Path) -> Result<Node, LocalError> {
+fn spawn_node(dir: &Path, options: &ClusterOptions) -> Result<Node, LocalError> {
     let io = |e| LocalError::Io("redis-server", e);
     let port = free_port().map_err(io)?;
     // The cluster bus gets a free port of its own rather than the default
     // port + 10000, which may be taken or out of range.
     let bus = free_port().map_err(io)?;
-    let child = spawn_at(dir, port, bus)?;
+    let child = spawn_at(dir, port, bus, options)?;
     Ok(Node {
         port,
         bus,
@@ -162,14 +243,48 @@ fn spawn_node(dir: &Path) -> Result<Node, LocalError> {
     })
 }
 
-fn spawn_at(dir: &Path, port: u16, bus: u16) -> Result<Child, LocalError> {
+fn spawn_at(
+    dir: &Path,
+    port: u16,
+    bus: u16,
+    options: &ClusterOptions,
+) -> Result<Child, LocalError> {
     let io = |e| LocalError::Io("redis-server", e);
     let node_dir = dir.join(port.to_string());
     std::fs::create_dir_all(&node_dir).map_err(io)?;
     let log = std::fs::File::create(node_dir.join("redis.log")).map_err(io)?;
     let err = log.try_clone().map_err(io)?;
+    let mut extra: Vec<String> = Vec::new();
+    match &options.tls {
+        Some(tls) => extra.extend([
+            "--port".into(),
+            "0".into(),
+            "--tls-port".into(),
+            port.to_string(),
+            "--tls-cluster".into(),
+            "yes".into(),
+            "--tls-cert-file".into(),
+            path(&tls.cert),
+            "--tls-key-file".into(),
+            path(&tls.key),
+            "--tls-ca-cert-file".into(),
+            path(&tls.ca),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ]),
+        None => extra.extend(["--port".into(), port.to_string()]),
+    }
+    if let Some(p) = &options.password {
+        extra.extend([
+            "--requirepass".into(),
+            p.clone(),
+            "--masterauth".into(),
+            p.clone(),
+        ]);
+    }
     Command::new("redis-server")
-        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(&extra)
+        .args(["--bind", "127.0.0.1"])
         .args([
             "--cluster-enabled",
             "yes",
@@ -217,7 +332,23 @@ fn connect(port: u16) -> Option<TcpStream> {
     Some(s)
 }
 
-fn answers_ping(port: u16) -> bool {
+/// Runs `redis-cli` against the node; its output when it succeeded.
+fn cli(port: u16, options: &ClusterOptions, command: &[&str]) -> Option<String> {
+    let out = Command::new("redis-cli")
+        .args(options.cli_args(port))
+        .args(command)
+        .stdin(Stdio::null())
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn answers_ping(port: u16, options: &ClusterOptions) -> bool {
+    if !options.plain() {
+        return cli(port, options, &["PING"]).is_some_and(|o| o.trim() == "PONG");
+    }
     let Some(mut s) = connect(port) else {
         return false;
     };
@@ -226,7 +357,10 @@ fn answers_ping(port: u16) -> bool {
 }
 
 /// The node's `CLUSTER INFO` text.
-fn cluster_info(port: u16) -> Option<String> {
+fn cluster_info(port: u16, options: &ClusterOptions) -> Option<String> {
+    if !options.plain() {
+        return cli(port, options, &["CLUSTER", "INFO"]);
+    }
     let mut s = connect(port)?;
     s.write_all(b"CLUSTER INFO\r\n").ok()?;
     // A bulk string: `$<len>\r\n<text>\r\n`; read until all of it is in.
@@ -257,7 +391,7 @@ mod tests {
         let cluster = RedisCluster::start(3).unwrap();
         assert_eq!(cluster.ports().len(), 3);
         for port in cluster.ports() {
-            let info = cluster_info(port).unwrap();
+            let info = cluster_info(port, &ClusterOptions::default()).unwrap();
             assert!(info.contains("cluster_slots_assigned:16384"), "{info}");
             assert!(info.contains("cluster_known_nodes:3"), "{info}");
         }

@@ -43,15 +43,33 @@ pub(crate) fn is_transient(e: &RedisError) -> bool {
 fn io_is_transient(e: &RedisError) -> bool {
     // A TLS failure (bad certificate) or a refused permission is an IO
     // error too, but another try will not fix it.
-    !matches!(
-        io_kind(e),
-        Some(
+    match io_kind(e) {
+        Some(kind) => !matches!(
+            kind,
             io::ErrorKind::InvalidData
                 | io::ErrorKind::InvalidInput
                 | io::ErrorKind::PermissionDenied
                 | io::ErrorKind::Unsupported
-        )
-    )
+        ),
+        // The cluster client reports a failed first connection as text
+        // only ("Failed to create initial connections - Io: <cause>"), so
+        // a TLS rejection is recognised by rustls's wording there.
+        None => !e.detail().is_some_and(is_tls_rejection),
+    }
+}
+
+/// rustls's messages for a handshake that will fail again: a certificate
+/// not trusted, not matching, or missing, or a peer that speaks no common
+/// protocol.
+fn is_tls_rejection(text: &str) -> bool {
+    [
+        "invalid peer certificate",
+        "peer is incompatible",
+        "received fatal alert",
+        "peer sent no certificates",
+    ]
+    .iter()
+    .any(|m| text.contains(m))
 }
 
 /// The kind of the IO error inside a RedisError (it keeps it behind an
@@ -118,6 +136,18 @@ mod tests {
         for code in ["ERR", "WRONGTYPE", "NOSCRIPT", "NOPERM", "WRONGPASS"] {
             assert!(!is_transient(&server(code)), "{code}");
         }
+        let cluster_tls = RedisError::from((
+            RedisKind::Io,
+            "Failed to create initial connections",
+            "Io: invalid peer certificate: UnknownIssuer".to_string(),
+        ));
+        assert!(!is_transient(&cluster_tls));
+        let cluster_down = RedisError::from((
+            RedisKind::Io,
+            "Failed to create initial connections",
+            "Io: Connection refused (os error 111)".to_string(),
+        ));
+        assert!(is_transient(&cluster_down));
         let auth = RedisError::from((RedisKind::AuthenticationFailed, "auth"));
         assert!(!is_transient(&auth));
     }
