@@ -19,7 +19,8 @@
 //!
 //! # Layout
 //!
-//! - this file: [`CitationStore`], its operations and the key layout.
+//! - this file: [`CitationStore`], its operations, the key layout, the
+//!   [`CitationError`] with its [`ErrorKind`], and the retry loop.
 //! - [`connection`]: [`RedisOptions`] (one server or a Redis Cluster, auth
 //!   in the URL, `rediss://` with a custom CA and client certificate) and
 //!   the one connection type every command goes through.
@@ -471,7 +472,7 @@ where
             Ok(Err(e)) if !retry::is_transient(&e) => {
                 return Err(CitationError::new(
                     ErrorKind::Rejected,
-                    format!("{what}: {}", secrets.redact(&e.to_string())),
+                    format!("Redis refused {what}: {}", secrets.redact(&e.to_string())),
                 ));
             }
             Ok(Err(e)) => secrets.redact(&e.to_string()),
