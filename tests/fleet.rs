@@ -183,7 +183,7 @@ async fn invalid_arguments_reach_the_model_and_write_nothing() {
     );
     assert!(outcome.text.contains("/limit"), "{}", outcome.text);
     assert!(
-        env.keys(&job.invocation_id).await.is_empty(),
+        env.tool_keys(&job.invocation_id).await.is_empty(),
         "nothing written to Redis"
     );
     let text = env.metrics_text().await;

@@ -14,24 +14,26 @@ fn our_deps_of(manifest: &str, dev: bool) -> BTreeSet<String> {
     let text = std::fs::read_to_string(support::root().join(manifest))
         .unwrap_or_else(|e| panic!("{manifest}: {e}"));
     let doc: toml::Table = text.parse().unwrap_or_else(|e| panic!("{manifest}: {e}"));
-    assert!(
-        !doc.contains_key("target"),
-        "{manifest}: target-specific dependencies are not checked here"
-    );
     let table = if dev {
         "dev-dependencies"
     } else {
         "dependencies"
     };
+    // `[dependencies]` and every `[target.'cfg(..)'.dependencies]`.
+    let targets = doc
+        .get("target")
+        .and_then(|t| t.as_table())
+        .into_iter()
+        .flat_map(|t| t.values())
+        .filter_map(|t| t.get(table));
     doc.get(table)
-        .and_then(|d| d.as_table())
-        .map(|t| {
-            t.keys()
-                .filter(|k| k.starts_with("toolfleet") || k.ends_with("-worker"))
-                .cloned()
-                .collect()
-        })
-        .unwrap_or_default()
+        .into_iter()
+        .chain(targets)
+        .filter_map(|d| d.as_table())
+        .flat_map(|t| t.keys())
+        .filter(|k| k.starts_with("toolfleet") || k.ends_with("-worker"))
+        .cloned()
+        .collect()
 }
 
 fn our_deps(manifest: &str) -> BTreeSet<String> {

@@ -447,7 +447,7 @@ async fn a_truncated_tool_call_is_never_run_and_ends_or_is_asked_again_by_policy
     let err = outcome.expect_err("error policy");
     assert_eq!(err.code(), "truncated_tool_call");
     assert!(
-        env.keys(&job.invocation_id).await.is_empty(),
+        env.tool_keys(&job.invocation_id).await.is_empty(),
         "the cut call never ran"
     );
 

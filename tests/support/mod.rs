@@ -187,6 +187,14 @@ impl Env {
         keys
     }
 
+    /// The invocation's keys that tools wrote (citations, ledger): every
+    /// key but the orchestrator's claim (`owner`).
+    pub async fn tool_keys(&self, invocation_id: &str) -> Vec<String> {
+        let mut keys = self.keys(invocation_id).await;
+        keys.retain(|k| !k.ends_with(":owner"));
+        keys
+    }
+
     pub async fn ttl(&self, key: &str) -> i64 {
         let mut c = self.redis_conn.clone();
         redis::cmd("TTL")

@@ -183,14 +183,17 @@ pub async fn start(
     rt: toolfleet_service::Runtime,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
-    let store = CitationStore::connect(&redis.url, config.subjects.prefix(), redis.ttl())
+    let options = toolfleet_store::RedisOptions {
+        url: redis.url.clone(),
+        cluster: redis.cluster,
+        tls_ca: redis.tls_ca.clone(),
+        tls_cert: redis.tls_cert.clone(),
+        tls_key: redis.tls_key.clone(),
+        retry_budget: redis.retry_budget(),
+    };
+    let store = CitationStore::connect_with(&options, config.subjects.prefix(), redis.ttl())
         .await
-        .with_context(|| {
-            format!(
-                "cannot connect to Redis at {}",
-                toolfleet_protocol::redact_url(&redis.url)
-            )
-        })?;
+        .with_context(|| format!("cannot connect to Redis at {}", redis.redacted_url()))?;
     let client = nats.connect("toolfleet-orchestrator").await?;
     let dead_letters = toolfleet_service::metrics::dead_letters(&rt.metrics)?;
     let metrics = OrchestratorMetrics::register(&rt.metrics, dead_letters)?;

@@ -1068,7 +1068,8 @@ mod tests {
             (PROVIDER_CONFIDENCE, "0.75"),
             (DEADLINE, "1900000000000"),
             (ATTEMPT, "3"),
-            (REPLY_TO, "_INBOX.abc"),
+            (REPLY_TO, "toolfleet.reply.abc.call_1"),
+            (CITATION_FLOOR, "7"),
             (
                 TRACEPARENT,
                 "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",

@@ -41,15 +41,18 @@ impl Worker {
     ) -> anyhow::Result<()> {
         let subjects = args.nats.subjects()?;
         toolfleet_service::serve_until_signal(metrics_addr, |rt| async move {
-            let store =
-                CitationStore::connect(&args.redis.url, subjects.prefix(), args.redis.ttl())
-                    .await
-                    .with_context(|| {
-                        format!(
-                            "cannot connect to Redis at {}",
-                            toolfleet_protocol::redact_url(&args.redis.url)
-                        )
-                    })?;
+            let r = &args.redis;
+            let options = toolfleet_store::RedisOptions {
+                url: r.url.clone(),
+                cluster: r.cluster,
+                tls_ca: r.tls_ca.clone(),
+                tls_cert: r.tls_cert.clone(),
+                tls_key: r.tls_key.clone(),
+                retry_budget: r.retry_budget(),
+            };
+            let store = CitationStore::connect_with(&options, subjects.prefix(), r.ttl())
+                .await
+                .with_context(|| format!("cannot connect to Redis at {}", r.redacted_url()))?;
             let client = args
                 .nats
                 .connect(&format!("toolfleet-worker-{}", self.name()))
