@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use tokio::sync::oneshot;
+use tokio::sync::mpsc;
 
 use toolfleet_protocol::tools::ToolId;
 use toolfleet_protocol::{
@@ -252,7 +252,7 @@ fn chat_error_code(e: &toolfleet_protocol::client::ClientError) -> String {
 #[derive(Clone)]
 pub struct Replies {
     inbox: String,
-    waiting: Arc<Mutex<HashMap<String, oneshot::Sender<async_nats::Message>>>>,
+    waiting: Arc<Mutex<HashMap<String, mpsc::UnboundedSender<async_nats::Message>>>>,
     _task: Arc<tokio_util::sync::DropGuard>,
 }
 
@@ -261,7 +261,7 @@ impl Replies {
     pub async fn subscribe(client: &async_nats::Client, inbox: String) -> anyhow::Result<Self> {
         let mut sub = client.subscribe(format!("{inbox}.*")).await?;
         client.flush().await?;
-        let waiting: Arc<Mutex<HashMap<String, oneshot::Sender<async_nats::Message>>>> =
+        let waiting: Arc<Mutex<HashMap<String, mpsc::UnboundedSender<async_nats::Message>>>> =
             Arc::default();
         let stop = tokio_util::sync::CancellationToken::new();
         {
@@ -281,7 +281,8 @@ impl Replies {
                     let tx = waiting
                         .lock()
                         .unwrap_or_else(PoisonError::into_inner)
-                        .remove(&key);
+                        .get(&key)
+                        .cloned();
                     if let Some(tx) = tx {
                         let _ = tx.send(msg);
                     }
@@ -295,10 +296,11 @@ impl Replies {
         })
     }
 
-    /// The reply subject for `key`, and the receiver of its one reply.
-    /// Register before publishing, so no reply is missed.
-    pub fn expect(&self, key: &str) -> (String, oneshot::Receiver<async_nats::Message>) {
-        let (tx, rx) = oneshot::channel();
+    /// The reply subject for `key`, and the receiver of its replies
+    /// (progress, then the result) until [`Replies::done`]. Register before
+    /// publishing, so no reply is missed.
+    pub fn expect(&self, key: &str) -> (String, mpsc::UnboundedReceiver<async_nats::Message>) {
+        let (tx, rx) = mpsc::unbounded_channel();
         self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -306,8 +308,8 @@ impl Replies {
         (format!("{}.{key}", self.inbox), rx)
     }
 
-    /// Stops waiting for `key` (its call failed before a reply).
-    pub fn forget(&self, key: &str) {
+    /// Stops routing replies for `key`.
+    pub fn done(&self, key: &str) {
         self.waiting
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -385,11 +387,12 @@ impl ToolCaller {
                 .map_err(|_| "publish".to_string())?;
             ack.await.map_err(|_| "publish_ack".to_string())?;
             let mut rx = rx;
+            let deadline = tokio::time::Instant::now() + self.timeout;
             loop {
-                let msg = tokio::time::timeout(self.timeout, &mut rx)
+                let msg = tokio::time::timeout_at(deadline, rx.recv())
                     .await
                     .map_err(|_| "timeout".to_string())?
-                    .map_err(|_| "inbox_closed".to_string())?;
+                    .ok_or_else(|| "inbox_closed".to_string())?;
                 match serde_json::from_slice::<ToolReply>(&msg.payload) {
                     Ok(ToolReply::Result(r)) if r.status == ToolStatus::Ok => return Ok(()),
                     Ok(ToolReply::Result(r)) => {
@@ -398,19 +401,14 @@ impl ToolCaller {
                             .map(|e| e.code)
                             .unwrap_or_else(|| r.status.as_str().to_string()));
                     }
-                    // Progress: wait on for the result under the same key.
-                    Ok(ToolReply::Progress { .. }) => {
-                        let (_, next) = self.replies.expect(&call_id);
-                        rx = next;
-                    }
+                    // Progress: wait on for the result.
+                    Ok(ToolReply::Progress { .. }) => {}
                     Err(_) => return Err("malformed_reply".to_string()),
                 }
             }
         }
         .await;
-        if result.is_err() {
-            self.replies.forget(&call_id);
-        }
+        self.replies.done(&call_id);
         result
     }
 }

@@ -168,15 +168,17 @@ impl BenchFleet {
             let port = toolfleet_local::servers::free_port()?;
             let proc = Proc::spawn(
                 "scripted model",
-                Command::new(std::env::current_exe()?).args([
-                    "scripted-model",
-                    "--listen",
-                    &format!("127.0.0.1:{port}"),
-                    "--script",
-                    &shape.script.display().to_string(),
-                    "--first-token-delay-ms",
-                    &shape.model_delay.as_millis().to_string(),
-                ]),
+                Command::new(std::env::current_exe()?)
+                    .env("TOOLFLEET_LOG", "warn")
+                    .args([
+                        "scripted-model",
+                        "--listen",
+                        &format!("127.0.0.1:{port}"),
+                        "--script",
+                        &shape.script.display().to_string(),
+                        "--first-token-delay-ms",
+                        &shape.model_delay.as_millis().to_string(),
+                    ]),
             )?;
             wait_http(port, "/v1/models").await?;
             eprintln!(

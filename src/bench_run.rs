@@ -85,18 +85,18 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         model_delay: Duration::from_millis(args.model_delay_ms),
     };
     eprintln!(
-        "toolfleet bench --mode {}: {} in flight, {}{} (scripted stand-in model)",
+        "toolfleet bench --mode {}: {} in flight, {}",
         match args.mode {
             BenchMode::Tool => "tool",
-            BenchMode::Chat => "chat",
+            BenchMode::Chat => "chat (the scripted stand-in model)",
         },
         load.concurrency,
-        load.count
-            .map(|c| format!("{c} operations"))
-            .unwrap_or_default(),
-        load.duration
-            .map(|d| format!(" for at most {d:?}"))
-            .unwrap_or_default(),
+        match (load.count, load.duration) {
+            (Some(c), Some(d)) => format!("{c} operations or {d:?}"),
+            (Some(c), None) => format!("{c} operations"),
+            (None, Some(d)) => format!("for {d:?}"),
+            (None, None) => String::new(),
+        },
     );
     let fleet = BenchFleet::start(&args.local, &shape).await?;
     let result = measure(
@@ -269,7 +269,7 @@ fn render(r: &Report) -> String {
         r.bench_process_peak_rss_kib as f64 / 1024.0,
         if r.processes {
             " (load generator only)"
-        } else if r.model_process {
+        } else if r.model_process || r.mode == BenchMode::Tool {
             " (fleet and load generator)"
         } else {
             " (fleet, model and load generator)"

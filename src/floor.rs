@@ -88,7 +88,7 @@ pub async fn jetstream_round_trip(
         let (js, subject, replies) = (js.clone(), subject.clone(), replies.clone());
         Box::pin(async move {
             let key = format!("f{i}");
-            let (reply, rx) = replies.expect(&key);
+            let (reply, mut rx) = replies.expect(&key);
             let mut headers = async_nats::HeaderMap::new();
             headers.insert(REPLY_TO, reply.as_str());
             let body = bytes::Bytes::from_static(b"{\"arguments\":{}}");
@@ -98,16 +98,14 @@ pub async fn jetstream_round_trip(
                     .await
                     .map_err(|_| "publish".to_string())?;
                 ack.await.map_err(|_| "publish_ack".to_string())?;
-                tokio::time::timeout(Duration::from_secs(30), rx)
+                tokio::time::timeout(Duration::from_secs(30), rx.recv())
                     .await
                     .map_err(|_| "timeout".to_string())?
-                    .map_err(|_| "inbox_closed".to_string())?;
+                    .ok_or_else(|| "inbox_closed".to_string())?;
                 Ok(0)
             }
             .await;
-            if result.is_err() {
-                replies.forget(&key);
-            }
+            replies.done(&key);
             result
         })
     });
