@@ -341,7 +341,7 @@ impl BenchFleet {
 #[derive(Debug, Clone, Default, serde::Serialize)]
 pub struct OrchestratorMemory {
     pub pid: u32,
-    /// RSS before any job (after start), KiB.
+    /// RSS before the measured run (after the warm-up), KiB.
     pub idle_rss_kib: u64,
     /// The largest RSS sampled during the run, KiB.
     pub peak_rss_kib: u64,

@@ -194,8 +194,6 @@ async fn measure(
             "fleet: chat jobs".to_string(),
         ),
     };
-    // The orchestrator's idle memory is read before any job.
-    let sampler = fleet.orchestrator.as_ref().map(Sampler::start);
     let warm = match args.warmup {
         Some(n) => Load {
             count: Some(n),
@@ -209,6 +207,10 @@ async fn measure(
         let w = drive("warm-up", &warm, op.clone()).await;
         eprintln!("{} ok, {} errors {:?}", w.ok, w.errors, w.error_codes);
     }
+    // The orchestrator's idle memory is read after the warm-up: its first
+    // jobs build what every later job shares (the tokenizer's tables for
+    // the tool-result cap alone are ~45 MiB), which is no invocation's own.
+    let sampler = fleet.orchestrator.as_ref().map(Sampler::start);
     eprintln!("• measuring …");
     let summary = drive(&name, load, op).await;
     let memory = match sampler {
