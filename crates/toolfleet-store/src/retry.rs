@@ -42,7 +42,11 @@ pub(crate) fn is_transient(e: &RedisError) -> bool {
 
 fn io_is_transient(e: &RedisError) -> bool {
     // A TLS failure (bad certificate) or a refused permission is an IO
-    // error too, but another try will not fix it.
+    // error too, but another try will not fix it. Under load the cluster
+    // client may wrap the rustls error in any IO kind: its wording decides.
+    if is_tls_rejection(&e.to_string()) || e.detail().is_some_and(is_tls_rejection) {
+        return false;
+    }
     match io_kind(e) {
         Some(kind) => !matches!(
             kind,
