@@ -641,3 +641,52 @@ async fn a_tool_job_with_unreadable_headers_gets_an_error_result_and_a_dead_lett
     assert_eq!(d["invocationId"], "poison-tool-1", "{d}");
     assert!(d["rawHeaders"].is_string(), "{d}");
 }
+
+/// A tool job of an invocation cancelled while it was queued — even before
+/// the worker that takes it started, so it never heard the cancel — is
+/// answered `cancelled` without running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
+    let env = Env::start_with(
+        json!({ "rules": [] }),
+        crate::support::Options {
+            workers: vec![],
+            ..Default::default()
+        },
+    )
+    .await;
+    env.client
+        .publish(env.subjects.chat_cancel("queued-tool-1"), "".into())
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while env.keys("queued-tool-1").await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "no tombstone");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let worker = env.start_worker(system_worker()).await;
+    let inbox = env.subjects.reply_inbox();
+    let mut replies = env.subscribe(inbox.clone()).await;
+    let call = CallContext {
+        invocation: InvocationContext::new("queued-tool-1"),
+        call_id: "call_1".into(),
+        tool_id: "system:current_datetime@1.0.0".parse().unwrap(),
+        attempt: 1,
+        reply_to: inbox,
+        citation_floor: 0,
+    };
+    async_nats::jetstream::new(env.client.clone())
+        .publish_with_headers(
+            env.subjects.tool(&call.tool_id),
+            call.to_headers(),
+            r#"{"arguments":{}}"#.into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let reply = next_json(&mut replies).await;
+    assert_eq!(reply["status"], "error", "{reply}");
+    assert_eq!(reply["error"]["code"], "cancelled", "{reply}");
+    worker.stop().await;
+}

@@ -371,6 +371,30 @@ impl CitationStore {
         Ok(v.and_then(|s| serde_json::from_str(&s).ok()))
     }
 
+    /// Before a tool call runs, in one round trip: the stored result of an
+    /// earlier attempt of this call, if any, and whether the invocation
+    /// was cancelled (both keys share the invocation's hash tag, so this
+    /// works on a cluster too).
+    pub async fn ledger_and_cancel(
+        &self,
+        invocation_id: &str,
+        call_id: &str,
+    ) -> Result<(Option<ToolResult>, bool), CitationError> {
+        let keys = &[
+            self.key(invocation_id, &format!("result:{call_id}")),
+            self.key(invocation_id, "cancelled"),
+        ];
+        let (result, cancelled): (Option<String>, Option<String>) = self
+            .run("ledger_and_cancel", |mut conn| async move {
+                redis::cmd("MGET").arg(keys).query_async(&mut conn).await
+            })
+            .await?;
+        Ok((
+            result.and_then(|s| serde_json::from_str(&s).ok()),
+            cancelled.is_some(),
+        ))
+    }
+
     /// Remembers that the invocation was cancelled (for the store's TTL),
     /// so a job still queued when its cancel arrived is not run later.
     pub async fn mark_cancelled(&self, invocation_id: &str) -> Result<(), CitationError> {

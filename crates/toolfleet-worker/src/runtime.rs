@@ -1018,19 +1018,33 @@ async fn admit(
         });
     }
     // A redelivered (or re-published) job returns what the first attempt
-    // stored, and writes no second set of citations.
+    // stored, and writes no second set of citations. A job of a cancelled
+    // invocation (its cancel came while it was queued, perhaps before this
+    // worker started) is answered `cancelled` without running.
     match shared
         .store
-        .ledger_get(&call.invocation.invocation_id, &call.call_id)
+        .ledger_and_cancel(&call.invocation.invocation_id, &call.call_id)
         .await
     {
-        Ok(Some(mut stored)) => {
+        Ok((Some(mut stored), _)) => {
             shared.count(&label, "redelivered");
             stored.replayed = true;
             stored.attempt = attempt;
             return Err(Outcome::Answer(stored));
         }
-        Ok(None) => {}
+        Ok((None, true)) => {
+            shared.count(&label, "cancelled");
+            return Err(Outcome::Answer(status_result(
+                call,
+                attempt,
+                0,
+                ToolStatus::Error,
+                "cancelled",
+                "the invocation was cancelled before this call started",
+                Vec::new(),
+            )));
+        }
+        Ok((None, false)) => {}
         Err(e) => {
             return Err(Outcome::Retry(Failure {
                 call: call.clone(),
