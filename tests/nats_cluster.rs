@@ -28,7 +28,7 @@ async fn connect(urls: String) -> async_nats::Client {
 
 /// Asks until the fleet answers with its tool (the stream, the consumers
 /// and the catalog are being set up as the processes start).
-async fn until_answered(client: &async_nats::Client, subjects: &Subjects) {
+async fn until_answered(client: &async_nats::Client, subjects: &Subjects, logs: &std::path::Path) {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let job = toolfleet_protocol::client::question("What time is it?");
@@ -48,10 +48,14 @@ async fn until_answered(client: &async_nats::Client, subjects: &Subjects) {
         if tool_ok {
             return;
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the fleet never answered"
-        );
+        if tokio::time::Instant::now() >= deadline {
+            let mut text = String::new();
+            for name in ["orchestrator.log", "worker-system.log"] {
+                let log = std::fs::read_to_string(logs.join(name)).unwrap_or_default();
+                text.push_str(&format!("--- {name}\n{log}\n"));
+            }
+            panic!("the fleet never answered\n{text}");
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 }
@@ -60,7 +64,9 @@ async fn until_answered(client: &async_nats::Client, subjects: &Subjects) {
 #[derive(Default)]
 struct Seen {
     submitted: Option<Instant>,
-    terminals: Vec<(Instant, &'static str)>,
+    /// When, and `completed#<seq>` / `error#<seq>` (`late#<seq>` after the
+    /// load).
+    terminals: Vec<(Instant, String)>,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -107,7 +113,7 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
     ];
     let subjects = Subjects::new("toolfleet").unwrap();
     let probe = connect(cluster.urls()).await;
-    until_answered(&probe, &subjects).await;
+    until_answered(&probe, &subjects, logs.path()).await;
 
     // The fleet made its streams and bucket with three replicas each.
     let js = async_nats::jetstream::new(probe.clone());
@@ -172,8 +178,8 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
         };
         if event.body.is_terminal() {
             let kind = match event.body {
-                ChatEventBody::Completed { .. } => "completed",
-                _ => "error",
+                ChatEventBody::Completed { .. } => format!("completed#{}", event.seq),
+                _ => format!("error#{}", event.seq),
             };
             if s.terminals.is_empty() {
                 done += 1;
@@ -190,18 +196,22 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
     // The node comes back; a new job is answered, and by then no earlier
     // job has ended a second time.
     cluster.restart(victim).unwrap();
-    until_answered(&client, &subjects).await;
+    until_answered(&client, &subjects, logs.path()).await;
     while let Some(Some(msg)) = futures::FutureExt::now_or_never(events.next()) {
         if let Ok(event) = serde_json::from_slice::<ChatEvent>(&msg.payload)
             && event.body.is_terminal()
             && let Some(s) = seen.get_mut(&event.invocation_id)
         {
-            s.terminals.push((Instant::now(), "late"));
+            s.terminals
+                .push((Instant::now(), format!("late#{}", event.seq)));
         }
     }
     for (id, s) in &seen {
-        let kinds: Vec<_> = s.terminals.iter().map(|(_, k)| *k).collect();
-        assert_eq!(kinds, ["completed"], "invocation {id}");
+        let kinds: Vec<_> = s.terminals.iter().map(|(_, k)| k.as_str()).collect();
+        assert!(
+            kinds.len() == 1 && kinds[0].starts_with("completed#"),
+            "invocation {id} ended {kinds:?}, not once in `completed`"
+        );
     }
 
     // The stall: the longest wait for a job in flight when the node died,
