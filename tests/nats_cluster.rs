@@ -67,6 +67,8 @@ struct Seen {
     /// When, and `completed#<seq>` / `error#<seq>` (`late#<seq>` after the
     /// load).
     terminals: Vec<(Instant, String)>,
+    /// `started` events: more than one means the job ran again.
+    starts: usize,
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -176,6 +178,9 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
         let Some(s) = seen.get_mut(&event.invocation_id) else {
             continue;
         };
+        if matches!(event.body, ChatEventBody::Started { .. }) {
+            s.starts += 1;
+        }
         if event.body.is_terminal() {
             let kind = match event.body {
                 ChatEventBody::Completed { .. } => format!("completed#{}", event.seq),
@@ -210,7 +215,8 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
         let kinds: Vec<_> = s.terminals.iter().map(|(_, k)| k.as_str()).collect();
         assert!(
             kinds.len() == 1 && kinds[0].starts_with("completed#"),
-            "invocation {id} ended {kinds:?}, not once in `completed`"
+            "invocation {id} ended {kinds:?}, not once in `completed` (started {} times)",
+            s.starts
         );
     }
 

@@ -192,6 +192,13 @@ impl NatsArgs {
         inbox_prefix: Option<&str>,
     ) -> anyhow::Result<async_nats::Client> {
         toolfleet_protocol::streams::set_default_replicas(self.stream_replicas);
+        if let Some(prefix) = inbox_prefix
+            && !valid_inbox_prefix(prefix)
+        {
+            anyhow::bail!(
+                "NATS inbox prefix {prefix:?}: tokens joined by `.`, without wildcards or spaces"
+            );
+        }
         let identity = Identity::load(self).await?;
         let tls = Tls {
             ca: self.tls_ca.clone(),
@@ -213,6 +220,14 @@ impl NatsArgs {
         )
         .await
     }
+}
+
+/// A subject to put request inboxes under: non-empty tokens joined by `.`,
+/// no wildcard, no whitespace.
+fn valid_inbox_prefix(prefix: &str) -> bool {
+    prefix
+        .split('.')
+        .all(|t| !t.is_empty() && t != "*" && t != ">" && !t.chars().any(char::is_whitespace))
 }
 
 /// Who a process is to NATS, read once from the files named.
