@@ -82,11 +82,22 @@ async fn tool_mode_calls_go_through_the_tools_stream_with_their_outcome() {
 
     let now = call("system:current_datetime@1.0.0", serde_json::json!({})).await;
     assert_eq!((now.ok, now.errors), (20, 0), "{now:?}");
-    let slept = call(toolfleet::bench_fleet::SLEEP_TOOL, serde_json::json!({"ms": 5})).await;
+    let slept = call(
+        toolfleet::bench_fleet::SLEEP_TOOL,
+        serde_json::json!({"ms": 5}),
+    )
+    .await;
     assert_eq!((slept.ok, slept.errors), (20, 0), "{slept:?}");
-    assert!(slept.latency_ms.p50 >= 5.0, "the tool's own wait is inside: {slept:?}");
+    assert!(
+        slept.latency_ms.p50 >= 5.0,
+        "the tool's own wait is inside: {slept:?}"
+    );
     // A result that is not ok is an error, counted under its code.
-    let refused = call(toolfleet::bench_fleet::SLEEP_TOOL, serde_json::json!({"ms": -1})).await;
+    let refused = call(
+        toolfleet::bench_fleet::SLEEP_TOOL,
+        serde_json::json!({"ms": -1}),
+    )
+    .await;
     assert_eq!((refused.ok, refused.errors), (0, 20), "{refused:?}");
     assert_eq!(refused.error_codes.values().sum::<usize>(), 20);
     assert!(
