@@ -313,6 +313,25 @@ async fn an_invocation_is_claimed_once() {
         within(store.claim("inv-d", "18")).await.unwrap(),
         Claim::New
     );
+    // The run of 17 ended: its redelivery is told so; others still not.
+    within(store.finish("inv-c", "17", b"{\"seq\":3}"))
+        .await
+        .unwrap();
+    assert_eq!(
+        within(store.terminal_event("inv-c"))
+            .await
+            .unwrap()
+            .as_deref(),
+        Some(&b"{\"seq\":3}"[..])
+    );
+    assert_eq!(
+        within(store.claim("inv-c", "17")).await.unwrap(),
+        Claim::Finished
+    );
+    assert!(matches!(
+        within(store.claim("inv-c", "18")).await.unwrap(),
+        Claim::Other(_)
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

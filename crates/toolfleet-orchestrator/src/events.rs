@@ -6,17 +6,22 @@
 //! server is made smaller rather than lost: a tool call's arguments are
 //! replaced by their size, and a terminal event too big becomes an
 //! `answer_too_large` error (a lost terminal event would leave the client
-//! waiting).
+//! waiting). For the same reason a terminal event that went out while the
+//! NATS connection broke is published again, verbatim (same `seq`).
 
 use serde_json::Value;
 use tokio::sync::mpsc;
 use toolfleet_protocol::{ChatEvent, ChatEventBody, encode};
 use tracing::warn;
 
+/// How long the end of an invocation waits for the server to confirm its
+/// events.
+const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Publishes one invocation's events in order, numbering them.
 pub struct Events {
     tx: mpsc::UnboundedSender<ChatEventBody>,
-    task: tokio::task::JoinHandle<()>,
+    task: tokio::task::JoinHandle<Option<bytes::Bytes>>,
 }
 
 impl Events {
@@ -28,8 +33,17 @@ impl Events {
     ) -> Self {
         let (tx, mut rx) = mpsc::unbounded_channel::<ChatEventBody>();
         let task = tokio::spawn(async move {
+            let connects = || {
+                client
+                    .statistics()
+                    .connects
+                    .load(std::sync::atomic::Ordering::Relaxed)
+            };
+            let connected = connects();
             let mut seq = 0;
+            let mut terminal = None;
             while let Some(body) = rx.recv().await {
+                let is_terminal = body.is_terminal();
                 let event = ChatEvent {
                     invocation_id: invocation_id.clone(),
                     seq,
@@ -37,11 +51,34 @@ impl Events {
                 };
                 seq += 1;
                 let payload = fit(event, client.server_info().max_payload);
+                if is_terminal {
+                    terminal = Some(payload.clone());
+                }
                 if let Err(e) = client.publish(subject.clone(), payload).await {
                     warn!(error = %e, "cannot publish a chat event");
                 }
             }
-            let _ = client.flush().await;
+            // Bounded: a flush into a connection that died may wait for
+            // a reconnection that takes long.
+            let flushed = matches!(
+                tokio::time::timeout(FLUSH_WAIT, client.flush()).await,
+                Ok(Ok(()))
+            );
+            // Events written into a connection that then broke are lost
+            // with it (core NATS), and a flush on the next connection does
+            // not say otherwise. The terminal event must arrive: publish
+            // it again, verbatim (same `seq`: a client that has it
+            // already sees a repeat it can drop).
+            if let Some(payload) = &terminal
+                && (!flushed || connects() != connected)
+            {
+                warn!(
+                    "the connection broke while this invocation's events went out; its terminal event is published again"
+                );
+                let _ = client.publish(subject.clone(), payload.clone()).await;
+                let _ = tokio::time::timeout(FLUSH_WAIT, client.flush()).await;
+            }
+            terminal
         });
         Self { tx, task }
     }
@@ -66,10 +103,11 @@ impl Events {
         let _ = self.tx.send(body);
     }
 
-    /// Waits until every event sent so far is published.
-    pub(crate) async fn close(self) {
+    /// Waits until every event sent so far is published; returns the
+    /// terminal event as published, if one was sent.
+    pub(crate) async fn close(self) -> Option<bytes::Bytes> {
         drop(self.tx);
-        let _ = self.task.await;
+        self.task.await.ok().flatten()
     }
 }
 

@@ -217,6 +217,23 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
     }
     match claim(fleet, &job.invocation_id, delivery).await {
         Claimed::Ours => {}
+        Claimed::Finished => {
+            // Ended before; the ack was lost (an orchestrator or NATS node
+            // died in between), and the terminal event may have been lost
+            // with it: publish it again, verbatim, ack, run nothing.
+            match fleet.store.terminal_event(&job.invocation_id).await {
+                Ok(Some(event)) => {
+                    let subject = fleet.config.subjects.chat_events(&job.invocation_id);
+                    let _ = fleet.client.publish(subject, event.into()).await;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(invocation_id = %job.invocation_id, error = %e, "cannot read the finished run's terminal event");
+                }
+            }
+            ack(&msg).await;
+            return;
+        }
         Claimed::Other(owner) => {
             fleet
                 .metrics
@@ -259,6 +276,8 @@ const CLAIM_RETRY_DELAY: Duration = Duration::from_secs(5);
 enum Claimed {
     /// This message claimed the invocation (now or on an earlier delivery).
     Ours,
+    /// This message's run already ended; only its ack was lost.
+    Finished,
     /// Another message holds it: named by its stream sequence.
     Other(String),
     /// The store could not say.
@@ -271,11 +290,36 @@ enum Claimed {
 /// a forgery — is refused, while a redelivery of the claiming message
 /// (an orchestrator died) continues.
 async fn claim(fleet: &Fleet, invocation_id: &str, delivery: Delivery) -> Claimed {
-    let owner = format!("chat-seq-{}", delivery.stream_sequence);
+    let owner = owner(delivery);
     match fleet.store.claim(invocation_id, &owner).await {
         Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => Claimed::Ours,
+        Ok(toolfleet_store::Claim::Finished) => Claimed::Finished,
         Ok(toolfleet_store::Claim::Other(owner)) => Claimed::Other(owner),
         Err(e) => Claimed::Unknown(e.to_string()),
+    }
+}
+
+/// The claim owner of a delivery: its message's stream sequence.
+fn owner(delivery: Delivery) -> String {
+    format!("chat-seq-{}", delivery.stream_sequence)
+}
+
+/// How often a confirmed ack is tried.
+const ACK_TRIES: u32 = 5;
+
+/// Acks a finished job and waits for the server to confirm it, trying again
+/// across a reconnection (a NATS node that died with the first ack). A
+/// job whose ack never lands is delivered again and answered from its
+/// finished claim.
+async fn ack(msg: &jetstream::Message) {
+    for attempt in 1..=ACK_TRIES {
+        match msg.double_ack().await {
+            Ok(()) => return,
+            Err(e) if attempt == ACK_TRIES => {
+                warn!(error = %e, "the job's ack was not confirmed; it will be delivered again and not rerun");
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt))).await,
+        }
     }
 }
 
@@ -329,10 +373,17 @@ async fn run(
             "error"
         }
     };
-    events.close().await;
+    let terminal = events.close().await;
+    // The run ended: a redelivery (its ack lost) must not run it again.
+    let owner = owner(delivery);
+    if let Some(terminal) = terminal
+        && let Err(e) = fleet.store.finish(&id, &owner, &terminal).await
+    {
+        warn!(error = %e, "cannot mark the invocation finished; if this job's ack is lost it runs again");
+    }
     drop(keep_alive);
     // Ack last: only after the terminal event is out.
-    let _ = msg.ack().await;
+    ack(&msg).await;
     fleet.forget_run(&id, run);
     metrics.chat_jobs.with_label_values(&[label]).inc();
     metrics.chat_jobs_in_flight.dec();

@@ -11,7 +11,8 @@
 //! | `<p>:{<inv>}:call:<call>` | string | the indices a call reserved, so a redelivered job reuses them |
 //! | `<p>:{<inv>}:result:<call>` | string | the result ledger: a redelivered job returns the stored result |
 //! | `<p>:{<inv>}:cancelled` | string | a cancel tombstone: a job that starts after its cancel is not run |
-//! | `<p>:{<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation |
+//! | `<p>:{<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation (`:finished` appended when its run ended) |
+//! | `<p>:{<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
 //!
 //! Every key carries the TTL. References are written by one Lua script, so
 //! a reservation is atomic: the counter, the hash and the call's indices move
@@ -164,6 +165,9 @@ impl std::fmt::Debug for CitationStore {
     }
 }
 
+/// What an owner's claim becomes when its run ends.
+const FINISHED: &str = ":finished";
+
 /// The outcome of [`CitationStore::claim`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Claim {
@@ -171,6 +175,9 @@ pub enum Claim {
     New,
     /// This owner already held it (a redelivery of the same job).
     Again,
+    /// This owner held it and its run ended ([`CitationStore::finish`]): a
+    /// redelivery whose ack was lost; nothing is to be run again.
+    Finished,
     /// Another owner holds it (named).
     Other(String),
 }
@@ -453,12 +460,52 @@ impl CitationStore {
             let holder: Option<String> = conn.get(key).await?;
             Ok(match holder {
                 Some(h) if h == owner => Claim::Again,
+                Some(h) if h.strip_suffix(FINISHED).is_some_and(|o| o == owner) => Claim::Finished,
                 Some(h) => Claim::Other(h),
                 // Expired between the two commands: the TTL is a day, so
                 // this is a claim that lapsed; treat it as ours again.
                 None => Claim::Again,
             })
         })
+        .await
+    }
+
+    /// Marks the run of `owner` ended (its terminal event is out), so a
+    /// redelivery of its job — the ack was lost — claims
+    /// [`Claim::Finished`] and is not run again.
+    ///
+    /// `terminal_event` is the run's terminal event as published: a
+    /// redelivery publishes it again ([`CitationStore::terminal_event`]),
+    /// in case it was lost with the connection that lost the ack.
+    pub async fn finish(
+        &self,
+        invocation_id: &str,
+        owner: &str,
+        terminal_event: &[u8],
+    ) -> Result<(), CitationError> {
+        let key = &self.key(invocation_id, "owner");
+        let event_key = &self.key(invocation_id, "terminal");
+        let ttl = self.ttl.as_secs().max(1);
+        let value = &format!("{owner}{FINISHED}");
+        // The event first: a finished claim always has its event.
+        self.run("finish", |mut conn| async move {
+            conn.set_ex::<_, _, ()>(event_key, terminal_event, ttl)
+                .await?;
+            conn.set_ex::<_, _, ()>(key, value, ttl).await
+        })
+        .await
+    }
+
+    /// The terminal event stored by [`CitationStore::finish`].
+    pub async fn terminal_event(
+        &self,
+        invocation_id: &str,
+    ) -> Result<Option<Vec<u8>>, CitationError> {
+        let key = &self.key(invocation_id, "terminal");
+        self.run(
+            "terminal_event",
+            |mut conn| async move { conn.get(key).await },
+        )
         .await
     }
 
