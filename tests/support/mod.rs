@@ -188,10 +188,11 @@ impl Env {
     }
 
     /// The invocation's keys that tools wrote (citations, ledger): every
-    /// key but the orchestrator's claim (`owner`).
+    /// key but the orchestrator's claim (`owner`) and its stored terminal
+    /// event (`terminal`).
     pub async fn tool_keys(&self, invocation_id: &str) -> Vec<String> {
         let mut keys = self.keys(invocation_id).await;
-        keys.retain(|k| !k.ends_with(":owner"));
+        keys.retain(|k| !k.ends_with(":owner") && !k.ends_with(":terminal"));
         keys
     }
 
