@@ -195,27 +195,21 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             return dead_letter(fleet, &msg, delivery, rejection).await;
         }
     };
-    if delivery.attempt > MAX_CHAT_ATTEMPTS {
-        fleet.metrics.chat_jobs.with_label_values(&["error"]).inc();
-        let error = format!(
-            "the job was delivered {} times without finishing (an orchestrator stopped while running it each time)",
-            delivery.attempt
-        );
-        warn!(invocation_id = %job.invocation_id, "{error}");
-        let tell_sender = matches!(
-            claim(fleet, &job.invocation_id, delivery).await,
-            Claimed::Ours
-        );
-        let rejection = Rejection {
-            invocation_id: Some(job.invocation_id),
-            tell_sender,
-            event_code: "too_many_attempts",
-            code: "too_many_attempts",
-            error,
-        };
-        return dead_letter(fleet, &msg, delivery, rejection).await;
-    }
-    match claim(fleet, &job.invocation_id, delivery).await {
+    // Claimed before anything else: a finished run's redelivery is
+    // answered whatever its delivery count. The claim is retried here,
+    // with in-progress acks, rather than by redelivery (which would spend
+    // the job's deliveries while Redis is away).
+    let claimed = {
+        let _alive = toolfleet_service::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
+        let mut claimed = claim(fleet, &job.invocation_id, delivery).await;
+        let until = Instant::now() + CLAIM_PATIENCE;
+        while matches!(claimed, Claimed::Unknown(_)) && Instant::now() < until {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            claimed = claim(fleet, &job.invocation_id, delivery).await;
+        }
+        claimed
+    };
+    match claimed {
         Claimed::Ours => {}
         Claimed::Finished => {
             // Ended before; the ack was lost (an orchestrator or NATS node
@@ -262,6 +256,22 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             return;
         }
     }
+    if delivery.attempt > MAX_CHAT_ATTEMPTS {
+        fleet.metrics.chat_jobs.with_label_values(&["error"]).inc();
+        let error = format!(
+            "the job was delivered {} times without finishing (an orchestrator stopped while running it each time)",
+            delivery.attempt
+        );
+        warn!(invocation_id = %job.invocation_id, "{error}");
+        let rejection = Rejection {
+            invocation_id: Some(job.invocation_id),
+            tell_sender: true,
+            event_code: "too_many_attempts",
+            code: "too_many_attempts",
+            error,
+        };
+        return dead_letter(fleet, &msg, delivery, rejection).await;
+    }
     let span = tracing::info_span!("chat_job", invocation_id = %job.invocation_id, attempt = delivery.attempt);
     run(fleet, msg, job, delivery, started)
         .instrument(span)
@@ -271,6 +281,10 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
 /// How long a job waits before it is delivered again when its invocation
 /// cannot be claimed (the store did not answer within its retry budget).
 const CLAIM_RETRY_DELAY: Duration = Duration::from_secs(5);
+
+/// How long a delivery keeps trying to claim its invocation (sending
+/// in-progress acks) before it gives the job back.
+const CLAIM_PATIENCE: Duration = Duration::from_secs(30);
 
 /// Whether a delivery may speak for its invocation.
 enum Claimed {

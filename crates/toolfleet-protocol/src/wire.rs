@@ -258,6 +258,10 @@ pub struct InvocationContext {
     pub traceparent: Option<String>,
 }
 
+/// The largest citation floor a tool job may carry (2^40: far beyond any
+/// invocation, well inside what Redis's Lua numbers hold exactly).
+pub const MAX_CITATION_FLOOR: u64 = 1 << 40;
+
 /// The context of one tool call: the invocation plus the call's own headers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallContext {
@@ -424,7 +428,17 @@ impl CallContext {
             tool_id,
             attempt: parsed(h, ATTEMPT)?.unwrap_or(1),
             reply_to: required(h, REPLY_TO)?.to_string(),
-            citation_floor: parsed(h, CITATION_FLOOR)?.unwrap_or(0),
+            citation_floor: match parsed::<u64>(h, CITATION_FLOOR)?.unwrap_or(0) {
+                // Indices live in Redis as Lua numbers (doubles): a floor
+                // past 2^53 could only be forged, and would corrupt them.
+                f if f > MAX_CITATION_FLOOR => {
+                    return Err(ProtocolError::MalformedHeader {
+                        name: CITATION_FLOOR,
+                        reason: format!("{f} is above {MAX_CITATION_FLOOR}"),
+                    });
+                }
+                f => f,
+            },
         })
     }
 }
@@ -1034,6 +1048,25 @@ mod tests {
             reply_to: "toolfleet.reply.abc.call_1".into(),
             citation_floor: 7,
         }
+    }
+
+    #[test]
+    fn a_forged_citation_floor_past_the_cap_is_refused() {
+        let mut h = full_call().to_headers();
+        h.insert(
+            headers::CITATION_FLOOR,
+            (MAX_CITATION_FLOOR + 1).to_string().as_str(),
+        );
+        let e = CallContext::from_headers(&h).unwrap_err();
+        assert_eq!(e.code(), "bad_headers");
+        h.insert(
+            headers::CITATION_FLOOR,
+            MAX_CITATION_FLOOR.to_string().as_str(),
+        );
+        assert_eq!(
+            CallContext::from_headers(&h).unwrap().citation_floor,
+            MAX_CITATION_FLOOR
+        );
     }
 
     #[test]

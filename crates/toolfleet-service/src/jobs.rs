@@ -206,7 +206,12 @@ pub async fn pull_bounded<F, Fut>(
                 },
                 Some(Err(e)) => {
                     warn!(consumer = %what, error = %e, "pull error; asking again");
-                    break;
+                    // A lasting error (consumer deleted, too many waiting
+                    // pulls) must not become a busy loop.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break 'outer,
+                        _ = tokio::time::sleep(Duration::from_millis(500)) => break,
+                    }
                 }
                 // The request was filled or expired: ask again.
                 None => break,

@@ -32,6 +32,10 @@ use tracing::warn;
 /// next one).
 pub const MAX_SWEEP: usize = 1_000;
 
+/// How far back from the consumer's last delivery a sweep reads, in stream
+/// sequences.
+pub const MAX_SWEEP_SPAN: u64 = 10_000;
+
 /// A job whose headers the client cannot read, removed from its stream.
 #[derive(Debug, Clone)]
 pub struct Poison {
@@ -145,7 +149,11 @@ pub async fn sweep(
     }
     let filter = info.config.filter_subject.clone();
     let last = info.delivered.stream_sequence;
-    let mut next = info.ack_floor.stream_sequence + 1;
+    // The poison is among the latest deliveries (it broke the connection
+    // that received them): read back at most `MAX_SWEEP_SPAN` sequences
+    // from the last one, so an old job holding the ack floor cannot push it
+    // out of reach.
+    let mut next = (info.ack_floor.stream_sequence + 1).max(last.saturating_sub(MAX_SWEEP_SPAN));
     let mut found = Vec::new();
     let engine = base64::engine::general_purpose::STANDARD;
     for _ in 0..MAX_SWEEP {
