@@ -137,6 +137,20 @@ pub async fn request_reply(
             }
         }
     });
+    // The responder's interest must have reached the requester's side
+    // before the clock starts: one answered request says it has.
+    let ready_by = tokio::time::Instant::now() + Duration::from_secs(5);
+    while client
+        .request(subject.clone(), bytes::Bytes::from_static(b"{}"))
+        .await
+        .is_err()
+    {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < ready_by,
+            "the floor's responder never answered"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let client = client.clone();
     let op: Op = Arc::new(move |_| {
         let (client, subject) = (client.clone(), subject.clone());
