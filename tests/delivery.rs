@@ -103,6 +103,58 @@ fn two_rounds() -> Value {
     })
 }
 
+/// Submits a two-round job and waits until its round-2 call is held by
+/// `tool`; returns the job and its event subscription.
+async fn submit_until_round_two(
+    env: &Env,
+    tool: &CiteRound,
+) -> (toolfleet_protocol::ChatJob, async_nats::Subscriber) {
+    let job = toolfleet_protocol::client::question("cite two rounds please");
+    let events = env
+        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, tool.reached.notified())
+        .await
+        .expect("round 2 never started");
+    (job, events)
+}
+
+/// Publishes a tool job of `invocation`'s call `call_id` to `tool` through
+/// JetStream, replying to a fresh fleet inbox; returns the subscription to
+/// that inbox.
+async fn send_tool_job(
+    env: &Env,
+    invocation: &str,
+    call_id: &str,
+    tool: &str,
+    body: Value,
+) -> async_nats::Subscriber {
+    let inbox = env.subjects.reply_inbox();
+    let replies = env.subscribe(inbox.clone()).await;
+    let call = CallContext {
+        invocation: InvocationContext::new(invocation),
+        call_id: call_id.into(),
+        tool_id: tool.parse().unwrap(),
+        attempt: 1,
+        reply_to: inbox,
+        citation_floor: 0,
+    };
+    async_nats::jetstream::new(env.client.clone())
+        .publish_with_headers(
+            env.subjects.tool(&call.tool_id),
+            call.to_headers(),
+            body.to_string().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    replies
+}
+
 /// Every event of an invocation until its terminal one.
 async fn events_until_terminal(events: &mut async_nats::Subscriber) -> Vec<Value> {
     let mut out = Vec::new();
@@ -126,16 +178,7 @@ async fn a_redis_restart_between_rounds_never_reuses_a_citation_index() {
     let tool = CiteRound::new();
     let worker = env.start_worker(cite_round_worker(tool.clone())).await;
 
-    let job = toolfleet_protocol::client::question("cite two rounds please");
-    let mut events = env
-        .subscribe(env.subjects.chat_events(&job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
-    tokio::time::timeout(WAIT, tool.reached.notified())
-        .await
-        .expect("round 2 never started");
+    let (_, mut events) = submit_until_round_two(&env, &tool).await;
     // Round 1 cited [doc:1]; Redis forgets it.
     env.redis.stop();
     env.redis.start_again().unwrap();
@@ -185,40 +228,17 @@ async fn a_forged_tool_job_cannot_add_references_to_another_invocation() {
     let tool = CiteRound::new();
     let worker = env.start_worker(cite_round_worker(tool.clone())).await;
 
-    let job = toolfleet_protocol::client::question("cite two rounds please");
-    let mut events = env
-        .subscribe(env.subjects.chat_events(&job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
-    tokio::time::timeout(WAIT, tool.reached.notified())
-        .await
-        .expect("round 2 never started");
+    let (job, mut events) = submit_until_round_two(&env, &tool).await;
 
     // The forgery: a search under the victim's invocation id.
-    let inbox = env.subjects.reply_inbox();
-    let mut replies = env.subscribe(inbox.clone()).await;
-    let forged = CallContext {
-        invocation: InvocationContext::new(job.invocation_id.clone()),
-        call_id: "call_forged".into(),
-        tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
-        attempt: 1,
-        reply_to: inbox,
-        citation_floor: 0,
-    };
-    let js = async_nats::jetstream::new(env.client.clone());
-    js.publish_with_headers(
-        env.subjects.tool(&forged.tool_id),
-        forged.to_headers(),
-        json!({ "arguments": { "query": "lighthouse" } })
-            .to_string()
-            .into(),
+    let mut replies = send_tool_job(
+        &env,
+        &job.invocation_id,
+        "call_forged",
+        "retrieval:search_documents@1.0.0",
+        json!({ "arguments": { "query": "lighthouse" } }),
     )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    .await;
     let reply = next_json(&mut replies).await;
     assert_eq!(reply["status"], "ok", "{reply}");
     assert!(
@@ -424,25 +444,14 @@ async fn a_frozen_workers_call_is_finished_by_another_inside_the_callers_wait() 
         .await
         .unwrap();
 
-    let inbox = env.subjects.reply_inbox();
-    let mut replies = env.subscribe(inbox.clone()).await;
-    let call = CallContext {
-        invocation: InvocationContext::new("frozen-1"),
-        call_id: "call_1".into(),
-        tool_id: id.clone(),
-        attempt: 1,
-        reply_to: inbox,
-        citation_floor: 0,
-    };
-    js.publish_with_headers(
-        env.subjects.tool(&id),
-        call.to_headers(),
-        r#"{"arguments":{}}"#.into(),
+    let mut replies = send_tool_job(
+        &env,
+        "frozen-1",
+        "call_1",
+        &id.to_string(),
+        json!({ "arguments": {} }),
     )
-    .await
-    .unwrap()
-    .await
-    .unwrap();
+    .await;
     let published = tokio::time::Instant::now();
     let held = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut frozen))
         .await
@@ -610,26 +619,14 @@ async fn a_tool_job_with_unreadable_headers_gets_an_error_result_and_a_dead_lett
     )
     .await;
     // A good job right behind it.
-    let inbox = env.subjects.reply_inbox();
-    let mut replies = env.subscribe(inbox.clone()).await;
-    let call = CallContext {
-        invocation: InvocationContext::new("good-1"),
-        call_id: "call_2".into(),
-        tool_id: id.clone(),
-        attempt: 1,
-        reply_to: inbox,
-        citation_floor: 0,
-    };
-    async_nats::jetstream::new(env.client.clone())
-        .publish_with_headers(
-            env.subjects.tool(&id),
-            call.to_headers(),
-            r#"{"arguments":{}}"#.into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let mut replies = send_tool_job(
+        &env,
+        "good-1",
+        "call_2",
+        &id.to_string(),
+        json!({ "arguments": {} }),
+    )
+    .await;
     let good = next_json(&mut replies).await;
     assert_eq!(good["status"], "ok", "{good}");
     let bad = next_json(&mut poisoned_replies).await;
@@ -665,26 +662,14 @@ async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let worker = env.start_worker(system_worker()).await;
-    let inbox = env.subjects.reply_inbox();
-    let mut replies = env.subscribe(inbox.clone()).await;
-    let call = CallContext {
-        invocation: InvocationContext::new("queued-tool-1"),
-        call_id: "call_1".into(),
-        tool_id: "system:current_datetime@1.0.0".parse().unwrap(),
-        attempt: 1,
-        reply_to: inbox,
-        citation_floor: 0,
-    };
-    async_nats::jetstream::new(env.client.clone())
-        .publish_with_headers(
-            env.subjects.tool(&call.tool_id),
-            call.to_headers(),
-            r#"{"arguments":{}}"#.into(),
-        )
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    let mut replies = send_tool_job(
+        &env,
+        "queued-tool-1",
+        "call_1",
+        "system:current_datetime@1.0.0",
+        json!({ "arguments": {} }),
+    )
+    .await;
     let reply = next_json(&mut replies).await;
     assert_eq!(reply["status"], "error", "{reply}");
     assert_eq!(reply["error"]["code"], "cancelled", "{reply}");
