@@ -163,9 +163,10 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     within(cancel).await.unwrap().unwrap();
     within(put).await.unwrap().unwrap();
     assert!(within(store.is_cancelled("inv-o")).await.unwrap());
-    let stored = within(store.ledger_get("inv-o", "c2"))
+    let stored = within(store.ledger_and_cancel("inv-o", "c2"))
         .await
         .unwrap()
+        .0
         .unwrap();
     assert_eq!(stored.content, "answer of c2");
 }
@@ -541,9 +542,10 @@ async fn rediss_with_a_custom_ca_a_client_certificate_and_a_password() {
         .await
         .unwrap();
     assert!(
-        within(store.ledger_get("inv-t", "c"))
+        within(store.ledger_and_cancel("inv-t", "c"))
             .await
             .unwrap()
+            .0
             .is_some()
     );
 
@@ -622,7 +624,11 @@ async fn the_store_works_on_a_three_master_cluster() {
         let all = within(store.references(&inv)).await.unwrap();
         assert_eq!(indices(&all), [1, 2, 6], "{inv}");
         within(s.ledger_put(&result(&inv, "a"))).await.unwrap();
-        let got = within(seeded.ledger_get(&inv, "a")).await.unwrap().unwrap();
+        let got = within(seeded.ledger_and_cancel(&inv, "a"))
+            .await
+            .unwrap()
+            .0
+            .unwrap();
         assert_eq!(got.content, "answer of a");
         assert_eq!(within(s.claim(&inv, "1")).await.unwrap(), Claim::New);
         assert_eq!(within(store.claim(&inv, "1")).await.unwrap(), Claim::Again);

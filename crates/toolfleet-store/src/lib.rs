@@ -365,19 +365,6 @@ impl CitationStore {
         Ok(out)
     }
 
-    /// The stored result of an earlier attempt of this call, if any.
-    pub async fn ledger_get(
-        &self,
-        invocation_id: &str,
-        call_id: &str,
-    ) -> Result<Option<ToolResult>, CitationError> {
-        let key = &self.key(invocation_id, &format!("result:{call_id}"));
-        let v: Option<String> = self
-            .run("ledger_get", |mut conn| async move { conn.get(key).await })
-            .await?;
-        Ok(v.and_then(|s| serde_json::from_str(&s).ok()))
-    }
-
     /// Before a tool call runs, in one round trip: the stored result of an
     /// earlier attempt of this call, if any, and whether the invocation
     /// was cancelled (both keys share the invocation's hash tag, so this
