@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use tokio::sync::Notify;
-use toolfleet_protocol::{CallContext, InvocationContext};
+use toolfleet_protocol::{CallContext, DEFAULT_TENANT, InvocationContext};
 use toolfleet_store::NewReference;
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
@@ -111,7 +111,7 @@ async fn submit_until_round_two(
 ) -> (toolfleet_protocol::ChatJob, async_nats::Subscriber) {
     let job = toolfleet_protocol::client::question("cite two rounds please");
     let events = env
-        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
         .await;
     toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
         .await
@@ -267,10 +267,10 @@ async fn a_forged_tool_job_cannot_add_references_to_another_invocation() {
 async fn a_tool_job_replying_outside_the_fleet_is_refused() {
     let env = Env::start(json!({ "rules": [] })).await;
     let mut dead = env.subscribe("toolfleet.deadletter.tool".into()).await;
-    let mut submits = env.subscribe(env.subjects.chat_submit()).await;
+    let mut submits = env.subscribe(env.subjects.chat_submit_all()).await;
     for target in [
-        env.subjects.chat_submit(),
-        "toolfleet.chat.events.someone-else".to_string(),
+        env.subjects.chat_submit(DEFAULT_TENANT),
+        "toolfleet.chat.events.default.someone-else".to_string(),
         "_INBOX.abc".to_string(),
         "toolfleet.reply.>".to_string(),
     ] {
@@ -321,7 +321,7 @@ async fn an_invocation_id_is_run_once() {
     .await;
     let job = toolfleet_protocol::client::question("hello there");
     let mut events = env
-        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
         .await;
     let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
     let js = async_nats::jetstream::new(env.client.clone());
@@ -329,7 +329,7 @@ async fn an_invocation_id_is_run_once() {
         let mut h = async_nats::HeaderMap::new();
         h.insert("Nats-Msg-Id", format!("copy-{copy}").as_str());
         js.publish_with_headers(
-            env.subjects.chat_submit(),
+            env.subjects.chat_submit(job.tenant()),
             h,
             serde_json::to_vec(&job).unwrap().into(),
         )
@@ -368,12 +368,12 @@ async fn a_malformed_job_cannot_end_another_jobs_invocation() {
     let (job, outcome) = env.ask("hello there").await;
     outcome.expect("completed");
     let mut events = env
-        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
         .await;
     let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
     let js = async_nats::jetstream::new(env.client.clone());
     js.publish(
-        env.subjects.chat_submit(),
+        env.subjects.chat_submit(job.tenant()),
         json!({ "invocationId": job.invocation_id, "messages": "not a list" })
             .to_string()
             .into(),
@@ -556,11 +556,14 @@ async fn a_chat_job_with_unreadable_headers_is_dead_lettered_and_the_rest_answer
     let mut poison = toolfleet_protocol::client::question("hello poison");
     poison.invocation_id = "poison-chat-1".into();
     let mut poison_events = env
-        .subscribe(env.subjects.chat_events(&poison.invocation_id))
+        .subscribe(
+            env.subjects
+                .chat_events(poison.tenant(), &poison.invocation_id),
+        )
         .await;
     publish_raw(
         &env.nats.url(),
-        &env.subjects.chat_submit(),
+        &env.subjects.chat_submit(poison.tenant()),
         b"NATS/1.0\r\nToolfleet-Tenant: \xff\xfe\r\n\r\n",
         &serde_json::to_vec(&poison).unwrap(),
     )
@@ -653,7 +656,10 @@ async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
     )
     .await;
     env.client
-        .publish(env.subjects.chat_cancel("queued-tool-1"), "".into())
+        .publish(
+            env.subjects.chat_cancel(DEFAULT_TENANT, "queued-tool-1"),
+            "".into(),
+        )
         .await
         .unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;

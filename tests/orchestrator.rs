@@ -5,8 +5,8 @@
 
 use std::time::Duration;
 
-use futures::FutureExt;
 use futures::future::BoxFuture;
+use futures::{FutureExt, StreamExt};
 use serde_json::{Value, json};
 use toolfleet_llm::ToolCall;
 use toolfleet_orchestrator::dispatch::new_call_id;
@@ -474,7 +474,7 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
 
     let job = toolfleet_protocol::client::question("what does the clock say?");
     let mut events = env
-        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
         .await;
     toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
         .await
@@ -504,7 +504,10 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     env.client
-        .publish(env.subjects.chat_cancel(&job.invocation_id), "".into())
+        .publish(
+            env.subjects.chat_cancel(job.tenant(), &job.invocation_id),
+            "".into(),
+        )
         .await
         .unwrap();
     // The worker's `cancelled` result may reach the orchestrator before its
@@ -534,24 +537,38 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
     running.stop().await;
 }
 
-/// A chat consumer left by an earlier release with a long ack wait is
-/// brought to the current, short one when an orchestrator starts (so the
-/// crash-recovery time holds on an upgraded server too).
+/// A chat stream and consumer left by an earlier release — the stream over
+/// the untenanted `<p>.chat.submit`, the consumer filtered on it with a long
+/// ack wait, a job still queued — are brought to the current layout when an
+/// orchestrator starts: the stream moves to `<p>.chat.submit.*` keeping its
+/// job, the consumer is made again unfiltered with the short ack wait (so
+/// the crash-recovery time holds on an upgraded server too), and the queued
+/// job runs as the tenant it names.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_old_chat_consumer_gets_the_short_ack_wait() {
-    use async_nats::jetstream::consumer::pull;
+async fn an_old_chat_stream_and_consumer_are_upgraded() {
+    use async_nats::jetstream::{consumer::pull, stream};
     let nats = toolfleet_local::servers::NatsServer::start().unwrap();
     let redis = toolfleet_local::servers::RedisServer::start().unwrap();
     let client = async_nats::connect(nats.url()).await.unwrap();
     let js = async_nats::jetstream::new(client.clone());
     let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
-    let stream = toolfleet_protocol::streams::ensure_chat_stream(&js, &subjects)
+    let stream = js
+        .create_stream(stream::Config {
+            name: subjects.chat_stream(),
+            subjects: vec!["toolfleet.chat.submit".into()],
+            retention: stream::RetentionPolicy::WorkQueue,
+            storage: stream::StorageType::File,
+            duplicate_window: Duration::from_secs(120),
+            max_message_size: toolfleet_protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
+            max_age: Duration::from_secs(24 * 3600),
+            ..Default::default()
+        })
         .await
         .unwrap();
     stream
         .create_consumer(pull::Config {
             durable_name: Some(subjects.chat_consumer()),
-            filter_subject: subjects.chat_submit(),
+            filter_subject: "toolfleet.chat.submit".into(),
             ack_policy: async_nats::jetstream::consumer::AckPolicy::Explicit,
             ack_wait: Duration::from_secs(60),
             max_deliver: 4,
@@ -560,6 +577,21 @@ async fn an_old_chat_consumer_gets_the_short_ack_wait() {
         })
         .await
         .unwrap();
+    let mut queued = toolfleet_protocol::client::question("Which lighthouse is oldest?");
+    queued.tenant = Some("acme".into());
+    let mut events = client
+        .subscribe(subjects.chat_events("acme", &queued.invocation_id))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    js.publish(
+        "toolfleet.chat.submit",
+        serde_json::to_vec(&queued).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
 
     let model = toolfleet_scripted::ScriptedServer::start(
         "127.0.0.1:0".parse().unwrap(),
@@ -595,7 +627,26 @@ async fn an_old_chat_consumer_gets_the_short_ack_wait() {
         .get_consumer(&subjects.chat_consumer())
         .await
         .unwrap();
-    let ack_wait = consumer.info().await.unwrap().config.ack_wait;
-    assert_eq!(ack_wait, Duration::from_secs(10));
+    let config = consumer.info().await.unwrap().config.clone();
+    assert_eq!(config.ack_wait, Duration::from_secs(10));
+    assert_eq!(config.filter_subject, "");
+    let mut upgraded = js.get_stream(subjects.chat_stream()).await.unwrap();
+    assert_eq!(
+        upgraded.info().await.unwrap().config.subjects,
+        vec![subjects.chat_submit_all()]
+    );
+    // The job queued before the upgrade is answered as its own tenant's.
+    let terminal = tokio::time::timeout(WAIT, async {
+        loop {
+            let msg = events.next().await.unwrap();
+            let event: serde_json::Value = serde_json::from_slice(&msg.payload).unwrap();
+            if event["type"] == "completed" || event["type"] == "error" {
+                return event;
+            }
+        }
+    })
+    .await
+    .expect("the queued job was not answered");
+    assert_eq!(terminal["type"], "completed", "{terminal}");
     assert!(rt.drain(Duration::from_secs(10)).await);
 }

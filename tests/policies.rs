@@ -507,7 +507,7 @@ async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
     let env = Env::start(script).await;
     let job = toolfleet_protocol::client::question("a slow question");
     let mut events = env
-        .subscribe(env.subjects.chat_events(&job.invocation_id))
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
         .await;
     toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
         .await
@@ -519,7 +519,10 @@ async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
         .await
         .expect("stream began");
     env.client
-        .publish(env.subjects.chat_cancel(&job.invocation_id), "".into())
+        .publish(
+            env.subjects.chat_cancel(job.tenant(), &job.invocation_id),
+            "".into(),
+        )
         .await
         .unwrap();
     let ev = next_json(&mut events).await;
@@ -711,7 +714,7 @@ async fn a_job_cancelled_while_queued_never_runs() {
     // The one slot is busy with a slow job.
     let slow = toolfleet_protocol::client::question("a slow question");
     let mut slow_events = env
-        .subscribe(env.subjects.chat_events(&slow.invocation_id))
+        .subscribe(env.subjects.chat_events(slow.tenant(), &slow.invocation_id))
         .await;
     toolfleet_protocol::client::submit(&env.client, &env.subjects, &slow)
         .await
@@ -721,13 +724,20 @@ async fn a_job_cancelled_while_queued_never_runs() {
     // The second job waits in the stream; cancel it there.
     let queued = toolfleet_protocol::client::question("a queued question");
     let mut events = env
-        .subscribe(env.subjects.chat_events(&queued.invocation_id))
+        .subscribe(
+            env.subjects
+                .chat_events(queued.tenant(), &queued.invocation_id),
+        )
         .await;
     toolfleet_protocol::client::submit(&env.client, &env.subjects, &queued)
         .await
         .unwrap();
     env.client
-        .publish(env.subjects.chat_cancel(&queued.invocation_id), "".into())
+        .publish(
+            env.subjects
+                .chat_cancel(queued.tenant(), &queued.invocation_id),
+            "".into(),
+        )
         .await
         .unwrap();
     env.client.flush().await.unwrap();

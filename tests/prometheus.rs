@@ -410,11 +410,14 @@ async fn traffic(env: &mut Env) {
     // A chat job that is not JSON: outcome "malformed", a chat dead letter.
     let js = async_nats::jetstream::new(env.client.clone());
     let mut dead_chat = env.subscribe("toolfleet.deadletter.chat".into()).await;
-    js.publish(env.subjects.chat_submit(), "\u{1}garbage".into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    js.publish(
+        env.subjects.chat_submit(toolfleet_protocol::DEFAULT_TENANT),
+        "\u{1}garbage".into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
     assert_eq!(next_json(&mut dead_chat).await["kind"], "chat");
 
     // Last, with Redis gone: a tool job is retried up to the attempt cap and

@@ -140,7 +140,7 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     let reserve =
         tokio::spawn(async move { s.reserve("inv-o", "c2", "c2", "t", refs(&["b"]), 1).await });
     let s = store.clone();
-    let cancel = tokio::spawn(async move { s.mark_cancelled("inv-o").await });
+    let cancel = tokio::spawn(async move { s.mark_cancelled("inv-o", "acme").await });
     let s = store.clone();
     let put = tokio::spawn(async move { s.ledger_put(&result("inv-o", "c2")).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -162,8 +162,8 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     assert_eq!(indices(&second), [2]);
     within(cancel).await.unwrap().unwrap();
     within(put).await.unwrap().unwrap();
-    assert!(within(store.is_cancelled("inv-o")).await.unwrap());
-    let stored = within(store.ledger_and_cancel("inv-o", "c2"))
+    assert!(within(store.is_cancelled("inv-o", "acme")).await.unwrap());
+    let stored = within(store.ledger_and_cancel("inv-o", "c2", "acme"))
         .await
         .unwrap()
         .0
@@ -542,7 +542,7 @@ async fn rediss_with_a_custom_ca_a_client_certificate_and_a_password() {
         .await
         .unwrap();
     assert!(
-        within(store.ledger_and_cancel("inv-t", "c"))
+        within(store.ledger_and_cancel("inv-t", "c", "acme"))
             .await
             .unwrap()
             .0
@@ -624,7 +624,7 @@ async fn the_store_works_on_a_three_master_cluster() {
         let all = within(store.references(&inv)).await.unwrap();
         assert_eq!(indices(&all), [1, 2, 6], "{inv}");
         within(s.ledger_put(&result(&inv, "a"))).await.unwrap();
-        let got = within(seeded.ledger_and_cancel(&inv, "a"))
+        let got = within(seeded.ledger_and_cancel(&inv, "a", "acme"))
             .await
             .unwrap()
             .0
@@ -636,9 +636,15 @@ async fn the_store_works_on_a_three_master_cluster() {
             within(seeded.claim(&inv, "2")).await.unwrap(),
             Claim::Other("1".into())
         );
-        assert!(!within(store.is_cancelled(&inv)).await.unwrap());
-        within(s.mark_cancelled(&inv)).await.unwrap();
-        assert!(within(seeded.is_cancelled(&inv)).await.unwrap());
+        assert!(!within(store.is_cancelled(&inv, "acme")).await.unwrap());
+        within(s.mark_cancelled(&inv, "acme")).await.unwrap();
+        assert!(within(seeded.is_cancelled(&inv, "acme")).await.unwrap());
+        // Another tenant's cancel of the same id is kept apart.
+        assert!(!within(seeded.is_cancelled(&inv, "globex")).await.unwrap());
+        let (_, cancelled) = within(seeded.ledger_and_cancel(&inv, "a", "globex"))
+            .await
+            .unwrap();
+        assert!(!cancelled);
     }
     within(store.ping()).await.unwrap();
 
@@ -729,7 +735,7 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     ))
     .await
     .unwrap();
-    within(store.mark_cancelled("inv-z")).await.unwrap();
+    within(store.mark_cancelled("inv-z", "acme")).await.unwrap();
     let signal = |sig: &str| {
         let ok = Command::new("kill")
             .args([sig, &redis.child.id().to_string()])
@@ -742,14 +748,16 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     // only the budget ends the wait.
     signal("-STOP");
     let started = Instant::now();
-    let err = within(store.is_cancelled("inv-z")).await.unwrap_err();
+    let err = within(store.is_cancelled("inv-z", "acme"))
+        .await
+        .unwrap_err();
     let elapsed = started.elapsed();
     signal("-CONT");
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     assert!(err.to_string().contains("is_cancelled"), "{err}");
     assert!(elapsed >= budget, "gave up after {elapsed:?}");
     // Thawed, the same store answers again.
-    assert!(within(store.is_cancelled("inv-z")).await.unwrap());
+    assert!(within(store.is_cancelled("inv-z", "acme")).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

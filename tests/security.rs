@@ -375,7 +375,7 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
     // permissions.
     let poison = toolfleet_protocol::client::question("poison");
     let mut events = client
-        .subscribe(subjects.chat_events(&poison.invocation_id))
+        .subscribe(subjects.chat_events(poison.tenant(), &poison.invocation_id))
         .await
         .unwrap();
     client.flush().await.unwrap();

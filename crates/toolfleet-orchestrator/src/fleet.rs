@@ -18,7 +18,7 @@ use toolfleet_llm::profiles::ResolvedProfile;
 use toolfleet_protocol::ChatEventBody;
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_store::CitationStore;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::catalog::LiveCatalog;
 use crate::metrics::OrchestratorMetrics;
@@ -34,10 +34,10 @@ pub struct Fleet {
     pub(crate) metrics: OrchestratorMetrics,
     pub(crate) config: OrchestratorConfig,
     pub(crate) catalog: LiveCatalog,
-    /// Cancel tokens of the invocations running here, by invocation id;
-    /// the number tells two runs of one id apart, so the end of one never
-    /// removes the other's token.
-    cancels: DashMap<String, (u64, CancellationToken)>,
+    /// Cancel tokens of the invocations running here, by invocation id,
+    /// with the tenant each runs as; the number tells two runs of one id
+    /// apart, so the end of one never removes the other's token.
+    cancels: DashMap<String, (u64, String, CancellationToken)>,
     runs: AtomicU64,
 }
 
@@ -121,23 +121,38 @@ impl Fleet {
 
     /// Registers a run of `invocation_id`; its token is cancelled by
     /// [`cancel`](Self::cancel) until [`forget_run`](Self::forget_run).
-    pub(crate) fn register_run(&self, invocation_id: &str) -> (u64, CancellationToken) {
+    pub(crate) fn register_run(
+        &self,
+        invocation_id: &str,
+        tenant: &str,
+    ) -> (u64, CancellationToken) {
         let token = CancellationToken::new();
         let run = self.runs.fetch_add(1, Ordering::Relaxed);
-        self.cancels
-            .insert(invocation_id.to_string(), (run, token.clone()));
+        self.cancels.insert(
+            invocation_id.to_string(),
+            (run, tenant.to_string(), token.clone()),
+        );
         (run, token)
     }
 
     pub(crate) fn forget_run(&self, invocation_id: &str, run: u64) {
-        self.cancels.remove_if(invocation_id, |_, (r, _)| *r == run);
+        self.cancels
+            .remove_if(invocation_id, |_, (r, _, _)| *r == run);
     }
 
-    /// Cancels the run of `invocation_id` in this process, if any.
-    pub(crate) fn cancel(&self, invocation_id: &str) {
+    /// Cancels the run of `invocation_id` in this process, if any and if it
+    /// runs as `tenant` (a cancel sent under another tenant stops nothing).
+    pub(crate) fn cancel(&self, invocation_id: &str, tenant: &str) {
         if let Some(entry) = self.cancels.get(invocation_id) {
-            info!(invocation_id, "cancel requested");
-            entry.1.cancel();
+            if entry.1 == tenant {
+                info!(invocation_id, "cancel requested");
+                entry.2.cancel();
+            } else {
+                warn!(
+                    invocation_id,
+                    tenant, "cancel under another tenant than the invocation's ignored"
+                );
+            }
         }
     }
 }

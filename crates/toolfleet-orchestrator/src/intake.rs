@@ -22,10 +22,10 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 use futures::{FutureExt, StreamExt};
 use tokio_util::sync::CancellationToken;
 use toolfleet_protocol::{
-    ChatEventBody, ChatJob, DeadLetter, DeadLetterKind, Envelope, Subjects, dead_letter_headers,
-    encode, salvage_invocation_id,
+    ChatEventBody, ChatJob, DEFAULT_TENANT, DeadLetter, DeadLetterKind, Envelope, Subjects,
+    dead_letter_headers, encode, salvage_invocation_id,
 };
-use tracing::{Instrument, warn};
+use tracing::{Instrument, info, warn};
 
 use crate::orchestrator::invoke;
 use crate::{Events, Failure, Fleet, OrchestratorError};
@@ -55,7 +55,9 @@ pub(crate) async fn chat_consumer(
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     let config = pull::Config {
         durable_name: Some(subjects.chat_consumer()),
-        filter_subject: subjects.chat_submit(),
+        // The stream holds chat jobs only (`<p>.chat.submit.<tenant>`): no
+        // filter, so a stream moved from the untenanted subject still
+        // delivers the jobs it held.
         ack_policy: jetstream::consumer::AckPolicy::Explicit,
         ack_wait: CHAT_ACK_WAIT,
         // One more than we run, so the delivery after the last
@@ -74,7 +76,20 @@ pub(crate) async fn chat_consumer(
         .info()
         .await
         .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-    if info.config.ack_wait != CHAT_ACK_WAIT {
+    // One made before submit subjects named a tenant filters on the old
+    // subject, and the filter of a consumer cannot be edited: make it
+    // again (the jobs stay in the work queue meanwhile).
+    if !info.config.filter_subject.is_empty() {
+        stream
+            .delete_consumer(&subjects.chat_consumer())
+            .await
+            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+        consumer = stream
+            .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
+            .await
+            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+        info!("chat consumer made again without the old subject filter");
+    } else if info.config.ack_wait != CHAT_ACK_WAIT {
         match stream.create_consumer(config).await {
             Ok(updated) => consumer = updated,
             Err(e) => warn!(error = %e, ack_wait = ?info.config.ack_wait,
@@ -100,23 +115,20 @@ pub(crate) async fn listen_for_cancels(
             _ = shutdown.cancelled() => break,
             m = cancel_sub.next() => match m { Some(m) => m, None => break },
         };
-        let Some(id) = msg.subject.as_str().rsplit('.').next() else {
+        let Some((tenant, id)) = fleet.config.subjects.parse_cancel(msg.subject.as_str()) else {
             continue;
         };
-        if !toolfleet_protocol::valid_invocation_id(id) {
-            continue;
-        }
-        if let Err(e) = fleet.store.mark_cancelled(id).await {
+        if let Err(e) = fleet.store.mark_cancelled(id, tenant).await {
             warn!(invocation_id = id, error = %e, "cancel not remembered (the store is unavailable); only a running invocation is cancelled");
         }
-        fleet.cancel(id);
+        fleet.cancel(id, tenant);
     }
 }
 
-/// Whether a cancel for `id` came before its job started. A store that
-/// cannot answer does not stop the job (logged).
-async fn cancelled_before_start(fleet: &Fleet, id: &str) -> bool {
-    match fleet.store.is_cancelled(id).await {
+/// Whether a cancel for `id` of `tenant` came before its job started. A
+/// store that cannot answer does not stop the job (logged).
+async fn cancelled_before_start(fleet: &Fleet, id: &str, tenant: &str) -> bool {
+    match fleet.store.is_cancelled(id, tenant).await {
         Ok(cancelled) => cancelled,
         Err(e) => {
             warn!(invocation_id = id, error = %e, "cannot read the cancel tombstone; running the job");
@@ -155,6 +167,8 @@ impl Delivery {
 /// Why a job is dead-lettered instead of run.
 struct Rejection<'a> {
     invocation_id: Option<String>,
+    /// The tenant whose events subject hears the `error` event.
+    tenant: String,
     /// Whether the sender gets an `error` event: only when this message
     /// holds the invocation's claim (an event on another job's invocation
     /// would be a second terminal event there).
@@ -171,6 +185,14 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
     let started = Instant::now();
     let delivery = Delivery::of(&msg);
     let limit = fleet.limits().job_body();
+    // The tenant is the submit subject's: whoever may publish there may act
+    // as that tenant, and nobody else. A job the stream kept from before
+    // subjects named a tenant runs as the one it names.
+    let subject_tenant = fleet
+        .config
+        .subjects
+        .submit_tenant(msg.subject.as_str())
+        .map(str::to_string);
     let job: ChatJob = match Envelope::ChatJob.decode_within(&msg.payload, limit) {
         Ok(job) => job,
         Err(e) => {
@@ -187,6 +209,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             };
             let rejection = Rejection {
                 invocation_id,
+                tenant: subject_tenant.unwrap_or_else(|| DEFAULT_TENANT.to_string()),
                 tell_sender,
                 event_code: "malformed_job",
                 code: e.code(),
@@ -195,6 +218,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             return dead_letter(fleet, &msg, delivery, rejection).await;
         }
     };
+    let mut job = job;
+    let tenant = subject_tenant.unwrap_or_else(|| job.tenant().to_string());
     // Claimed before anything else: a finished run's redelivery is
     // answered whatever its delivery count. The claim is retried here,
     // with in-progress acks, rather than by redelivery (which would spend
@@ -217,7 +242,10 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             // with it: publish it again, verbatim, ack, run nothing.
             match fleet.store.terminal_event(&job.invocation_id).await {
                 Ok(Some(event)) => {
-                    let subject = fleet.config.subjects.chat_events(&job.invocation_id);
+                    let subject = fleet
+                        .config
+                        .subjects
+                        .chat_events(&tenant, &job.invocation_id);
                     let _ = fleet.client.publish(subject, event.into()).await;
                 }
                 Ok(None) => {}
@@ -241,6 +269,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             warn!(invocation_id = %job.invocation_id, "{error}");
             let rejection = Rejection {
                 invocation_id: Some(job.invocation_id),
+                tenant,
                 tell_sender: false,
                 event_code: "duplicate_invocation",
                 code: "duplicate_invocation",
@@ -256,6 +285,30 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             return;
         }
     }
+    if job.tenant.as_deref().is_some_and(|named| named != tenant) {
+        fleet
+            .metrics
+            .chat_jobs
+            .with_label_values(&["malformed"])
+            .inc();
+        let error = format!(
+            "the job names tenant {:?} but was submitted as tenant {tenant:?} (its submit subject); \
+             submit it to {}",
+            job.tenant(),
+            fleet.config.subjects.chat_submit(job.tenant())
+        );
+        warn!(invocation_id = %job.invocation_id, "{error}");
+        let rejection = Rejection {
+            invocation_id: Some(job.invocation_id),
+            tenant,
+            tell_sender: true,
+            event_code: "tenant_mismatch",
+            code: "tenant_mismatch",
+            error,
+        };
+        return dead_letter(fleet, &msg, delivery, rejection).await;
+    }
+    job.tenant = Some(tenant.clone());
     if delivery.attempt > MAX_CHAT_ATTEMPTS {
         fleet.metrics.chat_jobs.with_label_values(&["error"]).inc();
         let error = format!(
@@ -265,6 +318,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         warn!(invocation_id = %job.invocation_id, "{error}");
         let rejection = Rejection {
             invocation_id: Some(job.invocation_id),
+            tenant,
             tell_sender: true,
             event_code: "too_many_attempts",
             code: "too_many_attempts",
@@ -348,10 +402,11 @@ async fn run(
     let metrics = &fleet.metrics;
     metrics.chat_jobs_in_flight.inc();
     let id = job.invocation_id.clone();
-    let (run, cancel) = fleet.register_run(&id);
+    let tenant = job.tenant().to_string();
+    let (run, cancel) = fleet.register_run(&id, &tenant);
     let events = Events::start(
         fleet.client.clone(),
-        fleet.config.subjects.chat_events(&id),
+        fleet.config.subjects.chat_events(&tenant, &id),
         id.clone(),
     );
     let keep_alive = toolfleet_service::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
@@ -363,7 +418,7 @@ async fn run(
     let now = toolfleet_protocol::now_ms();
     let deadline_ms = deadline_ms(delivery.published_ms, now, timeout);
     let left = Duration::from_millis(deadline_ms.saturating_sub(now));
-    let cancelled_early = cancelled_before_start(fleet, &id).await;
+    let cancelled_early = cancelled_before_start(fleet, &id, &tenant).await;
     let outcome = tokio::select! {
         biased;
         // Cancelled while it waited in the stream: nothing runs.
@@ -429,7 +484,7 @@ async fn dead_letter(
     {
         let events = Events::start(
             fleet.client.clone(),
-            fleet.config.subjects.chat_events(id),
+            fleet.config.subjects.chat_events(&rejection.tenant, id),
             id.clone(),
         );
         events.finish(ChatEventBody::Error {
@@ -495,9 +550,14 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
     if let Some(id) = &invocation_id
         && matches!(claim(&fleet, id, delivery).await, Claimed::Ours)
     {
+        let tenant = fleet
+            .config
+            .subjects
+            .submit_tenant(&poison.subject)
+            .unwrap_or(DEFAULT_TENANT);
         let events = Events::start(
             fleet.client.clone(),
-            fleet.config.subjects.chat_events(id),
+            fleet.config.subjects.chat_events(tenant, id),
             id.clone(),
         );
         events.finish(ChatEventBody::Error {

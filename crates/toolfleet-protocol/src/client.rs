@@ -1,6 +1,7 @@
 //! Submitting chat jobs and following their events: what `toolfleet chat`
 //! and the demo use, and the model for a client in any language
-//! (subscribe to the events subject, then publish the job).
+//! (subscribe to the events subject of the job's tenant, then publish the
+//! job to that tenant's submit subject).
 //!
 //! # How big a job may be
 //!
@@ -120,7 +121,7 @@ pub async fn chat(
 ) -> Result<ChatOutcome, ClientError> {
     let message = SubmitMessage::new(client, job)?;
     let mut sub = client
-        .subscribe(subjects.chat_events(&job.invocation_id))
+        .subscribe(subjects.chat_events(job.tenant(), &job.invocation_id))
         .await
         .map_err(|e| ClientError::Nats(e.to_string()))?;
     // The subscription must be registered before the job can produce events.
@@ -199,15 +200,51 @@ pub async fn submit(
         .await
 }
 
+/// Asks the fleet to stop invocation `invocation_id` of `tenant`: a running
+/// invocation ends with `error: cancelled`, a queued one is answered so when
+/// it starts (the cancel is remembered), and its running tool calls stop.
+///
+/// # Errors
+///
+/// [`ClientError::Nats`] when the cancel cannot be sent.
+pub async fn cancel(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    tenant: &str,
+    invocation_id: &str,
+) -> Result<(), ClientError> {
+    client
+        .publish(subjects.chat_cancel(tenant, invocation_id), Bytes::new())
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))?;
+    client
+        .flush()
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))
+}
+
 /// A chat job encoded for publishing, already checked against both size
 /// limits.
 struct SubmitMessage {
+    subject_tenant: String,
     headers: async_nats::HeaderMap,
     body: Bytes,
 }
 
 impl SubmitMessage {
     fn new(client: &async_nats::Client, job: &ChatJob) -> Result<Self, ClientError> {
+        if !crate::valid_tenant(job.tenant()) {
+            return Err(ClientError::Rejected(format!(
+                "tenant {:?} is not 1-64 of [A-Za-z0-9_-]",
+                job.tenant()
+            )));
+        }
+        if !crate::valid_invocation_id(&job.invocation_id) {
+            return Err(ClientError::Rejected(format!(
+                "invocation id {:?} is not 1-128 of [A-Za-z0-9_-]",
+                job.invocation_id
+            )));
+        }
         let body = encode(job);
         if body.len() > MAX_JOB_BYTES {
             return Err(ClientError::JobTooLarge {
@@ -231,7 +268,11 @@ impl SubmitMessage {
                 limit_of: JobSizeLimit::Server,
             });
         }
-        Ok(Self { headers: h, body })
+        Ok(Self {
+            subject_tenant: job.tenant().to_string(),
+            headers: h,
+            body,
+        })
     }
 
     async fn publish(
@@ -240,11 +281,15 @@ impl SubmitMessage {
         subjects: &Subjects,
     ) -> Result<(), ClientError> {
         let js = async_nats::jetstream::new(client.clone());
-        js.publish_with_headers(subjects.chat_submit(), self.headers, self.body)
-            .await
-            .map_err(|e| ClientError::Rejected(e.to_string()))?
-            .await
-            .map_err(|e| ClientError::Rejected(e.to_string()))?;
+        js.publish_with_headers(
+            subjects.chat_submit(&self.subject_tenant),
+            self.headers,
+            self.body,
+        )
+        .await
+        .map_err(|e| ClientError::Rejected(e.to_string()))?
+        .await
+        .map_err(|e| ClientError::Rejected(e.to_string()))?;
         Ok(())
     }
 }

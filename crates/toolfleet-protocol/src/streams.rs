@@ -41,7 +41,8 @@ pub async fn ensure_chat_stream(
     work_queue(
         js,
         subjects.chat_stream(),
-        subjects.chat_submit(),
+        subjects.chat_submit_all(),
+        Some(format!("{}.chat.submit", subjects.prefix())),
         24 * 3600,
     )
     .await
@@ -53,7 +54,14 @@ pub async fn ensure_tools_stream(
     subjects: &Subjects,
 ) -> Result<stream::Stream, StreamError> {
     // Past the longest chat deadline (1 h) nobody waits for a result.
-    work_queue(js, subjects.tools_stream(), subjects.tools_all(), 2 * 3600).await
+    work_queue(
+        js,
+        subjects.tools_stream(),
+        subjects.tools_all(),
+        None,
+        2 * 3600,
+    )
+    .await
 }
 
 /// A work-queue stream of jobs: file storage, a 2-minute duplicate window
@@ -61,27 +69,46 @@ pub async fn ensure_tools_stream(
 ///
 /// A stream of that name that already exists is used only if it holds
 /// exactly `subject`: otherwise another fleet or an older configuration
-/// owns the name, and sharing it would mix their jobs with ours.
+/// owns the name, and sharing it would mix their jobs with ours. The one
+/// exception is a stream this fleet made before over exactly `legacy` (the
+/// chat stream before submit subjects named a tenant): it is moved to
+/// `subject` in place, keeping the jobs it holds.
 async fn work_queue(
     js: &jetstream::Context,
     name: String,
     subject: String,
+    legacy: Option<String>,
     max_age_secs: u64,
 ) -> Result<stream::Stream, StreamError> {
-    let stream = js
-        .get_or_create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            duplicate_window: Duration::from_secs(120),
-            max_message_size: crate::MAX_JOB_BYTES as i32 + 64 * 1024,
-            max_age: Duration::from_secs(max_age_secs),
-            num_replicas: default_replicas(),
-            ..Default::default()
-        })
+    let config = stream::Config {
+        name: name.clone(),
+        subjects: vec![subject.clone()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        storage: stream::StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        max_message_size: crate::MAX_JOB_BYTES as i32 + 64 * 1024,
+        max_age: Duration::from_secs(max_age_secs),
+        num_replicas: default_replicas(),
+        ..Default::default()
+    };
+    let mut stream = js
+        .get_or_create_stream(config)
         .await
         .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+    if let Some(legacy) = legacy
+        && stream.cached_info().config.subjects == [legacy.clone()]
+    {
+        let mut moved = stream.cached_info().config.clone();
+        moved.subjects = vec![subject.clone()];
+        js.update_stream(moved)
+            .await
+            .map_err(|e| StreamError(format!("stream {name}: moving it off {legacy}: {e}")))?;
+        tracing::info!(stream = %name, from = %legacy, to = %subject, "stream moved to the new subject");
+        stream = js
+            .get_stream(&name)
+            .await
+            .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+    }
     check_subjects(stream.cached_info(), &subject)?;
     check_replicas(stream.cached_info());
     Ok(stream)

@@ -124,20 +124,60 @@ impl Subjects {
         &self.prefix
     }
 
-    pub fn chat_submit(&self) -> String {
-        format!("{}.chat.submit", self.prefix)
+    /// Where a client of `tenant` submits chat jobs
+    /// (`<p>.chat.submit.<tenant>`). The tenant in the subject is the one
+    /// the job runs as, so a NATS permission on this subject is a
+    /// permission to act as that tenant.
+    pub fn chat_submit(&self, tenant: &str) -> String {
+        format!("{}.chat.submit.{tenant}", self.prefix)
     }
 
-    pub fn chat_events(&self, invocation_id: &str) -> String {
-        format!("{}.chat.events.{invocation_id}", self.prefix)
+    /// Every tenant's submit subject (the chat stream's subject).
+    pub fn chat_submit_all(&self) -> String {
+        format!("{}.chat.submit.*", self.prefix)
     }
 
-    pub fn chat_cancel(&self, invocation_id: &str) -> String {
-        format!("{}.chat.cancel.{invocation_id}", self.prefix)
+    /// The tenant a submit subject names, `None` for a subject that is not
+    /// `<p>.chat.submit.<tenant>` with a valid tenant.
+    pub fn submit_tenant<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        let tenant = self.after(subject, ".chat.submit.")?;
+        valid_tenant(tenant).then_some(tenant)
+    }
+
+    /// The events of one invocation (`<p>.chat.events.<tenant>.<id>`): a
+    /// client allowed `<p>.chat.events.<tenant>.*` reads its own tenant's
+    /// invocations only.
+    pub fn chat_events(&self, tenant: &str, invocation_id: &str) -> String {
+        format!("{}.chat.events.{tenant}.{invocation_id}", self.prefix)
+    }
+
+    /// Every invocation's events, of every tenant.
+    pub fn chat_events_all(&self) -> String {
+        format!("{}.chat.events.>", self.prefix)
+    }
+
+    /// Cancels one invocation of `tenant`; a cancel under another tenant
+    /// than the invocation's own is ignored.
+    pub fn chat_cancel(&self, tenant: &str, invocation_id: &str) -> String {
+        format!("{}.chat.cancel.{tenant}.{invocation_id}", self.prefix)
     }
 
     pub fn chat_cancel_all(&self) -> String {
-        format!("{}.chat.cancel.*", self.prefix)
+        format!("{}.chat.cancel.*.*", self.prefix)
+    }
+
+    /// The `(tenant, invocation id)` a cancel subject names, when both are
+    /// valid.
+    pub fn parse_cancel<'a>(&self, subject: &'a str) -> Option<(&'a str, &'a str)> {
+        let (tenant, id) = self.after(subject, ".chat.cancel.")?.split_once('.')?;
+        (valid_tenant(tenant) && valid_invocation_id(id)).then_some((tenant, id))
+    }
+
+    /// What follows `<p><infix>` in `subject`.
+    fn after<'a>(&self, subject: &'a str, infix: &str) -> Option<&'a str> {
+        subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(infix)
     }
 
     /// Where tool results go: every orchestrator's call inbox is under it
@@ -228,6 +268,19 @@ impl Subjects {
     fn stream_stem(&self) -> String {
         self.prefix.to_ascii_uppercase().replace('.', "_")
     }
+}
+
+/// The tenant of a job that names none.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// Is `tenant` usable as a tenant (a single subject token of 1-64
+/// `[A-Za-z0-9_-]`: it is part of the submit, events and cancel subjects)?
+pub fn valid_tenant(tenant: &str) -> bool {
+    !tenant.is_empty()
+        && tenant.len() <= 64
+        && tenant
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
 /// Is `id` usable as an invocation id (a single subject token and part of a
@@ -324,6 +377,12 @@ impl InvocationContext {
         }
     }
 
+    /// The tenant the invocation runs as ([`DEFAULT_TENANT`] when none is
+    /// named).
+    pub fn tenant(&self) -> &str {
+        self.tenant.as_deref().unwrap_or(DEFAULT_TENANT)
+    }
+
     pub fn write_headers(&self, h: &mut HeaderMap) {
         use headers::*;
         h.insert(INVOCATION_ID, self.invocation_id.as_str());
@@ -365,6 +424,14 @@ impl InvocationContext {
             return Err(ProtocolError::MalformedHeader {
                 name: PROVIDER_CONFIDENCE,
                 reason: format!("{c} is outside 0..=1"),
+            });
+        }
+        if let Some(tenant) = get(h, TENANT)
+            && !valid_tenant(tenant)
+        {
+            return Err(ProtocolError::MalformedHeader {
+                name: TENANT,
+                reason: format!("{tenant:?} is not 1-64 of [A-Za-z0-9_-]"),
             });
         }
         let owned = |name| get(h, name).map(str::to_string);
@@ -462,7 +529,7 @@ pub enum ChatRole {
     Assistant,
 }
 
-/// A chat job, published by a client to `toolfleet.chat.submit`
+/// A chat job, published by a client to `toolfleet.chat.submit.<tenant>`
 /// (`schemas/chat_job.schema.json`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -492,6 +559,14 @@ pub struct ChatJob {
     pub timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+}
+
+impl ChatJob {
+    /// The tenant the job names ([`DEFAULT_TENANT`] when none): a client
+    /// submits it to [`Subjects::chat_submit`] of this tenant.
+    pub fn tenant(&self) -> &str {
+        self.tenant.as_deref().unwrap_or(DEFAULT_TENANT)
+    }
 }
 
 /// A reference a tool or retrieval step produced; `index` is the `N` of the
@@ -936,9 +1011,17 @@ mod tests {
     #[test]
     fn subjects_follow_the_contract() {
         let s = Subjects::new("toolfleet").unwrap();
-        assert_eq!(s.chat_submit(), "toolfleet.chat.submit");
-        assert_eq!(s.chat_events("abc"), "toolfleet.chat.events.abc");
-        assert_eq!(s.chat_cancel("abc"), "toolfleet.chat.cancel.abc");
+        assert_eq!(s.chat_submit("acme"), "toolfleet.chat.submit.acme");
+        assert_eq!(s.chat_submit_all(), "toolfleet.chat.submit.*");
+        assert_eq!(
+            s.chat_events("acme", "abc"),
+            "toolfleet.chat.events.acme.abc"
+        );
+        assert_eq!(
+            s.chat_cancel("acme", "abc"),
+            "toolfleet.chat.cancel.acme.abc"
+        );
+        assert_eq!(s.chat_cancel_all(), "toolfleet.chat.cancel.*.*");
         assert_eq!(
             s.tool(&id()),
             "toolfleet.tool.retrieval.search_documents.1_0_0"
@@ -968,6 +1051,54 @@ mod tests {
                 "{bad:?}"
             );
         }
+    }
+
+    /// The tenant is read back only from the fleet's own subjects, and only
+    /// when it is one valid token.
+    #[test]
+    fn tenants_are_read_back_from_subjects() {
+        let s = Subjects::new("toolfleet").unwrap();
+        assert_eq!(
+            s.submit_tenant(&s.chat_submit("acme-1_x")),
+            Some("acme-1_x")
+        );
+        assert_eq!(
+            s.parse_cancel(&s.chat_cancel("acme", "inv-1")),
+            Some(("acme", "inv-1"))
+        );
+        for bad in [
+            "toolfleet.chat.submit",
+            "toolfleet.chat.submit.",
+            "toolfleet.chat.submit.a.b",
+            "other.chat.submit.acme",
+            "toolfleet.chat.submitx.acme",
+        ] {
+            assert_eq!(s.submit_tenant(bad), None, "{bad:?}");
+        }
+        for bad in [
+            "toolfleet.chat.cancel.inv-1",
+            "toolfleet.chat.cancel.acme.",
+            "toolfleet.chat.cancel.acme.inv.1",
+            "toolfleet.chat.cancel..inv-1",
+            "other.chat.cancel.acme.inv-1",
+        ] {
+            assert_eq!(s.parse_cancel(bad), None, "{bad:?}");
+        }
+        assert!(valid_tenant(DEFAULT_TENANT));
+        assert!(valid_tenant(&"a".repeat(64)));
+        for bad in ["", "a b", "a.b", "*", ">", "é", &"a".repeat(65)] {
+            assert!(!valid_tenant(bad), "{bad:?}");
+        }
+        let mut h = HeaderMap::new();
+        h.insert(headers::INVOCATION_ID, "inv-1");
+        h.insert(headers::TENANT, "two words");
+        assert!(matches!(
+            InvocationContext::from_headers(&h),
+            Err(ProtocolError::MalformedHeader {
+                name: headers::TENANT,
+                ..
+            })
+        ));
     }
 
     /// Different prefixes never share a stream, bucket or service name:

@@ -10,7 +10,7 @@
 //! | `<p>:{<inv>}:refs` | hash | `[doc:N]` → reference JSON |
 //! | `<p>:{<inv>}:call:<call>` | string | the indices a call reserved, so a redelivered job reuses them |
 //! | `<p>:{<inv>}:result:<call>` | string | the result ledger: a redelivered job returns the stored result |
-//! | `<p>:{<inv>}:cancelled` | string | a cancel tombstone: a job that starts after its cancel is not run |
+//! | `<p>:{<inv>}:cancelled:<tenant>` | string | a cancel tombstone of the invocation's tenant: a job that starts after its cancel is not run (a cancel sent under another tenant is kept apart and stops nothing) |
 //! | `<p>:{<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation (`:finished` appended when its run ended) |
 //! | `<p>:{<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
 //!
@@ -264,6 +264,11 @@ impl CitationStore {
         format!("{}:{{{invocation_id}}}:{part}", self.prefix)
     }
 
+    /// The cancel tombstone `tenant` leaves on an invocation.
+    fn tombstone(&self, invocation_id: &str, tenant: &str) -> String {
+        self.key(invocation_id, &format!("cancelled:{tenant}"))
+    }
+
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
@@ -367,16 +372,17 @@ impl CitationStore {
 
     /// Before a tool call runs, in one round trip: the stored result of an
     /// earlier attempt of this call, if any, and whether the invocation
-    /// was cancelled (both keys share the invocation's hash tag, so this
-    /// works on a cluster too).
+    /// was cancelled under `tenant` (both keys share the invocation's hash
+    /// tag, so this works on a cluster too).
     pub async fn ledger_and_cancel(
         &self,
         invocation_id: &str,
         call_id: &str,
+        tenant: &str,
     ) -> Result<(Option<ToolResult>, bool), CitationError> {
         let keys = &[
             self.key(invocation_id, &format!("result:{call_id}")),
-            self.key(invocation_id, "cancelled"),
+            self.tombstone(invocation_id, tenant),
         ];
         let (result, cancelled): (Option<String>, Option<String>) = self
             .run("ledger_and_cancel", |mut conn| async move {
@@ -389,10 +395,15 @@ impl CitationStore {
         ))
     }
 
-    /// Remembers that the invocation was cancelled (for the store's TTL),
-    /// so a job still queued when its cancel arrived is not run later.
-    pub async fn mark_cancelled(&self, invocation_id: &str) -> Result<(), CitationError> {
-        let key = &self.key(invocation_id, "cancelled");
+    /// Remembers that `tenant` cancelled the invocation (for the store's
+    /// TTL), so a job of that tenant still queued when its cancel arrived
+    /// is not run later.
+    pub async fn mark_cancelled(
+        &self,
+        invocation_id: &str,
+        tenant: &str,
+    ) -> Result<(), CitationError> {
+        let key = &self.tombstone(invocation_id, tenant);
         let ttl = self.ttl.as_secs().max(1);
         self.run("mark_cancelled", |mut conn| async move {
             conn.set_ex::<_, _, ()>(key, "1", ttl).await
@@ -400,9 +411,14 @@ impl CitationStore {
         .await
     }
 
-    /// Was the invocation cancelled ([`CitationStore::mark_cancelled`])?
-    pub async fn is_cancelled(&self, invocation_id: &str) -> Result<bool, CitationError> {
-        let key = &self.key(invocation_id, "cancelled");
+    /// Was the invocation cancelled under `tenant`
+    /// ([`CitationStore::mark_cancelled`])?
+    pub async fn is_cancelled(
+        &self,
+        invocation_id: &str,
+        tenant: &str,
+    ) -> Result<bool, CitationError> {
+        let key = &self.tombstone(invocation_id, tenant);
         self.run(
             "is_cancelled",
             |mut conn| async move { conn.exists(key).await },

@@ -98,7 +98,7 @@ struct Shared {
     running: Running,
 }
 
-/// Calls running in this worker: invocation id → (call serial, token); and
+/// Calls running in this worker: [`run_key`] → (call serial, token); and
 /// the invocations cancelled lately, so a call that registers just after
 /// its invocation's cancel arrived (it was being pulled or checked) is
 /// cancelled too.
@@ -194,6 +194,13 @@ impl Drop for RunningGuard<'_> {
     }
 }
 
+/// How [`Running`] names an invocation: its tenant and id (both single
+/// subject tokens, so the pair is unambiguous). A cancel published under
+/// another tenant than the invocation's own finds nothing.
+fn run_key(tenant: &str, invocation_id: &str) -> String {
+    format!("{tenant}.{invocation_id}")
+}
+
 /// Stops the running calls of every invocation whose cancel subject is
 /// published.
 async fn listen_for_cancels(
@@ -206,10 +213,8 @@ async fn listen_for_cancels(
             _ = shutdown.cancelled() => break,
             m = cancels.next() => match m { Some(m) => m, None => break },
         };
-        if let Some(id) = msg.subject.as_str().rsplit('.').next()
-            && toolfleet_protocol::valid_invocation_id(id)
-        {
-            let stopped = shared.running.cancel(id);
+        if let Some((tenant, id)) = shared.config.subjects.parse_cancel(msg.subject.as_str()) {
+            let stopped = shared.running.cancel(&run_key(tenant, id));
             if stopped > 0 {
                 info!(
                     invocation_id = id,
@@ -1023,7 +1028,11 @@ async fn admit(
     // worker started) is answered `cancelled` without running.
     match shared
         .store
-        .ledger_and_cancel(&call.invocation.invocation_id, &call.call_id)
+        .ledger_and_cancel(
+            &call.invocation.invocation_id,
+            &call.call_id,
+            call.invocation.tenant(),
+        )
         .await
     {
         Ok((Some(mut stored), _)) => {
@@ -1136,9 +1145,10 @@ async fn process_call(
         ));
     };
     let token = CancellationToken::new();
-    let _running = shared
-        .running
-        .register(&call.invocation.invocation_id, token.clone());
+    let _running = shared.running.register(
+        &run_key(call.invocation.tenant(), &call.invocation.invocation_id),
+        token.clone(),
+    );
     let ctx = ToolCtx::new(
         call.clone(),
         job.settings,
@@ -1270,16 +1280,20 @@ mod tests {
     fn a_cancel_reaches_running_calls_and_calls_that_register_after_it() {
         let running = Running::default();
         let before = CancellationToken::new();
-        let guard = running.register("inv-1", before.clone());
+        let guard = running.register(&run_key("acme", "inv-1"), before.clone());
         let other = CancellationToken::new();
-        let _other = running.register("inv-2", other.clone());
-        assert_eq!(running.cancel("inv-1"), 1);
+        let _other = running.register(&run_key("acme", "inv-2"), other.clone());
+        let elsewhere = CancellationToken::new();
+        let _elsewhere = running.register(&run_key("globex", "inv-1"), elsewhere.clone());
+        assert_eq!(running.cancel(&run_key("acme", "inv-1")), 1);
         assert!(before.is_cancelled());
         assert!(!other.is_cancelled());
+        // The same invocation id under another tenant is another invocation.
+        assert!(!elsewhere.is_cancelled());
         drop(guard);
         // Registered after the cancel: starts cancelled.
         let after = CancellationToken::new();
-        let _after = running.register("inv-1", after.clone());
+        let _after = running.register(&run_key("acme", "inv-1"), after.clone());
         assert!(after.is_cancelled());
     }
 }
