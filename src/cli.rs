@@ -91,6 +91,10 @@ pub struct ChatArgs {
     /// Print every event as a JSON line instead of the rendered answer.
     #[arg(long)]
     pub json: bool,
+    /// The tenant to ask as (1-64 of [A-Za-z0-9_-]): the submit, events
+    /// and cancel subjects name it.
+    #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
+    pub tenant: String,
 }
 
 #[derive(Args, Debug)]
@@ -353,29 +357,36 @@ fn show_progress(event: &ChatEvent) {
 async fn ask(
     client: &async_nats::Client,
     subjects: &toolfleet_protocol::Subjects,
-    question: &str,
+    job: &toolfleet_protocol::ChatJob,
     timeout: Duration,
 ) -> anyhow::Result<String> {
-    let job = toolfleet_protocol::client::question(question);
     let outcome =
-        toolfleet_protocol::client::chat(client, subjects, &job, timeout, show_progress).await?;
+        toolfleet_protocol::client::chat(client, subjects, job, timeout, show_progress).await?;
     let rendered = toolfleet_protocol::references::render(&outcome.text, &outcome.references);
     Ok(rendered.to_markdown())
 }
 
 async fn chat(args: ChatArgs) -> anyhow::Result<i32> {
+    if !toolfleet_protocol::valid_tenant(&args.tenant) {
+        eprintln!(
+            "toolfleet chat: --tenant {:?} is not 1-64 of [A-Za-z0-9_-]",
+            args.tenant
+        );
+        return Ok(64);
+    }
     let subjects = args.nats.subjects()?;
     let client = args.nats.connect("toolfleet-chat").await?;
     let timeout = Duration::from_secs(args.timeout);
+    let mut job = toolfleet_protocol::client::question(&args.question);
+    job.tenant = Some(args.tenant.clone());
     if args.json {
-        let job = toolfleet_protocol::client::question(&args.question);
         let result = toolfleet_protocol::client::chat(&client, &subjects, &job, timeout, |e| {
             println!("{}", serde_json::to_string(e).unwrap_or_default());
         })
         .await;
         return Ok(if result.is_ok() { 0 } else { 1 });
     }
-    match ask(&client, &subjects, &args.question, timeout).await {
+    match ask(&client, &subjects, &job, timeout).await {
         Ok(answer) => {
             println!("{answer}");
             Ok(0)
@@ -557,7 +568,15 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     let mut failures = 0;
     for q in &questions {
         println!("Q: {q}");
-        match ask(&fleet.client, &fleet.subjects, q, Duration::from_secs(60)).await {
+        let job = toolfleet_protocol::client::question(q);
+        match ask(
+            &fleet.client,
+            &fleet.subjects,
+            &job,
+            Duration::from_secs(60),
+        )
+        .await
+        {
             Ok(answer) => println!("A: {answer}\n"),
             Err(e) => {
                 failures += 1;

@@ -287,6 +287,14 @@ fn tools_commands_list_show_and_validate() {
 fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
     let out = toolfleet(&["chat"]);
     assert_eq!(out.status.code(), Some(64));
+    // A tenant that cannot be a subject token, before any connection.
+    let out = toolfleet(&["chat", "hi", "--tenant", "a.b"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--tenant \"a.b\""),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for sub in [
         &["up"][..],
         &["demo"],

@@ -279,9 +279,11 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
     let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
 
     // Schema violation with a salvageable invocation id → error event.
-    let mut events = env.subscribe("toolfleet.chat.events.bad-1".into()).await;
+    let mut events = env
+        .subscribe("toolfleet.chat.events.default.bad-1".into())
+        .await;
     js.publish(
-        "toolfleet.chat.submit",
+        "toolfleet.chat.submit.default",
         r#"{"invocationId":"bad-1","messages":[{"role":"wizard","content":"hi"}]}"#.into(),
     )
     .await
@@ -297,7 +299,7 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
     assert_eq!(d["invocationId"], "bad-1");
 
     // Not JSON at all → dead letter.
-    js.publish("toolfleet.chat.submit", "\u{1}garbage".into())
+    js.publish("toolfleet.chat.submit.default", "\u{1}garbage".into())
         .await
         .unwrap()
         .await
@@ -311,7 +313,10 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
         r#"{{"invocationId":"big-1","messages":[{{"role":"user","content":"{}"}}]}}"#,
         "x".repeat(2 * 1024 * 1024)
     );
-    let stored = match js.publish("toolfleet.chat.submit", big.into()).await {
+    let stored = match js
+        .publish("toolfleet.chat.submit.default", big.into())
+        .await
+    {
         Ok(ack) => ack.await.is_ok(),
         Err(_) => false,
     };

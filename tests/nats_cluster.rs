@@ -150,7 +150,7 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
         .collect::<Vec<_>>()
         .join(",");
     let client = connect(survivors).await;
-    let mut events = client.subscribe("toolfleet.chat.events.*").await.unwrap();
+    let mut events = client.subscribe("toolfleet.chat.events.>").await.unwrap();
     client.flush().await.unwrap();
 
     let mut seen: HashMap<String, Seen> = HashMap::new();

@@ -41,7 +41,9 @@ async fn an_undecodable_job_with_only_a_message_id_gets_an_error_event_and_a_ful
     let env = Env::start(lighthouse_script()).await;
     let js = async_nats::jetstream::new(env.client.clone());
     let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
-    let mut events = env.subscribe("toolfleet.chat.events.msgid-7".into()).await;
+    let mut events = env
+        .subscribe("toolfleet.chat.events.default.msgid-7".into())
+        .await;
 
     let mut h = async_nats::HeaderMap::new();
     h.insert("Nats-Msg-Id", "msgid-7");
@@ -50,7 +52,7 @@ async fn an_undecodable_job_with_only_a_message_id_gets_an_error_event_and_a_ful
         "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
     );
     h.insert("X-Api-Key", "sk-never-in-a-dead-letter");
-    js.publish_with_headers("toolfleet.chat.submit", h, "{not json".into())
+    js.publish_with_headers("toolfleet.chat.submit.default", h, "{not json".into())
         .await
         .unwrap()
         .await
@@ -75,13 +77,13 @@ async fn an_undecodable_job_with_only_a_message_id_gets_an_error_event_and_a_ful
 
     // The id in the body wins over the headers when the body parses.
     let mut events = env
-        .subscribe("toolfleet.chat.events.body-id-1".into())
+        .subscribe("toolfleet.chat.events.default.body-id-1".into())
         .await;
     let mut h = async_nats::HeaderMap::new();
     h.insert("Nats-Msg-Id", "header-id-1");
     h.insert("Toolfleet-Invocation-Id", "header-id-2");
     js.publish_with_headers(
-        "toolfleet.chat.submit",
+        "toolfleet.chat.submit.default",
         h,
         json!({"invocationId": "body-id-1", "messages": 7})
             .to_string()

@@ -540,6 +540,82 @@ async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
     );
 }
 
+/// A cancel is a tenant's: one published under another tenant than the
+/// invocation's — before the job starts or while it runs — stops nothing,
+/// and a job that names another tenant than its submit subject's is
+/// refused with an `error` event on the subject's tenant.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_under_another_tenant_stops_nothing() {
+    let script = json!({
+        "rules": [{ "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 1000 }, "answer": "on time" } ] }]
+    });
+    let env = Env::start(script).await;
+    let mut job = toolfleet_protocol::client::question("a slow question");
+    job.tenant = Some("acme".into());
+    let cancel_as_globex = env.subjects.chat_cancel("globex", &job.invocation_id);
+    // Queued: globex's tombstone is kept apart from acme's job.
+    env.client
+        .publish(cancel_as_globex.clone(), "".into())
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while env.keys(&job.invocation_id).await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "no tombstone");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut events = env
+        .subscribe(env.subjects.chat_events("acme", &job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    assert_eq!(next_json(&mut events).await["type"], "started");
+    // Running: globex's cancel does not reach it either.
+    tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.started >= 1))
+        .await
+        .expect("stream began");
+    env.client
+        .publish(cancel_as_globex, "".into())
+        .await
+        .unwrap();
+    let terminal = loop {
+        let ev = next_json(&mut events).await;
+        if ev["type"] == "completed" || ev["type"] == "error" {
+            break ev;
+        }
+    };
+    assert_eq!(terminal["type"], "completed", "{terminal}");
+    assert_eq!(terminal["text"], "on time");
+
+    // A job naming globex, submitted as acme: refused on acme's subject.
+    let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
+    let mut forged = toolfleet_protocol::client::question("a slow question");
+    forged.tenant = Some("globex".into());
+    let mut events = env
+        .subscribe(env.subjects.chat_events("acme", &forged.invocation_id))
+        .await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    js.publish(
+        env.subjects.chat_submit("acme"),
+        serde_json::to_vec(&forged).unwrap().into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
+    let ev = next_json(&mut events).await;
+    assert_eq!(ev["type"], "error", "{ev}");
+    assert_eq!(ev["code"], "tenant_mismatch", "{ev}");
+    let letter = next_json(&mut dead).await;
+    assert_eq!(letter["code"], "tenant_mismatch", "{letter}");
+    assert_eq!(letter["invocationId"], forged.invocation_id.as_str());
+    assert_eq!(
+        env.model.stream_stats().started,
+        1,
+        "the refused job reached the model"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refusals_and_non_streaming_deployments_complete() {
     let script = json!({
@@ -627,9 +703,16 @@ async fn a_job_field_that_cannot_travel_in_a_header_is_refused_clearly() {
     let env = Env::start(lighthouse_script()).await;
     let mut job =
         toolfleet_protocol::client::question("how do lighthouses warn ships? what time is it");
-    job.tenant = Some("acme\ninjected: header".into());
+    job.user = Some("u-1\ninjected: header".into());
     let err = env.submit(&job).await.expect_err("refused");
     assert_eq!(err.code(), "malformed_job");
+    assert!(err.to_string().contains("user"), "{err}");
+    // A tenant is part of the subjects: the client refuses one that is not
+    // a single token before sending anything.
+    job.user = None;
+    job.tenant = Some("acme\ninjected: header".into());
+    let err = env.submit(&job).await.expect_err("refused");
+    assert_eq!(err.code(), "rejected");
     assert!(err.to_string().contains("tenant"), "{err}");
     // And the fleet goes on.
     let (_, outcome) = env

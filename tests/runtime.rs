@@ -264,20 +264,24 @@ async fn a_plain_json_client_gets_schema_valid_events() {
     }))
     .await;
     let mut events = env
-        .subscribe("toolfleet.chat.events.plain-client-1".into())
+        .subscribe("toolfleet.chat.events.default.plain-client-1".into())
         .await;
     let js = async_nats::jetstream::new(env.client.clone());
     let mut headers = async_nats::HeaderMap::new();
     headers.insert("Nats-Msg-Id", "plain-client-1");
     let body = r#"{"invocationId":"plain-client-1","messages":[{"role":"user","content":"How do honeybees navigate?"}]}"#;
-    js.publish_with_headers("toolfleet.chat.submit", headers.clone(), body.into())
-        .await
-        .unwrap()
-        .await
-        .unwrap();
+    js.publish_with_headers(
+        "toolfleet.chat.submit.default",
+        headers.clone(),
+        body.into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .unwrap();
     // A retried submit inside the duplicate window is not run twice.
     let dup = js
-        .publish_with_headers("toolfleet.chat.submit", headers, body.into())
+        .publish_with_headers("toolfleet.chat.submit.default", headers, body.into())
         .await
         .unwrap()
         .await

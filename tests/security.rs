@@ -17,8 +17,9 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-const USERS: [(&str, &str); 5] = [
-    ("client", "TOOLFLEET_NATS_CLIENT_PASSWORD"),
+const USERS: [(&str, &str); 6] = [
+    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
+    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
     ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
     ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
@@ -27,9 +28,12 @@ const USERS: [(&str, &str); 5] = [
 
 /// The inbox prefix a role's processes set (ops/nats/auth.conf).
 fn inbox_prefix(user: &str) -> String {
-    match user.strip_prefix("worker-") {
-        Some(family) => format!("_INBOX.worker.{family}"),
-        None => format!("_INBOX.{user}"),
+    if let Some(family) = user.strip_prefix("worker-") {
+        format!("_INBOX.worker.{family}")
+    } else if let Some(tenant) = user.strip_prefix("client-") {
+        format!("_INBOX.client.{tenant}")
+    } else {
+        format!("_INBOX.{user}")
     }
 }
 
@@ -318,15 +322,17 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
         ),
     ];
 
-    // The client asks until the live catalog offers both families' tools
-    // (workers advertise on start; the orchestrator reads the catalog).
-    let client = secure.connect("client").await;
+    // The client (tenant acme) asks until the live catalog offers both
+    // families' tools (workers advertise on start; the orchestrator reads
+    // the catalog).
+    let client = secure.connect("client-acme").await;
     let subjects = Subjects::new("toolfleet").unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;
     let outcome = loop {
-        let job = toolfleet_protocol::client::question(
+        let mut job = toolfleet_protocol::client::question(
             "What time is it, and how do lighthouses warn ships?",
         );
+        job.tenant = Some("acme".into());
         // The chat stream is there once the orchestrator has started (a
         // client may not create it).
         let outcome =
@@ -373,7 +379,8 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
     // orchestrator a reconnect, then a sweep through the chat stream's
     // messages) is still answered with an `error` event under its role's
     // permissions.
-    let poison = toolfleet_protocol::client::question("poison");
+    let mut poison = toolfleet_protocol::client::question("poison");
+    poison.tenant = Some("acme".into());
     let mut events = client
         .subscribe(subjects.chat_events(poison.tenant(), &poison.invocation_id))
         .await
@@ -387,8 +394,8 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
     block.extend_from_slice(b"\xff\xfe\r\n\r\n");
     raw_publish(
         secure.nats.port(),
-        "client",
-        "toolfleet.chat.submit",
+        "client-acme",
+        "toolfleet.chat.submit.acme",
         &block,
         &serde_json::to_vec(&poison).unwrap(),
     )
@@ -431,7 +438,7 @@ async fn security_a_client_cannot_read_tool_jobs_or_results_nor_forge_them() {
     let tools = toolfleet_protocol::streams::ensure_tools_stream(&js, &subjects)
         .await
         .unwrap();
-    let mut client = secure.hostile("client").await;
+    let mut client = secure.hostile("client-acme").await;
 
     // Tool jobs carry their reply subject in a header: no client sees them.
     let mut jobs = client.subscribe("toolfleet.tool.>").await;
@@ -440,14 +447,14 @@ async fn security_a_client_cannot_read_tool_jobs_or_results_nor_forge_them() {
         .await;
     let mut events = client
         .client
-        .subscribe("toolfleet.chat.events.marker")
+        .subscribe("toolfleet.chat.events.acme.marker")
         .await
         .unwrap();
     client.client.flush().await.unwrap();
     nothing_before_marker(
         &orchestrator,
         "toolfleet.tool.system.current_datetime.1_0_0",
-        "toolfleet.chat.events.marker",
+        "toolfleet.chat.events.acme.marker",
         &mut jobs,
         &mut events,
     )
@@ -497,12 +504,93 @@ async fn security_a_client_cannot_read_tool_jobs_or_results_nor_forge_them() {
     client
         .publish("toolfleet.tool.system.current_datetime.1_0_0")
         .await;
-    client.publish("toolfleet.chat.events.someone-else").await;
+    client
+        .publish("toolfleet.chat.events.acme.someone-else")
+        .await;
     client.publish("toolfleet.deadletter.tool").await;
     client
         .publish("$JS.API.STREAM.DELETE.TOOLFLEET_TOOLS")
         .await;
     assert_eq!(stored().await, before + 1, "a forged job was stored");
+}
+
+/// A client acts as its own tenant only: it submits, cancels and follows
+/// under its tenant's subjects, and the server refuses it every other
+/// tenant's (and the untenanted) subjects.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn security_a_client_keeps_to_its_own_tenant() {
+    let secure = Secure::start();
+    let orchestrator = secure.connect("orchestrator").await;
+    let js = async_nats::jetstream::new(orchestrator.clone());
+    let subjects = Subjects::new("toolfleet").unwrap();
+    let chat = toolfleet_protocol::streams::ensure_chat_stream(&js, &subjects)
+        .await
+        .unwrap();
+    let mut acme = secure.hostile("client-acme").await;
+
+    // Its own tenant's events reach it; nobody else's can be subscribed.
+    let mut others = acme.subscribe("toolfleet.chat.events.globex.*").await;
+    let mut all = acme.subscribe("toolfleet.chat.events.>").await;
+    let mut any_tenant = acme.subscribe("toolfleet.chat.events.*.*").await;
+    acme.subscribe("toolfleet.chat.cancel.>").await;
+    let mut own = acme
+        .client
+        .subscribe("toolfleet.chat.events.acme.*")
+        .await
+        .unwrap();
+    acme.client.flush().await.unwrap();
+    for refused in [&mut others, &mut all, &mut any_tenant] {
+        nothing_before_marker(
+            &orchestrator,
+            "toolfleet.chat.events.globex.inv-1",
+            "toolfleet.chat.events.acme.marker",
+            refused,
+            &mut own,
+        )
+        .await;
+    }
+
+    // It submits as its own tenant only: a job on another tenant's submit
+    // subject (or the untenanted one) is never stored, and it cannot cancel
+    // another tenant's invocations.
+    let stored = || {
+        let chat = chat.clone();
+        async move { chat.clone().info().await.unwrap().state.messages }
+    };
+    let mut cancels = orchestrator
+        .subscribe("toolfleet.chat.cancel.*.*")
+        .await
+        .unwrap();
+    orchestrator.flush().await.unwrap();
+    acme.publish("toolfleet.chat.submit.globex").await;
+    acme.publish("toolfleet.chat.submit").await;
+    acme.publish("toolfleet.chat.cancel.globex.inv-1").await;
+    assert_eq!(stored().await, 0, "a job of another tenant was stored");
+    let mut job = toolfleet_protocol::client::question("hello");
+    job.tenant = Some("acme".into());
+    toolfleet_protocol::client::submit(&acme.client, &subjects, &job)
+        .await
+        .expect("its own tenant's job is stored");
+    assert_eq!(stored().await, 1);
+    // The client library submits a job naming another tenant to that
+    // tenant's subject, which the server refuses: the job is not stored.
+    job.tenant = Some("globex".into());
+    job.invocation_id = toolfleet_protocol::client::new_invocation_id();
+    let refused = toolfleet_protocol::client::submit(&acme.client, &subjects, &job).await;
+    assert!(refused.is_err(), "submitted as another tenant");
+    assert_eq!(stored().await, 1);
+    // The cancel it may send names its own tenant: it is the first the
+    // orchestrator hears (the refused one never arrived).
+    acme.client
+        .publish("toolfleet.chat.cancel.acme.inv-1", "".into())
+        .await
+        .unwrap();
+    acme.client.flush().await.unwrap();
+    let heard = tokio::time::timeout(WAIT, cancels.next())
+        .await
+        .expect("its own tenant's cancel arrives")
+        .unwrap();
+    assert_eq!(heard.subject.as_str(), "toolfleet.chat.cancel.acme.inv-1");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -520,8 +608,10 @@ async fn security_a_worker_family_keeps_to_its_own_tools() {
     let mut system = secure.hostile("worker-system").await;
 
     // It cannot start chat jobs or speak for the orchestrator.
-    system.publish("toolfleet.chat.submit").await;
-    system.publish("toolfleet.chat.events.someone-else").await;
+    system.publish("toolfleet.chat.submit.acme").await;
+    system
+        .publish("toolfleet.chat.events.acme.someone-else")
+        .await;
     system.publish("toolfleet.deadletter.chat").await;
     assert_eq!(chat.clone().info().await.unwrap().state.messages, 0);
 
