@@ -681,3 +681,46 @@ async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
     assert_eq!(reply["error"]["code"], "cancelled", "{reply}");
     worker.stop().await;
 }
+
+/// A client that missed an invocation's terminal event — it subscribed
+/// after the end, its connection broke, it restarted — reads it from the
+/// events stream, and `client::chat` for an invocation that already ended
+/// answers with it (the resubmission is a duplicate, nothing runs again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missed_terminal_event_is_read_from_the_events_stream() {
+    let env = Env::start(crate::support::lighthouse_script()).await;
+    let (job, outcome) = env.ask("how do lighthouses warn ships?").await;
+    let outcome = outcome.expect("completed");
+    let last_live = outcome.events.last().unwrap().clone();
+
+    let stored = toolfleet_protocol::client::last_event(
+        &env.client,
+        &env.subjects,
+        job.tenant(),
+        &job.invocation_id,
+    )
+    .await
+    .unwrap()
+    .expect("the terminal event is stored");
+    assert_eq!(stored, last_live);
+    // The stream keeps one event per invocation: the latest.
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut stream = js.get_stream(env.subjects.events_stream()).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 1);
+    // Nothing stored for an invocation that never ran, or under another
+    // tenant.
+    for (tenant, id) in [(job.tenant(), "never-ran"), ("globex", &job.invocation_id)] {
+        let none = toolfleet_protocol::client::last_event(&env.client, &env.subjects, tenant, id)
+            .await
+            .unwrap();
+        assert_eq!(none, None);
+    }
+
+    // Asking again for the same invocation: no event comes live (the
+    // submit is a duplicate), and the stored answer is returned.
+    let again = env.submit(&job).await.expect("the stored answer");
+    assert_eq!(again.text, outcome.text);
+    assert_eq!(again.references, outcome.references);
+    assert_eq!(again.events, vec![last_live]);
+    assert_eq!(env.model.stream_stats().started, 2, "the model ran again");
+}

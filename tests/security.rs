@@ -591,6 +591,39 @@ async fn security_a_client_keeps_to_its_own_tenant() {
         .expect("its own tenant's cancel arrives")
         .unwrap();
     assert_eq!(heard.subject.as_str(), "toolfleet.chat.cancel.acme.inv-1");
+
+    // It reads its own tenant's stored events, and nobody else's.
+    toolfleet_protocol::streams::ensure_events_stream(&js, &subjects)
+        .await
+        .unwrap();
+    for (tenant, id) in [("acme", "inv-a"), ("globex", "inv-g")] {
+        let event = toolfleet_protocol::ChatEvent {
+            invocation_id: id.into(),
+            seq: 0,
+            body: ChatEventBody::Error {
+                code: "cancelled".into(),
+                message: "stored".into(),
+            },
+        };
+        js.publish(
+            subjects.chat_events(tenant, id),
+            serde_json::to_vec(&event).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    let own = toolfleet_protocol::client::last_event(&acme.client, &subjects, "acme", "inv-a")
+        .await
+        .expect("its own stored event")
+        .expect("stored");
+    assert_eq!(own.invocation_id, "inv-a");
+    let direct_get = "$JS.API.DIRECT.GET.TOOLFLEET_EVENTS.toolfleet.chat.events.globex.inv-g";
+    acme.publish(direct_get).await;
+    let stolen =
+        toolfleet_protocol::client::last_event(&acme.client, &subjects, "globex", "inv-g").await;
+    assert!(stolen.is_err(), "read another tenant's event: {stolen:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -6,9 +6,15 @@
 //! server is made smaller rather than lost: a tool call's arguments are
 //! replaced by their size, and a terminal event too big becomes an
 //! `answer_too_large` error (a lost terminal event would leave the client
-//! waiting). For the same reason a terminal event that went out while the
-//! NATS connection broke is published again, verbatim (same `seq`).
+//! waiting). For the same reason the terminal event goes through
+//! JetStream: the events stream (`<P>_EVENTS`) keeps each invocation's
+//! latest event, and the publish waits for the stream to confirm it
+//! (tried again across a reconnection), so a client that missed it live
+//! reads it there. A terminal event that went out while the NATS
+//! connection broke is also published again, verbatim (same `seq`), for
+//! the clients following live.
 
+use async_nats::jetstream::context::PublishErrorKind;
 use serde_json::Value;
 use tokio::sync::mpsc;
 use toolfleet_protocol::{ChatEvent, ChatEventBody, encode};
@@ -53,8 +59,8 @@ impl Events {
                 let payload = fit(event, client.server_info().max_payload);
                 if is_terminal {
                     terminal = Some(payload.clone());
-                }
-                if let Err(e) = client.publish(subject.clone(), payload).await {
+                    publish_terminal(&client, &subject, &invocation_id, payload).await;
+                } else if let Err(e) = client.publish(subject.clone(), payload).await {
                     warn!(error = %e, "cannot publish a chat event");
                 }
             }
@@ -108,6 +114,54 @@ impl Events {
     pub(crate) async fn close(self) -> Option<bytes::Bytes> {
         drop(self.tx);
         self.task.await.ok().flatten()
+    }
+}
+
+/// How often the terminal event's publish is tried before it is left to
+/// the live publish alone.
+const TERMINAL_TRIES: u32 = 5;
+
+/// Publishes the terminal event through JetStream and waits for the events
+/// stream to store it, trying again (with the same `Nats-Msg-Id`, so it is
+/// stored once) when the publish or its confirmation is lost. Core
+/// subscribers receive it like any event; a retry after a lost
+/// confirmation may reach them twice, with the same `seq`.
+async fn publish_terminal(
+    client: &async_nats::Client,
+    subject: &str,
+    invocation_id: &str,
+    payload: bytes::Bytes,
+) {
+    let js = async_nats::jetstream::new(client.clone());
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        toolfleet_protocol::headers::NATS_MSG_ID,
+        format!("terminal-{invocation_id}").as_str(),
+    );
+    for attempt in 1..=TERMINAL_TRIES {
+        let stored = match js
+            .publish_with_headers(subject.to_string(), headers.clone(), payload.clone())
+            .await
+        {
+            Ok(ack) => ack.await.map(drop),
+            Err(e) => Err(e),
+        };
+        match stored {
+            Ok(()) => return,
+            // No events stream (deleted, or a server without JetStream):
+            // the event went out live; there is nothing to retry.
+            Err(e) if matches!(e.kind(), PublishErrorKind::StreamNotFound) => {
+                warn!(error = %e, "the events stream did not store the terminal event (is it there?)");
+                return;
+            }
+            Err(e) if attempt == TERMINAL_TRIES => {
+                warn!(error = %e, "the events stream did not confirm the terminal event; it went out live only");
+            }
+            Err(_) => {
+                tokio::time::sleep(std::time::Duration::from_millis(200 * u64::from(attempt)))
+                    .await;
+            }
+        }
     }
 }
 

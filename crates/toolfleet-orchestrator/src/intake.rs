@@ -53,6 +53,9 @@ pub(crate) async fn chat_consumer(
     toolfleet_protocol::streams::ensure_tools_stream(js, subjects)
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_events_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     let config = pull::Config {
         durable_name: Some(subjects.chat_consumer()),
         // The stream holds chat jobs only (`<p>.chat.submit.<tenant>`): no

@@ -133,19 +133,36 @@ pub async fn chat(
 
     let deadline = tokio::time::Instant::now() + timeout;
     let mut events = Vec::new();
+    let mut check_at = tokio::time::Instant::now() + QUIET_CHECK;
     loop {
-        let msg = match tokio::time::timeout_at(deadline, sub.next()).await {
-            Ok(Some(m)) => m,
+        let event = match tokio::time::timeout_at(deadline.min(check_at), sub.next()).await {
+            Ok(Some(msg)) => match Envelope::ChatEvent.decode::<ChatEvent>(&msg.payload) {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(error = %e, "malformed chat event ignored");
+                    continue;
+                }
+            },
             Ok(None) => return Err(ClientError::Nats("event subscription closed".into())),
-            Err(_) => return Err(ClientError::Timeout(timeout)),
-        };
-        let event: ChatEvent = match Envelope::ChatEvent.decode(&msg.payload) {
-            Ok(e) => e,
-            Err(e) => {
-                tracing::warn!(error = %e, "malformed chat event ignored");
-                continue;
+            Err(_) if tokio::time::Instant::now() >= deadline => {
+                return Err(ClientError::Timeout(timeout));
+            }
+            // Quiet for a while: the terminal event may have been lost on
+            // its way (a NATS node died, this connection broke). The events
+            // stream keeps it.
+            Err(_) => {
+                check_at = tokio::time::Instant::now() + QUIET_CHECK;
+                match last_event(client, subjects, job.tenant(), &job.invocation_id).await {
+                    Ok(Some(e)) if e.body.is_terminal() => e,
+                    Ok(_) => continue,
+                    Err(e) => {
+                        tracing::debug!(error = %e, "cannot read the stored events");
+                        continue;
+                    }
+                }
             }
         };
+        check_at = tokio::time::Instant::now() + QUIET_CHECK;
         on_event(&event);
         let body = event.body.clone();
         events.push(event);
@@ -173,6 +190,57 @@ pub async fn chat(
             }
             _ => {}
         }
+    }
+}
+
+/// How long [`chat`] hears nothing before it reads the invocation's latest
+/// stored event ([`last_event`]).
+const QUIET_CHECK: Duration = Duration::from_secs(3);
+
+/// How long [`last_event`] waits for the server.
+const LAST_EVENT_WAIT: Duration = Duration::from_secs(5);
+
+/// The latest event of invocation `invocation_id` of `tenant` that the
+/// events stream (`<P>_EVENTS`) keeps: the terminal event once the
+/// invocation ended (kept for two hours), so a client that missed it —
+/// its connection broke, it subscribed late, it restarted — can still read
+/// the answer. `None` when the stream holds no event of that invocation.
+/// A direct get (`$JS.API.DIRECT.GET.<P>_EVENTS.<events subject>`): a
+/// client allowed that subject for its tenant's events reads nobody
+/// else's.
+///
+/// # Errors
+///
+/// [`ClientError::Nats`] when the server does not answer (no events
+/// stream, no permission) or the stored event cannot be read.
+pub async fn last_event(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    tenant: &str,
+    invocation_id: &str,
+) -> Result<Option<ChatEvent>, ClientError> {
+    let subject = format!(
+        "$JS.API.DIRECT.GET.{}.{}",
+        subjects.events_stream(),
+        subjects.chat_events(tenant, invocation_id)
+    );
+    let reply = tokio::time::timeout(LAST_EVENT_WAIT, client.request(subject, Bytes::new()))
+        .await
+        .map_err(|_| ClientError::Nats("the events stream did not answer".into()))?
+        .map_err(|e| ClientError::Nats(format!("reading the events stream: {e}")))?;
+    match reply.status {
+        Some(async_nats::StatusCode::NOT_FOUND) => Ok(None),
+        Some(status) if !status.is_success() => Err(ClientError::Nats(format!(
+            "reading the events stream: status {status}{}",
+            reply
+                .description
+                .map(|d| format!(" ({d})"))
+                .unwrap_or_default()
+        ))),
+        _ => Envelope::ChatEvent
+            .decode::<ChatEvent>(&reply.payload)
+            .map(Some)
+            .map_err(|e| ClientError::Nats(format!("a stored event cannot be read: {e}"))),
     }
 }
 

@@ -48,6 +48,44 @@ pub async fn ensure_chat_stream(
     .await
 }
 
+/// How long the events stream keeps an invocation's latest event: past
+/// the longest chat deadline (1 h), with room for a client that reconnects
+/// late.
+pub const EVENTS_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
+
+/// Creates the events stream if it does not exist: over every invocation's
+/// events subject, keeping only the latest event of each (so the stream
+/// stays one message per recent invocation, and that message is the
+/// terminal event once the invocation ended), file storage, readable by
+/// direct get, a 2-minute duplicate window (a terminal event published
+/// again after a failover is stored once).
+pub async fn ensure_events_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<stream::Stream, StreamError> {
+    let name = subjects.events_stream();
+    let subject = subjects.chat_events_all();
+    let stream = js
+        .get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            max_messages_per_subject: 1,
+            max_age: EVENTS_MAX_AGE,
+            duplicate_window: Duration::from_secs(120),
+            allow_direct: true,
+            discard: stream::DiscardPolicy::Old,
+            num_replicas: default_replicas(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+    check_subjects(stream.cached_info(), &subject)?;
+    check_replicas(stream.cached_info());
+    Ok(stream)
+}
+
 /// Creates the tool-job stream if it does not exist.
 pub async fn ensure_tools_stream(
     js: &jetstream::Context,

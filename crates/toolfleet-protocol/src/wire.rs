@@ -232,6 +232,13 @@ impl Subjects {
         format!("{}_CHAT", self.stream_stem())
     }
 
+    /// The JetStream stream that keeps each invocation's latest event
+    /// (`TOOLFLEET_EVENTS`), so a client that missed the terminal event
+    /// live can still read it.
+    pub fn events_stream(&self) -> String {
+        format!("{}_EVENTS", self.stream_stem())
+    }
+
     /// The JetStream stream that holds tool jobs (`TOOLFLEET_TOOLS`).
     pub fn tools_stream(&self) -> String {
         format!("{}_TOOLS", self.stream_stem())
@@ -1028,6 +1035,7 @@ mod tests {
         );
         assert_eq!(s.chat_stream(), "TOOLFLEET_CHAT");
         assert_eq!(s.tools_stream(), "TOOLFLEET_TOOLS");
+        assert_eq!(s.events_stream(), "TOOLFLEET_EVENTS");
         assert_eq!(
             s.tool_consumer(&id()),
             "tool_retrieval_search_documents_1_0_0"
