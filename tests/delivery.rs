@@ -724,3 +724,101 @@ async fn a_missed_terminal_event_is_read_from_the_events_stream() {
     assert_eq!(again.events, vec![last_live]);
     assert_eq!(env.model.stream_stats().started, 2, "the model ran again");
 }
+
+/// A delivery whose invocation still has a live run elsewhere — its lease
+/// renewed, its acks cut off from NATS — does not run it a second time: it
+/// waits, and runs once that lease lapses. A run whose lease was taken
+/// over stops without an event, and the invocation still ends once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_run_elsewhere_is_not_run_twice_and_a_superseded_run_stops_silently() {
+    let script = json!({
+        "rules": [
+            { "whenUserContains": ["slower"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 6000 }, "answer": "on time" } ] },
+            { "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 2000 }, "answer": "on time" } ] }
+        ]
+    });
+    let env = Env::start(script).await;
+    let mut redis = env.redis_conn.clone();
+    let lease = |id: &str| format!("toolfleet:{{{id}}}:lease");
+
+    // Another run holds the lease when the job arrives: nothing runs
+    // until it lapses, then the job runs once.
+    let job = toolfleet_protocol::client::question("a slow question");
+    let () = redis::cmd("SET")
+        .arg(lease(&job.invocation_id))
+        .arg("elsewhere")
+        .arg("PX")
+        .arg(3000)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let mut events = env
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(env.model.stream_stats().started, 0, "ran beside a live run");
+    assert!(futures::FutureExt::now_or_never(futures::StreamExt::next(&mut events)).is_none());
+    let (terminal, seen) = terminal_of(&mut events).await;
+    assert_eq!(terminal["type"], "completed", "{terminal}");
+    assert_eq!(seen.iter().filter(|k| *k == "started").count(), 1);
+
+    // A running job's lease taken over (as a run that could not renew in
+    // time would find it): it stops without a word; once the usurper's
+    // lease lapses the redelivered job runs and ends, once.
+    let job = toolfleet_protocol::client::question("a slower question");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.started >= 2))
+        .await
+        .expect("the second job reached the model");
+    let () = redis::cmd("SET")
+        .arg(lease(&job.invocation_id))
+        .arg("usurper")
+        .arg("PX")
+        .arg(4000)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.dropped >= 1))
+        .await
+        .expect("the superseded run stopped its model call");
+    let (terminal, seen) = tokio::time::timeout(WAIT * 2, terminal_of(&mut events))
+        .await
+        .expect("the job ended");
+    assert_eq!(terminal["type"], "completed", "{terminal}: {seen:?}");
+    assert_eq!(
+        seen.iter().filter(|k| *k == "started").count(),
+        2,
+        "{seen:?}"
+    );
+    assert!(
+        tokio::time::timeout(
+            Duration::from_millis(500),
+            futures::StreamExt::next(&mut events)
+        )
+        .await
+        .is_err(),
+        "a second terminal event"
+    );
+}
+
+/// Reads an invocation's events up to its terminal one: that event and
+/// the kinds of all of them.
+async fn terminal_of(events: &mut async_nats::Subscriber) -> (Value, Vec<String>) {
+    let mut seen = Vec::new();
+    loop {
+        let ev = next_json(events).await;
+        let kind = ev["type"].as_str().unwrap().to_string();
+        seen.push(kind.clone());
+        if kind == "completed" || kind == "error" {
+            return (ev, seen);
+        }
+    }
+}

@@ -335,6 +335,53 @@ async fn an_invocation_is_claimed_once() {
     ));
 }
 
+/// The run lease: taken when free, renewed by its holder, refused to
+/// another holder (saying how long it has left) until it lapses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_lease_is_held_renewed_and_lapses() {
+    use toolfleet_store::Lease;
+    let redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    let long = Duration::from_secs(30);
+    assert_eq!(
+        within(store.lease("inv-l", "a", long)).await.unwrap(),
+        Lease::Held
+    );
+    assert_eq!(
+        within(store.lease("inv-l", "a", long)).await.unwrap(),
+        Lease::Held
+    );
+    match within(store.lease("inv-l", "b", long)).await.unwrap() {
+        Lease::Busy { holder, left } => {
+            assert_eq!(holder, "a");
+            assert!(left > Duration::from_secs(20) && left <= long, "{left:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Another invocation's lease is its own.
+    assert_eq!(
+        within(store.lease("inv-m", "b", long)).await.unwrap(),
+        Lease::Held
+    );
+    // Not renewed, it lapses, and the next holder takes it.
+    let short = Duration::from_millis(200);
+    assert_eq!(
+        within(store.lease("inv-n", "a", short)).await.unwrap(),
+        Lease::Held
+    );
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        within(store.lease("inv-n", "b", long)).await.unwrap(),
+        Lease::Held
+    );
+    assert!(matches!(
+        within(store.lease("inv-n", "a", long)).await.unwrap(),
+        Lease::Busy { .. }
+    ));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_password_and_an_acl_user_authenticate() {
     let redis = CustomRedis::start(|port| {

@@ -25,6 +25,7 @@ use toolfleet_protocol::{
     ChatEventBody, ChatJob, DEFAULT_TENANT, DeadLetter, DeadLetterKind, Envelope, Subjects,
     dead_letter_headers, encode, salvage_invocation_id,
 };
+use toolfleet_store::Lease;
 use tracing::{Instrument, info, warn};
 
 use crate::orchestrator::invoke;
@@ -36,6 +37,12 @@ use crate::{Events, Failure, Fleet, OrchestratorError};
 /// (a heartbeat, as Temporal's activity heartbeat timeout) at a third of it.
 const CHAT_ACK_WAIT: Duration = Duration::from_secs(10);
 pub(crate) const CHAT_PROGRESS_EVERY: Duration = Duration::from_secs(3);
+/// How long a run's lease on its invocation lasts unless renewed: shorter
+/// than the ack wait, so a crashed orchestrator's lease has lapsed by the
+/// time its job is delivered again.
+const LEASE_TTL: Duration = Duration::from_secs(8);
+/// How often a running invocation renews its lease.
+const LEASE_RENEW_EVERY: Duration = Duration::from_secs(2);
 
 /// Deliveries of one chat job that are run (an orchestrator that dies
 /// mid-way gets the job redelivered); the next one ends it with an error
@@ -187,6 +194,8 @@ struct Rejection<'a> {
 pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
     let started = Instant::now();
     let delivery = Delivery::of(&msg);
+    // This delivery's run, should it get the invocation's lease.
+    let holder = uuid::Uuid::new_v4().simple().to_string();
     let limit = fleet.limits().job_body();
     // The tenant is the submit subject's: whoever may publish there may act
     // as that tenant, and nobody else. A job the stream kept from before
@@ -207,7 +216,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
             warn!(invocation_id = ?invocation_id, error = %e, "malformed chat job");
             let tell_sender = match &invocation_id {
-                Some(id) => matches!(claim(fleet, id, delivery).await, Claimed::Ours),
+                Some(id) => matches!(claim(fleet, id, delivery, &holder).await, Claimed::Ours),
                 None => false,
             };
             let rejection = Rejection {
@@ -226,14 +235,15 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
     // Claimed before anything else: a finished run's redelivery is
     // answered whatever its delivery count. The claim is retried here,
     // with in-progress acks, rather than by redelivery (which would spend
-    // the job's deliveries while Redis is away).
+    // the job's deliveries while Redis is away, or while the run that
+    // holds the lease — alive, but cut off from NATS — still runs).
     let claimed = {
         let _alive = toolfleet_service::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
-        let mut claimed = claim(fleet, &job.invocation_id, delivery).await;
+        let mut claimed = claim(fleet, &job.invocation_id, delivery, &holder).await;
         let until = Instant::now() + CLAIM_PATIENCE;
-        while matches!(claimed, Claimed::Unknown(_)) && Instant::now() < until {
+        while matches!(claimed, Claimed::Unknown(_) | Claimed::Held(_)) && Instant::now() < until {
             tokio::time::sleep(Duration::from_secs(1)).await;
-            claimed = claim(fleet, &job.invocation_id, delivery).await;
+            claimed = claim(fleet, &job.invocation_id, delivery, &holder).await;
         }
         claimed
     };
@@ -287,6 +297,16 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
             return;
         }
+        Claimed::Held(left) => {
+            // Its run is alive elsewhere (renewing its lease) but its acks
+            // do not reach NATS: not a second run. It comes back, and is
+            // answered from the finished run or run once the lease lapses.
+            warn!(invocation_id = %job.invocation_id, lease_left = ?left, "another orchestrator's run of this invocation is still alive; the job will be delivered again");
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(left.max(CLAIM_RETRY_DELAY))))
+                .await;
+            return;
+        }
     }
     if job.tenant.as_deref().is_some_and(|named| named != tenant) {
         fleet
@@ -330,9 +350,29 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         return dead_letter(fleet, &msg, delivery, rejection).await;
     }
     let span = tracing::info_span!("chat_job", invocation_id = %job.invocation_id, attempt = delivery.attempt);
-    run(fleet, msg, job, delivery, started)
+    run(fleet, msg, job, delivery, holder, started)
         .instrument(span)
         .await
+}
+
+/// Renews the run's lease until the run ends (the task is aborted then);
+/// cancels `lost` when another run holds it. A store that cannot answer
+/// does not stop the run: while it is away nobody else can take the lease.
+async fn keep_lease(fleet: Arc<Fleet>, id: String, holder: String, lost: CancellationToken) {
+    loop {
+        tokio::time::sleep(LEASE_RENEW_EVERY).await;
+        match fleet.store.lease(&id, &holder, LEASE_TTL).await {
+            Ok(Lease::Held) => {}
+            Ok(Lease::Busy { .. }) => {
+                warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");
+                lost.cancel();
+                return;
+            }
+            Err(e) => {
+                warn!(invocation_id = %id, error = %e, "cannot renew the run's lease; running on");
+            }
+        }
+    }
 }
 
 /// How long a job waits before it is delivered again when its invocation
@@ -351,6 +391,9 @@ enum Claimed {
     Finished,
     /// Another message holds it: named by its stream sequence.
     Other(String),
+    /// This message holds it, but another delivery's run is still alive
+    /// (its lease has this long left).
+    Held(Duration),
     /// The store could not say.
     Unknown(String),
 }
@@ -360,10 +403,20 @@ enum Claimed {
 /// message with the same id — a resubmission under a new `Nats-Msg-Id`,
 /// a forgery — is refused, while a redelivery of the claiming message
 /// (an orchestrator died) continues.
-async fn claim(fleet: &Fleet, invocation_id: &str, delivery: Delivery) -> Claimed {
+///
+/// A delivery that may run then takes the run lease for `holder`: a
+/// redelivery while the earlier run is alive (renewing its lease, its acks
+/// cut off) is [`Claimed::Held`], not a second run.
+async fn claim(fleet: &Fleet, invocation_id: &str, delivery: Delivery, holder: &str) -> Claimed {
     let owner = owner(delivery);
     match fleet.store.claim(invocation_id, &owner).await {
-        Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => Claimed::Ours,
+        Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => {
+            match fleet.store.lease(invocation_id, holder, LEASE_TTL).await {
+                Ok(Lease::Held) => Claimed::Ours,
+                Ok(Lease::Busy { left, .. }) => Claimed::Held(left),
+                Err(e) => Claimed::Unknown(e.to_string()),
+            }
+        }
         Ok(toolfleet_store::Claim::Finished) => Claimed::Finished,
         Ok(toolfleet_store::Claim::Other(owner)) => Claimed::Other(owner),
         Err(e) => Claimed::Unknown(e.to_string()),
@@ -400,6 +453,7 @@ async fn run(
     msg: jetstream::Message,
     job: ChatJob,
     delivery: Delivery,
+    holder: String,
     started: Instant,
 ) {
     let metrics = &fleet.metrics;
@@ -413,6 +467,13 @@ async fn run(
         id.clone(),
     );
     let keep_alive = toolfleet_service::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
+    let lease_lost = CancellationToken::new();
+    let lease = tokio::spawn(keep_lease(
+        fleet.clone(),
+        id.clone(),
+        holder,
+        lease_lost.clone(),
+    ));
 
     let timeout = job
         .timeout_ms
@@ -426,6 +487,17 @@ async fn run(
         biased;
         // Cancelled while it waited in the stream: nothing runs.
         _ = std::future::ready(()), if cancelled_early => Err(Failure::new("cancelled", "the invocation was cancelled before it started")),
+        // Another delivery's run took the invocation over: it speaks for
+        // the invocation now; this one stops without a word.
+        _ = lease_lost.cancelled() => {
+            lease.abort();
+            events.close().await;
+            drop(keep_alive);
+            fleet.forget_run(&id, run);
+            metrics.chat_jobs.with_label_values(&["superseded"]).inc();
+            metrics.chat_jobs_in_flight.dec();
+            return;
+        }
         // A bug must end the invocation with an error event, not leave it
         // silent.
         r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, &events)).catch_unwind(), if !left.is_zero() && !cancelled_early => {
@@ -445,6 +517,7 @@ async fn run(
             "error"
         }
     };
+    lease.abort();
     let terminal = events.close().await;
     // The run ended: a redelivery (its ack lost) must not run it again.
     let owner = owner(delivery);
@@ -551,7 +624,16 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         .with_label_values(&["malformed"])
         .inc();
     if let Some(id) = &invocation_id
-        && matches!(claim(&fleet, id, delivery).await, Claimed::Ours)
+        && matches!(
+            claim(
+                &fleet,
+                id,
+                delivery,
+                &uuid::Uuid::new_v4().simple().to_string()
+            )
+            .await,
+            Claimed::Ours
+        )
     {
         let tenant = fleet
             .config

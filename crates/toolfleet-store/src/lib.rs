@@ -12,6 +12,7 @@
 //! | `<p>:{<inv>}:result:<call>` | string | the result ledger: a redelivered job returns the stored result |
 //! | `<p>:{<inv>}:cancelled:<tenant>` | string | a cancel tombstone of the invocation's tenant: a job that starts after its cancel is not run (a cancel sent under another tenant is kept apart and stops nothing) |
 //! | `<p>:{<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation (`:finished` appended when its run ended) |
+//! | `<p>:{<inv>}:lease` | string (short TTL) | the run holding the claim, renewed while it runs ([`Lease`]): a redelivery waits while it is live |
 //! | `<p>:{<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
 //!
 //! Every key carries the TTL. References are written by one Lua script, so
@@ -31,6 +32,7 @@
 //!   at once. Every operation is safe to repeat (see each one).
 
 pub mod connection;
+mod lease;
 mod retry;
 
 use std::collections::HashMap;
@@ -44,6 +46,7 @@ use toolfleet_protocol::{Reference, ToolResult};
 
 use connection::{Conn, Connector, Secrets};
 pub use connection::{DEFAULT_RETRY_BUDGET, RedisOptions, redact_url};
+pub use lease::Lease;
 
 /// Default lifetime of an invocation's keys.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);
