@@ -822,3 +822,27 @@ async fn terminal_of(events: &mut async_nats::Subscriber) -> (Value, Vec<String>
         }
     }
 }
+
+/// Redis away when a chat job arrives: the job is neither run unclaimed
+/// nor lost — it waits for the claim (in-progress acks) and runs once, when
+/// Redis is back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_job_waits_for_redis_to_claim_it() {
+    let mut env = Env::start(crate::support::lighthouse_script()).await;
+    env.redis.stop();
+    let job = toolfleet_protocol::client::question("how do lighthouses warn ships?");
+    let mut events = env
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert_eq!(env.model.stream_stats().started, 0, "ran unclaimed");
+    env.redis.start_again().unwrap();
+    let (terminal, seen) = tokio::time::timeout(WAIT * 2, terminal_of(&mut events))
+        .await
+        .expect("the job ran once Redis was back");
+    assert_eq!(terminal["type"], "completed", "{terminal}: {seen:?}");
+    assert_eq!(seen.iter().filter(|k| *k == "started").count(), 1);
+}
