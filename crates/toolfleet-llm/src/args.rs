@@ -35,6 +35,10 @@ pub struct LlmArgs {
         default_value = "gpt-4o-mini"
     )]
     pub model: String,
+    /// HTTP to the endpoint: auto (HTTP/2 when offered over TLS, else
+    /// HTTP/1.1) or http2 (HTTP/2 only, h2c over plain http).
+    #[arg(long = "llm-http", env = "TOOLFLEET_LLM_HTTP", default_value = "auto", value_parser = parse_http)]
+    pub http: crate::HttpVersion,
     /// Connect timeout, in milliseconds.
     #[arg(
         long = "llm-connect-timeout-ms",
@@ -56,6 +60,14 @@ pub struct LlmArgs {
         default_value_t = 30_000
     )]
     pub idle_timeout_ms: u64,
+}
+
+fn parse_http(s: &str) -> Result<crate::HttpVersion, String> {
+    match s {
+        "auto" => Ok(crate::HttpVersion::Auto),
+        "http2" => Ok(crate::HttpVersion::Http2),
+        other => Err(format!("{other:?} is not auto or http2")),
+    }
 }
 
 fn parse_api(s: &str) -> Result<crate::ApiShape, String> {

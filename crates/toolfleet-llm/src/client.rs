@@ -150,6 +150,20 @@ pub enum FinishReason {
     Other(String),
 }
 
+/// Which HTTP an endpoint is spoken to with.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HttpVersion {
+    /// HTTP/2 when the server offers it in the TLS handshake (OpenAI and
+    /// Azure do), else HTTP/1.1 — always HTTP/1.1 over plain `http://`.
+    #[default]
+    Auto,
+    /// HTTP/2 only, over plain `http://` too (h2c by prior knowledge): for
+    /// servers known to speak it. Every call in flight to the endpoint
+    /// shares a few connections instead of holding one each.
+    Http2,
+}
+
 /// Which OpenAI API an endpoint speaks.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -213,6 +227,8 @@ pub struct LlmConfig {
     pub first_token_timeout: Duration,
     /// Longest gap between two chunks of a response body.
     pub idle_timeout: Duration,
+    /// HTTP/1.1 or HTTP/2 ([`HttpVersion`]).
+    pub http: HttpVersion,
 }
 
 impl LlmConfig {
@@ -231,6 +247,7 @@ impl LlmConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             first_token_timeout: DEFAULT_FIRST_TOKEN_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            http: HttpVersion::Auto,
         }
     }
 }
@@ -387,16 +404,18 @@ impl LlmClient {
             Some(key) => Some(credential(&config.auth, key)?),
             None => None,
         };
-        let http = reqwest::Client::builder()
+        let mut http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
-            .user_agent(concat!("toolfleet/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| {
-                LlmError::config(format!(
-                    "could not build the HTTP client: {}",
-                    error_chain(&e)
-                ))
-            })?;
+            .user_agent(concat!("toolfleet/", env!("CARGO_PKG_VERSION")));
+        if config.http == HttpVersion::Http2 {
+            http = http.http2_prior_knowledge();
+        }
+        let http = http.build().map_err(|e| {
+            LlmError::config(format!(
+                "could not build the HTTP client: {}",
+                error_chain(&e)
+            ))
+        })?;
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
@@ -1128,6 +1147,42 @@ mod tests {
             ]
         }]
     }"#;
+
+    /// Calls in flight at once: over HTTP/1.1 each holds a connection of
+    /// its own; with `HttpVersion::Http2` (h2c) they share one.
+    #[tokio::test]
+    async fn http2_calls_in_flight_share_a_connection() {
+        const CALLS: usize = 12;
+        for (http, most) in [(HttpVersion::Auto, CALLS), (HttpVersion::Http2, 1)] {
+            let script = Script::from_json(
+                r#"{ "firstTokenDelayMs": 300, "default": { "steps": [ { "answer": "hi" } ] } }"#,
+            )
+            .expect("script");
+            let server = within(ScriptedServer::start(
+                "127.0.0.1:0".parse().expect("addr"),
+                script,
+            ))
+            .await
+            .expect("start");
+            let client = LlmClient::new(LlmConfig {
+                http,
+                ..config(server.base_url())
+            })
+            .expect("client");
+            let calls = (0..CALLS).map(|_| {
+                let client = client.clone();
+                async move {
+                    client
+                        .stream_chat(&request(vec![user("hello")]), |_| {})
+                        .await
+                }
+            });
+            for done in within(futures::future::join_all(calls)).await {
+                assert_eq!(done.expect("answered").text, "hi");
+            }
+            assert_eq!(server.connections() as usize, most, "{http:?}");
+        }
+    }
 
     #[tokio::test]
     async fn stream_chat_and_chat_run_a_tool_round_against_the_scripted_server() {

@@ -29,6 +29,7 @@
 //! | `auth` | `"bearer"` (default) or `{ header = "<name>" }` | `Authorization: Bearer <key>`, or the key as is in the named header (Azure: `{ header = "api-key" }`) |
 //! | `query` | table of strings, `{}` | extra query parameters on every request, e.g. `{ "api-version" = "2024-10-21" }`; credential-like names (`key`, `api-key`, `token`, …) are refused |
 //! | `stream` | bool, `true` | stream responses (server-sent events) or wait for whole answers |
+//! | `http` | `"auto"` (default) or `"http2"` | `auto`: HTTP/2 when the server offers it over TLS (OpenAI and Azure do), else HTTP/1.1; `http2`: HTTP/2 only, over plain `http://` too (h2c), for servers known to speak it — every waiting call then shares a few connections instead of holding one each |
 //! | `connect_timeout_ms` | ms > 0, [`DEFAULT_CONNECT_TIMEOUT`](crate::DEFAULT_CONNECT_TIMEOUT) | TCP and TLS connect |
 //! | `first_token_timeout_ms` | ms > 0, [`DEFAULT_FIRST_TOKEN_TIMEOUT`](crate::DEFAULT_FIRST_TOKEN_TIMEOUT) | request sent to first streamed event (or whole answer when not streaming) |
 //! | `idle_timeout_ms` | ms > 0, [`DEFAULT_IDLE_TIMEOUT`](crate::DEFAULT_IDLE_TIMEOUT) | longest gap between streamed chunks |
@@ -662,6 +663,8 @@ pub struct Deployment {
     /// Extra query parameters on every request (Azure: `api-version`).
     pub query: BTreeMap<String, String>,
     pub stream: bool,
+    /// HTTP/1.1 or HTTP/2 ([`crate::HttpVersion`]).
+    pub http: crate::HttpVersion,
     pub connect_timeout: Duration,
     pub first_token_timeout: Duration,
     pub idle_timeout: Duration,
@@ -686,6 +689,7 @@ impl fmt::Debug for Deployment {
             .field("auth", &self.auth)
             .field("query", &self.query)
             .field("stream", &self.stream)
+            .field("http", &self.http)
             .field("connect_timeout", &self.connect_timeout)
             .field("first_token_timeout", &self.first_token_timeout)
             .field("idle_timeout", &self.idle_timeout)
@@ -721,6 +725,8 @@ struct RawDeployment {
     query: BTreeMap<String, String>,
     #[serde(default = "yes")]
     stream: bool,
+    #[serde(default)]
+    http: crate::HttpVersion,
     #[serde(default = "default_connect_timeout_ms")]
     connect_timeout_ms: u64,
     #[serde(default = "default_first_token_timeout_ms")]
@@ -769,6 +775,7 @@ impl TryFrom<RawDeployment> for Deployment {
             auth: raw.auth,
             query: raw.query,
             stream: raw.stream,
+            http: raw.http,
             connect_timeout: Duration::from_millis(raw.connect_timeout_ms),
             first_token_timeout: Duration::from_millis(raw.first_token_timeout_ms),
             idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
@@ -792,6 +799,7 @@ impl Deployment {
             auth: Auth::default(),
             query: BTreeMap::new(),
             stream: true,
+            http: crate::HttpVersion::Auto,
             connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
             first_token_timeout: crate::DEFAULT_FIRST_TOKEN_TIMEOUT,
             idle_timeout: crate::DEFAULT_IDLE_TIMEOUT,
@@ -804,6 +812,7 @@ impl Deployment {
     pub fn from_llm_args(args: &crate::args::LlmArgs) -> Self {
         let mut deployment = Self::new(args.base_url.clone(), args.model.clone());
         deployment.api = args.api;
+        deployment.http = args.http;
         deployment.connect_timeout = Duration::from_millis(args.connect_timeout_ms);
         deployment.first_token_timeout = Duration::from_millis(args.first_token_timeout_ms);
         deployment.idle_timeout = Duration::from_millis(args.idle_timeout_ms);
@@ -883,6 +892,7 @@ impl Deployment {
             connect_timeout: self.connect_timeout,
             first_token_timeout: self.first_token_timeout,
             idle_timeout: self.idle_timeout,
+            http: self.http,
         }
     }
 
@@ -1474,6 +1484,7 @@ mod tests {
             "auth",
             "query",
             "stream",
+            "http",
             "connect_timeout_ms",
             "first_token_timeout_ms",
             "idle_timeout_ms",
@@ -2013,6 +2024,18 @@ mod tests {
             .expect("llm config");
         assert!(!llm.stream);
         assert_eq!(llm.api_key, None);
+        assert_eq!(llm.http, crate::HttpVersion::Auto);
+        let config =
+            parse(&MINIMAL.replace("model = \"llama3.1:8b\"", "model = \"m\"\nhttp = \"http2\""))
+                .expect("loads");
+        let llm = config.deployments["local"]
+            .to_llm_config(&HashMap::new())
+            .expect("llm config");
+        assert_eq!(llm.http, crate::HttpVersion::Http2);
+        assert!(
+            parse(&MINIMAL.replace("model = \"llama3.1:8b\"", "model = \"m\"\nhttp = \"3\""))
+                .is_err()
+        );
     }
 
     #[test]

@@ -2050,6 +2050,8 @@ struct ServerState {
     fault_counts: Mutex<HashMap<StepKey, u32>>,
     fault_hits: AtomicU64,
     streams: watch::Sender<StreamStats>,
+    /// TCP connections accepted.
+    connections: AtomicU64,
 }
 
 impl ServerState {
@@ -2060,6 +2062,7 @@ impl ServerState {
             fault_counts: Mutex::new(HashMap::new()),
             fault_hits: AtomicU64::new(0),
             streams: watch::Sender::new(StreamStats::default()),
+            connections: AtomicU64::new(0),
         }
     }
 
@@ -2472,9 +2475,12 @@ async fn serve_state(
     use axum::serve::ListenerExt;
     // Every SSE chunk is a small write: without TCP_NODELAY, Nagle's
     // algorithm meets the client's delayed ACK and each round trip gains
-    // ~40 ms that no real provider adds.
-    let listener = listener.tap_io(|tcp| {
+    // ~40 ms that no real provider adds. HTTP/1.1 and HTTP/2 (h2c by
+    // prior knowledge) are both served, as providers do.
+    let accepted = state.clone();
+    let listener = listener.tap_io(move |tcp| {
         let _ = tcp.set_nodelay(true);
+        accepted.connections.fetch_add(1, Ordering::Relaxed);
     });
     axum::serve(listener, router(state))
         .with_graceful_shutdown(shutdown)
@@ -2563,6 +2569,13 @@ impl ScriptedServer {
             .iter()
             .cloned()
             .collect()
+    }
+
+    /// How many TCP connections the server accepted, over its life (with
+    /// HTTP/2, calls in flight share connections; with HTTP/1.1 each holds
+    /// one).
+    pub fn connections(&self) -> u64 {
+        self.state.connections.load(Ordering::Relaxed)
     }
 
     /// How many requests got a scripted fault, over the server's life.
