@@ -27,7 +27,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::context::PublishAckFuture;
-use futures::StreamExt;
 use serde_json::Value;
 use tokio::sync::watch;
 use toolfleet_llm::ToolCall;
@@ -40,6 +39,7 @@ use toolfleet_protocol::{
 use tracing::warn;
 
 use crate::metrics::OrchestratorMetrics;
+use crate::replies::RunInbox;
 use crate::{Events, Failure, Fleet, Invocation};
 
 /// What a tool call came to.
@@ -56,26 +56,19 @@ pub struct ToolOutcome {
 /// Runs tool calls for one invocation: owns the invocation's reply inbox.
 pub struct ToolRunner<'f> {
     fleet: &'f Fleet,
-    inbox: String,
-    replies: async_nats::Subscriber,
+    inbox: RunInbox,
 }
 
 impl Fleet {
-    /// A [`ToolRunner`] with its reply inbox subscribed (before any job is
-    /// published, so no reply is missed).
+    /// A [`ToolRunner`] with its reply inbox registered with the
+    /// orchestrator's reply subscription (before any job is published, so
+    /// no reply is missed). The inbox is under the fleet's reply prefix:
+    /// workers refuse any other reply subject, and NATS permissions let
+    /// only orchestrators read it.
     pub async fn tool_runner(&self) -> Result<ToolRunner<'_>, Failure> {
-        // Under the fleet's reply prefix: workers refuse any other reply
-        // subject, and NATS permissions let only orchestrators read it.
-        let inbox = self.config.subjects.reply_inbox();
-        let replies = self
-            .client
-            .subscribe(format!("{inbox}.*"))
-            .await
-            .map_err(|e| Failure::new("nats_unavailable", e.to_string()))?;
         Ok(ToolRunner {
             fleet: self,
-            inbox,
-            replies,
+            inbox: self.replies.register(),
         })
     }
 }
@@ -221,7 +214,7 @@ impl ToolRunner<'_> {
             call_id: call.id.clone(),
             tool_id: def.id.clone(),
             attempt: 1,
-            reply_to: format!("{}.{}", self.inbox, call.id),
+            reply_to: format!("{}.{}", self.inbox.inbox, call.id),
             citation_floor: inv.citations.floor(),
         };
         let headers = call_ctx.to_headers();
@@ -484,9 +477,9 @@ impl ToolRunner<'_> {
     ) -> Waited {
         loop {
             tokio::select! {
-                msg = self.replies.next() => match msg {
+                msg = self.inbox.next() => match msg {
                     None => return Waited::Closed,
-                    Some(msg) => if let Some(waited) = classify(msg) {
+                    Some(msg) => if let Some(waited) = classify(*msg) {
                         return waited;
                     },
                 },

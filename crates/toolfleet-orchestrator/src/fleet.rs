@@ -22,6 +22,7 @@ use tracing::{info, warn};
 
 use crate::catalog::LiveCatalog;
 use crate::metrics::OrchestratorMetrics;
+use crate::replies::Replies;
 use crate::{Events, Failure, Invocation, OrchestratorConfig, PayloadLimits};
 
 /// What every invocation shares. Built once per orchestrator process.
@@ -39,6 +40,8 @@ pub struct Fleet {
     /// apart, so the end of one never removes the other's token.
     cancels: DashMap<String, (u64, String, CancellationToken)>,
     runs: AtomicU64,
+    /// The orchestrator's one reply subscription, shared by every run.
+    pub(crate) replies: Arc<Replies>,
 }
 
 impl Fleet {
@@ -48,6 +51,7 @@ impl Fleet {
         store: CitationStore,
         metrics: OrchestratorMetrics,
         config: OrchestratorConfig,
+        replies: Arc<Replies>,
     ) -> Self {
         let catalog =
             LiveCatalog::new(client.clone(), config.subjects.clone(), config.catalog_wait);
@@ -61,6 +65,7 @@ impl Fleet {
             catalog,
             cancels: DashMap::new(),
             runs: AtomicU64::new(0),
+            replies,
         }
     }
 

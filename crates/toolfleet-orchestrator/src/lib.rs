@@ -26,7 +26,8 @@
 //!   streamed deltas, and the loop policy's caps.
 //! - [`dispatch`]: [`ToolRunner`] — tool jobs out (JetStream or direct),
 //!   replies, progress, deadlines and catalog readings in, as one closed
-//!   event enum.
+//!   event enum. Replies arrive through `replies`: one wildcard
+//!   subscription per orchestrator, routed to each run's inbox.
 //! - [`events`]: [`Events`], one invocation's ordered event publisher.
 //! - [`usage`]: [`UsageLedger`], tokens and cost per model call.
 //! - [`catalog`]: [`LiveCatalog`], the fleet's tools as one value swapped
@@ -64,6 +65,7 @@ pub mod intake;
 pub mod limits;
 pub mod metrics;
 pub mod orchestrator;
+mod replies;
 pub mod rounds;
 pub mod usage;
 
@@ -243,7 +245,17 @@ pub async fn run_with_ready(
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
 
-    let fleet = Arc::new(Fleet::new(client, js, store, metrics, config.clone()));
+    let replies = replies::Replies::start(&client, &config.subjects, shutdown.clone())
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    let fleet = Arc::new(Fleet::new(
+        client,
+        js,
+        store,
+        metrics,
+        config.clone(),
+        replies,
+    ));
     fleet.catalog.refresh().await;
 
     let tracker = TaskTracker::new();
