@@ -17,7 +17,7 @@ use tokio::sync::mpsc;
 
 use toolfleet_protocol::tools::ToolId;
 use toolfleet_protocol::{
-    CallContext, ChatEventBody, InvocationContext, Subjects, ToolJob, ToolReply, ToolStatus,
+    CallContext, ChatEventBody, InvocationContext, Subjects, ToolJob, ToolStatus,
 };
 
 /// How much load: `concurrency` operations in flight until `count` have
@@ -393,17 +393,26 @@ impl ToolCaller {
                     .await
                     .map_err(|_| "timeout".to_string())?
                     .ok_or_else(|| "inbox_closed".to_string())?;
-                match serde_json::from_slice::<ToolReply>(&msg.payload) {
-                    Ok(ToolReply::Result(r)) if r.status == ToolStatus::Ok => return Ok(()),
-                    Ok(ToolReply::Result(r)) => {
-                        return Err(r
-                            .error
-                            .map(|e| e.code)
-                            .unwrap_or_else(|| r.status.as_str().to_string()));
+                match serde_json::from_slice::<ReplyHead>(&msg.payload) {
+                    Ok(ReplyHead {
+                        kind: "result",
+                        status: Some(ToolStatus::Ok),
+                        ..
+                    }) => return Ok(()),
+                    Ok(ReplyHead {
+                        kind: "result",
+                        status: Some(status),
+                        error,
+                    }) => {
+                        return Err(error
+                            .map(|e| e.code.into_owned())
+                            .unwrap_or_else(|| status.as_str().to_string()));
                     }
                     // Progress: wait on for the result.
-                    Ok(ToolReply::Progress { .. }) => {}
-                    Err(_) => return Err("malformed_reply".to_string()),
+                    Ok(ReplyHead {
+                        kind: "progress", ..
+                    }) => {}
+                    _ => return Err("malformed_reply".to_string()),
                 }
             }
         }
@@ -411,6 +420,24 @@ impl ToolCaller {
         self.replies.done(&call_id);
         result
     }
+}
+
+/// What the load generator reads of a [`toolfleet_protocol::ToolReply`]: its type, and a
+/// result's status and error code (the rest is skipped, not built).
+#[derive(serde::Deserialize)]
+struct ReplyHead<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: &'a str,
+    #[serde(default)]
+    status: Option<ToolStatus>,
+    #[serde(default, borrow)]
+    error: Option<ErrorHead<'a>>,
+}
+
+#[derive(serde::Deserialize)]
+struct ErrorHead<'a> {
+    #[serde(borrow)]
+    code: std::borrow::Cow<'a, str>,
 }
 
 fn uuid_simple() -> String {

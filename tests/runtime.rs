@@ -571,3 +571,193 @@ async fn two_fleets_on_one_server_never_see_each_other() {
         assert!(rt.drain(Duration::from_secs(10)).await);
     }
 }
+
+/// Counts its runs; sleeps the seconds in `utcOffset`'s hours (`"+05:00"`:
+/// 5 s), so that one call can outlast its ack wait.
+struct Counted(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Tool for Counted {
+    type Args = MoodyArgs;
+
+    async fn call(&self, _ctx: &ToolCtx, args: MoodyArgs) -> Result<ToolOutput, ToolError> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let secs: u64 = args
+            .utc_offset
+            .as_deref()
+            .and_then(|o| o.get(1..3)?.parse().ok())
+            .unwrap_or(0);
+        tokio::time::sleep(Duration::from_secs(secs)).await;
+        Ok(ToolOutput::text("counted"))
+    }
+}
+
+/// [`Counted`] serving `system:current_datetime@1.0.0` with `timeout_ms`
+/// beside a fleet without workers; its run counter, and the reply inbox.
+struct CountedWorker {
+    env: support::Env,
+    worker: support::TestWorker,
+    id: toolfleet_protocol::tools::ToolId,
+    runs: Arc<std::sync::atomic::AtomicUsize>,
+    inbox: String,
+    replies: async_nats::Subscriber,
+    _dir: tempfile::TempDir,
+}
+
+impl CountedWorker {
+    async fn start(timeout_ms: u64) -> Self {
+        let env = support::Env::start_with(
+            json!({ "rules": [] }),
+            support::Options {
+                workers: vec![],
+                ..Default::default()
+            },
+        )
+        .await;
+        let dir = tempfile::tempdir().unwrap();
+        let mut def: Value = serde_json::from_str(
+            &std::fs::read_to_string(
+                support::root().join("tool_definitions/system.current_datetime.json"),
+            )
+            .unwrap(),
+        )
+        .unwrap();
+        def["timeoutMs"] = json!(timeout_ms);
+        std::fs::write(dir.path().join("t.json"), def.to_string()).unwrap();
+        let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let worker = Worker::builder("test")
+            .definitions_dir(dir.path())
+            .tool("system.current_datetime", Counted(runs.clone()))
+            .build()
+            .unwrap();
+        let worker = env.start_worker(worker).await;
+        let inbox = env.subjects.reply_inbox();
+        let replies = env.subscribe(inbox.clone()).await;
+        Self {
+            env,
+            worker,
+            id: "system:current_datetime@1.0.0".parse().unwrap(),
+            runs,
+            inbox,
+            replies,
+            _dir: dir,
+        }
+    }
+
+    /// Publishes call `call_id` of invocation `inv` as message `msg_id`
+    /// (a new id is a re-publish JetStream does not de-duplicate).
+    async fn publish(&self, inv: &str, call_id: &str, msg_id: &str, args: Value) {
+        let ctx = CallContext {
+            invocation: InvocationContext::new(inv),
+            call_id: call_id.into(),
+            tool_id: self.id.clone(),
+            attempt: 1,
+            reply_to: self.inbox.clone(),
+            citation_floor: 0,
+        };
+        let mut headers = ctx.to_headers();
+        headers.insert("Nats-Msg-Id", msg_id);
+        async_nats::jetstream::new(self.env.client.clone())
+            .publish_with_headers(
+                self.env.subjects.tool(&self.id),
+                headers,
+                json!({ "arguments": args }).to_string().into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    fn runs(&self) -> usize {
+        self.runs.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Waits until the tool's consumer holds no job: every delivery so far
+    /// was acked.
+    async fn until_all_acked(&self) {
+        let js = async_nats::jetstream::new(self.env.client.clone());
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer = js
+            .get_stream(self.env.subjects.tools_stream())
+            .await
+            .unwrap()
+            .get_consumer(&self.env.subjects.tool_consumer(&self.id))
+            .await
+            .unwrap();
+        tokio::time::timeout(support::WAIT, async {
+            loop {
+                let info = consumer.info().await.unwrap();
+                if info.num_ack_pending == 0 && info.num_pending == 0 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the worker acks its jobs");
+    }
+}
+
+/// The worker answers its caller before it writes the result ledger, and
+/// acks the job only after the write: a repeat of the call sent the moment
+/// the answer arrives is answered from what the first run stored (never
+/// run again), and once the job is acked the result is in Redis, where a
+/// later repeat finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_is_answered_before_its_ledger_write_and_acked_after_it() {
+    let mut w = CountedWorker::start(5_000).await;
+    w.publish("ledger-order", "call_1", "m1", json!({})).await;
+    let first = next_json(&mut w.replies).await;
+    assert_eq!(first["status"], "ok", "{first}");
+    assert_eq!(first.get("replayed"), None, "{first}");
+
+    // At once: the ledger write may still be on its way.
+    w.publish("ledger-order", "call_1", "m2", json!({})).await;
+    let again = next_json(&mut w.replies).await;
+    assert_eq!(again["status"], "ok", "{again}");
+    assert_eq!(again["replayed"], true, "{again}");
+    assert_eq!(again["attempt"], 1, "{again}");
+
+    // Acked means written.
+    w.until_all_acked().await;
+    let stored: Option<String> = redis::cmd("GET")
+        .arg("toolfleet:{ledger-order}:result:call_1")
+        .query_async(&mut w.env.redis_conn.clone())
+        .await
+        .unwrap();
+    let stored: ToolResult = serde_json::from_str(&stored.expect("the ledger holds the result"))
+        .expect("the ledger holds a tool result");
+    assert_eq!(stored.status, toolfleet_protocol::ToolStatus::Ok);
+    assert!(!stored.replayed);
+    assert_eq!(stored.content, "counted");
+
+    // A repeat long after: from the ledger.
+    w.publish("ledger-order", "call_1", "m3", json!({})).await;
+    let later = next_json(&mut w.replies).await;
+    assert_eq!(later["replayed"], true, "{later}");
+    assert_eq!(later["content"], "counted", "{later}");
+    assert_eq!(w.runs(), 1, "the tool ran once for three deliveries");
+    w.worker.stop().await;
+}
+
+/// A call that runs longer than its consumer's ack wait is kept alive by
+/// the worker's in-progress acks (one ticker for every job it holds): no
+/// other delivery of it starts while it runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_longer_than_its_ack_wait_is_not_delivered_again() {
+    // Timeout 8 s: ack wait 2 s (the minimum), in-progress acks every
+    // 667 ms. The call sleeps 5 s, past two ack waits.
+    let mut w = CountedWorker::start(8_000).await;
+    w.publish(
+        "long-1",
+        "call_1",
+        "long-1.call_1",
+        json!({ "utcOffset": "+05:00" }),
+    )
+    .await;
+    let reply = next_json(&mut w.replies).await;
+    assert_eq!(reply["status"], "ok", "{reply}");
+    assert_eq!(reply["attempt"], 1, "{reply}");
+    w.until_all_acked().await;
+    assert_eq!(w.runs(), 1, "the call was delivered again while it ran");
+    w.worker.stop().await;
+}

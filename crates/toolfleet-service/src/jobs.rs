@@ -22,7 +22,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
 use futures::future::BoxFuture;
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, watch};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::warn;
@@ -121,15 +121,15 @@ impl Reconnects {
 /// A round holds one permit while it waits (so consumers sharing `permits`
 /// — a worker's tools and its direct endpoint — cannot starve each other)
 /// and asks for as many messages as there are permits free. A message that
-/// arrives before a permit frees up waits in its own task and sends
-/// in-progress acks every `progress_every` meanwhile, so its ack wait never
-/// runs out and no other copy runs it too. When the connection comes back
-/// after a loss (`reconnects`), the pull in flight is abandoned and a new
-/// one sent at once.
+/// arrives before a permit frees up waits in its own task, and the loop's
+/// [`Heartbeat`] sends in-progress acks for it every `progress_every`
+/// meanwhile, so its ack wait never runs out and no other copy runs it too.
+/// When the connection comes back after a loss (`reconnects`), the pull in
+/// flight is abandoned and a new one sent at once.
 #[allow(clippy::too_many_arguments)]
 pub async fn pull_bounded<F, Fut>(
-    mut consumer: jetstream::consumer::Consumer<pull::Config>,
-    mut reconnects: Reconnects,
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    reconnects: Reconnects,
     sweeper: Sweeper,
     permits: Arc<Semaphore>,
     tracker: TaskTracker,
@@ -141,80 +141,194 @@ pub async fn pull_bounded<F, Fut>(
     F: Fn(jetstream::Message) -> Fut,
     Fut: Future<Output = ()> + Send + 'static,
 {
-    let mut sweep = true;
-    'outer: while !shutdown.is_cancelled() {
-        if reconnects.take_new() | std::mem::take(&mut sweep) {
-            sweeper.run(&mut consumer, &tracker).await;
+    let pull = PullLoop {
+        consumer,
+        reconnects,
+        sweeper,
+        permits,
+        tracker,
+        shutdown,
+        what,
+        progress_every,
+    };
+    let heartbeat = Heartbeat::start(pull.sweeper.js.client(), pull.progress_every);
+    let (spawn_on, free) = (pull.tracker.clone(), pull.permits.clone());
+    pull.rounds(|msg, permit| match permit {
+        Some(permit) => {
+            let job = handle(msg);
+            spawn_on.spawn(async move {
+                job.await;
+                drop(permit);
+            });
         }
-        // Ask only when something can run.
-        let first = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
-        };
-        let want = 1 + permits.available_permits();
-        let mut batch = match consumer
-            .batch()
-            .max_messages(want)
-            .expires(PULL_EXPIRES)
-            .messages()
-            .await
-        {
-            Ok(b) => b,
-            Err(e) => {
-                warn!(consumer = %what, error = %e, "cannot pull; retrying");
-                drop(first);
-                tokio::select! {
-                    _ = shutdown.cancelled() => break,
-                    _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
+        None => {
+            let waiting = heartbeat.hold(&msg);
+            let job = handle(msg);
+            let free = free.clone();
+            spawn_on.spawn(async move {
+                let Ok(permit) = free.acquire_owned().await else {
+                    return;
+                };
+                drop(waiting);
+                job.await;
+                drop(permit);
+            });
+        }
+    })
+    .await;
+}
+
+/// A pull loop: its consumer and what it shares with the rest of its
+/// process (see [`pull_bounded`] for how it pulls).
+pub struct PullLoop {
+    pub consumer: jetstream::consumer::Consumer<pull::Config>,
+    pub reconnects: Reconnects,
+    pub sweeper: Sweeper,
+    /// Jobs run at once, shared with the process's other loops.
+    pub permits: Arc<Semaphore>,
+    pub tracker: TaskTracker,
+    pub shutdown: CancellationToken,
+    /// The loop's name in logs.
+    pub what: String,
+    /// How often in-progress acks go out for the jobs the loop holds.
+    pub progress_every: Duration,
+}
+
+/// What a job pulled by [`PullLoop::in_slots`] holds: one of the loop's
+/// permits, and its place in the loop's [`Heartbeat`] (in-progress acks).
+pub struct Slot {
+    permit: Option<OwnedSemaphorePermit>,
+    _held: Held,
+}
+
+impl Slot {
+    /// Gives the permit back while the job finishes its bookkeeping (a
+    /// result out, the ledger and the ack to go): the loop may pull the
+    /// next job now. The job stays alive (in-progress acks) until the slot
+    /// is dropped.
+    pub fn free(&mut self) {
+        self.permit = None;
+    }
+}
+
+impl PullLoop {
+    /// Pulls as [`pull_bounded`] does, for handlers that keep their job
+    /// alive with the loop: every job is held by the loop's one
+    /// [`Heartbeat`] from its pull until its [`Slot`] is dropped (no task,
+    /// timer or token per job), and a handler may give its permit back
+    /// before it is done ([`Slot::free`]).
+    pub async fn in_slots<F, Fut>(self, handle: F)
+    where
+        F: Fn(jetstream::Message, Slot) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let heartbeat = Heartbeat::start(self.sweeper.js.client(), self.progress_every);
+        let handle = Arc::new(handle);
+        let (spawn_on, free) = (self.tracker.clone(), self.permits.clone());
+        self.rounds(|msg, permit| {
+            let held = heartbeat.hold(&msg);
+            match permit {
+                Some(permit) => {
+                    let slot = Slot {
+                        permit: Some(permit),
+                        _held: held,
+                    };
+                    spawn_on.spawn(handle(msg, slot));
+                }
+                None => {
+                    let (handle, free) = (handle.clone(), free.clone());
+                    spawn_on.spawn(async move {
+                        let Ok(permit) = free.acquire_owned().await else {
+                            return;
+                        };
+                        let slot = Slot {
+                            permit: Some(permit),
+                            _held: held,
+                        };
+                        handle(msg, slot).await;
+                    });
                 }
             }
-        };
-        let mut first = Some(first);
-        loop {
-            let next = tokio::select! {
-                _ = shutdown.cancelled() => break 'outer,
-                // The server forgot our request with the old connection
-                // (which a poison message may have broken: sweep).
-                _ = reconnects.next() => {
-                    sweep = true;
-                    break;
-                }
-                n = batch.next() => n,
+        })
+        .await;
+    }
+
+    /// The rounds of pulls: `dispatch` gets each message, with a permit
+    /// when one is free now (there usually is: a round asks for no more
+    /// messages than were free), else `None` (the job must wait for one).
+    async fn rounds(
+        self,
+        mut dispatch: impl FnMut(jetstream::Message, Option<OwnedSemaphorePermit>),
+    ) {
+        let PullLoop {
+            mut consumer,
+            mut reconnects,
+            sweeper,
+            permits,
+            tracker,
+            shutdown,
+            what,
+            ..
+        } = self;
+        let mut sweep = true;
+        'outer: while !shutdown.is_cancelled() {
+            if reconnects.take_new() | std::mem::take(&mut sweep) {
+                sweeper.run(&mut consumer, &tracker).await;
+            }
+            // Ask only when something can run.
+            let first = tokio::select! {
+                _ = shutdown.cancelled() => break,
+                p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
             };
-            match next {
-                Some(Ok(msg)) => match first.take() {
-                    Some(permit) => {
-                        let job = handle(msg);
-                        tracker.spawn(async move {
-                            job.await;
-                            drop(permit);
-                        });
-                    }
-                    None => {
-                        let waiting = keep_alive(&msg, progress_every);
-                        let job = handle(msg);
-                        let permits = permits.clone();
-                        tracker.spawn(async move {
-                            let Ok(permit) = permits.acquire_owned().await else {
-                                return;
-                            };
-                            drop(waiting);
-                            job.await;
-                            drop(permit);
-                        });
-                    }
-                },
-                Some(Err(e)) => {
-                    warn!(consumer = %what, error = %e, "pull error; asking again");
-                    // A lasting error (consumer deleted, too many waiting
-                    // pulls) must not become a busy loop.
+            let want = 1 + permits.available_permits();
+            let mut batch = match consumer
+                .batch()
+                .max_messages(want)
+                .expires(PULL_EXPIRES)
+                .messages()
+                .await
+            {
+                Ok(b) => b,
+                Err(e) => {
+                    warn!(consumer = %what, error = %e, "cannot pull; retrying");
+                    drop(first);
                     tokio::select! {
-                        _ = shutdown.cancelled() => break 'outer,
-                        _ = tokio::time::sleep(Duration::from_millis(500)) => break,
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => continue,
                     }
                 }
-                // The request was filled or expired: ask again.
-                None => break,
+            };
+            let mut first = Some(first);
+            loop {
+                let next = tokio::select! {
+                    _ = shutdown.cancelled() => break 'outer,
+                    // The server forgot our request with the old connection
+                    // (which a poison message may have broken: sweep).
+                    _ = reconnects.next() => {
+                        sweep = true;
+                        break;
+                    }
+                    n = batch.next() => n,
+                };
+                match next {
+                    Some(Ok(msg)) => {
+                        let permit = first
+                            .take()
+                            .or_else(|| permits.clone().try_acquire_owned().ok());
+                        dispatch(msg, permit);
+                    }
+                    Some(Err(e)) => {
+                        warn!(consumer = %what, error = %e, "pull error; asking again");
+                        // A lasting error (consumer deleted, too many waiting
+                        // pulls) must not become a busy loop.
+                        tokio::select! {
+                            _ = shutdown.cancelled() => break 'outer,
+                            _ = tokio::time::sleep(Duration::from_millis(500)) => break,
+                        }
+                    }
+                    // The request was filled or expired: ask again.
+                    None => break,
+                }
             }
         }
     }
@@ -238,4 +352,166 @@ pub fn keep_alive(msg: &jetstream::Message, every: Duration) -> tokio_util::sync
         }
     });
     stop.drop_guard()
+}
+
+/// In-progress acks for every message a pull loop holds, sent by one
+/// ticker task (instead of a task, a timer and a token per message). A
+/// message held at `t` gets its first ack between `t + every` and
+/// `t + every × 5/4`, then one about every `every`, until its [`Held`]
+/// guard is dropped — however the work ends, a panic included. The ticker
+/// stops when the last handle on the heartbeat is gone.
+#[derive(Clone)]
+pub struct Heartbeat {
+    inner: Arc<HeartbeatInner>,
+}
+
+struct HeartbeatInner {
+    every: Duration,
+    held: std::sync::Mutex<HeldSet>,
+}
+
+#[derive(Default)]
+struct HeldSet {
+    next: u64,
+    /// Key → (ack subject, when its next in-progress ack is due).
+    messages: std::collections::HashMap<u64, (async_nats::Subject, std::time::Instant)>,
+}
+
+/// How many times per `every` the ticker looks for acks that are due.
+const HEARTBEAT_LOOKS: u32 = 4;
+
+impl Heartbeat {
+    /// Starts the ticker; in-progress acks go out on `client`.
+    pub fn start(client: async_nats::Client, every: Duration) -> Self {
+        let inner = Arc::new(HeartbeatInner {
+            every,
+            held: std::sync::Mutex::default(),
+        });
+        let weak = Arc::downgrade(&inner);
+        let look = (every / HEARTBEAT_LOOKS).max(Duration::from_millis(1));
+        tokio::spawn(async move {
+            let mut due = Vec::new();
+            loop {
+                tokio::time::sleep(look).await;
+                let Some(inner) = weak.upgrade() else { break };
+                inner.take_due(std::time::Instant::now(), &mut due);
+                drop(inner);
+                for subject in due.drain(..) {
+                    let _ = client
+                        .publish(subject, bytes::Bytes::from_static(b"+WPI"))
+                        .await;
+                }
+            }
+        });
+        Self { inner }
+    }
+
+    /// Keeps `msg` alive until the returned guard is dropped. A message
+    /// with no reply subject (not from JetStream) needs nothing.
+    pub fn hold(&self, msg: &jetstream::Message) -> Held {
+        let key = msg.reply.as_ref().and_then(|reply| {
+            let mut held = self.inner.held.lock().ok()?;
+            let key = held.next;
+            held.next += 1;
+            held.messages.insert(
+                key,
+                (reply.clone(), std::time::Instant::now() + self.inner.every),
+            );
+            Some(key)
+        });
+        Held {
+            heartbeat: self.inner.clone(),
+            key,
+        }
+    }
+
+    /// How many messages are held now.
+    pub fn held(&self) -> usize {
+        self.inner.held.lock().map_or(0, |h| h.messages.len())
+    }
+}
+
+impl HeartbeatInner {
+    /// The ack subjects whose in-progress ack is due at `now`, into `due`;
+    /// their next one is due `every` later.
+    fn take_due(&self, now: std::time::Instant, due: &mut Vec<async_nats::Subject>) {
+        let Ok(mut held) = self.held.lock() else {
+            return;
+        };
+        for (subject, next) in held.messages.values_mut() {
+            if *next <= now {
+                due.push(subject.clone());
+                *next = now + self.every;
+            }
+        }
+    }
+}
+
+/// A message held by a [`Heartbeat`]; dropping it stops its acks.
+pub struct Held {
+    heartbeat: Arc<HeartbeatInner>,
+    key: Option<u64>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if let Some(key) = self.key
+            && let Ok(mut held) = self.heartbeat.held.lock()
+        {
+            held.messages.remove(&key);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn heartbeat(every: Duration) -> Heartbeat {
+        Heartbeat {
+            inner: Arc::new(HeartbeatInner {
+                every,
+                held: std::sync::Mutex::default(),
+            }),
+        }
+    }
+
+    fn hold(hb: &Heartbeat, subject: &str, since: std::time::Instant) -> Held {
+        let mut held = hb.inner.held.lock().unwrap();
+        let key = held.next;
+        held.next += 1;
+        held.messages
+            .insert(key, (subject.into(), since + hb.inner.every));
+        Held {
+            heartbeat: hb.inner.clone(),
+            key: Some(key),
+        }
+    }
+
+    #[test]
+    fn a_held_message_is_acked_every_period_until_released() {
+        let every = Duration::from_secs(3);
+        let hb = heartbeat(every);
+        let t0 = std::time::Instant::now();
+        let a = hold(&hb, "ack.a", t0);
+        let b = hold(&hb, "ack.b", t0 + Duration::from_secs(2));
+        let mut due = Vec::new();
+        // Nothing is due before its first period is over.
+        hb.inner.take_due(t0 + Duration::from_secs(1), &mut due);
+        assert!(due.is_empty());
+        hb.inner.take_due(t0 + every, &mut due);
+        assert_eq!(due, vec![async_nats::Subject::from("ack.a")]);
+        due.clear();
+        // `a` was just acked; `b` is due now.
+        hb.inner.take_due(t0 + Duration::from_secs(5), &mut due);
+        assert_eq!(due, vec![async_nats::Subject::from("ack.b")]);
+        due.clear();
+        // Released: never acked again.
+        drop(a);
+        assert_eq!(hb.held(), 1);
+        hb.inner.take_due(t0 + Duration::from_secs(60), &mut due);
+        assert_eq!(due, vec![async_nats::Subject::from("ack.b")]);
+        drop(b);
+        assert_eq!(hb.held(), 0);
+    }
 }

@@ -429,10 +429,24 @@ impl CitationStore {
         .await
     }
 
+    /// Stores `result` in the ledger: a later delivery of its call returns
+    /// it ([`CitationStore::ledger_and_cancel`]).
     pub async fn ledger_put(&self, result: &ToolResult) -> Result<(), CitationError> {
-        let key = &self.key(&result.invocation_id, &format!("result:{}", result.call_id));
-        let json = &serde_json::to_string(result)
+        let json = serde_json::to_vec(result)
             .map_err(|e| CitationError::new(ErrorKind::Corrupt, e.to_string()))?;
+        self.ledger_put_json(&result.invocation_id, &result.call_id, &json)
+            .await
+    }
+
+    /// [`CitationStore::ledger_put`] of a result already encoded as JSON
+    /// (a worker encodes it once, for the ledger and for its reply).
+    pub async fn ledger_put_json(
+        &self,
+        invocation_id: &str,
+        call_id: &str,
+        json: &[u8],
+    ) -> Result<(), CitationError> {
+        let key = &self.key(invocation_id, &format!("result:{call_id}"));
         let ttl = self.ttl.as_secs().max(1);
         // Safe to repeat: the same value under the same key.
         self.run("ledger_put", |mut conn| async move {

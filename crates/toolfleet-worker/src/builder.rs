@@ -28,11 +28,26 @@ pub enum WorkerError {
 pub(crate) struct Served {
     pub(crate) tool: Arc<CompiledTool>,
     pub(crate) imp: Arc<dyn DynTool>,
+    /// The tool's id as text: its label in metrics and logs.
+    label: String,
 }
 
 impl Served {
+    pub(crate) fn new(tool: CompiledTool, imp: Arc<dyn DynTool>) -> Self {
+        Self {
+            label: tool.definition.id.to_string(),
+            tool: Arc::new(tool),
+            imp,
+        }
+    }
+
     pub(crate) fn definition(&self) -> &ToolDefinition {
         &self.tool.definition
+    }
+
+    /// The tool's id as text (made once, not per call).
+    pub(crate) fn label(&self) -> &str {
+        &self.label
     }
 }
 
@@ -218,10 +233,7 @@ impl WorkerBuilder {
                     continue;
                 }
                 match CompiledTool::new(def.clone()) {
-                    Ok(tool) => served.push(Arc::new(Served {
-                        tool: Arc::new(tool),
-                        imp: imp.clone(),
-                    })),
+                    Ok(tool) => served.push(Arc::new(Served::new(tool, imp.clone()))),
                     Err(e) => problems.push(e.to_string()),
                 }
             }

@@ -96,6 +96,77 @@ struct Shared {
     /// The cancellation of each call running here, by invocation, so a
     /// cancel of the invocation stops its tools.
     running: Running,
+    /// Results on their way to the ledger.
+    recording: Recording,
+    /// Each tool's metrics, looked up once (by label).
+    stats: HashMap<String, ToolStats>,
+}
+
+/// One tool's per-call metrics, looked up once instead of by label on
+/// every call.
+#[derive(Clone)]
+struct ToolStats {
+    in_flight: prometheus::IntGauge,
+    duration: prometheus::Histogram,
+}
+
+/// The results this worker has published and is writing to the ledger,
+/// by invocation and call: a repeat of the call that arrives before the
+/// write is done is answered from here, so the reply going out before the
+/// ledger write never lets this worker run a call twice.
+#[derive(Default)]
+struct Recording {
+    results: std::sync::Mutex<HashMap<String, HashMap<String, bytes::Bytes>>>,
+}
+
+impl Recording {
+    /// Remembers `json` (the encoded result of `call`) until the guard is
+    /// dropped.
+    fn start<'a>(&'a self, call: &'a CallContext, json: bytes::Bytes) -> RecordingGuard<'a> {
+        if let Ok(mut results) = self.results.lock() {
+            let calls = match results.get_mut(&call.invocation.invocation_id) {
+                Some(calls) => calls,
+                None => results
+                    .entry(call.invocation.invocation_id.clone())
+                    .or_default(),
+            };
+            calls.insert(call.call_id.clone(), json);
+        }
+        RecordingGuard {
+            recording: self,
+            call,
+        }
+    }
+
+    /// The result of `call` being written to the ledger, if any.
+    fn get(&self, call: &CallContext) -> Option<ToolResult> {
+        let json = self
+            .results
+            .lock()
+            .ok()?
+            .get(&call.invocation.invocation_id)?
+            .get(&call.call_id)?
+            .clone();
+        serde_json::from_slice(&json).ok()
+    }
+}
+
+struct RecordingGuard<'a> {
+    recording: &'a Recording,
+    call: &'a CallContext,
+}
+
+impl Drop for RecordingGuard<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut results) = self.recording.results.lock()
+            && let Some(calls) = results.get_mut(&self.call.invocation.invocation_id)
+        {
+            calls.remove(&self.call.call_id);
+            if calls.is_empty() {
+                results.remove(&self.call.invocation.invocation_id);
+            }
+        }
+    }
 }
 
 /// Calls running in this worker: [`run_key`] → (call serial, token); and
@@ -123,27 +194,30 @@ const MAX_REMEMBERED_CANCELS: usize = 10_000;
 impl Running {
     /// Registers a call; the guard deregisters it when dropped. A call of
     /// an invocation cancelled lately starts cancelled.
-    fn register<'a>(&'a self, invocation_id: &str, token: CancellationToken) -> RunningGuard<'a> {
+    fn register(&self, invocation_id: String, token: CancellationToken) -> RunningGuard<'_> {
         let serial = self
             .serial
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Ok(mut state) = self.state.lock() {
             if state
                 .cancelled
-                .get(invocation_id)
+                .get(&invocation_id)
                 .is_some_and(|at| at.elapsed() < REMEMBER_CANCEL)
             {
                 token.cancel();
             }
-            state
-                .calls
-                .entry(invocation_id.to_string())
-                .or_default()
-                .push((serial, token));
+            match state.calls.get_mut(&invocation_id) {
+                Some(calls) => calls.push((serial, token)),
+                None => {
+                    state
+                        .calls
+                        .insert(invocation_id.clone(), vec![(serial, token)]);
+                }
+            }
         }
         RunningGuard {
             running: self,
-            invocation_id: invocation_id.to_string(),
+            invocation_id,
             serial,
         }
     }
@@ -292,9 +366,22 @@ impl Worker {
             sink: Arc::new(LiveSink {
                 client,
                 store,
-                metrics,
+                metrics: metrics.clone(),
             }),
             running: Running::default(),
+            recording: Recording::default(),
+            stats: self
+                .tools
+                .iter()
+                .map(|t| {
+                    let label = [t.label()];
+                    let stats = ToolStats {
+                        in_flight: metrics.tool_jobs_in_flight.with_label_values(&label),
+                        duration: metrics.tool_job_duration.with_label_values(&label),
+                    };
+                    (t.label().to_string(), stats)
+                })
+                .collect(),
         });
         // Jobs wait in the consumers until the loops below take them; a
         // caller that stopped waiting for us gets no worker running behind
@@ -325,20 +412,22 @@ impl Worker {
                     }
                 };
                 let (tool, shared) = (tool.clone(), shared.clone());
-                tracker.spawn(toolfleet_service::jobs::pull_bounded(
+                // The loop keeps every job alive from its pull until its
+                // handler is done, with one ticker for all of them.
+                let pull = toolfleet_service::jobs::PullLoop {
                     consumer,
-                    reconnects.clone(),
+                    reconnects: reconnects.clone(),
                     sweeper,
-                    permits.clone(),
-                    tracker.clone(),
-                    shutdown.clone(),
-                    label,
-                    heartbeat,
-                    move |msg| {
-                        let (tool, shared) = (tool.clone(), shared.clone());
-                        async move { handle_jetstream(msg, &tool, &shared).await }
-                    },
-                ));
+                    permits: permits.clone(),
+                    tracker: tracker.clone(),
+                    shutdown: shutdown.clone(),
+                    what: label,
+                    progress_every: heartbeat,
+                };
+                tracker.spawn(pull.in_slots(move |msg, slot| {
+                    let (tool, shared) = (tool.clone(), shared.clone());
+                    async move { handle_jetstream(msg, slot, &tool, &shared).await }
+                }));
             }
             tracker.spawn(direct_loop(
                 endpoint,
@@ -629,73 +718,104 @@ async fn direct_loop(
         };
         let (tool, shared) = (tool.clone(), shared.clone());
         tracker.spawn(async move {
-            let headers = request.message.headers.clone().unwrap_or_default();
-            let outcome = process(&headers, &request.message.payload, 1, &tool, &shared).await;
+            let no_headers = async_nats::HeaderMap::new();
+            let headers = request.message.headers.as_ref().unwrap_or(&no_headers);
+            let processed = process(headers, &request.message.payload, 1, &tool, &shared).await;
             // Direct delivery has no redelivery: a failure that JetStream
             // would retry is the caller's error result now.
-            let response = match outcome {
-                Outcome::Answer(result) => Ok(fit_result(&shared, result)),
-                Outcome::Retry(failure) => Ok(fit_result(&shared, failure.result(1))),
-                Outcome::Dead {
-                    call: Some(call),
-                    failure,
-                } => Ok(fit_result(&shared, failure.result_for(&call, 1))),
+            let mut to_record = None;
+            let response = match processed {
+                Processed::Call(call, Outcome::Answer { result, ran }) => {
+                    let json = encode_result(&result);
+                    let response = Ok(fit_result(&shared, &result, Some(&json)));
+                    if ran {
+                        to_record = Some((call, json));
+                    }
+                    response
+                }
+                Processed::Call(call, Outcome::Retry(failure) | Outcome::Dead(failure)) => {
+                    Ok(fit_result(&shared, &failure.result_for(&call, 1), None))
+                }
                 // No call context to answer in: the service error says why.
-                Outcome::Dead {
-                    call: None,
-                    failure,
-                } => Err(async_nats::service::error::Error {
+                Processed::Unanswerable(failure) => Err(async_nats::service::error::Error {
                     status: format!("{}: {}", failure.code, failure.message),
                     code: 400,
                 }),
             };
+            // As for a JetStream job: the caller first, then the ledger.
+            let recording = to_record
+                .as_ref()
+                .map(|(call, json)| shared.recording.start(call, json.clone()));
             let _ = request.respond(response).await;
+            if let Some((call, json)) = &to_record {
+                write_ledger(&shared, call, json).await;
+            }
+            drop(recording);
             drop(permit);
         });
     }
     let _ = endpoint.stop().await;
 }
 
-/// A failure with no result yet: its code and message.
+/// Why a delivery was not answered by its tool: a code and a message.
 struct Failure {
-    call: CallContext,
     code: String,
     message: String,
 }
 
 impl Failure {
-    fn result(&self, attempt: u32) -> ToolResult {
-        error_result(&self.call, attempt, 0, &self.code, &self.message)
+    fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
+        Self {
+            code: code.into(),
+            message: message.into(),
+        }
     }
-}
 
-/// What became of one delivery of a job.
-enum Outcome {
-    /// Tell the caller this result; the job is done.
-    Answer(ToolResult),
-    /// Another attempt may help (until the attempt cap).
-    Retry(Failure),
-    /// Never again: terminate and dead-letter. The caller, when there is
-    /// one to tell, gets an error result.
-    Dead {
-        call: Option<CallContext>,
-        failure: DeadFailure,
-    },
-}
-
-/// Why a job is dead.
-struct DeadFailure {
-    code: String,
-    message: String,
-}
-
-impl DeadFailure {
     fn result_for(&self, call: &CallContext, attempt: u32) -> ToolResult {
         error_result(call, attempt, 0, &self.code, &self.message)
     }
 }
 
-async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Shared) {
+/// What became of one delivery of a job.
+// Returned once per delivery and matched at once: boxing the call would
+// cost an allocation per job to save a move.
+#[allow(clippy::large_enum_variant)]
+enum Processed {
+    /// No call to answer: its headers cannot be read, or its reply subject
+    /// is not the fleet's. Dead: terminated and dead-lettered.
+    Unanswerable(Failure),
+    /// A call, and what became of it.
+    Call(CallContext, Outcome),
+}
+
+/// What became of a call.
+enum Outcome {
+    /// Tell the caller this result; the job is done. `ran`: the tool ran
+    /// for it, so it goes into the ledger (after the caller has it).
+    Answer { result: ToolResult, ran: bool },
+    /// Another attempt may help (until the attempt cap).
+    Retry(Failure),
+    /// Never again: terminate and dead-letter; the caller gets an error
+    /// result.
+    Dead(Failure),
+}
+
+impl Outcome {
+    /// An answer the tool did not run for (replayed, refused, invalid):
+    /// nothing to write to the ledger.
+    fn refused(result: ToolResult) -> Self {
+        Outcome::Answer { result, ran: false }
+    }
+}
+
+/// One delivery from the tool's consumer. The pull loop keeps it alive
+/// (in-progress acks) until `slot` is dropped, when this returns.
+async fn handle_jetstream(
+    msg: jetstream::Message,
+    mut slot: toolfleet_service::jobs::Slot,
+    tool: &Served,
+    shared: &Shared,
+) {
     let (attempt, sequence) = match msg.info() {
         Ok(i) => (
             u32::try_from(i.delivered).unwrap_or(1).max(1),
@@ -703,47 +823,38 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Share
         ),
         Err(_) => (1, 0),
     };
-    let headers = msg.headers.clone().unwrap_or_default();
-    let label = tool.definition().id.to_string();
-    // In-progress acks keep a long job from being redelivered to another
-    // worker while this one is still on it.
-    let keep_alive = toolfleet_service::jobs::keep_alive(
-        &msg,
-        shared.config.ack_wait_for(tool.definition()) / 3,
-    );
-    let outcome = process(&headers, &msg.payload, attempt, tool, shared).await;
-    drop(keep_alive);
-
-    let (call, failure) = match outcome {
-        Outcome::Answer(result) => {
-            publish_result(shared, &result, &headers).await;
+    let no_headers = async_nats::HeaderMap::new();
+    let headers = msg.headers.as_ref().unwrap_or(&no_headers);
+    let (call, failure) = match process(headers, &msg.payload, attempt, tool, shared).await {
+        Processed::Call(call, Outcome::Answer { result, ran }) => {
+            answer(shared, &call, &result, ran, || slot.free()).await;
+            // Only now: the result is out and (when the tool ran) in the
+            // ledger, so a crash before this ack redelivers a job that
+            // either replays its result or runs again.
             let _ = msg.ack().await;
             return;
         }
-        Outcome::Retry(failure) if attempt < shared.config.max_attempts => {
+        Processed::Call(_, Outcome::Retry(failure)) if attempt < shared.config.max_attempts => {
             shared
                 .metrics
                 .tool_job_retries
-                .with_label_values(&[label.as_str()])
+                .with_label_values(&[tool.label()])
                 .inc();
-            warn!(tool = %label, attempt, error = %failure.message, "attempt failed; will retry");
+            warn!(tool = %tool.label(), attempt, error = %failure.message, "attempt failed; will retry");
             let _ = msg
                 .ack_with(AckKind::Nak(Some(shared.config.retry_delay)))
                 .await;
             return;
         }
-        Outcome::Retry(failure) => (
-            Some(failure.call),
-            DeadFailure {
-                code: failure.code,
-                message: failure.message,
-            },
-        ),
-        Outcome::Dead { call, failure } => (call, failure),
+        Processed::Call(call, Outcome::Retry(failure) | Outcome::Dead(failure)) => {
+            (Some(call), failure)
+        }
+        Processed::Unanswerable(failure) => (None, failure),
     };
     // The caller always gets an answer, even for a dead job.
     if let Some(call) = &call {
-        publish_result(shared, &failure.result_for(call, attempt), &headers).await;
+        let result = failure.result_for(call, attempt);
+        publish_reply(shared, call, fit_result(shared, &result, None)).await;
     }
     let _ = msg.ack_with(AckKind::Term).await;
     let dead = DeadLetter {
@@ -752,11 +863,11 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Share
         stream_sequence: sequence,
         invocation_id: call.as_ref().map(|c| c.invocation.invocation_id.clone()),
         call_id: call.as_ref().map(|c| c.call_id.clone()),
-        tool_id: Some(label.clone()),
+        tool_id: Some(tool.label().to_string()),
         attempts: attempt,
         code: failure.code.clone(),
         error: failure.message,
-        headers: toolfleet_protocol::dead_letter_headers(Some(&headers)),
+        headers: toolfleet_protocol::dead_letter_headers(Some(headers)),
         raw_headers: None,
     };
     shared
@@ -771,7 +882,7 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Share
             encode(&dead),
         )
         .await;
-    warn!(tool = %label, attempt, code = %failure.code, "tool job dead-lettered");
+    warn!(tool = %tool.label(), attempt, code = %failure.code, "tool job dead-lettered");
 }
 
 /// Ends a tool job whose headers the NATS client cannot read (found by the
@@ -781,7 +892,7 @@ async fn handle_jetstream(msg: jetstream::Message, tool: &Served, shared: &Share
 /// as stored.
 async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_service::poison::Poison) {
     use toolfleet_protocol::headers::{CALL_ID, INVOCATION_ID, REPLY_TO};
-    let label = tool.definition().id.to_string();
+    let label = tool.label().to_string();
     let valid = |name| {
         poison
             .header(name)
@@ -815,7 +926,11 @@ async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_servic
         out.insert(CALL_ID, call.call_id.as_str());
         let _ = shared
             .client
-            .publish_with_headers(call.reply_to.clone(), out, fit_result(&shared, result))
+            .publish_with_headers(
+                call.reply_to.clone(),
+                out,
+                fit_result(&shared, &result, None),
+            )
             .await;
     }
     let dead = DeadLetter {
@@ -845,12 +960,61 @@ async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_servic
         .await;
 }
 
-/// Publishes a result to the call's reply subject (named in `headers`).
-async fn publish_result(shared: &Shared, result: &ToolResult, headers: &async_nats::HeaderMap) {
-    let Ok(call) = CallContext::from_headers(headers) else {
-        return;
-    };
-    let payload = fit_result(shared, result.clone());
+/// Answers `call` with `result`; then, when the tool ran for it
+/// (`ran`), writes it to the ledger, so a redelivery or a re-publish of
+/// the job returns it without running again. The caller does not wait for
+/// the ledger: the job's ack does (it comes after this returns), so a crash
+/// between the reply and the write is a crash before the write — the job
+/// is delivered again and runs again, reusing its citation indices. Until
+/// the write is done this worker answers a repeat of the call from memory
+/// ([`Recording`]).
+///
+/// `answered` runs once the reply is out: the job's permit goes back then,
+/// so the next job is pulled while this one's ledger write is on its way.
+async fn answer(
+    shared: &Shared,
+    call: &CallContext,
+    result: &ToolResult,
+    ran: bool,
+    answered: impl FnOnce(),
+) {
+    // Encoded once: the ledger holds these bytes, the reply is them
+    // tagged as a result.
+    let json = encode_result(result);
+    let recording = ran.then(|| shared.recording.start(call, json.clone()));
+    publish_reply(shared, call, fit_result(shared, result, Some(&json))).await;
+    answered();
+    if let Some(recording) = recording {
+        write_ledger(shared, call, &json).await;
+        drop(recording);
+    }
+}
+
+/// A result as the ledger stores it.
+fn encode_result(result: &ToolResult) -> bytes::Bytes {
+    serde_json::to_vec(result)
+        .map(bytes::Bytes::from)
+        .unwrap_or_default()
+}
+
+/// Writes an answered call's result (`json`) to the ledger. If it cannot
+/// be written the result is out all the same: a later duplicate will run
+/// again, reusing its citation indices.
+async fn write_ledger(shared: &Shared, call: &CallContext, json: &[u8]) {
+    if let Err(e) = shared
+        .store
+        .ledger_put_json(&call.invocation.invocation_id, &call.call_id, json)
+        .await
+    {
+        shared
+            .hooks
+            .on_warning(call, &format!("result ledger not written: {e}"));
+        warn!(error = %e, "result ledger not written");
+    }
+}
+
+/// Publishes an encoded reply to the call's reply subject.
+async fn publish_reply(shared: &Shared, call: &CallContext, payload: bytes::Bytes) {
     let mut out = call.invocation.to_headers();
     out.insert(toolfleet_protocol::headers::CALL_ID, call.call_id.as_str());
     if let Err(e) = shared
@@ -862,11 +1026,14 @@ async fn publish_result(shared: &Shared, result: &ToolResult, headers: &async_na
     }
 }
 
-/// The encoded result reply. A result too big for the server would never
-/// arrive: the caller gets a small error result instead of waiting out its
-/// timeout.
-fn fit_result(shared: &Shared, result: ToolResult) -> bytes::Bytes {
-    let payload = encode(&ToolReply::Result(result.clone()));
+/// The encoded result reply (from `json`, the result already encoded,
+/// when given). A result too big for the server would never arrive: the
+/// caller gets a small error result instead of waiting out its timeout.
+fn fit_result(shared: &Shared, result: &ToolResult, json: Option<&[u8]>) -> bytes::Bytes {
+    let payload = match json.and_then(tagged_result) {
+        Some(payload) => payload,
+        None => encode(&ToolReply::Result(result.clone())),
+    };
     let limit = shared.client.server_info().max_payload;
     if limit == 0 || payload.len() <= limit {
         return payload;
@@ -886,8 +1053,23 @@ fn fit_result(shared: &Shared, result: ToolResult) -> bytes::Bytes {
             violations: Vec::new(),
         }),
         references: Vec::new(),
-        ..result
+        ..result.clone()
     }))
+}
+
+/// `ToolReply::Result` as serde encodes it (the tag first, then the
+/// result's fields), from the result's own encoding: `{"type":"result",`
+/// and the object's fields. `None` for anything but a non-empty object.
+fn tagged_result(json: &[u8]) -> Option<bytes::Bytes> {
+    const TAG: &[u8] = b"{\"type\":\"result\",";
+    let fields = json.strip_prefix(b"{")?;
+    if !fields.starts_with(b"\"") {
+        return None;
+    }
+    let mut out = Vec::with_capacity(TAG.len() + fields.len());
+    out.extend_from_slice(TAG);
+    out.extend_from_slice(fields);
+    Some(out.into())
 }
 
 pub(crate) fn error_result(
@@ -943,20 +1125,14 @@ async fn process(
     attempt: u32,
     tool: &Served,
     shared: &Shared,
-) -> Outcome {
-    let label = tool.definition().id.to_string();
+) -> Processed {
+    let label = tool.label();
     let mut call = match CallContext::from_headers(headers) {
         Ok(c) => c,
         Err(e) => {
-            shared.count(&label, "error");
+            shared.count(label, "error");
             warn!(tool = %label, error = %e, "tool job with bad headers");
-            return Outcome::Dead {
-                call: None,
-                failure: DeadFailure {
-                    code: e.code().to_string(),
-                    message: e.to_string(),
-                },
-            };
+            return Processed::Unanswerable(Failure::new(e.code(), e.to_string()));
         }
     };
     call.attempt = attempt;
@@ -964,19 +1140,16 @@ async fn process(
     // anything else (another fleet's subject, `chat.submit`, an events
     // subject) is a forgery or a bug, and gets no answer.
     if !shared.config.subjects.is_reply_subject(&call.reply_to) {
-        shared.count(&label, "error");
+        shared.count(label, "error");
         warn!(tool = %label, reply_to = %call.reply_to, "tool job with a reply subject outside the fleet's reply prefix");
-        return Outcome::Dead {
-            call: None,
-            failure: DeadFailure {
-                code: "bad_reply_subject".into(),
-                message: format!(
-                    "the reply subject {:?} is not under {}",
-                    call.reply_to,
-                    shared.config.subjects.replies_all()
-                ),
-            },
-        };
+        return Processed::Unanswerable(Failure::new(
+            "bad_reply_subject",
+            format!(
+                "the reply subject {:?} is not under {}",
+                call.reply_to,
+                shared.config.subjects.replies_all()
+            ),
+        ));
     }
     let span = tracing::info_span!(
         "tool_job",
@@ -985,9 +1158,10 @@ async fn process(
         tool_id = %label,
         attempt
     );
-    process_call(call, payload, tool, shared)
+    let outcome = process_call(&call, payload, tool, shared)
         .instrument(span)
-        .await
+        .await;
+    Processed::Call(call, outcome)
 }
 
 impl Shared {
@@ -996,6 +1170,23 @@ impl Shared {
             .tool_jobs
             .with_label_values(&[tool, outcome])
             .inc();
+    }
+
+    /// `tool`'s metrics (every served tool has them from the start).
+    fn stats(&self, tool: &Served) -> std::borrow::Cow<'_, ToolStats> {
+        match self.stats.get(tool.label()) {
+            Some(stats) => std::borrow::Cow::Borrowed(stats),
+            None => std::borrow::Cow::Owned(ToolStats {
+                in_flight: self
+                    .metrics
+                    .tool_jobs_in_flight
+                    .with_label_values(&[tool.label()]),
+                duration: self
+                    .metrics
+                    .tool_job_duration
+                    .with_label_values(&[tool.label()]),
+            }),
+        }
     }
 }
 
@@ -1007,43 +1198,47 @@ async fn admit(
     shared: &Shared,
 ) -> Result<ToolJob, Outcome> {
     let def = tool.definition();
-    let label = def.id.to_string();
+    let label = tool.label();
     let attempt = call.attempt;
     if call.tool_id != def.id {
-        shared.count(&label, "error");
-        return Err(Outcome::Dead {
-            call: Some(call.clone()),
-            failure: DeadFailure {
-                code: "wrong_tool".into(),
-                message: format!(
-                    "this subject serves {}, but the job names {}",
-                    def.id, call.tool_id
-                ),
-            },
-        });
+        shared.count(label, "error");
+        return Err(Outcome::Dead(Failure::new(
+            "wrong_tool",
+            format!(
+                "this subject serves {}, but the job names {}",
+                def.id, call.tool_id
+            ),
+        )));
     }
     // A redelivered (or re-published) job returns what the first attempt
-    // stored, and writes no second set of citations. A job of a cancelled
-    // invocation (its cancel came while it was queued, perhaps before this
-    // worker started) is answered `cancelled` without running.
-    match shared
-        .store
-        .ledger_and_cancel(
-            &call.invocation.invocation_id,
-            &call.call_id,
-            call.invocation.tenant(),
-        )
-        .await
-    {
+    // stored, and writes no second set of citations: from this worker's
+    // memory while the ledger write is on its way, else from the ledger.
+    // A job of a cancelled invocation (its cancel came while it was
+    // queued, perhaps before this worker started) is answered `cancelled`
+    // without running.
+    let stored = match shared.recording.get(call) {
+        Some(stored) => Ok((Some(stored), false)),
+        None => {
+            shared
+                .store
+                .ledger_and_cancel(
+                    &call.invocation.invocation_id,
+                    &call.call_id,
+                    call.invocation.tenant(),
+                )
+                .await
+        }
+    };
+    match stored {
         Ok((Some(mut stored), _)) => {
-            shared.count(&label, "redelivered");
+            shared.count(label, "redelivered");
             stored.replayed = true;
             stored.attempt = attempt;
-            return Err(Outcome::Answer(stored));
+            return Err(Outcome::refused(stored));
         }
         Ok((None, true)) => {
-            shared.count(&label, "cancelled");
-            return Err(Outcome::Answer(status_result(
+            shared.count(label, "cancelled");
+            return Err(Outcome::refused(status_result(
                 call,
                 attempt,
                 0,
@@ -1055,28 +1250,27 @@ async fn admit(
         }
         Ok((None, false)) => {}
         Err(e) => {
-            return Err(Outcome::Retry(Failure {
-                call: call.clone(),
-                code: "store_unavailable".into(),
-                message: e.to_string(),
-            }));
+            return Err(Outcome::Retry(Failure::new(
+                "store_unavailable",
+                e.to_string(),
+            )));
         }
     }
     let job: ToolJob = Envelope::ToolJob.decode(payload).map_err(|e| {
-        shared.count(&label, "error");
+        shared.count(label, "error");
         let message = format!("malformed tool job: {e}");
-        Outcome::Answer(error_result(call, attempt, 0, e.code(), &message))
+        Outcome::refused(error_result(call, attempt, 0, e.code(), &message))
     })?;
     // Invalid arguments: a model-readable error at once, no side effect,
     // nothing written to Redis, never retried.
     if let Err(violations) = tool.tool.validate_arguments(&job.arguments) {
-        shared.count(&label, "invalid_arguments");
+        shared.count(label, "invalid_arguments");
         let message = format!(
             "Invalid arguments for {}: {}",
             def.function.name,
             toolfleet_protocol::schema::describe(&violations)
         );
-        return Err(Outcome::Answer(status_result(
+        return Err(Outcome::refused(status_result(
             call,
             attempt,
             0,
@@ -1093,8 +1287,8 @@ async fn admit(
         settings: job.settings.as_ref(),
     };
     if let Err(refusal) = shared.hooks.before_call(&info) {
-        shared.count(&label, "blocked");
-        return Err(Outcome::Answer(status_result(
+        shared.count(label, "blocked");
+        return Err(Outcome::refused(status_result(
             call,
             attempt,
             0,
@@ -1121,21 +1315,21 @@ fn budget(call: &CallContext, tool: &Served) -> Option<Duration> {
 }
 
 async fn process_call(
-    call: CallContext,
+    call: &CallContext,
     payload: &[u8],
     tool: &Served,
     shared: &Shared,
 ) -> Outcome {
-    let job = match admit(&call, payload, tool, shared).await {
+    let job = match admit(call, payload, tool, shared).await {
         Ok(job) => job,
         Err(outcome) => return outcome,
     };
-    let label = tool.definition().id.to_string();
+    let label = tool.label();
     let attempt = call.attempt;
-    let Some(budget) = budget(&call, tool) else {
-        shared.count(&label, "timeout");
-        return Outcome::Answer(status_result(
-            &call,
+    let Some(budget) = budget(call, tool) else {
+        shared.count(label, "timeout");
+        return Outcome::refused(status_result(
+            call,
             attempt,
             0,
             ToolStatus::Timeout,
@@ -1146,7 +1340,7 @@ async fn process_call(
     };
     let token = CancellationToken::new();
     let _running = shared.running.register(
-        &run_key(call.invocation.tenant(), &call.invocation.invocation_id),
+        run_key(call.invocation.tenant(), &call.invocation.invocation_id),
         token.clone(),
     );
     let ctx = ToolCtx::new(
@@ -1160,29 +1354,22 @@ async fn process_call(
         token,
         Some(tokio::time::Instant::now() + budget),
     );
-    let in_flight = shared
-        .metrics
-        .tool_jobs_in_flight
-        .with_label_values(&[label.as_str()]);
-    in_flight.inc();
-    shared.hooks.on_start(&call);
+    let stats = shared.stats(tool);
+    stats.in_flight.inc();
+    shared.hooks.on_start(call);
     let started = Instant::now();
     let ran = run_tool(tool, &ctx, job.arguments, budget).await;
     ctx.cancellation().cancel();
-    in_flight.dec();
+    stats.in_flight.dec();
     let elapsed = started.elapsed();
-    shared
-        .metrics
-        .tool_job_duration
-        .with_label_values(&[label.as_str()])
-        .observe(elapsed.as_secs_f64());
+    stats.duration.observe(elapsed.as_secs_f64());
     let duration_ms = elapsed.as_millis() as u64;
 
     let result = match ran {
         Ok(output) => ToolResult {
             invocation_id: call.invocation.invocation_id.clone(),
             call_id: call.call_id.clone(),
-            tool_id: label.clone(),
+            tool_id: label.to_string(),
             status: ToolStatus::Ok,
             content: output.content,
             data: output.data,
@@ -1193,14 +1380,10 @@ async fn process_call(
             replayed: false,
         },
         Err(e) => {
-            shared.hooks.on_error(&call, &e);
+            shared.hooks.on_error(call, &e);
             if e.is_retryable() {
-                shared.count(&label, "error");
-                return Outcome::Retry(Failure {
-                    call,
-                    code: e.code().to_string(),
-                    message: e.to_string(),
-                });
+                shared.count(label, "error");
+                return Outcome::Retry(Failure::new(e.code(), e.to_string()));
             }
             let status = match e {
                 ToolError::Blocked(_) => ToolStatus::Blocked,
@@ -1208,7 +1391,7 @@ async fn process_call(
                 _ => ToolStatus::Error,
             };
             status_result(
-                &call,
+                call,
                 attempt,
                 duration_ms,
                 status,
@@ -1218,26 +1401,17 @@ async fn process_call(
             )
         }
     };
-    finish(shared, &call, &label, result).await
+    finish(shared, call, label, result)
 }
 
-/// Counts the result, writes it to the ledger and runs the completion
-/// hooks.
-async fn finish(shared: &Shared, call: &CallContext, label: &str, result: ToolResult) -> Outcome {
+/// Counts the result and runs the completion hooks. The result goes into
+/// the ledger once the caller has it ([`answer`]).
+fn finish(shared: &Shared, call: &CallContext, label: &str, result: ToolResult) -> Outcome {
     shared.count(label, result.status.as_str());
-    // The ledger makes a redelivery of this job return this result. If it
-    // cannot be written the result still goes out: a later duplicate will
-    // run again but reuse its citation indices.
-    if let Err(e) = shared.store.ledger_put(&result).await {
-        shared
-            .hooks
-            .on_warning(call, &format!("result ledger not written: {e}"));
-        warn!(error = %e, "result ledger not written");
-    }
     if result.status == ToolStatus::Ok {
         shared.hooks.on_complete(call, &result);
     }
-    Outcome::Answer(result)
+    Outcome::Answer { result, ran: true }
 }
 
 /// Runs the tool under `budget`. A panicking tool is a failed call, not a
@@ -1248,17 +1422,29 @@ async fn run_tool(
     arguments: serde_json::Value,
     budget: Duration,
 ) -> Result<crate::ToolOutput, ToolError> {
-    let call = std::panic::AssertUnwindSafe(tool.imp.call_json(ctx, arguments)).catch_unwind();
-    // Biased: a call whose invocation was cancelled before it started
-    // never starts its tool.
-    let ran = tokio::select! {
-        biased;
-        _ = ctx.cancelled() => {
-            return Err(ToolError::Cancelled(
-                "the invocation was cancelled; the tool was stopped".into(),
-            ));
-        }
-        ran = tokio::time::timeout(budget, call) => ran,
+    let cancelled = || {
+        Err(ToolError::Cancelled(
+            "the invocation was cancelled; the tool was stopped".into(),
+        ))
+    };
+    // A call whose invocation was cancelled before it started never
+    // starts its tool.
+    if ctx.cancellation().is_cancelled() {
+        return cancelled();
+    }
+    let deadline = tokio::time::Instant::now() + budget;
+    let mut call = std::pin::pin!(
+        std::panic::AssertUnwindSafe(tool.imp.call_json(ctx, arguments)).catch_unwind()
+    );
+    // Most tools answer on their first poll: they need no timer (the
+    // answer is taken as `timeout` would take it, before its clock).
+    let ran = match futures::poll!(call.as_mut()) {
+        std::task::Poll::Ready(ran) => Ok(ran),
+        std::task::Poll::Pending => tokio::select! {
+            biased;
+            _ = ctx.cancelled() => return cancelled(),
+            ran = tokio::time::timeout_at(deadline, call) => ran,
+        },
     };
     match ran {
         Ok(Ok(ran)) => ran,
@@ -1276,15 +1462,83 @@ async fn run_tool(
 mod tests {
     use super::*;
 
+    fn call(inv: &str, call_id: &str) -> CallContext {
+        CallContext {
+            invocation: toolfleet_protocol::InvocationContext::new(inv),
+            call_id: call_id.into(),
+            tool_id: "system:current_datetime@1.0.0".parse().unwrap(),
+            attempt: 1,
+            reply_to: "toolfleet.reply.x".into(),
+            citation_floor: 0,
+        }
+    }
+
+    #[test]
+    fn a_result_encoded_once_makes_the_same_reply_as_serde() {
+        let plain = status_result(
+            &call("inv-1", "c1"),
+            2,
+            7,
+            ToolStatus::Error,
+            "tool_failed",
+            "it \"broke\"",
+            Vec::new(),
+        );
+        let mut rich = ToolResult {
+            status: ToolStatus::Ok,
+            content: "fine".into(),
+            data: Some(serde_json::json!({ "a": [1, 2], "b": null })),
+            error: None,
+            replayed: true,
+            ..plain.clone()
+        };
+        rich.references.push(Reference {
+            index: 3,
+            kind: "document".into(),
+            title: "t".into(),
+            source: None,
+            url: Some("https://example.com/".into()),
+            snippet: None,
+            tool_id: None,
+            call_id: Some("c1".into()),
+        });
+        for result in [plain, rich] {
+            let json = encode_result(&result);
+            assert_eq!(
+                tagged_result(&json).unwrap(),
+                encode(&ToolReply::Result(result.clone()))
+            );
+            // The ledger holds the result itself.
+            let stored: ToolResult = serde_json::from_slice(&json).unwrap();
+            assert_eq!(stored, result);
+        }
+        assert_eq!(tagged_result(b"{}"), None);
+        assert_eq!(tagged_result(b"[1]"), None);
+    }
+
+    #[test]
+    fn a_result_being_recorded_is_found_until_its_write_is_done() {
+        let recording = Recording::default();
+        let first = call("inv-1", "c1");
+        let result = error_result(&first, 1, 0, "x", "y");
+        let guard = recording.start(&first, encode_result(&result));
+        assert_eq!(recording.get(&call("inv-1", "c1")), Some(result));
+        assert_eq!(recording.get(&call("inv-1", "c2")), None);
+        assert_eq!(recording.get(&call("inv-2", "c1")), None);
+        drop(guard);
+        assert_eq!(recording.get(&first), None);
+        assert!(recording.results.lock().unwrap().is_empty());
+    }
+
     #[test]
     fn a_cancel_reaches_running_calls_and_calls_that_register_after_it() {
         let running = Running::default();
         let before = CancellationToken::new();
-        let guard = running.register(&run_key("acme", "inv-1"), before.clone());
+        let guard = running.register(run_key("acme", "inv-1"), before.clone());
         let other = CancellationToken::new();
-        let _other = running.register(&run_key("acme", "inv-2"), other.clone());
+        let _other = running.register(run_key("acme", "inv-2"), other.clone());
         let elsewhere = CancellationToken::new();
-        let _elsewhere = running.register(&run_key("globex", "inv-1"), elsewhere.clone());
+        let _elsewhere = running.register(run_key("globex", "inv-1"), elsewhere.clone());
         assert_eq!(running.cancel(&run_key("acme", "inv-1")), 1);
         assert!(before.is_cancelled());
         assert!(!other.is_cancelled());
@@ -1293,7 +1547,7 @@ mod tests {
         drop(guard);
         // Registered after the cancel: starts cancelled.
         let after = CancellationToken::new();
-        let _after = running.register(&run_key("acme", "inv-1"), after.clone());
+        let _after = running.register(run_key("acme", "inv-1"), after.clone());
         assert!(after.is_cancelled());
     }
 }
