@@ -146,6 +146,77 @@ impl Summary {
     }
 }
 
+impl Summary {
+    /// One summary of the rounds of one kind of operation (`parts`, at
+    /// least one): their operations together, over their time together.
+    pub fn merge(parts: Vec<Summary>) -> Summary {
+        let mut parts = parts.into_iter();
+        let mut all = parts
+            .next()
+            .unwrap_or_else(|| Summary::new("", 0, &[], Duration::ZERO));
+        for part in parts {
+            all.ops += part.ops;
+            all.ok += part.ok;
+            all.errors += part.errors;
+            for (code, n) in part.error_codes {
+                *all.error_codes.entry(code).or_insert(0) += n;
+            }
+            all.tool_calls += part.tool_calls;
+            all.elapsed_secs += part.elapsed_secs;
+            all.sorted_ms.extend(part.sorted_ms);
+        }
+        all.sorted_ms.sort_by(f64::total_cmp);
+        all.ops_per_sec = all.ok as f64 / all.elapsed_secs.max(f64::EPSILON);
+        all.latency_ms = Latency::of(&all.sorted_ms);
+        all
+    }
+}
+
+/// At most this many alternating rounds when the fleet is measured beside
+/// its floors ([`interleave`]).
+pub const ROUNDS: usize = 5;
+
+impl Load {
+    /// How many rounds `self` is driven in beside the floors: up to
+    /// [`ROUNDS`], each with at least two operations per lane and a second.
+    pub fn rounds(&self) -> usize {
+        let by_count = self
+            .count
+            .map_or(ROUNDS, |c| c / (2 * self.concurrency.max(1)));
+        let by_time = self.duration.map_or(ROUNDS, |d| d.as_secs() as usize);
+        by_count.min(by_time).clamp(1, ROUNDS)
+    }
+
+    /// Round `i` of `rounds`: its share of the count (the remainder goes to
+    /// the last) and of the duration.
+    pub fn round(&self, i: usize, rounds: usize) -> Load {
+        let rounds = rounds.max(1);
+        Load {
+            concurrency: self.concurrency,
+            count: self
+                .count
+                .map(|c| c / rounds + if i + 1 == rounds { c % rounds } else { 0 }),
+            duration: self.duration.map(|d| d / rounds as u32),
+        }
+    }
+}
+
+/// Drives each of `sides` (name, operation) under `load`, in `rounds`
+/// alternating rounds — the first side's round, then the second's, … —
+/// and returns one summary per side, in order. Sides measured this way
+/// share the machine's other load alike: a ratio between them does not
+/// move with a build that starts halfway through the run.
+pub async fn interleave(load: &Load, sides: &[(String, Op)], rounds: usize) -> Vec<Summary> {
+    let mut parts: Vec<Vec<Summary>> = sides.iter().map(|_| Vec::new()).collect();
+    for round in 0..rounds.max(1) {
+        let share = load.round(round, rounds);
+        for ((name, op), parts) in sides.iter().zip(&mut parts) {
+            parts.push(drive(name, &share, op.clone()).await);
+        }
+    }
+    parts.into_iter().map(Summary::merge).collect()
+}
+
 /// Nearest-rank percentile of `sorted` (ascending); 0 when empty.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {
@@ -330,6 +401,11 @@ pub struct ToolCaller {
     body: bytes::Bytes,
     replies: Replies,
     timeout: Duration,
+    /// This run's token: invocation ids are `<run>-<n>`, unique across
+    /// runs and the warm-up without a random id (a `getrandom` call) per
+    /// call.
+    run: String,
+    calls: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl ToolCaller {
@@ -351,6 +427,8 @@ impl ToolCaller {
             body: body.into(),
             replies: Replies::subscribe(client, subjects.reply_inbox()).await?,
             timeout,
+            run: toolfleet_protocol::client::new_invocation_id(),
+            calls: Arc::default(),
         })
     }
 
@@ -365,8 +443,11 @@ impl ToolCaller {
 
     /// One call: `Ok` when its result is `ok`, else its error code.
     pub async fn call(&self) -> Result<(), String> {
-        let invocation_id = toolfleet_protocol::client::new_invocation_id();
-        let call_id = format!("call_{}", uuid_simple());
+        // Never an id used before: a repeated one would be answered from
+        // the result ledger without running.
+        let n = self.calls.fetch_add(1, Ordering::Relaxed);
+        let invocation_id = format!("{}-{n}", self.run);
+        let call_id = format!("call_{n}");
         let (reply_to, rx) = self.replies.expect(&call_id);
         let mut invocation = InvocationContext::new(invocation_id);
         invocation.deadline_ms =
@@ -438,12 +519,6 @@ struct ReplyHead<'a> {
 struct ErrorHead<'a> {
     #[serde(borrow)]
     code: std::borrow::Cow<'a, str>,
-}
-
-fn uuid_simple() -> String {
-    toolfleet_protocol::client::new_invocation_id()
-        .trim_start_matches("inv-")
-        .to_string()
 }
 
 /// The fleet's figures over a floor's: above 1 the fleet is slower (p50)
@@ -629,6 +704,104 @@ mod tests {
         );
         assert_eq!(Memory::parse("Name: x\n"), None);
         assert!(Memory::of("self").is_some_and(|m| m.rss_kib > 0));
+    }
+
+    #[test]
+    fn a_reply_is_read_for_its_type_status_and_code() {
+        let call = CallContext {
+            invocation: InvocationContext::new("inv-1"),
+            call_id: "c1".into(),
+            tool_id: "system:current_datetime@1.0.0".parse().unwrap(),
+            attempt: 1,
+            reply_to: "toolfleet.reply.x.c1".into(),
+            citation_floor: 0,
+        };
+        let result = |status, code: Option<&str>| {
+            toolfleet_protocol::encode(&toolfleet_protocol::ToolReply::Result(
+                toolfleet_protocol::ToolResult {
+                    invocation_id: call.invocation.invocation_id.clone(),
+                    call_id: call.call_id.clone(),
+                    tool_id: call.tool_id.to_string(),
+                    status,
+                    content: "text with \"quotes\"".into(),
+                    data: Some(serde_json::json!({ "nested": { "status": "ignored" } })),
+                    error: code.map(|c| toolfleet_protocol::ToolErrorBody {
+                        code: c.into(),
+                        message: "m".into(),
+                        violations: Vec::new(),
+                    }),
+                    references: Vec::new(),
+                    attempt: 1,
+                    duration_ms: 3,
+                    replayed: false,
+                },
+            ))
+        };
+        let ok = result(ToolStatus::Ok, None);
+        let head: ReplyHead = serde_json::from_slice(&ok).unwrap();
+        assert_eq!((head.kind, head.status), ("result", Some(ToolStatus::Ok)));
+        assert!(head.error.is_none());
+        let failed = result(ToolStatus::Error, Some("tool_failed"));
+        let head: ReplyHead = serde_json::from_slice(&failed).unwrap();
+        assert_eq!(head.status, Some(ToolStatus::Error));
+        assert_eq!(head.error.unwrap().code, "tool_failed");
+        let progress = toolfleet_protocol::encode(&toolfleet_protocol::ToolReply::Progress {
+            invocation_id: "inv-1".into(),
+            call_id: "c1".into(),
+            message: "half way".into(),
+        });
+        let head: ReplyHead = serde_json::from_slice(&progress).unwrap();
+        assert_eq!((head.kind, head.status), ("progress", None));
+    }
+
+    #[test]
+    fn rounds_split_the_load_and_merge_back() {
+        let by_count = Load {
+            concurrency: 1,
+            count: Some(5003),
+            duration: None,
+        };
+        assert_eq!(by_count.rounds(), ROUNDS);
+        let shares: Vec<Option<usize>> = (0..5).map(|i| by_count.round(i, 5).count).collect();
+        assert_eq!(
+            shares,
+            [Some(1000), Some(1000), Some(1000), Some(1000), Some(1003)]
+        );
+        let by_time = Load {
+            concurrency: 256,
+            count: None,
+            duration: Some(Duration::from_secs(20)),
+        };
+        assert_eq!(by_time.rounds(), ROUNDS);
+        assert_eq!(by_time.round(2, 5).duration, Some(Duration::from_secs(4)));
+        // Too few operations per lane (a burst): one round.
+        let burst = Load {
+            concurrency: 10_000,
+            count: Some(10_000),
+            duration: None,
+        };
+        assert_eq!(burst.rounds(), 1);
+        assert_eq!(burst.round(0, 1).count, Some(10_000));
+
+        let a = Summary::new(
+            "x",
+            2,
+            &[(1.0, Ok(1)), (3.0, Ok(0)), (0.0, Err("t".into()))],
+            Duration::from_secs(1),
+        );
+        let b = Summary::new(
+            "x",
+            2,
+            &[(2.0, Ok(2)), (0.0, Err("t".into()))],
+            Duration::from_secs(1),
+        );
+        let all = Summary::merge(vec![a, b]);
+        assert_eq!((all.ops, all.ok, all.errors, all.tool_calls), (5, 3, 2, 3));
+        assert_eq!(all.error_codes.get("t"), Some(&2));
+        assert_eq!(all.sorted_ms, [1.0, 2.0, 3.0]);
+        assert_eq!(all.elapsed_secs, 2.0);
+        assert_eq!(all.ops_per_sec, 1.5);
+        assert_eq!(all.latency_ms.p50, 2.0);
     }
 
     #[test]

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 
-use crate::bench::{Load, Memory, Ratios, Summary, ToolCaller, chat_op, drive, table};
+use crate::bench::{Load, Memory, Ratios, Summary, ToolCaller, chat_op, drive, interleave, table};
 use crate::bench_fleet::{BenchFleet, OrchestratorMemory, SLEEP_TOOL, Sampler, Shape};
 use crate::cli::{BenchArgs, BenchMode, DEMO_QUESTIONS};
+use crate::floor::Floor;
 
 /// Operations when neither `--count` nor `--duration` is given.
 const DEFAULT_COUNT: usize = 500;
@@ -207,24 +208,37 @@ async fn measure(
         let w = drive("warm-up", &warm, op.clone()).await;
         eprintln!("{} ok, {} errors {:?}", w.ok, w.errors, w.error_codes);
     }
+    // The floors run on the same server, in rounds that alternate with the
+    // fleet's, so that both see the machine's other load alike.
+    let mut floors = Vec::new();
+    if args.floor {
+        floors.push(Floor::jetstream(&fleet.client, &fleet.nats_url).await?);
+        floors.push(Floor::request_reply(&fleet.client, &fleet.nats_url).await?);
+    }
+    let rounds = if floors.is_empty() { 1 } else { load.rounds() };
+    let mut sides = vec![(name, op)];
+    sides.extend(floors.iter().map(|f| (f.name.to_string(), f.op.clone())));
     // The orchestrator's idle memory is read after the warm-up: its first
     // jobs build what every later job shares (the tokenizer's tables for
     // the tool-result cap alone are ~45 MiB), which is no invocation's own.
     let sampler = fleet.orchestrator.as_ref().map(Sampler::start);
-    eprintln!("• measuring …");
-    let summary = drive(&name, load, op).await;
+    if floors.is_empty() {
+        eprintln!("• measuring …");
+    } else {
+        eprintln!(
+            "• measuring the fleet and the floors on the same server, in {rounds} alternating rounds …"
+        );
+    }
+    let mut summaries = interleave(load, &sides, rounds).await;
     let memory = match sampler {
         Some(s) => Some(s.finish().await),
         None => None,
     };
-    let mut floors = Vec::new();
-    if args.floor {
-        eprintln!("• measuring the floors on the same server …");
-        floors
-            .push(crate::floor::jetstream_round_trip(&fleet.client, &fleet.nats_url, load).await?);
-        floors.push(crate::floor::request_reply(&fleet.client, &fleet.nats_url, load).await?);
+    for floor in floors {
+        floor.stop().await;
     }
-    Ok((summary, floors, memory))
+    let summary = summaries.remove(0);
+    Ok((summary, summaries, memory))
 }
 
 fn render(r: &Report) -> String {

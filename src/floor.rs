@@ -2,7 +2,9 @@
 //! --floor`): on the same NATS server, in the same run, under the same
 //! load, the bare transport a tool call rides on. On a shared machine
 //! absolute numbers drift; the ratio of the fleet to these floors is the
-//! result.
+//! result, so the bench drives the fleet and the floors in alternating
+//! rounds ([`crate::bench::interleave`]): a change in the machine's other
+//! load falls on both sides alike.
 //!
 //! - **JetStream work queue**: publish a job to a work-queue stream with
 //!   the tools stream's settings (file storage, duplicate window, size and
@@ -28,145 +30,215 @@ const REPLY_TO: &str = "Floor-Reply-To";
 const ACK_WAIT: Duration = Duration::from_secs(30);
 const MAX_ACK_PENDING: i64 = 10_000;
 
-/// The JetStream work-queue round trip (see the module docs). Creates and
-/// deletes its own stream; the responder connects to `nats_url`.
+/// A floor set up and ready to be driven: its name, its operation, and
+/// what [`Floor::stop`] takes down.
+pub struct Floor {
+    pub name: &'static str,
+    pub op: Op,
+    responder: tokio::task::JoinHandle<()>,
+    stop: CancellationToken,
+    /// The JetStream floor's own stream, deleted on stop.
+    stream: Option<(jetstream::Context, String)>,
+}
+
+impl Floor {
+    /// The JetStream work-queue round trip (see the module docs). Creates
+    /// its own stream; the responder connects to `nats_url`.
+    pub async fn jetstream(client: &async_nats::Client, nats_url: &str) -> anyhow::Result<Self> {
+        let js = jetstream::new(client.clone());
+        let id = uuid_token();
+        let name = format!("FLOOR_{id}");
+        let subject = format!("floor.{id}.jobs");
+        let stream = js
+            .get_or_create_stream(stream::Config {
+                name: name.clone(),
+                subjects: vec![subject.clone()],
+                retention: stream::RetentionPolicy::WorkQueue,
+                storage: stream::StorageType::File,
+                duplicate_window: Duration::from_secs(120),
+                max_message_size: toolfleet_protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
+                max_age: Duration::from_secs(2 * 3600),
+                ..Default::default()
+            })
+            .await?;
+        let consumer = stream
+            .get_or_create_consumer(
+                "floor",
+                pull::Config {
+                    durable_name: Some("floor".into()),
+                    ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                    ack_wait: ACK_WAIT,
+                    max_ack_pending: MAX_ACK_PENDING,
+                    ..Default::default()
+                },
+            )
+            .await?;
+        let responder_client = toolfleet_service::args::connect_nats(
+            nats_url,
+            "toolfleet-floor",
+            Duration::from_secs(5),
+        )
+        .await?;
+        let stop = CancellationToken::new();
+        let responder = {
+            let (client, stop) = (responder_client.clone(), stop.clone());
+            let mut messages = consumer.messages().await?;
+            tokio::spawn(async move {
+                loop {
+                    let msg = tokio::select! {
+                        _ = stop.cancelled() => break,
+                        m = messages.next() => match m { Some(Ok(m)) => m, _ => break },
+                    };
+                    if let Some(reply) = msg.headers.as_ref().and_then(|h| h.get(REPLY_TO)) {
+                        let _ = client.publish(reply.to_string(), msg.payload.clone()).await;
+                    }
+                    let _ = msg.ack().await;
+                }
+            })
+        };
+        let replies = Replies::subscribe(client, client.new_inbox()).await?;
+        let publisher = js.clone();
+        let op: Op = Arc::new(move |i| {
+            let (js, subject, replies) = (publisher.clone(), subject.clone(), replies.clone());
+            Box::pin(async move {
+                let key = format!("f{i}");
+                let (reply, mut rx) = replies.expect(&key);
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(REPLY_TO, reply.as_str());
+                let body = bytes::Bytes::from_static(b"{\"arguments\":{}}");
+                let result = async {
+                    let ack = js
+                        .publish_with_headers(subject, headers, body)
+                        .await
+                        .map_err(|_| "publish".to_string())?;
+                    ack.await.map_err(|_| "publish_ack".to_string())?;
+                    tokio::time::timeout(Duration::from_secs(30), rx.recv())
+                        .await
+                        .map_err(|_| "timeout".to_string())?
+                        .ok_or_else(|| "inbox_closed".to_string())?;
+                    Ok(0)
+                }
+                .await;
+                replies.done(&key);
+                result
+            })
+        });
+        Ok(Self {
+            name: "floor: jetstream work queue",
+            op,
+            responder,
+            stop,
+            stream: Some((js, name)),
+        })
+    }
+
+    /// The core NATS request-reply round trip to a queue-group responder.
+    pub async fn request_reply(
+        client: &async_nats::Client,
+        nats_url: &str,
+    ) -> anyhow::Result<Self> {
+        let subject = format!("floor.{}.rr", uuid_token());
+        let responder_client = toolfleet_service::args::connect_nats(
+            nats_url,
+            "toolfleet-floor",
+            Duration::from_secs(5),
+        )
+        .await?;
+        let mut sub = responder_client
+            .queue_subscribe(subject.clone(), "floor".into())
+            .await?;
+        responder_client.flush().await?;
+        let stop = CancellationToken::new();
+        let responder = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                loop {
+                    let msg = tokio::select! {
+                        _ = stop.cancelled() => break,
+                        m = sub.next() => match m { Some(m) => m, None => break },
+                    };
+                    if let Some(reply) = msg.reply {
+                        let _ = responder_client.publish(reply, msg.payload).await;
+                    }
+                }
+            })
+        };
+        // The responder's interest must have reached the requester's side
+        // before the clock starts: one answered request says it has.
+        let ready_by = tokio::time::Instant::now() + Duration::from_secs(5);
+        while client
+            .request(subject.clone(), bytes::Bytes::from_static(b"{}"))
+            .await
+            .is_err()
+        {
+            anyhow::ensure!(
+                tokio::time::Instant::now() < ready_by,
+                "the floor's responder never answered"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let client = client.clone();
+        let op: Op = Arc::new(move |_| {
+            let (client, subject) = (client.clone(), subject.clone());
+            Box::pin(async move {
+                match client
+                    .request(subject, bytes::Bytes::from_static(b"{}"))
+                    .await
+                {
+                    Ok(_) => Ok(0),
+                    Err(e) => Err(format!("{:?}", e.kind()).to_ascii_lowercase()),
+                }
+            })
+        });
+        Ok(Self {
+            name: "floor: core request-reply",
+            op,
+            responder,
+            stop,
+            stream: None,
+        })
+    }
+
+    /// Stops the responder and deletes what the floor made.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        let _ = self.responder.await;
+        if let Some((js, name)) = self.stream {
+            let _ = js.delete_stream(&name).await;
+        }
+    }
+
+    /// Sets the floor up, drives it under `load` alone and takes it down.
+    async fn measure(self, load: &Load) -> Summary {
+        let report = drive(self.name, load, self.op.clone()).await;
+        self.stop().await;
+        report
+    }
+}
+
+/// The JetStream work-queue floor alone under `load` (see [`Floor::jetstream`]).
 pub async fn jetstream_round_trip(
     client: &async_nats::Client,
     nats_url: &str,
     load: &Load,
 ) -> anyhow::Result<Summary> {
-    let js = jetstream::new(client.clone());
-    let id = uuid_token();
-    let name = format!("FLOOR_{id}");
-    let subject = format!("floor.{id}.jobs");
-    let stream = js
-        .get_or_create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            retention: stream::RetentionPolicy::WorkQueue,
-            storage: stream::StorageType::File,
-            duplicate_window: Duration::from_secs(120),
-            max_message_size: toolfleet_protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
-            max_age: Duration::from_secs(2 * 3600),
-            ..Default::default()
-        })
-        .await?;
-    let consumer = stream
-        .get_or_create_consumer(
-            "floor",
-            pull::Config {
-                durable_name: Some("floor".into()),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: ACK_WAIT,
-                max_ack_pending: MAX_ACK_PENDING,
-                ..Default::default()
-            },
-        )
-        .await?;
-    let responder_client =
-        toolfleet_service::args::connect_nats(nats_url, "toolfleet-floor", Duration::from_secs(5))
-            .await?;
-    let stop = CancellationToken::new();
-    let responder = {
-        let (client, stop) = (responder_client.clone(), stop.clone());
-        let mut messages = consumer.messages().await?;
-        tokio::spawn(async move {
-            loop {
-                let msg = tokio::select! {
-                    _ = stop.cancelled() => break,
-                    m = messages.next() => match m { Some(Ok(m)) => m, _ => break },
-                };
-                if let Some(reply) = msg.headers.as_ref().and_then(|h| h.get(REPLY_TO)) {
-                    let _ = client.publish(reply.to_string(), msg.payload.clone()).await;
-                }
-                let _ = msg.ack().await;
-            }
-        })
-    };
-    let replies = Replies::subscribe(client, client.new_inbox()).await?;
-    let op: Op = Arc::new(move |i| {
-        let (js, subject, replies) = (js.clone(), subject.clone(), replies.clone());
-        Box::pin(async move {
-            let key = format!("f{i}");
-            let (reply, mut rx) = replies.expect(&key);
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert(REPLY_TO, reply.as_str());
-            let body = bytes::Bytes::from_static(b"{\"arguments\":{}}");
-            let result = async {
-                let ack = js
-                    .publish_with_headers(subject, headers, body)
-                    .await
-                    .map_err(|_| "publish".to_string())?;
-                ack.await.map_err(|_| "publish_ack".to_string())?;
-                tokio::time::timeout(Duration::from_secs(30), rx.recv())
-                    .await
-                    .map_err(|_| "timeout".to_string())?
-                    .ok_or_else(|| "inbox_closed".to_string())?;
-                Ok(0)
-            }
-            .await;
-            replies.done(&key);
-            result
-        })
-    });
-    let report = drive("floor: jetstream work queue", load, op).await;
-    stop.cancel();
-    let _ = responder.await;
-    let _ = jetstream::new(client.clone()).delete_stream(&name).await;
-    Ok(report)
+    Ok(Floor::jetstream(client, nats_url)
+        .await?
+        .measure(load)
+        .await)
 }
 
-/// The core NATS request-reply round trip to a queue-group responder.
+/// The core request-reply floor alone under `load` (see
+/// [`Floor::request_reply`]).
 pub async fn request_reply(
     client: &async_nats::Client,
     nats_url: &str,
     load: &Load,
 ) -> anyhow::Result<Summary> {
-    let subject = format!("floor.{}.rr", uuid_token());
-    let responder_client =
-        toolfleet_service::args::connect_nats(nats_url, "toolfleet-floor", Duration::from_secs(5))
-            .await?;
-    let mut sub = responder_client
-        .queue_subscribe(subject.clone(), "floor".into())
-        .await?;
-    responder_client.flush().await?;
-    let responder = tokio::spawn(async move {
-        while let Some(msg) = sub.next().await {
-            if let Some(reply) = msg.reply {
-                let _ = responder_client.publish(reply, msg.payload).await;
-            }
-        }
-    });
-    // The responder's interest must have reached the requester's side
-    // before the clock starts: one answered request says it has.
-    let ready_by = tokio::time::Instant::now() + Duration::from_secs(5);
-    while client
-        .request(subject.clone(), bytes::Bytes::from_static(b"{}"))
-        .await
-        .is_err()
-    {
-        anyhow::ensure!(
-            tokio::time::Instant::now() < ready_by,
-            "the floor's responder never answered"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let client = client.clone();
-    let op: Op = Arc::new(move |_| {
-        let (client, subject) = (client.clone(), subject.clone());
-        Box::pin(async move {
-            match client
-                .request(subject, bytes::Bytes::from_static(b"{}"))
-                .await
-            {
-                Ok(_) => Ok(0),
-                Err(e) => Err(format!("{:?}", e.kind()).to_ascii_lowercase()),
-            }
-        })
-    });
-    let report = drive("floor: core request-reply", load, op).await;
-    responder.abort();
-    Ok(report)
+    Ok(Floor::request_reply(client, nats_url)
+        .await?
+        .measure(load)
+        .await)
 }
 
 /// A per-run token for the floor's subjects and stream.
