@@ -106,6 +106,22 @@ impl Tool for Moody {
     }
 }
 
+/// A definitions directory with the shipped current_datetime definition,
+/// its timeout set to `timeout_ms`.
+fn datetime_definition(timeout_ms: u64) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut def: Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            support::root().join("tool_definitions/system.current_datetime.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    def["timeoutMs"] = json!(timeout_ms);
+    std::fs::write(dir.path().join("t.json"), def.to_string()).unwrap();
+    dir
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
     let nats = NatsServer::start().unwrap();
@@ -119,16 +135,7 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
 
     // The shipped current_datetime definition, with a short timeout, served
     // by our handler.
-    let dir = tempfile::tempdir().unwrap();
-    let mut def: Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            support::root().join("tool_definitions/system.current_datetime.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    def["timeoutMs"] = json!(300);
-    std::fs::write(dir.path().join("t.json"), def.to_string()).unwrap();
+    let dir = datetime_definition(300);
     let id: toolfleet_protocol::tools::ToolId = "system:current_datetime@1.0.0".parse().unwrap();
     let hooks = Arc::new(Recorder::default());
     let worker = Worker::builder("test")
@@ -613,16 +620,7 @@ impl CountedWorker {
             },
         )
         .await;
-        let dir = tempfile::tempdir().unwrap();
-        let mut def: Value = serde_json::from_str(
-            &std::fs::read_to_string(
-                support::root().join("tool_definitions/system.current_datetime.json"),
-            )
-            .unwrap(),
-        )
-        .unwrap();
-        def["timeoutMs"] = json!(timeout_ms);
-        std::fs::write(dir.path().join("t.json"), def.to_string()).unwrap();
+        let dir = datetime_definition(timeout_ms);
         let runs = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let worker = Worker::builder("test")
             .definitions_dir(dir.path())
