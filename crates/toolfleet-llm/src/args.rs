@@ -35,9 +35,10 @@ pub struct LlmArgs {
         default_value = "gpt-4o-mini"
     )]
     pub model: String,
-    /// HTTP to the endpoint: auto (HTTP/2 when offered over TLS, else
-    /// HTTP/1.1) or http2 (HTTP/2 only, h2c over plain http).
-    #[arg(long = "llm-http", env = "TOOLFLEET_LLM_HTTP", default_value = "auto", value_parser = parse_http)]
+    /// HTTP to the endpoint: http1, or http2 (HTTP/2 only, h2c over plain
+    /// http; calls in flight share one connection, capped by the server's
+    /// streams per connection).
+    #[arg(long = "llm-http", env = "TOOLFLEET_LLM_HTTP", default_value = "http1", value_parser = parse_http)]
     pub http: crate::HttpVersion,
     /// Connect timeout, in milliseconds.
     #[arg(
@@ -64,9 +65,9 @@ pub struct LlmArgs {
 
 fn parse_http(s: &str) -> Result<crate::HttpVersion, String> {
     match s {
-        "auto" => Ok(crate::HttpVersion::Auto),
+        "http1" => Ok(crate::HttpVersion::Http1),
         "http2" => Ok(crate::HttpVersion::Http2),
-        other => Err(format!("{other:?} is not auto or http2")),
+        other => Err(format!("{other:?} is not http1 or http2")),
     }
 }
 

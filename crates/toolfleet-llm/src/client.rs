@@ -154,13 +154,16 @@ pub enum FinishReason {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum HttpVersion {
-    /// HTTP/2 when the server offers it in the TLS handshake (OpenAI and
-    /// Azure do), else HTTP/1.1 — always HTTP/1.1 over plain `http://`.
+    /// HTTP/1.1: a connection per call in flight (pooled between calls).
+    /// Never limited by the server's streams per connection.
     #[default]
-    Auto,
-    /// HTTP/2 only, over plain `http://` too (h2c by prior knowledge): for
-    /// servers known to speak it. Every call in flight to the endpoint
-    /// shares a few connections instead of holding one each.
+    Http1,
+    /// HTTP/2 only — negotiated over TLS, by prior knowledge (h2c) over
+    /// plain `http://` — for servers known to speak it. Calls in flight
+    /// share one connection: far less memory and fewer descriptors per
+    /// waiting call, but at most as many calls at once as the server allows
+    /// streams on a connection (often 100–250 for public APIs; set by the
+    /// server, e.g. a gateway's `max_concurrent_streams`).
     Http2,
 }
 
@@ -247,7 +250,7 @@ impl LlmConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             first_token_timeout: DEFAULT_FIRST_TOKEN_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
-            http: HttpVersion::Auto,
+            http: HttpVersion::Http1,
         }
     }
 }
@@ -407,9 +410,10 @@ impl LlmClient {
         let mut http = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .user_agent(concat!("toolfleet/", env!("CARGO_PKG_VERSION")));
-        if config.http == HttpVersion::Http2 {
-            http = http.http2_prior_knowledge();
-        }
+        http = match config.http {
+            HttpVersion::Http1 => http.http1_only(),
+            HttpVersion::Http2 => http.http2_prior_knowledge(),
+        };
         let http = http.build().map_err(|e| {
             LlmError::config(format!(
                 "could not build the HTTP client: {}",
@@ -1153,7 +1157,7 @@ mod tests {
     #[tokio::test]
     async fn http2_calls_in_flight_share_a_connection() {
         const CALLS: usize = 12;
-        for (http, most) in [(HttpVersion::Auto, CALLS), (HttpVersion::Http2, 1)] {
+        for (http, most) in [(HttpVersion::Http1, CALLS), (HttpVersion::Http2, 1)] {
             let script = Script::from_json(
                 r#"{ "firstTokenDelayMs": 300, "default": { "steps": [ { "answer": "hi" } ] } }"#,
             )

@@ -29,7 +29,7 @@
 //! | `auth` | `"bearer"` (default) or `{ header = "<name>" }` | `Authorization: Bearer <key>`, or the key as is in the named header (Azure: `{ header = "api-key" }`) |
 //! | `query` | table of strings, `{}` | extra query parameters on every request, e.g. `{ "api-version" = "2024-10-21" }`; credential-like names (`key`, `api-key`, `token`, …) are refused |
 //! | `stream` | bool, `true` | stream responses (server-sent events) or wait for whole answers |
-//! | `http` | `"auto"` (default) or `"http2"` | `auto`: HTTP/2 when the server offers it over TLS (OpenAI and Azure do), else HTTP/1.1; `http2`: HTTP/2 only, over plain `http://` too (h2c), for servers known to speak it — every waiting call then shares a few connections instead of holding one each |
+//! | `http` | `"http1"` (default) or `"http2"` | `http1`: HTTP/1.1, a connection per call in flight; `http2`: HTTP/2 only (over TLS, or h2c over plain `http://`), for servers known to speak it — calls in flight share one connection (far less memory per waiting call), but the server's streams per connection (often 100–250 for public APIs) then cap the calls in flight |
 //! | `connect_timeout_ms` | ms > 0, [`DEFAULT_CONNECT_TIMEOUT`](crate::DEFAULT_CONNECT_TIMEOUT) | TCP and TLS connect |
 //! | `first_token_timeout_ms` | ms > 0, [`DEFAULT_FIRST_TOKEN_TIMEOUT`](crate::DEFAULT_FIRST_TOKEN_TIMEOUT) | request sent to first streamed event (or whole answer when not streaming) |
 //! | `idle_timeout_ms` | ms > 0, [`DEFAULT_IDLE_TIMEOUT`](crate::DEFAULT_IDLE_TIMEOUT) | longest gap between streamed chunks |
@@ -799,7 +799,7 @@ impl Deployment {
             auth: Auth::default(),
             query: BTreeMap::new(),
             stream: true,
-            http: crate::HttpVersion::Auto,
+            http: crate::HttpVersion::Http1,
             connect_timeout: crate::DEFAULT_CONNECT_TIMEOUT,
             first_token_timeout: crate::DEFAULT_FIRST_TOKEN_TIMEOUT,
             idle_timeout: crate::DEFAULT_IDLE_TIMEOUT,
@@ -2024,7 +2024,7 @@ mod tests {
             .expect("llm config");
         assert!(!llm.stream);
         assert_eq!(llm.api_key, None);
-        assert_eq!(llm.http, crate::HttpVersion::Auto);
+        assert_eq!(llm.http, crate::HttpVersion::Http1);
         let config =
             parse(&MINIMAL.replace("model = \"llama3.1:8b\"", "model = \"m\"\nhttp = \"http2\""))
                 .expect("loads");

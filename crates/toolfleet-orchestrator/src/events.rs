@@ -26,7 +26,9 @@ const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// Publishes one invocation's events in order, numbering them.
 pub struct Events {
-    tx: mpsc::UnboundedSender<ChatEventBody>,
+    /// Boxed: the channel allocates a block of slots up front, and an
+    /// invocation waiting on its model should not hold 32 whole events.
+    tx: mpsc::UnboundedSender<Box<ChatEventBody>>,
     task: tokio::task::JoinHandle<Option<bytes::Bytes>>,
 }
 
@@ -37,7 +39,7 @@ impl Events {
         subject: String,
         invocation_id: String,
     ) -> Self {
-        let (tx, mut rx) = mpsc::unbounded_channel::<ChatEventBody>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Box<ChatEventBody>>();
         let task = tokio::spawn(async move {
             let connects = || {
                 client
@@ -49,6 +51,7 @@ impl Events {
             let mut seq = 0;
             let mut terminal = None;
             while let Some(body) = rx.recv().await {
+                let body = *body;
                 let is_terminal = body.is_terminal();
                 let event = ChatEvent {
                     invocation_id: invocation_id.clone(),
@@ -101,12 +104,12 @@ impl Events {
             );
             return;
         }
-        let _ = self.tx.send(body);
+        let _ = self.tx.send(Box::new(body));
     }
 
     /// Queues the invocation's one terminal event.
     pub(crate) fn finish(&self, body: ChatEventBody) {
-        let _ = self.tx.send(body);
+        let _ = self.tx.send(Box::new(body));
     }
 
     /// Waits until every event sent so far is published; returns the

@@ -42,6 +42,8 @@ pub struct Fleet {
     runs: AtomicU64,
     /// The orchestrator's one reply subscription, shared by every run.
     pub(crate) replies: Arc<Replies>,
+    /// In-progress acks for every chat job held here, from one ticker.
+    pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
 }
 
 impl Fleet {
@@ -53,6 +55,10 @@ impl Fleet {
         config: OrchestratorConfig,
         replies: Arc<Replies>,
     ) -> Self {
+        let heartbeat = toolfleet_service::jobs::Heartbeat::start(
+            client.clone(),
+            crate::intake::CHAT_PROGRESS_EVERY,
+        );
         let catalog =
             LiveCatalog::new(client.clone(), config.subjects.clone(), config.catalog_wait);
         Self {
@@ -66,6 +72,7 @@ impl Fleet {
             cancels: DashMap::new(),
             runs: AtomicU64::new(0),
             replies,
+            heartbeat,
         }
     }
 

@@ -238,7 +238,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
     // the job's deliveries while Redis is away, or while the run that
     // holds the lease — alive, but cut off from NATS — still runs).
     let claimed = {
-        let _alive = toolfleet_service::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
+        let _alive = fleet.heartbeat.hold(&msg);
         let mut claimed = claim(fleet, &job.invocation_id, delivery, &holder).await;
         let until = Instant::now() + CLAIM_PATIENCE;
         while matches!(claimed, Claimed::Unknown(_) | Claimed::Held(_)) && Instant::now() < until {
@@ -355,17 +355,16 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         .await
 }
 
-/// Renews the run's lease until the run ends (the task is aborted then);
-/// cancels `lost` when another run holds it. A store that cannot answer
-/// does not stop the run: while it is away nobody else can take the lease.
-async fn keep_lease(fleet: Arc<Fleet>, id: String, holder: String, lost: CancellationToken) {
+/// Renews the run's lease for as long as it is polled (beside the run);
+/// returns when another run holds it. A store that cannot answer does not
+/// stop the run: while it is away nobody else can take the lease.
+async fn keep_lease(fleet: &Fleet, id: &str, holder: &str) {
     loop {
         tokio::time::sleep(LEASE_RENEW_EVERY).await;
-        match fleet.store.lease(&id, &holder, LEASE_TTL).await {
+        match fleet.store.lease(id, holder, LEASE_TTL).await {
             Ok(Lease::Held) => {}
             Ok(Lease::Busy { .. }) => {
                 warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");
-                lost.cancel();
                 return;
             }
             Err(e) => {
@@ -466,14 +465,7 @@ async fn run(
         fleet.config.subjects.chat_events(&tenant, &id),
         id.clone(),
     );
-    let keep_alive = toolfleet_service::jobs::keep_alive(&msg, CHAT_PROGRESS_EVERY);
-    let lease_lost = CancellationToken::new();
-    let lease = tokio::spawn(keep_lease(
-        fleet.clone(),
-        id.clone(),
-        holder,
-        lease_lost.clone(),
-    ));
+    let keep_alive = fleet.heartbeat.hold(&msg);
 
     let timeout = job
         .timeout_ms
@@ -488,9 +480,9 @@ async fn run(
         // Cancelled while it waited in the stream: nothing runs.
         _ = std::future::ready(()), if cancelled_early => Err(Failure::new("cancelled", "the invocation was cancelled before it started")),
         // Another delivery's run took the invocation over: it speaks for
-        // the invocation now; this one stops without a word.
-        _ = lease_lost.cancelled() => {
-            lease.abort();
+        // the invocation now; this one stops without a word. (Renewed
+        // here, beside the run, rather than on a task of its own.)
+        () = keep_lease(fleet, &id, &holder) => {
             events.close().await;
             drop(keep_alive);
             fleet.forget_run(&id, run);
@@ -517,7 +509,6 @@ async fn run(
             "error"
         }
     };
-    lease.abort();
     let terminal = events.close().await;
     // The run ended: a redelivery (its ack lost) must not run it again.
     let owner = owner(delivery);

@@ -2472,20 +2472,56 @@ async fn serve_state(
         model = %state.script.model,
         "scripted model server (a stand-in for an OpenAI-compatible provider) listening on {addr}"
     );
-    use axum::serve::ListenerExt;
-    // Every SSE chunk is a small write: without TCP_NODELAY, Nagle's
-    // algorithm meets the client's delayed ACK and each round trip gains
-    // ~40 ms that no real provider adds. HTTP/1.1 and HTTP/2 (h2c by
-    // prior knowledge) are both served, as providers do.
-    let accepted = state.clone();
-    let listener = listener.tap_io(move |tcp| {
+    // HTTP/1.1 and HTTP/2 (h2c by prior knowledge) on one port, as
+    // providers serve both; HTTP/2 without hyper's default cap of 200
+    // streams per connection, so a client multiplexing thousands of
+    // waiting calls is not throttled by the stand-in.
+    let mut builder =
+        hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
+    builder.http2().max_concurrent_streams(MAX_HTTP2_STREAMS);
+    let app = router(state.clone());
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        let tcp = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((tcp, _)) => tcp,
+                Err(e) => {
+                    // Out of descriptors, say: wait rather than spin.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            () = &mut shutdown => break,
+        };
+        // Every SSE chunk is a small write: without TCP_NODELAY, Nagle's
+        // algorithm meets the client's delayed ACK and each round trip
+        // gains ~40 ms that no real provider adds.
         let _ = tcp.set_nodelay(true);
-        accepted.connections.fetch_add(1, Ordering::Relaxed);
-    });
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(shutdown)
-        .await
+        state.connections.fetch_add(1, Ordering::Relaxed);
+        let service = {
+            use tower::ServiceExt;
+            hyper_util::service::TowerToHyperService::new(app.clone().map_request(
+                |req: axum::http::Request<hyper::body::Incoming>| req.map(axum::body::Body::new),
+            ))
+        };
+        let conn = builder
+            .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(tcp), service)
+            .into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+    }
+    drop(listener);
+    // Open responses finish (the caller bounds how long it waits).
+    graceful.shutdown().await;
+    Ok(())
 }
+
+/// HTTP/2 streams the stand-in allows on one connection.
+const MAX_HTTP2_STREAMS: u32 = 100_000;
 
 /// Serves `script` on `listener` until `shutdown` completes. The CLI's
 /// `toolfleet scripted-model --listen ADDR --script FILE` runs this.
