@@ -9,6 +9,12 @@
 //! small batch we saw a job wait two full pull expiries (10 s) before
 //! delivery under steady load (`toolfleet bench --concurrency 1`).
 //!
+//! In-progress acks for the jobs a loop holds come from one [`Heartbeat`]
+//! per loop, not from a task and a timer per job; [`PullLoop::in_slots`]
+//! holds every job until its handler is done and lets a handler give its
+//! permit back early (a worker's result is out, its ledger write and ack
+//! are not).
+//!
 //! A pull request lives on the server, for one connection: when NATS
 //! restarts or the connection drops, the request in flight is gone, and
 //! the client would wait out its expiry (plus slack) before asking again.

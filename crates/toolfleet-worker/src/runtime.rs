@@ -6,14 +6,16 @@
 //! copies) and direct requests are answered on the tool's services-API
 //! endpoint (which is also what makes the tool live in the catalog).
 //!
-//! One job: headers → call context; the result ledger (a redelivered job
-//! returns the stored result); envelope and argument validation (invalid
+//! One job: headers → call context; the result ledger and the cancel
+//! tombstone in one read (a redelivered job returns the stored result, a
+//! cancelled one does not run); envelope and argument validation (invalid
 //! arguments are answered at once and touch nothing); `before_call`
-//! policies; the tool under its timeout with in-progress acks; the result
-//! to `Toolfleet-Reply-To`; only then the ack. Retries are ours: a
-//! retryable failure is `nak`ed with our own delay until the attempt cap,
-//! then terminated and published as a dead letter — and the caller still
-//! gets an error result.
+//! policies; the tool under its timeout, kept alive by the pull loop's one
+//! in-progress-ack ticker; the result to `Toolfleet-Reply-To`, then into
+//! the ledger (the caller never waits for Redis twice); only then the ack.
+//! Retries are ours: a retryable failure is `nak`ed with our own delay
+//! until the attempt cap, then terminated and published as a dead letter —
+//! and the caller still gets an error result.
 
 use std::collections::HashMap;
 use std::sync::Arc;
