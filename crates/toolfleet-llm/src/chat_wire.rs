@@ -593,7 +593,7 @@ mod tests {
         ChatRequest {
             model: "m".into(),
             messages,
-            tools,
+            tools: tools.into_iter().map(std::sync::Arc::new).collect(),
             tool_choice: Some(ToolChoice::Auto),
             parallel_tool_calls: true,
             temperature: Some(0.25),

@@ -81,7 +81,9 @@ pub enum ToolChoice {
 pub struct ChatRequest {
     pub model: String,
     pub messages: Vec<Message>,
-    pub tools: Vec<ToolSpec>,
+    /// Shared: a request holds its tools' schemas by reference, so
+    /// thousands of waiting invocations hold one copy of each.
+    pub tools: Vec<Arc<ToolSpec>>,
     /// `None` leaves it to the provider (`auto` whenever tools are sent).
     pub tool_choice: Option<ToolChoice>,
     /// Sent only together with tools (OpenAI rejects it otherwise).
@@ -963,7 +965,7 @@ mod tests {
         ChatRequest {
             model: "toolfleet-scripted".into(),
             messages,
-            tools: vec![tool("get_weather"), tool("lookup")],
+            tools: vec![Arc::new(tool("get_weather")), Arc::new(tool("lookup"))],
             tool_choice: Some(ToolChoice::Auto),
             parallel_tool_calls: true,
             temperature: None,

@@ -815,7 +815,7 @@ mod tests {
         ChatRequest {
             model: "m".into(),
             messages,
-            tools,
+            tools: tools.into_iter().map(std::sync::Arc::new).collect(),
             tool_choice: None,
             parallel_tool_calls: true,
             temperature: None,

@@ -138,11 +138,8 @@ impl Invocation {
     }
 
     /// The offered tools as the model sees them.
-    pub fn tool_specs(&self) -> Vec<ToolSpec> {
-        self.tools
-            .iter()
-            .map(|t| t.definition.tool_spec())
-            .collect()
+    pub fn tool_specs(&self) -> Vec<Arc<ToolSpec>> {
+        self.tools.iter().map(|t| t.spec.clone()).collect()
     }
 
     /// The ids of the offered tools (`ns:name@x.y.z`).

@@ -516,6 +516,9 @@ pub struct CompiledTool {
     pub definition: ToolDefinition,
     /// Compiled `function.parameters`.
     pub arguments: Validator,
+    /// The tool as the model sees it, built once and shared by every
+    /// request that offers it (a schema per tool, not per invocation).
+    pub spec: std::sync::Arc<ToolSpec>,
 }
 
 impl CompiledTool {
@@ -539,9 +542,11 @@ impl CompiledTool {
             return Err(ToolDefError::Schema { origin, violations });
         }
         let arguments = compile_checked(&definition, &origin)?;
+        let spec = std::sync::Arc::new(definition.tool_spec());
         Ok(Self {
             definition,
             arguments,
+            spec,
         })
     }
 
