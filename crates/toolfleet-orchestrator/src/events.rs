@@ -62,31 +62,17 @@ impl Events {
                 let payload = fit(event, client.server_info().max_payload);
                 if is_terminal {
                     terminal = Some(payload.clone());
-                    publish_terminal(&client, &subject, &invocation_id, payload).await;
-                } else if let Err(e) = client.publish(subject.clone(), payload).await {
+                    // Boxed: the task waits on its channel for the whole
+                    // invocation, and should not carry this rare state.
+                    Box::pin(publish_terminal(&client, &subject, &invocation_id, payload)).await;
+                } else if let Err(e) = Box::pin(client.publish(subject.clone(), payload)).await {
                     warn!(error = %e, "cannot publish a chat event");
                 }
             }
-            // Bounded: a flush into a connection that died may wait for
-            // a reconnection that takes long.
-            let flushed = matches!(
-                tokio::time::timeout(FLUSH_WAIT, client.flush()).await,
-                Ok(Ok(()))
-            );
-            // Events written into a connection that then broke are lost
-            // with it (core NATS), and a flush on the next connection does
-            // not say otherwise. The terminal event must arrive: publish
-            // it again, verbatim (same `seq`: a client that has it
-            // already sees a repeat it can drop).
-            if let Some(payload) = &terminal
-                && (!flushed || connects() != connected)
-            {
-                warn!(
-                    "the connection broke while this invocation's events went out; its terminal event is published again"
-                );
-                let _ = client.publish(subject.clone(), payload.clone()).await;
-                let _ = tokio::time::timeout(FLUSH_WAIT, client.flush()).await;
-            }
+            Box::pin(flush_out(&client, &subject, terminal.as_ref(), || {
+                connects() != connected
+            }))
+            .await;
             terminal
         });
         Self { tx, task }
@@ -117,6 +103,33 @@ impl Events {
     pub(crate) async fn close(self) -> Option<bytes::Bytes> {
         drop(self.tx);
         self.task.await.ok().flatten()
+    }
+}
+
+/// Waits (bounded: a flush into a connection that died may wait for a
+/// reconnection that takes long) until the events are out. Events written
+/// into a connection that then broke are lost with it (core NATS), and a
+/// flush on the next connection does not say otherwise; the terminal event
+/// must arrive: it is published again, verbatim (same `seq`: a client that
+/// has it already sees a repeat it can drop).
+async fn flush_out(
+    client: &async_nats::Client,
+    subject: &str,
+    terminal: Option<&bytes::Bytes>,
+    reconnected: impl Fn() -> bool,
+) {
+    let flushed = matches!(
+        tokio::time::timeout(FLUSH_WAIT, client.flush()).await,
+        Ok(Ok(()))
+    );
+    if let Some(payload) = terminal
+        && (!flushed || reconnected())
+    {
+        warn!(
+            "the connection broke while this invocation's events went out; its terminal event is published again"
+        );
+        let _ = client.publish(subject.to_string(), payload.clone()).await;
+        let _ = tokio::time::timeout(FLUSH_WAIT, client.flush()).await;
     }
 }
 

@@ -361,7 +361,9 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
 async fn keep_lease(fleet: &Fleet, id: &str, holder: &str) {
     loop {
         tokio::time::sleep(LEASE_RENEW_EVERY).await;
-        match fleet.store.lease(id, holder, LEASE_TTL).await {
+        // Boxed: this future lives beside the whole run, and the store
+        // call (a few hundred bytes of state) is only briefly alive.
+        match Box::pin(fleet.store.lease(id, holder, LEASE_TTL)).await {
             Ok(Lease::Held) => {}
             Ok(Lease::Busy { .. }) => {
                 warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");

@@ -50,7 +50,11 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
     for round in 1..=policy.max_rounds {
         let tools_allowed = caps.open_round(round, &policy, fleet, &mut inv.messages);
         let request = request(inv, &policy, tools_allowed);
-        let completion = fleet.call_model(inv, &request, events).await?;
+        let completion = fleet.call_model(inv, &request, events).await;
+        // The conversation was lent to the request (not copied, so a
+        // waiting invocation holds it once): take it back.
+        inv.messages = request.messages;
+        let completion = completion?;
         if completion.is_truncated() && !completion.tool_calls.is_empty() {
             truncated_tool_call(fleet, &policy, &mut inv.messages)?;
             continue;
@@ -158,13 +162,14 @@ fn limit_hit(fleet: &Fleet, limit: &str) {
         .inc();
 }
 
-/// The round's request. The tools stay in it even when they are forbidden
-/// (the prompt prefix, and its cache, do not change); `tool_choice: none`
-/// forbids them.
-fn request(inv: &Invocation, policy: &LoopPolicy, tools_allowed: bool) -> ChatRequest {
+/// The round's request, with the conversation moved into it (the caller
+/// puts it back after the call). The tools stay in it even when they are
+/// forbidden (the prompt prefix, and its cache, do not change);
+/// `tool_choice: none` forbids them.
+fn request(inv: &mut Invocation, policy: &LoopPolicy, tools_allowed: bool) -> ChatRequest {
     ChatRequest {
         model: inv.model().to_string(),
-        messages: inv.messages.clone(),
+        messages: std::mem::take(&mut inv.messages),
         tools: inv.tool_specs(),
         tool_choice: (!tools_allowed).then_some(ToolChoice::None),
         parallel_tool_calls: policy.parallel_tool_calls,
