@@ -188,11 +188,13 @@ impl Env {
     }
 
     /// The invocation's keys that tools wrote (citations, ledger): every
-    /// key but the orchestrator's claim (`owner`) and its stored terminal
-    /// event (`terminal`).
+    /// key but the orchestrator's claim (`owner`), its run lease (`lease`)
+    /// and its stored terminal event (`terminal`).
     pub async fn tool_keys(&self, invocation_id: &str) -> Vec<String> {
         let mut keys = self.keys(invocation_id).await;
-        keys.retain(|k| !k.ends_with(":owner") && !k.ends_with(":terminal"));
+        keys.retain(|k| {
+            !k.ends_with(":owner") && !k.ends_with(":lease") && !k.ends_with(":terminal")
+        });
         keys
     }
 

@@ -388,6 +388,31 @@ impl Accumulate for ResponsesStreamAccumulator {
     }
 }
 
+/// How long a finished stream's remaining bytes are read before it is
+/// dropped ([`drain`]).
+const DRAIN_WAIT: Duration = Duration::from_millis(100);
+/// How many of them at most.
+const DRAIN_BYTES: usize = 64 * 1024;
+
+/// Reads what follows a stream's end marker (usually only the end of the
+/// body), so that HTTP/2 closes the stream instead of resetting it:
+/// thousands of calls ending at once would otherwise send thousands of
+/// `RST_STREAM`s, which servers take for a rapid-reset attack and answer
+/// with `GOAWAY` — ending every other call on the connection. Bounded in
+/// time and bytes: a server that keeps sending is cut off as before.
+async fn drain(response: &mut reqwest::Response) {
+    let _ = tokio::time::timeout(DRAIN_WAIT, async {
+        let mut left = DRAIN_BYTES;
+        while let Ok(Some(chunk)) = response.chunk().await {
+            if chunk.len() >= left {
+                break;
+            }
+            left -= chunk.len();
+        }
+    })
+    .await;
+}
+
 impl LlmClient {
     /// Builds the client. Fails (kind `Protocol`, code `config`) on a base
     /// URL that is not http(s), an auth header name that is not a valid
@@ -694,6 +719,9 @@ impl LlmClient {
                     self.inner.server
                 )));
             }
+        }
+        if done {
+            drain(&mut response).await;
         }
         // Dropping the response here closes the connection if the server
         // sent more than we read (a Responses stream after its terminal

@@ -2478,7 +2478,13 @@ async fn serve_state(
     // waiting calls is not throttled by the stand-in.
     let mut builder =
         hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new());
-    builder.http2().max_concurrent_streams(MAX_HTTP2_STREAMS);
+    builder
+        .http2()
+        .max_concurrent_streams(MAX_HTTP2_STREAMS)
+        // A client's cancels (a cancelled invocation drops its stream) are
+        // not an attack here.
+        .max_pending_accept_reset_streams(None)
+        .max_local_error_reset_streams(None);
     let app = router(state.clone());
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
