@@ -340,26 +340,6 @@ impl PullLoop {
     }
 }
 
-/// Sends in-progress acks for `msg` every `every` until the returned guard
-/// is dropped — however the work ends, a panic included — so a long job is
-/// not redelivered while it runs, and a dead one is.
-pub fn keep_alive(msg: &jetstream::Message, every: Duration) -> tokio_util::sync::DropGuard {
-    let stop = CancellationToken::new();
-    let acker = msg.clone();
-    let token = stop.clone();
-    tokio::spawn(async move {
-        loop {
-            tokio::select! {
-                _ = token.cancelled() => break,
-                _ = tokio::time::sleep(every) => {
-                    let _ = acker.ack_with(jetstream::AckKind::Progress).await;
-                }
-            }
-        }
-    });
-    stop.drop_guard()
-}
-
 /// In-progress acks for every message a pull loop holds, sent by one
 /// ticker task (instead of a task, a timer and a token per message). A
 /// message held at `t` gets its first ack between `t + every` and
