@@ -3,6 +3,7 @@
 
 mod bench;
 mod binaries;
+mod clients;
 mod delivery;
 mod layout;
 mod nats_cluster;

@@ -1,0 +1,61 @@
+//! Clients in other languages, written only from the README and
+//! `schemas/`, against a real fleet: what a platform team's backend does.
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+
+use crate::support::{self, Env};
+
+/// `tests/clients/python_client.py` (nats-py): asks as tenant `acme`,
+/// follows the events to a cited answer, checks a retried submit is a
+/// duplicate, reads the answer back from the events stream (and a 404 for
+/// an unknown invocation), and cancels a slow question.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_client_written_from_the_readme_asks_follows_and_cancels() {
+    let env = Env::start(json!({
+        "rules": [
+            { "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 30000 }, "answer": "too late" } ] },
+            { "whenUserContains": ["lighthouse"], "steps": [
+                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 2 } } ] },
+                { "answer": "Lighthouses: {{tool:search_documents}}" }
+            ] }
+        ]
+    }))
+    .await;
+    let script = support::root().join("tests/clients/python_client.py");
+    let child = tokio::process::Command::new("python3")
+        .arg(&script)
+        .arg(env.nats.url())
+        .arg("acme")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), child)
+        .await
+        .expect("the Python client finished")
+        .expect("python3 runs (nats-py installed: scripts/ensure-servers)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the Python client failed:\n{stderr}");
+    let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    let types: Vec<&str> = seen["answer"]["types"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t.as_str().unwrap())
+        .collect();
+    for kind in [
+        "started",
+        "tool_call",
+        "tool_result",
+        "references",
+        "completed",
+    ] {
+        assert!(types.contains(&kind), "{kind} missing from {types:?}");
+    }
+    assert!(
+        !seen["answer"]["references"].as_array().unwrap().is_empty(),
+        "{seen}"
+    );
+    assert_eq!(seen["stored"], "completed");
+    assert_eq!(seen["cancelled"], "cancelled");
+}
