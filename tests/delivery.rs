@@ -846,3 +846,27 @@ async fn a_chat_job_waits_for_redis_to_claim_it() {
     assert_eq!(terminal["type"], "completed", "{terminal}: {seen:?}");
     assert_eq!(seen.iter().filter(|k| *k == "started").count(), 1);
 }
+
+/// An orchestrator told to stop lets the invocations in flight finish —
+/// including one waiting on a tool call, whose result still reaches it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_draining_orchestrator_still_hears_the_tools_of_its_invocations() {
+    let env = Env::start(two_rounds()).await;
+    let tool = CiteRound::new();
+    let worker = env.start_worker(cite_round_worker(tool.clone())).await;
+    let (_, mut events) = submit_until_round_two(&env, &tool).await;
+    // Drain: the orchestrator takes no new job, and finishes this one.
+    env.shutdown.cancel();
+    tool.go.notify_one();
+    let all = events_until_terminal(&mut events).await;
+    let last = all.last().unwrap();
+    assert_eq!(last["type"], "completed", "{all:#?}");
+    let titles: Vec<&str> = last["references"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["title"].as_str().unwrap())
+        .collect();
+    assert_eq!(titles, ["round 1", "round 2"], "{all:#?}");
+    worker.stop().await;
+}

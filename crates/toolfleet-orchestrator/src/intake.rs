@@ -241,7 +241,22 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         let _alive = fleet.heartbeat.hold(&msg);
         let mut claimed = claim(fleet, &job.invocation_id, delivery, &holder).await;
         let until = Instant::now() + CLAIM_PATIENCE;
-        while matches!(claimed, Claimed::Unknown(_) | Claimed::Held(_)) && Instant::now() < until {
+        // A store that cannot answer: for a while. A live run elsewhere:
+        // for as long as it renews its lease, up to the invocation's
+        // deadline (that run ends by then) — giving the job back sooner
+        // would spend its deliveries, and after the last one nobody would
+        // answer it.
+        let timeout = job
+            .timeout_ms
+            .map(Duration::from_millis)
+            .unwrap_or(fleet.config.default_timeout);
+        let held_until = deadline_ms(delivery.published_ms, toolfleet_protocol::now_ms(), timeout)
+            + LEASE_TTL.as_millis() as u64;
+        while match claimed {
+            Claimed::Unknown(_) => Instant::now() < until,
+            Claimed::Held(_) => toolfleet_protocol::now_ms() < held_until,
+            _ => false,
+        } {
             tokio::time::sleep(Duration::from_secs(1)).await;
             claimed = claim(fleet, &job.invocation_id, delivery, &holder).await;
         }
@@ -298,9 +313,10 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             return;
         }
         Claimed::Held(left) => {
-            // Its run is alive elsewhere (renewing its lease) but its acks
-            // do not reach NATS: not a second run. It comes back, and is
-            // answered from the finished run or run once the lease lapses.
+            // Its run is alive elsewhere past the invocation's deadline
+            // (renewing its lease, its acks not reaching NATS): not a
+            // second run. It comes back, and is answered from the finished
+            // run or run once the lease lapses.
             warn!(invocation_id = %job.invocation_id, lease_left = ?left, "another orchestrator's run of this invocation is still alive; the job will be delivered again");
             let _ = msg
                 .ack_with(AckKind::Nak(Some(left.max(CLAIM_RETRY_DELAY))))
@@ -316,7 +332,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             .inc();
         let error = format!(
             "the job names tenant {:?} but was submitted as tenant {tenant:?} (its submit subject); \
-             submit it to {}",
+             submit it to {} under a new invocation id (this one is spent)",
             job.tenant(),
             fleet.config.subjects.chat_submit(job.tenant())
         );
@@ -357,7 +373,9 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
 
 /// Renews the run's lease for as long as it is polled (beside the run);
 /// returns when another run holds it. A store that cannot answer does not
-/// stop the run: while it is away nobody else can take the lease.
+/// stop the run: if only this orchestrator lost Redis, the lease lapses
+/// after its TTL and a redelivery may take it over — the check before the
+/// terminal event then stops this run from speaking.
 async fn keep_lease(fleet: &Fleet, id: &str, holder: &str) {
     loop {
         tokio::time::sleep(LEASE_RENEW_EVERY).await;
@@ -477,6 +495,15 @@ async fn run(
     let deadline_ms = deadline_ms(delivery.published_ms, now, timeout);
     let left = Duration::from_millis(deadline_ms.saturating_sub(now));
     let cancelled_early = cancelled_before_start(fleet, &id, &tenant).await;
+    let superseded = |events: Events| {
+        let id = &id;
+        async move {
+            events.close().await;
+            fleet.forget_run(id, run);
+            metrics.chat_jobs.with_label_values(&["superseded"]).inc();
+            metrics.chat_jobs_in_flight.dec();
+        }
+    };
     let outcome = tokio::select! {
         biased;
         // Cancelled while it waited in the stream: nothing runs.
@@ -485,11 +512,8 @@ async fn run(
         // the invocation now; this one stops without a word. (Renewed
         // here, beside the run, rather than on a task of its own.)
         () = keep_lease(fleet, &id, &holder) => {
-            events.close().await;
             drop(keep_alive);
-            fleet.forget_run(&id, run);
-            metrics.chat_jobs.with_label_values(&["superseded"]).inc();
-            metrics.chat_jobs_in_flight.dec();
+            superseded(events).await;
             return;
         }
         // A bug must end the invocation with an error event, not leave it
@@ -500,8 +524,21 @@ async fn run(
         _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),
         _ = cancel.cancelled() => Err(Failure::new("cancelled", "the invocation was cancelled")),
     };
+    // Only the run that holds the lease speaks for the invocation: checked
+    // (and renewed, so nobody can take it over for the lease's length)
+    // right before the terminal event, so a run that lost it between two
+    // renewals adds no second terminal event, finish or ack.
+    if let Ok(Lease::Busy { .. }) = fleet.store.lease(&id, &holder, LEASE_TTL).await {
+        warn!(invocation_id = %id, "this run's lease was taken over while it ended; it stops without its terminal event");
+        drop(keep_alive);
+        superseded(events).await;
+        return;
+    }
     let label = match outcome {
-        Ok(()) => "completed",
+        Ok(completed) => {
+            events.finish(completed);
+            "completed"
+        }
         Err(f) => {
             warn!(code = %f.code, message = %f.message, "invocation failed");
             events.finish(ChatEventBody::Error {

@@ -245,7 +245,12 @@ pub async fn run_with_ready(
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
 
-    let replies = replies::Replies::start(&client, &config.subjects, shutdown.clone())
+    // The replies keep flowing until the invocations in flight are done
+    // (after `tracker.wait()` below), not just until shutdown is asked: a
+    // draining run may still be waiting on its tools.
+    let stop_replies = CancellationToken::new();
+    let _stop_replies_on_return = stop_replies.clone().drop_guard();
+    let replies = replies::Replies::start(&client, &config.subjects, stop_replies)
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     let fleet = Arc::new(Fleet::new(

@@ -70,13 +70,14 @@ impl Failure {
 }
 
 /// Runs `job` through the frame: context, `started`, the profile's
-/// orchestrator, `completed`.
+/// orchestrator; returns the `completed` event for the caller to send once
+/// it knows the run still speaks for the invocation.
 pub(crate) async fn invoke(
     fleet: &Fleet,
     job: ChatJob,
     deadline_ms: u64,
     events: &Events,
-) -> Result<(), Failure> {
+) -> Result<ChatEventBody, Failure> {
     let mut inv = context::build(fleet, job, deadline_ms)?;
     let orchestrator = fleet
         .config()
@@ -97,13 +98,12 @@ pub(crate) async fn invoke(
     });
     let answer = orchestrator.run(&mut inv, fleet, events).await?;
     fleet.publish_references(&mut inv, &[], events)?;
-    events.finish(ChatEventBody::Completed {
+    Ok(ChatEventBody::Completed {
         text: answer.text,
         references: inv.citations.all(),
         usage: inv.usage.total(),
         cost_usd: inv.usage.cost(),
         llm_calls: inv.usage.into_calls(),
         rounds: answer.rounds,
-    });
-    Ok(())
+    })
 }

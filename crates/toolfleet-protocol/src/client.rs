@@ -134,6 +134,7 @@ pub async fn chat(
     let deadline = tokio::time::Instant::now() + timeout;
     let mut events = Vec::new();
     let mut check_at = tokio::time::Instant::now() + QUIET_CHECK;
+    let mut warned = false;
     loop {
         let event = match tokio::time::timeout_at(deadline.min(check_at), sub.next()).await {
             Ok(Some(msg)) => match Envelope::ChatEvent.decode::<ChatEvent>(&msg.payload) {
@@ -151,12 +152,17 @@ pub async fn chat(
             // its way (a NATS node died, this connection broke). The events
             // stream keeps it.
             Err(_) => {
-                check_at = tokio::time::Instant::now() + QUIET_CHECK;
-                match last_event(client, subjects, job.tenant(), &job.invocation_id).await {
+                let now = tokio::time::Instant::now();
+                check_at = now + QUIET_CHECK;
+                let wait = deadline.saturating_duration_since(now).min(LAST_EVENT_WAIT);
+                match stored_event(client, subjects, job.tenant(), &job.invocation_id, wait).await {
                     Ok(Some(e)) if e.body.is_terminal() => e,
                     Ok(_) => continue,
                     Err(e) => {
-                        tracing::debug!(error = %e, "cannot read the stored events");
+                        if !warned {
+                            tracing::warn!(error = %e, "cannot read the invocation's stored events (the events stream, or the permission to read it, is missing); only live events count");
+                            warned = true;
+                        }
                         continue;
                     }
                 }
@@ -219,12 +225,23 @@ pub async fn last_event(
     tenant: &str,
     invocation_id: &str,
 ) -> Result<Option<ChatEvent>, ClientError> {
+    stored_event(client, subjects, tenant, invocation_id, LAST_EVENT_WAIT).await
+}
+
+/// [`last_event`], waiting at most `wait` for the server.
+async fn stored_event(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    tenant: &str,
+    invocation_id: &str,
+    wait: Duration,
+) -> Result<Option<ChatEvent>, ClientError> {
     let subject = format!(
         "$JS.API.DIRECT.GET.{}.{}",
         subjects.events_stream(),
         subjects.chat_events(tenant, invocation_id)
     );
-    let reply = tokio::time::timeout(LAST_EVENT_WAIT, client.request(subject, Bytes::new()))
+    let reply = tokio::time::timeout(wait, client.request(subject, Bytes::new()))
         .await
         .map_err(|_| ClientError::Nats("the events stream did not answer".into()))?
         .map_err(|e| ClientError::Nats(format!("reading the events stream: {e}")))?;

@@ -53,10 +53,15 @@ pub async fn ensure_chat_stream(
 /// late.
 pub const EVENTS_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
 
+/// The events stream's size limit: past it the oldest invocations' events
+/// go first, so it never takes the space the job streams need.
+pub const EVENTS_MAX_BYTES: i64 = 256 * 1024 * 1024;
+
 /// Creates the events stream if it does not exist: over every invocation's
 /// events subject, keeping only the latest event of each (so the stream
 /// stays one message per recent invocation, and that message is the
-/// terminal event once the invocation ended), file storage, readable by
+/// terminal event once the invocation ended), at most
+/// [`EVENTS_MAX_BYTES`] (oldest first out), file storage, readable by
 /// direct get, a 2-minute duplicate window (a terminal event published
 /// again after a failover is stored once).
 pub async fn ensure_events_stream(
@@ -73,6 +78,7 @@ pub async fn ensure_events_stream(
             storage: stream::StorageType::File,
             max_messages_per_subject: 1,
             max_age: EVENTS_MAX_AGE,
+            max_bytes: EVENTS_MAX_BYTES,
             duplicate_window: Duration::from_secs(120),
             allow_direct: true,
             discard: stream::DiscardPolicy::Old,
@@ -83,6 +89,14 @@ pub async fn ensure_events_stream(
         .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
     check_subjects(stream.cached_info(), &subject)?;
     check_replicas(stream.cached_info());
+    let found = &stream.cached_info().config;
+    if !found.allow_direct || found.max_messages_per_subject != 1 {
+        tracing::warn!(stream = %name, allow_direct = found.allow_direct,
+            max_messages_per_subject = found.max_messages_per_subject,
+            "the events stream exists with other settings: clients cannot read a missed answer \
+             back unless it allows direct get, and it grows with every event unless it keeps one \
+             message per subject (`nats stream edit`)");
+    }
     Ok(stream)
 }
 
