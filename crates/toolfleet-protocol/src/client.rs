@@ -133,7 +133,10 @@ pub async fn chat(
 
     let deadline = tokio::time::Instant::now() + timeout;
     let mut events = Vec::new();
-    let mut check_at = tokio::time::Instant::now() + QUIET_CHECK;
+    // After a quiet check that found no answer the next one waits twice as
+    // long (a slow model keeps thousands of clients quiet at once).
+    let mut quiet = QUIET_CHECK;
+    let mut check_at = tokio::time::Instant::now() + quiet;
     let mut warned = false;
     loop {
         let event = match tokio::time::timeout_at(deadline.min(check_at), sub.next()).await {
@@ -153,7 +156,8 @@ pub async fn chat(
             // stream keeps it.
             Err(_) => {
                 let now = tokio::time::Instant::now();
-                check_at = now + QUIET_CHECK;
+                quiet = (quiet * 2).min(MAX_QUIET_CHECK);
+                check_at = now + quiet;
                 let wait = deadline.saturating_duration_since(now).min(LAST_EVENT_WAIT);
                 match stored_event(client, subjects, job.tenant(), &job.invocation_id, wait).await {
                     Ok(Some(e)) if e.body.is_terminal() => e,
@@ -168,7 +172,8 @@ pub async fn chat(
                 }
             }
         };
-        check_at = tokio::time::Instant::now() + QUIET_CHECK;
+        quiet = QUIET_CHECK;
+        check_at = tokio::time::Instant::now() + quiet;
         on_event(&event);
         let body = event.body.clone();
         events.push(event);
@@ -202,6 +207,9 @@ pub async fn chat(
 /// How long [`chat`] hears nothing before it reads the invocation's latest
 /// stored event ([`last_event`]).
 const QUIET_CHECK: Duration = Duration::from_secs(3);
+
+/// The longest quiet spell between two such reads.
+const MAX_QUIET_CHECK: Duration = Duration::from_secs(30);
 
 /// How long [`last_event`] waits for the server.
 const LAST_EVENT_WAIT: Duration = Duration::from_secs(5);
