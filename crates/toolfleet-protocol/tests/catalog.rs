@@ -132,6 +132,21 @@ impl Fleet {
         .await
         .expect("reading")
     }
+
+    /// A reading from `previous` in which `workers` serve `tool`, read
+    /// again a few times if not: a reading waits a fixed time for the
+    /// workers' INFO answers, and on a loaded machine one can miss it (the
+    /// live catalog reads again every few seconds).
+    async fn discover_until(&self, previous: &Catalog, tool: &str, workers: usize) -> Catalog {
+        let mut reading = self.discover(previous).await;
+        for _ in 0..5 {
+            if reading.get(tool).is_some_and(|e| e.workers == workers) {
+                break;
+            }
+            reading = self.discover(previous).await;
+        }
+        reading
+    }
 }
 
 fn shipped() -> ToolDefinition {
@@ -197,7 +212,9 @@ async fn workers_that_disagree_get_the_definition_most_of_them_serve() {
     let new_digest = fleet.advertise(&new).await;
     fleet.serve(&new, &new_digest).await;
 
-    let first = fleet.discover(&Catalog::default()).await;
+    let first = fleet
+        .discover_until(&Catalog::default(), &old.id.to_string(), 3)
+        .await;
     let entry = first.get(&old.id.to_string()).expect("the tool is live");
     assert_eq!(entry.definition().description, old.description);
     assert_eq!(entry.digest, old_digest);
@@ -205,7 +222,7 @@ async fn workers_that_disagree_get_the_definition_most_of_them_serve() {
 
     fleet.serve(&new, &new_digest).await;
     fleet.serve(&new, &new_digest).await;
-    let second = fleet.discover(&first).await;
+    let second = fleet.discover_until(&first, &new.id.to_string(), 5).await;
     let entry = second.get(&new.id.to_string()).expect("the tool is live");
     assert_eq!(entry.definition().description, new.description);
     assert_eq!(entry.digest, new_digest);
