@@ -652,3 +652,104 @@ async fn an_old_chat_stream_and_consumer_are_upgraded() {
     assert_eq!(terminal["type"], "completed", "{terminal}");
     assert!(rt.drain(Duration::from_secs(10)).await);
 }
+
+/// The Redis URL of the running test, for [`Usurped`].
+static USURPED_REDIS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+/// Whether [`Usurped`] has let its lease be taken once.
+static USURPED_ONCE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The first time it runs, another run takes the invocation's lease over
+/// just before this one ends (as a run that could not renew in time would
+/// find it); then it answers at once.
+struct Usurped;
+
+impl Orchestrator for Usurped {
+    fn run<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        _fleet: &'a Fleet,
+        _events: &'a Events,
+    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+        async move {
+            if !USURPED_ONCE.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                let url = USURPED_REDIS.get().expect("the test's Redis");
+                let mut redis = redis::Client::open(url.as_str())
+                    .unwrap()
+                    .get_multiplexed_async_connection()
+                    .await
+                    .unwrap();
+                let () = redis::cmd("SET")
+                    .arg(format!("toolfleet:{{{}}}:lease", inv.job.invocation_id))
+                    .arg("usurper")
+                    .arg("PX")
+                    .arg(3000)
+                    .query_async(&mut redis)
+                    .await
+                    .unwrap();
+            }
+            Ok(Answer {
+                text: "done".into(),
+                rounds: 0,
+            })
+        }
+        .boxed()
+    }
+}
+
+/// A run whose lease another run took over between two renewals, and that
+/// then reaches its end, checks the lease before speaking: it publishes no
+/// terminal event, marks nothing finished and does not ack. The job comes
+/// back once the usurper's lease lapses and ends once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_that_lost_its_lease_before_its_end_does_not_speak() {
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            profiles_toml: Some(format!(
+                "{ORCHESTRATOR_PROFILES}\n[profiles.usurped]\ndeployment = \"scripted\"\norchestrator = \"usurped\"\n"
+            )),
+            tweak: |c| {
+                c.register_orchestrator("usurped", Usurped);
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    USURPED_REDIS.set(env.redis.url()).unwrap();
+    let mut job = toolfleet_protocol::client::question("anyone?");
+    job.profile = Some("usurped".into());
+    let mut events = env
+        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
+        .await;
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    let mut kinds = Vec::new();
+    let terminal = tokio::time::timeout(WAIT * 2, async {
+        loop {
+            let ev = next_json(&mut events).await;
+            kinds.push(ev["type"].as_str().unwrap().to_string());
+            if ev["type"] == "completed" || ev["type"] == "error" {
+                return ev;
+            }
+        }
+    })
+    .await
+    .expect("the job ended");
+    assert_eq!(terminal["type"], "completed", "{terminal}");
+    assert_eq!(
+        kinds,
+        ["started", "started", "completed"],
+        "the superseded run spoke"
+    );
+    assert!(USURPED_ONCE.load(std::sync::atomic::Ordering::SeqCst));
+    assert!(
+        tokio::time::timeout(
+            Duration::from_millis(500),
+            futures::StreamExt::next(&mut events)
+        )
+        .await
+        .is_err(),
+        "a second terminal event"
+    );
+}
