@@ -19,7 +19,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer::pull, stream};
+use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
 
@@ -50,16 +50,11 @@ impl Floor {
         let name = format!("FLOOR_{id}");
         let subject = format!("floor.{id}.jobs");
         let stream = js
-            .get_or_create_stream(stream::Config {
-                name: name.clone(),
-                subjects: vec![subject.clone()],
-                retention: stream::RetentionPolicy::WorkQueue,
-                storage: stream::StorageType::File,
-                duplicate_window: Duration::from_secs(120),
-                max_message_size: toolfleet_protocol::MAX_JOB_BYTES as i32 + 64 * 1024,
-                max_age: Duration::from_secs(2 * 3600),
-                ..Default::default()
-            })
+            .get_or_create_stream(toolfleet_protocol::streams::work_queue_config(
+                &name,
+                &subject,
+                2 * 3600,
+            ))
             .await?;
         let consumer = stream
             .get_or_create_consumer(

@@ -13,7 +13,9 @@ use toolfleet_protocol::{CallContext, DEFAULT_TENANT, InvocationContext};
 use toolfleet_store::NewReference;
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
-use crate::support::{Env, WAIT, next_json};
+use crate::support::{
+    Env, WAIT, assert_silent, events_until_terminal, kinds, next_json, publish_raw, set_lease,
+};
 
 /// A tool that cites one document named after its `round` argument. The
 /// call of round 2 stops before it cites until the test says go (once), so
@@ -110,12 +112,7 @@ async fn submit_until_round_two(
     tool: &CiteRound,
 ) -> (toolfleet_protocol::ChatJob, async_nats::Subscriber) {
     let job = toolfleet_protocol::client::question("cite two rounds please");
-    let events = env
-        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
+    let events = env.follow_and_submit(&job).await;
     tokio::time::timeout(WAIT, tool.reached.notified())
         .await
         .expect("round 2 never started");
@@ -153,19 +150,6 @@ async fn send_tool_job(
         .await
         .unwrap();
     replies
-}
-
-/// Every event of an invocation until its terminal one.
-async fn events_until_terminal(events: &mut async_nats::Subscriber) -> Vec<Value> {
-    let mut out = Vec::new();
-    loop {
-        let ev = next_json(events).await;
-        let terminal = ev["type"] == "completed" || ev["type"] == "error";
-        out.push(ev);
-        if terminal {
-            return out;
-        }
-    }
 }
 
 /// Redis restarted without persistence between two rounds of one
@@ -298,15 +282,12 @@ async fn a_tool_job_replying_outside_the_fleet_is_refused() {
         assert_eq!(d["code"], "bad_reply_subject", "{target}: {d}");
         assert_eq!(d["attempts"], 1);
     }
-    assert!(
-        tokio::time::timeout(
-            Duration::from_millis(300),
-            futures::StreamExt::next(&mut submits)
-        )
-        .await
-        .is_err(),
-        "something was published to chat.submit"
-    );
+    assert_silent(
+        &mut submits,
+        Duration::from_millis(300),
+        "something was published to chat.submit",
+    )
+    .await;
 }
 
 /// One invocation id runs once: the same job resubmitted under a new
@@ -384,15 +365,12 @@ async fn a_malformed_job_cannot_end_another_jobs_invocation() {
     .unwrap();
     let d = next_json(&mut dead).await;
     assert_eq!(d["invocationId"], job.invocation_id.as_str(), "{d}");
-    assert!(
-        tokio::time::timeout(
-            Duration::from_millis(500),
-            futures::StreamExt::next(&mut events)
-        )
-        .await
-        .is_err(),
-        "the malformed job published on the other invocation's subject"
-    );
+    assert_silent(
+        &mut events,
+        Duration::from_millis(500),
+        "the malformed job published on the other invocation's subject",
+    )
+    .await;
 }
 
 /// The system worker, as its binary builds it.
@@ -505,43 +483,6 @@ async fn the_first_job_after_a_nats_restart_is_not_held_by_lost_pulls() {
     assert!(!outcome.references.is_empty());
 }
 
-/// Publishes `payload` to `subject` with a raw header block, over a bare
-/// TCP connection speaking the NATS protocol (the client library refuses
-/// to send headers it could not read back), and waits until the server
-/// has processed it.
-async fn publish_raw(url: &str, subject: &str, header_block: &[u8], payload: &[u8]) {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-    let addr = url.trim_start_matches("nats://");
-    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
-    let (read, mut write) = stream.into_split();
-    let mut lines = tokio::io::BufReader::new(read).lines();
-    let info = lines.next_line().await.unwrap().unwrap();
-    assert!(info.starts_with("INFO"), "{info}");
-    let mut out = Vec::new();
-    out.extend_from_slice(
-        b"CONNECT {\"verbose\":false,\"pedantic\":false,\"headers\":true,\"protocol\":1}\r\n",
-    );
-    out.extend_from_slice(
-        format!(
-            "HPUB {subject} {} {}\r\n",
-            header_block.len(),
-            header_block.len() + payload.len()
-        )
-        .as_bytes(),
-    );
-    out.extend_from_slice(header_block);
-    out.extend_from_slice(payload);
-    out.extend_from_slice(b"\r\nPING\r\n");
-    write.write_all(&out).await.unwrap();
-    loop {
-        let line = lines.next_line().await.unwrap().unwrap();
-        assert!(!line.starts_with("-ERR"), "{line}");
-        if line == "PONG" {
-            break;
-        }
-    }
-}
-
 /// A chat job whose header value is not UTF-8 (which the NATS client takes
 /// for a broken connection) is found after the one disconnect it causes,
 /// removed from the queue and dead-lettered with its headers as stored;
@@ -563,6 +504,7 @@ async fn a_chat_job_with_unreadable_headers_is_dead_lettered_and_the_rest_answer
         .await;
     publish_raw(
         &env.nats.url(),
+        None,
         &env.subjects.chat_submit(poison.tenant()),
         b"NATS/1.0\r\nToolfleet-Tenant: \xff\xfe\r\n\r\n",
         &serde_json::to_vec(&poison).unwrap(),
@@ -616,6 +558,7 @@ async fn a_tool_job_with_unreadable_headers_gets_an_error_result_and_a_dead_lett
     block.extend_from_slice(b"\xff\xfe\r\n\r\n");
     publish_raw(
         &env.nats.url(),
+        None,
         &env.subjects.tool(&id),
         &block,
         br#"{"arguments":{}}"#,
@@ -739,88 +682,47 @@ async fn a_live_run_elsewhere_is_not_run_twice_and_a_superseded_run_stops_silent
     });
     let env = Env::start(script).await;
     let mut redis = env.redis_conn.clone();
-    let lease = |id: &str| format!("toolfleet:{{{id}}}:lease");
 
     // Another run holds the lease when the job arrives: nothing runs
     // until it lapses, then the job runs once.
     let job = toolfleet_protocol::client::question("a slow question");
-    let () = redis::cmd("SET")
-        .arg(lease(&job.invocation_id))
-        .arg("elsewhere")
-        .arg("PX")
-        .arg(3000)
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    let mut events = env
-        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
+    set_lease(&mut redis, &job.invocation_id, "elsewhere", 3000).await;
+    let mut events = env.follow_and_submit(&job).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     assert_eq!(env.model.stream_stats().started, 0, "ran beside a live run");
     assert!(futures::FutureExt::now_or_never(futures::StreamExt::next(&mut events)).is_none());
-    let (terminal, seen) = terminal_of(&mut events).await;
-    assert_eq!(terminal["type"], "completed", "{terminal}");
-    assert_eq!(seen.iter().filter(|k| *k == "started").count(), 1);
+    let all = events_until_terminal(&mut events).await;
+    assert_eq!(all.last().unwrap()["type"], "completed", "{all:#?}");
+    assert_eq!(kinds(&all).iter().filter(|k| **k == "started").count(), 1);
 
     // A running job's lease taken over (as a run that could not renew in
     // time would find it): it stops without a word; once the usurper's
     // lease lapses the redelivered job runs and ends, once.
     let job = toolfleet_protocol::client::question("a slower question");
-    let mut events = env
-        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
+    let mut events = env.follow_and_submit(&job).await;
     tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.started >= 2))
         .await
         .expect("the second job reached the model");
-    let () = redis::cmd("SET")
-        .arg(lease(&job.invocation_id))
-        .arg("usurper")
-        .arg("PX")
-        .arg(4000)
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    set_lease(&mut redis, &job.invocation_id, "usurper", 4000).await;
     tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.dropped >= 1))
         .await
         .expect("the superseded run stopped its model call");
-    let (terminal, seen) = tokio::time::timeout(WAIT * 2, terminal_of(&mut events))
+    let all = tokio::time::timeout(WAIT * 2, events_until_terminal(&mut events))
         .await
         .expect("the job ended");
-    assert_eq!(terminal["type"], "completed", "{terminal}: {seen:?}");
+    let seen = kinds(&all);
+    assert_eq!(all.last().unwrap()["type"], "completed", "{seen:?}");
     assert_eq!(
-        seen.iter().filter(|k| *k == "started").count(),
+        seen.iter().filter(|k| **k == "started").count(),
         2,
         "{seen:?}"
     );
-    assert!(
-        tokio::time::timeout(
-            Duration::from_millis(500),
-            futures::StreamExt::next(&mut events)
-        )
-        .await
-        .is_err(),
-        "a second terminal event"
-    );
-}
-
-/// Reads an invocation's events up to its terminal one: that event and
-/// the kinds of all of them.
-async fn terminal_of(events: &mut async_nats::Subscriber) -> (Value, Vec<String>) {
-    let mut seen = Vec::new();
-    loop {
-        let ev = next_json(events).await;
-        let kind = ev["type"].as_str().unwrap().to_string();
-        seen.push(kind.clone());
-        if kind == "completed" || kind == "error" {
-            return (ev, seen);
-        }
-    }
+    assert_silent(
+        &mut events,
+        Duration::from_millis(500),
+        "a second terminal event",
+    )
+    .await;
 }
 
 /// Redis away when a chat job arrives: the job is neither run unclaimed
@@ -831,20 +733,16 @@ async fn a_chat_job_waits_for_redis_to_claim_it() {
     let mut env = Env::start(crate::support::lighthouse_script()).await;
     env.redis.stop();
     let job = toolfleet_protocol::client::question("how do lighthouses warn ships?");
-    let mut events = env
-        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
+    let mut events = env.follow_and_submit(&job).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(env.model.stream_stats().started, 0, "ran unclaimed");
     env.redis.start_again().unwrap();
-    let (terminal, seen) = tokio::time::timeout(WAIT * 2, terminal_of(&mut events))
+    let all = tokio::time::timeout(WAIT * 2, events_until_terminal(&mut events))
         .await
         .expect("the job ran once Redis was back");
-    assert_eq!(terminal["type"], "completed", "{terminal}: {seen:?}");
-    assert_eq!(seen.iter().filter(|k| *k == "started").count(), 1);
+    let seen = kinds(&all);
+    assert_eq!(all.last().unwrap()["type"], "completed", "{seen:?}");
+    assert_eq!(seen.iter().filter(|k| **k == "started").count(), 1);
 }
 
 /// An orchestrator told to stop lets the invocations in flight finish —

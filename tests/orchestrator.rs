@@ -475,12 +475,7 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
     let running = env.start_worker(worker).await;
 
     let job = toolfleet_protocol::client::question("what does the clock say?");
-    let mut events = env
-        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
+    let mut events = env.follow_and_submit(&job).await;
     loop {
         let ev = next_json(&mut events).await;
         assert_ne!(ev["type"], "error", "{ev}");
@@ -678,14 +673,7 @@ impl Orchestrator for Usurped {
                     .get_multiplexed_async_connection()
                     .await
                     .unwrap();
-                let () = redis::cmd("SET")
-                    .arg(format!("toolfleet:{{{}}}:lease", inv.job.invocation_id))
-                    .arg("usurper")
-                    .arg("PX")
-                    .arg(3000)
-                    .query_async(&mut redis)
-                    .await
-                    .unwrap();
+                support::set_lease(&mut redis, &inv.job.invocation_id, "usurper", 3000).await;
             }
             Ok(Answer {
                 text: "done".into(),
@@ -718,38 +706,21 @@ async fn a_run_that_lost_its_lease_before_its_end_does_not_speak() {
     USURPED_REDIS.set(env.redis.url()).unwrap();
     let mut job = toolfleet_protocol::client::question("anyone?");
     job.profile = Some("usurped".into());
-    let mut events = env
-        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+    let mut events = env.follow_and_submit(&job).await;
+    let all = tokio::time::timeout(WAIT * 2, support::events_until_terminal(&mut events))
         .await
-        .unwrap();
-    let mut kinds = Vec::new();
-    let terminal = tokio::time::timeout(WAIT * 2, async {
-        loop {
-            let ev = next_json(&mut events).await;
-            kinds.push(ev["type"].as_str().unwrap().to_string());
-            if ev["type"] == "completed" || ev["type"] == "error" {
-                return ev;
-            }
-        }
-    })
-    .await
-    .expect("the job ended");
-    assert_eq!(terminal["type"], "completed", "{terminal}");
+        .expect("the job ended");
+    assert_eq!(all.last().unwrap()["type"], "completed", "{all:#?}");
     assert_eq!(
-        kinds,
+        support::kinds(&all),
         ["started", "started", "completed"],
         "the superseded run spoke"
     );
     assert!(USURPED_ONCE.load(std::sync::atomic::Ordering::SeqCst));
-    assert!(
-        tokio::time::timeout(
-            Duration::from_millis(500),
-            futures::StreamExt::next(&mut events)
-        )
-        .await
-        .is_err(),
-        "a second terminal event"
-    );
+    support::assert_silent(
+        &mut events,
+        Duration::from_millis(500),
+        "a second terminal event",
+    )
+    .await;
 }

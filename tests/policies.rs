@@ -5,11 +5,10 @@
 use std::collections::HashSet;
 use std::time::Duration;
 
-use futures::StreamExt;
 use serde_json::{Value, json};
 use toolfleet_protocol::{ChatEventBody, ToolStatus};
 
-use crate::support::{Env, Options, WAIT, lighthouse_script, next_json};
+use crate::support::{self, Env, Options, WAIT, lighthouse_script, next_json};
 
 fn kinds(events: &[toolfleet_protocol::ChatEvent]) -> Vec<String> {
     events
@@ -506,12 +505,7 @@ async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
     });
     let env = Env::start(script).await;
     let job = toolfleet_protocol::client::question("a slow question");
-    let mut events = env
-        .subscribe(env.subjects.chat_events(job.tenant(), &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
+    let mut events = env.follow_and_submit(&job).await;
     let started = next_json(&mut events).await;
     assert_eq!(started["type"], "started");
     // The model has the request before we cancel.
@@ -532,12 +526,12 @@ async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
         .await
         .expect("the HTTP stream was dropped");
     assert_eq!(stats.completed, 0);
-    // Nothing more arrives for this invocation.
-    assert!(
-        tokio::time::timeout(Duration::from_millis(300), events.next())
-            .await
-            .is_err()
-    );
+    support::assert_silent(
+        &mut events,
+        Duration::from_millis(300),
+        "more arrived for this invocation",
+    )
+    .await;
 }
 
 /// A cancel is a tenant's: one published under another tenant than the
@@ -563,12 +557,7 @@ async fn a_cancel_under_another_tenant_stops_nothing() {
         assert!(tokio::time::Instant::now() < deadline, "no tombstone");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let mut events = env
-        .subscribe(env.subjects.chat_events("acme", &job.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
-        .await
-        .unwrap();
+    let mut events = env.follow_and_submit(&job).await;
     assert_eq!(next_json(&mut events).await["type"], "started");
     // Running: globex's cancel does not reach it either.
     tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.started >= 1))
@@ -796,25 +785,12 @@ async fn a_job_cancelled_while_queued_never_runs() {
     .await;
     // The one slot is busy with a slow job.
     let slow = toolfleet_protocol::client::question("a slow question");
-    let mut slow_events = env
-        .subscribe(env.subjects.chat_events(slow.tenant(), &slow.invocation_id))
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &slow)
-        .await
-        .unwrap();
+    let mut slow_events = env.follow_and_submit(&slow).await;
     assert_eq!(next_json(&mut slow_events).await["type"], "started");
 
     // The second job waits in the stream; cancel it there.
     let queued = toolfleet_protocol::client::question("a queued question");
-    let mut events = env
-        .subscribe(
-            env.subjects
-                .chat_events(queued.tenant(), &queued.invocation_id),
-        )
-        .await;
-    toolfleet_protocol::client::submit(&env.client, &env.subjects, &queued)
-        .await
-        .unwrap();
+    let mut events = env.follow_and_submit(&queued).await;
     env.client
         .publish(
             env.subjects

@@ -216,48 +216,6 @@ pub(crate) fn spawn(bin: &str, env: &[(&'static str, String)], log: std::path::P
     Proc { child, log }
 }
 
-/// Publishes one message as `user` over a raw connection (the NATS client
-/// cannot send a header value that is not UTF-8), and waits for the
-/// server's PONG after it.
-async fn raw_publish(port: u16, user: &str, subject: &str, header_block: &[u8], payload: &[u8]) {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-    let stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .unwrap();
-    let (read, mut write) = stream.into_split();
-    let mut lines = BufReader::new(read).lines();
-    let info = lines.next_line().await.unwrap().unwrap();
-    assert!(info.starts_with("INFO"), "{info}");
-    let connect = serde_json::json!({
-        "verbose": false, "pedantic": false, "headers": true, "protocol": 1,
-        "user": user, "pass": password(user),
-    });
-    let mut out = format!("CONNECT {connect}\r\n").into_bytes();
-    out.extend_from_slice(
-        format!(
-            "HPUB {subject} {} {}\r\n",
-            header_block.len(),
-            header_block.len() + payload.len()
-        )
-        .as_bytes(),
-    );
-    out.extend_from_slice(header_block);
-    out.extend_from_slice(payload);
-    out.extend_from_slice(b"\r\nPING\r\n");
-    write.write_all(&out).await.unwrap();
-    loop {
-        let line = tokio::time::timeout(WAIT, lines.next_line())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap();
-        assert!(!line.starts_with("-ERR"), "{line}");
-        if line == "PONG" {
-            break;
-        }
-    }
-}
-
 /// The model asks for the time, then answers with it.
 pub(crate) fn time_script() -> serde_json::Value {
     serde_json::json!({
@@ -392,9 +350,9 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
     );
     let mut block = headers.into_bytes();
     block.extend_from_slice(b"\xff\xfe\r\n\r\n");
-    raw_publish(
-        secure.nats.port(),
-        "client-acme",
+    support::publish_raw(
+        &secure.nats.url(),
+        Some(("client-acme", &password("client-acme"))),
         "toolfleet.chat.submit.acme",
         &block,
         &serde_json::to_vec(&poison).unwrap(),

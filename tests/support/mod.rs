@@ -213,6 +213,18 @@ impl Env {
     }
 
     /// Subscribes (and flushes, so the subscription is live).
+    /// Subscribes to `job`'s events, then submits it: the events
+    /// subscription, from the first event on.
+    pub async fn follow_and_submit(&self, job: &ChatJob) -> async_nats::Subscriber {
+        let events = self
+            .subscribe(self.subjects.chat_events(job.tenant(), &job.invocation_id))
+            .await;
+        toolfleet_protocol::client::submit(&self.client, &self.subjects, job)
+            .await
+            .unwrap();
+        events
+    }
+
     pub async fn subscribe(&self, subject: String) -> async_nats::Subscriber {
         let s = self.client.subscribe(subject).await.unwrap();
         self.client.flush().await.unwrap();
@@ -345,5 +357,101 @@ impl TestWorker {
             .expect("the worker stops in time")
             .expect("no panic")
             .expect("the worker stops cleanly");
+    }
+}
+
+/// Asserts that nothing arrives on `sub` within `within`; `what` says what
+/// an arrival would mean.
+pub async fn assert_silent(sub: &mut async_nats::Subscriber, within: Duration, what: &str) {
+    assert!(
+        tokio::time::timeout(within, sub.next()).await.is_err(),
+        "{what}"
+    );
+}
+
+/// Every event of an invocation until its terminal one.
+pub async fn events_until_terminal(events: &mut async_nats::Subscriber) -> Vec<serde_json::Value> {
+    let mut out = Vec::new();
+    loop {
+        let ev = next_json(events).await;
+        let terminal = ev["type"] == "completed" || ev["type"] == "error";
+        out.push(ev);
+        if terminal {
+            return out;
+        }
+    }
+}
+
+/// The `type` of each event.
+pub fn kinds(events: &[serde_json::Value]) -> Vec<&str> {
+    events.iter().filter_map(|e| e["type"].as_str()).collect()
+}
+
+/// Makes invocation `invocation_id`'s run lease `holder`'s for `ms`: what
+/// a live run elsewhere (or a run that took this one over) leaves.
+pub async fn set_lease(
+    redis: &mut redis::aio::MultiplexedConnection,
+    invocation_id: &str,
+    holder: &str,
+    ms: u64,
+) {
+    let () = redis::cmd("SET")
+        .arg(format!("toolfleet:{{{invocation_id}}}:lease"))
+        .arg(holder)
+        .arg("PX")
+        .arg(ms)
+        .query_async(redis)
+        .await
+        .unwrap();
+}
+
+/// Publishes `payload` to `subject` with a raw header block, over a bare
+/// TCP connection speaking the NATS protocol (the client library refuses
+/// to send headers it could not read back), as `user` with its password
+/// when given, and waits until the server has processed it.
+pub async fn publish_raw(
+    url: &str,
+    user: Option<(&str, &str)>,
+    subject: &str,
+    header_block: &[u8],
+    payload: &[u8],
+) {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let addr = url.trim_start_matches("nats://");
+    let stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (read, mut write) = stream.into_split();
+    let mut lines = tokio::io::BufReader::new(read).lines();
+    let info = lines.next_line().await.unwrap().unwrap();
+    assert!(info.starts_with("INFO"), "{info}");
+    let mut connect = serde_json::json!({
+        "verbose": false, "pedantic": false, "headers": true, "protocol": 1,
+    });
+    if let Some((name, password)) = user {
+        connect["user"] = name.into();
+        connect["pass"] = password.into();
+    }
+    let mut out = format!("CONNECT {connect}\r\n").into_bytes();
+    out.extend_from_slice(
+        format!(
+            "HPUB {subject} {} {}\r\n",
+            header_block.len(),
+            header_block.len() + payload.len()
+        )
+        .as_bytes(),
+    );
+    out.extend_from_slice(header_block);
+    out.extend_from_slice(payload);
+    out.extend_from_slice(b"\r\nPING\r\n");
+    write.write_all(&out).await.unwrap();
+    loop {
+        let line = tokio::time::timeout(WAIT, lines.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap();
+        assert!(!line.starts_with("-ERR"), "{line}");
+        if line == "PONG" {
+            break;
+        }
     }
 }

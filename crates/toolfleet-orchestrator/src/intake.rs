@@ -246,12 +246,9 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         // deadline (that run ends by then) — giving the job back sooner
         // would spend its deliveries, and after the last one nobody would
         // answer it.
-        let timeout = job
-            .timeout_ms
-            .map(Duration::from_millis)
-            .unwrap_or(fleet.config.default_timeout);
-        let held_until = deadline_ms(delivery.published_ms, toolfleet_protocol::now_ms(), timeout)
-            + LEASE_TTL.as_millis() as u64;
+        let (deadline, _) =
+            invocation_deadline(fleet, &job, delivery, toolfleet_protocol::now_ms());
+        let held_until = deadline + LEASE_TTL.as_millis() as u64;
         while match claimed {
             Claimed::Unknown(_) => Instant::now() < until,
             Claimed::Held(_) => toolfleet_protocol::now_ms() < held_until,
@@ -487,12 +484,8 @@ async fn run(
     );
     let keep_alive = fleet.heartbeat.hold(&msg);
 
-    let timeout = job
-        .timeout_ms
-        .map(Duration::from_millis)
-        .unwrap_or(fleet.config.default_timeout);
     let now = toolfleet_protocol::now_ms();
-    let deadline_ms = deadline_ms(delivery.published_ms, now, timeout);
+    let (deadline_ms, timeout) = invocation_deadline(fleet, &job, delivery, now);
     let left = Duration::from_millis(deadline_ms.saturating_sub(now));
     let cancelled_early = cancelled_before_start(fleet, &id, &tenant).await;
     let superseded = |events: Events| {
@@ -565,6 +558,21 @@ async fn run(
     metrics
         .chat_job_duration
         .observe(started.elapsed().as_secs_f64());
+}
+
+/// The invocation's deadline (Unix ms) and its timeout: the job's own, or
+/// the orchestrator's default, counted as [`deadline_ms`] does.
+fn invocation_deadline(
+    fleet: &Fleet,
+    job: &ChatJob,
+    delivery: Delivery,
+    now: u64,
+) -> (u64, Duration) {
+    let timeout = job
+        .timeout_ms
+        .map(Duration::from_millis)
+        .unwrap_or(fleet.config.default_timeout);
+    (deadline_ms(delivery.published_ms, now, timeout), timeout)
 }
 
 /// The invocation's deadline (Unix ms): `timeout` after the job was

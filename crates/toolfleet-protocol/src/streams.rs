@@ -132,17 +132,7 @@ async fn work_queue(
     legacy: Option<String>,
     max_age_secs: u64,
 ) -> Result<stream::Stream, StreamError> {
-    let config = stream::Config {
-        name: name.clone(),
-        subjects: vec![subject.clone()],
-        retention: stream::RetentionPolicy::WorkQueue,
-        storage: stream::StorageType::File,
-        duplicate_window: Duration::from_secs(120),
-        max_message_size: crate::MAX_JOB_BYTES as i32 + 64 * 1024,
-        max_age: Duration::from_secs(max_age_secs),
-        num_replicas: default_replicas(),
-        ..Default::default()
-    };
+    let config = work_queue_config(&name, &subject, max_age_secs);
     let mut stream = js
         .get_or_create_stream(config)
         .await
@@ -164,6 +154,23 @@ async fn work_queue(
     check_subjects(stream.cached_info(), &subject)?;
     check_replicas(stream.cached_info());
     Ok(stream)
+}
+
+/// The settings of a work-queue stream of jobs over `subject` (see
+/// [`ensure_tools_stream`]); the bench's JetStream floor uses them too, so
+/// it measures the same kind of stream.
+pub fn work_queue_config(name: &str, subject: &str, max_age_secs: u64) -> stream::Config {
+    stream::Config {
+        name: name.to_string(),
+        subjects: vec![subject.to_string()],
+        retention: stream::RetentionPolicy::WorkQueue,
+        storage: stream::StorageType::File,
+        duplicate_window: Duration::from_secs(120),
+        max_message_size: crate::MAX_JOB_BYTES as i32 + 64 * 1024,
+        max_age: Duration::from_secs(max_age_secs),
+        num_replicas: default_replicas(),
+        ..Default::default()
+    }
 }
 
 /// Logs an existing stream whose replica count is not this process's.
