@@ -459,6 +459,7 @@ impl ToolCaller {
             attempt: 1,
             reply_to,
             citation_floor: 0,
+            new_call: true,
         };
         let result = async {
             let ack = self
@@ -715,6 +716,7 @@ mod tests {
             attempt: 1,
             reply_to: "toolfleet.reply.x.c1".into(),
             citation_floor: 0,
+            new_call: false,
         };
         let result = |status, code: Option<&str>| {
             toolfleet_protocol::encode(&toolfleet_protocol::ToolReply::Result(

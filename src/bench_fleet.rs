@@ -129,6 +129,8 @@ pub struct BenchFleet {
     pub orchestrator: Option<Orchestrator>,
     /// The model's process id, when it has one.
     pub model_pid: Option<u32>,
+    /// When its last worker was up.
+    pub started: std::time::Instant,
     servers: DemoServers,
     model: Model,
     workers: Vec<Proc>,
@@ -305,6 +307,7 @@ impl BenchFleet {
             client,
             orchestrator,
             model_pid,
+            started: std::time::Instant::now(),
             servers,
             model,
             workers,

@@ -203,6 +203,19 @@ async fn measure(
         },
         None => load.warm_up(),
     };
+    // A worker's first jobs (published within its cancel-hearing margin
+    // of its start) read the cancel tombstone from Redis; after that a new
+    // call's first delivery does not. Measure the steady state.
+    let settle =
+        toolfleet_worker::runtime::CANCEL_HEARING_MARGIN.saturating_sub(fleet.started.elapsed());
+    if !settle.is_zero() {
+        eprintln!(
+            "• waiting {:.1} s: workers read Redis for the jobs of their first {} s",
+            settle.as_secs_f64(),
+            toolfleet_worker::runtime::CANCEL_HEARING_MARGIN.as_secs()
+        );
+        tokio::time::sleep(settle).await;
+    }
     if warm.count != Some(0) {
         eprint!("• warming up ({} operations) … ", warm.count.unwrap_or(0));
         let w = drive("warm-up", &warm, op.clone()).await;

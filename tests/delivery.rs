@@ -138,6 +138,7 @@ async fn send_tool_job(
         attempt: 1,
         reply_to: inbox,
         citation_floor: 0,
+        new_call: false,
     };
     async_nats::jetstream::new(env.client.clone())
         .publish_with_headers(
@@ -265,6 +266,7 @@ async fn a_tool_job_replying_outside_the_fleet_is_refused() {
             attempt: 1,
             reply_to: target.clone(),
             citation_floor: 0,
+            new_call: false,
         };
         let mut h = call.to_headers();
         h.insert("Nats-Msg-Id", target.as_str());

@@ -408,6 +408,7 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
         attempt: 1,
         reply_to: inbox,
         citation_floor: 0,
+        new_call: false,
     };
     let body = json!({ "arguments": { "query": "honeybee waggle dance", "limit": 2 } }).to_string();
     let mut first_refs = None;
@@ -462,6 +463,7 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
         attempt: 1,
         reply_to: inbox,
         citation_floor: 0,
+        new_call: false,
     };
     js.publish_with_headers(
         env.subjects.tool(&call.tool_id),

@@ -534,6 +534,41 @@ async fn cancelling_an_invocation_stops_the_model_stream_at_once() {
     .await;
 }
 
+/// A cancel this orchestrator did not hear — it was cut off from NATS when
+/// the cancel was published, and another orchestrator remembered it in the
+/// store — still stops the run, at its next lease renewal (every 2 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_the_orchestrator_missed_stops_the_run_at_its_next_lease_renewal() {
+    let script = json!({
+        "rules": [{ "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 20000 }, "answer": "too late" } ] }]
+    });
+    let env = Env::start(script).await;
+    let job = toolfleet_protocol::client::question("a slow question");
+    let mut events = env.follow_and_submit(&job).await;
+    assert_eq!(next_json(&mut events).await["type"], "started");
+    tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.started >= 1))
+        .await
+        .expect("stream began");
+    // The tombstone as an orchestrator that heard the cancel writes it;
+    // no cancel message reaches this one.
+    toolfleet_store::CitationStore::connect(
+        &env.redis.url(),
+        env.subjects.prefix(),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap()
+    .mark_cancelled(&job.invocation_id, job.tenant())
+    .await
+    .unwrap();
+    let ev = next_json(&mut events).await;
+    assert_eq!(ev["type"], "error", "{ev}");
+    assert_eq!(ev["code"], "cancelled", "{ev}");
+    tokio::time::timeout(WAIT, env.model.wait_for_streams(|s| s.dropped >= 1))
+        .await
+        .expect("the HTTP stream was dropped");
+}
+
 /// A cancel is a tenant's: one published under another tenant than the
 /// invocation's — before the job starts or while it runs — stops nothing,
 /// and a job that names another tenant than its submit subject's is

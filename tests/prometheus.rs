@@ -431,6 +431,7 @@ async fn traffic(env: &mut Env) {
         attempt: 1,
         reply_to: env.subjects.reply_inbox(),
         citation_floor: 0,
+        new_call: false,
     };
     js.publish_with_headers(
         env.subjects.tool(&call.tool_id),

@@ -380,6 +380,37 @@ async fn a_run_lease_is_held_renewed_and_lapses() {
         within(store.lease("inv-n", "a", long)).await.unwrap(),
         Lease::Busy { .. }
     ));
+
+    // A renewal also tells whether the invocation's tenant cancelled it
+    // (another tenant's tombstone is not its own).
+    assert_eq!(
+        within(store.renew_lease("inv-l", "a", "acme", long))
+            .await
+            .unwrap(),
+        (Lease::Held, false)
+    );
+    within(store.mark_cancelled("inv-l", "globex"))
+        .await
+        .unwrap();
+    assert_eq!(
+        within(store.renew_lease("inv-l", "a", "acme", long))
+            .await
+            .unwrap(),
+        (Lease::Held, false)
+    );
+    within(store.mark_cancelled("inv-l", "acme")).await.unwrap();
+    assert_eq!(
+        within(store.renew_lease("inv-l", "a", "acme", long))
+            .await
+            .unwrap(),
+        (Lease::Held, true)
+    );
+    assert!(matches!(
+        within(store.renew_lease("inv-l", "b", "acme", long))
+            .await
+            .unwrap(),
+        (Lease::Busy { .. }, true)
+    ));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

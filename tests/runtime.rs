@@ -174,6 +174,7 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
             attempt: 1,
             reply_to: inbox.clone(),
             citation_floor: 0,
+            new_call: false,
         };
         js.publish_with_headers(
             subjects.tool(&id),
@@ -608,6 +609,12 @@ struct CountedWorker {
 
 impl CountedWorker {
     async fn start(timeout_ms: u64) -> Self {
+        Self::start_with(timeout_ms, |_| {}).await
+    }
+
+    /// [`CountedWorker::start`], the worker's configuration changed by
+    /// `configure`.
+    async fn start_with(timeout_ms: u64, configure: impl FnOnce(&mut WorkerConfig)) -> Self {
         let env = support::Env::start_with(
             json!({ "rules": [] }),
             support::Options {
@@ -623,7 +630,9 @@ impl CountedWorker {
             .tool("system.current_datetime", Counted(runs.clone()))
             .build()
             .unwrap();
-        let worker = env.start_worker(worker).await;
+        let mut config = WorkerConfig::new(env.subjects.clone());
+        configure(&mut config);
+        let worker = env.start_worker_with(worker, config).await;
         let inbox = env.subjects.reply_inbox();
         let replies = env.subscribe(inbox.clone()).await;
         Self {
@@ -638,8 +647,20 @@ impl CountedWorker {
     }
 
     /// Publishes call `call_id` of invocation `inv` as message `msg_id`
-    /// (a new id is a re-publish JetStream does not de-duplicate).
+    /// (a new id is a re-publish JetStream does not de-duplicate), as a
+    /// client that may repeat a call does.
     async fn publish(&self, inv: &str, call_id: &str, msg_id: &str, args: Value) {
+        self.publish_call(inv, call_id, msg_id, args, false).await;
+    }
+
+    /// Publishes a call its publisher minted (`Toolfleet-New-Call`), as the
+    /// orchestrator does.
+    async fn publish_new(&self, inv: &str, call_id: &str) {
+        self.publish_call(inv, call_id, &format!("{inv}.{call_id}"), json!({}), true)
+            .await;
+    }
+
+    async fn publish_call(&self, inv: &str, call_id: &str, msg_id: &str, args: Value, new: bool) {
         let ctx = CallContext {
             invocation: InvocationContext::new(inv),
             call_id: call_id.into(),
@@ -647,6 +668,7 @@ impl CountedWorker {
             attempt: 1,
             reply_to: self.inbox.clone(),
             citation_floor: 0,
+            new_call: new,
         };
         let mut headers = ctx.to_headers();
         headers.insert("Nats-Msg-Id", msg_id);
@@ -664,6 +686,20 @@ impl CountedWorker {
 
     fn runs(&self) -> usize {
         self.runs.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// How many `MGET`s — the worker's one read of result ledger and
+    /// cancel tombstone — Redis has served.
+    async fn ledger_reads(&self) -> u64 {
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query_async(&mut self.env.redis_conn.clone())
+            .await
+            .unwrap();
+        info.lines()
+            .find_map(|l| l.strip_prefix("cmdstat_mget:calls="))
+            .and_then(|rest| rest.split(',').next()?.parse().ok())
+            .unwrap_or(0)
     }
 
     /// Waits until the tool's consumer holds no job: every delivery so far
@@ -730,6 +766,100 @@ async fn a_result_is_answered_before_its_ledger_write_and_acked_after_it() {
     assert_eq!(later["replayed"], true, "{later}");
     assert_eq!(later["content"], "counted", "{later}");
     assert_eq!(w.runs(), 1, "the tool ran once for three deliveries");
+    w.worker.stop().await;
+}
+
+/// The first delivery of a call its publisher minted (as the
+/// orchestrator's are) reads nothing from Redis once the worker has heard
+/// every cancel since before it was published: no result can be stored
+/// yet, and a cancel would be in the worker's memory. A client's repeat of
+/// the call (not marked new) still reads the ledger and is answered from
+/// it, without running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_calls_first_delivery_reads_nothing_from_redis() {
+    let mut w =
+        CountedWorker::start_with(5_000, |c| c.cancel_hearing_margin = Duration::ZERO).await;
+    let reads = w.ledger_reads().await;
+    w.publish_new("fresh-1", "call_1").await;
+    let first = next_json(&mut w.replies).await;
+    assert_eq!(first["status"], "ok", "{first}");
+    w.until_all_acked().await;
+    assert_eq!(
+        w.ledger_reads().await,
+        reads,
+        "no ledger read for a new call"
+    );
+
+    // Acked: the result is in the ledger, and a client's repeat finds it.
+    w.publish("fresh-1", "call_1", "client-retry", json!({}))
+        .await;
+    let again = next_json(&mut w.replies).await;
+    assert_eq!(again["replayed"], true, "{again}");
+    assert_eq!(w.ledger_reads().await, reads + 1);
+    assert_eq!(w.runs(), 1);
+
+    // A cancel the worker heard answers a new call of its invocation
+    // from memory: `cancelled`, not run, nothing read.
+    w.env
+        .client
+        .publish(w.env.subjects.chat_cancel("default", "heard-1"), "".into())
+        .await
+        .unwrap();
+    w.env.client.flush().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    w.publish_new("heard-1", "call_1").await;
+    let cancelled = next_json(&mut w.replies).await;
+    assert_eq!(cancelled["error"]["code"], "cancelled", "{cancelled}");
+    assert_eq!(w.ledger_reads().await, reads + 1);
+    assert_eq!(w.runs(), 1);
+    w.worker.stop().await;
+}
+
+/// A worker answers for cancels from memory only once it has listened
+/// long enough: a new call published within its margin of the worker's
+/// start — or of a reconnect, which loses the cancels published while the
+/// connection was down — reads the tombstone, here one left by a cancel
+/// the worker never heard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancel_the_worker_may_have_missed_is_read_from_the_store() {
+    let margin = Duration::from_secs(2);
+    let mut w = CountedWorker::start_with(5_000, |c| c.cancel_hearing_margin = margin).await;
+    let store = toolfleet_store::CitationStore::connect(
+        &w.env.redis.url(),
+        w.env.subjects.prefix(),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    // Cancelled before this worker listened: only the store knows.
+    store.mark_cancelled("missed-1", "default").await.unwrap();
+    let reads = w.ledger_reads().await;
+    w.publish_new("missed-1", "call_1").await;
+    let reply = next_json(&mut w.replies).await;
+    assert_eq!(reply["error"]["code"], "cancelled", "{reply}");
+    assert_eq!(w.ledger_reads().await, reads + 1);
+
+    // Past the margin, a new call is answered without a read.
+    tokio::time::sleep(margin + Duration::from_millis(200)).await;
+    w.publish_new("fresh-2", "call_1").await;
+    assert_eq!(next_json(&mut w.replies).await["status"], "ok");
+    assert_eq!(w.ledger_reads().await, reads + 1);
+
+    // NATS restarts: a cancel published meanwhile was lost to the worker,
+    // so the store is read again for jobs published in the next margin.
+    w.env.nats.stop();
+    store.mark_cancelled("missed-2", "default").await.unwrap();
+    w.env.nats.start_again().unwrap();
+    let deadline = tokio::time::Instant::now() + support::WAIT;
+    while w.env.client.connection_state() != async_nats::connection::State::Connected {
+        assert!(tokio::time::Instant::now() < deadline, "no reconnect");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    w.publish_new("missed-2", "call_1").await;
+    let reply = next_json(&mut w.replies).await;
+    assert_eq!(reply["error"]["code"], "cancelled", "{reply}");
+    assert_eq!(w.ledger_reads().await, reads + 2);
+    assert_eq!(w.runs(), 1, "only fresh-2 ran");
     w.worker.stop().await;
 }
 

@@ -232,6 +232,7 @@ deployment = "broken"
             attempt: 1,
             reply_to: inbox.clone(),
             citation_floor: 0,
+            new_call: false,
         };
         js.publish_with_headers(
             subjects.tool(&call.tool_id),

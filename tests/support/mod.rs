@@ -319,6 +319,19 @@ impl Env {
     /// Starts `worker` on this fleet's servers (its own NATS connection and
     /// metrics); returns once it takes jobs.
     pub async fn start_worker(&self, worker: toolfleet_worker::Worker) -> TestWorker {
+        self.start_worker_with(
+            worker,
+            toolfleet_worker::WorkerConfig::new(self.subjects.clone()),
+        )
+        .await
+    }
+
+    /// [`Env::start_worker`] with a configuration of the test's own.
+    pub async fn start_worker_with(
+        &self,
+        worker: toolfleet_worker::Worker,
+        config: toolfleet_worker::WorkerConfig,
+    ) -> TestWorker {
         let store = toolfleet_store::CitationStore::connect(
             &self.redis.url(),
             self.subjects.prefix(),
@@ -333,7 +346,7 @@ impl Env {
                 worker.start(
                     async_nats::connect(self.nats.url()).await.unwrap(),
                     store,
-                    toolfleet_worker::WorkerConfig::new(self.subjects.clone()),
+                    config,
                     toolfleet_worker::metrics::WorkerMetrics::register_all(
                         &prometheus::Registry::new(),
                     )

@@ -216,6 +216,7 @@ impl ToolRunner<'_> {
             attempt: 1,
             reply_to: format!("{}.{}", self.inbox.inbox, call.id),
             citation_floor: inv.citations.floor(),
+            new_call: true,
         };
         let headers = call_ctx.to_headers();
         let body = encode(&ToolJob {

@@ -368,21 +368,36 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         .await
 }
 
+/// Why [`keep_lease`] stopped a run.
+enum LeaseEnd {
+    /// Another run holds the lease: this one stops without a word.
+    TakenOver,
+    /// The invocation's cancel tombstone is there: a cancel this
+    /// orchestrator did not hear (it was disconnected when it was
+    /// published; another orchestrator remembered it).
+    Cancelled,
+}
+
 /// Renews the run's lease for as long as it is polled (beside the run);
-/// returns when another run holds it. A store that cannot answer does not
-/// stop the run: if only this orchestrator lost Redis, the lease lapses
-/// after its TTL and a redelivery may take it over — the check before the
-/// terminal event then stops this run from speaking.
-async fn keep_lease(fleet: &Fleet, id: &str, holder: &str) {
+/// returns when another run holds it, or when the invocation's tenant
+/// cancelled it (read in the same round trip). A store that cannot answer
+/// does not stop the run: if only this orchestrator lost Redis, the lease
+/// lapses after its TTL and a redelivery may take it over — the check
+/// before the terminal event then stops this run from speaking.
+async fn keep_lease(fleet: &Fleet, id: &str, tenant: &str, holder: &str) -> LeaseEnd {
     loop {
         tokio::time::sleep(LEASE_RENEW_EVERY).await;
         // Boxed: this future lives beside the whole run, and the store
         // call (a few hundred bytes of state) is only briefly alive.
-        match Box::pin(fleet.store.lease(id, holder, LEASE_TTL)).await {
-            Ok(Lease::Held) => {}
-            Ok(Lease::Busy { .. }) => {
+        match Box::pin(fleet.store.renew_lease(id, holder, tenant, LEASE_TTL)).await {
+            Ok((Lease::Held, false)) => {}
+            Ok((Lease::Held, true)) => {
+                warn!(invocation_id = %id, "the invocation was cancelled (its tombstone is in the store; this orchestrator missed the cancel message); it stops");
+                return LeaseEnd::Cancelled;
+            }
+            Ok((Lease::Busy { .. }, _)) => {
                 warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");
-                return;
+                return LeaseEnd::TakenOver;
             }
             Err(e) => {
                 warn!(invocation_id = %id, error = %e, "cannot renew the run's lease; running on");
@@ -504,11 +519,14 @@ async fn run(
         // Another delivery's run took the invocation over: it speaks for
         // the invocation now; this one stops without a word. (Renewed
         // here, beside the run, rather than on a task of its own.)
-        () = keep_lease(fleet, &id, &holder) => {
-            drop(keep_alive);
-            superseded(events).await;
-            return;
-        }
+        end = keep_lease(fleet, &id, &tenant, &holder) => match end {
+            LeaseEnd::TakenOver => {
+                drop(keep_alive);
+                superseded(events).await;
+                return;
+            }
+            LeaseEnd::Cancelled => Err(Failure::new("cancelled", "the invocation was cancelled")),
+        },
         // A bug must end the invocation with an error event, not leave it
         // silent.
         r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, &events)).catch_unwind(), if !left.is_zero() && !cancelled_early => {

@@ -45,6 +45,10 @@ pub mod headers {
     /// The highest `[doc:N]` the invocation had announced when the call
     /// was sent: a worker's new citation indices are always above it.
     pub const CITATION_FLOOR: &str = "Toolfleet-Citation-Floor";
+    /// `1` when the publisher minted the call id for this job (no earlier
+    /// job carried it, so its first delivery has no stored result to find:
+    /// see [`CallContext::new_call`]).
+    pub const NEW_CALL: &str = "Toolfleet-New-Call";
     pub const TRACEPARENT: &str = "traceparent";
     pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
 }
@@ -333,6 +337,13 @@ pub struct CallContext {
     pub reply_to: String,
     /// See [`headers::CITATION_FLOOR`]; 0 when absent.
     pub citation_floor: u64,
+    /// The publisher minted `call_id` for this job and will never publish
+    /// it again (the orchestrator's call ids are random UUIDs): no result
+    /// of this call can be stored yet, so a worker skips the result-ledger
+    /// read on the job's first delivery. Absent (false) for a publisher
+    /// that may repeat a call id — a client retrying a job under a new
+    /// `Nats-Msg-Id` — whose repeat is then answered from the ledger.
+    pub new_call: bool,
 }
 
 fn get<'a>(h: &'a HeaderMap, name: &'static str) -> Option<&'a str> {
@@ -475,6 +486,9 @@ impl CallContext {
         if self.citation_floor > 0 {
             h.insert(CITATION_FLOOR, self.citation_floor.to_string().as_str());
         }
+        if self.new_call {
+            h.insert(NEW_CALL, "1");
+        }
         h.insert(NATS_MSG_ID, self.msg_id().as_str());
         h
     }
@@ -513,6 +527,7 @@ impl CallContext {
                 }
                 f => f,
             },
+            new_call: get(h, NEW_CALL) == Some("1"),
         })
     }
 }
@@ -1186,6 +1201,7 @@ mod tests {
             attempt: 3,
             reply_to: "toolfleet.reply.abc.call_1".into(),
             citation_floor: 7,
+            new_call: true,
         }
     }
 
@@ -1242,6 +1258,7 @@ mod tests {
             (ATTEMPT, "3"),
             (REPLY_TO, "toolfleet.reply.abc.call_1"),
             (CITATION_FLOOR, "7"),
+            (NEW_CALL, "1"),
             (
                 TRACEPARENT,
                 "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",

@@ -19,13 +19,19 @@ use crate::{CitationError, CitationStore};
 /// Takes the lease when it is free or already `holder`'s, for `ttl`;
 /// otherwise answers who holds it and for how long yet. One script, so
 /// taking and renewing are atomic.
+/// With a second key (the invocation's cancel tombstone), also answers
+/// whether it exists: 1 or 0 as a fourth element.
 const LEASE: &str = r"
+local cancelled = 0
+if KEYS[2] and redis.call('EXISTS', KEYS[2]) == 1 then
+  cancelled = 1
+end
 local current = redis.call('GET', KEYS[1])
 if current == false or current == ARGV[1] then
   redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-  return {1, ARGV[1], tonumber(ARGV[2])}
+  return {1, ARGV[1], tonumber(ARGV[2]), cancelled}
 end
-return {0, current, redis.call('PTTL', KEYS[1])}
+return {0, current, redis.call('PTTL', KEYS[1]), cancelled}
 ";
 
 /// What [`CitationStore::lease`] found.
@@ -47,26 +53,55 @@ impl CitationStore {
         holder: &str,
         ttl: Duration,
     ) -> Result<Lease, CitationError> {
+        Ok(self.lease_script(invocation_id, holder, ttl, None).await?.0)
+    }
+
+    /// [`CitationStore::lease`], and in the same round trip whether
+    /// `tenant` cancelled the invocation
+    /// ([`CitationStore::mark_cancelled`]): a run renewing its lease also
+    /// learns of a cancel whose message it missed (it was disconnected
+    /// when the cancel was published, and another orchestrator wrote the
+    /// tombstone).
+    pub async fn renew_lease(
+        &self,
+        invocation_id: &str,
+        holder: &str,
+        tenant: &str,
+        ttl: Duration,
+    ) -> Result<(Lease, bool), CitationError> {
+        self.lease_script(invocation_id, holder, ttl, Some(tenant))
+            .await
+    }
+
+    async fn lease_script(
+        &self,
+        invocation_id: &str,
+        holder: &str,
+        ttl: Duration,
+        tombstone_of: Option<&str>,
+    ) -> Result<(Lease, bool), CitationError> {
         static SCRIPT: std::sync::LazyLock<redis::Script> =
             std::sync::LazyLock::new(|| redis::Script::new(LEASE));
         let mut invocation = SCRIPT.prepare_invoke();
-        invocation
-            .key(self.key(invocation_id, "lease"))
-            .arg(holder)
-            .arg(ttl.as_millis().max(1) as u64);
+        invocation.key(self.key(invocation_id, "lease"));
+        if let Some(tenant) = tombstone_of {
+            invocation.key(self.tombstone(invocation_id, tenant));
+        }
+        invocation.arg(holder).arg(ttl.as_millis().max(1) as u64);
         let invocation = &invocation;
-        let (held, current, left_ms): (i64, String, i64) = self
+        let (held, current, left_ms, cancelled): (i64, String, i64, i64) = self
             .run("lease", |mut conn| async move {
                 invocation.invoke_async(&mut conn).await
             })
             .await?;
-        Ok(if held == 1 {
+        let lease = if held == 1 {
             Lease::Held
         } else {
             Lease::Busy {
                 holder: current,
                 left: Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)),
             }
-        })
+        };
+        Ok((lease, cancelled == 1))
     }
 }

@@ -57,7 +57,19 @@ pub struct WorkerConfig {
     /// [`WorkerConfig::ack_wait_for`]); in-progress acks go out at a third
     /// of it.
     pub ack_wait: Duration,
+    /// How long this worker must have been hearing every cancel (no
+    /// reconnect since) before a job's publication for the first delivery
+    /// of a new call ([`CallContext::new_call`]) to skip Redis: its memory
+    /// of cancels then answers for the tombstone. Covers the clock skew
+    /// between the NATS server and this host, and the time an orchestrator
+    /// takes to stop a run after its cancel (it checks the tombstone at
+    /// every lease renewal, 2 s, even when it missed the cancel message).
+    pub cancel_hearing_margin: Duration,
 }
+
+/// The default [`WorkerConfig::cancel_hearing_margin`]: jobs published in
+/// a worker's first 5 s (and 5 s after each reconnect) read Redis.
+pub const CANCEL_HEARING_MARGIN: Duration = Duration::from_secs(5);
 
 /// The shortest ack wait of a tool consumer.
 pub const MIN_ACK_WAIT: Duration = Duration::from_secs(2);
@@ -83,6 +95,7 @@ impl WorkerConfig {
             max_attempts: 3,
             retry_delay: Duration::from_millis(500),
             ack_wait: Duration::from_secs(30),
+            cancel_hearing_margin: CANCEL_HEARING_MARGIN,
         }
     }
 }
@@ -100,6 +113,8 @@ struct Shared {
     running: Running,
     /// Results on their way to the ledger.
     recording: Recording,
+    /// The NATS client's counters (its connects tell a reconnect).
+    nats_stats: Arc<async_nats::Statistics>,
     /// Each tool's metrics, looked up once (by label).
     stats: HashMap<String, ToolStats>,
 }
@@ -185,6 +200,20 @@ struct Running {
 struct RunningState {
     calls: HashMap<String, Vec<(u64, CancellationToken)>>,
     cancelled: HashMap<String, Instant>,
+    /// Since when every cancel published has reached `cancelled`; `None`
+    /// until the cancel subscription exists.
+    hearing: Option<Hearing>,
+}
+
+/// Since when (wall clock, to compare with JetStream's publication times)
+/// a worker has heard every cancel, and the client's connect count then.
+/// Cancels published while the connection was down are lost, so a
+/// reconnect starts it again; so does a flood of cancels that emptied the
+/// memory.
+#[derive(Clone, Copy)]
+struct Hearing {
+    since: std::time::SystemTime,
+    connects: u64,
 }
 
 /// How long a worker remembers a cancel for calls that start after it.
@@ -235,6 +264,10 @@ impl Running {
             .retain(|_, at| at.elapsed() < REMEMBER_CANCEL);
         if state.cancelled.len() >= MAX_REMEMBERED_CANCELS {
             state.cancelled.clear();
+            // What was forgotten must be read from Redis again.
+            if let Some(hearing) = &mut state.hearing {
+                hearing.since = std::time::SystemTime::now();
+            }
         }
         state
             .cancelled
@@ -248,6 +281,44 @@ impl Running {
             token.cancel();
         }
         tokens.len()
+    }
+
+    /// Starts remembering since when every cancel was heard: called once
+    /// the cancel subscription exists, with the client's connect count.
+    fn start_hearing(&self, connects: u64) {
+        if let Ok(mut state) = self.state.lock() {
+            state.hearing = Some(Hearing {
+                since: std::time::SystemTime::now(),
+                connects,
+            });
+        }
+    }
+
+    /// Since when every cancel has been heard, given the client's connect
+    /// count and state now; `None` while disconnected or before
+    /// [`Running::start_hearing`]. A changed count (a reconnect: cancels
+    /// published meanwhile were lost) starts it again from now — later
+    /// than the reconnect itself, which errs on the side of reading Redis.
+    fn hearing_since(&self, connects: u64, connected: bool) -> Option<std::time::SystemTime> {
+        let mut state = self.state.lock().ok()?;
+        let hearing = state.hearing.as_mut()?;
+        if hearing.connects != connects || !connected {
+            *hearing = Hearing {
+                since: std::time::SystemTime::now(),
+                connects,
+            };
+        }
+        connected.then_some(hearing.since)
+    }
+
+    /// Whether a cancel of `key` ([`run_key`]) was heard lately.
+    fn remembers_cancel(&self, key: &str) -> bool {
+        self.state.lock().is_ok_and(|state| {
+            state
+                .cancelled
+                .get(key)
+                .is_some_and(|at| at.elapsed() < REMEMBER_CANCEL)
+        })
     }
 }
 
@@ -359,6 +430,7 @@ impl Worker {
                 return Err(e);
             }
         };
+        let client_stats = client.statistics();
         let shared = Arc::new(Shared {
             client: client.clone(),
             store: store.clone(),
@@ -372,6 +444,7 @@ impl Worker {
             }),
             running: Running::default(),
             recording: Recording::default(),
+            nats_stats: client_stats.clone(),
             stats: self
                 .tools
                 .iter()
@@ -385,6 +458,13 @@ impl Worker {
                 })
                 .collect(),
         });
+        // The cancel subscription exists (set-up's requests went out after
+        // it on the same connection): every cancel from now on is heard.
+        shared.running.start_hearing(
+            client_stats
+                .connects
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
         // Jobs wait in the consumers until the loops below take them; a
         // caller that stopped waiting for us gets no worker running behind
         // its back.
@@ -722,7 +802,8 @@ async fn direct_loop(
         tracker.spawn(async move {
             let no_headers = async_nats::HeaderMap::new();
             let headers = request.message.headers.as_ref().unwrap_or(&no_headers);
-            let processed = process(headers, &request.message.payload, 1, &tool, &shared).await;
+            let processed =
+                process(headers, &request.message.payload, 1, None, &tool, &shared).await;
             // Direct delivery has no redelivery: a failure that JetStream
             // would retry is the caller's error result now.
             let mut to_record = None;
@@ -818,16 +899,31 @@ async fn handle_jetstream(
     tool: &Served,
     shared: &Shared,
 ) {
-    let (attempt, sequence) = match msg.info() {
+    let (attempt, sequence, first_published) = match msg.info() {
         Ok(i) => (
             u32::try_from(i.delivered).unwrap_or(1).max(1),
             i.stream_sequence,
+            (i.delivered == 1).then(|| {
+                std::time::UNIX_EPOCH
+                    + Duration::from_nanos(
+                        u64::try_from(i.published.unix_timestamp_nanos()).unwrap_or(0),
+                    )
+            }),
         ),
-        Err(_) => (1, 0),
+        Err(_) => (1, 0, None),
     };
     let no_headers = async_nats::HeaderMap::new();
     let headers = msg.headers.as_ref().unwrap_or(&no_headers);
-    let (call, failure) = match process(headers, &msg.payload, attempt, tool, shared).await {
+    let processed = process(
+        headers,
+        &msg.payload,
+        attempt,
+        first_published,
+        tool,
+        shared,
+    )
+    .await;
+    let (call, failure) = match processed {
         Processed::Call(call, Outcome::Answer { result, ran }) => {
             answer(shared, &call, &result, ran, || slot.free()).await;
             // Only now: the result is out and (when the tool ran) in the
@@ -922,6 +1018,7 @@ async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_servic
             attempt: 1,
             reply_to: reply_to.to_string(),
             citation_floor: 0,
+            new_call: false,
         };
         let result = error_result(&call, 1, 0, "unreadable_headers", &message);
         let mut out = call.invocation.to_headers();
@@ -1120,11 +1217,14 @@ pub(crate) fn status_result(
     }
 }
 
-/// Processes one delivery. Shared by JetStream and direct delivery.
+/// Processes one delivery. Shared by JetStream and direct delivery;
+/// `first_published` is when JetStream stored the job, for its first
+/// delivery only.
 async fn process(
     headers: &async_nats::HeaderMap,
     payload: &[u8],
     attempt: u32,
+    first_published: Option<std::time::SystemTime>,
     tool: &Served,
     shared: &Shared,
 ) -> Processed {
@@ -1160,13 +1260,33 @@ async fn process(
         tool_id = %label,
         attempt
     );
-    let outcome = process_call(&call, payload, tool, shared)
+    let outcome = process_call(&call, payload, first_published, tool, shared)
         .instrument(span)
         .await;
     Processed::Call(call, outcome)
 }
 
 impl Shared {
+    /// Whether this worker has heard every cancel that could concern a job
+    /// JetStream stored at `published`: it has been listening, without a
+    /// reconnect, since at least [`WorkerConfig::cancel_hearing_margin`]
+    /// before, and still remembers what it heard then.
+    fn heard_all_cancels(&self, published: std::time::SystemTime) -> bool {
+        let connects = self
+            .nats_stats
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed);
+        let connected = self.client.connection_state() == async_nats::connection::State::Connected;
+        let Some(since) = self.running.hearing_since(connects, connected) else {
+            return false;
+        };
+        let margin = self.config.cancel_hearing_margin;
+        let age = std::time::SystemTime::now()
+            .duration_since(published)
+            .unwrap_or_default();
+        published >= since + margin && age + margin < REMEMBER_CANCEL
+    }
+
     fn count(&self, tool: &str, outcome: &str) {
         self.metrics
             .tool_jobs
@@ -1196,6 +1316,7 @@ impl Shared {
 async fn admit(
     call: &CallContext,
     payload: &[u8],
+    first_published: Option<std::time::SystemTime>,
     tool: &Served,
     shared: &Shared,
 ) -> Result<ToolJob, Outcome> {
@@ -1218,8 +1339,16 @@ async fn admit(
     // A job of a cancelled invocation (its cancel came while it was
     // queued, perhaps before this worker started) is answered `cancelled`
     // without running.
+    //
+    // The first delivery of a new call has no stored result, and when this
+    // worker has heard every cancel since well before the job was
+    // published, its memory answers for the tombstone: no Redis read.
     let stored = match shared.recording.get(call) {
         Some(stored) => Ok((Some(stored), false)),
+        None if call.new_call && first_published.is_some_and(|p| shared.heard_all_cancels(p)) => {
+            let key = run_key(call.invocation.tenant(), &call.invocation.invocation_id);
+            Ok((None, shared.running.remembers_cancel(&key)))
+        }
         None => {
             shared
                 .store
@@ -1319,10 +1448,11 @@ fn budget(call: &CallContext, tool: &Served) -> Option<Duration> {
 async fn process_call(
     call: &CallContext,
     payload: &[u8],
+    first_published: Option<std::time::SystemTime>,
     tool: &Served,
     shared: &Shared,
 ) -> Outcome {
-    let job = match admit(call, payload, tool, shared).await {
+    let job = match admit(call, payload, first_published, tool, shared).await {
         Ok(job) => job,
         Err(outcome) => return outcome,
     };
@@ -1472,6 +1602,7 @@ mod tests {
             attempt: 1,
             reply_to: "toolfleet.reply.x".into(),
             citation_floor: 0,
+            new_call: false,
         }
     }
 

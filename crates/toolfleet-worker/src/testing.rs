@@ -57,6 +57,7 @@ impl TestCtx {
                 attempt: 1,
                 reply_to: "toolfleet.reply.test".into(),
                 citation_floor: 0,
+                new_call: false,
             },
             fixed_call_id: false,
             calls: AtomicU32::new(0),
