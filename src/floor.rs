@@ -82,7 +82,17 @@ impl Floor {
                 loop {
                     let msg = tokio::select! {
                         _ = stop.cancelled() => break,
-                        m = messages.next() => match m { Some(Ok(m)) => m, _ => break },
+                        m = messages.next() => match m {
+                            Some(Ok(m)) => m,
+                            // A missed idle heartbeat or a pull error: the
+                            // stream pulls again by itself. (Stopping here
+                            // left every later floor round timing out.)
+                            Some(Err(e)) => {
+                                tracing::warn!(error = %e, "floor responder: pull error; going on");
+                                continue;
+                            }
+                            None => break,
+                        },
                     };
                     if let Some(reply) = msg.headers.as_ref().and_then(|h| h.get(REPLY_TO)) {
                         let _ = client.publish(reply.to_string(), msg.payload.clone()).await;

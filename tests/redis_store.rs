@@ -335,6 +335,51 @@ async fn an_invocation_is_claimed_once() {
     ));
 }
 
+/// Many results go to the ledger in one write (a pipeline), each under
+/// its own invocation and call, as a worker's batch of finished jobs does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_results_are_written_to_the_ledger_at_once() {
+    let redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    let encoded: Vec<(String, String, Vec<u8>)> = (0..20)
+        .map(|n| {
+            let r = result(&format!("inv-{}", n % 4), &format!("call-{n}"));
+            let json = serde_json::to_vec(&r).unwrap();
+            (r.invocation_id, r.call_id, json)
+        })
+        .collect();
+    let batch: Vec<(&str, &str, &[u8])> = encoded
+        .iter()
+        .map(|(i, c, j)| (i.as_str(), c.as_str(), j.as_slice()))
+        .collect();
+    within(store.ledger_put_many(&batch)).await.unwrap();
+    within(store.ledger_put_many(&[])).await.unwrap();
+    for (inv, call, _) in &encoded {
+        let got = within(store.ledger_and_cancel(inv, call, "acme"))
+            .await
+            .unwrap()
+            .0
+            .expect("stored");
+        assert_eq!((&got.invocation_id, &got.call_id), (inv, call));
+        assert_eq!(got.content, format!("answer of {call}"));
+    }
+    // Each with the store's TTL.
+    let ttl: i64 = redis::cmd("TTL")
+        .arg("tf:{inv-1}:result:call-5")
+        .query_async(
+            &mut redis::Client::open(redis.url())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert!(ttl > 0 && ttl <= TTL.as_secs() as i64, "{ttl}");
+}
+
 /// The run lease: taken when free, renewed by its holder, refused to
 /// another holder (saying how long it has left) until it lapses.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -723,6 +768,31 @@ async fn the_store_works_on_a_three_master_cluster() {
             .await
             .unwrap();
         assert!(!cancelled);
+    }
+    // Many results of many invocations (every master) in one write.
+    let many: Vec<ToolResult> = (0..48)
+        .map(|n| result(&format!("batch-{n}"), "c"))
+        .collect();
+    let encoded: Vec<(String, String, Vec<u8>)> = many
+        .iter()
+        .map(|r| {
+            let json = serde_json::to_vec(r).unwrap();
+            (r.invocation_id.clone(), r.call_id.clone(), json)
+        })
+        .collect();
+    let batch: Vec<(&str, &str, &[u8])> = encoded
+        .iter()
+        .map(|(i, c, j)| (i.as_str(), c.as_str(), j.as_slice()))
+        .collect();
+    within(store.ledger_put_many(&batch)).await.unwrap();
+    for n in 0..48 {
+        let inv = format!("batch-{n}");
+        let got = within(seeded.ledger_and_cancel(&inv, "c", "acme"))
+            .await
+            .unwrap()
+            .0
+            .expect("stored by the batch");
+        assert_eq!(got.invocation_id, inv);
     }
     within(store.ping()).await.unwrap();
 

@@ -855,6 +855,8 @@ async fn a_cancel_the_worker_may_have_missed_is_read_from_the_store() {
         assert!(tokio::time::Instant::now() < deadline, "no reconnect");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The reply subscription is on the new server once a round trip is.
+    w.env.client.flush().await.unwrap();
     w.publish_new("missed-2", "call_1").await;
     let reply = next_json(&mut w.replies).await;
     assert_eq!(reply["error"]["code"], "cancelled", "{reply}");

@@ -59,7 +59,7 @@ impl Events {
                     body,
                 };
                 seq += 1;
-                let payload = fit(event, client.server_info().max_payload);
+                let payload = fit(event, client.max_payload());
                 if is_terminal {
                     terminal = Some(payload.clone());
                     // Boxed: the task waits on its channel for the whole

@@ -44,7 +44,7 @@ impl PayloadLimits {
 
     /// Limits of the server `client` is connected to.
     pub fn of(client: &async_nats::Client) -> Self {
-        Self::new(client.server_info().max_payload)
+        Self::new(client.max_payload())
     }
 
     /// The largest job body accepted when its headers are not known: the

@@ -346,16 +346,63 @@ pub struct CallContext {
     pub new_call: bool,
 }
 
-fn get<'a>(h: &'a HeaderMap, name: &'static str) -> Option<&'a str> {
-    h.get(name).map(|v| v.as_str()).filter(|v| !v.is_empty())
+/// The headers this module reads, in the order of [`Known`]'s slots.
+const KNOWN: [&str; 17] = [
+    headers::INVOCATION_ID,
+    headers::CALL_ID,
+    headers::TOOL_ID,
+    headers::TENANT,
+    headers::USER,
+    headers::PROFILE,
+    headers::PROVIDER,
+    headers::CONNECTION,
+    headers::RESOURCE,
+    headers::DATA_SOURCE_ID,
+    headers::PROVIDER_CONFIDENCE,
+    headers::DEADLINE,
+    headers::ATTEMPT,
+    headers::REPLY_TO,
+    headers::CITATION_FLOOR,
+    headers::NEW_CALL,
+    headers::TRACEPARENT,
+];
+
+/// A message's known headers, read in one pass over its map: a
+/// `HeaderMap` lookup by name builds (allocates) the name and hashes it
+/// each time, and a job is read for a dozen of them. The first value of a
+/// header counts, an empty one is absent.
+struct Known<'a>([Option<&'a str>; KNOWN.len()]);
+
+impl<'a> Known<'a> {
+    fn read(h: &'a HeaderMap) -> Self {
+        let mut values = [None; KNOWN.len()];
+        for (name, vals) in h.iter() {
+            let name: &str = name.as_ref();
+            if let Some(i) = KNOWN.iter().position(|k| *k == name) {
+                values[i] = vals.first().map(|v| v.as_str()).filter(|v| !v.is_empty());
+            }
+        }
+        Self(values)
+    }
+
+    fn get(&self, name: &'static str) -> Option<&'a str> {
+        KNOWN
+            .iter()
+            .position(|k| *k == name)
+            .and_then(|i| self.0[i])
+    }
 }
 
-fn required<'a>(h: &'a HeaderMap, name: &'static str) -> Result<&'a str, ProtocolError> {
+fn get<'a>(h: &Known<'a>, name: &'static str) -> Option<&'a str> {
+    h.get(name)
+}
+
+fn required<'a>(h: &Known<'a>, name: &'static str) -> Result<&'a str, ProtocolError> {
     get(h, name).ok_or(ProtocolError::MissingHeader(name))
 }
 
 fn parsed<T: std::str::FromStr>(
-    h: &HeaderMap,
+    h: &Known<'_>,
     name: &'static str,
 ) -> Result<Option<T>, ProtocolError>
 where
@@ -427,6 +474,10 @@ impl InvocationContext {
     }
 
     pub fn from_headers(h: &HeaderMap) -> Result<Self, ProtocolError> {
+        Self::from_known(&Known::read(h))
+    }
+
+    fn from_known(h: &Known<'_>) -> Result<Self, ProtocolError> {
         use headers::*;
         let invocation_id = required(h, INVOCATION_ID)?;
         if !valid_invocation_id(invocation_id) {
@@ -495,7 +546,8 @@ impl CallContext {
 
     pub fn from_headers(h: &HeaderMap) -> Result<Self, ProtocolError> {
         use headers::*;
-        let invocation = InvocationContext::from_headers(h)?;
+        let h = &Known::read(h);
+        let invocation = InvocationContext::from_known(h)?;
         let tool_id = required(h, TOOL_ID)?;
         let tool_id = tool_id
             .parse::<ToolId>()
@@ -986,7 +1038,12 @@ pub fn salvage_invocation_id(payload: &[u8], h: Option<&HeaderMap>) -> Option<St
     let from_body = serde_json::from_slice::<Value>(payload)
         .ok()
         .and_then(|v| v.get("invocationId")?.as_str().map(str::to_string));
-    let header = |name| h.and_then(|h| get(h, name)).map(str::to_string);
+    let header = |name: &str| {
+        h.and_then(|h| h.get(name))
+            .map(|v| v.as_str())
+            .filter(|v| !v.is_empty())
+            .map(str::to_string)
+    };
     [
         from_body,
         header(headers::INVOCATION_ID),

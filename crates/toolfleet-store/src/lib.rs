@@ -455,6 +455,43 @@ impl CitationStore {
         .await
     }
 
+    /// Stores many encoded results at once (`(invocation id, call id,
+    /// JSON)`): one pipeline on a single server; on a cluster, where each
+    /// invocation's keys live in their own slot, one write per result, all
+    /// at once. All or nothing as far as the caller knows: an error means
+    /// some may be stored, and repeating them is safe.
+    pub async fn ledger_put_many(
+        &self,
+        results: &[(&str, &str, &[u8])],
+    ) -> Result<(), CitationError> {
+        match results {
+            [] => return Ok(()),
+            [(inv, call, json)] => return self.ledger_put_json(inv, call, json).await,
+            _ => {}
+        }
+        let ttl = self.ttl.as_secs().max(1);
+        if matches!(self.conn, Conn::Cluster(_)) {
+            let writes = results
+                .iter()
+                .map(|(inv, call, json)| self.ledger_put_json(inv, call, json));
+            for outcome in futures::future::join_all(writes).await {
+                outcome?;
+            }
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (inv, call, json) in results {
+            pipe.set_ex(self.key(inv, &format!("result:{call}")), *json, ttl)
+                .ignore();
+        }
+        let pipe = &pipe;
+        // Safe to repeat: the same values under the same keys.
+        self.run("ledger_put", |mut conn| async move {
+            pipe.query_async::<()>(&mut conn).await
+        })
+        .await
+    }
+
     /// Claims the invocation for `owner` (the stream sequence of the chat
     /// job that carries it), once: the first claim wins for the store's
     /// TTL; the same owner claiming again (a redelivery of that message)

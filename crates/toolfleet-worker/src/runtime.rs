@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull, kv};
@@ -115,6 +116,8 @@ struct Shared {
     recording: Recording,
     /// The NATS client's counters (its connects tell a reconnect).
     nats_stats: Arc<async_nats::Statistics>,
+    /// Ledger writes, batched.
+    ledger: LedgerWriter,
     /// Each tool's metrics, looked up once (by label).
     stats: HashMap<String, ToolStats>,
 }
@@ -125,6 +128,8 @@ struct Shared {
 struct ToolStats {
     in_flight: prometheus::IntGauge,
     duration: prometheus::Histogram,
+    /// `toolfleet_tool_jobs_total{outcome="ok"}`: most jobs end there.
+    ok: prometheus::IntCounter,
 }
 
 /// The results this worker has published and is writing to the ledger,
@@ -194,26 +199,29 @@ impl Drop for RecordingGuard<'_> {
 struct Running {
     state: std::sync::Mutex<RunningState>,
     serial: std::sync::atomic::AtomicU64,
+    /// How many cancels are remembered (read without the lock: usually
+    /// none).
+    remembered: std::sync::atomic::AtomicUsize,
+    /// Since when (unix ns, wall clock, to compare with JetStream's
+    /// publication times) every cancel has been heard; 0 until the cancel
+    /// subscription exists. Cancels published while the connection was
+    /// down are lost, so a reconnect starts it again; so does a flood of
+    /// cancels that emptied the memory.
+    hearing_since: std::sync::atomic::AtomicU64,
+    /// The client's connect count when `hearing_since` was set.
+    hearing_connects: std::sync::atomic::AtomicU64,
 }
 
 #[derive(Default)]
 struct RunningState {
     calls: HashMap<String, Vec<(u64, CancellationToken)>>,
     cancelled: HashMap<String, Instant>,
-    /// Since when every cancel published has reached `cancelled`; `None`
-    /// until the cancel subscription exists.
-    hearing: Option<Hearing>,
 }
 
-/// Since when (wall clock, to compare with JetStream's publication times)
-/// a worker has heard every cancel, and the client's connect count then.
-/// Cancels published while the connection was down are lost, so a
-/// reconnect starts it again; so does a flood of cancels that emptied the
-/// memory.
-#[derive(Clone, Copy)]
-struct Hearing {
-    since: std::time::SystemTime,
-    connects: u64,
+fn unix_ns(t: std::time::SystemTime) -> u64 {
+    t.duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+        .max(1)
 }
 
 /// How long a worker remembers a cancel for calls that start after it.
@@ -265,13 +273,16 @@ impl Running {
         if state.cancelled.len() >= MAX_REMEMBERED_CANCELS {
             state.cancelled.clear();
             // What was forgotten must be read from Redis again.
-            if let Some(hearing) = &mut state.hearing {
-                hearing.since = std::time::SystemTime::now();
+            if self.hearing_since.load(Ordering::Acquire) != 0 {
+                self.hearing_since
+                    .store(unix_ns(std::time::SystemTime::now()), Ordering::Release);
             }
         }
         state
             .cancelled
             .insert(invocation_id.to_string(), Instant::now());
+        self.remembered
+            .store(state.cancelled.len(), Ordering::Release);
         let tokens = state
             .calls
             .get(invocation_id)
@@ -286,12 +297,9 @@ impl Running {
     /// Starts remembering since when every cancel was heard: called once
     /// the cancel subscription exists, with the client's connect count.
     fn start_hearing(&self, connects: u64) {
-        if let Ok(mut state) = self.state.lock() {
-            state.hearing = Some(Hearing {
-                since: std::time::SystemTime::now(),
-                connects,
-            });
-        }
+        self.hearing_connects.store(connects, Ordering::Release);
+        self.hearing_since
+            .store(unix_ns(std::time::SystemTime::now()), Ordering::Release);
     }
 
     /// Since when every cancel has been heard, given the client's connect
@@ -300,19 +308,24 @@ impl Running {
     /// published meanwhile were lost) starts it again from now — later
     /// than the reconnect itself, which errs on the side of reading Redis.
     fn hearing_since(&self, connects: u64, connected: bool) -> Option<std::time::SystemTime> {
-        let mut state = self.state.lock().ok()?;
-        let hearing = state.hearing.as_mut()?;
-        if hearing.connects != connects || !connected {
-            *hearing = Hearing {
-                since: std::time::SystemTime::now(),
-                connects,
-            };
+        if self.hearing_since.load(Ordering::Acquire) == 0 {
+            return None;
         }
-        connected.then_some(hearing.since)
+        if self.hearing_connects.load(Ordering::Acquire) != connects || !connected {
+            // `since` first: whoever sees the new count sees the new time.
+            self.hearing_since
+                .store(unix_ns(std::time::SystemTime::now()), Ordering::Release);
+            self.hearing_connects.store(connects, Ordering::Release);
+        }
+        let since = self.hearing_since.load(Ordering::Acquire);
+        connected.then(|| std::time::UNIX_EPOCH + Duration::from_nanos(since))
     }
 
     /// Whether a cancel of `key` ([`run_key`]) was heard lately.
     fn remembers_cancel(&self, key: &str) -> bool {
+        if self.remembered.load(Ordering::Acquire) == 0 {
+            return false;
+        }
         self.state.lock().is_ok_and(|state| {
             state
                 .cancelled
@@ -431,6 +444,7 @@ impl Worker {
             }
         };
         let client_stats = client.statistics();
+        let ledger = LedgerWriter::start(store.clone());
         let shared = Arc::new(Shared {
             client: client.clone(),
             store: store.clone(),
@@ -445,6 +459,7 @@ impl Worker {
             running: Running::default(),
             recording: Recording::default(),
             nats_stats: client_stats.clone(),
+            ledger,
             stats: self
                 .tools
                 .iter()
@@ -453,6 +468,7 @@ impl Worker {
                     let stats = ToolStats {
                         in_flight: metrics.tool_jobs_in_flight.with_label_values(&label),
                         duration: metrics.tool_job_duration.with_label_values(&label),
+                        ok: metrics.tool_jobs.with_label_values(&[t.label(), "ok"]),
                     };
                     (t.label().to_string(), stats)
                 })
@@ -1021,16 +1037,7 @@ async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_servic
             new_call: false,
         };
         let result = error_result(&call, 1, 0, "unreadable_headers", &message);
-        let mut out = call.invocation.to_headers();
-        out.insert(CALL_ID, call.call_id.as_str());
-        let _ = shared
-            .client
-            .publish_with_headers(
-                call.reply_to.clone(),
-                out,
-                fit_result(&shared, &result, None),
-            )
-            .await;
+        publish_reply(&shared, &call, fit_result(&shared, &result, None)).await;
     }
     let dead = DeadLetter {
         kind: DeadLetterKind::Tool,
@@ -1080,13 +1087,79 @@ async fn answer(
     // Encoded once: the ledger holds these bytes, the reply is them
     // tagged as a result.
     let json = encode_result(result);
-    let recording = ran.then(|| shared.recording.start(call, json.clone()));
+    // A new call is not repeated while this runs: no need to remember it.
+    let recording = (ran && !call.new_call).then(|| shared.recording.start(call, json.clone()));
     publish_reply(shared, call, fit_result(shared, result, Some(&json))).await;
     answered();
-    if let Some(recording) = recording {
+    if ran {
         write_ledger(shared, call, &json).await;
-        drop(recording);
     }
+    drop(recording);
+}
+
+/// The most results one ledger write carries.
+const LEDGER_BATCH: usize = 256;
+
+/// One result on its way to the ledger, and who waits for it.
+struct LedgerWrite {
+    invocation_id: String,
+    call_id: String,
+    json: bytes::Bytes,
+    done: tokio::sync::oneshot::Sender<Result<(), String>>,
+}
+
+/// Writes results to the ledger in batches: whatever is waiting when the
+/// previous write returns goes in the next (one Redis pipeline on a single
+/// server), so under load the ledger costs one round trip per batch, not
+/// per job; alone, a write goes at once. Each job still waits for (and
+/// acks after) the write that carries its result.
+struct LedgerWriter {
+    tx: tokio::sync::mpsc::UnboundedSender<LedgerWrite>,
+}
+
+impl LedgerWriter {
+    /// Starts the writer task; it ends once the writer is dropped and
+    /// every write sent has been carried out.
+    fn start(store: CitationStore) -> Self {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<LedgerWrite>();
+        tokio::spawn(async move {
+            let mut batch = Vec::with_capacity(LEDGER_BATCH);
+            while rx.recv_many(&mut batch, LEDGER_BATCH).await > 0 {
+                let results: Vec<(&str, &str, &[u8])> = batch
+                    .iter()
+                    .map(|w| (w.invocation_id.as_str(), w.call_id.as_str(), &w.json[..]))
+                    .collect();
+                let outcome = store
+                    .ledger_put_many(&results)
+                    .await
+                    .map_err(|e| e.to_string());
+                drop(results);
+                for write in batch.drain(..) {
+                    let _ = write.done.send(outcome.clone());
+                }
+            }
+        });
+        Self { tx }
+    }
+
+    /// Writes `json`, the encoded result of `call`; returns once it is
+    /// stored, or why it could not be.
+    async fn write(&self, call: &CallContext, json: bytes::Bytes) -> Result<(), String> {
+        let (done, stored) = tokio::sync::oneshot::channel();
+        self.tx
+            .send(LedgerWrite {
+                invocation_id: call.invocation.invocation_id.clone(),
+                call_id: call.call_id.clone(),
+                json,
+                done,
+            })
+            .map_err(|_| closed())?;
+        stored.await.map_err(|_| closed())?
+    }
+}
+
+fn closed() -> String {
+    "the ledger writer has stopped".to_string()
 }
 
 /// A result as the ledger stores it.
@@ -1099,12 +1172,8 @@ fn encode_result(result: &ToolResult) -> bytes::Bytes {
 /// Writes an answered call's result (`json`) to the ledger. If it cannot
 /// be written the result is out all the same: a later duplicate will run
 /// again, reusing its citation indices.
-async fn write_ledger(shared: &Shared, call: &CallContext, json: &[u8]) {
-    if let Err(e) = shared
-        .store
-        .ledger_put_json(&call.invocation.invocation_id, &call.call_id, json)
-        .await
-    {
+async fn write_ledger(shared: &Shared, call: &CallContext, json: &bytes::Bytes) {
+    if let Err(e) = shared.ledger.write(call, json.clone()).await {
         shared
             .hooks
             .on_warning(call, &format!("result ledger not written: {e}"));
@@ -1112,15 +1181,11 @@ async fn write_ledger(shared: &Shared, call: &CallContext, json: &[u8]) {
     }
 }
 
-/// Publishes an encoded reply to the call's reply subject.
+/// Publishes an encoded reply to the call's reply subject. No headers:
+/// the reply names its invocation and call in its body (which the caller
+/// checks against the call), and a caller reads nothing else.
 async fn publish_reply(shared: &Shared, call: &CallContext, payload: bytes::Bytes) {
-    let mut out = call.invocation.to_headers();
-    out.insert(toolfleet_protocol::headers::CALL_ID, call.call_id.as_str());
-    if let Err(e) = shared
-        .client
-        .publish_with_headers(call.reply_to.clone(), out, payload)
-        .await
-    {
+    if let Err(e) = shared.client.publish(call.reply_to.clone(), payload).await {
         warn!(error = %e, "cannot publish the tool result");
     }
 }
@@ -1133,7 +1198,7 @@ fn fit_result(shared: &Shared, result: &ToolResult, json: Option<&[u8]>) -> byte
         Some(payload) => payload,
         None => encode(&ToolReply::Result(result.clone())),
     };
-    let limit = shared.client.server_info().max_payload;
+    let limit = shared.client.max_payload();
     if limit == 0 || payload.len() <= limit {
         return payload;
     }
@@ -1307,6 +1372,10 @@ impl Shared {
                     .metrics
                     .tool_job_duration
                     .with_label_values(&[tool.label()]),
+                ok: self
+                    .metrics
+                    .tool_jobs
+                    .with_label_values(&[tool.label(), "ok"]),
             }),
         }
     }
@@ -1343,7 +1412,16 @@ async fn admit(
     // The first delivery of a new call has no stored result, and when this
     // worker has heard every cancel since well before the job was
     // published, its memory answers for the tombstone: no Redis read.
-    let stored = match shared.recording.get(call) {
+    //
+    // New calls are not kept in `recording` (nothing repeats them while
+    // their ledger write is on its way: a redelivery waits for the job's
+    // in-progress acks to stop).
+    let recorded = if call.new_call {
+        None
+    } else {
+        shared.recording.get(call)
+    };
+    let stored = match recorded {
         Some(stored) => Ok((Some(stored), false)),
         None if call.new_call && first_published.is_some_and(|p| shared.heard_all_cancels(p)) => {
             let key = run_key(call.invocation.tenant(), &call.invocation.invocation_id);
@@ -1533,15 +1611,23 @@ async fn process_call(
             )
         }
     };
-    finish(shared, call, label, result)
+    finish(shared, &stats, call, label, result)
 }
 
 /// Counts the result and runs the completion hooks. The result goes into
 /// the ledger once the caller has it ([`answer`]).
-fn finish(shared: &Shared, call: &CallContext, label: &str, result: ToolResult) -> Outcome {
-    shared.count(label, result.status.as_str());
+fn finish(
+    shared: &Shared,
+    stats: &ToolStats,
+    call: &CallContext,
+    label: &str,
+    result: ToolResult,
+) -> Outcome {
     if result.status == ToolStatus::Ok {
+        stats.ok.inc();
         shared.hooks.on_complete(call, &result);
+    } else {
+        shared.count(label, result.status.as_str());
     }
     Outcome::Answer { result, ran: true }
 }
