@@ -532,7 +532,10 @@ impl CallContext {
         let mut h = self.invocation.to_headers();
         h.insert(CALL_ID, self.call_id.as_str());
         h.insert(TOOL_ID, self.tool_id.to_string().as_str());
-        h.insert(ATTEMPT, self.attempt.to_string().as_str());
+        // 1 is what a reader assumes when it is absent.
+        if self.attempt != 1 {
+            h.insert(ATTEMPT, self.attempt.to_string().as_str());
+        }
         h.insert(REPLY_TO, self.reply_to.as_str());
         if self.citation_floor > 0 {
             h.insert(CITATION_FLOOR, self.citation_floor.to_string().as_str());
