@@ -29,6 +29,8 @@ const REPLY_TO: &str = "Floor-Reply-To";
 /// The tool consumers' ack wait and pending limit (worker runtime).
 const ACK_WAIT: Duration = Duration::from_secs(30);
 const MAX_ACK_PENDING: i64 = 10_000;
+/// The most messages one of the floor responder's pull requests asks for.
+const FLOOR_PULL_BATCH: usize = 1024;
 
 /// A floor set up and ready to be driven: its name, its operation, and
 /// what [`Floor::stop`] takes down.
@@ -77,27 +79,45 @@ impl Floor {
         let stop = CancellationToken::new();
         let responder = {
             let (client, stop) = (responder_client.clone(), stop.clone());
-            let mut messages = consumer.messages().await?;
+            // Pull requests of a bounded life, asked again as each ends: a
+            // long-lived pull stream sometimes lost its request on a loaded
+            // machine and left a whole floor round waiting out its timeout
+            // (30 s), which flattered the fleet. The batch is larger than
+            // any load the bench puts in flight, so it ends by expiring
+            // (once a second) rather than by filling.
             tokio::spawn(async move {
-                loop {
-                    let msg = tokio::select! {
-                        _ = stop.cancelled() => break,
-                        m = messages.next() => match m {
-                            Some(Ok(m)) => m,
-                            // A missed idle heartbeat or a pull error: the
-                            // stream pulls again by itself. (Stopping here
-                            // left every later floor round timing out.)
-                            Some(Err(e)) => {
-                                tracing::warn!(error = %e, "floor responder: pull error; going on");
-                                continue;
-                            }
-                            None => break,
-                        },
+                'pulls: while !stop.is_cancelled() {
+                    let mut batch = match consumer
+                        .batch()
+                        .max_messages(FLOOR_PULL_BATCH)
+                        .expires(Duration::from_secs(1))
+                        .messages()
+                        .await
+                    {
+                        Ok(batch) => batch,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "floor responder: cannot pull; asking again");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
                     };
-                    if let Some(reply) = msg.headers.as_ref().and_then(|h| h.get(REPLY_TO)) {
-                        let _ = client.publish(reply.to_string(), msg.payload.clone()).await;
+                    loop {
+                        let msg = tokio::select! {
+                            _ = stop.cancelled() => break 'pulls,
+                            m = batch.next() => match m {
+                                Some(Ok(m)) => m,
+                                Some(Err(e)) => {
+                                    tracing::warn!(error = %e, "floor responder: pull error; asking again");
+                                    break;
+                                }
+                                None => break,
+                            },
+                        };
+                        if let Some(reply) = msg.headers.as_ref().and_then(|h| h.get(REPLY_TO)) {
+                            let _ = client.publish(reply.to_string(), msg.payload.clone()).await;
+                        }
+                        let _ = msg.ack().await;
                     }
-                    let _ = msg.ack().await;
                 }
             })
         };

@@ -324,6 +324,11 @@ pub struct ToolDefinition {
     pub delivery: Delivery,
     #[serde(default = "default_true")]
     pub parallel_safe: bool,
+    /// Running a call again has no further effect (as MCP's
+    /// `idempotentHint`): a worker keeps no result ledger for the tool, and
+    /// a job delivered again (its ack was lost) simply runs again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub idempotent: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_preference: Option<ModelPreference>,
     /// In `0..=1`: relevance from which scoping recommends the tool.

@@ -827,7 +827,7 @@ async fn direct_loop(
                 Processed::Call(call, Outcome::Answer { result, ran }) => {
                     let json = encode_result(&result);
                     let response = Ok(fit_result(&shared, &result, Some(&json)));
-                    if ran {
+                    if ran && !tool.definition().idempotent {
                         to_record = Some((call, json));
                     }
                     response
@@ -941,7 +941,8 @@ async fn handle_jetstream(
     .await;
     let (call, failure) = match processed {
         Processed::Call(call, Outcome::Answer { result, ran }) => {
-            answer(shared, &call, &result, ran, || slot.free()).await;
+            let to_ledger = ran && !tool.definition().idempotent;
+            answer(shared, &call, &result, to_ledger, || slot.free()).await;
             // Only now: the result is out and (when the tool ran) in the
             // ledger, so a crash before this ack redelivers a job that
             // either replays its result or runs again.
@@ -1066,9 +1067,9 @@ async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_servic
         .await;
 }
 
-/// Answers `call` with `result`; then, when the tool ran for it
-/// (`ran`), writes it to the ledger, so a redelivery or a re-publish of
-/// the job returns it without running again. The caller does not wait for
+/// Answers `call` with `result`; then, when the tool ran for it and is
+/// not idempotent (`to_ledger`), writes it to the ledger, so a redelivery
+/// or a re-publish of the job returns it without running again. The caller does not wait for
 /// the ledger: the job's ack does (it comes after this returns), so a crash
 /// between the reply and the write is a crash before the write — the job
 /// is delivered again and runs again, reusing its citation indices. Until
@@ -1081,17 +1082,18 @@ async fn answer(
     shared: &Shared,
     call: &CallContext,
     result: &ToolResult,
-    ran: bool,
+    to_ledger: bool,
     answered: impl FnOnce(),
 ) {
     // Encoded once: the ledger holds these bytes, the reply is them
     // tagged as a result.
     let json = encode_result(result);
     // A new call is not repeated while this runs: no need to remember it.
-    let recording = (ran && !call.new_call).then(|| shared.recording.start(call, json.clone()));
+    let recording =
+        (to_ledger && !call.new_call).then(|| shared.recording.start(call, json.clone()));
     publish_reply(shared, call, fit_result(shared, result, Some(&json))).await;
     answered();
-    if ran {
+    if to_ledger {
         write_ledger(shared, call, &json).await;
     }
     drop(recording);
