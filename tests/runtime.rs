@@ -818,7 +818,7 @@ async fn a_new_calls_first_delivery_reads_nothing_from_redis() {
         .await
         .unwrap();
     w.env.client.flush().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
     w.publish_new("heard-1", "call_1").await;
     let cancelled = next_json(&mut w.replies).await;
     assert_eq!(cancelled["error"]["code"], "cancelled", "{cancelled}");
@@ -859,7 +859,7 @@ async fn an_idempotent_tools_results_are_not_kept() {
 /// the worker never heard.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cancel_the_worker_may_have_missed_is_read_from_the_store() {
-    let margin = Duration::from_secs(2);
+    let margin = Duration::from_secs(4);
     let mut w = CountedWorker::start_with(5_000, |c| c.cancel_hearing_margin = margin).await;
     let store = toolfleet_store::CitationStore::connect(
         &w.env.redis.url(),

@@ -59,6 +59,38 @@ pub struct Invocation {
     pub usage: UsageLedger,
     /// The references this run's own tool calls returned.
     pub citations: Citations,
+    /// When the run last read its cancel tombstone (see [`CancelCheck`]).
+    pub cancel_check: CancelCheck,
+}
+
+/// When a run last read its invocation's cancel tombstone and found none
+/// (at its start, then at each lease renewal). Its tool jobs are marked
+/// new calls (`Toolfleet-New-Call`: a worker may then answer for the
+/// tombstone from its memory of cancels) only while that read is fresh, so
+/// a cancel published more than [`CancelCheck::FRESH_MS`] plus the
+/// tombstone's write before a marked job is always one the run would have
+/// stopped for. A run that cannot read Redis marks nothing, and workers
+/// read the tombstone themselves.
+#[derive(Debug, Clone, Default)]
+pub struct CancelCheck(Arc<std::sync::atomic::AtomicU64>);
+
+impl CancelCheck {
+    /// How long a tombstone read counts as fresh.
+    pub const FRESH_MS: u64 = 3_000;
+
+    /// The tombstone was read just now, and absent.
+    pub fn passed(&self) {
+        self.0.store(
+            toolfleet_protocol::now_ms(),
+            std::sync::atomic::Ordering::Release,
+        );
+    }
+
+    /// Whether the last read is fresh enough to mark a tool job new.
+    pub fn fresh(&self) -> bool {
+        let at = self.0.load(std::sync::atomic::Ordering::Acquire);
+        at != 0 && toolfleet_protocol::now_ms().saturating_sub(at) < Self::FRESH_MS
+    }
 }
 
 /// The references of one run, by index, as its own tool calls returned
@@ -166,6 +198,7 @@ pub fn build(fleet: &Fleet, job: ChatJob, deadline_ms: u64) -> Result<Invocation
         deadline_ms,
         usage: UsageLedger::default(),
         citations: Citations::default(),
+        cancel_check: CancelCheck::default(),
     })
 }
 
@@ -249,6 +282,20 @@ pub fn offer_tools(catalog: &Catalog) -> Vec<Arc<CompiledTool>> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_tombstone_read_counts_as_fresh_for_three_seconds() {
+        let check = CancelCheck::default();
+        assert!(!check.fresh(), "never read");
+        check.passed();
+        assert!(check.fresh());
+        check.0.store(
+            toolfleet_protocol::now_ms() - CancelCheck::FRESH_MS - 1,
+            std::sync::atomic::Ordering::Release,
+        );
+        assert!(!check.fresh(), "stale");
+    }
+
     use super::*;
 
     fn reference(index: u64, call: &str, title: &str) -> Reference {

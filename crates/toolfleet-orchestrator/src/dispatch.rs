@@ -216,7 +216,9 @@ impl ToolRunner<'_> {
             attempt: 1,
             reply_to: format!("{}.{}", self.inbox.inbox, call.id),
             citation_floor: inv.citations.floor(),
-            new_call: true,
+            // Ours is a fresh random id; marked only while the run's
+            // tombstone read is fresh (see `CancelCheck`).
+            new_call: inv.cancel_check.fresh(),
         };
         let headers = call_ctx.to_headers();
         let body = encode(&ToolJob {

@@ -137,9 +137,18 @@ pub(crate) async fn listen_for_cancels(
 
 /// Whether a cancel for `id` of `tenant` came before its job started. A
 /// store that cannot answer does not stop the job (logged).
-async fn cancelled_before_start(fleet: &Fleet, id: &str, tenant: &str) -> bool {
+async fn cancelled_before_start(
+    fleet: &Fleet,
+    id: &str,
+    tenant: &str,
+    check: &crate::context::CancelCheck,
+) -> bool {
     match fleet.store.is_cancelled(id, tenant).await {
-        Ok(cancelled) => cancelled,
+        Ok(true) => true,
+        Ok(false) => {
+            check.passed();
+            false
+        }
         Err(e) => {
             warn!(invocation_id = id, error = %e, "cannot read the cancel tombstone; running the job");
             false
@@ -384,13 +393,19 @@ enum LeaseEnd {
 /// does not stop the run: if only this orchestrator lost Redis, the lease
 /// lapses after its TTL and a redelivery may take it over — the check
 /// before the terminal event then stops this run from speaking.
-async fn keep_lease(fleet: &Fleet, id: &str, tenant: &str, holder: &str) -> LeaseEnd {
+async fn keep_lease(
+    fleet: &Fleet,
+    id: &str,
+    tenant: &str,
+    holder: &str,
+    check: &crate::context::CancelCheck,
+) -> LeaseEnd {
     loop {
         tokio::time::sleep(LEASE_RENEW_EVERY).await;
         // Boxed: this future lives beside the whole run, and the store
         // call (a few hundred bytes of state) is only briefly alive.
         match Box::pin(fleet.store.renew_lease(id, holder, tenant, LEASE_TTL)).await {
-            Ok((Lease::Held, false)) => {}
+            Ok((Lease::Held, false)) => check.passed(),
             Ok((Lease::Held, true)) => {
                 warn!(invocation_id = %id, "the invocation was cancelled (its tombstone is in the store; this orchestrator missed the cancel message); it stops");
                 return LeaseEnd::Cancelled;
@@ -502,7 +517,8 @@ async fn run(
     let now = toolfleet_protocol::now_ms();
     let (deadline_ms, timeout) = invocation_deadline(fleet, &job, delivery, now);
     let left = Duration::from_millis(deadline_ms.saturating_sub(now));
-    let cancelled_early = cancelled_before_start(fleet, &id, &tenant).await;
+    let cancel_check = crate::context::CancelCheck::default();
+    let cancelled_early = cancelled_before_start(fleet, &id, &tenant, &cancel_check).await;
     let superseded = |events: Events| {
         let id = &id;
         async move {
@@ -519,7 +535,7 @@ async fn run(
         // Another delivery's run took the invocation over: it speaks for
         // the invocation now; this one stops without a word. (Renewed
         // here, beside the run, rather than on a task of its own.)
-        end = keep_lease(fleet, &id, &tenant, &holder) => match end {
+        end = keep_lease(fleet, &id, &tenant, &holder, &cancel_check) => match end {
             LeaseEnd::TakenOver => {
                 drop(keep_alive);
                 superseded(events).await;
@@ -529,7 +545,7 @@ async fn run(
         },
         // A bug must end the invocation with an error event, not leave it
         // silent.
-        r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, &events)).catch_unwind(), if !left.is_zero() && !cancelled_early => {
+        r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, &events, &cancel_check)).catch_unwind(), if !left.is_zero() && !cancelled_early => {
             r.unwrap_or_else(|_| Err(Failure::new("internal_error", "the orchestrator failed unexpectedly; see its log")))
         }
         _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),

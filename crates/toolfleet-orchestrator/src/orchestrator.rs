@@ -77,8 +77,10 @@ pub(crate) async fn invoke(
     job: ChatJob,
     deadline_ms: u64,
     events: &Events,
+    cancel_check: &context::CancelCheck,
 ) -> Result<ChatEventBody, Failure> {
     let mut inv = context::build(fleet, job, deadline_ms)?;
+    inv.cancel_check = cancel_check.clone();
     let orchestrator = fleet
         .config()
         .orchestrator(&inv.profile.orchestrator)

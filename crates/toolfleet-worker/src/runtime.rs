@@ -61,16 +61,19 @@ pub struct WorkerConfig {
     /// How long this worker must have been hearing every cancel (no
     /// reconnect since) before a job's publication for the first delivery
     /// of a new call ([`CallContext::new_call`]) to skip Redis: its memory
-    /// of cancels then answers for the tombstone. Covers the clock skew
-    /// between the NATS server and this host, and the time an orchestrator
-    /// takes to stop a run after its cancel (it checks the tombstone at
-    /// every lease renewal, 2 s, even when it missed the cancel message).
+    /// of cancels then answers for the tombstone. See
+    /// [`CANCEL_HEARING_MARGIN`] for what it must cover.
     pub cancel_hearing_margin: Duration,
 }
 
 /// The default [`WorkerConfig::cancel_hearing_margin`]: jobs published in
-/// a worker's first 5 s (and 5 s after each reconnect) read Redis.
-pub const CANCEL_HEARING_MARGIN: Duration = Duration::from_secs(5);
+/// a worker's first 10 s (and 10 s after each reconnect) read Redis. An
+/// orchestrator marks a job new only within 3 s of reading the
+/// invocation's tombstone (absent), and a tombstone is written within the
+/// store's retry budget (3 s) of its cancel: a cancel more than ~6 s
+/// before a new call's job could not have let it through, so 10 s leaves
+/// room for clock skew.
+pub const CANCEL_HEARING_MARGIN: Duration = Duration::from_secs(10);
 
 /// The shortest ack wait of a tool consumer.
 pub const MIN_ACK_WAIT: Duration = Duration::from_secs(2);
@@ -384,6 +387,12 @@ async fn listen_for_cancels(
             }
         }
     }
+    // No longer hearing cancels (shutting down, or the subscription
+    // closed): jobs read the tombstone from now on.
+    shared
+        .running
+        .hearing_since
+        .store(0, std::sync::atomic::Ordering::Release);
 }
 
 impl Worker {
@@ -1088,9 +1097,7 @@ async fn answer(
     // Encoded once: the ledger holds these bytes, the reply is them
     // tagged as a result.
     let json = encode_result(result);
-    // A new call is not repeated while this runs: no need to remember it.
-    let recording =
-        (to_ledger && !call.new_call).then(|| shared.recording.start(call, json.clone()));
+    let recording = to_ledger.then(|| shared.recording.start(call, json.clone()));
     publish_reply(shared, call, fit_result(shared, result, Some(&json))).await;
     answered();
     if to_ledger {
@@ -1101,6 +1108,9 @@ async fn answer(
 
 /// The most results one ledger write carries.
 const LEDGER_BATCH: usize = 256;
+
+/// The most bytes of results one ledger write carries.
+const LEDGER_BATCH_BYTES: usize = 1024 * 1024;
 
 /// One result on its way to the ledger, and who waits for it.
 struct LedgerWrite {
@@ -1127,17 +1137,29 @@ impl LedgerWriter {
         tokio::spawn(async move {
             let mut batch = Vec::with_capacity(LEDGER_BATCH);
             while rx.recv_many(&mut batch, LEDGER_BATCH).await > 0 {
-                let results: Vec<(&str, &str, &[u8])> = batch
-                    .iter()
-                    .map(|w| (w.invocation_id.as_str(), w.call_id.as_str(), &w.json[..]))
-                    .collect();
-                let outcome = store
-                    .ledger_put_many(&results)
-                    .await
-                    .map_err(|e| e.to_string());
-                drop(results);
-                for write in batch.drain(..) {
-                    let _ = write.done.send(outcome.clone());
+                // In pipelines of at most LEDGER_BATCH_BYTES (one result
+                // larger than that goes alone).
+                let mut pending = batch.drain(..).peekable();
+                while pending.peek().is_some() {
+                    let (mut chunk, mut bytes) = (Vec::new(), 0);
+                    while let Some(write) = pending
+                        .next_if(|w| chunk.is_empty() || bytes + w.json.len() <= LEDGER_BATCH_BYTES)
+                    {
+                        bytes += write.json.len();
+                        chunk.push(write);
+                    }
+                    let results: Vec<(&str, &str, &[u8])> = chunk
+                        .iter()
+                        .map(|w| (w.invocation_id.as_str(), w.call_id.as_str(), &w.json[..]))
+                        .collect();
+                    let outcome = store
+                        .ledger_put_many(&results)
+                        .await
+                        .map_err(|e| e.to_string());
+                    drop(results);
+                    for write in chunk {
+                        let _ = write.done.send(outcome.clone());
+                    }
                 }
             }
         });
@@ -1348,9 +1370,11 @@ impl Shared {
             return false;
         };
         let margin = self.config.cancel_hearing_margin;
-        let age = std::time::SystemTime::now()
-            .duration_since(published)
-            .unwrap_or_default();
+        // A publication time ahead of this host's clock: the clocks
+        // disagree, and the margin cannot be trusted.
+        let Ok(age) = std::time::SystemTime::now().duration_since(published) else {
+            return false;
+        };
         published >= since + margin && age + margin < REMEMBER_CANCEL
     }
 
@@ -1414,20 +1438,24 @@ async fn admit(
     // The first delivery of a new call has no stored result, and when this
     // worker has heard every cancel since well before the job was
     // published, its memory answers for the tombstone: no Redis read.
-    //
-    // New calls are not kept in `recording` (nothing repeats them while
-    // their ledger write is on its way: a redelivery waits for the job's
-    // in-progress acks to stop).
-    let recorded = if call.new_call {
-        None
-    } else {
-        shared.recording.get(call)
-    };
-    let stored = match recorded {
+    let stored = match shared.recording.get(call) {
         Some(stored) => Ok((Some(stored), false)),
         None if call.new_call && first_published.is_some_and(|p| shared.heard_all_cancels(p)) => {
             let key = run_key(call.invocation.tenant(), &call.invocation.invocation_id);
-            Ok((None, shared.running.remembers_cancel(&key)))
+            let cancelled = shared.running.remembers_cancel(&key);
+            // Memory emptied by a flood of cancels meanwhile: ask Redis.
+            if !cancelled && !first_published.is_some_and(|p| shared.heard_all_cancels(p)) {
+                shared
+                    .store
+                    .ledger_and_cancel(
+                        &call.invocation.invocation_id,
+                        &call.call_id,
+                        call.invocation.tenant(),
+                    )
+                    .await
+            } else {
+                Ok((None, cancelled))
+            }
         }
         None => {
             shared
