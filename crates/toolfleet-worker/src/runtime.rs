@@ -72,7 +72,8 @@ pub struct WorkerConfig {
 /// invocation's tombstone (absent), and a tombstone is written within the
 /// store's retry budget (3 s) of its cancel: a cancel more than ~6 s
 /// before a new call's job could not have let it through, so 10 s leaves
-/// room for clock skew.
+/// room for clock skew. A fleet that raises the store's retry budget
+/// (`--redis-retry-budget-ms`) raises this with it.
 pub const CANCEL_HEARING_MARGIN: Duration = Duration::from_secs(10);
 
 /// The shortest ack wait of a tool consumer.
@@ -1440,32 +1441,31 @@ async fn admit(
     // published, its memory answers for the tombstone: no Redis read.
     let stored = match shared.recording.get(call) {
         Some(stored) => Ok((Some(stored), false)),
-        None if call.new_call && first_published.is_some_and(|p| shared.heard_all_cancels(p)) => {
-            let key = run_key(call.invocation.tenant(), &call.invocation.invocation_id);
-            let cancelled = shared.running.remembers_cancel(&key);
-            // Memory emptied by a flood of cancels meanwhile: ask Redis.
-            if !cancelled && !first_published.is_some_and(|p| shared.heard_all_cancels(p)) {
-                shared
-                    .store
-                    .ledger_and_cancel(
-                        &call.invocation.invocation_id,
-                        &call.call_id,
-                        call.invocation.tenant(),
-                    )
-                    .await
-            } else {
-                Ok((None, cancelled))
-            }
-        }
         None => {
-            shared
-                .store
-                .ledger_and_cancel(
-                    &call.invocation.invocation_id,
-                    &call.call_id,
+            let heard = |p| shared.heard_all_cancels(p);
+            let remembered = (call.new_call && first_published.is_some_and(heard)).then(|| {
+                shared.running.remembers_cancel(&run_key(
                     call.invocation.tenant(),
-                )
-                .await
+                    &call.invocation.invocation_id,
+                ))
+            });
+            match remembered {
+                // Still heard after the look: a flood of cancels may have
+                // emptied the memory meanwhile.
+                Some(cancelled) if cancelled || first_published.is_some_and(heard) => {
+                    Ok((None, cancelled))
+                }
+                _ => {
+                    shared
+                        .store
+                        .ledger_and_cancel(
+                            &call.invocation.invocation_id,
+                            &call.call_id,
+                            call.invocation.tenant(),
+                        )
+                        .await
+                }
+            }
         }
     };
     match stored {
