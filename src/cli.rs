@@ -242,6 +242,13 @@ pub struct UpArgs {
     pub metrics_addr: SocketAddr,
 }
 
+/// How a command prints its result.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    Text,
+    Json,
+}
+
 #[derive(Subcommand, Debug)]
 pub enum ToolsCommand {
     /// List the tools in the definitions directory.
@@ -250,6 +257,21 @@ pub enum ToolsCommand {
     Show {
         /// Tool id (`namespace:name@x.y.z`) or function name.
         tool: String,
+        #[command(flatten)]
+        defs: ToolDefsArgs,
+    },
+    /// Search the tools in the definitions directory: by name (exact 100,
+    /// prefix 80, substring 60), tag (exact 50, substring 40) or
+    /// description (20), best first; exits 1 when nothing matches.
+    Search {
+        /// What to look for (case does not matter).
+        query: String,
+        /// At most this many results.
+        #[arg(long, default_value_t = toolfleet_protocol::search::DEFAULT_LIMIT)]
+        limit: usize,
+        /// `text` (a table) or `json`.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
         #[command(flatten)]
         defs: ToolDefsArgs,
     },
@@ -674,6 +696,44 @@ fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
                 serde_json::to_string_pretty(&def.responses_tool())?
             );
             Ok(0)
+        }
+        ToolsCommand::Search {
+            query,
+            limit,
+            output,
+            defs,
+        } => {
+            let registry = load_registry(&defs.dir)?;
+            let hits = toolfleet_protocol::search::search(registry.iter(), &query, limit);
+            match output {
+                Output::Json => {
+                    let rows: Vec<_> = hits
+                        .iter()
+                        .map(|h| {
+                            serde_json::json!({
+                                "score": h.score,
+                                "id": h.definition.id.to_string(),
+                                "function": h.definition.function.name,
+                                "title": h.definition.title,
+                                "tags": h.definition.tags,
+                            })
+                        })
+                        .collect();
+                    println!("{}", serde_json::to_string_pretty(&rows)?);
+                }
+                Output::Text => {
+                    for h in &hits {
+                        println!(
+                            "{:>3}  {:<40} {:<20} {}",
+                            h.score,
+                            h.definition.id.to_string(),
+                            h.definition.function.name,
+                            h.definition.title
+                        );
+                    }
+                }
+            }
+            Ok(if hits.is_empty() { 1 } else { 0 })
         }
         ToolsCommand::Validate { paths, defs } => {
             let paths = if paths.is_empty() {

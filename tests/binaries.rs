@@ -288,6 +288,33 @@ fn tools_commands_list_show_and_validate() {
     );
 }
 
+/// `toolfleet tools search` scores and sorts the shipped definitions, as
+/// text or JSON, and exits 1 when nothing matches.
+#[test]
+fn tools_search_ranks_the_definitions() {
+    let out = toolfleet(&["tools", "search", "search_documents", "-o", "json"]);
+    assert!(out.status.success());
+    let hits: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(hits[0]["id"], "retrieval:search_documents@1.0.0", "{hits}");
+    assert_eq!(hits[0]["score"], 100, "{hits}");
+
+    // A tag of one, a substring of the other's name: the name ranks first.
+    let out = toolfleet(&["tools", "search", "time", "-o", "json"]);
+    let hits: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(hits[0]["id"], "system:current_datetime@1.0.0", "{hits}");
+    assert_eq!(hits[0]["score"], 60, "{hits}");
+
+    let out = toolfleet(&["tools", "search", "citations"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && text.contains(" 50  retrieval:search_documents@1.0.0"),
+        "{text}"
+    );
+    let out = toolfleet(&["tools", "search", "zebra"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+}
+
 #[test]
 fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
     let out = toolfleet(&["chat"]);

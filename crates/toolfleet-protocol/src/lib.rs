@@ -22,6 +22,7 @@ pub mod client;
 pub mod redact;
 pub mod references;
 pub mod schema;
+pub mod search;
 pub mod streams;
 pub mod tools;
 pub mod usage;
