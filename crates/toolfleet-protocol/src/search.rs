@@ -101,8 +101,8 @@ pub fn search<'a>(
         })
         .filter(|hit| hit.score > 0)
         .collect();
-    // `sort_by` is stable: equal scores keep their given order.
-    hits.sort_by(|a, b| b.score.cmp(&a.score));
+    // A stable sort: equal scores keep their given order.
+    hits.sort_by_key(|hit| std::cmp::Reverse(hit.score));
     hits.truncate(limit);
     hits
 }
