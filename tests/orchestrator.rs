@@ -728,3 +728,35 @@ async fn a_run_that_lost_its_lease_before_its_end_does_not_speak() {
     )
     .await;
 }
+
+/// The orchestrator's tool jobs are marked new calls (`Toolfleet-New-Call:
+/// 1`): its call ids are its own, and its run has just read the
+/// invocation's cancel tombstone — so a worker may skip the Redis read of
+/// their first delivery.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orchestrators_tool_jobs_are_marked_new_calls() {
+    let env = Env::start(lighthouse_script()).await;
+    // A core subscription sees every job published to the tool stream.
+    let mut jobs = env
+        .subscribe(format!("{}.tool.>", env.subjects.prefix()))
+        .await;
+    let (job, outcome) = env.ask("how do lighthouses warn ships?").await;
+    outcome.expect("completed");
+    let published = tokio::time::timeout(WAIT, jobs.next())
+        .await
+        .expect("a tool job")
+        .expect("the subscription is open");
+    let headers = published.headers.expect("a tool job has headers");
+    assert_eq!(
+        headers
+            .get(toolfleet_protocol::headers::INVOCATION_ID)
+            .map(|v| v.as_str()),
+        Some(job.invocation_id.as_str())
+    );
+    assert_eq!(
+        headers
+            .get(toolfleet_protocol::headers::NEW_CALL)
+            .map(|v| v.as_str()),
+        Some("1")
+    );
+}

@@ -393,12 +393,8 @@ impl<'a> Known<'a> {
     }
 }
 
-fn get<'a>(h: &Known<'a>, name: &'static str) -> Option<&'a str> {
-    h.get(name)
-}
-
 fn required<'a>(h: &Known<'a>, name: &'static str) -> Result<&'a str, ProtocolError> {
-    get(h, name).ok_or(ProtocolError::MissingHeader(name))
+    h.get(name).ok_or(ProtocolError::MissingHeader(name))
 }
 
 fn parsed<T: std::str::FromStr>(
@@ -408,7 +404,7 @@ fn parsed<T: std::str::FromStr>(
 where
     T::Err: fmt::Display,
 {
-    get(h, name)
+    h.get(name)
         .map(|v| {
             v.parse::<T>().map_err(|e| ProtocolError::MalformedHeader {
                 name,
@@ -495,7 +491,7 @@ impl InvocationContext {
                 reason: format!("{c} is outside 0..=1"),
             });
         }
-        if let Some(tenant) = get(h, TENANT)
+        if let Some(tenant) = h.get(TENANT)
             && !valid_tenant(tenant)
         {
             return Err(ProtocolError::MalformedHeader {
@@ -503,7 +499,7 @@ impl InvocationContext {
                 reason: format!("{tenant:?} is not 1-64 of [A-Za-z0-9_-]"),
             });
         }
-        let owned = |name| get(h, name).map(str::to_string);
+        let owned = |name| h.get(name).map(str::to_string);
         Ok(Self {
             invocation_id: invocation_id.to_string(),
             tenant: owned(TENANT),
@@ -582,7 +578,7 @@ impl CallContext {
                 }
                 f => f,
             },
-            new_call: get(h, NEW_CALL) == Some("1"),
+            new_call: h.get(NEW_CALL) == Some("1"),
         })
     }
 }
