@@ -88,6 +88,7 @@ use url::Url;
 
 use crate::{ApiShape, Auth, LlmConfig, RetryPolicy, Usage};
 use toolfleet_protocol::ToolId;
+use toolfleet_protocol::tools::ToolRef;
 
 /// The profile name a config without `default_profile` (and a binary
 /// without a config file) uses.
@@ -135,7 +136,16 @@ pub struct FleetConfig {
     pub deployments: BTreeMap<String, Deployment>,
     pub profiles: BTreeMap<String, Profile>,
     pub prices: PriceTable,
+    /// How deep agent tools may nest: a chat job started by an agent tool
+    /// is at depth 1, one started by an agent tool inside it at 2, … A
+    /// job at this depth is offered no agent tool.
+    pub max_agent_depth: u32,
 }
+
+/// Default of [`FleetConfig::max_agent_depth`].
+pub const DEFAULT_MAX_AGENT_DEPTH: u32 = 1;
+/// The deepest [`FleetConfig::max_agent_depth`] a file may set.
+pub const MAX_AGENT_DEPTH_LIMIT: u32 = 5;
 
 /// The file as written; checked further by [`FleetConfig::validate`].
 #[derive(Deserialize)]
@@ -149,6 +159,12 @@ struct FileConfig {
     profiles: BTreeMap<String, Profile>,
     #[serde(default)]
     prices: PriceTable,
+    #[serde(default = "default_max_agent_depth")]
+    max_agent_depth: u32,
+}
+
+fn default_max_agent_depth() -> u32 {
+    DEFAULT_MAX_AGENT_DEPTH
 }
 
 fn default_profile_name() -> String {
@@ -203,6 +219,7 @@ impl FleetConfig {
             deployments: file.deployments,
             profiles: file.profiles,
             prices: file.prices,
+            max_agent_depth: file.max_agent_depth,
         };
         config.validate().map_err(|(key, message)| ConfigError {
             kind: ConfigErrorKind::Invalid,
@@ -222,6 +239,7 @@ impl FleetConfig {
             deployments: BTreeMap::from([(DEFAULT_PROFILE.to_owned(), deployment)]),
             profiles: BTreeMap::from([(DEFAULT_PROFILE.to_owned(), Profile::new(DEFAULT_PROFILE))]),
             prices: PriceTable::default(),
+            max_agent_depth: DEFAULT_MAX_AGENT_DEPTH,
         }
     }
 
@@ -349,6 +367,29 @@ impl FleetConfig {
                     names(self.profiles.keys())
                 ),
             ));
+        }
+        if self.max_agent_depth > MAX_AGENT_DEPTH_LIMIT {
+            return Err((
+                "max_agent_depth".to_owned(),
+                format!(
+                    "must be between 0 and {MAX_AGENT_DEPTH_LIMIT}, not {}",
+                    self.max_agent_depth
+                ),
+            ));
+        }
+        let mut agents: BTreeMap<&str, &str> = BTreeMap::new();
+        for (name, profile) in &self.profiles {
+            if let Some(agent) = &profile.agent
+                && let Some(other) = agents.insert(&agent.name, name)
+            {
+                return Err((
+                    format!("profiles.{}.agent.name", key_segment(name)),
+                    format!(
+                        "agent tool {:?} is already the agent of profile {other:?}",
+                        agent.name
+                    ),
+                ));
+            }
         }
         for (name, deployment) in &self.deployments {
             let at = format!("deployments.{}", key_segment(name));
@@ -995,6 +1036,41 @@ pub struct Profile {
     /// Data source searched before the model is called.
     pub data_source: Option<String>,
     pub policy: LoopPolicy,
+    /// How the tools offered are narrowed when there are many.
+    pub scoping: ScopingPolicy,
+    /// Profile tools: always in for this profile. `*` (the default) is
+    /// every selectable tool, `ns:*` every selectable tool of a namespace,
+    /// `ns:name` (highest version) or `ns:name@x.y.z` one tool, selectable
+    /// or not.
+    pub tools: Vec<ToolRef>,
+    /// When set, the profile is also a tool (`agent:<name>@1.0.0`): calling
+    /// it runs a nested chat job with this profile.
+    pub agent: Option<AgentTool>,
+}
+
+/// A profile exposed as a tool.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentTool {
+    /// The tool's name and the function name the model calls:
+    /// `[a-z][a-z0-9_]*`, unique across profiles.
+    pub name: String,
+    /// What the model is told the agent does.
+    pub description: String,
+    /// How long one call may run, in ms (default 120 000).
+    #[serde(default = "default_agent_timeout_ms")]
+    pub timeout_ms: u64,
+}
+
+/// Default of [`AgentTool::timeout_ms`].
+pub const DEFAULT_AGENT_TIMEOUT_MS: u64 = 120_000;
+
+fn default_agent_timeout_ms() -> u64 {
+    DEFAULT_AGENT_TIMEOUT_MS
+}
+
+fn default_profile_tools() -> Vec<ToolRef> {
+    vec![ToolRef::All]
 }
 
 #[derive(Deserialize)]
@@ -1018,6 +1094,12 @@ struct RawProfile {
     data_source: Option<String>,
     #[serde(default)]
     policy: LoopPolicy,
+    #[serde(default)]
+    scoping: ScopingPolicy,
+    #[serde(default = "default_profile_tools")]
+    tools: Vec<ToolRef>,
+    #[serde(default)]
+    agent: Option<AgentTool>,
 }
 
 fn default_orchestrator() -> String {
@@ -1048,6 +1130,9 @@ impl TryFrom<RawProfile> for Profile {
             must_include_tools: raw.must_include_tools,
             data_source: raw.data_source,
             policy: raw.policy,
+            scoping: raw.scoping,
+            tools: raw.tools,
+            agent: raw.agent,
         })
     }
 }
@@ -1065,6 +1150,9 @@ impl Profile {
             must_include_tools: Vec::new(),
             data_source: None,
             policy: LoopPolicy::default(),
+            scoping: ScopingPolicy::default(),
+            tools: default_profile_tools(),
+            agent: None,
         }
     }
 
@@ -1088,7 +1176,142 @@ impl Profile {
                 return Err((format!("{at}.{key}"), "must not be empty".to_owned()));
             }
         }
-        self.policy.validate(&format!("{at}.policy"))
+        if let Some(agent) = &self.agent {
+            if ToolId::new("agent", agent.name.clone(), (1, 0, 0)).is_err()
+                || agent.name.len() > 64
+            {
+                return Err((
+                    format!("{at}.agent.name"),
+                    format!(
+                        "{:?} is not a tool name ([a-z][a-z0-9_]*, at most 64 characters)",
+                        agent.name
+                    ),
+                ));
+            }
+            if agent.description.trim().is_empty() {
+                return Err((
+                    format!("{at}.agent.description"),
+                    "must not be empty".to_owned(),
+                ));
+            }
+            if !(1_000..=3_600_000).contains(&agent.timeout_ms) {
+                return Err((
+                    format!("{at}.agent.timeout_ms"),
+                    format!(
+                        "must be between 1000 and 3600000, not {}",
+                        agent.timeout_ms
+                    ),
+                ));
+            }
+        }
+        self.policy.validate(&format!("{at}.policy"))?;
+        self.scoping.validate(&format!("{at}.scoping"))
+    }
+}
+
+/// Progressive tool scoping for one profile: how many of the permitted
+/// tools the model is offered, and when a planning call narrows them.
+///
+/// Up to `scoping_threshold` permitted tools, all are offered; above it,
+/// token-overlap relevance picks the top `initial_tool_count` (must-include
+/// tools always in); above `planning_threshold`, a planning call to the
+/// profile's utility model narrows the set, using the last
+/// `planning_history_message_count` messages. When tools were left out the
+/// model may call `search_tools` to add some, at most
+/// `max_expansion_rounds` times and never beyond `max_tool_count` tools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ScopingPolicy {
+    pub initial_tool_count: usize,
+    pub scoping_threshold: usize,
+    pub planning_threshold: usize,
+    pub max_expansion_rounds: u32,
+    pub max_tool_count: usize,
+    pub planning_history_message_count: usize,
+}
+
+/// Defaults of [`ScopingPolicy`].
+pub const DEFAULT_INITIAL_TOOL_COUNT: usize = 20;
+pub const DEFAULT_SCOPING_THRESHOLD: usize = 30;
+pub const DEFAULT_PLANNING_THRESHOLD: usize = 100;
+pub const DEFAULT_MAX_EXPANSION_ROUNDS: u32 = 3;
+pub const DEFAULT_MAX_TOOL_COUNT: usize = 30;
+pub const DEFAULT_PLANNING_HISTORY_MESSAGE_COUNT: usize = 10;
+/// The most tools any request may offer (providers cap tools per request;
+/// OpenAI at 128).
+pub const MAX_TOOLS_PER_REQUEST: usize = 128;
+
+impl Default for ScopingPolicy {
+    fn default() -> Self {
+        Self {
+            initial_tool_count: DEFAULT_INITIAL_TOOL_COUNT,
+            scoping_threshold: DEFAULT_SCOPING_THRESHOLD,
+            planning_threshold: DEFAULT_PLANNING_THRESHOLD,
+            max_expansion_rounds: DEFAULT_MAX_EXPANSION_ROUNDS,
+            max_tool_count: DEFAULT_MAX_TOOL_COUNT,
+            planning_history_message_count: DEFAULT_PLANNING_HISTORY_MESSAGE_COUNT,
+        }
+    }
+}
+
+impl ScopingPolicy {
+    fn validate(&self, at: &str) -> Result<(), (String, String)> {
+        let check = |key: &str, low: usize, high: usize, value: usize| {
+            if (low..=high).contains(&value) {
+                Ok(())
+            } else {
+                Err((
+                    format!("{at}.{key}"),
+                    format!("must be between {low} and {high}, not {value}"),
+                ))
+            }
+        };
+        check(
+            "initial_tool_count",
+            1,
+            MAX_TOOLS_PER_REQUEST,
+            self.initial_tool_count,
+        )?;
+        check(
+            "max_tool_count",
+            1,
+            MAX_TOOLS_PER_REQUEST,
+            self.max_tool_count,
+        )?;
+        check(
+            "scoping_threshold",
+            1,
+            MAX_TOOLS_PER_REQUEST,
+            self.scoping_threshold,
+        )?;
+        check(
+            "planning_threshold",
+            1,
+            usize::MAX,
+            self.planning_threshold,
+        )?;
+        check(
+            "max_expansion_rounds",
+            0,
+            100,
+            self.max_expansion_rounds as usize,
+        )?;
+        check(
+            "planning_history_message_count",
+            1,
+            500,
+            self.planning_history_message_count,
+        )?;
+        if self.initial_tool_count > self.max_tool_count {
+            return Err((
+                format!("{at}.initial_tool_count"),
+                format!(
+                    "must not exceed max_tool_count ({}), is {}",
+                    self.max_tool_count, self.initial_tool_count
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -185,6 +185,107 @@ impl<'de> Deserialize<'de> for ToolId {
     }
 }
 
+/// How a profile or a chat job names tools: one tool (`ns:name@x.y.z`
+/// exactly, or `ns:name` for its highest version), every selectable tool of
+/// a namespace (`ns:*`), or every selectable tool (`*`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ToolRef {
+    /// `*`
+    All,
+    /// `ns:*`
+    Namespace(String),
+    /// `ns:name`: the highest version served.
+    Name { namespace: String, name: String },
+    /// `ns:name@x.y.z`
+    Exact(ToolId),
+}
+
+impl ToolRef {
+    /// Whether the reference names `id` (patterns match any id they cover;
+    /// whether a pattern may pick a tool that is not selectable is the
+    /// caller's rule).
+    #[must_use]
+    pub fn matches(&self, id: &ToolId) -> bool {
+        match self {
+            ToolRef::All => true,
+            ToolRef::Namespace(ns) => id.namespace == *ns,
+            ToolRef::Name { namespace, name } => id.namespace == *namespace && id.name == *name,
+            ToolRef::Exact(exact) => exact == id,
+        }
+    }
+
+    /// Whether the reference is a pattern (`*`, `ns:*`) rather than one tool.
+    #[must_use]
+    pub fn is_pattern(&self) -> bool {
+        matches!(self, ToolRef::All | ToolRef::Namespace(_))
+    }
+}
+
+impl fmt::Display for ToolRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ToolRef::All => f.write_str("*"),
+            ToolRef::Namespace(ns) => write!(f, "{ns}:*"),
+            ToolRef::Name { namespace, name } => write!(f, "{namespace}:{name}"),
+            ToolRef::Exact(id) => id.fmt(f),
+        }
+    }
+}
+
+impl FromStr for ToolRef {
+    type Err = ToolIdError;
+
+    fn from_str(input: &str) -> Result<Self, Self::Err> {
+        if input == "*" {
+            return Ok(ToolRef::All);
+        }
+        if input.contains('@') {
+            return input.parse().map(ToolRef::Exact);
+        }
+        let Some((namespace, name)) = input.split_once(':') else {
+            return Err(ToolIdError::new(input, ToolIdProblem::MissingColon));
+        };
+        if let Some(reason) = bad_identifier(namespace) {
+            return Err(ToolIdError::new(
+                input,
+                ToolIdProblem::BadNamespace {
+                    namespace: namespace.to_owned(),
+                    reason,
+                },
+            ));
+        }
+        if name == "*" {
+            return Ok(ToolRef::Namespace(namespace.to_owned()));
+        }
+        if let Some(reason) = bad_identifier(name) {
+            return Err(ToolIdError::new(
+                input,
+                ToolIdProblem::BadName {
+                    name: name.to_owned(),
+                    reason,
+                },
+            ));
+        }
+        Ok(ToolRef::Name {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl Serialize for ToolRef {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for ToolRef {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        let text = String::deserialize(deserializer)?;
+        text.parse().map_err(serde::de::Error::custom)
+    }
+}
+
 /// Why `part` is not `[a-z][a-z0-9_]*`, naming the first offending
 /// character; `None` when it is fine.
 fn bad_identifier(part: &str) -> Option<String> {
@@ -1065,6 +1166,28 @@ impl ToolSpec {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn tool_refs_parse_exact_ids_names_and_patterns() {
+        let id: ToolId = "units:convert@1.2.0".parse().unwrap();
+        for (text, matches) in [
+            ("*", true),
+            ("units:*", true),
+            ("other:*", false),
+            ("units:convert", true),
+            ("units:other", false),
+            ("units:convert@1.2.0", true),
+            ("units:convert@1.0.0", false),
+        ] {
+            let r: ToolRef = text.parse().unwrap();
+            assert_eq!(r.to_string(), text);
+            assert_eq!(r.matches(&id), matches, "{text}");
+            assert_eq!(r.is_pattern(), text.ends_with('*'), "{text}");
+        }
+        for bad in ["", "units", "Units:*", "units:Convert", "units:c@1", ":*"] {
+            assert!(bad.parse::<ToolRef>().is_err(), "{bad:?} parsed");
+        }
+    }
     use serde_json::json;
 
     use super::*;
