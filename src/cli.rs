@@ -251,8 +251,17 @@ pub enum Output {
 
 #[derive(Subcommand, Debug)]
 pub enum ToolsCommand {
-    /// List the tools in the definitions directory.
-    List(ToolDefsArgs),
+    /// List the tools: those of the definitions directory (id, kind,
+    /// purpose, category, title), or with `--live` those the running
+    /// fleet's workers serve (id, live copies, worker families, delivery,
+    /// kind); with `--live`, exits 1 when the fleet serves none.
+    List {
+        /// `text` (a table) or `json`.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+        #[command(flatten)]
+        source: ToolsSource,
+    },
     /// Show one tool's definition and its generated wire shapes.
     Show {
         /// Tool id (`namespace:name@x.y.z`) or function name.
@@ -260,9 +269,10 @@ pub enum ToolsCommand {
         #[command(flatten)]
         defs: ToolDefsArgs,
     },
-    /// Search the tools in the definitions directory: by name (exact 100,
-    /// prefix 80, substring 60), tag (exact 50, substring 40) or
-    /// description (20), best first; exits 1 when nothing matches.
+    /// Search the tools of the definitions directory (or with `--live`
+    /// those the running fleet serves): by name (exact 100, prefix 80,
+    /// substring 60), tag (exact 50, substring 40) or description (20),
+    /// best first; exits 1 when nothing matches.
     Search {
         /// What to look for (case does not matter).
         query: String,
@@ -273,7 +283,7 @@ pub enum ToolsCommand {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
         output: Output,
         #[command(flatten)]
-        defs: ToolDefsArgs,
+        source: ToolsSource,
     },
     /// Validate tool definition files (a file or a directory).
     Validate {
@@ -282,6 +292,23 @@ pub enum ToolsCommand {
         #[command(flatten)]
         defs: ToolDefsArgs,
     },
+}
+
+/// Where `tools list` and `tools search` read the tools from.
+#[derive(Args, Debug)]
+pub struct ToolsSource {
+    /// Read the tools live workers of the running fleet serve (over NATS:
+    /// `--nats-url`, `--subject-prefix`, …) instead of the definitions
+    /// directory.
+    #[arg(long)]
+    pub live: bool,
+    /// With `--live`: how long to collect the workers' answers, in ms.
+    #[arg(long, default_value_t = 500, requires = "live")]
+    pub wait_ms: u64,
+    #[command(flatten)]
+    pub defs: ToolDefsArgs,
+    #[command(flatten)]
+    pub nats: NatsArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -319,7 +346,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Up(args) => up(args).await,
         Command::Bench(args) => bench(args).await,
         Command::BenchWorker(args) => bench_worker(args).await,
-        Command::Tools { command } => tools(command),
+        Command::Tools { command } => tools(command).await,
         Command::Index { command } => index(command),
         Command::ScriptedModel {
             listen,
@@ -665,17 +692,19 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
     Ok(0)
 }
 
-fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
+async fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
     match command {
-        ToolsCommand::List(defs) => {
-            let registry = load_registry(&defs.dir)?;
-            for d in registry.iter() {
-                println!(
-                    "{:<40} {:<20} {}",
-                    d.id.to_string(),
-                    d.function.name,
-                    d.title
-                );
+        ToolsCommand::List { output, source } => {
+            let registry = tools_registry(&source).await?;
+            let rows: Vec<serde_json::Value> =
+                registry.list().map(|e| tool_row(e, source.live)).collect();
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+                Output::Text => print_tool_rows(&rows, source.live),
+            }
+            if source.live && registry.is_empty() {
+                eprintln!("no live tools");
+                return Ok(1);
             }
             Ok(0)
         }
@@ -701,22 +730,36 @@ fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
             query,
             limit,
             output,
-            defs,
+            source,
         } => {
-            let registry = load_registry(&defs.dir)?;
-            let hits = toolfleet_protocol::search::search(registry.iter(), &query, limit);
+            let registry = tools_registry(&source).await?;
+            if source.live && registry.is_empty() {
+                eprintln!("no live tools");
+            }
+            let hits = toolfleet_protocol::search::search(
+                registry.list().map(|e| e.definition()),
+                &query,
+                limit,
+            );
             match output {
                 Output::Json => {
                     let rows: Vec<_> = hits
                         .iter()
                         .map(|h| {
-                            serde_json::json!({
+                            let mut row = serde_json::json!({
                                 "score": h.score,
                                 "id": h.definition.id.to_string(),
                                 "function": h.definition.function.name,
                                 "title": h.definition.title,
                                 "tags": h.definition.tags,
-                            })
+                            });
+                            if source.live
+                                && let Some(e) = registry.get_id(&h.definition.id)
+                            {
+                                row["workers"] = e.workers.into();
+                                row["families"] = e.families.clone().into();
+                            }
+                            row
                         })
                         .collect();
                     println!("{}", serde_json::to_string_pretty(&rows)?);
@@ -786,6 +829,101 @@ fn index(command: IndexCommand) -> anyhow::Result<i32> {
                 );
             }
             Ok(0)
+        }
+    }
+}
+
+/// The tools `tools list` and `tools search` read: the definitions
+/// directory, or with `--live` one reading of the fleet's catalog (what
+/// its live workers serve), each through the registry.
+async fn tools_registry(
+    source: &ToolsSource,
+) -> anyhow::Result<toolfleet_protocol::registry::Registry> {
+    use toolfleet_protocol::catalog::{Catalog, discover};
+    use toolfleet_protocol::registry::{DirSource, Registry};
+    if source.live {
+        let subjects = toolfleet_service::args::or_exit(source.nats.subjects().map_err(Into::into));
+        let client = source.nats.connect("toolfleet-tools").await?;
+        let catalog = discover(
+            &client,
+            &subjects,
+            Duration::from_millis(source.wait_ms),
+            &Catalog::default(),
+        )
+        .await?;
+        Ok(Registry::build(&[&catalog]))
+    } else {
+        let dir = DirSource::load(&source.defs.dir).with_context(|| {
+            format!(
+                "loading tool definitions from {}",
+                source.defs.dir.display()
+            )
+        })?;
+        Ok(Registry::build(&[&dir]))
+    }
+}
+
+/// One tool as `tools list` shows it: id, kind (`system` for a tool that
+/// is not selectable), purpose, category, title, and for a live tool its
+/// copies (`workers`), worker families and delivery.
+fn tool_row(entry: &toolfleet_protocol::registry::RegistryEntry, live: bool) -> serde_json::Value {
+    let d = entry.definition();
+    let mut row = serde_json::json!({
+        "id": d.id.to_string(),
+        "kind": if d.selectable { "selectable" } else { "system" },
+        "purpose": d.purpose(),
+        "category": d.category,
+        "title": d.title,
+    });
+    if live {
+        row["workers"] = entry.workers.into();
+        row["families"] = entry.families.clone().into();
+        row["delivery"] = serde_json::to_value(d.delivery).unwrap_or_default();
+    }
+    row
+}
+
+/// The rows of [`tool_row`] as a table with a header.
+fn print_tool_rows(rows: &[serde_json::Value], live: bool) {
+    let text =
+        |row: &serde_json::Value, key: &str| row[key].as_str().unwrap_or_default().to_owned();
+    if live {
+        println!(
+            "{:<40} {:>7} {:<24} {:<9} KIND",
+            "ID", "WORKERS", "FAMILIES", "DELIVERY"
+        );
+        for row in rows {
+            let families: Vec<&str> = row["families"]
+                .as_array()
+                .map(|f| f.iter().filter_map(serde_json::Value::as_str).collect())
+                .unwrap_or_default();
+            println!(
+                "{:<40} {:>7} {:<24} {:<9} {}",
+                text(row, "id"),
+                row["workers"],
+                if families.is_empty() {
+                    "-".to_owned()
+                } else {
+                    families.join(",")
+                },
+                text(row, "delivery"),
+                text(row, "kind"),
+            );
+        }
+    } else {
+        println!(
+            "{:<40} {:<10} {:<19} {:<12} TITLE",
+            "ID", "KIND", "PURPOSE", "CATEGORY"
+        );
+        for row in rows {
+            println!(
+                "{:<40} {:<10} {:<19} {:<12} {}",
+                text(row, "id"),
+                text(row, "kind"),
+                text(row, "purpose"),
+                text(row, "category"),
+                text(row, "title"),
+            );
         }
     }
 }

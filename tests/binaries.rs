@@ -315,6 +315,208 @@ fn tools_search_ranks_the_definitions() {
     assert!(out.stdout.is_empty());
 }
 
+/// `toolfleet tools list` reads the definitions directory through the
+/// registry: a table with a header, or JSON with each tool's kind,
+/// purpose, category and title (and nothing of live workers).
+#[test]
+fn tools_list_shows_the_definitions_as_text_or_json() {
+    let out = toolfleet(&["tools", "list", "-o", "json"]);
+    assert!(out.status.success());
+    let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let rows = rows.as_array().unwrap();
+    let ids: Vec<&str> = rows.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(
+        ids,
+        [
+            "retrieval:search_documents@1.0.0",
+            "system:current_datetime@1.0.0"
+        ],
+        "in id order"
+    );
+    let datetime = &rows[1];
+    assert_eq!(datetime["kind"], "selectable", "{datetime}");
+    assert_eq!(datetime["purpose"], "general", "{datetime}");
+    assert_eq!(datetime["category"], "utility", "{datetime}");
+    assert_eq!(datetime["title"], "Current date and time", "{datetime}");
+    assert!(datetime.get("workers").is_none(), "{datetime}");
+
+    // A tool that is not selectable is a system tool.
+    let dir = tempfile::tempdir().unwrap();
+    let mut hidden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            support::root().join("tool_definitions/system.current_datetime.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    hidden["selectable"] = false.into();
+    hidden.as_object_mut().unwrap().remove("$schema");
+    std::fs::write(dir.path().join("hidden.json"), hidden.to_string()).unwrap();
+    let out = toolfleet(&[
+        "tools",
+        "list",
+        "--tool-definitions",
+        dir.path().to_str().unwrap(),
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let lines: Vec<&str> = text.lines().collect();
+    assert!(
+        lines[0].starts_with("ID") && lines[0].contains("KIND") && lines[0].ends_with("TITLE"),
+        "{text}"
+    );
+    let columns: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(
+        columns[..4],
+        [
+            "system:current_datetime@1.0.0",
+            "system",
+            "general",
+            "utility"
+        ],
+        "{text}"
+    );
+    // The live listing's flags need --live.
+    let out = toolfleet(&["tools", "list", "--wait-ms", "10"]);
+    assert_eq!(out.status.code(), Some(64));
+}
+
+/// `toolfleet tools list --live` asks the running fleet which workers serve
+/// what (a worker process here), and sees the worker leave; `tools search
+/// --live` searches the same live tools; another fleet's prefix sees none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tools_list_live_shows_what_the_fleets_workers_serve() {
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let port = toolfleet_local::servers::free_port().unwrap();
+    let mut worker = spawn(
+        &support::sibling_bin("toolfleet-worker-system"),
+        &[
+            ("TOOLFLEET_NATS_URL", nats.url()),
+            ("TOOLFLEET_REDIS_URL", redis.url()),
+            ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
+            ("TOOLFLEET_LOG", "warn".into()),
+        ],
+    );
+    wait_for_metrics(port).await;
+    let url = nats.url();
+    let live = |extra: &[&str]| {
+        let mut args = vec![
+            "tools",
+            "list",
+            "--live",
+            "--nats-url",
+            &url,
+            "--nats-connect-wait",
+            "5",
+        ];
+        args.extend_from_slice(extra);
+        toolfleet(&args)
+    };
+
+    // The worker may still be advertising: ask until it is seen.
+    let deadline = std::time::Instant::now() + WAIT;
+    let rows = loop {
+        let out = live(&["-o", "json"]);
+        if out.status.success() {
+            let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            break rows;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the worker's tools never showed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let rows = rows.as_array().unwrap();
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    let datetime = &rows[0];
+    assert_eq!(
+        datetime["id"], "system:current_datetime@1.0.0",
+        "{datetime}"
+    );
+    assert!(datetime["workers"].as_u64().unwrap() >= 1, "{datetime}");
+    assert_eq!(
+        datetime["families"],
+        serde_json::json!(["system"]),
+        "{datetime}"
+    );
+    assert_eq!(datetime["delivery"], "jetstream", "{datetime}");
+    assert_eq!(datetime["kind"], "selectable", "{datetime}");
+    assert_eq!(datetime["category"], "utility", "{datetime}");
+
+    let out = live(&[]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    let columns: Vec<&str> = text.lines().nth(1).unwrap().split_whitespace().collect();
+    assert_eq!(
+        columns,
+        [
+            "system:current_datetime@1.0.0",
+            "1",
+            "system",
+            "jetstream",
+            "selectable"
+        ],
+        "{text}"
+    );
+
+    // Search reads the same live tools (the retrieval tool is defined in
+    // the directory, but no worker serves it).
+    let search = |query: &str| {
+        toolfleet(&[
+            "tools",
+            "search",
+            query,
+            "--live",
+            "--nats-url",
+            &url,
+            "-o",
+            "json",
+        ])
+    };
+    let out = search("datetime");
+    assert!(out.status.success());
+    let hits: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(hits[0]["id"], "system:current_datetime@1.0.0", "{hits}");
+    assert_eq!(hits[0]["workers"], 1, "{hits}");
+    assert_eq!(search("search_documents").status.code(), Some(1));
+
+    // Another fleet on the same server serves nothing.
+    let out = live(&["--subject-prefix", "other"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no live tools"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The worker dies: its tools leave the listing.
+    let _ = worker.0.kill();
+    let _ = worker.0.wait();
+    let deadline = std::time::Instant::now() + WAIT;
+    loop {
+        let out = live(&["-o", "json"]);
+        if out.status.code() == Some(1) {
+            assert!(
+                String::from_utf8_lossy(&out.stderr).contains("no live tools"),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+            assert_eq!(rows, serde_json::json!([]));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead worker's tools are still listed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[test]
 fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
     let out = toolfleet(&["chat"]);

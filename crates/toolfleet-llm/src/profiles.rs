@@ -1177,8 +1177,7 @@ impl Profile {
             }
         }
         if let Some(agent) = &self.agent {
-            if ToolId::new("agent", agent.name.clone(), (1, 0, 0)).is_err()
-                || agent.name.len() > 64
+            if ToolId::new("agent", agent.name.clone(), (1, 0, 0)).is_err() || agent.name.len() > 64
             {
                 return Err((
                     format!("{at}.agent.name"),
@@ -1197,10 +1196,7 @@ impl Profile {
             if !(1_000..=3_600_000).contains(&agent.timeout_ms) {
                 return Err((
                     format!("{at}.agent.timeout_ms"),
-                    format!(
-                        "must be between 1000 and 3600000, not {}",
-                        agent.timeout_ms
-                    ),
+                    format!("must be between 1000 and 3600000, not {}", agent.timeout_ms),
                 ));
             }
         }
@@ -1284,12 +1280,7 @@ impl ScopingPolicy {
             MAX_TOOLS_PER_REQUEST,
             self.scoping_threshold,
         )?;
-        check(
-            "planning_threshold",
-            1,
-            usize::MAX,
-            self.planning_threshold,
-        )?;
+        check("planning_threshold", 1, usize::MAX, self.planning_threshold)?;
         check(
             "max_expansion_rounds",
             0,

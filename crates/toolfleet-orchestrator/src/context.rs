@@ -12,18 +12,21 @@
 //! 2. [`invocation_context`] — the [`InvocationContext`] every tool job
 //!    carries in its headers, with the deadline.
 //! 3. [`conversation`] — the system prompt, then the job's messages.
-//! 4. [`offer_tools`] — the tools of the catalog snapshot (those a live
-//!    worker serves).
+//! 4. [`permitted_tools`] — the tools the invocation may use at all, from
+//!    the registry snapshot (agent tools, then the live catalog) through
+//!    the gates of [`gating`](crate::gating): system, profile, selected
+//!    and agent tools; purpose, `visibleIn`, provider confidence,
+//!    liveness. The model is offered none of them yet:
+//! 5. [`scope::choose`](crate::scope::choose) (async, after `build`) picks
+//!    the tools offered first — all of them, or the most relevant, or what
+//!    a planning call names — and the `search_tools` meta-tool when some
+//!    were left out.
 //!
 //! # Adding a step
 //!
 //! Steps that shape what the model sees before its first call go here, as
-//! one more function called from [`build`] in its place: **tool scoping**
-//! narrows [`Invocation::tools`] after step 4 (the model is then offered
-//! only what is left; note that dispatch also accepts a call to a live tool
-//! that was not offered — a worker that joined after the offer — which
-//! scoping will want to turn off); **preemptive retrieval** runs
-//! after step 4 as well, calls tools through the fleet, and adds what it
+//! one more function called from [`build`] in its place: **preemptive
+//! retrieval** runs after step 4, calls tools through the fleet, and adds what it
 //! found to [`Invocation::messages`] — its citations reach the client with
 //! the first `references` event, published right after `started`. A step
 //! fails the job by returning a [`Failure`].
@@ -33,7 +36,6 @@ use std::sync::Arc;
 
 use toolfleet_llm::profiles::ResolvedProfile;
 use toolfleet_llm::{Message, ToolSpec};
-use toolfleet_protocol::catalog::Catalog;
 use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{ChatJob, ChatRole, InvocationContext, Reference};
 use tracing::info;
@@ -51,8 +53,14 @@ pub struct Invocation {
     pub ctx: InvocationContext,
     /// The conversation so far, system prompt first.
     pub messages: Vec<Message>,
-    /// The tools offered to the model; tool calls are resolved among these.
+    /// The tools offered to the model; tool calls are resolved among these
+    /// (and only these: a tool that was not offered is not run).
     pub tools: Vec<Arc<CompiledTool>>,
+    /// The tools the invocation may use, and how the offered ones were
+    /// chosen among them.
+    pub scope: crate::scope::Scope,
+    /// How deep in agent calls this job runs (0: a client's job).
+    pub agent_depth: u32,
     /// Unix time in milliseconds after which nobody waits for the answer.
     pub deadline_ms: u64,
     /// The model calls so far.
@@ -169,9 +177,14 @@ impl Invocation {
             .find(|t| t.definition.function.name == function_name)
     }
 
-    /// The offered tools as the model sees them.
+    /// The offered tools as the model sees them, with `search_tools` when
+    /// tools were left out and the model may still add some.
     pub fn tool_specs(&self) -> Vec<Arc<ToolSpec>> {
-        self.tools.iter().map(|t| t.spec.clone()).collect()
+        let mut specs: Vec<Arc<ToolSpec>> = self.tools.iter().map(|t| t.spec.clone()).collect();
+        if self.scope.can_expand(self.tools.len()) {
+            specs.push(crate::scope::search_tools_spec());
+        }
+        specs
     }
 
     /// The ids of the offered tools (`ns:name@x.y.z`).
@@ -184,17 +197,24 @@ impl Invocation {
 }
 
 /// Builds the invocation of `job`, step by step (see the module docs).
-pub fn build(fleet: &Fleet, job: ChatJob, deadline_ms: u64) -> Result<Invocation, Failure> {
+pub fn build(
+    fleet: &Fleet,
+    job: ChatJob,
+    deadline_ms: u64,
+    agent_depth: u32,
+) -> Result<Invocation, Failure> {
     let profile = resolve_profile(fleet, &job)?;
     let ctx = invocation_context(&job, &profile, deadline_ms);
     let messages = conversation(&job, &profile);
-    let tools = offer_tools(&fleet.catalog());
+    let scope = permitted_tools(fleet, &job, &profile, &ctx, agent_depth)?;
     Ok(Invocation {
         job,
         profile,
         ctx,
         messages,
-        tools,
+        tools: Vec::new(),
+        scope,
+        agent_depth,
         deadline_ms,
         usage: UsageLedger::default(),
         citations: Citations::default(),
@@ -275,9 +295,30 @@ pub fn conversation(job: &ChatJob, profile: &ResolvedProfile) -> Vec<Message> {
     messages
 }
 
-/// Step 4: every tool of the catalog snapshot, in tool-id order.
-pub fn offer_tools(catalog: &Catalog) -> Vec<Arc<CompiledTool>> {
-    catalog.iter().map(|e| e.tool.clone()).collect()
+/// Step 4: the tools the invocation may use (see [`gating`](crate::gating)),
+/// from the registry snapshot of the latest catalog reading.
+pub fn permitted_tools(
+    fleet: &Fleet,
+    job: &ChatJob,
+    profile: &ResolvedProfile,
+    ctx: &InvocationContext,
+    agent_depth: u32,
+) -> Result<crate::scope::Scope, Failure> {
+    let snapshot = fleet.tool_snapshot();
+    let gate = crate::gating::Gate {
+        documents: !job.attached_documents.is_empty(),
+        data_source: ctx.data_source_id.is_some(),
+        surface: job.surface(),
+        provider_confidence: job.provider_confidence.unwrap_or(0.0),
+        agents: agent_depth < fleet.config().profiles.max_agent_depth,
+        own_profile: &profile.name,
+    };
+    let permitted = crate::gating::permitted(&snapshot.registry, &profile.profile, job, &gate)?;
+    Ok(crate::scope::Scope::new(
+        snapshot,
+        permitted,
+        profile.profile.scoping,
+    ))
 }
 
 #[cfg(test)]

@@ -4,8 +4,9 @@
 //! Calls over the per-turn cap are not run. With parallel calls on, the
 //! parallel-safe calls go out together as one batch and each unsafe one
 //! runs alone after them; with them off, every call runs alone. A call is
-//! answered at once, without a job, when its tool is neither offered nor
-//! live now (a worker that joined after the offer still counts), its
+//! answered at once, without a job, when the invocation may not use its
+//! tool (not offered, not permitted even after a fresh catalog reading:
+//! the answer names close matches among the offered tools), its
 //! arguments are not JSON, no live worker serves it (after one fresh
 //! catalog reading), or its job would not fit the size limits
 //! ([`PayloadLimits`](crate::PayloadLimits)). Otherwise its job goes out —
@@ -277,11 +278,12 @@ impl ToolRunner<'_> {
         events: &Events,
     ) -> Result<(Arc<CompiledTool>, Value), ToolOutcome> {
         let metrics = &self.fleet.metrics;
-        // A tool that is not offered may have joined the fleet since the
-        // offer was made (a worker started after this invocation did).
+        // An offered tool, or one the invocation may use (scoping left it
+        // out, or its worker joined after the offer: one fresh catalog
+        // reading and the gates again). Anything else is unknown.
         let tool = match inv.tool(&call.name) {
             Some(tool) => Some(tool.clone()),
-            None => self.fleet.catalog.by_function_name(&call.name).await,
+            None => self.permitted_late(inv, &call.name).await,
         };
         let Some(tool) = tool else {
             events.send(ChatEventBody::ToolCall {
@@ -289,22 +291,14 @@ impl ToolRunner<'_> {
                 tool: call.name.clone(),
                 arguments: Value::String("[unknown tool]".into()),
             });
-            let names: Vec<&str> = inv
-                .tools
-                .iter()
-                .map(|t| t.definition.function.name.as_str())
-                .collect();
+            metrics.unknown_tool_calls.inc();
             return Err(immediate(
                 metrics,
                 events,
                 call,
                 &call.name,
                 "unknown_tool",
-                format!(
-                    "Error: there is no tool named {:?}. Available tools: {}.",
-                    call.name,
-                    names.join(", ")
-                ),
+                crate::scope::unknown_tool_message(inv, &call.name),
             ));
         };
         let def = &tool.definition;
@@ -345,6 +339,25 @@ impl ToolRunner<'_> {
             ));
         }
         Ok((tool, arguments))
+    }
+
+    /// A tool the invocation may use although it was not offered: one
+    /// scoping left out, or — after one fresh catalog reading — one whose
+    /// worker joined since the offer and that passes the gates.
+    async fn permitted_late(&self, inv: &Invocation, name: &str) -> Option<Arc<CompiledTool>> {
+        if let Some(tool) = inv.scope.permitted.by_function_name(name) {
+            return Some(tool.clone());
+        }
+        self.fleet.catalog.by_function_name(name).await?;
+        let scope = crate::context::permitted_tools(
+            self.fleet,
+            &inv.job,
+            &inv.profile,
+            &inv.ctx,
+            inv.agent_depth,
+        )
+        .ok()?;
+        scope.permitted.by_function_name(name).cloned()
     }
 
     /// Publishes a job: to the tool's stream (the ack comes later), or as a
@@ -727,7 +740,7 @@ fn record(
 }
 
 /// Replaces the values of sensitive arguments.
-fn redact(arguments: &Value, sensitive: &[String]) -> Value {
+pub(crate) fn redact(arguments: &Value, sensitive: &[String]) -> Value {
     let mut out = arguments.clone();
     if let Some(map) = out.as_object_mut() {
         for name in sensitive {
@@ -740,7 +753,7 @@ fn redact(arguments: &Value, sensitive: &[String]) -> Value {
 }
 
 /// `text` cut to `max` characters, with `…` when cut.
-fn shorten(text: &str, max: usize) -> String {
+pub(crate) fn shorten(text: &str, max: usize) -> String {
     match text.char_indices().nth(max) {
         Some((end, _)) => format!("{}…", &text[..end]),
         None => text.to_string(),

@@ -44,6 +44,11 @@ pub struct Fleet {
     pub(crate) replies: Arc<Replies>,
     /// In-progress acks for every chat job held here, from one ticker.
     pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
+    /// The agent tools of the configuration (a registry backend).
+    agents: crate::agents::AgentSource,
+    /// The registry and relevance index of the latest catalog generation,
+    /// rebuilt whole when the catalog changes.
+    tools: std::sync::Mutex<Option<Arc<crate::scope::ToolSnapshot>>>,
 }
 
 impl Fleet {
@@ -54,6 +59,7 @@ impl Fleet {
         metrics: OrchestratorMetrics,
         config: OrchestratorConfig,
         replies: Arc<Replies>,
+        agents: crate::agents::AgentSource,
     ) -> Self {
         let heartbeat = toolfleet_service::jobs::Heartbeat::start(
             client.clone(),
@@ -73,7 +79,28 @@ impl Fleet {
             runs: AtomicU64::new(0),
             replies,
             heartbeat,
+            agents,
+            tools: std::sync::Mutex::new(None),
         }
+    }
+
+    /// The registry (agents, then the live catalog) and relevance index of
+    /// the latest catalog reading: built once per catalog generation, then
+    /// shared by every invocation until the catalog changes.
+    pub fn tool_snapshot(&self) -> Arc<crate::scope::ToolSnapshot> {
+        let catalog = self.catalog();
+        let mut cached = self.tools.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(snapshot) = cached.as_ref()
+            && snapshot.generation == catalog.generation
+        {
+            return snapshot.clone();
+        }
+        let started = std::time::Instant::now();
+        let snapshot = Arc::new(crate::scope::ToolSnapshot::build(&self.agents, &catalog));
+        self.metrics
+            .observe_registry(&snapshot.registry, started.elapsed());
+        *cached = Some(snapshot.clone());
+        snapshot
     }
 
     /// The configuration this orchestrator runs with.

@@ -513,6 +513,7 @@ async fn run(
         id.clone(),
     );
     let keep_alive = fleet.heartbeat.hold(&msg);
+    let agent_depth = crate::agents::depth_of(msg.headers.as_ref());
 
     let now = toolfleet_protocol::now_ms();
     let (deadline_ms, timeout) = invocation_deadline(fleet, &job, delivery, now);
@@ -545,7 +546,7 @@ async fn run(
         },
         // A bug must end the invocation with an error event, not leave it
         // silent.
-        r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, &events, &cancel_check)).catch_unwind(), if !left.is_zero() && !cancelled_early => {
+        r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, agent_depth, &events, &cancel_check)).catch_unwind(), if !left.is_zero() && !cancelled_early => {
             r.unwrap_or_else(|_| Err(Failure::new("internal_error", "the orchestrator failed unexpectedly; see its log")))
         }
         _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),

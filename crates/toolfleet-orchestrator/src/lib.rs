@@ -56,17 +56,21 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
+pub mod agents;
 pub mod catalog;
 pub mod context;
 pub mod dispatch;
 pub mod events;
 pub mod fleet;
+pub mod gating;
 pub mod intake;
 pub mod limits;
 pub mod metrics;
 pub mod orchestrator;
 mod replies;
 pub mod rounds;
+pub mod scope;
+pub mod scoping;
 pub mod usage;
 
 pub use catalog::LiveCatalog;
@@ -173,6 +177,8 @@ impl OrchestratorConfig {
 pub enum OrchestratorError {
     #[error("NATS: {0}")]
     Nats(String),
+    #[error("configuration: {0}")]
+    Config(String),
 }
 
 /// Connects to NATS and Redis as configured, registers the metrics on
@@ -253,6 +259,7 @@ pub async fn run_with_ready(
     let replies = replies::Replies::start(&client, &config.subjects, stop_replies)
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    let agents = agents::AgentSource::new(&config.profiles).map_err(OrchestratorError::Config)?;
     let fleet = Arc::new(Fleet::new(
         client,
         js,
@@ -260,6 +267,7 @@ pub async fn run_with_ready(
         metrics,
         config.clone(),
         replies,
+        agents,
     ));
     fleet.catalog.refresh().await;
 

@@ -30,6 +30,22 @@ pub struct OrchestratorMetrics {
     /// `tool`, `status`: ok | error | blocked | timeout.
     pub tool_calls: IntCounterVec,
     pub tool_call_duration: HistogramVec,
+    /// Scoping decisions, by `decision`: all | token | planning |
+    /// planning_fallback.
+    pub scoping_decisions: IntCounterVec,
+    /// Tools offered per model request.
+    pub tools_offered: Histogram,
+    /// `search_tools` calls, by `outcome`: added | nothing | capped.
+    pub tool_expansions: IntCounterVec,
+    /// Tools in the registry, by `backend` (catalog, agents, …).
+    pub registry_tools: prometheus::IntGaugeVec,
+    /// Duplicate ids a later backend brought (the first backend's wins).
+    pub registry_duplicates: prometheus::IntGauge,
+    /// Time to rebuild the registry and relevance index after a catalog
+    /// change.
+    pub registry_build: Histogram,
+    /// Tool calls naming no offered tool (answered with suggestions).
+    pub unknown_tool_calls: prometheus::IntCounter,
     /// `toolfleet_dead_letters_total`, shared with the workers of the
     /// process; the orchestrator counts `kind="chat"`.
     pub dead_letters: IntCounterVec,
@@ -50,7 +66,68 @@ impl OrchestratorMetrics {
             "Chat jobs being worked on by this orchestrator.",
         )?;
         r.register(Box::new(chat_jobs_in_flight.clone()))?;
+        let tools_offered = Histogram::with_opts(
+            HistogramOpts::new(
+                "toolfleet_tools_offered",
+                "Tools offered to the model per request (search_tools included).",
+            )
+            .buckets(vec![
+                0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 100.0, 128.0,
+            ]),
+        )?;
+        r.register(Box::new(tools_offered.clone()))?;
+        let registry_tools = prometheus::IntGaugeVec::new(
+            Opts::new(
+                "toolfleet_registry_tools",
+                "Tools in the orchestrator's registry, by backend.",
+            ),
+            &["backend"],
+        )?;
+        r.register(Box::new(registry_tools.clone()))?;
+        let registry_duplicates = prometheus::IntGauge::new(
+            "toolfleet_registry_duplicate_tools",
+            "Tool ids a later backend also brought (the first backend's definition is used).",
+        )?;
+        r.register(Box::new(registry_duplicates.clone()))?;
+        let registry_build = Histogram::with_opts(
+            HistogramOpts::new(
+                "toolfleet_registry_build_seconds",
+                "Time to rebuild the registry and relevance index after a catalog change.",
+            )
+            .buckets(LATENCY_BUCKETS.to_vec()),
+        )?;
+        r.register(Box::new(registry_build.clone()))?;
+        let unknown_tool_calls = prometheus::IntCounter::new(
+            "toolfleet_unknown_tool_calls_total",
+            "Tool calls naming no offered tool; answered with close names.",
+        )?;
+        r.register(Box::new(unknown_tool_calls.clone()))?;
+        let scoping_decisions = counter(
+            r,
+            "toolfleet_scoping_decisions_total",
+            "How the tools offered were chosen, by decision.",
+            &["decision"],
+        )?;
+        for d in ["all", "token", "planning", "planning_fallback"] {
+            scoping_decisions.with_label_values(&[d]);
+        }
+        let tool_expansions = counter(
+            r,
+            "toolfleet_tool_expansions_total",
+            "search_tools calls, by outcome.",
+            &["outcome"],
+        )?;
+        for o in ["added", "nothing", "capped"] {
+            tool_expansions.with_label_values(&[o]);
+        }
         Ok(Self {
+            scoping_decisions,
+            tools_offered,
+            tool_expansions,
+            registry_tools,
+            registry_duplicates,
+            registry_build,
+            unknown_tool_calls,
             chat_jobs: counter(
                 r,
                 "toolfleet_chat_jobs_total",
@@ -120,5 +197,24 @@ impl OrchestratorMetrics {
             )?,
             dead_letters,
         })
+    }
+}
+
+impl OrchestratorMetrics {
+    /// Sets the registry gauges after a rebuild that took `took`.
+    pub fn observe_registry(
+        &self,
+        registry: &toolfleet_protocol::registry::Registry,
+        took: std::time::Duration,
+    ) {
+        self.registry_tools.reset();
+        for (backend, n) in registry.sizes() {
+            self.registry_tools
+                .with_label_values(&[backend.as_str()])
+                .set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
+        self.registry_duplicates
+            .set(i64::try_from(registry.duplicates().len()).unwrap_or(i64::MAX));
+        self.registry_build.observe(took.as_secs_f64());
     }
 }

@@ -7,10 +7,14 @@
 //! touching the loop and cannot forget the contract:
 //!
 //! 1. [`context::build`](crate::context) makes the [`Invocation`];
-//! 2. `started` is published (model, profile, offered tools), then the
-//!    references any context step wrote;
-//! 3. the orchestrator runs, publishing what it does through [`Events`];
-//! 4. on [`Answer`]: the references not published yet, then `completed`
+//! 2. [`scope::choose`](crate::scope::choose) picks the tools offered
+//!    first (a planning call may run here);
+//! 3. `started` is published (model, profile, offered tools), then a
+//!    `scoping` event saying how they were chosen (unless all permitted
+//!    tools are offered and nothing was left out), then the references
+//!    any context step wrote;
+//! 4. the orchestrator runs, publishing what it does through [`Events`];
+//! 5. on [`Answer`]: the references not published yet, then `completed`
 //!    with the answer, all references and the usage ledger. On
 //!    [`Failure`], intake publishes the `error` event.
 
@@ -76,11 +80,13 @@ pub(crate) async fn invoke(
     fleet: &Fleet,
     job: ChatJob,
     deadline_ms: u64,
+    agent_depth: u32,
     events: &Events,
     cancel_check: &context::CancelCheck,
 ) -> Result<ChatEventBody, Failure> {
-    let mut inv = context::build(fleet, job, deadline_ms)?;
+    let mut inv = context::build(fleet, job, deadline_ms, agent_depth)?;
     inv.cancel_check = cancel_check.clone();
+    let scoping = crate::scope::choose(fleet, &mut inv).await;
     let orchestrator = fleet
         .config()
         .orchestrator(&inv.profile.orchestrator)
@@ -98,6 +104,12 @@ pub(crate) async fn invoke(
         profile: Some(inv.profile.name.clone()),
         tools: inv.tool_ids(),
     });
+    // Nothing to say when every permitted tool is offered and nothing
+    // was left out: `started` lists them.
+    if !matches!(&scoping, ChatEventBody::Scoping { decision, note: None, .. } if decision == "all")
+    {
+        events.send(scoping);
+    }
     let answer = orchestrator.run(&mut inv, fleet, events).await?;
     fleet.publish_references(&mut inv, &[], events)?;
     Ok(ChatEventBody::Completed {

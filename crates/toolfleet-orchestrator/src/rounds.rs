@@ -49,7 +49,7 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
     let mut caps = Caps::default();
     for round in 1..=policy.max_rounds {
         let tools_allowed = caps.open_round(round, &policy, fleet, &mut inv.messages);
-        let request = request(inv, &policy, tools_allowed);
+        let request = request(inv, &policy, tools_allowed, fleet);
         let completion = fleet.call_model(inv, &request, events).await;
         // The conversation was lent to the request (not copied, so a
         // waiting invocation holds it once): take it back.
@@ -166,11 +166,18 @@ fn limit_hit(fleet: &Fleet, limit: &str) {
 /// puts it back after the call). The tools stay in it even when they are
 /// forbidden (the prompt prefix, and its cache, do not change);
 /// `tool_choice: none` forbids them.
-fn request(inv: &mut Invocation, policy: &LoopPolicy, tools_allowed: bool) -> ChatRequest {
+fn request(
+    inv: &mut Invocation,
+    policy: &LoopPolicy,
+    tools_allowed: bool,
+    fleet: &Fleet,
+) -> ChatRequest {
+    let tools = inv.tool_specs();
+    fleet.metrics().tools_offered.observe(tools.len() as f64);
     ChatRequest {
         model: inv.model().to_string(),
         messages: std::mem::take(&mut inv.messages),
-        tools: inv.tool_specs(),
+        tools,
         tool_choice: (!tools_allowed).then_some(ToolChoice::None),
         parallel_tool_calls: policy.parallel_tool_calls,
         temperature: inv.profile.profile.temperature,
@@ -224,7 +231,7 @@ async fn run_calls(
             ..c.clone()
         })
         .collect();
-    let outcomes = tools.run(inv, &ours, events).await;
+    let outcomes = run_turn(inv, tools, &ours, fleet, events).await;
     let budget = policy
         .max_tool_result_tokens
         .map(|cap| (TokenBudget::for_model(inv.model()), cap));
@@ -253,6 +260,64 @@ async fn run_calls(
         });
     }
     outcomes
+}
+
+/// Runs one turn's calls: `search_tools` first, here (it changes the
+/// tools offered from the next round on), then agent tools (nested chat
+/// jobs) and worker tools together. Outcomes in call order.
+async fn run_turn(
+    inv: &mut Invocation,
+    tools: &mut ToolRunner<'_>,
+    calls: &[ToolCall],
+    fleet: &Fleet,
+    events: &Events,
+) -> Vec<ToolOutcome> {
+    let mut out: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+    for (i, call) in calls.iter().enumerate() {
+        if call.name == crate::scoping::SEARCH_TOOLS && inv.tool(&call.name).is_none() {
+            out[i] = Some(crate::scope::search_tools_call(inv, call, fleet, events));
+        }
+    }
+    let inv = &*inv;
+    let mut agent_calls = Vec::new();
+    let mut worker_calls = Vec::new();
+    for (i, call) in calls.iter().enumerate() {
+        if out[i].is_some() {
+            continue;
+        }
+        match inv.tool(&call.name) {
+            Some(tool) if crate::agents::profile_of(tool).is_some() => {
+                agent_calls.push((i, tool.clone(), call));
+            }
+            _ => worker_calls.push(i),
+        }
+    }
+    let remote: Vec<ToolCall> = worker_calls.iter().map(|&i| calls[i].clone()).collect();
+    let agents = futures::future::join_all(
+        agent_calls
+            .iter()
+            .map(|(_, tool, call)| crate::scope::agent_call(inv, tool, call, fleet, events)),
+    );
+    let (agent_outcomes, worker_outcomes) = if remote.is_empty() {
+        (agents.await, Vec::new())
+    } else {
+        futures::join!(agents, tools.run(inv, &remote, events))
+    };
+    for ((i, _, _), outcome) in agent_calls.iter().zip(agent_outcomes) {
+        out[*i] = Some(outcome);
+    }
+    for (i, outcome) in worker_calls.into_iter().zip(worker_outcomes) {
+        out[i] = Some(outcome);
+    }
+    out.into_iter()
+        .map(|o| {
+            o.unwrap_or_else(|| ToolOutcome {
+                content: "Error: the call got no result.".into(),
+                status: ToolStatus::Error,
+                references: Vec::new(),
+            })
+        })
+        .collect()
 }
 
 impl Fleet {

@@ -240,6 +240,11 @@ impl Catalog {
         })
     }
 
+    /// Every live entry, offered or not, sorted by tool id.
+    pub fn all(&self) -> impl Iterator<Item = &CatalogEntry> {
+        self.entries.values()
+    }
+
     /// How many entries are offered.
     pub fn len(&self) -> usize {
         self.offered.len()

@@ -117,9 +117,36 @@ pub async fn chat(
     subjects: &Subjects,
     job: &ChatJob,
     timeout: Duration,
+    on_event: impl FnMut(&ChatEvent),
+) -> Result<ChatOutcome, ClientError> {
+    chat_with_headers(
+        client,
+        subjects,
+        job,
+        async_nats::HeaderMap::new(),
+        timeout,
+        on_event,
+    )
+    .await
+}
+
+/// [`chat`], with `extra` headers on the job's message (an agent tool's
+/// nested job carries [`headers::PARENT_INVOCATION`] and
+/// [`headers::AGENT_DEPTH`]); they count against the server's
+/// `max_payload` like the others.
+///
+/// # Errors
+///
+/// As [`chat`].
+pub async fn chat_with_headers(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    job: &ChatJob,
+    extra: async_nats::HeaderMap,
+    timeout: Duration,
     mut on_event: impl FnMut(&ChatEvent),
 ) -> Result<ChatOutcome, ClientError> {
-    let message = SubmitMessage::new(client, job)?;
+    let message = SubmitMessage::with_headers(client, job, extra)?;
     let mut sub = client
         .subscribe(subjects.chat_events(job.tenant(), &job.invocation_id))
         .await
@@ -326,6 +353,14 @@ struct SubmitMessage {
 
 impl SubmitMessage {
     fn new(client: &async_nats::Client, job: &ChatJob) -> Result<Self, ClientError> {
+        Self::with_headers(client, job, async_nats::HeaderMap::new())
+    }
+
+    fn with_headers(
+        client: &async_nats::Client,
+        job: &ChatJob,
+        mut h: async_nats::HeaderMap,
+    ) -> Result<Self, ClientError> {
         if !crate::valid_tenant(job.tenant()) {
             return Err(ClientError::Rejected(format!(
                 "tenant {:?} is not 1-64 of [A-Za-z0-9_-]",
@@ -346,7 +381,6 @@ impl SubmitMessage {
                 limit_of: JobSizeLimit::Fleet,
             });
         }
-        let mut h = async_nats::HeaderMap::new();
         h.insert(headers::NATS_MSG_ID, job.invocation_id.as_str());
         h.insert(headers::INVOCATION_ID, job.invocation_id.as_str());
         // What the connected server advertised in its INFO (async-nats
@@ -428,5 +462,7 @@ pub fn question(text: &str) -> ChatJob {
         provider_confidence: None,
         timeout_ms: None,
         traceparent: None,
+        tools: Vec::new(),
+        surface: None,
     }
 }

@@ -14,6 +14,9 @@
 //! - [`references`]: the one `[doc:N]` scanner and the reader-side renderer.
 //! - [`streams`]: the JetStream stream definitions.
 //! - [`catalog`]: what the fleet's live workers serve.
+//! - [`registry`]: one immutable view over every source of tools (the
+//!   catalog, definition directories, …), with the compat file of
+//!   recommended models.
 //! - [`client`]: submitting a chat job and following its events.
 //! - [`redact`]: credentials out of URLs before they reach a message.
 
@@ -21,6 +24,7 @@ pub mod catalog;
 pub mod client;
 pub mod redact;
 pub mod references;
+pub mod registry;
 pub mod schema;
 pub mod search;
 pub mod streams;

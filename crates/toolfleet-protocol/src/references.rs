@@ -27,6 +27,34 @@ pub fn cited_indices(text: &str) -> Vec<u64> {
     out
 }
 
+/// `text` with every `[doc:N]` marker whose `N` `map` knows replaced by
+/// `[doc:map(N)]`; markers `map` does not know are left as they are. The
+/// same scanner as [`cited_indices`], so both agree on what a marker is.
+pub fn renumber(text: &str, map: impl Fn(u64) -> Option<u64>) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(start) = rest.find("[doc:") {
+        let after = &rest[start + 5..];
+        let digits = after.bytes().take_while(u8::is_ascii_digit).count();
+        let to = (digits > 0 && after[digits..].starts_with(']'))
+            .then(|| after[..digits].parse().ok().and_then(&map))
+            .flatten();
+        match to {
+            Some(n) => {
+                out.push_str(&rest[..start]);
+                out.push_str(&format!("[doc:{n}]"));
+                rest = &after[digits + 1..];
+            }
+            None => {
+                out.push_str(&rest[..start + 5]);
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
 /// An answer ready for a reader.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Rendered {
@@ -130,6 +158,19 @@ pub fn render(text: &str, references: &[Reference]) -> Rendered {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn renumber_maps_known_markers_and_leaves_the_rest() {
+        let text = "a [doc:1] b [doc:2][doc:1] [doc:9] [doc:x] [doc:3";
+        let out = renumber(text, |n| match n {
+            1 => Some(7),
+            2 => Some(8),
+            _ => None,
+        });
+        assert_eq!(out, "a [doc:7] b [doc:8][doc:7] [doc:9] [doc:x] [doc:3");
+        assert_eq!(cited_indices(&out), [7, 8, 7, 9]);
+        assert_eq!(renumber("no markers", |_| Some(1)), "no markers");
+    }
     use super::*;
 
     fn r(index: u64, title: &str) -> Reference {

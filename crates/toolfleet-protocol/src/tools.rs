@@ -481,6 +481,8 @@ pub enum Purpose {
     DocumentProcessing,
     /// Offered only when a data source is selected.
     DataSourceSearch,
+    /// Writes content; offered whatever is attached.
+    ContentGeneration,
 }
 
 /// How tool jobs reach workers.

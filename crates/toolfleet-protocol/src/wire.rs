@@ -49,6 +49,12 @@ pub mod headers {
     /// job carried it, so its first delivery has no stored result to find:
     /// see [`CallContext::new_call`]).
     pub const NEW_CALL: &str = "Toolfleet-New-Call";
+    /// On a chat job an agent tool started: the invocation that called the
+    /// agent (for linking; the nested job is an ordinary job of its own).
+    pub const PARENT_INVOCATION: &str = "Toolfleet-Parent-Invocation";
+    /// On a chat job an agent tool started: how deep it is nested (1 for a
+    /// job started by a top-level job's agent call). Absent: 0.
+    pub const AGENT_DEPTH: &str = "Toolfleet-Agent-Depth";
     pub const TRACEPARENT: &str = "traceparent";
     pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
 }
@@ -632,9 +638,29 @@ pub struct ChatJob {
     pub timeout_ms: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
+    /// Selectable tools the job picks, by id (`ns:name@x.y.z`, or
+    /// `ns:name` for the highest version), offered on top of the profile's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tools: Vec<String>,
+    /// Where the answer is shown (`chat` when absent; jobs an agent tool
+    /// starts are `agent`): a tool whose `visibleIn` is not empty is offered
+    /// only on the surfaces it names.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub surface: Option<String>,
 }
 
+/// The surface of a chat job that names none.
+pub const DEFAULT_SURFACE: &str = "chat";
+/// The surface of a chat job an agent tool started.
+pub const AGENT_SURFACE: &str = "agent";
+
 impl ChatJob {
+    /// Where the answer is shown ([`DEFAULT_SURFACE`] when the job names
+    /// none).
+    pub fn surface(&self) -> &str {
+        self.surface.as_deref().unwrap_or(DEFAULT_SURFACE)
+    }
+
     /// The tenant the job names ([`DEFAULT_TENANT`] when none): a client
     /// submits it to [`Subjects::chat_submit`] of this tenant.
     pub fn tenant(&self) -> &str {
@@ -750,6 +776,24 @@ pub enum ChatEventBody {
     References {
         references: Vec<Reference>,
     },
+    /// How the tools offered to the model were chosen, or changed (a
+    /// `search_tools` call added some).
+    #[serde(rename_all = "camelCase")]
+    Scoping {
+        /// `all`, `token`, `planning`, `planning_fallback` or `expansion`.
+        decision: String,
+        /// Tools the invocation may use (after every gate).
+        permitted: usize,
+        /// The tool ids offered from now on.
+        tools: Vec<String>,
+        /// Ids added by this step (`expansion`).
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        added: Vec<String>,
+        /// Why, in words: a planning failure, tools a job named that are
+        /// not served, ….
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        note: Option<String>,
+    },
     #[serde(rename_all = "camelCase")]
     Completed {
         text: String,
@@ -785,6 +829,7 @@ impl ChatEventBody {
             ChatEventBody::ToolResult { .. } => "tool_result",
             ChatEventBody::ToolProgress { .. } => "tool_progress",
             ChatEventBody::References { .. } => "references",
+            ChatEventBody::Scoping { .. } => "scoping",
             ChatEventBody::Completed { .. } => "completed",
             ChatEventBody::Error { .. } => "error",
         }

@@ -1,0 +1,350 @@
+//! Agent tools: a profile exposed as a tool.
+//!
+//! A profile with an `agent` table becomes the tool `agent:<name>@1.0.0`
+//! ([`AgentSource`], a registry backend served by the orchestrators
+//! themselves). Calling it ([`run_agent_call`]) runs a **nested chat job**
+//! over NATS, like any client's: a fresh invocation id, the agent's
+//! profile, the parent's tenant, user, data source and attached documents,
+//! the surface `agent`, and headers linking it to the parent
+//! ([`headers::PARENT_INVOCATION`]) and counting its depth
+//! ([`headers::AGENT_DEPTH`]). Any orchestrator copy may take it. While it
+//! runs, what it does reaches the parent's events as `tool_progress` of the
+//! agent call; its answer comes back as the call's result, with its
+//! references given new indices from the **parent's** citation counter
+//! (one reservation, keyed by the call, so a repeat reuses them) and its
+//! `[doc:N]` markers rewritten to match.
+//!
+//! A job at the fleet's `max_agent_depth` is offered no agent tool, so
+//! nesting stops there whatever the profiles say. The nested job's deadline
+//! is the agent's timeout, never past the parent's; when the parent stops
+//! waiting (deadline, cancel) the nested job is cancelled.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use toolfleet_llm::ToolCall;
+use toolfleet_llm::profiles::FleetConfig;
+use toolfleet_protocol::client::{self, ClientError};
+use toolfleet_protocol::registry::{SourcedTool, ToolSource};
+use toolfleet_protocol::tools::{CompiledTool, Origin, ToolDefinition};
+use toolfleet_protocol::{
+    AGENT_SURFACE, ChatEventBody, ChatJob, ChatMessage, ChatRole, Reference, ToolStatus, headers,
+};
+use toolfleet_store::NewReference;
+use tracing::warn;
+
+use crate::gating::AGENTS_SOURCE;
+use crate::{Events, Fleet, Invocation, ToolOutcome};
+
+/// The `implementationKey` of profile `profile`'s agent tool.
+pub fn implementation_key(profile: &str) -> String {
+    format!("agent.{profile}")
+}
+
+/// The profile an agent tool runs, from its implementation key.
+pub fn profile_of(tool: &CompiledTool) -> Option<&str> {
+    tool.definition.implementation_key.strip_prefix("agent.")
+}
+
+/// The agent tools of a configuration: one per profile with an `agent`
+/// table, served by the orchestrators (always live while one runs).
+pub struct AgentSource {
+    tools: Vec<SourcedTool>,
+}
+
+impl AgentSource {
+    /// The agent tools `config` declares.
+    ///
+    /// # Errors
+    ///
+    /// A message naming the profile when its tool definition does not
+    /// pass the definition checks (the config's own validation makes that
+    /// a bug).
+    pub fn new(config: &FleetConfig) -> Result<Self, String> {
+        let mut tools = Vec::new();
+        for (name, profile) in &config.profiles {
+            let Some(agent) = &profile.agent else {
+                continue;
+            };
+            let value = json!({
+                "schemaVersion": 1,
+                "id": format!("agent:{}@1.0.0", agent.name),
+                "implementationKey": implementation_key(name),
+                "title": format!("Agent {}", agent.name),
+                "description": agent.description,
+                "category": "agent",
+                "selectable": true,
+                "tags": ["agent"],
+                "timeoutMs": agent.timeout_ms,
+                "parallelSafe": true,
+                "function": {
+                    "name": agent.name,
+                    "description": agent.description,
+                    "parameters": {
+                        "type": "object",
+                        "properties": {
+                            "task": {
+                                "type": "string",
+                                "minLength": 1,
+                                "description": "What the agent should do, with everything it needs to know: it does not see this conversation."
+                            }
+                        },
+                        "required": ["task"],
+                        "additionalProperties": false
+                    }
+                }
+            });
+            let definition = ToolDefinition::from_value(
+                value,
+                Origin::Named(format!("profile {name:?} (agent tool)")),
+            )
+            .and_then(CompiledTool::new)
+            .map_err(|e| format!("profile {name:?}: its agent tool is not valid: {e}"))?;
+            tools.push(SourcedTool {
+                tool: Arc::new(definition),
+                workers: 1,
+                families: vec!["orchestrator".into()],
+            });
+        }
+        Ok(Self { tools })
+    }
+}
+
+impl ToolSource for AgentSource {
+    fn name(&self) -> &str {
+        AGENTS_SOURCE
+    }
+
+    fn tools(&self) -> Vec<SourcedTool> {
+        self.tools.clone()
+    }
+}
+
+/// The depth of a chat job from its headers (0 without the header; an
+/// unreadable value counts as the deepest, so it is offered no agent).
+pub fn depth_of(h: Option<&async_nats::HeaderMap>) -> u32 {
+    match h.and_then(|h| h.get(headers::AGENT_DEPTH)) {
+        None => 0,
+        Some(v) => v.as_str().parse().unwrap_or(u32::MAX),
+    }
+}
+
+/// Runs one call of agent tool `tool`: a nested chat job, its progress
+/// into `events` as the call's `tool_progress`, its answer as the result.
+pub async fn run_agent_call(
+    fleet: &Fleet,
+    inv: &Invocation,
+    tool: &Arc<CompiledTool>,
+    call: &ToolCall,
+    arguments: &Value,
+    events: &Events,
+) -> ToolOutcome {
+    let def = &tool.definition;
+    let tool_id = def.id.to_string();
+    let fail = |code: &str, message: String| ToolOutcome {
+        content: format!("Error ({code}): {message}"),
+        status: ToolStatus::Error,
+        references: Vec::new(),
+    };
+    let Some(profile) = profile_of(tool) else {
+        return fail("internal_error", format!("{tool_id} names no profile"));
+    };
+    let Some(task) = arguments.get("task").and_then(Value::as_str) else {
+        return fail("invalid_arguments", "`task` (a string) is required".into());
+    };
+    let now = toolfleet_protocol::now_ms();
+    let left = inv.deadline_ms.saturating_sub(now);
+    let wait = def.timeout_ms.min(left);
+    if wait < 1_000 {
+        return ToolOutcome {
+            content: format!(
+                "Error: no time is left to run {} before the invocation's deadline.",
+                def.function.name
+            ),
+            status: ToolStatus::Timeout,
+            references: Vec::new(),
+        };
+    }
+    let job = ChatJob {
+        invocation_id: client::new_invocation_id(),
+        messages: vec![ChatMessage {
+            role: ChatRole::User,
+            content: task.to_string(),
+        }],
+        profile: Some(profile.to_string()),
+        tenant: inv.job.tenant.clone(),
+        user: inv.job.user.clone(),
+        provider: inv.job.provider.clone(),
+        connection: inv.job.connection.clone(),
+        resource: inv.job.resource.clone(),
+        data_source_id: inv.job.data_source_id.clone(),
+        attached_documents: inv.job.attached_documents.clone(),
+        provider_confidence: inv.job.provider_confidence,
+        timeout_ms: Some(wait),
+        traceparent: inv.job.traceparent.clone(),
+        tools: Vec::new(),
+        surface: Some(AGENT_SURFACE.to_string()),
+    };
+    let mut h = async_nats::HeaderMap::new();
+    h.insert(headers::PARENT_INVOCATION, inv.job.invocation_id.as_str());
+    h.insert(
+        headers::AGENT_DEPTH,
+        inv.agent_depth.saturating_add(1).to_string().as_str(),
+    );
+    let subjects = &fleet.config.subjects;
+    // The nested job is cancelled when this call stops waiting for it
+    // before its end (the parent's deadline or cancel drops this future).
+    let guard = CancelOnDrop {
+        client: fleet.client.clone(),
+        subjects: subjects.clone(),
+        tenant: job.tenant().to_string(),
+        invocation_id: job.invocation_id.clone(),
+        armed: true,
+    };
+    let name = def.function.name.clone();
+    let outcome = client::chat_with_headers(
+        &fleet.client,
+        subjects,
+        &job,
+        h,
+        Duration::from_millis(wait),
+        |event| {
+            if let Some(message) = progress_of(&event.body) {
+                events.send(ChatEventBody::ToolProgress {
+                    call_id: call.id.clone(),
+                    tool: tool_id.clone(),
+                    message: crate::dispatch::shorten(
+                        &format!("{name}: {message}"),
+                        toolfleet_protocol::MAX_PROGRESS_CHARS,
+                    ),
+                });
+            }
+        },
+    )
+    .await;
+    let mut guard = guard;
+    let answer = match outcome {
+        Ok(answer) => {
+            guard.armed = false;
+            answer
+        }
+        Err(ClientError::Timeout(_)) => {
+            return ToolOutcome {
+                content: format!("Error: {name} did not answer within {wait} ms."),
+                status: ToolStatus::Timeout,
+                references: Vec::new(),
+            };
+        }
+        Err(ClientError::Failed { code, message }) => {
+            guard.armed = false;
+            return fail(&code, format!("{name} failed: {message}"));
+        }
+        Err(e) => return fail(e.code(), format!("{name} could not run: {e}")),
+    };
+    match renumber(
+        fleet,
+        inv,
+        &tool_id,
+        &call.id,
+        answer.text,
+        answer.references,
+    )
+    .await
+    {
+        Ok((text, references)) => ToolOutcome {
+            content: text,
+            status: ToolStatus::Ok,
+            references,
+        },
+        Err(e) => fail(
+            "citation_store",
+            format!("{name} answered, but its citations could not be renumbered: {e}"),
+        ),
+    }
+}
+
+/// Gives the nested answer's references indices from the parent's
+/// counter (above the parent's floor) and rewrites its markers to them.
+async fn renumber(
+    fleet: &Fleet,
+    inv: &Invocation,
+    tool_id: &str,
+    call_id: &str,
+    text: String,
+    references: Vec<Reference>,
+) -> Result<(String, Vec<Reference>), toolfleet_store::CitationError> {
+    if references.is_empty() {
+        return Ok((text, references));
+    }
+    let old: Vec<u64> = references.iter().map(|r| r.index).collect();
+    let new = references
+        .into_iter()
+        .map(|r| NewReference {
+            kind: r.kind,
+            title: r.title,
+            source: r.source,
+            url: r.url,
+            snippet: r.snippet,
+        })
+        .collect();
+    let stored = fleet
+        .store
+        .reserve(
+            &inv.job.invocation_id,
+            call_id,
+            call_id,
+            tool_id,
+            new,
+            inv.citations.floor(),
+        )
+        .await?;
+    let map: std::collections::HashMap<u64, u64> = old
+        .iter()
+        .copied()
+        .zip(stored.iter().map(|r| r.index))
+        .collect();
+    let text = toolfleet_protocol::references::renumber(&text, |n| map.get(&n).copied());
+    Ok((text, stored))
+}
+
+/// What of a nested job's event the parent's client sees, in words.
+fn progress_of(body: &ChatEventBody) -> Option<String> {
+    match body {
+        ChatEventBody::Started { .. } => Some("started".into()),
+        ChatEventBody::ToolCall { tool, .. } => Some(format!("calling {tool}")),
+        ChatEventBody::ToolProgress { tool, message, .. } => Some(format!("{tool}: {message}")),
+        ChatEventBody::ToolResult { tool, status, .. } => {
+            Some(format!("{tool}: {}", status.as_str()))
+        }
+        _ => None,
+    }
+}
+
+/// Cancels a nested job whose caller stopped waiting.
+struct CancelOnDrop {
+    client: async_nats::Client,
+    subjects: toolfleet_protocol::Subjects,
+    tenant: String,
+    invocation_id: String,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let client = self.client.clone();
+        let subjects = self.subjects.clone();
+        let tenant = std::mem::take(&mut self.tenant);
+        let id = std::mem::take(&mut self.invocation_id);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                if let Err(e) = client::cancel(&client, &subjects, &tenant, &id).await {
+                    warn!(invocation_id = %id, error = %e, "cannot cancel a nested agent job");
+                }
+            });
+        }
+    }
+}

@@ -1,0 +1,292 @@
+//! Gating: which tools an invocation may use at all, before any scoping.
+//!
+//! [`permitted`] reads one registry snapshot and the job, and returns the
+//! tools the model may be offered:
+//!
+//! - **system tools** (`selectable: false`): added whenever their gates
+//!   pass; a chat job cannot pick them;
+//! - **profile tools**: the profile's `tools` — `*` and `ns:*` pick every
+//!   selectable tool they cover, `ns:name` and `ns:name@x.y.z` one tool,
+//!   selectable or not — and its `must_include_tools`;
+//! - **selected tools**: the selectable tools the chat job names in
+//!   `tools`;
+//! - **agent tools** (profiles exposed as tools, from the `agents`
+//!   backend) like any selectable tool, but only below the fleet's agent
+//!   depth and never the invocation's own profile.
+//!
+//! Every candidate then passes the gates: its **purpose**
+//! (`document_processing` only with attached documents,
+//! `data_source_search` only with a data source, `general` and
+//! `content_generation` always), **`visibleIn`** (when not empty, it must
+//! name the job's surface), **`minProviderConfidence`** (the job's
+//! confidence, 0 when absent, must reach it — the same rule workers apply)
+//! and **liveness** (a tool no live worker serves is never offered).
+//!
+//! A job that names a tool the fleet does not serve, or one that is not
+//! selectable, fails with `invalid_tool_selection` naming the entry; a
+//! profile tool that is not served is left out and noted (a pool may be
+//! down while the rest of the fleet works).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
+
+use toolfleet_llm::profiles::Profile;
+use toolfleet_protocol::ChatJob;
+use toolfleet_protocol::registry::{Registry, RegistryEntry};
+use toolfleet_protocol::tools::{CompiledTool, Purpose, ToolDefinition, ToolRef};
+
+use crate::Failure;
+
+/// The source name of the agent tools' backend.
+pub const AGENTS_SOURCE: &str = "agents";
+
+/// What an invocation brings to the gates.
+#[derive(Debug, Clone)]
+pub struct Gate<'a> {
+    /// The job attached documents.
+    pub documents: bool,
+    /// The job (or its profile) names a data source.
+    pub data_source: bool,
+    /// Where the answer is shown (`chat`, `agent`, …).
+    pub surface: &'a str,
+    /// The job's provider confidence (0 when it names none).
+    pub provider_confidence: f64,
+    /// Whether agent tools may be offered (the job is not at the deepest
+    /// nesting yet).
+    pub agents: bool,
+    /// The invocation's own profile, whose agent tool is never offered to
+    /// itself.
+    pub own_profile: &'a str,
+}
+
+/// Why a gate kept a tool out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    Purpose(Purpose),
+    Surface,
+    Confidence,
+}
+
+impl Gate<'_> {
+    /// Whether `def` passes the purpose, surface and confidence gates.
+    ///
+    /// # Errors
+    ///
+    /// The first gate that refuses it.
+    pub fn admits(&self, def: &ToolDefinition) -> Result<(), Refused> {
+        match def.purpose() {
+            Purpose::DocumentProcessing if !self.documents => {
+                return Err(Refused::Purpose(Purpose::DocumentProcessing));
+            }
+            Purpose::DataSourceSearch if !self.data_source => {
+                return Err(Refused::Purpose(Purpose::DataSourceSearch));
+            }
+            _ => {}
+        }
+        if !def.visible_in.is_empty() && !def.visible_in.iter().any(|s| s == self.surface) {
+            return Err(Refused::Surface);
+        }
+        if let Some(min) = def.min_provider_confidence
+            && self.provider_confidence < min
+        {
+            return Err(Refused::Confidence);
+        }
+        Ok(())
+    }
+}
+
+/// The tools an invocation may use.
+#[derive(Debug, Clone, Default)]
+pub struct Permitted {
+    /// In id order, at most one per function name.
+    pub tools: Vec<Arc<CompiledTool>>,
+    /// Ids of the tools always offered (the profile's must-include tools),
+    /// a subset of `tools`.
+    pub must_include: BTreeSet<String>,
+    /// What was left out and why, for the `scoping` event.
+    pub notes: Vec<String>,
+}
+
+impl Permitted {
+    /// The permitted tool a model calls by `function_name`.
+    pub fn by_function_name(&self, function_name: &str) -> Option<&Arc<CompiledTool>> {
+        self.tools
+            .iter()
+            .find(|t| t.definition.function.name == function_name)
+    }
+}
+
+/// The tools `job` may use under `profile`, from `registry` (see the
+/// module docs).
+///
+/// # Errors
+///
+/// `invalid_tool_selection` when the job names a tool the fleet does not
+/// serve, or one that is not selectable.
+pub fn permitted(
+    registry: &Registry,
+    profile: &Profile,
+    job: &ChatJob,
+    gate: &Gate<'_>,
+) -> Result<Permitted, Failure> {
+    let mut candidates: BTreeMap<String, Arc<CompiledTool>> = BTreeMap::new();
+    let mut must_include = BTreeSet::new();
+    let mut notes = Vec::new();
+    let offerable = |e: &RegistryEntry| {
+        e.is_live()
+            && (&*e.source != AGENTS_SOURCE || (gate.agents && !is_own_agent(e, gate.own_profile)))
+    };
+
+    // The job's picks, each checked before anything else: a bad pick is
+    // the client's mistake, told at once.
+    let mut selected = Vec::new();
+    for (i, text) in job.tools.iter().enumerate() {
+        let invalid = |message: String| {
+            Failure::new("invalid_tool_selection", format!("tools[{i}]: {message}"))
+        };
+        let r: ToolRef = text.parse().map_err(|e| invalid(format!("{e}")))?;
+        if r.is_pattern() {
+            return Err(invalid(format!(
+                "{text:?} is a pattern; a chat job picks tools by id (ns:name or ns:name@x.y.z)"
+            )));
+        }
+        let Some(entry) = registry.resolve(&r).into_iter().find(|e| offerable(e)) else {
+            return Err(invalid(format!(
+                "no tool {text} is served by this fleet (no live worker serves it)"
+            )));
+        };
+        if !entry.tool.definition.selectable {
+            return Err(invalid(format!(
+                "{} is a system tool: it cannot be picked (it is added when its purpose applies)",
+                entry.tool.definition.id
+            )));
+        }
+        selected.push(entry);
+    }
+
+    let mut consider = |entry: &RegistryEntry, why: &str, notes: &mut Vec<String>| {
+        let def = &entry.tool.definition;
+        match gate.admits(def) {
+            Ok(()) => {
+                candidates
+                    .entry(def.id.to_string())
+                    .or_insert_with(|| entry.tool.clone());
+                true
+            }
+            Err(refused) if why != "system" => {
+                notes.push(format!("{} ({why}) left out: {}", def.id, explain(refused)));
+                false
+            }
+            Err(_) => false,
+        }
+    };
+
+    // System tools: whenever their purpose (and the other gates) apply.
+    for entry in registry.list() {
+        if offerable(entry) && !entry.tool.definition.selectable {
+            consider(entry, "system", &mut notes);
+        }
+    }
+    // Profile tools.
+    for r in &profile.tools {
+        let found: Vec<&RegistryEntry> = registry
+            .resolve(r)
+            .into_iter()
+            .filter(|e| offerable(e) && (!r.is_pattern() || e.tool.definition.selectable))
+            .collect();
+        if found.is_empty() && !r.is_pattern() {
+            notes.push(format!("profile tool {r} is not served by any live worker"));
+        }
+        for entry in found {
+            // A pattern's tools are left out quietly when a gate says no:
+            // that is what the gates are for.
+            if !r.is_pattern() || gate.admits(&entry.tool.definition).is_ok() {
+                consider(entry, "profile", &mut notes);
+            }
+        }
+    }
+    for id in &profile.must_include_tools {
+        let r = ToolRef::Exact(id.clone());
+        match registry.resolve(&r).into_iter().find(|e| offerable(e)) {
+            Some(entry) => {
+                if consider(entry, "must include", &mut notes) {
+                    must_include.insert(id.to_string());
+                }
+            }
+            None => notes.push(format!(
+                "must-include tool {id} is not served by any live worker"
+            )),
+        }
+    }
+    for entry in selected {
+        consider(entry, "selected", &mut notes);
+    }
+
+    let tools = one_per_function_name(registry, candidates, &mut notes);
+    must_include.retain(|id| tools.iter().any(|t| t.definition.id.to_string() == *id));
+    Ok(Permitted {
+        tools,
+        must_include,
+        notes,
+    })
+}
+
+/// Whether `entry` is the agent tool of profile `profile`.
+fn is_own_agent(entry: &RegistryEntry, profile: &str) -> bool {
+    entry.tool.definition.implementation_key == crate::agents::implementation_key(profile)
+}
+
+fn explain(refused: Refused) -> &'static str {
+    match refused {
+        Refused::Purpose(Purpose::DocumentProcessing) => {
+            "document_processing, and no documents are attached"
+        }
+        Refused::Purpose(Purpose::DataSourceSearch) => {
+            "data_source_search, and no data source is attached"
+        }
+        Refused::Purpose(_) => "its purpose does not apply",
+        Refused::Surface => "not visible on this surface (visibleIn)",
+        Refused::Confidence => "the provider confidence is below its minProviderConfidence",
+    }
+}
+
+/// A model must never see one function name twice: of candidates sharing
+/// one, the one the registry offers for that name wins, else the smallest
+/// id; the others are noted.
+fn one_per_function_name(
+    registry: &Registry,
+    candidates: BTreeMap<String, Arc<CompiledTool>>,
+    notes: &mut Vec<String>,
+) -> Vec<Arc<CompiledTool>> {
+    let mut by_name: BTreeMap<String, Vec<Arc<CompiledTool>>> = BTreeMap::new();
+    for tool in candidates.into_values() {
+        by_name
+            .entry(tool.definition.function.name.clone())
+            .or_default()
+            .push(tool);
+    }
+    let mut tools: Vec<Arc<CompiledTool>> = Vec::with_capacity(by_name.len());
+    for (name, mut group) in by_name {
+        if group.len() > 1 {
+            let preferred = registry
+                .by_function_name(&name)
+                .map(|e| e.tool.definition.id.clone());
+            let keep = group
+                .iter()
+                .position(|t| Some(&t.definition.id) == preferred.as_ref())
+                .unwrap_or(0);
+            let kept = group.swap_remove(keep);
+            for other in &group {
+                notes.push(format!(
+                    "{} left out: {} is offered under the same function name {name:?}",
+                    other.definition.id, kept.definition.id
+                ));
+            }
+            tools.push(kept);
+        } else {
+            tools.extend(group);
+        }
+    }
+    tools.sort_by(|a, b| a.definition.id.cmp(&b.definition.id));
+    tools
+}
