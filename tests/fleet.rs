@@ -12,6 +12,7 @@ mod policies;
 mod prometheus;
 mod redis_store;
 mod runtime;
+mod scoping;
 mod secrets;
 mod security;
 mod support;
