@@ -156,6 +156,7 @@ pub async fn pull_bounded<F, Fut>(
         shutdown,
         what,
         progress_every,
+        hold_permit_while_waiting: true,
     };
     let heartbeat = Heartbeat::start(pull.sweeper.js.client(), pull.progress_every);
     let (spawn_on, free) = (pull.tracker.clone(), pull.permits.clone());
@@ -198,6 +199,16 @@ pub struct PullLoop {
     pub what: String,
     /// How often in-progress acks go out for the jobs the loop holds.
     pub progress_every: Duration,
+    /// Whether a round holds a permit while it waits for messages. True
+    /// when the loops sharing `permits` are no more than the permits (a
+    /// round then asks for every free permit's worth, and loops cannot
+    /// starve each other). False when there are more loops than permits
+    /// (a worker serving many tools): idle rounds would hold every permit
+    /// and keep the other tools' jobs waiting for a whole pull expiry, so a
+    /// round holds nothing while it waits and asks for one message; a
+    /// message that finds no permit free waits in its own task, so at most
+    /// one job per loop waits beyond the permits.
+    pub hold_permit_while_waiting: bool,
 }
 
 /// What a job pulled by [`PullLoop::in_slots`] holds: one of the loop's
@@ -274,6 +285,7 @@ impl PullLoop {
             tracker,
             shutdown,
             what,
+            hold_permit_while_waiting,
             ..
         } = self;
         let mut sweep = true;
@@ -281,12 +293,21 @@ impl PullLoop {
             if reconnects.take_new() | std::mem::take(&mut sweep) {
                 sweeper.run(&mut consumer, &tracker).await;
             }
-            // Ask only when something can run.
-            let first = tokio::select! {
-                _ = shutdown.cancelled() => break,
-                p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => break },
+            // Ask only when something can run (see
+            // `hold_permit_while_waiting`).
+            let first = if hold_permit_while_waiting {
+                tokio::select! {
+                    _ = shutdown.cancelled() => break,
+                    p = permits.clone().acquire_owned() => match p { Ok(p) => Some(p), Err(_) => break },
+                }
+            } else {
+                None
             };
-            let want = 1 + permits.available_permits();
+            let want = if first.is_some() {
+                1 + permits.available_permits()
+            } else {
+                1
+            };
             let mut batch = match consumer
                 .batch()
                 .max_messages(want)
@@ -304,7 +325,7 @@ impl PullLoop {
                     }
                 }
             };
-            let mut first = Some(first);
+            let mut first = first;
             loop {
                 let next = tokio::select! {
                     _ = shutdown.cancelled() => break 'outer,

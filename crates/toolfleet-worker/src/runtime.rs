@@ -501,6 +501,8 @@ impl Worker {
             return Ok(());
         }
         let permits = Arc::new(Semaphore::new(config.concurrency.max(1)));
+        // More tools than permits: idle pulls must not hold them.
+        let hold_permit_while_waiting = setup.tools.len() <= config.concurrency.max(1);
         let tracker = TaskTracker::new();
         let reconnects =
             toolfleet_service::jobs::Reconnects::watch(shared.client.clone(), shutdown.clone());
@@ -531,6 +533,7 @@ impl Worker {
                     shutdown: shutdown.clone(),
                     what: label,
                     progress_every: heartbeat,
+                    hold_permit_while_waiting,
                 };
                 tracker.spawn(pull.in_slots(move |msg, slot| {
                     let (tool, shared) = (tool.clone(), shared.clone());
