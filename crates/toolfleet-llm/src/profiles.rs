@@ -45,7 +45,11 @@
 //! | `utility_model` | string, the deployment's `model` | model for the tool-planning call, on the same deployment |
 //! | `temperature` | 0.0..=2.0, the provider's | sampling temperature |
 //! | `system_prompt` | string, the orchestrator's | system prompt |
-//! | `must_include_tools` | list of tool ids, `[]` | tools always offered, e.g. `"system:current_datetime@1.0.0"` |
+//! | `max_agent_depth` | 0..=5, `1` | how deep agent tools nest: a job at this depth is offered no agent tool |
+//! | `tools` | list of tool refs, `["*"]` | profile tools: `*` every selectable tool, `ns:*` every selectable tool of a namespace, `ns:name` (highest version) or `ns:name@x.y.z` one tool, selectable or not |
+//! | `must_include_tools` | list of tool ids, `[]` | tools always offered whatever scoping picks, e.g. `"system:current_datetime@1.0.0"` |
+//! | `agent` | `{ name, description, timeout_ms = 120000 }`, none | expose the profile as the tool `agent:<name>@1.0.0` (a nested chat job); names unique across profiles |
+//! | `[profiles.<name>.scoping]` | table | progressive tool scoping: [`ScopingPolicy`] (`initial_tool_count` 20, `scoping_threshold` 30, `planning_threshold` 100, `max_expansion_rounds` 3, `max_tool_count` 30, `planning_history_message_count` 10) |
 //! | `data_source` | string, none | data source searched before the model is called (preemptive RAG) |
 //! | `[profiles.<name>.policy]` | table | the agentic loop's limits: [`LoopPolicy`] |
 //! | `policy.max_rounds` | 1..=100, `8` | model calls per invocation |

@@ -816,6 +816,20 @@ fn main() {
         SEARCH_RUNS,
         &search_tokens,
     );
+    let search_indexed = time_runs(SEARCH_RUNS, || {
+        black_box(scoping::run_search_tools_in(
+            &json!({"query": "refund a payment"}),
+            &index,
+            &candidates,
+            10,
+        ))
+        .ok();
+    });
+    row(
+        "search_tools_in, token fallback (10k pool, snapshot index)",
+        SEARCH_RUNS,
+        &search_indexed,
+    );
     println!();
     println!("planning prompt: {planning_prompt_chars} characters");
     let offered = scoping::by_relevance(&index, &candidates, &query, &policy, &must);

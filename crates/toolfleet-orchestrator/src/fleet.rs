@@ -96,7 +96,12 @@ impl Fleet {
             return snapshot.clone();
         }
         let started = std::time::Instant::now();
-        let snapshot = Arc::new(crate::scope::ToolSnapshot::build(&self.agents, &catalog));
+        let snapshot = Arc::new(crate::scope::ToolSnapshot::build(
+            &self.agents,
+            &catalog,
+            self.config.compat.as_deref(),
+            &self.config.profiles,
+        ));
         self.metrics
             .observe_registry(&snapshot.registry, started.elapsed());
         *cached = Some(snapshot.clone());

@@ -290,3 +290,224 @@ fn one_per_function_name(
     tools.sort_by(|a, b| a.definition.id.cmp(&b.definition.id));
     tools
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{Value, json};
+    use toolfleet_protocol::registry::{SourcedTool, ToolSource};
+    use toolfleet_protocol::tools::Origin;
+
+    struct Source(&'static str, Vec<SourcedTool>);
+
+    impl ToolSource for Source {
+        fn name(&self) -> &str {
+            self.0
+        }
+        fn tools(&self) -> Vec<SourcedTool> {
+            self.1.clone()
+        }
+    }
+
+    fn tool(id: &str, function: &str, extra: Value) -> Arc<CompiledTool> {
+        let (ns_name, _) = id.split_once('@').unwrap();
+        let key = ns_name.replace(':', ".");
+        let mut v = json!({
+            "schemaVersion": 1, "id": id, "implementationKey": key, "title": id,
+            "description": "d", "category": "c",
+            "function": { "name": function, "description": "d",
+                          "parameters": { "type": "object", "properties": {} } }
+        });
+        for (k, val) in extra.as_object().unwrap() {
+            v[k] = val.clone();
+        }
+        Arc::new(
+            CompiledTool::new(ToolDefinition::from_value(v, Origin::Named(id.into())).unwrap())
+                .unwrap(),
+        )
+    }
+
+    fn live(t: Arc<CompiledTool>) -> SourcedTool {
+        SourcedTool {
+            tool: t,
+            workers: 1,
+            families: vec![],
+        }
+    }
+
+    fn gate() -> Gate<'static> {
+        Gate {
+            documents: false,
+            data_source: false,
+            surface: "chat",
+            provider_confidence: 0.0,
+            agents: true,
+            own_profile: "default",
+        }
+    }
+
+    fn ids(p: &Permitted) -> Vec<String> {
+        p.tools
+            .iter()
+            .map(|t| t.definition.id.to_string())
+            .collect()
+    }
+
+    #[test]
+    fn a_definition_passes_only_the_gates_its_invocation_opens() {
+        let g = gate();
+        let doc = tool(
+            "t:doc@1.0.0",
+            "doc",
+            json!({"purpose": "document_processing"}),
+        );
+        let src = tool(
+            "t:src@1.0.0",
+            "src",
+            json!({"purpose": "data_source_search"}),
+        );
+        let generate = tool(
+            "t:gen@1.0.0",
+            "gen",
+            json!({"purpose": "content_generation"}),
+        );
+        let vis = tool("t:vis@1.0.0", "vis", json!({"visibleIn": ["mobile"]}));
+        let conf = tool(
+            "t:conf@1.0.0",
+            "conf",
+            json!({"minProviderConfidence": 0.5}),
+        );
+        assert_eq!(
+            g.admits(&doc.definition),
+            Err(Refused::Purpose(Purpose::DocumentProcessing))
+        );
+        assert_eq!(
+            g.admits(&src.definition),
+            Err(Refused::Purpose(Purpose::DataSourceSearch))
+        );
+        assert_eq!(g.admits(&generate.definition), Ok(()));
+        assert_eq!(g.admits(&vis.definition), Err(Refused::Surface));
+        assert_eq!(g.admits(&conf.definition), Err(Refused::Confidence));
+        let open = Gate {
+            documents: true,
+            data_source: true,
+            surface: "mobile",
+            provider_confidence: 0.5,
+            ..gate()
+        };
+        for t in [&doc, &src, &generate, &vis, &conf] {
+            assert_eq!(open.admits(&t.definition), Ok(()), "{}", t.definition.id);
+        }
+    }
+
+    #[test]
+    fn system_profile_selected_and_agent_tools_and_their_errors() {
+        let catalog = Source(
+            "catalog",
+            vec![
+                live(tool("t:a@1.0.0", "a", json!({}))),
+                live(tool("t:b@1.0.0", "b", json!({}))),
+                live(tool("t:sys@1.0.0", "sys", json!({"selectable": false}))),
+                live(tool("u:c@1.0.0", "c", json!({}))),
+                // Known, not served: never offered.
+                SourcedTool::known(tool("u:dead@1.0.0", "dead", json!({}))),
+            ],
+        );
+        let agents = Source(
+            AGENTS_SOURCE,
+            vec![
+                live(tool(
+                    "agent:helper@1.0.0",
+                    "helper",
+                    json!({"implementationKey": "agent.helper_profile"}),
+                )),
+                live(tool(
+                    "agent:me@1.0.0",
+                    "me",
+                    json!({"implementationKey": "agent.default"}),
+                )),
+            ],
+        );
+        let registry = Registry::build(&[&agents as &dyn ToolSource, &catalog]);
+        let mut profile = toolfleet_llm::profiles::Profile::new("d");
+        let job = toolfleet_protocol::client::question("hi");
+
+        // `*`: every selectable live tool, the system tool, agents but not
+        // the profile's own.
+        let all = permitted(&registry, &profile, &job, &gate()).unwrap();
+        assert_eq!(
+            ids(&all),
+            [
+                "agent:helper@1.0.0",
+                "t:a@1.0.0",
+                "t:b@1.0.0",
+                "t:sys@1.0.0",
+                "u:c@1.0.0"
+            ]
+        );
+        // At the depth cap: no agent tool.
+        let deep = permitted(
+            &registry,
+            &profile,
+            &job,
+            &Gate {
+                agents: false,
+                ..gate()
+            },
+        )
+        .unwrap();
+        assert!(!ids(&deep).iter().any(|i| i.starts_with("agent:")));
+
+        // A narrow profile, a must-include tool, and a job's pick.
+        profile.tools = vec!["u:*".parse().unwrap(), "u:dead".parse().unwrap()];
+        profile.must_include_tools = vec!["t:a@1.0.0".parse().unwrap()];
+        let mut picking = job.clone();
+        picking.tools = vec!["t:b".into()];
+        let narrow = permitted(&registry, &profile, &picking, &gate()).unwrap();
+        assert_eq!(
+            ids(&narrow),
+            ["t:a@1.0.0", "t:b@1.0.0", "t:sys@1.0.0", "u:c@1.0.0"]
+        );
+        assert!(narrow.must_include.contains("t:a@1.0.0"));
+        assert!(
+            narrow.notes.iter().any(|n| n.contains("u:dead")),
+            "{:?}",
+            narrow.notes
+        );
+
+        for (pick, says) in [
+            ("t:sys", "system tool"),
+            ("u:dead", "no tool u:dead"),
+            ("t:*", "pattern"),
+            ("nope", "tools[0]"),
+        ] {
+            let mut bad = job.clone();
+            bad.tools = vec![pick.into()];
+            let e = permitted(&registry, &profile, &bad, &gate()).unwrap_err();
+            assert_eq!(e.code, "invalid_tool_selection");
+            assert!(
+                e.message.contains(says) && e.message.starts_with("tools[0]"),
+                "{pick}: {}",
+                e.message
+            );
+        }
+    }
+
+    #[test]
+    fn one_tool_per_function_name_is_permitted() {
+        let catalog = Source(
+            "catalog",
+            vec![
+                live(tool("t:x@1.0.0", "same", json!({}))),
+                live(tool("t:x@2.0.0", "same", json!({}))),
+                live(tool("u:y@1.0.0", "same", json!({}))),
+            ],
+        );
+        let registry = Registry::build(&[&catalog as &dyn ToolSource]);
+        let profile = toolfleet_llm::profiles::Profile::new("d");
+        let job = toolfleet_protocol::client::question("hi");
+        let p = permitted(&registry, &profile, &job, &gate()).unwrap();
+        assert_eq!(ids(&p), ["t:x@2.0.0"], "the newest version of the first id");
+        assert_eq!(p.notes.len(), 2, "{:?}", p.notes);
+    }
+}

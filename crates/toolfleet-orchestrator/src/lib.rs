@@ -17,8 +17,15 @@
 //!   dead letters, cancel tokens, in-progress acks, the ack after the
 //!   terminal event.
 //! - [`context`]: [`Invocation`], built step by step from the job, the
-//!   profile and the catalog snapshot; where context steps (preemptive
-//!   retrieval, tool scoping) plug in.
+//!   profile and the registry snapshot; where context steps (preemptive
+//!   retrieval) plug in.
+//! - [`gating`]: the tools a job may use at all (system, profile, selected
+//!   and agent tools; purpose, `visibleIn`, provider confidence, liveness).
+//! - [`scope`]: which of them the model is offered — all, the most
+//!   relevant, or a planning call's pick — and `search_tools` expansion,
+//!   suggestions for unknown tools; [`scoping`] holds the pure scoring,
+//!   planning prompt and parsing it uses.
+//! - [`agents`]: profiles exposed as tools; a call is a nested chat job.
 //! - [`orchestrator`]: the [`Orchestrator`] trait, its [`Answer`] and
 //!   [`Failure`], and the frame every invocation runs in (`started`, the
 //!   chosen orchestrator, `completed`).
@@ -42,9 +49,10 @@
 //! - Every invocation ends in exactly one terminal event, and the chat job
 //!   is acked after it.
 //! - Events are numbered in publish order by one task per invocation.
-//! - Only tools a live worker serves are offered; a call to any other tool
-//!   is answered at once, and so is a call whose tool has been missing from
-//!   two catalog readings in a row while it waits.
+//! - Only tools a live worker serves (agent tools: the orchestrators) and
+//!   the job's gates permit are offered; a call to any other tool is
+//!   answered at once (with close names), and so is a call whose tool has
+//!   been missing from two catalog readings in a row while it waits.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -113,6 +121,9 @@ pub struct OrchestratorConfig {
     pub catalog_refresh: Duration,
     /// How long a catalog reading collects answers.
     pub catalog_wait: Duration,
+    /// Recommended models per tool (`--tool-compat`), joined to the
+    /// registry on every rebuild.
+    pub compat: Option<Arc<toolfleet_protocol::registry::CompatFile>>,
     /// Orchestrators by the name a profile gives; [`Agentic`] is
     /// registered as [`DEFAULT_ORCHESTRATOR`].
     orchestrators: BTreeMap<String, Arc<dyn Orchestrator>>,
@@ -143,6 +154,7 @@ impl OrchestratorConfig {
             tool_wait_slack: Duration::from_secs(2),
             catalog_refresh: Duration::from_secs(2),
             catalog_wait: Duration::from_millis(250),
+            compat: None,
             orchestrators: BTreeMap::new(),
         };
         config.register_orchestrator(DEFAULT_ORCHESTRATOR, Agentic);

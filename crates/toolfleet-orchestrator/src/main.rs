@@ -25,6 +25,13 @@ struct Args {
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     max_in_flight: usize,
+    /// Recommended models per tool (JSON: `{"tools": {"<tool id or
+    /// ns:name>": ["<deployment>/<model>", ...]}}`, cheapest first). A file
+    /// that cannot be read or parsed stops the start (exit 64); models no
+    /// deployment serves and tools the fleet does not serve are logged and
+    /// skipped.
+    #[arg(long, env = "TOOLFLEET_TOOL_COMPAT", value_name = "FILE")]
+    tool_compat: Option<std::path::PathBuf>,
     /// Prometheus metrics and health endpoint.
     #[arg(long, env = args::ENV_METRICS_ADDR, default_value = "0.0.0.0:9464")]
     metrics_addr: SocketAddr,
@@ -38,6 +45,12 @@ async fn main() -> anyhow::Result<()> {
     let profiles = args::or_exit(a.llm.fleet_config().map_err(Into::into));
     let mut config = OrchestratorConfig::new(subjects, profiles);
     config.max_in_flight = a.max_in_flight;
+    if let Some(path) = &a.tool_compat {
+        let compat = args::or_exit(
+            toolfleet_protocol::registry::CompatFile::load(path).map_err(anyhow::Error::from),
+        );
+        config.compat = Some(std::sync::Arc::new(compat));
+    }
     toolfleet_service::serve_until_signal(a.metrics_addr, |rt| {
         toolfleet_orchestrator::start(&a.nats, &a.redis, config, rt)
     })

@@ -80,8 +80,26 @@ impl std::fmt::Debug for ToolSnapshot {
 impl ToolSnapshot {
     /// The registry over the agent tools, then the live catalog (the
     /// configuration's agents win a duplicate id), and its index.
-    pub fn build(agents: &AgentSource, catalog: &Catalog) -> Self {
-        let registry = Registry::build(&[agents as &dyn ToolSource, catalog as &dyn ToolSource]);
+    pub fn build(
+        agents: &AgentSource,
+        catalog: &Catalog,
+        compat: Option<&toolfleet_protocol::registry::CompatFile>,
+        profiles: &toolfleet_llm::profiles::FleetConfig,
+    ) -> Self {
+        let mut registry =
+            Registry::build(&[agents as &dyn ToolSource, catalog as &dyn ToolSource]);
+        if let Some(compat) = compat {
+            let known = |model: &str| {
+                profiles.deployments.iter().any(|(name, d)| {
+                    model.split_once('/') == Some((name.as_str(), d.model.as_str()))
+                })
+            };
+            let (joined, problems) = registry.with_compat(compat, known);
+            registry = joined;
+            for p in problems {
+                warn!(problem = %p, "tool compat file entry skipped");
+            }
+        }
         let tools: Vec<Arc<CompiledTool>> = registry.list().map(|e| e.tool.clone()).collect();
         let positions = tools
             .iter()

@@ -146,7 +146,11 @@ fn for_each_token(text: &str, mut emit: impl FnMut(&str)) {
                 finish_word(&mut word, &mut emit);
             }
         }
-        word.extend(c.to_lowercase());
+        if c.is_ascii() {
+            word.push(c.to_ascii_lowercase());
+        } else {
+            word.extend(c.to_lowercase());
+        }
         prev = Some(c);
     }
     finish_word(&mut word, &mut emit);
@@ -205,6 +209,39 @@ const MAX_INDEXED: usize = 1 << 28;
 const FIELD_BITS: u32 = 4;
 const FIELD_MASK: u32 = (1 << FIELD_BITS) - 1;
 
+/// A multiply-rotate hasher (FxHash's) for the vocabulary: several times
+/// cheaper than SipHash on short words, and the index is built for every
+/// catalog swap. Flooding is no concern here: only definitions (the
+/// fleet's own workers) insert words; a query only looks words up.
+#[derive(Default, Clone, Copy)]
+struct WordHasher(u64);
+
+impl std::hash::Hasher for WordHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.add(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u8(&mut self, byte: u8) {
+        self.add(u64::from(byte));
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+impl WordHasher {
+    fn add(&mut self, word: u64) {
+        self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95);
+    }
+}
+
+type Vocabulary = HashMap<Box<str>, u32, std::hash::BuildHasherDefault<WordHasher>>;
+
 /// The tools of one catalog snapshot with an inverted index token →
 /// tools, so that scoring a query touches only the tools sharing a token
 /// with it. Immutable; build a new one when the catalog changes.
@@ -212,7 +249,7 @@ const FIELD_MASK: u32 = (1 << FIELD_BITS) - 1;
 pub struct RelevanceIndex {
     tools: Vec<Arc<CompiledTool>>,
     /// Token → token number.
-    vocabulary: HashMap<Box<str>, u32>,
+    vocabulary: Vocabulary,
     /// Per token number: `ln(1 + N / df)`.
     idf: Vec<f32>,
     /// Per token number `t`, its postings are
@@ -259,7 +296,7 @@ impl RelevanceIndex {
     #[must_use]
     pub fn build(tools: &[Arc<CompiledTool>]) -> RelevanceIndex {
         let n = tools.len();
-        let mut vocabulary: HashMap<Box<str>, u32> = HashMap::new();
+        let mut vocabulary = Vocabulary::default();
         // (token, packed posting), in position order.
         let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(n * 32);
         let mut one_tool: Vec<(u32, u32)> = Vec::new();
@@ -1090,7 +1127,9 @@ pub struct SearchOutcome {
 /// `max_tool_count`) and at most the call's `limit`. Ranks with
 /// [`toolfleet_protocol::search`] (the query as one phrase against names,
 /// tags and descriptions); when that finds nothing, with the relevance
-/// tokens (any word in common).
+/// tokens (any word in common) of an index built over `pool` for the
+/// call — [`run_search_tools_in`] uses the snapshot's index instead,
+/// which is far cheaper on a large pool (BENCHMARKS.md).
 ///
 /// # Errors
 ///
@@ -1101,81 +1140,143 @@ pub fn run_search_tools(
     pool: &[Arc<CompiledTool>],
     room: usize,
 ) -> Result<SearchOutcome, String> {
-    let query = arguments
-        .get("query")
-        .and_then(Value::as_str)
-        .map(str::trim)
-        .filter(|q| !q.is_empty())
-        .ok_or_else(|| {
-            format!("{SEARCH_TOOLS} needs a \"query\": a few words saying what the tool should do")
-        })?;
-    let limit = match arguments.get("limit") {
-        None | Some(Value::Null) => DEFAULT_SEARCH_LIMIT,
-        Some(value) => match value.as_f64() {
-            Some(n) if n.is_finite() => (n.round().max(1.0) as usize).min(MAX_SEARCH_LIMIT),
-            _ => {
-                return Err(format!(
-                    "\"limit\" must be a whole number from 1 to {MAX_SEARCH_LIMIT}"
-                ));
-            }
-        },
-    };
-    if room == 0 {
-        return Ok(SearchOutcome {
-            added: Vec::new(),
-            text: "No tool can be added: this conversation already has as many tools as it \
-                   may. Carry on with the tools you have."
-                .to_owned(),
-        });
-    }
-    let take = limit.min(room);
-    let mut hits: Vec<(u32, usize)> = pool
-        .iter()
-        .enumerate()
-        .map(|(position, tool)| (search::score(&tool.definition, query), position))
-        .filter(|&(score, _)| score > 0)
-        .collect();
-    hits.sort_by_key(|&(score, _)| std::cmp::Reverse(score));
-    let mut added: Vec<Arc<CompiledTool>> = hits
-        .iter()
-        .take(take)
-        .map(|&(_, position)| pool[position].clone())
-        .collect();
-    if added.is_empty() {
-        let index = RelevanceIndex::build(pool);
-        added = index
+    let request = SearchRequest::read(arguments)?;
+    let pool: Vec<&Arc<CompiledTool>> = pool.iter().collect();
+    Ok(request.run(&pool, room, |query, take| {
+        let owned: Vec<Arc<CompiledTool>> = pool.iter().map(|t| Arc::clone(t)).collect();
+        let index = RelevanceIndex::build(&owned);
+        index
             .score(query, |_| true)
             .iter()
             .take(take)
-            .map(|s| pool[s.position].clone())
+            .map(|s| Arc::clone(pool[s.position]))
+            .collect()
+    }))
+}
+
+/// [`run_search_tools`] over the tools of `index` at the positions in
+/// `pool`, its fallback scoring with `index` itself (no index is built
+/// per call).
+///
+/// # Errors
+///
+/// As [`run_search_tools`].
+pub fn run_search_tools_in(
+    arguments: &Value,
+    index: &RelevanceIndex,
+    pool: &[usize],
+    room: usize,
+) -> Result<SearchOutcome, String> {
+    let request = SearchRequest::read(arguments)?;
+    let mask = candidate_mask(index.len(), pool);
+    let tools: Vec<&Arc<CompiledTool>> = (0..index.len())
+        .filter(|&p| mask[p])
+        .filter_map(|p| index.tool(p))
+        .collect();
+    Ok(request.run(&tools, room, |query, take| {
+        index
+            .score(query, |p| mask[p])
+            .iter()
+            .take(take)
+            .filter_map(|s| index.tool(s.position).cloned())
+            .collect()
+    }))
+}
+
+/// A `search_tools` call's arguments, checked.
+struct SearchRequest<'a> {
+    query: &'a str,
+    limit: usize,
+}
+
+impl<'a> SearchRequest<'a> {
+    fn read(arguments: &'a Value) -> Result<Self, String> {
+        let query = arguments
+            .get("query")
+            .and_then(Value::as_str)
+            .map(str::trim)
+            .filter(|q| !q.is_empty())
+            .ok_or_else(|| {
+                format!(
+                    "{SEARCH_TOOLS} needs a \"query\": a few words saying what the tool should do"
+                )
+            })?;
+        let limit = match arguments.get("limit") {
+            None | Some(Value::Null) => DEFAULT_SEARCH_LIMIT,
+            Some(value) => match value.as_f64() {
+                Some(n) if n.is_finite() => (n.round().max(1.0) as usize).min(MAX_SEARCH_LIMIT),
+                _ => {
+                    return Err(format!(
+                        "\"limit\" must be a whole number from 1 to {MAX_SEARCH_LIMIT}"
+                    ));
+                }
+            },
+        };
+        Ok(Self { query, limit })
+    }
+
+    /// Phrase search over `pool`, then `by_tokens(query, how many)` when it
+    /// finds nothing; the outcome's text for the model.
+    fn run(
+        &self,
+        pool: &[&Arc<CompiledTool>],
+        room: usize,
+        by_tokens: impl FnOnce(&str, usize) -> Vec<Arc<CompiledTool>>,
+    ) -> SearchOutcome {
+        let query = self.query;
+        if room == 0 {
+            return SearchOutcome {
+                added: Vec::new(),
+                text: "No tool can be added: this conversation already has as many tools as it \
+                       may. Carry on with the tools you have."
+                    .to_owned(),
+            };
+        }
+        let take = self.limit.min(room);
+        let mut hits: Vec<(u32, usize)> = pool
+            .iter()
+            .enumerate()
+            .map(|(i, tool)| (search::score(&tool.definition, query), i))
+            .filter(|&(score, _)| score > 0)
             .collect();
+        // Stable: equal scores keep the pool's order.
+        hits.sort_by_key(|&(score, _)| std::cmp::Reverse(score));
+        let mut added: Vec<Arc<CompiledTool>> = hits
+            .iter()
+            .take(take)
+            .map(|&(_, i)| Arc::clone(pool[i]))
+            .collect();
+        if added.is_empty() {
+            added = by_tokens(query, take);
+        }
+        if added.is_empty() {
+            return SearchOutcome {
+                added,
+                text: format!(
+                    "No tool matched {query:?}. Try other words, or carry on with the tools you \
+                     have."
+                ),
+            };
+        }
+        let mut text = format!(
+            "Added {} tool{}; you can call {} from now on:\n",
+            added.len(),
+            if added.len() == 1 { "" } else { "s" },
+            if added.len() == 1 { "it" } else { "them" }
+        );
+        for tool in &added {
+            let f = &tool.definition.function;
+            text.push_str(&format!(
+                "- {}: {}\n",
+                f.name,
+                compact(&f.description, SEARCH_DESCRIPTION_CHARS)
+            ));
+        }
+        if room < self.limit && added.len() == room {
+            text.push_str("No room for more tools after these.\n");
+        }
+        SearchOutcome { added, text }
     }
-    if added.is_empty() {
-        return Ok(SearchOutcome {
-            added,
-            text: format!(
-                "No tool matched {query:?}. Try other words, or carry on with the tools you have."
-            ),
-        });
-    }
-    let mut text = format!(
-        "Added {} tool{}; you can call {} from now on:\n",
-        added.len(),
-        if added.len() == 1 { "" } else { "s" },
-        if added.len() == 1 { "it" } else { "them" }
-    );
-    for tool in &added {
-        let f = &tool.definition.function;
-        text.push_str(&format!(
-            "- {}: {}\n",
-            f.name,
-            compact(&f.description, SEARCH_DESCRIPTION_CHARS)
-        ));
-    }
-    if room < limit && added.len() == room {
-        text.push_str("No room for more tools after these.\n");
-    }
-    Ok(SearchOutcome { added, text })
 }
 
 // ---------------------------------------------------------------------------
@@ -2014,6 +2115,26 @@ mod tests {
         let outcome =
             run_search_tools(&json!({"query": "currency", "limit": 99}), &pool, 99).expect("runs");
         assert_eq!(outcome.added.len(), 3, "clamped to 10, three match");
+
+        // The indexed variant finds the same over the same pool.
+        let mut catalog = fillers(3);
+        catalog.extend(pool.iter().cloned());
+        let index = RelevanceIndex::build(&catalog);
+        let positions: Vec<usize> = (3..catalog.len()).collect();
+        for (query, room) in [
+            ("currency", 2),
+            ("how far to other places", 5),
+            ("zebra", 5),
+        ] {
+            let arguments = json!({ "query": query });
+            let direct = run_search_tools(&arguments, &pool, room).expect("runs");
+            let indexed = run_search_tools_in(&arguments, &index, &positions, room).expect("runs");
+            assert_eq!(indexed.text, direct.text, "{query}");
+        }
+        // Tools outside the pool are never added.
+        let outcome =
+            run_search_tools_in(&json!({"query": "filler"}), &index, &positions, 5).expect("runs");
+        assert!(outcome.added.is_empty(), "{}", outcome.text);
 
         for bad in [
             json!({}),
