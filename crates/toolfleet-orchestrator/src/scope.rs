@@ -539,17 +539,23 @@ pub async fn agent_call(
     outcome
 }
 
-/// What the model reads after calling a tool that was not offered: close
-/// names among the offered tools, and `search_tools` when it may still add
-/// some.
+/// What the model reads after calling a tool it may not use: close names
+/// among the tools it may use (a permitted tool scoping left out runs when
+/// called by name), and `search_tools` when it may still add some.
 pub fn unknown_tool_message(inv: &Invocation, name: &str) -> String {
     let offered: Vec<&str> = inv
         .tools
         .iter()
         .map(|t| t.definition.function.name.as_str())
         .collect();
+    let permitted = inv
+        .scope
+        .permitted
+        .tools
+        .iter()
+        .map(|t| t.definition.function.name.as_str());
     let mut message = format!("Error: there is no tool named {name:?}.");
-    let close = scoping::suggest(name, offered.iter().copied(), 3);
+    let close = scoping::suggest(name, permitted, 3);
     if !close.is_empty() {
         message.push_str(&format!(" Did you mean: {}?", close.join(", ")));
     }
@@ -561,4 +567,68 @@ pub fn unknown_tool_message(inv: &Invocation, name: &str) -> String {
     }
     message.push_str(&format!(" Available tools: {}.", offered.join(", ")));
     message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use toolfleet_protocol::tools::{Origin, ToolDefinition};
+
+    fn tool(id: &str, function: &str) -> Arc<CompiledTool> {
+        let key = id.split_once('@').unwrap().0.replace(':', ".");
+        let v = json!({
+            "schemaVersion": 1, "id": id, "implementationKey": key, "title": id,
+            "description": "d", "category": "c",
+            "function": { "name": function, "description": "d",
+                          "parameters": { "type": "object", "properties": {} } }
+        });
+        Arc::new(
+            CompiledTool::new(ToolDefinition::from_value(v, Origin::Named(id.into())).unwrap())
+                .unwrap(),
+        )
+    }
+
+    /// The agents backend comes first: a worker advertising an agent's id
+    /// is a counted duplicate; the compat file's models join the registry,
+    /// and a model no deployment serves is left out.
+    #[test]
+    fn a_snapshot_puts_agents_first_and_joins_the_compat_file() {
+        let config = toolfleet_llm::profiles::FleetConfig::from_toml(
+            r#"
+[deployments.openai]
+base_url = "https://api.openai.com/v1"
+model = "gpt-4o-mini"
+[profiles.default]
+deployment = "openai"
+[profiles.helper]
+deployment = "openai"
+agent = { name = "helper", description = "Helps." }
+"#,
+            "test",
+        )
+        .unwrap();
+        let agents = AgentSource::new(&config).unwrap();
+        let catalog =
+            Catalog::from_tools([tool("agent:helper@1.0.0", "helper"), tool("t:a@1.0.0", "a")]);
+        let compat = toolfleet_protocol::registry::CompatFile::from_json(
+            r#"{"tools": {"t:a": ["openai/gpt-4o-mini", "openai/gpt-9"]}}"#,
+            "compat.json",
+        )
+        .unwrap();
+        let snapshot = ToolSnapshot::build(&agents, &catalog, Some(&compat), &config);
+        let helper = snapshot.registry.get("agent:helper@1.0.0").unwrap();
+        assert_eq!(&*helper.source, crate::gating::AGENTS_SOURCE);
+        assert_eq!(
+            crate::agents::profile_of(&helper.tool),
+            Some("helper"),
+            "the configuration's agent, not the worker's"
+        );
+        assert_eq!(snapshot.registry.duplicates().len(), 1);
+        assert_eq!(
+            snapshot.registry.models_for(&"t:a@1.0.0".parse().unwrap()),
+            ["openai/gpt-4o-mini"]
+        );
+        assert_eq!(snapshot.tools.len(), 2);
+    }
 }

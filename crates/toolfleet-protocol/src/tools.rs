@@ -1569,6 +1569,30 @@ mod tests {
     }
 
     #[test]
+    fn an_unknown_purpose_names_the_file_and_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut value = shipped("retrieval.search_documents.json");
+        value["purpose"] = json!("mind_reading");
+        let path = write(dir.path(), "bad_purpose.json", &value.to_string());
+        let error = load_file(&path).expect_err("unknown purpose");
+        assert_eq!(error.kind(), ToolDefErrorKind::Schema);
+        let text = error.to_string();
+        assert!(text.contains(&path.display().to_string()), "{text}");
+        assert!(text.contains("at /purpose:"), "{text}");
+        // The four purposes there are load.
+        for purpose in [
+            "general",
+            "document_processing",
+            "data_source_search",
+            "content_generation",
+        ] {
+            value["purpose"] = json!(purpose);
+            let path = write(dir.path(), "ok.json", &value.to_string());
+            load_file(&path).unwrap_or_else(|e| panic!("{purpose}: {e}"));
+        }
+    }
+
+    #[test]
     fn duplicate_function_name_names_both_files() {
         let dir = tempfile::tempdir().expect("tempdir");
         let original = shipped("retrieval.search_documents.json");
