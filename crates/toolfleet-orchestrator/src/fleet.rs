@@ -89,12 +89,16 @@ impl Fleet {
     /// shared by every invocation until the catalog changes.
     pub fn tool_snapshot(&self) -> Arc<crate::scope::ToolSnapshot> {
         let catalog = self.catalog();
-        let mut cached = self.tools.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(snapshot) = cached.as_ref()
-            && snapshot.generation == catalog.generation
         {
-            return snapshot.clone();
+            let cached = self.tools.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(snapshot) = cached.as_ref()
+                && snapshot.generation == catalog.generation
+            {
+                return snapshot.clone();
+            }
         }
+        // Built outside the lock (invocations meanwhile use the one they
+        // find, or build their own: the same value).
         let started = std::time::Instant::now();
         let snapshot = Arc::new(crate::scope::ToolSnapshot::build(
             &self.agents,
@@ -102,9 +106,15 @@ impl Fleet {
             self.config.compat.as_deref(),
             &self.config.profiles,
         ));
-        self.metrics
-            .observe_registry(&snapshot.registry, started.elapsed());
-        *cached = Some(snapshot.clone());
+        let mut cached = self.tools.lock().unwrap_or_else(|e| e.into_inner());
+        if cached
+            .as_ref()
+            .is_none_or(|c| c.generation < snapshot.generation)
+        {
+            self.metrics
+                .observe_registry(&snapshot.registry, started.elapsed());
+            *cached = Some(snapshot.clone());
+        }
         snapshot
     }
 
