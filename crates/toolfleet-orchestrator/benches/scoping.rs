@@ -21,7 +21,9 @@ use serde_json::{Map, Value, json};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use toolfleet_llm::Message;
 use toolfleet_llm::profiles::ScopingPolicy;
+use toolfleet_orchestrator::gating;
 use toolfleet_orchestrator::scoping::{self, RelevanceIndex};
+use toolfleet_protocol::registry::{Registry, SourcedTool, ToolSource};
 use toolfleet_protocol::tools::{CompiledTool, ToolDefinition};
 
 #[global_allocator]
@@ -605,6 +607,21 @@ fn live(region: &Region<'_, System>) -> (isize, isize) {
     )
 }
 
+/// Runs of the gating case (each copies 10,000 `Arc`s).
+const GATING_RUNS: usize = 200;
+
+/// Every tool live, as the catalog would report them.
+struct LiveTools(Vec<SourcedTool>);
+
+impl ToolSource for LiveTools {
+    fn name(&self) -> &str {
+        "catalog"
+    }
+    fn tools(&self) -> Vec<SourcedTool> {
+        self.0.clone()
+    }
+}
+
 fn main() {
     // `cargo bench` passes `--bench`; test runners (`cargo test
     // --all-targets`, nextest's `--list`) must not run the measurements.
@@ -715,6 +732,42 @@ fn main() {
         "decision: broad query (common verbs), 10k candidates",
         DECISION_RUNS,
         &broad_decision,
+    );
+    // The gates a chat job passes first (system, profile `*` and agent
+    // tools; purpose, visibleIn, confidence, liveness): over the registry
+    // of the same 10,000 live tools.
+    let live = LiveTools(
+        tools
+            .iter()
+            .map(|t| SourcedTool {
+                tool: t.clone(),
+                workers: 1,
+                families: vec!["bench".into()],
+            })
+            .collect(),
+    );
+    let registry = Registry::build(&[&live as &dyn ToolSource]);
+    let profile = toolfleet_llm::profiles::Profile::new("bench");
+    let job = toolfleet_protocol::client::question("find the unpaid invoices");
+    let gate = gating::Gate {
+        documents: false,
+        data_source: false,
+        surface: "chat",
+        provider_confidence: 0.0,
+        agents: true,
+        own_profile: "bench",
+    };
+    let gated = time_runs(GATING_RUNS, || {
+        black_box(
+            gating::permitted(black_box(&registry), &profile, &job, &gate)
+                .map(|p| p.tools.len())
+                .unwrap_or_default(),
+        );
+    });
+    row(
+        "gating: every gate over 10k live tools",
+        GATING_RUNS,
+        &gated,
     );
     let half: Vec<usize> = (0..index.len()).step_by(2).collect();
     let half_decision = time_runs(DECISION_RUNS, || {

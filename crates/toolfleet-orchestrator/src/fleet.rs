@@ -100,12 +100,14 @@ impl Fleet {
         // Built outside the lock (invocations meanwhile use the one they
         // find, or build their own: the same value).
         let started = std::time::Instant::now();
-        let snapshot = Arc::new(crate::scope::ToolSnapshot::build(
-            &self.agents,
-            &catalog,
-            self.config.compat.as_deref(),
-            &self.config.profiles,
-        ));
+        let snapshot = Arc::new(crate::scope::blocking(|| {
+            crate::scope::ToolSnapshot::build(
+                &self.agents,
+                &catalog,
+                self.config.compat.as_deref(),
+                &self.config.profiles,
+            )
+        }));
         let mut cached = self.tools.lock().unwrap_or_else(|e| e.into_inner());
         if cached
             .as_ref()

@@ -33,7 +33,7 @@ use std::sync::Arc;
 use toolfleet_llm::profiles::Profile;
 use toolfleet_protocol::ChatJob;
 use toolfleet_protocol::registry::{Registry, RegistryEntry};
-use toolfleet_protocol::tools::{CompiledTool, Purpose, ToolDefinition, ToolRef};
+use toolfleet_protocol::tools::{CompiledTool, Purpose, ToolDefinition, ToolId, ToolRef};
 
 use crate::Failure;
 
@@ -129,7 +129,9 @@ pub fn permitted(
     job: &ChatJob,
     gate: &Gate<'_>,
 ) -> Result<Permitted, Failure> {
-    let mut candidates: BTreeMap<String, Arc<CompiledTool>> = BTreeMap::new();
+    // Borrowed from the registry: nothing is copied per tool until the
+    // end (thousands of tools are gated per chat job).
+    let mut candidates: BTreeMap<&ToolId, &RegistryEntry> = BTreeMap::new();
     let mut must_include = BTreeSet::new();
     let mut notes = Vec::new();
     let offerable = |e: &RegistryEntry| {
@@ -164,13 +166,17 @@ pub fn permitted(
         selected.push(entry);
     }
 
-    let mut consider = |entry: &RegistryEntry, why: &str, notes: &mut Vec<String>| {
+    fn admit<'r>(
+        candidates: &mut BTreeMap<&'r ToolId, &'r RegistryEntry>,
+        gate: &Gate<'_>,
+        entry: &'r RegistryEntry,
+        why: &str,
+        notes: &mut Vec<String>,
+    ) -> bool {
         let def = &entry.tool.definition;
         match gate.admits(def) {
             Ok(()) => {
-                candidates
-                    .entry(def.id.to_string())
-                    .or_insert_with(|| entry.tool.clone());
+                candidates.entry(&def.id).or_insert(entry);
                 true
             }
             Err(refused) if why != "system" => {
@@ -179,8 +185,9 @@ pub fn permitted(
             }
             Err(_) => false,
         }
-    };
-
+    }
+    let mut consider =
+        |entry, why: &str, notes: &mut Vec<String>| admit(&mut candidates, gate, entry, why, notes);
     // System tools: whenever their purpose (and the other gates) apply.
     for entry in registry.list() {
         if offerable(entry) && !entry.tool.definition.selectable {
@@ -223,7 +230,10 @@ pub fn permitted(
     }
 
     let tools = one_per_function_name(registry, candidates, &mut notes);
-    must_include.retain(|id| tools.iter().any(|t| t.definition.id.to_string() == *id));
+    must_include.retain(|id: &String| {
+        id.parse::<ToolId>()
+            .is_ok_and(|id| tools.iter().any(|t| t.definition.id == id))
+    });
     Ok(Permitted {
         tools,
         must_include,
@@ -255,36 +265,36 @@ fn explain(refused: Refused) -> &'static str {
 /// id; the others are noted.
 fn one_per_function_name(
     registry: &Registry,
-    candidates: BTreeMap<String, Arc<CompiledTool>>,
+    candidates: BTreeMap<&ToolId, &RegistryEntry>,
     notes: &mut Vec<String>,
 ) -> Vec<Arc<CompiledTool>> {
-    let mut by_name: BTreeMap<String, Vec<Arc<CompiledTool>>> = BTreeMap::new();
-    for tool in candidates.into_values() {
+    let mut by_name: BTreeMap<&str, Vec<&RegistryEntry>> = BTreeMap::new();
+    for entry in candidates.into_values() {
         by_name
-            .entry(tool.definition.function.name.clone())
+            .entry(entry.tool.definition.function.name.as_str())
             .or_default()
-            .push(tool);
+            .push(entry);
     }
     let mut tools: Vec<Arc<CompiledTool>> = Vec::with_capacity(by_name.len());
     for (name, mut group) in by_name {
         if group.len() > 1 {
             let preferred = registry
-                .by_function_name(&name)
-                .map(|e| e.tool.definition.id.clone());
+                .by_function_name(name)
+                .map(|e| &e.tool.definition.id);
             let keep = group
                 .iter()
-                .position(|t| Some(&t.definition.id) == preferred.as_ref())
+                .position(|e| Some(&e.tool.definition.id) == preferred)
                 .unwrap_or(0);
             let kept = group.swap_remove(keep);
             for other in &group {
                 notes.push(format!(
                     "{} left out: {} is offered under the same function name {name:?}",
-                    other.definition.id, kept.definition.id
+                    other.tool.definition.id, kept.tool.definition.id
                 ));
             }
-            tools.push(kept);
+            tools.push(kept.tool.clone());
         } else {
-            tools.extend(group);
+            tools.extend(group.into_iter().map(|e| e.tool.clone()));
         }
     }
     tools.sort_by(|a, b| a.definition.id.cmp(&b.definition.id));

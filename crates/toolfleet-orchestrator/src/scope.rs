@@ -1,6 +1,6 @@
 //! Scope: which of the permitted tools the model is offered, round by
 //! round — the orchestrator's side of progressive scoping (the scoring,
-//! planning prompt and parsing are in [`scoping`](crate::scoping)).
+//! planning prompt and parsing are in [`scoping`]).
 //!
 //! [`choose`] runs once per invocation, before `started`, with the
 //! profile's [`ScopingPolicy`]:
@@ -34,7 +34,7 @@ use toolfleet_llm::profiles::ScopingPolicy;
 use toolfleet_llm::{ChatRequest, ToolCall, ToolSpec};
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_protocol::registry::{Registry, ToolSource};
-use toolfleet_protocol::tools::CompiledTool;
+use toolfleet_protocol::tools::{CompiledTool, ToolId};
 use toolfleet_protocol::{ChatEventBody, ToolStatus};
 use tracing::{info, warn};
 
@@ -64,7 +64,10 @@ pub struct ToolSnapshot {
     /// Every registry entry's tool, in the registry's (id) order: the
     /// positions the index scores.
     pub tools: Vec<Arc<CompiledTool>>,
-    positions: HashMap<String, usize>,
+    /// Snapshot position by the address of the tool's `Arc` (every tool a
+    /// scope holds comes from this snapshot's registry): no string is
+    /// built or hashed per tool and invocation.
+    positions: HashMap<usize, usize>,
     pub index: RelevanceIndex,
 }
 
@@ -104,7 +107,7 @@ impl ToolSnapshot {
         let positions = tools
             .iter()
             .enumerate()
-            .map(|(i, t)| (t.definition.id.to_string(), i))
+            .map(|(i, t)| (Arc::as_ptr(t) as usize, i))
             .collect();
         let index = RelevanceIndex::build(&tools);
         Self {
@@ -116,8 +119,8 @@ impl ToolSnapshot {
         }
     }
 
-    fn position(&self, tool: &CompiledTool) -> Option<usize> {
-        self.positions.get(&tool.definition.id.to_string()).copied()
+    fn position(&self, tool: &Arc<CompiledTool>) -> Option<usize> {
+        self.positions.get(&(Arc::as_ptr(tool) as usize)).copied()
     }
 }
 
@@ -180,6 +183,16 @@ impl Scope {
             .collect();
         tools.sort_by(|a, b| a.definition.id.cmp(&b.definition.id));
         tools
+    }
+}
+
+/// Runs `f`, which may take a while (scoring thousands of tools), where it
+/// does not hold up other tasks: on a multi-threaded runtime the worker
+/// thread is handed over meanwhile.
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
     }
 }
 
@@ -254,15 +267,10 @@ fn token_choice(inv: &Invocation, query: &str) -> Vec<Arc<CompiledTool>> {
 fn must_include_positions(scope: &Scope) -> Vec<usize> {
     scope
         .permitted
-        .tools
+        .must_include
         .iter()
-        .filter(|t| {
-            scope
-                .permitted
-                .must_include
-                .contains(&t.definition.id.to_string())
-        })
-        .filter_map(|t| scope.snapshot.position(t))
+        .filter_map(|id| scope.snapshot.registry.get(id))
+        .filter_map(|e| scope.snapshot.position(&e.tool))
         .collect()
 }
 
@@ -408,16 +416,22 @@ pub fn search_tools_call(
             Some("expansion_capped".to_string()),
         )
     } else {
-        let pool: Vec<Arc<CompiledTool>> = inv
+        let offered_ids: std::collections::HashSet<&ToolId> =
+            inv.tools.iter().map(|t| &t.definition.id).collect();
+        let pool: Vec<usize> = inv
             .scope
             .permitted
             .tools
             .iter()
-            .filter(|t| !inv.tools.iter().any(|o| o.definition.id == t.definition.id))
-            .cloned()
+            .filter(|t| !offered_ids.contains(&t.definition.id))
+            .filter_map(|t| inv.scope.snapshot.position(t))
             .collect();
         let room = inv.scope.policy.max_tool_count.saturating_sub(offered);
-        match scoping::run_search_tools(&arguments, &pool, room) {
+        let index = &inv.scope.snapshot.index;
+        // Tens of milliseconds over thousands of tools: off the async
+        // workers.
+        let found = blocking(|| scoping::run_search_tools_in(&arguments, index, &pool, room));
+        match found {
             Err(e) => (
                 ToolStatus::Error,
                 format!("Error: {e}"),
