@@ -27,7 +27,7 @@
 //! profile tool that is not served is left out and noted (a pool may be
 //! down while the rest of the fleet works).
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use toolfleet_llm::profiles::Profile;
@@ -129,19 +129,15 @@ pub fn permitted(
     job: &ChatJob,
     gate: &Gate<'_>,
 ) -> Result<Permitted, Failure> {
-    // Borrowed from the registry: nothing is copied per tool until the
-    // end (thousands of tools are gated per chat job).
-    let mut candidates: BTreeMap<&ToolId, &RegistryEntry> = BTreeMap::new();
-    let mut must_include = BTreeSet::new();
-    let mut notes = Vec::new();
     let offerable = |e: &RegistryEntry| {
         e.is_live()
             && (&*e.source != AGENTS_SOURCE || (gate.agents && !is_own_agent(e, gate.own_profile)))
     };
+    let mut notes = Vec::new();
 
     // The job's picks, each checked before anything else: a bad pick is
     // the client's mistake, told at once.
-    let mut selected = Vec::new();
+    let mut named: HashMap<&ToolId, &'static str> = HashMap::new();
     for (i, text) in job.tools.iter().enumerate() {
         let invalid = |message: String| {
             Failure::new("invalid_tool_selection", format!("tools[{i}]: {message}"))
@@ -163,73 +159,64 @@ pub fn permitted(
                 entry.tool.definition.id
             )));
         }
-        selected.push(entry);
+        named.insert(&entry.tool.definition.id, "selected");
     }
-
-    fn admit<'r>(
-        candidates: &mut BTreeMap<&'r ToolId, &'r RegistryEntry>,
-        gate: &Gate<'_>,
-        entry: &'r RegistryEntry,
-        why: &str,
-        notes: &mut Vec<String>,
-    ) -> bool {
-        let def = &entry.tool.definition;
-        match gate.admits(def) {
-            Ok(()) => {
-                candidates.entry(&def.id).or_insert(entry);
-                true
-            }
-            Err(refused) if why != "system" => {
-                notes.push(format!("{} ({why}) left out: {}", def.id, explain(refused)));
-                false
-            }
-            Err(_) => false,
-        }
-    }
-    let mut consider =
-        |entry, why: &str, notes: &mut Vec<String>| admit(&mut candidates, gate, entry, why, notes);
-    // System tools: whenever their purpose (and the other gates) apply.
-    for entry in registry.list() {
-        if offerable(entry) && !entry.tool.definition.selectable {
-            consider(entry, "system", &mut notes);
-        }
-    }
-    // Profile tools.
+    // The profile's tools by name, and its must-include tools: each a
+    // lookup; patterns are matched in the one pass below.
+    let mut must_include = BTreeSet::new();
+    let mut patterns: Vec<&ToolRef> = Vec::new();
     for r in &profile.tools {
-        let found: Vec<&RegistryEntry> = registry
-            .resolve(r)
-            .into_iter()
-            .filter(|e| offerable(e) && (!r.is_pattern() || e.tool.definition.selectable))
-            .collect();
-        if found.is_empty() && !r.is_pattern() {
-            notes.push(format!("profile tool {r} is not served by any live worker"));
+        if r.is_pattern() {
+            patterns.push(r);
+            continue;
         }
-        for entry in found {
-            // A pattern's tools are left out quietly when a gate says no:
-            // that is what the gates are for.
-            if !r.is_pattern() || gate.admits(&entry.tool.definition).is_ok() {
-                consider(entry, "profile", &mut notes);
+        match registry.resolve(r).into_iter().find(|e| offerable(e)) {
+            Some(entry) => {
+                named.entry(&entry.tool.definition.id).or_insert("profile");
             }
+            None => notes.push(format!("profile tool {r} is not served by any live worker")),
         }
     }
     for id in &profile.must_include_tools {
-        let r = ToolRef::Exact(id.clone());
-        match registry.resolve(&r).into_iter().find(|e| offerable(e)) {
+        match registry.get_id(id).filter(|e| offerable(e)) {
             Some(entry) => {
-                if consider(entry, "must include", &mut notes) {
-                    must_include.insert(id.to_string());
-                }
+                named.insert(&entry.tool.definition.id, "must include");
+                must_include.insert(id.to_string());
             }
             None => notes.push(format!(
                 "must-include tool {id} is not served by any live worker"
             )),
         }
     }
-    for entry in selected {
-        consider(entry, "selected", &mut notes);
+
+    // One pass over the registry, in id order: system tools whenever their
+    // gates pass, tools named above (a refusal is noted), and the
+    // selectable tools the profile's patterns cover (a refusal is what the
+    // gates are for: not noted).
+    let mut candidates: Vec<&RegistryEntry> = Vec::new();
+    for entry in registry.list() {
+        let def = &entry.tool.definition;
+        let why = named.get(&def.id).copied();
+        let system = !def.selectable;
+        let by_pattern = def.selectable && patterns.iter().any(|r| r.matches(&def.id));
+        if (why.is_none() && !system && !by_pattern) || !offerable(entry) {
+            continue;
+        }
+        match gate.admits(def) {
+            Ok(()) => candidates.push(entry),
+            Err(refused) => {
+                if let Some(why) = why {
+                    notes.push(format!("{} ({why}) left out: {}", def.id, explain(refused)));
+                    if why == "must include" {
+                        must_include.remove(&def.id.to_string());
+                    }
+                }
+            }
+        }
     }
 
     let tools = one_per_function_name(registry, candidates, &mut notes);
+    // A must-include tool that lost a function-name clash is not offered.
     must_include.retain(|id: &String| {
         id.parse::<ToolId>()
             .is_ok_and(|id| tools.iter().any(|t| t.definition.id == id))
@@ -265,39 +252,48 @@ fn explain(refused: Refused) -> &'static str {
 /// id; the others are noted.
 fn one_per_function_name(
     registry: &Registry,
-    candidates: BTreeMap<&ToolId, &RegistryEntry>,
+    candidates: Vec<&RegistryEntry>,
     notes: &mut Vec<String>,
 ) -> Vec<Arc<CompiledTool>> {
-    let mut by_name: BTreeMap<&str, Vec<&RegistryEntry>> = BTreeMap::new();
-    for entry in candidates.into_values() {
-        by_name
-            .entry(entry.tool.definition.function.name.as_str())
-            .or_default()
-            .push(entry);
-    }
-    let mut tools: Vec<Arc<CompiledTool>> = Vec::with_capacity(by_name.len());
-    for (name, mut group) in by_name {
-        if group.len() > 1 {
-            let preferred = registry
-                .by_function_name(name)
-                .map(|e| &e.tool.definition.id);
-            let keep = group
-                .iter()
-                .position(|e| Some(&e.tool.definition.id) == preferred)
-                .unwrap_or(0);
-            let kept = group.swap_remove(keep);
-            for other in &group {
-                notes.push(format!(
-                    "{} left out: {} is offered under the same function name {name:?}",
-                    other.tool.definition.id, kept.tool.definition.id
-                ));
+    // Function name → position in `kept`; clashes are rare, so the common
+    // case is one hash insert per tool and no reordering.
+    let mut first: HashMap<&str, usize> = HashMap::with_capacity(candidates.len());
+    let mut kept: Vec<Option<&RegistryEntry>> = Vec::with_capacity(candidates.len());
+    let mut clashes: Vec<(usize, &RegistryEntry)> = Vec::new();
+    for entry in candidates {
+        let name = entry.tool.definition.function.name.as_str();
+        match first.get(name) {
+            Some(&at) => clashes.push((at, entry)),
+            None => {
+                first.insert(name, kept.len());
+                kept.push(Some(entry));
             }
-            tools.push(kept.tool.clone());
-        } else {
-            tools.extend(group.into_iter().map(|e| e.tool.clone()));
         }
     }
-    tools.sort_by(|a, b| a.definition.id.cmp(&b.definition.id));
+    let clashed = !clashes.is_empty();
+    for (at, other) in clashes {
+        let Some(current) = kept[at] else { continue };
+        let name = current.tool.definition.function.name.as_str();
+        let preferred = registry
+            .by_function_name(name)
+            .map(|e| &e.tool.definition.id);
+        let (winner, loser) = if Some(&other.tool.definition.id) == preferred {
+            (other, current)
+        } else {
+            (current, other)
+        };
+        kept[at] = Some(winner);
+        notes.push(format!(
+            "{} left out: {} is offered under the same function name {name:?}",
+            loser.tool.definition.id, winner.tool.definition.id
+        ));
+    }
+    let mut tools: Vec<Arc<CompiledTool>> =
+        kept.into_iter().flatten().map(|e| e.tool.clone()).collect();
+    if clashed {
+        // A clash's winner may sit at the loser's place: back to id order.
+        tools.sort_by(|a, b| a.definition.id.cmp(&b.definition.id));
+    }
     tools
 }
 
