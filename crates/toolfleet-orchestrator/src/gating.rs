@@ -196,7 +196,11 @@ pub fn permitted(
     let mut candidates: Vec<&RegistryEntry> = Vec::new();
     for entry in registry.list() {
         let def = &entry.tool.definition;
-        let why = named.get(&def.id).copied();
+        let why = if named.is_empty() {
+            None
+        } else {
+            named.get(&def.id).copied()
+        };
         let system = !def.selectable;
         let by_pattern = def.selectable && patterns.iter().any(|r| r.matches(&def.id));
         if (why.is_none() && !system && !by_pattern) || !offerable(entry) {
@@ -255,6 +259,9 @@ fn one_per_function_name(
     candidates: Vec<&RegistryEntry>,
     notes: &mut Vec<String>,
 ) -> Vec<Arc<CompiledTool>> {
+    if registry.function_names_unique() {
+        return candidates.into_iter().map(|e| e.tool.clone()).collect();
+    }
     // Function name → position in `kept`; clashes are rare, so the common
     // case is one hash insert per tool and no reordering.
     let mut first: HashMap<&str, usize> = HashMap::with_capacity(candidates.len());

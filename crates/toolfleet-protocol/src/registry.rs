@@ -402,6 +402,13 @@ impl Registry {
             .and_then(|id| self.entries.get(id))
     }
 
+    /// Whether no two entries share a function name (then every entry is
+    /// offered by [`Registry::offered`], and a reader need not dedupe).
+    #[must_use]
+    pub fn function_names_unique(&self) -> bool {
+        self.by_function.len() == self.entries.len()
+    }
+
     /// The recommended models of `id`, cheapest first (empty when none, or
     /// no compat file is attached).
     #[must_use]
