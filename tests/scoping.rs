@@ -77,6 +77,7 @@ deployment = "scripted"
 [profiles.capped.scoping]
 max_expansion_rounds = 1
 max_tool_count = 21
+scoping_threshold = 21
 "#;
 
 async fn env_with(script: Value, profiles: &str) -> Env {
@@ -418,6 +419,9 @@ async fn planning_narrows_a_large_catalog_and_falls_back_to_tokens_when_it_fails
             // after "user: " (any phrase of a rule matches).
             { "whenUserContains": ["user: PLANNED"], "steps": [
                 { "answer": "{\"tools\": [\"convert_currency\"], \"categories\": []}" } ] },
+            { "whenUserContains": ["user: BROKEN PLAN"], "steps": [
+                { "fault": { "kind": "status", "status": 500, "times": 10 },
+                  "answer": "never sent" } ] },
             { "whenUserContains": ["[toolfleet:tool-planning]"], "steps": [
                 { "answer": "I think you want the weather tool, probably." } ] },
             { "whenUserContains": ["money"], "steps": [
@@ -467,6 +471,18 @@ async fn planning_narrows_a_large_catalog_and_falls_back_to_tokens_when_it_fails
         scoping[0].2
     );
     assert_eq!(fallback.text, "convert_currency ran");
+
+    // A planning call the provider fails (HTTP 500, every retry) falls
+    // back the same way.
+    let failing = env
+        .submit(&job("BROKEN PLAN: how much money is 3 euros in dollars?"))
+        .await
+        .expect("fell back");
+    let scoping = scoping_events(&failing.events);
+    assert_eq!(scoping[0].0, "planning_fallback", "{scoping:?}");
+    let note = scoping[0].4.clone().unwrap_or_default();
+    assert!(note.contains("planning call failed"), "{note}");
+    assert_eq!(failing.text, "convert_currency ran");
 }
 
 /// `search_tools` adds left-out tools for the next round (an `expansion`
@@ -604,6 +620,10 @@ deployment = "scripted"
 [profiles.researcher]
 deployment = "scripted"
 agent = { name = "research", description = "Researches a question in the documents and answers with citations." }
+
+[profiles.editor]
+deployment = "scripted"
+agent = { name = "edit", description = "Edits a text." }
 "#;
 
 /// An agent tool runs a nested chat job (its own invocation, linked to the
@@ -676,7 +696,8 @@ async fn an_agent_tool_runs_a_nested_job_and_its_citations_are_renumbered() {
         );
     }
     assert!(out.text.contains("and: Fog horns sound"), "{}", out.text);
-    assert!(!out.text.contains("impostor"), "{}", out.text);
+    // The impostor worker's Echo answers "research ran": never called.
+    assert!(!out.text.contains("research ran"), "{}", out.text);
     // Progress of the nested job reached the parent's call.
     let progress: Vec<&str> = out
         .events
@@ -716,8 +737,13 @@ async fn an_agent_tool_runs_a_nested_job_and_its_citations_are_renumbered() {
         .iter()
         .map(|t| t.as_str().unwrap())
         .collect();
+    // The top-level job was offered both agents; the nested one (depth 1,
+    // the cap) neither — not even the other profile's.
+    let top = started_tools(&out.events);
+    assert!(top.contains(&"agent:edit@1.0.0".to_string()), "{top:?}");
+    assert!(top.contains(&"agent:research@1.0.0".to_string()), "{top:?}");
     assert!(
-        !nested_tools.contains(&"agent:research@1.0.0"),
+        !nested_tools.iter().any(|t| t.starts_with("agent:")),
         "{nested_tools:?}"
     );
     assert!(nested_tools.contains(&"retrieval:search_documents@1.0.0"));

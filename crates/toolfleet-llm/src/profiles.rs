@@ -1297,6 +1297,15 @@ impl ScopingPolicy {
             500,
             self.planning_history_message_count,
         )?;
+        if self.scoping_threshold > self.max_tool_count {
+            return Err((
+                format!("{at}.scoping_threshold"),
+                format!(
+                    "must not exceed max_tool_count ({}): up to the threshold every permitted tool is offered; is {}",
+                    self.max_tool_count, self.scoping_threshold
+                ),
+            ));
+        }
         if self.initial_tool_count > self.max_tool_count {
             return Err((
                 format!("{at}.initial_tool_count"),

@@ -147,15 +147,32 @@ pub async fn run_agent_call(
         status: ToolStatus::Error,
         references: Vec::new(),
     };
-    let Some(profile) = profile_of(tool) else {
-        return fail("internal_error", format!("{tool_id} names no profile"));
+    // Only a profile the configuration exposes as this very agent runs
+    // (gating keeps workers' look-alikes out; this holds whatever calls it).
+    let Some(profile) = profile_of(tool).filter(|p| {
+        fleet
+            .config
+            .profiles
+            .profiles
+            .get(*p)
+            .and_then(|p| p.agent.as_ref())
+            .is_some_and(|a| def.id.namespace == "agent" && a.name == def.id.name)
+    }) else {
+        return fail(
+            "internal_error",
+            format!("{tool_id} is not an agent of this configuration"),
+        );
     };
     let Some(task) = arguments.get("task").and_then(Value::as_str) else {
         return fail("invalid_arguments", "`task` (a string) is required".into());
     };
     let now = toolfleet_protocol::now_ms();
     let left = inv.deadline_ms.saturating_sub(now);
-    let wait = def.timeout_ms.min(left);
+    // Leave the caller time to answer with what the agent said (or that
+    // it said nothing).
+    let wait = def
+        .timeout_ms
+        .min(left.saturating_sub((left / 5).max(2_000)));
     if wait < 1_000 {
         return ToolOutcome {
             content: format!(

@@ -666,7 +666,7 @@ fn no_worker(
 }
 
 /// Answers a call with an error without a result from a worker.
-fn immediate(
+pub(crate) fn immediate(
     metrics: &OrchestratorMetrics,
     events: &Events,
     call: &ToolCall,

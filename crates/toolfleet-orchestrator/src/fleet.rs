@@ -49,6 +49,8 @@ pub struct Fleet {
     /// The registry and relevance index of the latest catalog generation,
     /// rebuilt whole when the catalog changes.
     tools: std::sync::Mutex<Option<Arc<crate::scope::ToolSnapshot>>>,
+    /// Held while a snapshot is built.
+    building: std::sync::Mutex<()>,
 }
 
 impl Fleet {
@@ -81,6 +83,7 @@ impl Fleet {
             heartbeat,
             agents,
             tools: std::sync::Mutex::new(None),
+            building: std::sync::Mutex::new(()),
         }
     }
 
@@ -97,8 +100,28 @@ impl Fleet {
                 return snapshot.clone();
             }
         }
-        // Built outside the lock (invocations meanwhile use the one they
-        // find, or build their own: the same value).
+        // One build at a time, outside the cache's lock: invocations that
+        // come meanwhile use the snapshot before (a moment stale: dispatch
+        // reads the catalog again on a miss), or wait for the first one.
+        let _building = match self.building.try_lock() {
+            Ok(guard) => guard,
+            Err(std::sync::TryLockError::WouldBlock) => {
+                if let Some(stale) = self.tools.lock().unwrap_or_else(|e| e.into_inner()).clone() {
+                    return stale;
+                }
+                crate::scope::blocking(|| self.building.lock().unwrap_or_else(|e| e.into_inner()))
+            }
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+        };
+        if let Some(snapshot) = self
+            .tools
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .filter(|s| s.generation >= catalog.generation)
+        {
+            return snapshot.clone();
+        }
         let started = std::time::Instant::now();
         let snapshot = Arc::new(crate::scope::blocking(|| {
             crate::scope::ToolSnapshot::build(
@@ -108,15 +131,9 @@ impl Fleet {
                 &self.config.profiles,
             )
         }));
-        let mut cached = self.tools.lock().unwrap_or_else(|e| e.into_inner());
-        if cached
-            .as_ref()
-            .is_none_or(|c| c.generation < snapshot.generation)
-        {
-            self.metrics
-                .observe_registry(&snapshot.registry, started.elapsed());
-            *cached = Some(snapshot.clone());
-        }
+        self.metrics
+            .observe_registry(&snapshot.registry, started.elapsed());
+        *self.tools.lock().unwrap_or_else(|e| e.into_inner()) = Some(snapshot.clone());
         snapshot
     }
 

@@ -40,6 +40,9 @@ use crate::Failure;
 /// The source name of the agent tools' backend.
 pub const AGENTS_SOURCE: &str = "agents";
 
+/// Notes kept for the `scoping` event; the rest are counted.
+pub const MAX_NOTES: usize = 10;
+
 /// What an invocation brings to the gates.
 #[derive(Debug, Clone)]
 pub struct Gate<'a> {
@@ -131,7 +134,11 @@ pub fn permitted(
 ) -> Result<Permitted, Failure> {
     let offerable = |e: &RegistryEntry| {
         e.is_live()
-            && (&*e.source != AGENTS_SOURCE || (gate.agents && !is_own_agent(e, gate.own_profile)))
+            && if &*e.source == AGENTS_SOURCE {
+                gate.agents && !is_own_agent(e, gate.own_profile)
+            } else {
+                !impersonates(e)
+            }
     };
     let mut notes = Vec::new();
 
@@ -220,6 +227,11 @@ pub fn permitted(
     }
 
     let tools = one_per_function_name(registry, candidates, &mut notes);
+    if notes.len() > MAX_NOTES {
+        let more = notes.len() - MAX_NOTES;
+        notes.truncate(MAX_NOTES);
+        notes.push(format!("and {more} more"));
+    }
     // A must-include tool that lost a function-name clash is not offered.
     must_include.retain(|id: &String| {
         id.parse::<ToolId>()
@@ -230,6 +242,19 @@ pub fn permitted(
         must_include,
         notes,
     })
+}
+
+/// Whether a tool from a worker (not the agents backend) looks like one of
+/// the orchestrator's own: the `agent` namespace, an `agent.`
+/// implementation key (what makes a call a nested chat job), or the
+/// `search_tools` meta-tool's function name. Never offered: a worker must
+/// not get around the agent depth cap, run a profile, or shadow the
+/// meta-tool.
+fn impersonates(entry: &RegistryEntry) -> bool {
+    let def = &entry.tool.definition;
+    def.id.namespace == "agent"
+        || crate::agents::profile_of(&entry.tool).is_some()
+        || def.function.name == crate::scoping::SEARCH_TOOLS
 }
 
 /// Whether `entry` is the agent tool of profile `profile`.
@@ -284,16 +309,30 @@ fn one_per_function_name(
         let preferred = registry
             .by_function_name(name)
             .map(|e| &e.tool.definition.id);
-        let (winner, loser) = if Some(&other.tool.definition.id) == preferred {
+        let (a, b) = (&current.tool.definition.id, &other.tool.definition.id);
+        // The registry's pick when it is here; else the smallest ns:name,
+        // at its highest version.
+        let other_wins = if Some(b) == preferred {
+            true
+        } else if Some(a) == preferred {
+            false
+        } else {
+            (&b.namespace, &b.name, std::cmp::Reverse(b.version))
+                < (&a.namespace, &a.name, std::cmp::Reverse(a.version))
+        };
+        let (winner, loser) = if other_wins {
             (other, current)
         } else {
             (current, other)
         };
         kept[at] = Some(winner);
-        notes.push(format!(
-            "{} left out: {} is offered under the same function name {name:?}",
-            loser.tool.definition.id, winner.tool.definition.id
-        ));
+        let (w, l) = (&winner.tool.definition.id, &loser.tool.definition.id);
+        // An older version of the same tool is no news.
+        if (&w.namespace, &w.name) != (&l.namespace, &l.name) {
+            notes.push(format!(
+                "{l} left out: {w} is offered under the same function name {name:?}"
+            ));
+        }
     }
     let mut tools: Vec<Arc<CompiledTool>> =
         kept.into_iter().flatten().map(|e| e.tool.clone()).collect();
@@ -513,7 +552,18 @@ mod tests {
             vec![
                 live(tool("t:x@1.0.0", "same", json!({}))),
                 live(tool("t:x@2.0.0", "same", json!({}))),
+                // The registry's pick for "same", kept out by a gate: the
+                // next highest version stands in, not the lowest.
+                live(tool("t:x@3.0.0", "same", json!({"visibleIn": ["mobile"]}))),
                 live(tool("u:y@1.0.0", "same", json!({}))),
+                // Workers posing as the orchestrator's own tools.
+                live(tool("agent:fake@1.0.0", "fake", json!({}))),
+                live(tool(
+                    "w:sneaky@1.0.0",
+                    "sneaky",
+                    json!({"implementationKey": "agent.default"}),
+                )),
+                live(tool("w:search@1.0.0", "search_tools", json!({}))),
             ],
         );
         let registry = Registry::build(&[&catalog as &dyn ToolSource]);
@@ -521,6 +571,12 @@ mod tests {
         let job = toolfleet_protocol::client::question("hi");
         let p = permitted(&registry, &profile, &job, &gate()).unwrap();
         assert_eq!(ids(&p), ["t:x@2.0.0"], "the newest version of the first id");
-        assert_eq!(p.notes.len(), 2, "{:?}", p.notes);
+        // The other tool is noted; the older version of the same one is not.
+        assert_eq!(p.notes.len(), 1, "{:?}", p.notes);
+        assert!(
+            p.notes[0].starts_with("u:y@1.0.0 left out"),
+            "{:?}",
+            p.notes
+        );
     }
 }

@@ -282,6 +282,8 @@ pub async fn run_with_ready(
         agents,
     ));
     fleet.catalog.refresh().await;
+    // The registry and its gauges from the first reading on.
+    fleet.tool_snapshot();
 
     let tracker = TaskTracker::new();
     {

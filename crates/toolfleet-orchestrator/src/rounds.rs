@@ -262,9 +262,12 @@ async fn run_calls(
     outcomes
 }
 
-/// Runs one turn's calls: `search_tools` first, here (it changes the
-/// tools offered from the next round on), then agent tools (nested chat
-/// jobs) and worker tools together. Outcomes in call order.
+/// Runs one turn's calls: calls over the per-turn cap (counted in the
+/// model's order, whatever they are) are answered without running;
+/// `search_tools` runs first, here (it changes the tools offered from the
+/// next round on); then agent tools (nested chat jobs) and worker tools —
+/// together when parallel calls are on, else one at a time. Outcomes in
+/// call order.
 async fn run_turn(
     inv: &mut Invocation,
     tools: &mut ToolRunner<'_>,
@@ -272,9 +275,26 @@ async fn run_turn(
     fleet: &Fleet,
     events: &Events,
 ) -> Vec<ToolOutcome> {
+    let policy = inv.profile.profile.policy;
     let mut out: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
+    let run = calls.len().min(policy.max_calls_per_turn);
     for (i, call) in calls.iter().enumerate() {
-        if call.name == crate::scoping::SEARCH_TOOLS && inv.tool(&call.name).is_none() {
+        if i >= run {
+            let tool = inv
+                .tool(&call.name)
+                .map_or_else(|| call.name.clone(), |t| t.definition.id.to_string());
+            out[i] = Some(crate::dispatch::immediate(
+                fleet.metrics(),
+                events,
+                call,
+                &tool,
+                "calls_per_turn",
+                format!(
+                    "Error: not run: at most {} tool calls per turn.",
+                    policy.max_calls_per_turn
+                ),
+            ));
+        } else if call.name == crate::scoping::SEARCH_TOOLS && inv.tool(&call.name).is_none() {
             out[i] = Some(crate::scope::search_tools_call(inv, call, fleet, events));
         }
     }
@@ -285,7 +305,11 @@ async fn run_turn(
         if out[i].is_some() {
             continue;
         }
-        match inv.tool(&call.name) {
+        // An offered tool, or a permitted one scoping left out.
+        let tool = inv
+            .tool(&call.name)
+            .or_else(|| inv.scope.permitted.by_function_name(&call.name));
+        match tool {
             Some(tool) if crate::agents::profile_of(tool).is_some() => {
                 agent_calls.push((i, tool.clone(), call));
             }
@@ -293,15 +317,28 @@ async fn run_turn(
         }
     }
     let remote: Vec<ToolCall> = worker_calls.iter().map(|&i| calls[i].clone()).collect();
-    let agents = futures::future::join_all(
-        agent_calls
-            .iter()
-            .map(|(_, tool, call)| crate::scope::agent_call(inv, tool, call, fleet, events)),
-    );
-    let (agent_outcomes, worker_outcomes) = if remote.is_empty() {
-        (agents.await, Vec::new())
+    let (agent_outcomes, worker_outcomes) = if policy.parallel_tool_calls {
+        let agents = futures::future::join_all(
+            agent_calls
+                .iter()
+                .map(|(_, tool, call)| crate::scope::agent_call(inv, tool, call, fleet, events)),
+        );
+        if remote.is_empty() {
+            (agents.await, Vec::new())
+        } else {
+            futures::join!(agents, tools.run(inv, &remote, events))
+        }
     } else {
-        futures::join!(agents, tools.run(inv, &remote, events))
+        let mut done = Vec::with_capacity(agent_calls.len());
+        for (_, tool, call) in &agent_calls {
+            done.push(crate::scope::agent_call(inv, tool, call, fleet, events).await);
+        }
+        let workers = if remote.is_empty() {
+            Vec::new()
+        } else {
+            tools.run(inv, &remote, events).await
+        };
+        (done, workers)
     };
     for ((i, _, _), outcome) in agent_calls.iter().zip(agent_outcomes) {
         out[*i] = Some(outcome);

@@ -92,9 +92,18 @@ impl ToolSnapshot {
         let mut registry =
             Registry::build(&[agents as &dyn ToolSource, catalog as &dyn ToolSource]);
         if let Some(compat) = compat {
+            // `<deployment>/<model>`: the deployment's own model, or a
+            // profile's utility model on it.
             let known = |model: &str| {
-                profiles.deployments.iter().any(|(name, d)| {
-                    model.split_once('/') == Some((name.as_str(), d.model.as_str()))
+                let Some((deployment, model)) = model.split_once('/') else {
+                    return false;
+                };
+                profiles.deployments.get(deployment).is_some_and(|d| {
+                    d.model == model
+                        || profiles.profiles.values().any(|p| {
+                            p.deployments.iter().any(|n| n == deployment)
+                                && p.utility_model.as_deref() == Some(model)
+                        })
                 })
             };
             let (joined, problems) = registry.with_compat(compat, known);
@@ -316,9 +325,13 @@ async fn plan(
     };
     let llm = fleet.llm_for(&inv.profile).map_err(|f| f.message)?;
     let started = Instant::now();
-    let completion = tokio::time::timeout(PLANNING_TIMEOUT, llm.stream_chat(&request, |_| {}))
+    // Never more than half of what is left: a hung plan must leave the
+    // conversation time to run on token scoring.
+    let left = Duration::from_millis(inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()));
+    let limit = PLANNING_TIMEOUT.min(left / 2);
+    let completion = tokio::time::timeout(limit, llm.stream_chat(&request, |_| {}))
         .await
-        .map_err(|_| format!("no answer within {} s", PLANNING_TIMEOUT.as_secs()))?;
+        .map_err(|_| format!("no answer within {} ms", limit.as_millis()))?;
     let m = fleet.metrics();
     m.llm_request_duration
         .with_label_values(&[model.as_str()])
@@ -438,11 +451,12 @@ pub fn search_tools_call(
                 Some("invalid_arguments".to_string()),
             ),
             Ok(found) => {
+                // Every search counts against the rounds, found or not.
+                inv.scope.expansions += 1;
                 if found.added.is_empty() {
                     m.tool_expansions.with_label_values(&["nothing"]).inc();
                 } else {
                     m.tool_expansions.with_label_values(&["added"]).inc();
-                    inv.scope.expansions += 1;
                     let added: Vec<String> = found
                         .added
                         .iter()

@@ -473,17 +473,41 @@ impl RelevanceIndex {
 
     /// The position of the tool a model or a plan names: by function name
     /// (exact, then ignoring case), by full id (`ns:name@x.y.z`), or by
-    /// `ns:name` (its highest version). Function names are unique in a
-    /// catalog's offer; were they not, the smallest id wins.
+    /// `ns:name` (its highest version). Where several tools share the name
+    /// (versions of one tool during a rolling upgrade), the one with the
+    /// highest version of the smallest `ns:name` wins.
     #[must_use]
     pub fn position(&self, name: &str) -> Option<usize> {
+        self.position_among(name, |_| true)
+    }
+
+    /// [`position`](Self::position) among the `allowed` positions only: a
+    /// name shared by a tool the invocation may not use and one it may
+    /// resolves to the latter.
+    #[must_use]
+    pub fn position_among(&self, name: &str, allowed: impl Fn(usize) -> bool) -> Option<usize> {
         let name = name.trim();
         let function = |p: &u32| self.tools[*p as usize].definition.function.name.as_str();
+        // Among tools sharing a function name: the smallest ns:name, its
+        // highest version.
+        let best = |found: &mut dyn Iterator<Item = usize>| {
+            found.min_by(|&a, &b| {
+                let (a, b) = (&self.tools[a].definition.id, &self.tools[b].definition.id);
+                (&a.namespace, &a.name)
+                    .cmp(&(&b.namespace, &b.name))
+                    .then(b.version.cmp(&a.version))
+            })
+        };
         let start = self.by_function.partition_point(|p| function(p) < name);
-        if let Some(p) = self.by_function.get(start)
-            && function(p) == name
-        {
-            return Some(*p as usize);
+        let exact = best(
+            &mut self.by_function[start..]
+                .iter()
+                .take_while(|p| function(p) == name)
+                .map(|p| *p as usize)
+                .filter(|&p| allowed(p)),
+        );
+        if exact.is_some() {
+            return exact;
         }
         if let Ok(id) = name.parse::<ToolId>() {
             let start = self
@@ -493,23 +517,25 @@ impl RelevanceIndex {
                 .by_id
                 .get(start)
                 .filter(|p| self.tools[**p as usize].definition.id == id)
-                .map(|p| *p as usize);
+                .map(|p| *p as usize)
+                .filter(|&p| allowed(p));
         }
         if let Some((namespace, tool)) = name.split_once(':') {
-            return self
-                .by_id
-                .iter()
-                .rev()
-                .find(|p| {
-                    let id = &self.tools[**p as usize].definition.id;
-                    id.namespace == namespace && id.name == tool
-                })
-                .map(|p| *p as usize);
+            return self.by_id.iter().rev().map(|p| *p as usize).find(|&p| {
+                let id = &self.tools[p].definition.id;
+                id.namespace == namespace && id.name == tool && allowed(p)
+            });
         }
-        self.by_function
-            .iter()
-            .find(|p| function(p).eq_ignore_ascii_case(name))
-            .map(|p| *p as usize)
+        best(
+            &mut self.by_function.iter().map(|p| *p as usize).filter(|&p| {
+                self.tools[p]
+                    .definition
+                    .function
+                    .name
+                    .eq_ignore_ascii_case(name)
+                    && allowed(p)
+            }),
+        )
     }
 
     /// The categories of the allowed tools with how many each has, the
@@ -1021,7 +1047,7 @@ pub fn apply_plan(
     let mut unknown = Vec::new();
     let mut named = Vec::new();
     for name in &plan.tools {
-        match index.position(name).filter(|&p| mask[p]) {
+        match index.position_among(name, |p| mask[p]) {
             Some(position) => named.push(position),
             None => unknown.push(name.clone()),
         }

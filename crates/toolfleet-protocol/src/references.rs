@@ -27,28 +27,25 @@ pub fn cited_indices(text: &str) -> Vec<u64> {
     out
 }
 
-/// `text` with every `[doc:N]` marker whose `N` `map` knows replaced by
-/// `[doc:map(N)]`; markers `map` does not know are left as they are. The
-/// same scanner as [`cited_indices`], so both agree on what a marker is.
+/// `text` with every `[doc:N]` marker renumbered: `[doc:map(N)]`, or no
+/// marker at all when `map` does not know `N` (a marker that cites nothing
+/// in the new numbering would cite some other document there). The same
+/// scanner as [`cited_indices`], so both agree on what a marker is.
 pub fn renumber(text: &str, map: impl Fn(u64) -> Option<u64>) -> String {
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
     while let Some(start) = rest.find("[doc:") {
         let after = &rest[start + 5..];
         let digits = after.bytes().take_while(u8::is_ascii_digit).count();
-        let to = (digits > 0 && after[digits..].starts_with(']'))
-            .then(|| after[..digits].parse().ok().and_then(&map))
-            .flatten();
-        match to {
-            Some(n) => {
-                out.push_str(&rest[..start]);
+        if digits > 0 && after[digits..].starts_with(']') {
+            out.push_str(&rest[..start]);
+            if let Some(n) = after[..digits].parse().ok().and_then(&map) {
                 out.push_str(&format!("[doc:{n}]"));
-                rest = &after[digits + 1..];
             }
-            None => {
-                out.push_str(&rest[..start + 5]);
-                rest = after;
-            }
+            rest = &after[digits + 1..];
+        } else {
+            out.push_str(&rest[..start + 5]);
+            rest = after;
         }
     }
     out.push_str(rest);
@@ -160,15 +157,15 @@ pub fn render(text: &str, references: &[Reference]) -> Rendered {
 mod tests {
 
     #[test]
-    fn renumber_maps_known_markers_and_leaves_the_rest() {
+    fn renumber_maps_known_markers_and_drops_unknown_ones() {
         let text = "a [doc:1] b [doc:2][doc:1] [doc:9] [doc:x] [doc:3";
         let out = renumber(text, |n| match n {
             1 => Some(7),
             2 => Some(8),
             _ => None,
         });
-        assert_eq!(out, "a [doc:7] b [doc:8][doc:7] [doc:9] [doc:x] [doc:3");
-        assert_eq!(cited_indices(&out), [7, 8, 7, 9]);
+        assert_eq!(out, "a [doc:7] b [doc:8][doc:7]  [doc:x] [doc:3");
+        assert_eq!(cited_indices(&out), [7, 8, 7]);
         assert_eq!(renumber("no markers", |_| Some(1)), "no markers");
     }
     use super::*;
