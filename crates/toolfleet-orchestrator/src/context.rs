@@ -53,8 +53,10 @@ pub struct Invocation {
     pub ctx: InvocationContext,
     /// The conversation so far, system prompt first.
     pub messages: Vec<Message>,
-    /// The tools offered to the model; tool calls are resolved among these
-    /// (and only these: a tool that was not offered is not run).
+    /// The tools offered to the model. A call runs when its tool is among
+    /// these, or among the permitted ones ([`Scope::permitted`](crate::scope::Scope):
+    /// scoping bounds what the model is shown, the gates what may run); any
+    /// other call is answered with close names and not run.
     pub tools: Vec<Arc<CompiledTool>>,
     /// The tools the invocation may use, and how the offered ones were
     /// chosen among them.

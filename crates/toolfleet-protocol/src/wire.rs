@@ -51,6 +51,8 @@ pub mod headers {
     pub const NEW_CALL: &str = "Toolfleet-New-Call";
     /// On a chat job an agent tool started: the invocation that called the
     /// agent (for linking; the nested job is an ordinary job of its own).
+    /// Untrusted: any client that may submit can set it, so nothing may act
+    /// on it beyond showing the link.
     pub const PARENT_INVOCATION: &str = "Toolfleet-Parent-Invocation";
     /// On a chat job an agent tool started: how deep it is nested (1 for a
     /// job started by a top-level job's agent call). Absent: 0.
