@@ -234,12 +234,42 @@ pub(crate) fn time_script() -> serde_json::Value {
 async fn security_the_fleet_answers_under_least_privilege_role_identities() {
     let secure = Secure::start();
     let redis = RedisServer::start().unwrap();
-    let script =
-        toolfleet_scripted::Script::from_json(&support::lighthouse_script().to_string()).unwrap();
+    // The lighthouse script, and an agent tool's nested job (which the
+    // orchestrator submits and follows under its own identity).
+    let mut script = support::lighthouse_script();
+    script["rules"]
+        .as_array_mut()
+        .unwrap()
+        .extend(serde_json::json!([
+            { "whenUserContains": ["AGENT TASK"], "steps": [ { "answer": "the helper agrees" } ] },
+            { "whenUserContains": ["ask the helper"], "steps": [
+                { "toolCalls": [ { "name": "helper", "arguments": { "task": "AGENT TASK: agree" } } ] },
+                { "answer": "Helper: {{tool:helper}}" } ] }
+        ]).as_array().unwrap().clone());
+    let script = toolfleet_scripted::Script::from_json(&script.to_string()).unwrap();
     let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
         .await
         .unwrap();
     let logs = tempfile::tempdir().unwrap();
+    let config = logs.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        format!(
+            r#"
+[deployments.scripted]
+base_url = "{}"
+model = "toolfleet-scripted"
+api_key_env = "TOOLFLEET_SECURITY_TEST_KEY"
+[profiles.default]
+deployment = "scripted"
+[profiles.helper]
+deployment = "scripted"
+agent = {{ name = "helper", description = "Agrees." }}
+"#,
+            model.base_url()
+        ),
+    )
+    .unwrap();
     let index = logs.path().join("index");
     let with = |user: &str, extra: Vec<(&'static str, String)>| {
         let mut env = secure.env(user);
@@ -258,9 +288,8 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
             &with(
                 "orchestrator",
                 vec![
-                    ("TOOLFLEET_LLM_BASE_URL", model.base_url().to_string()),
-                    ("TOOLFLEET_LLM_MODEL", "toolfleet-scripted".into()),
-                    ("TOOLFLEET_LLM_API_KEY", "sk-security-test".into()),
+                    ("TOOLFLEET_CONFIG", config.display().to_string()),
+                    ("TOOLFLEET_SECURITY_TEST_KEY", "sk-security-test".into()),
                 ],
             ),
             logs.path().join("orchestrator.log"),
@@ -332,6 +361,20 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
         !outcome.references.is_empty(),
         "retrieval cited its passages"
     );
+
+    // An agent tool: the orchestrator submits the nested job as the
+    // caller's tenant, follows its events and answers with it.
+    let mut ask = toolfleet_protocol::client::question("please ask the helper");
+    ask.tenant = Some("acme".into());
+    let agent = toolfleet_protocol::client::chat(&client, &subjects, &ask, WAIT, |_| {})
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "the agent job is answered: {e}\n{}",
+                std::fs::read_to_string(&procs[0].log).unwrap_or_default()
+            )
+        });
+    assert_eq!(agent.text, "Helper: the helper agrees");
 
     // A chat job whose header the NATS client cannot read (it costs the
     // orchestrator a reconnect, then a sweep through the chat stream's
