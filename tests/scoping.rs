@@ -753,3 +753,68 @@ async fn an_agent_tool_runs_a_nested_job_and_its_citations_are_renumbered() {
         "the impostor is counted as a duplicate: {metrics}"
     );
 }
+
+/// A caller cancelled while its agent's nested job runs: the nested job is
+/// cancelled too (it ends with `error: cancelled` instead of running on).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_the_caller_cancels_its_agents_nested_job() {
+    let env = Env::start_with(
+        json!({ "rules": [
+            { "whenUserContains": ["SLOW TASK"], "steps": [
+                { "fault": { "kind": "slowFirstToken", "delayMs": 20000 },
+                  "answer": "too late" } ] },
+            { "whenUserContains": ["delegate"], "steps": [
+                { "toolCalls": [ { "name": "research", "arguments": { "task": "SLOW TASK" } } ] },
+                { "answer": "{{tool:research}}" } ] }
+        ] }),
+        Options {
+            workers: vec![],
+            profiles_toml: Some(AGENT_PROFILES.to_string()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut all = env
+        .subscribe(env.subjects.chat_events("default", "*"))
+        .await;
+    let parent = job("please delegate this");
+    let mut parent_events = env.follow_and_submit(&parent).await;
+    // The nested job starts (its own `started`, profile researcher).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let nested_id = loop {
+        let msg = tokio::time::timeout_at(deadline, futures::StreamExt::next(&mut all))
+            .await
+            .expect("the nested job starts")
+            .unwrap();
+        let e: Value = serde_json::from_slice(&msg.payload).unwrap();
+        if e["type"] == "started" && e["profile"] == "researcher" {
+            break e["invocationId"].as_str().unwrap().to_string();
+        }
+    };
+    toolfleet_protocol::client::cancel(
+        &env.client,
+        &env.subjects,
+        "default",
+        &parent.invocation_id,
+    )
+    .await
+    .unwrap();
+    let parent_end = crate::support::events_until_terminal(&mut parent_events).await;
+    assert_eq!(parent_end.last().unwrap()["code"], "cancelled");
+    // The nested job's own terminal event: cancelled, long before the
+    // model's 20 s answer.
+    let nested_end = loop {
+        let msg = tokio::time::timeout_at(deadline, futures::StreamExt::next(&mut all))
+            .await
+            .expect("the nested job ends")
+            .unwrap();
+        let e: Value = serde_json::from_slice(&msg.payload).unwrap();
+        if e["invocationId"] == nested_id.as_str()
+            && (e["type"] == "error" || e["type"] == "completed")
+        {
+            break e;
+        }
+    };
+    assert_eq!(nested_end["type"], "error", "{nested_end}");
+    assert_eq!(nested_end["code"], "cancelled", "{nested_end}");
+}
