@@ -818,3 +818,50 @@ async fn cancelling_the_caller_cancels_its_agents_nested_job() {
     assert_eq!(nested_end["type"], "error", "{nested_end}");
     assert_eq!(nested_end["code"], "cancelled", "{nested_end}");
 }
+
+/// A worker process killed (SIGKILL, no goodbye): its tools leave the
+/// catalog, and chat jobs are no longer offered them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_workers_tools_leave_the_offer() {
+    let env = env_with(
+        json!({ "default": { "steps": [ { "answer": "ok" } ] } }),
+        PROFILES,
+    )
+    .await;
+    let port = toolfleet_local::servers::free_port().unwrap();
+    let mut worker =
+        std::process::Command::new(crate::support::sibling_bin("toolfleet-worker-system"))
+            .env("TOOLFLEET_NATS_URL", env.nats.url())
+            .env("TOOLFLEET_REDIS_URL", env.redis.url())
+            .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
+            .env("TOOLFLEET_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("the system worker starts");
+    let offered = |out: &toolfleet_protocol::client::ChatOutcome| {
+        started_tools(&out.events).contains(&"system:current_datetime@1.0.0".to_string())
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let out = env.submit(&job("hello")).await.expect("answered");
+        if offered(&out) {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "never offered");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    loop {
+        let out = env.submit(&job("hello")).await.expect("answered");
+        if !offered(&out) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the killed worker's tool is still offered"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}

@@ -246,7 +246,15 @@ async fn of_live_versions_only_the_newest_is_offered() {
         fleet.serve(&d, &digest).await;
         ids.push(d.id.to_string());
     }
-    let catalog = fleet.discover(&Catalog::default()).await;
+    // A reading on a loaded machine can miss an INFO answer: read until
+    // all three are there (at most a few times).
+    let mut catalog = fleet.discover(&Catalog::default()).await;
+    for _ in 0..5 {
+        if ids.iter().all(|id| catalog.is_live(id)) {
+            break;
+        }
+        catalog = fleet.discover(&Catalog::default()).await;
+    }
     let offered: Vec<String> = catalog
         .iter()
         .map(|e| e.definition().id.to_string())
