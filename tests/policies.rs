@@ -695,11 +695,17 @@ async fn a_job_past_its_deadline_ends_with_an_error_event() {
     job.timeout_ms = Some(1000);
     let err = env.submit(&job).await.expect_err("deadline");
     assert_eq!(err.code(), "deadline_exceeded");
-    let text = env.metrics_text().await;
-    assert!(
-        text.contains("toolfleet_chat_jobs_total{outcome=\"error\"} 1"),
-        "{text}"
-    );
+    // The outcome is counted once the job is acked, just after its
+    // terminal event reached the client.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let text = env.metrics_text().await;
+        if text.contains("toolfleet_chat_jobs_total{outcome=\"error\"} 1") {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
