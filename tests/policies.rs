@@ -858,3 +858,92 @@ async fn a_job_cancelled_while_queued_never_runs() {
     assert_eq!(asked.len(), 1, "{asked:?}");
     assert!(asked[0].contains("slow question"), "{asked:?}");
 }
+
+/// A profile's first deployment fails before any output (HTTP 503 on
+/// every attempt): the call goes to its next deployment, a `fallback`
+/// event says so, and the answer comes from there. Once text has
+/// streamed, a failure is not moved (the client has seen part of an
+/// answer): the job ends with the error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deployment_that_fails_before_any_output_falls_back_to_the_next() {
+    let broken = toolfleet_scripted::ScriptedServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        toolfleet_scripted::Script::from_json(
+            &json!({
+                "model": "broken-model",
+                "rules": [ { "whenUserContains": ["halfway"], "steps": [
+                    { "fault": { "kind": "cutMidText" }, "answer": "I started to say" } ] } ],
+                "default": { "steps": [
+                    { "fault": { "kind": "status", "status": 503 }, "answer": "never" } ] }
+            })
+            .to_string(),
+        )
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let profiles = format!(
+        r#"
+[deployments.broken]
+base_url = "{}"
+model = "broken-model"
+[deployments.broken.retry]
+max_attempts = 2
+base_delay_ms = 10
+[deployments.scripted]
+base_url = "{{base_url}}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployments = ["broken", "scripted"]
+"#,
+        broken.base_url()
+    );
+    let env = Env::start_with(
+        json!({ "default": { "steps": [ { "answer": "the backup answers" } ] } }),
+        Options {
+            profiles_toml: Some(profiles),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("hello there").await;
+    let outcome = outcome.expect("the next deployment answers");
+    assert_eq!(outcome.text, "the backup answers");
+    let fallback: Vec<Value> = outcome
+        .events
+        .iter()
+        .filter(|e| matches!(e.body, ChatEventBody::Fallback { .. }))
+        .map(|e| serde_json::to_value(e).unwrap())
+        .collect();
+    assert_eq!(fallback.len(), 1, "{:?}", outcome.events);
+    assert_eq!(fallback[0]["from"], "broken");
+    assert_eq!(fallback[0]["fromModel"], "broken-model");
+    assert_eq!(fallback[0]["to"], "scripted");
+    assert_eq!(fallback[0]["toModel"], "toolfleet-scripted");
+    assert_eq!(
+        fallback[0]["code"], "server_error",
+        "the provider's error code"
+    );
+    assert_eq!(
+        broken.received().len(),
+        2,
+        "both attempts went to the broken one"
+    );
+    assert_eq!(outcome.llm_calls.len(), 1, "{:?}", outcome.llm_calls);
+    assert_eq!(outcome.llm_calls[0].model, "toolfleet-scripted");
+    let metrics = env.metrics_text().await;
+    assert!(
+        metrics.contains("toolfleet_llm_fallbacks_total{from=\"broken\",to=\"scripted\"} 1"),
+        "{metrics}"
+    );
+
+    // Text streamed, then the connection dropped: no fallback.
+    let (_, outcome) = env.ask("stop halfway please").await;
+    let err = outcome.expect_err("the cut is the job's end");
+    assert!(err.code().starts_with("llm_"), "{err}");
+    let metrics = env.metrics_text().await;
+    assert!(
+        metrics.contains("toolfleet_llm_fallbacks_total{from=\"broken\",to=\"scripted\"} 1"),
+        "still one: {metrics}"
+    );
+}

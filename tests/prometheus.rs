@@ -93,6 +93,16 @@ retry = { base_delay_ms = 20, max_delay_ms = 100 }
 [profiles.default]
 deployment = "scripted"
 
+# Nothing listens on port 9 (discard) of loopback: connection refused,
+# and the `failover` profile falls back to the scripted model.
+[deployments.dead]
+base_url = "http://127.0.0.1:9/v1"
+model = "toolfleet-scripted"
+retry = { max_attempts = 1 }
+
+[profiles.failover]
+deployments = ["dead", "scripted"]
+
 [profiles.tight]
 deployment = "scripted"
 [profiles.tight.policy]
@@ -380,7 +390,8 @@ async fn traffic(env: &mut Env) {
     // invalid-arguments call; an unknown tool; a model call retried after a
     // 500; the round limit and a truncated tool result (`tight`); a tool
     // call cut by the output limit (loop limit, chat outcome "error").
-    let jobs: [(&str, Option<&str>, Result<(), &str>); 6] = [
+    let jobs: [(&str, Option<&str>, Result<(), &str>); 7] = [
+        ("Launch a rocket, again", Some("failover"), Ok(())),
         (
             "What time is it, and how do lighthouses warn ships?",
             None,

@@ -41,7 +41,7 @@
 //! | `[profiles.<name>]` | table | what a chat job names; names are `[A-Za-z0-9_.-]+` |
 //! | `orchestrator` | string, `"agentic"` | resolved by name among [`ORCHESTRATORS`]; an unknown name falls back to [`DEFAULT_ORCHESTRATOR`] (noted in [`ResolvedProfile::orchestrator_fell_back`] and [`FleetConfig::warnings`]) |
 //! | `deployment` | deployment name | the one deployment to use |
-//! | `deployments` | non-empty list of deployment names | instead of `deployment`: tried in order, the first resolvable one is used |
+//! | `deployments` | non-empty list of deployment names | instead of `deployment`: tried in order, the first resolvable one is used; the later resolvable ones are its fallbacks when it fails before any output (connection, timeout, 429, 5xx after retries) |
 //! | `utility_model` | string, the deployment's `model` | model for the tool-planning call, on the same deployment |
 //! | `temperature` | 0.0..=2.0, the provider's | sampling temperature |
 //! | `system_prompt` | string, the orchestrator's | system prompt |
@@ -331,32 +331,45 @@ impl FleetConfig {
             };
 
         let mut tried = Vec::new();
+        let mut usable = Vec::new();
         for deployment_name in &chosen.deployments {
             let Some(deployment) = self.deployments.get(deployment_name) else {
                 tried.push((deployment_name.clone(), "no such deployment".to_owned()));
                 continue;
             };
             match deployment.api_key(env) {
-                Ok(api_key) => {
-                    return Ok(ResolvedProfile {
-                        name: name.to_owned(),
-                        requested: requested.map(str::to_owned),
-                        fell_back,
-                        profile: chosen.clone(),
-                        deployment_name: deployment_name.clone(),
-                        deployment: deployment.clone(),
-                        orchestrator,
-                        orchestrator_fell_back,
-                        skipped: tried,
-                        api_key,
-                    });
+                Ok(api_key) => usable.push(ResolvedDeployment {
+                    name: deployment_name.clone(),
+                    deployment: deployment.clone(),
+                    api_key,
+                }),
+                // Skipped before the first usable one; after it, a
+                // fallback that cannot be used is left out quietly.
+                Err(why) if usable.is_empty() => {
+                    tried.push((deployment_name.clone(), why.to_string()));
                 }
-                Err(why) => tried.push((deployment_name.clone(), why.to_string())),
+                Err(_) => {}
             }
         }
-        Err(ResolveError::NoDeployment {
-            profile: name.to_owned(),
-            tried,
+        if usable.is_empty() {
+            return Err(ResolveError::NoDeployment {
+                profile: name.to_owned(),
+                tried,
+            });
+        }
+        let first = usable.remove(0);
+        Ok(ResolvedProfile {
+            name: name.to_owned(),
+            requested: requested.map(str::to_owned),
+            fell_back,
+            profile: chosen.clone(),
+            deployment_name: first.name,
+            deployment: first.deployment,
+            orchestrator,
+            orchestrator_fell_back,
+            skipped: tried,
+            api_key: first.api_key,
+            fallbacks: usable,
         })
     }
 
@@ -1473,6 +1486,28 @@ pub struct ResolvedProfile {
     pub skipped: Vec<(String, String)>,
     /// The key to send, if any. Redacted in `Debug`.
     pub api_key: Option<String>,
+    /// The profile's later deployments that resolved too, in order: where
+    /// a call goes when this deployment fails before any output
+    /// ([`ResolvedProfile::next_deployment`]).
+    pub fallbacks: Vec<ResolvedDeployment>,
+}
+
+/// A deployment with its key, resolved. `Debug` redacts the key.
+#[derive(Clone, PartialEq)]
+pub struct ResolvedDeployment {
+    pub name: String,
+    pub deployment: Deployment,
+    pub api_key: Option<String>,
+}
+
+impl fmt::Debug for ResolvedDeployment {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResolvedDeployment")
+            .field("name", &self.name)
+            .field("deployment", &self.deployment)
+            .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            .finish()
+    }
 }
 
 impl fmt::Debug for ResolvedProfile {
@@ -1488,11 +1523,33 @@ impl fmt::Debug for ResolvedProfile {
             .field("orchestrator_fell_back", &self.orchestrator_fell_back)
             .field("skipped", &self.skipped)
             .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
+            .field("fallbacks", &self.fallbacks)
             .finish()
     }
 }
 
 impl ResolvedProfile {
+    /// The profile on its next resolved deployment, when there is one: the
+    /// current one is recorded in `skipped` with `why`.
+    #[must_use]
+    pub fn next_deployment(&self, why: &str) -> Option<ResolvedProfile> {
+        let mut rest = self.fallbacks.clone();
+        if rest.is_empty() {
+            return None;
+        }
+        let next = rest.remove(0);
+        let mut skipped = self.skipped.clone();
+        skipped.push((self.deployment_name.clone(), why.to_owned()));
+        Some(ResolvedProfile {
+            deployment_name: next.name,
+            deployment: next.deployment,
+            api_key: next.api_key,
+            fallbacks: rest,
+            skipped,
+            ..self.clone()
+        })
+    }
+
     /// The conversation model.
     pub fn model(&self) -> &str {
         &self.deployment.model
@@ -1622,6 +1679,45 @@ fn strip_date_suffix(model: &str) -> Option<&str> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn later_usable_deployments_are_the_fallbacks_in_order() {
+        let config = FleetConfig::from_toml(
+            r#"
+[deployments.a]
+base_url = "http://a.example/v1"
+model = "m-a"
+[deployments.nokey]
+base_url = "http://n.example/v1"
+model = "m-n"
+api_key_env = "TOOLFLEET_TEST_UNSET_KEY"
+[deployments.b]
+base_url = "http://b.example/v1"
+model = "m-b"
+api_key_env = "TOOLFLEET_TEST_B_KEY"
+[profiles.default]
+deployments = ["a", "nokey", "b"]
+"#,
+            "test",
+        )
+        .unwrap();
+        let env: std::collections::HashMap<String, String> =
+            [("TOOLFLEET_TEST_B_KEY".to_owned(), "sk-b-secret".to_owned())].into();
+        let r = config.resolve(None, &env).unwrap();
+        assert_eq!(r.deployment_name, "a");
+        let names: Vec<&str> = r.fallbacks.iter().map(|d| d.name.as_str()).collect();
+        assert_eq!(names, ["b"], "the one without a key is left out");
+        assert!(!format!("{r:?}").contains("sk-b-secret"), "{r:?}");
+        let next = r.next_deployment("http_500").expect("b");
+        assert_eq!(next.deployment_name, "b");
+        assert_eq!(next.model(), "m-b");
+        assert_eq!(next.api_key.as_deref(), Some("sk-b-secret"));
+        assert_eq!(
+            next.skipped.last().unwrap(),
+            &("a".to_owned(), "http_500".to_owned())
+        );
+        assert!(next.next_deployment("again").is_none());
+    }
     use super::*;
 
     const EXAMPLE: &str = include_str!("../../../config/toolfleet.example.toml");

@@ -256,6 +256,16 @@ pub async fn run_with_ready(
         Some((limits::Severity::Notice, message)) => info!("{message}"),
         None => {}
     }
+    // Every fallback a profile can make, at zero from the start.
+    for profile in config.profiles.profiles.values() {
+        for (i, from) in profile.deployments.iter().enumerate() {
+            for to in &profile.deployments[i + 1..] {
+                metrics
+                    .llm_fallbacks
+                    .with_label_values(&[from.as_str(), to.as_str()]);
+            }
+        }
+    }
     let js = jetstream::new(client.clone());
     let consumer = intake::chat_consumer(&js, &config.subjects).await?;
     let cancel_sub = client

@@ -30,6 +30,9 @@ pub struct OrchestratorMetrics {
     /// `tool`, `status`: ok | error | blocked | timeout.
     pub tool_calls: IntCounterVec,
     pub tool_call_duration: HistogramVec,
+    /// Model calls moved to a profile's next deployment, by `from` and `to`
+    /// (deployment names of the configuration: bounded).
+    pub llm_fallbacks: IntCounterVec,
     /// Scoping decisions, by `decision`: all | token | planning |
     /// planning_fallback.
     pub scoping_decisions: IntCounterVec,
@@ -120,7 +123,14 @@ impl OrchestratorMetrics {
         for o in ["added", "nothing", "capped"] {
             tool_expansions.with_label_values(&[o]);
         }
+        let llm_fallbacks = counter(
+            r,
+            "toolfleet_llm_fallbacks_total",
+            "Model calls moved to the profile's next deployment after a failure before any output.",
+            &["from", "to"],
+        )?;
         Ok(Self {
+            llm_fallbacks,
             scoping_decisions,
             tools_offered,
             tool_expansions,

@@ -49,8 +49,8 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
     let mut caps = Caps::default();
     for round in 1..=policy.max_rounds {
         let tools_allowed = caps.open_round(round, &policy, fleet, &mut inv.messages);
-        let request = request(inv, &policy, tools_allowed, fleet);
-        let completion = fleet.call_model(inv, &request, events).await;
+        let mut request = request(inv, &policy, tools_allowed, fleet);
+        let completion = fleet.call_model(inv, &mut request, events).await;
         // The conversation was lent to the request (not copied, so a
         // waiting invocation holds it once): take it back.
         inv.messages = request.messages;
@@ -360,19 +360,74 @@ async fn run_turn(
 impl Fleet {
     /// One model call for `inv`: text deltas are sent as `delta` events as
     /// they stream; the request, retry and duration metrics and the usage
-    /// ledger (with its token and cost metrics) are updated. A failed call
-    /// is a [`Failure`] with code `llm_<kind>`.
+    /// ledger (with its token and cost metrics) are updated. When the
+    /// profile's deployment fails before any text has streamed (an error
+    /// its retries did not cure: connection, timeout, 429, 5xx), the call
+    /// goes to the profile's next deployment (`request.model` becomes its
+    /// model, a `fallback` event says so); the invocation stays on it. A
+    /// failed call is a [`Failure`] with code `llm_<kind>`.
     pub async fn call_model(
         &self,
         inv: &mut Invocation,
-        request: &ChatRequest,
+        request: &mut ChatRequest,
         events: &Events,
     ) -> Result<Completion, Failure> {
-        let llm = self.llm_for(&inv.profile)?;
+        loop {
+            let llm = self.llm_for(&inv.profile)?;
+            let mut streamed = false;
+            let result = self
+                .call_once(&llm, inv, request, events, &mut streamed)
+                .await;
+            match result {
+                Err(e) if !streamed && e.is_retryable() => {
+                    let Some(next) = inv.profile.next_deployment(e.code()) else {
+                        return Err(Failure::new(format!("llm_{}", e.code()), e.to_string()));
+                    };
+                    tracing::warn!(
+                        invocation_id = %inv.job.invocation_id,
+                        from = %inv.profile.deployment_name,
+                        to = %next.deployment_name,
+                        code = e.code(),
+                        "deployment failed before any output; falling back"
+                    );
+                    self.metrics
+                        .llm_fallbacks
+                        .with_label_values(&[
+                            inv.profile.deployment_name.as_str(),
+                            next.deployment_name.as_str(),
+                        ])
+                        .inc();
+                    events.send(ChatEventBody::Fallback {
+                        from: inv.profile.deployment_name.clone(),
+                        from_model: inv.profile.model().to_string(),
+                        to: next.deployment_name.clone(),
+                        to_model: next.model().to_string(),
+                        code: e.code().to_string(),
+                    });
+                    inv.profile = next;
+                    request.model = inv.profile.model().to_string();
+                }
+                Err(e) => return Err(Failure::new(format!("llm_{}", e.code()), e.to_string())),
+                Ok(completion) => return Ok(completion),
+            }
+        }
+    }
+
+    /// One attempt of [`call_model`](Self::call_model) on the profile's
+    /// current deployment; `streamed` is set once a delta went out.
+    async fn call_once(
+        &self,
+        llm: &toolfleet_llm::LlmClient,
+        inv: &mut Invocation,
+        request: &ChatRequest,
+        events: &Events,
+        streamed: &mut bool,
+    ) -> Result<Completion, toolfleet_llm::LlmError> {
         let model = request.model.as_str();
         let started = Instant::now();
         let completion = llm
             .stream_chat(request, |text| {
+                *streamed = true;
                 events.send(ChatEventBody::Delta {
                     text: text.to_string(),
                 })
@@ -395,7 +450,7 @@ impl Fleet {
             Ok(c) => c,
             Err(e) => {
                 m.llm_requests.with_label_values(&[model, e.code()]).inc();
-                return Err(Failure::new(format!("llm_{}", e.code()), e.to_string()));
+                return Err(e);
             }
         };
         m.llm_requests.with_label_values(&[model, "ok"]).inc();

@@ -796,6 +796,20 @@ pub enum ChatEventBody {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         note: Option<String>,
     },
+    /// The profile's deployment failed before anything had streamed
+    /// (connection, timeout, 429 or 5xx after its retries): the same model
+    /// call goes to the profile's next deployment.
+    #[serde(rename_all = "camelCase")]
+    Fallback {
+        /// The deployment that failed, and its model.
+        from: String,
+        from_model: String,
+        /// The deployment tried now, and its model.
+        to: String,
+        to_model: String,
+        /// The failure's code, e.g. `http_503`, `connect`.
+        code: String,
+    },
     #[serde(rename_all = "camelCase")]
     Completed {
         text: String,
@@ -832,6 +846,7 @@ impl ChatEventBody {
             ChatEventBody::ToolProgress { .. } => "tool_progress",
             ChatEventBody::References { .. } => "references",
             ChatEventBody::Scoping { .. } => "scoping",
+            ChatEventBody::Fallback { .. } => "fallback",
             ChatEventBody::Completed { .. } => "completed",
             ChatEventBody::Error { .. } => "error",
         }
