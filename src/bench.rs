@@ -736,6 +736,7 @@ mod tests {
                     attempt: 1,
                     duration_ms: 3,
                     replayed: false,
+                    llm_calls: Vec::new(),
                 },
             ))
         };

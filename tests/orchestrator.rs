@@ -760,3 +760,84 @@ async fn the_orchestrators_tool_jobs_are_marked_new_calls() {
         Some("1")
     );
 }
+
+/// A tool that calls a model of its own and says what it spent.
+struct Spender;
+
+impl Tool for Spender {
+    type Args = Value;
+    async fn call(&self, ctx: &ToolCtx, _args: Value) -> Result<ToolOutput, ToolError> {
+        ctx.record_llm_call(toolfleet_protocol::LlmCall {
+            model: "tiny-model".into(),
+            // Whatever a tool says, its calls count as `tool`.
+            purpose: "conversation".into(),
+            usage: toolfleet_protocol::Usage {
+                prompt_tokens: 10,
+                completion_tokens: 5,
+                total_tokens: 15,
+                ..Default::default()
+            },
+            cost_usd: Some(0.25),
+            attempts: 2,
+        });
+        Ok(ToolOutput::text("spent"))
+    }
+}
+
+/// What a tool spends on models travels back with its result and is the
+/// invocation's spend too: in `completed` (usage, cost, `llmCalls` with
+/// purpose `tool`) and in the token and cost metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tools_model_spend_is_part_of_the_invocations_usage_and_cost() {
+    let env = Env::start(json!({
+        "rules": [{ "whenUserContains": ["spend"], "steps": [
+            { "toolCalls": [ { "name": "slow_clock", "arguments": {} } ] },
+            { "answer": "The tool said {{tool:slow_clock}}" }
+        ] }]
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let worker = Worker::builder("testing")
+        .definition_file(slow_clock_definition(dir.path()))
+        .tool("testing.slow_clock", Spender)
+        .build()
+        .unwrap();
+    let running = env.start_worker(worker).await;
+    let (_, outcome) = env.ask("please spend something").await;
+    let outcome = outcome.expect("completed");
+    assert_eq!(outcome.text, "The tool said spent");
+    let tool_calls: Vec<&toolfleet_protocol::LlmCall> = outcome
+        .llm_calls
+        .iter()
+        .filter(|c| c.purpose == "tool")
+        .collect();
+    assert_eq!(tool_calls.len(), 1, "{:?}", outcome.llm_calls);
+    assert_eq!(tool_calls[0].model, "tiny-model");
+    assert_eq!(tool_calls[0].attempts, 2);
+    assert_eq!(tool_calls[0].cost_usd, Some(0.25));
+    let conversation: u64 = outcome
+        .llm_calls
+        .iter()
+        .filter(|c| c.purpose == "conversation")
+        .map(|c| c.usage.total_tokens)
+        .sum();
+    assert_eq!(outcome.usage.total_tokens, conversation + 15);
+    assert!(
+        outcome.cost_usd.is_some_and(|c| c >= 0.25),
+        "{:?}",
+        outcome.cost_usd
+    );
+    let metrics = env.metrics_text().await;
+    assert!(
+        metrics.contains(
+            "toolfleet_llm_tokens_total{kind=\"prompt\",model=\"tiny-model\",purpose=\"tool\"} 10"
+        ),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .contains("toolfleet_llm_cost_usd_total{model=\"tiny-model\",purpose=\"tool\"} 0.25"),
+        "{metrics}"
+    );
+    running.stop().await;
+}

@@ -46,6 +46,7 @@ fn result(inv: &str, call: &str) -> ToolResult {
         attempt: 1,
         duration_ms: 3,
         replayed: false,
+        llm_calls: Vec::new(),
     }
 }
 

@@ -696,6 +696,13 @@ async fn an_agent_tool_runs_a_nested_job_and_its_citations_are_renumbered() {
         );
     }
     assert!(out.text.contains("and: Fog horns sound"), "{}", out.text);
+    // The nested job's model calls are the agent call's spend.
+    let spent = out.llm_calls.iter().filter(|c| c.purpose == "tool").count();
+    assert_eq!(
+        spent, 2,
+        "the nested job's two model calls: {:?}",
+        out.llm_calls
+    );
     // The impostor worker's Echo answers "research ran": never called.
     assert!(!out.text.contains("research ran"), "{}", out.text);
     // Progress of the nested job reached the parent's call.

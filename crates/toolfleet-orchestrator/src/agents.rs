@@ -139,6 +139,7 @@ pub async fn run_agent_call(
     call: &ToolCall,
     arguments: &Value,
     events: &Events,
+    spent: &std::sync::Mutex<Vec<toolfleet_protocol::LlmCall>>,
 ) -> ToolOutcome {
     let def = &tool.definition;
     let tool_id = def.id.to_string();
@@ -244,6 +245,10 @@ pub async fn run_agent_call(
     let answer = match outcome {
         Ok(answer) => {
             guard.armed = false;
+            // The nested job's model calls are this call's spend.
+            if let Ok(mut spent) = spent.lock() {
+                spent.extend(answer.llm_calls.iter().cloned());
+            }
             answer
         }
         Err(ClientError::Timeout(_)) => {

@@ -58,6 +58,9 @@ pub struct ToolOutcome {
 pub struct ToolRunner<'f> {
     fleet: &'f Fleet,
     inbox: RunInbox,
+    /// Model calls the tools reported with their results, not yet taken
+    /// into the invocation's usage ([`ToolRunner::take_spent`]).
+    spent: Vec<toolfleet_protocol::LlmCall>,
 }
 
 impl Fleet {
@@ -70,6 +73,7 @@ impl Fleet {
         Ok(ToolRunner {
             fleet: self,
             inbox: self.replies.register(),
+            spent: Vec::new(),
         })
     }
 }
@@ -434,6 +438,7 @@ impl ToolRunner<'_> {
         events: &Events,
     ) {
         let mut readings_open = true;
+        let mut spent = Vec::new();
         while let Some(deadline) = batch.pending.values().map(|p| p.deadline).min() {
             let waited = self.next(readings, &mut readings_open, deadline).await;
             let metrics = &self.fleet.metrics;
@@ -455,6 +460,7 @@ impl ToolRunner<'_> {
                     if let Some(p) = batch.pending.remove(&result.call_id) {
                         let outcome = record(metrics, events, batch.calls[p.index], &p, &result);
                         batch.answers[p.index] = Some(outcome);
+                        spent.extend(result.llm_calls);
                     }
                 }
                 Waited::Progress { call_id, message } => {
@@ -482,6 +488,19 @@ impl ToolRunner<'_> {
                 Waited::Closed => break,
             }
         }
+        self.spent.extend(spent);
+    }
+
+    /// Adds model calls spent on the invocation's behalf outside a worker
+    /// (an agent tool's nested job).
+    pub(crate) fn add_spent(&mut self, calls: Vec<toolfleet_protocol::LlmCall>) {
+        self.spent.extend(calls);
+    }
+
+    /// The model calls the tools reported since the last take (each
+    /// result's `llmCalls`), for the invocation's usage.
+    pub fn take_spent(&mut self) -> Vec<toolfleet_protocol::LlmCall> {
+        std::mem::take(&mut self.spent)
     }
 
     /// The next event for a batch whose earliest deadline is `deadline`.

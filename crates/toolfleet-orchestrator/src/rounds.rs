@@ -232,6 +232,11 @@ async fn run_calls(
         })
         .collect();
     let outcomes = run_turn(inv, tools, &ours, fleet, events).await;
+    // What the tools spent on models is the invocation's spend too.
+    for call in tools.take_spent() {
+        inv.usage
+            .record_tool(fleet.metrics(), &fleet.config().profiles.prices, call);
+    }
     let budget = policy
         .max_tool_result_tokens
         .map(|cap| (TokenBudget::for_model(inv.model()), cap));
@@ -317,12 +322,11 @@ async fn run_turn(
         }
     }
     let remote: Vec<ToolCall> = worker_calls.iter().map(|&i| calls[i].clone()).collect();
+    let agents_spent = std::sync::Mutex::new(Vec::new());
     let (agent_outcomes, worker_outcomes) = if policy.parallel_tool_calls {
-        let agents = futures::future::join_all(
-            agent_calls
-                .iter()
-                .map(|(_, tool, call)| crate::scope::agent_call(inv, tool, call, fleet, events)),
-        );
+        let agents = futures::future::join_all(agent_calls.iter().map(|(_, tool, call)| {
+            crate::scope::agent_call(inv, tool, call, fleet, events, &agents_spent)
+        }));
         if remote.is_empty() {
             (agents.await, Vec::new())
         } else {
@@ -331,7 +335,9 @@ async fn run_turn(
     } else {
         let mut done = Vec::with_capacity(agent_calls.len());
         for (_, tool, call) in &agent_calls {
-            done.push(crate::scope::agent_call(inv, tool, call, fleet, events).await);
+            done.push(
+                crate::scope::agent_call(inv, tool, call, fleet, events, &agents_spent).await,
+            );
         }
         let workers = if remote.is_empty() {
             Vec::new()
@@ -340,6 +346,7 @@ async fn run_turn(
         };
         (done, workers)
     };
+    tools.add_spent(agents_spent.into_inner().unwrap_or_default());
     for ((i, _, _), outcome) in agent_calls.iter().zip(agent_outcomes) {
         out[*i] = Some(outcome);
     }

@@ -499,6 +499,7 @@ pub async fn agent_call(
     call: &ToolCall,
     fleet: &Fleet,
     events: &Events,
+    spent: &std::sync::Mutex<Vec<toolfleet_protocol::LlmCall>>,
 ) -> ToolOutcome {
     let id = tool.definition.id.to_string();
     let arguments: Result<Value, _> = serde_json::from_str(&call.arguments);
@@ -541,8 +542,10 @@ pub async fn agent_call(
                 Some("invalid_arguments".to_string()),
             ),
             Ok(()) => {
-                let outcome =
-                    crate::agents::run_agent_call(fleet, inv, tool, call, &arguments, events).await;
+                let outcome = crate::agents::run_agent_call(
+                    fleet, inv, tool, call, &arguments, events, spent,
+                )
+                .await;
                 let code =
                     (outcome.status != ToolStatus::Ok).then(|| outcome.status.as_str().to_string());
                 (outcome, code)

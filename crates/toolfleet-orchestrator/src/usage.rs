@@ -7,6 +7,9 @@ use toolfleet_protocol::LlmCall;
 
 use crate::metrics::OrchestratorMetrics;
 
+/// The `purpose` of model calls made by tools.
+pub const PURPOSE_TOOL: &str = "tool";
+
 /// Token usage and cost of one invocation, per model call.
 #[derive(Debug, Default, Clone)]
 pub struct UsageLedger {
@@ -71,6 +74,46 @@ impl UsageLedger {
     /// Every call's tokens, summed.
     pub fn total(&self) -> Usage {
         self.total
+    }
+
+    /// Adds a model call a tool reported with its result (purpose `tool`):
+    /// its cost as reported, else from `prices`. The model's name comes
+    /// from a worker, so only a short, plain one becomes a metric label
+    /// (others count as `other`).
+    pub fn record_tool(
+        &mut self,
+        metrics: &OrchestratorMetrics,
+        prices: &toolfleet_llm::profiles::PriceTable,
+        mut call: LlmCall,
+    ) {
+        call.purpose = PURPOSE_TOOL.to_owned();
+        if call.cost_usd.is_none() {
+            call.cost_usd = prices.cost(&call.model, &call.usage);
+        }
+        let plain = call.model.len() <= 64
+            && call
+                .model
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._:/-".contains(&b));
+        let label = if plain { call.model.as_str() } else { "other" };
+        for (kind, n) in [
+            ("prompt", call.usage.prompt_tokens),
+            ("completion", call.usage.completion_tokens),
+            ("cached", call.usage.cached_tokens),
+            ("reasoning", call.usage.reasoning_tokens),
+        ] {
+            metrics
+                .llm_tokens
+                .with_label_values(&[label, kind, PURPOSE_TOOL])
+                .inc_by(n);
+        }
+        if let Some(c) = call.cost_usd.filter(|c| c.is_finite() && *c >= 0.0) {
+            metrics
+                .llm_cost
+                .with_label_values(&[label, PURPOSE_TOOL])
+                .inc_by(c);
+        }
+        self.add(call);
     }
 
     /// The summed cost of the calls with a price.

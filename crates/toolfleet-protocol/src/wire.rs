@@ -916,6 +916,10 @@ pub struct ToolResult {
     /// attempt.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub replayed: bool,
+    /// The model calls the tool made for this result (LLM-backed tools),
+    /// so the invocation's usage and cost include them. Purpose `tool`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub llm_calls: Vec<LlmCall>,
 }
 
 /// What a worker publishes to a job's `Toolfleet-Reply-To`.

@@ -1,5 +1,6 @@
 //! [`ToolCtx`]: what a tool gets besides its arguments — the call's
-//! context, its settings, cancellation, citations and progress.
+//! context, its settings, cancellation, citations, progress and the model
+//! calls it made.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,7 +9,7 @@ use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
-use toolfleet_protocol::{CallContext, InvocationContext, Reference};
+use toolfleet_protocol::{CallContext, InvocationContext, LlmCall, Reference};
 use toolfleet_store::NewReference;
 
 use crate::hooks::HookSet;
@@ -41,7 +42,14 @@ pub struct ToolCtx {
     cited: Mutex<Vec<Reference>>,
     /// How many times this call has cited so far.
     cites: AtomicU32,
+    /// The model calls the tool reported ([`ToolCtx::record_llm_call`]).
+    llm_calls: Mutex<Vec<LlmCall>>,
 }
+
+/// The most model calls one result carries (the contract's limit).
+pub const MAX_LLM_CALLS: usize = 64;
+/// The longest model name a result carries (the contract's limit).
+pub const MAX_MODEL_CHARS: usize = 128;
 
 impl ToolCtx {
     pub(crate) fn new(
@@ -61,6 +69,7 @@ impl ToolCtx {
             hooks,
             cited: Mutex::new(Vec::new()),
             cites: AtomicU32::new(0),
+            llm_calls: Mutex::new(Vec::new()),
         }
     }
 
@@ -162,6 +171,38 @@ impl ToolCtx {
     /// `on_warning` hooks).
     pub fn warning(&self, message: &str) {
         self.hooks.on_warning(&self.call, message);
+    }
+
+    /// Reports a model call the tool made (tokens, model, cost, attempts):
+    /// it travels back with the result, so the invocation's usage, cost and
+    /// `llmCalls` include what the tool spent. The purpose is always
+    /// `tool`; calls beyond [`MAX_LLM_CALLS`] are summed into the last one.
+    pub fn record_llm_call(&self, mut call: LlmCall) {
+        call.purpose = "tool".to_owned();
+        // The contract's limit on a model name.
+        if let Some((cut, _)) = call.model.char_indices().nth(MAX_MODEL_CHARS) {
+            call.model.truncate(cut);
+        }
+        if let Ok(mut calls) = self.llm_calls.lock() {
+            if calls.len() < MAX_LLM_CALLS {
+                calls.push(call);
+            } else if let Some(last) = calls.last_mut() {
+                last.usage += call.usage;
+                last.attempts = last.attempts.saturating_add(call.attempts);
+                last.cost_usd = match (last.cost_usd, call.cost_usd) {
+                    (Some(a), Some(b)) => Some(a + b),
+                    _ => None,
+                };
+            }
+        }
+    }
+
+    /// The model calls reported so far by this call.
+    pub(crate) fn take_llm_calls(&self) -> Vec<LlmCall> {
+        self.llm_calls
+            .lock()
+            .map(|mut c| std::mem::take(&mut *c))
+            .unwrap_or_default()
     }
 
     /// The references cited so far by this call.

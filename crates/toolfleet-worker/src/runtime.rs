@@ -1307,6 +1307,7 @@ pub(crate) fn status_result(
         attempt,
         duration_ms,
         replayed: false,
+        llm_calls: Vec::new(),
     }
 }
 
@@ -1621,6 +1622,7 @@ async fn process_call(
             attempt,
             duration_ms,
             replayed: false,
+            llm_calls: ctx.take_llm_calls(),
         },
         Err(e) => {
             shared.hooks.on_error(call, &e);
@@ -1633,7 +1635,7 @@ async fn process_call(
                 ToolError::Timeout(_) => ToolStatus::Timeout,
                 _ => ToolStatus::Error,
             };
-            status_result(
+            let mut failed = status_result(
                 call,
                 attempt,
                 duration_ms,
@@ -1641,7 +1643,10 @@ async fn process_call(
                 e.code(),
                 &e.to_string(),
                 Vec::new(),
-            )
+            );
+            // What the tool spent counts even when it failed.
+            failed.llm_calls = ctx.take_llm_calls();
+            failed
         }
     };
     finish(shared, &stats, call, label, result)
