@@ -82,7 +82,7 @@ impl Fleet {
 #[derive(Debug)]
 enum Waited {
     /// A call's final result.
-    Result(ToolResult),
+    Result(Box<ToolResult>),
     /// A progress message from the worker running a call.
     Progress { call_id: String, message: String },
     /// Nobody took a direct call's request.
@@ -609,7 +609,7 @@ fn classify(msg: async_nats::Message) -> Option<Waited> {
         });
     }
     match Envelope::ToolReply.decode::<ToolReply>(&msg.payload) {
-        Ok(ToolReply::Result(result)) => Some(Waited::Result(result)),
+        Ok(ToolReply::Result(result)) => Some(Waited::Result(Box::new(result))),
         Ok(ToolReply::Progress {
             call_id, message, ..
         }) => Some(Waited::Progress { call_id, message }),

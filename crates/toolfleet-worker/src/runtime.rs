@@ -904,7 +904,7 @@ enum Processed {
 enum Outcome {
     /// Tell the caller this result; the job is done. `ran`: the tool ran
     /// for it, so it goes into the ledger (after the caller has it).
-    Answer { result: ToolResult, ran: bool },
+    Answer { result: Box<ToolResult>, ran: bool },
     /// Another attempt may help (until the attempt cap).
     Retry(Failure),
     /// Never again: terminate and dead-letter; the caller gets an error
@@ -916,7 +916,10 @@ impl Outcome {
     /// An answer the tool did not run for (replayed, refused, invalid):
     /// nothing to write to the ledger.
     fn refused(result: ToolResult) -> Self {
-        Outcome::Answer { result, ran: false }
+        Outcome::Answer {
+            result: Box::new(result),
+            ran: false,
+        }
     }
 }
 
@@ -1667,7 +1670,10 @@ fn finish(
     } else {
         shared.count(label, result.status.as_str());
     }
-    Outcome::Answer { result, ran: true }
+    Outcome::Answer {
+        result: Box::new(result),
+        ran: true,
+    }
 }
 
 /// Runs the tool under `budget`. A panicking tool is a failed call, not a
