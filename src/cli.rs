@@ -259,6 +259,18 @@ pub enum ToolsCommand {
         /// `text` (a table) or `json`.
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
         output: Output,
+        /// Only tools of this namespace.
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Only tools whose id starts with this.
+        #[arg(long)]
+        id_prefix: Option<String>,
+        /// Only tools with this tag.
+        #[arg(long)]
+        tag: Option<String>,
+        /// Only tools of this category.
+        #[arg(long)]
+        category: Option<String>,
         #[command(flatten)]
         source: ToolsSource,
     },
@@ -694,10 +706,27 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
 
 async fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
     match command {
-        ToolsCommand::List { output, source } => {
+        ToolsCommand::List {
+            output,
+            namespace,
+            id_prefix,
+            tag,
+            category,
+            source,
+        } => {
             let registry = tools_registry(&source).await?;
-            let rows: Vec<serde_json::Value> =
-                registry.list().map(|e| tool_row(e, source.live)).collect();
+            let filter = toolfleet_protocol::registry::Filter {
+                namespace,
+                id_prefix,
+                tag,
+                category,
+                model: None,
+            };
+            let rows: Vec<serde_json::Value> = registry
+                .find(&filter)
+                .into_iter()
+                .map(|e| tool_row(e, source.live))
+                .collect();
             match output {
                 Output::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
                 Output::Text => print_tool_rows(&rows, source.live),

@@ -340,6 +340,40 @@ fn tools_list_shows_the_definitions_as_text_or_json() {
     assert_eq!(datetime["title"], "Current date and time", "{datetime}");
     assert!(datetime.get("workers").is_none(), "{datetime}");
 
+    // `find` filters: namespace, id prefix, category (each narrows).
+    for (flags, want) in [
+        (
+            &["--namespace", "system"][..],
+            vec!["system:current_datetime@1.0.0"],
+        ),
+        (
+            &["--id-prefix", "retrieval:search"][..],
+            vec!["retrieval:search_documents@1.0.0"],
+        ),
+        (
+            &["--category", "utility"][..],
+            vec!["system:current_datetime@1.0.0"],
+        ),
+        (
+            &["--tag", "clock"][..],
+            vec!["system:current_datetime@1.0.0"],
+        ),
+        (&["--namespace", "nothing"][..], vec![]),
+    ] {
+        let mut args = vec!["tools", "list", "-o", "json"];
+        args.extend_from_slice(flags);
+        let out = toolfleet(&args);
+        assert!(out.status.success(), "{flags:?}");
+        let rows: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ids: Vec<&str> = rows
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(ids, want, "{flags:?}");
+    }
+
     // A tool that is not selectable is a system tool.
     let dir = tempfile::tempdir().unwrap();
     let mut hidden: serde_json::Value = serde_json::from_str(
