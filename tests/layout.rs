@@ -84,6 +84,7 @@ fn crates_depend_only_where_the_rules_allow() {
     for m in [
         "workers/system/Cargo.toml",
         "workers/retrieval/Cargo.toml",
+        "workers/llm/Cargo.toml",
         "examples/units/Cargo.toml",
     ] {
         assert_eq!(our_deps(m), set(&["toolfleet-worker"]), "{m}");

@@ -524,6 +524,13 @@ pub enum OutputFormat {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ToolVariant {
+    /// The models this variant is for: `provider/model`, `provider/*` or
+    /// `*` (a provider is a deployment name of the fleet's configuration).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub models: Vec<String>,
+    /// The variant used when no variant's `models` match.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub default: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
