@@ -880,3 +880,20 @@ async fn a_killed_orchestrators_job_is_finished_by_another() {
         .expect("another orchestrator finishes the job");
     assert_eq!(outcome.text, "Finished elsewhere.");
 }
+
+/// `toolfleet-orchestrator --tool-compat FILE`: a file that does not parse
+/// stops the start at once (exit 64), naming the file and the field.
+#[test]
+fn a_bad_tool_compat_file_stops_the_orchestrator_naming_the_field() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("compat.json");
+    std::fs::write(&path, r#"{"tools": {"units:convert": ["not a model"]}}"#).unwrap();
+    let out = Command::new(support::sibling_bin("toolfleet-orchestrator"))
+        .args(["--tool-compat", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(64), "{err}");
+    assert!(err.contains("compat.json"), "{err}");
+    assert!(err.contains("units:convert"), "{err}");
+}

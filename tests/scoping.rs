@@ -535,19 +535,7 @@ async fn search_tools_expands_the_offer_within_its_caps() {
         offered[1]
     );
     assert!(offered[1].len() <= 21);
-    let results: Vec<(String, ToolStatus, Option<String>)> = out
-        .events
-        .iter()
-        .filter_map(|e| match &e.body {
-            ChatEventBody::ToolResult {
-                tool,
-                status,
-                error_code,
-                ..
-            } => Some((tool.clone(), *status, error_code.clone())),
-            _ => None,
-        })
-        .collect();
+    let results = crate::tool_results(&out.events);
     assert_eq!(results[0], ("search_tools".into(), ToolStatus::Ok, None));
     assert_eq!(
         results[1],

@@ -135,20 +135,7 @@ impl ToolRunner<'_> {
         let mut out: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
         let run = calls.len().min(policy.max_calls_per_turn);
         for (i, call) in calls.iter().enumerate().skip(run) {
-            let tool = inv
-                .tool(&call.name)
-                .map_or_else(|| call.name.clone(), |t| t.definition.id.to_string());
-            out[i] = Some(immediate(
-                &self.fleet.metrics,
-                events,
-                call,
-                &tool,
-                "calls_per_turn",
-                format!(
-                    "Error: not run: at most {} tool calls per turn.",
-                    policy.max_calls_per_turn
-                ),
-            ));
+            out[i] = Some(over_the_turn_cap(self.fleet, inv, call, events));
         }
         let parallel_safe =
             |c: &ToolCall| inv.tool(&c.name).is_none_or(|t| t.definition.parallel_safe);
@@ -685,6 +672,29 @@ fn no_worker(
 }
 
 /// Answers a call with an error without a result from a worker.
+/// A call beyond the profile's `max_calls_per_turn`: answered, not run.
+pub(crate) fn over_the_turn_cap(
+    fleet: &Fleet,
+    inv: &Invocation,
+    call: &ToolCall,
+    events: &Events,
+) -> ToolOutcome {
+    let tool = inv
+        .tool(&call.name)
+        .map_or_else(|| call.name.clone(), |t| t.definition.id.to_string());
+    immediate(
+        &fleet.metrics,
+        events,
+        call,
+        &tool,
+        "calls_per_turn",
+        format!(
+            "Error: not run: at most {} tool calls per turn.",
+            inv.profile.profile.policy.max_calls_per_turn
+        ),
+    )
+}
+
 pub(crate) fn immediate(
     metrics: &OrchestratorMetrics,
     events: &Events,

@@ -285,20 +285,7 @@ async fn run_turn(
     let run = calls.len().min(policy.max_calls_per_turn);
     for (i, call) in calls.iter().enumerate() {
         if i >= run {
-            let tool = inv
-                .tool(&call.name)
-                .map_or_else(|| call.name.clone(), |t| t.definition.id.to_string());
-            out[i] = Some(crate::dispatch::immediate(
-                fleet.metrics(),
-                events,
-                call,
-                &tool,
-                "calls_per_turn",
-                format!(
-                    "Error: not run: at most {} tool calls per turn.",
-                    policy.max_calls_per_turn
-                ),
-            ));
+            out[i] = Some(crate::dispatch::over_the_turn_cap(fleet, inv, call, events));
         } else if call.name == crate::scoping::SEARCH_TOOLS && inv.tool(&call.name).is_none() {
             out[i] = Some(crate::scope::search_tools_call(inv, call, fleet, events));
         }

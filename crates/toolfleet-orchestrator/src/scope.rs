@@ -173,17 +173,6 @@ impl Scope {
             .collect()
     }
 
-    /// Which snapshot positions are permitted.
-    fn allowed(&self) -> Vec<bool> {
-        let mut allowed = vec![false; self.snapshot.tools.len()];
-        for t in &self.permitted.tools {
-            if let Some(p) = self.snapshot.position(t) {
-                allowed[p] = true;
-            }
-        }
-        allowed
-    }
-
     /// The tools at snapshot `positions`, in id order.
     fn tools_at(&self, positions: &[usize]) -> Vec<Arc<CompiledTool>> {
         let mut tools: Vec<Arc<CompiledTool>> = positions
@@ -291,9 +280,10 @@ async fn plan(
     query: &str,
 ) -> Result<(Vec<Arc<CompiledTool>>, Vec<String>), String> {
     let scope = &inv.scope;
-    let allowed = scope.allowed();
-    let is_allowed = |p: usize| allowed.get(p).copied().unwrap_or(false);
     let index = &scope.snapshot.index;
+    let candidates = scope.candidates();
+    let mask = scoping::candidate_mask(index.len(), &candidates);
+    let is_allowed = |p: usize| mask[p];
     let ranked = index.score(query, is_allowed);
     let mut listed: Vec<&CompiledTool> = ranked
         .iter()
@@ -361,7 +351,6 @@ async fn plan(
     );
     let plan = scoping::parse_plan(&completion.text).map_err(|e| e.to_string())?;
     let scope = &inv.scope;
-    let candidates = scope.candidates();
     let must = must_include_positions(scope);
     let selection = scoping::apply_plan(
         &plan,
