@@ -737,6 +737,7 @@ mod tests {
                     duration_ms: 3,
                     replayed: false,
                     llm_calls: Vec::new(),
+                    warnings: Vec::new(),
                 },
             ))
         };

@@ -47,6 +47,7 @@ fn result(inv: &str, call: &str) -> ToolResult {
         duration_ms: 3,
         replayed: false,
         llm_calls: Vec::new(),
+        warnings: Vec::new(),
     }
 }
 

@@ -574,6 +574,7 @@ impl Batch<'_> {
                 status: ToolStatus::Timeout,
                 duration_ms: p.started.elapsed().as_millis() as u64,
                 error_code: Some("timeout".into()),
+                warnings: Vec::new(),
             });
             self.answers[p.index] = Some(ToolOutcome {
                 content: format!(
@@ -717,12 +718,36 @@ pub(crate) fn immediate(
         status,
         duration_ms: 0,
         error_code: Some(code.to_string()),
+        warnings: Vec::new(),
     });
     ToolOutcome {
         content,
         status,
         references: Vec::new(),
     }
+}
+
+/// A worker's warnings as the `tool_result` event passes them on: at most
+/// the contract's number, each message cut to its length (a worker is
+/// trusted with the contract, not with the event's size).
+fn bounded_warnings(
+    warnings: &[toolfleet_protocol::ToolWarning],
+) -> Vec<toolfleet_protocol::ToolWarning> {
+    warnings
+        .iter()
+        .take(toolfleet_protocol::MAX_WARNINGS)
+        .map(|w| toolfleet_protocol::ToolWarning {
+            code: w.code.chars().take(64).collect(),
+            message: match w
+                .message
+                .char_indices()
+                .nth(toolfleet_protocol::MAX_WARNING_CHARS)
+            {
+                Some((cut, _)) => format!("{}…", &w.message[..cut]),
+                None => w.message.clone(),
+            },
+        })
+        .collect()
 }
 
 /// A worker's result: metrics, the `tool_result` event, and what the model
@@ -750,6 +775,7 @@ fn record(
         status: result.status,
         duration_ms: elapsed.as_millis() as u64,
         error_code: result.error.as_ref().map(|e| e.code.clone()),
+        warnings: bounded_warnings(&result.warnings),
     });
     let content = match result.status {
         ToolStatus::Ok => result.content.clone(),

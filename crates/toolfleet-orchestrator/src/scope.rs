@@ -472,6 +472,7 @@ pub fn search_tools_call(
         status,
         duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
         error_code,
+        warnings: Vec::new(),
     });
     ToolOutcome {
         content,
@@ -555,6 +556,7 @@ pub async fn agent_call(
         status: outcome.status,
         duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
         error_code,
+        warnings: Vec::new(),
     });
     outcome
 }

@@ -445,6 +445,10 @@ pub struct ToolDefinition {
     /// Declarative LLM tools: the format of the answer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_format: Option<OutputFormat>,
+    /// Declarative LLM tools with `json` output: an example answer, shown
+    /// to the model with the `outputSchema` (it must validate against it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_example: Option<Value>,
     /// Declarative LLM tools: named variants overriding prompt or format.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub variants: BTreeMap<String, ToolVariant>,
@@ -694,7 +698,16 @@ fn compile_checked(
         embedded("/settingsSchema", schema)?;
     }
     if let Some(schema) = &definition.output_schema {
-        embedded("/outputSchema", schema)?;
+        let output = embedded("/outputSchema", schema)?;
+        if let Some(example) = &definition.output_example
+            && let Err(violations) = output.validate(example)
+        {
+            return Err(ToolDefError::Invalid {
+                origin: origin.clone(),
+                pointer: "/outputExample".to_owned(),
+                message: format!("does not match the outputSchema: {}", describe(&violations)),
+            });
+        }
     }
 
     let invalid = |pointer: String, message: String| ToolDefError::Invalid {
@@ -829,6 +842,21 @@ pub fn load_file(path: impl AsRef<Path>) -> Result<ToolDefinition, ToolDefError>
 /// The first failing file's [`ToolDefError`], or a duplicate naming both
 /// files.
 pub fn load_dir(dir: impl AsRef<Path>) -> Result<Vec<ToolDefinition>, ToolDefError> {
+    Ok(load_dir_files(dir)?
+        .into_iter()
+        .map(|(_, definition)| definition)
+        .collect())
+}
+
+/// [`load_dir`], with the file each definition came from (for messages
+/// about a definition that is valid but cannot be served).
+///
+/// # Errors
+///
+/// As [`load_dir`].
+pub fn load_dir_files(
+    dir: impl AsRef<Path>,
+) -> Result<Vec<(PathBuf, ToolDefinition)>, ToolDefError> {
     let dir = dir.as_ref();
     let io = |source| ToolDefError::Io {
         path: dir.to_path_buf(),
@@ -859,7 +887,10 @@ pub fn load_dir(dir: impl AsRef<Path>) -> Result<Vec<ToolDefinition>, ToolDefErr
     )?;
     Ok(loaded
         .into_iter()
-        .map(|(_, definition)| definition)
+        .filter_map(|(origin, definition)| match origin {
+            Origin::File(path) => Some((path, definition)),
+            _ => None,
+        })
         .collect())
 }
 
@@ -1643,6 +1674,48 @@ mod tests {
         assert!(text.contains(&path.display().to_string()), "{text}");
         assert!(text.contains("at /sensitiveArguments/1:"), "{text}");
         assert!(text.contains("\"password\""), "{text}");
+    }
+
+    #[test]
+    fn llm_tool_fields_are_checked_with_file_and_field() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut value = shipped("retrieval.search_documents.json");
+        value["outputSchema"] = json!({"type": "object", "required": ["summary"]});
+        value["outputExample"] = json!({"title": "no summary"});
+        let path = write(dir.path(), "bad_example.json", &value.to_string());
+        let error = load_file(&path).expect_err("example against schema");
+        let text = error.to_string();
+        assert!(text.contains(&path.display().to_string()), "{text}");
+        assert!(text.contains("/outputExample"), "{text}");
+        assert!(text.contains("summary"), "{text}");
+        value["outputExample"] = json!({"summary": "ok"});
+        assert!(parse(value.clone()).is_ok());
+
+        for (pointer, bad) in [
+            (
+                "/modelPreference/preferredModel",
+                json!({"preferredModel": "gpt-4o"}),
+            ),
+            (
+                "/modelPreference/fallbackModels/0",
+                json!({"fallbackModels": ["openai/"]}),
+            ),
+        ] {
+            let mut v = value.clone();
+            v["modelPreference"] = bad;
+            let error = parse(v).expect_err("a model id without its provider");
+            assert!(error.to_string().contains(pointer), "{error}");
+        }
+        let mut v = value.clone();
+        v["variants"] = json!({"brief": {"models": ["openai gpt-4o"]}});
+        let error = parse(v).expect_err("a malformed variant model");
+        assert!(
+            error.to_string().contains("/variants/brief/models/0"),
+            "{error}"
+        );
+        let mut v = value;
+        v["modelPreference"] = json!({"preferredModel": "local/meta-llama/Llama-3-8B"});
+        assert!(parse(v).is_ok(), "a model name may hold slashes");
     }
 
     #[test]

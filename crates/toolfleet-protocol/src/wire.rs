@@ -765,6 +765,9 @@ pub enum ChatEventBody {
         duration_ms: u64,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error_code: Option<String>,
+        /// What the tool reported that did not fail the call.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        warnings: Vec<ToolWarning>,
     },
     /// A progress message a tool sent while working on a call (its
     /// worker's `progress` reply), passed on as it came, shortened to
@@ -920,6 +923,26 @@ pub struct ToolResult {
     /// so the invocation's usage and cost include them. Purpose `tool`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub llm_calls: Vec<LlmCall>,
+    /// Things worth a look that did not fail the call (at most
+    /// [`MAX_WARNINGS`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub warnings: Vec<ToolWarning>,
+}
+
+/// The most warnings one tool result carries (the contract's limit).
+pub const MAX_WARNINGS: usize = 16;
+/// The longest warning message, in characters (cut with `…` beyond).
+pub const MAX_WARNING_CHARS: usize = 1000;
+
+/// Something a tool reports that did not fail the call: another model
+/// answered (`fallback`), the answer does not match the output schema
+/// (`output_schema_mismatch`), the reply was cut (`reply_truncated`), ….
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ToolWarning {
+    /// `snake_case`.
+    pub code: String,
+    pub message: String,
 }
 
 /// What a worker publishes to a job's `Toolfleet-Reply-To`.

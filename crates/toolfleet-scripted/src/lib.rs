@@ -71,10 +71,15 @@
 //!   any `slowFirstToken` fault. `toolfleet scripted-model
 //!   --first-token-delay-ms` and `toolfleet bench --model-delay-ms` set it
 //!   without editing the script ([`Script::with_first_token_delay`]).
-//! - `rules` (optional): tried in order; the first rule with any
-//!   `whenUserContains` phrase inside the *last* user message (compared
-//!   case-insensitively as substrings) answers. Each rule needs at least one
-//!   phrase and at least one step.
+//! - `imageBytes` (optional, default 3 MiB): the size of a `b64_json`
+//!   image before encoding.
+//! - `rules` (optional): tried in order; the first rule that matches
+//!   answers. A rule matches when any `whenUserContains` phrase is inside
+//!   the *last* user message (compared case-insensitively as substrings)
+//!   and, if it has `whenModel`, the request's `model` is one of those
+//!   (a per-model failure: `{"whenModel": ["gpt-broken"], "steps":
+//!   [{"answer": "-", "fault": {"kind": "status", "status": 503}}]}`).
+//!   Each rule needs a phrase or a model (or both) and at least one step.
 //! - `default` (optional): the steps used when no rule matches; without it
 //!   the server answers "I have no script for that."
 //! - A step has exactly one of:
@@ -279,6 +284,7 @@ struct RawScript {
     chunk_delay_ms: u64,
     #[serde(default)]
     first_token_delay_ms: u64,
+    image_bytes: Option<usize>,
     #[serde(default)]
     rules: Vec<RawRule>,
     default: Option<RawDefault>,
@@ -291,7 +297,10 @@ struct RawRule {
     #[serde(default)]
     #[allow(dead_code)]
     description: Option<String>,
+    #[serde(default)]
     when_user_contains: Vec<String>,
+    #[serde(default)]
+    when_model: Vec<String>,
     steps: Vec<RawStep>,
 }
 
@@ -349,14 +358,19 @@ pub struct Script {
     chunk_delay: Duration,
     /// Added to every response's first chunk (a slow model).
     first_token_delay: Duration,
+    /// Size of a `b64_json` image before encoding (`imageBytes`).
+    image_bytes: usize,
     rules: Vec<Rule>,
     default: Vec<Step>,
 }
 
 #[derive(Clone, Debug)]
 struct Rule {
-    /// Lower-cased once here; requests are lower-cased per call.
+    /// Lower-cased once here; requests are lower-cased per call. Empty:
+    /// any user message (the rule then names models).
     phrases: Vec<String>,
+    /// The request's `model` must be one of these; empty: any model.
+    models: Vec<String>,
     steps: Vec<Step>,
 }
 
@@ -519,13 +533,21 @@ impl Script {
                 .iter()
                 .map(|p| p.trim().to_lowercase())
                 .collect();
-            if phrases.is_empty() || phrases.iter().any(String::is_empty) {
+            if phrases.iter().any(String::is_empty) {
+                return Err(format!("{at}.whenUserContains must not list empty phrases"));
+            }
+            if rule.when_model.iter().any(|m| m.trim().is_empty()) {
+                return Err(format!("{at}.whenModel must not list empty models"));
+            }
+            if phrases.is_empty() && rule.when_model.is_empty() {
                 return Err(format!(
-                    "{at}.whenUserContains must list at least one phrase, and no empty ones"
+                    "{at} needs a condition: whenUserContains (at least one phrase), \
+                     whenModel, or both"
                 ));
             }
             rules.push(Rule {
                 phrases,
+                models: rule.when_model,
                 steps: steps_from_raw(&at, rule.steps)?,
             });
         }
@@ -554,19 +576,23 @@ impl Script {
             reasoning_model,
             chunk_delay: Duration::from_millis(raw.chunk_delay_ms),
             first_token_delay: Duration::from_millis(raw.first_token_delay_ms),
+            image_bytes: raw.image_bytes.unwrap_or(DEFAULT_IMAGE_BYTES),
             rules,
             default,
         })
     }
 
     /// The rule index (`None` for the default) and steps for a
-    /// conversation whose last user message is `user`.
-    fn steps_for(&self, user: &str) -> (Option<usize>, &[Step]) {
+    /// conversation whose last user message is `user`, asked of `model`.
+    fn steps_for(&self, user: &str, model: &str) -> (Option<usize>, &[Step]) {
         let user = user.to_lowercase();
         self.rules
             .iter()
             .enumerate()
-            .find(|(_, rule)| rule.phrases.iter().any(|p| user.contains(p.as_str())))
+            .find(|(_, rule)| {
+                (rule.phrases.is_empty() || rule.phrases.iter().any(|p| user.contains(p.as_str())))
+                    && (rule.models.is_empty() || rule.models.iter().any(|m| m == model))
+            })
             .map_or((None, self.default.as_slice()), |(i, rule)| {
                 (Some(i), rule.steps.as_slice())
             })
@@ -1197,10 +1223,10 @@ fn offers_tools(request: &Value) -> bool {
 /// Plays the script against a conversation. When the request says
 /// `tool_choice: "none"`, a `toolCalls` step is answered like a real model
 /// would: with the rule's next `answer` step, or the fallback answer.
-fn plan(script: &Script, turns: &[Turn], tools_offered: bool) -> Plan {
+fn plan(script: &Script, turns: &[Turn], model: &str, tools_offered: bool) -> Plan {
     let last_user = turns.iter().rposition(|t| t.role == "user");
     let user = last_user.map_or("", |i| turns[i].text.as_str());
-    let (rule, steps) = script.steps_for(user);
+    let (rule, steps) = script.steps_for(user, model);
     let step = turns[last_user.map_or(0, |i| i + 1)..]
         .iter()
         .filter(|t| t.role == "assistant" && !t.calls.is_empty())
@@ -2190,6 +2216,7 @@ fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
+        .route("/v1/images/generations", post(images))
         .fallback(unknown_url)
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(state)
@@ -2270,7 +2297,8 @@ async fn respond(
             return e.into_response();
         }
     };
-    let plan = plan(&state.script, &turns, offers_tools(&request));
+    let model = request["model"].as_str().unwrap_or_default();
+    let plan = plan(&state.script, &turns, model, offers_tools(&request));
     let fault = plan
         .fault
         .as_ref()
@@ -2448,11 +2476,104 @@ async fn models(State(state): State<Arc<ServerState>>) -> Response {
     .into_response()
 }
 
+/// `POST /v1/images/generations`: one image per request (`n` up to 4), as
+/// a URL under `https://images.scripted.invalid/` or, when
+/// `response_format` is `b64_json` (or the model is a `gpt-image` one,
+/// which always answers so), as base64 of a 1×1 PNG padded to the
+/// script's `imageBytes`. A prompt containing `refuse image` is answered
+/// 400 `content_policy_violation`, as OpenAI answers a prompt its safety
+/// system rejects.
+async fn images(
+    State(state): State<Arc<ServerState>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    use base64::Engine as _;
+    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    state.record(Received {
+        at: Instant::now(),
+        path: uri.path().to_owned(),
+        query: uri.query().map(str::to_owned),
+        headers: headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_owned(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+        body: request.clone(),
+        fault: None,
+    });
+    let Some(prompt) = request["prompt"].as_str().filter(|p| !p.trim().is_empty()) else {
+        return ApiError::invalid(
+            "Missing required parameter: 'prompt'.".to_owned(),
+            Some("prompt"),
+            Some("missing_required_parameter"),
+        )
+        .into_response();
+    };
+    if prompt.to_lowercase().contains("refuse image") {
+        return ApiError::invalid(
+            "Your request was rejected as a result of our safety system.".to_owned(),
+            None,
+            Some("content_policy_violation"),
+        )
+        .into_response();
+    }
+    let n = request["n"].as_u64().unwrap_or(1).clamp(1, 4);
+    let model = request["model"].as_str().unwrap_or("dall-e-2");
+    let b64 = request["response_format"] == "b64_json" || model.starts_with("gpt-image");
+    let created = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let data: Vec<Value> = (0..n)
+        .map(|i| {
+            if b64 {
+                let image = padded_png(state.script.image_bytes);
+                json!({ "b64_json": base64::engine::general_purpose::STANDARD.encode(image) })
+            } else {
+                json!({
+                    "url": format!("https://images.scripted.invalid/{created}-{i}.png"),
+                    "revised_prompt": prompt,
+                })
+            }
+        })
+        .collect();
+    axum::Json(json!({
+        "created": created,
+        "data": data,
+        "usage": { "input_tokens": prompt.len().div_ceil(4), "output_tokens": 0, "total_tokens": prompt.len().div_ceil(4) },
+    }))
+    .into_response()
+}
+
+/// Default of the script's `imageBytes`: a few megabytes, the size real
+/// generated images have, so a test sees what a tool does with one.
+const DEFAULT_IMAGE_BYTES: usize = 3 * 1024 * 1024;
+
+/// A valid 1×1 PNG followed by zero bytes up to `size` (decoders stop at
+/// `IEND`; the padding stands in for the pixels of a real image).
+fn padded_png(size: usize) -> Vec<u8> {
+    const ONE_PIXEL: &[u8] = &[
+        0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a, 0x00, 0x00, 0x00, 0x0d, 0x49, 0x48, 0x44,
+        0x52, 0x00, 0x00, 0x00, 0x01, 0x00, 0x00, 0x00, 0x01, 0x08, 0x06, 0x00, 0x00, 0x00, 0x1f,
+        0x15, 0xc4, 0x89, 0x00, 0x00, 0x00, 0x0b, 0x49, 0x44, 0x41, 0x54, 0x78, 0x9c, 0x63, 0x60,
+        0x00, 0x02, 0x00, 0x00, 0x05, 0x00, 0x01, 0x7a, 0x5e, 0xab, 0x3f, 0x00, 0x00, 0x00, 0x00,
+        0x49, 0x45, 0x4e, 0x44, 0xae, 0x42, 0x60, 0x82,
+    ];
+    let mut image = ONE_PIXEL.to_vec();
+    image.resize(size.max(ONE_PIXEL.len()), 0);
+    image
+}
+
 async fn unknown_url(method: Method, uri: Uri) -> Response {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: format!(
-            "Unknown request URL: {method} {}. The scripted stand-in serves POST /v1/chat/completions, POST /v1/responses and GET /v1/models.",
+            "Unknown request URL: {method} {}. The scripted stand-in serves POST /v1/chat/completions, POST /v1/responses, POST /v1/images/generations and GET /v1/models.",
             uri.path()
         ),
         param: None,
@@ -2707,7 +2828,7 @@ mod tests {
     }
 
     fn reply(script: &Script, turns: &[Turn]) -> Reply {
-        plan(script, turns, true).reply
+        plan(script, turns, "", true).reply
     }
 
     fn call_names(reply: &Reply) -> Vec<&str> {
@@ -2735,7 +2856,7 @@ mod tests {
             ),
             (
                 r#"{"rules": [{"whenUserContains": [], "steps": [{"answer": "x"}]}]}"#,
-                "rules[0].whenUserContains must list at least one phrase",
+                "rules[0] needs a condition",
             ),
             (
                 r#"{"rules": [{"whenUserContains": ["a"], "steps": []}]}"#,
@@ -3828,6 +3949,101 @@ mod tests {
         assert_eq!(faults, [Some("status"), Some("status"), None]);
         assert_eq!(server.fault_hits(), 2);
         assert_eq!(server.received()[0].path, "/v1/chat/completions");
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn rules_can_pick_a_model_and_images_come_as_urls_or_base64() {
+        let (server, client) = start(
+            r#"{"imageBytes": 100000, "rules": [
+                {"whenModel": ["gpt-broken"], "steps": [{"answer": "-",
+                    "fault": {"kind": "status", "status": 503}}]},
+                {"whenModel": ["gpt-terse"], "whenUserContains": ["summar"],
+                    "steps": [{"answer": "terse"}]}
+               ],
+               "default": {"steps": [{"answer": "plain"}]}}"#,
+        )
+        .await;
+        let ask = |model: &str, text: &str| json!({"model": model, "stream": false, "messages": [user(text)]});
+        let (status, _, _, _) = send(
+            &client,
+            &server,
+            "chat/completions",
+            &ask("gpt-broken", "hi"),
+        )
+        .await;
+        assert_eq!(status, 503);
+        let (_, _, text, _) = send(
+            &client,
+            &server,
+            "chat/completions",
+            &ask("gpt-terse", "summarize"),
+        )
+        .await;
+        assert!(text.contains("terse"), "{text}");
+        let (_, _, text, _) = send(
+            &client,
+            &server,
+            "chat/completions",
+            &ask("gpt-terse", "hello"),
+        )
+        .await;
+        assert!(text.contains("plain"), "both conditions must hold: {text}");
+        let (_, _, text, _) = send(
+            &client,
+            &server,
+            "chat/completions",
+            &ask("other", "summarize"),
+        )
+        .await;
+        assert!(text.contains("plain"), "{text}");
+
+        let (status, _, text, _) = send(
+            &client,
+            &server,
+            "images/generations",
+            &json!({"model": "dall-e-3", "prompt": "a lighthouse"}),
+        )
+        .await;
+        assert_eq!(status, 200, "{text}");
+        let answer: Value = serde_json::from_str(&text).expect("json");
+        assert!(
+            answer["data"][0]["url"]
+                .as_str()
+                .unwrap()
+                .starts_with("https://images.scripted.invalid/")
+        );
+        let (_, _, text, _) = send(
+            &client,
+            &server,
+            "images/generations",
+            &json!({"model": "gpt-image-1", "prompt": "a lighthouse"}),
+        )
+        .await;
+        let answer: Value = serde_json::from_str(&text).expect("json");
+        use base64::Engine as _;
+        let png = base64::engine::general_purpose::STANDARD
+            .decode(answer["data"][0]["b64_json"].as_str().unwrap())
+            .unwrap();
+        assert_eq!(png.len(), 100_000);
+        assert!(png.starts_with(b"\x89PNG"));
+        let (status, _, text, _) = send(
+            &client,
+            &server,
+            "images/generations",
+            &json!({"model": "dall-e-3", "prompt": "please refuse image"}),
+        )
+        .await;
+        assert_eq!(status, 400);
+        assert!(text.contains("content_policy_violation"), "{text}");
+        let (status, _, _, _) = send(
+            &client,
+            &server,
+            "images/generations",
+            &json!({"model": "dall-e-3"}),
+        )
+        .await;
+        assert_eq!(status, 400);
         within(server.shutdown()).await;
     }
 

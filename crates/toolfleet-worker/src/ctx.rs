@@ -9,7 +9,10 @@ use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
-use toolfleet_protocol::{CallContext, InvocationContext, LlmCall, Reference};
+use toolfleet_protocol::{
+    CallContext, InvocationContext, LlmCall, MAX_WARNING_CHARS, MAX_WARNINGS, Reference,
+    ToolWarning,
+};
 use toolfleet_store::NewReference;
 
 use crate::hooks::HookSet;
@@ -44,6 +47,8 @@ pub struct ToolCtx {
     cites: AtomicU32,
     /// The model calls the tool reported ([`ToolCtx::record_llm_call`]).
     llm_calls: Mutex<Vec<LlmCall>>,
+    /// The warnings the tool reported ([`ToolCtx::warning`]).
+    warnings: Mutex<Vec<ToolWarning>>,
 }
 
 /// The most model calls one result carries (the contract's limit).
@@ -70,6 +75,7 @@ impl ToolCtx {
             cited: Mutex::new(Vec::new()),
             cites: AtomicU32::new(0),
             llm_calls: Mutex::new(Vec::new()),
+            warnings: Mutex::new(Vec::new()),
         }
     }
 
@@ -161,16 +167,58 @@ impl ToolCtx {
         self.sink.progress(&self.call, message.into()).await;
     }
 
+    /// Reports that an attempt at `backend` (a model, an endpoint) begins
+    /// (runs the `on_attempt_start` hooks). Follow it with
+    /// [`attempt_completed`](Self::attempt_completed) or
+    /// [`attempt_failed`](Self::attempt_failed).
+    pub fn attempt_started(&self, backend: &str) {
+        self.hooks.on_attempt_start(&self.call, backend);
+    }
+
+    /// The attempt at `backend` gave the answer (`on_attempt_complete`).
+    pub fn attempt_completed(&self, backend: &str) {
+        self.hooks.on_attempt_complete(&self.call, backend);
+    }
+
+    /// The attempt at `backend` failed (`on_attempt_error`).
+    pub fn attempt_failed(&self, backend: &str, error: &str) {
+        self.hooks.on_attempt_error(&self.call, backend, error);
+    }
+
     /// Reports a move from one model or backend to the next in the tool's
     /// list (runs the `on_fallback` hooks).
     pub fn fallback(&self, from: &str, to: &str, reason: &str) {
         self.hooks.on_fallback(&self.call, from, to, reason);
     }
 
-    /// Reports something worth a look that did not fail the call (runs the
-    /// `on_warning` hooks).
-    pub fn warning(&self, message: &str) {
-        self.hooks.on_warning(&self.call, message);
+    /// Reports something worth a look that did not fail the call: it
+    /// travels back with the result (at most [`MAX_WARNINGS`], messages cut
+    /// to [`MAX_WARNING_CHARS`]) and runs the `on_warning` hooks. `code` is
+    /// `snake_case`, e.g. `fallback`.
+    pub fn warning(&self, code: &str, message: &str) {
+        let mut message = message.to_owned();
+        if let Some((cut, _)) = message.char_indices().nth(MAX_WARNING_CHARS) {
+            message.truncate(cut);
+            message.push('…');
+        }
+        let warning = ToolWarning {
+            code: code.to_owned(),
+            message,
+        };
+        self.hooks.on_warning(&self.call, &warning);
+        if let Ok(mut warnings) = self.warnings.lock()
+            && warnings.len() < MAX_WARNINGS
+        {
+            warnings.push(warning);
+        }
+    }
+
+    /// The warnings reported so far by this call.
+    pub(crate) fn take_warnings(&self) -> Vec<ToolWarning> {
+        self.warnings
+            .lock()
+            .map(|mut w| std::mem::take(&mut *w))
+            .unwrap_or_default()
     }
 
     /// Reports a model call the tool made (tokens, model, cost, attempts):

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use toolfleet_protocol::tools::ToolDefinition;
-use toolfleet_protocol::{CallContext, ToolResult};
+use toolfleet_protocol::{CallContext, ToolResult, ToolWarning};
 
 use crate::tool::ToolError;
 
@@ -56,10 +56,21 @@ pub trait Hooks: Send + Sync + 'static {
     fn on_complete(&self, _call: &CallContext, _result: &ToolResult) {}
     /// The tool failed (including a timeout).
     fn on_error(&self, _call: &CallContext, _error: &ToolError) {}
+    /// One attempt of the call at a model (or backend) begins: a tool that
+    /// works through a list fires this per attempt
+    /// ([`crate::ToolCtx::attempt_started`]), then
+    /// [`on_attempt_complete`](Self::on_attempt_complete) or
+    /// [`on_attempt_error`](Self::on_attempt_error).
+    fn on_attempt_start(&self, _call: &CallContext, _backend: &str) {}
+    /// The attempt at `backend` gave the answer.
+    fn on_attempt_complete(&self, _call: &CallContext, _backend: &str) {}
+    /// The attempt at `backend` failed; `error` says how.
+    fn on_attempt_error(&self, _call: &CallContext, _backend: &str, _error: &str) {}
     /// The tool moved from one model (or backend) to the next in its list.
     fn on_fallback(&self, _call: &CallContext, _from: &str, _to: &str, _reason: &str) {}
-    /// Something worth a look that did not fail the call.
-    fn on_warning(&self, _call: &CallContext, _message: &str) {}
+    /// Something worth a look that did not fail the call (it travels with
+    /// the result when the tool reported it).
+    fn on_warning(&self, _call: &CallContext, _warning: &ToolWarning) {}
 }
 
 /// Hooks shared with the caller (a recorder a test reads, say).
@@ -76,11 +87,20 @@ impl<H: Hooks> Hooks for Arc<H> {
     fn on_error(&self, call: &CallContext, error: &ToolError) {
         (**self).on_error(call, error)
     }
+    fn on_attempt_start(&self, call: &CallContext, backend: &str) {
+        (**self).on_attempt_start(call, backend)
+    }
+    fn on_attempt_complete(&self, call: &CallContext, backend: &str) {
+        (**self).on_attempt_complete(call, backend)
+    }
+    fn on_attempt_error(&self, call: &CallContext, backend: &str, error: &str) {
+        (**self).on_attempt_error(call, backend, error)
+    }
     fn on_fallback(&self, call: &CallContext, from: &str, to: &str, reason: &str) {
         (**self).on_fallback(call, from, to, reason)
     }
-    fn on_warning(&self, call: &CallContext, message: &str) {
-        (**self).on_warning(call, message)
+    fn on_warning(&self, call: &CallContext, warning: &ToolWarning) {
+        (**self).on_warning(call, warning)
     }
 }
 
@@ -145,7 +165,25 @@ impl HookSet {
             .for_each(|h| h.on_fallback(call, from, to, reason));
     }
 
-    pub(crate) fn on_warning(&self, call: &CallContext, message: &str) {
-        self.0.iter().for_each(|h| h.on_warning(call, message));
+    pub(crate) fn on_attempt_start(&self, call: &CallContext, backend: &str) {
+        self.0
+            .iter()
+            .for_each(|h| h.on_attempt_start(call, backend));
+    }
+
+    pub(crate) fn on_attempt_complete(&self, call: &CallContext, backend: &str) {
+        self.0
+            .iter()
+            .for_each(|h| h.on_attempt_complete(call, backend));
+    }
+
+    pub(crate) fn on_attempt_error(&self, call: &CallContext, backend: &str, error: &str) {
+        self.0
+            .iter()
+            .for_each(|h| h.on_attempt_error(call, backend, error));
+    }
+
+    pub(crate) fn on_warning(&self, call: &CallContext, warning: &ToolWarning) {
+        self.0.iter().for_each(|h| h.on_warning(call, warning));
     }
 }

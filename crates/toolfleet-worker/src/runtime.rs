@@ -1205,9 +1205,13 @@ fn encode_result(result: &ToolResult) -> bytes::Bytes {
 /// again, reusing its citation indices.
 async fn write_ledger(shared: &Shared, call: &CallContext, json: &bytes::Bytes) {
     if let Err(e) = shared.ledger.write(call, json.clone()).await {
-        shared
-            .hooks
-            .on_warning(call, &format!("result ledger not written: {e}"));
+        shared.hooks.on_warning(
+            call,
+            &toolfleet_protocol::ToolWarning {
+                code: "ledger_not_written".to_owned(),
+                message: format!("result ledger not written: {e}"),
+            },
+        );
         warn!(error = %e, "result ledger not written");
     }
 }
@@ -1311,6 +1315,7 @@ pub(crate) fn status_result(
         duration_ms,
         replayed: false,
         llm_calls: Vec::new(),
+        warnings: Vec::new(),
     }
 }
 
@@ -1626,6 +1631,7 @@ async fn process_call(
             duration_ms,
             replayed: false,
             llm_calls: ctx.take_llm_calls(),
+            warnings: ctx.take_warnings(),
         },
         Err(e) => {
             shared.hooks.on_error(call, &e);
@@ -1649,6 +1655,7 @@ async fn process_call(
             );
             // What the tool spent counts even when it failed.
             failed.llm_calls = ctx.take_llm_calls();
+            failed.warnings = ctx.take_warnings();
             failed
         }
     };

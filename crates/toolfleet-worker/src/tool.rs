@@ -100,6 +100,14 @@ pub enum ToolError {
     /// stopped. Never retried.
     #[error("{0}")]
     Cancelled(String),
+    /// A failure with a code of the tool's own (`snake_case`, e.g.
+    /// `fallback_exhausted`), for callers that act on it.
+    #[error("{message}")]
+    Coded {
+        code: &'static str,
+        message: String,
+        retryable: bool,
+    },
 }
 
 impl ToolError {
@@ -130,10 +138,22 @@ impl ToolError {
         ToolError::Blocked(message.into())
     }
 
+    /// A failure with its own code (never retried).
+    pub fn coded(code: &'static str, message: impl Into<String>) -> Self {
+        ToolError::Coded {
+            code,
+            message: message.into(),
+            retryable: false,
+        }
+    }
+
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
             ToolError::Failed {
+                retryable: true,
+                ..
+            } | ToolError::Coded {
                 retryable: true,
                 ..
             }
@@ -151,6 +171,7 @@ impl ToolError {
             ToolError::Failed { .. } => "tool_failed",
             ToolError::Timeout(_) => "timeout",
             ToolError::Cancelled(_) => "cancelled",
+            ToolError::Coded { code, .. } => code,
         }
     }
 }
