@@ -719,7 +719,7 @@ mod tests {
             new_call: false,
         };
         let result = |status, code: Option<&str>| {
-            toolfleet_protocol::encode(&toolfleet_protocol::ToolReply::Result(
+            toolfleet_protocol::encode(&toolfleet_protocol::ToolReply::Result(Box::new(
                 toolfleet_protocol::ToolResult {
                     invocation_id: call.invocation.invocation_id.clone(),
                     call_id: call.call_id.clone(),
@@ -739,7 +739,7 @@ mod tests {
                     llm_calls: Vec::new(),
                     warnings: Vec::new(),
                 },
-            ))
+            )))
         };
         let ok = result(ToolStatus::Ok, None);
         let head: ReplyHead = serde_json::from_slice(&ok).unwrap();

@@ -597,7 +597,7 @@ fn classify(msg: async_nats::Message) -> Option<Waited> {
         });
     }
     match Envelope::ToolReply.decode::<ToolReply>(&msg.payload) {
-        Ok(ToolReply::Result(result)) => Some(Waited::Result(Box::new(result))),
+        Ok(ToolReply::Result(result)) => Some(Waited::Result(result)),
         Ok(ToolReply::Progress {
             call_id, message, ..
         }) => Some(Waited::Progress { call_id, message }),

@@ -955,7 +955,7 @@ pub enum ToolReply {
         call_id: String,
         message: String,
     },
-    Result(ToolResult),
+    Result(Box<ToolResult>),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

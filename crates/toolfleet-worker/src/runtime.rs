@@ -1231,7 +1231,7 @@ async fn publish_reply(shared: &Shared, call: &CallContext, payload: bytes::Byte
 fn fit_result(shared: &Shared, result: &ToolResult, json: Option<&[u8]>) -> bytes::Bytes {
     let payload = match json.and_then(tagged_result) {
         Some(payload) => payload,
-        None => encode(&ToolReply::Result(result.clone())),
+        None => encode(&ToolReply::Result(Box::new(result.clone()))),
     };
     let limit = shared.client.max_payload();
     if limit == 0 || payload.len() <= limit {
@@ -1242,7 +1242,7 @@ fn fit_result(shared: &Shared, result: &ToolResult, json: Option<&[u8]>) -> byte
         payload.len()
     );
     warn!(tool = %result.tool_id, "{message}");
-    encode(&ToolReply::Result(ToolResult {
+    encode(&ToolReply::Result(Box::new(ToolResult {
         status: ToolStatus::Error,
         content: message.clone(),
         data: None,
@@ -1253,7 +1253,7 @@ fn fit_result(shared: &Shared, result: &ToolResult, json: Option<&[u8]>) -> byte
         }),
         references: Vec::new(),
         ..result.clone()
-    }))
+    })))
 }
 
 /// `ToolReply::Result` as serde encodes it (the tag first, then the
@@ -1776,7 +1776,7 @@ mod tests {
             let json = encode_result(&result);
             assert_eq!(
                 tagged_result(&json).unwrap(),
-                encode(&ToolReply::Result(result.clone()))
+                encode(&ToolReply::Result(Box::new(result.clone())))
             );
             // The ledger holds the result itself.
             let stored: ToolResult = serde_json::from_slice(&json).unwrap();
