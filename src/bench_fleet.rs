@@ -92,7 +92,11 @@ pub fn sleep_worker() -> Result<Worker, WorkerError> {
 
 /// Every family this command ships, plus the bench's own tool.
 pub fn bench_workers(definitions: &Path, index: &IndexArgs) -> anyhow::Result<Vec<Worker>> {
-    let mut workers = crate::families::all(definitions, index)?;
+    let mut workers = crate::families::all(&crate::families::Inputs {
+        definitions,
+        index,
+        models: None,
+    })?;
     workers.push(sleep_worker()?);
     Ok(workers)
 }

@@ -560,15 +560,16 @@ impl LocalFleet {
         let profiles = toolfleet_llm::profiles::FleetConfig::single(
             toolfleet_llm::profiles::Deployment::new(model.base_url(), model_name),
         );
-        let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
-        orchestrator.max_in_flight = max_in_flight;
-        let workers = crate::families::all(
-            &args.defs.dir,
-            &IndexArgs {
+        let workers = crate::families::all(&crate::families::Inputs {
+            definitions: &args.defs.dir,
+            index: &IndexArgs {
                 index_dir: work.path().join("index"),
                 corpus_dir: args.corpus.clone(),
             },
-        )?;
+            models: Some(&profiles),
+        })?;
+        let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
+        orchestrator.max_in_flight = max_in_flight;
         let spec = FleetSpec {
             nats_url: servers.nats_url.clone(),
             redis_url: servers.redis_url.clone(),
@@ -680,13 +681,15 @@ async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
 async fn up(args: UpArgs) -> anyhow::Result<i32> {
     let subjects =
         toolfleet_service::args::or_exit(args.worker.nats.subjects().map_err(Into::into));
-    let mut orchestrator = OrchestratorConfig::new(
-        subjects.clone(),
-        toolfleet_service::args::or_exit(args.llm.fleet_config().map_err(Into::into)),
-    );
-    orchestrator.max_in_flight = args.max_in_flight;
+    let models = toolfleet_service::args::or_exit(args.llm.fleet_config().map_err(Into::into));
     let workers =
-        toolfleet_service::args::or_exit(crate::families::all(&args.worker.defs.dir, &args.index));
+        toolfleet_service::args::or_exit(crate::families::all(&crate::families::Inputs {
+            definitions: &args.worker.defs.dir,
+            index: &args.index,
+            models: Some(&models),
+        }));
+    let mut orchestrator = OrchestratorConfig::new(subjects.clone(), models);
+    orchestrator.max_in_flight = args.max_in_flight;
     let spec = FleetSpec {
         nats_url: args.worker.nats.url.clone(),
         redis_url: args.worker.redis.url.clone(),

@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use anyhow::Context;
+use toolfleet_llm::profiles::{FleetConfig, ProcessEnv};
 use toolfleet_worker::Worker;
 
 pub use toolfleet_worker_retrieval::IndexArgs;
@@ -13,21 +14,41 @@ pub use toolfleet_worker_retrieval::IndexArgs;
 pub const NAMES: &[&str] = &[
     toolfleet_worker_system::FAMILY,
     toolfleet_worker_retrieval::FAMILY,
+    toolfleet_worker_llm::FAMILY,
 ];
 
-/// Every family this command ships, with the definitions in `definitions`.
-pub fn all(definitions: &Path, index: &IndexArgs) -> anyhow::Result<Vec<Worker>> {
-    some(NAMES, definitions, index)
+/// What the families are built from.
+pub struct Inputs<'a> {
+    /// The definitions directory.
+    pub definitions: &'a Path,
+    /// The retrieval family's index.
+    pub index: &'a IndexArgs,
+    /// The model deployments the LLM tools family calls (keys from the
+    /// environment); without them that family is not started.
+    pub models: Option<&'a FleetConfig>,
+}
+
+/// Every family this command ships (the LLM tools family only when
+/// `inputs.models` is given).
+pub fn all(inputs: &Inputs<'_>) -> anyhow::Result<Vec<Worker>> {
+    let names: Vec<&str> = NAMES
+        .iter()
+        .copied()
+        .filter(|name| *name != toolfleet_worker_llm::FAMILY || inputs.models.is_some())
+        .collect();
+    some(&names, inputs)
 }
 
 /// The named families; the index is opened (or built) only when the
 /// retrieval family is among them.
-pub fn some(names: &[&str], definitions: &Path, index: &IndexArgs) -> anyhow::Result<Vec<Worker>> {
+pub fn some(names: &[&str], inputs: &Inputs<'_>) -> anyhow::Result<Vec<Worker>> {
+    let definitions = inputs.definitions;
     names
         .iter()
         .map(|name| match *name {
             toolfleet_worker_system::FAMILY => Ok(toolfleet_worker_system::worker(definitions)?),
             toolfleet_worker_retrieval::FAMILY => {
+                let index = inputs.index;
                 let docs = toolfleet_worker_retrieval::open_or_build_index(
                     &index.index_dir,
                     &index.corpus_dir,
@@ -40,6 +61,21 @@ pub fn some(names: &[&str], definitions: &Path, index: &IndexArgs) -> anyhow::Re
                     )
                 })?;
                 Ok(toolfleet_worker_retrieval::worker(definitions, &docs)?)
+            }
+            toolfleet_worker_llm::FAMILY => {
+                let models = inputs.models.context(
+                    "the LLM tools family needs the model deployments (--config or --llm-*)",
+                )?;
+                let settings = toolfleet_worker_llm::Settings {
+                    default_model: toolfleet_worker_llm::default_model_of(models),
+                    ..toolfleet_worker_llm::Settings::default()
+                };
+                Ok(toolfleet_worker_llm::worker(
+                    definitions,
+                    models,
+                    &ProcessEnv,
+                    &settings,
+                )?)
             }
             other => anyhow::bail!("no tool family named {other:?} (known: {NAMES:?})"),
         })

@@ -379,10 +379,13 @@ async fn a_malformed_job_cannot_end_another_jobs_invocation() {
 fn system_worker() -> Worker {
     toolfleet::families::some(
         &["system"],
-        &crate::support::root().join("tool_definitions"),
-        &toolfleet::families::IndexArgs {
-            index_dir: std::env::temp_dir().join("unused-index"),
-            corpus_dir: crate::support::root().join("examples/corpus"),
+        &toolfleet::families::Inputs {
+            definitions: &crate::support::root().join("tool_definitions"),
+            index: &toolfleet::families::IndexArgs {
+                index_dir: std::env::temp_dir().join("unused-index"),
+                corpus_dir: crate::support::root().join("examples/corpus"),
+            },
+            models: None,
         },
     )
     .unwrap()

@@ -84,12 +84,22 @@ fn crates_depend_only_where_the_rules_allow() {
     for m in [
         "workers/system/Cargo.toml",
         "workers/retrieval/Cargo.toml",
-        "workers/llm/Cargo.toml",
         "examples/units/Cargo.toml",
     ] {
         assert_eq!(our_deps(m), set(&["toolfleet-worker"]), "{m}");
         assert!(our_deps_of(m, true).is_empty(), "{m}: dev-dependencies");
     }
+    // The LLM tools family also speaks to models, through the LLM client
+    // crate (never the orchestrator), and tests against the scripted model
+    // server, the one stand-in.
+    assert_eq!(
+        our_deps("workers/llm/Cargo.toml"),
+        set(&["toolfleet-llm", "toolfleet-worker"])
+    );
+    assert_eq!(
+        our_deps_of("workers/llm/Cargo.toml", true),
+        set(&["toolfleet-scripted"])
+    );
     // The SDK's and the orchestrator's tests stay on their side too.
     assert!(
         !our_deps_of("crates/toolfleet-worker/Cargo.toml", true)

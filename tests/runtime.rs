@@ -414,10 +414,13 @@ async fn start_fleet(
     );
     let workers = toolfleet::families::some(
         &[family],
-        &support::root().join("tool_definitions"),
-        &toolfleet::families::IndexArgs {
-            index_dir: index_dir.to_path_buf(),
-            corpus_dir: support::root().join("examples/corpus"),
+        &toolfleet::families::Inputs {
+            definitions: &support::root().join("tool_definitions"),
+            index: &toolfleet::families::IndexArgs {
+                index_dir: index_dir.to_path_buf(),
+                corpus_dir: support::root().join("examples/corpus"),
+            },
+            models: Some(&profiles),
         },
     )
     .unwrap();

@@ -102,13 +102,16 @@ impl Env {
         (options.tweak)(&mut orchestrator);
         let workers = toolfleet::families::some(
             &options.workers,
-            &options
-                .defs_dir
-                .clone()
-                .unwrap_or_else(|| root().join("tool_definitions")),
-            &IndexArgs {
-                index_dir: dir.path().join("index"),
-                corpus_dir: root().join("examples/corpus"),
+            &toolfleet::families::Inputs {
+                definitions: &options
+                    .defs_dir
+                    .clone()
+                    .unwrap_or_else(|| root().join("tool_definitions")),
+                index: &IndexArgs {
+                    index_dir: dir.path().join("index"),
+                    corpus_dir: root().join("examples/corpus"),
+                },
+                models: Some(&*orchestrator.profiles),
             },
         )
         .expect("families");

@@ -15,7 +15,7 @@ use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use toolfleet_protocol::tools::{CompiledTool, ToolDefinition, ToolId};
-use toolfleet_protocol::{CallContext, InvocationContext, Reference};
+use toolfleet_protocol::{CallContext, InvocationContext, LlmCall, Reference, ToolWarning};
 use toolfleet_store::NewReference;
 
 use crate::ctx::{Sink, ToolCtx};
@@ -126,7 +126,38 @@ impl TestCtx {
     /// What the tool returns; a non-retryable [`ToolError::Failed`] when
     /// `args` do not fit its argument type.
     pub async fn call<T: Tool>(&self, tool: &T, args: Value) -> Result<ToolOutput, ToolError> {
-        tool.call_json(&self.ctx(), args).await
+        let ctx = self.ctx();
+        let result = tool.call_json(&ctx, args).await;
+        self.keep(&ctx);
+        result
+    }
+
+    /// Keeps what the call reported besides its output.
+    fn keep(&self, ctx: &ToolCtx) {
+        if let Ok(mut state) = self.sink.state.lock() {
+            state.warnings.extend(ctx.take_warnings());
+            state.llm_calls.extend(ctx.take_llm_calls());
+        }
+    }
+
+    /// Every warning the calls reported so far ([`ToolCtx::warning`]), in
+    /// order.
+    pub fn warnings(&self) -> Vec<ToolWarning> {
+        self.sink
+            .state
+            .lock()
+            .map(|s| s.warnings.clone())
+            .unwrap_or_default()
+    }
+
+    /// Every model call the calls reported so far
+    /// ([`ToolCtx::record_llm_call`]), in order.
+    pub fn llm_calls(&self) -> Vec<LlmCall> {
+        self.sink
+            .state
+            .lock()
+            .map(|s| s.llm_calls.clone())
+            .unwrap_or_default()
     }
 
     /// Runs `tool` as a worker would for `definition`: the arguments must
@@ -165,7 +196,9 @@ impl TestCtx {
             .before_call(&info)
             .map_err(|refusal| ToolError::Blocked(refusal.message))?;
         let ctx = self.ctx_for(call, hooks);
-        tool.call_json(&ctx, args).await
+        let result = tool.call_json(&ctx, args).await;
+        self.keep(&ctx);
+        result
     }
 
     /// Every reference cited so far, by index.
@@ -201,6 +234,8 @@ struct MemoryState {
     refs: Vec<Reference>,
     reservations: HashMap<String, Vec<u64>>,
     progress: Vec<String>,
+    warnings: Vec<ToolWarning>,
+    llm_calls: Vec<LlmCall>,
 }
 
 impl Sink for MemorySink {

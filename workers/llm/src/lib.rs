@@ -1,24 +1,155 @@
-//! The LLM tools family: tools declared in a definition file alone
-//! (`systemPrompt`, `userTemplate`, `outputFormat`, `variants`,
-//! `modelPreference`) and run against the fleet's model deployments.
+//! toolfleet-worker-llm: the LLM tools family — tools declared in a
+//! definition file alone (`systemPrompt`, `userTemplate`, `outputFormat`,
+//! `outputSchema`, `outputExample`, `variants`, `modelPreference`) and run
+//! against the fleet's model deployments, with fallback across models.
+//! Written against the worker SDK and the LLM client crate.
 //!
-//! **Work in progress (issue 11).** What is here is the declarative core,
-//! checked and tested on its own:
-//!
-//! - [`prompt`]: the prompt of a definition (or one of its variants),
-//!   compiled once — a `userTemplate` naming a variable the input schema
-//!   lacks is refused with the file and field — and rendered from the
-//!   validated arguments with the schema's defaults filled in;
+//! - [`prompt`]: a definition's prompts, compiled at start (a template
+//!   naming a variable the input schema lacks is refused with the file and
+//!   field) and rendered from the validated arguments, defaults filled in;
 //! - [`variant`]: which variant serves a `provider/model`;
-//! - [`reply`]: a `json` tool's reply, code fences stripped, or an error
-//!   quoting what came back;
-//! - [`models`]: the order in which models are tried.
+//! - [`models`]: the order models are tried in (compat file, preferred,
+//!   fallbacks, else the worker's default);
+//! - [`providers`]: one pooled client per deployment, and which keys are
+//!   missing;
+//! - [`fallback`]: trying the models in turn, with the attempt and fallback
+//!   hooks, `fallback` warnings and the `fallback_exhausted` summary;
+//! - [`reply`]: a `json` reply parsed, code fences stripped;
+//! - [`tool`]: the tool itself — the JSON-only instruction, the reply cap,
+//!   the output-schema check, the spend reported with the result.
 //!
-//! Not yet: the tool that calls the models (with fallback hooks and usage
-//! reported through `ToolCtx::record_llm_call`), the binary, the built-in
-//! definitions.
+//! Every definition of the directory that declares a prompt is served
+//! (whatever its `implementationKey`); the others belong to other families.
 
+pub mod fallback;
 pub mod models;
 pub mod prompt;
+pub mod providers;
 pub mod reply;
+pub mod tool;
 pub mod variant;
+
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+use std::sync::Arc;
+
+use toolfleet_llm::profiles::{EnvSource, FleetConfig};
+use toolfleet_worker::protocol::tools::{self, ToolDefinition};
+use toolfleet_worker::{Worker, WorkerError};
+
+pub use providers::Providers;
+pub use tool::{DEFAULT_MAX_REPLY_CHARS, LlmTool, Settings};
+
+/// The family name (the worker's name in the catalog and services API).
+pub const FAMILY: &str = "llm";
+
+/// The `implementationKey` of `content:generate_chart`: its answer must
+/// validate against [`chart_schema`] (a mismatch fails the attempt and
+/// moves on to the next model, instead of a warning).
+pub const CHART_KEY: &str = "content.generate_chart";
+
+/// `schemas/chart_config.schema.json`: a Chart.js configuration.
+#[must_use]
+pub fn chart_schema() -> serde_json::Value {
+    serde_json::from_str(include_str!("../../../schemas/chart_config.schema.json"))
+        .unwrap_or(serde_json::Value::Bool(false))
+}
+
+/// The worker's default model when none is given: the default profile's
+/// first deployment and its model (`deployment/model`).
+#[must_use]
+pub fn default_model_of(config: &FleetConfig) -> Option<String> {
+    let profile = config.profiles.get(&config.default_profile)?;
+    let name = profile.deployments.first()?;
+    let deployment = config.deployments.get(name)?;
+    Some(format!("{name}/{}", deployment.model))
+}
+
+/// Whether `definition` is a declarative LLM tool: it has a prompt.
+#[must_use]
+pub fn is_declarative(definition: &ToolDefinition) -> bool {
+    definition.user_template.is_some() || definition.system_prompt.is_some()
+}
+
+/// The LLM tools worker: every declarative definition in `definitions`,
+/// run against the deployments of `config` (keys from `env`).
+///
+/// # Errors
+///
+/// As [`llm_tool`], and a directory without declarative tools.
+pub fn worker(
+    definitions: &Path,
+    config: &FleetConfig,
+    env: &dyn EnvSource,
+    settings: &Settings,
+) -> Result<Worker, WorkerError> {
+    let (tool, served) = llm_tool(definitions, config, env, settings)?;
+    let keys: BTreeSet<String> = served
+        .iter()
+        .map(|d| d.implementation_key.clone())
+        .collect();
+    let mut builder = Worker::builder(FAMILY);
+    for definition in served {
+        builder = builder.definition(definition);
+    }
+    for key in keys {
+        builder = builder.tool(key, tool.clone());
+    }
+    builder.build()
+}
+
+/// The tool serving every declarative definition in `definitions`, and
+/// those definitions (for a worker of your own, or a test).
+///
+/// # Errors
+///
+/// [`WorkerError::Config`] naming the file and field of the first
+/// definition that cannot be served (a template naming a variable the
+/// input schema lacks, a model of no configured deployment, no model at
+/// all), an unreadable directory, or a default model of no deployment.
+pub fn llm_tool(
+    definitions: &Path,
+    config: &FleetConfig,
+    env: &dyn EnvSource,
+    settings: &Settings,
+) -> Result<(LlmTool, Vec<ToolDefinition>), WorkerError> {
+    let files =
+        tools::load_dir_files(definitions).map_err(|e| WorkerError::Config(e.to_string()))?;
+    let providers = Providers::new(config, env).map_err(WorkerError::Config)?;
+    if let Some(default) = &settings.default_model {
+        let known = providers::split_model(default).is_some_and(|(p, _)| providers.knows(p));
+        if !known {
+            return Err(WorkerError::Config(format!(
+                "default model {default:?}: expected provider/model with a deployment of the \
+                 configuration as provider (deployments: {})",
+                providers.names()
+            )));
+        }
+    }
+    let mut declared = HashMap::new();
+    let mut served = Vec::new();
+    for (path, definition) in files {
+        if !is_declarative(&definition) {
+            continue;
+        }
+        let strict = (definition.implementation_key == CHART_KEY).then(chart_schema);
+        let compiled = tool::Declared::new(&definition, &providers, settings, strict.as_ref())
+            .map_err(|e| {
+                WorkerError::Config(format!(
+                    "{}: {}: {}: {}",
+                    path.display(),
+                    definition.id,
+                    e.field,
+                    e.message
+                ))
+            })?;
+        declared.insert(definition.id.clone(), Arc::new(compiled));
+        served.push(definition);
+    }
+    let tool = LlmTool {
+        providers: Arc::new(providers),
+        tools: Arc::new(declared),
+        max_reply_chars: settings.max_reply_chars,
+    };
+    Ok((tool, served))
+}

@@ -73,7 +73,7 @@ impl Prompts {
             .map(|p| p.keys().cloned().collect())
             .unwrap_or_default();
         let mut env = Environment::new();
-        env.set_undefined_behavior(UndefinedBehavior::Strict);
+        env.set_undefined_behavior(UndefinedBehavior::Lenient);
         let own = definition
             .user_template
             .clone()
