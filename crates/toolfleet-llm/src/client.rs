@@ -16,6 +16,7 @@ use url::Url;
 
 pub use crate::chat_wire::ChatStreamAccumulator;
 pub use crate::error::{LlmError, LlmErrorKind};
+pub use crate::images::{GeneratedImage, ImageAnswer, ImageFormat, ImageRequest};
 pub use crate::responses_wire::ResponsesStreamAccumulator;
 pub use crate::retry::{
     DEFAULT_BASE_DELAY, DEFAULT_MAX_ATTEMPTS, DEFAULT_MAX_DELAY, DEFAULT_MAX_ELAPSED, RetryPolicy,
@@ -203,8 +204,9 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct LlmConfig {
     /// The API root, e.g. `http://127.0.0.1:8080/v1`; requests go to
-    /// `{base_url}/chat/completions` or `{base_url}/responses` (with or
-    /// without a trailing slash, and any query string is kept).
+    /// `{base_url}/chat/completions` or `{base_url}/responses`, and
+    /// [`LlmClient::generate_image`]'s to `{base_url}/images/generations`
+    /// (with or without a trailing slash, and any query string is kept).
     pub base_url: Url,
     pub api_key: Option<String>,
     pub api: ApiShape,
@@ -300,6 +302,9 @@ pub fn install_crypto_provider() {
 /// Largest non-streaming or error body we read. A completion is a few
 /// kilobytes; this only stops a broken server from filling memory.
 const MAX_BODY_BYTES: usize = 16 * 1024 * 1024;
+/// Largest image-generation body we read: a `b64_json` image is several
+/// megabytes, a third more once encoded.
+const MAX_IMAGE_BODY_BYTES: usize = 48 * 1024 * 1024;
 /// Error bodies are read only for their code and message.
 const MAX_ERROR_BODY_BYTES: usize = 64 * 1024;
 
@@ -315,7 +320,10 @@ struct Inner {
     api: ApiShape,
     /// [`LlmConfig::reasoning`].
     reasoning: bool,
+    /// Chat Completions or Responses, per `api`.
     endpoint: Url,
+    /// `images/generations`.
+    images_endpoint: Url,
     /// `host:port`, the only part of the endpoint that goes into messages.
     server: String,
     credential: Option<(HeaderName, HeaderValue)>,
@@ -424,6 +432,8 @@ impl LlmClient {
             ApiShape::Responses => "responses",
         };
         let endpoint = endpoint_url(&config.base_url, path, &config.extra_query)?;
+        let images_endpoint =
+            endpoint_url(&config.base_url, "images/generations", &config.extra_query)?;
         let server = format!(
             "{}:{}",
             endpoint.host_str().unwrap_or("?"),
@@ -453,6 +463,7 @@ impl LlmClient {
                 api: config.api,
                 reasoning: config.reasoning,
                 endpoint,
+                images_endpoint,
                 server,
                 credential,
                 api_key,
@@ -496,6 +507,54 @@ impl LlmClient {
             .map_err(|e| e.redact(self.inner.api_key.as_deref()))
     }
 
+    /// Generates one image (`POST {base_url}/images/generations`, `n: 1`),
+    /// with the same authentication, timeouts, status handling and
+    /// retries as [`chat`](Self::chat): [`ImageAnswer::attempts`] and
+    /// [`LlmError::attempts`] say how many requests it took. A refused
+    /// prompt is a 400 whose [`LlmError::code`] is the provider's
+    /// (`content_policy_violation` for OpenAI), not retried. Dropping the
+    /// future closes the connection at once.
+    pub async fn generate_image(&self, req: &ImageRequest) -> Result<ImageAnswer, LlmError> {
+        self.images(req)
+            .await
+            .map_err(|e| e.redact(self.inner.api_key.as_deref()))
+    }
+
+    /// Encodes once, then runs attempts until one succeeds or the retry
+    /// policy says stop.
+    async fn images(&self, req: &ImageRequest) -> Result<ImageAnswer, LlmError> {
+        let body = crate::images::encode(req)?;
+        tracing::debug!(model = %req.model, "image request");
+        let started = Instant::now();
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            let error = match self.image_once(body.clone()).await {
+                Ok(mut answer) => {
+                    answer.attempts = attempt;
+                    tracing::debug!(
+                        attempts = attempt,
+                        images = answer.images.len(),
+                        total_tokens = answer.usage.map(|u| u.total_tokens),
+                        "image answer received"
+                    );
+                    return Ok(answer);
+                }
+                Err(error) => error.with_attempts(attempt),
+            };
+            if !self.wait_before_retry(started, &error, false).await {
+                return Err(error);
+            }
+        }
+    }
+
+    async fn image_once(&self, body: Bytes) -> Result<ImageAnswer, LlmError> {
+        let endpoint = &self.inner.images_endpoint;
+        let (mut response, _) = self.send(endpoint, body, false).await?;
+        let body = self.read_body(&mut response, MAX_IMAGE_BODY_BYTES).await?;
+        crate::images::from_wire(&body)
+    }
+
     /// Encodes once, then runs attempts until one succeeds or the retry
     /// policy (or a streamed answer) says stop.
     async fn call<F: FnMut(&str) + Send>(
@@ -534,35 +593,51 @@ impl LlmClient {
                 }
                 Err(error) => error.with_attempts(attempt),
             };
-            let delay = if progress.emitted {
-                None
-            } else {
-                self.inner.retry.delay_before_retry(
-                    attempt,
-                    started.elapsed(),
-                    &error,
-                    crate::retry::jitter(),
-                )
-            };
-            let Some(delay) = delay else {
-                tracing::debug!(
-                    attempt,
-                    code = error.code(),
-                    retryable = error.is_retryable(),
-                    streamed = progress.emitted,
-                    "model request failed"
-                );
+            if !self
+                .wait_before_retry(started, &error, progress.emitted)
+                .await
+            {
                 return Err(error);
-            };
-            tracing::warn!(
+            }
+        }
+    }
+
+    /// The retry step every call shares: after `error` ended attempt
+    /// [`LlmError::attempts`] of a call that started at `started`, waits as
+    /// the retry policy says and returns `true`, or returns `false` at once
+    /// when the call must give up. A failed attempt that had already
+    /// `emitted` part of its answer to the caller is never repeated.
+    async fn wait_before_retry(&self, started: Instant, error: &LlmError, emitted: bool) -> bool {
+        let attempt = error.attempts();
+        let delay = if emitted {
+            None
+        } else {
+            self.inner.retry.delay_before_retry(
+                attempt,
+                started.elapsed(),
+                error,
+                crate::retry::jitter(),
+            )
+        };
+        let Some(delay) = delay else {
+            tracing::debug!(
                 attempt,
                 code = error.code(),
-                delay_ms = delay.as_millis() as u64,
-                server = %self.inner.server,
-                "model request failed; retrying"
+                retryable = error.is_retryable(),
+                streamed = emitted,
+                "model request failed"
             );
-            tokio::time::sleep(delay).await;
-        }
+            return false;
+        };
+        tracing::warn!(
+            attempt,
+            code = error.code(),
+            delay_ms = delay.as_millis() as u64,
+            server = %self.inner.server,
+            "model request failed; retrying"
+        );
+        tokio::time::sleep(delay).await;
+        true
     }
 
     fn encode(&self, req: &ChatRequest, stream: bool) -> Result<Bytes, LlmError> {
@@ -606,7 +681,7 @@ impl LlmClient {
     }
 
     async fn plain_once(&self, body: Bytes) -> Result<Completion, LlmError> {
-        let (mut response, _) = self.send(body, false).await?;
+        let (mut response, _) = self.send(&self.inner.endpoint, body, false).await?;
         let body = self.read_body(&mut response, MAX_BODY_BYTES).await?;
         self.parse_body(&body)
     }
@@ -617,7 +692,7 @@ impl LlmClient {
         on_text: &mut F,
         progress: &mut Progress,
     ) -> Result<Completion, LlmError> {
-        let (mut response, first_deadline) = self.send(body, true).await?;
+        let (mut response, first_deadline) = self.send(&self.inner.endpoint, body, true).await?;
         if is_json(response.headers()) {
             // A server that ignores `stream: true` answers with one JSON
             // body; that is still a complete, usable answer.
@@ -729,17 +804,18 @@ impl LlmClient {
         acc.finish()
     }
 
-    /// Sends the request and checks the status. Returns the response and
-    /// the deadline for the first event.
+    /// Sends the request to `endpoint` (one of [`Inner`]'s) and checks the
+    /// status. Returns the response and the deadline for the first event.
     async fn send(
         &self,
+        endpoint: &Url,
         body: Bytes,
         stream: bool,
     ) -> Result<(reqwest::Response, Instant), LlmError> {
         let mut request = self
             .inner
             .http
-            .post(self.inner.endpoint.clone())
+            .post(endpoint.clone())
             .header(header::CONTENT_TYPE, "application/json")
             .header(
                 header::ACCEPT,
@@ -1083,6 +1159,14 @@ mod tests {
         let req = request(vec![user("hi")]);
         borrows_are_send(client.stream_chat(&req, |_| {}));
         borrows_are_send(client.chat(&req));
+        let image = ImageRequest {
+            model: "dall-e-3".into(),
+            prompt: "hi".into(),
+            size: None,
+            quality: None,
+            response_format: None,
+        };
+        borrows_are_send(client.generate_image(&image));
     }
 
     #[test]
@@ -2130,5 +2214,224 @@ mod tests {
             assert_eq!(stats.completed, before.completed, "{api:?}");
         }
         within(server.shutdown()).await;
+    }
+
+    // -----------------------------------------------------------------------
+    // Image generation.
+
+    fn image_request(model: &str, prompt: &str, format: Option<ImageFormat>) -> ImageRequest {
+        ImageRequest {
+            model: model.to_owned(),
+            prompt: prompt.to_owned(),
+            size: Some("1024x1024".into()),
+            quality: None,
+            response_format: format,
+        }
+    }
+
+    #[tokio::test]
+    async fn images_come_as_urls_or_base64_from_the_scripted_server() {
+        use base64::Engine as _;
+        // 13 MiB is more than 16 MiB once base64-encoded: more than a chat
+        // body may be, so this also shows the images path reads its own,
+        // larger bound.
+        const IMAGE_BYTES: usize = 13 * 1024 * 1024;
+        let server = scripted(&format!(r#"{{"imageBytes": {IMAGE_BYTES}}}"#)).await;
+        let client = LlmClient::new(LlmConfig {
+            extra_query: vec![("api-version".into(), "2025-04-01-preview".into())],
+            ..config(server.base_url())
+        })
+        .expect("client");
+
+        let prompt = "a lighthouse at dusk";
+        let answer = within(client.generate_image(&image_request("dall-e-3", prompt, None)))
+            .await
+            .expect("url answer");
+        assert_eq!(answer.attempts, 1);
+        assert_eq!(answer.images.len(), 1);
+        let image = &answer.images[0];
+        assert!(
+            image
+                .url
+                .as_deref()
+                .is_some_and(|u| u.starts_with("https://images.scripted.invalid/")),
+            "{image:?}"
+        );
+        assert_eq!(image.b64_json, None);
+        assert_eq!(image.revised_prompt.as_deref(), Some(prompt));
+        let usage = answer.usage.expect("usage");
+        assert!(usage.prompt_tokens > 0);
+        assert_eq!(usage.completion_tokens, 0);
+        assert_eq!(usage.total_tokens, usage.prompt_tokens);
+
+        // gpt-image models answer in base64 unasked; others when asked.
+        for req in [
+            image_request("gpt-image-1", prompt, None),
+            image_request("dall-e-2", prompt, Some(ImageFormat::B64Json)),
+        ] {
+            let answer = within(client.generate_image(&req))
+                .await
+                .expect("base64 answer");
+            let image = &answer.images[0];
+            assert_eq!(image.url, None, "{}", req.model);
+            let bytes = base64::engine::general_purpose::STANDARD
+                .decode(image.b64_json.as_deref().expect("b64_json"))
+                .expect("valid base64");
+            assert_eq!(bytes.len(), IMAGE_BYTES, "{}", req.model);
+            assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "{}", req.model);
+        }
+
+        let received = server.received();
+        assert_eq!(received.len(), 3);
+        for r in &received {
+            assert_eq!(r.path, "/v1/images/generations");
+            assert_eq!(r.query.as_deref(), Some("api-version=2025-04-01-preview"));
+            assert_eq!(
+                r.header("authorization"),
+                Some(format!("Bearer {SECRET}").as_str())
+            );
+            assert_eq!(r.header("accept"), Some("application/json"));
+            assert_eq!(r.body["n"], json!(1));
+            assert_eq!(r.body["prompt"], json!(prompt));
+            assert_eq!(r.body["size"], json!("1024x1024"));
+            assert!(r.body.get("quality").is_none(), "{}", r.body);
+        }
+        assert!(received[0].body.get("response_format").is_none());
+        assert!(received[1].body.get("response_format").is_none());
+        assert_eq!(received[2].body["response_format"], json!("b64_json"));
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn a_refused_image_prompt_keeps_the_providers_code_and_is_not_retried() {
+        let server = scripted("{}").await;
+        let client = client(&server, ApiShape::ChatCompletions);
+        let err =
+            within(client.generate_image(&image_request("dall-e-3", "please refuse image", None)))
+                .await
+                .expect_err("refused");
+        assert_eq!(
+            err.kind(),
+            &LlmErrorKind::Status {
+                status: 400,
+                code: Some("content_policy_violation".into())
+            }
+        );
+        assert_eq!(err.code(), "content_policy_violation");
+        assert!(!err.is_retryable());
+        assert_eq!(err.attempts(), 1);
+        assert!(err.to_string().contains("safety system"), "{err}");
+        assert!(!err.to_string().contains(SECRET), "{err}");
+        assert_eq!(server.received().len(), 1, "one request");
+        within(server.shutdown()).await;
+    }
+
+    #[tokio::test]
+    async fn failing_image_servers_are_retried_per_policy_and_never_show_the_key() {
+        let prompts = Arc::new(Mutex::new(Vec::<String>::new()));
+        let record = prompts.clone();
+        let router = Router::new().route(
+            "/v1/images/generations",
+            post(move |body: Bytes| {
+                let record = record.clone();
+                async move {
+                    let body: serde_json::Value =
+                        serde_json::from_slice(&body).expect("request body is JSON");
+                    let prompt = body["prompt"].as_str().unwrap_or_default().to_owned();
+                    let seen = {
+                        let mut prompts = record.lock().expect("lock");
+                        prompts.push(prompt.clone());
+                        prompts.iter().filter(|p| **p == prompt).count()
+                    };
+                    let unavailable = (
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!(
+                            r#"{{"error":{{"message":"overloaded, key {SECRET}","type":"server_error","code":null}}}}"#
+                        ),
+                    )
+                        .into_response();
+                    let ok = |data: serde_json::Value| {
+                        axum::Json(json!({"created": 1, "data": data})).into_response()
+                    };
+                    match prompt.as_str() {
+                        "flaky" if seen <= 2 => unavailable,
+                        "flaky" => ok(json!([{"url": "https://img.example/a.png"}])),
+                        "empty" => ok(json!([])),
+                        _ => unavailable,
+                    }
+                }
+            }),
+        );
+        let base = spawn(router).await;
+        let client = LlmClient::new(LlmConfig {
+            retry: fast_retries(),
+            ..config(base)
+        })
+        .expect("client");
+        let count = |prompt: &str| {
+            prompts
+                .lock()
+                .expect("lock")
+                .iter()
+                .filter(|p| *p == prompt)
+                .count()
+        };
+        let generate = |prompt: &'static str| {
+            let client = client.clone();
+            async move { within(client.generate_image(&image_request("dall-e-3", prompt, None))).await }
+        };
+
+        let answer = generate("flaky").await.expect("third time lucky");
+        assert_eq!(answer.attempts, 3);
+        assert_eq!(
+            answer.images[0].url.as_deref(),
+            Some("https://img.example/a.png")
+        );
+        assert_eq!(count("flaky"), 3);
+
+        let err = generate("down").await.expect_err("503 every time");
+        assert_eq!(
+            err.kind(),
+            &LlmErrorKind::Status {
+                status: 503,
+                code: Some("server_error".into())
+            }
+        );
+        assert!(err.is_retryable());
+        assert_eq!(err.attempts(), 3, "max_attempts");
+        assert_eq!(count("down"), 3);
+        assert!(
+            err.to_string().contains("overloaded, key [redacted]"),
+            "{err}"
+        );
+        assert!(!err.to_string().contains(SECRET), "{err}");
+        assert!(!format!("{err:?}").contains(SECRET), "{err:?}");
+
+        // A 200 that is not an image answer is not worth asking again.
+        let err = generate("empty").await.expect_err("no images");
+        assert_eq!(err.kind(), &LlmErrorKind::Protocol);
+        assert_eq!(err.attempts(), 1);
+        assert_eq!(count("empty"), 1);
+    }
+
+    #[tokio::test]
+    async fn an_image_server_that_is_down_is_retried_as_a_connect_error() {
+        // A port that was free a moment ago and has no listener now.
+        let addr: SocketAddr = {
+            let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+            listener.local_addr().expect("addr")
+        };
+        let client = LlmClient::new(LlmConfig {
+            retry: fast_retries(),
+            ..config(Url::parse(&format!("http://{addr}/v1")).expect("url"))
+        })
+        .expect("client");
+        let err = within(client.generate_image(&image_request("dall-e-3", "hi", None)))
+            .await
+            .expect_err("nothing listens");
+        assert_eq!(err.kind(), &LlmErrorKind::Connect);
+        assert_eq!(err.attempts(), 3, "retried per policy");
+        assert!(err.to_string().contains(&addr.to_string()), "{err}");
+        assert!(!err.to_string().contains(SECRET), "{err}");
     }
 }

@@ -1,6 +1,6 @@
 //! toolfleet-llm: the only crate that speaks provider HTTP: OpenAI Chat Completions and
-//! the OpenAI Responses API, streamed and not, with timeouts, retries and
-//! cancellation.
+//! the OpenAI Responses API, streamed and not, and OpenAI image generation,
+//! with timeouts, retries and cancellation.
 //!
 //! The rest of the crate works with the neutral conversation types defined
 //! here ([`Message`], [`ToolCall`], [`ToolSpec`], [`ChatRequest`],
@@ -17,6 +17,9 @@
 //!   [`ChatStreamAccumulator`];
 //! - `responses_wire`: Responses API wire types and
 //!   [`ResponsesStreamAccumulator`];
+//! - `images` (re-exported at the root): [`ImageRequest`] / [`ImageAnswer`]
+//!   for [`LlmClient::generate_image`], and the `images/generations` wire
+//!   types;
 //! - `sse`: [`SseDecoder`], bytes to server-sent events;
 //! - `retry`: [`RetryPolicy`] and the pure retry decision;
 //! - `error`: [`LlmError`] and [`LlmErrorKind`].
@@ -51,6 +54,7 @@ pub mod budget;
 mod chat_wire;
 mod client;
 mod error;
+mod images;
 pub mod profiles;
 mod responses_wire;
 mod retry;

@@ -5,10 +5,11 @@
 //! conditionals), compiled once when the worker starts. A template naming a
 //! variable the tool's input schema does not declare is refused then, with
 //! the definition and the field (`userTemplate`, or
-//! `variants.<name>.userTemplate`); rendering is strict, so a variable the
-//! arguments lack fails the call rather than render as nothing. Before
+//! `variants.<name>.userTemplate`), so a typo never reaches a model. Before
 //! rendering, the input schema's top-level `default`s fill the arguments
-//! the model left out.
+//! the model left out; an optional argument that is still absent renders
+//! as nothing (and is false in `{% if %}`), so a template can speak of it
+//! conditionally.
 
 use std::collections::BTreeSet;
 
