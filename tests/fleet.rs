@@ -4,8 +4,10 @@
 mod bench;
 mod binaries;
 mod clients;
+mod compaction;
 mod delivery;
 mod layout;
+mod llm_tools;
 mod nats_cluster;
 mod orchestrator;
 mod policies;
