@@ -24,6 +24,7 @@ async fn main() {
             | toolfleet::cli::Command::Demo(_)
             | toolfleet::cli::Command::Bench(_)
             | toolfleet::cli::Command::Tools { .. }
+            | toolfleet::cli::Command::Blob { .. }
     );
     toolfleet_service::args::init_tracing_with(if interactive { "warn" } else { "info" });
     let code = match toolfleet::cli::run(cli).await {

@@ -570,6 +570,7 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
         &["chat"],
         &["tools", "list"],
         &["index", "build"],
+        &["blob", "get"],
         &["scripted-model"],
     ] {
         let mut args = sub.to_vec();
@@ -639,6 +640,84 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(64), "{bin}: {err}");
         assert!(err.contains("subject prefix"), "{err}");
+    }
+}
+
+/// `toolfleet blob get` reads back the bytes a tool stored: to a file with
+/// `-o`, to stdout when it is a pipe; a blob that is gone exits 1, a
+/// malformed URI 64.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blob_get_writes_a_stored_blob_to_a_file() {
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let store = tokio::time::timeout(
+        WAIT,
+        toolfleet_store::CitationStore::connect(&redis.url(), "acme.tf", Duration::from_secs(600)),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let png: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    tokio::time::timeout(WAIT, store.put_blob("inv-7", "call-3.1", "image/png", &png))
+        .await
+        .unwrap()
+        .unwrap();
+    let uri = toolfleet_protocol::blob::BlobUri::new("inv-7", "call-3.1")
+        .unwrap()
+        .to_string();
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("out.png");
+    let url = redis.url();
+    let get = |uri: &str, extra: &[&str]| {
+        let mut args = vec![
+            "blob",
+            "get",
+            uri,
+            "--redis-url",
+            &url,
+            "--subject-prefix",
+            "acme.tf",
+        ];
+        args.extend_from_slice(extra);
+        toolfleet(&args)
+    };
+
+    let out = get(&uri, &["-o", file.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(std::fs::read(&file).unwrap(), png);
+    assert!(err.contains("70000 bytes of image/png"), "{err}");
+    // To stdout, which is a pipe here.
+    let out = get(&uri, &[]);
+    assert_eq!(out.status.code(), Some(0));
+    assert_eq!(out.stdout, png);
+
+    // Gone (never stored, or expired): 1, and the file is not touched.
+    let missing = toolfleet_protocol::blob::BlobUri::new("inv-7", "call-3.2")
+        .unwrap()
+        .to_string();
+    let other = dir.path().join("missing.png");
+    let out = get(&missing, &["-o", other.to_str().unwrap()]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no blob at") && err.contains("expired"),
+        "{err}"
+    );
+    assert!(!other.exists());
+    // Another fleet's prefix sees nothing either.
+    let out = toolfleet(&["blob", "get", &uri, "--redis-url", &url]);
+    assert_eq!(out.status.code(), Some(1));
+
+    // Malformed: 64, before any connection.
+    for bad in [
+        "inv-7/call-3.1",
+        "toolfleet-blob:inv-7",
+        "toolfleet-blob:inv 7/c.1",
+    ] {
+        let out = toolfleet(&["blob", "get", bad, "--redis-url", "redis://127.0.0.1:1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{bad}: {err}");
+        assert!(err.contains("malformed blob URI"), "{err}");
     }
 }
 

@@ -1,7 +1,7 @@
 //! The citation store against real Redis: outages retried within the
 //! budget, the reservation floor across a restart that lost the counter,
-//! claims, password and ACL users, `rediss://` with a client certificate,
-//! and a 3-master Redis Cluster.
+//! claims, blobs, password and ACL users, `rediss://` with a client
+//! certificate, and a 3-master Redis Cluster.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use toolfleet_local::redis_cluster::{ClusterOptions, ClusterTls, RedisCluster};
 use toolfleet_local::servers::{RedisServer, free_port};
 use toolfleet_protocol::{ToolResult, ToolStatus};
-use toolfleet_store::{CitationStore, Claim, ErrorKind, NewReference, RedisOptions};
+use toolfleet_store::{
+    Blob, CitationStore, Claim, ErrorKind, MAX_BLOB_BYTES, NewReference, RedisOptions,
+};
 
 use crate::support::WAIT;
 
@@ -380,6 +382,143 @@ async fn many_results_are_written_to_the_ledger_at_once() {
         .await
         .unwrap();
     assert!(ttl > 0 && ttl <= TTL.as_secs() as i64, "{ttl}");
+}
+
+/// A blob is stored with the invocation's TTL, read back whole, replaced
+/// by a second write of its id, seen only under its invocation and fleet,
+/// and refused past the size cap before anything reaches Redis.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
+    let redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    // Every byte value, and a NUL-heavy run: binary, not text.
+    let png: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
+    within(store.put_blob("inv-b", "call-1.1", "image/png", &png))
+        .await
+        .unwrap();
+    let got = within(store.get_blob("inv-b", "call-1.1"))
+        .await
+        .unwrap()
+        .expect("stored");
+    assert_eq!(
+        got,
+        Blob {
+            content_type: "image/png".into(),
+            bytes: png.clone()
+        }
+    );
+    assert!(format!("{got:?}").contains("<300000 bytes>"), "{got:?}");
+
+    // One hash under the invocation's hash tag, with the store's TTL.
+    let mut raw = within(
+        redis::Client::open(redis.url())
+            .unwrap()
+            .get_multiplexed_async_connection(),
+    )
+    .await
+    .unwrap();
+    let key = "tf:{inv-b}:blob:call-1.1";
+    let ttl: i64 = redis::cmd("TTL")
+        .arg(key)
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert!(ttl > 0 && ttl <= TTL.as_secs() as i64, "{ttl}");
+    let kind: String = redis::cmd("HGET")
+        .arg(key)
+        .arg("type")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(kind, "image/png");
+
+    // The same id again (a redelivered job) replaces the blob whole.
+    within(store.put_blob("inv-b", "call-1.1", "image/jpeg", b"jpeg"))
+        .await
+        .unwrap();
+    let again = within(store.get_blob("inv-b", "call-1.1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (again.content_type.as_str(), &again.bytes[..]),
+        ("image/jpeg", &b"jpeg"[..])
+    );
+
+    // Scoped: another blob id, another invocation, another fleet's prefix.
+    let other_fleet = within(CitationStore::connect(&redis.url(), "tf.other", TTL))
+        .await
+        .unwrap();
+    assert_eq!(
+        within(store.get_blob("inv-b", "call-1.2")).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        within(store.get_blob("inv-c", "call-1.1")).await.unwrap(),
+        None
+    );
+    assert_eq!(
+        within(other_fleet.get_blob("inv-b", "call-1.1"))
+            .await
+            .unwrap(),
+        None
+    );
+    within(other_fleet.put_blob("inv-b", "call-1.1", "text/plain", b"theirs"))
+        .await
+        .unwrap();
+    assert_eq!(
+        within(store.get_blob("inv-b", "call-1.1"))
+            .await
+            .unwrap()
+            .unwrap()
+            .bytes,
+        b"jpeg"
+    );
+
+    // Refused before anything is sent: past the cap, a bad id or type.
+    let big = vec![7u8; MAX_BLOB_BYTES + 1];
+    let err = within(store.put_blob("inv-b", "call-2.1", "image/png", &big))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
+    assert!(err.to_string().contains("32 MiB"), "{err}");
+    let err = within(store.put_blob("inv-b", "a:b", "image/png", b"x"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+    let err = within(store.put_blob("inv-b", "call-2.1", "png", b"x"))
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("tf:{inv-b}:blob:*")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    assert_eq!(keys, [key]);
+    // Exactly at the cap is fine.
+    let cap = vec![1u8; MAX_BLOB_BYTES];
+    within(store.put_blob("inv-b", "call-3.1", "application/octet-stream", &cap))
+        .await
+        .unwrap();
+    let got = within(store.get_blob("inv-b", "call-3.1"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got.bytes.len(), MAX_BLOB_BYTES);
+
+    // A key that is not a whole blob is reported, not taken for one.
+    let _: () = redis::cmd("HSET")
+        .arg("tf:{inv-b}:blob:half")
+        .arg("type")
+        .arg("image/png")
+        .query_async(&mut raw)
+        .await
+        .unwrap();
+    let err = within(store.get_blob("inv-b", "half")).await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }
 
 /// The run lease: taken when free, renewed by its holder, refused to
@@ -770,6 +909,12 @@ async fn the_store_works_on_a_three_master_cluster() {
             .await
             .unwrap();
         assert!(!cancelled);
+        // A blob, on whichever master holds the invocation's slot.
+        within(s.put_blob(&inv, "a.1", "image/png", inv.as_bytes()))
+            .await
+            .unwrap();
+        let blob = within(seeded.get_blob(&inv, "a.1")).await.unwrap().unwrap();
+        assert_eq!(blob.bytes, inv.as_bytes());
     }
     // Many results of many invocations (every master) in one write.
     let many: Vec<ToolResult> = (0..48)

@@ -20,6 +20,7 @@
 //! - [`client`]: submitting a chat job and following its events.
 //! - [`redact`]: credentials out of URLs before they reach a message.
 
+pub mod blob;
 pub mod catalog;
 pub mod client;
 pub mod redact;

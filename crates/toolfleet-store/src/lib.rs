@@ -14,6 +14,7 @@
 //! | `<p>:{<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation (`:finished` appended when its run ended) |
 //! | `<p>:{<inv>}:lease` | string (short TTL) | the run holding the claim, renewed while it runs ([`Lease`]): a redelivery waits while it is live |
 //! | `<p>:{<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
+//! | `<p>:{<inv>}:blob:<id>` | hash (`type`, `bytes`) | a tool's binary output ([`Blob`], at most [`MAX_BLOB_BYTES`]), read by its `toolfleet-blob:` URI |
 //!
 //! Every key carries the TTL. References are written by one Lua script, so
 //! a reservation is atomic: the counter, the hash and the call's indices move
@@ -26,11 +27,16 @@
 //! - [`connection`]: [`RedisOptions`] (one server or a Redis Cluster, auth
 //!   in the URL, `rediss://` with a custom CA and client certificate) and
 //!   the one connection type every command goes through.
+//! - `blob`: [`Blob`]s, the binary outputs of tools
+//!   ([`CitationStore::put_blob`], [`CitationStore::get_blob`]), scoped
+//!   like references by invocation (an invocation id belongs to one
+//!   tenant) and never larger than [`MAX_BLOB_BYTES`].
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
 //!   at once. Every operation is safe to repeat (see each one).
 
+mod blob;
 pub mod connection;
 mod lease;
 mod retry;
@@ -44,6 +50,7 @@ use redis::AsyncCommands;
 
 use toolfleet_protocol::{Reference, ToolResult};
 
+pub use blob::{Blob, MAX_BLOB_BYTES};
 use connection::{Conn, Connector, Secrets};
 pub use connection::{DEFAULT_RETRY_BUDGET, RedisOptions, redact_url};
 pub use lease::Lease;
@@ -64,6 +71,13 @@ pub enum ErrorKind {
     Rejected,
     /// Redis answered something the store cannot read.
     Corrupt,
+    /// The value is larger than the store takes (a blob past
+    /// [`MAX_BLOB_BYTES`]); refused before anything is sent. Retrying will
+    /// not help.
+    TooLarge,
+    /// The caller's value cannot be stored as it is (a blob id or content
+    /// type the contract refuses); refused before anything is sent.
+    Invalid,
 }
 
 /// A store error. Its text names the operation and the cause, never the

@@ -1,19 +1,21 @@
 //! [`ToolCtx`]: what a tool gets besides its arguments — the call's
-//! context, its settings, cancellation, citations, progress and the model
-//! calls it made.
+//! context, its settings, cancellation, citations, blobs, progress and the
+//! model calls it made.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use futures::future::BoxFuture;
 use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio_util::sync::{CancellationToken, WaitForCancellationFuture};
+use toolfleet_protocol::blob::{BlobUri, valid_content_type};
 use toolfleet_protocol::{
     CallContext, InvocationContext, LlmCall, MAX_WARNING_CHARS, MAX_WARNINGS, Reference,
     ToolWarning,
 };
-use toolfleet_store::NewReference;
+use toolfleet_store::{MAX_BLOB_BYTES, NewReference};
 
 use crate::hooks::HookSet;
 use crate::tool::ToolError;
@@ -30,8 +32,34 @@ pub(crate) trait Sink: Send + Sync {
         refs: Vec<NewReference>,
     ) -> BoxFuture<'a, Result<Vec<Reference>, ToolError>>;
 
+    /// Stores `bytes` as blob `blob_id` of the call's invocation (checked
+    /// by [`ToolCtx::store_blob`]). The same id replaces the blob.
+    fn store_blob<'a>(
+        &'a self,
+        call: &'a CallContext,
+        blob_id: String,
+        content_type: String,
+        bytes: Vec<u8>,
+    ) -> BoxFuture<'a, Result<(), ToolError>>;
+
     /// Tells the caller how the call is going.
     fn progress<'a>(&'a self, call: &'a CallContext, message: String) -> BoxFuture<'a, ()>;
+}
+
+/// A blob a call stored ([`ToolCtx::store_blob`]): what to hand the model
+/// or put in the result's data instead of the bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BlobRef {
+    /// The blob's id within the invocation: `<call id>.<n>` for the
+    /// call's `n`th blob (from 1).
+    pub id: String,
+    /// `toolfleet-blob:<invocation id>/<id>` ([`BlobUri`]): what a client
+    /// reads the blob by (`toolfleet blob get URI`).
+    pub uri: String,
+    /// The blob's size.
+    pub bytes: usize,
+    pub content_type: String,
 }
 
 /// What a tool gets besides its arguments.
@@ -45,6 +73,8 @@ pub struct ToolCtx {
     cited: Mutex<Vec<Reference>>,
     /// How many times this call has cited so far.
     cites: AtomicU32,
+    /// How many blobs this call has stored so far.
+    blobs: AtomicU32,
     /// The model calls the tool reported ([`ToolCtx::record_llm_call`]).
     llm_calls: Mutex<Vec<LlmCall>>,
     /// The warnings the tool reported ([`ToolCtx::warning`]).
@@ -74,6 +104,7 @@ impl ToolCtx {
             hooks,
             cited: Mutex::new(Vec::new()),
             cites: AtomicU32::new(0),
+            blobs: AtomicU32::new(0),
             llm_calls: Mutex::new(Vec::new()),
             warnings: Mutex::new(Vec::new()),
         }
@@ -158,6 +189,50 @@ impl ToolCtx {
             cited.extend(stored.iter().cloned());
         }
         Ok(stored)
+    }
+
+    /// Stores `bytes` (an image, a file: anything too big or too binary for
+    /// the model's context or a NATS message) as a blob of the invocation,
+    /// kept as long as its citations, and returns a small [`BlobRef`] to
+    /// answer with instead. Ids are deterministic (`<call id>.1`, `.2`, …
+    /// in the order the call stores them), so a redelivered job that stores
+    /// in the same order replaces its blobs instead of leaving copies.
+    ///
+    /// # Errors
+    ///
+    /// A non-retryable [`ToolError`] for a content type that is not
+    /// `type/subtype` or bytes past [`MAX_BLOB_BYTES`] (32 MiB); a
+    /// retryable one when the store is unavailable.
+    pub async fn store_blob(
+        &self,
+        content_type: &str,
+        bytes: Vec<u8>,
+    ) -> Result<BlobRef, ToolError> {
+        if bytes.len() > MAX_BLOB_BYTES {
+            return Err(ToolError::failed(format!(
+                "the tool's output is {} bytes, more than a blob may have ({MAX_BLOB_BYTES} bytes)",
+                bytes.len()
+            )));
+        }
+        if !valid_content_type(content_type) {
+            return Err(ToolError::failed(format!(
+                "the tool's output has content type {content_type:?}, not `type/subtype`"
+            )));
+        }
+        let n = self.blobs.fetch_add(1, Ordering::Relaxed) + 1;
+        let id = format!("{}.{n}", self.call.call_id);
+        let uri = BlobUri::new(self.call.invocation.invocation_id.as_str(), id.as_str())
+            .map_err(|e| ToolError::failed(e.to_string()))?;
+        let size = bytes.len();
+        self.sink
+            .store_blob(&self.call, id.clone(), content_type.to_owned(), bytes)
+            .await?;
+        Ok(BlobRef {
+            id,
+            uri: uri.to_string(),
+            bytes: size,
+            content_type: content_type.to_owned(),
+        })
     }
 
     /// Sends a progress message to the caller (a `tool_progress` event for

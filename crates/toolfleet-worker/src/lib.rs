@@ -33,7 +33,9 @@
 //! - [`tool`]: the [`Tool`] trait (typed arguments, deserialised after
 //!   schema validation), [`ToolOutput`], [`ToolError`].
 //! - [`ctx`]: [`ToolCtx`] — the call's context, per-tenant settings,
-//!   cancellation, [`ToolCtx::cite`], [`ToolCtx::progress`].
+//!   cancellation, [`ToolCtx::cite`], [`ToolCtx::store_blob`] (binary
+//!   outputs kept out of the model's context, as a [`BlobRef`]),
+//!   [`ToolCtx::progress`].
 //! - [`hooks`]: [`Hooks`] on start, complete, error, fallback and warning,
 //!   and [`Hooks::before_call`], where policies refuse calls (synchronous:
 //!   a policy that needs the network, such as SSRF checks of resolved
@@ -67,7 +69,7 @@ pub mod testing;
 pub mod tool;
 
 pub use builder::{Worker, WorkerBuilder, WorkerError};
-pub use ctx::ToolCtx;
+pub use ctx::{BlobRef, ToolCtx};
 pub use hooks::{CallInfo, Hooks, Refusal};
 pub use process::WorkerArgs;
 pub use runtime::WorkerConfig;

@@ -758,7 +758,7 @@ async fn consumer(
     Ok(consumer)
 }
 
-/// Citations to Redis, progress to the caller's reply subject.
+/// Citations and blobs to Redis, progress to the caller's reply subject.
 struct LiveSink {
     client: async_nats::Client,
     store: CitationStore,
@@ -791,6 +791,34 @@ impl Sink for LiveSink {
                 .with_label_values(&[tool.as_str()])
                 .inc_by(stored.len() as u64);
             Ok(stored)
+        }
+        .boxed()
+    }
+
+    fn store_blob<'a>(
+        &'a self,
+        call: &'a CallContext,
+        blob_id: String,
+        content_type: String,
+        bytes: Vec<u8>,
+    ) -> BoxFuture<'a, Result<(), ToolError>> {
+        async move {
+            self.store
+                .put_blob(
+                    &call.invocation.invocation_id,
+                    &blob_id,
+                    &content_type,
+                    &bytes,
+                )
+                .await
+                .map_err(|e| match e.kind() {
+                    // Refused before it was sent: another attempt would
+                    // be refused too.
+                    toolfleet_store::ErrorKind::TooLarge | toolfleet_store::ErrorKind::Invalid => {
+                        ToolError::failed(e.to_string())
+                    }
+                    _ => ToolError::transient(e.to_string()),
+                })
         }
         .boxed()
     }

@@ -2,11 +2,12 @@
 //!
 //! Citations go to memory with the same numbering rules as the store (one
 //! shared counter per invocation; the same reservation gets the same
-//! indices back), progress messages are kept, and
+//! indices back), blobs are kept by URI (the same id replaces a blob),
+//! progress messages are kept, and
 //! [`TestCtx::call_checked`] puts the arguments through the definition's
 //! schema and the built-in policies first, as a worker would.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -14,9 +15,10 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
+use toolfleet_protocol::blob::BlobUri;
 use toolfleet_protocol::tools::{CompiledTool, ToolDefinition, ToolId};
 use toolfleet_protocol::{CallContext, InvocationContext, LlmCall, Reference, ToolWarning};
-use toolfleet_store::NewReference;
+use toolfleet_store::{Blob, NewReference};
 
 use crate::ctx::{Sink, ToolCtx};
 use crate::hooks::{CallInfo, HookSet, Hooks};
@@ -213,6 +215,18 @@ impl TestCtx {
         refs
     }
 
+    /// Every blob stored so far ([`ToolCtx::store_blob`]), by URI
+    /// (`toolfleet-blob:<invocation id>/<blob id>`, the
+    /// [`crate::BlobRef::uri`]). A blob stored again under the same id
+    /// (the same call id, as a redelivered job) replaces the first.
+    pub fn blobs(&self) -> BTreeMap<String, Blob> {
+        self.sink
+            .state
+            .lock()
+            .map(|s| s.blobs.clone())
+            .unwrap_or_default()
+    }
+
     /// Every progress message sent so far, in order.
     pub fn progress(&self) -> Vec<String> {
         self.sink
@@ -234,6 +248,7 @@ struct MemoryState {
     refs: Vec<Reference>,
     reservations: HashMap<String, Vec<u64>>,
     progress: Vec<String>,
+    blobs: BTreeMap<String, Blob>,
     warnings: Vec<ToolWarning>,
     llm_calls: Vec<LlmCall>,
 }
@@ -273,6 +288,32 @@ impl Sink for MemorySink {
         .boxed()
     }
 
+    fn store_blob<'a>(
+        &'a self,
+        call: &'a CallContext,
+        blob_id: String,
+        content_type: String,
+        bytes: Vec<u8>,
+    ) -> BoxFuture<'a, Result<(), ToolError>> {
+        async move {
+            let uri = BlobUri::new(call.invocation.invocation_id.as_str(), blob_id)
+                .map_err(|e| ToolError::failed(e.to_string()))?;
+            let mut state = self
+                .state
+                .lock()
+                .map_err(|_| ToolError::failed("the test store is poisoned"))?;
+            state.blobs.insert(
+                uri.to_string(),
+                Blob {
+                    content_type,
+                    bytes,
+                },
+            );
+            Ok(())
+        }
+        .boxed()
+    }
+
     fn progress<'a>(&'a self, _call: &'a CallContext, message: String) -> BoxFuture<'a, ()> {
         async move {
             if let Ok(mut state) = self.state.lock() {
@@ -280,5 +321,111 @@ impl Sink for MemorySink {
             }
         }
         .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde::Deserialize;
+    use serde_json::json;
+    use toolfleet_store::MAX_BLOB_BYTES;
+
+    use super::*;
+    use crate::BlobRef;
+
+    /// Stores one blob per entry of `blobs` (its text as the bytes).
+    struct Painter;
+
+    #[derive(Deserialize)]
+    struct Args {
+        blobs: Vec<String>,
+    }
+
+    impl Tool for Painter {
+        type Args = Args;
+        async fn call(&self, ctx: &ToolCtx, args: Args) -> Result<ToolOutput, ToolError> {
+            let mut refs = Vec::new();
+            for text in args.blobs {
+                refs.push(ctx.store_blob("image/png", text.into_bytes()).await?);
+            }
+            ToolOutput::text(format!("{} image(s)", refs.len())).with_data(refs)
+        }
+    }
+
+    fn refs(output: &ToolOutput) -> Vec<BlobRef> {
+        serde_json::from_value(output.data.clone().unwrap()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn blobs_of_one_call_get_distinct_ids_and_a_redelivery_replaces_them() {
+        let ctx = TestCtx::new();
+        let first = ctx
+            .call(&Painter, json!({"blobs": ["a", "bb"]}))
+            .await
+            .unwrap();
+        let first = refs(&first);
+        let ids: Vec<&str> = first.iter().map(|r| r.id.as_str()).collect();
+        assert_eq!(ids, ["call-1.1", "call-1.2"]);
+        assert_eq!(first[1].uri, "toolfleet-blob:test-invocation/call-1.2");
+        assert_eq!(
+            (first[1].bytes, first[1].content_type.as_str()),
+            (2, "image/png")
+        );
+        // The reference is what travels: camelCase, no bytes.
+        let data = serde_json::to_value(&first[0]).unwrap();
+        assert_eq!(data["contentType"], "image/png", "{data}");
+        let second = refs(&ctx.call(&Painter, json!({"blobs": ["c"]})).await.unwrap());
+        assert_eq!(second[0].id, "call-2.1");
+        let blobs = ctx.blobs();
+        assert_eq!(blobs.len(), 3, "{blobs:?}");
+        assert_eq!(blobs[&first[1].uri].bytes, b"bb");
+        assert_eq!(blobs[&first[1].uri].content_type, "image/png");
+
+        // The same call id again (a redelivered job) gets the same ids:
+        // its blobs replace the first attempt's.
+        let ctx = TestCtx::new().with_call_id("c-9");
+        let a = refs(
+            &ctx.call(&Painter, json!({"blobs": ["x", "y"]}))
+                .await
+                .unwrap(),
+        );
+        let b = refs(
+            &ctx.call(&Painter, json!({"blobs": ["X", "Y"]}))
+                .await
+                .unwrap(),
+        );
+        assert_eq!(
+            a.iter().map(|r| &r.uri).collect::<Vec<_>>(),
+            b.iter().map(|r| &r.uri).collect::<Vec<_>>()
+        );
+        let blobs = ctx.blobs();
+        assert_eq!(blobs.len(), 2, "{blobs:?}");
+        assert_eq!(blobs["toolfleet-blob:test-invocation/c-9.1"].bytes, b"X");
+        assert_eq!(blobs["toolfleet-blob:test-invocation/c-9.2"].bytes, b"Y");
+    }
+
+    #[tokio::test]
+    async fn a_blob_too_large_or_without_a_content_type_fails_for_good() {
+        let test = TestCtx::new();
+        let ctx = test.ctx();
+        let err = ctx
+            .store_blob("image/png", vec![0; MAX_BLOB_BYTES + 1])
+            .await
+            .unwrap_err();
+        assert!(!err.is_retryable(), "{err:?}");
+        assert!(
+            err.to_string().contains("more than a blob may have"),
+            "{err}"
+        );
+        let err = ctx.store_blob("png", vec![1]).await.unwrap_err();
+        assert!(!err.is_retryable(), "{err:?}");
+        assert!(err.to_string().contains("type/subtype"), "{err}");
+        assert!(test.blobs().is_empty());
+        // Refused blobs take no id: the next one is still the first.
+        let ok = ctx
+            .store_blob("image/png", vec![0; MAX_BLOB_BYTES])
+            .await
+            .unwrap();
+        assert_eq!((ok.id.as_str(), ok.bytes), ("call-1.1", MAX_BLOB_BYTES));
     }
 }

@@ -22,6 +22,7 @@
 //! (whatever its `implementationKey`); the others belong to other families.
 
 pub mod fallback;
+pub mod image;
 pub mod models;
 pub mod prompt;
 pub mod providers;
@@ -89,6 +90,9 @@ pub fn worker(
         .map(|d| d.implementation_key.clone())
         .collect();
     let mut builder = Worker::builder(FAMILY);
+    if let Some((image, definition)) = image_tool(definitions, &tool.providers, settings)? {
+        builder = builder.definition(definition).tool(image::IMAGE_KEY, image);
+    }
     for definition in served {
         builder = builder.definition(definition);
     }
@@ -96,6 +100,79 @@ pub fn worker(
         builder = builder.tool(key, tool.clone());
     }
     builder.build()
+}
+
+/// `content:generate_image` with its definition from `definitions`, when
+/// the directory has it and it has models: the compat file's, its
+/// `modelPreference`, else [`Settings::image_model`]. `None` (with a log
+/// line) when it has none: the tool is then not served.
+///
+/// # Errors
+///
+/// A model of no configured deployment, naming the file and field.
+pub fn image_tool(
+    definitions: &Path,
+    providers: &Arc<Providers>,
+    settings: &Settings,
+) -> Result<Option<(image::GenerateImage, ToolDefinition)>, WorkerError> {
+    let files =
+        tools::load_dir_files(definitions).map_err(|e| WorkerError::Config(e.to_string()))?;
+    let Some((path, definition)) = files
+        .into_iter()
+        .find(|(_, d)| d.implementation_key == image::IMAGE_KEY)
+    else {
+        return Ok(None);
+    };
+    let fail = |field: &str, model: &str| {
+        WorkerError::Config(format!(
+            "{}: {}: {field}: {model:?} is not provider/model with a deployment of the \
+             configuration as provider (deployments: {})",
+            path.display(),
+            definition.id,
+            providers.names()
+        ))
+    };
+    let known = |m: &str| providers::split_model(m).is_some_and(|(p, _)| providers.knows(p));
+    let preference = definition.model_preference.as_ref();
+    if let Some(p) = preference {
+        if let Some(m) = p.preferred_model.as_deref().filter(|m| !known(m)) {
+            return Err(fail("modelPreference.preferredModel", m));
+        }
+        for (i, m) in p.fallback_models.iter().enumerate() {
+            if !known(m) {
+                return Err(fail(&format!("modelPreference.fallbackModels[{i}]"), m));
+            }
+        }
+    }
+    if let Some(m) = settings.image_model.as_deref().filter(|m| !known(m)) {
+        return Err(WorkerError::Config(format!(
+            "image model {m:?}: expected provider/model with a deployment of the configuration \
+             as provider (deployments: {})",
+            providers.names()
+        )));
+    }
+    let recommended: Vec<String> = settings
+        .compat
+        .as_ref()
+        .and_then(|c| c.models(&definition.id))
+        .unwrap_or_default()
+        .iter()
+        .filter(|m| known(m))
+        .cloned()
+        .collect();
+    let models = models::resolve(&recommended, preference, settings.image_model.as_deref());
+    if models.is_empty() {
+        tracing::info!(tool = %definition.id,
+            "not served: no image model (give the worker --image-model provider/model)");
+        return Ok(None);
+    }
+    Ok(Some((
+        image::GenerateImage {
+            providers: providers.clone(),
+            models: Arc::new(models),
+        },
+        definition,
+    )))
 }
 
 /// The tool serving every declarative definition in `definitions`, and

@@ -28,6 +28,11 @@ struct LlmToolArgs {
     /// `json` tool's fails and the next model is tried).
     #[arg(long, env = "TOOLFLEET_LLM_MAX_REPLY_CHARS", default_value_t = DEFAULT_MAX_REPLY_CHARS)]
     max_reply_chars: usize,
+    /// `deployment/model` of the image model for content:generate_image
+    /// (e.g. `openai/gpt-image-1`); without one (and none in its
+    /// definition or the compat file) that tool is not served.
+    #[arg(long, env = "TOOLFLEET_IMAGE_MODEL")]
+    image_model: Option<String>,
 }
 
 #[tokio::main]
@@ -54,6 +59,7 @@ async fn main() -> std::process::ExitCode {
                     .clone()
                     .or_else(|| toolfleet_worker_llm::default_model_of(&config)),
                 max_reply_chars: own.max_reply_chars,
+                image_model: own.image_model.clone(),
             };
             toolfleet_worker_llm::worker(
                 &args.defs.dir,

@@ -33,6 +33,9 @@ pub struct Settings {
     /// A reply longer than this (in characters) is cut with a notice (a
     /// `json` reply that long fails the attempt).
     pub max_reply_chars: usize,
+    /// `provider/model` of the image model `content:generate_image` uses
+    /// when its definition names none.
+    pub image_model: Option<String>,
 }
 
 impl Default for Settings {
@@ -41,6 +44,7 @@ impl Default for Settings {
             compat: None,
             default_model: None,
             max_reply_chars: DEFAULT_MAX_REPLY_CHARS,
+            image_model: None,
         }
     }
 }
