@@ -17,12 +17,13 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-const USERS: [(&str, &str); 6] = [
+const USERS: [(&str, &str); 7] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
     ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
     ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
+    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
     ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
 ];
 
@@ -242,6 +243,11 @@ async fn security_the_fleet_answers_under_least_privilege_role_identities() {
         .unwrap()
         .extend(serde_json::json!([
             { "whenUserContains": ["AGENT TASK"], "steps": [ { "answer": "the helper agrees" } ] },
+            { "whenUserContains": ["summarize the text below"], "steps": [
+                { "answer": "{\"summary\": \"Keepers wound the lamp.\", \"keyPoints\": []}" } ] },
+            { "whenUserContains": ["digest the logbook"], "steps": [
+                { "toolCalls": [ { "name": "summarize", "arguments": { "text": "The keepers wound the lamp." } } ] },
+                { "answer": "Digest: {{tool:summarize}}" } ] },
             { "whenUserContains": ["ask the helper"], "steps": [
                 { "toolCalls": [ { "name": "helper", "arguments": { "task": "AGENT TASK: agree" } } ] },
                 { "answer": "Helper: {{tool:helper}}" } ] }
@@ -306,6 +312,17 @@ agent = {{ name = "helper", description = "Agrees." }}
                 vec![("TOOLFLEET_INDEX_DIR", index.display().to_string())],
             ),
             logs.path().join("worker-retrieval.log"),
+        ),
+        spawn(
+            "toolfleet-worker-llm",
+            &with(
+                "worker-llm",
+                vec![
+                    ("TOOLFLEET_CONFIG", config.display().to_string()),
+                    ("TOOLFLEET_SECURITY_TEST_KEY", "sk-security-test".into()),
+                ],
+            ),
+            logs.path().join("worker-llm.log"),
         ),
     ];
 
@@ -376,6 +393,27 @@ agent = {{ name = "helper", description = "Agrees." }}
         });
     assert_eq!(agent.text, "Helper: the helper agrees");
 
+    // An LLM tool on its own pool, under the LLM family's role (asked
+    // until the catalog offers it: the worker may still be starting).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let mut digest = toolfleet_protocol::client::question("please digest the logbook");
+        digest.tenant = Some("acme".into());
+        let outcome = toolfleet_protocol::client::chat(&client, &subjects, &digest, WAIT, |_| {})
+            .await
+            .expect("the digest job is answered");
+        if outcome.text.contains("Keepers wound the lamp.") {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the LLM tool never answered: {}\n{}",
+            outcome.text,
+            std::fs::read_to_string(&procs[3].log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
     // A chat job whose header the NATS client cannot read (it costs the
     // orchestrator a reconnect, then a sweep through the chat stream's
     // messages) is still answered with an `error` event under its role's
@@ -424,6 +462,7 @@ agent = {{ name = "helper", description = "Agrees." }}
         "orchestrator.log",
         "worker-system.log",
         "worker-retrieval.log",
+        "worker-llm.log",
     ] {
         let log = std::fs::read_to_string(logs.path().join(name)).unwrap();
         assert!(!log.contains("canary"), "{name} shows a password:\n{log}");

@@ -497,6 +497,14 @@ async fn definitions_that_cannot_be_served_are_refused_at_start_with_file_and_fi
         "{err}"
     );
 
+    let mut bad = summarize("main/gpt-test", &[]);
+    bad["outputSchema"] = json!({"type": 12});
+    bad.as_object_mut().unwrap().remove("outputExample");
+    let path = f.write("summarize.json", &bad);
+    let err = f.worker(&Settings::default()).unwrap_err().to_string();
+    assert!(err.contains(&path.display().to_string()), "{err}");
+    assert!(err.contains("/outputSchema"), "{err}");
+
     f.write("summarize.json", &summarize("nowhere/gpt-test", &[]));
     let err = f.worker(&Settings::default()).unwrap_err().to_string();
     assert!(err.contains("modelPreference.preferredModel"), "{err}");
