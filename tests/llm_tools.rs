@@ -32,11 +32,7 @@ async fn an_llm_tool_falls_back_across_models_and_its_spend_counts_in_the_job() 
     .unwrap();
     summarize["modelPreference"]["preferredModel"] = json!("main/broken-model");
     summarize["modelPreference"]["fallbackModels"] = json!(["main/toolfleet-scripted"]);
-    std::fs::write(
-        dir.path().join("llm.summarize.json"),
-        summarize.to_string(),
-    )
-    .unwrap();
+    std::fs::write(dir.path().join("llm.summarize.json"), summarize.to_string()).unwrap();
     let summary = json!({"summary": "Keepers wound the lamp nightly.", "keyPoints": ["nightly"]});
     let env = Env::start_with(
         json!({
@@ -106,7 +102,11 @@ async fn an_llm_tool_falls_back_across_models_and_its_spend_counts_in_the_job() 
         .sum();
     assert_eq!(outcome.usage.total_tokens, conversation + tool_tokens);
     let tool_cost = tool_calls[0].cost_usd.expect("priced");
-    assert!(outcome.cost_usd.is_some_and(|c| c > tool_cost), "{:?}", outcome.cost_usd);
+    assert!(
+        outcome.cost_usd.is_some_and(|c| c > tool_cost),
+        "{:?}",
+        outcome.cost_usd
+    );
     let metrics = env.metrics_text().await;
     assert!(
         metrics.contains(
