@@ -283,7 +283,7 @@ fn tools_commands_list_show_and_validate() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("FAIL") && text.contains("bad.json"), "{text}");
     assert!(
-        text.contains("ok   tool_definitions (2 definition(s))"),
+        text.contains("ok   tool_definitions (10 definition(s))"),
         "{text}"
     );
 }
@@ -328,12 +328,20 @@ fn tools_list_shows_the_definitions_as_text_or_json() {
     assert_eq!(
         ids,
         [
+            "content:generate_chart@1.0.0",
+            "content:generate_image@1.0.0",
+            "llm:clarify@1.0.0",
+            "llm:classify@1.0.0",
+            "llm:fact_extract@1.0.0",
+            "llm:score@1.0.0",
+            "llm:structure@1.0.0",
+            "llm:summarize@1.0.0",
             "retrieval:search_documents@1.0.0",
             "system:current_datetime@1.0.0"
         ],
         "in id order"
     );
-    let datetime = &rows[1];
+    let datetime = &rows[9];
     assert_eq!(datetime["kind"], "selectable", "{datetime}");
     assert_eq!(datetime["purpose"], "general", "{datetime}");
     assert_eq!(datetime["category"], "utility", "{datetime}");

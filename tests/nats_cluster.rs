@@ -342,6 +342,7 @@ fn nats_cluster_the_shipped_server_configs_are_valid() {
                     "ORCHESTRATOR",
                     "SYSTEM",
                     "RETRIEVAL",
+                    "LLM",
                     "UNITS",
                 ]
                 .map(|r| (format!("TOOLFLEET_NATS_{r}_PASSWORD"), "x")),
