@@ -181,7 +181,9 @@ async fn after_a_rollback_the_live_definition_is_offered() {
     let new_digest = fleet.advertise(&new).await;
     assert_ne!(new_digest, old_digest);
 
-    let catalog = fleet.discover(&Catalog::default()).await;
+    let catalog = fleet
+        .discover_until(&Catalog::default(), &old.id.to_string(), 1)
+        .await;
     let entry = catalog.get(&old.id.to_string()).expect("the tool is live");
     assert_eq!(entry.definition().description, old.description);
     assert_eq!(entry.digest, old_digest);
@@ -190,7 +192,7 @@ async fn after_a_rollback_the_live_definition_is_offered() {
     // Release 2 comes back and takes over: its definition, refetched.
     fleet.stop_all().await;
     fleet.serve(&new, &new_digest).await;
-    let catalog = fleet.discover(&catalog).await;
+    let catalog = fleet.discover_until(&catalog, &new.id.to_string(), 1).await;
     let entry = catalog.get(&new.id.to_string()).expect("the tool is live");
     assert_eq!(entry.definition().description, new.description);
     assert_eq!(entry.digest, new_digest);
