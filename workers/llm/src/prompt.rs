@@ -75,6 +75,9 @@ impl Prompts {
             .unwrap_or_default();
         let mut env = Environment::new();
         env.set_undefined_behavior(UndefinedBehavior::Lenient);
+        // Prompts are plain text: never HTML-escape an argument, whatever a
+        // template's name looks like.
+        env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         let own = definition
             .user_template
             .clone()
@@ -239,6 +242,15 @@ mod tests {
             .render(None, &json!({ "text": "ab", "style": "terse" }))
             .unwrap();
         assert_eq!(r.user, "Summarize (terse):\n\nab");
+    }
+
+    #[test]
+    fn arguments_are_rendered_as_they_are() {
+        let p = Prompts::compile(&definition("{{ text }}", json!({}))).unwrap();
+        let r = p
+            .render(None, &json!({ "text": "<b>Tom & \"Jerry\"</b>" }))
+            .unwrap();
+        assert_eq!(r.user, "<b>Tom & \"Jerry\"</b>");
     }
 
     #[test]
