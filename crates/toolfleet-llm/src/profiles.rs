@@ -58,6 +58,7 @@
 //! | `policy.max_calls_per_turn` | 1..=128, `8` | tool calls run per model turn; calls beyond it get an error result |
 //! | `policy.max_tool_result_tokens` | 64..=1000000 or `"off"`, `4000` | cap on one tool result, in the model's tokens ([`crate::budget`]) |
 //! | `policy.on_truncated_tool_call` | `"error"` (default) or `"ask_again"` | a tool call cut by the output limit: end with an error, or ask the model again |
+//! | `policy.context_budget_tokens` | 1000..=2000000 or `"off"`, `"off"` | before a model call, a conversation over this many tokens (the model's encoding) has its older turns replaced by a summary made with the `llm:summarize` tool, down to about half of it; a `compacted` event says what was saved |
 //! | `[prices."<model>"]` | table | USD per million tokens, for cost in `completed` events and metrics |
 //! | `input` | number ≥ 0, required | uncached prompt tokens |
 //! | `cached_input` | number ≥ 0, `input` | prompt tokens served from the provider's cache |
@@ -117,6 +118,11 @@ const MAX_TOOL_ERRORS_LIMIT: u32 = 100;
 const MAX_CALLS_PER_TURN_LIMIT: usize = 128;
 const MAX_TOOL_RESULT_TOKENS_LIMIT: usize = 1_000_000;
 const MAX_RETRY_ATTEMPTS_LIMIT: u32 = 10;
+/// The smallest context budget: below it a summary and the latest turn
+/// would not fit.
+pub const MIN_CONTEXT_BUDGET_TOKENS: usize = 1000;
+/// The largest context budget (beyond any model's context window).
+pub const MAX_CONTEXT_BUDGET_TOKENS: usize = 2_000_000;
 
 /// Query parameter names that carry credentials: refused in `query`, where
 /// they would put a key in the file.
@@ -1367,6 +1373,11 @@ pub struct LoopPolicy {
     #[serde(deserialize_with = "deserialize_token_cap")]
     pub max_tool_result_tokens: Option<usize>,
     pub on_truncated_tool_call: TruncatedPolicy,
+    /// Context compaction: a conversation over this many tokens has its
+    /// older turns summarised before the next model call; `None` (`"off"`,
+    /// the default): never.
+    #[serde(deserialize_with = "deserialize_token_cap")]
+    pub context_budget_tokens: Option<usize>,
 }
 
 impl Default for LoopPolicy {
@@ -1378,6 +1389,7 @@ impl Default for LoopPolicy {
             max_calls_per_turn: DEFAULT_MAX_CALLS_PER_TURN,
             max_tool_result_tokens: Some(DEFAULT_MAX_TOOL_RESULT_TOKENS),
             on_truncated_tool_call: TruncatedPolicy::default(),
+            context_budget_tokens: None,
         }
     }
 }
@@ -1417,6 +1429,14 @@ impl LoopPolicy {
                     crate::budget::MIN_CAP_TOKENS,
                     MAX_TOOL_RESULT_TOKENS_LIMIT,
                     cap,
+                )
+            }),
+            self.context_budget_tokens.and_then(|budget| {
+                out_of_range(
+                    "context_budget_tokens",
+                    MIN_CONTEXT_BUDGET_TOKENS,
+                    MAX_CONTEXT_BUDGET_TOKENS,
+                    budget,
                 )
             }),
         ];
@@ -1912,6 +1932,7 @@ deployments = ["a", "nokey", "b"]
         let policy = config.profiles["default"].policy;
         assert_eq!(policy.max_tool_result_tokens, None);
         assert_eq!(policy.on_truncated_tool_call, TruncatedPolicy::AskAgain);
+        assert_eq!(policy.context_budget_tokens, None, "off by default");
     }
 
     #[test]
@@ -2034,6 +2055,12 @@ deployments = ["a", "nokey", "b"]
                 "deployment = \"local\"\npolicy = { max_tool_result_tokens = 10 }",
                 "profiles.default.policy.max_tool_result_tokens",
                 "between 64",
+            ),
+            (
+                "deployment = \"local\"",
+                "deployment = \"local\"\npolicy = { context_budget_tokens = 500 }",
+                "profiles.default.policy.context_budget_tokens",
+                "between 1000",
             ),
             (
                 "deployment = \"local\"",

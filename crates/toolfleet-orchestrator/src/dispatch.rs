@@ -61,6 +61,9 @@ pub struct ToolRunner<'f> {
     /// Model calls the tools reported with their results, not yet taken
     /// into the invocation's usage ([`ToolRunner::take_spent`]).
     spent: Vec<toolfleet_protocol::LlmCall>,
+    /// The call id and tool of an internal call
+    /// ([`ToolRunner::run_internal`]) in flight.
+    internal: Option<(String, Arc<CompiledTool>)>,
 }
 
 impl Fleet {
@@ -74,6 +77,7 @@ impl Fleet {
             fleet: self,
             inbox: self.replies.register(),
             spent: Vec::new(),
+            internal: None,
         })
     }
 }
@@ -149,6 +153,24 @@ impl ToolRunner<'_> {
         out.into_iter()
             .map(|o| o.unwrap_or_else(no_result))
             .collect()
+    }
+
+    /// Runs one call of `tool` for the orchestrator's own use (the summary
+    /// of a compaction): the tool need not be offered to the model or
+    /// permitted by the job's gates; otherwise it is a call like any other
+    /// — a job on the pool, `tool_call` / `tool_result` events, metrics,
+    /// and its model spend in [`ToolRunner::take_spent`].
+    pub async fn run_internal(
+        &mut self,
+        inv: &Invocation,
+        tool: Arc<CompiledTool>,
+        call: &ToolCall,
+        events: &Events,
+    ) -> ToolOutcome {
+        self.internal = Some((call.id.clone(), tool));
+        let out = self.run(inv, std::slice::from_ref(call), events).await;
+        self.internal = None;
+        out.into_iter().next().unwrap_or_else(no_result)
     }
 
     /// Dispatches a batch of calls together and awaits their answers.
@@ -272,9 +294,15 @@ impl ToolRunner<'_> {
         // An offered tool, or one the invocation may use (scoping left it
         // out, or its worker joined after the offer: one fresh catalog
         // reading and the gates again). Anything else is unknown.
-        let tool = match inv.tool(&call.name) {
-            Some(tool) => Some(tool.clone()),
-            None => self.permitted_late(inv, &call.name).await,
+        let internal = self
+            .internal
+            .as_ref()
+            .filter(|(id, _)| *id == call.id)
+            .map(|(_, tool)| tool.clone());
+        let tool = match (internal, inv.tool(&call.name)) {
+            (Some(tool), _) => Some(tool),
+            (None, Some(tool)) => Some(tool.clone()),
+            (None, None) => self.permitted_late(inv, &call.name).await,
         };
         let Some(tool) = tool else {
             events.send(ChatEventBody::ToolCall {

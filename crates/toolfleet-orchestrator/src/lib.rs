@@ -66,6 +66,7 @@ use tracing::{info, warn};
 
 pub mod agents;
 pub mod catalog;
+pub mod compaction;
 pub mod context;
 pub mod dispatch;
 pub mod events;

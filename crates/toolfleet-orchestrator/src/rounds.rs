@@ -49,6 +49,7 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
     let mut caps = Caps::default();
     for round in 1..=policy.max_rounds {
         let tools_allowed = caps.open_round(round, &policy, fleet, &mut inv.messages);
+        crate::compaction::maybe_compact(inv, &mut tools, fleet, events).await;
         let mut request = request(inv, &policy, tools_allowed, fleet);
         let completion = fleet.call_model(inv, &mut request, events).await;
         // The conversation was lent to the request (not copied, so a

@@ -813,6 +813,20 @@ pub enum ChatEventBody {
         /// The failure's code, e.g. `http_503`, `connect`.
         code: String,
     },
+    /// The conversation was over the profile's context budget: its older
+    /// turns were replaced by a summary (made by `llm:summarize`) before
+    /// the next model call.
+    #[serde(rename_all = "camelCase")]
+    Compacted {
+        /// The conversation's tokens before and after (the model's
+        /// encoding).
+        tokens_before: u64,
+        tokens_after: u64,
+        /// `tokens_before - tokens_after`.
+        saved: u64,
+        /// Messages the summary replaced.
+        messages: u64,
+    },
     #[serde(rename_all = "camelCase")]
     Completed {
         text: String,
@@ -850,6 +864,7 @@ impl ChatEventBody {
             ChatEventBody::References { .. } => "references",
             ChatEventBody::Scoping { .. } => "scoping",
             ChatEventBody::Fallback { .. } => "fallback",
+            ChatEventBody::Compacted { .. } => "compacted",
             ChatEventBody::Completed { .. } => "completed",
             ChatEventBody::Error { .. } => "error",
         }
