@@ -3,13 +3,14 @@
 //! encoding) has its older turns replaced by one summary, made by the
 //! `llm:summarize` tool as a tool job on the pool.
 //!
-//! What is replaced ([`plan`]): the turns after the leading system
-//! message(s), up to a cut chosen so that what stays fits in half the
-//! budget — or, when even the latest turns do not, up to the last user
-//! message (which always stays, with everything after it). The cut never
-//! falls between an assistant message that called tools and the tool
-//! results answering it: a provider refuses a tool result whose call is
-//! gone, and a call left without its result.
+//! What is replaced ([`plan`]): the messages after the leading system
+//! message(s) — the earlier conversation and the current turn's earlier
+//! tool rounds — up to a cut chosen so that what stays fits in half the
+//! budget, or, when even that does not, everything but the latest round.
+//! The last user message always stays (right after the summary when the
+//! cut passed it). The cut never falls between an assistant message that
+//! called tools and the tool results answering it: a provider refuses a
+//! tool result whose call is gone, and a call left without its result.
 //!
 //! The summary call shows as any tool call does (`tool_call` and
 //! `tool_result` events) and its model spend counts in the invocation's
