@@ -235,6 +235,79 @@ impl Tool for LlmTool {
     }
 }
 
+/// The request one attempt of `declared` at `id` (`provider/model`, the
+/// model part being `model`) sends, and the answer format it expects:
+/// the variant for the model, the rendered prompt, the JSON-only
+/// instruction for `json` tools, the preference's temperature and token
+/// limit.
+fn build_request(
+    declared: &Declared,
+    id: &str,
+    model: &str,
+    args: &Value,
+) -> Result<(ChatRequest, OutputFormat), crate::prompt::PromptError> {
+    let variant = variant::choose(&declared.definition, id).map(|(name, _)| name);
+    let rendered = declared.prompts.render(variant, args)?;
+    let format = declared.format(variant);
+    let system = match (format, rendered.system) {
+        (OutputFormat::Json, Some(system)) => {
+            Some(format!("{}\n\n{system}", declared.json_instruction()))
+        }
+        (OutputFormat::Json, None) => Some(declared.json_instruction()),
+        (_, system) => system,
+    };
+    let preference = declared.definition.model_preference.as_ref();
+    let mut messages = Vec::with_capacity(2);
+    if let Some(content) = system {
+        messages.push(Message::System { content });
+    }
+    messages.push(Message::User {
+        content: rendered.user,
+    });
+    let request = ChatRequest {
+        model: model.to_owned(),
+        messages,
+        tools: Vec::new(),
+        tool_choice: None,
+        parallel_tool_calls: false,
+        temperature: preference.and_then(|p| p.temperature).map(|t| t as f32),
+        max_tokens: preference.and_then(|p| p.max_tokens),
+    };
+    Ok((request, format))
+}
+
+impl LlmTool {
+    /// The request the first model of `tool`'s list would be sent for
+    /// `arguments` (validated), with that model's client: what a benchmark
+    /// sends straight to the model to compare with a call through the
+    /// fleet.
+    ///
+    /// # Errors
+    ///
+    /// In words: the tool is not served here, its first model cannot be
+    /// called, or the prompt does not render.
+    pub fn first_request(
+        &self,
+        tool: &ToolId,
+        arguments: &Value,
+    ) -> Result<(ChatRequest, LlmClient), String> {
+        let declared = self
+            .tools
+            .get(tool)
+            .ok_or_else(|| format!("{tool} is not a declarative LLM tool of this worker"))?;
+        let attempts =
+            Attempts::plan(&self.providers, &declared.models).map_err(|e| e.to_string())?;
+        let candidate = attempts
+            .candidates()
+            .into_iter()
+            .next()
+            .ok_or_else(|| "no model".to_owned())?;
+        let (request, _) = build_request(declared, candidate.id, candidate.model, arguments)
+            .map_err(|e| e.to_string())?;
+        Ok((request, candidate.client.clone()))
+    }
+}
+
 /// The reply as it streams in, kept up to a cap.
 struct Capped {
     text: String,
@@ -295,36 +368,8 @@ impl LlmTool {
         args: &Value,
     ) -> Result<ToolOutput, AttemptError> {
         let Candidate { id, model, client } = *candidate;
-        let variant = variant::choose(&declared.definition, id).map(|(name, _)| name);
-        let rendered = declared
-            .prompts
-            .render(variant, args)
-            .map_err(|e| AttemptError(e.to_string()))?;
-        let format = declared.format(variant);
-        let system = match (format, rendered.system) {
-            (OutputFormat::Json, Some(system)) => {
-                Some(format!("{}\n\n{system}", declared.json_instruction()))
-            }
-            (OutputFormat::Json, None) => Some(declared.json_instruction()),
-            (_, system) => system,
-        };
-        let preference = declared.definition.model_preference.as_ref();
-        let mut messages = Vec::with_capacity(2);
-        if let Some(content) = system {
-            messages.push(Message::System { content });
-        }
-        messages.push(Message::User {
-            content: rendered.user,
-        });
-        let request = ChatRequest {
-            model: model.to_owned(),
-            messages,
-            tools: Vec::new(),
-            tool_choice: None,
-            parallel_tool_calls: false,
-            temperature: preference.and_then(|p| p.temperature).map(|t| t as f32),
-            max_tokens: preference.and_then(|p| p.max_tokens),
-        };
+        let (request, format) =
+            build_request(declared, id, model, args).map_err(|e| AttemptError(e.to_string()))?;
         let started = Instant::now();
         let (reply, usage, attempts) = self.ask(client, &request).await?;
         ctx.record_llm_call(LlmCall {

@@ -554,3 +554,28 @@ async fn invalid_arguments_never_reach_the_model() {
     assert!(matches!(err, ToolError::InvalidInput(_)), "{err:?}");
     assert!(f.server.received().is_empty());
 }
+
+#[tokio::test]
+async fn the_first_request_is_what_a_call_sends_first() {
+    let f = fixture().await;
+    let path = f.write(
+        "summarize.json",
+        &summarize("main/gpt-test", &["backup/gpt-test"]),
+    );
+    let tool = f.tool(&Settings::default());
+    let args = json!({"text": "Lighthouses.", "style": "neutral"});
+    let (request, client) = tool.first_request(&definition(&path).id, &args).unwrap();
+    assert_eq!(request.model, "gpt-test");
+    // Sent straight to the model, it is the request a call sends.
+    client.stream_chat(&request, |_| {}).await.unwrap();
+    TestCtx::new()
+        .call_checked(&definition(&path), &tool, args)
+        .await
+        .unwrap();
+    let asked = f.asked();
+    assert_eq!(asked[0], asked[1]);
+    assert!(
+        tool.first_request(&"llm:nothing@1.0.0".parse().unwrap(), &json!({}))
+            .is_err()
+    );
+}
