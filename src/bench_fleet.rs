@@ -14,6 +14,14 @@
 //! Every worker, in either shape, also serves `bench:sleep@1.0.0`, a tool
 //! that waits the milliseconds it is asked for: a stand-in for a tool's own
 //! work when measuring how a pool scales.
+//!
+//! When the tool under test is an LLM tool ([`Shape::llm_tools`]), the
+//! scripted model runs in tool mode too and the workers also run the LLM
+//! tools family against it (one deployment, as the demo's orchestrator
+//! has); worker processes are told the model through
+//! [`ENV_BENCH_MODEL_URL`] and its neighbours. Otherwise that family is
+//! left out: in chat mode its tools would be offered to the model with
+//! every request and change what the chat figures measure.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -28,6 +36,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
+use toolfleet_llm::profiles::{Deployment, EnvSource, FleetConfig};
 use toolfleet_local::fleet::FleetSpec;
 use toolfleet_orchestrator::OrchestratorConfig;
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker, WorkerError};
@@ -38,6 +47,18 @@ use crate::families::IndexArgs;
 
 /// The id of the bench's own tool.
 pub const SLEEP_TOOL: &str = "bench:sleep@1.0.0";
+
+/// The model's base URL (including `/v1`) for the LLM tools family of a
+/// `toolfleet bench-worker` process; unset: that family is not started.
+/// The bench's own variables (not `TOOLFLEET_LLM_*`), so that a model an
+/// operator's shell points at never reaches a bench worker.
+pub const ENV_BENCH_MODEL_URL: &str = "TOOLFLEET_BENCH_MODEL_URL";
+/// The model name for [`ENV_BENCH_MODEL_URL`].
+pub const ENV_BENCH_MODEL: &str = "TOOLFLEET_BENCH_MODEL";
+/// The first-token timeout for [`ENV_BENCH_MODEL_URL`], in ms (default:
+/// the client's).
+pub const ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS: &str =
+    "TOOLFLEET_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS";
 
 const SLEEP_DEFINITION: &str = r#"{
   "schemaVersion": 1,
@@ -90,15 +111,63 @@ pub fn sleep_worker() -> Result<Worker, WorkerError> {
         .build()
 }
 
-/// Every family this command ships, plus the bench's own tool.
+/// A bench worker process's workers: every family this command ships,
+/// plus the bench's own tool; the LLM tools family only when
+/// [`ENV_BENCH_MODEL_URL`] names a model ([`models_from_env`]).
 pub fn bench_workers(definitions: &Path, index: &IndexArgs) -> anyhow::Result<Vec<Worker>> {
+    let models = models_from_env(&toolfleet_llm::profiles::ProcessEnv)?;
+    bench_workers_with(definitions, index, models.as_ref())
+}
+
+/// Every family this command ships, plus the bench's own tool; the LLM
+/// tools family only with `models`.
+pub fn bench_workers_with(
+    definitions: &Path,
+    index: &IndexArgs,
+    models: Option<&FleetConfig>,
+) -> anyhow::Result<Vec<Worker>> {
     let mut workers = crate::families::all(&crate::families::Inputs {
         definitions,
         index,
-        models: None,
+        models,
     })?;
     workers.push(sleep_worker()?);
     Ok(workers)
+}
+
+/// The bench's model deployment, one profile on one deployment: the
+/// scripted stand-in at `base_url`, answering as `model`.
+pub fn bench_models(base_url: url::Url, model: &str, first_token_timeout: Duration) -> FleetConfig {
+    let mut deployment = Deployment::new(base_url, model);
+    deployment.first_token_timeout = first_token_timeout;
+    FleetConfig::single(deployment)
+}
+
+/// [`bench_models`] from a worker process's environment
+/// ([`ENV_BENCH_MODEL_URL`], [`ENV_BENCH_MODEL`],
+/// [`ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS`]); `None` when no URL is set.
+pub fn models_from_env(env: &dyn EnvSource) -> anyhow::Result<Option<FleetConfig>> {
+    let Some(url) = env
+        .var(ENV_BENCH_MODEL_URL)
+        .filter(|u| !u.trim().is_empty())
+    else {
+        return Ok(None);
+    };
+    let url =
+        url::Url::parse(url.trim()).with_context(|| format!("{ENV_BENCH_MODEL_URL}={url:?}"))?;
+    let model = env
+        .var(ENV_BENCH_MODEL)
+        .filter(|m| !m.trim().is_empty())
+        .with_context(|| format!("{ENV_BENCH_MODEL_URL} is set but {ENV_BENCH_MODEL} is not"))?;
+    let first_token_timeout = match env.var(ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS) {
+        Some(ms) => Duration::from_millis(
+            ms.trim()
+                .parse()
+                .with_context(|| format!("{ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS}={ms:?}"))?,
+        ),
+        None => toolfleet_llm::DEFAULT_FIRST_TOKEN_TIMEOUT,
+    };
+    Ok(Some(bench_models(url, model.trim(), first_token_timeout)))
 }
 
 /// How the fleet is laid out.
@@ -106,6 +175,9 @@ pub fn bench_workers(definitions: &Path, index: &IndexArgs) -> anyhow::Result<Ve
 pub struct Shape {
     /// Run an orchestrator and a model (chat mode).
     pub chat: bool,
+    /// Run a model and the LLM tools family against it (tool mode, an LLM
+    /// tool under test).
+    pub llm_tools: bool,
     /// The scripted model in a process of its own.
     pub model_process: bool,
     /// Orchestrator and workers as processes of their own.
@@ -139,6 +211,9 @@ pub struct BenchFleet {
     pub model_pid: Option<u32>,
     /// When its last worker was up.
     pub started: std::time::Instant,
+    /// The model deployment of the orchestrator and the LLM tools family
+    /// (the scripted stand-in), when the fleet has a model.
+    pub models: Option<FleetConfig>,
     servers: DemoServers,
     model: Model,
     workers: Vec<Proc>,
@@ -172,7 +247,7 @@ impl BenchFleet {
         let script = toolfleet_scripted::Script::load(&shape.script)?
             .with_first_token_delay(shape.model_delay);
         let model_name = script.model().to_string();
-        let (model, model_url) = if !shape.chat {
+        let (model, model_url) = if !shape.chat && !shape.llm_tools {
             (Model::None, None)
         } else if shape.model_process || shape.processes {
             let port = toolfleet_local::servers::free_port()?;
@@ -209,6 +284,11 @@ impl BenchFleet {
         // A slow model must not trip the first-token timeout.
         let first_token_timeout =
             Duration::from_secs(60).max(shape.model_delay * 2 + Duration::from_secs(10));
+        let models = model_url
+            .as_ref()
+            .map(|url| bench_models(url.clone(), &model_name, first_token_timeout));
+        // The LLM tools family only when its tool is under test.
+        let llm_models = models.as_ref().filter(|_| shape.llm_tools);
 
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -238,12 +318,25 @@ impl BenchFleet {
                         "TOOLFLEET_METRICS_ADDR",
                         format!("127.0.0.1:{port}"),
                     )]));
+                match (llm_models, &model_url) {
+                    (Some(_), Some(url)) => {
+                        cmd.env(ENV_BENCH_MODEL_URL, url.as_str())
+                            .env(ENV_BENCH_MODEL, &model_name)
+                            .env(
+                                ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS,
+                                first_token_timeout.as_millis().to_string(),
+                            );
+                    }
+                    _ => {
+                        cmd.env_remove(ENV_BENCH_MODEL_URL);
+                    }
+                }
                 let proc = Proc::spawn(&format!("worker {i}"), &mut cmd)?;
                 wait_http(port, "/healthz").await?;
                 eprintln!("• worker process {} ready", proc.pid());
                 workers.push(proc);
             }
-            if let Some(model_url) = &model_url {
+            if let Some(model_url) = model_url.as_ref().filter(|_| shape.chat) {
                 let bin = sibling_bin("toolfleet-orchestrator")?;
                 let port = toolfleet_local::servers::free_port()?;
                 let mut cmd = Command::new(&bin);
@@ -271,15 +364,9 @@ impl BenchFleet {
                 });
             }
         } else {
-            let orchestrator_config = match &model_url {
-                Some(url) => {
-                    let mut deployment =
-                        toolfleet_llm::profiles::Deployment::new(url.clone(), model_name);
-                    deployment.first_token_timeout = first_token_timeout;
-                    let mut config = OrchestratorConfig::new(
-                        subjects.clone(),
-                        toolfleet_llm::profiles::FleetConfig::single(deployment),
-                    );
+            let orchestrator_config = match models.as_ref().filter(|_| shape.chat) {
+                Some(models) => {
+                    let mut config = OrchestratorConfig::new(subjects.clone(), models.clone());
                     config.max_in_flight = shape.orchestrator_in_flight;
                     Some(config)
                 }
@@ -291,7 +378,7 @@ impl BenchFleet {
                 subjects: subjects.clone(),
                 citation_ttl: Duration::from_secs(3600),
                 orchestrator: orchestrator_config,
-                workers: bench_workers(&local.defs.dir, &index)?,
+                workers: bench_workers_with(&local.defs.dir, &index, llm_models)?,
                 worker_concurrency: shape.worker_concurrency,
                 nats_connect_wait: Duration::from_secs(10),
             };
@@ -316,6 +403,7 @@ impl BenchFleet {
             orchestrator,
             model_pid,
             started: std::time::Instant::now(),
+            models,
             servers,
             model,
             workers,
@@ -567,6 +655,45 @@ mod tests {
         let w = sleep_worker().expect("the bench tool's definition is valid");
         let ids: Vec<String> = w.definitions().map(|d| d.id.to_string()).collect();
         assert_eq!(ids, vec![SLEEP_TOOL.to_string()]);
+    }
+
+    #[test]
+    fn a_bench_worker_reads_its_model_from_the_bench_variables_only() {
+        use std::collections::BTreeMap;
+        let env = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect()
+        };
+        // No bench model: no LLM tools family, whatever TOOLFLEET_LLM_* say.
+        let none = models_from_env(&env(&[(
+            "TOOLFLEET_LLM_BASE_URL",
+            "https://api.openai.com/v1",
+        )]))
+        .unwrap();
+        assert!(none.is_none());
+        let models = models_from_env(&env(&[
+            (ENV_BENCH_MODEL_URL, "http://127.0.0.1:4321/v1"),
+            (ENV_BENCH_MODEL, "toolfleet-scripted"),
+            (ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS, "90000"),
+        ]))
+        .unwrap()
+        .expect("a model");
+        assert_eq!(
+            toolfleet_worker_llm::default_model_of(&models).as_deref(),
+            Some("default/toolfleet-scripted")
+        );
+        let deployment = &models.deployments["default"];
+        assert_eq!(deployment.base_url.as_str(), "http://127.0.0.1:4321/v1");
+        assert_eq!(deployment.first_token_timeout, Duration::from_secs(90));
+        let no_name = models_from_env(&env(&[(ENV_BENCH_MODEL_URL, "http://127.0.0.1:4321/v1")]));
+        assert!(no_name.is_err());
+        let bad_url = models_from_env(&env(&[
+            (ENV_BENCH_MODEL_URL, "not a url"),
+            (ENV_BENCH_MODEL, "m"),
+        ]));
+        assert!(bad_url.is_err());
     }
 
     #[test]

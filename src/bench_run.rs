@@ -1,8 +1,9 @@
 //! `toolfleet bench` from its arguments to its report: start the fleet in
 //! the asked shape ([`crate::bench_fleet`]), warm up, drive the load
 //! ([`crate::bench`]), measure the floors on the same servers
-//! ([`crate::floor`]), read the orchestrator's memory, print a table (or
-//! JSON) and write the chart ([`crate::svg`]).
+//! ([`crate::floor`]) — and, for an LLM tool, the direct call to the same
+//! model — read the orchestrator's memory, print a table (or JSON) and
+//! write the chart ([`crate::svg`]).
 
 use std::time::Duration;
 
@@ -12,6 +13,7 @@ use crate::bench::{Load, Memory, Ratios, Summary, ToolCaller, chat_op, drive, in
 use crate::bench_fleet::{BenchFleet, OrchestratorMemory, SLEEP_TOOL, Sampler, Shape};
 use crate::cli::{BenchArgs, BenchMode, DEMO_QUESTIONS};
 use crate::floor::Floor;
+use toolfleet_protocol::tools::{ToolDefinition, ToolId};
 
 /// Operations when neither `--count` nor `--duration` is given.
 const DEFAULT_COUNT: usize = 500;
@@ -25,6 +27,10 @@ struct Report {
     tool: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_arguments: Option<serde_json::Value>,
+    /// Tool mode, an LLM tool: the model it calls (`deployment/model`, the
+    /// scripted stand-in), which the direct model call floor calls too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    model: Option<String>,
     /// Chat mode: the scripted model's first-token delay.
     #[serde(skip_serializing_if = "Option::is_none")]
     model_delay_ms: Option<u64>,
@@ -75,8 +81,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
             (Some(tool), Some(arguments))
         }
     };
+    // An LLM tool under test needs the model and the LLM tools family; its
+    // definition also gives the direct model call floor its request.
+    let llm_tool = match &tool {
+        Some(tool) => llm_tool_definition(&args.local.defs.dir, tool)?,
+        None => None,
+    };
     let shape = Shape {
         chat: args.mode == BenchMode::Chat,
+        llm_tools: llm_tool.is_some(),
         model_process: args.model_process,
         processes: args.processes,
         workers: args.workers.max(1),
@@ -107,8 +120,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         timeout,
         tool.as_deref(),
         tool_arguments.clone(),
+        llm_tool.as_ref(),
     )
     .await;
+    let model = llm_tool
+        .as_ref()
+        .and(fleet.models.as_ref())
+        .and_then(toolfleet_worker_llm::default_model_of);
     let own_peak = Memory::of("self").unwrap_or_default().hwm_kib;
     fleet.stop().await;
     let (summary, floors, memory) = result?;
@@ -139,7 +157,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         mode: args.mode,
         tool,
         tool_arguments,
-        model_delay_ms: (args.mode == BenchMode::Chat).then_some(args.model_delay_ms),
+        model,
+        model_delay_ms: (args.mode == BenchMode::Chat || llm_tool.is_some())
+            .then_some(args.model_delay_ms),
         processes: args.processes,
         model_process: args.model_process || args.processes,
         worker_processes: if args.processes { shape.workers } else { 0 },
@@ -159,6 +179,26 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     Ok(if failed == 0 { 0 } else { 1 })
 }
 
+/// The definition of `tool` when it is a declarative LLM tool of
+/// `definitions` (one with a prompt, served by the LLM tools family);
+/// `None` for any other tool. (`content:generate_image` is not one: the
+/// bench gives that family no image model, so it is not served.)
+fn llm_tool_definition(
+    definitions: &std::path::Path,
+    tool: &str,
+) -> anyhow::Result<Option<ToolDefinition>> {
+    let Ok(id) = tool.parse::<ToolId>() else {
+        // Refused with its reason when the calls are built.
+        return Ok(None);
+    };
+    let served = toolfleet_protocol::tools::load_dir(definitions)
+        .with_context(|| format!("reading the tool definitions in {}", definitions.display()))?
+        .into_iter()
+        .find(|d| d.id == id)
+        .filter(toolfleet_worker_llm::is_declarative);
+    Ok(served)
+}
+
 type Measured = (Summary, Vec<Summary>, Option<OrchestratorMemory>);
 
 async fn measure(
@@ -168,6 +208,7 @@ async fn measure(
     timeout: Duration,
     tool: Option<&str>,
     tool_arguments: Option<serde_json::Value>,
+    llm_tool: Option<&ToolDefinition>,
 ) -> anyhow::Result<Measured> {
     let (op, name) = match tool {
         Some(tool) => {
@@ -178,7 +219,7 @@ async fn measure(
                 &fleet.client,
                 &fleet.subjects,
                 id,
-                tool_arguments.unwrap_or_default(),
+                tool_arguments.clone().unwrap_or_default(),
                 timeout,
             )
             .await?;
@@ -227,6 +268,30 @@ async fn measure(
     if args.floor {
         floors.push(Floor::jetstream(&fleet.client, &fleet.nats_url).await?);
         floors.push(Floor::request_reply(&fleet.client, &fleet.nats_url).await?);
+        if let (Some(definition), Some(models)) = (llm_tool, &fleet.models) {
+            floors.push(
+                Floor::direct_model(
+                    models,
+                    &args.local.defs.dir,
+                    definition,
+                    tool_arguments.clone().unwrap_or_default(),
+                    timeout,
+                )
+                .await?,
+            );
+        }
+    }
+    // A floor with connections of its own to fill is warmed up as the
+    // fleet was.
+    for floor in floors.iter().filter(|f| f.warm_up) {
+        if warm.count != Some(0) {
+            eprint!(
+                "• warming up the {} … ",
+                floor.name.trim_start_matches("floor: ")
+            );
+            let w = drive("warm-up", &warm, floor.op.clone()).await;
+            eprintln!("{} ok, {} errors {:?}", w.ok, w.errors, w.error_codes);
+        }
     }
     let rounds = if floors.is_empty() { 1 } else { load.rounds() };
     let mut sides = vec![(name, op)];
@@ -282,6 +347,12 @@ fn render(r: &Report) -> String {
     if r.mode == BenchMode::Chat && !r.ratios.is_empty() {
         out.push_str("(a chat job is two model calls, its tool calls, citations and ~30 events; a floor operation is one round trip)\n");
     }
+    if let Some(model) = &r.model {
+        out.push_str(&format!(
+            "model: {model} (the scripted stand-in), first-token delay {} ms; the direct model call is the tool's request without the fleet\n",
+            r.model_delay_ms.unwrap_or(0)
+        ));
+    }
     if let Some(m) = &r.orchestrator_memory {
         out.push_str(&format!(
             "orchestrator process {}: idle RSS {:.1} MiB, peak RSS {:.1} MiB (VmHWM {:.1} MiB) with up to {} chat jobs in flight: {:.1} KiB per invocation\n",
@@ -298,7 +369,7 @@ fn render(r: &Report) -> String {
         r.bench_process_peak_rss_kib as f64 / 1024.0,
         if r.processes {
             " (load generator only)"
-        } else if r.model_process || r.mode == BenchMode::Tool {
+        } else if r.model_process || (r.mode == BenchMode::Tool && r.model.is_none()) {
             " (fleet and load generator)"
         } else {
             " (fleet, model and load generator)"

@@ -15,13 +15,26 @@
 //!   one tool call's transport, with no validation, ledger or tool.
 //! - **Core NATS request-reply**: a request to a queue-group responder on a
 //!   connection of its own.
+//! - **Direct model call** (an LLM tool under test): the model request the
+//!   LLM tool makes for the same arguments — its prompt rendered per call
+//!   (system and user message, no tools, the definition's temperature and
+//!   token cap), sent through an [`LlmClient`] built from the same
+//!   deployment as the worker's (same server, streaming setting, timeouts),
+//!   the answer read as JSON when the tool's output is JSON. What a caller
+//!   without the fleet would do to get the same answer: one HTTP call, no
+//!   NATS, no worker, no argument or output-schema validation.
 
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
+use serde_json::Value;
 use tokio_util::sync::CancellationToken;
+use toolfleet_llm::profiles::{FleetConfig, ProcessEnv};
+use toolfleet_protocol::tools::{OutputFormat, ToolDefinition, ToolId};
+use toolfleet_worker_llm::LlmTool;
 
 use crate::bench::{Load, Op, Replies, Summary, drive};
 
@@ -37,7 +50,11 @@ const FLOOR_PULL_BATCH: usize = 1024;
 pub struct Floor {
     pub name: &'static str,
     pub op: Op,
-    responder: tokio::task::JoinHandle<()>,
+    /// Drive it through the fleet's warm-up before measuring: it holds
+    /// connections of its own (the direct model call's HTTP pool) that the
+    /// fleet's warm-up filled on the fleet's side.
+    pub warm_up: bool,
+    responder: Option<tokio::task::JoinHandle<()>>,
     stop: CancellationToken,
     /// The JetStream floor's own stream, deleted on stop.
     stream: Option<(jetstream::Context, String)>,
@@ -151,7 +168,8 @@ impl Floor {
         Ok(Self {
             name: "floor: jetstream work queue",
             op,
-            responder,
+            warm_up: false,
+            responder: Some(responder),
             stop,
             stream: Some((js, name)),
         })
@@ -218,8 +236,51 @@ impl Floor {
         Ok(Self {
             name: "floor: core request-reply",
             op,
-            responder,
+            warm_up: false,
+            responder: Some(responder),
             stop,
+            stream: None,
+        })
+    }
+
+    /// The direct model call (see the module docs): the request the LLM
+    /// tool `definition` (served from `definitions`) sends first for
+    /// `arguments`, built by the worker's own code
+    /// ([`toolfleet_worker_llm::LlmTool::first_request`]) on every call,
+    /// sent to the default deployment of `models`, each call bounded by
+    /// `timeout`. One call is made here: a script without an answer for
+    /// the tool's prompt fails now, not as a floor of errors.
+    pub async fn direct_model(
+        models: &FleetConfig,
+        definitions: &Path,
+        definition: &ToolDefinition,
+        arguments: Value,
+        timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        let direct = Arc::new(DirectCall::new(
+            models,
+            definitions,
+            definition,
+            arguments,
+            timeout,
+        )?);
+        direct.call().await.map_err(|code| {
+            anyhow::anyhow!(
+                "the direct model call for {} failed ({code}): does the model's script answer \
+                 this tool's prompt as the tool expects?",
+                definition.id
+            )
+        })?;
+        let op: Op = Arc::new(move |_| {
+            let direct = direct.clone();
+            Box::pin(async move { direct.call().await.map(|()| 0) })
+        });
+        Ok(Self {
+            name: "floor: direct model call",
+            op,
+            warm_up: true,
+            responder: None,
+            stop: CancellationToken::new(),
             stream: None,
         })
     }
@@ -227,7 +288,9 @@ impl Floor {
     /// Stops the responder and deletes what the floor made.
     pub async fn stop(self) {
         self.stop.cancel();
-        let _ = self.responder.await;
+        if let Some(responder) = self.responder {
+            let _ = responder.await;
+        }
         if let Some((js, name)) = self.stream {
             let _ = js.delete_stream(&name).await;
         }
@@ -264,6 +327,65 @@ pub async fn request_reply(
         .await?
         .measure(load)
         .await)
+}
+
+/// The direct model call: the LLM tool (as the worker builds it, with the
+/// worker's default model) whose first request is sent.
+struct DirectCall {
+    tool: LlmTool,
+    id: ToolId,
+    json: bool,
+    arguments: Value,
+    timeout: Duration,
+}
+
+impl DirectCall {
+    fn new(
+        models: &FleetConfig,
+        definitions: &Path,
+        definition: &ToolDefinition,
+        arguments: Value,
+        timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        let settings = toolfleet_worker_llm::Settings {
+            default_model: toolfleet_worker_llm::default_model_of(models),
+            ..toolfleet_worker_llm::Settings::default()
+        };
+        let (tool, _) =
+            toolfleet_worker_llm::llm_tool(definitions, models, &ProcessEnv, &settings)?;
+        // The variant for the model may change the format; the default
+        // (first) model's is what the call expects.
+        let json = definition.output_format == Some(OutputFormat::Json);
+        Ok(Self {
+            tool,
+            id: definition.id.clone(),
+            json,
+            arguments,
+            timeout,
+        })
+    }
+
+    /// One call: `Ok` when the model answered (with JSON, for a `json`
+    /// tool), else a short code.
+    async fn call(&self) -> Result<(), String> {
+        let (request, client) = self
+            .tool
+            .first_request(&self.id, &self.arguments)
+            .map_err(|_| "prompt".to_string())?;
+        let completion =
+            tokio::time::timeout(self.timeout, client.stream_chat(&request, |_: &str| {}))
+                .await
+                .map_err(|_| "timeout".to_string())?
+                .map_err(|e| e.code().to_string())?;
+        if completion.text.trim().is_empty() {
+            return Err("empty_reply".into());
+        }
+        if self.json {
+            toolfleet_worker_llm::reply::parse_json(&completion.text)
+                .map_err(|_| "not_json".to_string())?;
+        }
+        Ok(())
+    }
 }
 
 /// A per-run token for the floor's subjects and stream.

@@ -1,7 +1,9 @@
 //! The bench's load generator against real servers: the transport floors
-//! complete every operation and clean up, and `--mode tool`'s calls go
-//! through the fleet's tools stream and come back with their outcome.
-//! Behaviour only: speed figures belong in BENCHMARKS.md.
+//! complete every operation and clean up, `--mode tool`'s calls go
+//! through the fleet's tools stream and come back with their outcome, and
+//! an LLM tool is measured beside a direct call to the same model that
+//! sends the tool's own request. Behaviour only: speed figures belong in
+//! BENCHMARKS.md.
 
 use std::time::Duration;
 
@@ -106,5 +108,148 @@ async fn tool_mode_calls_go_through_the_tools_stream_with_their_outcome() {
     );
 
     sleeper.stop().await;
+    env.shutdown.cancel();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_llm_tool_is_measured_beside_a_direct_call_to_the_same_model() {
+    // The whole command, as BENCHMARKS.md runs it: its own servers, the
+    // scripted model of examples/bench-script.json, the LLM tools family.
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .current_dir(support::root())
+        .env("TOOLFLEET_LOG", "warn")
+        .args([
+            "bench",
+            "--isolated",
+            "--mode",
+            "tool",
+            "--tool",
+            "llm:summarize@1.0.0",
+            "--tool-args",
+            r#"{"text":"The keeper lit the lamp at dusk and wound the clockwork every four hours."}"#,
+            "--count",
+            "8",
+            "--concurrency",
+            "2",
+            "--warmup",
+            "2",
+            "--floor",
+            "--json",
+        ])
+        .kill_on_drop(true)
+        .output();
+    // The bench waits 10 s for its workers' cancel-hearing margin first.
+    let out = tokio::time::timeout(Duration::from_secs(180), child)
+        .await
+        .expect("the bench finishes")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect(&stderr);
+    assert_eq!(report["tool"], "llm:summarize@1.0.0");
+    assert_eq!(report["model"], "default/toolfleet-scripted");
+    assert_eq!(report["fleet"]["ok"], 8, "{report:#}");
+    assert_eq!(report["fleet"]["errors"], 0, "{report:#}");
+    let floors: Vec<&str> = report["floors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        floors,
+        [
+            "floor: jetstream work queue",
+            "floor: core request-reply",
+            "floor: direct model call"
+        ]
+    );
+    let direct = &report["floors"][2];
+    assert_eq!(
+        (&direct["ok"], &direct["errors"]),
+        (&8.into(), &0.into()),
+        "{report:#}"
+    );
+    let ratio = report["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["floor"] == "floor: direct model call")
+        .expect("a ratio to the direct model call");
+    assert!(ratio["p50"].as_f64().unwrap() > 0.0, "{ratio}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_direct_model_call_sends_the_llm_tools_own_request() {
+    let summary =
+        serde_json::json!({"summary": "The lamp was lit at dusk.", "keyPoints": ["dusk"]});
+    let env = Env::start_with(
+        serde_json::json!({
+            "rules": [ { "whenUserContains": ["summarize the text below"],
+                         "steps": [ { "answer": summary.to_string() } ] } ]
+        }),
+        Options {
+            workers: vec!["llm"],
+            ..Options::default()
+        },
+    )
+    .await;
+    let arguments =
+        serde_json::json!({"text": "The keeper lit the lamp at dusk.", "style": "detailed"});
+    let caller = ToolCaller::new(
+        &env.client,
+        &env.subjects,
+        "llm:summarize@1.0.0".parse().unwrap(),
+        arguments.clone(),
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    tokio::time::timeout(WAIT, caller.call())
+        .await
+        .unwrap()
+        .expect("the tool answers");
+    let definition = toolfleet_protocol::tools::load_dir(support::root().join("tool_definitions"))
+        .unwrap()
+        .into_iter()
+        .find(|d| d.id.to_string() == "llm:summarize@1.0.0")
+        .unwrap();
+    let models = toolfleet::bench_fleet::bench_models(
+        env.model.base_url(),
+        "toolfleet-scripted",
+        Duration::from_secs(60),
+    );
+    // Setting the floor up makes one call.
+    let floor = tokio::time::timeout(
+        WAIT,
+        toolfleet::floor::Floor::direct_model(
+            &models,
+            &support::root().join("tool_definitions"),
+            &definition,
+            arguments,
+            Duration::from_secs(10),
+        ),
+    )
+    .await
+    .unwrap()
+    .expect("the direct call answers");
+    let bodies: Vec<serde_json::Value> = env.model.received().into_iter().map(|r| r.body).collect();
+    assert_eq!(bodies.len(), 2, "{bodies:#?}");
+    assert_eq!(
+        bodies[0], bodies[1],
+        "the worker's request, then the floor's"
+    );
+    assert!(
+        bodies[1]["messages"][1]["content"]
+            .as_str()
+            .unwrap()
+            .contains("in the style \"detailed\""),
+        "{bodies:#?}"
+    );
+    let one = tokio::time::timeout(WAIT, drive("direct", &load(4, 2), floor.op.clone()))
+        .await
+        .unwrap();
+    assert_eq!((one.ok, one.errors), (4, 0), "{one:?}");
+    floor.stop().await;
     env.shutdown.cancel();
 }
