@@ -175,8 +175,9 @@ pub struct BenchArgs {
     /// this long: a stand-in for a tool's own work.
     #[arg(long)]
     pub tool_delay_ms: Option<u64>,
-    /// Chat mode: the scripted model's pause before every first token, in
-    /// ms (a slow model; each chat job makes two model calls).
+    /// Chat mode, and tool mode with an LLM tool: the scripted model's
+    /// pause before every first token, in ms (a slow model; each chat job
+    /// makes two model calls).
     #[arg(long, default_value_t = 0)]
     pub model_delay_ms: u64,
     /// The scripted model's script (no artificial delay of its own).
@@ -212,7 +213,9 @@ pub struct BenchArgs {
     pub slow_ms: u64,
     /// Also measure the transport floors on the same server under the same
     /// load (a JetStream work-queue round trip, a core NATS
-    /// request-reply) and print the fleet's figures as ratios to them.
+    /// request-reply; for an LLM tool in tool mode, also a direct call to
+    /// the same model with the tool's own request) and print the fleet's
+    /// figures as ratios to them.
     #[arg(long)]
     pub floor: bool,
     #[command(flatten)]

@@ -16,7 +16,8 @@
 //!   `bench:sleep` tool and the orchestrator's memory sampler.
 //! - [`bench_run`]: `toolfleet bench` from arguments to report.
 //! - [`floor`]: the transport floors `toolfleet bench --floor` measures the
-//!   fleet against (JetStream work queue, core request-reply).
+//!   fleet against (JetStream work queue, core request-reply, and for an
+//!   LLM tool a direct call to the same model).
 //! - [`svg`]: the bench's latency chart.
 
 pub mod bench;
