@@ -101,6 +101,23 @@ async fn compaction_summarises_older_turns_through_the_pool_and_keeps_pairs_whol
         })
         .count();
     assert_eq!(summaries, compacted.len());
+    // Its event says how long the transcript is rather than repeat it.
+    let shown = outcome
+        .events
+        .iter()
+        .find_map(|e| match &e.body {
+            ChatEventBody::ToolCall {
+                tool, arguments, ..
+            } if tool == "llm:summarize@1.0.0" => Some(arguments.clone()),
+            _ => None,
+        })
+        .unwrap();
+    let text = shown["text"].as_str().unwrap();
+    assert!(
+        text.starts_with('[') && text.ends_with(" characters]"),
+        "{shown}"
+    );
+    assert_eq!(shown["style"], "detailed");
     assert!(
         outcome.llm_calls.iter().any(|c| c.purpose == "tool"),
         "{:?}",

@@ -13,7 +13,8 @@
 //! tool result whose call is gone, and a call left without its result.
 //!
 //! The summary call shows as any tool call does (`tool_call` and
-//! `tool_result` events) and its model spend counts in the invocation's
+//! `tool_result` events; the `tool_call` event gives the transcript's
+//! length, not the transcript) and its model spend counts in the invocation's
 //! usage; a `compacted` event follows. When the tool is not live, fails or
 //! takes too long, the conversation goes on as it was: compaction never
 //! fails a job.

@@ -299,6 +299,7 @@ impl ToolRunner<'_> {
             .as_ref()
             .filter(|(id, _)| *id == call.id)
             .map(|(_, tool)| tool.clone());
+        let is_internal = internal.is_some();
         let tool = match (internal, inv.tool(&call.name)) {
             (Some(tool), _) => Some(tool),
             (None, Some(tool)) => Some(tool.clone()),
@@ -346,7 +347,13 @@ impl ToolRunner<'_> {
         events.send(ChatEventBody::ToolCall {
             call_id: call.id.clone(),
             tool: id.clone(),
-            arguments: redact(&arguments, &def.sensitive_arguments),
+            arguments: if is_internal {
+                // The orchestrator's own call (a compaction's transcript):
+                // the event says how long its text is, not the text again.
+                shorten_strings(&redact(&arguments, &def.sensitive_arguments))
+            } else {
+                redact(&arguments, &def.sensitive_arguments)
+            },
         });
         if !self.fleet.catalog.is_live(&id).await {
             return Err(no_worker(
@@ -752,6 +759,26 @@ pub(crate) fn immediate(
         content,
         status,
         references: Vec::new(),
+    }
+}
+
+/// Longest string argument an internal call's `tool_call` event shows.
+const INTERNAL_ARGUMENT_CHARS: usize = 200;
+
+/// `arguments` with every string longer than
+/// [`INTERNAL_ARGUMENT_CHARS`] replaced by `[N characters]`.
+fn shorten_strings(arguments: &Value) -> Value {
+    match arguments {
+        Value::String(s) if s.chars().count() > INTERNAL_ARGUMENT_CHARS => {
+            Value::String(format!("[{} characters]", s.chars().count()))
+        }
+        Value::Object(map) => Value::Object(
+            map.iter()
+                .map(|(k, v)| (k.clone(), shorten_strings(v)))
+                .collect(),
+        ),
+        Value::Array(items) => Value::Array(items.iter().map(shorten_strings).collect()),
+        other => other.clone(),
     }
 }
 
