@@ -9,6 +9,7 @@
 //! - [`RetrievalMetrics`]: the family's own metrics.
 
 pub mod index;
+pub mod model;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
