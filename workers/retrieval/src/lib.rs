@@ -10,6 +10,7 @@
 
 pub mod index;
 pub mod model;
+pub mod search;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
