@@ -11,6 +11,7 @@
 pub mod index;
 pub mod model;
 pub mod search;
+pub mod store;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

@@ -1,0 +1,112 @@
+//! The index behind the retrieval tools, as a trait with two backends:
+//! tantivy on local disk (the embedded default) and PostgreSQL (for fleets
+//! whose retrieval workers run on many hosts against one shared store).
+//! Both pass the same conformance suite.
+//!
+//! A backend stores [`Item`]s and the [`DocumentRecord`] of every ingested
+//! document (its normalised text, and its raw text for tabular data), and
+//! answers [`Query`]s. Writes are atomic per document: a re-ingested file's
+//! chunks replace the old ones in one commit or transaction, so a search
+//! never sees half of each.
+
+use futures::future::BoxFuture;
+use serde::{Deserialize, Serialize};
+
+use crate::model::{Item, Owner};
+use crate::search::{Hit, Query};
+
+/// An ingested document, beside its chunks.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DocumentRecord {
+    /// Unique across the index: `<collection>:<path relative to the root>`.
+    pub id: String,
+    pub collection: String,
+    pub title: String,
+    /// The path it was read from, relative to the ingested root.
+    pub source: String,
+    /// `markdown`, `html`, `text` or `csv`.
+    pub format: String,
+    pub owner: Owner,
+    /// The normalised text the chunks were cut from.
+    pub text: String,
+    /// The file as read, kept for formats a tool reads structurally (CSV).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw: Option<String>,
+    /// The file's modification time (Unix ms).
+    pub timestamp_ms: i64,
+    pub ingested_ms: i64,
+    pub chunks: u32,
+    pub tokens: u64,
+}
+
+/// A document as listed (without its text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DocumentSummary {
+    pub id: String,
+    pub collection: String,
+    pub title: String,
+    pub source: String,
+    pub format: String,
+    pub timestamp_ms: i64,
+    pub chunks: u32,
+    pub tokens: u64,
+}
+
+/// Errors of an index backend.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The backend cannot be reached or opened (a missing index directory,
+    /// PostgreSQL down): an operator's problem, retried.
+    #[error("the document index is unavailable: {0}")]
+    Unavailable(String),
+    /// Another process holds the index's single writer.
+    #[error("another process is writing the document index ({0}); try again when it is done")]
+    Busy(String),
+    /// What was asked cannot be done (an invalid item, a bad filter).
+    #[error("{0}")]
+    Invalid(String),
+    /// The backend failed mid-operation.
+    #[error("the document index failed: {0}")]
+    Engine(String),
+}
+
+/// One index backend. Methods are async so a network backend never blocks
+/// a runtime thread; the disk backend runs its CPU work on the blocking
+/// pool.
+pub trait Store: Send + Sync {
+    /// `tantivy` or `postgres`, for logs and metrics.
+    fn backend(&self) -> &'static str;
+
+    /// Replaces everything stored for `document.id` (record and chunks)
+    /// with `document` and `chunks`, atomically.
+    fn replace_document(
+        &self,
+        document: DocumentRecord,
+        chunks: Vec<Item>,
+    ) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Inserts or replaces context items (knowledge, events, entities,
+    /// profiles) by id, atomically as a batch.
+    fn upsert_items(&self, items: Vec<Item>) -> BoxFuture<'_, Result<(), StoreError>>;
+
+    /// Matches `query`: by relevance when it has text, newest first when
+    /// it has none. An empty result is not an error.
+    fn search<'a>(&'a self, query: &'a Query) -> BoxFuture<'a, Result<Vec<Hit>, StoreError>>;
+
+    /// The documents of `collections` or with `ids`, newest first, at most
+    /// `limit`.
+    fn list_documents<'a>(
+        &'a self,
+        collections: &'a [String],
+        ids: &'a [String],
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<DocumentSummary>, StoreError>>;
+
+    /// One document's record, if stored.
+    fn document<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DocumentRecord>, StoreError>>;
+}
