@@ -462,7 +462,7 @@ fn schema() -> (Schema, Fields) {
 /// The analyzer of every searchable field and of queries: words split on
 /// non-alphanumerics, lowercased, accents folded, stop words dropped, plurals
 /// reduced to singular.
-fn analyzer() -> TextAnalyzer {
+pub(crate) fn analyzer() -> TextAnalyzer {
     TextAnalyzer::builder(SimpleTokenizer::default())
         .filter(RemoveLongFilter::limit(MAX_TOKEN_BYTES))
         .filter(LowerCaser)
@@ -893,7 +893,7 @@ fn ends_sentence(word: &str) -> bool {
 /// exclusions or wildcards. `AND`, `OR` and `NOT` are lowercased into plain
 /// (stop) words: a model that writes "bees AND NOT wasps" means words, and a
 /// purely negative query would otherwise match every document.
-fn sanitize_query(raw: &str) -> String {
+pub(crate) fn sanitize_query(raw: &str) -> String {
     let unified: String = raw
         .chars()
         .map(|c| match c {
@@ -922,7 +922,7 @@ fn sanitize_query(raw: &str) -> String {
 }
 
 /// The analyzed terms of `text`, as the index sees them.
-fn terms(analyzer: &mut TextAnalyzer, text: &str) -> HashSet<String> {
+pub(crate) fn terms(analyzer: &mut TextAnalyzer, text: &str) -> HashSet<String> {
     let mut stream = analyzer.token_stream(text);
     let mut out = HashSet::new();
     while stream.advance() {

@@ -12,6 +12,7 @@ pub mod index;
 pub mod model;
 pub mod search;
 pub mod store;
+pub mod tantivy_store;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
