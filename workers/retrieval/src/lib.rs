@@ -8,8 +8,10 @@
 //! - [`IndexArgs`]: where the index is (command line and environment).
 //! - [`RetrievalMetrics`]: the family's own metrics.
 
+mod conformance;
 pub mod index;
 pub mod model;
+pub mod postgres_store;
 pub mod search;
 pub mod store;
 pub mod tantivy_store;

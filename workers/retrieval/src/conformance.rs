@@ -1,0 +1,165 @@
+//! The suite every [`Store`] backend passes (tantivy on disk, PostgreSQL on
+//! a real server): the same calls, the same answers.
+
+#![cfg(test)]
+
+use crate::model::{Item, ItemKind, Level, Owner};
+use crate::search::{Query, TimeRange};
+use crate::store::{DocumentRecord, Store, StoreError};
+
+pub(crate) fn chunk(doc: &str, n: u32, text: &str) -> Item {
+    Item {
+        id: format!("{doc}#{n}"),
+        kind: ItemKind::Document,
+        collection: "ds".into(),
+        document_id: Some(doc.into()),
+        chunk: Some(n),
+        title: "Bees".into(),
+        text: text.into(),
+        source: Some("bees.md".into()),
+        owner: Owner::default(),
+        timestamp_ms: 1_000,
+        ingested_ms: 1_000,
+        entities: vec![],
+        level: None,
+        child_ids: vec![],
+        aliases: vec![],
+        relations: vec![],
+    }
+}
+
+pub(crate) fn record(id: &str, collection: &str) -> DocumentRecord {
+    DocumentRecord {
+        id: id.into(),
+        collection: collection.into(),
+        title: "Bees".into(),
+        source: "bees.md".into(),
+        format: "markdown".into(),
+        owner: Owner::default(),
+        text: "t".into(),
+        raw: None,
+        timestamp_ms: 1_000,
+        ingested_ms: 1_000,
+        chunks: 1,
+        tokens: 1,
+    }
+}
+
+pub(crate) fn query(text: &str) -> Query {
+    Query {
+        text: text.into(),
+        top_k: 10,
+        ..Query::default()
+    }
+}
+
+pub(crate) async fn documents(store: &dyn Store) {
+    store
+        .replace_document(
+            record("ds:bees.md", "ds"),
+            vec![
+                chunk("ds:bees.md", 0, "Bees dance to tell where nectar is."),
+                chunk("ds:bees.md", 1, "Hives keep a queen."),
+            ],
+        )
+        .await
+        .unwrap();
+    let hits = store.search(&query("nectar dance")).await.unwrap();
+    assert_eq!(hits.len(), 1);
+    assert_eq!(hits[0].item.id, "ds:bees.md#0");
+
+    // Re-ingested: the old chunks are gone in the same commit.
+    store
+        .replace_document(
+            record("ds:bees.md", "ds"),
+            vec![chunk("ds:bees.md", 0, "Wasps build paper nests.")],
+        )
+        .await
+        .unwrap();
+    assert!(store.search(&query("nectar")).await.unwrap().is_empty());
+    assert!(store.search(&query("queen")).await.unwrap().is_empty());
+    assert_eq!(store.search(&query("paper")).await.unwrap().len(), 1);
+
+    // Scope filters really filter.
+    let mut scoped = query("paper");
+    scoped.collections = vec!["other".into()];
+    assert!(store.search(&scoped).await.unwrap().is_empty());
+    scoped.collections.clear();
+    scoped.documents = vec!["ds:elsewhere.md".into()];
+    assert!(store.search(&scoped).await.unwrap().is_empty());
+    scoped.documents = vec!["ds:bees.md".into()];
+    assert_eq!(store.search(&scoped).await.unwrap().len(), 1);
+    scoped.time = TimeRange {
+        from_ms: Some(1_001),
+        to_ms: None,
+    };
+    assert!(store.search(&scoped).await.unwrap().is_empty());
+
+    // Only stop words: an empty result, not an error.
+    assert!(store.search(&query("the and of")).await.unwrap().is_empty());
+
+    let listed = store.list_documents(&["ds".into()], &[], 10).await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].id, "ds:bees.md");
+    assert!(
+        store
+            .list_documents(&["x".into()], &[], 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert_eq!(
+        store
+            .document("ds:bees.md")
+            .await
+            .unwrap()
+            .unwrap()
+            .collection,
+        "ds"
+    );
+    assert!(store.document("ds:none").await.unwrap().is_none());
+}
+
+pub(crate) async fn context_items(store: &dyn Store) {
+    let mut l0 = chunk("x", 0, "Lunch with Ada at the harbour.");
+    l0.id = "ev-1".into();
+    l0.kind = ItemKind::Event;
+    l0.document_id = None;
+    l0.chunk = None;
+    l0.level = Some(Level::L0);
+    l0.timestamp_ms = 1_795_521_600_000;
+    l0.entities = vec!["Ada Lovelace".into()];
+    l0.owner.user = Some("u1".into());
+    let mut l1 = l0.clone();
+    l1.id = "day-1".into();
+    l1.level = Some(Level::L1);
+    l1.child_ids = vec!["ev-1".into()];
+    l1.text = "A day at the harbour.".into();
+    store.upsert_items(vec![l0, l1]).await.unwrap();
+
+    let mut q = query("harbour");
+    q.levels = vec![Level::L1];
+    q.buckets = vec!["2026-11-24".into()];
+    let hits = store.search(&q).await.unwrap();
+    assert_eq!(hits.len(), 1);
+    assert_eq!(hits[0].item.id, "day-1");
+    q.buckets = vec!["2026-11-25".into()];
+    assert!(store.search(&q).await.unwrap().is_empty());
+
+    let mut q = query("");
+    q.entities = vec!["ada   LOVELACE".into()];
+    q.levels = vec![Level::L0];
+    assert_eq!(store.search(&q).await.unwrap().len(), 1);
+    q.owner.user = Some("u2".into());
+    assert!(store.search(&q).await.unwrap().is_empty());
+    q.owner.user = Some("u1".into());
+    q.entities = vec!["Grace Hopper".into()];
+    assert!(store.search(&q).await.unwrap().is_empty());
+
+    // A chunk cannot come in as a context item.
+    let error = store
+        .upsert_items(vec![chunk("d", 0, "x")])
+        .await
+        .unwrap_err();
+    assert!(matches!(error, StoreError::Invalid(_)), "{error}");
+}

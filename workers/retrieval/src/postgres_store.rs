@@ -1,0 +1,518 @@
+//! The shared [`Store`] backend: PostgreSQL, for fleets whose retrieval
+//! workers run on many hosts against one store.
+//!
+//! Two tables per prefix (`<prefix>_documents`, `<prefix>_items`), created
+//! when missing. Items are ranked by full-text search over a generated
+//! `tsvector` column (title weighted above text, GIN-indexed) with
+//! `websearch_to_tsquery`, which reads any text without syntax errors; a
+//! query of stop words only has no lexemes and finds nothing. A document's
+//! record and chunks are replaced in one transaction.
+//!
+//! Reads share one connection (tokio-postgres pipelines concurrent
+//! queries on it); writes take a second one under a lock, since a
+//! transaction needs the connection to itself.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use tokio_postgres::types::ToSql;
+use tokio_postgres::{Client, NoTls};
+
+use crate::index::sanitize_query;
+use crate::model::{Item, normalize_entity};
+use crate::search::{Hit, MAX_TOP_K, Query};
+use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};
+
+/// The PostgreSQL backend. Cheap to clone.
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    read: Client,
+    write: tokio::sync::Mutex<Client>,
+    documents: String,
+    items: String,
+}
+
+fn pg(action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError {
+    move |e| {
+        if e.is_closed() {
+            StoreError::Unavailable(format!("{action}: the PostgreSQL connection is closed"))
+        } else {
+            // The database's own message, never the connection string.
+            let detail = e
+                .as_db_error()
+                .map_or_else(|| e.to_string(), |d| d.message().to_owned());
+            StoreError::Engine(format!("{action}: {detail}"))
+        }
+    }
+}
+
+async fn connect(url: &str) -> Result<Client, StoreError> {
+    let (client, connection) = tokio_postgres::connect(url, NoTls).await.map_err(|e| {
+        // The URL may hold a password: say what failed, not where.
+        StoreError::Unavailable(format!("connecting to PostgreSQL: {e}"))
+    })?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::warn!(error = %e, "PostgreSQL connection ended");
+        }
+    });
+    Ok(client)
+}
+
+impl PostgresStore {
+    /// Connects to `url` and creates the tables of `prefix` when missing.
+    /// `prefix` is 1-32 of `[a-z0-9_]`, starting with a letter.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Invalid`] for a bad prefix, [`StoreError::Unavailable`]
+    /// when PostgreSQL cannot be reached.
+    pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
+        let valid = !prefix.is_empty()
+            && prefix.len() <= 32
+            && prefix.starts_with(|c: char| c.is_ascii_lowercase())
+            && prefix
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        if !valid {
+            return Err(StoreError::Invalid(format!(
+                "table prefix {prefix:?} must be 1-32 of a-z, 0-9 and _, starting with a letter"
+            )));
+        }
+        let read = connect(url).await?;
+        let write = connect(url).await?;
+        let documents = format!("{prefix}_documents");
+        let items = format!("{prefix}_items");
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {documents} (
+                id text PRIMARY KEY,
+                collection text NOT NULL,
+                timestamp_ms bigint NOT NULL,
+                payload jsonb NOT NULL);
+             CREATE INDEX IF NOT EXISTS {documents}_collection ON {documents} (collection);
+             CREATE TABLE IF NOT EXISTS {items} (
+                id text PRIMARY KEY,
+                kind text NOT NULL,
+                collection text NOT NULL,
+                document_id text,
+                owner_user text,
+                owner_device text,
+                owner_agent text,
+                level text,
+                bucket text,
+                entities text[] NOT NULL DEFAULT '{{}}',
+                title text NOT NULL,
+                body text NOT NULL,
+                timestamp_ms bigint NOT NULL,
+                payload jsonb NOT NULL,
+                tsv tsvector GENERATED ALWAYS AS (
+                    setweight(to_tsvector('english', title), 'A') ||
+                    setweight(to_tsvector('english', body), 'B')) STORED);
+             CREATE INDEX IF NOT EXISTS {items}_tsv ON {items} USING gin (tsv);
+             CREATE INDEX IF NOT EXISTS {items}_collection ON {items} (collection);
+             CREATE INDEX IF NOT EXISTS {items}_document ON {items} (document_id);
+             CREATE INDEX IF NOT EXISTS {items}_entities ON {items} USING gin (entities);
+             CREATE INDEX IF NOT EXISTS {items}_time ON {items} (timestamp_ms);"
+        );
+        write
+            .batch_execute(&ddl)
+            .await
+            .map_err(pg("creating the tables"))?;
+        Ok(Self {
+            inner: Arc::new(Inner {
+                read,
+                write: tokio::sync::Mutex::new(write),
+                documents,
+                items,
+            }),
+        })
+    }
+
+    async fn insert_items(
+        tx: &tokio_postgres::Transaction<'_>,
+        table: &str,
+        items: &[Item],
+    ) -> Result<(), StoreError> {
+        let sql = format!(
+            "INSERT INTO {table} (id, kind, collection, document_id, owner_user, owner_device,
+                owner_agent, level, bucket, entities, title, body, timestamp_ms, payload)
+             VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14::text::jsonb)
+             ON CONFLICT (id) DO UPDATE SET kind = EXCLUDED.kind,
+                collection = EXCLUDED.collection, document_id = EXCLUDED.document_id,
+                owner_user = EXCLUDED.owner_user, owner_device = EXCLUDED.owner_device,
+                owner_agent = EXCLUDED.owner_agent, level = EXCLUDED.level,
+                bucket = EXCLUDED.bucket, entities = EXCLUDED.entities,
+                title = EXCLUDED.title, body = EXCLUDED.body,
+                timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload"
+        );
+        let statement = tx.prepare(&sql).await.map_err(pg("preparing an insert"))?;
+        for item in items {
+            item.validate()
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let level = item.level.map(|l| format!("L{}", l.number()));
+            let bucket = item
+                .level
+                .and_then(|l| item.buckets().map(|b| b.key(l).to_owned()));
+            let entities: Vec<String> = item.entities.iter().map(|e| normalize_entity(e)).collect();
+            let payload =
+                serde_json::to_string(item).map_err(|e| StoreError::Engine(e.to_string()))?;
+            tx.execute(
+                &statement,
+                &[
+                    &item.id,
+                    &item.kind.as_str(),
+                    &item.collection,
+                    &item.document_id,
+                    &item.owner.user,
+                    &item.owner.device,
+                    &item.owner.agent,
+                    &level,
+                    &bucket,
+                    &entities,
+                    &item.title,
+                    &item.text,
+                    &item.timestamp_ms,
+                    &payload,
+                ],
+            )
+            .await
+            .map_err(pg("inserting an item"))?;
+        }
+        Ok(())
+    }
+
+    async fn search_async(&self, q: &Query) -> Result<Vec<Hit>, StoreError> {
+        let top_k = q.top_k.min(MAX_TOP_K);
+        if top_k == 0 {
+            return Ok(Vec::new());
+        }
+        let mut params: Vec<Box<dyn ToSql + Sync + Send>> = Vec::new();
+        let mut filters = String::new();
+        let mut any =
+            |column: &str, values: Vec<String>, params: &mut Vec<Box<dyn ToSql + Sync + Send>>| {
+                if !values.is_empty() {
+                    params.push(Box::new(values));
+                    let _ = write!(filters, " AND {column} = ANY(${})", params.len());
+                }
+            };
+        any(
+            "kind",
+            q.kinds.iter().map(|k| k.as_str().to_owned()).collect(),
+            &mut params,
+        );
+        any("collection", q.collections.clone(), &mut params);
+        any("document_id", q.documents.clone(), &mut params);
+        any("id", q.ids.clone(), &mut params);
+        any(
+            "level",
+            q.levels
+                .iter()
+                .map(|l| format!("L{}", l.number()))
+                .collect(),
+            &mut params,
+        );
+        any("bucket", q.buckets.clone(), &mut params);
+        for (column, value) in [
+            ("owner_user", &q.owner.user),
+            ("owner_device", &q.owner.device),
+            ("owner_agent", &q.owner.agent),
+        ] {
+            if let Some(v) = value {
+                any(column, vec![v.clone()], &mut params);
+            }
+        }
+        if !q.entities.is_empty() {
+            let wanted: Vec<String> = q.entities.iter().map(|e| normalize_entity(e)).collect();
+            params.push(Box::new(wanted));
+            let _ = write!(filters, " AND entities @> ${}", params.len());
+        }
+        if let Some(from) = q.time.from_ms {
+            params.push(Box::new(from));
+            let _ = write!(filters, " AND timestamp_ms >= ${}", params.len());
+        }
+        if let Some(to) = q.time.to_ms {
+            params.push(Box::new(to));
+            let _ = write!(filters, " AND timestamp_ms <= ${}", params.len());
+        }
+        params.push(Box::new(i64::try_from(top_k).unwrap_or(100)));
+        let limit = params.len();
+        let items = &self.inner.items;
+        let text = sanitize_query(q.text.trim());
+        let sql = if text.trim().is_empty() {
+            format!(
+                "SELECT payload::text, 0::real FROM {items} WHERE true{filters}
+                 ORDER BY timestamp_ms DESC, id LIMIT ${limit}"
+            )
+        } else {
+            params.push(Box::new(text));
+            let text_param = params.len();
+            // numnode = 0: the query had only stop words.
+            format!(
+                "SELECT payload::text, ts_rank_cd(tsv, q)::real FROM {items},
+                    websearch_to_tsquery('english', ${text_param}) AS q
+                 WHERE numnode(q) > 0 AND tsv @@ q{filters}
+                 ORDER BY 2 DESC, id LIMIT ${limit}"
+            )
+        };
+        let refs: Vec<&(dyn ToSql + Sync)> =
+            params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect();
+        let rows = self
+            .inner
+            .read
+            .query(&sql, &refs)
+            .await
+            .map_err(pg("searching"))?;
+        rows.iter()
+            .map(|row| {
+                let payload: String = row.get(0);
+                let item: Item = serde_json::from_str(&payload)
+                    .map_err(|e| StoreError::Engine(format!("a stored item is unreadable: {e}")))?;
+                Ok(Hit {
+                    item,
+                    score: row.get(1),
+                })
+            })
+            .collect()
+    }
+}
+
+impl Store for PostgresStore {
+    fn backend(&self) -> &'static str {
+        "postgres"
+    }
+
+    fn replace_document(
+        &self,
+        document: DocumentRecord,
+        chunks: Vec<Item>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move {
+            for chunk in &chunks {
+                if chunk.document_id.as_deref() != Some(document.id.as_str()) {
+                    return Err(StoreError::Invalid(format!(
+                        "chunk {} does not belong to document {}",
+                        chunk.id, document.id
+                    )));
+                }
+            }
+            let inner = &*self.inner;
+            let mut client = inner.write.lock().await;
+            let tx = client.transaction().await.map_err(pg("beginning"))?;
+            tx.execute(
+                &format!("DELETE FROM {} WHERE document_id = $1", inner.items),
+                &[&document.id],
+            )
+            .await
+            .map_err(pg("deleting old chunks"))?;
+            let payload =
+                serde_json::to_string(&document).map_err(|e| StoreError::Engine(e.to_string()))?;
+            tx.execute(
+                &format!(
+                    "INSERT INTO {} (id, collection, timestamp_ms, payload)
+                     VALUES ($1, $2, $3, $4::text::jsonb)
+                     ON CONFLICT (id) DO UPDATE SET collection = EXCLUDED.collection,
+                        timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload",
+                    inner.documents
+                ),
+                &[
+                    &document.id,
+                    &document.collection,
+                    &document.timestamp_ms,
+                    &payload,
+                ],
+            )
+            .await
+            .map_err(pg("writing the document record"))?;
+            Self::insert_items(&tx, &inner.items, &chunks).await?;
+            tx.commit().await.map_err(pg("committing"))
+        }
+        .boxed()
+    }
+
+    fn upsert_items(&self, items: Vec<Item>) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move {
+            if let Some(chunk) = items.iter().find(|i| i.document_id.is_some()) {
+                return Err(StoreError::Invalid(format!(
+                    "item {} is a document chunk: ingest its document instead",
+                    chunk.id
+                )));
+            }
+            let inner = &*self.inner;
+            let mut client = inner.write.lock().await;
+            let tx = client.transaction().await.map_err(pg("beginning"))?;
+            Self::insert_items(&tx, &inner.items, &items).await?;
+            tx.commit().await.map_err(pg("committing"))
+        }
+        .boxed()
+    }
+
+    fn search<'a>(&'a self, query: &'a Query) -> BoxFuture<'a, Result<Vec<Hit>, StoreError>> {
+        self.search_async(query).boxed()
+    }
+
+    fn list_documents<'a>(
+        &'a self,
+        collections: &'a [String],
+        ids: &'a [String],
+        limit: usize,
+    ) -> BoxFuture<'a, Result<Vec<DocumentSummary>, StoreError>> {
+        async move {
+            let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
+            let rows = self
+                .inner
+                .read
+                .query(
+                    &format!(
+                        "SELECT payload::text FROM {}
+                         WHERE (cardinality($1::text[]) = 0 OR collection = ANY($1))
+                           AND (cardinality($2::text[]) = 0 OR id = ANY($2))
+                         ORDER BY timestamp_ms DESC, id LIMIT $3",
+                        self.inner.documents
+                    ),
+                    &[&collections, &ids, &limit],
+                )
+                .await
+                .map_err(pg("listing documents"))?;
+            rows.iter()
+                .map(|row| {
+                    let d: DocumentRecord = serde_json::from_str(row.get(0)).map_err(|e| {
+                        StoreError::Engine(format!("a stored document record is unreadable: {e}"))
+                    })?;
+                    Ok(DocumentSummary {
+                        id: d.id,
+                        collection: d.collection,
+                        title: d.title,
+                        source: d.source,
+                        format: d.format,
+                        timestamp_ms: d.timestamp_ms,
+                        chunks: d.chunks,
+                        tokens: d.tokens,
+                    })
+                })
+                .collect()
+        }
+        .boxed()
+    }
+
+    fn document<'a>(
+        &'a self,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<Option<DocumentRecord>, StoreError>> {
+        async move {
+            let row = self
+                .inner
+                .read
+                .query_opt(
+                    &format!(
+                        "SELECT payload::text FROM {} WHERE id = $1",
+                        self.inner.documents
+                    ),
+                    &[&id],
+                )
+                .await
+                .map_err(pg("reading a document"))?;
+            row.map(|row| {
+                serde_json::from_str(row.get(0)).map_err(|e| {
+                    StoreError::Engine(format!("a stored document record is unreadable: {e}"))
+                })
+            })
+            .transpose()
+        }
+        .boxed()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A fresh database on the PostgreSQL server of
+    /// `TOOLFLEET_TEST_POSTGRES_URL` (the machine's own by default),
+    /// dropped by the guard.
+    struct FreshDatabase {
+        admin: Client,
+        name: String,
+        url: String,
+    }
+
+    impl FreshDatabase {
+        async fn create() -> Self {
+            let base = std::env::var("TOOLFLEET_TEST_POSTGRES_URL")
+                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+            let admin = connect(&base)
+                .await
+                .expect("PostgreSQL for the store suite (scripts/ensure-servers starts it)");
+            let name = format!("toolfleet_test_{}", uuid_like());
+            admin
+                .batch_execute(&format!("CREATE DATABASE {name}"))
+                .await
+                .expect("create database");
+            let (prefix, _) = base.rsplit_once('/').expect("a URL with a database");
+            Self {
+                admin,
+                url: format!("{prefix}/{name}"),
+                name,
+            }
+        }
+
+        async fn drop_it(self) {
+            let _ = self
+                .admin
+                .batch_execute(&format!(
+                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
+                    self.name
+                ))
+                .await;
+        }
+    }
+
+    fn uuid_like() -> String {
+        use std::time::{SystemTime, UNIX_EPOCH};
+        let nanos = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        format!("{}_{nanos}", std::process::id())
+    }
+
+    #[tokio::test]
+    async fn passes_the_store_suite() {
+        let db = FreshDatabase::create().await;
+        let store = PostgresStore::connect(&db.url, "toolfleet").await.unwrap();
+        crate::conformance::documents(&store).await;
+        // A second prefix is a second, empty index in the same database.
+        let other = PostgresStore::connect(&db.url, "other").await.unwrap();
+        crate::conformance::context_items(&other).await;
+        assert!(
+            other
+                .search(&crate::conformance::query("paper"))
+                .await
+                .unwrap()
+                .is_empty()
+        );
+        db.drop_it().await;
+    }
+
+    #[tokio::test]
+    async fn bad_prefixes_and_dead_servers_are_clear_errors() {
+        for prefix in ["", "1abc", "a-b", "A", "x; DROP TABLE y"] {
+            let error = PostgresStore::connect("postgres://127.0.0.1:1/none", prefix)
+                .await
+                .err()
+                .expect("refused");
+            assert!(matches!(error, StoreError::Invalid(_)), "{prefix}: {error}");
+        }
+        // Nothing listens on port 1; the password never reaches the message.
+        let error = PostgresStore::connect("postgres://u:hunter2@127.0.0.1:1/none", "ok")
+            .await
+            .err()
+            .expect("no server");
+        assert!(matches!(error, StoreError::Unavailable(_)), "{error}");
+        assert!(!error.to_string().contains("hunter2"), "{error}");
+    }
+}
