@@ -384,16 +384,7 @@ impl Store for PostgresStore {
                     let d: DocumentRecord = serde_json::from_str(row.get(0)).map_err(|e| {
                         StoreError::Engine(format!("a stored document record is unreadable: {e}"))
                     })?;
-                    Ok(DocumentSummary {
-                        id: d.id,
-                        collection: d.collection,
-                        title: d.title,
-                        source: d.source,
-                        format: d.format,
-                        timestamp_ms: d.timestamp_ms,
-                        chunks: d.chunks,
-                        tokens: d.tokens,
-                    })
+                    Ok(DocumentSummary::from(d))
                 })
                 .collect()
         }

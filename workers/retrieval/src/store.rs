@@ -54,6 +54,21 @@ pub struct DocumentSummary {
     pub tokens: u64,
 }
 
+impl From<DocumentRecord> for DocumentSummary {
+    fn from(d: DocumentRecord) -> Self {
+        Self {
+            id: d.id,
+            collection: d.collection,
+            title: d.title,
+            source: d.source,
+            format: d.format,
+            timestamp_ms: d.timestamp_ms,
+            chunks: d.chunks,
+            tokens: d.tokens,
+        }
+    }
+}
+
 /// Errors of an index backend.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

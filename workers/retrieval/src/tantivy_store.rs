@@ -464,16 +464,7 @@ impl Store for TantivyStore {
             Ok(this
                 .records(filters, limit)?
                 .into_iter()
-                .map(|d| DocumentSummary {
-                    id: d.id,
-                    collection: d.collection,
-                    title: d.title,
-                    source: d.source,
-                    format: d.format,
-                    timestamp_ms: d.timestamp_ms,
-                    chunks: d.chunks,
-                    tokens: d.tokens,
-                })
+                .map(DocumentSummary::from)
                 .collect())
         })
     }
