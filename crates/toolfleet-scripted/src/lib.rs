@@ -2217,6 +2217,7 @@ fn router(state: Arc<ServerState>) -> Router {
         .route("/v1/responses", post(responses))
         .route("/v1/models", get(models))
         .route("/v1/images/generations", post(images))
+        .route("/v1/embeddings", post(embeddings))
         .fallback(unknown_url)
         .layer(DefaultBodyLimit::max(MAX_REQUEST_BYTES))
         .with_state(state)
@@ -2550,6 +2551,130 @@ async fn images(
     .into_response()
 }
 
+/// Dimensions of a scripted embedding when the request names none.
+pub const EMBEDDING_DIMENSIONS: usize = 256;
+
+/// `POST /v1/embeddings`: deterministic vectors, so retrieval tests can
+/// check hybrid search. Each word of the input (letters and digits,
+/// lowercased) is hashed to one dimension and a sign, and the vector is
+/// L2-normalised: texts sharing words point the same way, texts sharing
+/// none are orthogonal or nearly so. `input` is a string or an array of up
+/// to 2048 strings; `dimensions` (1 to 3072) defaults to 256;
+/// `encoding_format` `float` or `base64` (little-endian f32, what the
+/// OpenAI SDKs ask for). Not a language model's embedding: similarity
+/// here is shared vocabulary, nothing more.
+async fn embeddings(
+    State(state): State<Arc<ServerState>>,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    use base64::Engine as _;
+    let request: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    state.record(Received {
+        at: Instant::now(),
+        path: uri.path().to_owned(),
+        query: uri.query().map(str::to_owned),
+        headers: headers
+            .iter()
+            .map(|(name, value)| {
+                (
+                    name.as_str().to_owned(),
+                    String::from_utf8_lossy(value.as_bytes()).into_owned(),
+                )
+            })
+            .collect(),
+        body: request.clone(),
+        fault: None,
+    });
+    let inputs: Vec<&str> = match &request["input"] {
+        Value::String(s) => vec![s.as_str()],
+        Value::Array(items) if items.iter().all(Value::is_string) => {
+            items.iter().filter_map(Value::as_str).collect()
+        }
+        _ => {
+            return ApiError::invalid(
+                "'input' must be a string or an array of strings.".to_owned(),
+                Some("input"),
+                Some("invalid_type"),
+            )
+            .into_response();
+        }
+    };
+    if inputs.is_empty() || inputs.len() > 2048 || inputs.iter().any(|i| i.is_empty()) {
+        return ApiError::invalid(
+            "'input' must hold 1 to 2048 non-empty strings.".to_owned(),
+            Some("input"),
+            Some("invalid_value"),
+        )
+        .into_response();
+    }
+    let dimensions = match request.get("dimensions") {
+        None | Some(Value::Null) => EMBEDDING_DIMENSIONS,
+        Some(d) => match d.as_u64().filter(|d| (1..=3072).contains(d)) {
+            Some(d) => d as usize,
+            None => {
+                return ApiError::invalid(
+                    "'dimensions' must be an integer from 1 to 3072.".to_owned(),
+                    Some("dimensions"),
+                    Some("invalid_value"),
+                )
+                .into_response();
+            }
+        },
+    };
+    let base64 = request["encoding_format"] == "base64";
+    let mut tokens = 0;
+    let data: Vec<Value> = inputs
+        .iter()
+        .enumerate()
+        .map(|(i, text)| {
+            tokens += text.len().div_ceil(4);
+            let vector = scripted_embedding(text, dimensions);
+            let embedding = if base64 {
+                let bytes: Vec<u8> = vector.iter().flat_map(|f| f.to_le_bytes()).collect();
+                json!(base64::engine::general_purpose::STANDARD.encode(bytes))
+            } else {
+                json!(vector)
+            };
+            json!({ "object": "embedding", "index": i, "embedding": embedding })
+        })
+        .collect();
+    axum::Json(json!({
+        "object": "list",
+        "data": data,
+        "model": request["model"].as_str().unwrap_or("text-embedding-3-small"),
+        "usage": { "prompt_tokens": tokens, "total_tokens": tokens },
+    }))
+    .into_response()
+}
+
+/// The scripted embedding of `text` (see [`embeddings`]): hashed words,
+/// L2-normalised; all zeros for a text without a word.
+pub fn scripted_embedding(text: &str, dimensions: usize) -> Vec<f32> {
+    let mut vector = vec![0.0f32; dimensions.max(1)];
+    for word in text
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+    {
+        // FNV-1a: stable across runs and platforms.
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in word.to_lowercase().bytes() {
+            hash ^= u64::from(byte);
+            hash = hash.wrapping_mul(0x0100_0000_01b3);
+        }
+        let slot = (hash % vector.len() as u64) as usize;
+        vector[slot] += if hash >> 63 == 0 { 1.0 } else { -1.0 };
+    }
+    let norm = vector.iter().map(|v| v * v).sum::<f32>().sqrt();
+    if norm > 0.0 {
+        for v in &mut vector {
+            *v /= norm;
+        }
+    }
+    vector
+}
+
 /// Default of the script's `imageBytes`: a few megabytes, the size real
 /// generated images have, so a test sees what a tool does with one.
 const DEFAULT_IMAGE_BYTES: usize = 3 * 1024 * 1024;
@@ -2573,7 +2698,7 @@ async fn unknown_url(method: Method, uri: Uri) -> Response {
     ApiError {
         status: StatusCode::NOT_FOUND,
         message: format!(
-            "Unknown request URL: {method} {}. The scripted stand-in serves POST /v1/chat/completions, POST /v1/responses, POST /v1/images/generations and GET /v1/models.",
+            "Unknown request URL: {method} {}. The scripted stand-in serves POST /v1/chat/completions, POST /v1/responses, POST /v1/images/generations, POST /v1/embeddings and GET /v1/models.",
             uri.path()
         ),
         param: None,
@@ -4044,6 +4169,53 @@ mod tests {
         )
         .await;
         assert_eq!(status, 400);
+
+        // Embeddings: deterministic, normalised, similar for shared words.
+        let (status, _, text, _) = send(
+            &client,
+            &server,
+            "embeddings",
+            &json!({"model": "text-embedding-3-small", "input": ["bees dance", "bees dance", "Bees find nectar", "tax law"], "dimensions": 64}),
+        )
+        .await;
+        assert_eq!(status, 200, "{text}");
+        let answer: Value = serde_json::from_str(&text).expect("json");
+        let vectors: Vec<Vec<f32>> = answer["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|d| serde_json::from_value(d["embedding"].clone()).unwrap())
+            .collect();
+        let dot = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+        assert_eq!(vectors.len(), 4);
+        assert_eq!(vectors[0].len(), 64);
+        assert!((dot(&vectors[0], &vectors[0]) - 1.0).abs() < 1e-5);
+        assert_eq!(vectors[0], vectors[1]);
+        assert!(dot(&vectors[0], &vectors[2]) > dot(&vectors[0], &vectors[3]));
+        let (_, _, text, _) = send(
+            &client,
+            &server,
+            "embeddings",
+            &json!({"model": "m", "input": "bees dance", "encoding_format": "base64", "dimensions": 64}),
+        )
+        .await;
+        let answer: Value = serde_json::from_str(&text).expect("json");
+        let bytes = base64::engine::general_purpose::STANDARD
+            .decode(answer["data"][0]["embedding"].as_str().unwrap())
+            .unwrap();
+        let decoded: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        assert_eq!(decoded, vectors[0]);
+        for bad in [
+            json!({"model": "m"}),
+            json!({"model": "m", "input": []}),
+            json!({"model": "m", "input": "x", "dimensions": 0}),
+        ] {
+            let (status, _, text, _) = send(&client, &server, "embeddings", &bad).await;
+            assert_eq!(status, 400, "{bad}: {text}");
+        }
         within(server.shutdown()).await;
     }
 
