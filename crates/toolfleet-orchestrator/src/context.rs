@@ -264,6 +264,7 @@ pub fn invocation_context(
             .data_source_id
             .clone()
             .or_else(|| profile.profile.data_source.clone()),
+        attached_documents: job.attached_documents.clone(),
         provider_confidence: job.provider_confidence,
         deadline_ms: Some(deadline_ms),
         traceparent: job.traceparent.clone(),

@@ -38,6 +38,9 @@ pub mod headers {
     pub const CONNECTION: &str = "Toolfleet-Connection";
     pub const RESOURCE: &str = "Toolfleet-Resource";
     pub const DATA_SOURCE_ID: &str = "Toolfleet-Data-Source-Id";
+    /// The chat job's attached document ids, as a JSON array of strings
+    /// (absent when none): the document-processing tools see only these.
+    pub const ATTACHED_DOCUMENTS: &str = "Toolfleet-Attached-Documents";
     pub const PROVIDER_CONFIDENCE: &str = "Toolfleet-Provider-Confidence";
     pub const DEADLINE: &str = "Toolfleet-Deadline";
     pub const ATTEMPT: &str = "Toolfleet-Attempt";
@@ -324,10 +327,23 @@ pub struct InvocationContext {
     pub connection: Option<String>,
     pub resource: Option<String>,
     pub data_source_id: Option<String>,
+    /// Document ids the chat job attached (at most
+    /// [`MAX_ATTACHED_DOCUMENTS`], each 1-512 characters without line
+    /// breaks): the document-processing tools are scoped to them.
+    pub attached_documents: Vec<String>,
     pub provider_confidence: Option<f64>,
     /// Unix time in milliseconds after which nobody waits for the answer.
     pub deadline_ms: Option<u64>,
     pub traceparent: Option<String>,
+}
+
+/// The most documents a chat job attaches (as `schemas/chat_job.schema.json`).
+pub const MAX_ATTACHED_DOCUMENTS: usize = 100;
+
+/// Is `id` usable as an attached document id (1-512 characters, no line
+/// breaks)?
+pub fn valid_document_id(id: &str) -> bool {
+    !id.is_empty() && id.chars().count() <= 512 && !id.contains(['\r', '\n'])
 }
 
 /// The largest citation floor a tool job may carry (2^40: far beyond any
@@ -355,7 +371,7 @@ pub struct CallContext {
 }
 
 /// The headers this module reads, in the order of [`Known`]'s slots.
-const KNOWN: [&str; 17] = [
+const KNOWN: [&str; 18] = [
     headers::INVOCATION_ID,
     headers::CALL_ID,
     headers::TOOL_ID,
@@ -366,6 +382,7 @@ const KNOWN: [&str; 17] = [
     headers::CONNECTION,
     headers::RESOURCE,
     headers::DATA_SOURCE_ID,
+    headers::ATTACHED_DOCUMENTS,
     headers::PROVIDER_CONFIDENCE,
     headers::DEADLINE,
     headers::ATTEMPT,
@@ -462,6 +479,11 @@ impl InvocationContext {
         put(h, CONNECTION, self.connection.as_deref());
         put(h, RESOURCE, self.resource.as_deref());
         put(h, DATA_SOURCE_ID, self.data_source_id.as_deref());
+        if !self.attached_documents.is_empty() {
+            // A JSON array of strings never holds a raw line break.
+            let ids = serde_json::to_string(&self.attached_documents).unwrap_or_default();
+            h.insert(ATTACHED_DOCUMENTS, ids.as_str());
+        }
         if let Some(c) = self.provider_confidence {
             h.insert(PROVIDER_CONFIDENCE, c.to_string().as_str());
         }
@@ -507,6 +529,29 @@ impl InvocationContext {
                 reason: format!("{tenant:?} is not 1-64 of [A-Za-z0-9_-]"),
             });
         }
+        let attached_documents = match h.get(ATTACHED_DOCUMENTS) {
+            None => Vec::new(),
+            Some(raw) => {
+                let malformed = |reason: String| ProtocolError::MalformedHeader {
+                    name: ATTACHED_DOCUMENTS,
+                    reason,
+                };
+                let ids: Vec<String> = serde_json::from_str(raw)
+                    .map_err(|e| malformed(format!("not a JSON array of strings: {e}")))?;
+                if ids.len() > MAX_ATTACHED_DOCUMENTS {
+                    return Err(malformed(format!(
+                        "{} documents; at most {MAX_ATTACHED_DOCUMENTS}",
+                        ids.len()
+                    )));
+                }
+                if let Some(bad) = ids.iter().find(|id| !valid_document_id(id)) {
+                    return Err(malformed(format!(
+                        "{bad:?} is not a document id (1-512 characters, no line breaks)"
+                    )));
+                }
+                ids
+            }
+        };
         let owned = |name| h.get(name).map(str::to_string);
         Ok(Self {
             invocation_id: invocation_id.to_string(),
@@ -517,6 +562,7 @@ impl InvocationContext {
             connection: owned(CONNECTION),
             resource: owned(RESOURCE),
             data_source_id: owned(DATA_SOURCE_ID),
+            attached_documents,
             provider_confidence,
             deadline_ms: parsed(h, DEADLINE)?,
             traceparent: owned(TRACEPARENT),
@@ -1352,6 +1398,7 @@ mod tests {
                 connection: Some("conn-1".into()),
                 resource: Some("res-9".into()),
                 data_source_id: Some("ds-3".into()),
+                attached_documents: vec!["uploads:a.md".into(), "uploads:\"odd\" é.csv".into()],
                 provider_confidence: Some(0.75),
                 deadline_ms: Some(1_900_000_000_000),
                 traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
@@ -1413,6 +1460,10 @@ mod tests {
             (CONNECTION, "conn-1"),
             (RESOURCE, "res-9"),
             (DATA_SOURCE_ID, "ds-3"),
+            (
+                ATTACHED_DOCUMENTS,
+                r#"["uploads:a.md","uploads:\"odd\" é.csv"]"#,
+            ),
             (PROVIDER_CONFIDENCE, "0.75"),
             (DEADLINE, "1900000000000"),
             (ATTEMPT, "3"),
@@ -1432,6 +1483,35 @@ mod tests {
                 assert!(h.get(name.to_lowercase().as_str()).is_none(), "{name}");
             }
         }
+    }
+
+    #[test]
+    fn forged_attached_documents_are_refused_naming_the_header() {
+        let too_many: Vec<String> = (0..=MAX_ATTACHED_DOCUMENTS)
+            .map(|i| format!("d{i}"))
+            .collect();
+        for bad in [
+            "uploads:a.md".to_owned(),
+            r#"{"a":1}"#.to_owned(),
+            r#"["ok", 3]"#.to_owned(),
+            r#"[""]"#.to_owned(),
+            r#"["line\nbreak"]"#.to_owned(),
+            serde_json::to_string(&too_many).unwrap(),
+        ] {
+            let mut h = full_call().to_headers();
+            h.insert(headers::ATTACHED_DOCUMENTS, bad.as_str());
+            let e = CallContext::from_headers(&h).unwrap_err();
+            assert!(
+                e.to_string().contains(headers::ATTACHED_DOCUMENTS),
+                "{bad}: {e}"
+            );
+        }
+        // None attached: no header, and an empty list back.
+        let mut c = full_call();
+        c.invocation.attached_documents.clear();
+        let h = c.to_headers();
+        assert!(h.get(headers::ATTACHED_DOCUMENTS).is_none());
+        assert_eq!(CallContext::from_headers(&h).unwrap(), c);
     }
 
     #[test]

@@ -8,13 +8,17 @@
 //! - [`IndexArgs`]: where the index is (command line and environment).
 //! - [`RetrievalMetrics`]: the family's own metrics.
 
+pub mod chunk;
 mod conformance;
 pub mod index;
+pub mod ingest;
 pub mod model;
+pub mod normalize;
 pub mod postgres_store;
 pub mod search;
 pub mod store;
 pub mod tantivy_store;
+pub mod tools;
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
