@@ -943,18 +943,15 @@ impl Tool for EntityLookup {
                     score: 1.0,
                 }];
                 // Entities whose relations point at this one.
-                let mut query = scope.query(&entity.title, MAX_TOP_K);
-                query.kinds = vec![ItemKind::Entity];
-                for hit in self.0.search(&query).await? {
-                    if hit.item.id != entity.id
-                        && hit
-                            .item
+                for other in &candidates {
+                    if other.id != entity.id
+                        && other
                             .relations
                             .iter()
                             .any(|r| normalize_entity(&r.target) == me)
                     {
                         related.push(Hit {
-                            item: hit.item,
+                            item: other.clone(),
                             score: 0.5,
                         });
                     }
@@ -987,5 +984,381 @@ impl Tool for EntityLookup {
             }
         }
         Ok(output)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Relation;
+    use crate::store::DocumentRecord;
+    use crate::tantivy_store::TantivyStore;
+    use toolfleet_worker::protocol::InvocationContext;
+    use toolfleet_worker::TestCtx;
+
+    const DAY: i64 = 86_400_000;
+    /// 2026-11-02T00:00:00Z, a Monday.
+    const NOV2: i64 = 1_793_577_600_000;
+
+    fn item(id: &str, kind: ItemKind, collection: &str, title: &str, text: &str) -> Item {
+        Item {
+            id: id.into(),
+            kind,
+            collection: collection.into(),
+            document_id: None,
+            chunk: None,
+            title: title.into(),
+            text: text.into(),
+            source: None,
+            owner: Owner::default(),
+            timestamp_ms: NOV2,
+            ingested_ms: NOV2,
+            entities: vec![],
+            level: None,
+            child_ids: vec![],
+            aliases: vec![],
+            relations: vec![],
+        }
+    }
+
+    async fn document(store: &TantivyStore, collection: &str, path: &str, text: &str, csv: bool) {
+        let id = format!("{collection}:{path}");
+        let mut chunk = item(&format!("{id}#0"), ItemKind::Document, collection, path, text);
+        chunk.document_id = Some(id.clone());
+        chunk.chunk = Some(0);
+        chunk.source = Some(path.into());
+        let record = DocumentRecord {
+            id,
+            collection: collection.into(),
+            title: path.into(),
+            source: path.into(),
+            format: if csv { "csv" } else { "markdown" }.into(),
+            owner: Owner::default(),
+            text: text.into(),
+            raw: csv.then(|| text.to_owned()),
+            timestamp_ms: NOV2,
+            ingested_ms: NOV2,
+            chunks: 1,
+            tokens: 10,
+        };
+        store.replace_document(record, vec![chunk]).await.unwrap();
+    }
+
+    async fn store() -> (tempfile::TempDir, Retrieval) {
+        let dir = tempfile::tempdir().unwrap();
+        let store = TantivyStore::open(dir.path()).unwrap();
+        document(&store, "uploads", "mine.md", "The hive inspection checklist: frames, brood, queen.", false).await;
+        document(&store, "uploads", "theirs.md", "Another chat's hive inspection notes, secret.", false).await;
+        document(&store, "handbook", "care.md", "Hive care in winter: insulate the hive.", false).await;
+        document(&store, "other", "care.md", "Planted: hive care for another data source.", false).await;
+        document(
+            &store,
+            "uploads",
+            "sales.csv",
+            "region,month,amount\nnorth,jan,10\nsouth,jan,20\nnorth,feb,30\neast\n",
+            true,
+        )
+        .await;
+        (dir, Retrieval::new(Arc::new(store)))
+    }
+
+    fn ctx(attached: &[&str], data_source: Option<&str>, user: Option<&str>) -> TestCtx {
+        TestCtx::new().with_invocation(InvocationContext {
+            attached_documents: attached.iter().map(|s| s.to_string()).collect(),
+            data_source_id: data_source.map(Into::into),
+            user: user.map(Into::into),
+            ..InvocationContext::new("inv-1")
+        })
+    }
+
+    fn ids(output: &ToolOutput) -> Vec<String> {
+        output.data.as_ref().unwrap()["hits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h["id"].as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn document_tools_see_only_the_attached_documents() {
+        let (_dir, r) = store().await;
+        let test = ctx(&["uploads:mine.md", "uploads:sales.csv"], Some("handbook"), None);
+        let out = test
+            .call(&SearchDocuments(r.clone()), json!({ "query": "hive inspection" }))
+            .await
+            .unwrap();
+        assert_eq!(ids(&out), ["uploads:mine.md#0"]);
+        assert!(out.content.starts_with("[doc:1] mine.md (mine.md, 2026-11-02): The hive"), "{}", out.content);
+        let refs = test.references();
+        assert_eq!(refs.len(), 1);
+        assert_eq!(refs[0].kind, "document");
+        assert_eq!(refs[0].source.as_deref(), Some("mine.md"));
+
+        // The planted document is in the index but never reachable.
+        let e = test
+            .call(&ReadDocument(r.clone()), json!({ "documentId": "uploads:theirs.md" }))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), "blocked", "{e}");
+        let listed = test.call(&ListDocuments(r.clone()), json!({})).await.unwrap();
+        assert!(listed.content.contains("uploads:mine.md") && listed.content.contains("uploads:sales.csv"));
+        assert!(!listed.content.contains("theirs"), "{}", listed.content);
+
+        let read = test
+            .call(&ReadDocument(r.clone()), json!({ "documentId": "uploads:mine.md", "offset": 4, "maxChars": 10 }))
+            .await
+            .unwrap();
+        assert!(read.content.starts_with("[doc:2] mine.md (characters 4–14 of 52):\nhive inspe\n\n(continues: call again with offset 14)"), "{}", read.content);
+
+        // Nothing attached: a clear error, not the whole index.
+        let e = ctx(&[], Some("handbook"), None)
+            .call(&SearchDocuments(r.clone()), json!({ "query": "hive" }))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), "invalid_input");
+        assert!(e.to_string().contains("no documents are attached"), "{e}");
+        // An attachment that was never ingested is listed as missing.
+        let out = ctx(&["uploads:gone.md"], None, None)
+            .call(&ListDocuments(r.clone()), json!({}))
+            .await
+            .unwrap();
+        assert!(out.content.contains("not (yet) in the index: uploads:gone.md"), "{}", out.content);
+    }
+
+    #[tokio::test]
+    async fn the_data_source_search_sees_only_the_jobs_data_source() {
+        let (_dir, r) = store().await;
+        let test = ctx(&["uploads:mine.md"], Some("handbook"), None);
+        let out = test
+            .call(&SearchDataSources(r.clone()), json!({ "query": "hive care" }))
+            .await
+            .unwrap();
+        assert_eq!(ids(&out), ["handbook:care.md#0"]);
+        assert_eq!(test.references()[0].kind, "data_source");
+        let e = ctx(&[], None, Some("u1"))
+            .call(&SearchDataSources(r.clone()), json!({ "query": "hive" }))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("no data source"), "{e}");
+        // Only stop words: an empty result, not an error.
+        let out = test
+            .call(&SearchDataSources(r.clone()), json!({ "query": "the and of" }))
+            .await
+            .unwrap();
+        assert!(ids(&out).is_empty());
+        assert!(out.content.starts_with("Nothing in the data source matched"));
+    }
+
+    #[tokio::test]
+    async fn tabular_data_is_read_with_row_and_column_limits() {
+        let (_dir, r) = store().await;
+        let test = ctx(&["uploads:sales.csv", "uploads:mine.md"], None, None);
+        let out = test
+            .call(
+                &ReadTabularData(r.clone()),
+                json!({ "documentId": "uploads:sales.csv", "columns": ["Amount", "region"], "offset": 1, "maxRows": 2 }),
+            )
+            .await
+            .unwrap();
+        assert_eq!(
+            out.content,
+            "[doc:1] sales.csv (rows 2–3 of 4, 2 of 3 columns):\n| amount | region |\n| 20 | south |\n| 30 | north |\n(more rows: call again with offset 3)"
+        );
+        let data = out.data.unwrap();
+        assert_eq!(data["raggedRows"], 1);
+        assert_eq!(data["totalRows"], 4);
+        let e = test
+            .call(&ReadTabularData(r.clone()), json!({ "documentId": "uploads:sales.csv", "columns": ["price"] }))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("no column \"price\"; the columns are: region, month, amount"), "{e}");
+        let e = test
+            .call(&ReadTabularData(r.clone()), json!({ "documentId": "uploads:mine.md" }))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("not tabular"), "{e}");
+        let out = test
+            .call(&ReadTabularData(r.clone()), json!({ "documentId": "uploads:sales.csv", "maxColumns": 1 }))
+            .await
+            .unwrap();
+        assert!(out.content.contains("| region |\n| north |"), "{}", out.content);
+        assert!(out.content.ends_with("(more columns: name the ones you need in columns)"));
+    }
+
+    async fn context_items(r: &Retrieval) {
+        let mut items = Vec::new();
+        let mut k = item("k-mine", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm in spring when the hive is crowded.");
+        k.owner.user = Some("u1".into());
+        k.entities = vec!["Zoë O'Brien".into()];
+        items.push(k);
+        let mut k2 = item("k-other-user", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm in spring, other user.");
+        k2.owner.user = Some("u2".into());
+        items.push(k2);
+        let mut old = item("k-old", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm, an old note.");
+        old.owner.user = Some("u1".into());
+        old.timestamp_ms = NOV2 - 400 * DAY;
+        items.push(old);
+        let mut phone = item("k-phone", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm, noted on the phone.");
+        phone.owner = Owner { user: Some("u1".into()), device: Some("phone".into()), agent: None };
+        items.push(phone);
+        // Events: a month summary over a week summary over a day summary
+        // over two L0 events, and an L0 event no summary covers.
+        let event = |id: &str, level: Level, text: &str, children: &[&str], at: i64| {
+            let mut e = item(id, ItemKind::Event, "handbook", id, text);
+            e.level = Some(level);
+            e.child_ids = children.iter().map(|c| c.to_string()).collect();
+            e.timestamp_ms = at;
+            e.owner.user = Some("u1".into());
+            e
+        };
+        items.push(event("m-nov", Level::L3, "November: harvest and varroa treatment", &["w-45"], NOV2));
+        items.push(event("w-45", Level::L2, "Week 45: varroa treatment applied", &["d-3"], NOV2));
+        items.push(event("d-3", Level::L1, "Tuesday: treatment day", &["e-oxalic", "e-lunch"], NOV2 + DAY));
+        items.push(event("e-oxalic", Level::L0, "Applied oxalic acid against varroa mites", &[], NOV2 + DAY + 3_600_000));
+        items.push(event("e-lunch", Level::L0, "Had lunch with the inspector", &[], NOV2 + DAY + 7_200_000));
+        items.push(event("e-lone", Level::L0, "Counted varroa on the sticky board", &[], NOV2 + 3 * DAY));
+        items.push(event("e-dec", Level::L0, "Varroa count in December", &[], NOV2 + 40 * DAY));
+        // Entities.
+        let mut zoe = item("ent-zoe", ItemKind::Entity, "handbook", "Zoë O'Brien", "Beekeeper of the north apiary");
+        zoe.aliases = vec!["Z. O'Brien".into()];
+        zoe.relations = vec![Relation { kind: "works_at".into(), target: "North Apiary".into() }];
+        zoe.owner.user = Some("u1".into());
+        let mut apiary = item("ent-apiary", ItemKind::Entity, "handbook", "North Apiary", "The apiary by the river");
+        apiary.owner.user = Some("u1".into());
+        let mut sam = item("ent-sam", ItemKind::Entity, "handbook", "Sam Reed", "Supplier of frames");
+        sam.relations = vec![Relation { kind: "supplies".into(), target: "north apiary".into() }];
+        sam.owner.user = Some("u1".into());
+        items.extend([zoe, apiary, sam]);
+        let mut profile = item("p-1", ItemKind::Profile, "handbook", "Preferences", "Prefers metric units and short answers.");
+        profile.owner.user = Some("u1".into());
+        items.push(profile);
+        r.store().upsert_items(items).await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn knowledge_context_is_scoped_filtered_and_merged_with_l0_events() {
+        let (_dir, r) = store().await;
+        context_items(&r).await;
+        let test = ctx(&[], Some("handbook"), Some("u1"));
+        let tool = RetrieveKnowledgeContext(r.clone());
+        let out = test.call(&tool, json!({ "query": "bees swarm", "topK": 10 })).await.unwrap();
+        let mut got = ids(&out);
+        got.sort();
+        assert_eq!(got, ["k-mine", "k-old", "k-phone"], "another user's never");
+        // Time range.
+        let out = test.call(&tool, json!({ "query": "bees swarm", "from": "2026-01-01" })).await.unwrap();
+        assert!(!ids(&out).contains(&"k-old".to_owned()));
+        // Owner narrowing.
+        let out = test.call(&tool, json!({ "query": "bees swarm", "device": "phone" })).await.unwrap();
+        assert_eq!(ids(&out), ["k-phone"]);
+        // top_k.
+        let out = test.call(&tool, json!({ "query": "bees swarm", "topK": 1 })).await.unwrap();
+        assert_eq!(ids(&out).len(), 1);
+        // Entity filters resolve names: exact after normalisation, an alias,
+        // and a misspelling (fuzzy); an unknown one filters everything out.
+        for name in ["zoe obrien", "Z. O'Brien", "Zoe O'Brein"] {
+            let out = test.call(&tool, json!({ "query": "bees swarm", "entities": [name] })).await.unwrap();
+            assert_eq!(ids(&out), ["k-mine"], "{name}");
+        }
+        let out = test.call(&tool, json!({ "query": "bees swarm", "entities": ["Nobody Known"] })).await.unwrap();
+        assert!(ids(&out).is_empty());
+        // L0 events join knowledge; summaries do not.
+        let out = test.call(&tool, json!({ "query": "varroa", "topK": 10 })).await.unwrap();
+        let mut got = ids(&out);
+        got.sort();
+        assert_eq!(got, ["e-dec", "e-lone", "e-oxalic"]);
+        // Neither user nor data source: refused.
+        let e = ctx(&[], None, None).call(&tool, json!({ "query": "bees" })).await.unwrap_err();
+        assert_eq!(e.code(), "blocked");
+        let e = test.call(&tool, json!({ "query": "bees", "from": "yesterday" })).await.unwrap_err();
+        assert_eq!(e.code(), "invalid_input");
+        assert!(e.to_string().contains("YYYY-MM-DD"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn event_context_drills_down_from_summaries_to_l0_events() {
+        let (_dir, r) = store().await;
+        context_items(&r).await;
+        let test = ctx(&[], Some("handbook"), Some("u1"));
+        let tool = RetrieveEventContext(r.clone());
+        let out = test
+            .call(&tool, json!({ "query": "varroa treatment", "from": "2026-11-01", "to": "2026-11-30", "topK": 20 }))
+            .await
+            .unwrap();
+        let got = ids(&out);
+        // The summaries, the drilled-down children (even the lunch that
+        // shares no word, through its parent), and the direct L0 hit; not
+        // December's event, outside the range.
+        for want in ["m-nov", "w-45", "d-3", "e-oxalic", "e-lunch", "e-lone"] {
+            assert!(got.contains(&want.to_owned()), "{want} missing from {got:?}");
+        }
+        assert!(!got.contains(&"e-dec".to_owned()), "{got:?}");
+        let data = out.data.unwrap();
+        let score = |id: &str| {
+            data["hits"].as_array().unwrap().iter().find(|h| h["id"] == id).unwrap()["score"].as_f64().unwrap()
+        };
+        // A matching child outranks a non-matching sibling.
+        assert!(score("e-oxalic") > score("e-lunch"));
+        // Scores are sorted.
+        let scores: Vec<f64> = data["hits"].as_array().unwrap().iter().map(|h| h["score"].as_f64().unwrap()).collect();
+        assert!(scores.windows(2).all(|w| w[0] >= w[1]), "{scores:?}");
+        assert!(out.content.contains("(L3, 2026-11-02)"), "{}", out.content);
+        // top_k cuts the merged list.
+        let out = test.call(&tool, json!({ "query": "varroa treatment", "topK": 2 })).await.unwrap();
+        assert_eq!(ids(&out).len(), 2);
+        // No summary matches: the direct L0 search still answers.
+        let out = test.call(&tool, json!({ "query": "sticky board" })).await.unwrap();
+        assert_eq!(ids(&out), ["e-lone"]);
+    }
+
+    #[tokio::test]
+    async fn entities_are_looked_up_exactly_fuzzily_listed_and_related() {
+        let (_dir, r) = store().await;
+        context_items(&r).await;
+        let test = ctx(&[], Some("handbook"), Some("u1"));
+        let tool = EntityLookup(r.clone());
+        let out = test.call(&tool, json!({ "name": "ZOE  o'brien", "mode": "exact" })).await.unwrap();
+        assert_eq!(ids(&out), ["ent-zoe"]);
+        assert!(out.content.contains("Zoë O'Brien —works_at→ North Apiary"), "{}", out.content);
+        let out = test.call(&tool, json!({ "name": "Zoey OBrian", "mode": "exact" })).await.unwrap();
+        assert!(ids(&out).is_empty(), "exact is exact");
+        let out = test.call(&tool, json!({ "name": "Zoey OBrian", "mode": "similar" })).await.unwrap();
+        assert_eq!(ids(&out)[0], "ent-zoe");
+        let out = test.call(&tool, json!({ "mode": "list", "topK": 10 })).await.unwrap();
+        assert_eq!(ids(&out).len(), 3);
+        let out = test.call(&tool, json!({ "name": "north apiary", "mode": "relationships" })).await.unwrap();
+        let got = ids(&out);
+        assert_eq!(got[0], "ent-apiary");
+        let mut rest = got[1..].to_vec();
+        rest.sort();
+        assert_eq!(rest, ["ent-sam", "ent-zoe"]);
+        let e = test.call(&tool, json!({ "name": "  ", "mode": "similar" })).await.unwrap_err();
+        assert_eq!(e.code(), "invalid_input");
+        // Another user's scope sees none of them.
+        let out = ctx(&[], None, Some("u2")).call(&tool, json!({ "mode": "list" })).await.unwrap();
+        assert!(ids(&out).is_empty());
+    }
+
+    #[tokio::test]
+    async fn profile_context_is_the_users_own() {
+        let (_dir, r) = store().await;
+        context_items(&r).await;
+        let tool = RetrieveProfileContext(r.clone());
+        let out = ctx(&[], None, Some("u1")).call(&tool, json!({ "query": "" })).await.unwrap();
+        assert_eq!(ids(&out), ["p-1"]);
+        let out = ctx(&[], None, Some("u2")).call(&tool, json!({ "query": "" })).await.unwrap();
+        assert!(ids(&out).is_empty());
+    }
+
+    #[test]
+    fn time_ranges_take_dates_and_instants() {
+        let r = time_range(Some("2026-11-02"), Some("2026-11-02")).unwrap();
+        assert_eq!(r.from_ms, Some(NOV2));
+        assert_eq!(r.to_ms, Some(NOV2 + DAY - 1));
+        let r = time_range(Some("2026-11-02T01:00:00+01:00"), None).unwrap();
+        assert_eq!(r.from_ms, Some(NOV2));
+        assert!(time_range(Some("2026-11-03"), Some("2026-11-02")).is_err());
+        assert!(time_range(Some("2026-13-01"), None).is_err());
     }
 }
