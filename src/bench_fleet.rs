@@ -114,14 +114,14 @@ pub fn sleep_worker() -> Result<Worker, WorkerError> {
 /// A bench worker process's workers: every family this command ships,
 /// plus the bench's own tool; the LLM tools family only when
 /// [`ENV_BENCH_MODEL_URL`] names a model ([`models_from_env`]).
-pub fn bench_workers(definitions: &Path, index: &IndexArgs) -> anyhow::Result<Vec<Worker>> {
+pub async fn bench_workers(definitions: &Path, index: &IndexArgs) -> anyhow::Result<Vec<Worker>> {
     let models = models_from_env(&toolfleet_llm::profiles::ProcessEnv)?;
-    bench_workers_with(definitions, index, models.as_ref())
+    bench_workers_with(definitions, index, models.as_ref()).await
 }
 
 /// Every family this command ships, plus the bench's own tool; the LLM
 /// tools family only with `models`.
-pub fn bench_workers_with(
+pub async fn bench_workers_with(
     definitions: &Path,
     index: &IndexArgs,
     models: Option<&FleetConfig>,
@@ -130,7 +130,8 @@ pub fn bench_workers_with(
         definitions,
         index,
         models,
-    })?;
+    })
+    .await?;
     workers.push(sleep_worker()?);
     Ok(workers)
 }
@@ -140,7 +141,7 @@ pub fn bench_workers_with(
 pub fn bench_models(base_url: url::Url, model: &str, first_token_timeout: Duration) -> FleetConfig {
     let mut deployment = Deployment::new(base_url, model);
     deployment.first_token_timeout = first_token_timeout;
-    FleetConfig::single(deployment)
+    FleetConfig::single(deployment).with_data_source("handbook")
 }
 
 /// [`bench_models`] from a worker process's environment
@@ -234,15 +235,7 @@ impl BenchFleet {
         let servers = crate::cli::demo_servers(local)?;
         let subjects = toolfleet_protocol::Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         let work = tempfile::tempdir()?;
-        let index = IndexArgs {
-            index_dir: work.path().join("index"),
-            corpus_dir: local.corpus.clone(),
-        };
-        let stats = toolfleet_worker_retrieval::index::DocumentIndex::build(
-            &index.corpus_dir,
-            &index.index_dir,
-        )?;
-        eprintln!("• indexed {} documents", stats.documents);
+        let index = IndexArgs::tantivy(work.path().join("index"), local.corpus.clone());
 
         let script = toolfleet_scripted::Script::load(&shape.script)?
             .with_first_token_delay(shape.model_delay);
@@ -378,7 +371,7 @@ impl BenchFleet {
                 subjects: subjects.clone(),
                 citation_ttl: Duration::from_secs(3600),
                 orchestrator: orchestrator_config,
-                workers: bench_workers_with(&local.defs.dir, &index, llm_models)?,
+                workers: bench_workers_with(&local.defs.dir, &index, llm_models).await?,
                 worker_concurrency: shape.worker_concurrency,
                 nats_connect_wait: Duration::from_secs(10),
             };

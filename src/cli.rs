@@ -54,7 +54,10 @@ pub enum Command {
         #[command(subcommand)]
         command: ToolsCommand,
     },
-    /// Build the document index that retrieval workers search.
+    /// Ingest files into the document index retrieval workers search
+    /// (progress, then a summary; a bad file is reported and skipped).
+    Ingest(Box<IngestArgs>),
+    /// Check the document index.
     Index {
         #[command(subcommand)]
         command: IndexCommand,
@@ -333,29 +336,54 @@ pub struct ToolsSource {
 
 #[derive(Subcommand, Debug)]
 pub enum IndexCommand {
-    /// Build (or rebuild) the index from a corpus of Markdown files.
-    Build {
-        #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
-        corpus: PathBuf,
-        #[arg(
-            long,
-            env = "TOOLFLEET_INDEX_DIR",
-            default_value = "target/toolfleet-index"
-        )]
-        index: PathBuf,
-    },
-    /// Search the index (to check it).
+    /// Search the index as a retrieval tool would (to check an ingest).
     Search {
         query: String,
-        #[arg(
-            long,
-            env = "TOOLFLEET_INDEX_DIR",
-            default_value = "target/toolfleet-index"
-        )]
-        index: PathBuf,
+        #[command(flatten)]
+        index: IndexArgs,
+        /// Only this data source or upload collection.
+        #[arg(long)]
+        collection: Option<String>,
         #[arg(long, default_value_t = 5)]
-        limit: usize,
+        top_k: usize,
     },
+}
+
+/// `toolfleet ingest`.
+#[derive(clap::Args, Debug)]
+pub struct IngestArgs {
+    /// Files and directories (walked recursively): Markdown, HTML, plain
+    /// text, CSV, and JSON Lines of context items.
+    #[arg(required = true)]
+    pub paths: Vec<PathBuf>,
+    /// The data source (or upload collection) the documents belong to.
+    #[arg(long)]
+    pub collection: String,
+    /// Owner ids stored with every document.
+    #[arg(long)]
+    pub owner_user: Option<String>,
+    #[arg(long)]
+    pub owner_device: Option<String>,
+    #[arg(long)]
+    pub owner_agent: Option<String>,
+    /// Only files under these directories are read (links resolved);
+    /// default: the current directory.
+    #[arg(long = "allow-root")]
+    pub allow_roots: Vec<PathBuf>,
+    /// Tokens per chunk (o200k_base).
+    #[arg(long, default_value_t = toolfleet_worker_retrieval::chunk::DEFAULT_MAX_TOKENS)]
+    pub chunk_tokens: usize,
+    /// Tokens shared by consecutive chunks.
+    #[arg(long, default_value_t = toolfleet_worker_retrieval::chunk::DEFAULT_OVERLAP_TOKENS)]
+    pub chunk_overlap: usize,
+    /// Larger files are skipped.
+    #[arg(long, default_value_t = toolfleet_worker_retrieval::ingest::DEFAULT_MAX_FILE_BYTES)]
+    pub max_file_bytes: u64,
+    /// No progress bar (it is drawn only on a terminal anyway).
+    #[arg(long)]
+    pub quiet: bool,
+    #[command(flatten)]
+    pub index: IndexArgs,
 }
 
 #[derive(Subcommand, Debug)]
@@ -386,7 +414,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Bench(args) => bench(args).await,
         Command::BenchWorker(args) => bench_worker(args).await,
         Command::Tools { command } => tools(command).await,
-        Command::Index { command } => index(command),
+        Command::Ingest(args) => ingest(*args).await,
+        Command::Index { command } => index(command).await,
         Command::Blob { command } => blob(command).await,
         Command::ScriptedModel {
             listen,
@@ -575,27 +604,23 @@ impl LocalFleet {
         );
 
         let work = tempfile::tempdir()?;
-        eprint!("• indexing {} … ", args.corpus.display());
-        let _ = std::io::stderr().flush();
-        let stats = toolfleet_worker_retrieval::index::DocumentIndex::build(
-            &args.corpus,
-            &work.path().join("index"),
-        )?;
-        eprintln!("{} documents, {} passages", stats.documents, stats.passages);
+        eprintln!(
+            "• index: {} ingested as data source \"handbook\" (tantivy, in a temporary directory)",
+            args.corpus.display()
+        );
 
         let subjects = toolfleet_protocol::Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         // The scripted stand-in plays the model of the one default profile.
         let profiles = toolfleet_llm::profiles::FleetConfig::single(
             toolfleet_llm::profiles::Deployment::new(model.base_url(), model_name),
-        );
+        )
+        .with_data_source("handbook");
         let workers = crate::families::all(&crate::families::Inputs {
             definitions: &args.defs.dir,
-            index: &IndexArgs {
-                index_dir: work.path().join("index"),
-                corpus_dir: args.corpus.clone(),
-            },
+            index: &IndexArgs::tantivy(work.path().join("index"), args.corpus.clone()),
             models: Some(&profiles),
-        })?;
+        })
+        .await?;
         let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
         orchestrator.max_in_flight = max_in_flight;
         let spec = FleetSpec {
@@ -685,10 +710,9 @@ async fn bench(args: BenchArgs) -> anyhow::Result<i32> {
 async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
     let subjects =
         toolfleet_service::args::or_exit(args.worker.nats.subjects().map_err(Into::into));
-    let workers = toolfleet_service::args::or_exit(crate::bench_fleet::bench_workers(
-        &args.worker.defs.dir,
-        &args.index,
-    ));
+    let workers = toolfleet_service::args::or_exit(
+        crate::bench_fleet::bench_workers(&args.worker.defs.dir, &args.index).await,
+    );
     let spec = FleetSpec {
         nats_url: args.worker.nats.url.clone(),
         redis_url: args.worker.redis.url.clone(),
@@ -710,12 +734,14 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
     let subjects =
         toolfleet_service::args::or_exit(args.worker.nats.subjects().map_err(Into::into));
     let models = toolfleet_service::args::or_exit(args.llm.fleet_config().map_err(Into::into));
-    let workers =
-        toolfleet_service::args::or_exit(crate::families::all(&crate::families::Inputs {
+    let workers = toolfleet_service::args::or_exit(
+        crate::families::all(&crate::families::Inputs {
             definitions: &args.worker.defs.dir,
             index: &args.index,
             models: Some(&models),
-        }));
+        })
+        .await,
+    );
     let mut orchestrator = OrchestratorConfig::new(subjects.clone(), models);
     orchestrator.max_in_flight = args.max_in_flight;
     let spec = FleetSpec {
@@ -864,29 +890,126 @@ async fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
     }
 }
 
-fn index(command: IndexCommand) -> anyhow::Result<i32> {
+async fn ingest(args: IngestArgs) -> anyhow::Result<i32> {
+    use std::io::IsTerminal;
+    use toolfleet_worker_retrieval::ingest::{IngestOptions, Outcome};
+    let chunking =
+        toolfleet_worker_retrieval::chunk::ChunkConfig::new(args.chunk_tokens, args.chunk_overlap)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let collection = args.collection.trim().to_owned();
+    if collection.is_empty() || collection.chars().any(char::is_control) || collection.len() > 256 {
+        anyhow::bail!("--collection must be 1-256 characters without control characters");
+    }
+    let allowed_roots = if args.allow_roots.is_empty() {
+        vec![std::env::current_dir()?]
+    } else {
+        args.allow_roots.clone()
+    };
+    let options = IngestOptions {
+        collection,
+        owner: toolfleet_worker_retrieval::model::Owner {
+            user: args.owner_user.clone(),
+            device: args.owner_device.clone(),
+            agent: args.owner_agent.clone(),
+        },
+        chunking,
+        max_file_bytes: args.max_file_bytes,
+        allowed_roots,
+    };
+    let store = toolfleet_worker_retrieval::open_store(&args.index)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let (planned, _) = toolfleet_worker_retrieval::ingest::plan(&args.paths, &options);
+    let total_bytes: u64 = planned.iter().map(|p| p.bytes).sum();
+    let bar = if args.quiet || !std::io::stderr().is_terminal() {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(total_bytes)
+    };
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{bar:40} {binary_bytes}/{binary_total_bytes} {binary_bytes_per_sec} {wide_msg}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut problems = Vec::new();
+    let report = toolfleet_worker_retrieval::ingest::ingest(
+        store.as_ref(),
+        &args.paths,
+        &options,
+        &mut |file| {
+            bar.inc(file.bytes);
+            bar.set_message(file.path.display().to_string());
+            match &file.outcome {
+                Outcome::Skipped(why) => {
+                    problems.push(format!("skipped {}: {why}", file.path.display()))
+                }
+                Outcome::Document { warnings, .. } => problems.extend(
+                    warnings
+                        .iter()
+                        .map(|w| format!("warning {}: {w}", file.path.display())),
+                ),
+                Outcome::Items { rejected, .. } => {
+                    problems.extend(rejected.iter().map(|(line, why)| {
+                        format!("skipped {} line {line}: {why}", file.path.display())
+                    }))
+                }
+            }
+        },
+    )
+    .await;
+    bar.finish_and_clear();
+    for problem in &problems {
+        eprintln!("{problem}");
+    }
+    let mb = report.bytes_ingested() as f64 / 1_000_000.0;
+    println!(
+        "ingested {} documents ({} chunks) and {} context items into {:?} ({}) from {:.2} MB in {:.2} s ({:.2} MB/s); {} skipped",
+        report.documents(),
+        report.chunks(),
+        report.items(),
+        options.collection,
+        store.backend(),
+        mb,
+        report.elapsed_secs,
+        mb / report.elapsed_secs.max(1e-9),
+        report.skipped()
+    );
+    // Some input left out is worth a non-zero exit for scripts; the rest
+    // went in all the same.
+    Ok(if report.skipped() == 0 { 0 } else { 2 })
+}
+
+async fn index(command: IndexCommand) -> anyhow::Result<i32> {
     match command {
-        IndexCommand::Build { corpus, index } => {
-            let stats = toolfleet_worker_retrieval::index::DocumentIndex::build(&corpus, &index)?;
-            println!(
-                "indexed {} documents ({} passages) into {}",
-                stats.documents,
-                stats.passages,
-                index.display()
-            );
-            Ok(0)
-        }
         IndexCommand::Search {
             query,
             index,
-            limit,
+            collection,
+            top_k,
         } => {
-            let idx = toolfleet_worker_retrieval::index::DocumentIndex::open(&index)?;
-            for h in idx.search(&query, limit)? {
+            let store = toolfleet_worker_retrieval::open_store(&index)
+                .await
+                .map_err(anyhow::Error::msg)?;
+            let query = toolfleet_worker_retrieval::search::Query {
+                text: query,
+                collections: collection.into_iter().collect(),
+                top_k: top_k.clamp(1, toolfleet_worker_retrieval::search::MAX_TOP_K),
+                ..Default::default()
+            };
+            let hits = store.search(&query).await?;
+            for h in &hits {
+                let text: String = h.item.text.chars().take(200).collect();
                 println!(
                     "{:.3}  {}  {}\n       {}",
-                    h.score, h.source, h.title, h.snippet
+                    h.score,
+                    h.item.id,
+                    h.item.title,
+                    text.replace('\n', " ")
                 );
+            }
+            if hits.is_empty() {
+                eprintln!("no match");
             }
             Ok(0)
         }

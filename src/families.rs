@@ -30,54 +30,58 @@ pub struct Inputs<'a> {
 
 /// Every family this command ships (the LLM tools family only when
 /// `inputs.models` is given).
-pub fn all(inputs: &Inputs<'_>) -> anyhow::Result<Vec<Worker>> {
+pub async fn all(inputs: &Inputs<'_>) -> anyhow::Result<Vec<Worker>> {
     let names: Vec<&str> = NAMES
         .iter()
         .copied()
         .filter(|name| *name != toolfleet_worker_llm::FAMILY || inputs.models.is_some())
         .collect();
-    some(&names, inputs)
+    some(&names, inputs).await
 }
 
-/// The named families; the index is opened (or built) only when the
+/// The named families; the index is opened (and seeded) only when the
 /// retrieval family is among them.
-pub fn some(names: &[&str], inputs: &Inputs<'_>) -> anyhow::Result<Vec<Worker>> {
+pub async fn some(names: &[&str], inputs: &Inputs<'_>) -> anyhow::Result<Vec<Worker>> {
+    let mut workers = Vec::with_capacity(names.len());
+    for name in names {
+        workers.push(family(name, inputs).await?);
+    }
+    Ok(workers)
+}
+
+async fn family(name: &str, inputs: &Inputs<'_>) -> anyhow::Result<Worker> {
     let definitions = inputs.definitions;
-    names
-        .iter()
-        .map(|name| match *name {
-            toolfleet_worker_system::FAMILY => Ok(toolfleet_worker_system::worker(definitions)?),
-            toolfleet_worker_retrieval::FAMILY => {
-                let index = inputs.index;
-                let docs = toolfleet_worker_retrieval::open_or_build_index(
-                    &index.index_dir,
-                    &index.corpus_dir,
-                )
+    match name {
+        toolfleet_worker_system::FAMILY => Ok(toolfleet_worker_system::worker(definitions)?),
+        toolfleet_worker_retrieval::FAMILY => {
+            let index = inputs.index;
+            let store = toolfleet_worker_retrieval::open_and_seed(index)
+                .await
+                .map_err(anyhow::Error::msg)
                 .with_context(|| {
                     format!(
-                        "opening or building the index at {} from {}",
-                        index.index_dir.display(),
+                        "opening the index ({:?}; corpus {})",
+                        index.backend,
                         index.corpus_dir.display()
                     )
                 })?;
-                Ok(toolfleet_worker_retrieval::worker(definitions, &docs)?)
-            }
-            toolfleet_worker_llm::FAMILY => {
-                let models = inputs.models.context(
-                    "the LLM tools family needs the model deployments (--config or --llm-*)",
-                )?;
-                let settings = toolfleet_worker_llm::Settings {
-                    default_model: toolfleet_worker_llm::default_model_of(models),
-                    ..toolfleet_worker_llm::Settings::default()
-                };
-                Ok(toolfleet_worker_llm::worker(
-                    definitions,
-                    models,
-                    &ProcessEnv,
-                    &settings,
-                )?)
-            }
-            other => anyhow::bail!("no tool family named {other:?} (known: {NAMES:?})"),
-        })
-        .collect()
+            Ok(toolfleet_worker_retrieval::worker(definitions, store)?)
+        }
+        toolfleet_worker_llm::FAMILY => {
+            let models = inputs.models.context(
+                "the LLM tools family needs the model deployments (--config or --llm-*)",
+            )?;
+            let settings = toolfleet_worker_llm::Settings {
+                default_model: toolfleet_worker_llm::default_model_of(models),
+                ..toolfleet_worker_llm::Settings::default()
+            };
+            Ok(toolfleet_worker_llm::worker(
+                definitions,
+                models,
+                &ProcessEnv,
+                &settings,
+            )?)
+        }
+        other => anyhow::bail!("no tool family named {other:?} (known: {NAMES:?})"),
+    }
 }

@@ -132,6 +132,7 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
                 ("TOOLFLEET_LLM_BASE_URL", model.base_url().to_string()),
                 ("TOOLFLEET_LLM_MODEL", "toolfleet-scripted".into()),
                 ("TOOLFLEET_LLM_API_KEY", "sk-binary-test-secret".into()),
+                ("TOOLFLEET_DATA_SOURCE", "handbook".into()),
             ]),
         ),
         spawn(
@@ -208,14 +209,14 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
     let retrieval = scrape(ports[2]).await.unwrap();
     assert!(
         retrieval.contains(
-            "toolfleet_citations_written_total{tool=\"retrieval:search_documents@1.0.0\"}"
+            "toolfleet_citations_written_total{tool=\"retrieval:search_data_sources@1.0.0\"}"
         ),
         "{retrieval}"
     );
     // The family's own metrics, registered by the SDK beside the runtime's.
     assert!(
         retrieval.contains("toolfleet_retrieval_search_duration_seconds_count 1")
-            && retrieval.contains("toolfleet_retrieval_index_passages 55"),
+            && retrieval.contains("toolfleet_retrieval_passages_returned_total 3"),
         "{retrieval}"
     );
     for text in [&orchestrator, &system, &retrieval] {
@@ -257,11 +258,11 @@ fn tools_commands_list_show_and_validate() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("system:current_datetime@1.0.0")
-            && text.contains("retrieval:search_documents@1.0.0"),
+            && text.contains("retrieval:search_data_sources@1.0.0"),
         "{text}"
     );
 
-    let out = toolfleet(&["tools", "show", "search_documents"]);
+    let out = toolfleet(&["tools", "show", "search_data_sources"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         out.status.success()
@@ -283,7 +284,7 @@ fn tools_commands_list_show_and_validate() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("FAIL") && text.contains("bad.json"), "{text}");
     assert!(
-        text.contains("ok   tool_definitions (10 definition(s))"),
+        text.contains("ok   tool_definitions (18 definition(s))"),
         "{text}"
     );
 }
@@ -292,10 +293,13 @@ fn tools_commands_list_show_and_validate() {
 /// text or JSON, and exits 1 when nothing matches.
 #[test]
 fn tools_search_ranks_the_definitions() {
-    let out = toolfleet(&["tools", "search", "search_documents", "-o", "json"]);
+    let out = toolfleet(&["tools", "search", "search_data_sources", "-o", "json"]);
     assert!(out.status.success());
     let hits: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(hits[0]["id"], "retrieval:search_documents@1.0.0", "{hits}");
+    assert_eq!(
+        hits[0]["id"], "retrieval:search_data_sources@1.0.0",
+        "{hits}"
+    );
     assert_eq!(hits[0]["score"], 100, "{hits}");
 
     // A tag of one, a substring of the other's name: the name ranks first.
@@ -307,7 +311,7 @@ fn tools_search_ranks_the_definitions() {
     let out = toolfleet(&["tools", "search", "citations"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        out.status.success() && text.contains(" 50  retrieval:search_documents@1.0.0"),
+        out.status.success() && text.contains(" 50  retrieval:search_data_sources@1.0.0"),
         "{text}"
     );
     let out = toolfleet(&["tools", "search", "zebra"]);
@@ -336,12 +340,20 @@ fn tools_list_shows_the_definitions_as_text_or_json() {
             "llm:score@1.0.0",
             "llm:structure@1.0.0",
             "llm:summarize@1.0.0",
+            "retrieval:entity_lookup@1.0.0",
+            "retrieval:list_documents@1.0.0",
+            "retrieval:read_document@1.0.0",
+            "retrieval:read_tabular_data@1.0.0",
+            "retrieval:retrieve_event_context@1.0.0",
+            "retrieval:retrieve_knowledge_context@1.0.0",
+            "retrieval:retrieve_profile_context@1.0.0",
+            "retrieval:search_data_sources@1.0.0",
             "retrieval:search_documents@1.0.0",
             "system:current_datetime@1.0.0"
         ],
         "in id order"
     );
-    let datetime = &rows[9];
+    let datetime = &rows[17];
     assert_eq!(datetime["kind"], "selectable", "{datetime}");
     assert_eq!(datetime["purpose"], "general", "{datetime}");
     assert_eq!(datetime["category"], "utility", "{datetime}");
@@ -356,7 +368,10 @@ fn tools_list_shows_the_definitions_as_text_or_json() {
         ),
         (
             &["--id-prefix", "retrieval:search"][..],
-            vec!["retrieval:search_documents@1.0.0"],
+            vec![
+                "retrieval:search_data_sources@1.0.0",
+                "retrieval:search_documents@1.0.0",
+            ],
         ),
         (
             &["--category", "utility"][..],
@@ -523,7 +538,7 @@ async fn tools_list_live_shows_what_the_fleets_workers_serve() {
     let hits: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(hits[0]["id"], "system:current_datetime@1.0.0", "{hits}");
     assert_eq!(hits[0]["workers"], 1, "{hits}");
-    assert_eq!(search("search_documents").status.code(), Some(1));
+    assert_eq!(search("search_data_sources").status.code(), Some(1));
 
     // Another fleet on the same server serves nothing.
     let out = live(&["--subject-prefix", "other"]);
@@ -577,7 +592,8 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
         &["bench"],
         &["chat"],
         &["tools", "list"],
-        &["index", "build"],
+        &["ingest"],
+        &["index", "search"],
         &["blob", "get"],
         &["scripted-model"],
     ] {
@@ -762,7 +778,7 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
     std::fs::write(
         &config,
         format!(
-            "default_profile = \"default\"\n[deployments.stand-in]\napi = \"responses\"\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n[profiles.default]\ndeployment = \"stand-in\"\n",
+            "default_profile = \"default\"\n[deployments.stand-in]\napi = \"responses\"\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n[profiles.default]\ndeployment = \"stand-in\"\ndata_source = \"handbook\"\n",
             model.base_url()
         ),
     )
@@ -859,8 +875,8 @@ async fn sigterm_drains_the_job_in_flight() {
 async fn a_pool_that_dies_mid_call_is_noticed_before_the_timeout() {
     let script = serde_json::json!({
         "rules": [{ "whenUserContains": ["honeybee"], "steps": [
-            { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "honeybee waggle dance" } } ] },
-            { "answer": "Bees: {{tool:search_documents}}" }
+            { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "honeybee waggle dance" } } ] },
+            { "answer": "Bees: {{tool:search_data_sources}}" }
         ] }]
     });
     let env = support::Env::start_with(

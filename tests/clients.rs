@@ -17,8 +17,8 @@ async fn a_python_client_written_from_the_readme_asks_follows_and_cancels() {
         "rules": [
             { "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 30000 }, "answer": "too late" } ] },
             { "whenUserContains": ["lighthouse"], "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 2 } } ] },
-                { "answer": "Lighthouses: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "lighthouse fog signals warn ships", "topK": 2 } } ] },
+                { "answer": "Lighthouses: {{tool:search_data_sources}}" }
             ] }
         ]
     }))

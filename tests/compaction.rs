@@ -27,8 +27,8 @@ fn script() -> serde_json::Value {
             { "whenUserContains": ["summarize the text below"], "steps": [ { "answer":
                 "{\"summary\": \"Earlier, fog signals and their timing were discussed.\", \"keyPoints\": [\"fog horns\"]}" } ] },
             { "whenUserContains": ["how do lighthouses warn ships"], "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "lighthouse fog signal", "limit": 5 } } ] },
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "lighthouse lens light", "limit": 5 } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "lighthouse fog signal", "topK": 5 } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "lighthouse lens light", "topK": 5 } } ] },
                 { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
                 { "answer": "Lighthouses warn ships with light and sound. {{citations}}" } ] }
         ]

@@ -132,7 +132,10 @@ async fn send_tool_job(
     let inbox = env.subjects.reply_inbox();
     let replies = env.subscribe(inbox.clone()).await;
     let call = CallContext {
-        invocation: InvocationContext::new(invocation),
+        invocation: InvocationContext {
+            data_source_id: Some("handbook".into()),
+            ..InvocationContext::new(invocation)
+        },
         call_id: call_id.into(),
         tool_id: tool.parse().unwrap(),
         attempt: 1,
@@ -220,7 +223,7 @@ async fn a_forged_tool_job_cannot_add_references_to_another_invocation() {
         &env,
         &job.invocation_id,
         "call_forged",
-        "retrieval:search_documents@1.0.0",
+        "retrieval:search_data_sources@1.0.0",
         json!({ "arguments": { "query": "lighthouse" } }),
     )
     .await;
@@ -376,18 +379,19 @@ async fn a_malformed_job_cannot_end_another_jobs_invocation() {
 }
 
 /// The system worker, as its binary builds it.
-fn system_worker() -> Worker {
+async fn system_worker() -> Worker {
     toolfleet::families::some(
         &["system"],
         &toolfleet::families::Inputs {
             definitions: &crate::support::root().join("tool_definitions"),
-            index: &toolfleet::families::IndexArgs {
-                index_dir: std::env::temp_dir().join("unused-index"),
-                corpus_dir: crate::support::root().join("examples/corpus"),
-            },
+            index: &toolfleet::families::IndexArgs::tantivy(
+                std::env::temp_dir().join("unused-index"),
+                crate::support::root().join("examples/corpus"),
+            ),
             models: None,
         },
     )
+    .await
     .unwrap()
     .remove(0)
 }
@@ -410,7 +414,7 @@ async fn a_frozen_workers_call_is_finished_by_another_inside_the_callers_wait() 
     .await;
     let id: toolfleet_protocol::tools::ToolId = "system:current_datetime@1.0.0".parse().unwrap();
     // A first copy makes the consumer, as a worker of the pool would.
-    env.start_worker(system_worker()).await.stop().await;
+    env.start_worker(system_worker().await).await.stop().await;
     let js = async_nats::jetstream::new(env.client.clone());
     let consumer: async_nats::jetstream::consumer::PullConsumer = js
         .get_stream(env.subjects.tools_stream())
@@ -443,7 +447,7 @@ async fn a_frozen_workers_call_is_finished_by_another_inside_the_callers_wait() 
         .unwrap();
 
     // The live copy of the pool.
-    let live = env.start_worker(system_worker()).await;
+    let live = env.start_worker(system_worker().await).await;
     // The caller's wait for this tool: its timeout (5 s) plus the
     // orchestrator's default slack (2 s).
     let callers_wait = Duration::from_secs(7);
@@ -615,7 +619,7 @@ async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
         assert!(tokio::time::Instant::now() < deadline, "no tombstone");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let worker = env.start_worker(system_worker()).await;
+    let worker = env.start_worker(system_worker().await).await;
     let mut replies = send_tool_job(
         &env,
         "queued-tool-1",

@@ -147,7 +147,7 @@ async fn both_tools_in_one_round_answer_with_citations() {
     let text = env.metrics_text().await;
     for series in [
         "toolfleet_chat_jobs_total{outcome=\"completed\"} 1",
-        "toolfleet_tool_calls_total{status=\"ok\",tool=\"retrieval:search_documents@1.0.0\"} 1",
+        "toolfleet_tool_calls_total{status=\"ok\",tool=\"retrieval:search_data_sources@1.0.0\"} 1",
         "toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"} 1",
         "toolfleet_llm_requests_total{model=\"toolfleet-scripted\",outcome=\"ok\"} 2",
     ] {
@@ -162,8 +162,8 @@ async fn invalid_arguments_reach_the_model_and_write_nothing() {
         "rules": [{
             "whenUserContains": ["bees"],
             "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "bees", "limit": 50 } } ] },
-                { "answer": "The search failed: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "bees", "topK": 50 } } ] },
+                { "answer": "The search failed: {{tool:search_data_sources}}" }
             ]
         }]
     });
@@ -174,7 +174,7 @@ async fn invalid_arguments_reach_the_model_and_write_nothing() {
     assert_eq!(
         results,
         vec![(
-            "retrieval:search_documents@1.0.0".into(),
+            "retrieval:search_data_sources@1.0.0".into(),
             ToolStatus::Error,
             Some("invalid_arguments".into())
         )]
@@ -182,17 +182,17 @@ async fn invalid_arguments_reach_the_model_and_write_nothing() {
     let tools = tool_messages(&env);
     assert_eq!(tools.len(), 1);
     assert!(
-        tools[0].contains("Invalid arguments") && tools[0].contains("/limit"),
+        tools[0].contains("Invalid arguments") && tools[0].contains("/topK"),
         "{}",
         tools[0]
     );
-    assert!(outcome.text.contains("/limit"), "{}", outcome.text);
+    assert!(outcome.text.contains("/topK"), "{}", outcome.text);
     assert!(
         env.tool_keys(&job.invocation_id).await.is_empty(),
         "nothing written to Redis"
     );
     let text = env.metrics_text().await;
-    assert!(text.contains("toolfleet_tool_jobs_total{outcome=\"invalid_arguments\",tool=\"retrieval:search_documents@1.0.0\"} 1"), "{text}");
+    assert!(text.contains("toolfleet_tool_jobs_total{outcome=\"invalid_arguments\",tool=\"retrieval:search_data_sources@1.0.0\"} 1"), "{text}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,7 +220,7 @@ async fn unknown_tool_and_bad_json_arguments_are_answered_at_once() {
     let tools = tool_messages(&env);
     assert!(
         tools[0].contains("no tool named \"launch_rockets\"")
-            && tools[0].contains("search_documents"),
+            && tools[0].contains("search_data_sources"),
         "{}",
         tools[0]
     );
@@ -232,13 +232,13 @@ async fn a_tool_without_a_live_worker_is_answered_without_waiting_for_its_timeou
         "rules": [{
             "whenUserContains": ["tides"],
             "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "tides" } } ] },
-                { "answer": "Sorry: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "tides" } } ] },
+                { "answer": "Sorry: {{tool:search_data_sources}}" }
             ]
         }]
     });
     // Only the system worker runs: nobody in this fleet serves (or ever
-    // advertised) search_documents, so the orchestrator does not know it.
+    // advertised) search_data_sources, so the orchestrator does not know it.
     let env = Env::start_with(
         script,
         Options {
@@ -263,14 +263,14 @@ async fn a_tool_without_a_live_worker_is_answered_without_waiting_for_its_timeou
     assert_eq!(
         tool_results(&outcome.events),
         vec![(
-            "search_documents".into(),
+            "search_data_sources".into(),
             ToolStatus::Error,
             Some("unknown_tool".into())
         )]
     );
     let message = &tool_messages(&env)[0];
     assert!(
-        message.contains("no tool named \"search_documents\"")
+        message.contains("no tool named \"search_data_sources\"")
             && message.contains("Available tools: current_datetime."),
         "{message}"
     );
@@ -405,15 +405,18 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
     let inbox = env.subjects.reply_inbox();
     let mut replies = env.subscribe(inbox.clone()).await;
     let call = toolfleet_protocol::CallContext {
-        invocation: toolfleet_protocol::InvocationContext::new("ledger-1"),
+        invocation: toolfleet_protocol::InvocationContext {
+            data_source_id: Some("handbook".into()),
+            ..toolfleet_protocol::InvocationContext::new("ledger-1")
+        },
         call_id: "call_1".into(),
-        tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
+        tool_id: "retrieval:search_data_sources@1.0.0".parse().unwrap(),
         attempt: 1,
         reply_to: inbox,
         citation_floor: 0,
         new_call: false,
     };
-    let body = json!({ "arguments": { "query": "honeybee waggle dance", "limit": 2 } }).to_string();
+    let body = json!({ "arguments": { "query": "honeybee waggle dance", "topK": 2 } }).to_string();
     let mut first_refs = None;
     for round in 0..2 {
         let mut h = call.to_headers();
@@ -462,7 +465,7 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
     let call = toolfleet_protocol::CallContext {
         invocation: toolfleet_protocol::InvocationContext::new("dead-1"),
         call_id: "call_9".into(),
-        tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
+        tool_id: "retrieval:search_data_sources@1.0.0".parse().unwrap(),
         attempt: 1,
         reply_to: inbox,
         citation_floor: 0,
@@ -490,7 +493,7 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
     let text = env.metrics_text().await;
     assert!(
         text.contains(
-            "toolfleet_tool_job_retries_total{tool=\"retrieval:search_documents@1.0.0\"} 2"
+            "toolfleet_tool_job_retries_total{tool=\"retrieval:search_data_sources@1.0.0\"} 2"
         ),
         "{text}"
     );
@@ -569,13 +572,11 @@ async fn workers_answer_the_services_api() {
         }
         assert_eq!(ids.len(), 2, "one service instance per worker");
     }
-    let expected: HashSet<String> = [
-        "system:current_datetime@1.0.0",
-        "retrieval:search_documents@1.0.0",
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect();
+    let mut expected: HashSet<String> = support::RETRIEVAL_TOOLS
+        .iter()
+        .map(|name| format!("retrieval:{name}@1.0.0"))
+        .collect();
+    expected.insert("system:current_datetime@1.0.0".into());
     assert_eq!(tools_seen, expected, "the catalog names every served tool");
 }
 

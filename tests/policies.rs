@@ -243,9 +243,9 @@ async fn consecutive_tool_errors_stop_the_tools() {
         "rules": [{
             "whenUserContains": ["bees"],
             "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "bees", "limit": 99 } } ] },
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "bees", "limit": 98 } } ] },
-                { "answer": "I could not search: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "bees", "topK": 99 } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "bees", "topK": 98 } } ] },
+                { "answer": "I could not search: {{tool:search_data_sources}}" }
             ]
         }]
     });
@@ -276,10 +276,10 @@ async fn the_last_round_forbids_tools_so_the_model_answers() {
         "rules": [{
             "whenUserContains": ["tides"],
             "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "tides" } } ] },
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "moon" } } ] },
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "sun" } } ] },
-                { "answer": "Tides: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "tides" } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "moon" } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "sun" } } ] },
+                { "answer": "Tides: {{tool:search_data_sources}}" }
             ]
         }]
     });
@@ -324,8 +324,8 @@ async fn parallel_off_runs_calls_one_at_a_time_and_says_so_to_the_model() {
         vec![
             "call system:current_datetime@1.0.0",
             "result system:current_datetime@1.0.0",
-            "call retrieval:search_documents@1.0.0",
-            "result retrieval:search_documents@1.0.0",
+            "call retrieval:search_data_sources@1.0.0",
+            "result retrieval:search_data_sources@1.0.0",
         ]
     );
     assert_eq!(env.model.requests()[0]["parallel_tool_calls"], false);
@@ -345,11 +345,7 @@ async fn a_tool_that_is_not_parallel_safe_runs_alone_after_the_others() {
         datetime.to_string(),
     )
     .unwrap();
-    std::fs::copy(
-        root.join("retrieval.search_documents.json"),
-        dir.path().join("retrieval.search_documents.json"),
-    )
-    .unwrap();
+    crate::support::copy_definitions(&root, dir.path(), "retrieval.");
     let env = Env::start_with(
         lighthouse_script(),
         Options {
@@ -366,8 +362,8 @@ async fn a_tool_that_is_not_parallel_safe_runs_alone_after_the_others() {
     assert_eq!(
         kinds(&outcome.events),
         vec![
-            "call retrieval:search_documents@1.0.0",
-            "result retrieval:search_documents@1.0.0",
+            "call retrieval:search_data_sources@1.0.0",
+            "result retrieval:search_data_sources@1.0.0",
             "call system:current_datetime@1.0.0",
             "result system:current_datetime@1.0.0",
         ]
@@ -392,7 +388,7 @@ async fn long_tool_results_are_cut_to_the_token_cap_with_a_notice() {
         "rules": [{
             "whenUserContains": ["bread"],
             "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "sourdough bread yeast bacteria starter flour water lighthouse bees tides rust", "limit": 10 } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "sourdough bread yeast bacteria starter flour water lighthouse bees tides rust", "topK": 10 } } ] },
                 { "answer": "Done." }
             ]
         }]
@@ -423,7 +419,7 @@ async fn long_tool_results_are_cut_to_the_token_cap_with_a_notice() {
     assert!(
         env.metrics_text()
             .await
-            .contains("toolfleet_tool_results_truncated_total{function=\"search_documents\"} 1")
+            .contains("toolfleet_tool_results_truncated_total{function=\"search_data_sources\"} 1")
     );
 }
 
@@ -432,8 +428,8 @@ fn truncating_script() -> Value {
         "rules": [{
             "whenUserContains": ["sourdough"],
             "steps": [
-                { "fault": { "kind": "length", "times": 1 }, "toolCalls": [ { "name": "search_documents", "arguments": { "query": "sourdough starter", "limit": 3 } } ] },
-                { "answer": "Sourdough: {{tool:search_documents}}" }
+                { "fault": { "kind": "length", "times": 1 }, "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "sourdough starter", "topK": 3 } } ] },
+                { "answer": "Sourdough: {{tool:search_data_sources}}" }
             ]
         }]
     })
@@ -646,8 +642,8 @@ async fn refusals_and_non_streaming_deployments_complete() {
         "rules": [
             { "whenUserContains": ["weapon"], "steps": [ { "refusal": "I can't help with that." } ] },
             { "whenUserContains": ["lighthouse"], "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "lighthouse" } } ] },
-                { "answer": "Lighthouses: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "lighthouse" } } ] },
+                { "answer": "Lighthouses: {{tool:search_data_sources}}" }
             ] }
         ]
     });
@@ -767,11 +763,7 @@ async fn direct_delivery_uses_request_reply_not_the_stream() {
         datetime.to_string(),
     )
     .unwrap();
-    std::fs::copy(
-        root.join("retrieval.search_documents.json"),
-        dir.path().join("retrieval.search_documents.json"),
-    )
-    .unwrap();
+    crate::support::copy_definitions(&root, dir.path(), "retrieval.");
     let script = json!({
         "rules": [{ "whenUserContains": ["time"], "steps": [
             { "toolCalls": [ { "name": "current_datetime", "arguments": { "utcOffset": "+01:00" } } ] },

@@ -52,13 +52,13 @@ fn script() -> Value {
             { "whenUserContains": ["lighthouse"], "steps": [
                 { "toolCalls": [
                     { "name": "current_datetime", "arguments": {} },
-                    { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 3 } }
+                    { "name": "search_data_sources", "arguments": { "query": "lighthouse fog signals warn ships", "topK": 3 } }
                 ] },
-                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_documents}}" }
+                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_data_sources}}" }
             ] },
             { "whenUserContains": ["bees"], "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "bees", "limit": 50 } } ] },
-                { "answer": "The search failed: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "bees", "topK": 50 } } ] },
+                { "answer": "The search failed: {{tool:search_data_sources}}" }
             ] },
             { "whenUserContains": ["rocket"], "steps": [
                 { "toolCalls": [ { "name": "launch_rockets", "arguments": { "count": 3 } } ] },
@@ -68,13 +68,13 @@ fn script() -> Value {
                 { "fault": { "kind": "status", "status": 500, "times": 1 }, "answer": "Second time lucky." }
             ] },
             { "whenUserContains": ["tides"], "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "tides moon sun sourdough bread yeast lighthouse bees rust", "limit": 10 } } ] },
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "moon" } } ] },
-                { "answer": "Tides: {{tool:search_documents}}" }
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "tides moon sun sourdough bread yeast lighthouse bees rust", "topK": 10 } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "moon" } } ] },
+                { "answer": "Tides: {{tool:search_data_sources}}" }
             ] },
             { "whenUserContains": ["sourdough"], "steps": [
-                { "fault": { "kind": "length", "times": 1 }, "toolCalls": [ { "name": "search_documents", "arguments": { "query": "sourdough starter", "limit": 3 } } ] },
-                { "answer": "Sourdough: {{tool:search_documents}}" }
+                { "fault": { "kind": "length", "times": 1 }, "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "sourdough starter", "topK": 3 } } ] },
+                { "answer": "Sourdough: {{tool:search_data_sources}}" }
             ] }
         ]
     })
@@ -438,7 +438,7 @@ async fn traffic(env: &mut Env) {
     let call = CallContext {
         invocation: InvocationContext::new("prom-dead-1"),
         call_id: "call_1".into(),
-        tool_id: "retrieval:search_documents@1.0.0".parse().unwrap(),
+        tool_id: "retrieval:search_data_sources@1.0.0".parse().unwrap(),
         attempt: 1,
         reply_to: env.subjects.reply_inbox(),
         citation_floor: 0,

@@ -274,8 +274,8 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
 async fn a_plain_json_client_gets_schema_valid_events() {
     let env = support::Env::start(json!({
         "rules": [{ "whenUserContains": ["honeybee"], "steps": [
-            { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "honeybee waggle dance" } } ] },
-            { "answer": "Bees dance: {{tool:search_documents}}" }
+            { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "honeybee waggle dance" } } ] },
+            { "answer": "Bees dance: {{tool:search_data_sources}}" }
         ] }]
     }))
     .await;
@@ -411,18 +411,20 @@ async fn start_fleet(
     let subjects = Subjects::new(prefix).unwrap();
     let profiles = toolfleet_llm::profiles::FleetConfig::single(
         toolfleet_llm::profiles::Deployment::new(model.base_url(), "toolfleet-scripted"),
-    );
+    )
+    .with_data_source("handbook");
     let workers = toolfleet::families::some(
         &[family],
         &toolfleet::families::Inputs {
             definitions: &support::root().join("tool_definitions"),
-            index: &toolfleet::families::IndexArgs {
-                index_dir: index_dir.to_path_buf(),
-                corpus_dir: support::root().join("examples/corpus"),
-            },
+            index: &toolfleet::families::IndexArgs::tantivy(
+                index_dir.to_path_buf(),
+                support::root().join("examples/corpus"),
+            ),
             models: Some(&profiles),
         },
     )
+    .await
     .unwrap();
     let spec = toolfleet_local::fleet::FleetSpec {
         nats_url: nats.url(),
@@ -492,8 +494,15 @@ async fn two_fleets_on_one_server_never_see_each_other() {
     };
     for (subjects, want) in [
         (&a, "system:current_datetime@1.0.0"),
-        (&b, "retrieval:search_documents@1.0.0"),
+        (&b, "retrieval:search_data_sources@1.0.0"),
     ] {
+        let want = if want.starts_with("retrieval:") {
+            support::RETRIEVAL_TOOLS
+                .map(|name| format!("retrieval:{name}@1.0.0"))
+                .to_vec()
+        } else {
+            vec![want.to_owned()]
+        };
         let catalog = toolfleet_protocol::catalog::discover(
             &client,
             subjects,
@@ -502,7 +511,7 @@ async fn two_fleets_on_one_server_never_see_each_other() {
         )
         .await
         .unwrap();
-        assert_eq!(ids(&catalog), [want], "{}", subjects.prefix());
+        assert_eq!(ids(&catalog), want, "{}", subjects.prefix());
     }
 
     // Streams and consumers.
@@ -528,15 +537,23 @@ async fn two_fleets_on_one_server_never_see_each_other() {
     );
     for (stream, want) in [
         ("FLEET-A_TOOLS", "tool_system_current_datetime_1_0_0"),
-        ("FLEET-B_TOOLS", "tool_retrieval_search_documents_1_0_0"),
+        ("FLEET-B_TOOLS", "tool_retrieval_search_data_sources_1_0_0"),
     ] {
         let s = js.get_stream(stream).await.unwrap();
-        let consumers: Vec<String> = futures::StreamExt::collect::<Vec<_>>(s.consumer_names())
+        let mut consumers: Vec<String> = futures::StreamExt::collect::<Vec<_>>(s.consumer_names())
             .await
             .into_iter()
             .map(Result::unwrap)
             .collect();
-        assert_eq!(consumers, [want], "{stream}");
+        consumers.sort();
+        let want: Vec<String> = if stream == "FLEET-B_TOOLS" {
+            support::RETRIEVAL_TOOLS
+                .map(|name| format!("tool_retrieval_{name}_1_0_0"))
+                .to_vec()
+        } else {
+            vec![want.to_owned()]
+        };
+        assert_eq!(consumers, want, "{stream}");
     }
 
     // A job in fleet A: its own tool runs; the other fleet's tool is
@@ -567,7 +584,7 @@ async fn two_fleets_on_one_server_never_see_each_other() {
     );
     assert!(
         // Answered at once (`unknown_tool`), not waited out (`timeout`).
-        results.contains(&("search_documents".into(), "unknown_tool".into())),
+        results.contains(&("search_data_sources".into(), "unknown_tool".into())),
         "{results:?}"
     );
     support::assert_silent(

@@ -626,10 +626,10 @@ async fn an_agent_tool_runs_a_nested_job_and_its_citations_are_renumbered() {
         json!({ "rules": [
             // The nested job's task.
             { "whenUserContains": ["FOG SIGNALS"], "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "fog signals" } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "fog signals" } } ] },
                 { "answer": "Fog horns sound {{citations}}" } ] },
             { "whenUserContains": ["lighthouse"], "steps": [
-                { "toolCalls": [ { "name": "search_documents", "arguments": { "query": "lighthouse lamps" } } ] },
+                { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "lighthouse lamps" } } ] },
                 { "toolCalls": [ { "name": "research", "arguments": { "task": "FOG SIGNALS of lighthouses" } } ] },
                 { "answer": "Lamps {{citations}} and: {{tool:research}}" } ] }
         ] }),
@@ -707,7 +707,7 @@ async fn an_agent_tool_runs_a_nested_job_and_its_citations_are_renumbered() {
     assert!(
         progress
             .iter()
-            .any(|m| m.contains("calling retrieval:search_documents")),
+            .any(|m| m.contains("calling retrieval:search_data_sources")),
         "{progress:?}"
     );
     // The nested job ran under its own invocation id, with the profile,
@@ -741,7 +741,7 @@ async fn an_agent_tool_runs_a_nested_job_and_its_citations_are_renumbered() {
         !nested_tools.iter().any(|t| t.starts_with("agent:")),
         "{nested_tools:?}"
     );
-    assert!(nested_tools.contains(&"retrieval:search_documents@1.0.0"));
+    assert!(nested_tools.contains(&"retrieval:search_data_sources@1.0.0"));
     let metrics = env.metrics_text().await;
     assert!(
         metrics.contains("toolfleet_registry_duplicate_tools 1"),

@@ -268,6 +268,7 @@ model = "toolfleet-scripted"
 api_key_env = "TOOLFLEET_SECURITY_TEST_KEY"
 [profiles.default]
 deployment = "scripted"
+data_source = "handbook"
 [profiles.helper]
 deployment = "scripted"
 agent = {{ name = "helper", description = "Agrees." }}
@@ -360,7 +361,7 @@ agent = {{ name = "helper", description = "Agrees." }}
                     if tool.contains(name))
             })
         };
-        let tool_ok = ok("current_datetime") && ok("search_documents");
+        let tool_ok = ok("current_datetime") && ok("search_data_sources");
         if tool_ok {
             break outcome;
         }
@@ -690,30 +691,32 @@ async fn security_a_worker_family_keeps_to_its_own_tools() {
 
     // Nor publish, read or pull another family's tool jobs.
     system
-        .publish("toolfleet.tool.retrieval.search_documents.1_0_0")
+        .publish("toolfleet.tool.retrieval.search_data_sources.1_0_0")
         .await;
     system
         .publish("toolfleet.tool.system.current_datetime.1_0_0")
         .await;
     assert_eq!(tools.clone().info().await.unwrap().state.messages, 0);
     let mut others = system
-        .subscribe("toolfleet.tool.retrieval.search_documents.1_0_0")
+        .subscribe("toolfleet.tool.retrieval.search_data_sources.1_0_0")
         .await;
     system.subscribe("toolfleet.tool.>").await;
     system.subscribe("toolfleet.direct.retrieval.>").await;
     system.subscribe("toolfleet.reply.>").await;
     system.subscribe("_INBOX.worker.retrieval.>").await;
     system
-        .publish("$JS.API.CONSUMER.MSG.NEXT.TOOLFLEET_TOOLS.tool_retrieval_search_documents_1_0_0")
+        .publish(
+            "$JS.API.CONSUMER.MSG.NEXT.TOOLFLEET_TOOLS.tool_retrieval_search_data_sources_1_0_0",
+        )
         .await;
     // Its own consumer's create is pinned to its own tool's subject.
     system
         .publish(
-            "$JS.API.CONSUMER.CREATE.TOOLFLEET_TOOLS.tool_system_current_datetime_1_0_0.toolfleet.tool.retrieval.search_documents.1_0_0",
+            "$JS.API.CONSUMER.CREATE.TOOLFLEET_TOOLS.tool_system_current_datetime_1_0_0.toolfleet.tool.retrieval.search_data_sources.1_0_0",
         )
         .await;
     system
-        .publish("$KV.TOOLFLEET_CATALOG.retrieval.search_documents.1_0_0.abc")
+        .publish("$KV.TOOLFLEET_CATALOG.retrieval.search_data_sources.1_0_0.abc")
         .await;
     let mut marker = system
         .client
@@ -723,7 +726,7 @@ async fn security_a_worker_family_keeps_to_its_own_tools() {
     system.client.flush().await.unwrap();
     nothing_before_marker(
         &orchestrator,
-        "toolfleet.tool.retrieval.search_documents.1_0_0",
+        "toolfleet.tool.retrieval.search_data_sources.1_0_0",
         "toolfleet.direct.system.marker",
         &mut others,
         &mut marker,

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -91,6 +91,17 @@ impl Env {
                     .with_api_key("sk-test-secret-never-logged".to_string()),
             ),
         };
+        // With the retrieval family running, every test profile searches
+        // the shipped corpus, ingested as the data source `handbook`,
+        // unless it names its own.
+        let mut profiles = profiles;
+        if options.workers.contains(&"retrieval") {
+            for profile in profiles.profiles.values_mut() {
+                profile
+                    .data_source
+                    .get_or_insert_with(|| "handbook".to_owned());
+            }
+        }
         let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
         orchestrator.env = Arc::new(
             options
@@ -107,13 +118,14 @@ impl Env {
                     .defs_dir
                     .clone()
                     .unwrap_or_else(|| root().join("tool_definitions")),
-                index: &IndexArgs {
-                    index_dir: dir.path().join("index"),
-                    corpus_dir: root().join("examples/corpus"),
-                },
+                index: &IndexArgs::tantivy(
+                    dir.path().join("index"),
+                    root().join("examples/corpus"),
+                ),
                 models: Some(&*orchestrator.profiles),
             },
         )
+        .await
         .expect("families");
         let spec = FleetSpec {
             nats_url: nats.url(),
@@ -264,9 +276,9 @@ pub fn lighthouse_script() -> serde_json::Value {
             "steps": [
                 { "toolCalls": [
                     { "name": "current_datetime", "arguments": {} },
-                    { "name": "search_documents", "arguments": { "query": "lighthouse fog signals warn ships", "limit": 3 } }
+                    { "name": "search_data_sources", "arguments": { "query": "lighthouse fog signals warn ships", "topK": 3 } }
                 ] },
-                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_documents}}" }
+                { "answer": "It is {{tool:current_datetime}}. Lighthouses: {{tool:search_data_sources}}" }
             ]
         }],
         "default": { "steps": [ { "answer": "no script" } ] }
@@ -471,3 +483,29 @@ pub async fn publish_raw(
         }
     }
 }
+
+/// Copies the definition files of `from` whose names start with `prefix`
+/// (a family's, e.g. `retrieval.`) into `to`: a family's worker refuses to
+/// start without every one of its tools' definitions.
+pub fn copy_definitions(from: &Path, to: &Path, prefix: &str) {
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if name.starts_with(prefix) && name.ends_with(".json") {
+            std::fs::copy(entry.path(), to.join(&name)).unwrap();
+        }
+    }
+}
+
+/// The retrieval family's tools, in id order.
+pub const RETRIEVAL_TOOLS: [&str; 9] = [
+    "entity_lookup",
+    "list_documents",
+    "read_document",
+    "read_tabular_data",
+    "retrieve_event_context",
+    "retrieve_knowledge_context",
+    "retrieve_profile_context",
+    "search_data_sources",
+    "search_documents",
+];

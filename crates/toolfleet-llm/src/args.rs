@@ -35,6 +35,10 @@ pub struct LlmArgs {
         default_value = "gpt-4o-mini"
     )]
     pub model: String,
+    /// The data source of the one profile built from these flags (without
+    /// --config): chat jobs that name none search it.
+    #[arg(long = "data-source", env = "TOOLFLEET_DATA_SOURCE")]
+    pub data_source: Option<String>,
     /// HTTP to the endpoint: http1, or http2 (HTTP/2 only, h2c over plain
     /// http; calls in flight share one connection, capped by the server's
     /// streams per connection).
@@ -86,9 +90,15 @@ impl LlmArgs {
     ) -> Result<crate::profiles::FleetConfig, crate::profiles::ConfigError> {
         match &self.config {
             Some(path) => crate::profiles::FleetConfig::load(path),
-            None => Ok(crate::profiles::FleetConfig::single(
-                crate::profiles::Deployment::from_llm_args(self),
-            )),
+            None => {
+                let config = crate::profiles::FleetConfig::single(
+                    crate::profiles::Deployment::from_llm_args(self),
+                );
+                Ok(match &self.data_source {
+                    Some(ds) => config.with_data_source(ds),
+                    None => config,
+                })
+            }
         }
     }
 }

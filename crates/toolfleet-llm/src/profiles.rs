@@ -253,6 +253,15 @@ impl FleetConfig {
         }
     }
 
+    /// This configuration with `data_source` as the default profile's data
+    /// source (the demo's and the tests' `handbook`).
+    pub fn with_data_source(mut self, data_source: &str) -> Self {
+        if let Some(profile) = self.profiles.get_mut(&self.default_profile) {
+            profile.data_source = Some(data_source.to_owned());
+        }
+        self
+    }
+
     /// Things worth a warning at start-up that are not errors: unknown
     /// orchestrator names (they fall back to the default) and models with
     /// no price (their cost is unknown).

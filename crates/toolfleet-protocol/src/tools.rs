@@ -1541,27 +1541,27 @@ mod tests {
         assert!(datetime.validate_arguments(&json!({"tz": "UTC"})).is_err());
 
         let search = registry
-            .by_function_name("search_documents")
+            .by_function_name("search_data_sources")
             .expect("search");
-        assert_eq!(search.id, id("retrieval:search_documents@1.0.0"));
-        assert_eq!(search.implementation_key, "retrieval.search_documents");
+        assert_eq!(search.id, id("retrieval:search_data_sources@1.0.0"));
+        assert_eq!(search.implementation_key, "retrieval.search_data_sources");
         assert_eq!(search.timeout(), Duration::from_secs(10));
         assert_eq!(search.category, "retrieval");
         assert!(search.parallel_safe);
         let search = registry.compiled(&search.id).expect("compiled");
         assert!(
             search
-                .validate_arguments(&json!({"query": "lighthouses", "limit": 3}))
+                .validate_arguments(&json!({"query": "lighthouses", "topK": 3}))
                 .is_ok()
         );
         let violations = search
-            .validate_arguments(&json!({"query": "x", "limit": 50}))
-            .expect_err("limit too high");
+            .validate_arguments(&json!({"query": "x", "topK": 50}))
+            .expect_err("topK too high");
         assert_eq!(
             describe(&violations),
-            "at /limit: 50 is greater than the maximum of 10"
+            "at /topK: 50 is greater than the maximum of 20"
         );
-        assert!(search.validate_arguments(&json!({"limit": 3})).is_err());
+        assert!(search.validate_arguments(&json!({"topK": 3})).is_err());
         assert!(search.validate_arguments(&json!({"query": ""})).is_err());
     }
 

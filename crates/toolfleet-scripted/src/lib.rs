@@ -42,8 +42,8 @@
 //!           "fault": { "kind": "status", "status": 429, "retryAfterMs": 200, "times": 1 },
 //!           "toolCalls": [
 //!             { "name": "current_datetime", "arguments": {} },
-//!             { "name": "search_documents", "arguments": { "query": "tides" } } ] },
-//!         { "answer": "It is {{tool:current_datetime}}. The documents say: {{tool:search_documents}}" }
+//!             { "name": "search_data_sources", "arguments": { "query": "tides" } } ] },
+//!         { "answer": "It is {{tool:current_datetime}}. The documents say: {{tool:search_data_sources}}" }
 //!       ]
 //!     },
 //!     { "whenUserContains": ["weapon"], "steps": [ { "refusal": "I can't help with that." } ] }
@@ -3147,12 +3147,15 @@ mod tests {
         // Rule 1: both tools at once, then an answer quoting both.
         let question = "What time is it, and how do lighthouses warn ships?";
         let first = reply(&script, &turns(vec![user(question)]));
-        assert_eq!(call_names(&first), ["current_datetime", "search_documents"]);
+        assert_eq!(
+            call_names(&first),
+            ["current_datetime", "search_data_sources"]
+        );
         let Reply::ToolCalls(calls) = &first else {
             unreachable!()
         };
         let search: Value = serde_json::from_str(&calls[1].2).expect("arguments are JSON");
-        assert_eq!(search["limit"], json!(3));
+        assert_eq!(search["topK"], json!(3));
         assert!(
             search["query"]
                 .as_str()
@@ -3162,7 +3165,7 @@ mod tests {
             &script,
             &turns(vec![
                 user(question),
-                assistant_calls(&[("c1", "current_datetime"), ("c2", "search_documents")]),
+                assistant_calls(&[("c1", "current_datetime"), ("c2", "search_data_sources")]),
                 tool("c1", "2026-11-21T22:50:00Z (Saturday)"),
                 tool(
                     "c2",
@@ -3182,12 +3185,12 @@ mod tests {
             ("Why does sourdough bread rise?", "sourdough"),
         ] {
             let first = reply(&script, &turns(vec![user(question)]));
-            assert_eq!(call_names(&first), ["search_documents"], "{question}");
+            assert_eq!(call_names(&first), ["search_data_sources"], "{question}");
             let text = answer(reply(
                 &script,
                 &turns(vec![
                     user(question),
-                    assistant_calls(&[("c1", "search_documents")]),
+                    assistant_calls(&[("c1", "search_data_sources")]),
                     tool("c1", &format!("[doc:1] about {topic}")),
                 ]),
             ));
@@ -3405,7 +3408,7 @@ mod tests {
         });
         let script = r#"{"rules": [{"whenUserContains": ["both"], "steps": [{"toolCalls": [
             {"name": "current_datetime", "arguments": {}},
-            {"name": "search_documents", "arguments": {"query": "how lighthouses warn ships", "limit": 3}}
+            {"name": "search_data_sources", "arguments": {"query": "how lighthouses warn ships", "topK": 3}}
         ]}]}]}"#;
         let (parallel, _) = start(script).await;
         let mut body2 = body.clone();
@@ -3435,8 +3438,8 @@ mod tests {
         for (calls, (name, args)) in per_call.iter().zip([
             ("current_datetime", json!({})),
             (
-                "search_documents",
-                json!({"query": "how lighthouses warn ships", "limit": 3}),
+                "search_data_sources",
+                json!({"query": "how lighthouses warn ships", "topK": 3}),
             ),
         ]) {
             let head = calls[0];

@@ -99,7 +99,7 @@ pub struct NoArgs {}
 /// The whole `main` of the worker binary `binary` (its name in `--help`):
 /// parses the shared settings and the
 /// binary's own `A` (flags and `TOOLFLEET_*` environment variables;
-/// `--help` lists them), builds the worker with `build`, serves it until
+/// `--help` lists them), builds the worker with the async `build` (it may connect to a store first), serves it until
 /// SIGTERM and drains. A bad setting or a worker that cannot be built exits
 /// with code 64 (EX_USAGE), anything else that stops it with 1.
 ///
@@ -114,7 +114,7 @@ pub struct NoArgs {}
 ///
 /// #[tokio::main]
 /// async fn main() -> std::process::ExitCode {
-///     toolfleet_worker::process::main("units-worker", "toolfleet worker: converts units.", "0.0.0.0:9470", |args, _: &NoArgs| {
+///     toolfleet_worker::process::main("units-worker", "toolfleet worker: converts units.", "0.0.0.0:9470", async |args, _: &NoArgs| {
 ///         toolfleet_worker::Worker::builder("units")
 ///             .definitions_dir(&args.defs.dir)
 ///             .tool("units.convert", Convert)
@@ -127,7 +127,7 @@ pub async fn main<A, E>(
     binary: &'static str,
     about: &'static str,
     default_metrics_addr: &str,
-    build: impl FnOnce(&WorkerArgs, &A) -> Result<Worker, E>,
+    build: impl AsyncFnOnce(&WorkerArgs, &A) -> Result<Worker, E>,
 ) -> std::process::ExitCode
 where
     A: Args + FromArgMatches,
@@ -164,7 +164,7 @@ where
             Err(e) => return usage(&format!("metrics address {default_metrics_addr:?}: {e}")),
         },
     };
-    let worker = match build(&args.worker, &args.own) {
+    let worker = match build(&args.worker, &args.own).await {
         Ok(w) => w,
         Err(e) => return usage(&e),
     };

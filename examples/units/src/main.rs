@@ -11,7 +11,7 @@ async fn main() -> std::process::ExitCode {
         "units-worker",
         "A third-party toolfleet worker: converts units (units:convert@1.0.0).",
         "0.0.0.0:9470",
-        |_, _: &NoArgs| units_worker::worker(),
+        async |_, _: &NoArgs| units_worker::worker(),
     )
     .await
 }

@@ -41,7 +41,7 @@ async fn main() -> std::process::ExitCode {
         "toolfleet-worker-llm",
         "toolfleet worker: serves declarative LLM tools (summarize, classify, charts, …).",
         "0.0.0.0:9467",
-        |args, own: &LlmToolArgs| {
+        async |args, own: &LlmToolArgs| {
             let config = own
                 .llm
                 .fleet_config()

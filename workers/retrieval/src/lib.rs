@@ -1,16 +1,19 @@
 //! toolfleet-worker-retrieval: the `retrieval:*` tools over the document
 //! index, looked up by the `implementationKey` of their definition file.
-//! tantivy lives in this crate alone.
+//! tantivy and the PostgreSQL client live in this crate alone.
 //!
-//! - [`index`]: the full-text index over a Markdown corpus.
-//! - `retrieval.search_documents` ([`SearchDocuments`]): full-text search
-//!   over the index, citing every passage it returns.
-//! - [`IndexArgs`]: where the index is (command line and environment).
+//! - [`normalize`] and [`chunk`]: files to text, text to token windows;
+//!   [`ingest`]: files and JSON Lines into a store.
+//! - [`store`]: the index as a trait, with two backends
+//!   ([`tantivy_store`] on local disk, [`postgres_store`] shared), and
+//!   [`model`]/[`search`]: what it holds and how it is asked.
+//! - [`tools`]: the retrieval tools, scoped by the call's headers.
+//! - [`IndexArgs`]: which store (command line and environment).
 //! - [`RetrievalMetrics`]: the family's own metrics.
 
+pub mod analysis;
 pub mod chunk;
 mod conformance;
-pub mod index;
 pub mod ingest;
 pub mod model;
 pub mod normalize;
@@ -21,29 +24,151 @@ pub mod tantivy_store;
 pub mod tools;
 
 use std::path::{Path, PathBuf};
-use std::time::Instant;
+use std::sync::Arc;
 
-use prometheus::{Histogram, HistogramOpts, IntGauge};
+use prometheus::{Histogram, HistogramOpts, IntCounter};
+use toolfleet_worker::{Worker, WorkerError};
 
-use serde::Deserialize;
-use serde_json::json;
-use toolfleet_worker::{NewReference, Tool, ToolCtx, ToolError, ToolOutput, Worker, WorkerError};
+use crate::ingest::{IngestOptions, Outcome};
+use crate::store::Store;
+use crate::tools::Retrieval;
 
-use crate::index::DocumentIndex;
+/// The index backends.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// tantivy on local disk: one index per host, shared read-only by the
+    /// host's retrieval workers (the default).
+    Tantivy,
+    /// PostgreSQL: one store for retrieval workers on many hosts.
+    Postgres,
+}
 
-/// Where the index is, and what to build it from when it is missing.
+/// Which index, and what to fill an empty one with.
 #[derive(clap::Args, Debug, Clone)]
 pub struct IndexArgs {
-    /// Where the index lives (built from --corpus-dir at start when missing).
+    /// The index backend.
+    #[arg(
+        long = "store",
+        env = "TOOLFLEET_STORE",
+        value_enum,
+        default_value = "tantivy"
+    )]
+    pub backend: Backend,
+    /// Where the tantivy index lives (created when missing).
     #[arg(
         long,
         env = "TOOLFLEET_INDEX_DIR",
         default_value = "target/toolfleet-index"
     )]
     pub index_dir: PathBuf,
-    /// The corpus of Markdown files to index when the index is missing.
+    /// The PostgreSQL URL (`--store postgres`); keep the password in the
+    /// environment, not on a command line.
+    #[arg(long, env = "TOOLFLEET_POSTGRES_URL", hide_env_values = true)]
+    pub postgres_url: Option<String>,
+    /// The prefix of the PostgreSQL tables (`<prefix>_documents`,
+    /// `<prefix>_items`).
+    #[arg(long, env = "TOOLFLEET_POSTGRES_PREFIX", default_value = "toolfleet")]
+    pub postgres_prefix: String,
+    /// Files ingested into an empty index at start (as data source
+    /// --corpus-collection), so a fresh demo has something to find. Empty:
+    /// none.
     #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
     pub corpus_dir: PathBuf,
+    /// The data source the start-up corpus belongs to.
+    #[arg(long, env = "TOOLFLEET_CORPUS_COLLECTION", default_value = "handbook")]
+    pub corpus_collection: String,
+}
+
+impl IndexArgs {
+    /// A tantivy index in `index_dir`, filled from `corpus_dir` when empty.
+    pub fn tantivy(index_dir: PathBuf, corpus_dir: PathBuf) -> Self {
+        Self {
+            backend: Backend::Tantivy,
+            index_dir,
+            postgres_url: None,
+            postgres_prefix: "toolfleet".into(),
+            corpus_dir,
+            corpus_collection: "handbook".into(),
+        }
+    }
+}
+
+/// Opens the store `args` names.
+///
+/// # Errors
+///
+/// A message naming the store when it cannot be opened (never the
+/// PostgreSQL password).
+pub async fn open_store(args: &IndexArgs) -> Result<Arc<dyn Store>, String> {
+    match args.backend {
+        Backend::Tantivy => {
+            std::fs::create_dir_all(&args.index_dir).map_err(|e| {
+                format!(
+                    "creating the index directory {}: {e}",
+                    args.index_dir.display()
+                )
+            })?;
+            let store = tantivy_store::TantivyStore::open(&args.index_dir)
+                .map_err(|e| format!("the index at {}: {e}", args.index_dir.display()))?;
+            Ok(Arc::new(store))
+        }
+        Backend::Postgres => {
+            let url = args
+                .postgres_url
+                .as_deref()
+                .ok_or("--store postgres needs --postgres-url (or TOOLFLEET_POSTGRES_URL)")?;
+            let store = postgres_store::PostgresStore::connect(url, &args.postgres_prefix)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(Arc::new(store))
+        }
+    }
+}
+
+/// Opens the store and, when it holds no document of the corpus
+/// collection yet, ingests `corpus_dir` into it (a missing corpus directory
+/// is not an error: the index simply starts empty).
+///
+/// # Errors
+///
+/// As [`open_store`].
+pub async fn open_and_seed(args: &IndexArgs) -> Result<Arc<dyn Store>, String> {
+    let store = open_store(args).await?;
+    if args.corpus_dir.as_os_str().is_empty() || !args.corpus_dir.is_dir() {
+        return Ok(store);
+    }
+    let existing = store
+        .list_documents(std::slice::from_ref(&args.corpus_collection), &[], 1)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !existing.is_empty() {
+        return Ok(store);
+    }
+    let options = IngestOptions {
+        collection: args.corpus_collection.clone(),
+        owner: model::Owner::default(),
+        chunking: chunk::ChunkConfig::default(),
+        max_file_bytes: ingest::DEFAULT_MAX_FILE_BYTES,
+        allowed_roots: vec![args.corpus_dir.clone()],
+    };
+    let report = ingest::ingest(
+        store.as_ref(),
+        std::slice::from_ref(&args.corpus_dir),
+        &options,
+        &mut |file| {
+            if let Outcome::Skipped(why) = &file.outcome {
+                tracing::warn!(path = %file.path.display(), reason = %why, "corpus file skipped");
+            }
+        },
+    )
+    .await;
+    tracing::info!(
+        documents = report.documents(),
+        chunks = report.chunks(),
+        collection = %args.corpus_collection,
+        "start-up corpus ingested"
+    );
+    Ok(store)
 }
 
 /// The retrieval family's metrics (beside the worker runtime's).
@@ -51,8 +176,8 @@ pub struct IndexArgs {
 pub struct RetrievalMetrics {
     /// `toolfleet_retrieval_search_duration_seconds`: time in the index.
     pub search_duration: Histogram,
-    /// `toolfleet_retrieval_index_passages`: passages in the open index.
-    pub index_passages: IntGauge,
+    /// `toolfleet_retrieval_passages_returned_total`.
+    pub passages_returned: IntCounter,
 }
 
 impl RetrievalMetrics {
@@ -68,142 +193,57 @@ impl RetrievalMetrics {
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
                 ]),
             )?,
-            index_passages: IntGauge::new(
-                "toolfleet_retrieval_index_passages",
-                "Passages in the document index this worker searches.",
+            passages_returned: IntCounter::new(
+                "toolfleet_retrieval_passages_returned_total",
+                "Passages (chunks, items) the retrieval tools returned, each cited.",
             )?,
         })
-    }
-}
-
-/// `retrieval.search_documents`.
-pub struct SearchDocuments {
-    index: DocumentIndex,
-    metrics: Option<RetrievalMetrics>,
-}
-
-/// Results per search when the model does not say.
-pub const DEFAULT_LIMIT: usize = 5;
-
-impl SearchDocuments {
-    pub fn new(index: DocumentIndex) -> Self {
-        Self {
-            index,
-            metrics: None,
-        }
-    }
-
-    /// Records search times in `metrics`.
-    pub fn with_metrics(mut self, metrics: RetrievalMetrics) -> Self {
-        self.metrics = Some(metrics);
-        self
-    }
-}
-
-/// Arguments of [`SearchDocuments`].
-#[derive(Debug, Deserialize)]
-pub struct SearchArgs {
-    pub query: String,
-    /// Passages to return; [`DEFAULT_LIMIT`] when absent.
-    pub limit: Option<usize>,
-}
-
-impl Tool for SearchDocuments {
-    type Args = SearchArgs;
-
-    async fn call(&self, ctx: &ToolCtx, args: SearchArgs) -> Result<ToolOutput, ToolError> {
-        {
-            let query = args.query;
-            let limit = args.limit.unwrap_or(DEFAULT_LIMIT);
-            let index = self.index.clone();
-            let q = query.clone();
-            // Tantivy searches are CPU work: keep them off the runtime's
-            // worker threads.
-            let started = Instant::now();
-            let hits = tokio::task::spawn_blocking(move || index.search(&q, limit))
-                .await
-                .map_err(|e| ToolError::transient(format!("search task failed: {e}")))?
-                .map_err(|e| ToolError::failed(format!("search failed: {e}")))?;
-            if let Some(m) = &self.metrics {
-                m.search_duration.observe(started.elapsed().as_secs_f64());
-            }
-            if hits.is_empty() {
-                return Ok(ToolOutput {
-                    content: format!("No documents matched {query:?}."),
-                    data: Some(json!({ "hits": [] })),
-                });
-            }
-            let refs = hits
-                .iter()
-                .map(|h| NewReference {
-                    kind: "document".into(),
-                    title: h.title.clone(),
-                    source: Some(h.source.clone()),
-                    url: None,
-                    snippet: Some(h.snippet.clone()),
-                })
-                .collect();
-            let cited = ctx.cite(refs).await?;
-            // One line per passage, led by its marker. The tool's
-            // description tells the model to cite with these markers.
-            let content = hits
-                .iter()
-                .zip(&cited)
-                .map(|(h, r)| {
-                    let section = h
-                        .section
-                        .as_deref()
-                        .map(|s| format!(" › {s}"))
-                        .unwrap_or_default();
-                    format!("{} {}{section}: {}", r.marker(), h.title, h.snippet)
-                })
-                .collect::<Vec<_>>()
-                .join("\n");
-            Ok(ToolOutput {
-                content,
-                data: Some(
-                    json!({ "hits": hits, "indices": cited.iter().map(|r| r.index).collect::<Vec<_>>() }),
-                ),
-            })
-        }
     }
 }
 
 /// The family name (the worker's name in the catalog and services API).
 pub const FAMILY: &str = "retrieval";
 
-/// The retrieval worker over `index`: every definition in `definitions`
+/// The retrieval worker over `store`: every definition in `definitions`
 /// whose `implementationKey` is one of this family's.
 ///
 /// # Errors
 ///
 /// [`WorkerError::Config`] when a definition is missing or invalid.
-pub fn worker(definitions: &Path, index: &DocumentIndex) -> Result<Worker, WorkerError> {
+pub fn worker(definitions: &Path, store: Arc<dyn Store>) -> Result<Worker, WorkerError> {
     let metrics = RetrievalMetrics::new()
         .map_err(|e| WorkerError::Config(format!("retrieval metrics: {e}")))?;
-    metrics
-        .index_passages
-        .set(i64::try_from(index.stats().passages).unwrap_or(i64::MAX));
+    let r = Retrieval::new(store).with_metrics(metrics.clone());
     Worker::builder(FAMILY)
         .definitions_dir(definitions)
         .tool(
             "retrieval.search_documents",
-            SearchDocuments::new(index.clone()).with_metrics(metrics.clone()),
+            tools::SearchDocuments(r.clone()),
         )
+        .tool("retrieval.list_documents", tools::ListDocuments(r.clone()))
+        .tool("retrieval.read_document", tools::ReadDocument(r.clone()))
+        .tool(
+            "retrieval.read_tabular_data",
+            tools::ReadTabularData(r.clone()),
+        )
+        .tool(
+            "retrieval.search_data_sources",
+            tools::SearchDataSources(r.clone()),
+        )
+        .tool(
+            "retrieval.retrieve_knowledge_context",
+            tools::RetrieveKnowledgeContext(r.clone()),
+        )
+        .tool(
+            "retrieval.retrieve_event_context",
+            tools::RetrieveEventContext(r.clone()),
+        )
+        .tool(
+            "retrieval.retrieve_profile_context",
+            tools::RetrieveProfileContext(r.clone()),
+        )
+        .tool("retrieval.entity_lookup", tools::EntityLookup(r))
         .metrics(metrics.search_duration)
-        .metrics(metrics.index_passages)
+        .metrics(metrics.passages_returned)
         .build()
-}
-
-/// Opens the index at `index_dir`, building it from `corpus_dir` first when
-/// it does not exist yet.
-pub fn open_or_build_index(
-    index_dir: &Path,
-    corpus_dir: &Path,
-) -> Result<DocumentIndex, index::IndexError> {
-    if !index_dir.join("meta.json").exists() {
-        let stats = DocumentIndex::build(corpus_dir, index_dir)?;
-        tracing::info!(documents = stats.documents, passages = stats.passages, index = %index_dir.display(), "index built");
-    }
-    DocumentIndex::open(index_dir)
 }

@@ -384,10 +384,10 @@ pub fn markdown_to_text(markdown: &str) -> Normalized {
                 heading = Some((level, text.len()));
             }
             Event::End(TagEnd::Heading(_)) => {
-                if let Some((HeadingLevel::H1, start)) = heading.take() {
-                    if title.is_none() {
-                        title = Some(one_line(&text[start..])).filter(|t| !t.is_empty());
-                    }
+                if let Some((HeadingLevel::H1, start)) = heading.take()
+                    && title.is_none()
+                {
+                    title = Some(one_line(&text[start..])).filter(|t| !t.is_empty());
                 }
                 text.push_str("\n\n");
             }

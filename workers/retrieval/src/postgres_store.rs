@@ -20,7 +20,7 @@ use futures::future::BoxFuture;
 use tokio_postgres::types::ToSql;
 use tokio_postgres::{Client, NoTls};
 
-use crate::index::sanitize_query;
+use crate::analysis::sanitize_query;
 use crate::model::{Item, normalize_entity};
 use crate::search::{Hit, MAX_TOP_K, Query};
 use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};

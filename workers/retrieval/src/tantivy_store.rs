@@ -31,7 +31,7 @@ use tantivy::{
     Index, IndexReader, IndexWriter, Order, ReloadPolicy, TantivyDocument, TantivyError, Term,
 };
 
-use crate::index::{TOKENIZER, analyzer, sanitize_query, terms};
+use crate::analysis::{TOKENIZER, analyzer, sanitize_query, terms};
 use crate::model::{Item, normalize_entity};
 use crate::search::{Hit, MAX_TOP_K, Query};
 use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};

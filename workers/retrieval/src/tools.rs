@@ -307,6 +307,7 @@ fn reference_kind(item: &Item, attachment: bool) -> &'static str {
 /// Cites every hit and renders them for the model, one block each, led by
 /// its marker; `data` lists them with their reference numbers.
 async fn cite_hits(
+    retrieval: &Retrieval,
     ctx: &ToolCtx,
     hits: &[Hit],
     attachment: bool,
@@ -329,6 +330,9 @@ async fn cite_hits(
         })
         .collect();
     let cited = ctx.cite(refs).await?;
+    if let Some(m) = &retrieval.metrics {
+        m.passages_returned.inc_by(hits.len() as u64);
+    }
     let content = hits
         .iter()
         .zip(&cited)
@@ -426,7 +430,7 @@ impl Tool for SearchDocuments {
             "Nothing in the attached documents matched {:?}.",
             args.query
         );
-        cite_hits(ctx, &hits, true, empty).await
+        cite_hits(&self.0, ctx, &hits, true, empty).await
     }
 }
 
@@ -447,7 +451,7 @@ impl Tool for SearchDataSources {
             .await?;
         let hits = self.0.search(&query).await?;
         let empty = format!("Nothing in the data source matched {:?}.", args.query);
-        cite_hits(ctx, &hits, false, empty).await
+        cite_hits(&self.0, ctx, &hits, false, empty).await
     }
 }
 
@@ -744,7 +748,7 @@ impl Tool for RetrieveKnowledgeContext {
         ];
         let hits = merge_keep_best(lists, args.top_k());
         let empty = format!("No knowledge matched {:?}.", args.query);
-        cite_hits(ctx, &hits, false, empty).await
+        cite_hits(&self.0, ctx, &hits, false, empty).await
     }
 }
 
@@ -827,7 +831,7 @@ impl Tool for RetrieveEventContext {
         let query = args.query(&self.0, &scope, vec![ItemKind::Event]).await?;
         let hits = self.events(&query).await?;
         let empty = format!("No events matched {:?}.", args.query);
-        cite_hits(ctx, &hits, false, empty).await
+        cite_hits(&self.0, ctx, &hits, false, empty).await
     }
 }
 
@@ -843,6 +847,7 @@ impl Tool for RetrieveProfileContext {
         let query = args.query(&self.0, &scope, vec![ItemKind::Profile]).await?;
         let hits = self.0.search(&query).await?;
         cite_hits(
+            &self.0,
             ctx,
             &hits,
             false,
@@ -961,6 +966,7 @@ impl Tool for EntityLookup {
             }
         };
         let mut output = cite_hits(
+            &self.0,
             ctx,
             &hits,
             false,
@@ -993,8 +999,8 @@ mod tests {
     use crate::model::Relation;
     use crate::store::DocumentRecord;
     use crate::tantivy_store::TantivyStore;
-    use toolfleet_worker::protocol::InvocationContext;
     use toolfleet_worker::TestCtx;
+    use toolfleet_worker::protocol::InvocationContext;
 
     const DAY: i64 = 86_400_000;
     /// 2026-11-02T00:00:00Z, a Monday.
@@ -1023,7 +1029,13 @@ mod tests {
 
     async fn document(store: &TantivyStore, collection: &str, path: &str, text: &str, csv: bool) {
         let id = format!("{collection}:{path}");
-        let mut chunk = item(&format!("{id}#0"), ItemKind::Document, collection, path, text);
+        let mut chunk = item(
+            &format!("{id}#0"),
+            ItemKind::Document,
+            collection,
+            path,
+            text,
+        );
         chunk.document_id = Some(id.clone());
         chunk.chunk = Some(0);
         chunk.source = Some(path.into());
@@ -1047,10 +1059,38 @@ mod tests {
     async fn store() -> (tempfile::TempDir, Retrieval) {
         let dir = tempfile::tempdir().unwrap();
         let store = TantivyStore::open(dir.path()).unwrap();
-        document(&store, "uploads", "mine.md", "The hive inspection checklist: frames, brood, queen.", false).await;
-        document(&store, "uploads", "theirs.md", "Another chat's hive inspection notes, secret.", false).await;
-        document(&store, "handbook", "care.md", "Hive care in winter: insulate the hive.", false).await;
-        document(&store, "other", "care.md", "Planted: hive care for another data source.", false).await;
+        document(
+            &store,
+            "uploads",
+            "mine.md",
+            "The hive inspection checklist: frames, brood, queen.",
+            false,
+        )
+        .await;
+        document(
+            &store,
+            "uploads",
+            "theirs.md",
+            "Another chat's hive inspection notes, secret.",
+            false,
+        )
+        .await;
+        document(
+            &store,
+            "handbook",
+            "care.md",
+            "Hive care in winter: insulate the hive.",
+            false,
+        )
+        .await;
+        document(
+            &store,
+            "other",
+            "care.md",
+            "Planted: hive care for another data source.",
+            false,
+        )
+        .await;
         document(
             &store,
             "uploads",
@@ -1083,13 +1123,25 @@ mod tests {
     #[tokio::test]
     async fn document_tools_see_only_the_attached_documents() {
         let (_dir, r) = store().await;
-        let test = ctx(&["uploads:mine.md", "uploads:sales.csv"], Some("handbook"), None);
+        let test = ctx(
+            &["uploads:mine.md", "uploads:sales.csv"],
+            Some("handbook"),
+            None,
+        );
         let out = test
-            .call(&SearchDocuments(r.clone()), json!({ "query": "hive inspection" }))
+            .call(
+                &SearchDocuments(r.clone()),
+                json!({ "query": "hive inspection" }),
+            )
             .await
             .unwrap();
         assert_eq!(ids(&out), ["uploads:mine.md#0"]);
-        assert!(out.content.starts_with("[doc:1] mine.md (mine.md, 2026-11-02): The hive"), "{}", out.content);
+        assert!(
+            out.content
+                .starts_with("[doc:1] mine.md (mine.md, 2026-11-02): The hive"),
+            "{}",
+            out.content
+        );
         let refs = test.references();
         assert_eq!(refs.len(), 1);
         assert_eq!(refs[0].kind, "document");
@@ -1097,16 +1149,28 @@ mod tests {
 
         // The planted document is in the index but never reachable.
         let e = test
-            .call(&ReadDocument(r.clone()), json!({ "documentId": "uploads:theirs.md" }))
+            .call(
+                &ReadDocument(r.clone()),
+                json!({ "documentId": "uploads:theirs.md" }),
+            )
             .await
             .unwrap_err();
         assert_eq!(e.code(), "blocked", "{e}");
-        let listed = test.call(&ListDocuments(r.clone()), json!({})).await.unwrap();
-        assert!(listed.content.contains("uploads:mine.md") && listed.content.contains("uploads:sales.csv"));
+        let listed = test
+            .call(&ListDocuments(r.clone()), json!({}))
+            .await
+            .unwrap();
+        assert!(
+            listed.content.contains("uploads:mine.md")
+                && listed.content.contains("uploads:sales.csv")
+        );
         assert!(!listed.content.contains("theirs"), "{}", listed.content);
 
         let read = test
-            .call(&ReadDocument(r.clone()), json!({ "documentId": "uploads:mine.md", "offset": 4, "maxChars": 10 }))
+            .call(
+                &ReadDocument(r.clone()),
+                json!({ "documentId": "uploads:mine.md", "offset": 4, "maxChars": 10 }),
+            )
             .await
             .unwrap();
         assert!(read.content.starts_with("[doc:2] mine.md (characters 4–14 of 52):\nhive inspe\n\n(continues: call again with offset 14)"), "{}", read.content);
@@ -1123,7 +1187,12 @@ mod tests {
             .call(&ListDocuments(r.clone()), json!({}))
             .await
             .unwrap();
-        assert!(out.content.contains("not (yet) in the index: uploads:gone.md"), "{}", out.content);
+        assert!(
+            out.content
+                .contains("not (yet) in the index: uploads:gone.md"),
+            "{}",
+            out.content
+        );
     }
 
     #[tokio::test]
@@ -1131,7 +1200,10 @@ mod tests {
         let (_dir, r) = store().await;
         let test = ctx(&["uploads:mine.md"], Some("handbook"), None);
         let out = test
-            .call(&SearchDataSources(r.clone()), json!({ "query": "hive care" }))
+            .call(
+                &SearchDataSources(r.clone()),
+                json!({ "query": "hive care" }),
+            )
             .await
             .unwrap();
         assert_eq!(ids(&out), ["handbook:care.md#0"]);
@@ -1143,11 +1215,17 @@ mod tests {
         assert!(e.to_string().contains("no data source"), "{e}");
         // Only stop words: an empty result, not an error.
         let out = test
-            .call(&SearchDataSources(r.clone()), json!({ "query": "the and of" }))
+            .call(
+                &SearchDataSources(r.clone()),
+                json!({ "query": "the and of" }),
+            )
             .await
             .unwrap();
         assert!(ids(&out).is_empty());
-        assert!(out.content.starts_with("Nothing in the data source matched"));
+        assert!(
+            out.content
+                .starts_with("Nothing in the data source matched")
+        );
     }
 
     #[tokio::test]
@@ -1169,38 +1247,86 @@ mod tests {
         assert_eq!(data["raggedRows"], 1);
         assert_eq!(data["totalRows"], 4);
         let e = test
-            .call(&ReadTabularData(r.clone()), json!({ "documentId": "uploads:sales.csv", "columns": ["price"] }))
+            .call(
+                &ReadTabularData(r.clone()),
+                json!({ "documentId": "uploads:sales.csv", "columns": ["price"] }),
+            )
             .await
             .unwrap_err();
-        assert!(e.to_string().contains("no column \"price\"; the columns are: region, month, amount"), "{e}");
+        assert!(
+            e.to_string()
+                .contains("no column \"price\"; the columns are: region, month, amount"),
+            "{e}"
+        );
         let e = test
-            .call(&ReadTabularData(r.clone()), json!({ "documentId": "uploads:mine.md" }))
+            .call(
+                &ReadTabularData(r.clone()),
+                json!({ "documentId": "uploads:mine.md" }),
+            )
             .await
             .unwrap_err();
         assert!(e.to_string().contains("not tabular"), "{e}");
         let out = test
-            .call(&ReadTabularData(r.clone()), json!({ "documentId": "uploads:sales.csv", "maxColumns": 1 }))
+            .call(
+                &ReadTabularData(r.clone()),
+                json!({ "documentId": "uploads:sales.csv", "maxColumns": 1 }),
+            )
             .await
             .unwrap();
-        assert!(out.content.contains("| region |\n| north |"), "{}", out.content);
-        assert!(out.content.ends_with("(more columns: name the ones you need in columns)"));
+        assert!(
+            out.content.contains("| region |\n| north |"),
+            "{}",
+            out.content
+        );
+        assert!(
+            out.content
+                .ends_with("(more columns: name the ones you need in columns)")
+        );
     }
 
     async fn context_items(r: &Retrieval) {
         let mut items = Vec::new();
-        let mut k = item("k-mine", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm in spring when the hive is crowded.");
+        let mut k = item(
+            "k-mine",
+            ItemKind::Knowledge,
+            "handbook",
+            "Swarming",
+            "Bees swarm in spring when the hive is crowded.",
+        );
         k.owner.user = Some("u1".into());
         k.entities = vec!["Zoë O'Brien".into()];
         items.push(k);
-        let mut k2 = item("k-other-user", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm in spring, other user.");
+        let mut k2 = item(
+            "k-other-user",
+            ItemKind::Knowledge,
+            "handbook",
+            "Swarming",
+            "Bees swarm in spring, other user.",
+        );
         k2.owner.user = Some("u2".into());
         items.push(k2);
-        let mut old = item("k-old", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm, an old note.");
+        let mut old = item(
+            "k-old",
+            ItemKind::Knowledge,
+            "handbook",
+            "Swarming",
+            "Bees swarm, an old note.",
+        );
         old.owner.user = Some("u1".into());
         old.timestamp_ms = NOV2 - 400 * DAY;
         items.push(old);
-        let mut phone = item("k-phone", ItemKind::Knowledge, "handbook", "Swarming", "Bees swarm, noted on the phone.");
-        phone.owner = Owner { user: Some("u1".into()), device: Some("phone".into()), agent: None };
+        let mut phone = item(
+            "k-phone",
+            ItemKind::Knowledge,
+            "handbook",
+            "Swarming",
+            "Bees swarm, noted on the phone.",
+        );
+        phone.owner = Owner {
+            user: Some("u1".into()),
+            device: Some("phone".into()),
+            agent: None,
+        };
         items.push(phone);
         // Events: a month summary over a week summary over a day summary
         // over two L0 events, and an L0 event no summary covers.
@@ -1212,25 +1338,97 @@ mod tests {
             e.owner.user = Some("u1".into());
             e
         };
-        items.push(event("m-nov", Level::L3, "November: harvest and varroa treatment", &["w-45"], NOV2));
-        items.push(event("w-45", Level::L2, "Week 45: varroa treatment applied", &["d-3"], NOV2));
-        items.push(event("d-3", Level::L1, "Tuesday: treatment day", &["e-oxalic", "e-lunch"], NOV2 + DAY));
-        items.push(event("e-oxalic", Level::L0, "Applied oxalic acid against varroa mites", &[], NOV2 + DAY + 3_600_000));
-        items.push(event("e-lunch", Level::L0, "Had lunch with the inspector", &[], NOV2 + DAY + 7_200_000));
-        items.push(event("e-lone", Level::L0, "Counted varroa on the sticky board", &[], NOV2 + 3 * DAY));
-        items.push(event("e-dec", Level::L0, "Varroa count in December", &[], NOV2 + 40 * DAY));
+        items.push(event(
+            "m-nov",
+            Level::L3,
+            "November: harvest and varroa treatment",
+            &["w-45"],
+            NOV2,
+        ));
+        items.push(event(
+            "w-45",
+            Level::L2,
+            "Week 45: varroa treatment applied",
+            &["d-3"],
+            NOV2,
+        ));
+        items.push(event(
+            "d-3",
+            Level::L1,
+            "Tuesday: treatment day",
+            &["e-oxalic", "e-lunch"],
+            NOV2 + DAY,
+        ));
+        items.push(event(
+            "e-oxalic",
+            Level::L0,
+            "Applied oxalic acid against varroa mites",
+            &[],
+            NOV2 + DAY + 3_600_000,
+        ));
+        items.push(event(
+            "e-lunch",
+            Level::L0,
+            "Had lunch with the inspector",
+            &[],
+            NOV2 + DAY + 7_200_000,
+        ));
+        items.push(event(
+            "e-lone",
+            Level::L0,
+            "Counted varroa on the sticky board",
+            &[],
+            NOV2 + 3 * DAY,
+        ));
+        items.push(event(
+            "e-dec",
+            Level::L0,
+            "Varroa count in December",
+            &[],
+            NOV2 + 40 * DAY,
+        ));
         // Entities.
-        let mut zoe = item("ent-zoe", ItemKind::Entity, "handbook", "Zoë O'Brien", "Beekeeper of the north apiary");
+        let mut zoe = item(
+            "ent-zoe",
+            ItemKind::Entity,
+            "handbook",
+            "Zoë O'Brien",
+            "Beekeeper of the north apiary",
+        );
         zoe.aliases = vec!["Z. O'Brien".into()];
-        zoe.relations = vec![Relation { kind: "works_at".into(), target: "North Apiary".into() }];
+        zoe.relations = vec![Relation {
+            kind: "works_at".into(),
+            target: "North Apiary".into(),
+        }];
         zoe.owner.user = Some("u1".into());
-        let mut apiary = item("ent-apiary", ItemKind::Entity, "handbook", "North Apiary", "The apiary by the river");
+        let mut apiary = item(
+            "ent-apiary",
+            ItemKind::Entity,
+            "handbook",
+            "North Apiary",
+            "The apiary by the river",
+        );
         apiary.owner.user = Some("u1".into());
-        let mut sam = item("ent-sam", ItemKind::Entity, "handbook", "Sam Reed", "Supplier of frames");
-        sam.relations = vec![Relation { kind: "supplies".into(), target: "north apiary".into() }];
+        let mut sam = item(
+            "ent-sam",
+            ItemKind::Entity,
+            "handbook",
+            "Sam Reed",
+            "Supplier of frames",
+        );
+        sam.relations = vec![Relation {
+            kind: "supplies".into(),
+            target: "north apiary".into(),
+        }];
         sam.owner.user = Some("u1".into());
         items.extend([zoe, apiary, sam]);
-        let mut profile = item("p-1", ItemKind::Profile, "handbook", "Preferences", "Prefers metric units and short answers.");
+        let mut profile = item(
+            "p-1",
+            ItemKind::Profile,
+            "handbook",
+            "Preferences",
+            "Prefers metric units and short answers.",
+        );
         profile.owner.user = Some("u1".into());
         items.push(profile);
         r.store().upsert_items(items).await.unwrap();
@@ -1242,36 +1440,69 @@ mod tests {
         context_items(&r).await;
         let test = ctx(&[], Some("handbook"), Some("u1"));
         let tool = RetrieveKnowledgeContext(r.clone());
-        let out = test.call(&tool, json!({ "query": "bees swarm", "topK": 10 })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "query": "bees swarm", "topK": 10 }))
+            .await
+            .unwrap();
         let mut got = ids(&out);
         got.sort();
         assert_eq!(got, ["k-mine", "k-old", "k-phone"], "another user's never");
         // Time range.
-        let out = test.call(&tool, json!({ "query": "bees swarm", "from": "2026-01-01" })).await.unwrap();
+        let out = test
+            .call(
+                &tool,
+                json!({ "query": "bees swarm", "from": "2026-01-01" }),
+            )
+            .await
+            .unwrap();
         assert!(!ids(&out).contains(&"k-old".to_owned()));
         // Owner narrowing.
-        let out = test.call(&tool, json!({ "query": "bees swarm", "device": "phone" })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "query": "bees swarm", "device": "phone" }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out), ["k-phone"]);
         // top_k.
-        let out = test.call(&tool, json!({ "query": "bees swarm", "topK": 1 })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "query": "bees swarm", "topK": 1 }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out).len(), 1);
         // Entity filters resolve names: exact after normalisation, an alias,
         // and a misspelling (fuzzy); an unknown one filters everything out.
         for name in ["zoe obrien", "Z. O'Brien", "Zoe O'Brein"] {
-            let out = test.call(&tool, json!({ "query": "bees swarm", "entities": [name] })).await.unwrap();
+            let out = test
+                .call(&tool, json!({ "query": "bees swarm", "entities": [name] }))
+                .await
+                .unwrap();
             assert_eq!(ids(&out), ["k-mine"], "{name}");
         }
-        let out = test.call(&tool, json!({ "query": "bees swarm", "entities": ["Nobody Known"] })).await.unwrap();
+        let out = test
+            .call(
+                &tool,
+                json!({ "query": "bees swarm", "entities": ["Nobody Known"] }),
+            )
+            .await
+            .unwrap();
         assert!(ids(&out).is_empty());
         // L0 events join knowledge; summaries do not.
-        let out = test.call(&tool, json!({ "query": "varroa", "topK": 10 })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "query": "varroa", "topK": 10 }))
+            .await
+            .unwrap();
         let mut got = ids(&out);
         got.sort();
         assert_eq!(got, ["e-dec", "e-lone", "e-oxalic"]);
         // Neither user nor data source: refused.
-        let e = ctx(&[], None, None).call(&tool, json!({ "query": "bees" })).await.unwrap_err();
+        let e = ctx(&[], None, None)
+            .call(&tool, json!({ "query": "bees" }))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), "blocked");
-        let e = test.call(&tool, json!({ "query": "bees", "from": "yesterday" })).await.unwrap_err();
+        let e = test
+            .call(&tool, json!({ "query": "bees", "from": "yesterday" }))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), "invalid_input");
         assert!(e.to_string().contains("YYYY-MM-DD"), "{e}");
     }
@@ -1291,24 +1522,45 @@ mod tests {
         // shares no word, through its parent), and the direct L0 hit; not
         // December's event, outside the range.
         for want in ["m-nov", "w-45", "d-3", "e-oxalic", "e-lunch", "e-lone"] {
-            assert!(got.contains(&want.to_owned()), "{want} missing from {got:?}");
+            assert!(
+                got.contains(&want.to_owned()),
+                "{want} missing from {got:?}"
+            );
         }
         assert!(!got.contains(&"e-dec".to_owned()), "{got:?}");
         let data = out.data.unwrap();
         let score = |id: &str| {
-            data["hits"].as_array().unwrap().iter().find(|h| h["id"] == id).unwrap()["score"].as_f64().unwrap()
+            data["hits"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|h| h["id"] == id)
+                .unwrap()["score"]
+                .as_f64()
+                .unwrap()
         };
         // A matching child outranks a non-matching sibling.
         assert!(score("e-oxalic") > score("e-lunch"));
         // Scores are sorted.
-        let scores: Vec<f64> = data["hits"].as_array().unwrap().iter().map(|h| h["score"].as_f64().unwrap()).collect();
+        let scores: Vec<f64> = data["hits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h["score"].as_f64().unwrap())
+            .collect();
         assert!(scores.windows(2).all(|w| w[0] >= w[1]), "{scores:?}");
         assert!(out.content.contains("(L3, 2026-11-02)"), "{}", out.content);
         // top_k cuts the merged list.
-        let out = test.call(&tool, json!({ "query": "varroa treatment", "topK": 2 })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "query": "varroa treatment", "topK": 2 }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out).len(), 2);
         // No summary matches: the direct L0 search still answers.
-        let out = test.call(&tool, json!({ "query": "sticky board" })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "query": "sticky board" }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out), ["e-lone"]);
     }
 
@@ -1318,25 +1570,53 @@ mod tests {
         context_items(&r).await;
         let test = ctx(&[], Some("handbook"), Some("u1"));
         let tool = EntityLookup(r.clone());
-        let out = test.call(&tool, json!({ "name": "ZOE  o'brien", "mode": "exact" })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "name": "ZOE  o'brien", "mode": "exact" }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out), ["ent-zoe"]);
-        assert!(out.content.contains("Zoë O'Brien —works_at→ North Apiary"), "{}", out.content);
-        let out = test.call(&tool, json!({ "name": "Zoey OBrian", "mode": "exact" })).await.unwrap();
+        assert!(
+            out.content.contains("Zoë O'Brien —works_at→ North Apiary"),
+            "{}",
+            out.content
+        );
+        let out = test
+            .call(&tool, json!({ "name": "Zoey OBrian", "mode": "exact" }))
+            .await
+            .unwrap();
         assert!(ids(&out).is_empty(), "exact is exact");
-        let out = test.call(&tool, json!({ "name": "Zoey OBrian", "mode": "similar" })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "name": "Zoey OBrian", "mode": "similar" }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out)[0], "ent-zoe");
-        let out = test.call(&tool, json!({ "mode": "list", "topK": 10 })).await.unwrap();
+        let out = test
+            .call(&tool, json!({ "mode": "list", "topK": 10 }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out).len(), 3);
-        let out = test.call(&tool, json!({ "name": "north apiary", "mode": "relationships" })).await.unwrap();
+        let out = test
+            .call(
+                &tool,
+                json!({ "name": "north apiary", "mode": "relationships" }),
+            )
+            .await
+            .unwrap();
         let got = ids(&out);
         assert_eq!(got[0], "ent-apiary");
         let mut rest = got[1..].to_vec();
         rest.sort();
         assert_eq!(rest, ["ent-sam", "ent-zoe"]);
-        let e = test.call(&tool, json!({ "name": "  ", "mode": "similar" })).await.unwrap_err();
+        let e = test
+            .call(&tool, json!({ "name": "  ", "mode": "similar" }))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), "invalid_input");
         // Another user's scope sees none of them.
-        let out = ctx(&[], None, Some("u2")).call(&tool, json!({ "mode": "list" })).await.unwrap();
+        let out = ctx(&[], None, Some("u2"))
+            .call(&tool, json!({ "mode": "list" }))
+            .await
+            .unwrap();
         assert!(ids(&out).is_empty());
     }
 
@@ -1345,9 +1625,15 @@ mod tests {
         let (_dir, r) = store().await;
         context_items(&r).await;
         let tool = RetrieveProfileContext(r.clone());
-        let out = ctx(&[], None, Some("u1")).call(&tool, json!({ "query": "" })).await.unwrap();
+        let out = ctx(&[], None, Some("u1"))
+            .call(&tool, json!({ "query": "" }))
+            .await
+            .unwrap();
         assert_eq!(ids(&out), ["p-1"]);
-        let out = ctx(&[], None, Some("u2")).call(&tool, json!({ "query": "" })).await.unwrap();
+        let out = ctx(&[], None, Some("u2"))
+            .call(&tool, json!({ "query": "" }))
+            .await
+            .unwrap();
         assert!(ids(&out).is_empty());
     }
 

@@ -10,7 +10,7 @@ async fn main() -> std::process::ExitCode {
         "toolfleet-worker-system",
         "toolfleet worker: serves system:* tools (current date and time).",
         "0.0.0.0:9465",
-        |args, _: &NoArgs| toolfleet_worker_system::worker(&args.defs.dir),
+        async |args, _: &NoArgs| toolfleet_worker_system::worker(&args.defs.dir),
     )
     .await
 }
