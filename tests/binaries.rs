@@ -215,8 +215,8 @@ async fn the_binaries_answer_a_chat_job_serve_metrics_and_drain_on_sigterm() {
     );
     // The family's own metrics, registered by the SDK beside the runtime's.
     assert!(
-        retrieval.contains("toolfleet_retrieval_search_duration_seconds_count 1")
-            && retrieval.contains("toolfleet_retrieval_passages_returned_total 3"),
+        retrieval.contains("toolfleet_retrieval_search_duration_seconds_count 2")
+            && retrieval.contains("toolfleet_retrieval_passages_returned_total 8"),
         "{retrieval}"
     );
     for text in [&orchestrator, &system, &retrieval] {

@@ -100,7 +100,7 @@ fn two_rounds() -> Value {
         "rules": [{ "whenUserContains": ["rounds"], "steps": [
             { "toolCalls": [ { "name": "cite_round", "arguments": { "round": 1 } } ] },
             { "toolCalls": [ { "name": "cite_round", "arguments": { "round": 2 } } ] },
-            { "answer": "Both rounds: {{tool:cite_round}}" }
+            { "answer": "Both rounds: [doc:1] {{tool:cite_round}}" }
         ] }]
     })
 }

@@ -12,6 +12,7 @@ mod nats_cluster;
 mod orchestrator;
 mod policies;
 mod prometheus;
+mod rag;
 mod redis_store;
 mod runtime;
 mod scoping;

@@ -86,6 +86,7 @@ async fn env_with(script: Value, profiles: &str) -> Env {
         Options {
             workers: vec![],
             profiles_toml: Some(profiles.to_string()),
+            data_source: None,
             ..Default::default()
         },
     )

@@ -52,6 +52,11 @@ pub struct Options {
     pub env: Vec<(&'static str, &'static str)>,
     /// Tool definitions directory (default: the shipped one).
     pub defs_dir: Option<PathBuf>,
+    /// The data source of every profile that names none (default: the
+    /// shipped corpus, `handbook`), searched through its tools only:
+    /// preemptive retrieval (tested on its own) would add a search to
+    /// every job.
+    pub data_source: Option<&'static str>,
 }
 
 impl Default for Options {
@@ -62,6 +67,7 @@ impl Default for Options {
             profiles_toml: None,
             env: Vec::new(),
             defs_dir: None,
+            data_source: Some("handbook"),
         }
     }
 }
@@ -91,15 +97,13 @@ impl Env {
                     .with_api_key("sk-test-secret-never-logged".to_string()),
             ),
         };
-        // With the retrieval family running, every test profile searches
-        // the shipped corpus, ingested as the data source `handbook`,
-        // unless it names its own.
         let mut profiles = profiles;
-        if options.workers.contains(&"retrieval") {
+        if let Some(data_source) = options.data_source {
             for profile in profiles.profiles.values_mut() {
-                profile
-                    .data_source
-                    .get_or_insert_with(|| "handbook".to_owned());
+                if profile.data_source.is_none() {
+                    profile.data_source = Some(data_source.to_owned());
+                    profile.rag.prefetch = false;
+                }
             }
         }
         let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);

@@ -150,6 +150,11 @@ pub struct FleetConfig {
     /// is at depth 1, one started by an agent tool inside it at 2, … A
     /// job at this depth is offered no agent tool.
     pub max_agent_depth: u32,
+    /// Link templates by reference type (`data_source`, `knowledge`, …):
+    /// a reference without a URL gets one from its type's template, with
+    /// `{source}` and `{title}` replaced (percent-encoded). Uploaded
+    /// documents (`document`) never get one.
+    pub links: BTreeMap<String, String>,
 }
 
 /// Default of [`FleetConfig::max_agent_depth`].
@@ -171,6 +176,8 @@ struct FileConfig {
     prices: PriceTable,
     #[serde(default = "default_max_agent_depth")]
     max_agent_depth: u32,
+    #[serde(default)]
+    links: BTreeMap<String, String>,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -230,6 +237,7 @@ impl FleetConfig {
             profiles: file.profiles,
             prices: file.prices,
             max_agent_depth: file.max_agent_depth,
+            links: file.links,
         };
         config.validate().map_err(|(key, message)| ConfigError {
             kind: ConfigErrorKind::Invalid,
@@ -250,6 +258,7 @@ impl FleetConfig {
             profiles: BTreeMap::from([(DEFAULT_PROFILE.to_owned(), Profile::new(DEFAULT_PROFILE))]),
             prices: PriceTable::default(),
             max_agent_depth: DEFAULT_MAX_AGENT_DEPTH,
+            links: BTreeMap::new(),
         }
     }
 
@@ -408,6 +417,25 @@ impl FleetConfig {
                     self.max_agent_depth
                 ),
             ));
+        }
+        for (kind, template) in &self.links {
+            let at = format!("links.{}", key_segment(kind));
+            if kind == "document" {
+                return Err((
+                    at,
+                    "uploaded documents have no link: they are the user's own files".to_owned(),
+                ));
+            }
+            let usable = (template.starts_with("https://") || template.starts_with("http://"))
+                && (template.contains("{source}") || template.contains("{title}"));
+            if !usable {
+                return Err((
+                    at,
+                    format!(
+                        "{template:?} is not an http(s) URL template with {{source}} or {{title}}"
+                    ),
+                ));
+            }
         }
         let mut agents: BTreeMap<&str, &str> = BTreeMap::new();
         for (name, profile) in &self.profiles {
@@ -1070,6 +1098,8 @@ pub struct Profile {
     pub policy: LoopPolicy,
     /// How the tools offered are narrowed when there are many.
     pub scoping: ScopingPolicy,
+    /// Retrieval before the first model call.
+    pub rag: RagPolicy,
     /// Profile tools: always in for this profile. `*` (the default) is
     /// every selectable tool, `ns:*` every selectable tool of a namespace,
     /// `ns:name` (highest version) or `ns:name@x.y.z` one tool, selectable
@@ -1128,6 +1158,8 @@ struct RawProfile {
     policy: LoopPolicy,
     #[serde(default)]
     scoping: ScopingPolicy,
+    #[serde(default)]
+    rag: RagPolicy,
     #[serde(default = "default_profile_tools")]
     tools: Vec<ToolRef>,
     #[serde(default)]
@@ -1163,6 +1195,7 @@ impl TryFrom<RawProfile> for Profile {
             data_source: raw.data_source,
             policy: raw.policy,
             scoping: raw.scoping,
+            rag: raw.rag,
             tools: raw.tools,
             agent: raw.agent,
         })
@@ -1183,6 +1216,7 @@ impl Profile {
             data_source: None,
             policy: LoopPolicy::default(),
             scoping: ScopingPolicy::default(),
+            rag: RagPolicy::default(),
             tools: default_profile_tools(),
             agent: None,
         }
@@ -1233,6 +1267,7 @@ impl Profile {
             }
         }
         self.policy.validate(&format!("{at}.policy"))?;
+        self.rag.validate(&format!("{at}.rag"))?;
         self.scoping.validate(&format!("{at}.scoping"))
     }
 }
@@ -1243,6 +1278,45 @@ impl Profile {
 /// Up to `scoping_threshold` permitted tools, all are offered; above it,
 /// token-overlap relevance picks the top `initial_tool_count` (must-include
 /// tools always in); above `planning_threshold`, a planning call to the
+/// Preemptive retrieval: when a chat job has attached documents or a data
+/// source, the orchestrator searches them (through the retrieval pool, as
+/// tool jobs) with the last user message before the first model call, and
+/// puts what it found, with its `[doc:N]` markers, in the prompt.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RagPolicy {
+    /// Search before the first model call. Default true.
+    pub prefetch: bool,
+    /// Passages per source (1..=20). Default 5.
+    pub top_k: u32,
+    /// The profile answers only from its documents: when the search found
+    /// nothing, the model is told to try the search tools before saying
+    /// there is no answer. Default false.
+    pub in_scope_only: bool,
+}
+
+impl Default for RagPolicy {
+    fn default() -> Self {
+        Self {
+            prefetch: true,
+            top_k: 5,
+            in_scope_only: false,
+        }
+    }
+}
+
+impl RagPolicy {
+    fn validate(&self, at: &str) -> Result<(), (String, String)> {
+        if !(1..=20).contains(&self.top_k) {
+            return Err((
+                format!("{at}.top_k"),
+                format!("must be between 1 and 20, not {}", self.top_k),
+            ));
+        }
+        Ok(())
+    }
+}
+
 /// profile's utility model narrows the set, using the last
 /// `planning_history_message_count` messages. When tools were left out the
 /// model may call `search_tools` to add some, at most

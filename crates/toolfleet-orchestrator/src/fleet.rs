@@ -171,7 +171,8 @@ impl Fleet {
         }
         let new = inv.citations.unpublished();
         if !new.is_empty() {
-            events.send(ChatEventBody::References { references: new });
+            let references = crate::links::resolve_all(new, &self.config().profiles.links);
+            events.send(ChatEventBody::References { references });
         }
         Ok(())
     }

@@ -11,11 +11,13 @@
 //!    first (a planning call may run here);
 //! 3. `started` is published (model, profile, offered tools), then a
 //!    `scoping` event saying how they were chosen (unless all permitted
-//!    tools are offered and nothing was left out), then the references
-//!    any context step wrote;
+//!    tools are offered and nothing was left out); then preemptive
+//!    retrieval ([`rag::prefetch`](crate::rag::prefetch)) searches the
+//!    attachments and data source, and the references it cited follow;
 //! 4. the orchestrator runs, publishing what it does through [`Events`];
 //! 5. on [`Answer`]: the references not published yet, then `completed`
-//!    with the answer, all references and the usage ledger. On
+//!    with the answer and only the references it cites, renumbered 1..k
+//!    (text and list alike) with their links, and the usage ledger. On
 //!    [`Failure`], intake publishes the `error` event.
 
 use futures::future::BoxFuture;
@@ -110,11 +112,15 @@ pub(crate) async fn invoke(
     {
         events.send(scoping);
     }
+    crate::rag::prefetch(fleet, &mut inv, events).await?;
     let answer = orchestrator.run(&mut inv, fleet, events).await?;
     fleet.publish_references(&mut inv, &[], events)?;
+    // Only what the answer cites, renumbered 1..k, with links.
+    let cited = toolfleet_protocol::references::cited_only(&answer.text, &inv.citations.all());
+    let links = &fleet.config().profiles.links;
     Ok(ChatEventBody::Completed {
-        text: answer.text,
-        references: inv.citations.all(),
+        text: cited.text,
+        references: crate::links::resolve_all(cited.references, links),
         usage: inv.usage.total(),
         cost_usd: inv.usage.cost(),
         llm_calls: inv.usage.into_calls(),

@@ -90,6 +90,18 @@ impl Rendered {
 /// Markers without a reference are dropped from the text: a reader must
 /// never see a number that resolves to nothing.
 pub fn render(text: &str, references: &[Reference]) -> Rendered {
+    remap(text, references, |d| format!("[{d}]"))
+}
+
+/// The answer as the `completed` event carries it: only the references
+/// cited in `text`, renumbered 1..k (by their order of index) and the text's
+/// markers rewritten to match, still as `[doc:k]` — the same two phases as
+/// [`render`], so a reader that renders it again gets the same numbers.
+pub fn cited_only(text: &str, references: &[Reference]) -> Rendered {
+    remap(text, references, |d| format!("[doc:{d}]"))
+}
+
+fn remap(text: &str, references: &[Reference], marker: impl Fn(usize) -> String) -> Rendered {
     let known: BTreeMap<u64, &Reference> = references.iter().map(|r| (r.index, r)).collect();
     let mut cited: Vec<u64> = cited_indices(text)
         .into_iter()
@@ -132,7 +144,7 @@ pub fn render(text: &str, references: &[Reference]) -> Rendered {
     let mut is_marker = true;
     for p in parts {
         if is_marker {
-            out.push_str(&format!("[{p}]"));
+            out.push_str(&marker(p.parse().unwrap_or(0)));
         } else {
             out.push_str(p);
         }
@@ -212,6 +224,23 @@ mod tests {
             md.ends_with("References:\n[1] two — two.md\n[2] five — five.md\n"),
             "{md}"
         );
+    }
+
+    #[test]
+    fn the_completed_answer_keeps_only_cited_references_as_doc_markers() {
+        let refs = [r(3, "three"), r(7, "seven"), r(9, "nine")];
+        let out = cited_only("A [doc:9], b [doc:3] and [doc:9]; c [doc:5].", &refs);
+        assert_eq!(out.text, "A [doc:2], b [doc:1] and [doc:2]; c.");
+        let titles: Vec<(u64, &str)> = out
+            .references
+            .iter()
+            .map(|r| (r.index, r.title.as_str()))
+            .collect();
+        assert_eq!(titles, [(1, "three"), (2, "nine")]);
+        // Rendering it again changes nothing but the marker style.
+        let again = render(&out.text, &out.references);
+        assert_eq!(again.text, "A [2], b [1] and [2]; c.");
+        assert_eq!(again.references, out.references);
     }
 
     #[test]
