@@ -1000,3 +1000,110 @@ fn a_bad_tool_compat_file_stops_the_orchestrator_naming_the_field() {
     assert!(err.contains("compat.json"), "{err}");
     assert!(err.contains("units:convert"), "{err}");
 }
+
+/// `toolfleet ingest` as an operator runs it: a directory with good and
+/// bad files goes in (the bad ones reported, exit 2), re-ingesting a
+/// changed file replaces its chunks, and `toolfleet index search` finds
+/// what went in (tantivy; the PostgreSQL backend passes the same store
+/// suite in the retrieval crate).
+#[test]
+fn toolfleet_ingest_reports_bad_files_and_reingests_atomically() {
+    let root = tempfile::tempdir().unwrap();
+    let docs = root.path().join("docs");
+    std::fs::create_dir_all(&docs).unwrap();
+    std::fs::write(
+        docs.join("hives.md"),
+        "# Hives\n\nA langstroth hive has frames.\n",
+    )
+    .unwrap();
+    std::fs::write(
+        docs.join("page.html"),
+        "<title>Smoker</title><p>Use a smoker &amp; veil.</p>",
+    )
+    .unwrap();
+    std::fs::write(docs.join("binary.txt"), b"\0\x01\x02 not text").unwrap();
+    std::fs::write(docs.join("ragged.csv"), "a,b\n1\n2,3,4\n").unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("secret.md"), "secret").unwrap();
+    let index = root.path().join("index");
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .current_dir(root.path())
+            .env("TOOLFLEET_INDEX_DIR", &index)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let secret = outside.path().join("secret.md");
+    let out = run(&[
+        "ingest",
+        "docs",
+        secret.to_str().unwrap(),
+        "--collection",
+        "kb",
+        "--chunk-tokens",
+        "64",
+        "--chunk-overlap",
+        "8",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stdout}\n{stderr}");
+    assert!(
+        stdout.starts_with(
+            "ingested 3 documents (3 chunks) and 0 context items into \"kb\" (tantivy)"
+        ),
+        "{stdout}"
+    );
+    assert!(stdout.contains("; 2 skipped"), "{stdout}");
+    assert!(
+        stderr.contains("binary.txt: binary content (a NUL byte)"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("secret.md: outside the allowed roots"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("warning") && stderr.contains("ragged.csv"),
+        "{stderr}"
+    );
+
+    let search = |query: &str| {
+        let out = run(&["index", "search", query, "--collection", "kb"]);
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    assert!(search("langstroth").contains("kb:hives.md#0"));
+    assert!(search("smoker veil").contains("kb:page.html#0"));
+    std::fs::write(
+        docs.join("hives.md"),
+        "# Hives\n\nA top-bar hive has bars.\n",
+    )
+    .unwrap();
+    let out = run(&["ingest", "docs/hives.md", "--collection", "kb"]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        search("langstroth").trim().is_empty(),
+        "the old chunk is gone"
+    );
+    assert!(search("top-bar").contains("kb:hives.md#0"));
+    // A bad chunking is refused before anything is read.
+    let out = run(&[
+        "ingest",
+        "docs",
+        "--collection",
+        "kb",
+        "--chunk-tokens",
+        "10",
+        "--chunk-overlap",
+        "10",
+    ]);
+    assert_ne!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("must be smaller than the chunk size"));
+}
