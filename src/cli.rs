@@ -915,6 +915,7 @@ async fn ingest(args: IngestArgs) -> anyhow::Result<i32> {
         chunking,
         max_file_bytes: args.max_file_bytes,
         allowed_roots,
+        embedder: args.index.embedder().map_err(anyhow::Error::msg)?,
     };
     let store = toolfleet_worker_retrieval::open_store(&args.index)
         .await

@@ -65,7 +65,12 @@ async fn family(name: &str, inputs: &Inputs<'_>) -> anyhow::Result<Worker> {
                         index.corpus_dir.display()
                     )
                 })?;
-            Ok(toolfleet_worker_retrieval::worker(definitions, store)?)
+            let embedder = index.embedder().map_err(anyhow::Error::msg)?;
+            Ok(toolfleet_worker_retrieval::worker(
+                definitions,
+                store,
+                embedder,
+            )?)
         }
         toolfleet_worker_llm::FAMILY => {
             let models = inputs.models.context(

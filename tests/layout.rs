@@ -87,8 +87,16 @@ fn crates_depend_only_where_the_rules_allow() {
         "examples/units/Cargo.toml",
     ] {
         assert_eq!(our_deps(m), set(&["toolfleet-worker"]), "{m}");
+    }
+    for m in ["workers/system/Cargo.toml", "examples/units/Cargo.toml"] {
         assert!(our_deps_of(m, true).is_empty(), "{m}: dev-dependencies");
     }
+    // Retrieval tests hybrid search against the scripted server's
+    // embeddings, the one stand-in.
+    assert_eq!(
+        our_deps_of("workers/retrieval/Cargo.toml", true),
+        set(&["toolfleet-scripted"])
+    );
     // The LLM tools family also speaks to models, through the LLM client
     // crate (never the orchestrator), and tests against the scripted model
     // server, the one stand-in.

@@ -25,6 +25,7 @@ pub(crate) fn chunk(doc: &str, n: u32, text: &str) -> Item {
         child_ids: vec![],
         aliases: vec![],
         relations: vec![],
+        embedding: None,
     }
 }
 
@@ -162,4 +163,58 @@ pub(crate) async fn context_items(store: &dyn Store) {
         .await
         .unwrap_err();
     assert!(matches!(error, StoreError::Invalid(_)), "{error}");
+}
+
+/// Vector search: cosine ranking among items that have an embedding, the
+/// filters still filtering, items without one left out, and a stored
+/// embedding never handed back in a hit.
+pub(crate) async fn vectors(store: &dyn Store) {
+    let mut items = Vec::new();
+    for (id, vector, collection) in [
+        ("near", vec![1.0, 0.1, 0.0], "ds"),
+        ("middle", vec![0.6, 0.8, 0.0], "ds"),
+        ("far", vec![0.0, 0.0, 1.0], "ds"),
+        ("elsewhere", vec![1.0, 0.0, 0.0], "other"),
+    ] {
+        let mut item = chunk("v", 0, "vector item");
+        item.id = id.into();
+        item.kind = ItemKind::Knowledge;
+        item.document_id = None;
+        item.chunk = None;
+        item.collection = collection.into();
+        item.embedding = Some(vector);
+        items.push(item);
+    }
+    let mut plain = chunk("v", 0, "no vector");
+    plain.id = "plain".into();
+    plain.kind = ItemKind::Knowledge;
+    plain.document_id = None;
+    plain.chunk = None;
+    items.push(plain);
+    store.upsert_items(items).await.unwrap();
+    let query = Query {
+        vector: Some(vec![1.0, 0.0, 0.0]),
+        collections: vec!["ds".into()],
+        top_k: 10,
+        ..Query::default()
+    };
+    let hits = store.search(&query).await.unwrap();
+    let ids: Vec<&str> = hits.iter().map(|h| h.item.id.as_str()).collect();
+    assert_eq!(
+        ids,
+        ["near", "middle", "far"],
+        "{} backend",
+        store.backend()
+    );
+    assert!((hits[0].score - 0.995).abs() < 0.01, "{}", hits[0].score);
+    assert!(hits.iter().all(|h| h.item.embedding.is_none()));
+    let top = store
+        .search(&Query {
+            top_k: 1,
+            ..query.clone()
+        })
+        .await
+        .unwrap();
+    assert_eq!(top.len(), 1);
+    assert_eq!(top[0].item.id, "near");
 }

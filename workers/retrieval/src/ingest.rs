@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use crate::chunk::{ChunkConfig, chunk};
+use crate::embed::{Embedder, item_input};
 use crate::model::{Item, ItemKind, MAX_ID_CHARS, Owner};
 use crate::normalize::{Format, normalize, one_line};
 use crate::store::{DocumentRecord, Store};
@@ -40,6 +41,8 @@ pub struct IngestOptions {
     pub max_file_bytes: u64,
     /// Only files under these directories (after resolving links) are read.
     pub allowed_roots: Vec<PathBuf>,
+    /// Embeds chunks and items (hybrid search) when set.
+    pub embedder: Option<Embedder>,
 }
 
 /// What happened to one file.
@@ -319,6 +322,7 @@ pub fn prepare(
             child_ids: Vec::new(),
             aliases: Vec::new(),
             relations: Vec::new(),
+            embedding: None,
         })
         .collect();
     let raw = (format == Format::Csv).then(|| String::from_utf8_lossy(&bytes).into_owned());
@@ -363,6 +367,31 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// Sets the embedding of every item that has none.
+async fn embed_items(embedder: Option<&Embedder>, items: &mut [Item]) -> Result<(), String> {
+    let Some(embedder) = embedder else {
+        return Ok(());
+    };
+    let missing: Vec<usize> = (0..items.len())
+        .filter(|&i| items[i].embedding.is_none())
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let inputs: Vec<String> = missing
+        .iter()
+        .map(|&i| item_input(&items[i].title, &items[i].text))
+        .collect();
+    let vectors = embedder
+        .embed(&inputs)
+        .await
+        .map_err(|e| format!("embedding failed: {e}"))?;
+    for (i, vector) in missing.into_iter().zip(vectors) {
+        items[i].embedding = Some(vector);
+    }
+    Ok(())
+}
+
 /// Reads a JSON Lines file of context items: every valid line is written
 /// (in batches), every invalid one reported with its line number.
 async fn ingest_items(
@@ -403,6 +432,9 @@ async fn ingest_items(
         }
         if batch.len() == ITEM_BATCH {
             let count = batch.len();
+            if let Err(e) = embed_items(options.embedder.as_ref(), &mut batch).await {
+                return Outcome::Skipped(format!("after {written} items: {e}"));
+            }
             match store.upsert_items(std::mem::take(&mut batch)).await {
                 Ok(()) => written += count,
                 Err(e) => return Outcome::Skipped(format!("after {written} items: {e}")),
@@ -411,6 +443,9 @@ async fn ingest_items(
     }
     if !batch.is_empty() {
         let count = batch.len();
+        if let Err(e) = embed_items(options.embedder.as_ref(), &mut batch).await {
+            return Outcome::Skipped(format!("after {written} items: {e}"));
+        }
         match store.upsert_items(batch).await {
             Ok(()) => written += count,
             Err(e) => return Outcome::Skipped(format!("after {written} items: {e}")),
@@ -443,6 +478,14 @@ pub async fn ingest(
                 tokio::task::spawn_blocking(move || prepare(&file, &options, now))
                     .await
                     .unwrap_or_else(|e| Err(format!("failed while reading: {e}")))
+            };
+            let prepared = match prepared {
+                Ok((record, mut chunks, warnings)) => {
+                    embed_items(options.embedder.as_ref(), &mut chunks)
+                        .await
+                        .map(|()| (record, chunks, warnings))
+                }
+                Err(e) => Err(e),
             };
             match prepared {
                 Ok((record, chunks, warnings)) => {
@@ -488,6 +531,7 @@ mod tests {
             chunking: ChunkConfig::new(40, 8).unwrap(),
             max_file_bytes: 64 * 1024,
             allowed_roots: vec![root.to_path_buf()],
+            embedder: None,
         }
     }
 

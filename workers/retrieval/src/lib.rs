@@ -14,6 +14,7 @@
 pub mod analysis;
 pub mod chunk;
 mod conformance;
+pub mod embed;
 pub mod ingest;
 pub mod model;
 pub mod normalize;
@@ -58,7 +59,7 @@ pub struct IndexArgs {
     #[arg(
         long,
         env = "TOOLFLEET_INDEX_DIR",
-        default_value = "target/toolfleet-index"
+        default_value = "target/toolfleet-store"
     )]
     pub index_dir: PathBuf,
     /// The PostgreSQL URL (`--store postgres`); keep the password in the
@@ -77,6 +78,25 @@ pub struct IndexArgs {
     /// The data source the start-up corpus belongs to.
     #[arg(long, env = "TOOLFLEET_CORPUS_COLLECTION", default_value = "handbook")]
     pub corpus_collection: String,
+    /// An OpenAI-shaped embeddings endpoint (its API base, e.g.
+    /// https://api.openai.com/v1): chunks are embedded at ingestion and
+    /// search is hybrid (BM25 and vectors, fused by reciprocal rank).
+    /// Unset: BM25 alone.
+    #[arg(long, env = "TOOLFLEET_EMBEDDINGS_BASE_URL")]
+    pub embeddings_base_url: Option<url::Url>,
+    /// The embedding model.
+    #[arg(
+        long,
+        env = "TOOLFLEET_EMBEDDINGS_MODEL",
+        default_value = "text-embedding-3-small"
+    )]
+    pub embeddings_model: String,
+    /// The embeddings API key (sent as a bearer token; never logged).
+    #[arg(long, env = "TOOLFLEET_EMBEDDINGS_API_KEY", hide_env_values = true)]
+    pub embeddings_api_key: Option<String>,
+    /// Vector size to ask for (models that support `dimensions`).
+    #[arg(long, env = "TOOLFLEET_EMBEDDINGS_DIMENSIONS")]
+    pub embeddings_dimensions: Option<u32>,
 }
 
 impl IndexArgs {
@@ -89,7 +109,31 @@ impl IndexArgs {
             postgres_prefix: "toolfleet".into(),
             corpus_dir,
             corpus_collection: "handbook".into(),
+            embeddings_base_url: None,
+            embeddings_model: "text-embedding-3-small".into(),
+            embeddings_api_key: None,
+            embeddings_dimensions: None,
         }
+    }
+
+    /// The embeddings client, when an endpoint is configured.
+    ///
+    /// # Errors
+    ///
+    /// When the client cannot be built.
+    pub fn embedder(&self) -> Result<Option<embed::Embedder>, String> {
+        let Some(base_url) = &self.embeddings_base_url else {
+            return Ok(None);
+        };
+        embed::Embedder::new(embed::EmbedderConfig {
+            base_url: base_url.clone(),
+            model: self.embeddings_model.clone(),
+            api_key: self.embeddings_api_key.clone(),
+            dimensions: self.embeddings_dimensions,
+            timeout: std::time::Duration::from_secs(30),
+        })
+        .map(Some)
+        .map_err(|e| e.to_string())
     }
 }
 
@@ -150,6 +194,7 @@ pub async fn open_and_seed(args: &IndexArgs) -> Result<Arc<dyn Store>, String> {
         chunking: chunk::ChunkConfig::default(),
         max_file_bytes: ingest::DEFAULT_MAX_FILE_BYTES,
         allowed_roots: vec![args.corpus_dir.clone()],
+        embedder: args.embedder()?,
     };
     let report = ingest::ingest(
         store.as_ref(),
@@ -210,10 +255,17 @@ pub const FAMILY: &str = "retrieval";
 /// # Errors
 ///
 /// [`WorkerError::Config`] when a definition is missing or invalid.
-pub fn worker(definitions: &Path, store: Arc<dyn Store>) -> Result<Worker, WorkerError> {
+pub fn worker(
+    definitions: &Path,
+    store: Arc<dyn Store>,
+    embedder: Option<embed::Embedder>,
+) -> Result<Worker, WorkerError> {
     let metrics = RetrievalMetrics::new()
         .map_err(|e| WorkerError::Config(format!("retrieval metrics: {e}")))?;
-    let r = Retrieval::new(store).with_metrics(metrics.clone());
+    let mut r = Retrieval::new(store).with_metrics(metrics.clone());
+    if let Some(embedder) = embedder {
+        r = r.with_embedder(embedder);
+    }
     Worker::builder(FAMILY)
         .definitions_dir(definitions)
         .tool(

@@ -13,7 +13,9 @@ async fn main() -> std::process::ExitCode {
         "0.0.0.0:9466",
         async |args, index: &IndexArgs| {
             let store = toolfleet_worker_retrieval::open_and_seed(index).await?;
-            toolfleet_worker_retrieval::worker(&args.defs.dir, store).map_err(|e| e.to_string())
+            let embedder = index.embedder()?;
+            toolfleet_worker_retrieval::worker(&args.defs.dir, store, embedder)
+                .map_err(|e| e.to_string())
         },
     )
     .await

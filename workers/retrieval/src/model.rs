@@ -234,6 +234,10 @@ pub struct Item {
     /// An entity's relationships.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub relations: Vec<Relation>,
+    /// The item's embedding (title and text), when an embeddings endpoint
+    /// is configured or the item came with one: what vector search ranks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub embedding: Option<Vec<f32>>,
 }
 
 /// Why an item cannot go into the index.
@@ -375,6 +379,7 @@ mod tests {
             child_ids: vec![],
             aliases: vec![],
             relations: vec![],
+            embedding: None,
         }
     }
 

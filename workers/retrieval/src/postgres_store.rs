@@ -22,7 +22,7 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::analysis::sanitize_query;
 use crate::model::{Item, normalize_entity};
-use crate::search::{Hit, MAX_TOP_K, Query};
+use crate::search::{Hit, MAX_TOP_K, Query, cosine, top_k_by_score};
 use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};
 
 /// The PostgreSQL backend. Cheap to clone.
@@ -118,7 +118,8 @@ impl PostgresStore {
              CREATE INDEX IF NOT EXISTS {items}_collection ON {items} (collection);
              CREATE INDEX IF NOT EXISTS {items}_document ON {items} (document_id);
              CREATE INDEX IF NOT EXISTS {items}_entities ON {items} USING gin (entities);
-             CREATE INDEX IF NOT EXISTS {items}_time ON {items} (timestamp_ms);"
+             CREATE INDEX IF NOT EXISTS {items}_time ON {items} (timestamp_ms);
+             ALTER TABLE {items} ADD COLUMN IF NOT EXISTS embedding real[];"
         );
         write
             .batch_execute(&ddl)
@@ -141,15 +142,17 @@ impl PostgresStore {
     ) -> Result<(), StoreError> {
         let sql = format!(
             "INSERT INTO {table} (id, kind, collection, document_id, owner_user, owner_device,
-                owner_agent, level, bucket, entities, title, body, timestamp_ms, payload)
-             VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14::text::jsonb)
+                owner_agent, level, bucket, entities, title, body, timestamp_ms, payload,
+                embedding)
+             VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14::text::jsonb,$15)
              ON CONFLICT (id) DO UPDATE SET kind = EXCLUDED.kind,
                 collection = EXCLUDED.collection, document_id = EXCLUDED.document_id,
                 owner_user = EXCLUDED.owner_user, owner_device = EXCLUDED.owner_device,
                 owner_agent = EXCLUDED.owner_agent, level = EXCLUDED.level,
                 bucket = EXCLUDED.bucket, entities = EXCLUDED.entities,
                 title = EXCLUDED.title, body = EXCLUDED.body,
-                timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload"
+                timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload,
+                embedding = EXCLUDED.embedding"
         );
         let statement = tx.prepare(&sql).await.map_err(pg("preparing an insert"))?;
         for item in items {
@@ -160,8 +163,13 @@ impl PostgresStore {
                 .level
                 .and_then(|l| item.buckets().map(|b| b.key(l).to_owned()));
             let entities: Vec<String> = item.entities.iter().map(|e| normalize_entity(e)).collect();
+            // The vector lives in its column; the payload stays small.
+            let stored = Item {
+                embedding: None,
+                ..item.clone()
+            };
             let payload =
-                serde_json::to_string(item).map_err(|e| StoreError::Engine(e.to_string()))?;
+                serde_json::to_string(&stored).map_err(|e| StoreError::Engine(e.to_string()))?;
             tx.execute(
                 &statement,
                 &[
@@ -179,6 +187,7 @@ impl PostgresStore {
                     &item.text,
                     &item.timestamp_ms,
                     &payload,
+                    &item.embedding,
                 ],
             )
             .await
@@ -244,6 +253,36 @@ impl PostgresStore {
         let limit = params.len();
         let items = &self.inner.items;
         let text = sanitize_query(q.text.trim());
+        if let Some(vector) = &q.vector {
+            // Without pgvector (not packaged for Debian 12) the similarity
+            // is computed here, over the filtered rows' vectors.
+            params.pop();
+            let sql = format!(
+                "SELECT payload::text, embedding FROM {items}
+                 WHERE embedding IS NOT NULL{filters}"
+            );
+            let refs: Vec<&(dyn ToSql + Sync)> =
+                params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect();
+            let rows = self
+                .inner
+                .read
+                .query(&sql, &refs)
+                .await
+                .map_err(pg("searching vectors"))?;
+            let scored = rows.iter().map(|row| {
+                let candidate: Vec<f32> = row.get(1);
+                (cosine(vector, &candidate), row.get::<_, String>(0))
+            });
+            return top_k_by_score(scored, top_k)
+                .into_iter()
+                .map(|(score, payload)| {
+                    let item: Item = serde_json::from_str(&payload).map_err(|e| {
+                        StoreError::Engine(format!("a stored item is unreadable: {e}"))
+                    })?;
+                    Ok(Hit { item, score })
+                })
+                .collect();
+        }
         let sql = if text.trim().is_empty() {
             format!(
                 "SELECT payload::text, 0::real FROM {items} WHERE true{filters}
@@ -479,6 +518,8 @@ mod tests {
         // A second prefix is a second, empty index in the same database.
         let other = PostgresStore::connect(&db.url, "other").await.unwrap();
         crate::conformance::context_items(&other).await;
+        let vectors = PostgresStore::connect(&db.url, "vectors").await.unwrap();
+        crate::conformance::vectors(&vectors).await;
         assert!(
             other
                 .search(&crate::conformance::query("paper"))

@@ -58,6 +58,66 @@ pub struct Query {
     /// Only these item ids (a drill-down through child ids).
     pub ids: Vec<String>,
     pub top_k: usize,
+    /// Rank by cosine similarity to this vector instead of by words (items
+    /// without an embedding are left out); the filters still filter.
+    pub vector: Option<Vec<f32>>,
+}
+
+/// The cosine similarity of two vectors (0 when either is zero or their
+/// lengths differ).
+pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
+    if a.len() != b.len() || a.is_empty() {
+        return 0.0;
+    }
+    let (mut dot, mut na, mut nb) = (0.0f32, 0.0f32, 0.0f32);
+    for (x, y) in a.iter().zip(b) {
+        dot += x * y;
+        na += x * x;
+        nb += y * y;
+    }
+    if na == 0.0 || nb == 0.0 {
+        0.0
+    } else {
+        dot / (na.sqrt() * nb.sqrt())
+    }
+}
+
+/// Keeps the `top_k` best of `scored` (higher first): a bounded heap, so a
+/// brute-force vector scan holds `top_k` entries, not every candidate.
+pub fn top_k_by_score<T>(
+    scored: impl IntoIterator<Item = (f32, T)>,
+    top_k: usize,
+) -> Vec<(f32, T)> {
+    use std::cmp::Reverse;
+    use std::collections::BinaryHeap;
+    struct Entry<T>(f32, u64, T);
+    impl<T> PartialEq for Entry<T> {
+        fn eq(&self, o: &Self) -> bool {
+            self.0.total_cmp(&o.0).is_eq() && self.1 == o.1
+        }
+    }
+    impl<T> Eq for Entry<T> {}
+    impl<T> PartialOrd for Entry<T> {
+        fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+            Some(self.cmp(o))
+        }
+    }
+    impl<T> Ord for Entry<T> {
+        // Higher score first; on a tie the earlier candidate wins.
+        fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+            self.0.total_cmp(&o.0).then(o.1.cmp(&self.1))
+        }
+    }
+    let mut heap: BinaryHeap<Reverse<Entry<T>>> = BinaryHeap::with_capacity(top_k + 1);
+    for (n, (score, value)) in scored.into_iter().enumerate() {
+        heap.push(Reverse(Entry(score, n as u64, value)));
+        if heap.len() > top_k {
+            heap.pop();
+        }
+    }
+    let mut out: Vec<Entry<T>> = heap.into_iter().map(|Reverse(e)| e).collect();
+    out.sort_by(|a, b| b.cmp(a));
+    out.into_iter().map(|Entry(s, _, v)| (s, v)).collect()
 }
 
 /// One result.
@@ -149,6 +209,7 @@ mod tests {
                 child_ids: vec![],
                 aliases: vec![],
                 relations: vec![],
+                embedding: None,
             },
             score,
         }

@@ -11,6 +11,7 @@
 //! document record (`record = doc`); both keep their JSON in `payload`, and
 //! the filter fields are indexed as raw terms.
 
+use std::collections::HashMap;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -33,7 +34,7 @@ use tantivy::{
 
 use crate::analysis::{TOKENIZER, analyzer, sanitize_query, terms};
 use crate::model::{Item, normalize_entity};
-use crate::search::{Hit, MAX_TOP_K, Query};
+use crate::search::{Hit, MAX_TOP_K, Query, cosine, top_k_by_score};
 use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};
 
 /// Memory for the single writer thread (tantivy's floor is 15 MB).
@@ -59,6 +60,9 @@ struct Fields {
     text: Field,
     timestamp: Field,
     payload: Field,
+    /// The embedding as little-endian `f32`s, in a fast column so a vector
+    /// search reads it without loading documents.
+    vector: Field,
 }
 
 fn schema() -> (Schema, Fields) {
@@ -84,6 +88,7 @@ fn schema() -> (Schema, Fields) {
         text: b.add_text_field("text", searchable),
         timestamp: b.add_i64_field("timestamp", INDEXED | FAST),
         payload: b.add_text_field("payload", STORED),
+        vector: b.add_bytes_field("vector", FAST),
     };
     (b.build(), fields)
 }
@@ -220,7 +225,17 @@ impl TantivyStore {
         doc.add_text(fields.title, &item.title);
         doc.add_text(fields.text, &item.text);
         doc.add_i64(fields.timestamp, item.timestamp_ms);
-        let payload = serde_json::to_string(item).map_err(|e| StoreError::Engine(e.to_string()))?;
+        if let Some(v) = &item.embedding {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            doc.add_bytes(fields.vector, &bytes);
+        }
+        // The vector lives in its column; the payload stays small.
+        let stored = Item {
+            embedding: None,
+            ..item.clone()
+        };
+        let payload =
+            serde_json::to_string(&stored).map_err(|e| StoreError::Engine(e.to_string()))?;
         doc.add_text(fields.payload, payload);
         Ok(doc)
     }
@@ -285,7 +300,47 @@ impl TantivyStore {
         let mut clauses = self.filters(q);
         let text = q.text.trim();
         let searcher = inner.reader.searcher();
-        let addresses: Vec<(f32, tantivy::DocAddress)> = if text.is_empty() {
+        let addresses: Vec<(f32, tantivy::DocAddress)> = if let Some(vector) = &q.vector {
+            clauses.push((Occur::Must, Box::new(AllQuery)));
+            let query = BooleanQuery::new(clauses);
+            let matching = searcher
+                .search(&query, &tantivy::collector::DocSetCollector)
+                .map_err(engine("filtering"))?;
+            let mut columns = HashMap::new();
+            let mut bytes = Vec::new();
+            let mut scored = Vec::new();
+            for address in matching {
+                let column = match columns.entry(address.segment_ord) {
+                    std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                    std::collections::hash_map::Entry::Vacant(e) => e.insert(
+                        searcher
+                            .segment_reader(address.segment_ord)
+                            .fast_fields()
+                            .bytes("vector")
+                            .map_err(engine("reading vectors"))?,
+                    ),
+                };
+                let Some(column) = column.as_ref() else {
+                    continue;
+                };
+                let Some(ord) = column.term_ords(address.doc_id).next() else {
+                    continue;
+                };
+                bytes.clear();
+                if !column
+                    .ord_to_bytes(ord, &mut bytes)
+                    .map_err(|e| StoreError::Engine(format!("reading a vector: {e}")))?
+                {
+                    continue;
+                }
+                let candidate: Vec<f32> = bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                scored.push((cosine(vector, &candidate), address));
+            }
+            top_k_by_score(scored, top_k)
+        } else if text.is_empty() {
             clauses.push((Occur::Must, Box::new(AllQuery)));
             let query = BooleanQuery::new(clauses);
             searcher
@@ -504,6 +559,12 @@ mod tests {
     async fn passes_the_store_suite_on_context_items() {
         let dir = tempfile::tempdir().unwrap();
         crate::conformance::context_items(&TantivyStore::open(dir.path()).unwrap()).await;
+    }
+
+    #[tokio::test]
+    async fn passes_the_store_suite_on_vectors() {
+        let dir = tempfile::tempdir().unwrap();
+        crate::conformance::vectors(&TantivyStore::open(dir.path()).unwrap()).await;
     }
 
     #[tokio::test]

@@ -25,9 +25,10 @@ use time::format_description::well_known::Rfc3339;
 use toolfleet_worker::{NewReference, Tool, ToolCtx, ToolError, ToolOutput};
 
 use crate::RetrievalMetrics;
+use crate::embed::Embedder;
 use crate::model::{Item, ItemKind, Level, Owner, normalize_entity};
 use crate::normalize::{column_name, one_line, parse_csv};
-use crate::search::{Hit, MAX_TOP_K, Query, TimeRange, merge_keep_best};
+use crate::search::{Hit, MAX_TOP_K, Query, TimeRange, merge_keep_best, reciprocal_rank_fusion};
 use crate::store::{Store, StoreError};
 
 /// Results per search when the model does not say.
@@ -60,6 +61,7 @@ const MAX_BUCKETS: usize = 400;
 pub struct Retrieval {
     store: Arc<dyn Store>,
     metrics: Option<RetrievalMetrics>,
+    embedder: Option<Embedder>,
 }
 
 impl Retrieval {
@@ -67,7 +69,15 @@ impl Retrieval {
         Self {
             store,
             metrics: None,
+            embedder: None,
         }
+    }
+
+    /// Makes every search with words hybrid: BM25 and the query's
+    /// embedding, fused by reciprocal rank.
+    pub fn with_embedder(mut self, embedder: Embedder) -> Self {
+        self.embedder = Some(embedder);
+        self
     }
 
     /// Records search times in `metrics`.
@@ -80,9 +90,31 @@ impl Retrieval {
         &self.store
     }
 
-    async fn search(&self, query: &Query) -> Result<Vec<Hit>, ToolError> {
+    /// Searches the store: BM25 alone, or, with an embedder and words to
+    /// look for, BM25 and vectors fused by reciprocal rank. A query the
+    /// embedder cannot embed falls back to BM25 (with a warning in the
+    /// log), never to an error.
+    pub async fn search(&self, query: &Query) -> Result<Vec<Hit>, ToolError> {
         let started = Instant::now();
-        let hits = self.store.search(query).await.map_err(store_error)?;
+        let mut hits = self.store.search(query).await.map_err(store_error)?;
+        if let Some(embedder) = &self.embedder
+            && query.vector.is_none()
+            && !query.text.trim().is_empty()
+        {
+            match embedder.embed(std::slice::from_ref(&query.text)).await {
+                Ok(mut vectors) => {
+                    let by_vector = Query {
+                        vector: vectors.pop(),
+                        ..query.clone()
+                    };
+                    let near = self.store.search(&by_vector).await.map_err(store_error)?;
+                    hits = reciprocal_rank_fusion(&[hits, near], query.top_k);
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "the query could not be embedded; BM25 alone answers it");
+                }
+            }
+        }
         if let Some(m) = &self.metrics {
             m.search_duration.observe(started.elapsed().as_secs_f64());
         }
@@ -1024,6 +1056,7 @@ mod tests {
             child_ids: vec![],
             aliases: vec![],
             relations: vec![],
+            embedding: None,
         }
     }
 
@@ -1646,5 +1679,114 @@ mod tests {
         assert_eq!(r.from_ms, Some(NOV2));
         assert!(time_range(Some("2026-11-03"), Some("2026-11-02")).is_err());
         assert!(time_range(Some("2026-13-01"), None).is_err());
+    }
+}
+
+#[cfg(test)]
+mod hybrid {
+    use super::*;
+    use crate::embed::{EmbedderConfig, item_input};
+    use crate::tantivy_store::TantivyStore;
+    use toolfleet_worker::TestCtx;
+    use toolfleet_worker::protocol::InvocationContext;
+
+    /// A word longer than the BM25 analyzer keeps (40 bytes): only the
+    /// vector side can find it.
+    const LONG: &str = "pneumonoultramicroscopicsilicovolcanoconiosis";
+
+    async fn scripted() -> toolfleet_scripted::ScriptedServer {
+        let script = toolfleet_scripted::Script::from_json(r#"{ "rules": [] }"#).unwrap();
+        toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+            .await
+            .unwrap()
+    }
+
+    fn embedder_at(base_url: url::Url) -> Embedder {
+        Embedder::new(EmbedderConfig {
+            base_url,
+            model: "scripted-embedding".into(),
+            api_key: Some("sk-embed-secret".into()),
+            dimensions: Some(64),
+            timeout: std::time::Duration::from_secs(5),
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn with_embeddings_search_fuses_bm25_and_vectors() {
+        let model = scripted().await;
+        let embedder = embedder_at(model.base_url().join("v1/").unwrap());
+        let dir = tempfile::tempdir().unwrap();
+        let store = TantivyStore::open(dir.path()).unwrap();
+        let mut items = Vec::new();
+        for (id, text) in [
+            ("lexical", "silicosis is a lung disease of miners"),
+            ("semantic", &*format!("the word {LONG} names it")),
+            ("unrelated", "bread rises with yeast"),
+        ] {
+            let mut item = crate::conformance::chunk("d", 0, text);
+            item.id = id.into();
+            item.kind = ItemKind::Knowledge;
+            item.document_id = None;
+            item.chunk = None;
+            item.collection = "ds".into();
+            item.title = String::new();
+            items.push(item);
+        }
+        let inputs: Vec<String> = items
+            .iter()
+            .map(|i| item_input(&i.title, &i.text))
+            .collect();
+        for (item, v) in items.iter_mut().zip(embedder.embed(&inputs).await.unwrap()) {
+            assert_eq!(v.len(), 64);
+            item.embedding = Some(v);
+        }
+        store.upsert_items(items).await.unwrap();
+        let test = TestCtx::new().with_invocation(InvocationContext {
+            data_source_id: Some("ds".into()),
+            ..InvocationContext::new("inv-h")
+        });
+        let query = json!({ "query": format!("silicosis {LONG}"), "topK": 2 });
+
+        // BM25 alone cannot see the long word.
+        let bm25 = Retrieval::new(Arc::new(store.clone()));
+        let out = test
+            .call(&SearchDataSources(bm25), query.clone())
+            .await
+            .unwrap();
+        let ids: Vec<String> = out.data.unwrap()["hits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h["id"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(ids, ["lexical"]);
+
+        // Hybrid: both, by reciprocal rank.
+        let hybrid = Retrieval::new(Arc::new(store.clone())).with_embedder(embedder.clone());
+        let out = test
+            .call(&SearchDataSources(hybrid), query.clone())
+            .await
+            .unwrap();
+        let mut ids: Vec<String> = out.data.unwrap()["hits"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|h| h["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        assert_eq!(ids, ["lexical", "semantic"]);
+
+        // A dead endpoint: BM25 answers alone, no error.
+        let dead = embedder_at("http://127.0.0.1:9/v1/".parse().unwrap());
+        let fallback = Retrieval::new(Arc::new(store)).with_embedder(dead.clone());
+        let out = test
+            .call(&SearchDataSources(fallback), query)
+            .await
+            .unwrap();
+        assert_eq!(out.data.unwrap()["hits"].as_array().unwrap().len(), 1);
+        let e = dead.embed(&["x".into()]).await.unwrap_err();
+        assert!(!e.to_string().contains("sk-embed-secret"), "{e}");
+        assert!(!format!("{dead:?}").contains("sk-embed-secret"));
     }
 }
