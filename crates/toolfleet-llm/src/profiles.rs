@@ -1935,12 +1935,67 @@ deployments = ["a", "nokey", "b"]
             "input",
             "cached_input",
             "output",
+            "prefetch",
+            "top_k",
+            "in_scope_only",
+            "data_source",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),
                 "{key} is not shown in the example file"
             );
         }
+    }
+
+    #[test]
+    fn rag_policy_and_link_templates_load_and_are_checked() {
+        let config = parse(EXAMPLE).expect("loads");
+        let default = &config.profiles["default"];
+        assert_eq!(default.rag, RagPolicy::default());
+        assert!(default.rag.prefetch && default.rag.top_k == 5 && !default.rag.in_scope_only);
+        assert_eq!(
+            config.links["data_source"],
+            "https://wiki.example.com/handbook/{source}"
+        );
+        let with = |extra: &str| format!("{MINIMAL}\n{extra}");
+        let ok = parse(&with(
+            "[profiles.default.rag]\nprefetch = false\ntop_k = 20\nin_scope_only = true",
+        ))
+        .unwrap();
+        assert!(!ok.profiles["default"].rag.prefetch);
+        for (extra, key, says) in [
+            (
+                "[profiles.default.rag]\ntop_k = 0",
+                "profiles.default.rag.top_k",
+                "between 1 and 20",
+            ),
+            (
+                "[profiles.default.rag]\ntop_k = 21",
+                "profiles.default.rag.top_k",
+                "between 1 and 20",
+            ),
+            (
+                "[links]\ndocument = \"https://x/{source}\"",
+                "links.document",
+                "uploaded documents have no link",
+            ),
+            (
+                "[links]\nweb = \"ftp://x/{source}\"",
+                "links.web",
+                "not an http(s) URL template",
+            ),
+            (
+                "[links]\nweb = \"https://x/fixed\"",
+                "links.web",
+                "not an http(s) URL template",
+            ),
+        ] {
+            let e = parse_err(&with(extra));
+            assert_eq!(e.key.as_deref(), Some(key), "{extra}: {e}");
+            assert!(e.to_string().contains(says), "{extra}: {e}");
+        }
+        let e = parse_err(&with("[profiles.default.rag]\nprefech = true"));
+        assert!(e.to_string().contains("prefech"), "{e}");
     }
 
     #[test]
