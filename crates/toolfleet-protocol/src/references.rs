@@ -257,4 +257,15 @@ mod tests {
         let out = render("plain", &[r(1, "a")]);
         assert_eq!(out.to_markdown(), "plain");
     }
+
+    #[test]
+    fn the_reader_sees_a_numbered_list_with_links() {
+        let mut wiki = r(4, "Fog");
+        wiki.url = Some("https://wiki.example.com/fog.md".into());
+        let out = render("Fog [doc:4], bees [doc:2].", &[r(2, "Bees"), wiki]);
+        assert_eq!(
+            out.to_markdown(),
+            "Fog [2], bees [1].\n\nReferences:\n[1] Bees — Bees.md\n[2] Fog — Fog.md <https://wiki.example.com/fog.md>\n"
+        );
+    }
 }

@@ -30,70 +30,38 @@ use toolfleet_worker_retrieval::search::Query;
 use toolfleet_worker_retrieval::store::Store;
 use toolfleet_worker_retrieval::tantivy_store::TantivyStore;
 
-const WORDS: &[&str] = &[
-    "hive",
-    "queen",
-    "worker",
-    "drone",
-    "nectar",
-    "pollen",
-    "comb",
-    "brood",
-    "swarm",
-    "colony",
-    "lighthouse",
-    "lens",
-    "beam",
-    "fog",
-    "signal",
-    "keeper",
-    "harbour",
-    "ship",
-    "coast",
-    "tide",
-    "moon",
-    "current",
-    "estuary",
-    "flour",
-    "starter",
-    "yeast",
-    "dough",
-    "crust",
-    "oven",
-    "rise",
-    "ownership",
-    "borrow",
-    "lifetime",
-    "compiler",
-    "thread",
-    "memory",
-    "cloud",
-    "river",
-    "ocean",
-    "vapour",
-    "season",
-    "winter",
-    "spring",
-    "summer",
-    "autumn",
-    "the",
-    "a",
-    "of",
-    "and",
-    "in",
-    "with",
-    "is",
-    "for",
-    "on",
-    "at",
-    "by",
-    "from",
-    "which",
-    "when",
-    "every",
+/// Words in the synthetic vocabulary.
+const VOCABULARY: usize = 20_000;
+const SYLLABLES: &[&str] = &[
+    "ba", "ke", "lo", "mi", "nu", "ra", "se", "ti", "vo", "za", "chi", "dra", "fen", "gor",
+    "hul", "jin", "kor", "lam", "mes", "nor", "pil", "qua", "ros", "sul", "tam", "ver",
 ];
 
-/// A deterministic pseudo-random word stream.
+/// The vocabulary: `VOCABULARY` distinct words of two to four syllables.
+fn vocabulary() -> &'static [String] {
+    static WORDS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    WORDS.get_or_init(|| {
+        let mut seen = std::collections::HashSet::new();
+        let mut words = Vec::with_capacity(VOCABULARY);
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        while words.len() < VOCABULARY {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let n = 2 + (x % 3) as usize;
+            let word: String = (0..n)
+                .map(|i| SYLLABLES[((x >> (8 * i + 3)) % SYLLABLES.len() as u64) as usize])
+                .collect();
+            if seen.insert(word.clone()) {
+                words.push(word);
+            }
+        }
+        words
+    })
+}
+
+/// A deterministic word stream with a Zipf-like distribution (rank r
+/// drawn with probability about 1/r), as words are in real text.
 struct Words(u64);
 
 impl Words {
@@ -101,12 +69,14 @@ impl Words {
         self.0 ^= self.0 << 13;
         self.0 ^= self.0 >> 7;
         self.0 ^= self.0 << 17;
-        WORDS[(self.0 % WORDS.len() as u64) as usize]
+        let u = (self.0 >> 11) as f64 / (1u64 << 53) as f64;
+        let rank = ((VOCABULARY as f64).powf(u) as usize).saturating_sub(1);
+        &vocabulary()[rank.min(VOCABULARY - 1)]
     }
 
     fn sentence(&mut self, n: usize) -> String {
         let mut s: Vec<&str> = (0..n).map(|_| self.next()).collect();
-        let first = s[0].to_owned();
+        let first = s[0];
         let mut out = first[..1].to_uppercase() + &first[1..];
         s.remove(0);
         for w in s {

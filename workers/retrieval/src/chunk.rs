@@ -96,6 +96,19 @@ pub fn encoding() -> &'static CoreBPE {
     tiktoken_rs::o200k_base_singleton()
 }
 
+/// The byte length of every token of the encoding, by rank, decoded once
+/// per process: chunking looks lengths up instead of decoding each token.
+fn token_lengths() -> &'static [u32] {
+    static LENGTHS: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    LENGTHS.get_or_init(|| {
+        let bpe = encoding();
+        // o200k_base ranks run below 200,019 (special tokens included).
+        (0..200_019u32)
+            .map(|rank| bpe.decode_bytes(&[rank]).map_or(0, |b| b.len() as u32))
+            .collect()
+    })
+}
+
 /// How many `o200k_base` tokens `text` is.
 pub fn count_tokens(text: &str) -> usize {
     encoding().encode_ordinary(text).len()
@@ -109,13 +122,19 @@ pub fn chunk(text: &str, config: ChunkConfig) -> Vec<Chunk> {
         return Vec::new();
     }
     // offsets[i] is where token i starts; offsets[n] is the end.
+    let lengths = token_lengths();
     let mut offsets = Vec::with_capacity(tokens.len() + 1);
     let mut at = 0usize;
     offsets.push(0);
     for token in &tokens {
-        // Every token of an encoding decodes; an impossible miss counts zero
-        // bytes and only shifts a boundary, which snapping keeps valid.
-        at += bpe.decode_bytes(&[*token]).map(|b| b.len()).unwrap_or(0);
+        // Every token of an encoding has a length; an impossible miss
+        // counts zero bytes and only shifts a boundary, which snapping
+        // keeps valid.
+        let len = match lengths.get(*token as usize) {
+            Some(&len) => len as usize,
+            None => bpe.decode_bytes(&[*token]).map_or(0, |b| b.len()),
+        };
+        at += len;
         offsets.push(at.min(text.len()));
     }
     *offsets.last_mut().expect("pushed above") = text.len();

@@ -468,51 +468,110 @@ pub async fn ingest(
         progress(&file);
         report.files.push(file);
     }
+    let mut pending = Pending::default();
     for file in &planned {
         let now = now_ms();
-        let outcome = if is_jsonl(&file.path) {
-            ingest_items(store, file, options, now).await
-        } else {
-            let prepared = {
-                let (file, options) = (file.clone(), options.clone());
-                tokio::task::spawn_blocking(move || prepare(&file, &options, now))
+        if is_jsonl(&file.path) {
+            pending.flush(store, &mut report, progress).await;
+            let outcome = ingest_items(store, file, options, now).await;
+            report_file(&mut report, progress, file, outcome);
+            continue;
+        }
+        let prepared = {
+            let (file, options) = (file.clone(), options.clone());
+            tokio::task::spawn_blocking(move || prepare(&file, &options, now))
+                .await
+                .unwrap_or_else(|e| Err(format!("failed while reading: {e}")))
+        };
+        let prepared = match prepared {
+            Ok((record, mut chunks, warnings)) => {
+                embed_items(options.embedder.as_ref(), &mut chunks)
                     .await
-                    .unwrap_or_else(|e| Err(format!("failed while reading: {e}")))
-            };
-            let prepared = match prepared {
-                Ok((record, mut chunks, warnings)) => {
-                    embed_items(options.embedder.as_ref(), &mut chunks)
-                        .await
-                        .map(|()| (record, chunks, warnings))
-                }
-                Err(e) => Err(e),
-            };
-            match prepared {
-                Ok((record, chunks, warnings)) => {
-                    let (id, count, tokens) = (record.id.clone(), record.chunks, record.tokens);
-                    match store.replace_document(record, chunks).await {
-                        Ok(()) => Outcome::Document {
-                            id,
-                            chunks: count,
-                            tokens,
-                            warnings,
-                        },
-                        Err(e) => Outcome::Skipped(e.to_string()),
-                    }
-                }
-                Err(reason) => Outcome::Skipped(reason),
+                    .map(|()| (record, chunks, warnings))
             }
+            Err(e) => Err(e),
         };
-        let line = FileReport {
-            path: file.path.clone(),
-            bytes: file.bytes,
-            outcome,
-        };
-        progress(&line);
-        report.files.push(line);
+        match prepared {
+            Ok((record, chunks, warnings)) => {
+                pending.bytes += file.bytes;
+                pending
+                    .documents
+                    .push((file.clone(), record, chunks, warnings));
+                if pending.bytes >= BATCH_BYTES || pending.documents.len() >= BATCH_DOCUMENTS {
+                    pending.flush(store, &mut report, progress).await;
+                }
+            }
+            Err(reason) => report_file(&mut report, progress, file, Outcome::Skipped(reason)),
+        }
     }
+    pending.flush(store, &mut report, progress).await;
     report.elapsed_secs = started.elapsed().as_secs_f64();
     report
+}
+
+/// Documents written per commit at most, and bytes of source files: a
+/// commit (an fsync, a reader reload) costs far more than a document.
+const BATCH_DOCUMENTS: usize = 64;
+const BATCH_BYTES: u64 = 8 * 1024 * 1024;
+
+fn report_file(
+    report: &mut IngestReport,
+    progress: &mut (dyn FnMut(&FileReport) + Send),
+    file: &Planned,
+    outcome: Outcome,
+) {
+    let line = FileReport {
+        path: file.path.clone(),
+        bytes: file.bytes,
+        outcome,
+    };
+    progress(&line);
+    report.files.push(line);
+}
+
+/// Prepared documents waiting for one commit.
+#[derive(Default)]
+struct Pending {
+    documents: Vec<(Planned, DocumentRecord, Vec<Item>, Vec<String>)>,
+    bytes: u64,
+}
+
+impl Pending {
+    /// Writes the batch in one commit; if that fails, one document at a
+    /// time, so the failure is reported against the file that caused it.
+    async fn flush(
+        &mut self,
+        store: &dyn Store,
+        report: &mut IngestReport,
+        progress: &mut (dyn FnMut(&FileReport) + Send),
+    ) {
+        let documents = std::mem::take(&mut self.documents);
+        self.bytes = 0;
+        if documents.is_empty() {
+            return;
+        }
+        let batch: Vec<(DocumentRecord, Vec<Item>)> = documents
+            .iter()
+            .map(|(_, record, chunks, _)| (record.clone(), chunks.clone()))
+            .collect();
+        let together = store.replace_documents(batch).await;
+        for (file, record, chunks, warnings) in documents {
+            let written = match &together {
+                Ok(()) => Ok(()),
+                Err(_) => store.replace_document(record.clone(), chunks).await,
+            };
+            let outcome = match written {
+                Ok(()) => Outcome::Document {
+                    id: record.id,
+                    chunks: record.chunks,
+                    tokens: record.tokens,
+                    warnings,
+                },
+                Err(e) => Outcome::Skipped(e.to_string()),
+            };
+            report_file(report, progress, &file, outcome);
+        }
+    }
 }
 
 #[cfg(test)]

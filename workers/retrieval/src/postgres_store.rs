@@ -326,49 +326,52 @@ impl Store for PostgresStore {
         "postgres"
     }
 
-    fn replace_document(
+    fn replace_documents(
         &self,
-        document: DocumentRecord,
-        chunks: Vec<Item>,
+        batch: Vec<(DocumentRecord, Vec<Item>)>,
     ) -> BoxFuture<'_, Result<(), StoreError>> {
         async move {
-            for chunk in &chunks {
-                if chunk.document_id.as_deref() != Some(document.id.as_str()) {
-                    return Err(StoreError::Invalid(format!(
-                        "chunk {} does not belong to document {}",
-                        chunk.id, document.id
-                    )));
+            for (document, chunks) in &batch {
+                for chunk in chunks {
+                    if chunk.document_id.as_deref() != Some(document.id.as_str()) {
+                        return Err(StoreError::Invalid(format!(
+                            "chunk {} does not belong to document {}",
+                            chunk.id, document.id
+                        )));
+                    }
                 }
             }
             let inner = &*self.inner;
             let mut client = inner.write.lock().await;
             let tx = client.transaction().await.map_err(pg("beginning"))?;
-            tx.execute(
-                &format!("DELETE FROM {} WHERE document_id = $1", inner.items),
-                &[&document.id],
-            )
-            .await
-            .map_err(pg("deleting old chunks"))?;
-            let payload =
-                serde_json::to_string(&document).map_err(|e| StoreError::Engine(e.to_string()))?;
-            tx.execute(
-                &format!(
-                    "INSERT INTO {} (id, collection, timestamp_ms, payload)
+            for (document, chunks) in &batch {
+                tx.execute(
+                    &format!("DELETE FROM {} WHERE document_id = $1", inner.items),
+                    &[&document.id],
+                )
+                .await
+                .map_err(pg("deleting old chunks"))?;
+                let payload = serde_json::to_string(&document)
+                    .map_err(|e| StoreError::Engine(e.to_string()))?;
+                tx.execute(
+                    &format!(
+                        "INSERT INTO {} (id, collection, timestamp_ms, payload)
                      VALUES ($1, $2, $3, $4::text::jsonb)
                      ON CONFLICT (id) DO UPDATE SET collection = EXCLUDED.collection,
                         timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload",
-                    inner.documents
-                ),
-                &[
-                    &document.id,
-                    &document.collection,
-                    &document.timestamp_ms,
-                    &payload,
-                ],
-            )
-            .await
-            .map_err(pg("writing the document record"))?;
-            Self::insert_items(&tx, &inner.items, &chunks).await?;
+                        inner.documents
+                    ),
+                    &[
+                        &document.id,
+                        &document.collection,
+                        &document.timestamp_ms,
+                        &payload,
+                    ],
+                )
+                .await
+                .map_err(pg("writing the document record"))?;
+                Self::insert_items(&tx, &inner.items, chunks).await?;
+            }
             tx.commit().await.map_err(pg("committing"))
         }
         .boxed()

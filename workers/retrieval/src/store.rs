@@ -100,6 +100,17 @@ pub trait Store: Send + Sync {
         &self,
         document: DocumentRecord,
         chunks: Vec<Item>,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        self.replace_documents(vec![(document, chunks)])
+    }
+
+    /// [`Store::replace_document`] for several documents in one commit
+    /// (tantivy) or transaction (PostgreSQL): all of them or none, and a
+    /// search never sees half of one. Ingestion batches files this way,
+    /// since a commit costs far more than the documents in it.
+    fn replace_documents(
+        &self,
+        batch: Vec<(DocumentRecord, Vec<Item>)>,
     ) -> BoxFuture<'_, Result<(), StoreError>>;
 
     /// Inserts or replaces context items (knowledge, events, entities,

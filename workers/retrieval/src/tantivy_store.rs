@@ -435,38 +435,39 @@ impl Store for TantivyStore {
         "tantivy"
     }
 
-    fn replace_document(
+    fn replace_documents(
         &self,
-        document: DocumentRecord,
-        chunks: Vec<Item>,
+        batch: Vec<(DocumentRecord, Vec<Item>)>,
     ) -> BoxFuture<'_, Result<(), StoreError>> {
         let this = self.clone();
         blocking(move || {
             this.write(|writer, f| {
-                writer.delete_term(Term::from_field_text(f.document_id, &document.id));
-                writer.delete_term(Term::from_field_text(f.id, &document.id));
-                for chunk in &chunks {
-                    if chunk.document_id.as_deref() != Some(document.id.as_str()) {
-                        return Err(StoreError::Invalid(format!(
-                            "chunk {} does not belong to document {}",
-                            chunk.id, document.id
-                        )));
+                for (document, chunks) in &batch {
+                    writer.delete_term(Term::from_field_text(f.document_id, &document.id));
+                    writer.delete_term(Term::from_field_text(f.id, &document.id));
+                    for chunk in chunks {
+                        if chunk.document_id.as_deref() != Some(document.id.as_str()) {
+                            return Err(StoreError::Invalid(format!(
+                                "chunk {} does not belong to document {}",
+                                chunk.id, document.id
+                            )));
+                        }
+                        writer
+                            .add_document(Self::item_doc(f, chunk)?)
+                            .map_err(engine("adding a chunk"))?;
                     }
+                    let mut doc = TantivyDocument::default();
+                    doc.add_text(f.id, &document.id);
+                    doc.add_text(f.record, RECORD_DOC);
+                    doc.add_text(f.collection, &document.collection);
+                    doc.add_i64(f.timestamp, document.timestamp_ms);
+                    let json = serde_json::to_string(&document)
+                        .map_err(|e| StoreError::Engine(e.to_string()))?;
+                    doc.add_text(f.payload, json);
                     writer
-                        .add_document(Self::item_doc(f, chunk)?)
-                        .map_err(engine("adding a chunk"))?;
+                        .add_document(doc)
+                        .map_err(engine("adding a document record"))?;
                 }
-                let mut doc = TantivyDocument::default();
-                doc.add_text(f.id, &document.id);
-                doc.add_text(f.record, RECORD_DOC);
-                doc.add_text(f.collection, &document.collection);
-                doc.add_i64(f.timestamp, document.timestamp_ms);
-                let json = serde_json::to_string(&document)
-                    .map_err(|e| StoreError::Engine(e.to_string()))?;
-                doc.add_text(f.payload, json);
-                writer
-                    .add_document(doc)
-                    .map_err(engine("adding a document record"))?;
                 Ok(())
             })
         })

@@ -326,6 +326,15 @@ fn cut(text: &str, max_chars: usize) -> String {
     }
 }
 
+/// An item's title as cited: a document's later chunks say which part
+/// they are, so three passages of one document are told apart.
+fn display_title(item: &Item) -> String {
+    match item.chunk {
+        Some(n) if n > 0 => format!("{} (part {})", item.title, n + 1),
+        _ => item.title.clone(),
+    }
+}
+
 /// The reference type of an item: `document` for an attachment's chunk,
 /// `data_source` for a data source's, otherwise the item's kind.
 fn reference_kind(item: &Item, attachment: bool) -> &'static str {
@@ -355,7 +364,7 @@ async fn cite_hits(
         .iter()
         .map(|h| NewReference {
             kind: reference_kind(&h.item, attachment).to_owned(),
-            title: h.item.title.clone(),
+            title: display_title(&h.item),
             source: h.item.source.clone(),
             url: None,
             snippet: Some(cut(&one_line(&h.item.text), SNIPPET_MAX_CHARS)),
@@ -380,7 +389,7 @@ async fn cite_hits(
             format!(
                 "{} {} ({}): {}",
                 r.marker(),
-                h.item.title,
+                display_title(&h.item),
                 about.join(", "),
                 cut(&h.item.text, PASSAGE_MAX_CHARS)
             )
