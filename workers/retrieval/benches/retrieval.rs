@@ -33,8 +33,8 @@ use toolfleet_worker_retrieval::tantivy_store::TantivyStore;
 /// Words in the synthetic vocabulary.
 const VOCABULARY: usize = 20_000;
 const SYLLABLES: &[&str] = &[
-    "ba", "ke", "lo", "mi", "nu", "ra", "se", "ti", "vo", "za", "chi", "dra", "fen", "gor",
-    "hul", "jin", "kor", "lam", "mes", "nor", "pil", "qua", "ros", "sul", "tam", "ver",
+    "ba", "ke", "lo", "mi", "nu", "ra", "se", "ti", "vo", "za", "chi", "dra", "fen", "gor", "hul",
+    "jin", "kor", "lam", "mes", "nor", "pil", "qua", "ros", "sul", "tam", "ver",
 ];
 
 /// The vocabulary: `VOCABULARY` distinct words of two to four syllables.

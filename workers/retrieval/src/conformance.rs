@@ -217,4 +217,26 @@ pub(crate) async fn vectors(store: &dyn Store) {
         .unwrap();
     assert_eq!(top.len(), 1);
     assert_eq!(top[0].item.id, "near");
+
+    // The same id twice in one batch: the later one wins.
+    let mut first = chunk("v", 0, "first version");
+    first.id = "twice".into();
+    first.kind = ItemKind::Knowledge;
+    first.document_id = None;
+    first.chunk = None;
+    first.entities = vec!["Zoë".into()];
+    let mut second = first.clone();
+    second.text = "second version".into();
+    store.upsert_items(vec![first, second]).await.unwrap();
+    let hits = store
+        .search(&Query {
+            ids: vec!["twice".into()],
+            entities: vec!["zoe".into()],
+            top_k: 5,
+            ..Query::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(hits.len(), 1, "{} backend", store.backend());
+    assert_eq!(hits[0].item.text, "second version");
 }

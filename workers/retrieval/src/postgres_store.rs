@@ -135,6 +135,9 @@ impl PostgresStore {
         })
     }
 
+    /// Inserts or replaces `items`, a thousand rows per statement (columns
+    /// as arrays through `UNNEST`; entities and vectors, arrays per row,
+    /// as JSON text). A later item with the same id wins.
     async fn insert_items(
         tx: &tokio_postgres::Transaction<'_>,
         table: &str,
@@ -144,7 +147,18 @@ impl PostgresStore {
             "INSERT INTO {table} (id, kind, collection, document_id, owner_user, owner_device,
                 owner_agent, level, bucket, entities, title, body, timestamp_ms, payload,
                 embedding)
-             VALUES ($1,$2,$3,$4,$5,$6,$7,$8,$9,$10,$11,$12,$13,$14::text::jsonb,$15)
+             SELECT u.id, u.kind, u.collection, u.document_id, u.owner_user, u.owner_device,
+                u.owner_agent, u.level, u.bucket,
+                ARRAY(SELECT jsonb_array_elements_text(u.entities::jsonb)),
+                u.title, u.body, u.timestamp_ms, u.payload::jsonb,
+                CASE WHEN u.embedding IS NULL THEN NULL ELSE ARRAY(
+                    SELECT e.v::real FROM jsonb_array_elements_text(u.embedding::jsonb)
+                        WITH ORDINALITY AS e(v, n) ORDER BY e.n) END
+             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+                $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[],
+                $12::text[], $13::bigint[], $14::text[], $15::text[])
+                AS u(id, kind, collection, document_id, owner_user, owner_device, owner_agent,
+                     level, bucket, entities, title, body, timestamp_ms, payload, embedding)
              ON CONFLICT (id) DO UPDATE SET kind = EXCLUDED.kind,
                 collection = EXCLUDED.collection, document_id = EXCLUDED.document_id,
                 owner_user = EXCLUDED.owner_user, owner_device = EXCLUDED.owner_device,
@@ -155,43 +169,92 @@ impl PostgresStore {
                 embedding = EXCLUDED.embedding"
         );
         let statement = tx.prepare(&sql).await.map_err(pg("preparing an insert"))?;
-        for item in items {
+        // One row per id (a statement may not update a row twice): the last.
+        let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        for (i, item) in items.iter().enumerate() {
             item.validate()
                 .map_err(|e| StoreError::Invalid(e.to_string()))?;
-            let level = item.level.map(|l| format!("L{}", l.number()));
-            let bucket = item
-                .level
-                .and_then(|l| item.buckets().map(|b| b.key(l).to_owned()));
-            let entities: Vec<String> = item.entities.iter().map(|e| normalize_entity(e)).collect();
-            // The vector lives in its column; the payload stays small.
-            let stored = Item {
-                embedding: None,
-                ..item.clone()
-            };
-            let payload =
-                serde_json::to_string(&stored).map_err(|e| StoreError::Engine(e.to_string()))?;
+            last.insert(&item.id, i);
+        }
+        let rows: Vec<&Item> = items
+            .iter()
+            .enumerate()
+            .filter(|(i, item)| last.get(item.id.as_str()) == Some(i))
+            .map(|(_, item)| item)
+            .collect();
+        for batch in rows.chunks(1000) {
+            let mut columns: [Vec<Option<String>>; 15] = Default::default();
+            let mut timestamps: Vec<i64> = Vec::with_capacity(batch.len());
+            for item in batch {
+                let entities: Vec<String> =
+                    item.entities.iter().map(|e| normalize_entity(e)).collect();
+                // The vector lives in its column; the payload stays small.
+                let stored = Item {
+                    embedding: None,
+                    ..(*item).clone()
+                };
+                let values = [
+                    Some(item.id.clone()),
+                    Some(item.kind.as_str().to_owned()),
+                    Some(item.collection.clone()),
+                    item.document_id.clone(),
+                    item.owner.user.clone(),
+                    item.owner.device.clone(),
+                    item.owner.agent.clone(),
+                    item.level.map(|l| format!("L{}", l.number())),
+                    item.level
+                        .and_then(|l| item.buckets().map(|b| b.key(l).to_owned())),
+                    Some(to_json(&entities)?),
+                    Some(item.title.clone()),
+                    Some(item.text.clone()),
+                    None,
+                    Some(to_json(&stored)?),
+                    item.embedding.as_ref().map(to_json).transpose()?,
+                ];
+                for (column, value) in columns.iter_mut().zip(values) {
+                    column.push(value);
+                }
+                timestamps.push(item.timestamp_ms);
+            }
+            let [
+                c1,
+                c2,
+                c3,
+                c4,
+                c5,
+                c6,
+                c7,
+                c8,
+                c9,
+                c10,
+                c11,
+                c12,
+                _,
+                c14,
+                c15,
+            ] = &columns;
             tx.execute(
                 &statement,
                 &[
-                    &item.id,
-                    &item.kind.as_str(),
-                    &item.collection,
-                    &item.document_id,
-                    &item.owner.user,
-                    &item.owner.device,
-                    &item.owner.agent,
-                    &level,
-                    &bucket,
-                    &entities,
-                    &item.title,
-                    &item.text,
-                    &item.timestamp_ms,
-                    &payload,
-                    &item.embedding,
+                    c1,
+                    c2,
+                    c3,
+                    c4,
+                    c5,
+                    c6,
+                    c7,
+                    c8,
+                    c9,
+                    c10,
+                    c11,
+                    c12,
+                    &timestamps,
+                    c14,
+                    c15,
                 ],
             )
             .await
-            .map_err(pg("inserting an item"))?;
+            .map_err(pg("inserting items"))?;
         }
         Ok(())
     }
@@ -550,4 +613,9 @@ mod tests {
         assert!(matches!(error, StoreError::Unavailable(_)), "{error}");
         assert!(!error.to_string().contains("hunter2"), "{error}");
     }
+}
+
+/// `serde_json::to_string`, failing as a store error.
+fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Engine(e.to_string()))
 }
