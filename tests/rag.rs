@@ -25,14 +25,14 @@ deployment = "scripted"
     )
 }
 
-/// The system messages of the model's first request.
-fn first_request_system(env: &Env) -> Vec<String> {
+/// The messages of `role` in the model's first request.
+fn first_request(env: &Env, role: &str) -> Vec<String> {
     let requests = env.model.requests();
     requests[0]["messages"]
         .as_array()
         .unwrap()
         .iter()
-        .filter(|m| m["role"] == "system")
+        .filter(|m| m["role"] == role)
         .map(|m| m["content"].as_str().unwrap_or_default().to_owned())
         .collect()
 }
@@ -89,8 +89,14 @@ async fn preemptive_passages_share_the_counter_with_tool_references_in_one_answe
         ]
     );
     // Its passages were in the first request, with their markers.
-    let system = first_request_system(&env);
-    let passages = system
+    // Document text never gets the system role.
+    assert!(
+        !first_request(&env, "system")
+            .iter()
+            .any(|m| m.contains("From the data source:"))
+    );
+    let user = first_request(&env, "user");
+    let passages = user
         .iter()
         .find(|m| m.contains("From the data source:"))
         .expect("the passages message");
@@ -172,7 +178,7 @@ async fn attached_documents_are_prefetched_alone_and_uploads_get_no_link() {
     assert_eq!(outcome.references.len(), 1);
     assert_eq!(outcome.references[0].url, None, "uploads have no link");
     assert!(
-        first_request_system(&env)
+        first_request(&env, "user")
             .iter()
             .any(|m| m.contains("From the attached documents:"))
     );
@@ -196,7 +202,7 @@ async fn an_in_scope_profile_that_finds_nothing_tells_the_model_to_search() {
     let (_, outcome) = env.ask("zyxwv qwertz plorbs").await;
     let outcome = outcome.expect("completed");
     assert!(announced(&outcome.events).is_empty());
-    let system = first_request_system(&env);
+    let system = first_request(&env, "system");
     let directive = system
         .iter()
         .find(|m| m.starts_with("A search of the data source"))
@@ -223,8 +229,9 @@ async fn an_in_scope_profile_that_finds_nothing_tells_the_model_to_search() {
     .await;
     env.ask("zyxwv qwertz plorbs").await.1.expect("completed");
     assert_eq!(
-        first_request_system(&env).len(),
+        first_request(&env, "system").len(),
         1,
         "only the system prompt"
     );
+    assert_eq!(first_request(&env, "user").len(), 1, "only the question");
 }

@@ -1,7 +1,8 @@
 //! Preemptive retrieval, the last step of the context stage: when a chat
 //! job has attached documents or a data source, they are searched with the
 //! user's question before the first model call, and what was found goes
-//! into the prompt with its `[doc:N]` markers.
+//! into the prompt with its `[doc:N]` markers — as a user-role message
+//! before the question, since document text is never an instruction.
 //!
 //! The searches are tool jobs like any other — `search_documents` for the
 //! attachments, `search_data_sources` for the data source, served by the
@@ -121,23 +122,30 @@ pub async fn prefetch(
             .record_tool(fleet.metrics(), &fleet.config().profiles.prices, spent);
     }
     fleet.publish_references(inv, &outcomes, events)?;
+    // Retrieved text is data from documents anyone may have written: it
+    // goes in as a user-role message, never with system authority; only
+    // the fleet's own directive is a system message.
     let message = if !found.is_empty() {
-        Some(passages_message(&found))
+        Some(Message::User {
+            content: passages_message(&found),
+        })
     } else if policy.in_scope_only {
         done.directive = true;
         let labels: Vec<&str> = sources.iter().map(|(_, _, l)| *l).collect();
         let tools: Vec<&str> = sources.iter().map(|(n, _, _)| *n).collect();
-        Some(in_scope_directive(&labels, &tools))
+        Some(Message::System {
+            content: in_scope_directive(&labels, &tools),
+        })
     } else {
         None
     };
-    if let Some(content) = message {
+    if let Some(message) = message {
         let at = inv
             .messages
             .iter()
             .rposition(|m| matches!(m, Message::User { .. }))
             .unwrap_or(inv.messages.len());
-        inv.messages.insert(at, Message::System { content });
+        inv.messages.insert(at, message);
     }
     Ok(done)
 }
@@ -159,7 +167,7 @@ async fn search_tool(fleet: &Fleet, name: &str, purpose: Purpose) -> Option<Arc<
         .filter(|t| t.definition.purpose() == purpose)
 }
 
-/// The system message that hands the model what was found.
+/// The (user-role) message that hands the model what was found.
 pub fn passages_message(found: &[(&str, String)]) -> String {
     let mut out = String::from(
         "Before this answer, the user's question was searched for in the sources below. \

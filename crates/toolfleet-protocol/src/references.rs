@@ -102,6 +102,14 @@ pub fn cited_only(text: &str, references: &[Reference]) -> Rendered {
 }
 
 fn remap(text: &str, references: &[Reference], marker: impl Fn(usize) -> String) -> Rendered {
+    // NUL separates placeholders below: a NUL in the text would shift them.
+    let cleaned;
+    let text = if text.contains('\u{0}') {
+        cleaned = text.replace('\u{0}', "");
+        cleaned.as_str()
+    } else {
+        text
+    };
     let known: BTreeMap<u64, &Reference> = references.iter().map(|r| (r.index, r)).collect();
     let mut cited: Vec<u64> = cited_indices(text)
         .into_iter()
@@ -241,6 +249,13 @@ mod tests {
         let again = render(&out.text, &out.references);
         assert_eq!(again.text, "A [2], b [1] and [2]; c.");
         assert_eq!(again.references, out.references);
+    }
+
+    #[test]
+    fn a_nul_in_the_answer_cannot_shift_the_markers() {
+        let out = cited_only("x\u{0}y [doc:1]", &[r(1, "one")]);
+        assert_eq!(out.text, "xy [doc:1]");
+        assert_eq!(out.references.len(), 1);
     }
 
     #[test]

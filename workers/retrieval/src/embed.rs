@@ -129,7 +129,11 @@ impl Embedder {
             .await
             .map_err(|e| EmbedError::Unreachable(e.without_url().to_string()))?;
         if !status.is_success() {
-            let message: String = text.chars().take(300).collect();
+            // A proxy may echo the request, key included: never pass it on.
+            let mut message: String = text.chars().take(300).collect();
+            if let Some(key) = self.config.api_key.as_deref().filter(|k| !k.is_empty()) {
+                message = message.replace(key, "[redacted]");
+            }
             return Err(EmbedError::Status {
                 status: status.as_u16(),
                 message,
@@ -153,6 +157,11 @@ impl Embedder {
         }
         if vectors.iter().any(Vec::is_empty) {
             return Err(EmbedError::Malformed("an input got no embedding".into()));
+        }
+        if vectors.iter().flatten().any(|x| !x.is_finite()) {
+            return Err(EmbedError::Malformed(
+                "an embedding holds a non-finite number".into(),
+            ));
         }
         Ok(vectors)
     }

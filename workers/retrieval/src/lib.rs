@@ -45,7 +45,7 @@ pub enum Backend {
 }
 
 /// Which index, and what to fill an empty one with.
-#[derive(clap::Args, Debug, Clone)]
+#[derive(clap::Args, Clone)]
 pub struct IndexArgs {
     /// The index backend.
     #[arg(
@@ -97,6 +97,32 @@ pub struct IndexArgs {
     /// Vector size to ask for (models that support `dimensions`).
     #[arg(long, env = "TOOLFLEET_EMBEDDINGS_DIMENSIONS")]
     pub embeddings_dimensions: Option<u32>,
+}
+
+impl std::fmt::Debug for IndexArgs {
+    /// The PostgreSQL URL (it may hold a password) and the embeddings key
+    /// are never printed.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let redacted = |set: bool| if set { "[redacted]" } else { "none" };
+        f.debug_struct("IndexArgs")
+            .field("backend", &self.backend)
+            .field("index_dir", &self.index_dir)
+            .field("postgres_url", &redacted(self.postgres_url.is_some()))
+            .field("postgres_prefix", &self.postgres_prefix)
+            .field("corpus_dir", &self.corpus_dir)
+            .field("corpus_collection", &self.corpus_collection)
+            .field(
+                "embeddings_base_url",
+                &self.embeddings_base_url.as_ref().map(|u| u.as_str()),
+            )
+            .field("embeddings_model", &self.embeddings_model)
+            .field(
+                "embeddings_api_key",
+                &redacted(self.embeddings_api_key.is_some()),
+            )
+            .field("embeddings_dimensions", &self.embeddings_dimensions)
+            .finish()
+    }
 }
 
 impl IndexArgs {

@@ -332,9 +332,11 @@ impl PostgresStore {
                 .query(&sql, &refs)
                 .await
                 .map_err(pg("searching vectors"))?;
-            let scored = rows.iter().map(|row| {
-                let candidate: Vec<f32> = row.get(1);
-                (cosine(vector, &candidate), row.get::<_, String>(0))
+            // A vector with a NULL element (a non-finite value stored as
+            // JSON null) is not read as one: the row is left out.
+            let scored = rows.iter().filter_map(|row| {
+                let candidate: Vec<f32> = row.try_get(1).ok()?;
+                Some((cosine(vector, &candidate), row.get::<_, String>(0)))
             });
             return top_k_by_score(scored, top_k)
                 .into_iter()
@@ -524,6 +526,11 @@ impl Store for PostgresStore {
     }
 }
 
+/// `serde_json::to_string`, failing as a store error.
+fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, StoreError> {
+    serde_json::to_string(value).map_err(|e| StoreError::Engine(e.to_string()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -613,9 +620,4 @@ mod tests {
         assert!(matches!(error, StoreError::Unavailable(_)), "{error}");
         assert!(!error.to_string().contains("hunter2"), "{error}");
     }
-}
-
-/// `serde_json::to_string`, failing as a store error.
-fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, StoreError> {
-    serde_json::to_string(value).map_err(|e| StoreError::Engine(e.to_string()))
 }

@@ -49,6 +49,8 @@ pub struct DocumentSummary {
     pub title: String,
     pub source: String,
     pub format: String,
+    #[serde(default)]
+    pub owner: Owner,
     pub timestamp_ms: i64,
     pub chunks: u32,
     pub tokens: u64,
@@ -62,6 +64,7 @@ impl From<DocumentRecord> for DocumentSummary {
             title: d.title,
             source: d.source,
             format: d.format,
+            owner: d.owner,
             timestamp_ms: d.timestamp_ms,
             chunks: d.chunks,
             tokens: d.tokens,

@@ -239,10 +239,10 @@ impl Scope {
     /// search would see everyone's items.
     pub fn context(ctx: &ToolCtx, narrow: &OwnerArgs) -> Result<Self, ToolError> {
         let invocation = ctx.invocation();
-        if invocation.data_source_id.is_none() && invocation.user.is_none() {
+        if invocation.user.is_none() {
             return Err(ToolError::blocked(
-                "context retrieval needs the chat job's user or data source to scope it; \
-                 this job names neither",
+                "context retrieval is per user: this chat job names no user, so there is \
+                 no one's knowledge, events, profile or entities to search",
             ));
         }
         Ok(Self {
@@ -266,6 +266,36 @@ impl Scope {
             ..Query::default()
         }
     }
+}
+
+/// May the job's user see a document owned by `owner`? A document with
+/// an owner user is that user's alone; one without is everyone's who
+/// attaches it.
+fn visible_to(owner: &Owner, user: Option<&str>) -> bool {
+    owner.user.is_none() || owner.user.as_deref() == user
+}
+
+/// The attachments the job's user may see (documents owned by another
+/// user are left out, as if they were not in the index).
+async fn attachment_scope(retrieval: &Retrieval, ctx: &ToolCtx) -> Result<Scope, ToolError> {
+    let mut scope = Scope::attachments(ctx)?;
+    let user = ctx.invocation().user.as_deref();
+    let docs = retrieval
+        .store
+        .list_documents(&[], &scope.documents, MAX_TOP_K)
+        .await
+        .map_err(store_error)?;
+    let visible: HashSet<&str> = docs
+        .iter()
+        .filter(|d| visible_to(&d.owner, user))
+        .map(|d| d.id.as_str())
+        .collect();
+    scope.documents.retain(|id| visible.contains(id.as_str()));
+    if scope.documents.is_empty() {
+        // Nothing visible: an empty filter would match anything.
+        scope.documents.push(String::from("\u{0}none"));
+    }
+    Ok(scope)
 }
 
 /// `device` and `agent` owner ids a context tool may narrow to.
@@ -462,7 +492,7 @@ impl Tool for SearchDocuments {
     type Args = SearchArgs;
 
     async fn call(&self, ctx: &ToolCtx, args: SearchArgs) -> Result<ToolOutput, ToolError> {
-        let scope = Scope::attachments(ctx)?;
+        let scope = attachment_scope(&self.0, ctx).await?;
         let query = args
             .query(&self.0, &scope, vec![ItemKind::Document])
             .await?;
@@ -484,11 +514,7 @@ impl Tool for SearchDataSources {
     async fn call(&self, ctx: &ToolCtx, args: SearchArgs) -> Result<ToolOutput, ToolError> {
         let scope = Scope::data_source(ctx)?;
         let query = args
-            .query(
-                &self.0,
-                &scope,
-                vec![ItemKind::Document, ItemKind::Knowledge],
-            )
+            .query(&self.0, &scope, vec![ItemKind::Document])
             .await?;
         let hits = self.0.search(&query).await?;
         let empty = format!("Nothing in the data source matched {:?}.", args.query);
@@ -512,12 +538,14 @@ impl Tool for ListDocuments {
     async fn call(&self, ctx: &ToolCtx, args: ListArgs) -> Result<ToolOutput, ToolError> {
         let scope = Scope::attachments(ctx)?;
         let limit = args.limit.unwrap_or(MAX_TOP_K).clamp(1, MAX_TOP_K);
-        let docs = self
+        let user = ctx.invocation().user.as_deref();
+        let mut docs = self
             .0
             .store
             .list_documents(&[], &scope.documents, limit)
             .await
             .map_err(store_error)?;
+        docs.retain(|d| visible_to(&d.owner, user));
         let found: HashSet<&str> = docs.iter().map(|d| d.id.as_str()).collect();
         let missing: Vec<&String> = scope
             .documents
@@ -539,7 +567,7 @@ impl Tool for ListDocuments {
             .collect();
         if !missing.is_empty() {
             lines.push(format!(
-                "Attached but not (yet) in the index: {}",
+                "Attached but not in the index (or not this user's): {}",
                 missing
                     .iter()
                     .map(|s| s.as_str())
@@ -583,7 +611,12 @@ async fn attached_record(
         .document(id)
         .await
         .map_err(store_error)?
-        .ok_or_else(|| ToolError::invalid(format!("attached document {id:?} is not in the index")))
+        .filter(|record| visible_to(&record.owner, ctx.invocation().user.as_deref()))
+        .ok_or_else(|| {
+            ToolError::invalid(format!(
+                "attached document {id:?} is not in the index (or not this user's)"
+            ))
+        })
 }
 
 /// `retrieval.read_document`: an attached document's text, a window at a
@@ -700,6 +733,12 @@ impl Tool for ReadTabularData {
         let columns_cut = columns.len() > max_columns;
         columns.truncate(max_columns);
         let offset = args.offset.unwrap_or(0);
+        if offset > table.rows.len() {
+            return Err(ToolError::invalid(format!(
+                "offset {offset} is past the last row ({} rows)",
+                table.rows.len()
+            )));
+        }
         let max_rows = args
             .max_rows
             .unwrap_or(TABLE_DEFAULT_ROWS)
@@ -1231,10 +1270,83 @@ mod tests {
             .unwrap();
         assert!(
             out.content
-                .contains("not (yet) in the index: uploads:gone.md"),
+                .contains("not in the index (or not this user's): uploads:gone.md"),
             "{}",
             out.content
         );
+    }
+
+    #[tokio::test]
+    async fn another_users_upload_stays_theirs_even_when_attached() {
+        let (dir, r) = store().await;
+        drop(r);
+        let store = TantivyStore::open(dir.path()).unwrap();
+        let mut chunk = item(
+            "uploads:private.md#0",
+            ItemKind::Document,
+            "uploads",
+            "private.md",
+            "Private hive inspection diary.",
+        );
+        chunk.document_id = Some("uploads:private.md".into());
+        chunk.chunk = Some(0);
+        chunk.owner.user = Some("u2".into());
+        let record = DocumentRecord {
+            id: "uploads:private.md".into(),
+            collection: "uploads".into(),
+            title: "private.md".into(),
+            source: "private.md".into(),
+            format: "markdown".into(),
+            owner: chunk.owner.clone(),
+            text: chunk.text.clone(),
+            raw: None,
+            timestamp_ms: NOV2,
+            ingested_ms: NOV2,
+            chunks: 1,
+            tokens: 5,
+        };
+        store.replace_document(record, vec![chunk]).await.unwrap();
+        let r = Retrieval::new(Arc::new(store));
+        let attach = ["uploads:private.md", "uploads:mine.md"];
+        let stranger = ctx(&attach, None, Some("u1"));
+        let out = stranger
+            .call(
+                &SearchDocuments(r.clone()),
+                json!({ "query": "hive inspection diary" }),
+            )
+            .await
+            .unwrap();
+        assert_eq!(ids(&out), ["uploads:mine.md#0"]);
+        let e = stranger
+            .call(
+                &ReadDocument(r.clone()),
+                json!({ "documentId": "uploads:private.md" }),
+            )
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("not this user's"), "{e}");
+        let listed = stranger
+            .call(&ListDocuments(r.clone()), json!({}))
+            .await
+            .unwrap();
+        assert!(
+            !listed.content.contains("- private.md"),
+            "{}",
+            listed.content
+        );
+        // Only its private upload attached: nothing, not everything.
+        let out = ctx(&["uploads:private.md"], None, Some("u1"))
+            .call(&SearchDocuments(r.clone()), json!({ "query": "hive" }))
+            .await
+            .unwrap();
+        assert!(ids(&out).is_empty());
+        // Its owner reads it.
+        let owner = ctx(&attach, None, Some("u2"));
+        let out = owner
+            .call(&SearchDocuments(r.clone()), json!({ "query": "diary" }))
+            .await
+            .unwrap();
+        assert_eq!(ids(&out), ["uploads:private.md#0"]);
     }
 
     #[tokio::test]
@@ -1739,6 +1851,7 @@ mod hybrid {
             item.document_id = None;
             item.chunk = None;
             item.collection = "ds".into();
+            item.owner.user = Some("u1".into());
             item.title = String::new();
             items.push(item);
         }
@@ -1753,6 +1866,7 @@ mod hybrid {
         store.upsert_items(items).await.unwrap();
         let test = TestCtx::new().with_invocation(InvocationContext {
             data_source_id: Some("ds".into()),
+            user: Some("u1".into()),
             ..InvocationContext::new("inv-h")
         });
         let query = json!({ "query": format!("silicosis {LONG}"), "topK": 2 });
@@ -1760,7 +1874,7 @@ mod hybrid {
         // BM25 alone cannot see the long word.
         let bm25 = Retrieval::new(Arc::new(store.clone()));
         let out = test
-            .call(&SearchDataSources(bm25), query.clone())
+            .call(&RetrieveKnowledgeContext(bm25), query.clone())
             .await
             .unwrap();
         let ids: Vec<String> = out.data.unwrap()["hits"]
@@ -1774,7 +1888,7 @@ mod hybrid {
         // Hybrid: both, by reciprocal rank.
         let hybrid = Retrieval::new(Arc::new(store.clone())).with_embedder(embedder.clone());
         let out = test
-            .call(&SearchDataSources(hybrid), query.clone())
+            .call(&RetrieveKnowledgeContext(hybrid), query.clone())
             .await
             .unwrap();
         let mut ids: Vec<String> = out.data.unwrap()["hits"]
@@ -1790,7 +1904,7 @@ mod hybrid {
         let dead = embedder_at("http://127.0.0.1:9/v1/".parse().unwrap());
         let fallback = Retrieval::new(Arc::new(store)).with_embedder(dead.clone());
         let out = test
-            .call(&SearchDataSources(fallback), query)
+            .call(&RetrieveKnowledgeContext(fallback), query)
             .await
             .unwrap();
         assert_eq!(out.data.unwrap()["hits"].as_array().unwrap().len(), 1);
