@@ -950,10 +950,20 @@ async fn ingest(args: IngestArgs) -> anyhow::Result<i32> {
                         .iter()
                         .map(|w| format!("warning {}: {w}", file.path.display())),
                 ),
-                Outcome::Items { rejected, .. } => {
+                Outcome::Items {
+                    written,
+                    rejected,
+                    stopped,
+                } => {
                     problems.extend(rejected.iter().map(|(line, why)| {
                         format!("skipped {} line {line}: {why}", file.path.display())
-                    }))
+                    }));
+                    if let Some(why) = stopped {
+                        problems.push(format!(
+                            "stopped {} after {written} items: {why}",
+                            file.path.display()
+                        ));
+                    }
                 }
             }
         },

@@ -62,6 +62,9 @@ pub enum Outcome {
         written: usize,
         /// Line number and reason of each line left out.
         rejected: Vec<(usize, String)>,
+        /// Why the file stopped part-way (the store or the embeddings
+        /// endpoint failed); the `written` items before it went in.
+        stopped: Option<String>,
     },
     /// The file was left out, and why.
     Skipped(String),
@@ -113,11 +116,20 @@ impl IngestReport {
             .sum()
     }
 
-    /// Files left out.
+    /// Files left out, wholly or in part.
     pub fn skipped(&self) -> usize {
         self.files
             .iter()
-            .filter(|f| matches!(f.outcome, Outcome::Skipped(_)))
+            .filter(|f| {
+                matches!(
+                    f.outcome,
+                    Outcome::Skipped(_)
+                        | Outcome::Items {
+                            stopped: Some(_),
+                            ..
+                        }
+                )
+            })
             .count()
     }
 
@@ -197,7 +209,25 @@ pub fn plan(paths: &[PathBuf], options: &IngestOptions) -> (Vec<Planned>, Vec<Fi
             });
         }
     }
-    (planned, refused)
+    // Two files that would get one id (same relative path under two
+    // arguments): the first goes in, the later ones are reported.
+    let mut seen = std::collections::HashSet::new();
+    let mut unique = Vec::with_capacity(planned.len());
+    for file in planned {
+        if seen.insert(file.relative.clone()) {
+            unique.push(file);
+        } else {
+            refused.push(FileReport {
+                path: file.path,
+                bytes: file.bytes,
+                outcome: Outcome::Skipped(format!(
+                    "another file has the same path {:?} in this ingest, and so the same document id",
+                    file.relative
+                )),
+            });
+        }
+    }
+    (unique, refused)
 }
 
 fn outside(roots: &[PathBuf]) -> String {
@@ -410,6 +440,18 @@ async fn ingest_items(
     let mut rejected = Vec::new();
     let mut batch = Vec::new();
     let mut written = 0;
+    // A failure after some items went in still reports those.
+    let stop = |written: usize, rejected: Vec<(usize, String)>, reason: String| {
+        if written == 0 {
+            Outcome::Skipped(reason)
+        } else {
+            Outcome::Items {
+                written,
+                rejected,
+                stopped: Some(reason),
+            }
+        }
+    };
     for (n, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
@@ -433,25 +475,29 @@ async fn ingest_items(
         if batch.len() == ITEM_BATCH {
             let count = batch.len();
             if let Err(e) = embed_items(options.embedder.as_ref(), &mut batch).await {
-                return Outcome::Skipped(format!("after {written} items: {e}"));
+                return stop(written, rejected, e);
             }
             match store.upsert_items(std::mem::take(&mut batch)).await {
                 Ok(()) => written += count,
-                Err(e) => return Outcome::Skipped(format!("after {written} items: {e}")),
+                Err(e) => return stop(written, rejected, e.to_string()),
             }
         }
     }
     if !batch.is_empty() {
         let count = batch.len();
         if let Err(e) = embed_items(options.embedder.as_ref(), &mut batch).await {
-            return Outcome::Skipped(format!("after {written} items: {e}"));
+            return stop(written, rejected, e);
         }
         match store.upsert_items(batch).await {
             Ok(()) => written += count,
-            Err(e) => return Outcome::Skipped(format!("after {written} items: {e}")),
+            Err(e) => return stop(written, rejected, e.to_string()),
         }
     }
-    Outcome::Items { written, rejected }
+    Outcome::Items {
+        written,
+        rejected,
+        stopped: None,
+    }
 }
 
 /// Ingests `paths` into `store`, calling `progress` after every file.
@@ -719,6 +765,47 @@ mod tests {
         assert_eq!(table.raw.as_deref(), Some("a,b\n1,2\n3\n"));
         let notes = store.document("handbook:notes.txt").await.unwrap().unwrap();
         assert_eq!(notes.title, "notes");
+    }
+
+    #[tokio::test]
+    async fn two_files_that_would_share_an_id_are_not_both_written() {
+        let root = tempfile::tempdir().unwrap();
+        for dir in ["a", "b"] {
+            fs::create_dir_all(root.path().join(dir)).unwrap();
+            fs::write(
+                root.path().join(dir).join("README.md"),
+                format!("# {dir}\n\nfrom {dir}"),
+            )
+            .unwrap();
+        }
+        let store_dir = tempfile::tempdir().unwrap();
+        let store = TantivyStore::open(store_dir.path()).unwrap();
+        let report = ingest(
+            &store,
+            &[root.path().join("a"), root.path().join("b")],
+            &options(root.path()),
+            &mut |_| {},
+        )
+        .await;
+        assert_eq!(report.documents(), 1);
+        assert_eq!(report.skipped(), 1);
+        let skipped = report
+            .files
+            .iter()
+            .find(|f| matches!(f.outcome, Outcome::Skipped(_)))
+            .unwrap();
+        assert!(
+            skipped
+                .path
+                .starts_with(root.path().join("b").canonicalize().unwrap()),
+            "{skipped:?}"
+        );
+        let Outcome::Skipped(why) = &skipped.outcome else {
+            unreachable!()
+        };
+        assert!(why.contains("same document id"), "{why}");
+        let doc = store.document("handbook:README.md").await.unwrap().unwrap();
+        assert_eq!(doc.title, "a");
     }
 
     #[tokio::test]

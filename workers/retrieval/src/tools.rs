@@ -53,6 +53,8 @@ const MAX_CHILDREN: usize = 100;
 /// How similar (Jaro-Winkler on normalised names) a fuzzy entity match
 /// must be.
 pub const FUZZY_ENTITY_THRESHOLD: f64 = 0.88;
+/// Events one drill-down visits at most (summaries and children).
+const MAX_EXPANDED: usize = 300;
 /// Bucket keys one event search filters on at most, per level.
 const MAX_BUCKETS: usize = 400;
 
@@ -95,25 +97,42 @@ impl Retrieval {
     /// embedder cannot embed falls back to BM25 (with a warning in the
     /// log), never to an error.
     pub async fn search(&self, query: &Query) -> Result<Vec<Hit>, ToolError> {
+        let vector = self.query_vector(query).await;
+        self.search_with(query, vector.as_deref()).await
+    }
+
+    /// The query's embedding, when search is hybrid and it has words; a
+    /// failure is logged and answered by BM25 alone.
+    pub async fn query_vector(&self, query: &Query) -> Option<Vec<f32>> {
+        let embedder = self.embedder.as_ref()?;
+        if query.vector.is_some() || query.text.trim().is_empty() {
+            return None;
+        }
+        match embedder.embed(std::slice::from_ref(&query.text)).await {
+            Ok(mut vectors) => vectors.pop(),
+            Err(e) => {
+                tracing::warn!(error = %e, "the query could not be embedded; BM25 alone answers it");
+                None
+            }
+        }
+    }
+
+    /// [`Retrieval::search`] with the query's embedding already made (a
+    /// tool that searches many times embeds its words once).
+    pub async fn search_with(
+        &self,
+        query: &Query,
+        vector: Option<&[f32]>,
+    ) -> Result<Vec<Hit>, ToolError> {
         let started = Instant::now();
         let mut hits = self.store.search(query).await.map_err(store_error)?;
-        if let Some(embedder) = &self.embedder
-            && query.vector.is_none()
-            && !query.text.trim().is_empty()
-        {
-            match embedder.embed(std::slice::from_ref(&query.text)).await {
-                Ok(mut vectors) => {
-                    let by_vector = Query {
-                        vector: vectors.pop(),
-                        ..query.clone()
-                    };
-                    let near = self.store.search(&by_vector).await.map_err(store_error)?;
-                    hits = reciprocal_rank_fusion(&[hits, near], query.top_k);
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, "the query could not be embedded; BM25 alone answers it");
-                }
-            }
+        if let Some(vector) = vector.filter(|_| !query.text.trim().is_empty()) {
+            let by_vector = Query {
+                vector: Some(vector.to_vec()),
+                ..query.clone()
+            };
+            let near = self.store.search(&by_vector).await.map_err(store_error)?;
+            hits = reciprocal_rank_fusion(&[hits, near], query.top_k);
         }
         if let Some(m) = &self.metrics {
             m.search_duration.observe(started.elapsed().as_secs_f64());
@@ -855,12 +874,18 @@ impl RetrieveEventContext {
             // the period's start) may fall outside a range its bucket meets.
             summaries.time = TimeRange::default();
         }
+        // The words are embedded once for every search below.
+        let vector = self.0.query_vector(base).await;
+        let vector = vector.as_deref();
         let mut drilled: Vec<Hit> = Vec::new();
         let mut seen: HashSet<String> = HashSet::new();
-        let mut frontier: VecDeque<Hit> = self.0.search(&summaries).await?.into();
+        let mut frontier: VecDeque<Hit> = self.0.search_with(&summaries, vector).await?.into();
         while let Some(parent) = frontier.pop_front() {
             if !seen.insert(parent.item.id.clone()) {
                 continue;
+            }
+            if seen.len() > MAX_EXPANDED {
+                break;
             }
             let children: Vec<String> = parent
                 .item
@@ -879,7 +904,7 @@ impl RetrieveEventContext {
                 // still belong to a matching summary.
                 let scored: HashMap<String, f32> = self
                     .0
-                    .search(&q)
+                    .search_with(&q, vector)
                     .await?
                     .into_iter()
                     .map(|h| (h.item.id, h.score))
@@ -898,7 +923,7 @@ impl RetrieveEventContext {
         let mut direct = base.clone();
         direct.kinds = vec![ItemKind::Event];
         direct.levels = vec![Level::L0];
-        let direct = self.0.search(&direct).await?;
+        let direct = self.0.search_with(&direct, vector).await?;
         Ok(merge_keep_best([drilled, direct], base.top_k))
     }
 }
