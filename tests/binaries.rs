@@ -1107,3 +1107,96 @@ fn toolfleet_ingest_reports_bad_files_and_reingests_atomically() {
     assert_ne!(out.status.code(), Some(0));
     assert!(String::from_utf8_lossy(&out.stderr).contains("must be smaller than the chunk size"));
 }
+
+/// The retrieval binary with an embeddings endpoint (the scripted server's
+/// `/v1/embeddings`): the corpus it seeds is embedded in batches, each
+/// search embeds its query and is answered hybrid, the key goes only in
+/// the Authorization header and never into the worker's metrics.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retrieval_binary_embeds_its_corpus_and_queries_when_configured() {
+    let script = serde_json::json!({
+        "rules": [{ "whenUserContains": ["honeybee"], "steps": [
+            { "toolCalls": [ { "name": "search_data_sources", "arguments": { "query": "honeybee waggle dance" } } ] },
+            { "answer": "Bees: {{tool:search_data_sources}}" }
+        ] }]
+    });
+    let env = support::Env::start_with(
+        script,
+        support::Options {
+            workers: vec!["system"],
+            ..Default::default()
+        },
+    )
+    .await;
+    let index = tempfile::tempdir().unwrap();
+    let port = toolfleet_local::servers::free_port().unwrap();
+    let key = "sk-embeddings-canary-42";
+    let mut worker = spawn(
+        &support::sibling_bin("toolfleet-worker-retrieval"),
+        &[
+            ("TOOLFLEET_NATS_URL", env.nats.url()),
+            ("TOOLFLEET_REDIS_URL", env.redis.url()),
+            (
+                "TOOLFLEET_INDEX_DIR",
+                index.path().join("idx").display().to_string(),
+            ),
+            ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
+            (
+                "TOOLFLEET_EMBEDDINGS_BASE_URL",
+                env.model.base_url().join("v1").unwrap().to_string(),
+            ),
+            ("TOOLFLEET_EMBEDDINGS_MODEL", "scripted-embedding".into()),
+            ("TOOLFLEET_EMBEDDINGS_API_KEY", key.into()),
+            ("TOOLFLEET_LOG", "warn".into()),
+        ],
+    );
+    wait_for_metrics(port).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    let outcome = loop {
+        let (_, outcome) = env.ask("How do honeybees navigate?").await;
+        if let Some(o) = outcome.ok().filter(|o| !o.references.is_empty()) {
+            break o;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the retrieval pool never answered"
+        );
+    };
+    assert!(outcome.text.contains("[doc:"), "{}", outcome.text);
+    let embeddings: Vec<_> = env
+        .model
+        .received()
+        .into_iter()
+        .filter(|r| r.path == "/v1/embeddings")
+        .collect();
+    // The seeded corpus (several chunks per request), then the query.
+    let inputs = |r: &toolfleet_scripted::Received| r.body["input"].as_array().map_or(0, Vec::len);
+    assert!(
+        embeddings.iter().any(|r| inputs(r) > 1),
+        "the corpus was not embedded in batches"
+    );
+    assert!(
+        embeddings
+            .iter()
+            .any(|r| r.body["input"][0] == "honeybee waggle dance"),
+        "the query was not embedded"
+    );
+    for r in &embeddings {
+        let auth = r
+            .headers
+            .iter()
+            .find(|(name, _)| name == "authorization")
+            .map(|(_, v)| v.as_str());
+        assert_eq!(auth, Some(format!("Bearer {key}").as_str()));
+        assert_eq!(r.body["model"], "scripted-embedding");
+    }
+    let metrics = scrape(port).await.unwrap();
+    assert!(!metrics.contains(key));
+    let _ = worker.0.kill();
+    let _ = worker.0.wait();
+    let mut log = String::new();
+    if let Some(mut stderr) = worker.0.stderr.take() {
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut log);
+    }
+    assert!(!log.contains(key), "{log}");
+}
