@@ -510,4 +510,47 @@ mod tests {
         assert_eq!(normalize_entity("東京"), "東京");
         assert_eq!(normalize_entity("!!!"), "");
     }
+
+    /// `schemas/context_item.schema.json`, what a client in another
+    /// language writes JSON Lines from, agrees with `Item`: its examples
+    /// load and validate, and what it refuses `Item` refuses too.
+    #[test]
+    fn the_context_item_schema_and_the_item_type_agree() {
+        use toolfleet_worker::protocol::schema::Validator;
+        let schema: serde_json::Value =
+            serde_json::from_str(include_str!("../../../schemas/context_item.schema.json"))
+                .unwrap();
+        let validator = Validator::compile(&schema).unwrap();
+        for example in schema["examples"].as_array().unwrap() {
+            assert!(validator.is_valid(example), "{example}");
+            let item: Item = serde_json::from_value(example.clone()).unwrap();
+            item.validate().unwrap();
+        }
+        let base = schema["examples"][0].clone();
+        let with = |key: &str, value: serde_json::Value| {
+            let mut v = base.clone();
+            v[key] = value;
+            v
+        };
+        let mut event_without_level = base.clone();
+        event_without_level["kind"] = "event".into();
+        for bad in [
+            with("colour", "red".into()),
+            with("level", "L1".into()),
+            with("aliases", serde_json::json!(["x"])),
+            with("kind", "document".into()),
+            event_without_level,
+        ] {
+            assert!(!validator.is_valid(&bad), "the schema took {bad}");
+            let refused = serde_json::from_value::<Item>(bad.clone())
+                .map_err(|e| e.to_string())
+                .and_then(|item| {
+                    if item.kind == ItemKind::Document {
+                        return Err("documents come from files".into());
+                    }
+                    item.validate().map_err(|e| e.to_string())
+                });
+            assert!(refused.is_err(), "Item took {bad}");
+        }
+    }
 }
