@@ -888,21 +888,7 @@ async fn a_pool_that_dies_mid_call_is_noticed_before_the_timeout() {
     )
     .await;
     let index = tempfile::tempdir().unwrap();
-    let port = toolfleet_local::servers::free_port().unwrap();
-    let mut worker = spawn(
-        &support::sibling_bin("toolfleet-worker-retrieval"),
-        &[
-            ("TOOLFLEET_NATS_URL", env.nats.url()),
-            ("TOOLFLEET_REDIS_URL", env.redis.url()),
-            (
-                "TOOLFLEET_INDEX_DIR",
-                index.path().join("idx").display().to_string(),
-            ),
-            ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
-            ("TOOLFLEET_LOG", "warn".into()),
-        ],
-    );
-    wait_for_metrics(port).await;
+    let (mut worker, _) = spawn_retrieval(&env, index.path(), &[]).await;
     // Served while the pool lives (the catalog may need a refresh first).
     let deadline = std::time::Instant::now() + WAIT;
     loop {
@@ -1108,6 +1094,33 @@ fn toolfleet_ingest_reports_bad_files_and_reingests_atomically() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("must be smaller than the chunk size"));
 }
 
+/// A retrieval worker process on `env`'s servers, its index in `index`,
+/// with `extra` settings; returns it and its metrics port once it serves.
+async fn spawn_retrieval(
+    env: &support::Env,
+    index: &std::path::Path,
+    extra: &[(&str, String)],
+) -> (Proc, u16) {
+    let port = toolfleet_local::servers::free_port().unwrap();
+    let mut settings = vec![
+        ("TOOLFLEET_NATS_URL", env.nats.url()),
+        ("TOOLFLEET_REDIS_URL", env.redis.url()),
+        (
+            "TOOLFLEET_INDEX_DIR",
+            index.join("idx").display().to_string(),
+        ),
+        ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
+        ("TOOLFLEET_LOG", "warn".into()),
+    ];
+    settings.extend(extra.iter().cloned());
+    let worker = spawn(
+        &support::sibling_bin("toolfleet-worker-retrieval"),
+        &settings,
+    );
+    wait_for_metrics(port).await;
+    (worker, port)
+}
+
 /// The retrieval binary with an embeddings endpoint (the scripted server's
 /// `/v1/embeddings`): the corpus it seeds is embedded in batches, each
 /// search embeds its query and is answered hybrid, the key goes only in
@@ -1129,28 +1142,18 @@ async fn the_retrieval_binary_embeds_its_corpus_and_queries_when_configured() {
     )
     .await;
     let index = tempfile::tempdir().unwrap();
-    let port = toolfleet_local::servers::free_port().unwrap();
     let key = "sk-embeddings-canary-42";
-    let mut worker = spawn(
-        &support::sibling_bin("toolfleet-worker-retrieval"),
+    let embeddings_url = env.model.base_url().join("v1").unwrap().to_string();
+    let (mut worker, port) = spawn_retrieval(
+        &env,
+        index.path(),
         &[
-            ("TOOLFLEET_NATS_URL", env.nats.url()),
-            ("TOOLFLEET_REDIS_URL", env.redis.url()),
-            (
-                "TOOLFLEET_INDEX_DIR",
-                index.path().join("idx").display().to_string(),
-            ),
-            ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
-            (
-                "TOOLFLEET_EMBEDDINGS_BASE_URL",
-                env.model.base_url().join("v1").unwrap().to_string(),
-            ),
+            ("TOOLFLEET_EMBEDDINGS_BASE_URL", embeddings_url),
             ("TOOLFLEET_EMBEDDINGS_MODEL", "scripted-embedding".into()),
             ("TOOLFLEET_EMBEDDINGS_API_KEY", key.into()),
-            ("TOOLFLEET_LOG", "warn".into()),
         ],
-    );
-    wait_for_metrics(port).await;
+    )
+    .await;
     let deadline = std::time::Instant::now() + WAIT;
     let outcome = loop {
         let (_, outcome) = env.ask("How do honeybees navigate?").await;

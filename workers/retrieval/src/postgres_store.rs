@@ -183,7 +183,8 @@ impl PostgresStore {
             .map(|(_, item)| item)
             .collect();
         for batch in rows.chunks(1000) {
-            let mut columns: [Vec<Option<String>>; 15] = Default::default();
+            // The text columns in statement order, without timestamp_ms.
+            let mut columns: [Vec<Option<String>>; 14] = Default::default();
             let mut timestamps: Vec<i64> = Vec::with_capacity(batch.len());
             for item in batch {
                 let entities: Vec<String> =
@@ -207,7 +208,6 @@ impl PostgresStore {
                     Some(to_json(&entities)?),
                     Some(item.title.clone()),
                     Some(item.text.clone()),
-                    None,
                     Some(to_json(&stored)?),
                     item.embedding.as_ref().map(to_json).transpose()?,
                 ];
@@ -216,45 +216,12 @@ impl PostgresStore {
                 }
                 timestamps.push(item.timestamp_ms);
             }
-            let [
-                c1,
-                c2,
-                c3,
-                c4,
-                c5,
-                c6,
-                c7,
-                c8,
-                c9,
-                c10,
-                c11,
-                c12,
-                _,
-                c14,
-                c15,
-            ] = &columns;
-            tx.execute(
-                &statement,
-                &[
-                    c1,
-                    c2,
-                    c3,
-                    c4,
-                    c5,
-                    c6,
-                    c7,
-                    c8,
-                    c9,
-                    c10,
-                    c11,
-                    c12,
-                    &timestamps,
-                    c14,
-                    c15,
-                ],
-            )
-            .await
-            .map_err(pg("inserting items"))?;
+            let mut params: Vec<&(dyn ToSql + Sync)> =
+                columns.iter().map(|c| c as &(dyn ToSql + Sync)).collect();
+            params.insert(TIMESTAMP_COLUMN, &timestamps);
+            tx.execute(&statement, &params)
+                .await
+                .map_err(pg("inserting items"))?;
         }
         Ok(())
     }
@@ -341,10 +308,10 @@ impl PostgresStore {
             return top_k_by_score(scored, top_k)
                 .into_iter()
                 .map(|(score, payload)| {
-                    let item: Item = serde_json::from_str(&payload).map_err(|e| {
-                        StoreError::Engine(format!("a stored item is unreadable: {e}"))
-                    })?;
-                    Ok(Hit { item, score })
+                    Ok(Hit {
+                        item: item_of(&payload)?,
+                        score,
+                    })
                 })
                 .collect();
         }
@@ -375,10 +342,8 @@ impl PostgresStore {
         rows.iter()
             .map(|row| {
                 let payload: String = row.get(0);
-                let item: Item = serde_json::from_str(&payload)
-                    .map_err(|e| StoreError::Engine(format!("a stored item is unreadable: {e}")))?;
                 Ok(Hit {
-                    item,
+                    item: item_of(&payload)?,
                     score: row.get(1),
                 })
             })
@@ -529,6 +494,16 @@ impl Store for PostgresStore {
 /// `serde_json::to_string`, failing as a store error.
 fn to_json<T: serde::Serialize + ?Sized>(value: &T) -> Result<String, StoreError> {
     serde_json::to_string(value).map_err(|e| StoreError::Engine(e.to_string()))
+}
+
+/// The parameter position of `timestamp_ms` (the one non-text column) in
+/// the item insert.
+const TIMESTAMP_COLUMN: usize = 12;
+
+/// An item read back from its stored JSON.
+fn item_of(payload: &str) -> Result<Item, StoreError> {
+    serde_json::from_str(payload)
+        .map_err(|e| StoreError::Engine(format!("a stored item is unreadable: {e}")))
 }
 
 #[cfg(test)]

@@ -3,13 +3,15 @@
 //!
 //! - `document_processing` tools (`search_documents`, `list_documents`,
 //!   `read_document`, `read_tabular_data`) see only the chat job's attached
-//!   documents (`Toolfleet-Attached-Documents`).
-//! - `search_data_sources` sees only the job's data source
-//!   (`Toolfleet-Data-Source-Id`: the collection of that name).
+//!   documents (`Toolfleet-Attached-Documents`), and of those only the
+//!   ones without an owner user or owned by the job's user.
+//! - `search_data_sources` sees only the documents of the job's data
+//!   source (`Toolfleet-Data-Source-Id`: the collection of that name).
 //! - The context tools (`retrieve_knowledge_context`,
 //!   `retrieve_event_context`, `retrieve_profile_context`, `entity_lookup`)
-//!   see the job's data source and the job's user (`Toolfleet-User`), and
-//!   may narrow further (device, agent, time, entities), never widen.
+//!   see the job's user's items (`Toolfleet-User`, required), within its
+//!   data source when it has one, and may narrow further (device, agent,
+//!   time, entities), never widen.
 //!
 //! Every passage returned is cited: it gets a `[doc:N]` marker from the
 //! invocation's shared counter, so the orchestrator can resolve it.
@@ -253,9 +255,9 @@ impl Scope {
         }
     }
 
-    /// The job's data source and user, narrowed by `narrow`'s device and
-    /// agent. One of the two is required: without either, a context
-    /// search would see everyone's items.
+    /// The job's user (required: without one a context search would see
+    /// everyone's items) within its data source when it has one, narrowed
+    /// by `narrow`'s device and agent.
     pub fn context(ctx: &ToolCtx, narrow: &OwnerArgs) -> Result<Self, ToolError> {
         let invocation = ctx.invocation();
         if invocation.user.is_none() {
