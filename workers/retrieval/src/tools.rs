@@ -843,9 +843,11 @@ impl Tool for RetrieveKnowledgeContext {
         let mut events = knowledge.clone();
         events.kinds = vec![ItemKind::Event];
         events.levels = vec![Level::L0];
+        // One embedding of the words serves both searches.
+        let vector = self.0.query_vector(&knowledge).await;
         let lists = [
-            self.0.search(&knowledge).await?,
-            self.0.search(&events).await?,
+            self.0.search_with(&knowledge, vector.as_deref()).await?,
+            self.0.search_with(&events, vector.as_deref()).await?,
         ];
         let hits = merge_keep_best(lists, args.top_k());
         let empty = format!("No knowledge matched {:?}.", args.query);
