@@ -46,6 +46,9 @@
 //! - [`runtime`]: serving on JetStream and direct delivery, with the result
 //!   ledger, our own retries and dead letters; advertising the tools in the
 //!   fleet's catalog.
+//! - [`settings`]: operator settings per tool from the definition's
+//!   `settingsSchema` ([`SettingsFile`], [`ToolSettings`]): plain values
+//!   from the settings file, secrets only from the environment or files.
 //! - [`testing`]: [`TestCtx`], to unit-test a tool without NATS or Redis.
 //! - [`metrics`]: the worker runtime's Prometheus metrics.
 //! - [`process`]: a worker binary's whole `main` ([`process::main`]: flags
@@ -65,6 +68,7 @@ pub mod hooks;
 pub mod metrics;
 pub mod process;
 pub mod runtime;
+pub mod settings;
 pub mod testing;
 pub mod tool;
 
@@ -73,6 +77,7 @@ pub use ctx::{BlobRef, ToolCtx};
 pub use hooks::{CallInfo, Hooks, Refusal};
 pub use process::WorkerArgs;
 pub use runtime::WorkerConfig;
+pub use settings::{Secret, SettingsFile, ToolSettings};
 pub use testing::TestCtx;
 pub use tool::{Tool, ToolError, ToolOutput};
 /// The contract: tool definitions, ids, envelopes and the call context.

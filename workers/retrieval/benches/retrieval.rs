@@ -7,7 +7,13 @@
 //! 2. ingestion throughput (MB of Markdown per second: normalise, chunk,
 //!    index) into each backend;
 //! 3. search latency (p50/p99 of BM25 queries, with and without a filter)
-//!    over 100,000 chunks in each backend.
+//!    over 100,000 chunks in each backend;
+//! 4. vector search latency (p50/p99, with and without a filter) over
+//!    `TOOLFLEET_BENCH_VECTORS` (default 20000) 256-dimensional vectors in
+//!    each backend — PostgreSQL with the vectors scored by the worker and,
+//!    when `TOOLFLEET_BENCH_PGVECTOR_URL` names a server with the `vector`
+//!    extension, in the database — against the floor of scoring the same
+//!    vectors in memory.
 //!
 //! `cargo bench -p toolfleet-worker-retrieval --bench retrieval`
 //! (`TOOLFLEET_BENCH_MB`, default 8: the Markdown corpus size;
@@ -244,11 +250,7 @@ async fn bench_search(store: &dyn Store, queries: usize, filtered: bool) -> (Dur
         let text = format!("{} {} {}", words.next(), words.next(), words.next());
         let query = Query {
             text,
-            collections: if filtered {
-                vec!["small".into()]
-            } else {
-                Vec::new()
-            },
+            collections: scope(filtered),
             top_k: 5,
             ..Query::default()
         };
@@ -259,6 +261,15 @@ async fn bench_search(store: &dyn Store, queries: usize, filtered: bool) -> (Dur
     }
     times.sort();
     (percentile(&times, 0.5), percentile(&times, 0.99))
+}
+
+/// The collection filter of a "filtered" query (10% of the items), or none.
+fn scope(filtered: bool) -> Vec<String> {
+    if filtered {
+        vec!["small".into()]
+    } else {
+        Vec::new()
+    }
 }
 
 fn ms(d: Duration) -> String {
@@ -408,7 +419,145 @@ async fn main() {
         );
         let _ = std::io::stdout().flush();
     }
+
+    // 4. Vector search.
+    bench_vectors(
+        work.path(),
+        postgres.as_ref().map(|(_, url, _)| url.as_str()),
+    )
+    .await;
     if let Some((admin, _, name)) = &postgres {
         drop_postgres(admin, name).await;
+    }
+}
+
+/// Dimensions of the benchmark's vectors.
+const DIMENSIONS: usize = 256;
+
+/// A deterministic pseudo-random vector (xorshift), components in [-1, 1).
+fn vector(seed: &mut u64) -> Vec<f32> {
+    (0..DIMENSIONS)
+        .map(|_| {
+            *seed ^= *seed << 13;
+            *seed ^= *seed >> 7;
+            *seed ^= *seed << 17;
+            (*seed >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+async fn bench_vectors(work: &Path, postgres: Option<&str>) {
+    let n = env_usize("TOOLFLEET_BENCH_VECTORS", 20_000);
+    let queries = 200;
+    let mut seed = 0x2545_f491_4f6c_dd1d;
+    let vectors: Vec<Vec<f32>> = (0..n).map(|_| vector(&mut seed)).collect();
+    let probes: Vec<Vec<f32>> = (0..queries).map(|_| vector(&mut seed)).collect();
+    // The floor: the same cosine top 5 over the same vectors in memory.
+    let mut floor = Vec::with_capacity(queries);
+    for probe in &probes {
+        let started = Instant::now();
+        let scored = vectors
+            .iter()
+            .enumerate()
+            .map(|(i, v)| (toolfleet_worker_retrieval::search::cosine(probe, v), i));
+        std::hint::black_box(toolfleet_worker_retrieval::search::top_k_by_score(
+            scored, 5,
+        ));
+        floor.push(started.elapsed());
+    }
+    floor.sort();
+    let floor_p50 = percentile(&floor, 0.5);
+    println!(
+        "\n| backend | vectors | fill | p50 | p99 | × in-memory scan (p50) | filtered p50 | filtered p99 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "| in-memory scan (floor) | {n} | | {} | {} | 1.00 | | |",
+        ms(floor_p50),
+        ms(percentile(&floor, 0.99))
+    );
+    let mut stores: Vec<(String, Arc<dyn Store>)> = vec![(
+        "tantivy (scored by the worker)".into(),
+        Arc::new(TantivyStore::open(&work.join("tantivy-vectors")).unwrap()),
+    )];
+    if let Some(url) = postgres {
+        let store = PostgresStore::connect(url, "vectors").await.unwrap();
+        let how = store
+            .pgvector()
+            .map_or("scored by the worker".to_owned(), |v| {
+                format!("pgvector {v}")
+            });
+        stores.push((format!("PostgreSQL ({how})"), Arc::new(store)));
+    }
+    if let Ok(url) = std::env::var("TOOLFLEET_BENCH_PGVECTOR_URL") {
+        let store = PostgresStore::connect(&url, "bench_vectors").await.unwrap();
+        let version = store
+            .pgvector()
+            .expect("TOOLFLEET_BENCH_PGVECTOR_URL names a server without pgvector")
+            .to_owned();
+        stores.push((format!("PostgreSQL (pgvector {version})"), Arc::new(store)));
+    }
+    for (name, store) in stores {
+        let started = Instant::now();
+        for (b, batch) in vectors.chunks(2000).enumerate() {
+            let items = batch
+                .iter()
+                .enumerate()
+                .map(|(j, v)| {
+                    let i = b * 2000 + j;
+                    Item {
+                        id: format!("v{i}"),
+                        kind: ItemKind::Knowledge,
+                        collection: if i % 10 == 0 { "small" } else { "big" }.into(),
+                        document_id: None,
+                        chunk: None,
+                        title: format!("vector {i}"),
+                        text: String::new(),
+                        source: None,
+                        owner: Owner::default(),
+                        timestamp_ms: 1_790_000_000_000,
+                        ingested_ms: 0,
+                        entities: Vec::new(),
+                        level: None,
+                        child_ids: Vec::new(),
+                        aliases: Vec::new(),
+                        relations: Vec::new(),
+                        embedding: Some(v.clone()),
+                    }
+                })
+                .collect();
+            store.upsert_items(items).await.unwrap();
+        }
+        let fill = started.elapsed();
+        let mut timings = [Vec::new(), Vec::new()];
+        for (filtered, times) in timings.iter_mut().enumerate() {
+            for (q, probe) in probes.iter().enumerate() {
+                let query = Query {
+                    vector: Some(probe.clone()),
+                    collections: scope(filtered == 1),
+                    top_k: 5,
+                    ..Query::default()
+                };
+                let started = Instant::now();
+                let hits = store.search(&query).await.unwrap();
+                // The first 10 warm caches and are not counted.
+                if q >= 10 {
+                    times.push(started.elapsed());
+                }
+                assert_eq!(hits.len(), 5, "{name}");
+            }
+            times.sort();
+        }
+        let p50 = percentile(&timings[0], 0.5);
+        println!(
+            "| {name} | {n} | {:.1} s | {} | {} | {:.1} | {} | {} |",
+            fill.as_secs_f64(),
+            ms(p50),
+            ms(percentile(&timings[0], 0.99)),
+            p50.as_secs_f64() / floor_p50.as_secs_f64(),
+            ms(percentile(&timings[1], 0.5)),
+            ms(percentile(&timings[1], 0.99)),
+        );
+        let _ = std::io::stdout().flush();
     }
 }

@@ -175,6 +175,9 @@ pub(crate) async fn vectors(store: &dyn Store) {
         ("middle", vec![0.6, 0.8, 0.0], "ds"),
         ("far", vec![0.0, 0.0, 1.0], "ds"),
         ("elsewhere", vec![1.0, 0.0, 0.0], "other"),
+        // Neither compares with a 3-dimensional query: left out.
+        ("longer", vec![1.0, 0.0, 0.0, 0.0], "ds"),
+        ("zero", vec![0.0, 0.0, 0.0], "ds"),
     ] {
         let mut item = chunk("v", 0, "vector item");
         item.id = id.into();
@@ -217,6 +220,28 @@ pub(crate) async fn vectors(store: &dyn Store) {
         .unwrap();
     assert_eq!(top.len(), 1);
     assert_eq!(top[0].item.id, "near");
+    // A query of another dimension finds only its own kind; a zero query
+    // has no direction and finds nothing.
+    let longer = store
+        .search(&Query {
+            vector: Some(vec![1.0, 0.0, 0.0, 0.0]),
+            ..query.clone()
+        })
+        .await
+        .unwrap();
+    let ids: Vec<&str> = longer.iter().map(|h| h.item.id.as_str()).collect();
+    assert_eq!(ids, ["longer"], "{} backend", store.backend());
+    assert!((longer[0].score - 1.0).abs() < 1e-4, "{}", longer[0].score);
+    for nothing in [vec![0.0, 0.0, 0.0], vec![]] {
+        let hits = store
+            .search(&Query {
+                vector: Some(nothing),
+                ..query.clone()
+            })
+            .await
+            .unwrap();
+        assert!(hits.is_empty(), "{} backend", store.backend());
+    }
 
     // The same id twice in one batch: the later one wins.
     let mut first = chunk("v", 0, "first version");

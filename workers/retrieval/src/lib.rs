@@ -190,6 +190,14 @@ pub async fn open_store(args: &IndexArgs) -> Result<Arc<dyn Store>, String> {
             let store = postgres_store::PostgresStore::connect(url, &args.postgres_prefix)
                 .await
                 .map_err(|e| e.to_string())?;
+            match store.pgvector() {
+                Some(version) => {
+                    tracing::info!(pgvector = version, "vectors are searched in PostgreSQL");
+                }
+                None => {
+                    tracing::info!("PostgreSQL has no pgvector: vectors are scored by this process")
+                }
+            }
             Ok(Arc::new(store))
         }
     }

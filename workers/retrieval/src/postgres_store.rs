@@ -8,6 +8,15 @@
 //! query of stop words only has no lexemes and finds nothing. A document's
 //! record and chunks are replaced in one transaction.
 //!
+//! Vectors are kept as `real[]`. When the `vector` extension (pgvector) is
+//! installed on the server — or can be created by the connecting role —
+//! each vector is also stored in a `vector` column and similarity search
+//! runs inside PostgreSQL (`<=>`, exact, after the filters, so a scoped
+//! search never misses a neighbour the way an approximate index with a
+//! post-filter can). Without it the filtered rows' arrays are read and
+//! scored here. Rows written before the extension appeared are filled in
+//! when the column is added.
+//!
 //! Reads share one connection (tokio-postgres pipelines concurrent
 //! queries on it); writes take a second one under a lock, since a
 //! transaction needs the connection to itself.
@@ -22,7 +31,7 @@ use tokio_postgres::{Client, NoTls};
 
 use crate::analysis::sanitize_query;
 use crate::model::{Item, normalize_entity};
-use crate::search::{Hit, MAX_TOP_K, Query, cosine, top_k_by_score};
+use crate::search::{Hit, MAX_TOP_K, Query, has_direction, similarity, top_k_by_score};
 use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};
 
 /// The PostgreSQL backend. Cheap to clone.
@@ -36,7 +45,13 @@ struct Inner {
     write: tokio::sync::Mutex<Client>,
     documents: String,
     items: String,
+    /// The pgvector version when vectors are searched in the database.
+    pgvector: Option<String>,
 }
+
+/// pgvector's limit on a `vector`'s dimensions: a longer vector is kept
+/// only as an array and searched here.
+const PGVECTOR_MAX_DIMENSIONS: usize = 16_000;
 
 fn pg(action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError {
     move |e| {
@@ -125,14 +140,83 @@ impl PostgresStore {
             .batch_execute(&ddl)
             .await
             .map_err(pg("creating the tables"))?;
+        let pgvector = Self::enable_pgvector(&write, &items).await?;
         Ok(Self {
             inner: Arc::new(Inner {
                 read,
                 write: tokio::sync::Mutex::new(write),
                 documents,
                 items,
+                pgvector,
             }),
         })
+    }
+
+    /// The pgvector version in use, or `None` when vectors are scored by
+    /// the worker (the extension is not installed on the server).
+    #[must_use]
+    pub fn pgvector(&self) -> Option<&str> {
+        self.inner.pgvector.as_deref()
+    }
+
+    /// Creates the `vector` extension when the server has it and the role
+    /// may, adds the `vec` column and fills it for rows that predate it.
+    async fn enable_pgvector(client: &Client, items: &str) -> Result<Option<String>, StoreError> {
+        let available = client
+            .query_opt(
+                "SELECT installed_version, default_version FROM pg_available_extensions
+                 WHERE name = 'vector'",
+                &[],
+            )
+            .await
+            .map_err(pg("looking for pgvector"))?;
+        let Some(row) = available else {
+            return Ok(None);
+        };
+        if row.get::<_, Option<String>>(0).is_none()
+            && let Err(e) = client
+                .batch_execute("CREATE EXTENSION IF NOT EXISTS vector")
+                .await
+        {
+            let detail = e
+                .as_db_error()
+                .map_or_else(|| e.to_string(), |d| d.message().to_owned());
+            tracing::warn!(
+                error = %detail,
+                "pgvector is available but could not be created; vectors are scored by the worker"
+            );
+            return Ok(None);
+        }
+        let has_column = client
+            .query_opt(
+                "SELECT 1 FROM information_schema.columns
+                 WHERE table_schema = current_schema() AND table_name = $1 AND column_name = 'vec'",
+                &[&items],
+            )
+            .await
+            .map_err(pg("looking for the vector column"))?
+            .is_some();
+        if !has_column {
+            client
+                .batch_execute(&format!(
+                    "ALTER TABLE {items} ADD COLUMN IF NOT EXISTS vec vector;
+                     UPDATE {items} SET vec = embedding::vector
+                     WHERE embedding IS NOT NULL AND vec IS NULL
+                       AND cardinality(embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
+                       AND array_position(embedding, NULL) IS NULL;"
+                ))
+                .await
+                .map_err(pg("adding the vector column"))?;
+        }
+        let version: String = client
+            .query_one(
+                "SELECT extversion FROM pg_extension WHERE extname = 'vector'",
+                &[],
+            )
+            .await
+            .map_err(pg("reading the pgvector version"))?
+            .get(0);
+        Ok(Some(version))
     }
 
     /// Inserts or replaces `items`, a thousand rows per statement (columns
@@ -141,24 +225,41 @@ impl PostgresStore {
     async fn insert_items(
         tx: &tokio_postgres::Transaction<'_>,
         table: &str,
+        pgvector: bool,
         items: &[Item],
     ) -> Result<(), StoreError> {
+        // With pgvector the array is copied into the `vec` column when it
+        // can be a vector: 1 to 16 000 elements, none missing.
+        let (vec_column, vec_value, vec_update) = if pgvector {
+            (
+                ", vec",
+                format!(
+                    ", CASE WHEN cardinality(a.embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
+                        AND array_position(a.embedding, NULL) IS NULL
+                        THEN a.embedding::vector END"
+                ),
+                ", vec = EXCLUDED.vec",
+            )
+        } else {
+            ("", String::new(), "")
+        };
         let sql = format!(
             "INSERT INTO {table} (id, kind, collection, document_id, owner_user, owner_device,
                 owner_agent, level, bucket, entities, title, body, timestamp_ms, payload,
-                embedding)
+                embedding{vec_column})
              SELECT u.id, u.kind, u.collection, u.document_id, u.owner_user, u.owner_device,
                 u.owner_agent, u.level, u.bucket,
                 ARRAY(SELECT jsonb_array_elements_text(u.entities::jsonb)),
                 u.title, u.body, u.timestamp_ms, u.payload::jsonb,
-                CASE WHEN u.embedding IS NULL THEN NULL ELSE ARRAY(
-                    SELECT e.v::real FROM jsonb_array_elements_text(u.embedding::jsonb)
-                        WITH ORDINALITY AS e(v, n) ORDER BY e.n) END
+                a.embedding{vec_value}
              FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
                 $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[],
                 $12::text[], $13::bigint[], $14::text[], $15::text[])
                 AS u(id, kind, collection, document_id, owner_user, owner_device, owner_agent,
                      level, bucket, entities, title, body, timestamp_ms, payload, embedding)
+             CROSS JOIN LATERAL (SELECT CASE WHEN u.embedding IS NULL THEN NULL ELSE ARRAY(
+                    SELECT e.v::real FROM jsonb_array_elements_text(u.embedding::jsonb)
+                        WITH ORDINALITY AS e(v, n) ORDER BY e.n) END AS embedding) AS a
              ON CONFLICT (id) DO UPDATE SET kind = EXCLUDED.kind,
                 collection = EXCLUDED.collection, document_id = EXCLUDED.document_id,
                 owner_user = EXCLUDED.owner_user, owner_device = EXCLUDED.owner_device,
@@ -166,7 +267,7 @@ impl PostgresStore {
                 bucket = EXCLUDED.bucket, entities = EXCLUDED.entities,
                 title = EXCLUDED.title, body = EXCLUDED.body,
                 timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload,
-                embedding = EXCLUDED.embedding"
+                embedding = EXCLUDED.embedding{vec_update}"
         );
         let statement = tx.prepare(&sql).await.map_err(pg("preparing an insert"))?;
         // One row per id (a statement may not update a row twice): the last.
@@ -284,36 +385,8 @@ impl PostgresStore {
         let items = &self.inner.items;
         let text = sanitize_query(q.text.trim());
         if let Some(vector) = &q.vector {
-            // Without pgvector (not packaged for Debian 12) the similarity
-            // is computed here, over the filtered rows' vectors.
             params.pop();
-            let sql = format!(
-                "SELECT payload::text, embedding FROM {items}
-                 WHERE embedding IS NOT NULL{filters}"
-            );
-            let refs: Vec<&(dyn ToSql + Sync)> =
-                params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect();
-            let rows = self
-                .inner
-                .read
-                .query(&sql, &refs)
-                .await
-                .map_err(pg("searching vectors"))?;
-            // A vector with a NULL element (a non-finite value stored as
-            // JSON null) is not read as one: the row is left out.
-            let scored = rows.iter().filter_map(|row| {
-                let candidate: Vec<f32> = row.try_get(1).ok()?;
-                Some((cosine(vector, &candidate), row.get::<_, String>(0)))
-            });
-            return top_k_by_score(scored, top_k)
-                .into_iter()
-                .map(|(score, payload)| {
-                    Ok(Hit {
-                        item: item_of(&payload)?,
-                        score,
-                    })
-                })
-                .collect();
+            return self.search_vectors(vector, top_k, &filters, params).await;
         }
         let sql = if text.trim().is_empty() {
             format!(
@@ -331,6 +404,73 @@ impl PostgresStore {
                  ORDER BY 2 DESC, id LIMIT ${limit}"
             )
         };
+        self.hits(&sql, &params, "searching").await
+    }
+
+    /// Runs `sql`, whose rows are (payload text, real score), as hits.
+    async fn hits(
+        &self,
+        sql: &str,
+        params: &[Box<dyn ToSql + Sync + Send>],
+        action: &'static str,
+    ) -> Result<Vec<Hit>, StoreError> {
+        let refs: Vec<&(dyn ToSql + Sync)> =
+            params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect();
+        let rows = self
+            .inner
+            .read
+            .query(sql, &refs)
+            .await
+            .map_err(pg(action))?;
+        rows.iter()
+            .map(|row| {
+                Ok(Hit {
+                    item: item_of(row.get(0))?,
+                    score: row.get(1),
+                })
+            })
+            .collect()
+    }
+
+    /// The `top_k` items nearest `vector` by cosine similarity among the
+    /// rows `filters` keep. Only vectors of the query's dimension compare;
+    /// a zero query vector has no direction and finds nothing.
+    async fn search_vectors(
+        &self,
+        vector: &[f32],
+        top_k: usize,
+        filters: &str,
+        mut params: Vec<Box<dyn ToSql + Sync + Send>>,
+    ) -> Result<Vec<Hit>, StoreError> {
+        if !has_direction(vector) {
+            return Ok(Vec::new());
+        }
+        let items = &self.inner.items;
+        let dimensions = i32::try_from(vector.len()).unwrap_or(i32::MAX);
+        params.push(Box::new(dimensions));
+        let dimensions_param = params.len();
+        let pgvector = self.inner.pgvector.is_some() && vector.len() <= PGVECTOR_MAX_DIMENSIONS;
+        if pgvector {
+            params.push(Box::new(to_json(vector)?));
+            let vector_param = params.len();
+            params.push(Box::new(i64::try_from(top_k).unwrap_or(100)));
+            let limit = params.len();
+            // `<=>` is cosine distance; a stored zero vector's is NaN,
+            // which sorts last and is left out.
+            let sql = format!(
+                "SELECT payload::text, (1 - d)::real FROM (
+                    SELECT payload, id, vec <=> ${vector_param}::text::vector AS d FROM {items}
+                    WHERE vec IS NOT NULL AND vector_dims(vec) = ${dimensions_param}{filters}
+                    ORDER BY d, id LIMIT ${limit}) AS nearest
+                 WHERE d <> 'NaN'::float8 ORDER BY d, id"
+            );
+            return self.hits(&sql, &params, "searching vectors").await;
+        }
+        // Scored here, over the filtered rows' arrays.
+        let sql = format!(
+            "SELECT payload::text, embedding FROM {items}
+             WHERE embedding IS NOT NULL AND cardinality(embedding) = ${dimensions_param}{filters}"
+        );
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect();
         let rows = self
@@ -338,13 +478,20 @@ impl PostgresStore {
             .read
             .query(&sql, &refs)
             .await
-            .map_err(pg("searching"))?;
-        rows.iter()
-            .map(|row| {
-                let payload: String = row.get(0);
+            .map_err(pg("searching vectors"))?;
+        // A vector with a NULL element (a non-finite value stored as JSON
+        // null) is not read as one, and a zero vector has no direction:
+        // either row is left out.
+        let scored = rows.iter().filter_map(|row| {
+            let candidate: Vec<f32> = row.try_get(1).ok()?;
+            Some((similarity(vector, &candidate)?, row.get::<_, String>(0)))
+        });
+        top_k_by_score(scored, top_k)
+            .into_iter()
+            .map(|(score, payload)| {
                 Ok(Hit {
                     item: item_of(&payload)?,
-                    score: row.get(1),
+                    score,
                 })
             })
             .collect()
@@ -400,7 +547,7 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(pg("writing the document record"))?;
-                Self::insert_items(&tx, &inner.items, chunks).await?;
+                Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), chunks).await?;
             }
             tx.commit().await.map_err(pg("committing"))
         }
@@ -418,7 +565,7 @@ impl Store for PostgresStore {
             let inner = &*self.inner;
             let mut client = inner.write.lock().await;
             let tx = client.transaction().await.map_err(pg("beginning"))?;
-            Self::insert_items(&tx, &inner.items, &items).await?;
+            Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), &items).await?;
             tx.commit().await.map_err(pg("committing"))
         }
         .boxed()
@@ -576,6 +723,201 @@ mod tests {
                 .is_empty()
         );
         db.drop_it().await;
+    }
+
+    /// A PostgreSQL 16 server with pgvector, started on a free loopback
+    /// port in a temporary directory and stopped on drop: the binaries of
+    /// pgserver (PyPI), which scripts/ensure-servers installs, since Debian
+    /// 12 packages no pgvector. As root the server runs as user `postgres`
+    /// (PostgreSQL refuses root).
+    struct PgvectorServer {
+        child: std::process::Child,
+        port: u16,
+        url: String,
+        _dir: tempfile::TempDir,
+    }
+
+    impl PgvectorServer {
+        fn home() -> std::path::PathBuf {
+            let mut candidates: Vec<std::path::PathBuf> = Vec::new();
+            if let Ok(home) = std::env::var("TOOLFLEET_TEST_PGVECTOR_HOME") {
+                candidates.push(home.into());
+            }
+            candidates.push("/opt/toolfleet/pgserver/pgserver/pginstall".into());
+            if let Ok(home) = std::env::var("HOME") {
+                candidates
+                    .push(format!("{home}/.cache/toolfleet/pgserver/pgserver/pginstall").into());
+            }
+            candidates
+                .into_iter()
+                .find(|c| c.join("bin/postgres").is_file())
+                .expect(
+                    "PostgreSQL with pgvector (pgserver from PyPI) is missing: \
+                     scripts/ensure-servers installs it, or set TOOLFLEET_TEST_PGVECTOR_HOME \
+                     to a PostgreSQL installation that has the vector extension",
+                )
+        }
+
+        /// `program` run as the user that owns the data directory.
+        fn command(program: std::path::PathBuf, as_root: bool) -> std::process::Command {
+            if as_root {
+                let mut c = std::process::Command::new("setpriv");
+                c.args([
+                    "--reuid=postgres",
+                    "--regid=postgres",
+                    "--init-groups",
+                    "--",
+                ]);
+                c.arg(program);
+                c
+            } else {
+                std::process::Command::new(program)
+            }
+        }
+
+        async fn start() -> Self {
+            let home = Self::home();
+            let dir = tempfile::tempdir().unwrap();
+            let as_root = std::process::Command::new("id")
+                .arg("-u")
+                .output()
+                .is_ok_and(|o| o.stdout.trim_ascii() == b"0");
+            if as_root {
+                let status = std::process::Command::new("chown")
+                    .args(["postgres:postgres"])
+                    .arg(dir.path())
+                    .status()
+                    .unwrap();
+                assert!(status.success(), "chown the data directory to postgres");
+            }
+            let data = dir.path().join("data");
+            let output = Self::command(home.join("bin/initdb"), as_root)
+                .arg("-D")
+                .arg(&data)
+                .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"])
+                .output()
+                .unwrap();
+            assert!(
+                output.status.success(),
+                "initdb: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port();
+            let log = std::fs::File::create(dir.path().join("log")).unwrap();
+            let child = Self::command(home.join("bin/postgres"), as_root)
+                .arg("-D")
+                .arg(&data)
+                .arg("-k")
+                .arg(dir.path())
+                .args(["-p", &port.to_string()])
+                .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"])
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap();
+            let url = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+            let mut server = Self {
+                child,
+                port,
+                url,
+                _dir: dir,
+            };
+            for _ in 0..300 {
+                if tokio_postgres::connect(&server.url, NoTls).await.is_ok() {
+                    return server;
+                }
+                if let Ok(Some(status)) = server.child.try_wait() {
+                    panic!(
+                        "the pgvector PostgreSQL exited ({status}): {}",
+                        std::fs::read_to_string(server._dir.path().join("log")).unwrap_or_default()
+                    );
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            panic!("the pgvector PostgreSQL did not accept connections within 30 s");
+        }
+    }
+
+    impl Drop for PgvectorServer {
+        fn drop(&mut self) {
+            // SIGQUIT: the postmaster stops its children and exits at once.
+            let _ = std::process::Command::new("kill")
+                .args(["-QUIT", &self.child.id().to_string()])
+                .status();
+            let _ = self.child.wait();
+        }
+    }
+
+    #[tokio::test]
+    async fn passes_the_store_suite_with_pgvector() {
+        let server = PgvectorServer::start().await;
+        let store = PostgresStore::connect(&server.url, "toolfleet")
+            .await
+            .unwrap();
+        assert!(
+            store.pgvector().is_some(),
+            "the vector extension is created"
+        );
+        crate::conformance::documents(&store).await;
+        crate::conformance::context_items(&store).await;
+        let vectors = PostgresStore::connect(&server.url, "vectors")
+            .await
+            .unwrap();
+        crate::conformance::vectors(&vectors).await;
+        // The vectors really are searched in the database: the column is
+        // filled, one row per item with a vector that can be one.
+        let admin = connect(&server.url).await.unwrap();
+        let filled: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM vectors_items WHERE vec IS NOT NULL",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(filled, 6, "near, middle, far, elsewhere, longer, zero");
+
+        // Rows written before the extension (here: before the column) are
+        // filled in when a store next connects, and found.
+        admin
+            .batch_execute("ALTER TABLE vectors_items DROP COLUMN vec")
+            .await
+            .unwrap();
+        let reopened = PostgresStore::connect(&server.url, "vectors")
+            .await
+            .unwrap();
+        assert!(reopened.pgvector().is_some());
+        let hits = reopened
+            .search(&Query {
+                vector: Some(vec![1.0, 0.0, 0.0]),
+                collections: vec!["ds".into()],
+                top_k: 10,
+                ..Query::default()
+            })
+            .await
+            .unwrap();
+        let ids: Vec<&str> = hits.iter().map(|h| h.item.id.as_str()).collect();
+        assert_eq!(ids, ["near", "middle", "far"]);
+
+        // A role that may not create the extension gets the array search,
+        // with the same results, and says why in the log.
+        for statement in [
+            "CREATE ROLE plain LOGIN",
+            "CREATE DATABASE plain OWNER plain",
+        ] {
+            admin.batch_execute(statement).await.unwrap();
+        }
+        let plain_url = format!("postgres://plain@127.0.0.1:{}/plain", server.port);
+        let plain = PostgresStore::connect(&plain_url, "vectors").await.unwrap();
+        assert!(
+            plain.pgvector().is_none(),
+            "pgvector is not trusted: superuser only"
+        );
+        crate::conformance::vectors(&plain).await;
     }
 
     #[tokio::test]

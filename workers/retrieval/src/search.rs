@@ -82,6 +82,19 @@ pub fn cosine(a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// Whether `vector` can be searched with: non-empty, finite and not zero
+/// (a zero vector has no direction, so nothing is near it).
+pub fn has_direction(vector: &[f32]) -> bool {
+    !vector.is_empty() && vector.iter().all(|x| x.is_finite()) && vector.iter().any(|x| *x != 0.0)
+}
+
+/// The similarity of a stored `candidate` to `query`, or `None` when they
+/// do not compare (different dimensions, or a candidate without
+/// direction): every backend leaves such rows out alike.
+pub fn similarity(query: &[f32], candidate: &[f32]) -> Option<f32> {
+    (candidate.len() == query.len() && has_direction(candidate)).then(|| cosine(query, candidate))
+}
+
 /// Keeps the `top_k` best of `scored` (higher first): a bounded heap, so a
 /// brute-force vector scan holds `top_k` entries, not every candidate.
 pub fn top_k_by_score<T>(

@@ -34,7 +34,7 @@ use tantivy::{
 
 use crate::analysis::{TOKENIZER, analyzer, sanitize_query, terms};
 use crate::model::{Item, normalize_entity};
-use crate::search::{Hit, MAX_TOP_K, Query, cosine, top_k_by_score};
+use crate::search::{Hit, MAX_TOP_K, Query, has_direction, similarity, top_k_by_score};
 use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};
 
 /// Memory for the single writer thread (tantivy's floor is 15 MB).
@@ -301,6 +301,9 @@ impl TantivyStore {
         let text = q.text.trim();
         let searcher = inner.reader.searcher();
         let addresses: Vec<(f32, tantivy::DocAddress)> = if let Some(vector) = &q.vector {
+            if !has_direction(vector) {
+                return Ok(Vec::new());
+            }
             clauses.push((Occur::Must, Box::new(AllQuery)));
             let query = BooleanQuery::new(clauses);
             let matching = searcher
@@ -337,7 +340,9 @@ impl TantivyStore {
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                     .collect();
-                scored.push((cosine(vector, &candidate), address));
+                if let Some(score) = similarity(vector, &candidate) {
+                    scored.push((score, address));
+                }
             }
             top_k_by_score(scored, top_k)
         } else if text.is_empty() {
