@@ -87,6 +87,7 @@ impl Worker {
             hooks: Vec::new(),
             collectors: Vec::new(),
             problems: Vec::new(),
+            secrets: Vec::new(),
         }
     }
 
@@ -123,6 +124,7 @@ pub struct WorkerBuilder {
     hooks: Vec<Arc<dyn Hooks>>,
     collectors: Vec<Box<dyn Collector>>,
     problems: Vec<String>,
+    secrets: Vec<crate::Secret>,
 }
 
 impl WorkerBuilder {
@@ -180,6 +182,15 @@ impl WorkerBuilder {
     /// added. An `Arc<H>` is hooks too, for hooks the caller also reads.
     pub fn hooks(mut self, hooks: impl Hooks) -> Self {
         self.hooks.push(Arc::new(hooks));
+        self
+    }
+
+    /// Secrets the tools hold (API keys from their settings,
+    /// [`crate::ToolSettings::secrets`]): scrubbed from every result,
+    /// reference, progress message and error the worker publishes, so a
+    /// backend that echoes one back cannot leak it through a tool.
+    pub fn secrets<'a>(mut self, secrets: impl IntoIterator<Item = &'a crate::Secret>) -> Self {
+        self.secrets.extend(secrets.into_iter().cloned());
         self
     }
 
@@ -251,7 +262,10 @@ impl WorkerBuilder {
         Ok(Worker {
             name: self.name,
             tools: served,
-            hooks: Arc::new(HookSet::new(self.hooks)),
+            hooks: Arc::new(HookSet::with_scrubber(
+                self.hooks,
+                crate::settings::Scrubber::new(self.secrets),
+            )),
             collectors: self.collectors,
         })
     }

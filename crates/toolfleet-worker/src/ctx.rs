@@ -184,6 +184,24 @@ impl ToolCtx {
         } else {
             format!("{}.{n}", self.call.call_id)
         };
+        let scrubber = self.hooks.scrubber();
+        let refs = if scrubber.is_empty() {
+            refs
+        } else {
+            refs.into_iter()
+                .map(|mut r| {
+                    for field in [&mut r.title]
+                        .into_iter()
+                        .chain(r.source.as_mut())
+                        .chain(r.url.as_mut())
+                        .chain(r.snippet.as_mut())
+                    {
+                        scrubber.in_place(field);
+                    }
+                    r
+                })
+                .collect()
+        };
         let stored = self.sink.cite(&self.call, reservation, refs).await?;
         if let Ok(mut cited) = self.cited.lock() {
             cited.extend(stored.iter().cloned());
@@ -239,7 +257,8 @@ impl ToolCtx {
     /// the chat client). Best effort: a lost progress message is not an
     /// error.
     pub async fn progress(&self, message: impl Into<String>) {
-        self.sink.progress(&self.call, message.into()).await;
+        let message = self.hooks.scrubber().text(&message.into());
+        self.sink.progress(&self.call, message).await;
     }
 
     /// Reports that an attempt at `backend` (a model, an endpoint) begins

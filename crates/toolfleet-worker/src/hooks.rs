@@ -13,6 +13,7 @@ use serde_json::Value;
 use toolfleet_protocol::tools::ToolDefinition;
 use toolfleet_protocol::{CallContext, ToolResult, ToolWarning};
 
+use crate::settings::Scrubber;
 use crate::tool::ToolError;
 
 /// What [`Hooks::before_call`] sees of a call.
@@ -131,15 +132,21 @@ impl Hooks for ProviderConfidence {
 }
 
 /// The hooks of a worker, in order: the built-in policies, then the
-/// author's.
+/// author's; and the secrets scrubbed from everything the worker
+/// publishes.
 #[derive(Clone)]
-pub(crate) struct HookSet(Vec<Arc<dyn Hooks>>);
+pub(crate) struct HookSet(Vec<Arc<dyn Hooks>>, Scrubber);
 
 impl HookSet {
-    pub(crate) fn new(authored: Vec<Arc<dyn Hooks>>) -> Self {
+    pub(crate) fn with_scrubber(authored: Vec<Arc<dyn Hooks>>, scrubber: Scrubber) -> Self {
         let mut all: Vec<Arc<dyn Hooks>> = vec![Arc::new(ProviderConfidence)];
         all.extend(authored);
-        Self(all)
+        Self(all, scrubber)
+    }
+
+    /// The worker's secrets, to scrub from what it publishes.
+    pub(crate) fn scrubber(&self) -> &Scrubber {
+        &self.1
     }
 
     /// The first refusal wins.

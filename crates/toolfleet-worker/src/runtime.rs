@@ -1665,7 +1665,10 @@ async fn process_call(
             shared.hooks.on_error(call, &e);
             if e.is_retryable() {
                 shared.count(label, "error");
-                return Outcome::Retry(Failure::new(e.code(), e.to_string()));
+                return Outcome::Retry(Failure::new(
+                    e.code(),
+                    shared.hooks.scrubber().text(&e.to_string()),
+                ));
             }
             let status = match e {
                 ToolError::Blocked(_) => ToolStatus::Blocked,
@@ -1687,7 +1690,35 @@ async fn process_call(
             failed
         }
     };
+    let mut result = result;
+    scrub(shared.hooks.scrubber(), &mut result);
     finish(shared, &stats, call, label, result)
+}
+
+/// Takes the worker's secrets out of a result before anyone sees it.
+fn scrub(scrubber: &crate::settings::Scrubber, result: &mut ToolResult) {
+    if scrubber.is_empty() {
+        return;
+    }
+    scrubber.in_place(&mut result.content);
+    if let Some(data) = result.data.as_mut() {
+        scrubber.value(data);
+    }
+    if let Some(error) = result.error.as_mut() {
+        scrubber.in_place(&mut error.message);
+    }
+    for r in &mut result.references {
+        scrubber.in_place(&mut r.title);
+        for field in [&mut r.source, &mut r.url, &mut r.snippet]
+            .into_iter()
+            .flatten()
+        {
+            scrubber.in_place(field);
+        }
+    }
+    for w in &mut result.warnings {
+        scrubber.in_place(&mut w.message);
+    }
 }
 
 /// Counts the result and runs the completion hooks. The result goes into

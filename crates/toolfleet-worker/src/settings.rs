@@ -487,10 +487,101 @@ impl ToolSettings {
     }
 }
 
+/// Replaces known secret values wherever they appear in what a worker
+/// publishes — result text, data, error messages, references, warnings —
+/// so a backend that echoes a key back (in an error page, say) cannot leak
+/// it through a tool. Values shorter than 4 characters are not secrets
+/// worth the name and are not scrubbed (they would mangle ordinary text).
+#[derive(Debug, Clone, Default)]
+pub struct Scrubber {
+    secrets: Vec<Secret>,
+}
+
+/// What a scrubbed secret becomes.
+pub const REDACTED: &str = "[redacted]";
+
+impl Scrubber {
+    /// Scrubs `secrets`.
+    pub fn new(secrets: impl IntoIterator<Item = Secret>) -> Self {
+        let mut secrets: Vec<Secret> = secrets
+            .into_iter()
+            .filter(|s| s.expose().len() >= 4)
+            .collect();
+        // Longest first, so a secret containing another goes whole.
+        secrets.sort_by_key(|s| std::cmp::Reverse(s.expose().len()));
+        secrets.dedup();
+        Self { secrets }
+    }
+
+    /// Whether there is nothing to scrub.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.secrets.is_empty()
+    }
+
+    /// `text` with every secret replaced by [`REDACTED`].
+    #[must_use]
+    pub fn text(&self, text: &str) -> String {
+        let mut out = text.to_owned();
+        for secret in &self.secrets {
+            if out.contains(secret.expose()) {
+                out = out.replace(secret.expose(), REDACTED);
+            }
+        }
+        out
+    }
+
+    /// Scrubs `text` in place.
+    pub fn in_place(&self, text: &mut String) {
+        if self.secrets.iter().any(|s| text.contains(s.expose())) {
+            *text = self.text(text);
+        }
+    }
+
+    /// Scrubs every string (keys too) of `value` in place.
+    pub fn value(&self, value: &mut Value) {
+        match value {
+            Value::String(s) => self.in_place(s),
+            Value::Array(items) => items.iter_mut().for_each(|v| self.value(v)),
+            Value::Object(map) => {
+                let scrubbed: Map<String, Value> = std::mem::take(map)
+                    .into_iter()
+                    .map(|(k, mut v)| {
+                        self.value(&mut v);
+                        (self.text(&k), v)
+                    })
+                    .collect();
+                *map = scrubbed;
+            }
+            _ => {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn the_scrubber_replaces_secrets_everywhere_in_values() {
+        let s = Scrubber::new([
+            Secret::new("canary-42"),
+            Secret::new("ab"),
+            Secret::new("canary-42-long"),
+        ]);
+        assert_eq!(
+            s.text("key canary-42-long and canary-42, ab"),
+            "key [redacted] and [redacted], ab"
+        );
+        let mut v = json!({"canary-42": ["x canary-42 y", 3, {"k": "canary-42"}]});
+        s.value(&mut v);
+        assert_eq!(
+            v,
+            json!({"[redacted]": ["x [redacted] y", 3, {"k": "[redacted]"}]})
+        );
+        assert!(Scrubber::new([]).is_empty());
+    }
 
     fn definition() -> ToolDefinition {
         ToolDefinition::from_value(

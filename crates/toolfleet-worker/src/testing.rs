@@ -33,6 +33,7 @@ pub struct TestCtx {
     settings: Option<Value>,
     sink: Arc<MemorySink>,
     hooks: Vec<Arc<dyn Hooks>>,
+    secrets: Vec<crate::Secret>,
 }
 
 impl Default for TestCtx {
@@ -66,7 +67,25 @@ impl TestCtx {
             settings: None,
             sink: Arc::new(MemorySink::default()),
             hooks: Vec::new(),
+            secrets: Vec::new(),
         }
+    }
+
+    /// Secrets the worker would scrub ([`crate::WorkerBuilder::secrets`]):
+    /// references and progress are scrubbed as in a worker.
+    pub fn with_secrets<'a>(
+        mut self,
+        secrets: impl IntoIterator<Item = &'a crate::Secret>,
+    ) -> Self {
+        self.secrets.extend(secrets.into_iter().cloned());
+        self
+    }
+
+    fn hook_set(&self) -> Arc<HookSet> {
+        Arc::new(HookSet::with_scrubber(
+            self.hooks.clone(),
+            crate::settings::Scrubber::new(self.secrets.clone()),
+        ))
     }
 
     /// The per-tenant settings the job carries.
@@ -118,7 +137,7 @@ impl TestCtx {
 
     /// A fresh [`ToolCtx`] for one call.
     pub fn ctx(&self) -> ToolCtx {
-        self.ctx_for(self.next_call(), Arc::new(HookSet::new(self.hooks.clone())))
+        self.ctx_for(self.next_call(), self.hook_set())
     }
 
     /// Runs `tool` with `args` deserialised into its argument type.
@@ -187,7 +206,7 @@ impl TestCtx {
         }
         let mut call = self.next_call();
         call.tool_id = definition.id.clone();
-        let hooks = Arc::new(HookSet::new(self.hooks.clone()));
+        let hooks = self.hook_set();
         let info = CallInfo {
             call: &call,
             definition,
