@@ -84,11 +84,16 @@ fn crates_depend_only_where_the_rules_allow() {
     for m in [
         "workers/system/Cargo.toml",
         "workers/retrieval/Cargo.toml",
+        "workers/web/Cargo.toml",
         "examples/units/Cargo.toml",
     ] {
         assert_eq!(our_deps(m), set(&["toolfleet-worker"]), "{m}");
     }
-    for m in ["workers/system/Cargo.toml", "examples/units/Cargo.toml"] {
+    for m in [
+        "workers/system/Cargo.toml",
+        "workers/web/Cargo.toml",
+        "examples/units/Cargo.toml",
+    ] {
         assert!(our_deps_of(m, true).is_empty(), "{m}: dev-dependencies");
     }
     // Retrieval tests hybrid search against the scripted server's

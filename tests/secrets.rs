@@ -154,44 +154,21 @@ deployment = "broken"
     assert!(said.contains("user or password"), "{said}");
     assert_clean("a configuration error", &said);
 
-    let ports: Vec<u16> = (0..2)
-        .map(|_| toolfleet_local::servers::free_port().unwrap())
-        .collect();
-    let common = vec![
-        ("TOOLFLEET_NATS_URL", nats.url()),
-        ("TOOLFLEET_REDIS_URL", redis.url()),
-        ("TOOLFLEET_LOG", "debug".to_string()),
-    ];
-    let mut orchestrator_env = common.clone();
-    orchestrator_env.extend([
-        ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[0])),
-        ("TOOLFLEET_CONFIG", config.display().to_string()),
-        ("CANARY_KEY", KEY_CANARY.to_string()),
-    ]);
-    let mut worker_env = common.clone();
-    worker_env.push(("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[1])));
-    let orchestrator = spawn(
-        &support::sibling_bin("toolfleet-orchestrator"),
-        &orchestrator_env,
-        dir.path().join("orchestrator.log"),
-    );
-    let worker = spawn(
-        &support::sibling_bin("toolfleet-worker-system"),
-        &worker_env,
-        dir.path().join("worker.log"),
-    );
-    for p in &ports {
-        metrics(*p).await;
-    }
-
+    let (orchestrator, worker, ports) = start_pair(
+        &nats.url(),
+        &redis.url(),
+        dir.path(),
+        vec![
+            ("TOOLFLEET_CONFIG", config.display().to_string()),
+            ("CANARY_KEY", KEY_CANARY.to_string()),
+        ],
+        "toolfleet-worker-system",
+        Vec::new(),
+    )
+    .await;
     let client = async_nats::connect(nats.url()).await.unwrap();
     let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
-    // Everything a client, a caller or an operator could read.
-    let mut seen = futures::stream::select_all([
-        client.subscribe("toolfleet.chat.events.>").await.unwrap(),
-        client.subscribe("toolfleet.reply.>").await.unwrap(),
-        client.subscribe("toolfleet.deadletter.>").await.unwrap(),
-    ]);
+    let mut seen = everything(&client).await;
 
     // Success: a tool round and an answer (the worker may need a catalog
     // refresh to be seen: ask until the tool ran).
@@ -262,7 +239,68 @@ deployment = "broken"
     for port in &ports {
         assert_clean("a metric", &metrics(*port).await);
     }
-    let mut conn = redis::Client::open(redis.url())
+    let stored = redis_dump(&redis.url()).await;
+    assert_clean("a Redis value", &stored);
+    let logs = output(orchestrator) + &output(worker);
+    assert!(logs.contains("DEBUG"), "debug logging was on: {logs}");
+    assert_clean("a log line", &logs);
+}
+
+/// The orchestrator and one worker binary as separate processes (debug
+/// logging, metrics on ports of their own), once both serve `/metrics`.
+/// Returns them and their metrics ports.
+async fn start_pair(
+    nats: &str,
+    redis: &str,
+    dir: &std::path::Path,
+    orchestrator_extra: Vec<(&'static str, String)>,
+    worker_bin: &str,
+    worker_extra: Vec<(&'static str, String)>,
+) -> (Proc, Proc, Vec<u16>) {
+    let ports: Vec<u16> = (0..2)
+        .map(|_| toolfleet_local::servers::free_port().unwrap())
+        .collect();
+    let common = vec![
+        ("TOOLFLEET_NATS_URL", nats.to_owned()),
+        ("TOOLFLEET_REDIS_URL", redis.to_owned()),
+        ("TOOLFLEET_LOG", "debug".to_string()),
+    ];
+    let mut orchestrator_env = common.clone();
+    orchestrator_env.push(("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[0])));
+    orchestrator_env.extend(orchestrator_extra);
+    let mut worker_env = common;
+    worker_env.push(("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{}", ports[1])));
+    worker_env.extend(worker_extra);
+    let orchestrator = spawn(
+        &support::sibling_bin("toolfleet-orchestrator"),
+        &orchestrator_env,
+        dir.join("orchestrator.log"),
+    );
+    let worker = spawn(
+        &support::sibling_bin(worker_bin),
+        &worker_env,
+        dir.join("worker.log"),
+    );
+    for p in &ports {
+        metrics(*p).await;
+    }
+    (orchestrator, worker, ports)
+}
+
+/// Everything a client, a caller or an operator could read on NATS.
+async fn everything(
+    client: &async_nats::Client,
+) -> futures::stream::SelectAll<async_nats::Subscriber> {
+    futures::stream::select_all([
+        client.subscribe("toolfleet.chat.events.>").await.unwrap(),
+        client.subscribe("toolfleet.reply.>").await.unwrap(),
+        client.subscribe("toolfleet.deadletter.>").await.unwrap(),
+    ])
+}
+
+/// Every key and value in Redis, as text.
+async fn redis_dump(url: &str) -> String {
+    let mut conn = redis::Client::open(url)
         .unwrap()
         .get_multiplexed_async_connection()
         .await
@@ -299,8 +337,149 @@ deployment = "broken"
         stored.push_str(&key);
         stored.push_str(&value);
     }
-    assert_clean("a Redis value", &stored);
+    stored
+}
+
+const WEB_CANARY: &str = "brave-canary-key-91c4e";
+
+/// The web worker's Brave key: sent as its header and nowhere else, even
+/// by a backend that echoes it back in its results — the worker scrubs it
+/// from results, references and errors before anything is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_web_workers_key_is_scrubbed_even_when_a_backend_echoes_it() {
+    use axum::routing::get;
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    // A hostile Brave: it echoes the key it was sent into every field.
+    let received = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let seen_keys = received.clone();
+    let app = axum::Router::new().route(
+        "/brave",
+        get(move |headers: axum::http::HeaderMap| {
+            let seen_keys = seen_keys.clone();
+            async move {
+                let key = headers
+                    .get("x-subscription-token")
+                    .and_then(|v| v.to_str().ok())
+                    .unwrap_or_default()
+                    .to_owned();
+                seen_keys.lock().unwrap().push(key.clone());
+                axum::Json(json!({"web": {"results": [{
+                    "title": format!("Bees {key}"),
+                    "url": format!("https://bees.example/?k={key}"),
+                    "description": format!("Your key is {key}."),
+                }]}}))
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let brave = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let script = toolfleet_scripted::Script::from_json(
+        &json!({
+            "rules": [
+                { "whenUserContains": ["bees"], "steps": [
+                    { "toolCalls": [ { "name": "web_search", "arguments": { "query": "bees" } } ] },
+                    { "answer": "Found: {{tool:web_search}}" }
+                ] },
+                { "whenUserContains": ["metadata"], "steps": [
+                    { "toolCalls": [ { "name": "web_read_page", "arguments": { "url": "http://169.254.169.254/latest/meta-data/" } } ] },
+                    { "answer": "Refused: {{tool:web_read_page}}" }
+                ] }
+            ]
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[deployments.scripted]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
+             [profiles.default]\ndeployment = \"scripted\"\n",
+            model.base_url()
+        ),
+    )
+    .unwrap();
+    let settings = dir.path().join("web.toml");
+    std::fs::write(
+        &settings,
+        format!(
+            "[\"web:search\"]\nbackend = \"brave\"\nbraveUrl = \"http://{brave}/brave\"\n\
+             braveApiKey = {{ env = \"BRAVE_KEY\" }}\n"
+        ),
+    )
+    .unwrap();
+    let (orchestrator, worker, ports) = start_pair(
+        &nats.url(),
+        &redis.url(),
+        dir.path(),
+        vec![("TOOLFLEET_CONFIG", config.display().to_string())],
+        "toolfleet-worker-web",
+        vec![
+            ("TOOLFLEET_TOOL_SETTINGS", settings.display().to_string()),
+            ("BRAVE_KEY", WEB_CANARY.to_string()),
+        ],
+    )
+    .await;
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+    let mut seen = everything(&client).await;
+    // Ask until the web tools are in the catalog and ran.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let answer = loop {
+        let job = toolfleet_protocol::client::question("what do you know about bees?");
+        let outcome = toolfleet_protocol::client::chat(&client, &subjects, &job, WAIT, |_| {})
+            .await
+            .expect("answered");
+        if outcome.text.contains("bees.example") {
+            break outcome;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{}", outcome.text);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    // The key went to the backend, came back in every field, and was
+    // scrubbed: the answer shows where.
+    assert_eq!(
+        received.lock().unwrap().first().map(String::as_str),
+        Some(WEB_CANARY)
+    );
+    assert!(answer.text.contains("[redacted]"), "{}", answer.text);
+    assert!(
+        answer
+            .references
+            .iter()
+            .any(|r| r.title == "Bees [redacted]"),
+        "{:?}",
+        answer.references
+    );
+    // A blocked page: refused, the worker keeps serving.
+    let job = toolfleet_protocol::client::question("read the metadata page");
+    let refused = toolfleet_protocol::client::chat(&client, &subjects, &job, WAIT, |_| {})
+        .await
+        .expect("answered");
+    assert!(refused.text.contains("link-local"), "{}", refused.text);
+
+    let mut published = String::new();
+    while let Ok(Some(msg)) = tokio::time::timeout(Duration::from_millis(500), seen.next()).await {
+        published.push_str(&String::from_utf8_lossy(&msg.payload));
+        published.push('\n');
+    }
+    assert!(published.contains("completed"));
+    let clean = |what: &str, text: &str| {
+        assert!(!text.contains(WEB_CANARY), "{what} holds the key:\n{text}");
+    };
+    clean("a published event, result or dead letter", &published);
+    for port in &ports {
+        clean("a metric", &metrics(*port).await);
+    }
+    clean("a Redis value", &redis_dump(&redis.url()).await);
     let logs = output(orchestrator) + &output(worker);
     assert!(logs.contains("DEBUG"), "debug logging was on: {logs}");
-    assert_clean("a log line", &logs);
+    clean("a log line", &logs);
 }

@@ -17,13 +17,14 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-const USERS: [(&str, &str); 7] = [
+const USERS: [(&str, &str); 8] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
     ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
     ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
     ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
+    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
     ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
 ];
 
