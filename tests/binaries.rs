@@ -284,7 +284,7 @@ fn tools_commands_list_show_and_validate() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("FAIL") && text.contains("bad.json"), "{text}");
     assert!(
-        text.contains("ok   tool_definitions (18 definition(s))"),
+        text.contains("ok   tool_definitions (20 definition(s))"),
         "{text}"
     );
 }
@@ -349,7 +349,9 @@ fn tools_list_shows_the_definitions_as_text_or_json() {
             "retrieval:retrieve_profile_context@1.0.0",
             "retrieval:search_data_sources@1.0.0",
             "retrieval:search_documents@1.0.0",
-            "system:current_datetime@1.0.0"
+            "system:current_datetime@1.0.0",
+            "web:read_page@1.0.0",
+            "web:search@1.0.0"
         ],
         "in id order"
     );

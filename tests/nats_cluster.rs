@@ -343,6 +343,7 @@ fn nats_cluster_the_shipped_server_configs_are_valid() {
                     "SYSTEM",
                     "RETRIEVAL",
                     "LLM",
+                    "WEB",
                     "UNITS",
                 ]
                 .map(|r| (format!("TOOLFLEET_NATS_{r}_PASSWORD"), "x")),
