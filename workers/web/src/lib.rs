@@ -29,7 +29,7 @@ use toolfleet_worker::settings::{SecretSource, SettingsFile};
 use toolfleet_worker::{Worker, WorkerError};
 
 use crate::net::{Dial, Resolve, SystemResolver, TcpDialer};
-use crate::tools::{READ_PAGE_KEY, ReadPage, SEARCH_KEY, WebSearch};
+use crate::tools::{READ_PAGE_KEY, ReadPage, SEARCH_KEY, WebMetrics, WebSearch};
 
 /// The family name (the worker's name in the catalog and services API).
 pub const FAMILY: &str = "web";
@@ -75,7 +75,8 @@ pub fn worker(
         .filter(|d| [SEARCH_KEY, READ_PAGE_KEY].contains(&d.implementation_key.as_str()))
         .collect();
     settings.check_tools(ours.iter().copied()).map_err(config)?;
-    let mut builder = Worker::builder(FAMILY);
+    let metrics = WebMetrics::new().map_err(config)?;
+    let mut builder = Worker::builder(FAMILY).metrics(metrics.collector());
     let mut keys_seen = Vec::new();
     for definition in ours {
         let s = settings.tool(definition, secrets).map_err(config)?;
@@ -96,7 +97,8 @@ pub fn worker(
                 network.resolver.clone(),
                 network.dialer.clone(),
             )
-            .map_err(config)?;
+            .map_err(config)?
+            .counting(metrics.clone());
             tracing::info!(backend = tool.backend(), "web search backend");
             builder = builder.tool(SEARCH_KEY, tool);
         } else {
@@ -106,7 +108,8 @@ pub fn worker(
                 network.resolver.clone(),
                 network.dialer.clone(),
             )
-            .map_err(config)?;
+            .map_err(config)?
+            .counting(metrics.clone());
             builder = builder.hooks(tool.url_policy()).tool(READ_PAGE_KEY, tool);
         }
     }

@@ -18,6 +18,84 @@ use crate::net::{Dial, FetchError, Fetcher, Limits, Request, Resolve, tls_config
 use crate::policy::NetPolicy;
 use crate::search::{Backend, SearchError, SearchQuery};
 
+/// `toolfleet_web_requests_total{tool, outcome}`: every search and page
+/// read by how it ended (`ok`, `empty`, `blocked`, `timeout`, `too_large`,
+/// `unsupported`, `http_error`, `rate_limited`, `refused`, `unreadable`,
+/// `failed`). Both tools' series start at zero, so a first refusal shows.
+#[derive(Clone)]
+pub struct WebMetrics {
+    requests: prometheus::IntCounterVec,
+}
+
+/// Every outcome label, for zero-initialising.
+pub const OUTCOMES: &[&str] = &[
+    "ok",
+    "empty",
+    "blocked",
+    "timeout",
+    "too_large",
+    "unsupported",
+    "http_error",
+    "rate_limited",
+    "refused",
+    "unreadable",
+    "failed",
+];
+
+impl WebMetrics {
+    /// The counter, every series of both tools at zero.
+    ///
+    /// # Errors
+    ///
+    /// A bad metric definition (never, for these constants).
+    pub fn new() -> prometheus::Result<Self> {
+        let requests = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "toolfleet_web_requests_total",
+                "Web searches and page reads, by tool and outcome.",
+            ),
+            &["tool", "outcome"],
+        )?;
+        for tool in ["web:search", "web:read_page"] {
+            for outcome in OUTCOMES {
+                requests.with_label_values(&[tool, outcome]);
+            }
+        }
+        Ok(Self { requests })
+    }
+
+    /// The collector, for [`toolfleet_worker::WorkerBuilder::metrics`].
+    #[must_use]
+    pub fn collector(&self) -> prometheus::IntCounterVec {
+        self.requests.clone()
+    }
+
+    fn count(&self, tool: &str, outcome: &str) {
+        self.requests.with_label_values(&[tool, outcome]).inc();
+    }
+
+    /// The count of `tool`'s `outcome` (for tests).
+    #[must_use]
+    pub fn get(&self, tool: &str, outcome: &str) -> u64 {
+        self.requests.with_label_values(&[tool, outcome]).get()
+    }
+}
+
+/// The outcome label of a tool error.
+fn outcome_of(e: &ToolError) -> &'static str {
+    match e.code() {
+        "blocked" | "blocked_url" => "blocked",
+        "timeout" => "timeout",
+        "too_large" => "too_large",
+        "unsupported_content_type" => "unsupported",
+        "http_status" => "http_error",
+        "rate_limited" => "rate_limited",
+        "backend_refused" => "refused",
+        "backend_unreadable" => "unreadable",
+        _ => "failed",
+    }
+}
+
 /// The implementation keys.
 pub const SEARCH_KEY: &str = "web.search";
 pub const READ_PAGE_KEY: &str = "web.read_page";
@@ -120,6 +198,7 @@ pub struct WebSearch {
     fetcher: Fetcher,
     limits: Limits,
     default_results: usize,
+    metrics: Option<WebMetrics>,
 }
 
 impl WebSearch {
@@ -193,7 +272,15 @@ impl WebSearch {
             },
             default_results: required(s, "maxResults")?,
             backend,
+            metrics: None,
         })
+    }
+
+    /// Counts every call in `metrics`.
+    #[must_use]
+    pub fn counting(mut self, metrics: WebMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The backend's name.
@@ -217,6 +304,28 @@ impl Tool for WebSearch {
     type Args = SearchArgs;
 
     async fn call(&self, ctx: &ToolCtx, args: SearchArgs) -> Result<ToolOutput, ToolError> {
+        let result = self.search(ctx, args).await;
+        if let Some(m) = &self.metrics {
+            let outcome = match &result {
+                Ok(out)
+                    if out
+                        .data
+                        .as_ref()
+                        .is_some_and(|d| d["results"].as_array().is_some_and(Vec::is_empty)) =>
+                {
+                    "empty"
+                }
+                Ok(_) => "ok",
+                Err(e) => outcome_of(e),
+            };
+            m.count("web:search", outcome);
+        }
+        result
+    }
+}
+
+impl WebSearch {
+    async fn search(&self, ctx: &ToolCtx, args: SearchArgs) -> Result<ToolOutput, ToolError> {
         let query = SearchQuery {
             query: args.query.trim().to_owned(),
             max_results: args
@@ -289,6 +398,7 @@ pub struct ReadPage {
     fetcher: Fetcher,
     limits: Limits,
     max_tokens: usize,
+    metrics: Option<WebMetrics>,
 }
 
 impl ReadPage {
@@ -313,13 +423,24 @@ impl ReadPage {
                 content_types: required(s, "contentTypes")?,
             },
             max_tokens: required(s, "maxTokens")?,
+            metrics: None,
         })
+    }
+
+    /// Counts every call (and every URL its hook refuses) in `metrics`.
+    #[must_use]
+    pub fn counting(mut self, metrics: WebMetrics) -> Self {
+        self.metrics = Some(metrics);
+        self
     }
 
     /// The hook that refuses a page URL before the call runs.
     #[must_use]
     pub fn url_policy(&self) -> UrlPolicy {
-        UrlPolicy(Arc::new(self.fetcher.policy().clone()))
+        UrlPolicy(
+            Arc::new(self.fetcher.policy().clone()),
+            self.metrics.clone(),
+        )
     }
 }
 
@@ -360,6 +481,19 @@ impl Tool for ReadPage {
     type Args = ReadArgs;
 
     async fn call(&self, ctx: &ToolCtx, args: ReadArgs) -> Result<ToolOutput, ToolError> {
+        let result = self.read(ctx, args).await;
+        if let Some(m) = &self.metrics {
+            m.count(
+                "web:read_page",
+                result.as_ref().map_or_else(outcome_of, |_| "ok"),
+            );
+        }
+        result
+    }
+}
+
+impl ReadPage {
+    async fn read(&self, ctx: &ToolCtx, args: ReadArgs) -> Result<ToolOutput, ToolError> {
         let fetched = self
             .fetcher
             .fetch(&Request::get(args.url.trim()), &self.limits)
@@ -440,7 +574,7 @@ impl Tool for ReadPage {
 /// syntactic gate (scheme, port, credentials, IP literals in every
 /// spelling) before the tool runs, so a refused URL costs no resolution.
 #[derive(Clone)]
-pub struct UrlPolicy(Arc<NetPolicy>);
+pub struct UrlPolicy(Arc<NetPolicy>, Option<WebMetrics>);
 
 impl Hooks for UrlPolicy {
     fn before_call(&self, call: &CallInfo<'_>) -> Result<(), Refusal> {
@@ -450,10 +584,12 @@ impl Hooks for UrlPolicy {
         let Some(url) = call.arguments.get("url").and_then(|u| u.as_str()) else {
             return Ok(());
         };
-        self.0
-            .check_url(url)
-            .map(|_| ())
-            .map_err(|blocked| Refusal::new("blocked_url", blocked.0))
+        self.0.check_url(url).map(|_| ()).map_err(|blocked| {
+            if let Some(m) = &self.1 {
+                m.count("web:read_page", "blocked");
+            }
+            Refusal::new("blocked_url", blocked.0)
+        })
     }
 }
 

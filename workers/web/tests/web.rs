@@ -23,7 +23,7 @@ use toolfleet_worker::protocol::tools::{ToolDefinition, load_file};
 use toolfleet_worker::settings::SettingsFile;
 use toolfleet_worker::{TestCtx, ToolError, ToolOutput};
 use toolfleet_worker_web::net::{Dial, Resolve};
-use toolfleet_worker_web::tools::{ReadPage, WebSearch};
+use toolfleet_worker_web::tools::{ReadPage, WebMetrics, WebSearch};
 
 /// Answers from a table; each name's answers are used in turn, the last
 /// one repeating. Counts its calls.
@@ -382,6 +382,8 @@ async fn bad_pages_are_clear_errors_within_the_deadline_and_the_tool_keeps_servi
         site.port()
     );
     let (def, tool) = read_page(&net, &settings);
+    let metrics = WebMetrics::new().unwrap();
+    let tool = tool.counting(metrics.clone());
     let ctx = TestCtx::new().with_hooks(tool.url_policy());
     let at = |path: &str| format!("http://127.0.0.1:{}{path}", site.port());
 
@@ -418,6 +420,20 @@ async fn bad_pages_are_clear_errors_within_the_deadline_and_the_tool_keeps_servi
     }
     // Still serving.
     assert!(read(&ctx, &def, &tool, &at("/page")).await.is_ok());
+    // Every outcome counted: two redirects refused, the hook's refusal.
+    assert!(read(&ctx, &def, &tool, "file:///etc/passwd").await.is_err());
+    for (outcome, n) in [
+        ("blocked", 3),
+        ("failed", 2),
+        ("too_large", 2),
+        ("unsupported", 1),
+        ("http_error", 1),
+        ("timeout", 1),
+        ("ok", 1),
+    ] {
+        assert_eq!(metrics.get("web:read_page", outcome), n, "{outcome}");
+    }
+    assert_eq!(metrics.get("web:search", "ok"), 0);
     assert!(
         net.recorder.outside_loopback().is_empty(),
         "{:?}",
@@ -668,4 +684,39 @@ async fn search_backends_answer_results_with_references_or_clear_errors() {
     // The backend's own host is allowed; the results are never fetched.
     assert!(net.recorder.outside_loopback().is_empty());
     let _: Value = json!(null);
+}
+
+/// A page reader an operator marks as sensitive (`minProviderConfidence`)
+/// refuses jobs from a less trusted provider, saying why, before any
+/// request; a trusted job reads the page.
+#[tokio::test]
+async fn a_minimum_provider_confidence_blocks_less_trusted_jobs() {
+    let site = fixture().await;
+    let net = Net::new(StubResolver::default());
+    let (mut def, tool) = read_page(
+        &net,
+        &format!(
+            "[\"web:read_page\"]\nallowHosts = [\"127.0.0.1:{}\"]\n",
+            site.port()
+        ),
+    );
+    def.min_provider_confidence = Some(0.7);
+    let page = format!("http://127.0.0.1:{}/page", site.port());
+    let job = |confidence: Option<f64>| {
+        let mut invocation = toolfleet_worker::protocol::InvocationContext::new("inv-confidence");
+        invocation.provider_confidence = confidence;
+        TestCtx::new()
+            .with_invocation(invocation)
+            .with_hooks(tool.url_policy())
+    };
+    for confidence in [Some(0.3), None] {
+        let reason = blocked_reason(read(&job(confidence), &def, &tool, &page).await);
+        assert!(
+            reason.contains("needs provider confidence of at least 0.7"),
+            "{reason}"
+        );
+    }
+    assert!(net.recorder.dialed.lock().unwrap().is_empty());
+    let out = read(&job(Some(0.9)), &def, &tool, &page).await.unwrap();
+    assert!(out.content.contains("Bees navigate by the sun."));
 }
