@@ -64,6 +64,9 @@ pub struct ToolRunner<'f> {
     /// The call id and tool of an internal call
     /// ([`ToolRunner::run_internal`]) in flight.
     internal: Option<(String, Arc<CompiledTool>)>,
+    /// A worker answered `cancelled`: it heard the invocation's cancel,
+    /// which this orchestrator may not have yet ([`ToolRunner::cancelled`]).
+    cancelled: bool,
 }
 
 impl Fleet {
@@ -78,6 +81,7 @@ impl Fleet {
             inbox: self.replies.register(),
             spent: Vec::new(),
             internal: None,
+            cancelled: false,
         })
     }
 }
@@ -480,6 +484,9 @@ impl ToolRunner<'_> {
                         continue;
                     }
                     if let Some(p) = batch.pending.remove(&result.call_id) {
+                        if result.error.as_ref().is_some_and(|e| e.code == "cancelled") {
+                            self.cancelled = true;
+                        }
                         let outcome = record(metrics, events, batch.calls[p.index], &p, &result);
                         batch.answers[p.index] = Some(outcome);
                         spent.extend(result.llm_calls);
@@ -517,6 +524,15 @@ impl ToolRunner<'_> {
     /// (an agent tool's nested job).
     pub(crate) fn add_spent(&mut self, calls: Vec<toolfleet_protocol::LlmCall>) {
         self.spent.extend(calls);
+    }
+
+    /// Whether a worker answered one of this runner's calls `cancelled`:
+    /// workers answer so only once they heard the invocation's cancel, so
+    /// the invocation is over even if this orchestrator's own copy of the
+    /// cancel is still on its way (the model is not called again).
+    #[must_use]
+    pub fn cancelled(&self) -> bool {
+        self.cancelled
     }
 
     /// The model calls the tools reported since the last take (each

@@ -81,6 +81,9 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
             ));
         }
         let outcomes = run_calls(inv, &mut tools, &completion, &policy, fleet, events).await;
+        if tools.cancelled() {
+            return Err(Failure::new("cancelled", "the invocation was cancelled"));
+        }
         caps.close_round(&completion, &outcomes, &policy, fleet);
         fleet.publish_references(inv, &outcomes, events)?;
     }
