@@ -67,6 +67,17 @@ pub enum Command {
         #[command(subcommand)]
         command: BlobCommand,
     },
+    /// Probe a fleet process's health endpoint, for container images
+    /// without curl: prints the answer, exits 0 when it is 2xx, 1 when it
+    /// is not or nothing answers, 64 for a URL that is not http(s).
+    Health {
+        /// The endpoint, e.g. `http://127.0.0.1:9465/readyz` (ready: NATS,
+        /// Redis and consumers) or `/livez` (the process runs).
+        url: String,
+        /// How long to wait for the answer.
+        #[arg(long, default_value_t = 3000)]
+        timeout_ms: u64,
+    },
     /// Serve the scripted OpenAI-compatible model: a STAND-IN for a real
     /// provider that follows a JSON script, for tests and offline demos.
     ScriptedModel {
@@ -417,6 +428,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Ingest(args) => ingest(*args).await,
         Command::Index { command } => index(command).await,
         Command::Blob { command } => blob(command).await,
+        Command::Health { url, timeout_ms } => health(&url, timeout_ms).await,
         Command::ScriptedModel {
             listen,
             script,
@@ -728,6 +740,44 @@ async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
     })
     .await?;
     Ok(0)
+}
+
+async fn health(url: &str, timeout_ms: u64) -> anyhow::Result<i32> {
+    let parsed = match url::Url::parse(url) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") => u,
+        Ok(u) => {
+            eprintln!("error: {url} is not an http(s) URL ({}:)", u.scheme());
+            return Ok(toolfleet_service::args::EXIT_CONFIG);
+        }
+        Err(e) => {
+            eprintln!("error: {url:?} is not a URL: {e}");
+            return Ok(toolfleet_service::args::EXIT_CONFIG);
+        }
+    };
+    toolfleet_llm::install_crypto_provider();
+    let client = reqwest::Client::builder()
+        .timeout(Duration::from_millis(timeout_ms))
+        .build()?;
+    match client.get(parsed).send().await {
+        Ok(response) => {
+            let status = response.status();
+            let body = response.text().await.unwrap_or_default();
+            print!("{body}");
+            if !body.ends_with('\n') {
+                println!();
+            }
+            if status.is_success() {
+                Ok(0)
+            } else {
+                eprintln!("{url}: HTTP {status}");
+                Ok(1)
+            }
+        }
+        Err(e) => {
+            eprintln!("{url}: no answer: {e}");
+            Ok(1)
+        }
+    }
 }
 
 async fn up(args: UpArgs) -> anyhow::Result<i32> {

@@ -6,6 +6,7 @@ mod binaries;
 mod clients;
 mod compaction;
 mod delivery;
+mod health;
 mod layout;
 mod llm_tools;
 mod nats_cluster;

@@ -6,13 +6,17 @@
 //! - [`args`]: command-line and environment groups (`NatsArgs`,
 //!   `RedisArgs`, `ToolDefsArgs`), NATS connection with a start-up wait,
 //!   tracing set-up, exit code 64 on bad configuration, signals.
-//! - [`metrics`]: registration helpers and the `/metrics` + `/healthz`
-//!   endpoint; each subsystem owns its metric struct.
+//! - [`metrics`]: registration helpers and the `/metrics`, `/livez`,
+//!   `/readyz` (and `/healthz`, the same as `/livez`) endpoint; each
+//!   subsystem owns its metric struct.
+//! - [`health`]: readiness checks (NATS connected, Redis answering,
+//!   consumers in place), the connection gauges and `toolfleet_build_info`.
 //! - [`jobs`]: bounded pulling from a durable JetStream consumer, and
 //!   in-progress acks for long jobs.
 //! - [`serve`]: serve until a signal, then drain within a grace period.
 
 pub mod args;
+pub mod health;
 pub mod jobs;
 pub mod metrics;
 pub mod poison;

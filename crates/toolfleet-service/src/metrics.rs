@@ -61,12 +61,26 @@ pub fn render(registry: &Registry) -> String {
     String::from_utf8(buf).unwrap_or_default()
 }
 
-/// Serves `GET /metrics` and `GET /healthz` on `listener` until `shutdown`.
+/// Serves `GET /metrics`, `/livez`, `/healthz` (the same as `/livez`) and
+/// `/readyz` (no checks: always ready) on `listener` until `shutdown`.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     registry: Registry,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
+    serve_with(listener, registry, crate::health::Health::new(), shutdown).await
+}
+
+/// [`serve`] with the process's readiness checks: `/readyz` answers 200
+/// `ready` with a line per check when all pass, 503 naming the failures
+/// otherwise.
+pub async fn serve_with(
+    listener: tokio::net::TcpListener,
+    registry: Registry,
+    health: crate::health::Health,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
+    use axum::http::StatusCode;
     use axum::{Router, routing::get};
     let app = Router::new()
         .route(
@@ -81,7 +95,31 @@ pub async fn serve(
                 }
             }),
         )
-        .route("/healthz", get(|| async { "ok" }));
+        .route("/healthz", get(|| async { "ok" }))
+        .route("/livez", get(|| async { "ok" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let health = health.clone();
+                async move {
+                    let results = health.run().await;
+                    let ready = results.iter().all(|r| r.result.is_ok());
+                    let mut body = String::from(if ready { "ready\n" } else { "not ready\n" });
+                    for r in &results {
+                        match &r.result {
+                            Ok(()) => body.push_str(&format!("ok   {}\n", r.name)),
+                            Err(e) => body.push_str(&format!("FAIL {}: {e}\n", r.name)),
+                        }
+                    }
+                    let status = if ready {
+                        StatusCode::OK
+                    } else {
+                        StatusCode::SERVICE_UNAVAILABLE
+                    };
+                    (status, body)
+                }
+            }),
+        );
     axum::serve(listener, app)
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await

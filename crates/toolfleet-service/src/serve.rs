@@ -19,6 +19,8 @@ pub const GRACE_PERIOD: Duration = Duration::from_secs(30);
 #[derive(Clone)]
 pub struct Runtime {
     pub metrics: prometheus::Registry,
+    /// The readiness checks `/readyz` runs; parts add theirs as they start.
+    pub health: crate::health::Health,
     pub tracker: TaskTracker,
     pub shutdown: CancellationToken,
 }
@@ -27,6 +29,7 @@ impl Runtime {
     pub fn new() -> Self {
         Self {
             metrics: prometheus::Registry::new(),
+            health: crate::health::Health::new(),
             tracker: TaskTracker::new(),
             shutdown: CancellationToken::new(),
         }
@@ -69,8 +72,9 @@ where
     start(runtime.clone()).await?;
     {
         let (registry, shutdown) = (runtime.metrics.clone(), runtime.shutdown.clone());
+        let health = runtime.health.clone();
         tokio::spawn(async move {
-            if let Err(e) = crate::metrics::serve(listener, registry, shutdown).await {
+            if let Err(e) = crate::metrics::serve_with(listener, registry, health, shutdown).await {
                 tracing::error!(error = %e, "metrics endpoint stopped");
             }
         });

@@ -57,6 +57,11 @@ impl Worker {
                 .nats
                 .connect(&format!("toolfleet-worker-{}", self.name()))
                 .await?;
+            let ping =
+                toolfleet_service::health::ping(store.clone(), |s| async move { s.ping().await });
+            toolfleet_service::health::watch_connections(&rt, &client, Some(ping))?;
+            rt.health
+                .check("consumers", self.consumer_check(&client, &subjects));
             let metrics = WorkerMetrics::register_all(&rt.metrics)?;
             self.register_metrics(&rt.metrics)?;
             let mut config = WorkerConfig::new(subjects);

@@ -397,6 +397,44 @@ async fn listen_for_cancels(
 }
 
 impl Worker {
+    /// A readiness check: the durable consumer of every tool this worker
+    /// takes from JetStream exists (a consumer deleted by hand, or lost
+    /// with a NATS server that kept no storage, makes the worker unready
+    /// until it is created again).
+    pub fn consumer_check(
+        &self,
+        client: &async_nats::Client,
+        subjects: &toolfleet_protocol::Subjects,
+    ) -> impl Fn() -> BoxFuture<'static, Result<(), String>> + Send + Sync + 'static {
+        let names: Vec<String> = self
+            .tools
+            .iter()
+            .filter(|t| t.definition().delivery == toolfleet_protocol::tools::Delivery::Jetstream)
+            .map(|t| subjects.tool_consumer(&t.definition().id))
+            .collect();
+        let js = jetstream::new(client.clone());
+        let stream = subjects.tools_stream();
+        move || {
+            let (js, names, stream) = (js.clone(), names.clone(), stream.clone());
+            async move {
+                if names.is_empty() {
+                    return Ok(());
+                }
+                let s = js
+                    .get_stream(&stream)
+                    .await
+                    .map_err(|e| format!("the tools stream {stream}: {e}"))?;
+                for name in &names {
+                    s.consumer_info(name)
+                        .await
+                        .map_err(|e| format!("consumer {name}: {e}"))?;
+                }
+                Ok(())
+            }
+            .boxed()
+        }
+    }
+
     /// Serves the tools on a task of its own and returns once every tool is
     /// advertised and taking jobs. The task ends when `shutdown` is
     /// cancelled and the jobs in flight are done.

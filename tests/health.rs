@@ -1,0 +1,138 @@
+//! Truthful health, as a probe sees it: a worker binary's `/readyz` turns
+//! 503 naming NATS while NATS is down and 200 again once it is back (the
+//! same for Redis), `/livez` and `/metrics` keep answering meanwhile, the
+//! connection gauges and the reconnect counter follow, and `toolfleet
+//! health` turns all that into an exit code for images without curl.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use crate::support::{self, WAIT};
+
+async fn get(url: &str) -> Option<(u16, String)> {
+    toolfleet_llm::install_crypto_provider();
+    let response = reqwest::Client::new()
+        .get(url)
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?;
+    let status = response.status().as_u16();
+    Some((status, response.text().await.unwrap_or_default()))
+}
+
+/// Polls `url` until `want` holds of its answer.
+async fn until(url: &str, what: &str, want: impl Fn(u16, &str) -> bool) -> String {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Some((status, body)) = get(url).await
+            && want(status, &body)
+        {
+            return body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{url} never became {what}: {:?}",
+            get(url).await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn probe(url: &str) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(["health", url])
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_follows_nats_and_redis_and_the_probe_says_so() {
+    let mut nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let mut redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let port = toolfleet_local::servers::free_port().unwrap();
+    let mut worker = Command::new(support::sibling_bin("toolfleet-worker-system"))
+        .current_dir(support::root())
+        .env("TOOLFLEET_NATS_URL", nats.url())
+        .env("TOOLFLEET_REDIS_URL", redis.url())
+        .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _guard = support::KillOnDrop(&mut worker);
+    let base = format!("http://127.0.0.1:{port}");
+    let ready = format!("{base}/readyz");
+    let body = until(&ready, "ready", |s, _| s == 200).await;
+    assert!(
+        body.starts_with("ready\n")
+            && body.contains("ok   nats")
+            && body.contains("ok   redis")
+            && body.contains("ok   consumers"),
+        "{body}"
+    );
+    let (code, said) = probe(&ready);
+    assert_eq!(code, Some(0), "{said}");
+    let metrics = until(&format!("{base}/metrics"), "scraped", |s, b| {
+        s == 200 && b.contains("toolfleet_redis_connected 1")
+    })
+    .await;
+    assert!(metrics.contains("toolfleet_nats_connected 1"), "{metrics}");
+    assert!(
+        metrics.contains("toolfleet_build_info{version="),
+        "{metrics}"
+    );
+
+    // NATS goes away: not ready, saying why; alive and scrapable.
+    nats.stop();
+    let body = until(&ready, "unready", |s, _| s == 503).await;
+    assert!(body.contains("FAIL nats"), "{body}");
+    let (code, said) = probe(&ready);
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("503"), "{said}");
+    assert_eq!(get(&format!("{base}/livez")).await.map(|r| r.0), Some(200));
+    until(&format!("{base}/metrics"), "showing NATS down", |s, b| {
+        s == 200 && b.contains("toolfleet_nats_connected 0")
+    })
+    .await;
+
+    // Back: ready again, the reconnect counted.
+    nats.start_again().unwrap();
+    until(&ready, "ready again", |s, _| s == 200).await;
+    until(
+        &format!("{base}/metrics"),
+        "counting the reconnect",
+        |s, b| {
+            s == 200
+                && b.contains("toolfleet_nats_connected 1")
+                && b.lines().any(|l| {
+                    l.strip_prefix("toolfleet_nats_reconnects_total ")
+                        .and_then(|v| v.parse::<u64>().ok())
+                        .is_some_and(|v| v >= 1)
+                })
+        },
+    )
+    .await;
+
+    // Redis too.
+    redis.stop();
+    let body = until(&ready, "unready without Redis", |s, _| s == 503).await;
+    assert!(
+        body.contains("FAIL redis") && body.contains("ok   nats"),
+        "{body}"
+    );
+    redis.start_again().unwrap();
+    until(&ready, "ready with Redis back", |s, _| s == 200).await;
+
+    // The probe's own errors.
+    let (code, said) = probe("ftp://127.0.0.1/readyz");
+    assert_eq!(code, Some(64), "{said}");
+    let dead = toolfleet_local::servers::free_port().unwrap();
+    let (code, said) = probe(&format!("http://127.0.0.1:{dead}/readyz"));
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("no answer"), "{said}");
+}
