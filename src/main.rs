@@ -30,8 +30,13 @@ async fn main() {
     let code = match toolfleet::cli::run(cli).await {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
-            1
+            let code = toolfleet_service::args::exit_code_of(&e);
+            if code == toolfleet_service::args::EXIT_CONFIG {
+                eprintln!("configuration error: {e:#}");
+            } else {
+                eprintln!("error: {e:#}");
+            }
+            code
         }
     };
     std::process::exit(code);

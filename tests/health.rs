@@ -136,3 +136,59 @@ async fn readyz_follows_nats_and_redis_and_the_probe_says_so() {
     assert_eq!(code, Some(1), "{said}");
     assert!(said.contains("no answer"), "{said}");
 }
+
+/// A malformed NATS or Redis URL is a configuration error: exit 64 at
+/// once (no connection wait), the password never shown.
+#[test]
+fn malformed_server_urls_exit_64_at_once_without_the_password() {
+    let run = |bin: String, args: &[&str]| {
+        let started = std::time::Instant::now();
+        let out = Command::new(bin)
+            .args(args)
+            .env("TOOLFLEET_NATS_CONNECT_WAIT", "60")
+            .output()
+            .unwrap();
+        let said = String::from_utf8_lossy(&out.stderr).into_owned();
+        (out.status.code(), said, started.elapsed())
+    };
+    for (bin, args, what) in [
+        (
+            support::sibling_bin("toolfleet-worker-system"),
+            vec!["--nats-url", "nats://u:hunter2@[::1"],
+            "bad NATS URL",
+        ),
+        (
+            support::sibling_bin("toolfleet-worker-system"),
+            vec!["--nats-url", "http://u:hunter2@x:4222"],
+            "bad NATS URL",
+        ),
+        (
+            support::sibling_bin("toolfleet-worker-system"),
+            vec!["--redis-url", "redis://:hunter2@[bad"],
+            "bad Redis URL",
+        ),
+        (
+            support::sibling_bin("toolfleet-orchestrator"),
+            vec!["--redis-url", "http://:hunter2@x"],
+            "bad Redis URL",
+        ),
+        (
+            support::sibling_bin("toolfleet-orchestrator"),
+            vec!["--nats-url", "nats://u:hunter2@[::1"],
+            "bad NATS URL",
+        ),
+        (
+            env!("CARGO_BIN_EXE_toolfleet").to_owned(),
+            vec!["chat", "hi", "--nats-url", "nats://u:hunter2@[::1"],
+            "bad NATS URL",
+        ),
+    ] {
+        let (code, said, took) = run(bin.clone(), &args);
+        assert_eq!(code, Some(64), "{bin} {args:?}: {said}");
+        assert!(said.contains(what) && !said.contains("hunter2"), "{said}");
+        assert!(
+            took < Duration::from_secs(30),
+            "{bin} {args:?} waited {took:?}"
+        );
+    }
+}

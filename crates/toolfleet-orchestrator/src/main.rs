@@ -42,6 +42,8 @@ async fn main() -> anyhow::Result<()> {
     let a: Args = args::parse_or_exit();
     args::init_tracing();
     let subjects = args::or_exit(a.nats.subjects().map_err(Into::into));
+    args::or_exit(a.nats.check_url().map_err(Into::into));
+    args::or_exit(a.redis.check_url().map_err(Into::into));
     let profiles = args::or_exit(a.llm.fleet_config().map_err(Into::into));
     let mut config = OrchestratorConfig::new(subjects, profiles);
     config.max_in_flight = a.max_in_flight;

@@ -363,7 +363,7 @@ async fn connect_with(
         .split(',')
         .map(|u| u.trim().parse::<async_nats::ServerAddr>())
         .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| anyhow::anyhow!("bad NATS URL {shown}: {e}"))?;
+        .map_err(|e| BadConfig(format!("bad NATS URL {shown}: {e}")))?;
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         let opts = options().connection_timeout(Duration::from_secs(2));
@@ -412,6 +412,51 @@ pub fn parse_or_exit<T: clap::Parser>() -> T {
         let _ = e.print();
         std::process::exit(if e.use_stderr() { EXIT_CONFIG } else { 0 })
     })
+}
+
+/// A configuration error found only when it is used (a malformed server
+/// URL): commands exit with [`EXIT_CONFIG`] for it, as for a bad flag. The
+/// message never holds a password.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BadConfig(pub String);
+
+impl std::fmt::Display for BadConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for BadConfig {}
+
+/// The exit code for a command's error: [`EXIT_CONFIG`] when it is a
+/// [`BadConfig`] anywhere in its chain, else 1.
+#[must_use]
+pub fn exit_code_of(e: &anyhow::Error) -> i32 {
+    if e.chain().any(|c| c.downcast_ref::<BadConfig>().is_some()) {
+        EXIT_CONFIG
+    } else {
+        1
+    }
+}
+
+impl NatsArgs {
+    /// Checks `--nats-url` (each of its comma-separated servers) without
+    /// connecting.
+    ///
+    /// # Errors
+    ///
+    /// [`BadConfig`] naming the URL, its password hidden.
+    pub fn check_url(&self) -> Result<(), BadConfig> {
+        for u in self.url.split(',') {
+            if let Err(e) = u.trim().parse::<async_nats::ServerAddr>() {
+                return Err(BadConfig(format!(
+                    "bad NATS URL {}: {e}",
+                    redact_url(u.trim())
+                )));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The value, or exit with [`EXIT_CONFIG`] naming the configuration error

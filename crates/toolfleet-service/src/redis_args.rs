@@ -92,6 +92,29 @@ impl RedisArgs {
         Duration::from_millis(self.retry_budget_ms)
     }
 
+    /// Checks `--redis-url` (each comma-separated node) without
+    /// connecting: a URL with a host, scheme `redis` or `rediss` (or a
+    /// `unix`/`redis+unix` socket path).
+    ///
+    /// # Errors
+    ///
+    /// [`crate::args::BadConfig`] naming the URL, its password hidden.
+    pub fn check_url(&self) -> Result<(), crate::args::BadConfig> {
+        for node in self.url.split(',').map(str::trim) {
+            let bad = |why: &str| {
+                crate::args::BadConfig(format!("bad Redis URL {}: {why}", redact(node)))
+            };
+            let parsed = url::Url::parse(node).map_err(|e| bad(&e.to_string()))?;
+            match parsed.scheme() {
+                "redis" | "rediss" if parsed.host_str().is_some_and(|h| !h.is_empty()) => {}
+                "redis" | "rediss" => return Err(bad("it names no host")),
+                "unix" | "redis+unix" => {}
+                other => return Err(bad(&format!("the scheme is {other}, not redis or rediss"))),
+            }
+        }
+        Ok(())
+    }
+
     /// The URL with any password replaced, for logs.
     pub fn redacted_url(&self) -> String {
         self.url

@@ -162,6 +162,14 @@ where
     if let Err(e) = args.worker.nats.subjects() {
         return usage(&e);
     }
+    if let Err(e) = args
+        .worker
+        .nats
+        .check_url()
+        .and_then(|()| args.worker.redis.check_url())
+    {
+        return usage(&e);
+    }
     let metrics_addr = match args.metrics_addr {
         Some(a) => a,
         None => match default_metrics_addr.parse() {
