@@ -100,8 +100,14 @@ pub enum Command {
 
 #[derive(Args, Debug)]
 pub struct ChatArgs {
-    /// The question.
-    pub question: String,
+    /// The question; read from standard input when absent or `-`.
+    pub question: Option<String>,
+    /// The profile to answer with (the orchestrator's default when absent).
+    #[arg(id = "job_profile", long = "profile", env = "TOOLFLEET_CHAT_PROFILE")]
+    pub profile: Option<String>,
+    /// The user the job is asked for (scopes user-owned context).
+    #[arg(id = "job_user", long = "user", env = "TOOLFLEET_CHAT_USER")]
+    pub user: Option<String>,
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Seconds to wait for the answer.
@@ -456,45 +462,127 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
 /// Prints an event as it arrives on stderr: tool activity always, the
 /// answer's text as it streams when stderr is a terminal. The final answer,
 /// renumbered for the reader, goes to stdout.
-fn show_progress(event: &ChatEvent) {
-    use std::io::IsTerminal;
-    match &event.body {
-        ChatEventBody::Delta { text } if std::io::stderr().is_terminal() => {
-            eprint!("{text}");
+/// What `toolfleet chat` shows on stderr while it waits: the tool calls as
+/// they happen and, on a terminal, one progress line (rewritten in place)
+/// with the time waited. The answer itself is printed once, on stdout,
+/// when it is complete (its markers renumbered to the references listed).
+struct Progress {
+    terminal: bool,
+    started: std::time::Instant,
+    tools: u32,
+    /// A progress line is on screen (to clear before anything else).
+    shown: bool,
+}
+
+impl Progress {
+    fn new() -> Self {
+        use std::io::IsTerminal;
+        Self {
+            terminal: std::io::stderr().is_terminal(),
+            started: std::time::Instant::now(),
+            tools: 0,
+            shown: false,
+        }
+    }
+
+    fn clear(&mut self) {
+        if self.shown {
+            eprint!("\r\x1b[2K");
             let _ = std::io::stderr().flush();
+            self.shown = false;
         }
-        ChatEventBody::Completed { .. } if std::io::stderr().is_terminal() => eprintln!("\n"),
-        ChatEventBody::ToolCall {
-            tool, arguments, ..
-        } => eprintln!("  → {tool} {arguments}"),
-        ChatEventBody::ToolResult {
-            tool,
-            status,
-            duration_ms,
-            error_code,
-            ..
-        } => {
-            let code = error_code
-                .as_deref()
-                .map(|c| format!(" ({c})"))
-                .unwrap_or_default();
-            eprintln!("  ← {tool}: {}{code} in {duration_ms} ms", status.as_str());
+    }
+
+    fn tick(&mut self) {
+        if !self.terminal {
+            return;
         }
-        _ => {}
+        let tools = match self.tools {
+            0 => String::new(),
+            1 => ", 1 tool call".to_owned(),
+            n => format!(", {n} tool calls"),
+        };
+        eprint!(
+            "\r\x1b[2K… waiting for the answer ({:.0} s{tools})",
+            self.started.elapsed().as_secs_f64()
+        );
+        let _ = std::io::stderr().flush();
+        self.shown = true;
+    }
+
+    fn event(&mut self, event: &ChatEvent) {
+        match &event.body {
+            ChatEventBody::ToolCall {
+                tool, arguments, ..
+            } => {
+                self.clear();
+                self.tools += 1;
+                eprintln!("  → {tool} {arguments}");
+            }
+            ChatEventBody::ToolResult {
+                tool,
+                status,
+                duration_ms,
+                error_code,
+                ..
+            } => {
+                self.clear();
+                let code = error_code
+                    .as_deref()
+                    .map(|c| format!(" ({c})"))
+                    .unwrap_or_default();
+                eprintln!("  ← {tool}: {}{code} in {duration_ms} ms", status.as_str());
+            }
+            _ => {}
+        }
+        self.tick();
     }
 }
 
+/// Asks `job`, showing progress; Ctrl-C publishes the invocation's cancel
+/// and waits (up to 5 s) for its `error: cancelled` before giving up.
 async fn ask(
     client: &async_nats::Client,
     subjects: &toolfleet_protocol::Subjects,
     job: &toolfleet_protocol::ChatJob,
     timeout: Duration,
-) -> anyhow::Result<String> {
-    let outcome =
-        toolfleet_protocol::client::chat(client, subjects, job, timeout, show_progress).await?;
-    let rendered = toolfleet_protocol::references::render(&outcome.text, &outcome.references);
-    Ok(rendered.to_markdown())
+    mut on_event: impl FnMut(&ChatEvent),
+) -> Result<toolfleet_protocol::client::ChatOutcome, AskError> {
+    let answer = toolfleet_protocol::client::chat(client, subjects, job, timeout, |e| on_event(e));
+    tokio::pin!(answer);
+    tokio::select! {
+        result = &mut answer => result.map_err(AskError::Failed),
+        _ = tokio::signal::ctrl_c() => {
+            eprintln!("\ncancelling {} …", job.invocation_id);
+            let tenant = job.tenant.as_deref().unwrap_or(toolfleet_protocol::DEFAULT_TENANT);
+            let _ = client
+                .publish(subjects.chat_cancel(tenant, &job.invocation_id), "".into())
+                .await;
+            let _ = client.flush().await;
+            match tokio::time::timeout(Duration::from_secs(5), &mut answer).await {
+                Ok(Err(e)) if e.to_string().contains("cancelled") => Err(AskError::Cancelled(true)),
+                Ok(Ok(outcome)) => Ok(outcome),
+                _ => Err(AskError::Cancelled(false)),
+            }
+        }
+    }
 }
+
+/// The answer as printed: its text, then its numbered references with
+/// their links.
+fn rendered(outcome: &toolfleet_protocol::client::ChatOutcome) -> String {
+    toolfleet_protocol::references::render(&outcome.text, &outcome.references).to_markdown()
+}
+
+/// How [`ask`] ended without an answer.
+enum AskError {
+    Failed(toolfleet_protocol::client::ClientError),
+    /// Interrupted; whether the fleet confirmed the cancel.
+    Cancelled(bool),
+}
+
+/// Exit code of an interrupted command (128 + SIGINT).
+const EXIT_INTERRUPTED: i32 = 130;
 
 async fn chat(args: ChatArgs) -> anyhow::Result<i32> {
     if !toolfleet_protocol::valid_tenant(&args.tenant) {
@@ -504,26 +592,62 @@ async fn chat(args: ChatArgs) -> anyhow::Result<i32> {
         );
         return Ok(64);
     }
+    let question = match args.question.as_deref() {
+        Some(q) if q != "-" => q.to_owned(),
+        _ => {
+            let mut text = String::new();
+            std::io::Read::read_to_string(&mut std::io::stdin(), &mut text)?;
+            text
+        }
+    };
+    if question.trim().is_empty() {
+        eprintln!("toolfleet chat: the question is empty (give it as an argument or on stdin)");
+        return Ok(64);
+    }
     let subjects = args.nats.subjects()?;
     let client = args.nats.connect("toolfleet-chat").await?;
     let timeout = Duration::from_secs(args.timeout);
-    let mut job = toolfleet_protocol::client::question(&args.question);
+    let mut job = toolfleet_protocol::client::question(question.trim_end());
     job.tenant = Some(args.tenant.clone());
+    job.profile = args.profile.clone();
+    job.user = args.user.clone();
     if args.json {
-        let result = toolfleet_protocol::client::chat(&client, &subjects, &job, timeout, |e| {
+        let result = ask(&client, &subjects, &job, timeout, |e| {
             println!("{}", serde_json::to_string(e).unwrap_or_default());
         })
         .await;
-        return Ok(if result.is_ok() { 0 } else { 1 });
+        return Ok(match result {
+            Ok(_) => 0,
+            Err(AskError::Failed(e)) => {
+                eprintln!("error: {e}");
+                1
+            }
+            Err(AskError::Cancelled(_)) => EXIT_INTERRUPTED,
+        });
     }
-    match ask(&client, &subjects, &job, timeout).await {
-        Ok(answer) => {
-            println!("{answer}");
+    let mut progress = Progress::new();
+    progress.tick();
+    let result = ask(&client, &subjects, &job, timeout, |e| progress.event(e)).await;
+    progress.clear();
+    match result {
+        Ok(outcome) => {
+            println!("{}", rendered(&outcome));
             Ok(0)
         }
-        Err(e) => {
+        Err(AskError::Failed(e)) => {
             eprintln!("error: {e:#}");
             Ok(1)
+        }
+        Err(AskError::Cancelled(confirmed)) => {
+            eprintln!(
+                "{}",
+                if confirmed {
+                    "cancelled"
+                } else {
+                    "cancel sent; the fleet did not confirm it in time"
+                }
+            );
+            Ok(EXIT_INTERRUPTED)
         }
     }
 }
@@ -696,18 +820,25 @@ async fn demo(args: DemoArgs) -> anyhow::Result<i32> {
     for q in &questions {
         println!("Q: {q}");
         let job = toolfleet_protocol::client::question(q);
-        match ask(
+        let mut progress = Progress::new();
+        let result = ask(
             &fleet.client,
             &fleet.subjects,
             &job,
             Duration::from_secs(60),
+            |e| progress.event(e),
         )
-        .await
-        {
-            Ok(answer) => println!("A: {answer}\n"),
-            Err(e) => {
+        .await;
+        progress.clear();
+        match result {
+            Ok(outcome) => println!("A: {}\n", rendered(&outcome)),
+            Err(AskError::Failed(e)) => {
                 failures += 1;
                 println!("error: {e:#}\n");
+            }
+            Err(AskError::Cancelled(_)) => {
+                fleet.stop().await;
+                return Ok(EXIT_INTERRUPTED);
             }
         }
     }

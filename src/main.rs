@@ -3,8 +3,28 @@
 
 use clap::Parser;
 
+/// Once the reader of our output goes away (`toolfleet tools list |
+/// head`), stop quietly with success, as Unix tools do, instead of
+/// panicking on the next write.
+fn quiet_on_broken_pipe() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let payload = info.payload();
+        let message = payload
+            .downcast_ref::<String>()
+            .map(String::as_str)
+            .or_else(|| payload.downcast_ref::<&str>().copied())
+            .unwrap_or_default();
+        if message.starts_with("failed printing to std") && message.contains("Broken pipe") {
+            std::process::exit(0);
+        }
+        default(info);
+    }));
+}
+
 #[tokio::main]
 async fn main() {
+    quiet_on_broken_pipe();
     let cli = match toolfleet::cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => {

@@ -3,6 +3,7 @@
 
 mod bench;
 mod binaries;
+mod chat_cli;
 mod clients;
 mod compaction;
 mod delivery;
