@@ -192,3 +192,82 @@ fn malformed_server_urls_exit_64_at_once_without_the_password() {
         );
     }
 }
+
+/// The scaling signals: once a pool's last worker is gone, its backlog
+/// still shows — jobs queued for the tool with no live worker — from the
+/// orchestrator's reading of the tools stream (what `ToolPoolEmpty` fires
+/// on); a worker that comes back drains it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_without_workers_shows_its_backlog() {
+    use crate::support::{Env, Options};
+    let env = Env::start_with(
+        serde_json::json!({ "rules": [] }),
+        Options {
+            workers: vec![],
+            tweak: |c| c.catalog_refresh = Duration::from_millis(300),
+            ..Options::default()
+        },
+    )
+    .await;
+    let defs = support::root().join("tool_definitions");
+    let system = || toolfleet_worker_system::worker(&defs).unwrap();
+    let worker = env.start_worker(system()).await;
+    let tool = "system:current_datetime@1.0.0";
+    let gauge = |text: &str, name: &str| -> Option<i64> {
+        let prefix = format!("{name}{{tool=\"{tool}\"}} ");
+        text.lines()
+            .find_map(|l| l.strip_prefix(&prefix))
+            .and_then(|v| v.parse().ok())
+    };
+    let until_gauges = |want: (i64, i64)| {
+        let env = &env;
+        async move {
+            let deadline = tokio::time::Instant::now() + WAIT;
+            loop {
+                let text = env.metrics_text().await;
+                let seen = (
+                    gauge(&text, "toolfleet_tool_live_workers"),
+                    gauge(&text, "toolfleet_tool_backlog"),
+                );
+                if seen == (Some(want.0), Some(want.1)) {
+                    return;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "workers/backlog never became {want:?}: {seen:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+    };
+    until_gauges((1, 0)).await;
+    worker.stop().await;
+    // Three jobs for the tool, nobody to take them.
+    let js = async_nats::jetstream::new(env.client.clone());
+    let id: toolfleet_protocol::tools::ToolId = tool.parse().unwrap();
+    for n in 0..3 {
+        let call = toolfleet_protocol::CallContext {
+            invocation: toolfleet_protocol::InvocationContext::new(format!("inv-pool-{n}")),
+            call_id: format!("call-{n}"),
+            tool_id: id.clone(),
+            attempt: 1,
+            reply_to: env.subjects.reply_inbox(),
+            citation_floor: 0,
+            new_call: false,
+        };
+        js.publish_with_headers(
+            env.subjects.tool(&id),
+            call.to_headers(),
+            serde_json::json!({ "arguments": {} }).to_string().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    until_gauges((0, 3)).await;
+    // A worker comes back and drains the queue.
+    let worker = env.start_worker(system()).await;
+    until_gauges((1, 0)).await;
+    worker.stop().await;
+}

@@ -77,6 +77,7 @@ pub mod limits;
 pub mod links;
 pub mod metrics;
 pub mod orchestrator;
+mod pools;
 pub mod rag;
 mod replies;
 pub mod rounds;
@@ -311,6 +312,11 @@ pub async fn run_with_ready(
                 .await
         });
     }
+    tracker.spawn(pools::watch(
+        fleet.clone(),
+        fleet.config.catalog_refresh,
+        shutdown.clone(),
+    ));
     tracker.spawn(intake::listen_for_cancels(
         fleet.clone(),
         cancel_sub,

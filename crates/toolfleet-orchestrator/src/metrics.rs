@@ -52,6 +52,13 @@ pub struct OrchestratorMetrics {
     /// `toolfleet_dead_letters_total`, shared with the workers of the
     /// process; the orchestrator counts `kind="chat"`.
     pub dead_letters: IntCounterVec,
+    /// Jobs waiting for a worker, by `tool` (its consumer's `num_pending`).
+    pub tool_backlog: prometheus::IntGaugeVec,
+    /// Jobs a worker took and has not answered, by `tool`
+    /// (`num_ack_pending`).
+    pub tool_jobs_pending_ack: prometheus::IntGaugeVec,
+    /// Live worker processes serving each `tool` (from the catalog).
+    pub tool_live_workers: prometheus::IntGaugeVec,
 }
 
 impl OrchestratorMetrics {
@@ -87,6 +94,23 @@ impl OrchestratorMetrics {
             &["backend"],
         )?;
         r.register(Box::new(registry_tools.clone()))?;
+        let pool_gauge = |name: &str, help: &str| -> prometheus::Result<prometheus::IntGaugeVec> {
+            let g = prometheus::IntGaugeVec::new(Opts::new(name, help), &["tool"])?;
+            r.register(Box::new(g.clone()))?;
+            Ok(g)
+        };
+        let tool_backlog = pool_gauge(
+            "toolfleet_tool_backlog",
+            "Tool jobs waiting for a worker (the tool consumer's num_pending): scale the pool on it.",
+        )?;
+        let tool_jobs_pending_ack = pool_gauge(
+            "toolfleet_tool_jobs_pending_ack",
+            "Tool jobs a worker took and has not answered yet (num_ack_pending).",
+        )?;
+        let tool_live_workers = pool_gauge(
+            "toolfleet_tool_live_workers",
+            "Live worker processes serving the tool, from the catalog.",
+        )?;
         let registry_duplicates = prometheus::IntGauge::new(
             "toolfleet_registry_duplicate_tools",
             "Tool ids a later backend also brought (the first backend's definition is used).",
@@ -130,6 +154,9 @@ impl OrchestratorMetrics {
             &["from", "to"],
         )?;
         Ok(Self {
+            tool_backlog,
+            tool_jobs_pending_ack,
+            tool_live_workers,
             llm_fallbacks,
             scoping_decisions,
             tools_offered,
