@@ -623,3 +623,43 @@ async fn every_dashboard_query_and_alert_rule_works_against_a_real_prometheus() 
         "metrics missing from the table in ops/README.md: {undocumented:?}"
     );
 }
+
+/// `promtool check rules` passes on the shipped rules and every
+/// `ops/prometheus/*_test.yml` passes `promtool test rules`: the alerts
+/// fire when they should (ToolPoolEmpty, ToolBacklogHigh, the first dead
+/// letter of a zero-initialised series, an absent orchestrator) and not
+/// before. `promtool` comes with the `prometheus` package.
+#[test]
+fn promtool_checks_and_unit_tests_the_alert_rules() {
+    let promtool = prometheus_binary().with_file_name("promtool");
+    assert!(
+        promtool.is_file(),
+        "promtool is missing beside prometheus: {INSTALL}"
+    );
+    let dir = root().join("ops/prometheus");
+    let run = |args: &[&str]| {
+        let out = Command::new(&promtool)
+            .current_dir(&dir)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "promtool {args:?}:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&["check", "rules", "alerts.yml"]);
+    let mut tests: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with("_test.yml"))
+        .collect();
+    tests.sort();
+    assert!(!tests.is_empty(), "no rule tests in ops/prometheus");
+    for t in &tests {
+        run(&["test", "rules", t]);
+    }
+}
