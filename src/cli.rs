@@ -67,6 +67,25 @@ pub enum Command {
         #[command(subcommand)]
         command: BlobCommand,
     },
+    /// Cancel a running invocation: publishes its cancel and waits for the
+    /// fleet's `error: cancelled`. Exit 0 once confirmed; 1 when the
+    /// invocation is unknown, already finished, or the confirmation does
+    /// not come in time.
+    Cancel {
+        /// The invocation id.
+        invocation_id: String,
+        /// The invocation's tenant.
+        #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
+        tenant: String,
+        /// Seconds to wait for the confirmation.
+        #[arg(long, default_value_t = 5)]
+        wait: u64,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish,
+    /// powershell): `toolfleet completions bash > /etc/bash_completion.d/toolfleet`.
+    Completions { shell: clap_complete::Shell },
     /// Probe a fleet process's health endpoint, for container images
     /// without curl: prints the answer, exits 0 when it is 2xx, 1 when it
     /// is not or nothing answers, 64 for a URL that is not http(s).
@@ -435,6 +454,22 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Index { command } => index(command).await,
         Command::Blob { command } => blob(command).await,
         Command::Health { url, timeout_ms } => health(&url, timeout_ms).await,
+        Command::Cancel {
+            invocation_id,
+            tenant,
+            wait,
+            nats,
+        } => cancel(&invocation_id, &tenant, Duration::from_secs(wait), &nats).await,
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            clap_complete::generate(
+                shell,
+                &mut Cli::command(),
+                "toolfleet",
+                &mut std::io::stdout(),
+            );
+            Ok(0)
+        }
         Command::ScriptedModel {
             listen,
             script,
@@ -871,6 +906,86 @@ async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
     })
     .await?;
     Ok(0)
+}
+
+/// `toolfleet cancel`: see [`Command::Cancel`].
+async fn cancel(
+    invocation_id: &str,
+    tenant: &str,
+    wait: Duration,
+    nats: &NatsArgs,
+) -> anyhow::Result<i32> {
+    use futures::StreamExt;
+    if !toolfleet_protocol::valid_tenant(tenant) {
+        eprintln!("toolfleet cancel: --tenant {tenant:?} is not 1-64 of [A-Za-z0-9_-]");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    if !toolfleet_protocol::valid_invocation_id(invocation_id) {
+        eprintln!("toolfleet cancel: {invocation_id:?} is not an invocation id");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    let subjects = nats.subjects()?;
+    let client = nats.connect("toolfleet-cancel").await?;
+    let terminal = |e: &ChatEvent| match &e.body {
+        ChatEventBody::Completed { .. } => Some("completed".to_owned()),
+        ChatEventBody::Error { code, .. } => Some(format!("error ({code})")),
+        _ => None,
+    };
+    // Subscribed first: a terminal event between the reading and the
+    // subscription is not missed.
+    let mut events = client
+        .subscribe(subjects.chat_events(tenant, invocation_id))
+        .await?;
+    client.flush().await?;
+    let last =
+        toolfleet_protocol::client::last_event(&client, &subjects, tenant, invocation_id).await?;
+    match last.as_ref().map(|e| (terminal(e), e)) {
+        Some((Some(how), _)) => {
+            println!("{invocation_id} already finished: {how}; nothing to cancel");
+            return Ok(1);
+        }
+        None => {
+            // Maybe still queued: the cancel is remembered for it.
+            toolfleet_protocol::client::cancel(&client, &subjects, tenant, invocation_id).await?;
+            println!(
+                "{invocation_id} of tenant {tenant} has no event: unknown, or still queued \
+                 (the cancel is sent and remembered, so a queued job ends cancelled when it starts)"
+            );
+            return Ok(1);
+        }
+        Some((None, _)) => {}
+    }
+    toolfleet_protocol::client::cancel(&client, &subjects, tenant, invocation_id).await?;
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        match tokio::time::timeout_at(deadline, events.next()).await {
+            Ok(Some(msg)) => {
+                let Ok(event) =
+                    toolfleet_protocol::Envelope::ChatEvent.decode::<ChatEvent>(&msg.payload)
+                else {
+                    continue;
+                };
+                match terminal(&event) {
+                    Some(how) if how == "error (cancelled)" => {
+                        println!("{invocation_id} cancelled");
+                        return Ok(0);
+                    }
+                    Some(how) => {
+                        println!("{invocation_id} finished before the cancel took effect: {how}");
+                        return Ok(1);
+                    }
+                    None => {}
+                }
+            }
+            Ok(None) | Err(_) => {
+                println!(
+                    "cancel of {invocation_id} sent; no confirmation within {} s",
+                    wait.as_secs()
+                );
+                return Ok(1);
+            }
+        }
+    }
 }
 
 async fn health(url: &str, timeout_ms: u64) -> anyhow::Result<i32> {

@@ -144,3 +144,70 @@ fn a_closed_pipe_ends_the_listing_quietly() {
     assert_eq!(out.status.code(), Some(0), "{stderr}");
     let _ = Duration::ZERO;
 }
+
+/// `toolfleet cancel INV`: a running invocation is cancelled and the
+/// command says so once the fleet confirms; a finished one and an unknown
+/// one are answered clearly, without pretending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cancel_command_confirms_or_says_why_not() {
+    let env = Env::start(json!({
+        "firstTokenDelayMs": 30000,
+        "rules": [],
+        "default": { "steps": [ { "answer": "too late" } ] }
+    }))
+    .await;
+    let job = toolfleet_protocol::client::question("a long one");
+    let mut events = env.follow_and_submit(&job).await;
+    let started = support::next_json(&mut events).await;
+    assert_eq!(started["type"], "started", "{started}");
+    let cancel = |id: String| {
+        let url = env.nats.url();
+        tokio::task::spawn_blocking(move || {
+            let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+                .args(["cancel", &id])
+                .env("TOOLFLEET_NATS_URL", url)
+                .output()
+                .unwrap();
+            (
+                out.status.code(),
+                String::from_utf8_lossy(&out.stdout).into_owned()
+                    + &String::from_utf8_lossy(&out.stderr),
+            )
+        })
+    };
+    let (code, said) = cancel(job.invocation_id.clone()).await.unwrap();
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("cancelled"), "{said}");
+    let (code, said) = cancel(job.invocation_id.clone()).await.unwrap();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("already finished: error (cancelled)"),
+        "{said}"
+    );
+    let (code, said) = cancel("inv-never-submitted".into()).await.unwrap();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("has no event"), "{said}");
+    let (code, said) = cancel("not an id!".into()).await.unwrap();
+    assert_eq!(code, Some(64), "{said}");
+}
+
+#[test]
+fn completions_are_generated_for_each_shell() {
+    for shell in ["bash", "zsh", "fish"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .args(["completions", shell])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{shell}");
+        assert!(
+            text.contains("toolfleet") && text.contains("cancel") && text.contains("ingest"),
+            "{shell}: {text}"
+        );
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(["completions", "tcsh-ish"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(64));
+}
