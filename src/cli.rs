@@ -67,6 +67,12 @@ pub enum Command {
         #[command(subcommand)]
         command: BlobCommand,
     },
+    /// Inspect and replay dead letters: jobs that exhausted their attempts
+    /// or could not be read, kept in the dead-letter stream (14 days).
+    Deadletters {
+        #[command(subcommand)]
+        command: DeadlettersCommand,
+    },
     /// Cancel a running invocation: publishes its cancel and waits for the
     /// fleet's `error: cancelled`. Exit 0 once confirmed; 1 when the
     /// invocation is unknown, already finished, or the confirmation does
@@ -297,6 +303,40 @@ pub enum Output {
 }
 
 #[derive(Subcommand, Debug)]
+pub enum DeadlettersCommand {
+    /// The newest dead letters: sequence, time, kind, tool, code, attempts,
+    /// invocation.
+    Ls {
+        /// How many, newest first.
+        #[arg(long, default_value_t = 20)]
+        limit: usize,
+        /// `text` (a table) or `json`.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// One dead letter, whole (its job's body included), as JSON.
+    Show {
+        /// Its sequence in the dead-letter stream (from `ls`).
+        seq: u64,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// Publishes a dead tool or chat job again, after a fix: a tool job to
+    /// its tool (refused when no worker's consumer serves it any more), a
+    /// chat job to its tenant's submit subject. JetStream counts its
+    /// attempts afresh; a tool job's original caller has usually stopped
+    /// waiting, so its result goes only to the ledger.
+    Replay {
+        /// Its sequence in the dead-letter stream (from `ls`).
+        seq: u64,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+}
+
+#[derive(Subcommand, Debug)]
 pub enum ToolsCommand {
     /// List the tools: those of the definitions directory (id, kind,
     /// purpose, category, title), or with `--live` those the running
@@ -454,6 +494,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Index { command } => index(command).await,
         Command::Blob { command } => blob(command).await,
         Command::Health { url, timeout_ms } => health(&url, timeout_ms).await,
+        Command::Deadletters { command } => deadletters(command).await,
         Command::Cancel {
             invocation_id,
             tenant,
@@ -906,6 +947,179 @@ async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
     })
     .await?;
     Ok(0)
+}
+
+/// The dead-letter stream, or why it cannot be read.
+async fn dead_letter_stream(
+    js: &async_nats::jetstream::Context,
+    subjects: &toolfleet_protocol::Subjects,
+) -> anyhow::Result<async_nats::jetstream::stream::Stream> {
+    let name = subjects.dead_letters_stream();
+    js.get_stream(&name).await.map_err(|e| {
+        anyhow::anyhow!(
+            "the dead-letter stream {name} cannot be read ({e}): no orchestrator has started \
+             on this prefix yet, or this identity may not read it"
+        )
+    })
+}
+
+/// Dead letter `seq` of `stream`, decoded; `None` when there is none.
+async fn dead_letter_at(
+    stream: &async_nats::jetstream::stream::Stream,
+    seq: u64,
+) -> anyhow::Result<Option<(toolfleet_protocol::DeadLetter, String)>> {
+    match stream.get_raw_message(seq).await {
+        Ok(raw) => {
+            let dead: toolfleet_protocol::DeadLetter = serde_json::from_slice(&raw.payload)
+                .map_err(|e| anyhow::anyhow!("dead letter {seq} cannot be read: {e}"))?;
+            let time = raw
+                .time
+                .format(&time::format_description::well_known::Rfc3339)
+                .unwrap_or_default();
+            Ok(Some((dead, time)))
+        }
+        Err(e) if e.to_string().contains("no message found") => Ok(None),
+        Err(e) => Err(anyhow::anyhow!("reading dead letter {seq}: {e}")),
+    }
+}
+
+async fn deadletters(command: DeadlettersCommand) -> anyhow::Result<i32> {
+    let nats = match &command {
+        DeadlettersCommand::Ls { nats, .. }
+        | DeadlettersCommand::Show { nats, .. }
+        | DeadlettersCommand::Replay { nats, .. } => nats,
+    };
+    let subjects = nats.subjects()?;
+    let client = nats.connect("toolfleet-deadletters").await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let mut stream = dead_letter_stream(&js, &subjects).await?;
+    let stream = &mut stream;
+    match command {
+        DeadlettersCommand::Ls { limit, output, .. } => {
+            let state = stream.info().await?.state.clone();
+            let mut rows = Vec::new();
+            let mut seq = state.last_sequence;
+            while seq >= state.first_sequence && seq > 0 && rows.len() < limit {
+                if let Some((dead, time)) = dead_letter_at(stream, seq).await? {
+                    rows.push((seq, time, dead));
+                }
+                seq -= 1;
+            }
+            match output {
+                Output::Json => {
+                    let json: Vec<serde_json::Value> = rows
+                        .iter()
+                        .map(|(seq, time, dead)| {
+                            let mut v = serde_json::to_value(dead).unwrap_or_default();
+                            v["seq"] = (*seq).into();
+                            v["time"] = time.clone().into();
+                            if let Some(o) = v.as_object_mut() {
+                                o.remove("job");
+                            }
+                            v
+                        })
+                        .collect();
+                    println!("{}", serde_json::to_string_pretty(&json)?);
+                }
+                Output::Text => {
+                    println!(
+                        "{:<6} {:<20} {:<5} {:<36} {:<22} {:<3} INVOCATION",
+                        "SEQ", "TIME", "KIND", "TOOL", "CODE", "TRY"
+                    );
+                    for (seq, time, dead) in &rows {
+                        println!(
+                            "{:<6} {:<20} {:<5} {:<36} {:<22} {:<3} {}",
+                            seq,
+                            time.get(..19).unwrap_or(time),
+                            dead.kind.as_str(),
+                            dead.tool_id.as_deref().unwrap_or("-"),
+                            dead.code,
+                            dead.attempts,
+                            dead.invocation_id.as_deref().unwrap_or("-")
+                        );
+                    }
+                    if rows.is_empty() {
+                        eprintln!("no dead letters");
+                    }
+                }
+            }
+            Ok(0)
+        }
+        DeadlettersCommand::Show { seq, .. } => match dead_letter_at(stream, seq).await? {
+            Some((dead, time)) => {
+                let mut v = serde_json::to_value(&dead)?;
+                v["seq"] = seq.into();
+                v["time"] = time.into();
+                println!("{}", serde_json::to_string_pretty(&v)?);
+                Ok(0)
+            }
+            None => {
+                eprintln!("no dead letter {seq} (it may have aged out)");
+                Ok(1)
+            }
+        },
+        DeadlettersCommand::Replay { seq, .. } => {
+            let Some((dead, _)) = dead_letter_at(stream, seq).await? else {
+                eprintln!("no dead letter {seq} (it may have aged out)");
+                return Ok(1);
+            };
+            let Some(job) = &dead.job else {
+                eprintln!(
+                    "dead letter {seq} kept no job to replay (its body was not a JSON object: {})",
+                    dead.code
+                );
+                return Ok(1);
+            };
+            let mut headers = async_nats::HeaderMap::new();
+            for (k, v) in &dead.headers {
+                if k != toolfleet_protocol::headers::NATS_MSG_ID {
+                    headers.insert(k.as_str(), v.as_str());
+                }
+            }
+            headers.insert(
+                toolfleet_protocol::headers::NATS_MSG_ID,
+                format!("replay-{}-{seq}", dead.stream_sequence).as_str(),
+            );
+            let subject = match dead.kind {
+                toolfleet_protocol::DeadLetterKind::Tool => {
+                    let Some(id) = dead
+                        .tool_id
+                        .as_deref()
+                        .and_then(|t| t.parse::<toolfleet_protocol::tools::ToolId>().ok())
+                    else {
+                        eprintln!("dead letter {seq} names no tool");
+                        return Ok(1);
+                    };
+                    let consumer = subjects.tool_consumer(&id);
+                    let tools = js.get_stream(subjects.tools_stream()).await?;
+                    if tools.consumer_info(&consumer).await.is_err() {
+                        eprintln!(
+                            "no worker serves {id} any more (its consumer {consumer} is gone): \
+                             not replayed"
+                        );
+                        return Ok(1);
+                    }
+                    subjects.tool(&id)
+                }
+                toolfleet_protocol::DeadLetterKind::Chat => {
+                    let tenant = dead
+                        .headers
+                        .get(toolfleet_protocol::headers::TENANT)
+                        .map_or(toolfleet_protocol::DEFAULT_TENANT, String::as_str);
+                    subjects.chat_submit(tenant)
+                }
+            };
+            let ack = js
+                .publish_with_headers(subject.clone(), headers, serde_json::to_vec(job)?.into())
+                .await?
+                .await?;
+            println!(
+                "dead letter {seq} replayed to {subject} (stream sequence {})",
+                ack.sequence
+            );
+            Ok(0)
+        }
+    }
 }
 
 /// `toolfleet cancel`: see [`Command::Cancel`].

@@ -6,6 +6,7 @@ mod binaries;
 mod chat_cli;
 mod clients;
 mod compaction;
+mod deadletters;
 mod delivery;
 mod health;
 mod layout;
@@ -336,7 +337,7 @@ async fn malformed_chat_jobs_end_in_an_error_event_or_a_dead_letter_and_the_flee
     outcome.expect("a good job after bad ones completes");
     let text = env.metrics_text().await;
     assert!(
-        text.contains("toolfleet_dead_letters_total{kind=\"chat\"} 2"),
+        text.contains("toolfleet_dead_letters_total{kind=\"chat\",tool=\"\"} 2"),
         "{text}"
     );
     assert!(
@@ -501,7 +502,9 @@ async fn a_dead_store_ends_in_a_dead_letter_and_an_error_result() {
         "{text}"
     );
     assert!(
-        text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"),
+        text.contains(
+            "toolfleet_dead_letters_total{kind=\"tool\",tool=\"retrieval:search_data_sources@1.0.0\"} 1"
+        ),
         "{text}"
     );
 }

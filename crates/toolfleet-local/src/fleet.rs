@@ -136,15 +136,19 @@ mod tests {
         );
         // Registering twice on one registry is an error, not a silent double.
         assert!(dead_letters(&r).is_err());
-        o.dead_letters.with_label_values(&["chat"]).inc();
-        w.dead_letters.with_label_values(&["tool"]).inc();
+        o.dead_letters.with_label_values(&["chat", ""]).inc();
+        w.dead_letters
+            .with_label_values(&["tool", "system:current_datetime@1.0.0"])
+            .inc();
         let text = render(&r);
         assert!(
-            text.contains("toolfleet_dead_letters_total{kind=\"chat\"} 1"),
+            text.contains("toolfleet_dead_letters_total{kind=\"chat\",tool=\"\"} 1"),
             "{text}"
         );
         assert!(
-            text.contains("toolfleet_dead_letters_total{kind=\"tool\"} 1"),
+            text.contains(
+                "toolfleet_dead_letters_total{kind=\"tool\",tool=\"system:current_datetime@1.0.0\"} 1"
+            ),
             "{text}"
         );
     }

@@ -63,6 +63,9 @@ pub(crate) async fn chat_consumer(
     toolfleet_protocol::streams::ensure_events_stream(js, subjects)
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_dead_letters_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     let config = pull::Config {
         durable_name: Some(subjects.chat_consumer()),
         // The stream holds chat jobs only (`<p>.chat.submit.<tenant>`): no
@@ -654,11 +657,12 @@ async fn dead_letter(
         error: rejection.error,
         headers: dead_letter_headers(msg.headers.as_ref()),
         raw_headers: None,
+        job: toolfleet_protocol::dead_letter_job(&msg.payload),
     };
     fleet
         .metrics
         .dead_letters
-        .with_label_values(&["chat"])
+        .with_label_values(&["chat", ""])
         .inc();
     let _ = fleet
         .client
@@ -736,11 +740,12 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         error,
         headers: Default::default(),
         raw_headers: Some(poison.raw_headers),
+        job: None,
     };
     fleet
         .metrics
         .dead_letters
-        .with_label_values(&["chat"])
+        .with_label_values(&["chat", ""])
         .inc();
     let _ = fleet
         .client

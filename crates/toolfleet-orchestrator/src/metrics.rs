@@ -153,6 +153,8 @@ impl OrchestratorMetrics {
             "Model calls moved to the profile's next deployment after a failure before any output.",
             &["from", "to"],
         )?;
+        // The first dead letter must be an increase.
+        dead_letters.with_label_values(&["chat", ""]);
         Ok(Self {
             tool_backlog,
             tool_jobs_pending_ack,

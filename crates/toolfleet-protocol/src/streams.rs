@@ -100,6 +100,41 @@ pub async fn ensure_events_stream(
     Ok(stream)
 }
 
+/// How long dead letters are kept.
+pub const DEAD_LETTERS_MAX_AGE: Duration = Duration::from_secs(14 * 24 * 3600);
+/// The most bytes of dead letters kept (oldest first out).
+pub const DEAD_LETTERS_MAX_BYTES: i64 = 256 * 1024 * 1024;
+
+/// Creates the dead-letter stream if it does not exist: a limits stream
+/// over `<prefix>.deadletter.>` (workers and orchestrators publish dead
+/// letters there on core NATS), kept [`DEAD_LETTERS_MAX_AGE`] and at most
+/// [`DEAD_LETTERS_MAX_BYTES`], file storage: what `toolfleet deadletters`
+/// lists, shows and replays.
+pub async fn ensure_dead_letters_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<stream::Stream, StreamError> {
+    let name = subjects.dead_letters_stream();
+    let subject = subjects.dead_letters_all();
+    let stream = js
+        .get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            max_age: DEAD_LETTERS_MAX_AGE,
+            max_bytes: DEAD_LETTERS_MAX_BYTES,
+            discard: stream::DiscardPolicy::Old,
+            num_replicas: default_replicas(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+    check_subjects(stream.cached_info(), &subject)?;
+    check_replicas(stream.cached_info());
+    Ok(stream)
+}
+
 /// Creates the tool-job stream if it does not exist.
 pub async fn ensure_tools_stream(
     js: &jetstream::Context,

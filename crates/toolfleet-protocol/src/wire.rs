@@ -167,6 +167,17 @@ impl Subjects {
     }
 
     /// Every invocation's events, of every tenant.
+    /// The limits stream that keeps dead letters for inspection and
+    /// replay (`TOOLFLEET_DEADLETTERS`).
+    pub fn dead_letters_stream(&self) -> String {
+        format!("{}_DEADLETTERS", self.stream_stem())
+    }
+
+    /// Every dead letter: `<prefix>.deadletter.>`.
+    pub fn dead_letters_all(&self) -> String {
+        format!("{}.deadletter.>", self.prefix)
+    }
+
     pub fn chat_events_all(&self) -> String {
         format!("{}.chat.events.>", self.prefix)
     }
@@ -1059,6 +1070,24 @@ pub struct DeadLetter {
     /// a message whose headers could not be read (`unreadable_headers`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raw_headers: Option<String>,
+    /// The dead job's body, for `toolfleet deadletters replay`: a JSON
+    /// object, a tool job's `settings` removed (they may hold secrets).
+    /// Absent when the body was not a JSON object.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<Value>,
+}
+
+/// The body of a dead job as a dead letter keeps it ([`DeadLetter::job`]):
+/// the JSON object without `settings`, or `None` when it is not one.
+#[must_use]
+pub fn dead_letter_job(body: &[u8]) -> Option<Value> {
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(mut job)) => {
+            job.remove("settings");
+            Some(Value::Object(job))
+        }
+        _ => None,
+    }
 }
 
 // ---------------------------------------------------------------------------

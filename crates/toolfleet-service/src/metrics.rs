@@ -41,14 +41,17 @@ pub fn histogram(
     Ok(h)
 }
 
-/// `toolfleet_dead_letters_total{kind}`: registered once per registry and
-/// shared by the orchestrator (`chat`) and the workers (`tool`) of a process.
+/// `toolfleet_dead_letters_total{kind, tool}`: registered once per
+/// registry and shared by the orchestrator (`kind="chat"`, `tool=""`) and
+/// the workers (`kind="tool"`, the tool's id) of a process. Each process
+/// starts its own series at zero, so the first dead letter is an increase
+/// an alert sees.
 pub fn dead_letters(r: &Registry) -> prometheus::Result<IntCounterVec> {
     counter(
         r,
         "toolfleet_dead_letters_total",
-        "Jobs terminated and published as dead letters, by kind (tool, chat).",
-        &["kind"],
+        "Jobs terminated and published as dead letters, by kind (tool, chat) and tool (empty for chat jobs).",
+        &["kind", "tool"],
     )
 }
 

@@ -516,7 +516,11 @@ impl Worker {
                     let stats = ToolStats {
                         in_flight: metrics.tool_jobs_in_flight.with_label_values(&label),
                         duration: metrics.tool_job_duration.with_label_values(&label),
-                        ok: metrics.tool_jobs.with_label_values(&[t.label(), "ok"]),
+                        ok: {
+                            // The first dead letter must be an increase.
+                            metrics.dead_letters.with_label_values(&["tool", t.label()]);
+                            metrics.tool_jobs.with_label_values(&[t.label(), "ok"])
+                        },
                     };
                     (t.label().to_string(), stats)
                 })
@@ -1066,11 +1070,12 @@ async fn handle_jetstream(
         error: failure.message,
         headers: toolfleet_protocol::dead_letter_headers(Some(headers)),
         raw_headers: None,
+        job: toolfleet_protocol::dead_letter_job(&msg.payload),
     };
     shared
         .metrics
         .dead_letters
-        .with_label_values(&["tool"])
+        .with_label_values(&["tool", tool.label()])
         .inc();
     let _ = shared
         .client
@@ -1132,13 +1137,14 @@ async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: toolfleet_servic
         attempts: 1,
         code: "unreadable_headers".into(),
         error: message,
+        job: None,
         headers: Default::default(),
         raw_headers: Some(poison.raw_headers),
     };
     shared
         .metrics
         .dead_letters
-        .with_label_values(&["tool"])
+        .with_label_values(&["tool", tool.label()])
         .inc();
     let _ = shared
         .client
