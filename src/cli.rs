@@ -331,6 +331,10 @@ pub enum DeadlettersCommand {
     Replay {
         /// Its sequence in the dead-letter stream (from `ls`).
         seq: u64,
+        /// For a chat job: the tenant to submit it as again (a dead letter
+        /// does not keep the submit subject's tenant).
+        #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
+        tenant: String,
         #[command(flatten)]
         nats: NatsArgs,
     },
@@ -1058,7 +1062,7 @@ async fn deadletters(command: DeadlettersCommand) -> anyhow::Result<i32> {
                 Ok(1)
             }
         },
-        DeadlettersCommand::Replay { seq, .. } => {
+        DeadlettersCommand::Replay { seq, tenant, .. } => {
             let Some((dead, _)) = dead_letter_at(stream, seq).await? else {
                 eprintln!("no dead letter {seq} (it may have aged out)");
                 return Ok(1);
@@ -1072,7 +1076,13 @@ async fn deadletters(command: DeadlettersCommand) -> anyhow::Result<i32> {
             };
             let mut headers = async_nats::HeaderMap::new();
             for (k, v) in &dead.headers {
-                if k != toolfleet_protocol::headers::NATS_MSG_ID {
+                // A fresh run: no old message id, deadline or attempt.
+                let stale = [
+                    toolfleet_protocol::headers::NATS_MSG_ID,
+                    toolfleet_protocol::headers::DEADLINE,
+                    toolfleet_protocol::headers::ATTEMPT,
+                ];
+                if !stale.contains(&k.as_str()) {
                     headers.insert(k.as_str(), v.as_str());
                 }
             }
@@ -1102,11 +1112,13 @@ async fn deadletters(command: DeadlettersCommand) -> anyhow::Result<i32> {
                     subjects.tool(&id)
                 }
                 toolfleet_protocol::DeadLetterKind::Chat => {
-                    let tenant = dead
-                        .headers
-                        .get(toolfleet_protocol::headers::TENANT)
-                        .map_or(toolfleet_protocol::DEFAULT_TENANT, String::as_str);
-                    subjects.chat_submit(tenant)
+                    // The tenant is the submit subject's, which a dead
+                    // letter does not keep: the operator names it.
+                    if !toolfleet_protocol::valid_tenant(&tenant) {
+                        eprintln!("--tenant {tenant:?} is not 1-64 of [A-Za-z0-9_-]");
+                        return Ok(toolfleet_service::args::EXIT_CONFIG);
+                    }
+                    subjects.chat_submit(&tenant)
                 }
             };
             let ack = js

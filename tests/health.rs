@@ -213,28 +213,31 @@ async fn a_pool_without_workers_shows_its_backlog() {
     let system = || toolfleet_worker_system::worker(&defs).unwrap();
     let worker = env.start_worker(system()).await;
     let tool = "system:current_datetime@1.0.0";
-    let gauge = |text: &str, name: &str| -> Option<i64> {
+    let gauge = |text: &str, name: &str| -> i64 {
         let prefix = format!("{name}{{tool=\"{tool}\"}} ");
         text.lines()
             .find_map(|l| l.strip_prefix(&prefix))
             .and_then(|v| v.parse().ok())
+            .unwrap_or(-1)
     };
+    // (live workers, jobs queued or held): a worker that stopped may have
+    // had a pull outstanding, so a job can sit "held" until its ack wait
+    // ends; queued and held together are what waits for a worker.
     let until_gauges = |want: (i64, i64)| {
         let env = &env;
         async move {
             let deadline = tokio::time::Instant::now() + WAIT;
             loop {
                 let text = env.metrics_text().await;
-                let seen = (
-                    gauge(&text, "toolfleet_tool_live_workers"),
-                    gauge(&text, "toolfleet_tool_backlog"),
-                );
-                if seen == (Some(want.0), Some(want.1)) {
+                let backlog = gauge(&text, "toolfleet_tool_backlog");
+                let held = gauge(&text, "toolfleet_tool_jobs_pending_ack");
+                let seen = (gauge(&text, "toolfleet_tool_live_workers"), backlog + held);
+                if backlog >= 0 && held >= 0 && seen == want {
                     return;
                 }
                 assert!(
                     tokio::time::Instant::now() < deadline,
-                    "workers/backlog never became {want:?}: {seen:?}"
+                    "workers/waiting never became {want:?}: {seen:?}"
                 );
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }

@@ -291,7 +291,10 @@ impl SettingsFile {
                         }
                     })
                     .collect();
-                return Err(err(lines.join("; ")));
+                // A message about the whole object may quote it, secrets
+                // and all: scrub them whatever the path.
+                let scrubber = Scrubber::new(secret_values.values().cloned());
+                return Err(err(scrubber.text(&lines.join("; "))));
             }
         }
         let Value::Object(values) = object else {
@@ -743,6 +746,22 @@ mod tests {
             e.0.contains("\"braveApiKey\" is not valid") && !e.0.contains("canary"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_refusal_of_the_whole_object_does_not_quote_its_secret() {
+        let mut value = serde_json::to_value(definition()).unwrap();
+        value["settingsSchema"]["not"] = json!({"required": ["braveApiKey"]});
+        let def = ToolDefinition::from_value(
+            value,
+            toolfleet_protocol::tools::Origin::Named("test".into()),
+        )
+        .unwrap();
+        let e = SettingsFile::empty()
+            .tool(&def, &env(&[("TOOLFLEET_WEB_SEARCH_BRAVE_API_KEY", "canary-root-42")]))
+            .unwrap_err();
+        assert!(!e.0.contains("canary-root-42"), "{e}");
+        assert!(e.0.contains("[redacted]") || e.0.contains("not"), "{e}");
     }
 
     #[test]

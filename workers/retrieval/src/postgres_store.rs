@@ -199,15 +199,22 @@ impl PostgresStore {
         if !has_column {
             client
                 .batch_execute(&format!(
-                    "ALTER TABLE {items} ADD COLUMN IF NOT EXISTS vec vector;
-                     UPDATE {items} SET vec = embedding::vector
-                     WHERE embedding IS NOT NULL AND vec IS NULL
-                       AND cardinality(embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
-                       AND array_position(embedding, NULL) IS NULL;"
+                    "ALTER TABLE {items} ADD COLUMN IF NOT EXISTS vec vector;"
                 ))
                 .await
                 .map_err(pg("adding the vector column"))?;
         }
+        // Rows written without the column filled (before the extension, or
+        // by a worker that runs without it) are filled at every connect.
+        client
+            .batch_execute(&format!(
+                "UPDATE {items} SET vec = embedding::vector
+                 WHERE embedding IS NOT NULL AND vec IS NULL
+                   AND cardinality(embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
+                   AND array_position(embedding, NULL) IS NULL;"
+            ))
+            .await
+            .map_err(pg("filling the vector column"))?;
         let version: String = client
             .query_one(
                 "SELECT extversion FROM pg_extension WHERE extname = 'vector'",

@@ -18,6 +18,9 @@ pub struct Page {
     pub links: Vec<(String, String)>,
 }
 
+/// The deepest element whose text is read.
+pub const MAX_DEPTH: usize = 256;
+
 /// The most links kept from one page.
 pub const MAX_LINKS: usize = 50;
 
@@ -117,7 +120,7 @@ pub fn readable(html: &str, base: &Url) -> Page {
         links: Vec::new(),
         base,
     };
-    walker.walk(root);
+    walker.walk(root, 0);
     walker.end_line();
     let mut text = String::new();
     let mut blank = false;
@@ -156,7 +159,12 @@ impl Walker<'_> {
         }
     }
 
-    fn walk(&mut self, element: ElementRef<'_>) {
+    fn walk(&mut self, element: ElementRef<'_>, depth: usize) {
+        // A hostile page nests without end: past this depth its text is
+        // not read (no real page nests so deep; the stack stays bounded).
+        if depth > MAX_DEPTH {
+            return;
+        }
         for child in element.children() {
             match child.value() {
                 Node::Text(text) => self.line.push_str(text),
@@ -182,7 +190,7 @@ impl Walker<'_> {
                     if name == "a" {
                         self.link(child);
                     }
-                    self.walk(child);
+                    self.walk(child, depth + 1);
                     if block {
                         self.end_line();
                         if matches!(
@@ -289,6 +297,24 @@ mod tests {
         );
         let article = readable("<body>menu<article><p>Story</p></article></body>", &base());
         assert_eq!(article.text, "Story");
+    }
+
+    #[test]
+    fn a_page_nested_without_end_is_read_without_overflowing_the_stack() {
+        let depth = 20_000;
+        let html = format!(
+            "<p>top</p>{}deep{}",
+            "<div>".repeat(depth),
+            "</div>".repeat(depth)
+        );
+        // On a small stack, as a worker thread has.
+        let page = std::thread::Builder::new()
+            .stack_size(1024 * 1024)
+            .spawn(move || readable(&html, &Url::parse("https://x.example/").unwrap()))
+            .unwrap()
+            .join()
+            .expect("no stack overflow");
+        assert_eq!(page.text, "top");
     }
 
     #[test]

@@ -274,11 +274,23 @@ impl Fetcher {
 
     async fn follow(&self, request: &Request, limits: &Limits) -> Result<Fetched, FetchError> {
         let mut target = self.policy.check_url(&request.url)?;
+        let origin = target.url.origin();
+        let bare = Request {
+            url: request.url.clone(),
+            headers: Vec::new(),
+        };
         let mut seen: HashSet<String> = HashSet::new();
         let mut redirects = 0u32;
         loop {
             seen.insert(target.url.as_str().to_owned());
-            let response = self.exchange(&target, request, limits).await?;
+            // The caller's headers (an API key) go only to the origin they
+            // were meant for, never along a redirect elsewhere.
+            let sent = if target.url.origin() == origin {
+                request
+            } else {
+                &bare
+            };
+            let response = self.exchange(&target, sent, limits).await?;
             let Exchanged::Redirect(location) = response else {
                 let Exchanged::Done(fetched) = response else {
                     unreachable!()

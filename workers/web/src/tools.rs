@@ -500,43 +500,56 @@ impl ReadPage {
             .await
             .map_err(fetch_error)?;
         if !(200..300).contains(&fetched.status) {
-            let message = format!("{} answered HTTP {}", fetched.url, fetched.status);
-            return Err(if fetched.status == 429 || fetched.status >= 500 {
-                ToolError::transient(message)
-            } else {
-                ToolError::coded("http_status", message)
-            });
+            // The page's own answer: the model reads it at once (a retry
+            // through the queue would only delay a 404 or a busy site).
+            return Err(ToolError::coded(
+                "http_status",
+                format!("{} answered HTTP {}", fetched.url, fetched.status),
+            ));
         }
-        let raw = fetched.text();
-        let (title, text, links) = match fetched.content_type.as_deref() {
-            Some("text/plain") => (
-                None,
-                raw.lines()
-                    .map(one_line)
-                    .collect::<Vec<_>>()
-                    .join("\n")
-                    .trim()
-                    .to_owned(),
-                Vec::new(),
-            ),
-            _ => {
-                let page = readable(&raw, &fetched.url);
-                (page.title, page.text, page.links)
-            }
-        };
         let max = args
             .max_tokens
             .unwrap_or(self.max_tokens)
             .min(self.max_tokens);
-        let (text, truncated) = cap_tokens(&text, max);
-        let url = fetched.url.to_string();
+        let final_url = fetched.url.clone();
+        // Parsing and token counting are CPU work on up to maxBytes: off
+        // the async threads, and on a byte budget the token cap needs.
+        let (title, text, links, truncated) = tokio::task::spawn_blocking(move || {
+            let raw = fetched.text();
+            let (title, text, links) = match fetched.content_type.as_deref() {
+                Some("text/plain") => (
+                    None,
+                    raw.lines()
+                        .map(one_line)
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                        .trim()
+                        .to_owned(),
+                    Vec::new(),
+                ),
+                _ => {
+                    let page = readable(&raw, &fetched.url);
+                    (page.title, page.text, page.links)
+                }
+            };
+            let budget = max.saturating_mul(16);
+            let (text, cut) = match text.char_indices().nth(budget) {
+                Some((at, _)) => (text[..at].to_owned(), true),
+                None => (text, false),
+            };
+            let (text, truncated) = cap_tokens(&text, max);
+            (title, text, links, truncated || cut)
+        })
+        .await
+        .map_err(|e| ToolError::failed(format!("reading the page failed: {e}")))?;
+        let url = final_url.to_string();
         let title = title.unwrap_or_else(|| url.clone());
         let snippet: String = text.chars().take(200).collect();
         let reference = ctx
             .cite(vec![NewReference {
                 kind: "web".into(),
                 title: title.clone(),
-                source: fetched.url.host_str().map(str::to_owned),
+                source: final_url.host_str().map(str::to_owned),
                 url: Some(url.clone()),
                 snippet: (!snippet.is_empty()).then_some(snippet),
             }])

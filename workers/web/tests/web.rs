@@ -408,7 +408,7 @@ async fn bad_pages_are_clear_errors_within_the_deadline_and_the_tool_keeps_servi
         ),
         ("/image", "unsupported_content_type", "is image/png"),
         ("/missing", "http_status", "answered HTTP 404"),
-        ("/busy", "transient_failure", "answered HTTP 503"),
+        ("/busy", "http_status", "answered HTTP 503"),
         ("/trickle", "timeout", "did not arrive within 2.0 s"),
     ] {
         let started = Instant::now();
@@ -424,10 +424,10 @@ async fn bad_pages_are_clear_errors_within_the_deadline_and_the_tool_keeps_servi
     assert!(read(&ctx, &def, &tool, "file:///etc/passwd").await.is_err());
     for (outcome, n) in [
         ("blocked", 3),
-        ("failed", 2),
+        ("failed", 1),
         ("too_large", 2),
         ("unsupported", 1),
-        ("http_error", 1),
+        ("http_error", 2),
         ("timeout", 1),
         ("ok", 1),
     ] {
@@ -680,6 +680,58 @@ async fn search_backends_answer_results_with_references_or_clear_errors() {
         .unwrap_err();
     assert_eq!(e.code(), "timeout", "{e}");
     assert!(started.elapsed() < Duration::from_secs(15));
+
+    // A redirect to another origin does not carry the key along.
+    let seen = Arc::new(Mutex::new(Vec::<String>::new()));
+    let seen_by_other = seen.clone();
+    let other = serve(Router::new().route(
+        "/elsewhere",
+        get(move |headers: HeaderMap| {
+            let seen = seen_by_other.clone();
+            async move {
+                seen.lock().unwrap().push(
+                    headers
+                        .get("x-subscription-token")
+                        .map(|v| v.to_str().unwrap_or_default().to_owned())
+                        .unwrap_or_default(),
+                );
+                axum::Json(json!({"web": {"results": []}}))
+            }
+        }),
+    ))
+    .await;
+    let hop = serve(Router::new().route(
+        "/brave",
+        get(move || async move {
+            (
+                StatusCode::FOUND,
+                [(
+                    header::LOCATION,
+                    format!("http://127.0.0.1:{}/elsewhere", other.port()),
+                )],
+            )
+        }),
+    ))
+    .await;
+    let (def, tool) = search_tool(
+        &net,
+        &format!(
+            "[\"web:search\"]\nbackend = \"brave\"\nbraveUrl = \"http://127.0.0.1:{}/brave\"\nallowHosts = [\"127.0.0.1:{}\"]\n",
+            hop.port(),
+            other.port()
+        ),
+        &[("TOOLFLEET_WEB_SEARCH_BRAVE_API_KEY", key)],
+    );
+    let out = ctx
+        .call_checked(&def, &tool, json!({"query": "bees"}))
+        .await
+        .unwrap();
+    assert_eq!(out.data.unwrap()["results"], json!([]));
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [String::new()],
+        "the key went along the redirect"
+    );
 
     // The backend's own host is allowed; the results are never fetched.
     assert!(net.recorder.outside_loopback().is_empty());
