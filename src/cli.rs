@@ -1004,8 +1004,11 @@ async fn deadletters(command: DeadlettersCommand) -> anyhow::Result<i32> {
             let mut rows = Vec::new();
             let mut seq = state.last_sequence;
             while seq >= state.first_sequence && seq > 0 && rows.len() < limit {
-                if let Some((dead, time)) = dead_letter_at(stream, seq).await? {
-                    rows.push((seq, time, dead));
+                match dead_letter_at(stream, seq).await {
+                    Ok(Some((dead, time))) => rows.push((seq, time, dead)),
+                    Ok(None) => {}
+                    // One unreadable record does not hide the others.
+                    Err(e) => eprintln!("{e:#}"),
                 }
                 seq -= 1;
             }

@@ -758,7 +758,10 @@ mod tests {
         )
         .unwrap();
         let e = SettingsFile::empty()
-            .tool(&def, &env(&[("TOOLFLEET_WEB_SEARCH_BRAVE_API_KEY", "canary-root-42")]))
+            .tool(
+                &def,
+                &env(&[("TOOLFLEET_WEB_SEARCH_BRAVE_API_KEY", "canary-root-42")]),
+            )
             .unwrap_err();
         assert!(!e.0.contains("canary-root-42"), "{e}");
         assert!(e.0.contains("[redacted]") || e.0.contains("not"), "{e}");

@@ -175,6 +175,11 @@ mod tests {
                 "http or https",
             ),
             (
+                "[\"web:search\"]\nbackend = \"searxng\"\nsearxngUrl = \"http://u:canary-pw@searx/\"\n",
+                vec![],
+                "must not hold credentials",
+            ),
+            (
                 "[\"web:read_page\"]\ntimeoutMs = 40000\n",
                 vec![],
                 "must be shorter than the tool's timeoutMs 30000",

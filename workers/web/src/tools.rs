@@ -225,6 +225,11 @@ impl WebSearch {
             if !matches!(url.scheme(), "http" | "https") {
                 return Err(bad(format!("{name} must be an http or https URL")));
             }
+            if !url.username().is_empty() || url.password().is_some() {
+                return Err(bad(format!(
+                    "{name} must not hold credentials (every request would be refused)"
+                )));
+            }
             Ok(Some(url))
         };
         let backend_name: String = required(s, "backend")?;
@@ -258,10 +263,8 @@ impl WebSearch {
         let endpoint = backend.endpoint();
         let host = endpoint.host_str().unwrap_or_default().to_ascii_lowercase();
         let port = endpoint.port_or_known_default().unwrap_or(443);
+        // `host:port` allows that port for that host only.
         policy.allow_hosts.push(format!("{host}:{port}"));
-        if !policy.allowed_ports.contains(&port) {
-            policy.allowed_ports.push(port);
-        }
         Ok(Self {
             fetcher: fetcher(s, policy, resolver, dialer)?,
             limits: Limits {
