@@ -290,7 +290,8 @@ impl ToolCtx {
     /// to [`MAX_WARNING_CHARS`]) and runs the `on_warning` hooks. `code` is
     /// `snake_case`, e.g. `fallback`.
     pub fn warning(&self, code: &str, message: &str) {
-        let mut message = message.to_owned();
+        // Scrubbed before it is cut, so no part of a secret survives.
+        let mut message = self.hooks.scrubber().text(message);
         if let Some((cut, _)) = message.char_indices().nth(MAX_WARNING_CHARS) {
             message.truncate(cut);
             message.push('…');

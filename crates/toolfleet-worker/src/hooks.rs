@@ -131,6 +131,32 @@ impl Hooks for ProviderConfidence {
     }
 }
 
+/// `error` with the worker's secrets scrubbed from its message.
+fn scrubbed(error: &ToolError, s: &Scrubber) -> ToolError {
+    if s.is_empty() {
+        return error.clone();
+    }
+    match error {
+        ToolError::InvalidInput(m) => ToolError::InvalidInput(s.text(m)),
+        ToolError::Blocked(m) => ToolError::Blocked(s.text(m)),
+        ToolError::Failed { message, retryable } => ToolError::Failed {
+            message: s.text(message),
+            retryable: *retryable,
+        },
+        ToolError::Timeout(m) => ToolError::Timeout(s.text(m)),
+        ToolError::Cancelled(m) => ToolError::Cancelled(s.text(m)),
+        ToolError::Coded {
+            code,
+            message,
+            retryable,
+        } => ToolError::Coded {
+            code,
+            message: s.text(message),
+            retryable: *retryable,
+        },
+    }
+}
+
 /// The hooks of a worker, in order: the built-in policies, then the
 /// author's; and the secrets scrubbed from everything the worker
 /// publishes.
@@ -163,7 +189,8 @@ impl HookSet {
     }
 
     pub(crate) fn on_error(&self, call: &CallContext, error: &ToolError) {
-        self.0.iter().for_each(|h| h.on_error(call, error));
+        let error = scrubbed(error, &self.1);
+        self.0.iter().for_each(|h| h.on_error(call, &error));
     }
 
     pub(crate) fn on_fallback(&self, call: &CallContext, from: &str, to: &str, reason: &str) {
@@ -185,9 +212,11 @@ impl HookSet {
     }
 
     pub(crate) fn on_attempt_error(&self, call: &CallContext, backend: &str, error: &str) {
+        // Hooks log: they see the error as published, secrets scrubbed.
+        let error = self.1.text(error);
         self.0
             .iter()
-            .for_each(|h| h.on_attempt_error(call, backend, error));
+            .for_each(|h| h.on_attempt_error(call, backend, &error));
     }
 
     pub(crate) fn on_warning(&self, call: &CallContext, warning: &ToolWarning) {

@@ -767,6 +767,42 @@ mod tests {
         assert!(e.0.contains("[redacted]") || e.0.contains("not"), "{e}");
     }
 
+    #[tokio::test]
+    async fn hooks_and_warnings_see_secrets_scrubbed() {
+        use std::sync::{Arc, Mutex};
+        #[derive(Default)]
+        struct Seen(Mutex<Vec<String>>);
+        struct Recorder(Arc<Seen>);
+        impl crate::Hooks for Recorder {
+            fn on_attempt_error(&self, _: &toolfleet_protocol::CallContext, _: &str, error: &str) {
+                self.0.0.lock().unwrap().push(error.to_owned());
+            }
+            fn on_warning(
+                &self,
+                _: &toolfleet_protocol::CallContext,
+                warning: &toolfleet_protocol::ToolWarning,
+            ) {
+                self.0.0.lock().unwrap().push(warning.message.clone());
+            }
+        }
+        let seen = Arc::new(Seen::default());
+        let secret = Secret::new("canary-hook-77");
+        let ctx = crate::TestCtx::new()
+            .with_secrets([&secret])
+            .with_hooks(Recorder(seen.clone()))
+            .ctx();
+        ctx.attempt_failed("backend", "401: invalid token canary-hook-77");
+        ctx.warning("w", &format!("{}canary-hook-77", "x".repeat(995)));
+        let seen = seen.0.lock().unwrap().clone();
+        assert_eq!(seen.len(), 2);
+        assert!(
+            seen.iter()
+                .all(|t| !t.contains("canary") && !t.contains("canary-h")),
+            "{seen:?}"
+        );
+        assert!(seen[0].contains("[redacted]"), "{seen:?}");
+    }
+
     #[test]
     fn variable_names_are_upper_snake_case() {
         assert_eq!(
