@@ -56,21 +56,7 @@ async fn a_dead_tool_job_is_listed_shown_and_replayed_after_the_fix() {
     .await;
     // A tool whose backend is down: one attempt, then dead.
     let dir = tempfile::tempdir().unwrap();
-    let mut def: Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            support::root().join("tool_definitions/system.current_datetime.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let map = def.as_object_mut().unwrap();
-    map.remove("$schema");
-    map.remove("outputSchema");
-    def["id"] = json!("testing:flaky@1.0.0");
-    def["implementationKey"] = json!("testing.flaky");
-    def["function"]["name"] = json!("flaky");
-    let path = dir.path().join("testing.flaky.json");
-    std::fs::write(&path, def.to_string()).unwrap();
+    let path = support::renamed_definition(dir.path(), "testing", "flaky");
     let fixed = Arc::new(AtomicBool::new(false));
     let answered = Arc::new(AtomicU32::new(0));
     let worker = Worker::builder("testing")

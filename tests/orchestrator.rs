@@ -268,22 +268,7 @@ impl Tool for SlowClock {
 /// The shipped `current_datetime` definition, renamed so no shipped
 /// family serves it.
 fn slow_clock_definition(dir: &std::path::Path) -> std::path::PathBuf {
-    let mut def: Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            support::root().join("tool_definitions/system.current_datetime.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    let def_map = def.as_object_mut().unwrap();
-    def_map.remove("$schema");
-    def_map.remove("outputSchema");
-    def["id"] = json!("testing:slow_clock@1.0.0");
-    def["implementationKey"] = json!("testing.slow_clock");
-    def["function"]["name"] = json!("slow_clock");
-    let path = dir.join("testing.slow_clock.json");
-    std::fs::write(&path, def.to_string()).unwrap();
-    path
+    support::renamed_definition(dir, "testing", "slow_clock")
 }
 
 /// A tool's `progress` messages reach the chat client as `tool_progress`

@@ -513,3 +513,24 @@ pub const RETRIEVAL_TOOLS: [&str; 9] = [
     "search_data_sources",
     "search_documents",
 ];
+
+/// A test tool's definition file in `dir`: the shipped
+/// `system:current_datetime` one renamed to `<ns>:<name>@1.0.0`
+/// (implementation key `<ns>.<name>`, function `<name>`), without its
+/// output schema.
+pub fn renamed_definition(dir: &Path, ns: &str, name: &str) -> PathBuf {
+    let mut def: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("tool_definitions/system.current_datetime.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    let map = def.as_object_mut().unwrap();
+    map.remove("$schema");
+    map.remove("outputSchema");
+    def["id"] = serde_json::json!(format!("{ns}:{name}@1.0.0"));
+    def["implementationKey"] = serde_json::json!(format!("{ns}.{name}"));
+    def["function"]["name"] = serde_json::json!(name);
+    let path = dir.join(format!("{ns}.{name}.json"));
+    std::fs::write(&path, def.to_string()).unwrap();
+    path
+}
