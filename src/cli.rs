@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tracing::Instrument;
 
 use toolfleet_llm::args::LlmArgs;
 use toolfleet_local::fleet::FleetSpec;
@@ -27,6 +28,8 @@ use toolfleet_protocol::{ChatEvent, ChatEventBody};
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    #[command(flatten)]
+    pub telemetry: toolfleet_service::telemetry::TelemetryArgs,
 }
 
 // Parsed once per process: the size difference between variants is
@@ -691,10 +694,23 @@ async fn chat(args: ChatArgs) -> anyhow::Result<i32> {
     job.tenant = Some(args.tenant.clone());
     job.profile = args.profile.clone();
     job.user = args.user.clone();
+    // The trace starts here: the orchestrator's and the workers' spans are
+    // its children (exported when an OTLP endpoint is configured).
+    let span = tracing::info_span!(
+        "chat",
+        otel.name = "chat toolfleet",
+        otel.kind = "producer",
+        invocation_id = %job.invocation_id,
+    );
+    job.traceparent = Some(
+        toolfleet_service::telemetry::traceparent(&span, None)
+            .unwrap_or_else(toolfleet_service::telemetry::new_traceparent),
+    );
     if args.json {
         let result = ask(&client, &subjects, &job, timeout, |e| {
             println!("{}", serde_json::to_string(e).unwrap_or_default());
         })
+        .instrument(span)
         .await;
         return Ok(match result {
             Ok(_) => 0,
@@ -707,7 +723,9 @@ async fn chat(args: ChatArgs) -> anyhow::Result<i32> {
     }
     let mut progress = Progress::new();
     progress.tick();
-    let result = ask(&client, &subjects, &job, timeout, |e| progress.event(e)).await;
+    let result = ask(&client, &subjects, &job, timeout, |e| progress.event(e))
+        .instrument(span)
+        .await;
     progress.clear();
     match result {
         Ok(outcome) => {

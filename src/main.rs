@@ -46,7 +46,11 @@ async fn main() {
             | toolfleet::cli::Command::Tools { .. }
             | toolfleet::cli::Command::Blob { .. }
     );
-    toolfleet_service::args::init_tracing_with(if interactive { "warn" } else { "info" });
+    let telemetry = toolfleet_service::telemetry::init(
+        "toolfleet",
+        if interactive { "warn" } else { "info" },
+        &cli.telemetry,
+    );
     let code = match toolfleet::cli::run(cli).await {
         Ok(code) => code,
         Err(e) => {
@@ -59,5 +63,6 @@ async fn main() {
             code
         }
     };
+    telemetry.shutdown().await;
     std::process::exit(code);
 }

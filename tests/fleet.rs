@@ -22,6 +22,7 @@ mod scoping;
 mod secrets;
 mod security;
 mod support;
+mod traces;
 
 use std::collections::HashSet;
 

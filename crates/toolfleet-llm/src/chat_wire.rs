@@ -347,6 +347,7 @@ pub(super) fn completion_from_wire(body: &[u8]) -> Result<Completion, LlmError> 
         usage: wire.usage.map(Usage::from),
         opaque: Vec::new(),
         attempts: 1,
+        time_to_first_token: None,
     })
 }
 
@@ -569,6 +570,7 @@ impl ChatStreamAccumulator {
             usage: self.usage,
             opaque: Vec::new(),
             attempts: 1,
+            time_to_first_token: None,
         })
     }
 }

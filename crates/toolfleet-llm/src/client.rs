@@ -12,6 +12,7 @@ use reqwest::header::{self, HeaderMap, HeaderName, HeaderValue};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use tokio::time::Instant;
+use tracing::Instrument;
 use url::Url;
 
 pub use crate::chat_wire::ChatStreamAccumulator;
@@ -120,6 +121,9 @@ pub struct Completion {
     /// HTTP requests this answer took, retries included (1 when the first
     /// one succeeded). For metrics.
     pub attempts: u32,
+    /// From sending the successful attempt's request to its first streamed
+    /// output (text, refusal or tool call); `None` when not streamed.
+    pub time_to_first_token: Option<Duration>,
 }
 
 impl Completion {
@@ -350,6 +354,8 @@ struct Progress {
     /// Text, a refusal or a tool call has streamed: the attempt must not be
     /// repeated.
     emitted: bool,
+    /// When the first of it streamed.
+    first_output: Option<Instant>,
 }
 
 /// The two stream accumulators, as the client drives them.
@@ -572,11 +578,60 @@ impl LlmClient {
             stream,
             "model request"
         );
+        // One span per model call (retries inside it), with the GenAI
+        // semantic conventions' attributes; its context goes to the
+        // provider in `traceparent`.
+        let span = tracing::info_span!(
+            "model_call",
+            otel.name = format!("chat {}", req.model),
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = "chat",
+            gen_ai.provider.name = "openai",
+            gen_ai.request.model = %req.model,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            gen_ai.response.finish_reasons = tracing::field::Empty,
+            server.address = %self.inner.server,
+            error.type = tracing::field::Empty,
+        );
+        let result = self
+            .attempts(body, stream, on_text)
+            .instrument(span.clone())
+            .await;
+        match &result {
+            Ok(c) => {
+                span.record("otel.status_code", "ok");
+                if let Some(u) = c.usage {
+                    span.record("gen_ai.usage.input_tokens", u.prompt_tokens);
+                    span.record("gen_ai.usage.output_tokens", u.completion_tokens);
+                }
+                span.record(
+                    "gen_ai.response.finish_reasons",
+                    format!("{:?}", c.finish_reason).to_lowercase(),
+                );
+            }
+            Err(e) => {
+                span.record("otel.status_code", "error");
+                span.record("error.type", e.code());
+            }
+        }
+        result
+    }
+
+    /// The attempts of one call, retried as the policy says.
+    async fn attempts<F: FnMut(&str) + Send>(
+        &self,
+        body: Bytes,
+        stream: bool,
+        on_text: &mut F,
+    ) -> Result<Completion, LlmError> {
         let started = Instant::now();
         let mut attempt = 0;
         loop {
             attempt += 1;
             let mut progress = Progress::default();
+            let sent = Instant::now();
             let result = if stream {
                 self.stream_once(body.clone(), on_text, &mut progress).await
             } else {
@@ -588,6 +643,7 @@ impl LlmClient {
                         on_text(&completion.text);
                     }
                     completion.attempts = attempt;
+                    completion.time_to_first_token = progress.first_output.map(|t| t - sent);
                     self.note_unreplayable_reasoning(&completion);
                     return Ok(log_completion(completion, self.inner.api, stream));
                 }
@@ -748,6 +804,7 @@ impl LlmClient {
             let text = acc.push_event(event)?;
             if acc.has_output() {
                 progress.emitted = true;
+                progress.first_output.get_or_insert_with(Instant::now);
             }
             if let Some(text) = text {
                 on_text(&text);
@@ -828,6 +885,10 @@ impl LlmClient {
             .body(body);
         if let Some((name, value)) = &self.inner.credential {
             request = request.header(name.clone(), value.clone());
+        }
+        if let Some(tp) = toolfleet_service::telemetry::traceparent(&tracing::Span::current(), None)
+        {
+            request = request.header("traceparent", tp);
         }
         let first_deadline = Instant::now() + self.inner.first_token_timeout;
         let mut response = match tokio::time::timeout_at(first_deadline, request.send()).await {

@@ -744,6 +744,7 @@ impl ResponsesStreamAccumulator {
             usage: self.usage,
             opaque,
             attempts: 1,
+            time_to_first_token: None,
         })
     }
 }
@@ -1000,6 +1001,7 @@ mod tests {
             usage: None,
             opaque,
             attempts: 1,
+            time_to_first_token: None,
         };
         assert!(has_unreplayable_reasoning(&completion(vec![bare])));
         assert!(!has_unreplayable_reasoning(&completion(vec![whole])));

@@ -112,6 +112,9 @@ struct Pending {
     deadline: tokio::time::Instant,
     /// Catalog readings in a row without the tool.
     misses: u32,
+    /// The call's `execute_tool` span: open from dispatch to its answer
+    /// (or expiry), the parent of the worker's.
+    span: tracing::Span,
 }
 
 /// One batch of calls sent together, and their answers so far.
@@ -227,8 +230,22 @@ impl ToolRunner<'_> {
         let id = def.id.to_string();
         // Our call id, minted per call: unique within the invocation, so
         // safe as an idempotency key.
+        let span = tracing::info_span!(
+            "tool_call",
+            otel.name = format!("execute_tool {}", def.id.name),
+            otel.kind = "producer",
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %id,
+            gen_ai.tool.call.id = %call.id,
+            gen_ai.tool.type = "function",
+            error.type = tracing::field::Empty,
+        );
+        let mut invocation = inv.ctx.clone();
+        invocation.traceparent =
+            toolfleet_service::telemetry::traceparent(&span, invocation.traceparent.as_deref());
         let call_ctx = CallContext {
-            invocation: inv.ctx.clone(),
+            invocation,
             call_id: call.id.clone(),
             tool_id: def.id.clone(),
             attempt: 1,
@@ -280,6 +297,7 @@ impl ToolRunner<'_> {
                 started: Instant::now(),
                 deadline: tokio::time::Instant::now() + wait,
                 misses: 0,
+                span,
             },
             ack,
         ))
@@ -487,6 +505,13 @@ impl ToolRunner<'_> {
                         if result.error.as_ref().is_some_and(|e| e.code == "cancelled") {
                             self.cancelled = true;
                         }
+                        match &result.error {
+                            None => p.span.record("otel.status_code", "ok"),
+                            Some(e) => p
+                                .span
+                                .record("otel.status_code", "error")
+                                .record("error.type", e.code.as_str()),
+                        };
                         let outcome = record(metrics, events, batch.calls[p.index], &p, &result);
                         batch.answers[p.index] = Some(outcome);
                         spent.extend(result.llm_calls);

@@ -25,6 +25,7 @@ use toolfleet_protocol::{
     ChatEventBody, ChatJob, DEFAULT_TENANT, DeadLetter, DeadLetterKind, Envelope, Subjects,
     dead_letter_headers, encode, salvage_invocation_id,
 };
+use toolfleet_service::telemetry;
 use toolfleet_store::Lease;
 use tracing::{Instrument, info, warn};
 
@@ -374,7 +375,35 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         };
         return dead_letter(fleet, &msg, delivery, rejection).await;
     }
-    let span = tracing::info_span!("chat_job", invocation_id = %job.invocation_id, attempt = delivery.attempt);
+    // The trace goes on from the submitter's `traceparent` (its header,
+    // else the job's field), or starts here.
+    let incoming = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(toolfleet_protocol::headers::TRACEPARENT))
+        .map(|v| v.as_str().to_string())
+        .filter(|tp| telemetry::is_traceparent(tp))
+        .or_else(|| job.traceparent.take());
+    let span = tracing::info_span!(
+        "chat_job",
+        otel.name = "invoke_agent toolfleet",
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "invoke_agent",
+        gen_ai.agent.name = "toolfleet",
+        gen_ai.conversation.id = %job.invocation_id,
+        invocation_id = %job.invocation_id,
+        tenant = %tenant,
+        attempt = delivery.attempt,
+        trace_id = tracing::field::Empty,
+    );
+    telemetry::set_parent(&span, incoming.as_deref());
+    let traceparent = telemetry::traceparent(&span, incoming.as_deref())
+        .unwrap_or_else(telemetry::new_traceparent);
+    if let Some(id) = telemetry::trace_id(&traceparent) {
+        span.record("trace_id", id);
+    }
+    job.traceparent = Some(traceparent);
     run(fleet, msg, job, delivery, holder, started)
         .instrument(span)
         .await
@@ -565,20 +594,26 @@ async fn run(
         superseded(events).await;
         return;
     }
-    let label = match outcome {
+    let (label, code) = match outcome {
         Ok(completed) => {
             events.finish(completed);
-            "completed"
+            ("completed", None)
         }
         Err(f) => {
             warn!(code = %f.code, message = %f.message, "invocation failed");
+            let code = f.code.clone();
             events.finish(ChatEventBody::Error {
                 code: f.code,
                 message: f.message,
             });
-            "error"
+            ("error", Some(code))
         }
     };
+    let span = tracing::Span::current();
+    span.record(
+        "otel.status_code",
+        if code.is_none() { "ok" } else { "error" },
+    );
     let terminal = events.close().await;
     // The run ended: a redelivery (its ack lost) must not run it again.
     let owner = owner(delivery);
@@ -593,9 +628,15 @@ async fn run(
     fleet.forget_run(&id, run);
     metrics.chat_jobs.with_label_values(&[label]).inc();
     metrics.chat_jobs_in_flight.dec();
-    metrics
-        .chat_job_duration
-        .observe(started.elapsed().as_secs_f64());
+    let took = started.elapsed();
+    metrics.chat_job_duration.observe(took.as_secs_f64());
+    // One line per finished job (the span carries its ids).
+    info!(
+        outcome = label,
+        code = code.as_deref().unwrap_or(""),
+        duration_ms = took.as_millis() as u64,
+        "chat job finished"
+    );
 }
 
 /// The invocation's deadline (Unix ms) and its timeout: the job's own, or

@@ -22,6 +22,8 @@ struct Args {
     redis: RedisArgs,
     #[command(flatten)]
     llm: LlmArgs,
+    #[command(flatten)]
+    telemetry: toolfleet_service::telemetry::TelemetryArgs,
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     max_in_flight: usize,
@@ -40,7 +42,8 @@ struct Args {
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let a: Args = args::parse_or_exit();
-    args::init_tracing();
+    let telemetry =
+        toolfleet_service::telemetry::init("toolfleet-orchestrator", "info", &a.telemetry);
     let subjects = args::or_exit(a.nats.subjects().map_err(Into::into));
     args::or_exit(a.nats.check_url().map_err(Into::into));
     args::or_exit(a.redis.check_url().map_err(Into::into));
@@ -53,8 +56,10 @@ async fn main() -> anyhow::Result<()> {
         );
         config.compat = Some(std::sync::Arc::new(compat));
     }
-    toolfleet_service::serve_until_signal(a.metrics_addr, |rt| {
+    let served = toolfleet_service::serve_until_signal(a.metrics_addr, |rt| {
         toolfleet_orchestrator::start(&a.nats, &a.redis, config, rt)
     })
-    .await
+    .await;
+    telemetry.shutdown().await;
+    served
 }

@@ -15,6 +15,8 @@ pub struct OrchestratorMetrics {
     /// `model`, `outcome`: ok | error code.
     pub llm_requests: IntCounterVec,
     pub llm_request_duration: HistogramVec,
+    /// Streamed model calls: request sent to first output, by `model`.
+    pub llm_time_to_first_token: HistogramVec,
     /// `model`, `kind`: prompt | completion | cached | reasoning, `purpose`:
     /// conversation | planning | tool.
     pub llm_tokens: IntCounterVec,
@@ -185,6 +187,12 @@ impl OrchestratorMetrics {
                 r,
                 "toolfleet_llm_request_duration_seconds",
                 "Model request duration, first byte to last.",
+                &["model"],
+            )?,
+            llm_time_to_first_token: histogram(
+                r,
+                "toolfleet_llm_time_to_first_token_seconds",
+                "Streamed model calls: from sending the request to the first text, refusal or tool call.",
                 &["model"],
             )?,
             llm_tokens: counter(

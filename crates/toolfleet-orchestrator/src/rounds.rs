@@ -452,6 +452,11 @@ impl Fleet {
             }
         };
         m.llm_requests.with_label_values(&[model, "ok"]).inc();
+        if let Some(ttft) = completion.time_to_first_token {
+            m.llm_time_to_first_token
+                .with_label_values(&[model])
+                .observe(ttft.as_secs_f64());
+        }
         let usage = completion.usage.unwrap_or_default();
         inv.usage.record(
             m,

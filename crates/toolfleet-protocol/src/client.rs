@@ -383,6 +383,10 @@ impl SubmitMessage {
         }
         h.insert(headers::NATS_MSG_ID, job.invocation_id.as_str());
         h.insert(headers::INVOCATION_ID, job.invocation_id.as_str());
+        // The trace context rides where every tracing library looks.
+        if let Some(tp) = job.traceparent.as_deref() {
+            h.insert(headers::TRACEPARENT, tp);
+        }
         // What the connected server advertised in its INFO (async-nats
         // keeps it current across reconnects; before the first INFO, the
         // NATS default).

@@ -17,7 +17,7 @@ pub const ENV_SUBJECT_PREFIX: &str = "TOOLFLEET_SUBJECT_PREFIX";
 pub const ENV_TOOL_DEFINITIONS: &str = "TOOLFLEET_TOOL_DEFINITIONS";
 pub const DEFAULT_TOOL_DEFINITIONS: &str = "tool_definitions";
 pub const ENV_METRICS_ADDR: &str = "TOOLFLEET_METRICS_ADDR";
-pub const ENV_LOG: &str = "TOOLFLEET_LOG";
+pub use crate::telemetry::ENV_LOG;
 
 /// Exit code for a configuration error (EX_USAGE).
 pub const EXIT_CONFIG: i32 = 64;
@@ -466,22 +466,6 @@ pub fn or_exit<T>(r: anyhow::Result<T>) -> T {
         eprintln!("configuration error: {e:#}");
         std::process::exit(EXIT_CONFIG)
     })
-}
-
-/// Installs the tracing subscriber (`TOOLFLEET_LOG`, default `info`).
-pub fn init_tracing() {
-    init_tracing_with("info");
-}
-
-/// Installs the tracing subscriber with `default` as the filter when
-/// `TOOLFLEET_LOG` is not set (interactive commands use `warn`).
-pub fn init_tracing_with(default: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env(ENV_LOG)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
 }
 
 /// Resolves when the process receives SIGINT or SIGTERM.

@@ -5,7 +5,9 @@
 //!
 //! - [`args`]: command-line and environment groups (`NatsArgs`,
 //!   `RedisArgs`, `ToolDefsArgs`), NATS connection with a start-up wait,
-//!   tracing set-up, exit code 64 on bad configuration, signals.
+//!   exit code 64 on bad configuration, signals.
+//! - [`telemetry`]: logs (text or JSON) and traces (OTLP, W3C
+//!   `traceparent` across messages and HTTP requests).
 //! - [`metrics`]: registration helpers and the `/metrics`, `/livez`,
 //!   `/readyz` (and `/healthz`, the same as `/livez`) endpoint; each
 //!   subsystem owns its metric struct.
@@ -22,5 +24,6 @@ pub mod metrics;
 pub mod poison;
 pub mod redis_args;
 pub mod serve;
+pub mod telemetry;
 
 pub use serve::{GRACE_PERIOD, Runtime, serve_until_signal};

@@ -92,6 +92,8 @@ struct StandaloneArgs<A: Args> {
     worker: WorkerArgs,
     #[command(flatten)]
     own: A,
+    #[command(flatten)]
+    telemetry: toolfleet_service::telemetry::TelemetryArgs,
     /// Prometheus metrics and health endpoint.
     #[arg(long, env = toolfleet_service::args::ENV_METRICS_ADDR)]
     metrics_addr: Option<SocketAddr>,
@@ -158,7 +160,7 @@ where
             };
         }
     };
-    toolfleet_service::args::init_tracing();
+    let telemetry = toolfleet_service::telemetry::init(binary, "info", &args.telemetry);
     if let Err(e) = args.worker.nats.subjects() {
         return usage(&e);
     }
@@ -181,7 +183,9 @@ where
         Ok(w) => w,
         Err(e) => return usage(&e),
     };
-    match worker.serve(&args.worker, metrics_addr).await {
+    let served = worker.serve(&args.worker, metrics_addr).await;
+    telemetry.shutdown().await;
+    match served {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");

@@ -1429,14 +1429,56 @@ async fn process(
     }
     let span = tracing::info_span!(
         "tool_job",
+        otel.name = format!("execute_tool {}", tool.definition().id.name),
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %label,
+        gen_ai.tool.call.id = %call.call_id,
+        gen_ai.tool.type = "function",
+        error.type = tracing::field::Empty,
         invocation_id = %call.invocation.invocation_id,
         call_id = %call.call_id,
         tool_id = %label,
-        attempt
+        attempt,
+        trace_id = tracing::field::Empty,
     );
+    let incoming = call.invocation.traceparent.clone();
+    toolfleet_service::telemetry::set_parent(&span, incoming.as_deref());
+    if let Some(id) = incoming
+        .as_deref()
+        .and_then(toolfleet_service::telemetry::trace_id)
+    {
+        span.record("trace_id", id);
+    }
+    let started = std::time::Instant::now();
     let outcome = process_call(&call, payload, first_published, tool, shared)
-        .instrument(span)
+        .instrument(span.clone())
         .await;
+    let (status, code) = match &outcome {
+        Outcome::Answer { result, .. } => (
+            result.status.as_str(),
+            result.error.as_ref().map(|e| e.code.as_str()),
+        ),
+        Outcome::Retry(f) => ("retry", Some(f.code.as_str())),
+        Outcome::Dead(f) => ("dead", Some(f.code.as_str())),
+    };
+    span.record(
+        "otel.status_code",
+        if code.is_none() { "ok" } else { "error" },
+    );
+    if let Some(code) = code {
+        span.record("error.type", code);
+    }
+    // One line per finished job, inside its span (its ids and trace id).
+    span.in_scope(|| {
+        info!(
+            outcome = status,
+            code = code.unwrap_or(""),
+            duration_ms = started.elapsed().as_millis() as u64,
+            "tool job finished"
+        );
+    });
     Processed::Call(call, outcome)
 }
 
