@@ -92,6 +92,42 @@ pub enum Command {
         #[command(flatten)]
         nats: NatsArgs,
     },
+    /// The fleet at a glance: every worker instance (from `$SRV.INFO` and
+    /// `$SRV.STATS`), every tool with its instances, backlog, jobs in
+    /// flight, jobs run and errors (JetStream and direct) and its newest
+    /// error; the chat backlog and the dead letters kept. Exits 1 when a
+    /// tool has waiting jobs and no instance serves it.
+    Status {
+        /// `text` (tables) or `json`.
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+        /// How long to collect the workers' answers, in ms.
+        #[arg(long, default_value_t = 500)]
+        wait_ms: u64,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
+    /// Replay an invocation's events from the events stream (kept two
+    /// hours), a line each (deltas joined) or as JSON lines; a running
+    /// invocation is followed to its end. Exits 0 after `completed`, 1
+    /// after `error` or when nothing of it is kept, 2 when it is still
+    /// running and `--no-follow` was given.
+    Events {
+        /// The invocation id.
+        invocation_id: String,
+        /// The invocation's tenant.
+        #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
+        tenant: String,
+        /// Stop at the events stored so far instead of following a running
+        /// invocation.
+        #[arg(long)]
+        no_follow: bool,
+        /// `text` (a line per event) or `json` (JSON lines).
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish,
     /// powershell): `toolfleet completions bash > /etc/bash_completion.d/toolfleet`.
     Completions { shell: clap_complete::Shell },
@@ -301,8 +337,26 @@ pub struct UpArgs {
 /// How a command prints its result.
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Output {
+    /// A table (or lines) for people.
+    #[value(alias = "table")]
     Text,
+    /// JSON for programs.
     Json,
+}
+
+/// `text` on one line (control characters as spaces), cut to `max`
+/// characters with `…`.
+pub(crate) fn one_line(text: &str, max: usize) -> String {
+    let flat: String = text
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
 }
 
 #[derive(Subcommand, Debug)]
@@ -391,10 +445,17 @@ pub enum ToolsCommand {
         #[command(flatten)]
         source: ToolsSource,
     },
-    /// Validate tool definition files (a file or a directory).
+    /// Validate tool definition files: every file of every directory given
+    /// is checked and reported (not just up to the first broken one),
+    /// duplicate ids and function names included; exits 1 when any is
+    /// broken.
     Validate {
         /// Files or directories; the definitions directory when omitted.
         paths: Vec<PathBuf>,
+        /// `text` (a line per file) or `json` (`[{"path", "ok", "id",
+        /// "error"}]`).
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
         #[command(flatten)]
         defs: ToolDefsArgs,
     },
@@ -508,6 +569,18 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             wait,
             nats,
         } => cancel(&invocation_id, &tenant, Duration::from_secs(wait), &nats).await,
+        Command::Status {
+            output,
+            wait_ms,
+            nats,
+        } => crate::ops::status(&nats, Duration::from_millis(wait_ms), output).await,
+        Command::Events {
+            invocation_id,
+            tenant,
+            no_follow,
+            output,
+            nats,
+        } => crate::ops::events(&nats, &invocation_id, &tenant, !no_follow, output).await,
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(
@@ -1407,25 +1480,48 @@ async fn tools(command: ToolsCommand) -> anyhow::Result<i32> {
             }
             Ok(if hits.is_empty() { 1 } else { 0 })
         }
-        ToolsCommand::Validate { paths, defs } => {
+        ToolsCommand::Validate {
+            paths,
+            output,
+            defs,
+        } => {
             let paths = if paths.is_empty() {
                 vec![defs.dir]
             } else {
                 paths
             };
-            let mut bad = 0;
+            let mut rows = Vec::new();
             for p in paths {
-                let result = if p.is_dir() {
-                    toolfleet_protocol::tools::load_dir(&p).map(|d| d.len())
+                let checked = if p.is_dir() {
+                    toolfleet_protocol::tools::validate_dir(&p)
+                        .unwrap_or_else(|e| vec![(p, Err(e))])
                 } else {
-                    toolfleet_protocol::tools::load_file(&p).map(|_| 1)
+                    let loaded = toolfleet_protocol::tools::load_file(&p);
+                    vec![(p, loaded)]
                 };
-                match result {
-                    Ok(n) => println!("ok   {} ({n} definition(s))", p.display()),
-                    Err(e) => {
-                        bad += 1;
-                        println!("FAIL {}: {e}", p.display());
+                rows.extend(checked.into_iter().map(|(path, loaded)| match loaded {
+                    Ok(d) => serde_json::json!({
+                        "path": path.display().to_string(), "ok": true, "id": d.id.to_string(),
+                    }),
+                    Err(e) => serde_json::json!({
+                        "path": path.display().to_string(), "ok": false, "error": e.to_string(),
+                    }),
+                }));
+            }
+            let bad = rows.iter().filter(|r| r["ok"] == false).count();
+            match output {
+                Output::Json => println!("{}", serde_json::to_string_pretty(&rows)?),
+                Output::Text => {
+                    for r in &rows {
+                        let path = r["path"].as_str().unwrap_or_default();
+                        match r["id"].as_str() {
+                            Some(id) => println!("ok   {path} ({id})"),
+                            None => {
+                                println!("FAIL {path}: {}", r["error"].as_str().unwrap_or_default())
+                            }
+                        }
                     }
+                    println!("{} file(s), {bad} broken", rows.len());
                 }
             }
             Ok(if bad == 0 { 0 } else { 1 })

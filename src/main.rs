@@ -38,13 +38,11 @@ async fn main() {
         }
     };
     // Interactive commands print their own progress; servers log.
-    let interactive = matches!(
+    let interactive = !matches!(
         cli.command,
-        toolfleet::cli::Command::Chat(_)
-            | toolfleet::cli::Command::Demo(_)
-            | toolfleet::cli::Command::Bench(_)
-            | toolfleet::cli::Command::Tools { .. }
-            | toolfleet::cli::Command::Blob { .. }
+        toolfleet::cli::Command::Up(_)
+            | toolfleet::cli::Command::BenchWorker(_)
+            | toolfleet::cli::Command::ScriptedModel { .. }
     );
     let telemetry = toolfleet_service::telemetry::init(
         "toolfleet",

@@ -284,8 +284,67 @@ fn tools_commands_list_show_and_validate() {
     assert_eq!(out.status.code(), Some(1), "{text}");
     assert!(text.contains("FAIL") && text.contains("bad.json"), "{text}");
     assert!(
-        text.contains("ok   tool_definitions (20 definition(s))"),
+        text.contains(
+            "ok   tool_definitions/system.current_datetime.json (system:current_datetime@1.0.0)"
+        ),
         "{text}"
+    );
+    assert!(text.contains("21 file(s), 1 broken"), "{text}");
+
+    // A directory with several broken files: every one is reported in one
+    // run, a repeated id included, and the good ones too.
+    let defs = tempfile::tempdir().unwrap();
+    support::copy_definitions(
+        &support::root().join("tool_definitions"),
+        defs.path(),
+        "system.",
+    );
+    support::copy_definitions(
+        &support::root().join("tool_definitions"),
+        defs.path(),
+        "web.",
+    );
+    std::fs::write(defs.path().join("a-bad.json"), "{ not json").unwrap();
+    std::fs::write(defs.path().join("b-bad.json"), r#"{"schemaVersion": 1}"#).unwrap();
+    std::fs::copy(
+        defs.path().join("system.current_datetime.json"),
+        defs.path().join("z-again.json"),
+    )
+    .unwrap();
+    let out = toolfleet(&[
+        "tools",
+        "validate",
+        defs.path().to_str().unwrap(),
+        "-o",
+        "json",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let rows: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    let broken: Vec<&str> = rows
+        .iter()
+        .filter(|r| r["ok"] == false)
+        .map(|r| r["path"].as_str().unwrap().rsplit('/').next().unwrap())
+        .collect();
+    assert_eq!(
+        broken,
+        ["a-bad.json", "b-bad.json", "z-again.json"],
+        "{rows:#?}"
+    );
+    let again = rows
+        .iter()
+        .find(|r| r["path"].as_str().unwrap().ends_with("z-again.json"))
+        .unwrap();
+    assert!(
+        again["error"]
+            .as_str()
+            .unwrap()
+            .contains("system.current_datetime.json"),
+        "the repeat names the first holder: {again}"
+    );
+    assert_eq!(
+        rows.iter().filter(|r| r["ok"] == true).count(),
+        3,
+        "{rows:#?}"
     );
 }
 

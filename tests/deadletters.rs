@@ -4,7 +4,6 @@
 //! `replay` runs it again after the fix; a job whose tool no longer has a
 //! worker is not replayed, and says why.
 
-use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
@@ -31,17 +30,10 @@ impl Tool for Flaky {
 }
 
 fn deadletters(env: &Env, args: &[&str]) -> (Option<i32>, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
-        .arg("deadletters")
-        .args(args)
-        .env("TOOLFLEET_NATS_URL", env.nats.url())
-        .output()
-        .unwrap();
-    (
-        out.status.code(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+    let args: Vec<&str> = std::iter::once("deadletters")
+        .chain(args.iter().copied())
+        .collect();
+    support::toolfleet_at(&env.nats.url(), &args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

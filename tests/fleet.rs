@@ -12,6 +12,7 @@ mod health;
 mod layout;
 mod llm_tools;
 mod nats_cluster;
+mod operator;
 mod orchestrator;
 mod policies;
 mod prometheus;

@@ -292,6 +292,21 @@ pub fn lighthouse_script() -> serde_json::Value {
 /// A binary of another workspace package, built beside `toolfleet` (the
 /// test command builds the whole workspace: `cargo nextest run
 /// --workspace`).
+/// Runs the `toolfleet` command against the fleet at `nats_url`: its exit
+/// code, stdout and stderr.
+pub fn toolfleet_at(nats_url: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(args)
+        .env("TOOLFLEET_NATS_URL", nats_url)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 pub fn sibling_bin(name: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_BIN_EXE_toolfleet")).with_file_name(name);
     assert!(

@@ -18,19 +18,6 @@ use tracing::warn;
 
 use crate::Fleet;
 
-/// `toolfleet.tool.<ns>.<name>.<x_y_z>` → `ns:name@x.y.z`, for a
-/// subject under `prefix`.
-pub(crate) fn tool_of_subject(prefix: &str, subject: &str) -> Option<String> {
-    let rest = subject.strip_prefix(prefix)?.strip_prefix(".tool.")?;
-    let mut parts = rest.split('.');
-    let (ns, name, version) = (parts.next()?, parts.next()?, parts.next()?);
-    if parts.next().is_some() || ns.is_empty() || name.is_empty() {
-        return None;
-    }
-    let version = version.replace('_', ".");
-    Some(format!("{ns}:{name}@{version}"))
-}
-
 /// One reading: every tool consumer's backlog and jobs in flight, and the
 /// live workers of each tool (also of a live tool without a consumer yet).
 async fn read(fleet: &Fleet) -> Result<BTreeMap<String, (u64, u64, usize)>, String> {
@@ -45,7 +32,7 @@ async fn read(fleet: &Fleet) -> Result<BTreeMap<String, (u64, u64, usize)>, Stri
     let mut consumers = stream.consumers();
     while let Some(info) = consumers.next().await {
         let info = info.map_err(|e| format!("listing consumers: {e}"))?;
-        let Some(tool) = tool_of_subject(subjects.prefix(), &info.config.filter_subject) else {
+        let Some(tool) = subjects.tool_of_subject(&info.config.filter_subject) else {
             continue;
         };
         let workers = catalog.get(&tool).map_or(0, |e| e.workers);
@@ -95,24 +82,5 @@ pub(crate) async fn watch(fleet: Arc<Fleet>, every: Duration, shutdown: Cancella
             () = shutdown.cancelled() => return,
             () = tokio::time::sleep(every) => {}
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn tool_subjects_name_their_tool() {
-        assert_eq!(
-            tool_of_subject("toolfleet", "toolfleet.tool.system.current_datetime.1_0_0").as_deref(),
-            Some("system:current_datetime@1.0.0")
-        );
-        assert_eq!(tool_of_subject("toolfleet", "other.tool.a.b.1_0_0"), None);
-        assert_eq!(tool_of_subject("toolfleet", "toolfleet.tool.a.b"), None);
-        assert_eq!(
-            tool_of_subject("toolfleet", "toolfleet.tool.a.b.1_0_0.x"),
-            None
-        );
     }
 }

@@ -571,32 +571,52 @@ async fn fetch(
 }
 
 /// Tool id → liveness, from the `INFO` answers of this fleet's workers.
-async fn liveness(
+/// Every answer to one request on `subject` within `wait` (a services API
+/// verb such as `$SRV.INFO.<service>`, which every instance answers).
+///
+/// # Errors
+///
+/// [`CatalogError`] when the request cannot be sent.
+pub async fn ask_all(
     client: &async_nats::Client,
-    subjects: &Subjects,
+    subject: &str,
     wait: Duration,
-) -> Result<HashMap<String, Liveness>, CatalogError> {
+) -> Result<Vec<bytes::Bytes>, CatalogError> {
     let inbox = client.new_inbox();
     let mut sub = client
         .subscribe(inbox.clone())
         .await
         .map_err(|e| CatalogError::new("subscribe", e))?;
     client
-        .publish_with_reply(
-            format!("$SRV.INFO.{}", subjects.worker_service()),
-            inbox,
-            bytes::Bytes::new(),
-        )
+        .publish_with_reply(subject.to_string(), inbox, bytes::Bytes::new())
         .await
         .map_err(|e| CatalogError::new("publish", e))?;
     client
         .flush()
         .await
         .map_err(|e| CatalogError::new("flush", e))?;
-    let mut live: HashMap<String, Liveness> = HashMap::new();
+    let mut answers = Vec::new();
     let deadline = tokio::time::Instant::now() + wait;
     while let Ok(Some(msg)) = tokio::time::timeout_at(deadline, sub.next()).await {
-        let Ok(info) = serde_json::from_slice::<async_nats::service::Info>(&msg.payload) else {
+        answers.push(msg.payload);
+    }
+    Ok(answers)
+}
+
+async fn liveness(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    wait: Duration,
+) -> Result<HashMap<String, Liveness>, CatalogError> {
+    let answers = ask_all(
+        client,
+        &format!("$SRV.INFO.{}", subjects.worker_service()),
+        wait,
+    )
+    .await?;
+    let mut live: HashMap<String, Liveness> = HashMap::new();
+    for payload in answers {
+        let Ok(info) = serde_json::from_slice::<async_nats::service::Info>(&payload) else {
             continue;
         };
         // Service names are one-to-one with prefixes; this is a second

@@ -857,26 +857,8 @@ pub fn load_dir(dir: impl AsRef<Path>) -> Result<Vec<ToolDefinition>, ToolDefErr
 pub fn load_dir_files(
     dir: impl AsRef<Path>,
 ) -> Result<Vec<(PathBuf, ToolDefinition)>, ToolDefError> {
-    let dir = dir.as_ref();
-    let io = |source| ToolDefError::Io {
-        path: dir.to_path_buf(),
-        source,
-    };
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(dir).map_err(io)? {
-        let path = entry.map_err(io)?.path();
-        // Editors leave hidden swap and backup files beside the real ones.
-        let hidden = path
-            .file_name()
-            .and_then(|name| name.to_str())
-            .is_some_and(|name| name.starts_with('.'));
-        if !hidden && path.is_file() && path.extension().is_some_and(|ext| ext == "json") {
-            files.push(path);
-        }
-    }
-    files.sort();
-    let mut loaded = Vec::with_capacity(files.len());
-    for path in files {
+    let mut loaded = Vec::new();
+    for path in definition_files(dir.as_ref())? {
         let definition = load_file(&path)?;
         loaded.push((Origin::File(path), definition));
     }
@@ -894,28 +876,112 @@ pub fn load_dir_files(
         .collect())
 }
 
+/// A definition file and what loading it gave.
+pub type CheckedFile = (PathBuf, Result<ToolDefinition, ToolDefError>);
+
+/// Every definition file of `dir` checked, not just up to the first
+/// broken one: each file with its definition or its error (a duplicate id
+/// or function name is the error of the file that repeats it), sorted by
+/// path. For `toolfleet tools validate`.
+///
+/// # Errors
+///
+/// [`ToolDefError::Io`] when the directory cannot be listed.
+pub fn validate_dir(dir: impl AsRef<Path>) -> Result<Vec<CheckedFile>, ToolDefError> {
+    let mut checked: Vec<CheckedFile> = definition_files(dir.as_ref())?
+        .into_iter()
+        .map(|path| {
+            let loaded = load_file(&path);
+            (path, loaded)
+        })
+        .collect();
+    let origins: Vec<Origin> = checked
+        .iter()
+        .map(|(path, _)| Origin::File(path.clone()))
+        .collect();
+    let dups = duplicates(
+        origins
+            .iter()
+            .zip(&checked)
+            .filter_map(|(origin, (_, loaded))| Some((origin, loaded.as_ref().ok()?))),
+    );
+    for dup in dups {
+        let second = match &dup {
+            ToolDefError::DuplicateId { second, .. }
+            | ToolDefError::DuplicateFunctionName { second, .. } => second.clone(),
+            _ => continue,
+        };
+        if let Some((_, loaded)) = checked
+            .iter_mut()
+            .find(|(path, _)| Origin::File(path.clone()) == second)
+            && loaded.is_ok()
+        {
+            *loaded = Err(dup);
+        }
+    }
+    Ok(checked)
+}
+
+/// The definition files of `dir` (`*.json`, hidden files skipped), sorted.
+fn definition_files(dir: &Path) -> Result<Vec<PathBuf>, ToolDefError> {
+    let io = |source| ToolDefError::Io {
+        path: dir.to_path_buf(),
+        source,
+    };
+    let mut files = Vec::new();
+    for entry in std::fs::read_dir(dir).map_err(io)? {
+        let path = entry.map_err(io)?.path();
+        // Editors leave hidden swap and backup files beside the real ones.
+        let hidden = path
+            .file_name()
+            .and_then(|name| name.to_str())
+            .is_some_and(|name| name.starts_with('.'));
+        if !hidden && path.is_file() && path.extension().is_some_and(|ext| ext == "json") {
+            files.push(path);
+        }
+    }
+    files.sort();
+    Ok(files)
+}
+
 fn check_unique<'a>(
     definitions: impl IntoIterator<Item = (&'a Origin, &'a ToolDefinition)>,
 ) -> Result<(), ToolDefError> {
+    match duplicates(definitions).into_iter().next() {
+        Some(e) => Err(e),
+        None => Ok(()),
+    }
+}
+
+/// Every repeated id and function name, each naming the first holder and
+/// the one that repeats it.
+fn duplicates<'a>(
+    definitions: impl IntoIterator<Item = (&'a Origin, &'a ToolDefinition)>,
+) -> Vec<ToolDefError> {
     let mut ids: HashMap<&ToolId, &Origin> = HashMap::new();
     let mut names: HashMap<&str, &Origin> = HashMap::new();
+    let mut found = Vec::new();
     for (origin, definition) in definitions {
-        if let Some(first) = ids.insert(&definition.id, origin) {
-            return Err(ToolDefError::DuplicateId {
+        if let Some(first) = ids.get(&definition.id) {
+            found.push(ToolDefError::DuplicateId {
                 id: Box::new(definition.id.clone()),
-                first: first.clone(),
+                first: (*first).clone(),
                 second: origin.clone(),
             });
+            continue;
         }
-        if let Some(first) = names.insert(&definition.function.name, origin) {
-            return Err(ToolDefError::DuplicateFunctionName {
+        ids.insert(&definition.id, origin);
+        if let Some(first) = names.get(definition.function.name.as_str()) {
+            found.push(ToolDefError::DuplicateFunctionName {
                 name: definition.function.name.clone(),
-                first: first.clone(),
+                first: (*first).clone(),
                 second: origin.clone(),
             });
+            continue;
         }
+        names.insert(&definition.function.name, origin);
     }
-    Ok(())
+    found
 }
 
 /// Where a definition came from, for error messages.

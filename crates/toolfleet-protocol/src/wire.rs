@@ -237,6 +237,21 @@ impl Subjects {
         format!("{}.tool.{}", self.prefix, id.subject_token())
     }
 
+    /// The tool id (`ns:name@x.y.z`) whose jobs go to `subject` (the
+    /// inverse of [`tool`](Self::tool)); `None` for any other subject.
+    pub fn tool_of_subject(&self, subject: &str) -> Option<String> {
+        let rest = subject
+            .strip_prefix(self.prefix.as_str())?
+            .strip_prefix(".tool.")?;
+        let mut parts = rest.split('.');
+        let (ns, name, version) = (parts.next()?, parts.next()?, parts.next()?);
+        if parts.next().is_some() || ns.is_empty() || name.is_empty() {
+            return None;
+        }
+        let version = version.replace('_', ".");
+        Some(format!("{ns}:{name}@{version}"))
+    }
+
     pub fn tools_all(&self) -> String {
         format!("{}.tool.>", self.prefix)
     }
@@ -1706,6 +1721,24 @@ mod tests {
         let mut bad = HeaderMap::new();
         bad.insert(headers::NATS_MSG_ID, "inv-1.call_1");
         assert_eq!(salvage_invocation_id(b"{not json", Some(&bad)), None);
+    }
+
+    #[test]
+    fn tool_subjects_name_their_tool() {
+        let s = Subjects::new("toolfleet").unwrap();
+        assert_eq!(
+            s.tool_of_subject("toolfleet.tool.system.current_datetime.1_0_0")
+                .as_deref(),
+            Some("system:current_datetime@1.0.0")
+        );
+        let id: ToolId = "system:current_datetime@1.0.0".parse().unwrap();
+        assert_eq!(
+            s.tool_of_subject(&s.tool(&id)).as_deref(),
+            Some("system:current_datetime@1.0.0")
+        );
+        assert_eq!(s.tool_of_subject("other.tool.a.b.1_0_0"), None);
+        assert_eq!(s.tool_of_subject("toolfleet.tool.a.b"), None);
+        assert_eq!(s.tool_of_subject("toolfleet.tool.a.b.1_0_0.x"), None);
     }
 
     #[test]

@@ -68,6 +68,7 @@ pub mod hooks;
 pub mod metrics;
 pub mod process;
 pub mod runtime;
+mod service_stats;
 pub mod settings;
 pub mod testing;
 pub mod tool;

@@ -134,6 +134,8 @@ struct ToolStats {
     duration: prometheus::Histogram,
     /// `toolfleet_tool_jobs_total{outcome="ok"}`: most jobs end there.
     ok: prometheus::IntCounter,
+    /// Its endpoint's counts for `$SRV.STATS`.
+    jobs: Arc<crate::service_stats::EndpointJobs>,
 }
 
 /// The results this worker has published and is writing to the ledger,
@@ -482,7 +484,15 @@ impl Worker {
     ) -> Result<(), WorkerError> {
         // Everything is set up before anything is served: a worker that
         // cannot serve one of its tools serves none, and says why.
-        let setup = match set_up(&self, &client, &config).await {
+        let job_stats = Arc::new(crate::service_stats::JobStats::new(
+            self.tools
+                .iter()
+                .map(|t| endpoint_name(&t.definition().id))
+                .collect::<Vec<_>>()
+                .iter()
+                .map(String::as_str),
+        ));
+        let setup = match set_up(&self, &client, &config, job_stats.clone()).await {
             Ok(setup) => setup,
             Err(e) => {
                 if let Some(ready) = ready {
@@ -521,6 +531,7 @@ impl Worker {
                             metrics.dead_letters.with_label_values(&["tool", t.label()]);
                             metrics.tool_jobs.with_label_values(&[t.label(), "ok"])
                         },
+                        jobs: job_stats.endpoint(&endpoint_name(&t.definition().id)),
                     };
                     (t.label().to_string(), stats)
                 })
@@ -630,6 +641,7 @@ async fn set_up(
     worker: &Worker,
     client: &async_nats::Client,
     config: &WorkerConfig,
+    job_stats: Arc<crate::service_stats::JobStats>,
 ) -> Result<SetUp, WorkerError> {
     let nats = |e: &dyn std::fmt::Display| WorkerError::Nats(e.to_string());
     let js = jetstream::new(client.clone());
@@ -653,6 +665,9 @@ async fn set_up(
                 config.subjects.prefix().to_string(),
             ),
         ]))
+        // Every job it ran, JetStream ones included, in each endpoint's
+        // `data` (the library's own counts see only direct calls).
+        .stats_handler(move |endpoint, _| job_stats.data(&endpoint))
         .start(config.subjects.worker_service(), env!("CARGO_PKG_VERSION"))
         .await
         .map_err(|e| WorkerError::Nats(format!("services API: {e}")))?;
@@ -702,9 +717,7 @@ async fn set_up_tool(
         .unwrap_or_default();
     let endpoint = service
         .endpoint_builder()
-        // Named by the id (`-` joins its parts: no namespace or name holds
-        // one), so two versions of one function are two endpoints.
-        .name(def.id.subject_token().replace('.', "-"))
+        .name(endpoint_name(&def.id))
         .metadata(HashMap::from([
             (catalog::META_TOOL_ID.to_string(), def.id.to_string()),
             (catalog::META_DIGEST.to_string(), digest),
@@ -714,6 +727,12 @@ async fn set_up_tool(
         .await
         .map_err(|e| WorkerError::Nats(format!("endpoint for {}: {e}", def.id)))?;
     Ok((consumer, endpoint))
+}
+
+/// A tool's endpoint name: its id with `-` joining the parts (no namespace
+/// or name holds one), so two versions of one function are two endpoints.
+fn endpoint_name(id: &toolfleet_protocol::ToolId) -> String {
+    id.subject_token().replace('.', "-")
 }
 
 /// How often a worker writes its definitions into the catalog again: they
@@ -901,8 +920,16 @@ async fn direct_loop(
         tracker.spawn(async move {
             let no_headers = async_nats::HeaderMap::new();
             let headers = request.message.headers.as_ref().unwrap_or(&no_headers);
-            let processed =
-                process(headers, &request.message.payload, 1, None, &tool, &shared).await;
+            let processed = process(
+                headers,
+                &request.message.payload,
+                1,
+                None,
+                crate::service_stats::Via::Direct,
+                &tool,
+                &shared,
+            )
+            .await;
             // Direct delivery has no redelivery: a failure that JetStream
             // would retry is the caller's error result now.
             let mut to_record = None;
@@ -1021,6 +1048,7 @@ async fn handle_jetstream(
         &msg.payload,
         attempt,
         first_published,
+        crate::service_stats::Via::JetStream,
         tool,
         shared,
     )
@@ -1399,6 +1427,7 @@ async fn process(
     payload: &[u8],
     attempt: u32,
     first_published: Option<std::time::SystemTime>,
+    via: crate::service_stats::Via,
     tool: &Served,
     shared: &Shared,
 ) -> Processed {
@@ -1455,14 +1484,22 @@ async fn process(
     let outcome = process_call(&call, payload, first_published, tool, shared)
         .instrument(span.clone())
         .await;
-    let (status, code) = match &outcome {
+    let (status, error) = match &outcome {
         Outcome::Answer { result, .. } => (
             result.status.as_str(),
-            result.error.as_ref().map(|e| e.code.as_str()),
+            result
+                .error
+                .as_ref()
+                .map(|e| (e.code.as_str(), e.message.as_str())),
         ),
-        Outcome::Retry(f) => ("retry", Some(f.code.as_str())),
-        Outcome::Dead(f) => ("dead", Some(f.code.as_str())),
+        Outcome::Retry(f) => ("retry", Some((f.code.as_str(), f.message.as_str()))),
+        Outcome::Dead(f) => ("dead", Some((f.code.as_str(), f.message.as_str()))),
     };
+    let code = error.map(|(code, _)| code);
+    shared
+        .stats(tool)
+        .jobs
+        .record(via, status, error, started.elapsed());
     span.record(
         "otel.status_code",
         if code.is_none() { "ok" } else { "error" },
@@ -1529,6 +1566,7 @@ impl Shared {
                     .metrics
                     .tool_jobs
                     .with_label_values(&[tool.label(), "ok"]),
+                jobs: Arc::default(),
             }),
         }
     }

@@ -1,0 +1,250 @@
+//! The operator's commands against a running fleet: `toolfleet status`
+//! shows the instances and tools with the jobs they ran — JetStream jobs
+//! counted in `$SRV.STATS` too — their backlog and last error, and exits 1
+//! for a pool with waiting jobs and no instance; `toolfleet events`
+//! replays a finished invocation and follows a running one to its end.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
+
+use crate::support::{self, Env, Options, WAIT};
+
+fn toolfleet(env: &Env, args: &[&str]) -> (Option<i32>, String, String) {
+    support::toolfleet_at(&env.nats.url(), args)
+}
+
+struct Broken;
+
+impl Tool for Broken {
+    type Args = Value;
+    async fn call(&self, _ctx: &ToolCtx, _args: Value) -> Result<ToolOutput, ToolError> {
+        Err(ToolError::failed("the gauge is broken"))
+    }
+}
+
+fn clock_script() -> Value {
+    json!({
+        "rules": [{ "whenUserContains": ["time"], "steps": [
+            { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+            { "answer": "The clock says {{tool:current_datetime}}." }
+        ] }]
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_counts_jetstream_jobs_and_names_pools_nobody_serves() {
+    let env = Env::start_with(
+        clock_script(),
+        Options {
+            workers: vec!["system"],
+            ..Options::default()
+        },
+    )
+    .await;
+    let (job, out) = env.ask("What time is it?").await;
+    out.unwrap_or_else(|e| panic!("{}: {e}", job.invocation_id));
+
+    // A tool of the test's own that fails, run once through JetStream.
+    let dir = tempfile::tempdir().unwrap();
+    let path = support::renamed_definition(dir.path(), "testing", "gauge");
+    let worker = Worker::builder("testing")
+        .definition_file(&path)
+        .tool("testing.gauge", Broken)
+        .build()
+        .unwrap();
+    let gauge = env.start_worker(worker).await;
+    let id: toolfleet_protocol::tools::ToolId = "testing:gauge@1.0.0".parse().unwrap();
+    let publish = |call_id: &'static str| {
+        let call = toolfleet_protocol::CallContext {
+            invocation: toolfleet_protocol::InvocationContext::new("inv-status-1"),
+            call_id: call_id.into(),
+            tool_id: id.clone(),
+            attempt: 1,
+            reply_to: env.subjects.reply_inbox(),
+            citation_floor: 0,
+            new_call: false,
+        };
+        let js = async_nats::jetstream::new(env.client.clone());
+        let subject = env.subjects.tool(&id);
+        async move {
+            js.publish_with_headers(subject, call.to_headers(), r#"{"arguments":{}}"#.into())
+                .await
+                .unwrap()
+                .await
+                .unwrap();
+        }
+    };
+    publish("call-status-1").await;
+
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let status = loop {
+        let (code, out, err) = toolfleet(&env, &["status", "-o", "json"]);
+        assert_eq!(code, Some(0), "{out}{err}");
+        let status: Value = serde_json::from_str(&out).unwrap();
+        let tool = |id: &str| {
+            status["tools"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|t| t["tool"] == id)
+                .cloned()
+                .unwrap_or(Value::Null)
+        };
+        if tool("testing:gauge@1.0.0")["errors"] == 1
+            && tool("system:current_datetime@1.0.0")["jobs"].as_u64() >= Some(1)
+        {
+            break status;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{status:#}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let tools = status["tools"].as_array().unwrap();
+    let clock = tools
+        .iter()
+        .find(|t| t["tool"] == "system:current_datetime@1.0.0")
+        .unwrap();
+    assert_eq!(clock["instances"], 1, "{clock}");
+    // The model's call came through JetStream, and $SRV.STATS counted it.
+    assert!(clock["jetstream"].as_u64() >= Some(1), "{clock}");
+    assert_eq!(clock["errors"], 0, "{clock}");
+    assert_eq!(clock["backlog"], 0, "{clock}");
+    let gauge_row = tools
+        .iter()
+        .find(|t| t["tool"] == "testing:gauge@1.0.0")
+        .unwrap();
+    assert_eq!(
+        gauge_row["last_error"]["code"], "tool_failed",
+        "{gauge_row}"
+    );
+    assert!(
+        gauge_row["last_error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("the gauge is broken"),
+        "{gauge_row}"
+    );
+    let workers: Vec<&str> = status["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["worker"].as_str().unwrap())
+        .collect();
+    assert!(
+        workers.contains(&"system") && workers.contains(&"testing"),
+        "{workers:?}"
+    );
+    // The same, as tables.
+    let (code, table, _) = toolfleet(&env, &["status", "-o", "table"]);
+    assert_eq!(code, Some(0));
+    assert!(table.contains("INSTANCES") && table.contains("system:current_datetime@1.0.0"));
+    assert!(table.contains("tool_failed: "), "{table}");
+
+    // The pool goes away; a job waits for it: status says so and fails.
+    gauge.stop().await;
+    publish("call-status-2").await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let (code, out, err) = toolfleet(&env, &["status"]);
+        if code == Some(1) {
+            assert!(err.contains("testing:gauge@1.0.0"), "{err}");
+            assert!(out.contains("testing:gauge@1.0.0"), "{out}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{out}{err}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
+    let mut script = clock_script();
+    script["rules"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({ "whenUserContains": ["slow"], "steps": [
+            { "answer": "Slowly, then.", "fault": { "kind": "slowFirstToken", "delayMs": 1500 } }
+        ] }));
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec!["system"],
+            ..Options::default()
+        },
+    )
+    .await;
+    let (job, out) = env.ask("What time is it?").await;
+    out.unwrap();
+    let inv = job.invocation_id.as_str();
+
+    let (code, out, err) = toolfleet(&env, &["events", inv, "-o", "json"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let events: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds.first(), Some(&"started"), "{kinds:?}");
+    assert_eq!(kinds.last(), Some(&"completed"), "{kinds:?}");
+    assert!(kinds.contains(&"tool_call") && kinds.contains(&"tool_result"));
+    let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
+    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    assert!(events.iter().all(|e| e["published"].is_string()));
+
+    let (code, text, _) = toolfleet(&env, &["events", inv]);
+    assert_eq!(code, Some(0));
+    assert!(
+        text.contains("completed") && text.contains("tool_result"),
+        "{text}"
+    );
+    // Deltas are joined into one line of text.
+    assert_eq!(
+        text.lines().filter(|l| l.contains(" delta ")).count(),
+        1,
+        "{text}"
+    );
+
+    let (code, _, err) = toolfleet(&env, &["events", "inv-nobody-ran"]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("no events of inv-nobody-ran"), "{err}");
+    let (code, _, err) = toolfleet(&env, &["events", "not an id"]);
+    assert_eq!(code, Some(64), "{err}");
+
+    // A running invocation: followed to its end.
+    let slow = toolfleet_protocol::client::question("Answer slow please");
+    let submitted = {
+        let (client, subjects, slow) = (env.client.clone(), env.subjects.clone(), slow.clone());
+        tokio::spawn(async move {
+            toolfleet_protocol::client::chat(&client, &subjects, &slow, WAIT, |_| {}).await
+        })
+    };
+    // Once it has started, follow it.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let (code, out, _) = toolfleet(&env, &["events", &slow.invocation_id, "--no-follow"]);
+        if code == Some(2) {
+            assert!(out.contains("started"), "{out}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{code:?} {out}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let follow = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(["events", &slow.invocation_id])
+        .env("TOOLFLEET_NATS_URL", env.nats.url())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = tokio::task::spawn_blocking(move || follow.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{text}");
+    assert!(
+        text.contains("Slowly, then.") && text.contains("completed"),
+        "{text}"
+    );
+    submitted.await.unwrap().unwrap();
+}
