@@ -77,12 +77,17 @@ pub enum Command {
         command: DeadlettersCommand,
     },
     /// Cancel a running invocation: publishes its cancel and waits for the
-    /// fleet's `error: cancelled`. Exit 0 once confirmed; 1 when the
-    /// invocation is unknown, already finished, or the confirmation does
-    /// not come in time.
+    /// fleet's `error: cancelled`. With `--call`, only that tool call (a
+    /// `callId` from `toolfleet events`) is stopped: its result is an
+    /// error `call_cancelled` and the invocation goes on. Exit 0 once
+    /// confirmed; 1 when the invocation is unknown, already finished, or
+    /// the confirmation does not come in time.
     Cancel {
         /// The invocation id.
         invocation_id: String,
+        /// Only this tool call of the invocation.
+        #[arg(long = "call", value_name = "CALL_ID")]
+        call_id: Option<String>,
         /// The invocation's tenant.
         #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
         tenant: String,
@@ -565,10 +570,20 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Deadletters { command } => deadletters(command).await,
         Command::Cancel {
             invocation_id,
+            call_id,
             tenant,
             wait,
             nats,
-        } => cancel(&invocation_id, &tenant, Duration::from_secs(wait), &nats).await,
+        } => {
+            cancel(
+                &invocation_id,
+                call_id.as_deref(),
+                &tenant,
+                Duration::from_secs(wait),
+                &nats,
+            )
+            .await
+        }
         Command::Status {
             output,
             wait_ms,
@@ -1231,6 +1246,7 @@ async fn deadletters(command: DeadlettersCommand) -> anyhow::Result<i32> {
 /// `toolfleet cancel`: see [`Command::Cancel`].
 async fn cancel(
     invocation_id: &str,
+    call_id: Option<&str>,
     tenant: &str,
     wait: Duration,
     nats: &NatsArgs,
@@ -1242,6 +1258,12 @@ async fn cancel(
     }
     if !toolfleet_protocol::valid_invocation_id(invocation_id) {
         eprintln!("toolfleet cancel: {invocation_id:?} is not an invocation id");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    if let Some(call) = call_id
+        && !toolfleet_protocol::valid_invocation_id(call)
+    {
+        eprintln!("toolfleet cancel: --call {call:?} is not a call id");
         return Ok(toolfleet_service::args::EXIT_CONFIG);
     }
     let subjects = nats.subjects()?;
@@ -1275,7 +1297,12 @@ async fn cancel(
         }
         Some((None, _)) => {}
     }
-    toolfleet_protocol::client::cancel(&client, &subjects, tenant, invocation_id).await?;
+    if let Some(call_id) = call_id {
+        toolfleet_protocol::client::cancel_call(&client, &subjects, tenant, invocation_id, call_id)
+            .await?;
+    } else {
+        toolfleet_protocol::client::cancel(&client, &subjects, tenant, invocation_id).await?;
+    }
     let deadline = tokio::time::Instant::now() + wait;
     loop {
         match tokio::time::timeout_at(deadline, events.next()).await {
@@ -1285,6 +1312,29 @@ async fn cancel(
                 else {
                     continue;
                 };
+                if let (
+                    Some(call_id),
+                    ChatEventBody::ToolResult {
+                        call_id: done,
+                        error_code,
+                        status,
+                        ..
+                    },
+                ) = (call_id, &event.body)
+                    && done == call_id
+                {
+                    if error_code.as_deref() == Some("call_cancelled") {
+                        println!(
+                            "call {call_id} of {invocation_id} cancelled; the invocation goes on"
+                        );
+                        return Ok(0);
+                    }
+                    println!(
+                        "call {call_id} of {invocation_id} finished before the cancel took effect: {}",
+                        status.as_str()
+                    );
+                    return Ok(1);
+                }
                 match terminal(&event) {
                     Some(how) if how == "error (cancelled)" => {
                         println!("{invocation_id} cancelled");

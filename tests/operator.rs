@@ -248,3 +248,78 @@ async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
     );
     submitted.await.unwrap().unwrap();
 }
+
+/// A tool that runs until it is stopped.
+struct Stall;
+
+impl Tool for Stall {
+    type Args = Value;
+    async fn call(&self, ctx: &ToolCtx, _args: Value) -> Result<ToolOutput, ToolError> {
+        ctx.cancelled().await;
+        Err(ToolError::Cancelled("stopped".into()))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancel_call_stops_one_tool_call_and_the_invocation_goes_on() {
+    let env = Env::start_with(
+        json!({
+            "rules": [{ "whenUserContains": ["stall"], "steps": [
+                { "toolCalls": [ { "name": "stall", "arguments": {} } ] },
+                { "answer": "Went on after: {{tool:stall}}" }
+            ] }]
+        }),
+        Options {
+            workers: vec![],
+            ..Options::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = support::renamed_definition(dir.path(), "testing", "stall");
+    let mut def: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    def["timeoutMs"] = json!(3_600_000);
+    std::fs::write(&path, def.to_string()).unwrap();
+    let worker = Worker::builder("testing")
+        .definition_file(&path)
+        .tool("testing.stall", Stall)
+        .build()
+        .unwrap();
+    let _stall = env.start_worker(worker).await;
+
+    let job = toolfleet_protocol::client::question("please stall");
+    let mut events = env.follow_and_submit(&job).await;
+    let call_id = loop {
+        let ev = support::next_json(&mut events).await;
+        assert_ne!(ev["type"], "error", "{ev}");
+        if ev["type"] == "tool_call" {
+            break ev["callId"].as_str().unwrap().to_string();
+        }
+    };
+    let inv = job.invocation_id.as_str();
+    let (code, _, err) = toolfleet(&env, &["cancel", inv, "--call", "no such call!"]);
+    assert_eq!(code, Some(64), "{err}");
+    // The worker may not have the job yet: the cancel is remembered for it.
+    let (code, out, err) = toolfleet(&env, &["cancel", inv, "--call", &call_id]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert!(out.contains("cancelled; the invocation goes on"), "{out}");
+    let rest = support::events_until_terminal(&mut events).await;
+    let result = rest
+        .iter()
+        .find(|e| e["type"] == "tool_result")
+        .unwrap_or_else(|| panic!("{rest:#?}"));
+    assert_eq!(result["errorCode"], "call_cancelled", "{result}");
+    let last = rest.last().unwrap();
+    assert_eq!(last["type"], "completed", "{last}");
+    assert!(
+        last["text"]
+            .as_str()
+            .unwrap()
+            .contains("an operator cancelled this call"),
+        "the model read why: {last}"
+    );
+    // Once finished, nothing is left to cancel.
+    let (code, out, _) = toolfleet(&env, &["cancel", inv, "--call", &call_id]);
+    assert_eq!(code, Some(1));
+    assert!(out.contains("already finished"), "{out}");
+}

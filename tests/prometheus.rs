@@ -1,7 +1,14 @@
 //! The real Prometheus server scrapes the fleet, and every query of the
-//! shipped Grafana dashboard (`ops/grafana/dashboards/toolfleet.json`)
-//! returns data there; the alert rules (`ops/prometheus/alerts.yml`) load,
-//! evaluate without error, and read only metrics the fleet exports.
+//! shipped Grafana dashboards (`ops/grafana/dashboards/*.json`) returns data
+//! there, their `label_values` variables list values; the alert rules
+//! (`ops/prometheus/alerts.yml`) load, evaluate without error, and read only
+//! metrics the fleet exports.
+//!
+//! Without a server: every alert links its runbook (`runbook_url`, a heading
+//! of `ops/README.md`), every dashboard picks its Prometheus through the
+//! `datasource` variable and filters its per-tool and per-model panels by
+//! the `tool` and `model` variables, and `ops/Dockerfile` runs as a numeric
+//! user on base images pinned to exact tags.
 //!
 //! Needs `/usr/bin/prometheus` (Debian package `prometheus`;
 //! `scripts/ensure-servers` and `.ci/run` install it). Run on its own with
@@ -257,54 +264,116 @@ impl Drop for Prometheus {
     }
 }
 
+/// Every `ops/grafana/dashboards/*.json`, by file name.
+fn dashboards() -> Vec<(String, Value)> {
+    let dir = root().join("ops/grafana/dashboards");
+    let mut out: Vec<(String, Value)> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| p.extension().is_some_and(|x| x == "json"))
+        .map(|p| {
+            let name = p.file_name().unwrap().to_string_lossy().into_owned();
+            let text = std::fs::read_to_string(&p).unwrap();
+            let dashboard =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name} is not JSON: {e}"));
+            (name, dashboard)
+        })
+        .collect();
+    out.sort_by(|a, b| a.0.cmp(&b.0));
+    assert!(!out.is_empty(), "no dashboards in {}", dir.display());
+    out
+}
+
+/// Every panel of a dashboard, the nested panels of collapsed rows included.
+fn all_panels(dashboard: &Value) -> Vec<&Value> {
+    fn walk<'a>(panels: &'a Value, out: &mut Vec<&'a Value>) {
+        for p in panels.as_array().into_iter().flatten() {
+            out.push(p);
+            walk(&p["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+fn title(panel: &Value) -> &str {
+    panel["title"].as_str().unwrap_or("(untitled)")
+}
+
+/// The dashboard's template variables.
+fn variables(dashboard: &Value) -> &[Value] {
+    dashboard["templating"]["list"]
+        .as_array()
+        .map_or(&[], Vec::as_slice)
+}
+
+/// `expr` with Grafana's variables replaced: the built-in ones by
+/// `GRAFANA_VARIABLES`, the dashboard's template variables (`$tool`,
+/// `${model}`, `[[datasource]]`) by `.*` (they are used in `=~` matchers).
+fn expand(dashboard: &Value, expr: &str) -> String {
+    let mut vars: Vec<&str> = variables(dashboard)
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    // Longest first, so `$tool` does not eat the start of `$tools`.
+    vars.sort_by_key(|v| std::cmp::Reverse(v.len()));
+    let mut e = expr.to_string();
+    for (from, to) in GRAFANA_VARIABLES {
+        e = e.replace(from, to);
+    }
+    for v in vars {
+        for form in [format!("${{{v}}}"), format!("[[{v}]]"), format!("${v}")] {
+            e = e.replace(&form, ".*");
+        }
+    }
+    e
+}
+
 /// One query of a dashboard panel, with Grafana's variables expanded.
 struct PanelQuery {
     panel: String,
     expr: String,
 }
 
-/// Every `expr` of every panel (nested panels of collapsed rows included),
-/// with Grafana's variables replaced: the built-in ones by `GRAFANA_VARIABLES`,
-/// the dashboard's template variables by `.*` (they are used in `=~`
-/// matchers).
+/// Every `expr` of every panel, expanded (`expand`).
 fn dashboard_queries(dashboard: &Value) -> Vec<PanelQuery> {
-    let mut vars: Vec<String> = dashboard["templating"]["list"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .filter_map(|v| v["name"].as_str().map(str::to_string))
-        .collect();
-    // Longest first, so `$tool` does not eat the start of `$tools`.
-    vars.sort_by_key(|v| std::cmp::Reverse(v.len()));
-    let expand = |expr: &str| {
-        let mut e = expr.to_string();
-        for (from, to) in GRAFANA_VARIABLES {
-            e = e.replace(from, to);
-        }
-        for v in &vars {
-            for form in [format!("${{{v}}}"), format!("[[{v}]]"), format!("${v}")] {
-                e = e.replace(&form, ".*");
+    let mut out = Vec::new();
+    for p in all_panels(dashboard) {
+        for t in p["targets"].as_array().into_iter().flatten() {
+            if let Some(expr) = t["expr"].as_str().filter(|e| !e.trim().is_empty()) {
+                out.push(PanelQuery {
+                    panel: format!("{} [{}]", title(p), t["refId"].as_str().unwrap_or("?")),
+                    expr: expand(dashboard, expr),
+                });
             }
-        }
-        e
-    };
-    fn walk(panels: &Value, expand: &dyn Fn(&str) -> String, out: &mut Vec<PanelQuery>) {
-        for p in panels.as_array().into_iter().flatten() {
-            let title = p["title"].as_str().unwrap_or("(untitled)");
-            for t in p["targets"].as_array().into_iter().flatten() {
-                if let Some(expr) = t["expr"].as_str().filter(|e| !e.trim().is_empty()) {
-                    out.push(PanelQuery {
-                        panel: format!("{title} [{}]", t["refId"].as_str().unwrap_or("?")),
-                        expr: expand(expr),
-                    });
-                }
-            }
-            walk(&p["panels"], expand, out);
         }
     }
-    let mut out = Vec::new();
-    walk(&dashboard["panels"], &expand, &mut out);
     out
+}
+
+/// `(variable, selector, label)` of every `label_values(selector, label)`
+/// query variable, the selector expanded (`expand`).
+fn label_values_variables(dashboard: &Value) -> Vec<(String, String, String)> {
+    variables(dashboard)
+        .iter()
+        .filter(|v| v["type"] == "query")
+        .filter_map(|v| {
+            // A string, or (Grafana 10+) an object with the string in `query`.
+            let query = v["query"].as_str().or(v["query"]["query"].as_str())?;
+            let args = query
+                .trim()
+                .strip_prefix("label_values(")?
+                .strip_suffix(')')?;
+            let (selector, label) = args.rsplit_once(',')?;
+            Some((
+                v["name"].as_str().unwrap_or_default().to_string(),
+                expand(dashboard, selector.trim()),
+                label.trim().to_string(),
+            ))
+        })
+        .collect()
 }
 
 /// Top-level panels fit the 24-column grid, do not overlap, and have
@@ -468,13 +537,29 @@ async fn every_dashboard_query_and_alert_rule_works_against_a_real_prometheus() 
         .timeout(Duration::from_secs(5))
         .build()
         .unwrap();
-    let dashboard: Value = serde_json::from_str(
-        &std::fs::read_to_string(root().join("ops/grafana/dashboards/toolfleet.json")).unwrap(),
-    )
-    .expect("the dashboard is JSON");
-    check_layout(&dashboard);
-    let queries = dashboard_queries(&dashboard);
+    let mut queries = Vec::new();
+    let mut variable_queries = Vec::new();
+    for (name, dashboard) in dashboards() {
+        check_layout(&dashboard);
+        queries.extend(
+            dashboard_queries(&dashboard)
+                .into_iter()
+                .map(|q| PanelQuery {
+                    panel: format!("{name}: {}", q.panel),
+                    ..q
+                }),
+        );
+        variable_queries.extend(
+            label_values_variables(&dashboard)
+                .into_iter()
+                .map(|(var, selector, label)| (format!("{name}: ${var}"), selector, label)),
+        );
+    }
     assert!(queries.len() > 20, "{} dashboard queries", queries.len());
+    assert!(
+        variable_queries.len() >= 2,
+        "the `tool` and `model` variables: {variable_queries:?}"
+    );
     for q in &queries {
         assert!(
             !q.expr.contains('$'),
@@ -532,6 +617,23 @@ async fn every_dashboard_query_and_alert_rule_works_against_a_real_prometheus() 
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
+    // Every `label_values` variable lists values (the same series the panel
+    // queries above found, so no waiting).
+    for (var, selector, label) in &variable_queries {
+        let values = prom
+            .api(
+                &http,
+                &format!("label/{label}/values"),
+                &[("match[]", selector.as_str())],
+            )
+            .await
+            .unwrap_or_else(|e| panic!("{var}: Prometheus rejects `{selector}`: {e}"));
+        assert!(
+            values.as_array().is_some_and(|v| !v.is_empty()),
+            "{var}: label_values({selector}, {label}) lists nothing: {values}"
+        );
+    }
+
     // The rule groups of alerts.yml are loaded, every rule has been evaluated
     // without error, and every expression is accepted as a query.
     let groups = loop {
@@ -578,11 +680,19 @@ async fn every_dashboard_query_and_alert_rule_works_against_a_real_prometheus() 
         .filter(|n| n.starts_with("toolfleet_"))
         .map(|n| family(n).to_string())
         .collect();
+    // The runbook links, as the server parsed them.
+    let anchors = github_anchors(&std::fs::read_to_string(root().join("ops/README.md")).unwrap());
     for rule in groups
         .iter()
         .flat_map(|g| g["rules"].as_array().cloned().unwrap_or_default())
     {
         let name = rule["name"].as_str().unwrap_or_default();
+        if rule["type"] == "alerting"
+            && let Some(problem) =
+                runbook_problem(name, rule["annotations"]["runbook_url"].as_str(), &anchors)
+        {
+            panic!("{problem}");
+        }
         assert_eq!(rule["health"], "ok", "rule {name}: {rule}");
         assert!(
             rule["lastError"].as_str().unwrap_or_default().is_empty(),
@@ -661,5 +771,440 @@ fn promtool_checks_and_unit_tests_the_alert_rules() {
     assert!(!tests.is_empty(), "no rule tests in ops/prometheus");
     for t in &tests {
         run(&["test", "rules", t]);
+    }
+}
+
+/// Where every alert's `runbook_url` points: a section of ops/README.md.
+const RUNBOOK_BASE: &str = "https://github.com/toolfleet/toolfleet/blob/main/ops/README.md#";
+
+/// The anchors GitHub gives the headings of a Markdown file: the text
+/// lower-cased, spaces to `-`, punctuation other than `-` and `_` dropped;
+/// a repeated heading gets `-1`, `-2`, …. Lines in fenced code blocks are
+/// not headings.
+fn github_anchors(markdown: &str) -> BTreeSet<String> {
+    let mut seen: BTreeMap<String, usize> = BTreeMap::new();
+    let mut out = BTreeSet::new();
+    let mut fence: Option<&str> = None;
+    for line in markdown.lines() {
+        let t = line.trim_start();
+        if let Some(f) = ["```", "~~~"].into_iter().find(|f| t.starts_with(f)) {
+            match fence {
+                Some(open) if open == f => fence = None,
+                None => fence = Some(f),
+                Some(_) => {}
+            }
+            continue;
+        }
+        let hashes = t.len() - t.trim_start_matches('#').len();
+        let rest = &t[hashes..];
+        if fence.is_some()
+            || line.len() - t.len() > 3
+            || !(1..=6).contains(&hashes)
+            || !(rest.is_empty() || rest.starts_with(' '))
+        {
+            continue;
+        }
+        let text = rest.trim().trim_end_matches('#').trim_end();
+        let slug: String = text
+            .chars()
+            .filter_map(|c| match c {
+                ' ' => Some('-'),
+                c if c.is_alphanumeric() || c == '-' || c == '_' => Some(c),
+                _ => None,
+            })
+            .flat_map(char::to_lowercase)
+            .collect();
+        let n = seen.entry(slug.clone()).or_default();
+        out.insert(if *n == 0 { slug } else { format!("{slug}-{n}") });
+        *n += 1;
+    }
+    out
+}
+
+/// The `runbook_url` annotation of every alert of a rules file, read line
+/// by line like `rule_names` (`None`: the alert has none). The live test
+/// checks the same annotations as the server parsed them.
+fn runbook_urls(yaml: &str) -> BTreeMap<String, Option<String>> {
+    let value = |v: &str| v.trim().trim_matches('"').trim_matches('\'').to_string();
+    let mut out = BTreeMap::new();
+    let mut alert = None;
+    for line in yaml.lines() {
+        let t = line.trim_start();
+        if let Some(name) = t.strip_prefix("- alert:") {
+            let name = value(name);
+            out.insert(name.clone(), None);
+            alert = Some(name);
+        } else if t.starts_with("- record:") || t.starts_with("- name:") {
+            alert = None;
+        } else if let (Some(name), Some(url)) = (&alert, t.strip_prefix("runbook_url:")) {
+            out.insert(name.clone(), Some(value(url)));
+        }
+    }
+    out
+}
+
+/// What is wrong with an alert's runbook link, if anything: missing, not
+/// a section of ops/README.md, or an anchor no heading there has.
+fn runbook_problem(alert: &str, url: Option<&str>, anchors: &BTreeSet<String>) -> Option<String> {
+    let Some(url) = url else {
+        return Some(format!("alert {alert} has no runbook_url annotation"));
+    };
+    let Some(anchor) = url.strip_prefix(RUNBOOK_BASE) else {
+        return Some(format!(
+            "alert {alert}: runbook_url {url} is not a section of ops/README.md ({RUNBOOK_BASE}<anchor>)"
+        ));
+    };
+    (!anchors.contains(anchor)).then(|| {
+        format!("alert {alert}: runbook_url anchor #{anchor} is no heading of ops/README.md")
+    })
+}
+
+fn runbook_problems(alerts_yaml: &str, readme: &str) -> Vec<String> {
+    let anchors = github_anchors(readme);
+    runbook_urls(alerts_yaml)
+        .iter()
+        .filter_map(|(alert, url)| runbook_problem(alert, url.as_deref(), &anchors))
+        .collect()
+}
+
+#[test]
+fn every_alert_links_a_runbook_section_of_ops_readme() {
+    let alerts = std::fs::read_to_string(root().join("ops/prometheus/alerts.yml")).unwrap();
+    let readme = std::fs::read_to_string(root().join("ops/README.md")).unwrap();
+    let urls = runbook_urls(&alerts);
+    let rules: BTreeSet<String> = rule_names(&alerts).into_values().flatten().collect();
+    assert_eq!(
+        urls.keys().cloned().collect::<BTreeSet<_>>(),
+        rules,
+        "every rule of alerts.yml is an alert"
+    );
+    let problems = runbook_problems(&alerts, &readme);
+    assert!(problems.is_empty(), "{problems:#?}");
+
+    // The checks bite: GitHub's anchors, an alert without a link, a link
+    // elsewhere, an anchor with no heading.
+    let markdown = "# Operating it\n```sh\n# not a heading\n```\n## Runbooks\n\
+                    ### ToolPoolEmpty\n### `Foo`: bar (baz) #\n### Foo: bar baz\n#nope\n";
+    let expected = [
+        "operating-it",
+        "runbooks",
+        "toolpoolempty",
+        "foo-bar-baz",
+        "foo-bar-baz-1",
+    ];
+    assert_eq!(github_anchors(markdown), expected.map(String::from).into());
+    let yaml = format!(
+        "groups:\n  - name: g\n    rules:\n      - alert: Linked\n        annotations:\n          \
+         runbook_url: \"{RUNBOOK_BASE}toolpoolempty\"\n      - alert: Bare\n        \
+         annotations:\n          summary: s\n      - alert: Elsewhere\n        annotations:\n          \
+         runbook_url: https://example.com/x#toolpoolempty\n      - alert: Dangling\n        \
+         annotations:\n          runbook_url: '{RUNBOOK_BASE}toolpoolfull'\n"
+    );
+    let problems = runbook_problems(&yaml, markdown);
+    let alerts: Vec<&str> = problems
+        .iter()
+        .map(|p| p.split_whitespace().nth(1).unwrap().trim_end_matches(':'))
+        .collect();
+    assert_eq!(alerts, ["Bare", "Dangling", "Elsewhere"], "{problems:#?}");
+}
+
+/// The datasource every panel, query and query variable names: the
+/// dashboard's `datasource` variable.
+fn datasource_variable() -> Value {
+    json!({ "type": "prometheus", "uid": "${datasource}" })
+}
+
+/// Where a dashboard names a datasource other than its `datasource`
+/// variable, or lacks that variable.
+fn datasource_problems(dashboard: &Value) -> Vec<String> {
+    let want = datasource_variable();
+    let mut problems = Vec::new();
+    match variables(dashboard)
+        .iter()
+        .find(|v| v["name"] == "datasource")
+    {
+        Some(v) if v["type"] == "datasource" && v["query"] == "prometheus" => {}
+        Some(v) => problems.push(format!(
+            "the `datasource` variable is not of type datasource, query prometheus: {v}"
+        )),
+        None => {
+            problems.push("no `datasource` variable (type datasource, query prometheus)".into())
+        }
+    }
+    for v in variables(dashboard).iter().filter(|v| v["type"] == "query") {
+        if v["datasource"] != want {
+            problems.push(format!(
+                "variable {}: datasource {}",
+                v["name"], v["datasource"]
+            ));
+        }
+    }
+    for p in all_panels(dashboard) {
+        let targets = p["targets"].as_array().map_or(&[][..], Vec::as_slice);
+        if (!targets.is_empty() || p.get("datasource").is_some()) && p["datasource"] != want {
+            problems.push(format!(
+                "panel {}: datasource {}",
+                title(p),
+                p["datasource"]
+            ));
+        }
+        for t in targets.iter().filter(|t| t["datasource"] != want) {
+            problems.push(format!(
+                "panel {} [{}]: datasource {}",
+                title(p),
+                t["refId"].as_str().unwrap_or("?"),
+                t["datasource"]
+            ));
+        }
+    }
+    problems
+}
+
+/// The labels of every `by (...)` clause of a PromQL expression.
+fn grouping_labels(expr: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let mut rest = expr;
+    while let Some(at) = rest.find("by") {
+        let word_start = rest[..at]
+            .chars()
+            .last()
+            .is_none_or(|c| !(c.is_ascii_alphanumeric() || c == '_'));
+        let after = rest[at + 2..].trim_start();
+        if word_start
+            && let Some(inner) = after.strip_prefix('(')
+            && let Some(end) = inner.find(')')
+        {
+            out.extend(
+                inner[..end]
+                    .split(',')
+                    .map(|l| l.trim().to_string())
+                    .filter(|l| !l.is_empty()),
+            );
+        }
+        rest = &rest[at + 2..];
+    }
+    out
+}
+
+/// Panels that show a series per `tool` or per `model` (`by (tool)`)
+/// filter by the dashboard's variable of that name (`tool=~"$tool"`), and
+/// that variable lists the label's values (`label_values(<metric>, tool)`),
+/// takes several values, and has "All" as `.*`.
+fn filter_problems(dashboard: &Value) -> Vec<String> {
+    let mut problems = Vec::new();
+    for label in ["tool", "model"] {
+        let matcher = format!("{label}=~\"${label}\"");
+        let mut per_label = 0;
+        for p in all_panels(dashboard) {
+            for t in p["targets"].as_array().into_iter().flatten() {
+                let expr = t["expr"].as_str().unwrap_or_default();
+                if grouping_labels(expr).contains(label) {
+                    per_label += 1;
+                    if !expr.contains(&matcher) {
+                        problems.push(format!("panel {}: no {matcher} in {expr}", title(p)));
+                    }
+                }
+            }
+        }
+        if per_label == 0 {
+            continue;
+        }
+        let Some(v) = variables(dashboard).iter().find(|v| v["name"] == label) else {
+            problems.push(format!(
+                "no `{label}` variable for {per_label} per-{label} queries"
+            ));
+            continue;
+        };
+        let lists = label_values_variables(dashboard)
+            .iter()
+            .any(|(name, _, l)| name == label && l == label);
+        if v["type"] != "query" || !lists {
+            problems.push(format!(
+                "variable {label}: not a label_values(<metric>, {label}) query: {v}"
+            ));
+        }
+        if v["multi"] != true || v["includeAll"] != true || v["allValue"] != ".*" {
+            problems.push(format!(
+                "variable {label}: multi, includeAll and allValue `.*` wanted: {v}"
+            ));
+        }
+    }
+    problems
+}
+
+#[test]
+fn every_dashboard_picks_prometheus_through_its_variables() {
+    for (name, dashboard) in dashboards() {
+        let problems: Vec<String> = datasource_problems(&dashboard)
+            .into_iter()
+            .chain(filter_problems(&dashboard))
+            .collect();
+        assert!(problems.is_empty(), "{name}: {problems:#?}");
+    }
+
+    // The checks bite: a fixed datasource, a missing variable, a per-tool
+    // panel that ignores `$tool`.
+    let ds = datasource_variable();
+    let dashboard = json!({
+        "templating": { "list": [
+            { "name": "tool", "type": "query", "datasource": ds,
+              "query": "label_values(toolfleet_tool_jobs_total, tool)",
+              "multi": true, "includeAll": true, "allValue": ".*" }
+        ] },
+        "panels": [
+            { "type": "row", "title": "Row", "panels": [
+                { "title": "Fixed", "datasource": { "type": "prometheus", "uid": "prometheus" },
+                  "targets": [ { "refId": "A", "datasource": ds, "expr": "sum(up)" } ] }
+            ] },
+            { "title": "Per tool", "datasource": ds, "targets": [
+                { "refId": "A", "expr": "sum by (tool) (toolfleet_tool_jobs_in_flight)" },
+                { "refId": "B", "datasource": ds, "expr": "sum by (model) (rate(toolfleet_llm_requests_total{model=~\"$model\"}[1m]))" }
+            ] }
+        ]
+    });
+    let problems = datasource_problems(&dashboard);
+    assert_eq!(problems.len(), 3, "{problems:#?}");
+    assert!(
+        problems[0].starts_with("no `datasource` variable"),
+        "{problems:#?}"
+    );
+    assert!(
+        problems[1].starts_with("panel Fixed: datasource"),
+        "{problems:#?}"
+    );
+    assert!(
+        problems[2].starts_with("panel Per tool [A]: datasource null"),
+        "{problems:#?}"
+    );
+    let problems = filter_problems(&dashboard);
+    assert_eq!(problems.len(), 2, "{problems:#?}");
+    assert!(
+        problems[0].starts_with("panel Per tool: no tool=~"),
+        "{problems:#?}"
+    );
+    assert!(
+        problems[1].starts_with("no `model` variable"),
+        "{problems:#?}"
+    );
+}
+
+/// Is `tag` exact: does one of its `-`/`_` parts read `x.y.z` (a version)
+/// or `YYYYMMDD` (a dated build)? `1-bookworm` and `bookworm-slim` float.
+fn exact_tag(tag: &str) -> bool {
+    tag.split(['-', '_']).any(|part| {
+        let numbers: Vec<&str> = part.trim_start_matches('v').split('.').collect();
+        let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+        (numbers.len() == 3 && numbers.iter().all(|n| digits(n)))
+            || (part.len() == 8 && digits(part) && part.starts_with("20"))
+    })
+}
+
+/// What is wrong with a Dockerfile: a `FROM` without an exact tag (stages
+/// named by an earlier `AS` aside; a digest is welcome but not enough), a
+/// `USER` that is missing, named, root, or not created with that uid/gid.
+fn dockerfile_problems(dockerfile: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut stages = BTreeSet::new();
+    let mut user = None;
+    for line in dockerfile.lines() {
+        let mut words = line.split_whitespace();
+        let Some(instruction) = words.next() else {
+            continue;
+        };
+        if instruction.eq_ignore_ascii_case("FROM") {
+            let args: Vec<&str> = words.filter(|w| !w.starts_with("--")).collect();
+            let image = args.first().copied().unwrap_or_default();
+            if !stages.contains(&image.to_lowercase()) {
+                let reference = image.split('@').next().unwrap_or(image);
+                // After the last '/': a registry's `host:port/` is no tag.
+                let last = reference.rsplit('/').next().unwrap_or(reference);
+                match last.split_once(':') {
+                    _ if image.contains('$') => problems.push(format!(
+                        "FROM {image}: pin the image in FROM, not in an ARG"
+                    )),
+                    None => problems.push(format!("FROM {image}: no tag, which is `latest`")),
+                    Some((_, tag)) if !exact_tag(tag) => problems.push(format!(
+                        "FROM {image}: `{tag}` is not an exact tag (x.y.z or a YYYYMMDD build)"
+                    )),
+                    Some(_) => {}
+                }
+            }
+            if let [_, r#as, stage] = args[..]
+                && r#as.eq_ignore_ascii_case("AS")
+            {
+                stages.insert(stage.to_lowercase());
+            }
+        } else if instruction.eq_ignore_ascii_case("USER") {
+            user = words.next();
+        }
+    }
+    let Some(user) = user else {
+        problems.push("no USER: the image runs as root".into());
+        return problems;
+    };
+    let ids: Vec<&str> = user.split(':').collect();
+    if ids.len() > 2
+        || !ids
+            .iter()
+            .all(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
+    {
+        problems.push(format!("USER {user}: not numeric (uid or uid:gid)"));
+    } else if ids.iter().any(|id| id.parse::<u32>() == Ok(0)) {
+        problems.push(format!("USER {user}: root"));
+    } else {
+        for (flag, id) in ["--uid", "--gid"].iter().zip(&ids) {
+            if !dockerfile.contains(&format!("{flag} {id}")) {
+                problems.push(format!(
+                    "USER {user}: nothing creates it with `{flag} {id}`"
+                ));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn the_image_runs_as_a_numeric_user_on_pinned_base_images() {
+    let dockerfile = std::fs::read_to_string(root().join("ops/Dockerfile")).unwrap();
+    let problems = dockerfile_problems(&dockerfile);
+    assert!(problems.is_empty(), "ops/Dockerfile: {problems:#?}");
+    assert!(
+        dockerfile
+            .lines()
+            .filter(|l| l.starts_with("FROM "))
+            .count()
+            >= 2
+    );
+
+    // The checks bite.
+    let good = "FROM rust:1.95.0-bookworm@sha256:0123 AS builder\nFROM builder AS test\n\
+                FROM --platform=linux/amd64 registry:5000/debian:bookworm-20251117-slim\n\
+                RUN groupadd --gid 10001 t && useradd --uid 10001 --gid 10001 t\nUSER 10001:10001\n";
+    assert_eq!(dockerfile_problems(good), Vec::<String>::new());
+    for (bad, problem) in [
+        (
+            "FROM rust:1-bookworm\nUSER 1:1 --uid 1 --gid 1",
+            "not an exact tag",
+        ),
+        (
+            "FROM debian:bookworm-slim\nUSER 1 --uid 1",
+            "not an exact tag",
+        ),
+        ("FROM debian:latest\nUSER 1 --uid 1", "not an exact tag"),
+        ("FROM registry:5000/debian\nUSER 1 --uid 1", "no tag"),
+        ("ARG B=debian:12.8.0\nFROM ${B}\nUSER 1 --uid 1", "ARG"),
+        ("FROM debian:12.8.0", "no USER"),
+        ("FROM debian:12.8.0\nUSER toolfleet", "not numeric"),
+        ("FROM debian:12.8.0\nUSER 0:0", "root"),
+        (
+            "FROM debian:12.8.0\nRUN useradd --uid 10001 t\nUSER 10001:10001",
+            "`--gid 10001`",
+        ),
+    ] {
+        let problems = dockerfile_problems(bad);
+        assert!(
+            problems.len() == 1 && problems[0].contains(problem),
+            "{bad:?}: {problems:?}"
+        );
     }
 }

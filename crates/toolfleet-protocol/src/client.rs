@@ -343,6 +343,34 @@ pub async fn cancel(
         .map_err(|e| ClientError::Nats(e.to_string()))
 }
 
+/// Asks the fleet to stop one tool call `call_id` of invocation
+/// `invocation_id` of `tenant`: the worker running it (or about to) stops
+/// its tool and answers `call_cancelled`; the invocation goes on, its
+/// model told the call was cancelled.
+///
+/// # Errors
+///
+/// [`ClientError::Nats`] when the cancel cannot be sent.
+pub async fn cancel_call(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    tenant: &str,
+    invocation_id: &str,
+    call_id: &str,
+) -> Result<(), ClientError> {
+    client
+        .publish(
+            subjects.chat_cancel_call(tenant, invocation_id, call_id),
+            Bytes::new(),
+        )
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))?;
+    client
+        .flush()
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))
+}
+
 /// A chat job encoded for publishing, already checked against both size
 /// limits.
 struct SubmitMessage {

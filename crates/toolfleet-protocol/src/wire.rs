@@ -192,6 +192,33 @@ impl Subjects {
         format!("{}.chat.cancel.*.*", self.prefix)
     }
 
+    /// The cancel of one call of an invocation: its tool stops, and the
+    /// invocation goes on with the call's `call_cancelled` error.
+    pub fn chat_cancel_call(&self, tenant: &str, invocation_id: &str, call_id: &str) -> String {
+        format!(
+            "{}.chat.cancel.{tenant}.{invocation_id}.{call_id}",
+            self.prefix
+        )
+    }
+
+    /// Every cancel, of invocations and of single calls (what workers
+    /// hear).
+    pub fn chat_cancel_any(&self) -> String {
+        format!("{}.chat.cancel.>", self.prefix)
+    }
+
+    /// The `(tenant, invocation id, call id)` a call's cancel subject
+    /// names, when all are valid.
+    pub fn parse_cancel_call<'a>(&self, subject: &'a str) -> Option<(&'a str, &'a str, &'a str)> {
+        let mut parts = self.after(subject, ".chat.cancel.")?.split('.');
+        let (tenant, id, call) = (parts.next()?, parts.next()?, parts.next()?);
+        (parts.next().is_none()
+            && valid_tenant(tenant)
+            && valid_invocation_id(id)
+            && valid_invocation_id(call))
+        .then_some((tenant, id, call))
+    }
+
     /// The `(tenant, invocation id)` a cancel subject names, when both are
     /// valid.
     pub fn parse_cancel<'a>(&self, subject: &'a str) -> Option<(&'a str, &'a str)> {
@@ -1721,6 +1748,28 @@ mod tests {
         let mut bad = HeaderMap::new();
         bad.insert(headers::NATS_MSG_ID, "inv-1.call_1");
         assert_eq!(salvage_invocation_id(b"{not json", Some(&bad)), None);
+    }
+
+    #[test]
+    fn call_cancels_are_told_from_invocation_cancels() {
+        let s = Subjects::new("toolfleet").unwrap();
+        let call = s.chat_cancel_call("acme", "inv-1", "call_2");
+        assert_eq!(
+            s.parse_cancel_call(&call),
+            Some(("acme", "inv-1", "call_2"))
+        );
+        assert_eq!(s.parse_cancel(&call), None);
+        let whole = s.chat_cancel("acme", "inv-1");
+        assert_eq!(s.parse_cancel(&whole), Some(("acme", "inv-1")));
+        assert_eq!(s.parse_cancel_call(&whole), None);
+        assert_eq!(
+            s.parse_cancel_call("toolfleet.chat.cancel.acme.inv-1.c.d"),
+            None
+        );
+        assert_eq!(
+            s.parse_cancel_call("toolfleet.chat.cancel.acme.inv-1.*"),
+            None
+        );
     }
 
     #[test]

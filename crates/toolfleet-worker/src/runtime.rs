@@ -220,7 +220,10 @@ struct Running {
 
 #[derive(Default)]
 struct RunningState {
-    calls: HashMap<String, Vec<(u64, CancellationToken)>>,
+    /// By invocation ([`run_key`]): each call's serial, call id and token.
+    calls: HashMap<String, Vec<(u64, String, CancellationToken)>>,
+    /// Cancels heard lately: of invocations ([`run_key`]) and of single
+    /// calls (`<run key>.<call id>`).
     cancelled: HashMap<String, Instant>,
 }
 
@@ -238,25 +241,32 @@ const MAX_REMEMBERED_CANCELS: usize = 10_000;
 
 impl Running {
     /// Registers a call; the guard deregisters it when dropped. A call of
-    /// an invocation cancelled lately starts cancelled.
-    fn register(&self, invocation_id: String, token: CancellationToken) -> RunningGuard<'_> {
+    /// an invocation cancelled lately, or itself cancelled lately, starts
+    /// cancelled.
+    fn register(
+        &self,
+        invocation_id: String,
+        call_id: &str,
+        token: CancellationToken,
+    ) -> RunningGuard<'_> {
         let serial = self
             .serial
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         if let Ok(mut state) = self.state.lock() {
-            if state
-                .cancelled
-                .get(&invocation_id)
-                .is_some_and(|at| at.elapsed() < REMEMBER_CANCEL)
-            {
+            let lately = |key: &str| {
+                state
+                    .cancelled
+                    .get(key)
+                    .is_some_and(|at| at.elapsed() < REMEMBER_CANCEL)
+            };
+            if lately(&invocation_id) || lately(&call_key(&invocation_id, call_id)) {
                 token.cancel();
             }
+            let entry = (serial, call_id.to_string(), token);
             match state.calls.get_mut(&invocation_id) {
-                Some(calls) => calls.push((serial, token)),
+                Some(calls) => calls.push(entry),
                 None => {
-                    state
-                        .calls
-                        .insert(invocation_id.clone(), vec![(serial, token)]);
+                    state.calls.insert(invocation_id.clone(), vec![entry]);
                 }
             }
         }
@@ -270,6 +280,30 @@ impl Running {
     /// Cancels every call of `invocation_id` running here, and remembers
     /// the cancel for calls that start after it.
     fn cancel(&self, invocation_id: &str) -> usize {
+        self.cancel_matching(invocation_id, invocation_id, |_| true)
+    }
+
+    /// Cancels call `call_id` of `invocation_id` (a [`run_key`]) if it runs
+    /// here, and remembers the cancel should its job start later.
+    fn cancel_call(&self, invocation_id: &str, call_id: &str) -> usize {
+        let key = call_key(invocation_id, call_id);
+        self.cancel_matching(&key, invocation_id, |c| c == call_id)
+    }
+
+    /// Whether call `call_id` of `invocation_id` was cancelled on its own
+    /// lately (not with its whole invocation).
+    fn call_cancelled(&self, invocation_id: &str, call_id: &str) -> bool {
+        self.remembers_cancel(&call_key(invocation_id, call_id))
+    }
+
+    /// Remembers a cancel under `remember` and cancels the calls of
+    /// `invocation_id` whose call id passes `which`.
+    fn cancel_matching(
+        &self,
+        remember: &str,
+        invocation_id: &str,
+        which: impl Fn(&str) -> bool,
+    ) -> usize {
         let Ok(mut state) = self.state.lock() else {
             return 0;
         };
@@ -284,9 +318,7 @@ impl Running {
                     .store(unix_ns(std::time::SystemTime::now()), Ordering::Release);
             }
         }
-        state
-            .cancelled
-            .insert(invocation_id.to_string(), Instant::now());
+        state.cancelled.insert(remember.to_string(), Instant::now());
         self.remembered
             .store(state.cancelled.len(), Ordering::Release);
         let tokens = state
@@ -294,10 +326,14 @@ impl Running {
             .get(invocation_id)
             .map(Vec::as_slice)
             .unwrap_or(&[]);
-        for (_, token) in tokens {
-            token.cancel();
+        let mut stopped = 0;
+        for (_, call_id, token) in tokens {
+            if which(call_id) {
+                token.cancel();
+                stopped += 1;
+            }
         }
-        tokens.len()
+        stopped
     }
 
     /// Starts remembering since when every cancel was heard: called once
@@ -352,7 +388,7 @@ impl Drop for RunningGuard<'_> {
         if let Ok(mut state) = self.running.state.lock()
             && let Some(list) = state.calls.get_mut(&self.invocation_id)
         {
-            list.retain(|(s, _)| *s != self.serial);
+            list.retain(|(s, _, _)| *s != self.serial);
             if list.is_empty() {
                 state.calls.remove(&self.invocation_id);
             }
@@ -367,6 +403,12 @@ fn run_key(tenant: &str, invocation_id: &str) -> String {
     format!("{tenant}.{invocation_id}")
 }
 
+/// How [`Running`] remembers a cancel of one call: its invocation's
+/// [`run_key`] and the call id (no token holds a dot).
+fn call_key(run_key: &str, call_id: &str) -> String {
+    format!("{run_key}.{call_id}")
+}
+
 /// Stops the running calls of every invocation whose cancel subject is
 /// published.
 async fn listen_for_cancels(
@@ -379,7 +421,8 @@ async fn listen_for_cancels(
             _ = shutdown.cancelled() => break,
             m = cancels.next() => match m { Some(m) => m, None => break },
         };
-        if let Some((tenant, id)) = shared.config.subjects.parse_cancel(msg.subject.as_str()) {
+        let subjects = &shared.config.subjects;
+        if let Some((tenant, id)) = subjects.parse_cancel(msg.subject.as_str()) {
             let stopped = shared.running.cancel(&run_key(tenant, id));
             if stopped > 0 {
                 info!(
@@ -388,6 +431,14 @@ async fn listen_for_cancels(
                     "cancel: stopping the invocation's tool calls"
                 );
             }
+        } else if let Some((tenant, id, call)) = subjects.parse_cancel_call(msg.subject.as_str())
+            && shared.running.cancel_call(&run_key(tenant, id), call) > 0
+        {
+            info!(
+                invocation_id = id,
+                call_id = call,
+                "cancel: stopping one tool call"
+            );
         }
     }
     // No longer hearing cancels (shutting down, or the subscription
@@ -652,7 +703,7 @@ async fn set_up(
         .await
         .map_err(|e| nats(&e))?;
     let cancels = client
-        .subscribe(config.subjects.chat_cancel_all())
+        .subscribe(config.subjects.chat_cancel_any())
         .await
         .map_err(|e| nats(&e))?;
     let service = client
@@ -1743,10 +1794,10 @@ async fn process_call(
         ));
     };
     let token = CancellationToken::new();
-    let _running = shared.running.register(
-        run_key(call.invocation.tenant(), &call.invocation.invocation_id),
-        token.clone(),
-    );
+    let key = run_key(call.invocation.tenant(), &call.invocation.invocation_id);
+    let _running = shared
+        .running
+        .register(key.clone(), &call.call_id, token.clone());
     let ctx = ToolCtx::new(
         call.clone(),
         job.settings,
@@ -1762,7 +1813,18 @@ async fn process_call(
     stats.in_flight.inc();
     shared.hooks.on_start(call);
     let started = Instant::now();
-    let ran = run_tool(tool, &ctx, job.arguments, budget).await;
+    let ran = match run_tool(tool, &ctx, job.arguments, budget).await {
+        // This call alone was cancelled (`toolfleet cancel --call`): its
+        // caller goes on without it, so not `cancelled`, which ends the
+        // invocation.
+        Err(ToolError::Cancelled(_)) if shared.running.call_cancelled(&key, &call.call_id) => {
+            Err(ToolError::coded(
+                "call_cancelled",
+                "an operator cancelled this call; the tool was stopped",
+            ))
+        }
+        ran => ran,
+    };
     ctx.cancellation().cancel();
     stats.in_flight.dec();
     let elapsed = started.elapsed();
@@ -1987,11 +2049,11 @@ mod tests {
     fn a_cancel_reaches_running_calls_and_calls_that_register_after_it() {
         let running = Running::default();
         let before = CancellationToken::new();
-        let guard = running.register(run_key("acme", "inv-1"), before.clone());
+        let guard = running.register(run_key("acme", "inv-1"), "c1", before.clone());
         let other = CancellationToken::new();
-        let _other = running.register(run_key("acme", "inv-2"), other.clone());
+        let _other = running.register(run_key("acme", "inv-2"), "c1", other.clone());
         let elsewhere = CancellationToken::new();
-        let _elsewhere = running.register(run_key("globex", "inv-1"), elsewhere.clone());
+        let _elsewhere = running.register(run_key("globex", "inv-1"), "c1", elsewhere.clone());
         assert_eq!(running.cancel(&run_key("acme", "inv-1")), 1);
         assert!(before.is_cancelled());
         assert!(!other.is_cancelled());
@@ -2000,7 +2062,31 @@ mod tests {
         drop(guard);
         // Registered after the cancel: starts cancelled.
         let after = CancellationToken::new();
-        let _after = running.register(run_key("acme", "inv-1"), after.clone());
+        let _after = running.register(run_key("acme", "inv-1"), "c2", after.clone());
         assert!(after.is_cancelled());
+    }
+
+    #[test]
+    fn a_call_cancel_stops_that_call_only_and_is_remembered_for_its_job() {
+        let running = Running::default();
+        let key = run_key("acme", "inv-1");
+        let first = CancellationToken::new();
+        let _first = running.register(key.clone(), "c1", first.clone());
+        let second = CancellationToken::new();
+        let _second = running.register(key.clone(), "c2", second.clone());
+        assert_eq!(running.cancel_call(&key, "c1"), 1);
+        assert!(first.is_cancelled());
+        assert!(!second.is_cancelled(), "the invocation goes on");
+        assert!(running.call_cancelled(&key, "c1"));
+        assert!(!running.call_cancelled(&key, "c2"));
+        assert!(!running.call_cancelled(&run_key("globex", "inv-1"), "c1"));
+        // Its job, delivered again or late, starts cancelled; another
+        // call of the invocation does not.
+        let again = CancellationToken::new();
+        let _again = running.register(key.clone(), "c1", again.clone());
+        assert!(again.is_cancelled());
+        let third = CancellationToken::new();
+        let _third = running.register(key, "c3", third.clone());
+        assert!(!third.is_cancelled());
     }
 }
