@@ -211,3 +211,102 @@ fn completions_are_generated_for_each_shell() {
         .unwrap();
     assert_eq!(out.status.code(), Some(64));
 }
+
+/// `toolfleet chat` run on a pseudo-terminal (`script` from util-linux
+/// gives it one, as a user's terminal would): stdout and stderr both go to
+/// the terminal, so what the user sees is one stream.
+fn on_a_terminal(env: &Env, question: &str) -> Command {
+    let command = format!("{} chat '{question}'", env!("CARGO_BIN_EXE_toolfleet"));
+    let mut c = Command::new("script");
+    // -q quiet, -e the child's exit code, -f flush, -c the command; the
+    // typescript goes nowhere.
+    c.args(["-qefc", &command, "/dev/null"])
+        .env("TOOLFLEET_NATS_URL", env.nats.url())
+        .env_remove("TOOLFLEET_LOG")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_terminal_a_progress_line_waits_and_the_answer_shows_once() {
+    // The model takes a moment, so the progress line has time to show.
+    let env = Env::start(json!({
+        "firstTokenDelayMs": 1500,
+        "rules": [{ "whenUserContains": ["time"], "steps": [
+            { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+            { "answer": "The clock says {{tool:current_datetime}}." }
+        ] }]
+    }))
+    .await;
+    let child = on_a_terminal(&env, "What time is it?").spawn().unwrap();
+    let out = tokio::task::spawn_blocking(move || child.wait_with_output().unwrap())
+        .await
+        .unwrap();
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{screen}");
+    // The progress line showed, with the tool call counted, and was
+    // cleared before the answer.
+    assert!(screen.contains("… waiting for the answer ("), "{screen:?}");
+    assert!(screen.contains("1 tool call)"), "{screen:?}");
+    let answer_at = screen.find("The clock says").expect("the answer");
+    let cleared_at = screen[..answer_at]
+        .rfind("\r\x1b[2K")
+        .expect("the line is cleared");
+    assert!(
+        !screen[cleared_at..answer_at].contains("waiting"),
+        "{screen:?}"
+    );
+    // On a terminal, too, the answer appears once (streamed text is not
+    // printed again).
+    assert_eq!(screen.matches("The clock says").count(), 1, "{screen:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ctrl_c_typed_on_the_terminal_cancels_the_invocation() {
+    let env = Env::start(json!({
+        "firstTokenDelayMs": 30000,
+        "rules": [],
+        "default": { "steps": [ { "answer": "too late" } ] }
+    }))
+    .await;
+    let mut events = env.subscribe("toolfleet.chat.events.>".into()).await;
+    let mut child = on_a_terminal(&env, "hello?").spawn().unwrap();
+    let first = tokio::time::timeout(WAIT, events.next())
+        .await
+        .unwrap()
+        .unwrap();
+    let started: serde_json::Value = serde_json::from_slice(&first.payload).unwrap();
+    let invocation = started["invocationId"].as_str().unwrap().to_owned();
+    // The user types Ctrl-C: the terminal turns it into SIGINT for the
+    // command in the foreground.
+    let mut stdin = child.stdin.take().unwrap();
+    stdin.write_all(b"\x03").unwrap();
+    stdin.flush().unwrap();
+    let out = tokio::task::spawn_blocking(move || {
+        let out = child.wait_with_output().unwrap();
+        drop(stdin);
+        out
+    })
+    .await
+    .unwrap();
+    let screen = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(130), "{screen:?}");
+    assert!(
+        screen.contains(&format!("cancelling {invocation}")),
+        "{screen:?}"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let msg = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .expect("the invocation ends")
+            .unwrap();
+        let ev: serde_json::Value = serde_json::from_slice(&msg.payload).unwrap();
+        if ev["invocationId"] == invocation.as_str() && ev["type"] == "error" {
+            assert_eq!(ev["code"], "cancelled", "{ev}");
+            break;
+        }
+    }
+}
