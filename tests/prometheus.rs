@@ -1114,14 +1114,15 @@ fn dockerfile_problems(dockerfile: &str) -> Vec<String> {
         if instruction.eq_ignore_ascii_case("FROM") {
             let args: Vec<&str> = words.filter(|w| !w.starts_with("--")).collect();
             let image = args.first().copied().unwrap_or_default();
-            if !stages.contains(&image.to_lowercase()) {
+            if image.contains('$') {
+                problems.push(format!(
+                    "FROM {image}: pin the image in FROM, not in an ARG"
+                ));
+            } else if !stages.contains(&image.to_lowercase()) {
                 let reference = image.split('@').next().unwrap_or(image);
                 // After the last '/': a registry's `host:port/` is no tag.
                 let last = reference.rsplit('/').next().unwrap_or(reference);
                 match last.split_once(':') {
-                    _ if image.contains('$') => problems.push(format!(
-                        "FROM {image}: pin the image in FROM, not in an ARG"
-                    )),
                     None => problems.push(format!("FROM {image}: no tag, which is `latest`")),
                     Some((_, tag)) if !exact_tag(tag) => problems.push(format!(
                         "FROM {image}: `{tag}` is not an exact tag (x.y.z or a YYYYMMDD build)"
@@ -1129,8 +1130,8 @@ fn dockerfile_problems(dockerfile: &str) -> Vec<String> {
                     Some(_) => {}
                 }
             }
-            if let [_, r#as, stage] = args[..]
-                && r#as.eq_ignore_ascii_case("AS")
+            if let [_, keyword, stage] = args[..]
+                && keyword.eq_ignore_ascii_case("AS")
             {
                 stages.insert(stage.to_lowercase());
             }
