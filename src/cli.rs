@@ -1053,7 +1053,7 @@ async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
         nats_connect_wait: Duration::from_secs(args.worker.nats.connect_wait_secs),
     };
     toolfleet_service::serve_until_signal(args.metrics_addr, |rt| async move {
-        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()).await
+        toolfleet_local::fleet::serve(spec, &rt).await
     })
     .await?;
     Ok(0)
@@ -1421,7 +1421,7 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
         nats_connect_wait: Duration::from_secs(args.worker.nats.connect_wait_secs),
     };
     toolfleet_service::serve_until_signal(args.metrics_addr, |rt| async move {
-        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()).await
+        toolfleet_local::fleet::serve(spec, &rt).await
     })
     .await?;
     Ok(0)

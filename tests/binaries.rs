@@ -879,6 +879,21 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
             .all(|r| r.path.ends_with("/responses")),
         "the profile's API shape was used"
     );
+    // Ready, and it says what it checked: NATS, Redis, each worker's
+    // consumers.
+    let ready = reqwest::get(format!("http://127.0.0.1:{port}/readyz"))
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    let said = ready.text().await.unwrap();
+    for check in [
+        "ok   nats",
+        "ok   redis",
+        "ok   consumers of system",
+        "ok   consumers of retrieval",
+    ] {
+        assert!(said.contains(check), "{check}: {said}");
+    }
     sigterm(&up);
     assert!(wait_exit(&mut up).success());
 }

@@ -39,7 +39,46 @@ pub async fn start(
     tracker: &TaskTracker,
     shutdown: CancellationToken,
 ) -> anyhow::Result<()> {
+    start_parts(spec, metrics, tracker, shutdown, None).await
+}
+
+/// [`start`] as a served process (`toolfleet up`): on `rt`'s registry and
+/// tracker, with `/readyz` checking every part's NATS connection, Redis,
+/// and every worker's consumers, and the connection gauges.
+pub async fn serve(spec: FleetSpec, rt: &toolfleet_service::Runtime) -> anyhow::Result<()> {
+    start_parts(
+        spec,
+        &rt.metrics,
+        &rt.tracker,
+        rt.shutdown.clone(),
+        Some(rt),
+    )
+    .await
+}
+
+async fn start_parts(
+    spec: FleetSpec,
+    metrics: &prometheus::Registry,
+    tracker: &TaskTracker,
+    shutdown: CancellationToken,
+    rt: Option<&toolfleet_service::Runtime>,
+) -> anyhow::Result<()> {
     let wait = spec.nats_connect_wait;
+    // The connection gauges follow the first connection; every part's
+    // connection is a readiness check.
+    let mut watched = false;
+    let mut watch = |client: &async_nats::Client, store: &CitationStore| -> anyhow::Result<()> {
+        let Some(rt) = rt else { return Ok(()) };
+        if watched {
+            rt.health.nats(client);
+        } else {
+            let ping =
+                toolfleet_service::health::ping(store.clone(), |s| async move { s.ping().await });
+            toolfleet_service::health::watch_connections(rt, client, Some(ping))?;
+            watched = true;
+        }
+        Ok(())
+    };
     let store = CitationStore::connect(&spec.redis_url, spec.subjects.prefix(), spec.citation_ttl)
         .await
         .map_err(|e| {
@@ -60,6 +99,13 @@ pub async fn start(
                 wait,
             )
             .await?;
+            watch(&client, &store)?;
+            if let Some(rt) = rt {
+                rt.health.check(
+                    format!("consumers of {}", worker.name()),
+                    worker.consumer_check(&client, &spec.subjects),
+                );
+            }
             let mut config = WorkerConfig::new(spec.subjects.clone());
             config.concurrency = spec.worker_concurrency;
             let task = worker
@@ -86,6 +132,7 @@ pub async fn start(
         let client =
             toolfleet_service::args::connect_nats(&spec.nats_url, "toolfleet-orchestrator", wait)
                 .await?;
+        watch(&client, &store)?;
         let m = OrchestratorMetrics::register(metrics, dead_letters)?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
         tracker.spawn(async move {
