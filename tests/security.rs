@@ -633,6 +633,26 @@ async fn security_a_client_keeps_to_its_own_tenant() {
         .expect("its own tenant's cancel arrives")
         .unwrap();
     assert_eq!(heard.subject.as_str(), "toolfleet.chat.cancel.acme.inv-1");
+    // So with one call's cancel: its own tenant's arrives, another's never.
+    let worker = secure.connect("worker-system").await;
+    let mut call_cancels = worker
+        .subscribe("toolfleet.chat.cancel.*.*.*")
+        .await
+        .unwrap();
+    worker.flush().await.unwrap();
+    acme.publish("toolfleet.chat.cancel.globex.inv-1.call-1")
+        .await;
+    toolfleet_protocol::client::cancel_call(&acme.client, &subjects, "acme", "inv-1", "call-1")
+        .await
+        .unwrap();
+    let heard = tokio::time::timeout(WAIT, call_cancels.next())
+        .await
+        .expect("its own tenant's call cancel arrives")
+        .unwrap();
+    assert_eq!(
+        heard.subject.as_str(),
+        "toolfleet.chat.cancel.acme.inv-1.call-1"
+    );
 
     // It reads its own tenant's stored events, and nobody else's.
     toolfleet_protocol::streams::ensure_events_stream(&js, &subjects)
