@@ -886,10 +886,9 @@ impl LlmClient {
         if let Some((name, value)) = &self.inner.credential {
             request = request.header(name.clone(), value.clone());
         }
-        if let Some(tp) = toolfleet_service::telemetry::traceparent(&tracing::Span::current(), None)
-        {
-            request = request.header("traceparent", tp);
-        }
+        let mut trace = HeaderMap::new();
+        inject_trace_context(&mut trace);
+        request = request.headers(trace);
         let first_deadline = Instant::now() + self.inner.first_token_timeout;
         let mut response = match tokio::time::timeout_at(first_deadline, request.send()).await {
             Err(_) => return Err(self.first_token_timeout()),
@@ -1048,6 +1047,17 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     value("retry-after-ms")
         .map(|ms| Duration::from_secs_f64(ms / 1000.0))
         .or_else(|| value("retry-after").map(Duration::from_secs_f64))
+}
+
+/// Puts the current span's W3C `traceparent` into `headers`, so the
+/// provider's side of the request joins the model call's trace. Nothing
+/// when tracing is off (the span has no OpenTelemetry context).
+fn inject_trace_context(headers: &mut HeaderMap) {
+    use opentelemetry::propagation::TextMapPropagator;
+    use tracing_opentelemetry::OpenTelemetrySpanExt;
+    let cx = tracing::Span::current().context();
+    opentelemetry_sdk::propagation::TraceContextPropagator::new()
+        .inject_context(&cx, &mut opentelemetry_http::HeaderInjector(headers));
 }
 
 /// An error and its sources, `: `-joined: reqwest's own message alone
