@@ -323,3 +323,77 @@ async fn cancel_call_stops_one_tool_call_and_the_invocation_goes_on() {
     assert_eq!(code, Some(1));
     assert!(out.contains("already finished"), "{out}");
 }
+
+/// Alerts on `increase(...)` see the first error only if its series
+/// existed before it: every outcome series is there, at zero, from the
+/// start (per tool once the fleet's tools are known).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_outcome_series_starts_at_zero() {
+    let env = Env::start_with(
+        clock_script(),
+        Options {
+            workers: vec!["system"],
+            ..Options::default()
+        },
+    )
+    .await;
+    let tool = "system:current_datetime@1.0.0";
+    let wanted = [
+        "toolfleet_chat_jobs_total{outcome=\"error\"} 0".to_string(),
+        "toolfleet_chat_jobs_total{outcome=\"malformed\"} 0".to_string(),
+        "toolfleet_llm_requests_total{model=\"toolfleet-scripted\",outcome=\"ok\"} 0".to_string(),
+        format!("toolfleet_tool_jobs_total{{outcome=\"timeout\",tool=\"{tool}\"}} 0"),
+        format!("toolfleet_tool_jobs_total{{outcome=\"error\",tool=\"{tool}\"}} 0"),
+        format!("toolfleet_dead_letters_total{{kind=\"tool\",tool=\"{tool}\"}} 0"),
+        // From the orchestrator's first reading of the pools.
+        format!("toolfleet_tool_calls_total{{status=\"error\",tool=\"{tool}\"}} 0"),
+        format!("toolfleet_tool_calls_total{{status=\"timeout\",tool=\"{tool}\"}} 0"),
+    ];
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let text = env.metrics_text().await;
+        let missing: Vec<&String> = wanted
+            .iter()
+            .filter(|w| !text.contains(w.as_str()))
+            .collect();
+        if missing.is_empty() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{missing:?}\n{text}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// An events stream made by an older release kept only each invocation's
+/// latest event; the next start updates it to keep them all (what
+/// `toolfleet events` needs), keeping its replicas.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_events_stream_is_updated_to_keep_every_event() {
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let client = async_nats::connect(nats.url()).await.unwrap();
+    let js = async_nats::jetstream::new(client);
+    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: subjects.events_stream(),
+        subjects: vec![subjects.chat_events_all()],
+        max_messages_per_subject: 1,
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    toolfleet_protocol::streams::ensure_events_stream(&js, &subjects)
+        .await
+        .unwrap();
+    let mut stream = js.get_stream(subjects.events_stream()).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    assert_eq!(
+        config.max_messages_per_subject,
+        toolfleet_protocol::streams::EVENTS_PER_INVOCATION
+    );
+    assert_eq!(config.max_age, toolfleet_protocol::streams::EVENTS_MAX_AGE);
+    assert!(config.allow_direct);
+}

@@ -262,8 +262,18 @@ pub async fn run_with_ready(
         Some((limits::Severity::Notice, message)) => info!("{message}"),
         None => {}
     }
-    // Every fallback a profile can make, at zero from the start.
+    // Every fallback a profile can make, and every model's answered
+    // requests, at zero from the start.
     for profile in config.profiles.profiles.values() {
+        for model in profile
+            .deployments
+            .iter()
+            .filter_map(|d| config.profiles.deployments.get(d))
+        {
+            metrics
+                .llm_requests
+                .with_label_values(&[model.model.as_str(), "ok"]);
+        }
         for (i, from) in profile.deployments.iter().enumerate() {
             for to in &profile.deployments[i + 1..] {
                 metrics

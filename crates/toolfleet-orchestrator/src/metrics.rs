@@ -5,6 +5,13 @@ use prometheus::{
 };
 use toolfleet_service::metrics::{LATENCY_BUCKETS, counter, histogram};
 
+/// Every `outcome` of `toolfleet_chat_jobs_total`.
+pub const CHAT_OUTCOMES: [&str; 5] = ["completed", "error", "malformed", "duplicate", "superseded"];
+
+/// Every `status` of `toolfleet_tool_calls_total` a worker's answer (or the
+/// orchestrator's own) gives.
+pub const TOOL_CALL_STATUSES: [&str; 4] = ["ok", "error", "blocked", "timeout"];
+
 /// Metrics of the orchestrator.
 #[derive(Clone)]
 pub struct OrchestratorMetrics {
@@ -157,6 +164,16 @@ impl OrchestratorMetrics {
         )?;
         // The first dead letter must be an increase.
         dead_letters.with_label_values(&["chat", ""]);
+        let chat_jobs = counter(
+            r,
+            "toolfleet_chat_jobs_total",
+            "Chat jobs by outcome.",
+            &["outcome"],
+        )?;
+        // So must the first job of every outcome.
+        for o in CHAT_OUTCOMES {
+            chat_jobs.with_label_values(&[o]);
+        }
         Ok(Self {
             tool_backlog,
             tool_jobs_pending_ack,
@@ -169,12 +186,7 @@ impl OrchestratorMetrics {
             registry_duplicates,
             registry_build,
             unknown_tool_calls,
-            chat_jobs: counter(
-                r,
-                "toolfleet_chat_jobs_total",
-                "Chat jobs by outcome.",
-                &["outcome"],
-            )?,
+            chat_jobs,
             chat_job_duration,
             chat_jobs_in_flight,
             llm_requests: counter(

@@ -65,6 +65,11 @@ pub(crate) async fn watch(fleet: Arc<Fleet>, every: Duration, shutdown: Cancella
                 }
                 for (tool, (backlog, in_flight, workers)) in pools {
                     let label = [tool.as_str()];
+                    // Every tool of the fleet has its call outcomes from
+                    // the first reading: the first error is an increase.
+                    for status in crate::metrics::TOOL_CALL_STATUSES {
+                        m.tool_calls.with_label_values(&[tool.as_str(), status]);
+                    }
                     m.tool_backlog
                         .with_label_values(&label)
                         .set(i64::try_from(backlog).unwrap_or(i64::MAX));

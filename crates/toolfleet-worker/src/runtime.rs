@@ -578,8 +578,19 @@ impl Worker {
                         in_flight: metrics.tool_jobs_in_flight.with_label_values(&label),
                         duration: metrics.tool_job_duration.with_label_values(&label),
                         ok: {
-                            // The first dead letter must be an increase.
+                            // The first dead letter, and the first job of
+                            // every outcome, must be an increase.
                             metrics.dead_letters.with_label_values(&["tool", t.label()]);
+                            for outcome in [
+                                "error",
+                                "blocked",
+                                "timeout",
+                                "cancelled",
+                                "invalid_arguments",
+                                "redelivered",
+                            ] {
+                                metrics.tool_jobs.with_label_values(&[t.label(), outcome]);
+                            }
                             metrics.tool_jobs.with_label_values(&[t.label(), "ok"])
                         },
                         jobs: job_stats.endpoint(&endpoint_name(&t.definition().id)),
