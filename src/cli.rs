@@ -495,6 +495,10 @@ pub enum IndexCommand {
         collection: Option<String>,
         #[arg(long, default_value_t = 5)]
         top_k: usize,
+        /// `text` (a passage per hit) or `json` (`[{"score", "id",
+        /// "title", "collection", "text"}]`).
+        #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
+        output: Output,
     },
 }
 
@@ -1687,6 +1691,7 @@ async fn index(command: IndexCommand) -> anyhow::Result<i32> {
             index,
             collection,
             top_k,
+            output,
         } => {
             let store = toolfleet_worker_retrieval::open_store(&index)
                 .await
@@ -1698,6 +1703,22 @@ async fn index(command: IndexCommand) -> anyhow::Result<i32> {
                 ..Default::default()
             };
             let hits = store.search(&query).await?;
+            if output == Output::Json {
+                let rows: Vec<serde_json::Value> = hits
+                    .iter()
+                    .map(|h| {
+                        serde_json::json!({
+                            "score": h.score,
+                            "id": h.item.id,
+                            "title": h.item.title,
+                            "collection": h.item.collection,
+                            "text": h.item.text,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+                return Ok(0);
+            }
             for h in &hits {
                 let text: String = h.item.text.chars().take(200).collect();
                 println!(

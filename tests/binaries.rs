@@ -1138,6 +1138,20 @@ fn toolfleet_ingest_reports_bad_files_and_reingests_atomically() {
     };
     assert!(search("langstroth").contains("kb:hives.md#0"));
     assert!(search("smoker veil").contains("kb:page.html#0"));
+    let out = run(&[
+        "index",
+        "search",
+        "langstroth",
+        "--collection",
+        "kb",
+        "-o",
+        "json",
+    ]);
+    assert!(out.status.success());
+    let hits: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(hits[0]["id"], "kb:hives.md#0", "{hits:#?}");
+    assert_eq!(hits[0]["collection"], "kb");
+    assert!(hits[0]["score"].as_f64().unwrap() > 0.0);
     std::fs::write(
         docs.join("hives.md"),
         "# Hives\n\nA top-bar hive has bars.\n",
