@@ -227,7 +227,8 @@ fn print_status(status: &Status) {
 }
 
 /// `toolfleet events`: the events of invocation `invocation_id` of
-/// `tenant` as the events stream keeps them (two hours), in order; with
+/// `tenant` as the history stream keeps them (two hours; every event but
+/// the deltas — the answer's text is in `completed`), in order; with
 /// `follow`, a running invocation's next ones until its terminal event.
 /// Exits 0 once a terminal event was shown (1 when it was an error), 1
 /// when the stream holds nothing of the invocation (unknown, still queued
@@ -251,12 +252,12 @@ pub async fn events(
     let client = nats.connect("toolfleet-events").await?;
     let js = jetstream::new(client);
     let stream = js
-        .get_stream(subjects.events_stream())
+        .get_stream(subjects.history_stream())
         .await
-        .map_err(|e| anyhow::anyhow!("the events stream {}: {e}", subjects.events_stream()))?;
+        .map_err(|e| anyhow::anyhow!("the history stream {}: {e}", subjects.history_stream()))?;
     let consumer = stream
         .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            filter_subject: subjects.chat_events(tenant, invocation_id),
+            filter_subject: subjects.chat_history(tenant, invocation_id),
             deliver_policy: jetstream::consumer::DeliverPolicy::All,
             ..Default::default()
         })
@@ -265,8 +266,8 @@ pub async fn events(
     if pending == 0 {
         eprintln!(
             "no events of {invocation_id} (tenant {tenant}): unknown, still queued, or older \
-             than the events stream keeps ({} h)",
-            toolfleet_protocol::streams::EVENTS_MAX_AGE.as_secs() / 3600
+             than the history keeps ({} h)",
+            toolfleet_protocol::streams::HISTORY_MAX_AGE.as_secs() / 3600
         );
         return Ok(1);
     }
@@ -274,7 +275,6 @@ pub async fn events(
     let mut printer = EventPrinter::new(output);
     loop {
         if pending == 0 && !follow {
-            printer.flush();
             eprintln!(
                 "{invocation_id} is still running (without --no-follow it is followed to its end)"
             );
@@ -285,7 +285,6 @@ pub async fn events(
             Ok(Some(Ok(msg))) => msg,
             Ok(Some(Err(e))) => return Err(anyhow::anyhow!("reading the events stream: {e}")),
             Ok(None) | Err(_) => {
-                printer.flush();
                 eprintln!("no further events of {invocation_id}");
                 return Ok(1);
             }
@@ -303,7 +302,6 @@ pub async fn events(
         };
         match printer.show(&event, published) {
             Some(code) => {
-                printer.flush();
                 return Ok(code);
             }
             None => continue,
@@ -311,19 +309,14 @@ pub async fn events(
     }
 }
 
-/// Prints events: JSON lines, or a line per event with consecutive deltas
-/// joined into one.
+/// Prints events: JSON lines, or a line per event.
 struct EventPrinter {
     output: Output,
-    text: String,
 }
 
 impl EventPrinter {
     fn new(output: Output) -> Self {
-        Self {
-            output,
-            text: String::new(),
-        }
+        Self { output }
     }
 
     /// Prints `event`; the exit code once it is terminal.
@@ -342,11 +335,6 @@ impl EventPrinter {
             println!("{v}");
             return terminal;
         }
-        if let ChatEventBody::Delta { text } = &event.body {
-            self.text.push_str(text);
-            return None;
-        }
-        self.flush();
         let clock = format!(
             "{:02}:{:02}:{:02}.{:03}",
             at.hour(),
@@ -356,27 +344,30 @@ impl EventPrinter {
         );
         let mut v = serde_json::to_value(&event.body).unwrap_or_default();
         let kind = v["type"].as_str().unwrap_or("?").to_string();
-        if let Some(o) = v.as_object_mut() {
-            o.remove("type");
-        }
-        println!(
-            "{clock} {:>4} {kind:<14} {}",
-            event.seq,
-            crate::cli::one_line(&v.to_string(), 160)
-        );
+        let detail = match &event.body {
+            // The answer first, then what it cost.
+            ChatEventBody::Completed {
+                text,
+                references,
+                usage,
+                ..
+            } => format!(
+                "{} ({} reference(s), {} tokens)",
+                crate::cli::one_line(text, 160),
+                references.len(),
+                usage.total_tokens
+            ),
+            ChatEventBody::Error { code, message } => {
+                format!("{code}: {}", crate::cli::one_line(message, 160))
+            }
+            _ => {
+                if let Some(o) = v.as_object_mut() {
+                    o.remove("type");
+                }
+                crate::cli::one_line(&v.to_string(), 160)
+            }
+        };
+        println!("{clock} {:>4} {kind:<14} {detail}", event.seq);
         terminal
-    }
-
-    /// Prints the deltas gathered so far as one line.
-    fn flush(&mut self) {
-        if !self.text.is_empty() {
-            println!(
-                "{:>18} {:<14} {}",
-                "",
-                "delta",
-                crate::cli::one_line(&self.text, 160)
-            );
-            self.text.clear();
-        }
     }
 }

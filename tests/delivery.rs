@@ -655,13 +655,21 @@ async fn a_missed_terminal_event_is_read_from_the_events_stream() {
     .unwrap()
     .expect("the terminal event is stored");
     assert_eq!(stored, last_live);
-    // The stream keeps every event of the invocation, each once (the
-    // terminal event too: it is published through JetStream only).
+    // The stream keeps one event per invocation: the latest.
     let js = async_nats::jetstream::new(env.client.clone());
     let mut stream = js.get_stream(env.subjects.events_stream()).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 1);
+    // The history keeps every event but the deltas, each once.
+    let mut history = js.get_stream(env.subjects.history_stream()).await.unwrap();
+    let deltas = outcome
+        .events
+        .iter()
+        .filter(|e| matches!(e.body, toolfleet_protocol::ChatEventBody::Delta { .. }))
+        .count();
+    assert!(deltas > 0);
     assert_eq!(
-        stream.info().await.unwrap().state.messages,
-        outcome.events.len() as u64
+        history.info().await.unwrap().state.messages,
+        (outcome.events.len() - deltas) as u64
     );
     // Nothing stored for an invocation that never ran, or under another
     // tenant.

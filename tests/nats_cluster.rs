@@ -345,6 +345,7 @@ fn nats_cluster_the_shipped_server_configs_are_valid() {
                     "LLM",
                     "WEB",
                     "UNITS",
+                    "OPERATOR",
                 ]
                 .map(|r| (format!("TOOLFLEET_NATS_{r}_PASSWORD"), "x")),
             )

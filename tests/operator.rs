@@ -82,7 +82,15 @@ async fn status_counts_jetstream_jobs_and_names_pools_nobody_serves() {
     let deadline = tokio::time::Instant::now() + WAIT;
     let status = loop {
         let (code, out, err) = toolfleet(&env, &["status", "-o", "json"]);
-        assert_eq!(code, Some(0), "{out}{err}");
+        // A worker's answer may come late on a busy machine: ask again.
+        if code != Some(0) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{code:?} {out}{err}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
         let status: Value = serde_json::from_str(&out).unwrap();
         let tool = |id: &str| {
             status["tools"]
@@ -164,8 +172,9 @@ async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
     script["rules"]
         .as_array_mut()
         .unwrap()
-        .push(json!({ "whenUserContains": ["slow"], "steps": [
-            { "answer": "Slowly, then.", "fault": { "kind": "slowFirstToken", "delayMs": 1500 } }
+        .push(json!({ "whenUserContains": ["gate"], "steps": [
+            { "toolCalls": [ { "name": "gate", "arguments": {} } ] },
+            { "answer": "Past the gate: {{tool:gate}}" }
         ] }));
     let env = Env::start_with(
         script,
@@ -175,6 +184,16 @@ async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
         },
     )
     .await;
+    // A tool that answers only when the test opens the gate.
+    let dir = tempfile::tempdir().unwrap();
+    let path = support::renamed_definition(dir.path(), "testing", "gate");
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let worker = Worker::builder("testing")
+        .definition_file(&path)
+        .tool("testing.gate", Gate(gate.clone()))
+        .build()
+        .unwrap();
+    let _gate_worker = env.start_worker(worker).await;
     let (job, out) = env.ask("What time is it?").await;
     out.unwrap();
     let inv = job.invocation_id.as_str();
@@ -190,7 +209,7 @@ async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
     assert_eq!(kinds.last(), Some(&"completed"), "{kinds:?}");
     assert!(kinds.contains(&"tool_call") && kinds.contains(&"tool_result"));
     let seqs: Vec<u64> = events.iter().map(|e| e["seq"].as_u64().unwrap()).collect();
-    assert!(seqs.windows(2).all(|w| w[1] == w[0] + 1), "{seqs:?}");
+    assert!(seqs.windows(2).all(|w| w[1] > w[0]), "{seqs:?}");
     assert!(events.iter().all(|e| e["published"].is_string()));
 
     let (code, text, _) = toolfleet(&env, &["events", inv]);
@@ -199,11 +218,15 @@ async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
         text.contains("completed") && text.contains("tool_result"),
         "{text}"
     );
-    // Deltas are joined into one line of text.
-    assert_eq!(
-        text.lines().filter(|l| l.contains(" delta ")).count(),
-        1,
-        "{text}"
+    // The answer's text is in `completed`; the deltas are not kept.
+    assert!(!text.contains(" delta "), "{text}");
+    assert!(!kinds.contains(&"delta"), "{kinds:?}");
+    assert!(
+        events.last().unwrap()["text"]
+            .as_str()
+            .unwrap()
+            .contains("The clock says"),
+        "{events:?}"
     );
 
     let (code, _, err) = toolfleet(&env, &["events", "inv-nobody-ran"]);
@@ -212,41 +235,89 @@ async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
     let (code, _, err) = toolfleet(&env, &["events", "not an id"]);
     assert_eq!(code, Some(64), "{err}");
 
-    // A running invocation: followed to its end.
-    let slow = toolfleet_protocol::client::question("Answer slow please");
-    let submitted = {
-        let (client, subjects, slow) = (env.client.clone(), env.subjects.clone(), slow.clone());
-        tokio::spawn(async move {
-            toolfleet_protocol::client::chat(&client, &subjects, &slow, WAIT, |_| {}).await
-        })
-    };
-    // Once it has started, follow it.
-    let deadline = tokio::time::Instant::now() + WAIT;
+    // A running invocation (its tool waits at the gate): `--no-follow`
+    // stops at what is stored, following waits for its end.
+    let gated = toolfleet_protocol::client::question("through the gate please");
+    let mut live = env.follow_and_submit(&gated).await;
     loop {
-        let (code, out, _) = toolfleet(&env, &["events", &slow.invocation_id, "--no-follow"]);
-        if code == Some(2) {
-            assert!(out.contains("started"), "{out}");
+        let ev = support::next_json(&mut live).await;
+        assert_ne!(ev["type"], "error", "{ev}");
+        if ev["type"] == "tool_call" {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "{code:?} {out}");
+    }
+    let gated_id = gated.invocation_id.clone();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        // The history is written just after the live event: retry a moment.
+        let (code, out, err) = toolfleet(&env, &["events", &gated_id, "--no-follow"]);
+        if code == Some(2) && out.contains("tool_call") {
+            assert!(err.contains("still running"), "{err}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{code:?} {out}{err}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let follow = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
-        .args(["events", &slow.invocation_id])
+    let mut follow = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(["events", &gated_id])
         .env("TOOLFLEET_NATS_URL", env.nats.url())
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let out = tokio::task::spawn_blocking(move || follow.wait_with_output().unwrap())
-        .await
-        .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(0), "{text}");
+    // Once the follower has shown what is stored, open the gate.
+    let stdout = follow.stdout.take().unwrap();
+    let shown = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        let mut lines = std::io::BufReader::new(stdout).lines();
+        let mut shown = Vec::new();
+        for line in lines.by_ref() {
+            let line = line.unwrap();
+            let at_call = line.contains("tool_call");
+            shown.push(line);
+            if at_call {
+                break;
+            }
+        }
+        (lines, shown)
+    })
+    .await
+    .unwrap();
+    gate.add_permits(1);
+    let (lines, mut shown) = shown;
+    let rest = tokio::task::spawn_blocking(move || {
+        let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+        let status = follow.wait().unwrap();
+        (rest, status)
+    })
+    .await
+    .unwrap();
+    shown.extend(rest.0);
+    let text = shown.join("\n");
+    assert_eq!(rest.1.code(), Some(0), "{text}");
     assert!(
-        text.contains("Slowly, then.") && text.contains("completed"),
+        text.contains("tool_result")
+            && text.contains("Past the gate")
+            && text.contains("completed"),
         "{text}"
     );
-    submitted.await.unwrap().unwrap();
+}
+
+/// A tool that answers once the test opens its gate.
+struct Gate(std::sync::Arc<tokio::sync::Semaphore>);
+
+impl Tool for Gate {
+    type Args = Value;
+    async fn call(&self, _ctx: &ToolCtx, _args: Value) -> Result<ToolOutput, ToolError> {
+        let _permit = self
+            .0
+            .acquire()
+            .await
+            .map_err(|_| ToolError::failed("closed"))?;
+        Ok(ToolOutput::text("opened"))
+    }
 }
 
 /// A tool that runs until it is stopped.
@@ -365,35 +436,4 @@ async fn every_outcome_series_starts_at_zero() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-}
-
-/// An events stream made by an older release kept only each invocation's
-/// latest event; the next start updates it to keep them all (what
-/// `toolfleet events` needs), keeping its replicas.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_old_events_stream_is_updated_to_keep_every_event() {
-    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
-    let client = async_nats::connect(nats.url()).await.unwrap();
-    let js = async_nats::jetstream::new(client);
-    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
-    js.create_stream(async_nats::jetstream::stream::Config {
-        name: subjects.events_stream(),
-        subjects: vec![subjects.chat_events_all()],
-        max_messages_per_subject: 1,
-        allow_direct: true,
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    toolfleet_protocol::streams::ensure_events_stream(&js, &subjects)
-        .await
-        .unwrap();
-    let mut stream = js.get_stream(subjects.events_stream()).await.unwrap();
-    let config = stream.info().await.unwrap().config.clone();
-    assert_eq!(
-        config.max_messages_per_subject,
-        toolfleet_protocol::streams::EVENTS_PER_INVOCATION
-    );
-    assert_eq!(config.max_age, toolfleet_protocol::streams::EVENTS_MAX_AGE);
-    assert!(config.allow_direct);
 }

@@ -17,7 +17,7 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-const USERS: [(&str, &str); 8] = [
+const USERS: [(&str, &str); 9] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
@@ -26,6 +26,7 @@ const USERS: [(&str, &str); 8] = [
     ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
     ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
     ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
+    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
 ];
 
 /// The inbox prefix a role's processes set (ops/nats/auth.conf).
@@ -456,6 +457,41 @@ agent = {{ name = "helper", description = "Agrees." }}
             break;
         }
     }
+
+    // The operator's commands, under the operator's role.
+    let operator = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .args(args)
+            .envs(secure.env("operator"))
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let (code, out, err) = operator(&["status", "-o", "json"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let status: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let workers: Vec<&str> = status["instances"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|i| i["worker"].as_str())
+        .collect();
+    assert!(
+        workers.contains(&"system") && workers.contains(&"retrieval"),
+        "{status}"
+    );
+    let (code, out, err) = operator(&["events", &ask.invocation_id, "--tenant", "acme"]);
+    assert_eq!(code, Some(0), "{out}{err}{:?}", secure.violations());
+    assert!(out.contains("Helper: the helper agrees"), "{out}");
+    let (code, out, err) = operator(&["deadletters", "ls"]);
+    assert_eq!(code, Some(0), "{out}{err}");
+    let (code, out, err) = operator(&["cancel", &ask.invocation_id, "--tenant", "acme"]);
+    assert_eq!(code, Some(1), "{out}{err}");
+    assert!(out.contains("already finished"), "{out}{err}");
 
     // Not one permission was missing on the way, and no secret was logged.
     assert_eq!(secure.violations(), Vec::<String>::new());

@@ -33,12 +33,19 @@ pub struct Events {
 }
 
 impl Events {
-    /// Starts the publishing task for `invocation_id`'s events on `subject`.
+    /// Starts the publishing task for the events of invocation
+    /// `invocation_id` of `tenant`: every event on its events subject, and
+    /// every one but the deltas on its history subject too (what
+    /// `toolfleet events` replays).
     pub(crate) fn start(
         client: async_nats::Client,
-        subject: String,
-        invocation_id: String,
+        subjects: &toolfleet_protocol::Subjects,
+        tenant: &str,
+        invocation_id: &str,
     ) -> Self {
+        let subject = subjects.chat_events(tenant, invocation_id);
+        let history = subjects.chat_history(tenant, invocation_id);
+        let invocation_id = invocation_id.to_string();
         let (tx, mut rx) = mpsc::unbounded_channel::<Box<ChatEventBody>>();
         let task = tokio::spawn(async move {
             let connects = || {
@@ -53,6 +60,7 @@ impl Events {
             while let Some(body) = rx.recv().await {
                 let body = *body;
                 let is_terminal = body.is_terminal();
+                let is_delta = matches!(body, ChatEventBody::Delta { .. });
                 let event = ChatEvent {
                     invocation_id: invocation_id.clone(),
                     seq,
@@ -60,6 +68,11 @@ impl Events {
                 };
                 seq += 1;
                 let payload = fit(event, client.max_payload());
+                if !is_delta
+                    && let Err(e) = Box::pin(client.publish(history.clone(), payload.clone())).await
+                {
+                    warn!(error = %e, "cannot publish a chat event to the history");
+                }
                 if is_terminal {
                     terminal = Some(payload.clone());
                     // Boxed: the task waits on its channel for the whole

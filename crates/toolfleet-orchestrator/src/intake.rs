@@ -64,6 +64,9 @@ pub(crate) async fn chat_consumer(
     toolfleet_protocol::streams::ensure_events_stream(js, subjects)
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_history_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     toolfleet_protocol::streams::ensure_dead_letters_stream(js, subjects)
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
@@ -539,11 +542,7 @@ async fn run(
     let id = job.invocation_id.clone();
     let tenant = job.tenant().to_string();
     let (run, cancel) = fleet.register_run(&id, &tenant);
-    let events = Events::start(
-        fleet.client.clone(),
-        fleet.config.subjects.chat_events(&tenant, &id),
-        id.clone(),
-    );
+    let events = Events::start(fleet.client.clone(), &fleet.config.subjects, &tenant, &id);
     let keep_alive = fleet.heartbeat.hold(&msg);
     let agent_depth = crate::agents::depth_of(msg.headers.as_ref());
 
@@ -677,8 +676,9 @@ async fn dead_letter(
     {
         let events = Events::start(
             fleet.client.clone(),
-            fleet.config.subjects.chat_events(&rejection.tenant, id),
-            id.clone(),
+            &fleet.config.subjects,
+            &rejection.tenant,
+            id,
         );
         events.finish(ChatEventBody::Error {
             code: rejection.event_code.into(),
@@ -758,11 +758,7 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
             .subjects
             .submit_tenant(&poison.subject)
             .unwrap_or(DEFAULT_TENANT);
-        let events = Events::start(
-            fleet.client.clone(),
-            fleet.config.subjects.chat_events(tenant, id),
-            id.clone(),
-        );
+        let events = Events::start(fleet.client.clone(), &fleet.config.subjects, tenant, id);
         events.finish(ChatEventBody::Error {
             code: "unreadable_headers".into(),
             message: error.clone(),

@@ -48,77 +48,96 @@ pub async fn ensure_chat_stream(
     .await
 }
 
-/// How long the events stream keeps an invocation's events: past the
-/// longest chat deadline (1 h), with room for a client that reconnects
-/// late and for an operator replaying a run (`toolfleet events`).
+/// How long the events stream keeps an invocation's latest event: past
+/// the longest chat deadline (1 h), with room for a client that reconnects
+/// late.
 pub const EVENTS_MAX_AGE: Duration = Duration::from_secs(2 * 3600);
 
 /// The events stream's size limit: past it the oldest invocations' events
 /// go first, so it never takes the space the job streams need.
-pub const EVENTS_MAX_BYTES: i64 = 1024 * 1024 * 1024;
-
-/// The most events kept per invocation: a run that streams more (a very
-/// long answer, one delta per chunk) loses its oldest deltas first; the
-/// terminal event, the newest, is always kept.
-pub const EVENTS_PER_INVOCATION: i64 = 10_000;
+pub const EVENTS_MAX_BYTES: i64 = 256 * 1024 * 1024;
 
 /// Creates the events stream if it does not exist: over every invocation's
-/// events subject, keeping each invocation's events (at most
-/// [`EVENTS_PER_INVOCATION`], for [`EVENTS_MAX_AGE`]) so a client that
-/// missed the terminal event can read it back (the subject's last
-/// message, by direct get) and an operator can replay a whole run, at
-/// most [`EVENTS_MAX_BYTES`] (oldest first out), file storage, a 2-minute
-/// duplicate window (a terminal event published again after a failover is
-/// stored once). A stream made by an older release, which kept only the
-/// latest event per invocation, is updated to keep them all.
+/// events subject, keeping only the latest event of each (so the stream
+/// stays one message per recent invocation, and that message is the
+/// terminal event once the invocation ended), at most
+/// [`EVENTS_MAX_BYTES`] (oldest first out), file storage, readable by
+/// direct get, a 2-minute duplicate window (a terminal event published
+/// again after a failover is stored once).
 pub async fn ensure_events_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<stream::Stream, StreamError> {
     let name = subjects.events_stream();
     let subject = subjects.chat_events_all();
-    let config = stream::Config {
-        name: name.clone(),
-        subjects: vec![subject.clone()],
-        retention: stream::RetentionPolicy::Limits,
-        storage: stream::StorageType::File,
-        max_messages_per_subject: EVENTS_PER_INVOCATION,
-        max_age: EVENTS_MAX_AGE,
-        max_bytes: EVENTS_MAX_BYTES,
-        duplicate_window: Duration::from_secs(120),
-        allow_direct: true,
-        discard: stream::DiscardPolicy::Old,
-        num_replicas: default_replicas(),
-        ..Default::default()
-    };
     let stream = js
-        .get_or_create_stream(config.clone())
+        .get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            max_messages_per_subject: 1,
+            max_age: EVENTS_MAX_AGE,
+            max_bytes: EVENTS_MAX_BYTES,
+            duplicate_window: Duration::from_secs(120),
+            allow_direct: true,
+            discard: stream::DiscardPolicy::Old,
+            num_replicas: default_replicas(),
+            ..Default::default()
+        })
         .await
         .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
     check_subjects(stream.cached_info(), &subject)?;
     check_replicas(stream.cached_info());
-    let found = stream.cached_info().config.clone();
-    if found.max_messages_per_subject == 1 {
-        // Our own earlier default: migrate it (the replicas stay).
-        let updated = stream::Config {
-            num_replicas: found.num_replicas,
-            ..config
-        };
-        match js.update_stream(updated).await {
-            Ok(_) => {
-                tracing::info!(stream = %name, "the events stream now keeps every event of an invocation")
-            }
-            Err(e) => tracing::warn!(stream = %name, error = %e,
-                "the events stream keeps only each invocation's latest event and cannot be \
-                 updated (`nats stream edit --max-msgs-per-subject`): `toolfleet events` shows \
-                 only the last one"),
-        }
+    let found = &stream.cached_info().config;
+    if !found.allow_direct || found.max_messages_per_subject != 1 {
+        tracing::warn!(stream = %name, allow_direct = found.allow_direct,
+            max_messages_per_subject = found.max_messages_per_subject,
+            "the events stream exists with other settings: clients cannot read a missed answer \
+             back unless it allows direct get, and it grows with every event unless it keeps one \
+             message per subject (`nats stream edit`)");
     }
-    if !found.allow_direct {
-        tracing::warn!(stream = %name,
-            "the events stream does not allow direct get: clients cannot read a missed answer \
-             back (`nats stream edit --allow-direct`)");
-    }
+    Ok(stream)
+}
+
+/// How long the history stream keeps an invocation's events.
+pub const HISTORY_MAX_AGE: Duration = EVENTS_MAX_AGE;
+/// The history stream's size limit (oldest invocations out first).
+pub const HISTORY_MAX_BYTES: i64 = 256 * 1024 * 1024;
+/// The most history events kept per invocation (a run with more tool calls
+/// loses its oldest; the terminal event, the newest, is always kept).
+pub const HISTORY_PER_INVOCATION: i64 = 1_000;
+
+/// Creates the history stream if it does not exist: over every
+/// invocation's history subject (`<prefix>.chat.history.<tenant>.<inv>`,
+/// where the orchestrator publishes every event but the deltas), keeping
+/// each invocation's events in order for [`HISTORY_MAX_AGE`] — what
+/// `toolfleet events` replays. Apart from the events stream, so the
+/// many deltas of busy fleets never push out the kept answers there, and
+/// the history never holds a token stream.
+pub async fn ensure_history_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<stream::Stream, StreamError> {
+    let name = subjects.history_stream();
+    let subject = subjects.chat_history_all();
+    let stream = js
+        .get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject.clone()],
+            retention: stream::RetentionPolicy::Limits,
+            storage: stream::StorageType::File,
+            max_messages_per_subject: HISTORY_PER_INVOCATION,
+            max_age: HISTORY_MAX_AGE,
+            max_bytes: HISTORY_MAX_BYTES,
+            discard: stream::DiscardPolicy::Old,
+            num_replicas: default_replicas(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+    check_subjects(stream.cached_info(), &subject)?;
+    check_replicas(stream.cached_info());
     Ok(stream)
 }
 

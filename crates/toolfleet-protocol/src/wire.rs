@@ -178,6 +178,16 @@ impl Subjects {
         format!("{}.deadletter.>", self.prefix)
     }
 
+    /// An invocation's events without the deltas, for the history stream
+    /// (`toolfleet events`). Nobody but the orchestrators publishes here.
+    pub fn chat_history(&self, tenant: &str, invocation_id: &str) -> String {
+        format!("{}.chat.history.{tenant}.{invocation_id}", self.prefix)
+    }
+
+    pub fn chat_history_all(&self) -> String {
+        format!("{}.chat.history.>", self.prefix)
+    }
+
     pub fn chat_events_all(&self) -> String {
         format!("{}.chat.events.>", self.prefix)
     }
@@ -305,6 +315,12 @@ impl Subjects {
     /// live can still read it.
     pub fn events_stream(&self) -> String {
         format!("{}_EVENTS", self.stream_stem())
+    }
+
+    /// The JetStream stream that keeps each invocation's events but the
+    /// deltas (`TOOLFLEET_HISTORY`), what `toolfleet events` replays.
+    pub fn history_stream(&self) -> String {
+        format!("{}_HISTORY", self.stream_stem())
     }
 
     /// The JetStream stream that holds tool jobs (`TOOLFLEET_TOOLS`).
