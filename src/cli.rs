@@ -100,14 +100,14 @@ pub enum Command {
     /// The fleet at a glance: every worker instance (from `$SRV.INFO` and
     /// `$SRV.STATS`), every tool with its instances, backlog, jobs in
     /// flight, jobs run and errors (JetStream and direct) and its newest
-    /// error; the chat backlog and the dead letters kept. Exits 1 when a
-    /// tool has waiting jobs and no instance serves it.
+    /// error; the chat backlog and the dead letters kept. Exits 3 when a
+    /// tool has waiting jobs and no instance serves it (1 on an error).
     Status {
         /// `text` (tables) or `json`.
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
         output: Output,
         /// How long to collect the workers' answers, in ms.
-        #[arg(long, default_value_t = 500)]
+        #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u64).range(50..=60_000))]
         wait_ms: u64,
         #[command(flatten)]
         nats: NatsArgs,
@@ -1290,6 +1290,15 @@ async fn cancel(
             println!("{invocation_id} already finished: {how}; nothing to cancel");
             return Ok(1);
         }
+        None if call_id.is_some() => {
+            // No run yet (or none at all): there is no call to stop, and the
+            // invocation is not ours to end.
+            println!(
+                "{invocation_id} of tenant {tenant} has no event: unknown, or not started; \
+                 nothing cancelled"
+            );
+            return Ok(1);
+        }
         None => {
             // Maybe still queued: the cancel is remembered for it.
             toolfleet_protocol::client::cancel(&client, &subjects, tenant, invocation_id).await?;
@@ -1340,6 +1349,12 @@ async fn cancel(
                     return Ok(1);
                 }
                 match terminal(&event) {
+                    Some(how) if call_id.is_some() => {
+                        println!(
+                            "{invocation_id} ended ({how}) before the call's cancel was confirmed"
+                        );
+                        return Ok(1);
+                    }
                     Some(how) if how == "error (cancelled)" => {
                         println!("{invocation_id} cancelled");
                         return Ok(0);
@@ -1352,10 +1367,18 @@ async fn cancel(
                 }
             }
             Ok(None) | Err(_) => {
-                println!(
-                    "cancel of {invocation_id} sent; no confirmation within {} s",
-                    wait.as_secs()
-                );
+                match call_id {
+                    Some(call) => println!(
+                        "cancel of call {call} of {invocation_id} sent; no confirmation within {} s \
+                         (the call may have finished before, or be an agent tool's, which stops \
+                         only with its invocation)",
+                        wait.as_secs()
+                    ),
+                    None => println!(
+                        "cancel of {invocation_id} sent; no confirmation within {} s",
+                        wait.as_secs()
+                    ),
+                }
                 return Ok(1);
             }
         }

@@ -30,7 +30,7 @@ struct Status {
 /// `$SRV.STATS`), every tool (instances serving it, backlog and jobs in
 /// flight from its consumer, jobs and errors from the instances' stats,
 /// the newest error), the chat backlog and the dead letters kept. Exits 0;
-/// 1 when a tool has a backlog and no instance serves it.
+/// [`EXIT_STRANDED`] when a tool has a backlog and no instance serves it.
 pub async fn status(nats: &NatsArgs, wait: Duration, output: Output) -> anyhow::Result<i32> {
     let subjects = nats.subjects()?;
     let client = nats.connect("toolfleet-status").await?;
@@ -43,8 +43,9 @@ pub async fn status(nats: &NatsArgs, wait: Duration, output: Output) -> anyhow::
         toolfleet_protocol::catalog::ask_all(&client, &format!("$SRV.STATS.{service}"), wait)
             .await?;
     let mut status = Status::default();
-    // Instance id → (worker family, tool id by endpoint name).
-    let mut known: BTreeMap<String, (String, BTreeMap<String, String>)> = BTreeMap::new();
+    // Instances and the tools they serve come from INFO; STATS adds the
+    // counts (an identity without STATS still sees who serves what).
+    let mut known: BTreeMap<String, (usize, BTreeMap<String, String>)> = BTreeMap::new();
     for info in infos
         .iter()
         .filter_map(|m| serde_json::from_slice::<async_nats::service::Info>(m).ok())
@@ -53,21 +54,38 @@ pub async fn status(nats: &NatsArgs, wait: Duration, output: Output) -> anyhow::
                 == Some(&subjects.prefix().to_string())
         })
     {
-        let tools = info
+        let tools: BTreeMap<String, String> = info
             .endpoints
             .iter()
             .filter_map(|e| Some((e.name.clone(), e.metadata.get(META_TOOL_ID)?.clone())))
             .collect();
-        let worker = info.metadata.get(META_WORKER).cloned().unwrap_or_default();
-        known.insert(info.id, (worker, tools));
+        for tool in tools.values() {
+            let row = status
+                .tools
+                .entry(tool.clone())
+                .or_insert_with(|| tool_row(tool));
+            row["instances"] = (row["instances"].as_u64().unwrap_or(0) + 1).into();
+        }
+        known.insert(info.id.clone(), (status.instances.len(), tools.clone()));
+        status.instances.push(json!({
+            "id": info.id,
+            "worker": info.metadata.get(META_WORKER).cloned().unwrap_or_default(),
+            "version": info.version,
+            "started": null,
+            "tools": tools.len(),
+            "jobs": null,
+            "errors": null,
+        }));
     }
+    let mut counted = 0;
     for stat in stats
         .iter()
         .filter_map(|m| serde_json::from_slice::<async_nats::service::Stats>(m).ok())
     {
-        let Some((worker, tools)) = known.get(&stat.id) else {
+        let Some((at, tools)) = known.get(&stat.id) else {
             continue;
         };
+        counted += 1;
         let (mut jobs, mut errors) = (0, 0);
         for e in &stat.endpoints {
             let Some(tool) = tools.get(&e.name) else {
@@ -81,7 +99,6 @@ pub async fn status(nats: &NatsArgs, wait: Duration, output: Output) -> anyhow::
                 .tools
                 .entry(tool.clone())
                 .or_insert_with(|| tool_row(tool));
-            row["instances"] = (row["instances"].as_u64().unwrap_or(0) + 1).into();
             for k in ["jobs", "errors", "jetstream", "direct"] {
                 row[k] = (row[k].as_u64().unwrap_or(0) + n(k)).into();
             }
@@ -91,15 +108,19 @@ pub async fn status(nats: &NatsArgs, wait: Duration, output: Output) -> anyhow::
                 row["last_error"] = data["last_error"].clone();
             }
         }
-        status.instances.push(json!({
-            "id": stat.id,
-            "worker": worker,
-            "version": stat.version,
-            "started": stat.started.to_string(),
-            "tools": stat.endpoints.len(),
-            "jobs": jobs,
-            "errors": errors,
-        }));
+        let instance = &mut status.instances[*at];
+        instance["started"] = stat.started.to_string().into();
+        instance["jobs"] = jobs.into();
+        instance["errors"] = errors.into();
+    }
+    if counted < known.len() {
+        eprintln!(
+            "{} of {} worker instance(s) did not answer $SRV.STATS within {} ms (busy, or no \
+             permission): their job counts are missing",
+            known.len() - counted,
+            known.len(),
+            wait.as_millis()
+        );
     }
     // The pools' queues: the tools stream's consumers.
     if let Ok(mut stream) = js.get_stream(subjects.tools_stream()).await {
@@ -156,10 +177,14 @@ pub async fn status(nats: &NatsArgs, wait: Duration, output: Output) -> anyhow::
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        return Ok(1);
+        return Ok(EXIT_STRANDED);
     }
     Ok(0)
 }
+
+/// `toolfleet status`'s exit code when a tool has waiting jobs and no
+/// instance (1 is any error, such as an unreachable NATS).
+pub const EXIT_STRANDED: i32 = 3;
 
 fn tool_row(tool: &str) -> Value {
     json!({
@@ -170,6 +195,8 @@ fn tool_row(tool: &str) -> Value {
 
 fn print_status(status: &Status) {
     let n = |v: &Value| v.as_u64().unwrap_or(0);
+    // A count its instance did not report.
+    let known = |v: &Value| v.as_u64().map_or("?".to_string(), |n| n.to_string());
     println!(
         "{:<12} {:<24} {:<8} {:>5} {:>8} {:>7}  STARTED",
         "WORKER", "INSTANCE", "VERSION", "TOOLS", "JOBS", "ERRORS"
@@ -181,9 +208,9 @@ fn print_status(status: &Status) {
             i["id"].as_str().unwrap_or(""),
             i["version"].as_str().unwrap_or(""),
             n(&i["tools"]),
-            n(&i["jobs"]),
-            n(&i["errors"]),
-            i["started"].as_str().unwrap_or(""),
+            known(&i["jobs"]),
+            known(&i["errors"]),
+            i["started"].as_str().unwrap_or("?"),
         );
     }
     if status.instances.is_empty() {

@@ -156,7 +156,7 @@ async fn status_counts_jetstream_jobs_and_names_pools_nobody_serves() {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
         let (code, out, err) = toolfleet(&env, &["status"]);
-        if code == Some(1) {
+        if code == Some(3) {
             assert!(err.contains("testing:gauge@1.0.0"), "{err}");
             assert!(out.contains("testing:gauge@1.0.0"), "{out}");
             break;
@@ -370,6 +370,11 @@ async fn cancel_call_stops_one_tool_call_and_the_invocation_goes_on() {
     let inv = job.invocation_id.as_str();
     let (code, _, err) = toolfleet(&env, &["cancel", inv, "--call", "no such call!"]);
     assert_eq!(code, Some(64), "{err}");
+    // A call of an invocation that never ran: nothing is cancelled, not
+    // even the invocation.
+    let (code, out, _) = toolfleet(&env, &["cancel", "inv-never-ran", "--call", &call_id]);
+    assert_eq!(code, Some(1));
+    assert!(out.contains("nothing cancelled"), "{out}");
     // The worker may not have the job yet: the cancel is remembered for it.
     let (code, out, err) = toolfleet(&env, &["cancel", inv, "--call", &call_id]);
     assert_eq!(code, Some(0), "{out}{err}");
