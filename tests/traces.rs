@@ -332,6 +332,11 @@ async fn one_trace_spans_the_client_the_orchestrator_the_model_call_and_the_work
         let input: u64 = m.attributes["gen_ai.usage.input_tokens"].parse().unwrap();
         assert!(input > 0, "{m:?}");
         assert!(m.attributes.contains_key("gen_ai.usage.output_tokens"));
+        assert!(
+            ["tool_calls", "stop"]
+                .contains(&m.attributes["gen_ai.response.finish_reasons"].as_str()),
+            "{m:?}"
+        );
         assert_eq!(m.status, 1, "ok");
     }
     // The provider got the model call's context in `traceparent`.

@@ -289,9 +289,6 @@ pub fn lighthouse_script() -> serde_json::Value {
     })
 }
 
-/// A binary of another workspace package, built beside `toolfleet` (the
-/// test command builds the whole workspace: `cargo nextest run
-/// --workspace`).
 /// Runs the `toolfleet` command against the fleet at `nats_url`: its exit
 /// code, stdout and stderr.
 pub fn toolfleet_at(nats_url: &str, args: &[&str]) -> (Option<i32>, String, String) {
@@ -307,6 +304,9 @@ pub fn toolfleet_at(nats_url: &str, args: &[&str]) -> (Option<i32>, String, Stri
     )
 }
 
+/// A binary of another workspace package, built beside `toolfleet` (the
+/// test command builds the whole workspace: `cargo nextest run
+/// --workspace`).
 pub fn sibling_bin(name: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_BIN_EXE_toolfleet")).with_file_name(name);
     assert!(

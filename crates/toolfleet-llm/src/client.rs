@@ -157,6 +157,20 @@ pub enum FinishReason {
     Other(String),
 }
 
+impl FinishReason {
+    /// As the OpenAI API spells it (`stop`, `tool_calls`, `length`,
+    /// `content_filter`, or the provider's own word).
+    pub fn as_str(&self) -> &str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::ToolCalls => "tool_calls",
+            FinishReason::Length => "length",
+            FinishReason::ContentFilter => "content_filter",
+            FinishReason::Other(other) => other,
+        }
+    }
+}
+
 /// Which HTTP an endpoint is spoken to with.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -587,7 +601,7 @@ impl LlmClient {
             otel.kind = "client",
             otel.status_code = tracing::field::Empty,
             gen_ai.operation.name = "chat",
-            gen_ai.provider.name = "openai",
+            gen_ai.provider.name = provider_name(&self.inner.server),
             gen_ai.request.model = %req.model,
             gen_ai.usage.input_tokens = tracing::field::Empty,
             gen_ai.usage.output_tokens = tracing::field::Empty,
@@ -606,10 +620,7 @@ impl LlmClient {
                     span.record("gen_ai.usage.input_tokens", u.prompt_tokens);
                     span.record("gen_ai.usage.output_tokens", u.completion_tokens);
                 }
-                span.record(
-                    "gen_ai.response.finish_reasons",
-                    format!("{:?}", c.finish_reason).to_lowercase(),
-                );
+                span.record("gen_ai.response.finish_reasons", c.finish_reason.as_str());
             }
             Err(e) => {
                 span.record("otel.status_code", "error");
@@ -1047,6 +1058,18 @@ fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     value("retry-after-ms")
         .map(|ms| Duration::from_secs_f64(ms / 1000.0))
         .or_else(|| value("retry-after").map(Duration::from_secs_f64))
+}
+
+/// The GenAI conventions' `gen_ai.provider.name` of a server (`host:port`):
+/// Azure OpenAI by its host, anything else speaking the OpenAI API as
+/// `openai`.
+fn provider_name(server: &str) -> &'static str {
+    let host = server.rsplit_once(':').map_or(server, |(h, _)| h);
+    if host.ends_with(".openai.azure.com") || host.ends_with(".cognitiveservices.azure.com") {
+        "azure.ai.openai"
+    } else {
+        "openai"
+    }
 }
 
 /// Puts the current span's W3C `traceparent` into `headers`, so the

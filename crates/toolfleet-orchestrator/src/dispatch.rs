@@ -224,23 +224,32 @@ impl ToolRunner<'_> {
         index: usize,
         events: &Events,
     ) -> Result<(Pending, Option<PublishAckFuture>), ToolOutcome> {
-        let (tool, arguments) = self.accept(inv, call, events).await?;
+        // The call's span, from here to its answer; every way it ends
+        // marks it (a call answered at once too).
+        let span = tracing::info_span!(
+            "tool_call",
+            otel.name = format!("execute_tool {}", call.name),
+            otel.kind = "producer",
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = "execute_tool",
+            gen_ai.tool.name = %call.name,
+            gen_ai.tool.call.id = %call.id,
+            gen_ai.tool.type = "function",
+            error.type = tracing::field::Empty,
+        );
+        let (tool, arguments) = match self.accept(inv, call, events).await {
+            Ok(accepted) => accepted,
+            Err(outcome) => {
+                failed(&span, "tool_call_refused");
+                return Err(outcome);
+            }
+        };
         let metrics = &self.fleet.metrics;
         let def = &tool.definition;
         let id = def.id.to_string();
         // Our call id, minted per call: unique within the invocation, so
         // safe as an idempotency key.
-        let span = tracing::info_span!(
-            "tool_call",
-            otel.name = format!("execute_tool {}", def.id.name),
-            otel.kind = "producer",
-            otel.status_code = tracing::field::Empty,
-            gen_ai.operation.name = "execute_tool",
-            gen_ai.tool.name = %id,
-            gen_ai.tool.call.id = %call.id,
-            gen_ai.tool.type = "function",
-            error.type = tracing::field::Empty,
-        );
+        span.record("gen_ai.tool.name", id.as_str());
         let mut invocation = inv.ctx.clone();
         invocation.traceparent =
             toolfleet_service::telemetry::traceparent(&span, invocation.traceparent.as_deref());
@@ -261,6 +270,7 @@ impl ToolRunner<'_> {
             settings: None,
         });
         if let Err(e) = self.fleet.limits().check_job(&headers, body.len()) {
+            failed(&span, "too_large");
             return Err(immediate(
                 metrics,
                 events,
@@ -276,6 +286,7 @@ impl ToolRunner<'_> {
         let ack = match self.publish(def.delivery, &call_ctx, headers, body).await {
             Ok(ack) => ack,
             Err(e) => {
+                failed(&span, "dispatch_failed");
                 return Err(immediate(
                     metrics,
                     events,
@@ -461,6 +472,7 @@ impl ToolRunner<'_> {
             if let Some(e) = failed
                 && let Some(p) = batch.pending.remove(&call_id)
             {
+                self::failed(&p.span, "dispatch_failed");
                 batch.answers[p.index] = Some(immediate(
                     &self.fleet.metrics,
                     events,
@@ -506,12 +518,11 @@ impl ToolRunner<'_> {
                             self.cancelled = true;
                         }
                         match &result.error {
-                            None => p.span.record("otel.status_code", "ok"),
-                            Some(e) => p
-                                .span
-                                .record("otel.status_code", "error")
-                                .record("error.type", e.code.as_str()),
-                        };
+                            None => {
+                                p.span.record("otel.status_code", "ok");
+                            }
+                            Some(e) => failed(&p.span, &e.code),
+                        }
                         let outcome = record(metrics, events, batch.calls[p.index], &p, &result);
                         batch.answers[p.index] = Some(outcome);
                         spent.extend(result.llm_calls);
@@ -528,6 +539,7 @@ impl ToolRunner<'_> {
                 }
                 Waited::NoResponders { call_id } => {
                     if let Some(p) = batch.pending.remove(&call_id) {
+                        failed(&p.span, "no_worker");
                         batch.answers[p.index] = Some(no_worker(
                             metrics,
                             events,
@@ -609,6 +621,7 @@ impl Batch<'_> {
         }
         for call_id in gone {
             if let Some(p) = self.pending.remove(&call_id) {
+                failed(&p.span, "no_worker");
                 self.answers[p.index] = Some(no_worker(
                     metrics,
                     events,
@@ -638,6 +651,7 @@ impl Batch<'_> {
             let Some(p) = self.pending.remove(&call_id) else {
                 continue;
             };
+            failed(&p.span, "timeout");
             let call = self.calls[p.index];
             let tool = p.tool.definition.id.to_string();
             metrics
@@ -709,6 +723,12 @@ fn batches(
     }
     batches.retain(|b| !b.is_empty());
     batches
+}
+
+/// Marks a call's span failed with `code` (its `error.type`).
+fn failed(span: &tracing::Span, code: &str) {
+    span.record("otel.status_code", "error");
+    span.record("error.type", code);
 }
 
 fn parse_arguments(arguments: &str) -> Result<Value, serde_json::Error> {

@@ -399,6 +399,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         tenant = %tenant,
         attempt = delivery.attempt,
         trace_id = tracing::field::Empty,
+        error.type = tracing::field::Empty,
     );
     telemetry::set_parent(&span, incoming.as_deref());
     let traceparent = telemetry::traceparent(&span, incoming.as_deref())
@@ -613,6 +614,9 @@ async fn run(
         "otel.status_code",
         if code.is_none() { "ok" } else { "error" },
     );
+    if let Some(code) = &code {
+        span.record("error.type", code.as_str());
+    }
     let terminal = events.close().await;
     // The run ended: a redelivery (its ack lost) must not run it again.
     let owner = owner(delivery);

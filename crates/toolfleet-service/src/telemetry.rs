@@ -80,12 +80,12 @@ impl Telemetry {
         self.provider.is_some()
     }
 
-    /// Flushes batched spans (bounded: an endpoint that is down costs at
-    /// most the exporter's timeout) and stops the exporter.
+    /// Flushes batched spans and stops the exporter (bounded: the SDK gives
+    /// up after 5 s, and so does this after a little more).
     pub async fn shutdown(self) {
         if let Some(provider) = self.provider {
             let flushed = tokio::task::spawn_blocking(move || provider.shutdown());
-            let _ = tokio::time::timeout(Duration::from_secs(12), flushed).await;
+            let _ = tokio::time::timeout(Duration::from_secs(6), flushed).await;
         }
     }
 }
@@ -162,6 +162,28 @@ fn exporter(
         .filter(|v| !v.is_empty());
     if traces_env.is_none() && base.is_none() {
         return Ok(None);
+    }
+    // Checked here, so no error below can quote a URL with a password.
+    for url in traces_env.as_deref().into_iter().chain(base) {
+        let parsed = url::Url::parse(url).map_err(|e| {
+            format!(
+                "bad OTLP endpoint {}: {e}",
+                toolfleet_protocol::redact::redact_url(url)
+            )
+        })?;
+        if !matches!(parsed.scheme(), "http" | "https") {
+            return Err(format!(
+                "the OTLP endpoint {} is not http(s)",
+                toolfleet_protocol::redact::redact_url(url)
+            ));
+        }
+        if !parsed.username().is_empty() || parsed.password().is_some() {
+            return Err(format!(
+                "the OTLP endpoint {} carries credentials, which are not sent: give them in \
+                 OTEL_EXPORTER_OTLP_HEADERS (e.g. authorization=Basic …)",
+                toolfleet_protocol::redact::redact_url(url)
+            ));
+        }
     }
     let handle = tokio::runtime::Handle::try_current()
         .map_err(|_| "no Tokio runtime to send spans from".to_string())?;
@@ -321,16 +343,6 @@ pub fn is_traceparent(v: &str) -> bool {
         && b[36..52].iter().any(|&c| c != b'0')
 }
 
-/// Puts the current span's `traceparent` (or `incoming`, with tracing off)
-/// on an outgoing HTTP request.
-pub fn inject_http(headers: &mut http::HeaderMap, incoming: Option<&str>) {
-    if let Some(tp) = traceparent(&tracing::Span::current(), incoming)
-        && let Ok(v) = http::HeaderValue::from_str(&tp)
-    {
-        headers.insert("traceparent", v);
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -355,6 +367,30 @@ mod tests {
         let fresh = new_traceparent();
         assert!(is_traceparent(&fresh), "{fresh}");
         assert_ne!(trace_id(&fresh), trace_id(&new_traceparent()));
+    }
+
+    #[test]
+    fn endpoints_with_credentials_are_refused_without_showing_them() {
+        let args = TelemetryArgs {
+            log_format: LogFormat::Text,
+            otlp_endpoint: Some("http://user:hunter2@collector:4318".into()),
+        };
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let _in_rt = rt.enter();
+        let e = exporter("test", &args).expect_err("credentials");
+        assert!(e.contains("OTEL_EXPORTER_OTLP_HEADERS"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+        let args = TelemetryArgs {
+            otlp_endpoint: Some("ftp://collector".into()),
+            ..args
+        };
+        assert!(
+            exporter("test", &args)
+                .expect_err("ftp")
+                .contains("not http(s)")
+        );
     }
 
     #[test]
