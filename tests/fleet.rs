@@ -11,6 +11,7 @@ mod delivery;
 mod health;
 mod layout;
 mod llm_tools;
+mod mcp;
 mod nats_cluster;
 mod operator;
 mod orchestrator;

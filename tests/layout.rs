@@ -85,6 +85,7 @@ fn crates_depend_only_where_the_rules_allow() {
         "workers/system/Cargo.toml",
         "workers/retrieval/Cargo.toml",
         "workers/web/Cargo.toml",
+        "workers/mcp/Cargo.toml",
         "examples/units/Cargo.toml",
     ] {
         assert_eq!(our_deps(m), set(&["toolfleet-worker"]), "{m}");
@@ -92,6 +93,7 @@ fn crates_depend_only_where_the_rules_allow() {
     for m in [
         "workers/system/Cargo.toml",
         "workers/web/Cargo.toml",
+        "workers/mcp/Cargo.toml",
         "examples/units/Cargo.toml",
     ] {
         assert!(our_deps_of(m, true).is_empty(), "{m}: dev-dependencies");

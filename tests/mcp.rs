@@ -1,0 +1,108 @@
+//! MCP import: a real stdio MCP server (a small Python one on the official
+//! SDK, `tests/mcp/notes_server.py`) whose tools answer chat jobs through
+//! the fleet — text and a resource link that becomes a reference; a server
+//! that dies mid-call is started again and the call retried; a server that
+//! cannot start or hangs on `initialize` is left out with its reason while
+//! the others are served.
+
+use serde_json::json;
+
+use crate::support::{self, Env, Options};
+
+fn config(crash_marker: &std::path::Path) -> toolfleet_worker_mcp::McpConfig {
+    let server = support::root().join("tests/mcp/notes_server.py");
+    let text = format!(
+        r#"
+[servers.notes]
+command = ["python3", "{}"]
+env = {{ NOTES_CRASH_ONCE = "{}" }}
+timeout_ms = 20000
+
+[servers.gone]
+command = ["/nonexistent/mcp-server"]
+
+[servers.hung]
+command = ["sleep", "60"]
+init_timeout_ms = 500
+"#,
+        server.display(),
+        crash_marker.display()
+    );
+    let config: toolfleet_worker_mcp::McpConfig = toml::from_str(&text).unwrap();
+    config.check().unwrap();
+    config
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
+    let env = Env::start_with(
+        json!({
+            "rules": [
+                { "whenUserContains": ["lamp"], "steps": [
+                    { "toolCalls": [ { "name": "mcp_notes_lookup", "arguments": { "term": "lamp" } } ] },
+                    { "answer": "Notes: {{tool:mcp_notes_lookup}}" }
+                ] },
+                { "whenUserContains": ["crash"], "steps": [
+                    { "toolCalls": [ { "name": "mcp_notes_crash", "arguments": {} } ] },
+                    { "answer": "After the crash: {{tool:mcp_notes_crash}}" }
+                ] }
+            ]
+        }),
+        Options {
+            workers: vec![],
+            ..Options::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let imported = toolfleet_worker_mcp::import(&config(&dir.path().join("crashed")))
+        .await
+        .expect("the notes server is imported");
+    // The two servers that cannot serve are left out, each saying why.
+    let skipped = imported.skipped.join("\n");
+    assert!(
+        skipped.contains("server gone left out") && skipped.contains("cannot start"),
+        "{skipped}"
+    );
+    assert!(
+        skipped.contains("server hung left out") && skipped.contains("did not answer within"),
+        "{skipped}"
+    );
+    let mut ids: Vec<String> = imported
+        .worker
+        .definitions()
+        .map(|d| d.id.to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["mcp_notes:crash@1.0.0", "mcp_notes:lookup@1.0.0"]);
+    let mut config = toolfleet_worker::WorkerConfig::new(env.subjects.clone());
+    config.retry_delay = std::time::Duration::from_millis(200);
+    let _worker = env.start_worker_with(imported.worker, config).await;
+
+    // Text and a resource link: the answer, and a reference.
+    let (job, outcome) = env.ask("what do the notes say about the lamp?").await;
+    let outcome = outcome.unwrap_or_else(|e| panic!("{}: {e}", job.invocation_id));
+    assert!(
+        outcome
+            .text
+            .contains("lamp: keepers wound the lamp every four hours"),
+        "{}",
+        outcome.text
+    );
+    let events = serde_json::to_string(&outcome.events).unwrap();
+    assert!(
+        events.contains("The lamp log") && events.contains("https://example.com/notes/lamp"),
+        "{events}"
+    );
+
+    // The server dies in the middle of a call: the call is retried on a
+    // server started again.
+    let (job, outcome) = env.ask("crash the notes server").await;
+    let outcome = outcome.unwrap_or_else(|e| panic!("{}: {e}", job.invocation_id));
+    assert!(dir.path().join("crashed").exists(), "the server did crash");
+    assert!(
+        outcome.text.contains("After the crash: ") && outcome.text.contains("survived"),
+        "{}",
+        outcome.text
+    );
+}

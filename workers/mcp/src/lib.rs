@@ -1,0 +1,87 @@
+//! toolfleet-worker-mcp: the tools of MCP servers as fleet tools.
+//!
+//! Each configured server ([`config`]: a stdio command or a streamable HTTP
+//! URL) is connected ([`server`]), its `tools/list` turned into fleet
+//! definitions under the namespace `mcp_<server>` ([`tools`]), advertised
+//! in the catalog like any other tool and called through JetStream: every
+//! call reaches this worker, which calls the server with the call's
+//! deadline and cancellation. A server that died is started (or connected)
+//! again on the next call; a call it died in is `mcp_unavailable`, retried
+//! as the job's policy says. A tool whose schema does not compile is left
+//! out and reported; so is a server that cannot be reached at start (the
+//! others are served).
+
+pub mod config;
+pub mod server;
+pub mod tools;
+
+use std::sync::Arc;
+
+use toolfleet_worker::Worker;
+
+pub use config::McpConfig;
+pub use server::{McpError, Server};
+
+/// The worker of a configuration, its servers, and what was left out.
+pub struct Imported {
+    pub worker: Worker,
+    pub servers: Vec<Arc<Server>>,
+    /// Why each tool or server left out was (for the log).
+    pub skipped: Vec<String>,
+}
+
+impl std::fmt::Debug for Imported {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Imported")
+            .field("servers", &self.servers)
+            .field("skipped", &self.skipped)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Connects to every server of `config`, lists its tools and builds the
+/// worker serving them (worker name `mcp`).
+///
+/// # Errors
+///
+/// When no server gave a tool to serve, saying why for each.
+pub async fn import(config: &McpConfig) -> Result<Imported, String> {
+    let mut builder = Worker::builder("mcp");
+    let mut servers = Vec::new();
+    let mut skipped = Vec::new();
+    let mut served = 0;
+    for (name, spec) in &config.servers {
+        let server = Server::new(name.clone(), spec.clone());
+        match server.list_tools().await {
+            Ok(listed) => {
+                let (imported, left_out) = tools::definitions(name, spec.timeout_ms, &listed);
+                skipped.extend(left_out);
+                for tool in imported {
+                    served += 1;
+                    let key = tool.definition.implementation_key.clone();
+                    builder = builder.definition(tool.definition).tool(
+                        key,
+                        tools::McpTool {
+                            server: server.clone(),
+                            mcp_name: tool.mcp_name,
+                        },
+                    );
+                }
+            }
+            Err(e) => skipped.push(format!("server {name} left out: {e}")),
+        }
+        servers.push(server);
+    }
+    if served == 0 {
+        return Err(format!(
+            "no MCP server gave a tool to serve: {}",
+            skipped.join("; ")
+        ));
+    }
+    let worker = builder.build().map_err(|e| e.to_string())?;
+    Ok(Imported {
+        worker,
+        servers,
+        skipped,
+    })
+}

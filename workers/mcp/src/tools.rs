@@ -1,0 +1,303 @@
+//! MCP tools as fleet tools: each tool a server lists becomes a definition
+//! `mcp_<server>:<tool>@1.0.0` (function `mcp_<server>_<tool>`), served by
+//! an [`McpTool`] that calls the server. What the server answers becomes
+//! the tool's content; its resources and resource links become references.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use rmcp::model::{CallToolResult, ContentBlock, ResourceContents};
+use serde_json::{Value, json};
+use toolfleet_worker::protocol::tools::{Origin, ToolDefinition};
+use toolfleet_worker::{NewReference, Tool, ToolCtx, ToolError, ToolOutput};
+
+use crate::server::{McpError, Server};
+
+/// The most characters of a tool's description kept in its definition.
+const MAX_DESCRIPTION: usize = 1000;
+/// The most characters of a reference's snippet.
+const MAX_SNIPPET: usize = 300;
+
+/// `name` as a fleet id token: lowercase ASCII letters, digits and `_`
+/// (anything else becomes `_`), starting with a letter.
+pub fn token(name: &str) -> String {
+    let mut t: String = name
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() {
+                c.to_ascii_lowercase()
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    if !t.starts_with(|c: char| c.is_ascii_lowercase()) {
+        t.insert_str(0, "t_");
+    }
+    t
+}
+
+/// One imported tool: its definition and the MCP name it calls.
+#[derive(Debug, Clone)]
+pub struct Imported {
+    pub definition: ToolDefinition,
+    pub mcp_name: String,
+}
+
+/// The definitions of `server`'s `tools`, and why each left out was left
+/// out (a name that maps onto another's, a schema that does not compile, a
+/// definition the fleet refuses).
+pub fn definitions(
+    server: &str,
+    timeout_ms: u64,
+    tools: &[rmcp::model::Tool],
+) -> (Vec<Imported>, Vec<String>) {
+    let namespace = format!("mcp_{server}");
+    let mut seen = BTreeSet::new();
+    let mut imported = Vec::new();
+    let mut skipped = Vec::new();
+    for tool in tools {
+        let name = token(&tool.name);
+        let function = format!("{namespace}_{name}");
+        if function.len() > 64 {
+            skipped.push(format!(
+                "{server}/{}: the function name {function} is over 64 characters",
+                tool.name
+            ));
+            continue;
+        }
+        if !seen.insert(name.clone()) {
+            skipped.push(format!(
+                "{server}/{}: its name maps to {name}, as another tool's does",
+                tool.name
+            ));
+            continue;
+        }
+        let description: String = tool
+            .description
+            .as_deref()
+            .filter(|d| !d.trim().is_empty())
+            .unwrap_or("A tool of an MCP server.")
+            .chars()
+            .take(MAX_DESCRIPTION)
+            .collect();
+        let title = tool
+            .title
+            .clone()
+            .or_else(|| tool.annotations.as_ref().and_then(|a| a.title.clone()))
+            .unwrap_or_else(|| tool.name.to_string());
+        let read_only = tool
+            .annotations
+            .as_ref()
+            .and_then(|a| a.read_only_hint)
+            .unwrap_or(false);
+        let idempotent = tool
+            .annotations
+            .as_ref()
+            .and_then(|a| a.idempotent_hint)
+            .unwrap_or(false);
+        let mut parameters = Value::Object((*tool.input_schema).clone());
+        if parameters.get("type").is_none() {
+            parameters["type"] = json!("object");
+        }
+        let value = json!({
+            "schemaVersion": 1,
+            "id": format!("{namespace}:{name}@1.0.0"),
+            "implementationKey": format!("{namespace}.{name}"),
+            "title": title,
+            "description": description,
+            "category": "mcp",
+            "purpose": "general",
+            "selectable": true,
+            "tags": ["mcp", server],
+            "function": {
+                "name": function,
+                "description": description,
+                "strict": false,
+                "parameters": parameters,
+            },
+            "timeoutMs": timeout_ms,
+            "delivery": "jetstream",
+            "parallelSafe": read_only,
+            "idempotent": idempotent && read_only,
+        });
+        match ToolDefinition::from_value(
+            value,
+            Origin::Named(format!("MCP tool {} of server {server}", tool.name)),
+        ) {
+            Ok(definition) => imported.push(Imported {
+                definition,
+                mcp_name: tool.name.to_string(),
+            }),
+            Err(e) => skipped.push(format!("{server}/{}: {e}", tool.name)),
+        }
+    }
+    (imported, skipped)
+}
+
+/// Calls one tool of one server.
+pub struct McpTool {
+    pub server: Arc<Server>,
+    pub mcp_name: String,
+}
+
+impl Tool for McpTool {
+    type Args = Value;
+
+    async fn call(&self, ctx: &ToolCtx, args: Value) -> Result<ToolOutput, ToolError> {
+        let arguments = match args {
+            Value::Object(map) => map,
+            Value::Null => serde_json::Map::new(),
+            other => {
+                return Err(ToolError::invalid(format!(
+                    "the arguments must be a JSON object, not {other}"
+                )));
+            }
+        };
+        let deadline = ctx
+            .deadline()
+            .unwrap_or_else(|| tokio::time::Instant::now() + self.server.spec().timeout());
+        let called = tokio::select! {
+            biased;
+            () = ctx.cancelled() => return Err(ToolError::Cancelled(
+                "the invocation was cancelled; the MCP request was cancelled".into(),
+            )),
+            r = self.server.call(&self.mcp_name, arguments, deadline) => r,
+        };
+        let result = called.map_err(|e| match e {
+            McpError::Unavailable { .. } => ToolError::Coded {
+                code: "mcp_unavailable",
+                message: e.to_string(),
+                retryable: true,
+            },
+            McpError::Timeout { .. } => ToolError::Timeout(e.to_string()),
+            McpError::Refused { .. } => ToolError::coded("mcp_error", e.to_string()),
+        })?;
+        let (text, references) = content(&self.server.name, &result);
+        if result.is_error == Some(true) {
+            return Err(ToolError::coded(
+                "mcp_tool_error",
+                if text.is_empty() {
+                    "the MCP tool reported an error".to_string()
+                } else {
+                    text
+                },
+            ));
+        }
+        if !references.is_empty() {
+            let cited = ctx.cite(references).await?;
+            tracing::debug!(cited = cited.len(), "MCP resources cited");
+        }
+        let mut output = ToolOutput::text(text);
+        if let Some(data) = result.structured_content {
+            output = output.with_data(data)?;
+        }
+        Ok(output)
+    }
+}
+
+/// The text a result gives the model, and the references its resources
+/// make.
+pub fn content(server: &str, result: &CallToolResult) -> (String, Vec<NewReference>) {
+    let mut parts = Vec::new();
+    let mut references = Vec::new();
+    let reference = |title: String, uri: &str, snippet: Option<String>| NewReference {
+        kind: "mcp_resource".into(),
+        title,
+        source: Some(format!("mcp:{server}")),
+        url: (uri.starts_with("https://") || uri.starts_with("http://")).then(|| uri.to_string()),
+        snippet: snippet.map(|s| s.chars().take(MAX_SNIPPET).collect()),
+    };
+    for block in &result.content {
+        match block {
+            ContentBlock::Text(t) => parts.push(t.text.clone()),
+            ContentBlock::Image(i) => parts.push(format!("[an image, {}]", i.mime_type)),
+            ContentBlock::Audio(a) => parts.push(format!("[audio, {}]", a.mime_type)),
+            ContentBlock::Resource(r) => match &r.resource {
+                ResourceContents::TextResourceContents { uri, text, .. } => {
+                    parts.push(format!("[resource {uri}]\n{text}"));
+                    references.push(reference(uri.clone(), uri, Some(text.clone())));
+                }
+                ResourceContents::BlobResourceContents { uri, .. } => {
+                    parts.push(format!("[resource {uri}: binary]"));
+                    references.push(reference(uri.clone(), uri, None));
+                }
+                #[allow(unreachable_patterns)]
+                _ => {}
+            },
+            ContentBlock::ResourceLink(link) => {
+                let title = link.title.clone().unwrap_or_else(|| link.name.clone());
+                parts.push(format!("[{title}]({})", link.uri));
+                references.push(reference(title, &link.uri, link.description.clone()));
+            }
+            #[allow(unreachable_patterns)]
+            _ => {}
+        }
+    }
+    (parts.join("\n"), references)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_become_id_tokens() {
+        assert_eq!(token("get-weather"), "get_weather");
+        assert_eq!(token("searchFiles"), "searchfiles");
+        assert_eq!(token("3d.render"), "t_3d_render");
+    }
+
+    fn tool(name: &str, schema: Value) -> rmcp::model::Tool {
+        serde_json::from_value(json!({
+            "name": name, "description": "does things", "inputSchema": schema,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn tools_become_definitions_and_bad_ones_are_skipped_with_a_reason() {
+        let tools = [
+            tool(
+                "lookup",
+                json!({"type": "object", "properties": {"term": {"type": "string"}}}),
+            ),
+            tool("LookUp", json!({"type": "object"})),
+            tool(
+                "broken",
+                json!({"type": "object", "properties": {"x": {"type": 12}}}),
+            ),
+        ];
+        let (ok, skipped) = definitions("notes", 30_000, &tools);
+        assert_eq!(ok.len(), 1, "{skipped:?}");
+        let d = &ok[0].definition;
+        assert_eq!(d.id.to_string(), "mcp_notes:lookup@1.0.0");
+        assert_eq!(d.function.name, "mcp_notes_lookup");
+        assert_eq!(ok[0].mcp_name, "lookup");
+        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert!(skipped[0].contains("LookUp") && skipped[0].contains("as another tool"));
+        assert!(skipped[1].contains("broken"), "{skipped:?}");
+    }
+
+    #[test]
+    fn text_resources_and_links_become_content_and_references() {
+        let result: CallToolResult = serde_json::from_value(json!({
+            "content": [
+                {"type": "text", "text": "found it"},
+                {"type": "resource", "resource": {"uri": "file:///notes/a.md", "text": "alpha"}},
+                {"type": "resource_link", "uri": "https://example.com/b", "name": "b", "title": "Page B"}
+            ]
+        }))
+        .unwrap();
+        let (text, refs) = content("notes", &result);
+        assert!(
+            text.starts_with("found it\n[resource file:///notes/a.md]\nalpha"),
+            "{text}"
+        );
+        assert!(text.contains("[Page B](https://example.com/b)"), "{text}");
+        assert_eq!(refs.len(), 2);
+        assert_eq!(refs[0].url, None, "not a web link");
+        assert_eq!(refs[1].url.as_deref(), Some("https://example.com/b"));
+        assert_eq!(refs[1].source.as_deref(), Some("mcp:notes"));
+    }
+}
