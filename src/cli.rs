@@ -133,6 +133,11 @@ pub enum Command {
         #[command(flatten)]
         nats: NatsArgs,
     },
+    /// Serve the live fleet's tools to MCP clients.
+    Mcp {
+        #[command(subcommand)]
+        command: McpCommand,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish,
     /// powershell): `toolfleet completions bash > /etc/bash_completion.d/toolfleet`.
     Completions { shell: clap_complete::Shell },
@@ -362,6 +367,26 @@ pub(crate) fn one_line(text: &str, max: usize) -> String {
     let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
     cut.push('…');
     cut
+}
+
+#[derive(Subcommand, Debug)]
+pub enum McpCommand {
+    /// An MCP server on stdin/stdout: `tools/list` is the fleet's live
+    /// catalog (a profile's tools with `--profile`), `tools/call` runs the
+    /// tool as a tool job of a fresh invocation of `--tenant`, its progress
+    /// passed on as MCP progress, its references as resource links.
+    Serve {
+        /// The tenant the calls run as.
+        #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
+        tenant: String,
+        /// Offer only this profile's tools (from the profiles file).
+        #[arg(id = "mcp_profile", long = "profile")]
+        profile: Option<String>,
+        #[command(flatten)]
+        llm: LlmArgs,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
 }
 
 #[derive(Subcommand, Debug)]
@@ -600,6 +625,39 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             output,
             nats,
         } => crate::ops::events(&nats, &invocation_id, &tenant, !no_follow, output).await,
+        Command::Mcp {
+            command:
+                McpCommand::Serve {
+                    tenant,
+                    profile,
+                    llm,
+                    nats,
+                },
+        } => {
+            if !toolfleet_protocol::valid_tenant(&tenant) {
+                eprintln!("toolfleet mcp serve: --tenant {tenant:?} is not 1-64 of [A-Za-z0-9_-]");
+                return Ok(toolfleet_service::args::EXIT_CONFIG);
+            }
+            let scope = match &profile {
+                None => None,
+                Some(name) => {
+                    let config =
+                        toolfleet_service::args::or_exit(llm.fleet_config().map_err(Into::into));
+                    let Some(p) = config.profiles.get(name) else {
+                        eprintln!("toolfleet mcp serve: no profile {name:?} in the profiles file");
+                        return Ok(toolfleet_service::args::EXIT_CONFIG);
+                    };
+                    Some(p.tools.clone())
+                }
+            };
+            let subjects = nats.subjects()?;
+            let client = nats.connect("toolfleet-mcp").await?;
+            crate::mcp_serve::serve_stdio(crate::mcp_serve::FleetServer::new(
+                client, subjects, tenant, scope,
+            ))
+            .await?;
+            Ok(0)
+        }
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(

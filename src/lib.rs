@@ -18,6 +18,8 @@
 //! - [`floor`]: the transport floors `toolfleet bench --floor` measures the
 //!   fleet against (JetStream work queue, core request-reply, and for an
 //!   LLM tool a direct call to the same model).
+//! - [`mcp_serve`]: `toolfleet mcp serve`, the live fleet's tools as an
+//!   MCP server.
 //! - [`ops`]: operator commands that read the running fleet: `status`
 //!   and `events`.
 //! - [`svg`]: the bench's latency chart.
@@ -28,5 +30,6 @@ pub mod bench_run;
 pub mod cli;
 pub mod families;
 pub mod floor;
+pub mod mcp_serve;
 pub mod ops;
 pub mod svg;

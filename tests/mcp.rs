@@ -106,3 +106,54 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
         outcome.text
     );
 }
+
+/// `toolfleet mcp serve`, as a real MCP client (the official Python SDK)
+/// sees it: the fleet's live tools listed with their schemas, one called as
+/// a real tool job, an unknown one refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_mcp_client_lists_and_calls_the_fleets_tools() {
+    let env = Env::start_with(
+        json!({ "rules": [] }),
+        Options {
+            workers: vec!["system"],
+            ..Options::default()
+        },
+    )
+    .await;
+    let out = tokio::task::spawn_blocking({
+        let url = env.nats.url();
+        move || {
+            std::process::Command::new("python3")
+                .arg(support::root().join("tests/mcp/fleet_client.py"))
+                .args([
+                    env!("CARGO_BIN_EXE_toolfleet"),
+                    "current_datetime",
+                    r#"{"utcOffset": "+02:00"}"#,
+                ])
+                .env("TOOLFLEET_NATS_URL", url)
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(seen["tools"], json!(["current_datetime"]), "{seen}");
+    assert_eq!(
+        seen["schemas"]["current_datetime"]["properties"]["utcOffset"]["type"],
+        "string"
+    );
+    assert_eq!(seen["isError"], false, "{seen}");
+    let text = seen["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains("+02:00"), "{seen}");
+    assert_eq!(seen["structured"]["utcOffset"], "+02:00", "{seen}");
+    assert!(
+        seen["missing"]
+            .as_str()
+            .unwrap()
+            .contains("no live tool of the fleet is named no_such_tool"),
+        "{seen}"
+    );
+}

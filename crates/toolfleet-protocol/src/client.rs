@@ -371,6 +371,95 @@ pub async fn cancel_call(
         .map_err(|e| ClientError::Nats(e.to_string()))
 }
 
+/// Calls tool `tool` once, as a client of the fleet rather than a chat job
+/// (an MCP client of `toolfleet mcp serve`, a script): a fresh invocation
+/// of `tenant`, the job on the tool's subject (through JetStream, or as a
+/// request to its direct endpoint), and its result awaited on a reply
+/// subject of the fleet until `timeout`; `on_progress` hears the tool's
+/// progress messages on the way.
+///
+/// # Errors
+///
+/// [`ClientError::Rejected`] when the job cannot be published or stored;
+/// [`ClientError::Timeout`] without a result in time; [`ClientError::Nats`]
+/// for a reply that cannot be read.
+pub async fn call_tool(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    tool: &crate::tools::ToolDefinition,
+    tenant: &str,
+    arguments: serde_json::Value,
+    timeout: Duration,
+    mut on_progress: impl FnMut(&str),
+) -> Result<crate::ToolResult, ClientError> {
+    let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
+    let reply_to = format!("{}.{call_id}", subjects.reply_inbox());
+    let mut invocation = crate::InvocationContext::new(new_invocation_id());
+    invocation.tenant = Some(tenant.to_string());
+    invocation.deadline_ms = Some(crate::now_ms() + timeout.as_millis() as u64);
+    let call = crate::CallContext {
+        invocation,
+        call_id,
+        tool_id: tool.id.clone(),
+        attempt: 1,
+        reply_to: reply_to.clone(),
+        citation_floor: 0,
+        new_call: true,
+    };
+    let body = encode(&crate::ToolJob {
+        arguments,
+        settings: None,
+    });
+    let mut replies = client
+        .subscribe(reply_to)
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))?;
+    client
+        .flush()
+        .await
+        .map_err(|e| ClientError::Nats(e.to_string()))?;
+    match tool.delivery {
+        crate::tools::Delivery::Jetstream => {
+            async_nats::jetstream::new(client.clone())
+                .publish_with_headers(subjects.tool(&tool.id), call.to_headers(), body)
+                .await
+                .map_err(|e| ClientError::Rejected(e.to_string()))?
+                .await
+                .map_err(|e| ClientError::Rejected(e.to_string()))?;
+        }
+        crate::tools::Delivery::Direct => {
+            client
+                .publish_with_reply_and_headers(
+                    subjects.tool_direct(&tool.id),
+                    call.reply_to.clone(),
+                    call.to_headers(),
+                    body,
+                )
+                .await
+                .map_err(|e| ClientError::Rejected(e.to_string()))?;
+        }
+    }
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let msg = match tokio::time::timeout_at(deadline, replies.next()).await {
+            Ok(Some(msg)) => msg,
+            Ok(None) => return Err(ClientError::Nats("the reply subscription closed".into())),
+            Err(_) => return Err(ClientError::Timeout(timeout)),
+        };
+        if msg.status == Some(async_nats::StatusCode::NO_RESPONDERS) {
+            return Err(ClientError::Rejected(format!(
+                "no worker serves {}",
+                tool.id
+            )));
+        }
+        match Envelope::ToolReply.decode::<crate::ToolReply>(&msg.payload) {
+            Ok(crate::ToolReply::Progress { message, .. }) => on_progress(&message),
+            Ok(crate::ToolReply::Result(result)) => return Ok(*result),
+            Err(e) => return Err(ClientError::Nats(format!("a reply cannot be read: {e}"))),
+        }
+    }
+}
+
 /// A chat job encoded for publishing, already checked against both size
 /// limits.
 struct SubmitMessage {

@@ -1,0 +1,202 @@
+//! `toolfleet mcp serve`: the live fleet's tools as an MCP server (stdio).
+//!
+//! `tools/list` is the catalog the fleet's workers advertise (scoped to a
+//! profile's tools when given); `tools/call` runs the tool as a real tool
+//! job of a fresh invocation (through JetStream, or its direct endpoint),
+//! passing the tool's progress on as MCP progress notifications when the
+//! client asked for them, and answers with the tool's content, its data as
+//! structured content and its references as resource links. A failed call
+//! is an MCP tool error (`isError`), never a protocol error.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use rmcp::ServiceExt;
+use rmcp::handler::server::ServerHandler;
+use rmcp::model::{
+    CallToolRequestParams, CallToolResponse, CallToolResult, ContentBlock, Implementation,
+    ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities,
+    ServerConfig, Tool,
+};
+use rmcp::service::{RequestContext, RoleServer};
+use toolfleet_protocol::Subjects;
+use toolfleet_protocol::catalog::{Catalog, discover};
+use toolfleet_protocol::tools::ToolDefinition;
+
+/// The fleet seen as an MCP server.
+#[derive(Clone)]
+pub struct FleetServer {
+    client: async_nats::Client,
+    subjects: Subjects,
+    tenant: String,
+    /// Only these tools (a profile's); all when `None`.
+    scope: Option<Vec<toolfleet_protocol::tools::ToolRef>>,
+    discovery_wait: Duration,
+}
+
+impl FleetServer {
+    pub fn new(
+        client: async_nats::Client,
+        subjects: Subjects,
+        tenant: String,
+        scope: Option<Vec<toolfleet_protocol::tools::ToolRef>>,
+    ) -> Self {
+        Self {
+            client,
+            subjects,
+            tenant,
+            scope,
+            discovery_wait: Duration::from_millis(500),
+        }
+    }
+
+    /// The live tools this server offers, by function name.
+    async fn tools(&self) -> Result<Vec<ToolDefinition>, rmcp::ErrorData> {
+        let catalog = discover(
+            &self.client,
+            &self.subjects,
+            self.discovery_wait,
+            &Catalog::default(),
+        )
+        .await
+        .map_err(|e| rmcp::ErrorData::internal_error(format!("the fleet's catalog: {e}"), None))?;
+        let mut tools: Vec<ToolDefinition> = catalog
+            .all()
+            .map(|e| e.definition().clone())
+            .filter(|d| self.in_scope(d))
+            .collect();
+        tools.sort_by(|a, b| a.function.name.cmp(&b.function.name));
+        Ok(tools)
+    }
+
+    fn in_scope(&self, d: &ToolDefinition) -> bool {
+        self.scope
+            .as_ref()
+            .is_none_or(|refs| refs.iter().any(|r| r.matches(&d.id)))
+    }
+}
+
+fn mcp_tool(d: &ToolDefinition) -> Tool {
+    let schema = match &d.function.parameters {
+        serde_json::Value::Object(map) => map.clone(),
+        _ => serde_json::Map::new(),
+    };
+    let mut tool = Tool::new(
+        d.function.name.clone(),
+        d.function.description.clone(),
+        Arc::new(schema),
+    );
+    tool.title = Some(d.title.clone());
+    tool
+}
+
+impl ServerHandler for FleetServer {
+    fn get_info(&self) -> ServerConfig {
+        ServerConfig::new(ServerCapabilities::builder().enable_tools().build())
+            .with_server_info(Implementation::new("toolfleet", env!("CARGO_PKG_VERSION")))
+            .with_instructions(
+                "The tools of a toolfleet fleet: each call runs as a tool job on the fleet's worker pools.",
+            )
+    }
+
+    async fn list_tools(
+        &self,
+        _request: Option<PaginatedRequestParams>,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<ListToolsResult, rmcp::ErrorData> {
+        let tools = self.tools().await?;
+        Ok(ListToolsResult::with_all_items(
+            tools.iter().map(mcp_tool).collect(),
+        ))
+    }
+
+    async fn call_tool(
+        &self,
+        request: CallToolRequestParams,
+        context: RequestContext<RoleServer>,
+    ) -> Result<CallToolResponse, rmcp::ErrorData> {
+        let tools = self.tools().await?;
+        let Some(tool) = tools.iter().find(|d| d.function.name == request.name) else {
+            return Err(rmcp::ErrorData::invalid_params(
+                format!("no live tool of the fleet is named {}", request.name),
+                None,
+            ));
+        };
+        let arguments = serde_json::Value::Object(request.arguments.clone().unwrap_or_default());
+        let timeout = tool.timeout() + Duration::from_secs(5);
+        let token = context.meta.get_progress_token();
+        let peer = context.peer.clone();
+        let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+        let forward = tokio::spawn(async move {
+            let mut n = 0.0;
+            while let Some(message) = progress_rx.recv().await {
+                if let Some(token) = &token {
+                    n += 1.0;
+                    let mut param = ProgressNotificationParam::new(token.clone(), n);
+                    param.message = Some(message);
+                    let _ = peer.notify_progress(param).await;
+                }
+            }
+        });
+        let called = tokio::select! {
+            () = context.ct.cancelled() => {
+                return Err(rmcp::ErrorData::internal_error("the call was cancelled", None));
+            }
+            r = toolfleet_protocol::client::call_tool(
+                &self.client,
+                &self.subjects,
+                tool,
+                &self.tenant,
+                arguments,
+                timeout,
+                |m| {
+                    let _ = progress_tx.send(m.to_string());
+                },
+            ) => r,
+        };
+        drop(progress_tx);
+        let _ = forward.await;
+        let result = match called {
+            Ok(result) => result,
+            Err(e) => {
+                return Ok(CallToolResult::error(vec![ContentBlock::text(e.to_string())]).into());
+            }
+        };
+        let mut content = vec![ContentBlock::text(result.content.clone())];
+        for r in &result.references {
+            let uri = r
+                .url
+                .clone()
+                .unwrap_or_else(|| format!("toolfleet-ref:{}/{}", result.invocation_id, r.index));
+            let mut link = rmcp::model::Resource::new(uri, r.title.clone());
+            link.title = Some(r.title.clone());
+            link.description = r.snippet.clone();
+            content.push(ContentBlock::ResourceLink(link));
+        }
+        let mut out = if result.status == toolfleet_protocol::ToolStatus::Ok {
+            CallToolResult::success(content)
+        } else {
+            let why = result
+                .error
+                .as_ref()
+                .map(|e| format!("{}: {}", e.code, e.message))
+                .unwrap_or_else(|| result.status.as_str().to_string());
+            CallToolResult::error(vec![ContentBlock::text(why)])
+        };
+        if result.status == toolfleet_protocol::ToolStatus::Ok {
+            out.structured_content = result.data.clone();
+        }
+        Ok(out.into())
+    }
+}
+
+/// Serves `server` on stdin/stdout until the client closes.
+///
+/// # Errors
+///
+/// When the MCP session cannot start.
+pub async fn serve_stdio(server: FleetServer) -> anyhow::Result<()> {
+    let running = server.serve(rmcp::transport::stdio()).await?;
+    running.waiting().await?;
+    Ok(())
+}
