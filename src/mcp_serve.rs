@@ -6,7 +6,9 @@
 //! passing the tool's progress on as MCP progress notifications when the
 //! client asked for them, and answers with the tool's content, its data as
 //! structured content and its references as resource links. A failed call
-//! is an MCP tool error (`isError`), never a protocol error.
+//! is an MCP tool error (`isError`); an unknown tool a JSON-RPC error
+//! (-32602), as the spec says. A call the client cancels (or gives up on)
+//! is cancelled in the fleet too.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -32,7 +34,16 @@ pub struct FleetServer {
     /// Only these tools (a profile's); all when `None`.
     scope: Option<Vec<toolfleet_protocol::tools::ToolRef>>,
     discovery_wait: Duration,
+    /// The last reading of the catalog, reused for a moment (every call
+    /// would otherwise wait out a discovery).
+    cached: Arc<tokio::sync::Mutex<Option<Reading>>>,
 }
+
+/// A reading of the live tools and when it was taken.
+type Reading = (tokio::time::Instant, Vec<ToolDefinition>);
+
+/// How long a catalog reading is reused.
+const CATALOG_FRESH: Duration = Duration::from_secs(2);
 
 impl FleetServer {
     pub fn new(
@@ -47,11 +58,28 @@ impl FleetServer {
             tenant,
             scope,
             discovery_wait: Duration::from_millis(500),
+            cached: Arc::default(),
         }
     }
 
-    /// The live tools this server offers, by function name.
+    /// The live tools this server offers, by function name: selectable
+    /// tools only (system tools are the orchestrator's to add), the agent
+    /// namespace left out (those are the orchestrators' own), within the
+    /// profile's tools when one was given, and of several versions of one
+    /// function only the highest.
     async fn tools(&self) -> Result<Vec<ToolDefinition>, rmcp::ErrorData> {
+        let mut cached = self.cached.lock().await;
+        if let Some((at, tools)) = cached.as_ref()
+            && at.elapsed() < CATALOG_FRESH
+        {
+            return Ok(tools.clone());
+        }
+        let tools = self.read_tools().await?;
+        *cached = Some((tokio::time::Instant::now(), tools.clone()));
+        Ok(tools)
+    }
+
+    async fn read_tools(&self) -> Result<Vec<ToolDefinition>, rmcp::ErrorData> {
         let catalog = discover(
             &self.client,
             &self.subjects,
@@ -60,13 +88,19 @@ impl FleetServer {
         )
         .await
         .map_err(|e| rmcp::ErrorData::internal_error(format!("the fleet's catalog: {e}"), None))?;
-        let mut tools: Vec<ToolDefinition> = catalog
-            .all()
-            .map(|e| e.definition().clone())
-            .filter(|d| self.in_scope(d))
-            .collect();
-        tools.sort_by(|a, b| a.function.name.cmp(&b.function.name));
-        Ok(tools)
+        let mut by_name: std::collections::BTreeMap<String, ToolDefinition> = Default::default();
+        for d in catalog.all().map(|e| e.definition().clone()) {
+            if !d.selectable || d.id.namespace == "agent" || !self.in_scope(&d) {
+                continue;
+            }
+            match by_name.get(&d.function.name) {
+                Some(kept) if kept.id.version >= d.id.version => {}
+                _ => {
+                    by_name.insert(d.function.name.clone(), d);
+                }
+            }
+        }
+        Ok(by_name.into_values().collect())
     }
 
     fn in_scope(&self, d: &ToolDefinition) -> bool {
@@ -184,7 +218,11 @@ impl ServerHandler for FleetServer {
             CallToolResult::error(vec![ContentBlock::text(why)])
         };
         if result.status == toolfleet_protocol::ToolStatus::Ok {
-            out.structured_content = result.data.clone();
+            // MCP's structured content is an object.
+            out.structured_content = result.data.clone().map(|data| match data {
+                serde_json::Value::Object(_) => data,
+                other => serde_json::json!({ "result": other }),
+            });
         }
         Ok(out.into())
     }

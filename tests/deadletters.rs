@@ -11,7 +11,7 @@ use std::time::Duration;
 use serde_json::{Value, json};
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
-use crate::support::{self, Env, Options, WAIT};
+use crate::support::{self, Env, WAIT};
 
 struct Flaky {
     fixed: Arc<AtomicBool>,
@@ -38,14 +38,7 @@ fn deadletters(env: &Env, args: &[&str]) -> (Option<i32>, String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_tool_job_is_listed_shown_and_replayed_after_the_fix() {
-    let env = Env::start_with(
-        json!({ "rules": [] }),
-        Options {
-            workers: vec![],
-            ..Options::default()
-        },
-    )
-    .await;
+    let env = Env::start_bare(json!({ "rules": [] })).await;
     // A tool whose backend is down: one attempt, then dead.
     let dir = tempfile::tempdir().unwrap();
     let path = support::renamed_definition(dir.path(), "testing", "flaky");

@@ -42,6 +42,10 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
                     { "toolCalls": [ { "name": "mcp_notes_lookup", "arguments": { "term": "lamp" } } ] },
                     { "answer": "Notes: {{tool:mcp_notes_lookup}}" }
                 ] },
+                { "whenUserContains": ["write"], "steps": [
+                    { "toolCalls": [ { "name": "mcp_notes_write_and_die", "arguments": { "text": "x" } } ] },
+                    { "answer": "After the write: {{tool:mcp_notes_write_and_die}}" }
+                ] },
                 { "whenUserContains": ["crash"], "steps": [
                     { "toolCalls": [ { "name": "mcp_notes_crash", "arguments": {} } ] },
                     { "answer": "After the crash: {{tool:mcp_notes_crash}}" }
@@ -74,7 +78,14 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
         .map(|d| d.id.to_string())
         .collect();
     ids.sort();
-    assert_eq!(ids, ["mcp_notes:crash@1.0.0", "mcp_notes:lookup@1.0.0"]);
+    assert_eq!(
+        ids,
+        [
+            "mcp_notes:crash@1.0.0",
+            "mcp_notes:lookup@1.0.0",
+            "mcp_notes:write_and_die@1.0.0"
+        ]
+    );
     let mut config = toolfleet_worker::WorkerConfig::new(env.subjects.clone());
     config.retry_delay = std::time::Duration::from_millis(200);
     let _worker = env.start_worker_with(imported.worker, config).await;
@@ -102,6 +113,18 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
     assert!(dir.path().join("crashed").exists(), "the server did crash");
     assert!(
         outcome.text.contains("After the crash: ") && outcome.text.contains("survived"),
+        "{}",
+        outcome.text
+    );
+
+    // A tool that may have written before its server died is not run
+    // again: the model reads why.
+    let (job, outcome) = env.ask("write a note").await;
+    let outcome = outcome.unwrap_or_else(|e| panic!("{}: {e}", job.invocation_id));
+    assert!(
+        outcome
+            .text
+            .contains("After the write: Error: MCP server notes is unavailable"),
         "{}",
         outcome.text
     );
@@ -156,4 +179,43 @@ async fn a_real_mcp_client_lists_and_calls_the_fleets_tools() {
             .contains("no live tool of the fleet is named no_such_tool"),
         "{seen}"
     );
+}
+
+/// A client that gives up on a call (its timeout, or an MCP client's
+/// cancel) cancels it in the fleet: the call's cancel goes out, so a
+/// worker stops the tool or refuses its job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_given_up_on_is_cancelled_in_the_fleet() {
+    let env = Env::start_bare(json!({ "rules": [] })).await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = support::renamed_definition(dir.path(), "testing", "nobody");
+    let tool = toolfleet_protocol::tools::load_file(&path).unwrap();
+    let mut cancels = env.subscribe("toolfleet.chat.cancel.>".into()).await;
+    let given_up = toolfleet_protocol::client::call_tool(
+        &env.client,
+        &env.subjects,
+        &tool,
+        "acme",
+        json!({}),
+        std::time::Duration::from_millis(300),
+        |_| {},
+    )
+    .await;
+    assert!(
+        matches!(
+            given_up,
+            Err(toolfleet_protocol::client::ClientError::Timeout(_))
+        ),
+        "{given_up:?}"
+    );
+    let cancel = tokio::time::timeout(support::WAIT, futures::StreamExt::next(&mut cancels))
+        .await
+        .expect("the call's cancel")
+        .unwrap();
+    let (tenant, _, call) = env
+        .subjects
+        .parse_cancel_call(cancel.subject.as_str())
+        .unwrap_or_else(|| panic!("not a call's cancel: {}", cancel.subject));
+    assert_eq!(tenant, "acme");
+    assert!(call.starts_with("call_"), "{call}");
 }

@@ -1,13 +1,14 @@
 """A small MCP server on the official Python SDK, for toolfleet's tests:
-stdio, three tools — one that answers with text and a resource link, one
-whose input schema does not compile, and one that kills its own process
-mid-call (the worker must start it again)."""
+stdio: a tool that answers with text and a resource link, one (read-only)
+that kills its own process mid-call once (the worker starts it again and
+retries), and one that writes and dies (not retried: it may have
+written)."""
 
 import os
 import sys
 
 from mcp.server.mcpserver import MCPServer
-from mcp.types import ResourceLink, TextContent
+from mcp.types import ResourceLink, TextContent, ToolAnnotations
 
 server = MCPServer("notes")
 
@@ -26,13 +27,19 @@ def lookup(term: str) -> list:
     ]
 
 
-@server.tool()
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
 def crash() -> str:
-    """Stops the server in the middle of the call."""
+    """Stops the server in the middle of the call (read-only: worth a retry)."""
     if os.environ.get("NOTES_CRASH_ONCE") and not os.path.exists(os.environ["NOTES_CRASH_ONCE"]):
         open(os.environ["NOTES_CRASH_ONCE"], "w").close()
         os._exit(3)
     return "survived"
+
+
+@server.tool()
+def write_and_die(text: str) -> str:
+    """Appends to the notes, then stops the server before answering."""
+    os._exit(4)
 
 
 if __name__ == "__main__":

@@ -77,6 +77,18 @@ impl Env {
         Self::start_with(script, Options::default()).await
     }
 
+    /// A fleet with no worker of its own (the test brings its own).
+    pub async fn start_bare(script: serde_json::Value) -> Env {
+        Self::start_with(
+            script,
+            Options {
+                workers: vec![],
+                ..Options::default()
+            },
+        )
+        .await
+    }
+
     pub async fn start_with(script: serde_json::Value, options: Options) -> Env {
         let nats = NatsServer::start().expect("nats-server");
         let redis = RedisServer::start().expect("redis-server");

@@ -439,6 +439,16 @@ pub async fn call_tool(
                 .map_err(|e| ClientError::Rejected(e.to_string()))?;
         }
     }
+    // Until the result is in, giving up on it (a timeout, the caller's
+    // future dropped) cancels the call in the fleet: its tool stops.
+    let mut pending = CancelOnDrop {
+        client: client.clone(),
+        subject: Some(subjects.chat_cancel_call(
+            tenant,
+            &call.invocation.invocation_id,
+            &call.call_id,
+        )),
+    };
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         let msg = match tokio::time::timeout_at(deadline, replies.next()).await {
@@ -454,8 +464,31 @@ pub async fn call_tool(
         }
         match Envelope::ToolReply.decode::<crate::ToolReply>(&msg.payload) {
             Ok(crate::ToolReply::Progress { message, .. }) => on_progress(&message),
-            Ok(crate::ToolReply::Result(result)) => return Ok(*result),
+            Ok(crate::ToolReply::Result(result)) => {
+                pending.subject = None;
+                return Ok(*result);
+            }
             Err(e) => return Err(ClientError::Nats(format!("a reply cannot be read: {e}"))),
+        }
+    }
+}
+
+/// Publishes a call's cancel when dropped, unless its result came.
+struct CancelOnDrop {
+    client: async_nats::Client,
+    subject: Option<String>,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(subject) = self.subject.take()
+            && let Ok(rt) = tokio::runtime::Handle::try_current()
+        {
+            let client = self.client.clone();
+            rt.spawn(async move {
+                let _ = client.publish(subject, Bytes::new()).await;
+                let _ = client.flush().await;
+            });
         }
     }
 }

@@ -151,8 +151,24 @@ impl McpConfig {
                     ));
                 }
                 (Some(url), true) => {
-                    if !(url.starts_with("http://") || url.starts_with("https://")) {
+                    let Some(rest) = url
+                        .strip_prefix("https://")
+                        .or_else(|| url.strip_prefix("http://"))
+                    else {
                         return Err(format!("server {name}: url must be http(s)"));
+                    };
+                    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+                    if authority.contains('@') {
+                        return Err(format!(
+                            "server {name}: the url carries credentials; use bearer_token_env"
+                        ));
+                    }
+                    let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
+                    let loopback = matches!(host, "localhost" | "127.0.0.1" | "[::1]");
+                    if s.bearer_token_env.is_some() && url.starts_with("http://") && !loopback {
+                        return Err(format!(
+                            "server {name}: a bearer token goes over https only (or to loopback)"
+                        ));
                     }
                 }
                 (None, false) => {}
@@ -213,6 +229,11 @@ bearer_token_env = "T"
                 "not both",
             ),
             ("[servers.n]\nurl = \"ftp://a\"", "http(s)"),
+            ("[servers.n]\nurl = \"https://u:p@a/mcp\"", "credentials"),
+            (
+                "[servers.n]\nurl = \"http://mcp.example.com/mcp\"\nbearer_token_env = \"T\"",
+                "https only",
+            ),
             (
                 "[servers.n]\ncommand = [\"x\"]\nbearer_token_env = \"T\"",
                 "HTTP server only",

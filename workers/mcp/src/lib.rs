@@ -50,11 +50,14 @@ pub async fn import(config: &McpConfig) -> Result<Imported, String> {
     let mut servers = Vec::new();
     let mut skipped = Vec::new();
     let mut served = 0;
+    // Function names are one namespace across servers.
+    let mut functions = std::collections::BTreeSet::new();
     for (name, spec) in &config.servers {
         let server = Server::new(name.clone(), spec.clone());
         match server.list_tools().await {
             Ok(listed) => {
-                let (imported, left_out) = tools::definitions(name, spec.timeout_ms, &listed);
+                let (imported, left_out) =
+                    tools::definitions(name, spec.timeout_ms, &listed, &mut functions);
                 skipped.extend(left_out);
                 for tool in imported {
                     served += 1;
@@ -64,6 +67,7 @@ pub async fn import(config: &McpConfig) -> Result<Imported, String> {
                         tools::McpTool {
                             server: server.clone(),
                             mcp_name: tool.mcp_name,
+                            safe_to_repeat: tool.safe_to_repeat,
                         },
                     );
                 }

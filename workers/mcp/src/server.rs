@@ -238,7 +238,14 @@ impl Server {
                 server: self.name.clone(),
                 after: timeout,
             },
-            other => self.unavailable(other),
+            // Gone or cut: another attempt may find it back.
+            E::TransportSend(_) | E::TransportClosed | E::Cancelled { .. } => self.unavailable(e),
+            // An answer we cannot use (a task, a request for input): the
+            // same request gets the same answer.
+            other => McpError::Refused {
+                server: self.name.clone(),
+                message: other.to_string(),
+            },
         }
     }
 

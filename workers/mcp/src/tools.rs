@@ -42,6 +42,9 @@ pub fn token(name: &str) -> String {
 pub struct Imported {
     pub definition: ToolDefinition,
     pub mcp_name: String,
+    /// Read-only or idempotent (the server's hints): a call the server
+    /// died in may run again.
+    pub safe_to_repeat: bool,
 }
 
 /// The definitions of `server`'s `tools`, and why each left out was left
@@ -51,6 +54,7 @@ pub fn definitions(
     server: &str,
     timeout_ms: u64,
     tools: &[rmcp::model::Tool],
+    functions: &mut BTreeSet<String>,
 ) -> (Vec<Imported>, Vec<String>) {
     let namespace = format!("mcp_{server}");
     let mut seen = BTreeSet::new();
@@ -69,6 +73,13 @@ pub fn definitions(
         if !seen.insert(name.clone()) {
             skipped.push(format!(
                 "{server}/{}: its name maps to {name}, as another tool's does",
+                tool.name
+            ));
+            continue;
+        }
+        if functions.contains(&function) {
+            skipped.push(format!(
+                "{server}/{}: the function name {function} is another server's tool's",
                 tool.name
             ));
             continue;
@@ -109,7 +120,7 @@ pub fn definitions(
             "category": "mcp",
             "purpose": "general",
             "selectable": true,
-            "tags": ["mcp", server],
+            "tags": ["mcp", format!("mcp_server_{server}")],
             "function": {
                 "name": function,
                 "description": description,
@@ -125,10 +136,14 @@ pub fn definitions(
             value,
             Origin::Named(format!("MCP tool {} of server {server}", tool.name)),
         ) {
-            Ok(definition) => imported.push(Imported {
-                definition,
-                mcp_name: tool.name.to_string(),
-            }),
+            Ok(definition) => {
+                functions.insert(function);
+                imported.push(Imported {
+                    definition,
+                    mcp_name: tool.name.to_string(),
+                    safe_to_repeat: read_only || idempotent,
+                });
+            }
             Err(e) => skipped.push(format!("{server}/{}: {e}", tool.name)),
         }
     }
@@ -139,6 +154,9 @@ pub fn definitions(
 pub struct McpTool {
     pub server: Arc<Server>,
     pub mcp_name: String,
+    /// Whether a call the server died in is retried (see
+    /// [`Imported::safe_to_repeat`]).
+    pub safe_to_repeat: bool,
 }
 
 impl Tool for McpTool {
@@ -165,10 +183,12 @@ impl Tool for McpTool {
             r = self.server.call(&self.mcp_name, arguments, deadline) => r,
         };
         let result = called.map_err(|e| match e {
+            // The server may have done the work before it died: only a
+            // tool it says is read-only or idempotent runs again.
             McpError::Unavailable { .. } => ToolError::Coded {
                 code: "mcp_unavailable",
                 message: e.to_string(),
-                retryable: true,
+                retryable: self.safe_to_repeat,
             },
             McpError::Timeout { .. } => ToolError::Timeout(e.to_string()),
             McpError::Refused { .. } => ToolError::coded("mcp_error", e.to_string()),
@@ -268,15 +288,27 @@ mod tests {
                 json!({"type": "object", "properties": {"x": {"type": 12}}}),
             ),
         ];
-        let (ok, skipped) = definitions("notes", 30_000, &tools);
+        let mut functions = BTreeSet::from(["mcp_notes_taken".to_string()]);
+        let tools = [
+            tools[0].clone(),
+            tools[1].clone(),
+            tools[2].clone(),
+            tool("taken", json!({"type": "object"})),
+        ];
+        let (ok, skipped) = definitions("notes", 30_000, &tools, &mut functions);
         assert_eq!(ok.len(), 1, "{skipped:?}");
         let d = &ok[0].definition;
         assert_eq!(d.id.to_string(), "mcp_notes:lookup@1.0.0");
         assert_eq!(d.function.name, "mcp_notes_lookup");
         assert_eq!(ok[0].mcp_name, "lookup");
-        assert_eq!(skipped.len(), 2, "{skipped:?}");
+        assert_eq!(skipped.len(), 3, "{skipped:?}");
+        assert!(skipped[2].contains("another server's"), "{skipped:?}");
+        assert!(functions.contains("mcp_notes_lookup"));
         assert!(skipped[0].contains("LookUp") && skipped[0].contains("as another tool"));
         assert!(skipped[1].contains("broken"), "{skipped:?}");
+        // A server named like the family keeps its tools.
+        let (ok, skipped) = definitions("mcp", 30_000, &tools[..1], &mut BTreeSet::new());
+        assert_eq!(ok.len(), 1, "{skipped:?}");
     }
 
     #[test]
