@@ -82,6 +82,7 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
         ids,
         [
             "mcp_notes:crash@1.0.0",
+            "mcp_notes:learn@1.0.0",
             "mcp_notes:lookup@1.0.0",
             "mcp_notes:write_and_die@1.0.0"
         ]
@@ -218,4 +219,70 @@ async fn a_call_given_up_on_is_cancelled_in_the_fleet() {
         .unwrap_or_else(|| panic!("not a call's cancel: {}", cancel.subject));
     assert_eq!(tenant, "acme");
     assert!(call.starts_with("call_"), "{call}");
+}
+
+/// The worker as a process: when its server adds a tool and says its list
+/// changed, the new tool is listed, advertised and answers chat jobs,
+/// without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_tool_list_is_served_without_a_restart() {
+    let env = Env::start_bare(json!({
+        "rules": [
+            { "whenUserContains": ["learn"], "steps": [
+                { "toolCalls": [ { "name": "mcp_notes_learn", "arguments": { "word": "beacon" } } ] },
+                { "answer": "Taught: {{tool:mcp_notes_learn}}" }
+            ] },
+            { "whenUserContains": ["recall"], "steps": [
+                { "toolCalls": [ { "name": "mcp_notes_recall", "arguments": {} } ] },
+                { "answer": "Recalled: {{tool:mcp_notes_recall}}" }
+            ] }
+        ]
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("mcp.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[servers.notes]\ncommand = [\"python3\", \"{}\"]\n",
+            support::root().join("tests/mcp/notes_server.py").display()
+        ),
+    )
+    .unwrap();
+    let child = std::process::Command::new(support::sibling_bin("toolfleet-worker-mcp"))
+        .env("TOOLFLEET_NATS_URL", env.nats.url())
+        .env("TOOLFLEET_REDIS_URL", env.redis.url())
+        .env("TOOLFLEET_MCP_CONFIG", &config)
+        .env("TOOLFLEET_METRICS_ADDR", "127.0.0.1:0")
+        .env("TOOLFLEET_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("worker.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let log = dir.path().join("worker.log");
+    let mut child = child;
+    let _kill = support::KillOnDrop(&mut child);
+    // Once the pool is live, teach the server its new tool.
+    let asked = |question: &'static str, wanted: &'static str| {
+        let (env, log) = (&env, &log);
+        async move {
+            let deadline = tokio::time::Instant::now() + support::WAIT;
+            loop {
+                let (_, outcome) = env.ask(question).await;
+                let text = outcome.map(|o| o.text).unwrap_or_else(|e| e.to_string());
+                if text.contains(wanted) {
+                    return;
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "{question}: {text}\n{}",
+                    std::fs::read_to_string(log).unwrap_or_default()
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            }
+        }
+    };
+    asked("please learn a word", "Taught: learned").await;
+    // The new tool answers once the worker has served the new list.
+    asked("now recall it", "Recalled: learned: beacon").await;
 }

@@ -1,13 +1,13 @@
 """A small MCP server on the official Python SDK, for toolfleet's tests:
 stdio: a tool that answers with text and a resource link, one (read-only)
 that kills its own process mid-call once (the worker starts it again and
-retries), and one that writes and dies (not retried: it may have
-written)."""
+retries), one that writes and dies (not retried: it may have written),
+and one that adds a tool and says the list changed."""
 
 import os
 import sys
 
-from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import ResourceLink, TextContent, ToolAnnotations
 
 server = MCPServer("notes")
@@ -40,6 +40,19 @@ def crash() -> str:
 def write_and_die(text: str) -> str:
     """Appends to the notes, then stops the server before answering."""
     os._exit(4)
+
+
+@server.tool()
+async def learn(word: str, ctx: Context) -> str:
+    """Teaches the server a new tool, recall, and says its tools changed."""
+
+    def recall() -> str:
+        """Recalls the word learned."""
+        return f"learned: {word}"
+
+    server.add_tool(recall, name="recall")
+    await ctx.session.send_tool_list_changed()
+    return "learned"
 
 
 if __name__ == "__main__":

@@ -58,6 +58,18 @@ pub struct Worker {
     pub(crate) tools: Vec<Arc<Served>>,
     pub(crate) hooks: Arc<HookSet>,
     pub(crate) collectors: Vec<Box<dyn Collector>>,
+    pub(crate) reload: Option<Reload>,
+}
+
+/// Builds a worker's next tool set (see [`WorkerBuilder::reload_on`]).
+pub type Rebuild =
+    Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<Worker, String>> + Send + Sync>;
+
+/// When and how a served worker changes its tool set.
+#[derive(Clone)]
+pub struct Reload {
+    pub(crate) when: Arc<tokio::sync::Notify>,
+    pub(crate) rebuild: Rebuild,
 }
 
 impl std::fmt::Debug for Worker {
@@ -88,6 +100,7 @@ impl Worker {
             collectors: Vec::new(),
             problems: Vec::new(),
             secrets: Vec::new(),
+            reload: None,
         }
     }
 
@@ -125,9 +138,32 @@ pub struct WorkerBuilder {
     collectors: Vec<Box<dyn Collector>>,
     problems: Vec<String>,
     secrets: Vec<crate::Secret>,
+    reload: Option<Reload>,
 }
 
 impl WorkerBuilder {
+    /// For tools whose list changes while the worker runs (an MCP server's):
+    /// each time `when` is notified, a worker served as a process
+    /// ([`Worker::serve`]) builds its next tool set with `rebuild`, starts
+    /// it beside the current one, then drains the current one — jobs keep
+    /// flowing, a removed tool's jobs wait in its consumer, a new tool is
+    /// advertised. A rebuild that fails leaves the current set serving.
+    /// (Metric collectors of the rebuilt worker are not registered again.)
+    pub fn reload_on(
+        mut self,
+        when: Arc<tokio::sync::Notify>,
+        rebuild: impl Fn() -> futures::future::BoxFuture<'static, Result<Worker, String>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.reload = Some(Reload {
+            when,
+            rebuild: Arc::new(rebuild),
+        });
+        self
+    }
+
     /// Every definition file in `dir`. Definitions whose
     /// `implementationKey` this worker has no tool for are ignored (they
     /// belong to other workers).
@@ -267,6 +303,7 @@ impl WorkerBuilder {
                 crate::settings::Scrubber::new(self.secrets),
             )),
             collectors: self.collectors,
+            reload: self.reload,
         })
     }
 }

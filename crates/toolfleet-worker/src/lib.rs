@@ -73,7 +73,7 @@ pub mod settings;
 pub mod testing;
 pub mod tool;
 
-pub use builder::{Worker, WorkerBuilder, WorkerError};
+pub use builder::{Rebuild, Reload, Worker, WorkerBuilder, WorkerError};
 pub use ctx::{BlobRef, ToolCtx};
 pub use hooks::{CallInfo, Hooks, Refusal};
 pub use process::WorkerArgs;

@@ -66,22 +66,104 @@ impl Worker {
             self.register_metrics(&rt.metrics)?;
             let mut config = WorkerConfig::new(subjects);
             config.concurrency = args.concurrency;
+            let reload = self.reload.take();
+            let serving = rt.shutdown.child_token();
             let task = self
-                .start(client, store, config, metrics, rt.shutdown.clone())
+                .start(
+                    client.clone(),
+                    store.clone(),
+                    config.clone(),
+                    metrics.clone(),
+                    serving.clone(),
+                )
                 .await
                 .context("the worker cannot start")?;
             // Draining waits for the worker's jobs in flight.
-            rt.tracker.spawn(async move {
-                match task.await {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => tracing::error!(error = %e, "worker stopped"),
-                    Err(e) => tracing::error!(error = %e, "worker task failed"),
-                }
-            });
+            let parts = Parts {
+                client,
+                store,
+                config,
+                metrics,
+            };
+            rt.tracker.spawn(supervise(
+                (task, serving),
+                reload,
+                parts,
+                rt.shutdown.clone(),
+            ));
             Ok(())
         })
         .await
     }
+}
+
+/// What every tool set a process serves shares.
+struct Parts {
+    client: async_nats::Client,
+    store: CitationStore,
+    config: WorkerConfig,
+    metrics: WorkerMetrics,
+}
+
+type Serving = (
+    tokio::task::JoinHandle<Result<(), crate::WorkerError>>,
+    tokio_util::sync::CancellationToken,
+);
+
+/// Waits for the served worker to finish (after `shutdown`); with a
+/// [`crate::builder::Reload`], swaps in each rebuilt tool set: the next
+/// starts beside the current, then the current drains.
+async fn supervise(
+    mut current: Serving,
+    reload: Option<crate::builder::Reload>,
+    parts: Parts,
+    shutdown: tokio_util::sync::CancellationToken,
+) {
+    let finished = |r: Result<Result<(), crate::WorkerError>, tokio::task::JoinError>| match r {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::error!(error = %e, "worker stopped"),
+        Err(e) => tracing::error!(error = %e, "worker task failed"),
+    };
+    let Some(reload) = reload else {
+        finished(current.0.await);
+        return;
+    };
+    loop {
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            () = reload.when.notified() => {}
+        }
+        let next = match (reload.rebuild)().await {
+            Ok(next) => next,
+            Err(e) => {
+                tracing::warn!(error = %e, "the tool set cannot be rebuilt; the current one serves on");
+                continue;
+            }
+        };
+        let tools: Vec<String> = next.definitions().map(|d| d.id.to_string()).collect();
+        let token = shutdown.child_token();
+        match next
+            .start(
+                parts.client.clone(),
+                parts.store.clone(),
+                parts.config.clone(),
+                parts.metrics.clone(),
+                token.clone(),
+            )
+            .await
+        {
+            Ok(task) => {
+                let (old, old_token) = std::mem::replace(&mut current, (task, token));
+                old_token.cancel();
+                finished(old.await);
+                tracing::info!(tools = ?tools, "the tool set was reloaded");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "the rebuilt tool set cannot start; the current one serves on");
+            }
+        }
+    }
+    finished(current.0.await);
 }
 
 /// A worker binary's settings: the shared [`WorkerArgs`], the binary's

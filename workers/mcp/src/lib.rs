@@ -30,6 +30,15 @@ pub struct Imported {
     pub skipped: Vec<String>,
 }
 
+/// The servers of `config`, not connected yet.
+pub fn servers(config: &McpConfig) -> Vec<Arc<Server>> {
+    config
+        .servers
+        .iter()
+        .map(|(name, spec)| Server::new(name.clone(), spec.clone()))
+        .collect()
+}
+
 impl std::fmt::Debug for Imported {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Imported")
@@ -46,14 +55,32 @@ impl std::fmt::Debug for Imported {
 ///
 /// When no server gave a tool to serve, saying why for each.
 pub async fn import(config: &McpConfig) -> Result<Imported, String> {
+    let servers = servers(config);
+    let (builder, skipped) = builder(&servers).await?;
+    let worker = builder.build().map_err(|e| e.to_string())?;
+    Ok(Imported {
+        worker,
+        servers,
+        skipped,
+    })
+}
+
+/// Lists the tools of `servers` (connecting each first, if need be) into a
+/// worker builder, with why each tool or server was left out.
+///
+/// # Errors
+///
+/// When no server gave a tool to serve, saying why for each.
+pub async fn builder(
+    servers: &[Arc<Server>],
+) -> Result<(toolfleet_worker::WorkerBuilder, Vec<String>), String> {
     let mut builder = Worker::builder("mcp");
-    let mut servers = Vec::new();
     let mut skipped = Vec::new();
     let mut served = 0;
     // Function names are one namespace across servers.
     let mut functions = std::collections::BTreeSet::new();
-    for (name, spec) in &config.servers {
-        let server = Server::new(name.clone(), spec.clone());
+    for server in servers {
+        let (name, spec) = (&server.name, server.spec());
         match server.list_tools().await {
             Ok(listed) => {
                 let (imported, left_out) =
@@ -74,7 +101,6 @@ pub async fn import(config: &McpConfig) -> Result<Imported, String> {
             }
             Err(e) => skipped.push(format!("server {name} left out: {e}")),
         }
-        servers.push(server);
     }
     if served == 0 {
         return Err(format!(
@@ -82,10 +108,5 @@ pub async fn import(config: &McpConfig) -> Result<Imported, String> {
             skipped.join("; ")
         ));
     }
-    let worker = builder.build().map_err(|e| e.to_string())?;
-    Ok(Imported {
-        worker,
-        servers,
-        skipped,
-    })
+    Ok((builder, skipped))
 }

@@ -1,8 +1,11 @@
 //! `toolfleet-worker-mcp`: serves the tools of the MCP servers named in its
 //! configuration file (`--mcp-config`, `TOOLFLEET_MCP_CONFIG`; see
 //! `toolfleet_worker_mcp::config`). Start more copies to scale the pool.
+//! When a server says its tool list changed (or comes back after dying),
+//! the worker lists it again and serves the new set.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 /// This family's own settings.
 #[derive(clap::Args, Debug)]
@@ -21,21 +24,38 @@ async fn main() -> std::process::ExitCode {
         async |_, own: &McpArgs| {
             let config = toolfleet_worker_mcp::McpConfig::load(&own.mcp_config)
                 .map_err(|e| e.to_string())?;
-            let imported = toolfleet_worker_mcp::import(&config).await?;
-            for why in &imported.skipped {
+            let servers = toolfleet_worker_mcp::servers(&config);
+            let (builder, skipped) = toolfleet_worker_mcp::builder(&servers).await?;
+            for why in &skipped {
                 tracing::warn!("{why}");
             }
-            for server in imported.servers {
+            // Any server's change lists them all again.
+            let changed = Arc::new(tokio::sync::Notify::new());
+            for server in &servers {
+                let (server, changed) = (server.clone(), changed.clone());
                 tokio::spawn(async move {
-                    server.changed().await;
-                    tracing::warn!(
-                        server = %server.name,
-                        "the MCP server's tool list changed; restart this worker to serve the new list \
-                         (calls to tools it removed fail with its error)"
-                    );
+                    loop {
+                        server.changed().await;
+                        server.take_changed();
+                        tracing::info!(server = %server.name, "the MCP server's tools changed; listing them again");
+                        changed.notify_one();
+                    }
                 });
             }
-            Ok::<_, String>(imported.worker)
+            let rebuild = move || {
+                let servers = servers.clone();
+                futures::FutureExt::boxed(async move {
+                    let (builder, skipped) = toolfleet_worker_mcp::builder(&servers).await?;
+                    for why in &skipped {
+                        tracing::warn!("{why}");
+                    }
+                    builder.build().map_err(|e| e.to_string())
+                })
+            };
+            builder
+                .reload_on(changed, rebuild)
+                .build()
+                .map_err(|e| e.to_string())
         },
     )
     .await

@@ -119,7 +119,8 @@ impl Server {
         {
             return Ok(r.peer().clone());
         }
-        if running.take().is_some() {
+        let again = running.take().is_some();
+        if again {
             tracing::warn!(server = %self.name, "MCP server connection closed; connecting again");
         }
         let connected = tokio::time::timeout(self.spec.init_timeout(), self.connect())
@@ -130,6 +131,11 @@ impl Server {
             })??;
         let peer = connected.peer().clone();
         *running = Some(connected);
+        if again {
+            // A server started again may offer other tools.
+            self.handler.changed.store(true, Ordering::Release);
+            self.handler.notify.notify_waiters();
+        }
         Ok(peer)
     }
 
