@@ -89,6 +89,7 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
     );
     let mut config = toolfleet_worker::WorkerConfig::new(env.subjects.clone());
     config.retry_delay = std::time::Duration::from_millis(200);
+    let metrics = imported.metrics.clone();
     let _worker = env.start_worker_with(imported.worker, config).await;
 
     // Text and a resource link: the answer, and a reference.
@@ -129,6 +130,15 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
         "{}",
         outcome.text
     );
+
+    // Counted by server and outcome: the lookup and the retried crash
+    // answered; the crash's first attempt and the write found it gone.
+    let calls = |outcome: &str| metrics.calls("notes", outcome);
+    assert_eq!(calls("ok"), 2);
+    assert_eq!(calls("unavailable"), 2);
+    assert_eq!(calls("timeout"), 0, "zero-initialised");
+    assert_eq!(metrics.tools("notes"), 4);
+    assert_eq!(metrics.tools("gone"), 0);
 }
 
 /// `toolfleet mcp serve`, as a real MCP client (the official Python SDK)

@@ -12,6 +12,7 @@
 //! others are served).
 
 pub mod config;
+pub mod metrics;
 pub mod server;
 pub mod tools;
 
@@ -20,6 +21,7 @@ use std::sync::Arc;
 use toolfleet_worker::Worker;
 
 pub use config::McpConfig;
+pub use metrics::McpMetrics;
 pub use server::{McpError, Server};
 
 /// The worker of a configuration, its servers, and what was left out.
@@ -28,6 +30,7 @@ pub struct Imported {
     pub servers: Vec<Arc<Server>>,
     /// Why each tool or server left out was (for the log).
     pub skipped: Vec<String>,
+    pub metrics: McpMetrics,
 }
 
 /// The servers of `config`, not connected yet.
@@ -56,12 +59,15 @@ impl std::fmt::Debug for Imported {
 /// When no server gave a tool to serve, saying why for each.
 pub async fn import(config: &McpConfig) -> Result<Imported, String> {
     let servers = servers(config);
-    let (builder, skipped) = builder(&servers).await?;
+    let metrics =
+        McpMetrics::new(servers.iter().map(|s| s.name.as_str())).map_err(|e| e.to_string())?;
+    let (builder, skipped) = builder(&servers, &metrics).await?;
     let worker = builder.build().map_err(|e| e.to_string())?;
     Ok(Imported {
         worker,
         servers,
         skipped,
+        metrics,
     })
 }
 
@@ -73,8 +79,9 @@ pub async fn import(config: &McpConfig) -> Result<Imported, String> {
 /// When no server gave a tool to serve, saying why for each.
 pub async fn builder(
     servers: &[Arc<Server>],
+    metrics: &McpMetrics,
 ) -> Result<(toolfleet_worker::WorkerBuilder, Vec<String>), String> {
-    let mut builder = Worker::builder("mcp");
+    let mut builder = Worker::builder("mcp").metrics(metrics.collector());
     let mut skipped = Vec::new();
     let mut served = 0;
     // Function names are one namespace across servers.
@@ -86,6 +93,10 @@ pub async fn builder(
                 let (imported, left_out) =
                     tools::definitions(name, spec.timeout_ms, &listed, &mut functions);
                 skipped.extend(left_out);
+                metrics
+                    .tools
+                    .with_label_values(&[name.as_str()])
+                    .set(imported.len() as i64);
                 for tool in imported {
                     served += 1;
                     let key = tool.definition.implementation_key.clone();
@@ -95,11 +106,15 @@ pub async fn builder(
                             server: server.clone(),
                             mcp_name: tool.mcp_name,
                             safe_to_repeat: tool.safe_to_repeat,
+                            metrics: metrics.clone(),
                         },
                     );
                 }
             }
-            Err(e) => skipped.push(format!("server {name} left out: {e}")),
+            Err(e) => {
+                metrics.tools.with_label_values(&[name.as_str()]).set(0);
+                skipped.push(format!("server {name} left out: {e}"));
+            }
         }
     }
     if served == 0 {

@@ -25,7 +25,10 @@ async fn main() -> std::process::ExitCode {
             let config = toolfleet_worker_mcp::McpConfig::load(&own.mcp_config)
                 .map_err(|e| e.to_string())?;
             let servers = toolfleet_worker_mcp::servers(&config);
-            let (builder, skipped) = toolfleet_worker_mcp::builder(&servers).await?;
+            let metrics =
+                toolfleet_worker_mcp::McpMetrics::new(servers.iter().map(|s| s.name.as_str()))
+                    .map_err(|e| e.to_string())?;
+            let (builder, skipped) = toolfleet_worker_mcp::builder(&servers, &metrics).await?;
             for why in &skipped {
                 tracing::warn!("{why}");
             }
@@ -43,9 +46,10 @@ async fn main() -> std::process::ExitCode {
                 });
             }
             let rebuild = move || {
-                let servers = servers.clone();
+                let (servers, metrics) = (servers.clone(), metrics.clone());
                 futures::FutureExt::boxed(async move {
-                    let (builder, skipped) = toolfleet_worker_mcp::builder(&servers).await?;
+                    let (builder, skipped) =
+                        toolfleet_worker_mcp::builder(&servers, &metrics).await?;
                     for why in &skipped {
                         tracing::warn!("{why}");
                     }

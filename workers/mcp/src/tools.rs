@@ -157,6 +157,7 @@ pub struct McpTool {
     /// Whether a call the server died in is retried (see
     /// [`Imported::safe_to_repeat`]).
     pub safe_to_repeat: bool,
+    pub metrics: crate::McpMetrics,
 }
 
 impl Tool for McpTool {
@@ -175,13 +176,35 @@ impl Tool for McpTool {
         let deadline = ctx
             .deadline()
             .unwrap_or_else(|| tokio::time::Instant::now() + self.server.spec().timeout());
+        let server = self.server.name.as_str();
+        let started = std::time::Instant::now();
+        let count = |outcome: &str| {
+            self.metrics
+                .calls
+                .with_label_values(&[server, outcome])
+                .inc();
+            self.metrics
+                .duration
+                .with_label_values(&[server])
+                .observe(started.elapsed().as_secs_f64());
+        };
         let called = tokio::select! {
             biased;
-            () = ctx.cancelled() => return Err(ToolError::Cancelled(
-                "the invocation was cancelled; the MCP request was cancelled".into(),
-            )),
+            () = ctx.cancelled() => {
+                count("cancelled");
+                return Err(ToolError::Cancelled(
+                    "the invocation was cancelled; the MCP request was cancelled".into(),
+                ));
+            }
             r = self.server.call(&self.mcp_name, arguments, deadline) => r,
         };
+        count(match &called {
+            Ok(r) if r.is_error == Some(true) => "tool_error",
+            Ok(_) => "ok",
+            Err(McpError::Unavailable { .. }) => "unavailable",
+            Err(McpError::Refused { .. }) => "refused",
+            Err(McpError::Timeout { .. }) => "timeout",
+        });
         let result = called.map_err(|e| match e {
             // The server may have done the work before it died: only a
             // tool it says is read-only or idempotent runs again.
