@@ -382,6 +382,15 @@ pub enum McpCommand {
         /// Offer only this profile's tools (from the profiles file).
         #[arg(id = "mcp_profile", long = "profile")]
         profile: Option<String>,
+        /// Serve MCP's streamable HTTP at `http://ADDR/mcp` instead of
+        /// stdio (no authentication of its own: a loopback address, or
+        /// behind an authenticating proxy).
+        #[arg(id = "mcp_http", long = "http", value_name = "ADDR")]
+        http: Option<SocketAddr>,
+        /// With `--http`: the `Host` names accepted besides loopback's (a
+        /// proxy's name).
+        #[arg(long = "allowed-host", value_name = "HOST", requires = "mcp_http")]
+        allowed_hosts: Vec<String>,
         #[command(flatten)]
         llm: LlmArgs,
         #[command(flatten)]
@@ -630,6 +639,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 McpCommand::Serve {
                     tenant,
                     profile,
+                    http,
+                    allowed_hosts,
                     llm,
                     nats,
                 },
@@ -652,10 +663,17 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
             };
             let subjects = nats.subjects()?;
             let client = nats.connect("toolfleet-mcp").await?;
-            crate::mcp_serve::serve_stdio(crate::mcp_serve::FleetServer::new(
-                client, subjects, tenant, scope,
-            ))
-            .await?;
+            let server = crate::mcp_serve::FleetServer::new(client, subjects, tenant, scope);
+            match http {
+                Some(listen) => {
+                    let mut hosts = allowed_hosts;
+                    if !hosts.is_empty() {
+                        hosts.extend(["localhost".into(), "127.0.0.1".into(), "::1".into()]);
+                    }
+                    crate::mcp_serve::serve_http(server, listen, hosts).await?;
+                }
+                None => crate::mcp_serve::serve_stdio(server).await?,
+            }
             Ok(0)
         }
         Command::Completions { shell } => {

@@ -228,6 +228,44 @@ impl ServerHandler for FleetServer {
     }
 }
 
+/// Serves `server` over MCP's streamable HTTP at `http://<listen>/mcp`
+/// until SIGINT or SIGTERM; says where on stderr once it listens. No
+/// authentication of its own: bind it to loopback, or put it behind a
+/// proxy that authenticates (the `Host` header must be a loopback name
+/// unless `allowed_hosts` says otherwise).
+///
+/// # Errors
+///
+/// When `listen` cannot be bound.
+pub async fn serve_http(
+    server: FleetServer,
+    listen: std::net::SocketAddr,
+    allowed_hosts: Vec<String>,
+) -> anyhow::Result<()> {
+    use rmcp::transport::streamable_http_server::{
+        StreamableHttpServerConfig, StreamableHttpService, session::local::LocalSessionManager,
+    };
+    let mut config = StreamableHttpServerConfig::default();
+    if !allowed_hosts.is_empty() {
+        config.allowed_hosts = allowed_hosts;
+    }
+    let service = StreamableHttpService::new(
+        move || Ok(server.clone()),
+        Arc::new(LocalSessionManager::default()),
+        config,
+    );
+    let app = axum::Router::new().nest_service("/mcp", service);
+    let listener = tokio::net::TcpListener::bind(listen).await?;
+    eprintln!(
+        "toolfleet mcp serve: listening on http://{}/mcp",
+        listener.local_addr()?
+    );
+    axum::serve(listener, app)
+        .with_graceful_shutdown(toolfleet_service::args::shutdown_signal())
+        .await?;
+    Ok(())
+}
+
 /// Serves `server` on stdin/stdout until the client closes.
 ///
 /// # Errors

@@ -154,26 +154,60 @@ async fn a_real_mcp_client_lists_and_calls_the_fleets_tools() {
         },
     )
     .await;
-    let out = tokio::task::spawn_blocking({
-        let url = env.nats.url();
-        move || {
-            std::process::Command::new("python3")
-                .arg(support::root().join("tests/mcp/fleet_client.py"))
-                .args([
-                    env!("CARGO_BIN_EXE_toolfleet"),
-                    "current_datetime",
-                    r#"{"utcOffset": "+02:00"}"#,
-                ])
-                .env("TOOLFLEET_NATS_URL", url)
-                .output()
-                .unwrap()
-        }
+    // Over stdio (the client starts `toolfleet mcp serve`), then over
+    // streamable HTTP (a `toolfleet mcp serve --http` already running).
+    check_client_saw(client(env!("CARGO_BIN_EXE_toolfleet"), &env.nats.url()).await);
+    let mut server = std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(["mcp", "serve", "--http", "127.0.0.1:0"])
+        .env("TOOLFLEET_NATS_URL", env.nats.url())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = server.stderr.take().unwrap();
+    let _kill = support::KillOnDrop(&mut server);
+    let url = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+            .find_map(|l| {
+                l.split_once("listening on ")
+                    .map(|(_, url)| url.to_string())
+            })
+            .expect("the server says where it listens")
+    })
+    .await
+    .unwrap();
+    check_client_saw(client(&url, &env.nats.url()).await);
+}
+
+/// Runs the Python SDK's client against `target` (the binary, or a URL).
+async fn client(target: &str, nats_url: &str) -> serde_json::Value {
+    let (target, nats_url) = (target.to_string(), nats_url.to_string());
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("python3")
+            .arg(support::root().join("tests/mcp/fleet_client.py"))
+            .args([
+                target.as_str(),
+                "current_datetime",
+                r#"{"utcOffset": "+02:00"}"#,
+            ])
+            .env("TOOLFLEET_NATS_URL", nats_url)
+            .output()
+            .unwrap()
     })
     .await
     .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+/// What the client must have seen: the one live tool with its schema, its
+/// call's text and structured content, and the unknown tool refused.
+fn check_client_saw(seen: serde_json::Value) {
     assert_eq!(seen["tools"], json!(["current_datetime"]), "{seen}");
     assert_eq!(
         seen["schemas"]["current_datetime"]["properties"]["utcOffset"]["type"],

@@ -1,6 +1,8 @@
 """A real MCP client (the official Python SDK) of `toolfleet mcp serve`:
 lists the fleet's tools and calls one, printing what it saw as one JSON
-object. Usage: fleet_client.py TOOLFLEET_BINARY TOOL ARGUMENTS_JSON"""
+object. Usage: fleet_client.py TARGET TOOL ARGUMENTS_JSON, where TARGET is
+the `toolfleet` binary (stdio) or the server's http://…/mcp URL
+(streamable HTTP)."""
 
 import asyncio
 import json
@@ -9,17 +11,23 @@ import sys
 
 from mcp import ClientSession, StdioServerParameters
 from mcp.client.stdio import stdio_client
+from mcp.client.streamable_http import streamable_http_client
 
 
 async def main() -> None:
-    binary, tool, arguments = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
-    params = StdioServerParameters(command=binary, args=["mcp", "serve"], env=dict(os.environ))
+    target, tool, arguments = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     progress = []
 
     async def on_progress(done, total, message):
         progress.append(message)
 
-    async with stdio_client(params) as (read, write):
+    if target.startswith("http"):
+        transport = streamable_http_client(target)
+    else:
+        params = StdioServerParameters(command=target, args=["mcp", "serve"], env=dict(os.environ))
+        transport = stdio_client(params)
+    async with transport as streams:
+        read, write = streams[0], streams[1]
         async with ClientSession(read, write) as session:
             await session.initialize()
             listed = await session.list_tools()
