@@ -249,6 +249,9 @@ pub async fn serve_http(
     if !allowed_hosts.is_empty() {
         config.allowed_hosts = allowed_hosts;
     }
+    // Open event streams end with the server, so a stop does not wait on
+    // clients that keep theirs open.
+    let stop = config.cancellation_token.clone();
     let service = StreamableHttpService::new(
         move || Ok(server.clone()),
         Arc::new(LocalSessionManager::default()),
@@ -261,7 +264,10 @@ pub async fn serve_http(
         listener.local_addr()?
     );
     axum::serve(listener, app)
-        .with_graceful_shutdown(toolfleet_service::args::shutdown_signal())
+        .with_graceful_shutdown(async move {
+            toolfleet_service::args::shutdown_signal().await;
+            stop.cancel();
+        })
         .await?;
     Ok(())
 }

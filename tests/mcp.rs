@@ -166,7 +166,7 @@ async fn a_real_mcp_client_lists_and_calls_the_fleets_tools() {
         .spawn()
         .unwrap();
     let stderr = server.stderr.take().unwrap();
-    let _kill = support::KillOnDrop(&mut server);
+    let kill = support::KillOnDrop(&mut server);
     let url = tokio::task::spawn_blocking(move || {
         use std::io::BufRead;
         std::io::BufReader::new(stderr)
@@ -181,6 +181,24 @@ async fn a_real_mcp_client_lists_and_calls_the_fleets_tools() {
     .await
     .unwrap();
     check_client_saw(client(&url, &env.nats.url()).await);
+    // SIGTERM stops it at once.
+    let pid = kill.0.id().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    let deadline = std::time::Instant::now() + support::WAIT;
+    let status = loop {
+        if let Some(status) = kill.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "mcp serve --http did not stop"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}");
 }
 
 /// Runs the Python SDK's client against `target` (the binary, or a URL).
