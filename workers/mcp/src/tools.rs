@@ -111,6 +111,12 @@ pub fn definitions(
         if parameters.get("type").is_none() {
             parameters["type"] = json!("object");
         }
+        // What model providers take as function parameters: an object
+        // schema at the root, not a reference or a choice of schemas.
+        if let Some(why) = unusable_root(&parameters) {
+            skipped.push(format!("{server}/{}: its input schema {why}", tool.name));
+            continue;
+        }
         let value = json!({
             "schemaVersion": 1,
             "id": format!("{namespace}:{name}@1.0.0"),
@@ -148,6 +154,18 @@ pub fn definitions(
         }
     }
     (imported, skipped)
+}
+
+/// Why a tool's input schema cannot be a function's parameters, if it
+/// cannot.
+fn unusable_root(schema: &Value) -> Option<String> {
+    if schema["type"] != "object" {
+        return Some(format!("is not an object schema (type {})", schema["type"]));
+    }
+    ["$ref", "anyOf", "oneOf", "allOf", "not"]
+        .into_iter()
+        .find(|k| schema.get(*k).is_some())
+        .map(|k| format!("has {k} at its root, which model providers refuse"))
 }
 
 /// Calls one tool of one server.
@@ -329,6 +347,15 @@ mod tests {
         assert!(functions.contains("mcp_notes_lookup"));
         assert!(skipped[0].contains("LookUp") && skipped[0].contains("as another tool"));
         assert!(skipped[1].contains("broken"), "{skipped:?}");
+        // Roots providers refuse are left out with the reason.
+        let roots = [
+            tool("choice", json!({"anyOf": [{"type": "object"}]})),
+            tool("listy", json!({"type": "array"})),
+        ];
+        let (ok, skipped) = definitions("notes", 30_000, &roots, &mut BTreeSet::new());
+        assert!(ok.is_empty(), "{skipped:?}");
+        assert!(skipped[0].contains("anyOf at its root"), "{skipped:?}");
+        assert!(skipped[1].contains("not an object schema"), "{skipped:?}");
         // A server named like the family keeps its tools.
         let (ok, skipped) = definitions("mcp", 30_000, &tools[..1], &mut BTreeSet::new());
         assert_eq!(ok.len(), 1, "{skipped:?}");
