@@ -380,7 +380,7 @@ pub enum McpCommand {
         #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
         tenant: String,
         /// Offer only this profile's tools (from the profiles file).
-        #[arg(id = "mcp_profile", long = "profile")]
+        #[arg(id = "mcp_profile", long = "profile", env = "TOOLFLEET_MCP_PROFILE")]
         profile: Option<String>,
         /// Serve MCP's streamable HTTP at `http://ADDR/mcp` instead of
         /// stdio (no authentication of its own: a loopback address, or

@@ -348,3 +348,104 @@ async fn a_changed_tool_list_is_served_without_a_restart() {
     // The new tool answers once the worker has served the new list.
     asked("now recall it", "Recalled: learned: beacon").await;
 }
+
+/// Cites what it found, after telling how far it got.
+struct Tidings;
+
+impl toolfleet_worker::Tool for Tidings {
+    type Args = serde_json::Value;
+    async fn call(
+        &self,
+        ctx: &toolfleet_worker::ToolCtx,
+        _args: serde_json::Value,
+    ) -> Result<toolfleet_worker::ToolOutput, toolfleet_worker::ToolError> {
+        ctx.progress("halfway through the tidings").await;
+        let cited = ctx
+            .cite(vec![toolfleet_worker::NewReference {
+                kind: "web".into(),
+                title: "Tidings page".into(),
+                source: None,
+                url: Some("https://example.com/tidings".into()),
+                snippet: Some("all is well".into()),
+            }])
+            .await?;
+        Ok(toolfleet_worker::ToolOutput::text(format!(
+            "all is well [doc:{}]",
+            cited[0].index
+        )))
+    }
+}
+
+/// Through `toolfleet mcp serve --profile`: only the profile's tools are
+/// listed, a tool's progress reaches the MCP client as progress
+/// notifications, and its references as resource links.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_serve_passes_progress_and_references_and_keeps_to_the_profile() {
+    let env = Env::start_with(
+        json!({ "rules": [] }),
+        Options {
+            workers: vec!["system"],
+            ..Options::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let path = support::renamed_definition(dir.path(), "testing", "tidings");
+    let worker = toolfleet_worker::Worker::builder("testing")
+        .definition_file(&path)
+        .tool("testing.tidings", Tidings)
+        .build()
+        .unwrap();
+    let _tidings = env.start_worker(worker).await;
+    let profiles = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &profiles,
+        format!(
+            "default_profile = \"default\"\n[deployments.d]\nbase_url = \"{}\"\nmodel = \"m\"\n\
+             [profiles.default]\ndeployment = \"d\"\n\
+             [profiles.news]\ndeployment = \"d\"\ntools = [\"testing:tidings\"]\n",
+            env.model.base_url()
+        ),
+    )
+    .unwrap();
+    let out = tokio::task::spawn_blocking({
+        let (url, profiles) = (env.nats.url(), profiles.clone());
+        move || {
+            std::process::Command::new("python3")
+                .arg(support::root().join("tests/mcp/fleet_client.py"))
+                .args([env!("CARGO_BIN_EXE_toolfleet"), "tidings", "{}"])
+                .env("TOOLFLEET_NATS_URL", url)
+                .env("TOOLFLEET_CONFIG", profiles)
+                .env("TOOLFLEET_MCP_PROFILE", "news")
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let seen: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    // The profile's one tool, not the system worker's.
+    assert_eq!(seen["tools"], json!(["tidings"]), "{seen}");
+    assert_eq!(seen["isError"], false, "{seen}");
+    assert_eq!(
+        seen["progress"],
+        json!(["halfway through the tidings"]),
+        "{seen}"
+    );
+    let content = seen["content"].as_array().unwrap();
+    assert!(
+        content[0]["text"]
+            .as_str()
+            .unwrap()
+            .starts_with("all is well"),
+        "{seen}"
+    );
+    let link = content
+        .iter()
+        .find(|c| c["type"] == "resource_link")
+        .unwrap_or_else(|| panic!("no resource link: {seen}"));
+    assert_eq!(link["uri"], "https://example.com/tidings");
+    assert_eq!(link["title"], "Tidings page");
+}
