@@ -146,14 +146,7 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
 /// a real tool job, an unknown one refused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_real_mcp_client_lists_and_calls_the_fleets_tools() {
-    let env = Env::start_with(
-        json!({ "rules": [] }),
-        Options {
-            workers: vec!["system"],
-            ..Options::default()
-        },
-    )
-    .await;
+    let env = Env::start_only(json!({ "rules": [] }), &["system"]).await;
     // Over stdio (the client starts `toolfleet mcp serve`), then over
     // streamable HTTP (a `toolfleet mcp serve --http` already running).
     check_client_saw(client(env!("CARGO_BIN_EXE_toolfleet"), &env.nats.url()).await);
@@ -381,14 +374,7 @@ impl toolfleet_worker::Tool for Tidings {
 /// notifications, and its references as resource links.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_serve_passes_progress_and_references_and_keeps_to_the_profile() {
-    let env = Env::start_with(
-        json!({ "rules": [] }),
-        Options {
-            workers: vec!["system"],
-            ..Options::default()
-        },
-    )
-    .await;
+    let env = Env::start_only(json!({ "rules": [] }), &["system"]).await;
     let dir = tempfile::tempdir().unwrap();
     let path = support::renamed_definition(dir.path(), "testing", "tidings");
     let worker = toolfleet_worker::Worker::builder("testing")

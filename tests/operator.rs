@@ -36,14 +36,7 @@ fn clock_script() -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_counts_jetstream_jobs_and_names_pools_nobody_serves() {
-    let env = Env::start_with(
-        clock_script(),
-        Options {
-            workers: vec!["system"],
-            ..Options::default()
-        },
-    )
-    .await;
+    let env = Env::start_only(clock_script(), &["system"]).await;
     let (job, out) = env.ask("What time is it?").await;
     out.unwrap_or_else(|e| panic!("{}: {e}", job.invocation_id));
 
@@ -176,14 +169,7 @@ async fn events_replays_a_finished_invocation_and_follows_a_running_one() {
             { "toolCalls": [ { "name": "gate", "arguments": {} } ] },
             { "answer": "Past the gate: {{tool:gate}}" }
         ] }));
-    let env = Env::start_with(
-        script,
-        Options {
-            workers: vec!["system"],
-            ..Options::default()
-        },
-    )
-    .await;
+    let env = Env::start_only(script, &["system"]).await;
     // A tool that answers only when the test opens the gate.
     let dir = tempfile::tempdir().unwrap();
     let path = support::renamed_definition(dir.path(), "testing", "gate");
@@ -405,14 +391,7 @@ async fn cancel_call_stops_one_tool_call_and_the_invocation_goes_on() {
 /// start (per tool once the fleet's tools are known).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_outcome_series_starts_at_zero() {
-    let env = Env::start_with(
-        clock_script(),
-        Options {
-            workers: vec!["system"],
-            ..Options::default()
-        },
-    )
-    .await;
+    let env = Env::start_only(clock_script(), &["system"]).await;
     let tool = "system:current_datetime@1.0.0";
     let wanted = [
         "toolfleet_chat_jobs_total{outcome=\"error\"} 0".to_string(),

@@ -79,10 +79,15 @@ impl Env {
 
     /// A fleet with no worker of its own (the test brings its own).
     pub async fn start_bare(script: serde_json::Value) -> Env {
+        Self::start_only(script, &[]).await
+    }
+
+    /// A fleet with only these worker families.
+    pub async fn start_only(script: serde_json::Value, workers: &[&'static str]) -> Env {
         Self::start_with(
             script,
             Options {
-                workers: vec![],
+                workers: workers.to_vec(),
                 ..Options::default()
             },
         )

@@ -333,8 +333,14 @@ pub async fn cancel(
     tenant: &str,
     invocation_id: &str,
 ) -> Result<(), ClientError> {
+    publish_flushed(client, subjects.chat_cancel(tenant, invocation_id)).await
+}
+
+/// Publishes an empty message to `subject` and waits until the server has
+/// it.
+async fn publish_flushed(client: &async_nats::Client, subject: String) -> Result<(), ClientError> {
     client
-        .publish(subjects.chat_cancel(tenant, invocation_id), Bytes::new())
+        .publish(subject, Bytes::new())
         .await
         .map_err(|e| ClientError::Nats(e.to_string()))?;
     client
@@ -358,17 +364,11 @@ pub async fn cancel_call(
     invocation_id: &str,
     call_id: &str,
 ) -> Result<(), ClientError> {
-    client
-        .publish(
-            subjects.chat_cancel_call(tenant, invocation_id, call_id),
-            Bytes::new(),
-        )
-        .await
-        .map_err(|e| ClientError::Nats(e.to_string()))?;
-    client
-        .flush()
-        .await
-        .map_err(|e| ClientError::Nats(e.to_string()))
+    publish_flushed(
+        client,
+        subjects.chat_cancel_call(tenant, invocation_id, call_id),
+    )
+    .await
 }
 
 /// Calls tool `tool` once, as a client of the fleet rather than a chat job

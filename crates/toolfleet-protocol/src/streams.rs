@@ -119,20 +119,38 @@ pub async fn ensure_history_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<stream::Stream, StreamError> {
-    let name = subjects.history_stream();
-    let subject = subjects.chat_history_all();
+    limits_stream(
+        js,
+        subjects.history_stream(),
+        subjects.chat_history_all(),
+        stream::Config {
+            max_messages_per_subject: HISTORY_PER_INVOCATION,
+            max_age: HISTORY_MAX_AGE,
+            max_bytes: HISTORY_MAX_BYTES,
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// Creates, if it does not exist, the limits stream `name` over `subject`
+/// (file storage, oldest out, the process's replicas) with `limits`'s age,
+/// size and per-subject caps, and checks what it found.
+async fn limits_stream(
+    js: &jetstream::Context,
+    name: String,
+    subject: String,
+    limits: stream::Config,
+) -> Result<stream::Stream, StreamError> {
     let stream = js
         .get_or_create_stream(stream::Config {
             name: name.clone(),
             subjects: vec![subject.clone()],
             retention: stream::RetentionPolicy::Limits,
             storage: stream::StorageType::File,
-            max_messages_per_subject: HISTORY_PER_INVOCATION,
-            max_age: HISTORY_MAX_AGE,
-            max_bytes: HISTORY_MAX_BYTES,
             discard: stream::DiscardPolicy::Old,
             num_replicas: default_replicas(),
-            ..Default::default()
+            ..limits
         })
         .await
         .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
@@ -155,25 +173,17 @@ pub async fn ensure_dead_letters_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<stream::Stream, StreamError> {
-    let name = subjects.dead_letters_stream();
-    let subject = subjects.dead_letters_all();
-    let stream = js
-        .get_or_create_stream(stream::Config {
-            name: name.clone(),
-            subjects: vec![subject.clone()],
-            retention: stream::RetentionPolicy::Limits,
-            storage: stream::StorageType::File,
+    limits_stream(
+        js,
+        subjects.dead_letters_stream(),
+        subjects.dead_letters_all(),
+        stream::Config {
             max_age: DEAD_LETTERS_MAX_AGE,
             max_bytes: DEAD_LETTERS_MAX_BYTES,
-            discard: stream::DiscardPolicy::Old,
-            num_replicas: default_replicas(),
             ..Default::default()
-        })
-        .await
-        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
-    check_subjects(stream.cached_info(), &subject)?;
-    check_replicas(stream.cached_info());
-    Ok(stream)
+        },
+    )
+    .await
 }
 
 /// Creates the tool-job stream if it does not exist.
