@@ -150,16 +150,28 @@ async fn both_tools_in_one_round_answer_with_citations() {
         assert!(ttl > 0 && ttl <= 600, "{k} has TTL {ttl}");
     }
 
-    // Every process serves toolfleet_* metrics.
-    let text = env.metrics_text().await;
-    for series in [
+    // Every process serves toolfleet_* metrics. The chat job is counted
+    // once it is acked, just after its client has the answer: read again
+    // until it is.
+    let wanted = [
         "toolfleet_chat_jobs_total{outcome=\"completed\"} 1",
         "toolfleet_tool_calls_total{status=\"ok\",tool=\"retrieval:search_data_sources@1.0.0\"} 1",
         "toolfleet_tool_jobs_total{outcome=\"ok\",tool=\"system:current_datetime@1.0.0\"} 1",
         "toolfleet_llm_requests_total{model=\"toolfleet-scripted\",outcome=\"ok\"} 2",
-    ] {
-        assert!(text.contains(series), "missing {series}\n{text}");
-    }
+    ];
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let text = loop {
+        let text = env.metrics_text().await;
+        let missing: Vec<&str> = wanted.into_iter().filter(|w| !text.contains(w)).collect();
+        if missing.is_empty() {
+            break text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "missing {missing:?}\n{text}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    };
     assert!(text.contains("toolfleet_citations_written_total"));
 }
 
