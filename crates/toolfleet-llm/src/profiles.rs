@@ -1108,6 +1108,22 @@ pub struct Profile {
     /// When set, the profile is also a tool (`agent:<name>@1.0.0`): calling
     /// it runs a nested chat job with this profile.
     pub agent: Option<AgentTool>,
+    /// Tools whose every call a person must approve under this profile,
+    /// besides those whose definition sets `requiresApproval` (same
+    /// patterns as [`tools`](Self::tools)).
+    pub require_approval: Vec<ToolRef>,
+    /// How long a parked invocation waits for its approvals before it ends
+    /// with `approval_timeout`, in ms.
+    pub approval_timeout_ms: u64,
+}
+
+/// Default of [`Profile::approval_timeout_ms`]: one hour.
+pub const DEFAULT_APPROVAL_TIMEOUT_MS: u64 = 3_600_000;
+/// The longest [`Profile::approval_timeout_ms`] a file may set: a week.
+pub const MAX_APPROVAL_TIMEOUT_MS: u64 = 7 * 24 * 3_600_000;
+
+fn default_approval_timeout_ms() -> u64 {
+    DEFAULT_APPROVAL_TIMEOUT_MS
 }
 
 /// A profile exposed as a tool.
@@ -1164,6 +1180,10 @@ struct RawProfile {
     tools: Vec<ToolRef>,
     #[serde(default)]
     agent: Option<AgentTool>,
+    #[serde(default)]
+    require_approval: Vec<ToolRef>,
+    #[serde(default = "default_approval_timeout_ms")]
+    approval_timeout_ms: u64,
 }
 
 fn default_orchestrator() -> String {
@@ -1198,6 +1218,8 @@ impl TryFrom<RawProfile> for Profile {
             rag: raw.rag,
             tools: raw.tools,
             agent: raw.agent,
+            require_approval: raw.require_approval,
+            approval_timeout_ms: raw.approval_timeout_ms,
         })
     }
 }
@@ -1219,7 +1241,15 @@ impl Profile {
             rag: RagPolicy::default(),
             tools: default_profile_tools(),
             agent: None,
+            require_approval: Vec::new(),
+            approval_timeout_ms: DEFAULT_APPROVAL_TIMEOUT_MS,
         }
+    }
+
+    /// Whether this profile requires a person's approval before `tool`
+    /// runs (its own list, or the definition's `requiresApproval`).
+    pub fn requires_approval(&self, tool: &toolfleet_protocol::tools::ToolDefinition) -> bool {
+        tool.requires_approval || self.require_approval.iter().any(|r| r.matches(&tool.id))
     }
 
     fn validate(&self, at: &str) -> Result<(), (String, String)> {
@@ -1232,6 +1262,15 @@ impl Profile {
             return Err((
                 format!("{at}.temperature"),
                 format!("must be between 0.0 and 2.0, not {t}"),
+            ));
+        }
+        if !(1_000..=MAX_APPROVAL_TIMEOUT_MS).contains(&self.approval_timeout_ms) {
+            return Err((
+                format!("{at}.approval_timeout_ms"),
+                format!(
+                    "must be between 1000 (a second) and {MAX_APPROVAL_TIMEOUT_MS} (a week), not {}",
+                    self.approval_timeout_ms
+                ),
             ));
         }
         for (key, value) in [

@@ -29,7 +29,7 @@ pub struct Events {
     /// Boxed: the channel allocates a block of slots up front, and an
     /// invocation waiting on its model should not hold 32 whole events.
     tx: mpsc::UnboundedSender<Box<ChatEventBody>>,
-    task: tokio::task::JoinHandle<Option<bytes::Bytes>>,
+    task: tokio::task::JoinHandle<(Option<bytes::Bytes>, u64)>,
 }
 
 impl Events {
@@ -43,6 +43,18 @@ impl Events {
         tenant: &str,
         invocation_id: &str,
     ) -> Self {
+        Self::start_at(client, subjects, tenant, invocation_id, 0)
+    }
+
+    /// [`start`](Self::start), numbering from `first_seq` (a parked
+    /// invocation's events go on where they stopped).
+    pub(crate) fn start_at(
+        client: async_nats::Client,
+        subjects: &toolfleet_protocol::Subjects,
+        tenant: &str,
+        invocation_id: &str,
+        first_seq: u64,
+    ) -> Self {
         let subject = subjects.chat_events(tenant, invocation_id);
         let history = subjects.chat_history(tenant, invocation_id);
         let invocation_id = invocation_id.to_string();
@@ -55,7 +67,7 @@ impl Events {
                     .load(std::sync::atomic::Ordering::Relaxed)
             };
             let connected = connects();
-            let mut seq = 0;
+            let mut seq = first_seq;
             let mut terminal = None;
             while let Some(body) = rx.recv().await {
                 let body = *body;
@@ -86,7 +98,7 @@ impl Events {
                 connects() != connected
             }))
             .await;
-            terminal
+            (terminal, seq)
         });
         Self { tx, task }
     }
@@ -114,8 +126,14 @@ impl Events {
     /// Waits until every event sent so far is published; returns the
     /// terminal event as published, if one was sent.
     pub(crate) async fn close(self) -> Option<bytes::Bytes> {
+        self.close_counted().await.0
+    }
+
+    /// [`close`](Self::close), also returning the `seq` the next event
+    /// would have had.
+    pub(crate) async fn close_counted(self) -> (Option<bytes::Bytes>, u64) {
         drop(self.tx);
-        self.task.await.ok().flatten()
+        self.task.await.unwrap_or((None, 0))
     }
 }
 

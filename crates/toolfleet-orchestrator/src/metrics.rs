@@ -6,7 +6,25 @@ use prometheus::{
 use toolfleet_service::metrics::{LATENCY_BUCKETS, counter, histogram};
 
 /// Every `outcome` of `toolfleet_chat_jobs_total`.
-pub const CHAT_OUTCOMES: [&str; 5] = ["completed", "error", "malformed", "duplicate", "superseded"];
+/// `parked`: a run that ended waiting for a person's approval (its
+/// invocation goes on later, as another run).
+pub const CHAT_OUTCOMES: [&str; 6] = [
+    "completed",
+    "error",
+    "malformed",
+    "duplicate",
+    "superseded",
+    "parked",
+];
+
+/// Every `code` of `toolfleet_approval_requests_refused_total`.
+pub const APPROVAL_REFUSALS: [&str; 5] = [
+    "malformed_approval",
+    "unknown_invocation",
+    "unknown_call",
+    "already_decided",
+    "unavailable",
+];
 
 /// Every `status` of `toolfleet_tool_calls_total` a worker's answer (or the
 /// orchestrator's own) gives.
@@ -68,6 +86,15 @@ pub struct OrchestratorMetrics {
     pub tool_jobs_pending_ack: prometheus::IntGaugeVec,
     /// Live worker processes serving each `tool` (from the catalog).
     pub tool_live_workers: prometheus::IntGaugeVec,
+    /// Parked calls decided, by `outcome`: approved | denied | timeout.
+    pub approvals: IntCounterVec,
+    /// From `approval_requested` to the decision, by `outcome`.
+    pub approval_wait: HistogramVec,
+    /// Approval requests answered with an error, by `code`.
+    pub approvals_refused: IntCounterVec,
+    /// Invocations parked fleet-wide, as this orchestrator last saw the
+    /// parked bucket (every orchestrator reports the same count).
+    pub approvals_parked: IntGauge,
 }
 
 impl OrchestratorMetrics {
@@ -174,7 +201,55 @@ impl OrchestratorMetrics {
         for o in CHAT_OUTCOMES {
             chat_jobs.with_label_values(&[o]);
         }
+        let approvals = counter(
+            r,
+            "toolfleet_approvals_total",
+            "Tool calls that waited for a person's approval, by outcome.",
+            &["outcome"],
+        )?;
+        let approval_wait = HistogramVec::new(
+            HistogramOpts::new(
+                "toolfleet_approval_wait_seconds",
+                "Time from approval_requested to the decision, by outcome.",
+            )
+            .buckets(vec![
+                1.0,
+                5.0,
+                15.0,
+                60.0,
+                300.0,
+                900.0,
+                3600.0,
+                4.0 * 3600.0,
+                86_400.0,
+                604_800.0,
+            ]),
+            &["outcome"],
+        )?;
+        r.register(Box::new(approval_wait.clone()))?;
+        for o in toolfleet_protocol::ApprovalOutcome::ALL {
+            approvals.with_label_values(&[o.as_str()]);
+            approval_wait.with_label_values(&[o.as_str()]);
+        }
+        let approvals_refused = counter(
+            r,
+            "toolfleet_approval_requests_refused_total",
+            "Approval requests answered with an error, by code.",
+            &["code"],
+        )?;
+        for c in APPROVAL_REFUSALS {
+            approvals_refused.with_label_values(&[c]);
+        }
+        let approvals_parked = IntGauge::new(
+            "toolfleet_approvals_parked",
+            "Invocations parked waiting for approvals, fleet-wide (every orchestrator reports the same count).",
+        )?;
+        r.register(Box::new(approvals_parked.clone()))?;
         Ok(Self {
+            approvals,
+            approval_wait,
+            approvals_refused,
+            approvals_parked,
             tool_backlog,
             tool_jobs_pending_ack,
             tool_live_workers,

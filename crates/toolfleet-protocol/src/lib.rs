@@ -20,6 +20,7 @@
 //! - [`client`]: submitting a chat job and following its events.
 //! - [`redact`]: credentials out of URLs before they reach a message.
 
+pub mod approval;
 pub mod blob;
 pub mod catalog;
 pub mod client;
@@ -33,6 +34,7 @@ pub mod tools;
 pub mod usage;
 pub mod wire;
 
+pub use approval::{Approval, ApprovalOutcome};
 pub use redact::redact_url;
 pub use tools::{ToolId, ToolSpec};
 pub use usage::Usage;

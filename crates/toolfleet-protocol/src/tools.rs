@@ -430,6 +430,11 @@ pub struct ToolDefinition {
     /// a job delivered again (its ack was lost) simply runs again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub idempotent: bool,
+    /// A person must approve each call before it runs: the orchestrator
+    /// parks the invocation (`approval_requested`) until an approval, a
+    /// denial or the profile's approval timeout.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub requires_approval: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_preference: Option<ModelPreference>,
     /// In `0..=1`: relevance from which scoping recommends the tool.

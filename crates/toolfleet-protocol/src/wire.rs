@@ -236,6 +236,51 @@ impl Subjects {
         (valid_tenant(tenant) && valid_invocation_id(id)).then_some((tenant, id))
     }
 
+    /// Where a person's approval or denial of a parked call of an
+    /// invocation of `tenant` is sent: a core NATS request with an
+    /// [`Approval`](crate::approval::Approval) body, answered with an
+    /// [`ApprovalReply`](crate::approval::ApprovalReply). NATS permissions
+    /// on it decide who may approve for a tenant.
+    pub fn chat_approve(&self, tenant: &str, invocation_id: &str) -> String {
+        format!("{}.chat.approve.{tenant}.{invocation_id}", self.prefix)
+    }
+
+    /// Every approval subject (what orchestrators answer, as one queue
+    /// group).
+    pub fn chat_approve_all(&self) -> String {
+        format!("{}.chat.approve.*.*", self.prefix)
+    }
+
+    /// The `(tenant, invocation id)` an approval subject names, when both
+    /// are valid.
+    pub fn parse_approve<'a>(&self, subject: &'a str) -> Option<(&'a str, &'a str)> {
+        let (tenant, id) = self.after(subject, ".chat.approve.")?.split_once('.')?;
+        (valid_tenant(tenant) && valid_invocation_id(id)).then_some((tenant, id))
+    }
+
+    /// Where orchestrators record decisions on parked invocations of
+    /// `tenant` (approvals, denials, timeouts, cancels) in the decisions
+    /// stream; the orchestrator that takes the last one resumes the
+    /// invocation. Only orchestrators publish here.
+    pub fn chat_decision(&self, tenant: &str) -> String {
+        format!("{}.chat.decision.{tenant}", self.prefix)
+    }
+
+    /// Every tenant's decision subject (the decisions stream's subject).
+    pub fn chat_decision_all(&self) -> String {
+        format!("{}.chat.decision.*", self.prefix)
+    }
+
+    /// The work-queue stream of decisions on parked invocations.
+    pub fn decisions_stream(&self) -> String {
+        format!("{}_DECISIONS", self.stream_stem())
+    }
+
+    /// The key-value bucket of parked invocations (key: invocation id).
+    pub fn parked_bucket(&self) -> String {
+        format!("{}_PARKED", self.stream_stem())
+    }
+
     /// What follows `<p><infix>` in `subject`.
     fn after<'a>(&self, subject: &'a str, infix: &str) -> Option<&'a str> {
         subject
@@ -942,6 +987,33 @@ pub enum ChatEventBody {
         /// Messages the summary replaced.
         messages: u64,
     },
+    /// The model called a tool that needs a person's approval: the
+    /// invocation is parked until every such call of the turn is decided
+    /// on `subject`, or `expires_at_ms` passes.
+    #[serde(rename_all = "camelCase")]
+    ApprovalRequested {
+        call_id: String,
+        tool: String,
+        /// As in `tool_call`: `sensitiveArguments` redacted.
+        arguments: Value,
+        /// Unix ms after which the invocation ends with `approval_timeout`.
+        expires_at_ms: u64,
+        /// Where the decision is sent (a core NATS request with an
+        /// [`Approval`](crate::Approval) body).
+        subject: String,
+    },
+    /// A parked call was decided.
+    #[serde(rename_all = "camelCase")]
+    ApprovalResolved {
+        call_id: String,
+        tool: String,
+        decision: crate::approval::ApprovalOutcome,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        approver: Option<String>,
+        waited_ms: u64,
+    },
     #[serde(rename_all = "camelCase")]
     Completed {
         text: String,
@@ -980,6 +1052,8 @@ impl ChatEventBody {
             ChatEventBody::Scoping { .. } => "scoping",
             ChatEventBody::Fallback { .. } => "fallback",
             ChatEventBody::Compacted { .. } => "compacted",
+            ChatEventBody::ApprovalRequested { .. } => "approval_requested",
+            ChatEventBody::ApprovalResolved { .. } => "approval_resolved",
             ChatEventBody::Completed { .. } => "completed",
             ChatEventBody::Error { .. } => "error",
         }
