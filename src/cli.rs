@@ -97,6 +97,35 @@ pub enum Command {
         #[command(flatten)]
         nats: NatsArgs,
     },
+    /// Approve (or with `--deny`, deny) a tool call that waits for a
+    /// person: the `callId` of an `approval_requested` event (shown by
+    /// `toolfleet chat` and `toolfleet events`). The parked invocation
+    /// resumes on any orchestrator once every held call of its turn is
+    /// decided. Exit 0 when the decision is recorded; 1 when it is refused
+    /// (unknown invocation or call, already decided) or nobody answers.
+    Approve {
+        /// The invocation id.
+        invocation_id: String,
+        /// The held call's id.
+        call_id: String,
+        /// Deny the call; the model reads the reason.
+        #[arg(long, value_name = "REASON")]
+        deny: Option<String>,
+        /// Why it is approved (recorded in the `approval_resolved` event).
+        #[arg(long, conflicts_with = "deny")]
+        reason: Option<String>,
+        /// Who decides, as recorded in the event and the log.
+        #[arg(long, env = "TOOLFLEET_APPROVER")]
+        approver: Option<String>,
+        /// The invocation's tenant.
+        #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
+        tenant: String,
+        /// Seconds to wait for an orchestrator's answer.
+        #[arg(long, default_value_t = 5)]
+        wait: u64,
+        #[command(flatten)]
+        nats: NatsArgs,
+    },
     /// The fleet at a glance: every worker instance (from `$SRV.INFO` and
     /// `$SRV.STATS`), every tool with its instances, backlog, jobs in
     /// flight, jobs run and errors (JetStream and direct) and its newest
@@ -606,6 +635,35 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Blob { command } => blob(command).await,
         Command::Health { url, timeout_ms } => health(&url, timeout_ms).await,
         Command::Deadletters { command } => deadletters(command).await,
+        Command::Approve {
+            invocation_id,
+            call_id,
+            deny,
+            reason,
+            approver,
+            tenant,
+            wait,
+            nats,
+        } => {
+            let approval = toolfleet_protocol::Approval {
+                call_id,
+                decision: if deny.is_some() {
+                    toolfleet_protocol::approval::ApprovalDecision::Deny
+                } else {
+                    toolfleet_protocol::approval::ApprovalDecision::Approve
+                },
+                reason: deny.or(reason),
+                approver,
+            };
+            crate::ops::approve(
+                &invocation_id,
+                &approval,
+                &tenant,
+                Duration::from_secs(wait),
+                &nats,
+            )
+            .await
+        }
         Command::Cancel {
             invocation_id,
             call_id,
@@ -783,6 +841,22 @@ impl Progress {
                     .map(|c| format!(" ({c})"))
                     .unwrap_or_default();
                 eprintln!("  ← {tool}: {}{code} in {duration_ms} ms", status.as_str());
+            }
+            ChatEventBody::ApprovalRequested {
+                call_id,
+                tool,
+                arguments,
+                ..
+            } => {
+                self.clear();
+                eprintln!(
+                    "  ⏸ {tool} {arguments} waits for approval:\n      toolfleet approve {} {call_id}   (or --deny REASON)",
+                    event.invocation_id
+                );
+            }
+            ChatEventBody::ApprovalResolved { tool, decision, .. } => {
+                self.clear();
+                eprintln!("  ▶ {tool}: {}", decision.as_str());
             }
             _ => {}
         }

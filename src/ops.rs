@@ -398,3 +398,69 @@ impl EventPrinter {
         terminal
     }
 }
+
+/// `toolfleet approve`: sends `approval` for a held call of
+/// `invocation_id` and prints the orchestrator's answer.
+pub(crate) async fn approve(
+    invocation_id: &str,
+    approval: &toolfleet_protocol::Approval,
+    tenant: &str,
+    wait: Duration,
+    nats: &NatsArgs,
+) -> anyhow::Result<i32> {
+    if !toolfleet_protocol::valid_tenant(tenant) {
+        eprintln!("toolfleet approve: --tenant {tenant:?} is not 1-64 of [A-Za-z0-9_-]");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    if !toolfleet_protocol::valid_invocation_id(invocation_id) {
+        eprintln!("toolfleet approve: {invocation_id:?} is not an invocation id");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    let body = serde_json::to_vec(approval)?;
+    // Checked here as the orchestrator will check it: a clear error
+    // without a round trip.
+    if let Err(e) = toolfleet_protocol::Approval::decode(&body) {
+        eprintln!("toolfleet approve: {e}");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    let subjects = nats.subjects()?;
+    let client = nats.connect("toolfleet-approve").await?;
+    let subject = subjects.chat_approve(tenant, invocation_id);
+    let reply = match tokio::time::timeout(wait, client.request(subject, body.into())).await {
+        Err(_) => {
+            eprintln!(
+                "toolfleet approve: no answer within {} s (is an orchestrator running?); nothing was recorded",
+                wait.as_secs()
+            );
+            return Ok(1);
+        }
+        Ok(Err(e)) if e.kind() == async_nats::RequestErrorKind::NoResponders => {
+            eprintln!(
+                "toolfleet approve: no orchestrator is running (or this identity may not approve for tenant {tenant}); nothing was recorded"
+            );
+            return Ok(1);
+        }
+        Ok(Err(e)) => anyhow::bail!("approval request: {e}"),
+        Ok(Ok(msg)) => msg,
+    };
+    let reply: toolfleet_protocol::approval::ApprovalReply = serde_json::from_slice(&reply.payload)
+        .map_err(|e| anyhow::anyhow!("the orchestrator's answer cannot be read: {e}"))?;
+    if reply.ok {
+        let what = match approval.decision {
+            toolfleet_protocol::approval::ApprovalDecision::Approve => "approved",
+            toolfleet_protocol::approval::ApprovalDecision::Deny => "denied",
+        };
+        println!(
+            "{} {what}; {invocation_id} resumes once every held call of its turn is decided",
+            approval.call_id
+        );
+        Ok(0)
+    } else {
+        eprintln!(
+            "toolfleet approve: refused ({}): {}",
+            reply.code.as_deref().unwrap_or("error"),
+            reply.error.as_deref().unwrap_or("")
+        );
+        Ok(1)
+    }
+}

@@ -10,7 +10,7 @@ use futures::{FutureExt, StreamExt};
 use serde_json::{Value, json};
 use toolfleet_llm::ToolCall;
 use toolfleet_orchestrator::dispatch::new_call_id;
-use toolfleet_orchestrator::{Answer, Events, Failure, Fleet, Invocation, Orchestrator};
+use toolfleet_orchestrator::{Answer, Ending, Events, Failure, Fleet, Invocation, Orchestrator};
 use toolfleet_protocol::{ChatEvent, ChatEventBody, Envelope, MAX_JOB_BYTES, ToolStatus};
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
@@ -112,7 +112,7 @@ impl Orchestrator for Echo {
         inv: &'a mut Invocation,
         _fleet: &'a Fleet,
         events: &'a Events,
-    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+    ) -> BoxFuture<'a, Result<Ending, Failure>> {
         async move {
             let question = inv.job.messages.last().map(|m| m.content.clone());
             let Some(question) = question else {
@@ -124,7 +124,8 @@ impl Orchestrator for Echo {
             Ok(Answer {
                 text: format!("echo: {question}"),
                 rounds: 0,
-            })
+            }
+            .into())
         }
         .boxed()
     }
@@ -140,7 +141,7 @@ impl Orchestrator for Clock {
         inv: &'a mut Invocation,
         fleet: &'a Fleet,
         events: &'a Events,
-    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+    ) -> BoxFuture<'a, Result<Ending, Failure>> {
         async move {
             let mut tools = fleet.tool_runner().await?;
             let call = ToolCall {
@@ -153,7 +154,8 @@ impl Orchestrator for Clock {
                 Some(o) if o.status == ToolStatus::Ok => Ok(Answer {
                     text: format!("The clock says {}", o.content),
                     rounds: 0,
-                }),
+                }
+                .into()),
                 other => Err(Failure::new("clock_failed", format!("{other:?}"))),
             }
         }
@@ -653,7 +655,7 @@ impl Orchestrator for Usurped {
         inv: &'a mut Invocation,
         _fleet: &'a Fleet,
         _events: &'a Events,
-    ) -> BoxFuture<'a, Result<Answer, Failure>> {
+    ) -> BoxFuture<'a, Result<Ending, Failure>> {
         async move {
             if !USURPED_ONCE.swap(true, std::sync::atomic::Ordering::SeqCst) {
                 let url = USURPED_REDIS.get().expect("the test's Redis");
@@ -667,7 +669,8 @@ impl Orchestrator for Usurped {
             Ok(Answer {
                 text: "done".into(),
                 rounds: 0,
-            })
+            }
+            .into())
         }
         .boxed()
     }

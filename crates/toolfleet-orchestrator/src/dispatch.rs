@@ -44,7 +44,7 @@ use crate::replies::RunInbox;
 use crate::{Events, Failure, Fleet, Invocation};
 
 /// What a tool call came to.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ToolOutcome {
     /// What the model reads.
     pub content: String,
@@ -800,7 +800,27 @@ pub(crate) fn immediate(
     code: &str,
     content: String,
 ) -> ToolOutcome {
-    let status = ToolStatus::Error;
+    immediate_with(
+        metrics,
+        events,
+        call,
+        tool,
+        ToolStatus::Error,
+        code,
+        content,
+    )
+}
+
+/// [`immediate`] with another status (a denied approval is `blocked`).
+pub(crate) fn immediate_with(
+    metrics: &OrchestratorMetrics,
+    events: &Events,
+    call: &ToolCall,
+    tool: &str,
+    status: ToolStatus,
+    code: &str,
+    content: String,
+) -> ToolOutcome {
     // Bounded label: a tool name the model made up is "unknown" (only
     // catalog tools are named by their id here).
     let known = tool.parse::<toolfleet_protocol::tools::ToolId>().is_ok();

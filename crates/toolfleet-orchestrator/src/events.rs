@@ -29,6 +29,9 @@ pub struct Events {
     /// Boxed: the channel allocates a block of slots up front, and an
     /// invocation waiting on its model should not hold 32 whole events.
     tx: mpsc::UnboundedSender<Box<ChatEventBody>>,
+    /// The `seq` the next event sent gets (the task numbers events in the
+    /// order they are sent).
+    next_seq: std::sync::atomic::AtomicU64,
     task: tokio::task::JoinHandle<(Option<bytes::Bytes>, u64)>,
 }
 
@@ -100,7 +103,11 @@ impl Events {
             .await;
             (terminal, seq)
         });
-        Self { tx, task }
+        Self {
+            tx,
+            next_seq: std::sync::atomic::AtomicU64::new(first_seq),
+            task,
+        }
     }
 
     /// Queues an event; it is published after every event sent before it.
@@ -115,12 +122,24 @@ impl Events {
             );
             return;
         }
-        let _ = self.tx.send(Box::new(body));
+        self.queue(body);
     }
 
     /// Queues the invocation's one terminal event.
     pub(crate) fn finish(&self, body: ChatEventBody) {
-        let _ = self.tx.send(Box::new(body));
+        self.queue(body);
+    }
+
+    fn queue(&self, body: ChatEventBody) {
+        if self.tx.send(Box::new(body)).is_ok() {
+            self.next_seq
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    /// The `seq` the next event sent will get.
+    pub(crate) fn next_seq(&self) -> u64 {
+        self.next_seq.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Waits until every event sent so far is published; returns the

@@ -51,6 +51,8 @@ pub struct Fleet {
     tools: std::sync::Mutex<Option<Arc<crate::scope::ToolSnapshot>>>,
     /// Held while a snapshot is built.
     building: std::sync::Mutex<()>,
+    /// The parked bucket.
+    pub(crate) approvals: crate::approvals::Approvals,
 }
 
 impl Fleet {
@@ -62,6 +64,7 @@ impl Fleet {
         config: OrchestratorConfig,
         replies: Arc<Replies>,
         agents: crate::agents::AgentSource,
+        approvals: crate::approvals::Approvals,
     ) -> Self {
         let heartbeat = toolfleet_service::jobs::Heartbeat::start(
             client.clone(),
@@ -84,6 +87,7 @@ impl Fleet {
             agents,
             tools: std::sync::Mutex::new(None),
             building: std::sync::Mutex::new(()),
+            approvals,
         }
     }
 

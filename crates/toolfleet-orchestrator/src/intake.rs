@@ -29,14 +29,14 @@ use toolfleet_service::telemetry;
 use toolfleet_store::Lease;
 use tracing::{Instrument, info, warn};
 
-use crate::orchestrator::invoke;
+use crate::orchestrator::{Finished, invoke};
 use crate::{Events, Failure, Fleet, OrchestratorError};
 
 /// Ack wait of the chat consumer: how long the jobs of an orchestrator
 /// that died (crash, SIGKILL, lost host) wait before another takes them.
 /// Short, because running jobs prove they are alive with in-progress acks
 /// (a heartbeat, as Temporal's activity heartbeat timeout) at a third of it.
-const CHAT_ACK_WAIT: Duration = Duration::from_secs(10);
+pub(crate) const CHAT_ACK_WAIT: Duration = Duration::from_secs(10);
 pub(crate) const CHAT_PROGRESS_EVERY: Duration = Duration::from_secs(3);
 /// How long a run's lease on its invocation lasts unless renewed: shorter
 /// than the ack wait, so a crashed orchestrator's lease has lapsed by the
@@ -139,6 +139,8 @@ pub(crate) async fn listen_for_cancels(
             warn!(invocation_id = id, error = %e, "cancel not remembered (the store is unavailable); only a running invocation is cancelled");
         }
         fleet.cancel(id, tenant);
+        // Parked: no run holds it; a cancel decision ends it.
+        crate::approvals::cancel_parked(&fleet, id, tenant).await;
     }
 }
 
@@ -408,9 +410,132 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         span.record("trace_id", id);
     }
     job.traceparent = Some(traceparent);
-    run(fleet, msg, job, delivery, holder, started)
+    let leg = Leg::Fresh {
+        agent_depth: crate::agents::depth_of(msg.headers.as_ref()),
+    };
+    run(fleet, msg, job, leg, delivery, holder, started)
         .instrument(span)
         .await
+}
+
+/// Where a run of an invocation starts.
+enum Leg {
+    /// From the chat job (its first delivery, or a redelivery).
+    Fresh { agent_depth: u32 },
+    /// From its parked record, every held call decided.
+    Resume(Box<crate::approvals::Parked>),
+}
+
+/// Resumes a parked invocation whose held calls are all decided, holding
+/// the decision message `msg` that decided the last one as a run holds
+/// its chat job: claimed under the chat job's claim, leased, kept alive
+/// with in-progress acks, acked after its terminal event (or its next
+/// park).
+pub(crate) async fn resume(
+    fleet: &Arc<Fleet>,
+    msg: jetstream::Message,
+    parked: crate::approvals::Parked,
+) {
+    let started = Instant::now();
+    let delivery = Delivery::of(&msg);
+    let holder = uuid::Uuid::new_v4().simple().to_string();
+    let id = parked.job.invocation_id.clone();
+    let claimed = {
+        let _alive = fleet.heartbeat.hold(&msg);
+        let mut claimed = claim_as(fleet, &id, &parked.owner, &holder).await;
+        let until = Instant::now() + CLAIM_PATIENCE;
+        let held_until =
+            toolfleet_protocol::now_ms() + parked.remaining_ms + LEASE_TTL.as_millis() as u64;
+        while match claimed {
+            Claimed::Unknown(_) => Instant::now() < until,
+            Claimed::Held(_) => toolfleet_protocol::now_ms() < held_until,
+            _ => false,
+        } {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            claimed = claim_as(fleet, &id, &parked.owner, &holder).await;
+        }
+        claimed
+    };
+    match claimed {
+        Claimed::Ours => {}
+        Claimed::Finished | Claimed::Other(_) => {
+            // Ended before (this decision's ack was lost), or the id was
+            // taken by another job: nothing to resume.
+            fleet.forget_parked(&id).await;
+            ack(&msg).await;
+            return;
+        }
+        Claimed::Unknown(e) => {
+            warn!(invocation_id = %id, error = %e, "cannot claim the parked invocation (the store is unavailable); the decision will be delivered again");
+            let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
+            return;
+        }
+        Claimed::Held(left) => {
+            let _ = msg
+                .ack_with(AckKind::Nak(Some(left.max(CLAIM_RETRY_DELAY))))
+                .await;
+            return;
+        }
+    }
+    let span = tracing::info_span!(
+        "chat_job",
+        otel.name = "invoke_agent toolfleet",
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "invoke_agent",
+        gen_ai.agent.name = "toolfleet",
+        gen_ai.conversation.id = %id,
+        invocation_id = %id,
+        tenant = %parked.tenant,
+        attempt = delivery.attempt,
+        resumed = true,
+        trace_id = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    );
+    let traceparent = parked.job.traceparent.clone();
+    telemetry::set_parent(&span, traceparent.as_deref());
+    if let Some(tid) = traceparent.as_deref().and_then(telemetry::trace_id) {
+        span.record("trace_id", tid);
+    }
+    let job = parked.job.clone();
+    if delivery.attempt > MAX_CHAT_ATTEMPTS {
+        // Resumed that often without finishing: end it rather than try
+        // forever.
+        let events = Events::start_at(
+            fleet.client.clone(),
+            &fleet.config.subjects,
+            &parked.tenant,
+            &id,
+            parked.next_seq,
+        );
+        events.finish(ChatEventBody::Error {
+            code: "too_many_attempts".into(),
+            message: format!(
+                "the resumed invocation was delivered {} times without finishing (an orchestrator stopped while running it each time)",
+                delivery.attempt
+            ),
+        });
+        if let Some(terminal) = events.close().await
+            && let Err(e) = fleet.store.finish(&id, &parked.owner, &terminal).await
+        {
+            warn!(invocation_id = %id, error = %e, "cannot mark the invocation finished");
+        }
+        fleet.forget_parked(&id).await;
+        fleet.metrics.chat_jobs.with_label_values(&["error"]).inc();
+        let _ = msg.ack_with(AckKind::Term).await;
+        return;
+    }
+    run(
+        fleet,
+        msg,
+        job,
+        Leg::Resume(Box::new(parked)),
+        delivery,
+        holder,
+        started,
+    )
+    .instrument(span)
+    .await
 }
 
 /// Why [`keep_lease`] stopped a run.
@@ -490,8 +615,12 @@ enum Claimed {
 /// redelivery while the earlier run is alive (renewing its lease, its acks
 /// cut off) is [`Claimed::Held`], not a second run.
 async fn claim(fleet: &Fleet, invocation_id: &str, delivery: Delivery, holder: &str) -> Claimed {
-    let owner = owner(delivery);
-    match fleet.store.claim(invocation_id, &owner).await {
+    claim_as(fleet, invocation_id, &owner(delivery), holder).await
+}
+
+/// [`claim`] under the claim owner `owner`.
+async fn claim_as(fleet: &Fleet, invocation_id: &str, owner: &str, holder: &str) -> Claimed {
+    match fleet.store.claim(invocation_id, owner).await {
         Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => {
             match fleet.store.lease(invocation_id, holder, LEASE_TTL).await {
                 Ok(Lease::Held) => Claimed::Ours,
@@ -530,10 +659,12 @@ async fn ack(msg: &jetstream::Message) {
 }
 
 /// Runs a decoded job to its terminal event, then acks it.
+#[allow(clippy::too_many_lines)]
 async fn run(
     fleet: &Arc<Fleet>,
     msg: jetstream::Message,
     job: ChatJob,
+    leg: Leg,
     delivery: Delivery,
     holder: String,
     started: Instant,
@@ -543,15 +674,39 @@ async fn run(
     let id = job.invocation_id.clone();
     let tenant = job.tenant().to_string();
     let (run, cancel) = fleet.register_run(&id, &tenant);
-    let events = Events::start(fleet.client.clone(), &fleet.config.subjects, &tenant, &id);
+    let (first_seq, owner) = match &leg {
+        Leg::Fresh { .. } => (0, owner(delivery)),
+        Leg::Resume(p) => (p.next_seq, p.owner.clone()),
+    };
+    let events = Events::start_at(
+        fleet.client.clone(),
+        &fleet.config.subjects,
+        &tenant,
+        &id,
+        first_seq,
+    );
     let keep_alive = fleet.heartbeat.hold(&msg);
-    let agent_depth = crate::agents::depth_of(msg.headers.as_ref());
 
     let now = toolfleet_protocol::now_ms();
-    let (deadline_ms, timeout) = invocation_deadline(fleet, &job, delivery, now);
+    let (deadline_ms, timeout) = match &leg {
+        Leg::Fresh { .. } => invocation_deadline(fleet, &job, delivery, now),
+        // The wait for a person did not count: what was left then.
+        Leg::Resume(p) => (now + p.remaining_ms, Duration::from_millis(p.remaining_ms)),
+    };
+    let resumed = matches!(leg, Leg::Resume(_));
     let left = Duration::from_millis(deadline_ms.saturating_sub(now));
     let cancel_check = crate::context::CancelCheck::default();
     let cancelled_early = cancelled_before_start(fleet, &id, &tenant, &cancel_check).await;
+    let invocation = async {
+        match leg {
+            Leg::Fresh { agent_depth } => {
+                invoke(fleet, job, deadline_ms, agent_depth, &events, &cancel_check).await
+            }
+            Leg::Resume(parked) => {
+                crate::approvals::resume(fleet, *parked, deadline_ms, &events, &cancel_check).await
+            }
+        }
+    };
     let superseded = |events: Events| {
         let id = &id;
         async move {
@@ -578,7 +733,7 @@ async fn run(
         },
         // A bug must end the invocation with an error event, not leave it
         // silent.
-        r = std::panic::AssertUnwindSafe(invoke(fleet, job, deadline_ms, agent_depth, &events, &cancel_check)).catch_unwind(), if !left.is_zero() && !cancelled_early => {
+        r = std::panic::AssertUnwindSafe(invocation).catch_unwind(), if !left.is_zero() && !cancelled_early => {
             r.unwrap_or_else(|_| Err(Failure::new("internal_error", "the orchestrator failed unexpectedly; see its log")))
         }
         _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),
@@ -594,6 +749,49 @@ async fn run(
         superseded(events).await;
         return;
     }
+    let outcome = match outcome {
+        Ok(Finished::Parked(mut parked)) => {
+            parked.owner = owner.clone();
+            parked.remaining_ms = deadline_ms.saturating_sub(toolfleet_protocol::now_ms());
+            let requests = parked.requests(fleet);
+            parked.next_seq = events.next_seq() + requests.len() as u64;
+            match fleet.keep_parked(&parked).await {
+                Ok(()) => {
+                    for request in requests {
+                        events.send(request);
+                    }
+                    events.close().await;
+                    if let Err(e) = fleet.store.release_lease(&id, &holder).await {
+                        warn!(invocation_id = %id, error = %e, "cannot give up the parked run's lease; its resumption waits for it to lapse");
+                    }
+                    drop(keep_alive);
+                    // Acked: the invocation lives in the parked bucket now.
+                    ack(&msg).await;
+                    fleet.forget_run(&id, run);
+                    metrics.chat_jobs.with_label_values(&["parked"]).inc();
+                    metrics.chat_jobs_in_flight.dec();
+                    info!(
+                        outcome = "parked",
+                        held = parked
+                            .calls
+                            .iter()
+                            .filter(|c| matches!(c.state, crate::approvals::CallState::Held))
+                            .count(),
+                        expires_at_ms = parked.expires_at_ms,
+                        duration_ms = started.elapsed().as_millis() as u64,
+                        "chat job parked for approval"
+                    );
+                    return;
+                }
+                Err(e) => Err(Failure::new(
+                    "approval_unavailable",
+                    format!("a call needs approval, but the invocation cannot be parked: {e}"),
+                )),
+            }
+        }
+        Ok(Finished::Completed(completed)) => Ok(completed),
+        Err(f) => Err(f),
+    };
     let (label, code) = match outcome {
         Ok(completed) => {
             events.finish(completed);
@@ -619,11 +817,13 @@ async fn run(
     }
     let terminal = events.close().await;
     // The run ended: a redelivery (its ack lost) must not run it again.
-    let owner = owner(delivery);
     if let Some(terminal) = terminal
         && let Err(e) = fleet.store.finish(&id, &owner, &terminal).await
     {
         warn!(error = %e, "cannot mark the invocation finished; if this job's ack is lost it runs again");
+    }
+    if resumed {
+        fleet.forget_parked(&id).await;
     }
     drop(keep_alive);
     // Ack last: only after the terminal event is out.

@@ -65,6 +65,7 @@ use tokio_util::task::TaskTracker;
 use tracing::{info, warn};
 
 pub mod agents;
+pub mod approvals;
 pub mod catalog;
 pub mod compaction;
 pub mod context;
@@ -92,7 +93,7 @@ pub use events::Events;
 pub use fleet::Fleet;
 pub use intake::MAX_CHAT_ATTEMPTS;
 pub use limits::PayloadLimits;
-pub use orchestrator::{Answer, Failure, Orchestrator};
+pub use orchestrator::{Answer, Ending, Failure, Orchestrator};
 pub use rounds::{Agentic, PURPOSE_CONVERSATION};
 pub use usage::UsageLedger;
 
@@ -298,6 +299,16 @@ pub async fn run_with_ready(
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     let agents = agents::AgentSource::new(&config.profiles).map_err(OrchestratorError::Config)?;
+    let (approvals, decisions) = approvals::Approvals::open(&js, &config.subjects)
+        .await
+        .map_err(OrchestratorError::Nats)?;
+    let approval_requests = client
+        .queue_subscribe(
+            config.subjects.chat_approve_all(),
+            config.subjects.chat_consumer(),
+        )
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     let fleet = Arc::new(Fleet::new(
         client,
         js,
@@ -306,6 +317,7 @@ pub async fn run_with_ready(
         config.clone(),
         replies,
         agents,
+        approvals,
     ));
     fleet.catalog.refresh().await;
     // The registry and its gauges from the first reading on.
@@ -332,6 +344,12 @@ pub async fn run_with_ready(
         cancel_sub,
         shutdown.clone(),
     ));
+    tracker.spawn(approvals::serve_requests(
+        fleet.clone(),
+        approval_requests,
+        shutdown.clone(),
+    ));
+    tracker.spawn(approvals::watch_parked(fleet.clone(), shutdown.clone()));
 
     let known = config.orchestrator_names();
     for w in config.profiles.warnings_among(&known) {
@@ -342,6 +360,39 @@ pub async fn run_with_ready(
         let _ = ready.send(());
     }
     let permits = Arc::new(Semaphore::new(config.max_in_flight.max(1)));
+    // Decisions on parked invocations: the one that decides a turn's last
+    // held call resumes the invocation, as a chat job runs (same permits).
+    {
+        let fleet = fleet.clone();
+        let reconnects =
+            toolfleet_service::jobs::Reconnects::watch(fleet.client.clone(), shutdown.clone());
+        let sweeper = toolfleet_service::jobs::Sweeper {
+            js: async_nats::jetstream::new(fleet.client.clone()),
+            stream: config.subjects.decisions_stream(),
+            on_poison: Arc::new(|_| futures::FutureExt::boxed(async {})),
+        };
+        let permits = permits.clone();
+        let tracker_for_loop = tracker.clone();
+        let shutdown = shutdown.clone();
+        let consumer_name = config.subjects.chat_consumer();
+        tracker.spawn(async move {
+            toolfleet_service::jobs::pull_bounded(
+                decisions,
+                reconnects,
+                sweeper,
+                permits,
+                tracker_for_loop,
+                shutdown,
+                consumer_name,
+                intake::CHAT_PROGRESS_EVERY,
+                move |msg| {
+                    let fleet = fleet.clone();
+                    async move { approvals::handle_decision(&fleet, msg).await }
+                },
+            )
+            .await;
+        });
+    }
     {
         let fleet = fleet.clone();
         let reconnects =

@@ -44,7 +44,48 @@ pub trait Orchestrator: Send + Sync + 'static {
         inv: &'a mut Invocation,
         fleet: &'a Fleet,
         events: &'a Events,
-    ) -> BoxFuture<'a, Result<Answer, Failure>>;
+    ) -> BoxFuture<'a, Result<Ending, Failure>>;
+
+    /// Goes on with an invocation this orchestrator parked
+    /// ([`Ending::Parked`]) once every held call is decided: `resumed`
+    /// holds the turn's calls — approved ones still to run, denied ones to
+    /// tell the model about, the others with their outcomes — and the
+    /// state the orchestrator kept in its [`Park`]. The invocation arrives
+    /// rebuilt: conversation, offered tools, usage and citations as they
+    /// were. An orchestrator that never parks keeps the default, which
+    /// fails.
+    fn resume<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        resumed: crate::approvals::Resumed,
+        fleet: &'a Fleet,
+        events: &'a Events,
+    ) -> BoxFuture<'a, Result<Ending, Failure>> {
+        let _ = (inv, resumed, fleet, events);
+        Box::pin(std::future::ready(Err(Failure::new(
+            "internal_error",
+            "this orchestrator parked an invocation but cannot resume one",
+        ))))
+    }
+}
+
+/// How a run of an orchestrator ends (besides failing).
+#[derive(Debug)]
+pub enum Ending {
+    /// The invocation's answer.
+    Answered(Answer),
+    /// Calls of the current turn wait for a person's approval: the frame
+    /// keeps the invocation in the parked bucket, publishes
+    /// `approval_requested` for each held call, and ends this run without
+    /// a terminal event; [`Orchestrator::resume`] goes on later, on any
+    /// orchestrator.
+    Parked(crate::approvals::Park),
+}
+
+impl From<Answer> for Ending {
+    fn from(answer: Answer) -> Self {
+        Ending::Answered(answer)
+    }
 }
 
 /// What an orchestrator answers.
@@ -75,9 +116,18 @@ impl Failure {
     }
 }
 
+/// How the frame ends a run that did not fail.
+#[derive(Debug)]
+pub(crate) enum Finished {
+    /// The `completed` event, for the caller to send once it knows the
+    /// run still speaks for the invocation.
+    Completed(ChatEventBody),
+    /// The invocation waits for approvals: the record to keep.
+    Parked(Box<crate::approvals::Parked>),
+}
+
 /// Runs `job` through the frame: context, `started`, the profile's
-/// orchestrator; returns the `completed` event for the caller to send once
-/// it knows the run still speaks for the invocation.
+/// orchestrator.
 pub(crate) async fn invoke(
     fleet: &Fleet,
     job: ChatJob,
@@ -85,22 +135,11 @@ pub(crate) async fn invoke(
     agent_depth: u32,
     events: &Events,
     cancel_check: &context::CancelCheck,
-) -> Result<ChatEventBody, Failure> {
+) -> Result<Finished, Failure> {
     let mut inv = context::build(fleet, job, deadline_ms, agent_depth)?;
     inv.cancel_check = cancel_check.clone();
     let scoping = crate::scope::choose(fleet, &mut inv).await;
-    let orchestrator = fleet
-        .config()
-        .orchestrator(&inv.profile.orchestrator)
-        .ok_or_else(|| {
-            Failure::new(
-                "internal_error",
-                format!(
-                    "no orchestrator is registered as {:?}",
-                    inv.profile.orchestrator
-                ),
-            )
-        })?;
+    let orchestrator = orchestrator_of(fleet, &inv)?;
     events.send(ChatEventBody::Started {
         model: inv.model().to_string(),
         profile: Some(inv.profile.name.clone()),
@@ -113,17 +152,56 @@ pub(crate) async fn invoke(
         events.send(scoping);
     }
     crate::rag::prefetch(fleet, &mut inv, events).await?;
-    let answer = orchestrator.run(&mut inv, fleet, events).await?;
+    let ending = orchestrator.run(&mut inv, fleet, events).await?;
+    finish(fleet, inv, ending, events)
+}
+
+/// The orchestrator the invocation's profile names.
+pub(crate) fn orchestrator_of(
+    fleet: &Fleet,
+    inv: &Invocation,
+) -> Result<std::sync::Arc<dyn Orchestrator>, Failure> {
+    fleet
+        .config()
+        .orchestrator(&inv.profile.orchestrator)
+        .ok_or_else(|| {
+            Failure::new(
+                "internal_error",
+                format!(
+                    "no orchestrator is registered as {:?}",
+                    inv.profile.orchestrator
+                ),
+            )
+        })
+}
+
+/// The end of the frame: an answer becomes `completed`, a park the record
+/// to keep.
+pub(crate) fn finish(
+    fleet: &Fleet,
+    mut inv: Invocation,
+    ending: Ending,
+    events: &Events,
+) -> Result<Finished, Failure> {
+    let answer = match ending {
+        Ending::Answered(answer) => answer,
+        Ending::Parked(park) => {
+            fleet.publish_references(&mut inv, &[], events)?;
+            return Ok(Finished::Parked(Box::new(crate::approvals::Parked::of(
+                fleet, inv, park,
+            ))));
+        }
+    };
     fleet.publish_references(&mut inv, &[], events)?;
     // Only what the answer cites, renumbered 1..k, with links.
     let cited = toolfleet_protocol::references::cited_only(&answer.text, &inv.citations.all());
     let links = &fleet.config().profiles.links;
-    Ok(ChatEventBody::Completed {
+    Ok(Finished::Completed(ChatEventBody::Completed {
         text: cited.text,
         references: crate::links::resolve_all(cited.references, links),
         usage: inv.usage.total(),
         cost_usd: inv.usage.cost(),
         llm_calls: inv.usage.into_calls(),
         rounds: answer.rounds,
-    })
+    }))
 }

@@ -20,7 +20,11 @@ use toolfleet_llm::profiles::{LoopPolicy, TruncatedPolicy};
 use toolfleet_llm::{ChatRequest, Completion, Message, ToolCall, ToolChoice};
 use toolfleet_protocol::{ChatEventBody, ToolStatus};
 
+use serde::{Deserialize, Serialize};
+
+use crate::approvals::{CallState, Park, ParkedCall, Resumed};
 use crate::dispatch::new_call_id;
+use crate::orchestrator::Ending;
 use crate::usage::ModelCall;
 use crate::{Answer, Events, Failure, Fleet, Invocation, Orchestrator, ToolOutcome, ToolRunner};
 
@@ -38,16 +42,104 @@ impl Orchestrator for Agentic {
         inv: &'a mut Invocation,
         fleet: &'a Fleet,
         events: &'a Events,
-    ) -> BoxFuture<'a, Result<Answer, Failure>> {
-        rounds(inv, fleet, events).boxed()
+    ) -> BoxFuture<'a, Result<Ending, Failure>> {
+        async move {
+            let tools = fleet.tool_runner().await?;
+            rounds(inv, fleet, events, tools, Caps::default(), 1).await
+        }
+        .boxed()
+    }
+
+    fn resume<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        resumed: Resumed,
+        fleet: &'a Fleet,
+        events: &'a Events,
+    ) -> BoxFuture<'a, Result<Ending, Failure>> {
+        resume(inv, resumed, fleet, events).boxed()
     }
 }
 
-async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<Answer, Failure> {
+/// Where the loop stood when it parked: the state [`Agentic`] keeps in
+/// its [`Park`].
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct LoopState {
+    /// The round whose calls wait.
+    round: u32,
+    failed_rounds: u32,
+    #[serde(default)]
+    stop: Option<String>,
+}
+
+/// Finishes the parked round — approved calls run now, denied ones are
+/// answered as such — then goes on with the next round.
+async fn resume(
+    inv: &mut Invocation,
+    resumed: Resumed,
+    fleet: &Fleet,
+    events: &Events,
+) -> Result<Ending, Failure> {
+    let state: LoopState = serde_json::from_value(resumed.state).map_err(|e| {
+        Failure::new(
+            "internal_error",
+            format!("the parked loop state cannot be read: {e}"),
+        )
+    })?;
     let policy = inv.profile.profile.policy;
     let mut tools = fleet.tool_runner().await?;
-    let mut caps = Caps::default();
-    for round in 1..=policy.max_rounds {
+    let mut caps = Caps {
+        failed_rounds: state.failed_rounds,
+        stop: state.stop,
+    };
+    let ours: Vec<ToolCall> = resumed.calls.iter().map(|c| c.call.clone()).collect();
+    let run: Vec<bool> = resumed.calls.iter().map(ParkedCall::approved).collect();
+    let ran = run_turn(inv, &mut tools, &ours, &run, fleet, events).await;
+    let mut outcomes = Vec::with_capacity(ours.len());
+    for (parked, ran) in resumed.calls.into_iter().zip(ran) {
+        outcomes.push(match (ran, parked.state) {
+            (Some(outcome), _) => outcome,
+            (None, CallState::Done { outcome }) => outcome,
+            (None, CallState::Decided { reason, .. }) => crate::dispatch::immediate_with(
+                fleet.metrics(),
+                events,
+                &parked.call,
+                &parked.tool,
+                ToolStatus::Blocked,
+                "approval_denied",
+                crate::approvals::denied_message(reason.as_deref()),
+            ),
+            (None, CallState::Held) => crate::dispatch::immediate(
+                fleet.metrics(),
+                events,
+                &parked.call,
+                &parked.tool,
+                "approval_missing",
+                "Error: the call was not run: it was never approved.".into(),
+            ),
+        });
+    }
+    after_turn(inv, &mut tools, &resumed.model_call_ids, &outcomes, fleet);
+    if tools.cancelled() {
+        return Err(Failure::new("cancelled", "the invocation was cancelled"));
+    }
+    caps.close_round(resumed.model_call_ids.len(), &outcomes, &policy, fleet);
+    fleet.publish_references(inv, &outcomes, events)?;
+    rounds(inv, fleet, events, tools, caps, state.round + 1).await
+}
+
+/// The loop from round `first` on.
+async fn rounds(
+    inv: &mut Invocation,
+    fleet: &Fleet,
+    events: &Events,
+    mut tools: ToolRunner<'_>,
+    mut caps: Caps,
+    first: u32,
+) -> Result<Ending, Failure> {
+    let policy = inv.profile.profile.policy;
+    for round in first..=policy.max_rounds {
         let tools_allowed = caps.open_round(round, &policy, fleet, &mut inv.messages);
         crate::compaction::maybe_compact(inv, &mut tools, fleet, events).await;
         let mut request = request(inv, &policy, tools_allowed, fleet);
@@ -65,10 +157,10 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
                 (Some(r), true) => r.clone(),
                 _ => completion.text,
             };
-            return Ok(Answer {
+            return Ok(Ending::Answered(Answer {
                 text,
                 rounds: round,
-            });
+            }));
         }
         if !tools_allowed {
             return Err(Failure::new(
@@ -80,11 +172,28 @@ async fn rounds(inv: &mut Invocation, fleet: &Fleet, events: &Events) -> Result<
                 ),
             ));
         }
-        let outcomes = run_calls(inv, &mut tools, &completion, &policy, fleet, events).await;
+        let outcomes = match run_calls(inv, &mut tools, &completion, fleet, events).await {
+            Turn::Ran(outcomes) => outcomes,
+            Turn::Held(calls) => {
+                if tools.cancelled() {
+                    return Err(Failure::new("cancelled", "the invocation was cancelled"));
+                }
+                let state = LoopState {
+                    round,
+                    failed_rounds: caps.failed_rounds,
+                    stop: caps.stop.clone(),
+                };
+                return Ok(Ending::Parked(Park {
+                    model_call_ids: completion.tool_calls.iter().map(|c| c.id.clone()).collect(),
+                    calls,
+                    state: serde_json::to_value(state).unwrap_or_default(),
+                }));
+            }
+        };
         if tools.cancelled() {
             return Err(Failure::new("cancelled", "the invocation was cancelled"));
         }
-        caps.close_round(&completion, &outcomes, &policy, fleet);
+        caps.close_round(completion.tool_calls.len(), &outcomes, &policy, fleet);
         fleet.publish_references(inv, &outcomes, events)?;
     }
     Err(Failure::new(
@@ -129,12 +238,12 @@ impl Caps {
     /// Ends a round whose calls ran: the per-turn and the failed-rounds caps.
     fn close_round(
         &mut self,
-        completion: &Completion,
+        calls: usize,
         outcomes: &[ToolOutcome],
         policy: &LoopPolicy,
         fleet: &Fleet,
     ) {
-        if completion.tool_calls.len() > policy.max_calls_per_turn {
+        if calls > policy.max_calls_per_turn {
             limit_hit(fleet, "calls_per_turn");
             self.stop.get_or_insert_with(|| {
                 format!("at most {} tool calls per turn", policy.max_calls_per_turn)
@@ -211,17 +320,26 @@ fn truncated_tool_call(
     }
 }
 
+/// What the calls of a turn came to.
+enum Turn {
+    /// Every call ran (or was answered): an outcome each, in call order.
+    Ran(Vec<ToolOutcome>),
+    /// Some calls wait for a person's approval; the others ran.
+    Held(Vec<ParkedCall>),
+}
+
 /// Runs the completion's tool calls and appends the assistant message and
 /// one tool message per call (cut to the profile's token cap) to the
-/// conversation.
+/// conversation — unless a call needs a person's approval: then the calls
+/// that do not run, and the turn is held (the tool messages are added
+/// when it resumes).
 async fn run_calls(
     inv: &mut Invocation,
     tools: &mut ToolRunner<'_>,
     completion: &Completion,
-    policy: &LoopPolicy,
     fleet: &Fleet,
     events: &Events,
-) -> Vec<ToolOutcome> {
+) -> Turn {
     inv.messages.push(completion.assistant_message());
     // The model's call ids are not ours to trust as idempotency keys (some
     // servers repeat them): every call gets a fresh id for the fleet —
@@ -235,24 +353,58 @@ async fn run_calls(
             ..c.clone()
         })
         .collect();
-    let outcomes = run_turn(inv, tools, &ours, fleet, events).await;
-    // What the tools spent on models is the invocation's spend too.
+    let held = crate::approvals::held_calls(inv, &ours);
+    let run: Vec<bool> = held.iter().map(|h| h.is_none()).collect();
+    let ran = run_turn(inv, tools, &ours, &run, fleet, events).await;
+    let model_ids: Vec<String> = completion.tool_calls.iter().map(|c| c.id.clone()).collect();
+    if held.iter().any(Option::is_some) {
+        record_spent(inv, tools, fleet);
+        let calls = ours
+            .into_iter()
+            .zip(ran)
+            .zip(held)
+            .map(|((call, ran), held)| ParkedCall::new(inv, call, ran, held))
+            .collect();
+        return Turn::Held(calls);
+    }
+    let outcomes: Vec<ToolOutcome> = ran
+        .into_iter()
+        .map(|o| o.unwrap_or_else(no_result))
+        .collect();
+    after_turn(inv, tools, &model_ids, &outcomes, fleet);
+    Turn::Ran(outcomes)
+}
+
+/// What the tools of a turn spent on models is the invocation's spend too.
+fn record_spent(inv: &mut Invocation, tools: &mut ToolRunner<'_>, fleet: &Fleet) {
     for call in tools.take_spent() {
         inv.usage
             .record_tool(fleet.metrics(), &fleet.config().profiles.prices, call);
     }
+}
+
+/// Ends a turn whose calls all have outcomes: their spend, and one tool
+/// message per call (paired by the model's call id), cut to the profile's
+/// token cap.
+fn after_turn(
+    inv: &mut Invocation,
+    tools: &mut ToolRunner<'_>,
+    model_call_ids: &[String],
+    outcomes: &[ToolOutcome],
+    fleet: &Fleet,
+) {
+    record_spent(inv, tools, fleet);
+    let policy = inv.profile.profile.policy;
     let budget = policy
         .max_tool_result_tokens
         .map(|cap| (TokenBudget::for_model(inv.model()), cap));
-    for (call, outcome) in completion.tool_calls.iter().zip(&outcomes) {
+    for (call_id, outcome) in model_call_ids.iter().zip(outcomes) {
         let content = match &budget {
             Some((b, cap)) => {
                 let capped = b.cap(&outcome.content, *cap);
                 if capped.truncated {
                     // Bounded label: a name the model made up is "unknown".
-                    let function = inv
-                        .tool(&call.name)
-                        .map_or("unknown", |t| t.definition.function.name.as_str());
+                    let function = function_of(inv, call_id);
                     fleet
                         .metrics()
                         .tool_results_truncated
@@ -264,15 +416,37 @@ async fn run_calls(
             None => outcome.content.clone(),
         };
         inv.messages.push(Message::Tool {
-            call_id: call.id.clone(),
+            call_id: call_id.clone(),
             content,
         });
     }
-    outcomes
 }
 
-/// Runs one turn's calls: calls over the per-turn cap (counted in the
-/// model's order, whatever they are) are answered without running;
+/// The function name of the offered tool the assistant's call `call_id`
+/// named, or `unknown` (a bounded metric label).
+fn function_of<'a>(inv: &'a Invocation, call_id: &str) -> &'a str {
+    let name = inv.messages.iter().rev().find_map(|m| match m {
+        Message::Assistant { tool_calls, .. } => tool_calls
+            .iter()
+            .find(|c| c.id == call_id)
+            .map(|c| c.name.as_str()),
+        _ => None,
+    });
+    name.and_then(|n| inv.tool(n))
+        .map_or("unknown", |t| t.definition.function.name.as_str())
+}
+
+fn no_result() -> ToolOutcome {
+    ToolOutcome {
+        content: "Error: the call got no result.".into(),
+        status: ToolStatus::Error,
+        references: Vec::new(),
+    }
+}
+
+/// Runs the turn's calls that `run` marks (the others get `None`): calls
+/// over the per-turn cap (counted in the model's order, whatever they
+/// are) are answered without running;
 /// `search_tools` runs first, here (it changes the tools offered from the
 /// next round on); then agent tools (nested chat jobs) and worker tools —
 /// together when parallel calls are on, else one at a time. Outcomes in
@@ -281,14 +455,18 @@ async fn run_turn(
     inv: &mut Invocation,
     tools: &mut ToolRunner<'_>,
     calls: &[ToolCall],
+    run: &[bool],
     fleet: &Fleet,
     events: &Events,
-) -> Vec<ToolOutcome> {
+) -> Vec<Option<ToolOutcome>> {
     let policy = inv.profile.profile.policy;
     let mut out: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
-    let run = calls.len().min(policy.max_calls_per_turn);
+    let cap = calls.len().min(policy.max_calls_per_turn);
     for (i, call) in calls.iter().enumerate() {
-        if i >= run {
+        if !run[i] {
+            continue;
+        }
+        if i >= cap {
             out[i] = Some(crate::dispatch::over_the_turn_cap(fleet, inv, call, events));
         } else if call.name == crate::scoping::SEARCH_TOOLS && inv.tool(&call.name).is_none() {
             out[i] = Some(crate::scope::search_tools_call(inv, call, fleet, events));
@@ -298,7 +476,7 @@ async fn run_turn(
     let mut agent_calls = Vec::new();
     let mut worker_calls = Vec::new();
     for (i, call) in calls.iter().enumerate() {
-        if out[i].is_some() {
+        if out[i].is_some() || !run[i] {
             continue;
         }
         // An offered tool, or a permitted one scoping left out.
@@ -344,15 +522,12 @@ async fn run_turn(
     for (i, outcome) in worker_calls.into_iter().zip(worker_outcomes) {
         out[i] = Some(outcome);
     }
-    out.into_iter()
-        .map(|o| {
-            o.unwrap_or_else(|| ToolOutcome {
-                content: "Error: the call got no result.".into(),
-                status: ToolStatus::Error,
-                references: Vec::new(),
-            })
-        })
-        .collect()
+    for (o, run) in out.iter_mut().zip(run) {
+        if *run && o.is_none() {
+            *o = Some(no_result());
+        }
+    }
+    out
 }
 
 impl Fleet {

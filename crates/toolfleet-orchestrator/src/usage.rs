@@ -11,7 +11,7 @@ use crate::metrics::OrchestratorMetrics;
 pub const PURPOSE_TOOL: &str = "tool";
 
 /// Token usage and cost of one invocation, per model call.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct UsageLedger {
     total: Usage,
     /// `None` until a call with a known price is recorded.

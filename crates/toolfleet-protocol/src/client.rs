@@ -158,7 +158,7 @@ pub async fn chat_with_headers(
         .map_err(|e| ClientError::Nats(e.to_string()))?;
     message.publish(client, subjects).await?;
 
-    let deadline = tokio::time::Instant::now() + timeout;
+    let mut deadline = tokio::time::Instant::now() + timeout;
     let mut events = Vec::new();
     // After a quiet check that found no answer the next one waits twice as
     // long (a slow model keeps thousands of clients quiet at once).
@@ -201,6 +201,13 @@ pub async fn chat_with_headers(
         };
         quiet = QUIET_CHECK;
         check_at = tokio::time::Instant::now() + quiet;
+        // Parked for a person's approval: the wait does not count against
+        // the job's time, so the client waits until the approval would
+        // time out, and the job's time after that.
+        if let ChatEventBody::ApprovalRequested { expires_at_ms, .. } = &event.body {
+            let until = Duration::from_millis(expires_at_ms.saturating_sub(crate::now_ms()));
+            deadline = deadline.max(tokio::time::Instant::now() + until + timeout);
+        }
         on_event(&event);
         let body = event.body.clone();
         events.push(event);

@@ -133,6 +133,68 @@ pub async fn ensure_history_stream(
     .await
 }
 
+/// How long parked invocations and their decisions are kept at most: the
+/// longest approval timeout a profile may set (a week), and a day more.
+pub const PARKED_MAX_AGE: Duration = Duration::from_secs(8 * 24 * 3600);
+
+/// Creates the decisions stream if it does not exist: a work queue over
+/// every tenant's decision subject (approvals, denials, timeouts and
+/// cancels of parked invocations, published by orchestrators only), taken
+/// by the orchestrators' shared consumer. A 2-minute duplicate window makes
+/// the first decision on a call the one that counts.
+pub async fn ensure_decisions_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<stream::Stream, StreamError> {
+    work_queue(
+        js,
+        subjects.decisions_stream(),
+        subjects.chat_decision_all(),
+        None,
+        PARKED_MAX_AGE.as_secs(),
+    )
+    .await
+}
+
+/// The bucket of parked invocations (key: invocation id; value: the
+/// orchestrator's record of the conversation and the held calls), created
+/// on first use like the catalog bucket (the key-value layout by hand, so
+/// nats-server 2.9 serves it). Entries leave when their invocation
+/// resumes to its end, or after [`PARKED_MAX_AGE`].
+pub async fn parked_bucket(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<jetstream::kv::Store, StreamError> {
+    let name = subjects.parked_bucket();
+    let subject = format!("$KV.{name}.>");
+    if let Ok(store) = js.get_key_value(&name).await {
+        check_subjects(store.stream.cached_info(), &subject)?;
+        return Ok(store);
+    }
+    let stream = js
+        .get_or_create_stream(stream::Config {
+            name: format!("KV_{name}"),
+            description: Some("toolfleet: invocations parked for approval".into()),
+            subjects: vec![subject.clone()],
+            max_messages_per_subject: 1,
+            discard: stream::DiscardPolicy::New,
+            allow_rollup: true,
+            allow_direct: true,
+            duplicate_window: Duration::from_secs(120),
+            max_age: PARKED_MAX_AGE,
+            storage: stream::StorageType::File,
+            num_replicas: default_replicas(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| StreamError(format!("bucket {name}: {e}")))?;
+    check_subjects(stream.cached_info(), &subject)?;
+    check_replicas(stream.cached_info());
+    js.get_key_value(&name)
+        .await
+        .map_err(|e| StreamError(format!("bucket {name}: {e}")))
+}
+
 /// Creates, if it does not exist, the limits stream `name` over `subject`
 /// (file storage, oldest out, the process's replicas) with `limits`'s age,
 /// size and per-subject caps, and checks what it found.

@@ -73,6 +73,29 @@ impl CitationStore {
             .await
     }
 
+    /// Gives the lease up if `holder` holds it (a run that parked its
+    /// invocation: whoever resumes it may take it at once). Safe to
+    /// repeat.
+    pub async fn release_lease(
+        &self,
+        invocation_id: &str,
+        holder: &str,
+    ) -> Result<(), CitationError> {
+        static SCRIPT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+            redis::Script::new(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+            )
+        });
+        let mut invocation = SCRIPT.prepare_invoke();
+        invocation.key(self.key(invocation_id, "lease")).arg(holder);
+        let invocation = &invocation;
+        self.run("release_lease", |mut conn| async move {
+            invocation.invoke_async::<i64>(&mut conn).await
+        })
+        .await
+        .map(drop)
+    }
+
     async fn lease_script(
         &self,
         invocation_id: &str,
