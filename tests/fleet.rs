@@ -1,6 +1,7 @@
 //! End-to-end tests of the fleet against real nats-server and redis-server
 //! processes and the scripted model server (a stand-in for the provider).
 
+mod approvals;
 mod bench;
 mod binaries;
 mod chat_cli;

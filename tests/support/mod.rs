@@ -57,6 +57,9 @@ pub struct Options {
     /// preemptive retrieval (tested on its own) would add a search to
     /// every job.
     pub data_source: Option<&'static str>,
+    /// Runs no orchestrator in-process (the test starts its own, e.g. as
+    /// processes it can kill).
+    pub no_orchestrator: bool,
 }
 
 impl Default for Options {
@@ -68,6 +71,7 @@ impl Default for Options {
             env: Vec::new(),
             defs_dir: None,
             data_source: Some("handbook"),
+            no_orchestrator: false,
         }
     }
 }
@@ -153,7 +157,7 @@ impl Env {
             redis_url: redis.url(),
             subjects: subjects.clone(),
             citation_ttl: Duration::from_secs(600),
-            orchestrator: Some(orchestrator),
+            orchestrator: (!options.no_orchestrator).then_some(orchestrator),
             workers,
             worker_concurrency: 16,
             nats_connect_wait: Duration::from_secs(10),

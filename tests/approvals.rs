@@ -1,0 +1,570 @@
+//! Human approval as a durable pause, end to end against real NATS and
+//! Redis servers: a call that needs a person parks its invocation (the
+//! chat job acked, nothing waiting in memory), and an approval, a denial,
+//! a timeout or a cancel resumes it on whichever orchestrator takes the
+//! decision — including orchestrators started after every one that knew
+//! the invocation was killed.
+
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use toolfleet_protocol::{ChatEvent, ChatEventBody, ToolStatus};
+
+use crate::support::{self, Env, Options, WAIT, lighthouse_script};
+
+/// One deployment on the scripted server; the default profile needs a
+/// person's yes before `current_datetime` runs.
+fn profiles(timeout_ms: u64) -> String {
+    format!(
+        r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "{{base_url}}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+require_approval = ["system:current_datetime"]
+approval_timeout_ms = {timeout_ms}
+"#
+    )
+}
+
+/// Two clocks in one turn, then an answer quoting the last result.
+fn two_clocks_script() -> Value {
+    json!({
+        "rules": [{
+            "whenUserContains": ["two clocks"],
+            "steps": [
+                { "toolCalls": [
+                    { "name": "current_datetime", "arguments": {} },
+                    { "name": "current_datetime", "arguments": { "utcOffset": "+02:00" } }
+                ] },
+                { "answer": "The model read: {{tool:current_datetime}}" }
+            ]
+        }, {
+            "whenUserContains": ["one clock"],
+            "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "The model read: {{tool:current_datetime}}" }
+            ]
+        }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    })
+}
+
+/// Reads `sub` until `pick` returns something (every event on the way is
+/// kept in `seen`).
+async fn until<T>(
+    sub: &mut async_nats::Subscriber,
+    seen: &mut Vec<ChatEvent>,
+    mut pick: impl FnMut(&ChatEvent) -> Option<T>,
+) -> T {
+    loop {
+        let msg = tokio::time::timeout(WAIT, futures::StreamExt::next(sub))
+            .await
+            .expect("no event in time")
+            .expect("subscription closed");
+        let event: ChatEvent = serde_json::from_slice(&msg.payload).unwrap();
+        let found = pick(&event);
+        seen.push(event);
+        if let Some(found) = found {
+            return found;
+        }
+    }
+}
+
+fn approval_requested(e: &ChatEvent) -> Option<(String, String, Value, String)> {
+    match &e.body {
+        ChatEventBody::ApprovalRequested {
+            call_id,
+            tool,
+            arguments,
+            subject,
+            ..
+        } => Some((
+            call_id.clone(),
+            tool.clone(),
+            arguments.clone(),
+            subject.clone(),
+        )),
+        _ => None,
+    }
+}
+
+fn terminal(e: &ChatEvent) -> Option<ChatEventBody> {
+    e.body.is_terminal().then(|| e.body.clone())
+}
+
+/// Sends an approval body (raw bytes) to `subject`; the orchestrator's
+/// answer as JSON.
+async fn request(env: &Env, subject: String, body: Value) -> Value {
+    let reply = tokio::time::timeout(WAIT, env.client.request(subject, body.to_string().into()))
+        .await
+        .expect("no answer in time")
+        .expect("an orchestrator answers");
+    serde_json::from_slice(&reply.payload).unwrap()
+}
+
+/// The messages in the chat stream (a work queue: a parked job's is gone).
+async fn chat_jobs_in_stream(env: &Env) -> u64 {
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut stream = js.get_stream(env.subjects.chat_stream()).await.unwrap();
+    stream.info().await.unwrap().state.messages
+}
+
+async fn parked_keys(env: &Env) -> Vec<String> {
+    let js = async_nats::jetstream::new(env.client.clone());
+    let kv = js
+        .get_key_value(env.subjects.parked_bucket())
+        .await
+        .unwrap();
+    let keys = kv.keys().await.unwrap();
+    futures::StreamExt::collect::<Vec<_>>(keys)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect()
+}
+
+fn metric(text: &str, line_start: &str) -> f64 {
+    text.lines()
+        .find(|l| l.starts_with(line_start))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no {line_start} in the metrics"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denial_is_read_by_the_model_and_bad_approvals_change_nothing() {
+    let env = Env::start_with(
+        two_clocks_script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(profiles(600_000)),
+            ..Default::default()
+        },
+    )
+    .await;
+    let job = toolfleet_protocol::client::question("What do two clocks say?");
+    let id = job.invocation_id.clone();
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let first = until(&mut sub, &mut seen, approval_requested).await;
+    let second = until(&mut sub, &mut seen, approval_requested).await;
+    assert_eq!(first.1, "system:current_datetime@1.0.0");
+    assert_eq!(second.2, json!({ "utcOffset": "+02:00" }));
+    assert_eq!(first.3, env.subjects.chat_approve("default", &id));
+    // Parked: the chat job is acked, no call ran, the record is kept.
+    assert!(
+        !seen
+            .iter()
+            .any(|e| matches!(e.body, ChatEventBody::ToolCall { .. })),
+        "{seen:?}"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while chat_jobs_in_stream(&env).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the job was not acked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(parked_keys(&env).await, vec![id.clone()]);
+
+    // Bad approvals: a clear refusal each, and nothing changes.
+    let subject = first.3.clone();
+    let refused = |v: &Value, code: &str| {
+        assert_eq!(v["ok"], false, "{v}");
+        assert_eq!(v["code"], code, "{v}");
+        assert!(v["error"].as_str().is_some_and(|e| !e.is_empty()), "{v}");
+    };
+    let v = request(&env, subject.clone(), json!({ "callId": first.0 })).await;
+    refused(&v, "malformed_approval");
+    let v = request(
+        &env,
+        subject.clone(),
+        json!({ "callId": first.0, "decision": "approve", "by": "x" }),
+    )
+    .await;
+    refused(&v, "malformed_approval");
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", "no-such-invocation"),
+        json!({ "callId": first.0, "decision": "approve" }),
+    )
+    .await;
+    refused(&v, "unknown_invocation");
+    // Another tenant's subject does not reach this tenant's invocation.
+    let v = request(
+        &env,
+        env.subjects.chat_approve("globex", &id),
+        json!({ "callId": first.0, "decision": "approve" }),
+    )
+    .await;
+    refused(&v, "unknown_invocation");
+    let v = request(
+        &env,
+        subject.clone(),
+        json!({ "callId": "call_nope", "decision": "approve" }),
+    )
+    .await;
+    refused(&v, "unknown_call");
+    assert!(v["error"].as_str().unwrap().contains(&first.0), "{v}");
+
+    // The first call approved; a second decision on it is refused.
+    let v = request(
+        &env,
+        subject.clone(),
+        json!({ "callId": first.0, "decision": "approve", "approver": "alice" }),
+    )
+    .await;
+    assert_eq!(v, json!({ "ok": true }));
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let v = loop {
+        // Until the first decision is in the record (the stream may not
+        // have delivered it yet; until then the stream's duplicate check
+        // refuses it).
+        let v = request(
+            &env,
+            subject.clone(),
+            json!({ "callId": first.0, "decision": "deny" }),
+        )
+        .await;
+        if v["code"] == "already_decided" {
+            break v;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{v}");
+    };
+    refused(&v, "already_decided");
+    // Nothing ran yet: the turn waits for its other call.
+    assert_eq!(parked_keys(&env).await, vec![id.clone()]);
+
+    let v = request(
+        &env,
+        subject.clone(),
+        json!({ "callId": second.0, "decision": "deny", "reason": "the change freeze is on", "approver": "bob" }),
+    )
+    .await;
+    assert_eq!(v, json!({ "ok": true }));
+    let end = until(&mut sub, &mut seen, terminal).await;
+    let ChatEventBody::Completed { text, .. } = end else {
+        panic!("{end:?}");
+    };
+    // The model read the denial, with its reason.
+    assert!(
+        text.contains("a person denied this call") && text.contains("the change freeze is on"),
+        "{text}"
+    );
+    let resolved: Vec<(String, String, Option<String>)> = seen
+        .iter()
+        .filter_map(|e| match &e.body {
+            ChatEventBody::ApprovalResolved {
+                call_id,
+                decision,
+                approver,
+                ..
+            } => Some((
+                call_id.clone(),
+                decision.as_str().to_string(),
+                approver.clone(),
+            )),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        resolved,
+        vec![
+            (first.0.clone(), "approved".into(), Some("alice".into())),
+            (second.0.clone(), "denied".into(), Some("bob".into())),
+        ]
+    );
+    let results: Vec<(String, ToolStatus, Option<String>)> = seen
+        .iter()
+        .filter_map(|e| match &e.body {
+            ChatEventBody::ToolResult {
+                call_id,
+                status,
+                error_code,
+                ..
+            } => Some((call_id.clone(), *status, error_code.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        results,
+        vec![
+            (first.0.clone(), ToolStatus::Ok, None),
+            (
+                second.0.clone(),
+                ToolStatus::Blocked,
+                Some("approval_denied".into())
+            ),
+        ]
+    );
+    // One numbering across the pause: no gap, no repeat.
+    let seqs: Vec<u64> = seen.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>(), "{seen:?}");
+    // The record is gone with the invocation.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !parked_keys(&env).await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "the record stayed");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let text = env.metrics_text().await;
+    assert_eq!(
+        metric(&text, "toolfleet_approvals_total{outcome=\"approved\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&text, "toolfleet_approvals_total{outcome=\"denied\"}"),
+        1.0
+    );
+    assert_eq!(
+        metric(&text, "toolfleet_approvals_total{outcome=\"timeout\"}"),
+        0.0
+    );
+    assert_eq!(
+        metric(
+            &text,
+            "toolfleet_approval_wait_seconds_count{outcome=\"denied\"}"
+        ),
+        1.0
+    );
+    assert!(
+        metric(
+            &text,
+            "toolfleet_approval_requests_refused_total{code=\"malformed_approval\"}"
+        ) >= 2.0
+    );
+    assert!(
+        metric(
+            &text,
+            "toolfleet_approval_requests_refused_total{code=\"unknown_invocation\"}"
+        ) >= 2.0
+    );
+    assert!(
+        metric(
+            &text,
+            "toolfleet_approval_requests_refused_total{code=\"already_decided\"}"
+        ) >= 1.0
+    );
+    assert_eq!(
+        metric(&text, "toolfleet_chat_jobs_total{outcome=\"parked\"}"),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_that_never_comes_ends_the_invocation_with_approval_timeout() {
+    let env = Env::start_with(
+        two_clocks_script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(profiles(1_500)),
+            ..Default::default()
+        },
+    )
+    .await;
+    let job = toolfleet_protocol::client::question("What does one clock say?");
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    let end = until(&mut sub, &mut seen, terminal).await;
+    let ChatEventBody::Error { code, message } = end else {
+        panic!("{end:?}");
+    };
+    assert_eq!(code, "approval_timeout");
+    assert!(
+        message.contains("system:current_datetime@1.0.0"),
+        "{message}"
+    );
+    assert!(
+        seen.iter().any(
+            |e| matches!(&e.body, ChatEventBody::ApprovalResolved { call_id, decision, .. }
+            if *call_id == call && decision.as_str() == "timeout")
+        ),
+        "{seen:?}"
+    );
+    // Nothing ran, and the model was asked once.
+    assert!(
+        !seen
+            .iter()
+            .any(|e| matches!(e.body, ChatEventBody::ToolCall { .. }))
+    );
+    assert_eq!(env.model.requests().len(), 1);
+    // A late approval is refused.
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", &job.invocation_id),
+        json!({ "callId": call, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v["ok"], false, "{v}");
+    let text = env.metrics_text().await;
+    assert_eq!(
+        metric(&text, "toolfleet_approvals_total{outcome=\"timeout\"}"),
+        1.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_invocation_ends_on_its_cancel() {
+    let env = Env::start_with(
+        two_clocks_script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(profiles(600_000)),
+            ..Default::default()
+        },
+    )
+    .await;
+    let job = toolfleet_protocol::client::question("What does one clock say?");
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    until(&mut sub, &mut seen, approval_requested).await;
+    let (code, _, err) = support::toolfleet_at(
+        &env.nats.url(),
+        &["cancel", &job.invocation_id, "--wait", "20"],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let end = until(&mut sub, &mut seen, terminal).await;
+    assert!(
+        matches!(&end, ChatEventBody::Error { code, .. } if code == "cancelled"),
+        "{end:?}"
+    );
+    assert!(
+        !seen
+            .iter()
+            .any(|e| matches!(e.body, ChatEventBody::ToolCall { .. }))
+    );
+}
+
+/// An orchestrator process on the test's servers and profiles file.
+fn orchestrator(env: &Env, config: &std::path::Path) -> Child {
+    Command::new(support::sibling_bin("toolfleet-orchestrator"))
+        .env("TOOLFLEET_NATS_URL", env.nats.url())
+        .env("TOOLFLEET_REDIS_URL", env.redis.url())
+        .env("TOOLFLEET_CONFIG", config)
+        .env("TOOLFLEET_METRICS_ADDR", "127.0.0.1:0")
+        .env("TOOLFLEET_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_survives_the_restart_of_every_orchestrator() {
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            workers: vec!["system", "retrieval"],
+            no_orchestrator: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        profiles(600_000).replace("{base_url}", env.model.base_url().as_str())
+            + "data_source = \"handbook\"\n",
+    )
+    .unwrap();
+    let mut first = [orchestrator(&env, &config), orchestrator(&env, &config)];
+    // Up once they made the streams.
+    let js = async_nats::jetstream::new(env.client.clone());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while js
+        .get_stream(env.subjects.decisions_stream())
+        .await
+        .is_err()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no orchestrator came up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    let job =
+        toolfleet_protocol::client::question("What time is it, and how do lighthouses warn ships?");
+    let id = job.invocation_id.clone();
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let (call, tool, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    assert_eq!(tool, "system:current_datetime@1.0.0");
+    // The search of the same turn needed nobody: it ran before the park.
+    assert!(
+        seen.iter().any(
+            |e| matches!(&e.body, ChatEventBody::ToolResult { tool, status: ToolStatus::Ok, .. }
+            if tool.starts_with("retrieval:search_data_sources"))
+        ),
+        "{seen:?}"
+    );
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while chat_jobs_in_stream(&env).await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the job was not acked"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // Every orchestrator that knew the invocation dies.
+    for p in &mut first {
+        p.kill().unwrap();
+        p.wait().unwrap();
+    }
+    // With none running, an approval has nobody to answer it.
+    let (code, _, err) =
+        support::toolfleet_at(&env.nats.url(), &["approve", &id, &call, "--wait", "2"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(
+        err.contains("no orchestrator") || err.contains("no answer"),
+        "{err}"
+    );
+
+    let mut second = [orchestrator(&env, &config), orchestrator(&env, &config)];
+    let _guards: Vec<_> = second.iter_mut().map(support::KillOnDrop).collect();
+    // A new orchestrator answers once it is up.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let out = loop {
+        let out = support::toolfleet_at(
+            &env.nats.url(),
+            &["approve", &id, &call, "--approver", "carol"],
+        );
+        if out.0 == Some(0) || tokio::time::Instant::now() > deadline {
+            break out;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_eq!(out.0, Some(0), "{} {}", out.1, out.2);
+    assert!(out.1.contains("approved"), "{}", out.1);
+
+    let end = until(&mut sub, &mut seen, terminal).await;
+    let ChatEventBody::Completed {
+        text, references, ..
+    } = end
+    else {
+        panic!("{end:?}");
+    };
+    // Both results reached the model: the clock and the cited search.
+    assert!(
+        text.starts_with("It is ") && !text.contains("Not run"),
+        "{text}"
+    );
+    assert!(!references.is_empty(), "{text}");
+    let seqs: Vec<u64> = seen.iter().map(|e| e.seq).collect();
+    assert_eq!(seqs, (0..seqs.len() as u64).collect::<Vec<_>>(), "{seen:?}");
+    assert_eq!(
+        seen.iter()
+            .filter(|e| matches!(e.body, ChatEventBody::Started { .. }))
+            .count(),
+        1,
+        "the invocation went on; it did not start again"
+    );
+}
