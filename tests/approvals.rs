@@ -356,19 +356,26 @@ async fn a_denial_is_read_by_the_model_and_bad_approvals_change_nothing() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_approval_that_never_comes_ends_the_invocation_with_approval_timeout() {
+/// A fleet with the system worker whose profile holds `current_datetime`
+/// for approval for `timeout_ms`, and a job calling it once, submitted.
+async fn one_clock(timeout_ms: u64) -> (Env, toolfleet_protocol::ChatJob, async_nats::Subscriber) {
     let env = Env::start_with(
         two_clocks_script(),
         Options {
             workers: vec!["system"],
-            profiles_toml: Some(profiles(1_500)),
+            profiles_toml: Some(profiles(timeout_ms)),
             ..Default::default()
         },
     )
     .await;
     let job = toolfleet_protocol::client::question("What does one clock say?");
-    let mut sub = env.follow_and_submit(&job).await;
+    let sub = env.follow_and_submit(&job).await;
+    (env, job, sub)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_approval_that_never_comes_ends_the_invocation_with_approval_timeout() {
+    let (env, job, mut sub) = one_clock(1_500).await;
     let mut seen = Vec::new();
     let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
     let end = until(&mut sub, &mut seen, terminal).await;
@@ -411,17 +418,7 @@ async fn an_approval_that_never_comes_ends_the_invocation_with_approval_timeout(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_parked_invocation_ends_on_its_cancel() {
-    let env = Env::start_with(
-        two_clocks_script(),
-        Options {
-            workers: vec!["system"],
-            profiles_toml: Some(profiles(600_000)),
-            ..Default::default()
-        },
-    )
-    .await;
-    let job = toolfleet_protocol::client::question("What does one clock say?");
-    let mut sub = env.follow_and_submit(&job).await;
+    let (env, job, mut sub) = one_clock(600_000).await;
     let mut seen = Vec::new();
     until(&mut sub, &mut seen, approval_requested).await;
     let (code, _, err) = support::toolfleet_at(

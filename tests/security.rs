@@ -274,6 +274,10 @@ data_source = "handbook"
 [profiles.helper]
 deployment = "scripted"
 agent = {{ name = "helper", description = "Agrees." }}
+[profiles.guarded]
+deployment = "scripted"
+data_source = "handbook"
+require_approval = ["system:current_datetime"]
 "#,
             model.base_url()
         ),
@@ -493,6 +497,50 @@ agent = {{ name = "helper", description = "Agrees." }}
     assert_eq!(code, Some(1), "{out}{err}");
     assert!(out.contains("already finished"), "{out}{err}");
 
+    // A call that needs approval parks its invocation; the operator's
+    // approval resumes it (the orchestrator reads and writes the parked
+    // bucket and the decisions stream under its role).
+    let mut guarded =
+        toolfleet_protocol::client::question("What time is it, and how do lighthouses warn ships?");
+    guarded.tenant = Some("acme".into());
+    guarded.profile = Some("guarded".into());
+    let mut events = client
+        .subscribe(subjects.chat_events("acme", &guarded.invocation_id))
+        .await
+        .unwrap();
+    client.flush().await.unwrap();
+    toolfleet_protocol::client::submit(&client, &subjects, &guarded)
+        .await
+        .unwrap();
+    let mut approved = false;
+    let end = loop {
+        let msg = tokio::time::timeout(WAIT, events.next())
+            .await
+            .expect("the guarded job's events")
+            .unwrap();
+        let event: toolfleet_protocol::ChatEvent = serde_json::from_slice(&msg.payload).unwrap();
+        if let ChatEventBody::ApprovalRequested { call_id, .. } = &event.body {
+            let (code, out, err) = operator(&[
+                "approve",
+                &guarded.invocation_id,
+                call_id,
+                "--tenant",
+                "acme",
+            ]);
+            assert_eq!(code, Some(0), "{out}{err}");
+            approved = true;
+        }
+        if event.body.is_terminal() {
+            break event.body;
+        }
+    };
+    assert!(approved);
+    assert!(
+        matches!(&end, ChatEventBody::Completed { text, .. } if text.starts_with("It is ")),
+        "{end:?}\n{}",
+        std::fs::read_to_string(&procs[0].log).unwrap_or_default()
+    );
+
     // Not one permission was missing on the way, and no secret was logged.
     assert_eq!(secure.violations(), Vec::<String>::new());
     drop(procs);
@@ -611,6 +659,10 @@ async fn security_a_client_keeps_to_its_own_tenant() {
     let mut all = acme.subscribe("toolfleet.chat.events.>").await;
     let mut any_tenant = acme.subscribe("toolfleet.chat.events.*.*").await;
     acme.subscribe("toolfleet.chat.cancel.>").await;
+    // Nor may it approve the calls its own model asked for: only the
+    // operator's role (or an approver's) may.
+    acme.publish("toolfleet.chat.approve.acme.inv-1").await;
+    acme.subscribe("toolfleet.chat.approve.*.*").await;
     let mut own = acme
         .client
         .subscribe("toolfleet.chat.events.acme.*")
