@@ -236,7 +236,7 @@ pub struct Parked {
 impl Parked {
     /// The record of `inv` parking with `park`; intake fills in the claim
     /// owner, the deadline left and the next `seq`.
-    pub(crate) fn of(_fleet: &Fleet, inv: Invocation, park: Park) -> Self {
+    pub(crate) fn of(inv: Invocation, park: Park) -> Self {
         let now = now_ms();
         let tenant = inv.job.tenant().to_string();
         Parked {

@@ -55,6 +55,14 @@ pub struct Fleet {
     pub(crate) approvals: crate::approvals::Approvals,
 }
 
+/// What the orchestrator's start makes for the [`Fleet`] besides its
+/// connections.
+pub(crate) struct Parts {
+    pub(crate) replies: Arc<Replies>,
+    pub(crate) agents: crate::agents::AgentSource,
+    pub(crate) approvals: crate::approvals::Approvals,
+}
+
 impl Fleet {
     pub(crate) fn new(
         client: async_nats::Client,
@@ -62,10 +70,13 @@ impl Fleet {
         store: CitationStore,
         metrics: OrchestratorMetrics,
         config: OrchestratorConfig,
-        replies: Arc<Replies>,
-        agents: crate::agents::AgentSource,
-        approvals: crate::approvals::Approvals,
+        parts: Parts,
     ) -> Self {
+        let Parts {
+            replies,
+            agents,
+            approvals,
+        } = parts;
         let heartbeat = toolfleet_service::jobs::Heartbeat::start(
             client.clone(),
             crate::intake::CHAT_PROGRESS_EVERY,

@@ -315,9 +315,11 @@ pub async fn run_with_ready(
         store,
         metrics,
         config.clone(),
-        replies,
-        agents,
-        approvals,
+        fleet::Parts {
+            replies,
+            agents,
+            approvals,
+        },
     ));
     fleet.catalog.refresh().await;
     // The registry and its gauges from the first reading on.

@@ -188,7 +188,7 @@ pub(crate) fn finish(
         Ending::Parked(park) => {
             fleet.publish_references(&mut inv, &[], events)?;
             return Ok(Finished::Parked(Box::new(crate::approvals::Parked::of(
-                fleet, inv, park,
+                inv, park,
             ))));
         }
     };
