@@ -429,7 +429,7 @@ pub(crate) async fn approve(
     let reply = match tokio::time::timeout(wait, client.request(subject, body.into())).await {
         Err(_) => {
             eprintln!(
-                "toolfleet approve: no answer within {} s (is an orchestrator running?); nothing was recorded",
+                "toolfleet approve: no answer within {} s (is an orchestrator running?); the decision may or may not be recorded: send it again (a repeat of a recorded one is refused as already_decided)",
                 wait.as_secs()
             );
             return Ok(1);

@@ -93,6 +93,9 @@ pub enum CallState {
     Done { outcome: ToolOutcome },
     /// It waits for a person.
     Held,
+    /// It waits for an earlier call of the turn (calls run one at a
+    /// time); it runs when the turn resumes.
+    After,
     /// A person (or the timeout) decided.
     #[serde(rename_all = "camelCase")]
     Decided {
@@ -115,7 +118,7 @@ impl ParkedCall {
         inv: &Invocation,
         call: ToolCall,
         ran: Option<ToolOutcome>,
-        held: Option<()>,
+        hold: Hold,
     ) -> Self {
         let tool = resolve(inv, &call.name);
         let shown_arguments = match (tool, serde_json::from_str::<Value>(&call.arguments)) {
@@ -123,10 +126,11 @@ impl ParkedCall {
             (_, Ok(v)) => v,
             (_, Err(_)) => Value::String(format!("[{} characters]", call.arguments.len())),
         };
-        let state = match (ran, held) {
+        let state = match (ran, hold) {
             (Some(outcome), _) => CallState::Done { outcome },
-            (None, Some(())) => CallState::Held,
-            (None, None) => CallState::Done {
+            (None, Hold::Person) => CallState::Held,
+            (None, Hold::After) => CallState::After,
+            (None, Hold::Run | Hold::Refuse) => CallState::Done {
                 outcome: ToolOutcome {
                     content: "Error: the call got no result.".into(),
                     status: ToolStatus::Error,
@@ -142,14 +146,16 @@ impl ParkedCall {
         }
     }
 
-    /// Whether a person approved it (it runs when the turn resumes).
-    pub fn approved(&self) -> bool {
+    /// Whether it runs when the turn resumes: a person approved it, or it
+    /// waited for an earlier call.
+    pub fn runs_on_resume(&self) -> bool {
         matches!(
             self.state,
-            CallState::Decided {
-                outcome: ApprovalOutcome::Approved,
-                ..
-            }
+            CallState::After
+                | CallState::Decided {
+                    outcome: ApprovalOutcome::Approved,
+                    ..
+                }
         )
     }
 
@@ -167,21 +173,52 @@ fn resolve<'a>(
         .or_else(|| inv.scope.permitted.by_function_name(name))
 }
 
-/// For each of the turn's calls (our ids), whether it must wait for a
-/// person: its tool (offered, or permitted) requires approval under the
-/// invocation's profile. Calls over the per-turn cap are never run, so
-/// they wait for nobody.
-pub(crate) fn held_calls(inv: &Invocation, calls: &[ToolCall]) -> Vec<Option<()>> {
-    let cap = inv.profile.profile.policy.max_calls_per_turn;
+/// What happens to one call of a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// It runs now.
+    Run,
+    /// It waits for a person.
+    Person,
+    /// It needs no approval, but calls run one at a time and an earlier
+    /// one waits: it runs after that one is decided.
+    After,
+    /// It needs approval, and an agent tool's nested job cannot wait for
+    /// one: answered without running.
+    Refuse,
+}
+
+/// For each of the turn's calls (our ids), whether it must wait: its tool
+/// (offered, or permitted) requires approval under the invocation's
+/// profile. Calls over the per-turn cap are never run, so they wait for
+/// nobody; without parallel calls, the calls after a held one wait too.
+pub(crate) fn held_calls(inv: &Invocation, calls: &[ToolCall]) -> Vec<Hold> {
+    let policy = inv.profile.profile.policy;
+    let mut held_before = false;
     calls
         .iter()
         .enumerate()
         .map(|(i, call)| {
-            let tool = resolve(inv, &call.name)?;
-            (i < cap && inv.profile.profile.requires_approval(&tool.definition)).then_some(())
+            if i >= policy.max_calls_per_turn {
+                return Hold::Run;
+            }
+            let needs = resolve(inv, &call.name)
+                .is_some_and(|t| inv.profile.profile.requires_approval(&t.definition));
+            let hold = match (needs, inv.agent_depth > 0) {
+                (true, true) => Hold::Refuse,
+                (true, false) => Hold::Person,
+                (false, _) if held_before && !policy.parallel_tool_calls => Hold::After,
+                (false, _) => Hold::Run,
+            };
+            held_before |= hold == Hold::Person;
+            hold
         })
         .collect()
 }
+
+/// What the model reads for a call an agent tool's nested job cannot wait
+/// for.
+pub(crate) const REFUSED_IN_AGENT: &str = "Not run: this tool needs a person's approval, and a job started by an agent tool cannot wait for one. Answer with what you have, or say that the caller should run it.";
 
 /// What the model reads for a denied call.
 pub(crate) fn denied_message(reason: Option<&str>) -> String {
@@ -231,6 +268,10 @@ pub struct Parked {
     pub state: Value,
     #[serde(default)]
     pub cancelled: bool,
+    /// The parking this one came from, when a resumed run parked again
+    /// (a redelivery of the decision that resumed it finds this one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<String>,
 }
 
 impl Parked {
@@ -259,8 +300,27 @@ impl Parked {
             calls: park.calls,
             state: park.state,
             cancelled: false,
+            resumed_from: None,
             job: inv.job,
         }
+    }
+
+    /// Publishes its `approval_requested` events again, with the `seq`s
+    /// they had: a run that parked and died before (or while) publishing
+    /// them, or before its ack, left them unsaid.
+    pub(crate) async fn announce_again(&self, fleet: &Fleet) {
+        let requests = self.requests(fleet);
+        let events = Events::start_at(
+            fleet.client.clone(),
+            &fleet.config.subjects,
+            &self.tenant,
+            &self.job.invocation_id,
+            self.next_seq.saturating_sub(requests.len() as u64),
+        );
+        for request in requests {
+            events.send(request);
+        }
+        events.close().await;
     }
 
     fn held(&self) -> impl Iterator<Item = &ParkedCall> {
@@ -366,7 +426,10 @@ impl Approvals {
                     durable_name: Some(subjects.chat_consumer()),
                     ack_policy: jetstream::consumer::AckPolicy::Explicit,
                     ack_wait: crate::intake::CHAT_ACK_WAIT,
-                    max_deliver: i64::from(crate::MAX_CHAT_ATTEMPTS) + 1,
+                    // A decision is never given up by the server (it would
+                    // leave its invocation parked for good): the resumed
+                    // run counts its own attempts.
+                    max_deliver: -1,
                     max_ack_pending: 10_000,
                     ..Default::default()
                 },
@@ -404,7 +467,10 @@ impl Fleet {
     }
 
     /// The record of `invocation_id` and its revision, if it is parked.
-    async fn parked(&self, invocation_id: &str) -> Result<Option<(Parked, u64)>, String> {
+    pub(crate) async fn parked(
+        &self,
+        invocation_id: &str,
+    ) -> Result<Option<(Parked, u64)>, String> {
         let entry = self
             .approvals()
             .bucket
@@ -540,10 +606,10 @@ async fn answer(fleet: &Fleet, msg: &async_nats::Message) -> ApprovalReply {
                 ),
             );
         }
-        CallState::Done { .. } => {
+        CallState::Done { .. } | CallState::After => {
             return ApprovalReply::refused(
                 "unknown_call",
-                format!("call {} needed no approval", approval.call_id),
+                format!("call {} needs no approval", approval.call_id),
             );
         }
     }
@@ -623,7 +689,17 @@ pub(crate) async fn handle_decision(fleet: &Arc<Fleet>, msg: jetstream::Message)
                 return;
             }
         };
-        if parked.park_id != decision.park_id || parked.tenant != tenant {
+        if parked.tenant != tenant {
+            let _ = msg.ack_with(AckKind::Ack).await;
+            return;
+        }
+        if parked.park_id != decision.park_id {
+            // A decision on an earlier parking. If the run it resumed
+            // parked again, that run may have died before its requests
+            // went out: say them again.
+            if parked.resumed_from.as_deref() == Some(decision.park_id.as_str()) {
+                parked.announce_again(fleet).await;
+            }
             let _ = msg.ack_with(AckKind::Ack).await;
             return;
         }
@@ -662,6 +738,9 @@ const TIMEOUT_TICK: Duration = Duration::from_secs(1);
 /// How long a timeout decision that did not take effect waits before it
 /// is published again.
 const TIMEOUT_RETRY_MS: u64 = 30_000;
+/// How long after its expiry a record is timed out: approvals accepted
+/// just before the expiry are on the decisions stream by then.
+const TIMEOUT_GRACE_MS: u64 = 5_000;
 
 /// What the watcher knows of one parked record.
 struct Watched {
@@ -720,7 +799,7 @@ pub(crate) async fn watch_parked(fleet: Arc<Fleet>, shutdown: CancellationToken)
                 },
                 _ = tick.tick() => {
                     let now = now_ms();
-                    for (id, w) in known.iter_mut().filter(|(_, w)| w.waiting && w.expires_at_ms <= now && w.next_try_ms <= now) {
+                    for (id, w) in known.iter_mut().filter(|(_, w)| w.waiting && w.expires_at_ms + TIMEOUT_GRACE_MS <= now && w.next_try_ms <= now) {
                         w.next_try_ms = now + TIMEOUT_RETRY_MS;
                         let decision = Decision {
                             invocation_id: id.clone(),

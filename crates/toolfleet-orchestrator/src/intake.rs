@@ -50,6 +50,11 @@ const LEASE_RENEW_EVERY: Duration = Duration::from_secs(2);
 /// event and a dead letter.
 pub const MAX_CHAT_ATTEMPTS: u32 = 3;
 
+/// Deliveries of the decision that resumes a parked invocation before it
+/// is ended with an error (they also count the times the stores did not
+/// answer, so more than a chat job's).
+const MAX_RESUME_DELIVERIES: u32 = 10;
+
 /// The streams, and the durable chat consumer every orchestrator shares.
 pub(crate) async fn chat_consumer(
     js: &jetstream::Context,
@@ -278,6 +283,24 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         claimed
     };
     match claimed {
+        // Parked by an earlier delivery of this job, whose ack was lost
+        // (or that died before it): the invocation lives in its record
+        // now. Its requests are said again; nothing reruns.
+        Claimed::Ours if delivery.attempt > 1 => match fleet.parked(&job.invocation_id).await {
+            Ok(Some((parked, _))) if parked.owner == owner(delivery) => {
+                parked.announce_again(fleet).await;
+                let _ = fleet.store.release_lease(&job.invocation_id, &holder).await;
+                ack(&msg).await;
+                return;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                warn!(invocation_id = %job.invocation_id, error = %e, "cannot tell whether the invocation is parked; the job will be delivered again");
+                let _ = fleet.store.release_lease(&job.invocation_id, &holder).await;
+                let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
+                return;
+            }
+        },
         Claimed::Ours => {}
         Claimed::Finished => {
             // Ended before; the ack was lost (an orchestrator or NATS node
@@ -457,7 +480,22 @@ pub(crate) async fn resume(
         claimed
     };
     match claimed {
-        Claimed::Ours => {}
+        Claimed::Ours => {
+            // Read again under the lease: another decision's run may have
+            // resumed (and parked again, or ended) while this one waited.
+            let current = fleet.parked(&id).await;
+            let same =
+                matches!(&current, Ok(Some((p, _))) if p.park_id == parked.park_id && p.decided());
+            if !same {
+                let _ = fleet.store.release_lease(&id, &holder).await;
+                if current.is_err() {
+                    let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
+                } else {
+                    ack(&msg).await;
+                }
+                return;
+            }
+        }
         Claimed::Finished | Claimed::Other(_) => {
             // Ended before (this decision's ack was lost), or the id was
             // taken by another job: nothing to resume.
@@ -498,8 +536,8 @@ pub(crate) async fn resume(
         span.record("trace_id", tid);
     }
     let job = parked.job.clone();
-    if delivery.attempt > MAX_CHAT_ATTEMPTS {
-        // Resumed that often without finishing: end it rather than try
+    if delivery.attempt > MAX_RESUME_DELIVERIES {
+        // Delivered that often without finishing: end it rather than try
         // forever.
         let events = Events::start_at(
             fleet.client.clone(),
@@ -511,7 +549,7 @@ pub(crate) async fn resume(
         events.finish(ChatEventBody::Error {
             code: "too_many_attempts".into(),
             message: format!(
-                "the resumed invocation was delivered {} times without finishing (an orchestrator stopped while running it each time)",
+                "the decision that resumes the invocation was delivered {} times without the invocation finishing (orchestrators stopped while running it, or the stores did not answer)",
                 delivery.attempt
             ),
         });
@@ -694,6 +732,10 @@ async fn run(
         Leg::Resume(p) => (now + p.remaining_ms, Duration::from_millis(p.remaining_ms)),
     };
     let resumed = matches!(leg, Leg::Resume(_));
+    let resumed_from = match &leg {
+        Leg::Resume(p) => Some(p.park_id.clone()),
+        Leg::Fresh { .. } => None,
+    };
     let left = Duration::from_millis(deadline_ms.saturating_sub(now));
     let cancel_check = crate::context::CancelCheck::default();
     let cancelled_early = cancelled_before_start(fleet, &id, &tenant, &cancel_check).await;
@@ -755,12 +797,24 @@ async fn run(
             parked.remaining_ms = deadline_ms.saturating_sub(toolfleet_protocol::now_ms());
             let requests = parked.requests(fleet);
             parked.next_seq = events.next_seq() + requests.len() as u64;
+            parked.resumed_from = resumed_from.clone();
             match fleet.keep_parked(&parked).await {
                 Ok(()) => {
                     for request in requests {
                         events.send(request);
                     }
                     events.close().await;
+                    // A cancel that came while it parked found neither a
+                    // run nor a record: end it now.
+                    if cancel.is_cancelled()
+                        || fleet
+                            .store
+                            .is_cancelled(&id, &tenant)
+                            .await
+                            .unwrap_or(false)
+                    {
+                        crate::approvals::cancel_parked(fleet, &id, &tenant).await;
+                    }
                     if let Err(e) = fleet.store.release_lease(&id, &holder).await {
                         warn!(invocation_id = %id, error = %e, "cannot give up the parked run's lease; its resumption waits for it to lapse");
                     }

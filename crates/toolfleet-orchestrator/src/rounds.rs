@@ -22,7 +22,7 @@ use toolfleet_protocol::{ChatEventBody, ToolStatus};
 
 use serde::{Deserialize, Serialize};
 
-use crate::approvals::{CallState, Park, ParkedCall, Resumed};
+use crate::approvals::{CallState, Hold, Park, ParkedCall, Resumed};
 use crate::dispatch::new_call_id;
 use crate::orchestrator::Ending;
 use crate::usage::ModelCall;
@@ -94,7 +94,11 @@ async fn resume(
         stop: state.stop,
     };
     let ours: Vec<ToolCall> = resumed.calls.iter().map(|c| c.call.clone()).collect();
-    let run: Vec<bool> = resumed.calls.iter().map(ParkedCall::approved).collect();
+    let run: Vec<bool> = resumed
+        .calls
+        .iter()
+        .map(ParkedCall::runs_on_resume)
+        .collect();
     let ran = run_turn(inv, &mut tools, &ours, &run, fleet, events).await;
     let mut outcomes = Vec::with_capacity(ours.len());
     for (parked, ran) in resumed.calls.into_iter().zip(ran) {
@@ -110,7 +114,7 @@ async fn resume(
                 "approval_denied",
                 crate::approvals::denied_message(reason.as_deref()),
             ),
-            (None, CallState::Held) => crate::dispatch::immediate(
+            (None, CallState::Held | CallState::After) => crate::dispatch::immediate(
                 fleet.metrics(),
                 events,
                 &parked.call,
@@ -353,17 +357,32 @@ async fn run_calls(
             ..c.clone()
         })
         .collect();
-    let held = crate::approvals::held_calls(inv, &ours);
-    let run: Vec<bool> = held.iter().map(|h| h.is_none()).collect();
-    let ran = run_turn(inv, tools, &ours, &run, fleet, events).await;
+    let holds = crate::approvals::held_calls(inv, &ours);
+    let run: Vec<bool> = holds.iter().map(|h| *h == Hold::Run).collect();
+    let mut ran = run_turn(inv, tools, &ours, &run, fleet, events).await;
+    for ((call, hold), ran) in ours.iter().zip(&holds).zip(ran.iter_mut()) {
+        if *hold == Hold::Refuse {
+            let tool =
+                crate::approvals::ParkedCall::new(inv, call.clone(), None, Hold::Refuse).tool;
+            *ran = Some(crate::dispatch::immediate_with(
+                fleet.metrics(),
+                events,
+                call,
+                &tool,
+                ToolStatus::Blocked,
+                "approval_unavailable",
+                crate::approvals::REFUSED_IN_AGENT.to_string(),
+            ));
+        }
+    }
     let model_ids: Vec<String> = completion.tool_calls.iter().map(|c| c.id.clone()).collect();
-    if held.iter().any(Option::is_some) {
+    if holds.contains(&Hold::Person) {
         record_spent(inv, tools, fleet);
         let calls = ours
             .into_iter()
             .zip(ran)
-            .zip(held)
-            .map(|((call, ran), held)| ParkedCall::new(inv, call, ran, held))
+            .zip(holds)
+            .map(|((call, ran), hold)| ParkedCall::new(inv, call, ran, hold))
             .collect();
         return Turn::Held(calls);
     }
