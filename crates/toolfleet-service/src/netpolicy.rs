@@ -1,4 +1,5 @@
-//! The SSRF policy: which URLs and addresses the web worker may reach.
+//! The SSRF policy: which URLs and addresses the web worker (and the
+//! orchestrator's webhook sinks) may reach.
 //!
 //! Every outbound request passes two gates. [`NetPolicy::check_url`] is
 //! syntactic and runs before anything else (it is also the worker's
