@@ -618,5 +618,6 @@ pub fn question(text: &str) -> ChatJob {
         traceparent: None,
         tools: Vec::new(),
         surface: None,
+        sink: None,
     }
 }
