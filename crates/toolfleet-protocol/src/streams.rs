@@ -195,14 +195,7 @@ pub async fn ensure_sinks_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<stream::Stream, StreamError> {
-    work_queue(
-        js,
-        subjects.sinks_stream(),
-        subjects.sink_all(),
-        None,
-        3600,
-    )
-    .await
+    work_queue(js, subjects.sinks_stream(), subjects.sink_all(), None, 3600).await
 }
 
 /// Creates the tool-job stream if it does not exist.

@@ -1531,7 +1531,10 @@ mod tests {
         assert_eq!(s.sink("acme", "inv-1"), "toolfleet.sink.acme.inv-1");
         assert_eq!(s.sink_all(), "toolfleet.sink.>");
         assert_eq!(s.sinks_stream(), "TOOLFLEET_SINKS");
-        assert_eq!(s.dead_letter(DeadLetterKind::Sink), "toolfleet.deadletter.sink");
+        assert_eq!(
+            s.dead_letter(DeadLetterKind::Sink),
+            "toolfleet.deadletter.sink"
+        );
         assert!(s.owns("toolfleet.chat.events.a.b"));
         assert!(s.owns("toolfleet"));
         assert!(!s.owns("toolfleetx.chat"));
@@ -1545,7 +1548,9 @@ mod tests {
             "messages": [{ "role": "user", "content": "hi" }],
             "sink": { "webhook": "https://hooks.example.com/x", "events": "all" }
         });
-        let parsed: ChatJob = Envelope::ChatJob.decode(job.to_string().as_bytes()).unwrap();
+        let parsed: ChatJob = Envelope::ChatJob
+            .decode(job.to_string().as_bytes())
+            .unwrap();
         let sink = parsed.sink.clone().unwrap();
         assert_eq!(sink.webhook.as_deref(), Some("https://hooks.example.com/x"));
         assert_eq!(sink.events, Some(SinkEvents::All));
