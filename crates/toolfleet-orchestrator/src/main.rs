@@ -24,6 +24,8 @@ struct Args {
     llm: LlmArgs,
     #[command(flatten)]
     telemetry: toolfleet_service::telemetry::TelemetryArgs,
+    #[command(flatten)]
+    sinks: toolfleet_orchestrator::sinks::SinkArgs,
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     max_in_flight: usize,
@@ -50,6 +52,7 @@ async fn main() -> anyhow::Result<()> {
     let profiles = args::or_exit(a.llm.fleet_config().map_err(Into::into));
     let mut config = OrchestratorConfig::new(subjects, profiles);
     config.max_in_flight = a.max_in_flight;
+    config.sinks = a.sinks.settings();
     if let Some(path) = &a.tool_compat {
         let compat = args::or_exit(
             toolfleet_protocol::registry::CompatFile::load(path).map_err(anyhow::Error::from),
