@@ -190,6 +190,17 @@ fn assert_signed(r: &Received, secret: &str) {
     assert_eq!(r.headers["content-type"], "application/json");
 }
 
+/// Submits `job` and returns the events its client saw but the deltas:
+/// what a sink with `events = "all"` receives.
+async fn non_delta_events(env: &Env, job: &ChatJob) -> Vec<Value> {
+    let mut events = env.follow_and_submit(job).await;
+    support::events_until_terminal(&mut events)
+        .await
+        .into_iter()
+        .filter(|e| e["type"] != "delta")
+        .collect()
+}
+
 fn event_id(r: &Received) -> String {
     r.headers["toolfleet-event-id"].to_str().unwrap().to_owned()
 }
@@ -260,12 +271,7 @@ async fn a_signed_webhook_gets_the_final_event_or_every_event() {
         None,
         SinkEvents::All,
     );
-    let mut events = env.follow_and_submit(&job).await;
-    let seen: Vec<Value> = support::events_until_terminal(&mut events)
-        .await
-        .into_iter()
-        .filter(|e| e["type"] != "delta")
-        .collect();
+    let seen = non_delta_events(&env, &job).await;
     assert!(seen.len() >= 2, "{seen:?}");
     let got = receiver.wait_until(|g| g.len() > seen.len()).await;
     let mut mine: Vec<&Received> = got
@@ -354,12 +360,7 @@ async fn a_relay_on_another_prefix_receives_the_events() {
         Some("partner.answers.eu"),
         SinkEvents::All,
     );
-    let mut events = env.follow_and_submit(&job).await;
-    let seen: Vec<Value> = support::events_until_terminal(&mut events)
-        .await
-        .into_iter()
-        .filter(|e| e["type"] != "delta")
-        .collect();
+    let seen = non_delta_events(&env, &job).await;
     let mut got = Vec::new();
     while got.len() < seen.len() {
         let msg = tokio::time::timeout(WAIT, relayed.next())
