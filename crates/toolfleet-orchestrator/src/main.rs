@@ -53,6 +53,12 @@ async fn main() -> anyhow::Result<()> {
     let mut config = OrchestratorConfig::new(subjects, profiles);
     config.max_in_flight = a.max_in_flight;
     config.sinks = a.sinks.settings();
+    // A configured sink the policy refuses stops the start (exit 64).
+    args::or_exit(
+        (config.sinks)
+            .check_config(&config.subjects, &config.profiles.sinks, &*config.env)
+            .map_err(anyhow::Error::msg),
+    );
     if let Some(path) = &a.tool_compat {
         let compat = args::or_exit(
             toolfleet_protocol::registry::CompatFile::load(path).map_err(anyhow::Error::from),
