@@ -459,27 +459,27 @@ pub(crate) async fn enqueue(
     payload: &bytes::Bytes,
 ) {
     let js = jetstream::new(client.clone());
-    for (i, destination) in route.destinations.iter().enumerate() {
+    for destination in &route.destinations {
+        // No `Nats-Msg-Id`: nothing publishes a routed event twice, and
+        // the rerun of a crashed invocation numbers its events from 0
+        // again, so an id made of the seq would drop its events.
         let mut h = async_nats::HeaderMap::new();
         h.insert(headers::SINK, destination.encode().as_str());
-        h.insert(
-            headers::NATS_MSG_ID,
-            format!("sink-{invocation_id}-{seq}-{i}").as_str(),
-        );
         match js
             .publish_with_headers(subject.to_owned(), h, payload.clone())
             .await
         {
             Ok(ack) => {
                 let kind = destination.kind();
+                let invocation_id = invocation_id.to_owned();
                 tokio::spawn(async move {
                     if let Err(e) = ack.await {
-                        warn!(error = %e, kind, seq, "the sinks stream did not confirm a routed event; its sink may miss it");
+                        warn!(error = %e, kind, invocation_id, seq, "the sinks stream did not confirm a routed event; its sink may miss it");
                     }
                 });
             }
             Err(e) => {
-                warn!(error = %e, kind = destination.kind(), seq, "cannot queue a routed event for its sink");
+                warn!(error = %e, kind = destination.kind(), invocation_id, seq, "cannot queue a routed event for its sink");
             }
         }
     }
