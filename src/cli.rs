@@ -1374,6 +1374,15 @@ async fn deadletters(command: DeadlettersCommand) -> anyhow::Result<i32> {
                     }
                     subjects.tool(&id)
                 }
+                toolfleet_protocol::DeadLetterKind::Sink => {
+                    // The event went out on NATS; only its sink missed it,
+                    // and a sink's delivery is not a job to submit again.
+                    eprintln!(
+                        "dead letter {seq} is a sink delivery (its event is in `job`): \
+                         not replayable"
+                    );
+                    return Ok(1);
+                }
                 toolfleet_protocol::DeadLetterKind::Chat => {
                     // The tenant is the submit subject's, which a dead
                     // letter does not keep: the operator names it.

@@ -24,6 +24,7 @@ mod runtime;
 mod scoping;
 mod secrets;
 mod security;
+mod sinks;
 mod support;
 mod traces;
 

@@ -57,6 +57,12 @@
 //! | `policy.parallel_tool_calls` | bool, `true` | let the model ask for several tools at once and run them in parallel (tools not marked `parallelSafe` still run one at a time) |
 //! | `policy.max_calls_per_turn` | 1..=128, `8` | tool calls run per model turn; calls beyond it get an error result |
 //! | `policy.max_tool_result_tokens` | 64..=1000000 or `"off"`, `4000` | cap on one tool result, in the model's tokens ([`crate::budget`]) |
+//! | `sink` | sink name, none | the `[sinks.<name>]` this profile's events also go to (a chat job's own `sink` wins) |
+//! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to; names are `[A-Za-z0-9_.-]+` |
+//! | `sinks.<name>.url` | https URL, none | the webhook each routed event is POSTed to, signed (HMAC-SHA256); no credentials in it; the orchestrator's SSRF policy applies at start and at every delivery |
+//! | `sinks.<name>.secret_env` | env var name, required with `url` | the variable holding the signing secret (never the secret itself) |
+//! | `sinks.<name>.events` | `"final"` (default) or `"all"` | the terminal event only, or every event but the deltas |
+//! | `sinks.<name>.relay` | NATS subject, none | a subject on another prefix the events are published to (no wildcards; not under the fleet's prefix, checked at the orchestrator's start) |
 //! | `policy.on_truncated_tool_call` | `"error"` (default) or `"ask_again"` | a tool call cut by the output limit: end with an error, or ask the model again |
 //! | `policy.context_budget_tokens` | 1000..=2000000 or `"off"`, `"off"` | before a model call, a conversation over this many tokens (the model's encoding) has its older turns replaced by a summary made with the `llm:summarize` tool, down to about half of it; a `compacted` event says what was saved |
 //! | `[prices."<model>"]` | table | USD per million tokens, for cost in `completed` events and metrics |
@@ -155,6 +161,99 @@ pub struct FleetConfig {
     /// `{source}` and `{title}` replaced (percent-encoded). Uploaded
     /// documents (`document`) never get one.
     pub links: BTreeMap<String, String>,
+    /// Named sinks a profile may route its answers to (`[sinks.<name>]`).
+    pub sinks: BTreeMap<String, SinkConfig>,
+}
+
+/// A named sink (`[sinks.<name>]`): a webhook, a relay subject, or both.
+/// The secret is never in the file: `secret_env` names the variable.
+#[derive(Clone, Debug, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SinkConfig {
+    /// The webhook the events are POSTed to (https; http only when the
+    /// orchestrator allows it for tests).
+    #[serde(default)]
+    pub url: Option<String>,
+    /// The environment variable holding the webhook's signing secret;
+    /// required with `url`.
+    #[serde(default)]
+    pub secret_env: Option<String>,
+    /// Only the terminal event (`final`, the default) or all but deltas.
+    #[serde(default)]
+    pub events: toolfleet_protocol::SinkEvents,
+    /// A NATS subject on another prefix the events are published to.
+    #[serde(default)]
+    pub relay: Option<String>,
+}
+
+impl SinkConfig {
+    fn validate(&self, at: &str) -> Result<(), (String, String)> {
+        if self.url.is_none() && self.relay.is_none() {
+            return Err((at.to_owned(), "names neither `url` nor `relay`".to_owned()));
+        }
+        if let Some(raw) = &self.url {
+            let url = Url::parse(raw)
+                .map_err(|e| (format!("{at}.url"), format!("{raw:?} is not a URL ({e})")))?;
+            if !matches!(url.scheme(), "https" | "http") || url.host_str().is_none() {
+                return Err((
+                    format!("{at}.url"),
+                    "must be an https:// URL with a host".to_owned(),
+                ));
+            }
+            if !url.username().is_empty() || url.password().is_some() {
+                return Err((
+                    format!("{at}.url"),
+                    "must not hold credentials (user:password@)".to_owned(),
+                ));
+            }
+            match &self.secret_env {
+                None => {
+                    return Err((
+                        format!("{at}.secret_env"),
+                        "a webhook is always signed: name the environment variable that holds \
+                         its secret"
+                            .to_owned(),
+                    ));
+                }
+                Some(name) if !valid_env_name(name) => {
+                    return Err((
+                        format!("{at}.secret_env"),
+                        format!(
+                            "{name:?} is not an environment variable name ([A-Za-z_][A-Za-z0-9_]*)"
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+        } else if self.secret_env.is_some() {
+            return Err((
+                format!("{at}.secret_env"),
+                "only a webhook (`url`) is signed".to_owned(),
+            ));
+        }
+        if let Some(relay) = &self.relay {
+            let tokens_ok = !relay.is_empty()
+                && relay.split('.').all(|t| {
+                    !t.is_empty() && t != "*" && t != ">" && !t.chars().any(char::is_whitespace)
+                });
+            if !tokens_ok {
+                return Err((
+                    format!("{at}.relay"),
+                    format!("{relay:?} is not a NATS subject without wildcards"),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// `[A-Za-z_][A-Za-z0-9_]*`.
+fn valid_env_name(name: &str) -> bool {
+    let mut chars = name.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
 }
 
 /// Default of [`FleetConfig::max_agent_depth`].
@@ -178,6 +277,8 @@ struct FileConfig {
     max_agent_depth: u32,
     #[serde(default)]
     links: BTreeMap<String, String>,
+    #[serde(default)]
+    sinks: BTreeMap<String, SinkConfig>,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -238,6 +339,7 @@ impl FleetConfig {
             prices: file.prices,
             max_agent_depth: file.max_agent_depth,
             links: file.links,
+            sinks: file.sinks,
         };
         config.validate().map_err(|(key, message)| ConfigError {
             kind: ConfigErrorKind::Invalid,
@@ -259,6 +361,7 @@ impl FleetConfig {
             prices: PriceTable::default(),
             max_agent_depth: DEFAULT_MAX_AGENT_DEPTH,
             links: BTreeMap::new(),
+            sinks: BTreeMap::new(),
         }
     }
 
@@ -447,6 +550,24 @@ impl FleetConfig {
                     format!(
                         "agent tool {:?} is already the agent of profile {other:?}",
                         agent.name
+                    ),
+                ));
+            }
+        }
+        for (name, sink) in &self.sinks {
+            let at = format!("sinks.{}", key_segment(name));
+            check_name(name).map_err(|m| (at.clone(), m))?;
+            sink.validate(&at)?;
+        }
+        for (name, profile) in &self.profiles {
+            if let Some(sink) = &profile.sink
+                && !self.sinks.contains_key(sink)
+            {
+                return Err((
+                    format!("profiles.{}.sink", key_segment(name)),
+                    format!(
+                        "no sink named {sink:?} (sinks: {})",
+                        names(self.sinks.keys())
                     ),
                 ));
             }
@@ -1115,6 +1236,9 @@ pub struct Profile {
     /// How long a parked invocation waits for its approvals before it ends
     /// with `approval_timeout`, in ms.
     pub approval_timeout_ms: u64,
+    /// The named sink (`[sinks.<name>]`) this profile's answers also go
+    /// to; a chat job's own `sink` wins over it.
+    pub sink: Option<String>,
 }
 
 /// Default of [`Profile::approval_timeout_ms`]: one hour.
@@ -1184,6 +1308,8 @@ struct RawProfile {
     require_approval: Vec<ToolRef>,
     #[serde(default = "default_approval_timeout_ms")]
     approval_timeout_ms: u64,
+    #[serde(default)]
+    sink: Option<String>,
 }
 
 fn default_orchestrator() -> String {
@@ -1220,6 +1346,7 @@ impl TryFrom<RawProfile> for Profile {
             agent: raw.agent,
             require_approval: raw.require_approval,
             approval_timeout_ms: raw.approval_timeout_ms,
+            sink: raw.sink,
         })
     }
 }
@@ -1243,6 +1370,7 @@ impl Profile {
             agent: None,
             require_approval: Vec::new(),
             approval_timeout_ms: DEFAULT_APPROVAL_TIMEOUT_MS,
+            sink: None,
         }
     }
 
@@ -1878,6 +2006,89 @@ deployments = ["a", "nokey", "b"]
 
     fn parse_err(text: &str) -> ConfigError {
         parse(text).expect_err("the config should be refused")
+    }
+
+    #[test]
+    fn sinks_are_parsed_and_checked_with_the_key_path() {
+        const DEPLOYMENT: &str =
+            "[deployments.local]\nbase_url = \"http://127.0.0.1:11434/v1\"\nmodel = \"m\"\n";
+        let ok = parse(&format!(
+            r#"{DEPLOYMENT}
+            [profiles.default]
+            deployment = "local"
+            sink = "acme"
+            [sinks.acme]
+            url = "https://hooks.acme.example/toolfleet"
+            secret_env = "TOOLFLEET_SINK_ACME_SECRET"
+            events = "all"
+            [sinks.bus]
+            relay = "acme.answers"
+            "#
+        ))
+        .expect("a config with sinks");
+        assert_eq!(ok.profiles["default"].sink.as_deref(), Some("acme"));
+        let acme = &ok.sinks["acme"];
+        assert_eq!(acme.events, toolfleet_protocol::SinkEvents::All);
+        assert_eq!(
+            acme.secret_env.as_deref(),
+            Some("TOOLFLEET_SINK_ACME_SECRET")
+        );
+        assert_eq!(
+            ok.sinks["bus"].events,
+            toolfleet_protocol::SinkEvents::Final
+        );
+        assert_eq!(ok.sinks["bus"].relay.as_deref(), Some("acme.answers"));
+
+        for (sink, key, says) in [
+            ("", "sinks.s", "neither"),
+            (
+                "url = \"https://h.example/x\"",
+                "sinks.s.secret_env",
+                "always signed",
+            ),
+            (
+                "url = \"https://h.example/x\"\nsecret_env = \"1BAD\"",
+                "sinks.s.secret_env",
+                "not an environment",
+            ),
+            (
+                "url = \"ftp://h.example/x\"\nsecret_env = \"S\"",
+                "sinks.s.url",
+                "https",
+            ),
+            (
+                "url = \"https://u:p@h.example/x\"\nsecret_env = \"S\"",
+                "sinks.s.url",
+                "credentials",
+            ),
+            (
+                "url = \"not a url\"\nsecret_env = \"S\"",
+                "sinks.s.url",
+                "not a URL",
+            ),
+            ("relay = \"acme.*\"", "sinks.s.relay", "wildcards"),
+            ("relay = \"acme..x\"", "sinks.s.relay", "wildcards"),
+            (
+                "relay = \"a.b\"\nsecret_env = \"S\"",
+                "sinks.s.secret_env",
+                "only a webhook",
+            ),
+        ] {
+            let e = parse_err(&format!(
+                "{DEPLOYMENT}\n[profiles.default]\ndeployment = \"local\"\n[sinks.s]\n{sink}\n"
+            ));
+            assert_eq!(e.key.as_deref(), Some(key), "{sink}: {e}");
+            assert!(e.to_string().contains(says), "{sink}: {e}");
+        }
+        let e = parse_err(&format!(
+            "{DEPLOYMENT}\n[profiles.default]\ndeployment = \"local\"\nsink = \"nope\"\n"
+        ));
+        assert_eq!(e.key.as_deref(), Some("profiles.default.sink"), "{e}");
+        assert!(e.to_string().contains("no sink named"), "{e}");
+        let e = parse_err(&format!(
+            "{DEPLOYMENT}\n[profiles.default]\ndeployment = \"local\"\n[sinks.s]\nrelay = \"a.b\"\nsecret = \"x\"\n"
+        ));
+        assert_eq!(e.kind(), ConfigErrorKind::Parse, "{e}");
     }
 
     const MINIMAL: &str = r#"

@@ -203,6 +203,8 @@ pub async fn run_agent_call(
         traceparent: inv.job.traceparent.clone(),
         tools: Vec::new(),
         surface: Some(AGENT_SURFACE.to_string()),
+        // A nested job answers its caller, not the caller's sinks.
+        sink: None,
     };
     let mut h = async_nats::HeaderMap::new();
     h.insert(headers::PARENT_INVOCATION, inv.job.invocation_id.as_str());

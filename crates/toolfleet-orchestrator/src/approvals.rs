@@ -850,6 +850,14 @@ pub(crate) async fn resume(
     events: &Events,
     cancel_check: &crate::context::CancelCheck,
 ) -> Result<crate::orchestrator::Finished, Failure> {
+    // Rebuilt first, so the invocation's sinks hear the decisions and the
+    // end too; an invocation that only ends needs no rebuilding to.
+    let rebuilt = rebuild(fleet, &parked, deadline_ms);
+    if let Ok((inv, _)) = &rebuilt
+        && let Ok(Some(route)) = crate::sinks::route_for(fleet, inv)
+    {
+        events.route(route);
+    }
     let mut timed_out = false;
     for call in &parked.calls {
         if let CallState::Decided {
@@ -912,7 +920,7 @@ pub(crate) async fn resume(
             ),
         ));
     }
-    let (mut inv, resumed) = rebuild(fleet, parked, deadline_ms)?;
+    let (mut inv, resumed) = rebuilt?;
     inv.cancel_check = cancel_check.clone();
     let orchestrator = crate::orchestrator::orchestrator_of(fleet, &inv)?;
     let ending = orchestrator
@@ -926,10 +934,11 @@ pub(crate) async fn resume(
 /// tools, usage and citations as they were.
 fn rebuild(
     fleet: &Fleet,
-    parked: Parked,
+    parked: &Parked,
     deadline_ms: u64,
 ) -> Result<(Invocation, Resumed), Failure> {
-    let mut inv = crate::context::build(fleet, parked.job, deadline_ms, parked.agent_depth)?;
+    let mut inv =
+        crate::context::build(fleet, parked.job.clone(), deadline_ms, parked.agent_depth)?;
     while inv.profile.deployment_name != parked.deployment {
         match inv.profile.next_deployment("parked on a later deployment") {
             Some(next) => inv.profile = next,
@@ -939,7 +948,7 @@ fn rebuild(
     if inv.profile.deployment_name != parked.deployment {
         inv = crate::context::build(fleet, inv.job, deadline_ms, parked.agent_depth)?;
     }
-    inv.messages = parked.messages;
+    inv.messages = parked.messages.clone();
     inv.tools = parked
         .offered
         .iter()
@@ -952,12 +961,12 @@ fn rebuild(
                 .cloned()
         })
         .collect();
-    inv.usage = parked.usage;
-    inv.citations = parked.citations;
+    inv.usage = parked.usage.clone();
+    inv.citations = parked.citations.clone();
     let resumed = Resumed {
-        model_call_ids: parked.model_call_ids,
-        calls: parked.calls,
-        state: parked.state,
+        model_call_ids: parked.model_call_ids.clone(),
+        calls: parked.calls.clone(),
+        state: parked.state.clone(),
     };
     Ok((inv, resumed))
 }

@@ -107,7 +107,7 @@ impl CancelCheck {
 /// them — never read back from the store, so a reference some other job
 /// wrote under this invocation's id, a dead earlier run's, or one Redis
 /// lost, cannot reach `completed`.
-#[derive(Debug, Default, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Default, Clone, serde::Serialize, serde::Deserialize)]
 pub struct Citations {
     by_index: BTreeMap<u64, Reference>,
     /// The highest index already sent in a `references` event.

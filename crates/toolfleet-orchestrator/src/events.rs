@@ -33,6 +33,8 @@ pub struct Events {
     /// order they are sent).
     next_seq: std::sync::atomic::AtomicU64,
     task: tokio::task::JoinHandle<(Option<bytes::Bytes>, u64)>,
+    /// Where the routed events also go, once [`route`](Self::route)d.
+    route: std::sync::Arc<std::sync::OnceLock<crate::sinks::Route>>,
 }
 
 impl Events {
@@ -60,8 +62,11 @@ impl Events {
     ) -> Self {
         let subject = subjects.chat_events(tenant, invocation_id);
         let history = subjects.chat_history(tenant, invocation_id);
+        let sink = subjects.sink(tenant, invocation_id);
         let invocation_id = invocation_id.to_string();
         let (tx, mut rx) = mpsc::unbounded_channel::<Box<ChatEventBody>>();
+        let route = std::sync::Arc::new(std::sync::OnceLock::<crate::sinks::Route>::new());
+        let routed = route.clone();
         let task = tokio::spawn(async move {
             let connects = || {
                 client
@@ -88,6 +93,17 @@ impl Events {
                 {
                     warn!(error = %e, "cannot publish a chat event to the history");
                 }
+                if let Some(route) = routed.get().filter(|r| !is_delta && r.takes(is_terminal)) {
+                    Box::pin(crate::sinks::enqueue(
+                        &client,
+                        &sink,
+                        route,
+                        &invocation_id,
+                        seq - 1,
+                        &payload,
+                    ))
+                    .await;
+                }
                 if is_terminal {
                     terminal = Some(payload.clone());
                     // Boxed: the task waits on its channel for the whole
@@ -107,7 +123,14 @@ impl Events {
             tx,
             next_seq: std::sync::atomic::AtomicU64::new(first_seq),
             task,
+            route,
         }
+    }
+
+    /// Routes the events published from now on to `route`'s sinks as
+    /// well (once: a second route is ignored).
+    pub(crate) fn route(&self, route: crate::sinks::Route) {
+        let _ = self.route.set(route);
     }
 
     /// Queues an event; it is published after every event sent before it.

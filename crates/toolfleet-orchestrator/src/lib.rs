@@ -43,6 +43,8 @@
 //!   NATS server's size limits.
 //! - [`fleet`]: [`Fleet`], what every invocation shares.
 //! - [`metrics`]: the orchestrator's Prometheus metrics.
+//! - [`sinks`]: response routing — a job's or profile's webhook and relay
+//!   sinks, and the relay every orchestrator runs on the sinks stream.
 //!
 //! # Invariants
 //!
@@ -84,6 +86,7 @@ mod replies;
 pub mod rounds;
 pub mod scope;
 pub mod scoping;
+pub mod sinks;
 pub mod usage;
 
 pub use catalog::LiveCatalog;
@@ -129,6 +132,8 @@ pub struct OrchestratorConfig {
     /// Recommended models per tool (`--tool-compat`), joined to the
     /// registry on every rebuild.
     pub compat: Option<Arc<toolfleet_protocol::registry::CompatFile>>,
+    /// Webhook and relay sinks: retries, SSRF exceptions, allowed relays.
+    pub sinks: sinks::SinkSettings,
     /// Orchestrators by the name a profile gives; [`Agentic`] is
     /// registered as [`DEFAULT_ORCHESTRATOR`].
     orchestrators: BTreeMap<String, Arc<dyn Orchestrator>>,
@@ -160,6 +165,7 @@ impl OrchestratorConfig {
             catalog_refresh: Duration::from_secs(2),
             catalog_wait: Duration::from_millis(250),
             compat: None,
+            sinks: sinks::SinkSettings::default(),
             orchestrators: BTreeMap::new(),
         };
         config.register_orchestrator(DEFAULT_ORCHESTRATOR, Agentic);
@@ -285,6 +291,10 @@ pub async fn run_with_ready(
     }
     let js = jetstream::new(client.clone());
     let consumer = intake::chat_consumer(&js, &config.subjects).await?;
+    (config.sinks)
+        .check_config(&config.subjects, &config.profiles.sinks, &*config.env)
+        .map_err(OrchestratorError::Config)?;
+    let sink_consumer = sinks::consumer(&js, &config.subjects, &config.sinks).await?;
     let cancel_sub = client
         .subscribe(config.subjects.chat_cancel_all())
         .await
@@ -339,6 +349,11 @@ pub async fn run_with_ready(
     tracker.spawn(pools::watch(
         fleet.clone(),
         fleet.config.catalog_refresh,
+        shutdown.clone(),
+    ));
+    tracker.spawn(sinks::relay::run(
+        fleet.clone(),
+        sink_consumer,
         shutdown.clone(),
     ));
     tracker.spawn(intake::listen_for_cancels(

@@ -24,6 +24,8 @@ struct Args {
     llm: LlmArgs,
     #[command(flatten)]
     telemetry: toolfleet_service::telemetry::TelemetryArgs,
+    #[command(flatten)]
+    sinks: toolfleet_orchestrator::sinks::SinkArgs,
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     max_in_flight: usize,
@@ -50,6 +52,13 @@ async fn main() -> anyhow::Result<()> {
     let profiles = args::or_exit(a.llm.fleet_config().map_err(Into::into));
     let mut config = OrchestratorConfig::new(subjects, profiles);
     config.max_in_flight = a.max_in_flight;
+    config.sinks = a.sinks.settings();
+    // A configured sink the policy refuses stops the start (exit 64).
+    args::or_exit(
+        (config.sinks)
+            .check_config(&config.subjects, &config.profiles.sinks, &*config.env)
+            .map_err(anyhow::Error::msg),
+    );
     if let Some(path) = &a.tool_compat {
         let compat = args::or_exit(
             toolfleet_protocol::registry::CompatFile::load(path).map_err(anyhow::Error::from),

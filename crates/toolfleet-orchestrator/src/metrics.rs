@@ -76,6 +76,8 @@ pub struct OrchestratorMetrics {
     pub registry_build: Histogram,
     /// Tool calls naming no offered tool (answered with suggestions).
     pub unknown_tool_calls: prometheus::IntCounter,
+    /// Sink deliveries (webhooks, relays).
+    pub sinks: crate::sinks::SinkMetrics,
     /// `toolfleet_dead_letters_total`, shared with the workers of the
     /// process; the orchestrator counts `kind="chat"`.
     pub dead_letters: IntCounterVec,
@@ -191,6 +193,7 @@ impl OrchestratorMetrics {
         )?;
         // The first dead letter must be an increase.
         dead_letters.with_label_values(&["chat", ""]);
+        dead_letters.with_label_values(&["sink", ""]);
         let chat_jobs = counter(
             r,
             "toolfleet_chat_jobs_total",
@@ -329,6 +332,7 @@ impl OrchestratorMetrics {
                 "Tool call round trip as the orchestrator sees it.",
                 &["tool"],
             )?,
+            sinks: crate::sinks::SinkMetrics::register(r)?,
             dead_letters,
         })
     }

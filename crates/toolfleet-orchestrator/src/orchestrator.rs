@@ -137,6 +137,9 @@ pub(crate) async fn invoke(
     cancel_check: &context::CancelCheck,
 ) -> Result<Finished, Failure> {
     let mut inv = context::build(fleet, job, deadline_ms, agent_depth)?;
+    if let Some(route) = crate::sinks::route_for(fleet, &inv)? {
+        events.route(route);
+    }
     inv.cancel_check = cancel_check.clone();
     let scoping = crate::scope::choose(fleet, &mut inv).await;
     let orchestrator = orchestrator_of(fleet, &inv)?;

@@ -625,5 +625,6 @@ pub fn question(text: &str) -> ChatJob {
         traceparent: None,
         tools: Vec::new(),
         surface: None,
+        sink: None,
     }
 }

@@ -248,6 +248,18 @@ pub async fn ensure_dead_letters_stream(
     .await
 }
 
+/// Creates the sinks stream if it does not exist: a work queue over
+/// `<prefix>.sink.>`, where an orchestrator puts the events of an
+/// invocation with a sink (one message per event and destination) and the
+/// orchestrators' relay takes them. A delivery is retried for minutes at
+/// most: an hour covers it.
+pub async fn ensure_sinks_stream(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<stream::Stream, StreamError> {
+    work_queue(js, subjects.sinks_stream(), subjects.sink_all(), None, 3600).await
+}
+
 /// Creates the tool-job stream if it does not exist.
 pub async fn ensure_tools_stream(
     js: &jetstream::Context,

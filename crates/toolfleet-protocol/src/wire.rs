@@ -62,6 +62,16 @@ pub mod headers {
     pub const AGENT_DEPTH: &str = "Toolfleet-Agent-Depth";
     pub const TRACEPARENT: &str = "traceparent";
     pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
+    /// On a message of the sinks stream: where the event it carries goes
+    /// (one destination, as JSON; the orchestrator's `sinks` module reads
+    /// and writes it).
+    pub const SINK: &str = "Toolfleet-Sink";
+    /// On a webhook POST and a relayed event: `<invocationId>:<seq>`, the
+    /// same for every retry of one event (a receiver's idempotency key).
+    pub const EVENT_ID: &str = "Toolfleet-Event-Id";
+    /// On a webhook POST: `t=<unix seconds>,v1=<hex HMAC-SHA256 of
+    /// "<t>.<body>">` with the sink's secret.
+    pub const SIGNATURE: &str = "Toolfleet-Signature";
 }
 
 /// Why a message could not be understood.
@@ -186,6 +196,33 @@ impl Subjects {
 
     pub fn chat_history_all(&self) -> String {
         format!("{}.chat.history.>", self.prefix)
+    }
+
+    /// An invocation's events bound for its sinks (webhook, relay): only
+    /// those of an invocation with a sink, captured by the sinks stream.
+    pub fn sink(&self, tenant: &str, invocation_id: &str) -> String {
+        format!("{}.sink.{tenant}.{invocation_id}", self.prefix)
+    }
+
+    pub fn sink_all(&self) -> String {
+        format!("{}.sink.>", self.prefix)
+    }
+
+    /// The work-queue stream of events bound for sinks (`TOOLFLEET_SINKS`).
+    pub fn sinks_stream(&self) -> String {
+        format!("{}_SINKS", self.stream_stem())
+    }
+
+    /// The durable consumer on the sinks stream every orchestrator shares.
+    pub fn sinks_consumer(&self) -> String {
+        "sinks".to_string()
+    }
+
+    /// Whether `subject` is under this fleet's prefix (one of its own).
+    pub fn owns(&self, subject: &str) -> bool {
+        subject
+            .strip_prefix(self.prefix.as_str())
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
     }
 
     pub fn chat_events_all(&self) -> String {
@@ -809,6 +846,48 @@ pub struct ChatJob {
     /// only on the surfaces it names.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub surface: Option<String>,
+    /// Where the invocation's events also go, besides NATS: a webhook
+    /// and/or a relay subject on another prefix (over the profile's sink).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sink: Option<SinkRequest>,
+}
+
+/// A chat job's own sink (`sink` in `schemas/chat_job.schema.json`): at
+/// least one of `webhook` and `relay`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SinkRequest {
+    /// An `https://` URL the events are POSTed to, signed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webhook: Option<String>,
+    /// A NATS subject outside the fleet's prefix the events are published
+    /// to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub relay: Option<String>,
+    /// Which events: only the terminal one (the default) or all but the
+    /// deltas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub events: Option<SinkEvents>,
+}
+
+/// Which of an invocation's events a sink receives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SinkEvents {
+    /// Only the terminal event (`completed` or `error`).
+    #[default]
+    Final,
+    /// Every event but the deltas, the terminal one included.
+    All,
+}
+
+impl SinkEvents {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SinkEvents::Final => "final",
+            SinkEvents::All => "all",
+        }
+    }
 }
 
 /// The surface of a chat job that names none.
@@ -1167,6 +1246,8 @@ pub enum ToolReply {
 pub enum DeadLetterKind {
     Tool,
     Chat,
+    /// An event a webhook or relay sink could not take.
+    Sink,
 }
 
 impl DeadLetterKind {
@@ -1174,6 +1255,7 @@ impl DeadLetterKind {
         match self {
             DeadLetterKind::Tool => "tool",
             DeadLetterKind::Chat => "chat",
+            DeadLetterKind::Sink => "sink",
         }
     }
 }
@@ -1439,6 +1521,54 @@ mod tests {
                 Subjects::new(bad),
                 Err(ProtocolError::BadPrefix(bad.into())),
                 "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn sink_subjects_and_ownership() {
+        let s = Subjects::new("toolfleet").unwrap();
+        assert_eq!(s.sink("acme", "inv-1"), "toolfleet.sink.acme.inv-1");
+        assert_eq!(s.sink_all(), "toolfleet.sink.>");
+        assert_eq!(s.sinks_stream(), "TOOLFLEET_SINKS");
+        assert_eq!(
+            s.dead_letter(DeadLetterKind::Sink),
+            "toolfleet.deadletter.sink"
+        );
+        assert!(s.owns("toolfleet.chat.events.a.b"));
+        assert!(s.owns("toolfleet"));
+        assert!(!s.owns("toolfleetx.chat"));
+        assert!(!s.owns("other.toolfleet.x"));
+    }
+
+    #[test]
+    fn a_chat_job_sink_round_trips_and_is_checked_by_the_schema() {
+        let job = serde_json::json!({
+            "invocationId": "inv-1",
+            "messages": [{ "role": "user", "content": "hi" }],
+            "sink": { "webhook": "https://hooks.example.com/x", "events": "all" }
+        });
+        let parsed: ChatJob = Envelope::ChatJob
+            .decode(job.to_string().as_bytes())
+            .unwrap();
+        let sink = parsed.sink.clone().unwrap();
+        assert_eq!(sink.webhook.as_deref(), Some("https://hooks.example.com/x"));
+        assert_eq!(sink.events, Some(SinkEvents::All));
+        assert_eq!(serde_json::to_value(&parsed).unwrap(), job);
+        for bad in [
+            serde_json::json!({}),
+            serde_json::json!({ "events": "final" }),
+            serde_json::json!({ "relay": "other.*" }),
+            serde_json::json!({ "webhook": "https://x", "events": "some" }),
+            serde_json::json!({ "webhook": "https://x", "secret": "s" }),
+        ] {
+            let mut job = job.clone();
+            job["sink"] = bad.clone();
+            assert!(
+                Envelope::ChatJob
+                    .decode::<ChatJob>(job.to_string().as_bytes())
+                    .is_err(),
+                "{bad}"
             );
         }
     }

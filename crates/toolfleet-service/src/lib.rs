@@ -16,11 +16,14 @@
 //! - [`jobs`]: bounded pulling from a durable JetStream consumer, and
 //!   in-progress acks for long jobs.
 //! - [`serve`]: serve until a signal, then drain within a grace period.
+//! - [`netpolicy`]: the SSRF policy (the URL gate and the address gate)
+//!   shared by the web worker and the orchestrator's webhook sinks.
 
 pub mod args;
 pub mod health;
 pub mod jobs;
 pub mod metrics;
+pub mod netpolicy;
 pub mod poison;
 pub mod redis_args;
 pub mod serve;

@@ -17,7 +17,9 @@
 
 pub mod html;
 pub mod net;
-pub mod policy;
+/// The SSRF policy lives in the service crate, shared with the
+/// orchestrator's webhook sinks; the family reaches it through the SDK.
+pub use toolfleet_worker::service::netpolicy as policy;
 pub mod search;
 pub mod tools;
 

@@ -138,6 +138,7 @@ fn net_policy(s: &ToolSettings) -> Result<NetPolicy, SettingsError> {
     let hosts: Vec<String> = required(s, "allowHosts")?;
     Ok(NetPolicy {
         allowed_ports: required(s, "allowedPorts")?,
+        any_port: false,
         allow_hosts: hosts
             .iter()
             .map(|h| h.trim().to_ascii_lowercase())

@@ -1,4 +1,5 @@
-//! The SSRF policy: which URLs and addresses the web worker may reach.
+//! The SSRF policy: which URLs and addresses the web worker (and the
+//! orchestrator's webhook sinks) may reach.
 //!
 //! Every outbound request passes two gates. [`NetPolicy::check_url`] is
 //! syntactic and runs before anything else (it is also the worker's
@@ -33,6 +34,9 @@ pub const MAX_URL_CHARS: usize = 2048;
 pub struct NetPolicy {
     /// Ports a URL may name (its scheme's default when it names none).
     pub allowed_ports: Vec<u16>,
+    /// Every port passes (the orchestrator's webhook sinks: a receiver's
+    /// port is its own; the address gate guards the network).
+    pub any_port: bool,
     /// Host names (lower case, exact) whose addresses are not checked:
     /// the operator vouches for them. `host:port` also allows that port.
     pub allow_hosts: Vec<String>,
@@ -47,6 +51,7 @@ impl Default for NetPolicy {
     fn default() -> Self {
         Self {
             allowed_ports: vec![80, 443],
+            any_port: false,
             allow_hosts: Vec::new(),
             allow_cidrs: Vec::new(),
             allow_idn: false,
@@ -149,8 +154,9 @@ impl NetPolicy {
             }
         };
         let with_port = format!("{name}:{port}");
-        let port_allowed =
-            self.allowed_ports.contains(&port) || self.allow_hosts.contains(&with_port);
+        let port_allowed = self.any_port
+            || self.allowed_ports.contains(&port)
+            || self.allow_hosts.contains(&with_port);
         if !port_allowed {
             return Err(Blocked(format!(
                 "port {port} is not allowed (allowed: {})",
@@ -414,6 +420,7 @@ mod tests {
     fn the_operator_allows_hosts_cidrs_ports_and_idn() {
         let policy = NetPolicy {
             allowed_ports: vec![80, 443],
+            any_port: false,
             allow_hosts: vec!["intranet.local:8080".into(), "127.0.0.1".into()],
             allow_cidrs: vec!["10.9.0.0/16".parse().unwrap()],
             allow_idn: true,

@@ -1,0 +1,744 @@
+//! Response routing: an invocation's events also go to a webhook and/or a
+//! relay subject on another prefix, named by the chat job (`sink`) or its
+//! profile (`sink = "<name>"`, `[sinks.<name>]`).
+//!
+//! Delivery is decoupled from the invocation. When the frame has resolved
+//! the profile, [`route_for`] turns the job's or the profile's sink into a
+//! [`Route`] (refusing a bad one with `invalid_sink` before any model
+//! call) and [`Events::route`](crate::Events::route) hands it to the
+//! invocation's publisher; from then on every routed event (the terminal
+//! one, or every one but the deltas) is also put on the sinks work queue
+//! (`<p>.sink.<tenant>.<inv>`, stream `<P>_SINKS`), one message per
+//! destination, the destination in the `Toolfleet-Sink` header and the
+//! event, byte for byte as published, in the body. Every orchestrator runs
+//! the [`relay`] on that queue's shared durable consumer: it POSTs
+//! ([`webhook`]) or publishes, acks on success, naks with our own backoff
+//! on a transient failure, and after the cap (or at once for a refusal)
+//! publishes a dead letter on `<p>.deadletter.sink` and terminates the
+//! message. Nothing a sink does reaches the invocation.
+//!
+//! # Invariants
+//!
+//! - A sink never fails, delays or changes an invocation; only an invalid
+//!   sink named by the job ends it (`invalid_sink`, before the model is
+//!   called, with nothing routed).
+//! - A webhook is never sent unsigned: no secret, no delivery (dead letter
+//!   `sink_secret_missing`). Secrets are read from the environment at
+//!   delivery and never logged, published or put in a label.
+//! - Every URL passes the SSRF policy of the web worker
+//!   ([`toolfleet_service::netpolicy`]) when the job starts and again at
+//!   each delivery, and every address its host resolves to is checked
+//!   before connecting; redirects are not followed.
+//! - A relay subject is never under the fleet's own prefix and has no
+//!   wildcard; one named by a job must be under a prefix the operator
+//!   allows.
+//! - Events reach a sink at least once (`Toolfleet-Event-Id` =
+//!   `<invocationId>:<seq>` is the same for every retry) and not
+//!   necessarily in order: a retried event may arrive after a later one.
+
+pub mod relay;
+pub mod webhook;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_nats::jetstream;
+use serde::{Deserialize, Serialize};
+use toolfleet_llm::profiles::SinkConfig;
+use toolfleet_protocol::{SinkEvents, SinkRequest, Subjects, headers};
+use toolfleet_service::netpolicy::NetPolicy;
+use tracing::warn;
+
+use crate::Failure;
+
+/// The environment variable a job-named webhook's secret is read from.
+pub const DEFAULT_SECRET_ENV: &str = "TOOLFLEET_SINK_SECRET";
+
+/// Every `kind` of the sink metrics.
+pub const SINK_KINDS: [&str; 2] = ["webhook", "relay"];
+/// Every `outcome` of `toolfleet_sink_deliveries_total`.
+pub const SINK_OUTCOMES: [&str; 4] = ["ok", "retry", "dead_lettered", "refused"];
+
+/// The operator's sink settings (`--sink-*` flags, [`SinkArgs`]).
+#[derive(Debug, Clone)]
+pub struct SinkSettings {
+    /// Delivery attempts of one event to one destination, the first
+    /// included; then it is dead-lettered.
+    pub max_attempts: u32,
+    /// The delay before the second attempt, doubled for each next one.
+    pub backoff_base: Duration,
+    /// The longest delay between attempts.
+    pub backoff_max: Duration,
+    /// One webhook request, connection included.
+    pub request_timeout: Duration,
+    /// Deliveries in flight at once in this orchestrator.
+    pub concurrency: usize,
+    /// Accept `http://` webhooks (tests, loopback receivers): off in
+    /// production.
+    pub allow_http: bool,
+    /// The address gate's exceptions (allowed hosts and CIDRs); any port.
+    pub policy: NetPolicy,
+    /// Subject prefixes a chat job's relay may be under (none: jobs may
+    /// not name a relay; configured sinks may).
+    pub relay_allow: Vec<String>,
+    /// Where a job-named webhook's secret is read.
+    pub default_secret_env: String,
+}
+
+impl Default for SinkSettings {
+    fn default() -> Self {
+        Self {
+            max_attempts: 5,
+            backoff_base: Duration::from_secs(1),
+            backoff_max: Duration::from_secs(60),
+            request_timeout: Duration::from_secs(10),
+            concurrency: 16,
+            allow_http: false,
+            policy: sink_policy(Vec::new(), Vec::new()),
+            relay_allow: Vec::new(),
+            default_secret_env: DEFAULT_SECRET_ENV.to_owned(),
+        }
+    }
+}
+
+/// The SSRF policy of sinks: the web worker's, any port (a receiver's
+/// port is its own business; the address gate is what guards the fleet's
+/// network), with the operator's allowed hosts and networks.
+pub fn sink_policy(allow_hosts: Vec<String>, allow_cidrs: Vec<ipnet::IpNet>) -> NetPolicy {
+    NetPolicy {
+        allowed_ports: Vec::new(),
+        any_port: true,
+        allow_hosts,
+        allow_cidrs,
+        allow_idn: false,
+    }
+}
+
+/// The orchestrator's `--sink-*` flags.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SinkArgs {
+    /// Delivery attempts of one routed event to one sink, then a dead
+    /// letter on `<prefix>.deadletter.sink`.
+    #[arg(long, env = "TOOLFLEET_SINK_MAX_ATTEMPTS", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=100))]
+    pub sink_max_attempts: u32,
+    /// Delay before a sink's second attempt (ms), doubled per attempt.
+    #[arg(long, env = "TOOLFLEET_SINK_BACKOFF_MS", default_value_t = 1000)]
+    pub sink_backoff_ms: u64,
+    /// Longest delay between two attempts (ms).
+    #[arg(long, env = "TOOLFLEET_SINK_BACKOFF_MAX_MS", default_value_t = 60_000)]
+    pub sink_backoff_max_ms: u64,
+    /// One webhook request, connection included (ms).
+    #[arg(long, env = "TOOLFLEET_SINK_TIMEOUT_MS", default_value_t = 10_000)]
+    pub sink_timeout_ms: u64,
+    /// Sink deliveries in flight at once in this process.
+    #[arg(long, env = "TOOLFLEET_SINK_CONCURRENCY", default_value_t = 16)]
+    pub sink_concurrency: usize,
+    /// Accept `http://` webhook URLs: for tests and loopback receivers
+    /// only.
+    #[arg(long, env = "TOOLFLEET_SINK_ALLOW_HTTP")]
+    pub sink_allow_http: bool,
+    /// A network whose (non-public) addresses webhooks may reach, e.g.
+    /// `10.20.0.0/16` (repeatable; comma-separated in the variable).
+    #[arg(long, env = "TOOLFLEET_SINK_ALLOW_CIDR", value_delimiter = ',')]
+    pub sink_allow_cidr: Vec<ipnet::IpNet>,
+    /// A host name whose addresses are not checked (repeatable).
+    #[arg(long, env = "TOOLFLEET_SINK_ALLOW_HOST", value_delimiter = ',')]
+    pub sink_allow_host: Vec<String>,
+    /// A subject prefix chat jobs may name relays under, e.g. `acme.answers`
+    /// (repeatable; none: jobs may not name a relay). Never under the
+    /// fleet's own prefix.
+    #[arg(long, env = "TOOLFLEET_RELAY_ALLOW", value_delimiter = ',')]
+    pub relay_allow: Vec<String>,
+    /// The variable holding the secret of webhooks chat jobs name.
+    #[arg(long, env = "TOOLFLEET_SINK_SECRET_ENV", default_value = DEFAULT_SECRET_ENV)]
+    pub sink_secret_env: String,
+}
+
+impl SinkArgs {
+    pub fn settings(&self) -> SinkSettings {
+        SinkSettings {
+            max_attempts: self.sink_max_attempts,
+            backoff_base: Duration::from_millis(self.sink_backoff_ms),
+            backoff_max: Duration::from_millis(self.sink_backoff_max_ms.max(self.sink_backoff_ms)),
+            request_timeout: Duration::from_millis(self.sink_timeout_ms.max(1)),
+            concurrency: self.sink_concurrency.max(1),
+            allow_http: self.sink_allow_http,
+            policy: sink_policy(
+                self.sink_allow_host
+                    .iter()
+                    .map(|h| h.to_ascii_lowercase())
+                    .collect(),
+                self.sink_allow_cidr.clone(),
+            ),
+            relay_allow: self.relay_allow.clone(),
+            default_secret_env: self.sink_secret_env.clone(),
+        }
+    }
+}
+
+impl SinkSettings {
+    /// The delay before attempt `next` (2 for the first retry).
+    pub fn backoff(&self, next: u32) -> Duration {
+        let doublings = next.saturating_sub(2).min(20);
+        self.backoff_base
+            .saturating_mul(1 << doublings)
+            .min(self.backoff_max)
+    }
+
+    /// Gate 1 for a webhook URL: the SSRF policy's URL gate, and `https`
+    /// unless the operator allows `http`. The error says why, never echoes
+    /// the URL (its path or query may hold a token).
+    pub fn check_webhook(&self, raw: &str) -> Result<url::Url, String> {
+        let target = self.policy.check_url(raw).map_err(|b| b.0)?;
+        if target.url.scheme() != "https" && !self.allow_http {
+            return Err("only https webhooks are allowed".to_owned());
+        }
+        Ok(target.url)
+    }
+
+    /// Whether `subject` may be a relay: a plain subject (no wildcard, no
+    /// empty token), not under the fleet's prefix, and — when a job names
+    /// it (`from_job`) — under a prefix the operator allows.
+    pub fn check_relay(
+        &self,
+        subjects: &Subjects,
+        subject: &str,
+        from_job: bool,
+    ) -> Result<(), String> {
+        let plain = !subject.is_empty()
+            && subject.len() <= 256
+            && subject.split('.').all(|t| {
+                !t.is_empty()
+                    && t != "*"
+                    && t != ">"
+                    && !t.chars().any(|c| c.is_whitespace() || c.is_control())
+            });
+        if !plain {
+            return Err(format!(
+                "relay {subject:?} is not a NATS subject without wildcards"
+            ));
+        }
+        if subjects.owns(subject) {
+            return Err(format!(
+                "relay {subject:?} is under the fleet's own prefix {:?}",
+                subjects.prefix()
+            ));
+        }
+        if from_job
+            && !self.relay_allow.iter().any(|p| {
+                subject == p
+                    || subject
+                        .strip_prefix(p.as_str())
+                        .is_some_and(|r| r.starts_with('.'))
+            })
+        {
+            return Err(if self.relay_allow.is_empty() {
+                "this fleet takes no relay subjects from chat jobs".to_owned()
+            } else {
+                format!(
+                    "relay {subject:?} is under none of the allowed prefixes ({})",
+                    self.relay_allow.join(", ")
+                )
+            });
+        }
+        Ok(())
+    }
+
+    /// Checks the configured sinks at start: their webhooks pass gate 1,
+    /// their relays are not the fleet's. Warns about a secret that is not
+    /// set (deliveries would be dead-lettered until it is).
+    pub fn check_config(
+        &self,
+        subjects: &Subjects,
+        sinks: &BTreeMap<String, SinkConfig>,
+        env: &dyn toolfleet_llm::profiles::EnvSource,
+    ) -> Result<(), String> {
+        for (name, sink) in sinks {
+            if let Some(url) = &sink.url {
+                self.check_webhook(url)
+                    .map_err(|e| format!("sinks.{name}.url: {e}"))?;
+            }
+            if let Some(relay) = &sink.relay {
+                self.check_relay(subjects, relay, false)
+                    .map_err(|e| format!("sinks.{name}.relay: {e}"))?;
+            }
+            if let Some(var) = &sink.secret_env
+                && env.var(var).is_none_or(|v| v.is_empty())
+            {
+                warn!(sink = %name, secret_env = %var, "the sink's secret is not set: its webhook deliveries are dead-lettered until it is");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One destination of a routed event: what the `Toolfleet-Sink` header of
+/// a sinks-stream message holds. Never holds a secret, only where it is.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum Destination {
+    Webhook {
+        url: String,
+        #[serde(rename = "secretEnv")]
+        secret_env: String,
+        /// The configured sink's name; none for a job's own.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sink: Option<String>,
+    },
+    Relay {
+        subject: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        sink: Option<String>,
+    },
+}
+
+impl Destination {
+    /// `webhook` or `relay`: the metrics' `kind`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Destination::Webhook { .. } => "webhook",
+            Destination::Relay { .. } => "relay",
+        }
+    }
+
+    /// For logs and dead letters: the kind, the sink's name and the
+    /// webhook's host (never its path or query).
+    pub fn describe(&self) -> String {
+        let (what, sink) = match self {
+            Destination::Webhook { url, sink, .. } => (
+                format!(
+                    "webhook at {}",
+                    url::Url::parse(url)
+                        .ok()
+                        .and_then(|u| u.host_str().map(str::to_owned))
+                        .unwrap_or_else(|| "?".into())
+                ),
+                sink,
+            ),
+            Destination::Relay { subject, sink } => (format!("relay to {subject}"), sink),
+        };
+        match sink {
+            Some(name) => format!("{what} (sink {name})"),
+            None => what,
+        }
+    }
+
+    /// The header value.
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).unwrap_or_default()
+    }
+
+    pub fn decode(value: &str) -> Result<Self, String> {
+        serde_json::from_str(value).map_err(|e| format!("unreadable {}: {e}", headers::SINK))
+    }
+}
+
+/// Where one invocation's events go besides NATS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Route {
+    pub events: SinkEvents,
+    pub destinations: Vec<Destination>,
+}
+
+impl Route {
+    /// Whether an event (not a delta) goes out on this route.
+    pub fn takes(&self, terminal: bool) -> bool {
+        terminal || self.events == SinkEvents::All
+    }
+}
+
+/// The invocation's route: the job's own sink, else its profile's, else
+/// none. A job's sink that is refused is an `invalid_sink` failure.
+pub(crate) fn route_for(
+    fleet: &crate::Fleet,
+    inv: &crate::Invocation,
+) -> Result<Option<Route>, Failure> {
+    let config = fleet.config();
+    resolve(
+        &config.sinks,
+        &config.subjects,
+        &config.profiles.sinks,
+        inv.job.sink.as_ref(),
+        inv.profile.profile.sink.as_deref(),
+    )
+    .map_err(|(kind, failure)| {
+        if let Some(kind) = kind {
+            fleet
+                .metrics
+                .sinks
+                .deliveries
+                .with_label_values(&[kind, "refused"])
+                .inc();
+        }
+        failure
+    })
+}
+
+/// [`route_for`] over its parts; a refusal names the kind of sink refused
+/// (for the metrics) when there is one.
+pub fn resolve(
+    settings: &SinkSettings,
+    subjects: &Subjects,
+    configured: &BTreeMap<String, SinkConfig>,
+    job: Option<&SinkRequest>,
+    profile_sink: Option<&str>,
+) -> Result<Option<Route>, (Option<&'static str>, Failure)> {
+    let invalid = |kind: Option<&'static str>, m: String| (kind, Failure::new("invalid_sink", m));
+    if let Some(request) = job {
+        let mut destinations = Vec::new();
+        if let Some(raw) = &request.webhook {
+            settings
+                .check_webhook(raw)
+                .map_err(|e| invalid(Some("webhook"), format!("webhook refused: {e}")))?;
+            destinations.push(Destination::Webhook {
+                url: raw.trim().to_owned(),
+                secret_env: settings.default_secret_env.clone(),
+                sink: None,
+            });
+        }
+        if let Some(subject) = &request.relay {
+            settings
+                .check_relay(subjects, subject, true)
+                .map_err(|e| invalid(Some("relay"), format!("relay refused: {e}")))?;
+            destinations.push(Destination::Relay {
+                subject: subject.clone(),
+                sink: None,
+            });
+        }
+        if destinations.is_empty() {
+            return Err(invalid(
+                None,
+                "the job's sink names neither a webhook nor a relay".into(),
+            ));
+        }
+        return Ok(Some(Route {
+            events: request.events.unwrap_or_default(),
+            destinations,
+        }));
+    }
+    let Some(name) = profile_sink else {
+        return Ok(None);
+    };
+    // Loaded configs name only sinks they define (checked at load).
+    let Some(sink) = configured.get(name) else {
+        return Err(invalid(
+            None,
+            format!("the profile's sink {name:?} is not configured"),
+        ));
+    };
+    let mut destinations = Vec::new();
+    if let (Some(url), Some(secret_env)) = (&sink.url, &sink.secret_env) {
+        destinations.push(Destination::Webhook {
+            url: url.clone(),
+            secret_env: secret_env.clone(),
+            sink: Some(name.to_owned()),
+        });
+    }
+    if let Some(subject) = &sink.relay {
+        destinations.push(Destination::Relay {
+            subject: subject.clone(),
+            sink: Some(name.to_owned()),
+        });
+    }
+    Ok(Some(Route {
+        events: sink.events,
+        destinations,
+    }))
+}
+
+/// Puts one routed event on the sinks queue, once per destination: called
+/// by the invocation's event publisher, in publish order. The publish is
+/// sent at once; its confirmation is awaited aside, so the invocation's
+/// events are not held up by it.
+pub(crate) async fn enqueue(
+    client: &async_nats::Client,
+    subject: &str,
+    route: &Route,
+    invocation_id: &str,
+    seq: u64,
+    payload: &bytes::Bytes,
+) {
+    let js = jetstream::new(client.clone());
+    for destination in &route.destinations {
+        // No `Nats-Msg-Id`: nothing publishes a routed event twice, and
+        // the rerun of a crashed invocation numbers its events from 0
+        // again, so an id made of the seq would drop its events.
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(headers::SINK, destination.encode().as_str());
+        match js
+            .publish_with_headers(subject.to_owned(), h, payload.clone())
+            .await
+        {
+            Ok(ack) => {
+                let kind = destination.kind();
+                let invocation_id = invocation_id.to_owned();
+                tokio::spawn(async move {
+                    if let Err(e) = ack.await {
+                        warn!(error = %e, kind, invocation_id, seq, "the sinks stream did not confirm a routed event; its sink may miss it");
+                    }
+                });
+            }
+            Err(e) => {
+                warn!(error = %e, kind = destination.kind(), invocation_id, seq, "cannot queue a routed event for its sink");
+            }
+        }
+    }
+}
+
+/// The stream and the durable consumer every orchestrator's relay shares.
+pub(crate) async fn consumer(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    settings: &SinkSettings,
+) -> Result<jetstream::consumer::PullConsumer, crate::OrchestratorError> {
+    let nats = |e: String| crate::OrchestratorError::Nats(e);
+    let stream = toolfleet_protocol::streams::ensure_sinks_stream(js, subjects)
+        .await
+        .map_err(|e| nats(e.to_string()))?;
+    stream
+        .get_or_create_consumer(
+            &subjects.sinks_consumer(),
+            jetstream::consumer::pull::Config {
+                durable_name: Some(subjects.sinks_consumer()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                // A delivery's request is bounded by the timeout; the
+                // rest is room for the relay's own queueing.
+                ack_wait: settings.request_timeout + Duration::from_secs(20),
+                max_ack_pending: 1_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| nats(format!("sinks consumer: {e}")))
+}
+
+/// Metrics of sink deliveries.
+#[derive(Clone)]
+pub struct SinkMetrics {
+    /// `kind`: webhook | relay; `outcome`: ok | retry | dead_lettered |
+    /// refused (a URL or relay the policy refused, at the job's start or at
+    /// delivery, or a missing secret).
+    pub deliveries: prometheus::IntCounterVec,
+    /// One delivery attempt, by `kind`.
+    pub duration: prometheus::HistogramVec,
+}
+
+impl SinkMetrics {
+    pub fn register(r: &prometheus::Registry) -> prometheus::Result<Self> {
+        let deliveries = toolfleet_service::metrics::counter(
+            r,
+            "toolfleet_sink_deliveries_total",
+            "Delivery attempts of routed events to webhooks and relays, by kind and outcome.",
+            &["kind", "outcome"],
+        )?;
+        let duration = prometheus::HistogramVec::new(
+            prometheus::HistogramOpts::new(
+                "toolfleet_sink_delivery_duration_seconds",
+                "Time of one delivery attempt to a webhook or relay, by kind.",
+            )
+            .buckets(toolfleet_service::metrics::LATENCY_BUCKETS.to_vec()),
+            &["kind"],
+        )?;
+        r.register(Box::new(duration.clone()))?;
+        for kind in SINK_KINDS {
+            duration.with_label_values(&[kind]);
+            for outcome in SINK_OUTCOMES {
+                deliveries.with_label_values(&[kind, outcome]);
+            }
+        }
+        Ok(Self {
+            deliveries,
+            duration,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn subjects() -> Subjects {
+        Subjects::new("toolfleet").unwrap()
+    }
+
+    fn loopback_settings() -> SinkSettings {
+        SinkSettings {
+            allow_http: true,
+            policy: sink_policy(Vec::new(), vec!["127.0.0.0/8".parse().unwrap()]),
+            relay_allow: vec!["acme.answers".into()],
+            ..SinkSettings::default()
+        }
+    }
+
+    fn job(webhook: Option<&str>, relay: Option<&str>) -> SinkRequest {
+        SinkRequest {
+            webhook: webhook.map(str::to_owned),
+            relay: relay.map(str::to_owned),
+            events: None,
+        }
+    }
+
+    #[test]
+    fn webhooks_pass_gate_one_or_are_refused_with_a_reason() {
+        let strict = SinkSettings::default();
+        assert!(
+            strict
+                .check_webhook("https://hooks.example.com/x?t=1")
+                .is_ok()
+        );
+        assert!(
+            strict
+                .check_webhook("https://hooks.example.com:8443/x")
+                .is_ok(),
+            "any port"
+        );
+        for (bad, says) in [
+            ("https://10.1.2.3/hook", "private"),
+            ("https://127.0.0.1/hook", "loopback"),
+            ("https://[::1]/hook", "loopback"),
+            ("https://0x7f000001/hook", "loopback"),
+            ("https://169.254.169.254/latest", "link-local"),
+            ("http://hooks.example.com/x", "https"),
+            ("https://u:p@hooks.example.com/x", "credentials"),
+            ("ftp://hooks.example.com/x", "http"),
+            ("not a url", "URL"),
+        ] {
+            let e = strict.check_webhook(bad).expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+            assert!(
+                !e.contains("/hook") && !e.contains("/x"),
+                "no path echoed: {e}"
+            );
+        }
+        let loopback = loopback_settings();
+        assert!(loopback.check_webhook("http://127.0.0.1:9/hook").is_ok());
+        assert!(loopback.check_webhook("https://10.1.2.3/hook").is_err());
+    }
+
+    #[test]
+    fn relays_stay_off_the_fleet_prefix_and_within_the_allowed_ones() {
+        let s = loopback_settings();
+        let fleet = subjects();
+        assert!(s.check_relay(&fleet, "acme.answers", true).is_ok());
+        assert!(s.check_relay(&fleet, "acme.answers.eu", true).is_ok());
+        for (bad, says) in [
+            ("toolfleet.chat.events.x.y", "own prefix"),
+            ("acme.answers.*", "wildcards"),
+            ("acme.>", "wildcards"),
+            ("acme..x", "wildcards"),
+            ("acme.answersx", "none of the allowed"),
+            ("globex.answers", "none of the allowed"),
+        ] {
+            let e = s.check_relay(&fleet, bad, true).expect_err(bad);
+            assert!(e.contains(says), "{bad}: {e}");
+        }
+        // A configured sink is trusted with any other prefix, never ours.
+        assert!(s.check_relay(&fleet, "globex.answers", false).is_ok());
+        assert!(s.check_relay(&fleet, "toolfleet.x", false).is_err());
+        let none = SinkSettings::default();
+        let e = none.check_relay(&fleet, "acme.answers", true).unwrap_err();
+        assert!(e.contains("no relay subjects from chat jobs"), "{e}");
+    }
+
+    #[test]
+    fn the_job_sink_wins_over_the_profile_and_bad_ones_are_invalid_sink() {
+        let s = loopback_settings();
+        let configured = BTreeMap::from([(
+            "acme".to_owned(),
+            SinkConfig {
+                url: Some("https://hooks.acme.example/x".into()),
+                secret_env: Some("ACME_SECRET".into()),
+                events: SinkEvents::All,
+                relay: Some("acme.bus".into()),
+            },
+        )]);
+        let none = resolve(&s, &subjects(), &configured, None, None).unwrap();
+        assert_eq!(none, None);
+        let profile = resolve(&s, &subjects(), &configured, None, Some("acme"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(profile.events, SinkEvents::All);
+        assert_eq!(
+            profile.destinations,
+            [
+                Destination::Webhook {
+                    url: "https://hooks.acme.example/x".into(),
+                    secret_env: "ACME_SECRET".into(),
+                    sink: Some("acme".into())
+                },
+                Destination::Relay {
+                    subject: "acme.bus".into(),
+                    sink: Some("acme".into())
+                }
+            ]
+        );
+        let own = job(Some("http://127.0.0.1:8080/h"), None);
+        let r = resolve(&s, &subjects(), &configured, Some(&own), Some("acme"))
+            .unwrap()
+            .unwrap();
+        assert_eq!(r.events, SinkEvents::Final, "the job's default");
+        assert_eq!(
+            r.destinations,
+            [Destination::Webhook {
+                url: "http://127.0.0.1:8080/h".into(),
+                secret_env: DEFAULT_SECRET_ENV.into(),
+                sink: None
+            }]
+        );
+        for bad in [
+            job(Some("https://10.1.2.3/hook"), None),
+            job(None, Some("toolfleet.chat.events.default.x")),
+            job(Some("http://127.0.0.1:8080/h"), Some("globex.x")),
+            job(None, None),
+        ] {
+            let (_, f) = resolve(&s, &subjects(), &configured, Some(&bad), None).unwrap_err();
+            assert_eq!(f.code, "invalid_sink", "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn destinations_round_trip_through_their_header_and_describe_no_secret() {
+        for d in [
+            Destination::Webhook {
+                url: "https://hooks.example.com/p?token=abc".into(),
+                secret_env: "S".into(),
+                sink: Some("acme".into()),
+            },
+            Destination::Relay {
+                subject: "acme.answers".into(),
+                sink: None,
+            },
+        ] {
+            assert_eq!(Destination::decode(&d.encode()).unwrap(), d);
+            assert!(!d.describe().contains("token"), "{}", d.describe());
+        }
+        assert!(Destination::decode("{\"kind\":\"smtp\"}").is_err());
+    }
+
+    #[test]
+    fn backoff_doubles_up_to_the_cap() {
+        let s = SinkSettings {
+            backoff_base: Duration::from_millis(100),
+            backoff_max: Duration::from_millis(350),
+            ..SinkSettings::default()
+        };
+        assert_eq!(s.backoff(2), Duration::from_millis(100));
+        assert_eq!(s.backoff(3), Duration::from_millis(200));
+        assert_eq!(s.backoff(4), Duration::from_millis(350));
+        assert_eq!(s.backoff(40), Duration::from_millis(350));
+    }
+
+    #[test]
+    fn a_route_takes_the_terminal_event_or_all() {
+        let final_only = Route {
+            events: SinkEvents::Final,
+            destinations: Vec::new(),
+        };
+        assert!(final_only.takes(true) && !final_only.takes(false));
+        let all = Route {
+            events: SinkEvents::All,
+            ..final_only
+        };
+        assert!(all.takes(true) && all.takes(false));
+    }
+}
