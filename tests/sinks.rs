@@ -492,3 +492,34 @@ async fn a_configured_sink_the_policy_refuses_stops_the_orchestrator_start() {
         other => panic!("{other:?}"),
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sinks_stream_message_without_its_destination_is_dead_lettered_not_retried() {
+    let receiver = Receiver::start().await;
+    let env = fleet(&receiver, loopback).await;
+    let mut dead = env
+        .subscribe(
+            env.subjects
+                .dead_letter(toolfleet_protocol::DeadLetterKind::Sink),
+        )
+        .await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    js.publish(
+        env.subjects.sink("default", "inv-forged"),
+        json!({ "invocationId": "inv-forged", "seq": 0, "type": "completed" })
+            .to_string()
+            .into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .expect("the sinks stream stores it");
+    let letter = support::next_json(&mut dead).await;
+    assert_eq!(letter["code"], "bad_sink_message", "{letter}");
+    assert_eq!(letter["attempts"], 1, "{letter}");
+    assert!(
+        letter["error"].as_str().unwrap().contains("Toolfleet-Sink"),
+        "{letter}"
+    );
+    assert!(receiver.got().is_empty());
+}
