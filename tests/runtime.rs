@@ -529,11 +529,13 @@ async fn two_fleets_on_one_server_never_see_each_other() {
             "FLEET-A_DEADLETTERS",
             "FLEET-A_EVENTS",
             "FLEET-A_HISTORY",
+            "FLEET-A_SINKS",
             "FLEET-A_TOOLS",
             "FLEET-B_CHAT",
             "FLEET-B_DEADLETTERS",
             "FLEET-B_EVENTS",
             "FLEET-B_HISTORY",
+            "FLEET-B_SINKS",
             "FLEET-B_TOOLS",
             "KV_FLEET-A_CATALOG",
             "KV_FLEET-B_CATALOG"

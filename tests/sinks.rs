@@ -201,6 +201,15 @@ async fn non_delta_events(env: &Env, job: &ChatJob) -> Vec<Value> {
         .collect()
 }
 
+/// A live subscription to the fleet's sink dead letters.
+async fn sink_dead_letters(env: &Env) -> async_nats::Subscriber {
+    env.subscribe(
+        env.subjects
+            .dead_letter(toolfleet_protocol::DeadLetterKind::Sink),
+    )
+    .await
+}
+
 fn event_id(r: &Received) -> String {
     r.headers["toolfleet-event-id"].to_str().unwrap().to_owned()
 }
@@ -298,12 +307,7 @@ async fn a_signed_webhook_gets_the_final_event_or_every_event() {
 async fn a_failing_webhook_is_retried_then_dead_lettered_and_the_answer_stands() {
     let receiver = Receiver::start().await;
     let env = fleet(&receiver, loopback).await;
-    let mut dead = env
-        .subscribe(
-            env.subjects
-                .dead_letter(toolfleet_protocol::DeadLetterKind::Sink),
-        )
-        .await;
+    let mut dead = sink_dead_letters(&env).await;
     let job = with_sink(
         "Route to a broken receiver.",
         Some(receiver.url("fail")),
@@ -491,4 +495,30 @@ async fn a_configured_sink_the_policy_refuses_stops_the_orchestrator_start() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sinks_stream_message_without_its_destination_is_dead_lettered_not_retried() {
+    let receiver = Receiver::start().await;
+    let env = fleet(&receiver, loopback).await;
+    let mut dead = sink_dead_letters(&env).await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    js.publish(
+        env.subjects.sink("default", "inv-forged"),
+        json!({ "invocationId": "inv-forged", "seq": 0, "type": "completed" })
+            .to_string()
+            .into(),
+    )
+    .await
+    .unwrap()
+    .await
+    .expect("the sinks stream stores it");
+    let letter = support::next_json(&mut dead).await;
+    assert_eq!(letter["code"], "bad_sink_message", "{letter}");
+    assert_eq!(letter["attempts"], 1, "{letter}");
+    assert!(
+        letter["error"].as_str().unwrap().contains("Toolfleet-Sink"),
+        "{letter}"
+    );
+    assert!(receiver.got().is_empty());
 }

@@ -98,26 +98,25 @@ async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
         ),
         Err(_) => (1, 0),
     };
-    let destination = msg
+    let msg = &msg;
+    let unreadable = |error: String| async move {
+        warn!(error = %error, "a sinks-stream message cannot be delivered");
+        let dead = DeliveryError::failed("bad_sink_message", error, false);
+        dead_letter(fleet, msg, None, attempt, stream_sequence, &dead).await;
+    };
+    let destination = match msg
         .headers
         .as_ref()
         .and_then(|h| h.get(headers::SINK))
         .ok_or_else(|| format!("no {} header", headers::SINK))
-        .and_then(|v| Destination::decode(v.as_str()));
-    let id = serde_json::from_slice::<EventId>(&msg.payload);
-    let (destination, id) = match (destination, id) {
-        (Ok(d), Ok(id)) => (d, id),
-        (d, id) => {
-            let error = match (d, id) {
-                (Err(e), _) => e,
-                (_, Err(e)) => format!("the body is not a chat event: {e}"),
-                _ => unreachable!("one of the two failed"),
-            };
-            warn!(error = %error, "a sinks-stream message cannot be delivered");
-            let dead = DeliveryError::failed("bad_sink_message", error, false);
-            dead_letter(fleet, &msg, None, attempt, stream_sequence, &dead).await;
-            return;
-        }
+        .and_then(|v| Destination::decode(v.as_str()))
+    {
+        Ok(d) => d,
+        Err(e) => return unreadable(e).await,
+    };
+    let id = match serde_json::from_slice::<EventId>(&msg.payload) {
+        Ok(id) => id,
+        Err(e) => return unreadable(format!("the body is not a chat event: {e}")).await,
     };
     let kind = destination.kind();
     let event_id = format!("{}:{}", id.invocation_id, id.seq);
@@ -131,7 +130,7 @@ async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
                 .post(url, secret, secret_env, &event_id, msg.payload.clone())
                 .await
         }
-        Destination::Relay { subject, .. } => relay(fleet, subject, &event_id, &msg).await,
+        Destination::Relay { subject, .. } => relay(fleet, subject, &event_id, msg).await,
     };
     metrics
         .duration
@@ -165,7 +164,7 @@ async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
             e.message = format!("{}: {}", destination.describe(), e.message);
             dead_letter(
                 fleet,
-                &msg,
+                msg,
                 Some(&id.invocation_id),
                 attempt,
                 stream_sequence,
