@@ -527,18 +527,22 @@ async fn two_fleets_on_one_server_never_see_each_other() {
         [
             "FLEET-A_CHAT",
             "FLEET-A_DEADLETTERS",
+            "FLEET-A_DECISIONS",
             "FLEET-A_EVENTS",
             "FLEET-A_HISTORY",
             "FLEET-A_SINKS",
             "FLEET-A_TOOLS",
             "FLEET-B_CHAT",
             "FLEET-B_DEADLETTERS",
+            "FLEET-B_DECISIONS",
             "FLEET-B_EVENTS",
             "FLEET-B_HISTORY",
             "FLEET-B_SINKS",
             "FLEET-B_TOOLS",
             "KV_FLEET-A_CATALOG",
-            "KV_FLEET-B_CATALOG"
+            "KV_FLEET-A_PARKED",
+            "KV_FLEET-B_CATALOG",
+            "KV_FLEET-B_PARKED"
         ]
     );
     for (stream, want) in [
