@@ -97,7 +97,7 @@ impl Receiver {
 }
 
 /// What the tests' orchestrator allows: `http` and loopback receivers,
-/// relays under `partner.answers`, short retries.
+/// relays under `partner.answers.<tenant>`, short retries.
 fn loopback(config: &mut OrchestratorConfig) {
     let sinks = &mut config.sinks;
     sinks.allow_http = true;
@@ -106,6 +106,8 @@ fn loopback(config: &mut OrchestratorConfig) {
         vec!["127.0.0.0/8".parse().unwrap()],
     );
     sinks.relay_allow = vec!["partner.answers".into()];
+    // The tests' receivers are on loopback, named by the jobs themselves.
+    sinks.job_exceptions = true;
     sinks.max_attempts = 3;
     sinks.backoff_base = Duration::from_millis(50);
     sinks.backoff_max = Duration::from_millis(200);
@@ -169,8 +171,10 @@ fn with_sink(
 }
 
 /// Checks `Toolfleet-Signature` as a receiver would: HMAC-SHA256 with the
-/// secret over `<t>.<body>`, compared in constant time.
+/// secret over `<t>.<tenant>.<body>` (the tenant the receiver expects:
+/// the jobs here run as `default`), compared in constant time.
 fn assert_signed(r: &Received, secret: &str) {
+    assert_eq!(r.headers["toolfleet-tenant"], "default");
     let header = r.headers["toolfleet-signature"].to_str().unwrap();
     let (t, v1) = header
         .split_once(',')
@@ -182,9 +186,13 @@ fn assert_signed(r: &Received, secret: &str) {
         .map(|i| u8::from_str_radix(&v1[i..i + 2], 16).unwrap())
         .collect();
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
-    let mut signed = format!("{t}.").into_bytes();
+    let mut signed = format!("{t}.default.").into_bytes();
     signed.extend_from_slice(&r.body);
     ring::hmac::verify(&key, &signed, &mac).expect("the signature verifies with the secret");
+    // Signed for another tenant, it would not verify.
+    let mut other = format!("{t}.globex.").into_bytes();
+    other.extend_from_slice(&r.body);
+    assert!(ring::hmac::verify(&key, &other, &mac).is_err());
     let wrong = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"another secret");
     assert!(ring::hmac::verify(&wrong, &signed, &mac).is_err());
     assert_eq!(r.headers["content-type"], "application/json");
@@ -361,7 +369,7 @@ async fn a_relay_on_another_prefix_receives_the_events() {
     let job = with_sink(
         "Relay this.",
         None,
-        Some("partner.answers.eu"),
+        Some("partner.answers.default.eu"),
         SinkEvents::All,
     );
     let seen = non_delta_events(&env, &job).await;
@@ -371,7 +379,7 @@ async fn a_relay_on_another_prefix_receives_the_events() {
             .await
             .expect("a relayed event in time")
             .unwrap();
-        assert_eq!(msg.subject.as_str(), "partner.answers.eu");
+        assert_eq!(msg.subject.as_str(), "partner.answers.default.eu");
         let ev: Value = serde_json::from_slice(&msg.payload).unwrap();
         let id = msg
             .headers
@@ -424,7 +432,11 @@ async fn a_sink_on_a_private_address_or_the_fleet_prefix_ends_the_job_at_once() 
             "credentials",
         ),
         (None, Some("toolfleet.chat.events.default.x"), "own prefix"),
-        (None, Some("partner.answers.eu"), "no relay subjects"),
+        (
+            None,
+            Some("partner.answers.default.eu"),
+            "no relay subjects",
+        ),
     ] {
         let job = with_sink("Route this.", webhook.clone(), relay, SinkEvents::All);
         match env.submit(&job).await {

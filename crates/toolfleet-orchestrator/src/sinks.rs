@@ -83,6 +83,11 @@ pub struct SinkSettings {
     pub relay_allow: Vec<String>,
     /// Where a job-named webhook's secret is read.
     pub default_secret_env: String,
+    /// Whether webhooks a chat job names get the operator's exceptions
+    /// too (`allow_http`, allowed hosts and networks). Off: a job's
+    /// webhook is `https` on port 443 to a public address, whatever the
+    /// configured sinks may reach.
+    pub job_exceptions: bool,
 }
 
 impl Default for SinkSettings {
@@ -97,6 +102,7 @@ impl Default for SinkSettings {
             policy: sink_policy(Vec::new(), Vec::new()),
             relay_allow: Vec::new(),
             default_secret_env: DEFAULT_SECRET_ENV.to_owned(),
+            job_exceptions: false,
         }
     }
 }
@@ -152,6 +158,11 @@ pub struct SinkArgs {
     /// The variable holding the secret of webhooks chat jobs name.
     #[arg(long, env = "TOOLFLEET_SINK_SECRET_ENV", default_value = DEFAULT_SECRET_ENV)]
     pub sink_secret_env: String,
+    /// Give webhooks that chat jobs name the exceptions above too
+    /// (`--sink-allow-http`, `--sink-allow-cidr`, `--sink-allow-host`).
+    /// Off: a job's webhook is https on port 443 to a public address.
+    #[arg(long, env = "TOOLFLEET_SINK_EXCEPTIONS_FOR_JOBS")]
+    pub sink_exceptions_for_jobs: bool,
 }
 
 impl SinkArgs {
@@ -172,6 +183,7 @@ impl SinkArgs {
             ),
             relay_allow: self.relay_allow.clone(),
             default_secret_env: self.sink_secret_env.clone(),
+            job_exceptions: self.sink_exceptions_for_jobs,
         }
     }
 }
@@ -189,21 +201,53 @@ impl SinkSettings {
     /// unless the operator allows `http`. The error says why, never echoes
     /// the URL (its path or query may hold a token).
     pub fn check_webhook(&self, raw: &str) -> Result<url::Url, String> {
-        let target = self.policy.check_url(raw).map_err(|b| b.0)?;
-        if target.url.scheme() != "https" && !self.allow_http {
+        self.check_webhook_from(raw, false)
+    }
+
+    /// [`check_webhook`](Self::check_webhook) for a webhook a chat job
+    /// named (`from_job`): without [`job_exceptions`](Self::job_exceptions),
+    /// the strict policy — `https`, port 443, public addresses only.
+    pub fn check_webhook_from(&self, raw: &str, from_job: bool) -> Result<url::Url, String> {
+        let (policy, allow_http) = self.policy_for(from_job);
+        // The address, then the scheme, then the port: the most useful
+        // refusal first.
+        let any_port = NetPolicy {
+            any_port: true,
+            ..policy.clone()
+        };
+        let target = any_port.check_url(raw).map_err(|b| b.0)?;
+        if target.url.scheme() != "https" && !allow_http {
             return Err("only https webhooks are allowed".to_owned());
         }
+        policy.check_url(raw).map_err(|b| b.0)?;
         Ok(target.url)
     }
 
+    /// The policy (and whether `http` is allowed) for a webhook of a job
+    /// or of the configuration.
+    pub fn policy_for(&self, from_job: bool) -> (NetPolicy, bool) {
+        if from_job && !self.job_exceptions {
+            let strict = NetPolicy {
+                allowed_ports: vec![443],
+                ..NetPolicy::default()
+            };
+            (strict, false)
+        } else {
+            (self.policy.clone(), self.allow_http)
+        }
+    }
+
     /// Whether `subject` may be a relay: a plain subject (no wildcard, no
-    /// empty token), not under the fleet's prefix, and — when a job names
-    /// it (`from_job`) — under a prefix the operator allows.
+    /// empty token, not a `$` or `_INBOX` subject), not under the fleet's
+    /// prefix, and — when a job of `tenant` names it (`job_tenant`) —
+    /// under a prefix the operator allows followed by the job's tenant
+    /// (`<allowed prefix>.<tenant>[.…]`), so a tenant never publishes
+    /// where another's relays go.
     pub fn check_relay(
         &self,
         subjects: &Subjects,
         subject: &str,
-        from_job: bool,
+        job_tenant: Option<&str>,
     ) -> Result<(), String> {
         let plain = !subject.is_empty()
             && subject.len() <= 256
@@ -218,25 +262,30 @@ impl SinkSettings {
                 "relay {subject:?} is not a NATS subject without wildcards"
             ));
         }
+        if reserved_subject(subject) {
+            return Err(format!(
+                "relay {subject:?} is a NATS system or inbox subject"
+            ));
+        }
         if subjects.owns(subject) {
             return Err(format!(
                 "relay {subject:?} is under the fleet's own prefix {:?}",
                 subjects.prefix()
             ));
         }
-        if from_job
+        if let Some(tenant) = job_tenant
             && !self.relay_allow.iter().any(|p| {
-                subject == p
-                    || subject
-                        .strip_prefix(p.as_str())
-                        .is_some_and(|r| r.starts_with('.'))
+                subject
+                    .strip_prefix(p.as_str())
+                    .and_then(|r| r.strip_prefix('.'))
+                    .is_some_and(|r| r == tenant || r.starts_with(&format!("{tenant}.")))
             })
         {
             return Err(if self.relay_allow.is_empty() {
                 "this fleet takes no relay subjects from chat jobs".to_owned()
             } else {
                 format!(
-                    "relay {subject:?} is under none of the allowed prefixes ({})",
+                    "relay {subject:?} is not under <allowed prefix>.{tenant} for any allowed prefix ({})",
                     self.relay_allow.join(", ")
                 )
             });
@@ -253,13 +302,25 @@ impl SinkSettings {
         sinks: &BTreeMap<String, SinkConfig>,
         env: &dyn toolfleet_llm::profiles::EnvSource,
     ) -> Result<(), String> {
+        for prefix in &self.relay_allow {
+            if reserved_subject(prefix) || subjects.owns(prefix) || prefix.contains(['*', '>']) {
+                return Err(format!(
+                    "--relay-allow {prefix:?}: a relay prefix is a plain subject outside the fleet's prefix, not a $ or _INBOX subject"
+                ));
+            }
+        }
+        if let Some(h) = self.policy.allow_hosts.iter().find(|h| h.contains(':')) {
+            return Err(format!(
+                "--sink-allow-host {h:?}: a host name without a port (webhooks may use any port)"
+            ));
+        }
         for (name, sink) in sinks {
             if let Some(url) = &sink.url {
                 self.check_webhook(url)
                     .map_err(|e| format!("sinks.{name}.url: {e}"))?;
             }
             if let Some(relay) = &sink.relay {
-                self.check_relay(subjects, relay, false)
+                self.check_relay(subjects, relay, None)
                     .map_err(|e| format!("sinks.{name}.relay: {e}"))?;
             }
             if let Some(var) = &sink.secret_env
@@ -270,6 +331,12 @@ impl SinkSettings {
         }
         Ok(())
     }
+}
+
+/// NATS's own subjects (`$JS`, `$SRV`, `$SYS`, …) and inboxes: never a
+/// relay.
+fn reserved_subject(subject: &str) -> bool {
+    subject.starts_with('$') || subject == "_INBOX" || subject.starts_with("_INBOX.")
 }
 
 /// One destination of a routed event: what the `Toolfleet-Sink` header of
@@ -353,6 +420,11 @@ pub(crate) fn route_for(
     fleet: &crate::Fleet,
     inv: &crate::Invocation,
 ) -> Result<Option<Route>, Failure> {
+    // A job an agent tool started answers its caller, not a sink: its
+    // events reach the caller's route as the caller's tool result.
+    if inv.agent_depth > 0 {
+        return Ok(None);
+    }
     let config = fleet.config();
     resolve(
         &config.sinks,
@@ -360,6 +432,7 @@ pub(crate) fn route_for(
         &config.profiles.sinks,
         inv.job.sink.as_ref(),
         inv.profile.profile.sink.as_deref(),
+        inv.job.tenant(),
     )
     .map_err(|(kind, failure)| {
         if let Some(kind) = kind {
@@ -382,13 +455,14 @@ pub fn resolve(
     configured: &BTreeMap<String, SinkConfig>,
     job: Option<&SinkRequest>,
     profile_sink: Option<&str>,
+    tenant: &str,
 ) -> Result<Option<Route>, (Option<&'static str>, Failure)> {
     let invalid = |kind: Option<&'static str>, m: String| (kind, Failure::new("invalid_sink", m));
     if let Some(request) = job {
         let mut destinations = Vec::new();
         if let Some(raw) = &request.webhook {
             settings
-                .check_webhook(raw)
+                .check_webhook_from(raw, true)
                 .map_err(|e| invalid(Some("webhook"), format!("webhook refused: {e}")))?;
             destinations.push(Destination::Webhook {
                 url: raw.trim().to_owned(),
@@ -398,7 +472,7 @@ pub fn resolve(
         }
         if let Some(subject) = &request.relay {
             settings
-                .check_relay(subjects, subject, true)
+                .check_relay(subjects, subject, Some(tenant))
                 .map_err(|e| invalid(Some("relay"), format!("relay refused: {e}")))?;
             destinations.push(Destination::Relay {
                 subject: subject.clone(),
@@ -613,36 +687,84 @@ mod tests {
         let loopback = loopback_settings();
         assert!(loopback.check_webhook("http://127.0.0.1:9/hook").is_ok());
         assert!(loopback.check_webhook("https://10.1.2.3/hook").is_err());
+        // A job's webhook gets none of the operator's exceptions unless
+        // the operator says so: https, port 443, public.
+        for bad in [
+            "http://127.0.0.1:9/hook",
+            "https://127.0.0.1/hook",
+            "https://hooks.example.com:8443/x",
+        ] {
+            assert!(loopback.check_webhook_from(bad, true).is_err(), "{bad}");
+        }
+        assert!(
+            loopback
+                .check_webhook_from("https://hooks.example.com/x", true)
+                .is_ok()
+        );
+        let open = SinkSettings {
+            job_exceptions: true,
+            ..loopback_settings()
+        };
+        assert!(
+            open.check_webhook_from("http://127.0.0.1:9/hook", true)
+                .is_ok()
+        );
     }
 
     #[test]
     fn relays_stay_off_the_fleet_prefix_and_within_the_allowed_ones() {
         let s = loopback_settings();
         let fleet = subjects();
-        assert!(s.check_relay(&fleet, "acme.answers", true).is_ok());
-        assert!(s.check_relay(&fleet, "acme.answers.eu", true).is_ok());
+        let acme = Some("acme");
+        assert!(s.check_relay(&fleet, "acme.answers.acme", acme).is_ok());
+        assert!(s.check_relay(&fleet, "acme.answers.acme.eu", acme).is_ok());
         for (bad, says) in [
             ("toolfleet.chat.events.x.y", "own prefix"),
             ("acme.answers.*", "wildcards"),
             ("acme.>", "wildcards"),
             ("acme..x", "wildcards"),
-            ("acme.answersx", "none of the allowed"),
-            ("globex.answers", "none of the allowed"),
+            ("acme.answers", "not under"),
+            ("acme.answersx.acme", "not under"),
+            // Another tenant's relays are not this tenant's to publish to.
+            ("acme.answers.globex", "not under"),
+            ("acme.answers.acmex", "not under"),
+            ("globex.answers.acme", "not under"),
+            ("$JS.API.STREAM.DELETE.X", "system or inbox"),
+            ("_INBOX.abc", "system or inbox"),
         ] {
-            let e = s.check_relay(&fleet, bad, true).expect_err(bad);
+            let e = s.check_relay(&fleet, bad, acme).expect_err(bad);
             assert!(e.contains(says), "{bad}: {e}");
         }
-        // A configured sink is trusted with any other prefix, never ours.
-        assert!(s.check_relay(&fleet, "globex.answers", false).is_ok());
-        assert!(s.check_relay(&fleet, "toolfleet.x", false).is_err());
+        // A configured sink is trusted with any other prefix, never ours
+        // nor NATS's own.
+        assert!(s.check_relay(&fleet, "globex.answers", None).is_ok());
+        assert!(s.check_relay(&fleet, "toolfleet.x", None).is_err());
+        assert!(s.check_relay(&fleet, "$SYS.x", None).is_err());
         let none = SinkSettings::default();
-        let e = none.check_relay(&fleet, "acme.answers", true).unwrap_err();
+        let e = none
+            .check_relay(&fleet, "acme.answers.acme", acme)
+            .unwrap_err();
         assert!(e.contains("no relay subjects from chat jobs"), "{e}");
+        // Nor may the operator allow such prefixes.
+        for bad in ["$JS", "_INBOX.x", "toolfleet.x", "a.*"] {
+            let s = SinkSettings {
+                relay_allow: vec![bad.into()],
+                ..SinkSettings::default()
+            };
+            let env: std::collections::HashMap<String, String> = Default::default();
+            assert!(
+                s.check_config(&fleet, &BTreeMap::new(), &env).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]
     fn the_job_sink_wins_over_the_profile_and_bad_ones_are_invalid_sink() {
-        let s = loopback_settings();
+        let s = SinkSettings {
+            job_exceptions: true,
+            ..loopback_settings()
+        };
         let configured = BTreeMap::from([(
             "acme".to_owned(),
             SinkConfig {
@@ -652,9 +774,9 @@ mod tests {
                 relay: Some("acme.bus".into()),
             },
         )]);
-        let none = resolve(&s, &subjects(), &configured, None, None).unwrap();
+        let none = resolve(&s, &subjects(), &configured, None, None, "acme").unwrap();
         assert_eq!(none, None);
-        let profile = resolve(&s, &subjects(), &configured, None, Some("acme"))
+        let profile = resolve(&s, &subjects(), &configured, None, Some("acme"), "acme")
             .unwrap()
             .unwrap();
         assert_eq!(profile.events, SinkEvents::All);
@@ -673,9 +795,16 @@ mod tests {
             ]
         );
         let own = job(Some("http://127.0.0.1:8080/h"), None);
-        let r = resolve(&s, &subjects(), &configured, Some(&own), Some("acme"))
-            .unwrap()
-            .unwrap();
+        let r = resolve(
+            &s,
+            &subjects(),
+            &configured,
+            Some(&own),
+            Some("acme"),
+            "acme",
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(r.events, SinkEvents::Final, "the job's default");
         assert_eq!(
             r.destinations,
@@ -691,7 +820,8 @@ mod tests {
             job(Some("http://127.0.0.1:8080/h"), Some("globex.x")),
             job(None, None),
         ] {
-            let (_, f) = resolve(&s, &subjects(), &configured, Some(&bad), None).unwrap_err();
+            let (_, f) =
+                resolve(&s, &subjects(), &configured, Some(&bad), None, "acme").unwrap_err();
             assert_eq!(f.code, "invalid_sink", "{bad:?}");
         }
     }
@@ -705,7 +835,7 @@ mod tests {
                 sink: Some("acme".into()),
             },
             Destination::Relay {
-                subject: "acme.answers".into(),
+                subject: "acme.answers.acme".into(),
                 sink: None,
             },
         ] {

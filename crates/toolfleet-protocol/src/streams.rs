@@ -257,7 +257,20 @@ pub async fn ensure_sinks_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<stream::Stream, StreamError> {
-    work_queue(js, subjects.sinks_stream(), subjects.sink_all(), None, 3600).await
+    let name = subjects.sinks_stream();
+    let subject = subjects.sink_all();
+    // An event is up to the server's `max_payload` (a terminal event is
+    // made to fit it), more than a job: no size cap of the stream's own.
+    let stream = js
+        .get_or_create_stream(stream::Config {
+            max_message_size: -1,
+            ..work_queue_config(&name, &subject, 3600)
+        })
+        .await
+        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+    check_subjects(stream.cached_info(), &subject)?;
+    check_replicas(stream.cached_info());
+    Ok(stream)
 }
 
 /// Creates the tool-job stream if it does not exist.

@@ -204,6 +204,13 @@ impl Subjects {
         format!("{}.sink.{tenant}.{invocation_id}", self.prefix)
     }
 
+    /// The `(tenant, invocation id)` a sinks subject names, when both are
+    /// valid.
+    pub fn parse_sink<'a>(&self, subject: &'a str) -> Option<(&'a str, &'a str)> {
+        let (tenant, id) = self.after(subject, ".sink.")?.split_once('.')?;
+        (valid_tenant(tenant) && valid_invocation_id(id)).then_some((tenant, id))
+    }
+
     pub fn sink_all(&self) -> String {
         format!("{}.sink.>", self.prefix)
     }
@@ -1298,6 +1305,9 @@ pub fn dead_letter_job(body: &[u8]) -> Option<Value> {
     match serde_json::from_slice::<Value>(body) {
         Ok(Value::Object(mut job)) => {
             job.remove("settings");
+            // A webhook URL may hold a token in its path or query; a
+            // replayed job answers on NATS only.
+            job.remove("sink");
             Some(Value::Object(job))
         }
         _ => None,

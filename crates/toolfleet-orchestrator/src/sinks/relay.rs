@@ -118,16 +118,41 @@ async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
         Ok(id) => id,
         Err(e) => return unreadable(format!("the body is not a chat event: {e}")).await,
     };
+    // The tenant is the sinks subject's (`<p>.sink.<tenant>.<inv>`), which
+    // only the invocation's orchestrator publishes.
+    let Some(tenant) = fleet
+        .config
+        .subjects
+        .parse_sink(msg.subject.as_str())
+        .map(|(t, _)| t.to_owned())
+    else {
+        return unreadable(format!("{} is not a sinks subject", msg.subject)).await;
+    };
+    // The destination is checked again as if it were new: the header is
+    // only as trustworthy as whoever could publish on the sinks stream.
+    if let Err(e) = trusted(fleet, &destination, &tenant) {
+        return unreadable(e).await;
+    }
     let kind = destination.kind();
     let event_id = format!("{}:{}", id.invocation_id, id.seq);
     let started = Instant::now();
     let outcome = match &destination {
         Destination::Webhook {
-            url, secret_env, ..
+            url,
+            secret_env,
+            sink,
         } => {
             let secret = fleet.config.env.var(secret_env);
             webhooks
-                .post(url, secret, secret_env, &event_id, msg.payload.clone())
+                .post(
+                    url,
+                    sink.is_none(),
+                    secret,
+                    secret_env,
+                    &tenant,
+                    &event_id,
+                    msg.payload.clone(),
+                )
                 .await
         }
         Destination::Relay { subject, .. } => relay(fleet, subject, &event_id, msg).await,
@@ -175,13 +200,48 @@ async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
     }
 }
 
+/// Whether `destination` is one an invocation of `tenant` may have: a
+/// webhook's secret variable is its configured sink's (or, for a job's
+/// own, the default one), a relay passes the relay rules again.
+fn trusted(fleet: &Fleet, destination: &Destination, tenant: &str) -> Result<(), String> {
+    let settings = &fleet.config.sinks;
+    let configured = |name: &str| fleet.config.profiles.sinks.get(name);
+    match destination {
+        Destination::Webhook {
+            secret_env, sink, ..
+        } => {
+            let expected = match sink {
+                None => Some(settings.default_secret_env.as_str()),
+                Some(name) => configured(name).and_then(|s| s.secret_env.as_deref()),
+            };
+            if expected != Some(secret_env.as_str()) {
+                return Err("the webhook names a secret variable that is not its sink's".to_owned());
+            }
+            Ok(())
+        }
+        Destination::Relay { subject, sink } => {
+            if let Some(name) = sink
+                && configured(name).and_then(|s| s.relay.as_deref()) != Some(subject.as_str())
+            {
+                return Err("the relay is not its configured sink's".to_owned());
+            }
+            settings.check_relay(
+                &fleet.config.subjects,
+                subject,
+                sink.is_none().then_some(tenant),
+            )
+        }
+    }
+}
+
 fn count(metrics: &SinkMetrics, kind: &str, outcome: &str) {
     metrics.deliveries.with_label_values(&[kind, outcome]).inc();
 }
 
-/// Publishes the event on the relay subject (core NATS, `Nats-Msg-Id` =
-/// the event id, so a stream capturing the subject stores a retried event
-/// once) and waits until the server has it.
+/// Publishes the event on the relay subject (core NATS, with its
+/// `Toolfleet-Event-Id`; no `Nats-Msg-Id`: a crashed run's rerun numbers
+/// its events from 0 again, and a stream deduplicating on the id would
+/// drop them) and waits until the server has it.
 async fn relay(
     fleet: &Fleet,
     subject: &str,
@@ -191,7 +251,6 @@ async fn relay(
     let failed = |e: String| DeliveryError::failed("relay_failed", e, true);
     let mut h = async_nats::HeaderMap::new();
     h.insert(headers::EVENT_ID, event_id);
-    h.insert(headers::NATS_MSG_ID, event_id);
     fleet
         .client
         .publish_with_headers(subject.to_owned(), h, msg.payload.clone())

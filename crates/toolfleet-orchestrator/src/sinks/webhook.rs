@@ -61,12 +61,18 @@ impl DeliveryError {
     }
 }
 
-/// The `Toolfleet-Signature` value for `body` at `timestamp` (unix
-/// seconds).
-pub fn signature(secret: &[u8], timestamp: u64, body: &[u8]) -> String {
+/// The `Toolfleet-Signature` value for `body` of an invocation of
+/// `tenant` at `timestamp` (unix seconds): HMAC-SHA256 over
+/// `<timestamp>.<tenant>.<body>`. The tenant is signed (and sent in
+/// `Toolfleet-Tenant`) so that a delivery signed for one tenant's webhook
+/// cannot be replayed to another's receiver as theirs: job-named webhooks
+/// of every tenant share one secret.
+pub fn signature(secret: &[u8], timestamp: u64, tenant: &str, body: &[u8]) -> String {
     let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
     let mut ctx = ring::hmac::Context::with_key(&key);
     ctx.update(timestamp.to_string().as_bytes());
+    ctx.update(b".");
+    ctx.update(tenant.as_bytes());
     ctx.update(b".");
     ctx.update(body);
     format!("t={timestamp},v1={}", hex(ctx.sign().as_ref()))
@@ -143,34 +149,46 @@ impl reqwest::dns::Resolve for CheckedResolver {
 /// The webhook client of one orchestrator.
 #[derive(Clone)]
 pub struct Webhooks {
+    /// For configured sinks: the operator's policy.
     http: reqwest::Client,
+    /// For webhooks chat jobs name: the strict policy, unless the
+    /// operator extends the exceptions to them.
+    jobs: reqwest::Client,
     settings: SinkSettings,
 }
 
 impl Webhooks {
     pub fn new(settings: &SinkSettings) -> Result<Self, String> {
         toolfleet_llm::install_crypto_provider();
-        let http = reqwest::Client::builder()
-            .dns_resolver(CheckedResolver::new(settings.policy.clone()))
-            .redirect(reqwest::redirect::Policy::none())
-            .no_proxy()
-            .timeout(settings.request_timeout)
-            .connect_timeout(settings.request_timeout.min(Duration::from_secs(5)))
-            .user_agent(concat!("toolfleet-sink/", env!("CARGO_PKG_VERSION")))
-            .build()
-            .map_err(|e| format!("the webhook client cannot be built: {e}"))?;
+        let client = |policy: NetPolicy| {
+            reqwest::Client::builder()
+                .dns_resolver(CheckedResolver::new(policy))
+                .redirect(reqwest::redirect::Policy::none())
+                .no_proxy()
+                .timeout(settings.request_timeout)
+                .connect_timeout(settings.request_timeout.min(Duration::from_secs(5)))
+                .user_agent(concat!("toolfleet-sink/", env!("CARGO_PKG_VERSION")))
+                .build()
+                .map_err(|e| format!("the webhook client cannot be built: {e}"))
+        };
         Ok(Self {
-            http,
+            http: client(settings.policy_for(false).0)?,
+            jobs: client(settings.policy_for(true).0)?,
             settings: settings.clone(),
         })
     }
 
-    /// POSTs `body` to `url`, signed with the secret in `secret_env`.
+    /// POSTs `body` (an event of an invocation of `tenant`) to `url`,
+    /// signed with the secret in `secret_env`; `from_job` when a chat job
+    /// named the webhook.
+    #[allow(clippy::too_many_arguments)]
     pub async fn post(
         &self,
         url: &str,
+        from_job: bool,
         secret: Option<String>,
         secret_env: &str,
+        tenant: &str,
         event_id: &str,
         body: bytes::Bytes,
     ) -> Result<(), DeliveryError> {
@@ -179,7 +197,7 @@ impl Webhooks {
         // resolved (so never seen by the resolver).
         let url = self
             .settings
-            .check_webhook(url)
+            .check_webhook_from(url, from_job)
             .map_err(|e| DeliveryError::refused("ssrf_blocked", e))?;
         let host = url.host_str().unwrap_or("?").to_owned();
         let Some(secret) = secret.filter(|s| !s.is_empty()) else {
@@ -195,11 +213,12 @@ impl Webhooks {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let signed = signature(secret.as_bytes(), now, &body);
-        let sent = self
-            .http
+        let signed = signature(secret.as_bytes(), now, tenant, &body);
+        let http = if from_job { &self.jobs } else { &self.http };
+        let sent = http
             .post(url)
             .header(reqwest::header::CONTENT_TYPE, "application/json")
+            .header(headers::TENANT, tenant)
             .header(headers::EVENT_ID, event_id)
             .header(headers::SIGNATURE, signed)
             .body(body)
@@ -260,13 +279,18 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_signature_is_hmac_sha256_of_the_timestamp_a_dot_and_the_body() {
+    fn the_signature_is_hmac_sha256_of_the_timestamp_the_tenant_and_the_body() {
         // Computed independently with Python's hmac module:
-        // hmac.new(b"Jefe", b"1.hat do ya want for nothing?", sha256).
-        let sig = signature(b"Jefe", 1, b"hat do ya want for nothing?");
+        // hmac.new(b"Jefe", b"1.acme.hat do ya want for nothing?", sha256).
+        let sig = signature(b"Jefe", 1, "acme", b"hat do ya want for nothing?");
         assert_eq!(
             sig,
-            "t=1,v1=66a069260b041e41554894ee68d4d0bd05715eb4c9a816c8ee44df9f9176ac70"
+            "t=1,v1=287d9a8b0f48410c3f833ec255510c56cdef3d4966f85f4c4b0d3ad1bb30d938"
+        );
+        // Another tenant, another signature.
+        assert_ne!(
+            signature(b"Jefe", 1, "globex", b"hat do ya want for nothing?"),
+            sig
         );
     }
 
