@@ -105,9 +105,6 @@ pub enum CallState {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         approver: Option<String>,
         at_ms: u64,
-        /// Whether its `approval_resolved` event went out.
-        #[serde(default)]
-        announced: bool,
     },
 }
 
@@ -349,8 +346,20 @@ impl Parked {
             .collect()
     }
 
-    /// Writes `decision` in; returns whether anything changed.
-    fn apply(&mut self, decision: &Decision) -> bool {
+    /// Writes `decision` in; returns what it decided (each call's outcome
+    /// and how long it waited), and whether anything changed.
+    fn apply(&mut self, decision: &Decision) -> (Vec<(ApprovalOutcome, u64)>, bool) {
+        let waited = decision.at_ms.saturating_sub(self.parked_at_ms);
+        let decide =
+            |call: &mut ParkedCall, outcome, reason: &Option<String>, approver: &Option<String>| {
+                call.state = CallState::Decided {
+                    outcome,
+                    reason: reason.clone(),
+                    approver: approver.clone(),
+                    at_ms: decision.at_ms,
+                };
+                (outcome, waited)
+            };
         match &decision.kind {
             DecisionKind::Call {
                 call_id,
@@ -363,35 +372,25 @@ impl Parked {
                     .iter_mut()
                     .find(|c| &c.call.id == call_id && c.held())
                 else {
-                    return false;
+                    return (Vec::new(), false);
                 };
-                call.state = CallState::Decided {
-                    outcome: match d {
-                        ApprovalDecision::Approve => ApprovalOutcome::Approved,
-                        ApprovalDecision::Deny => ApprovalOutcome::Denied,
-                    },
-                    reason: reason.clone(),
-                    approver: approver.clone(),
-                    at_ms: decision.at_ms,
-                    announced: false,
+                let outcome = match d {
+                    ApprovalDecision::Approve => ApprovalOutcome::Approved,
+                    ApprovalDecision::Deny => ApprovalOutcome::Denied,
                 };
-                true
+                (vec![decide(call, outcome, reason, approver)], true)
             }
             DecisionKind::Timeout => {
-                let mut changed = false;
-                for call in self.calls.iter_mut().filter(|c| c.held()) {
-                    call.state = CallState::Decided {
-                        outcome: ApprovalOutcome::Timeout,
-                        reason: None,
-                        approver: None,
-                        at_ms: decision.at_ms,
-                        announced: false,
-                    };
-                    changed = true;
-                }
-                changed
+                let decided: Vec<_> = self
+                    .calls
+                    .iter_mut()
+                    .filter(|c| c.held())
+                    .map(|c| decide(c, ApprovalOutcome::Timeout, &None, &None))
+                    .collect();
+                let changed = !decided.is_empty();
+                (decided, changed)
             }
-            DecisionKind::Cancel => !std::mem::replace(&mut self.cancelled, true),
+            DecisionKind::Cancel => (Vec::new(), !std::mem::replace(&mut self.cancelled, true)),
         }
     }
 }
@@ -703,7 +702,8 @@ pub(crate) async fn handle_decision(fleet: &Arc<Fleet>, msg: jetstream::Message)
             let _ = msg.ack_with(AckKind::Ack).await;
             return;
         }
-        if parked.apply(&decision) {
+        let (decided, changed) = parked.apply(&decision);
+        if changed {
             let value = match serde_json::to_vec(&parked) {
                 Ok(v) => v,
                 Err(_) => return,
@@ -714,7 +714,21 @@ pub(crate) async fn handle_decision(fleet: &Arc<Fleet>, msg: jetstream::Message)
                 .update(&id, value.into(), revision)
                 .await
             {
-                Ok(_) => {}
+                // Counted here, once: the write that decided them.
+                Ok(_) => {
+                    for (outcome, waited_ms) in decided {
+                        fleet
+                            .metrics
+                            .approvals
+                            .with_label_values(&[outcome.as_str()])
+                            .inc();
+                        fleet
+                            .metrics
+                            .approval_wait
+                            .with_label_values(&[outcome.as_str()])
+                            .observe(waited_ms as f64 / 1000.0);
+                    }
+                }
                 // Another decision was written in between: read it again.
                 Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => continue,
                 Err(e) => {
@@ -869,16 +883,6 @@ pub(crate) async fn resume(
         } = &call.state
         {
             let waited_ms = at_ms.saturating_sub(parked.parked_at_ms);
-            fleet
-                .metrics
-                .approvals
-                .with_label_values(&[outcome.as_str()])
-                .inc();
-            fleet
-                .metrics
-                .approval_wait
-                .with_label_values(&[outcome.as_str()])
-                .observe(waited_ms as f64 / 1000.0);
             timed_out |= *outcome == ApprovalOutcome::Timeout;
             events.send(ChatEventBody::ApprovalResolved {
                 call_id: call.call.id.clone(),

@@ -804,6 +804,19 @@ async fn run(
                         events.send(request);
                     }
                     events.close().await;
+                    // The id stays claimed for as long as it may wait.
+                    let wait = parked
+                        .expires_at_ms
+                        .saturating_sub(toolfleet_protocol::now_ms())
+                        + parked.remaining_ms
+                        + 3_600_000;
+                    if let Err(e) = fleet
+                        .store
+                        .keep_claim(&id, Duration::from_millis(wait))
+                        .await
+                    {
+                        warn!(invocation_id = %id, error = %e, "cannot extend the parked invocation's claim past the store's TTL");
+                    }
                     // A cancel that came while it parked found neither a
                     // run nor a record: end it now.
                     if cancel.is_cancelled()

@@ -580,6 +580,23 @@ impl CitationStore {
         .await
     }
 
+    /// Keeps the invocation's claim for at least `at_least` (and never
+    /// less than the store's TTL): a parked invocation may wait longer
+    /// than the TTL for a person, and its id must stay claimed meanwhile.
+    pub async fn keep_claim(
+        &self,
+        invocation_id: &str,
+        at_least: Duration,
+    ) -> Result<(), CitationError> {
+        let key = &self.key(invocation_id, "owner");
+        let secs =
+            i64::try_from(at_least.as_secs().max(self.ttl.as_secs()).max(1)).unwrap_or(i64::MAX);
+        self.run("keep_claim", |mut conn| async move {
+            conn.expire::<_, ()>(key, secs).await
+        })
+        .await
+    }
+
     /// Is the store answering?
     pub async fn ping(&self) -> Result<(), CitationError> {
         self.run("ping", |mut conn| async move {

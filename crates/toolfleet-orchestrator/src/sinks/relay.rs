@@ -41,7 +41,15 @@ pub(crate) async fn run(
     let permits = Arc::new(Semaphore::new(settings.concurrency.max(1)));
     info!(stream = %fleet.config.subjects.sinks_stream(), "sink relay delivering routed events");
     while !shutdown.is_cancelled() {
-        let mut messages = match consumer.messages().await {
+        // No more pulled than can be delivered at once: a message waiting
+        // for a permit must not outlive its ack wait (it would come back,
+        // counted as an attempt that was never made).
+        let mut messages = match consumer
+            .stream()
+            .max_messages_per_batch(settings.concurrency.max(1))
+            .messages()
+            .await
+        {
             Ok(m) => m,
             Err(e) => {
                 warn!(error = %e, "the sink relay cannot pull; trying again");
