@@ -201,6 +201,13 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../config/mcp.example.toml");
+        let c = McpConfig::load(&path).unwrap();
+        assert!(c.servers.contains_key("search"), "{c:?}");
+    }
+
+    #[test]
     fn servers_are_stdio_or_http_with_valid_names() {
         let c = parse(
             r#"
