@@ -90,7 +90,7 @@ impl FleetServer {
         .map_err(|e| rmcp::ErrorData::internal_error(format!("the fleet's catalog: {e}"), None))?;
         let mut by_name: std::collections::BTreeMap<String, ToolDefinition> = Default::default();
         for d in catalog.all().map(|e| e.definition().clone()) {
-            if !d.selectable || d.id.namespace == "agent" || !self.in_scope(&d) {
+            if !d.selectable || d.id.namespace == "agent" || !self.in_scope(&d) || !exported(&d) {
                 continue;
             }
             match by_name.get(&d.function.name) {
@@ -108,6 +108,24 @@ impl FleetServer {
             .as_ref()
             .is_none_or(|refs| refs.iter().any(|r| r.matches(&d.id)))
     }
+}
+
+/// The surface MCP clients are, for a definition's `visibleIn`.
+pub const MCP_SURFACE: &str = "mcp";
+
+/// The orchestrator's gates, as they apply to a call from an MCP client:
+/// no documents are attached (`document_processing` tools are left out),
+/// no data source is selected (`data_source_search` too), the surface is
+/// [`MCP_SURFACE`] (a tool whose `visibleIn` does not name it is left
+/// out), and no provider confidence is known (a tool with a
+/// `minProviderConfidence` would refuse every call).
+fn exported(d: &ToolDefinition) -> bool {
+    use toolfleet_protocol::tools::Purpose;
+    !matches!(
+        d.purpose(),
+        Purpose::DocumentProcessing | Purpose::DataSourceSearch
+    ) && (d.visible_in.is_empty() || d.visible_in.iter().any(|s| s == MCP_SURFACE))
+        && d.min_provider_confidence.is_none_or(|c| c <= 0.0)
 }
 
 fn mcp_tool(d: &ToolDefinition) -> Tool {
@@ -281,4 +299,48 @@ pub async fn serve_stdio(server: FleetServer) -> anyhow::Result<()> {
     let running = server.serve(rmcp::transport::stdio()).await?;
     running.waiting().await?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn definition(extra: serde_json::Value) -> ToolDefinition {
+        let mut v = serde_json::json!({
+            "schemaVersion": 1,
+            "id": "demo:echo@1.0.0",
+            "implementationKey": "demo.echo",
+            "title": "Echo",
+            "description": "Echoes.",
+            "category": "utility",
+            "function": {
+                "name": "echo",
+                "description": "Echo the text.",
+                "parameters": { "type": "object", "properties": {} }
+            }
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn the_orchestrators_gates_apply_to_mcp_clients() {
+        assert!(exported(&definition(serde_json::json!({}))));
+        assert!(exported(&definition(
+            serde_json::json!({ "purpose": "content_generation" })
+        )));
+        assert!(exported(&definition(
+            serde_json::json!({ "visibleIn": ["chat", "mcp"] })
+        )));
+        for left_out in [
+            serde_json::json!({ "purpose": "document_processing" }),
+            serde_json::json!({ "purpose": "data_source_search" }),
+            serde_json::json!({ "visibleIn": ["chat"] }),
+            serde_json::json!({ "minProviderConfidence": 0.5 }),
+        ] {
+            assert!(!exported(&definition(left_out.clone())), "{left_out}");
+        }
+    }
 }
