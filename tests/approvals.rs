@@ -565,3 +565,105 @@ async fn an_approval_survives_the_restart_of_every_orchestrator() {
         "the invocation went on; it did not start again"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_after_a_held_one_wait_with_it_when_calls_run_one_at_a_time() {
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            workers: vec!["system", "retrieval"],
+            profiles_toml: Some(
+                profiles(600_000) + "[profiles.default.policy]\nparallel_tool_calls = false\n",
+            ),
+            ..Default::default()
+        },
+    )
+    .await;
+    let job =
+        toolfleet_protocol::client::question("What time is it, and how do lighthouses warn ships?");
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    // The search comes after the clock in the model's order: it waits.
+    assert!(
+        !seen
+            .iter()
+            .any(|e| matches!(e.body, ChatEventBody::ToolCall { .. })),
+        "{seen:?}"
+    );
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", &job.invocation_id),
+        json!({ "callId": call, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v, json!({ "ok": true }));
+    let end = until(&mut sub, &mut seen, terminal).await;
+    assert!(matches!(end, ChatEventBody::Completed { .. }), "{end:?}");
+    // Then both ran, the clock first.
+    let order: Vec<String> = seen
+        .iter()
+        .filter_map(|e| match &e.body {
+            ChatEventBody::ToolResult { tool, status, .. } => {
+                assert_eq!(*status, ToolStatus::Ok, "{tool}");
+                Some(tool.clone())
+            }
+            _ => None,
+        })
+        .collect();
+    assert_eq!(order.len(), 2, "{order:?}");
+    assert!(order[0].starts_with("system:current_datetime"), "{order:?}");
+    assert!(
+        order[1].starts_with("retrieval:search_data_sources"),
+        "{order:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_an_agent_tool_started_does_not_park_it_answers_blocked() {
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["AGENT TASK"],
+            "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "Helper read: {{tool:current_datetime}}" }
+            ]
+        }, {
+            "whenUserContains": ["ask the helper"],
+            "steps": [
+                { "toolCalls": [ { "name": "helper", "arguments": { "task": "AGENT TASK: the time" } } ] },
+                { "answer": "Outer: {{tool:helper}}" }
+            ]
+        }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let toml = r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+[profiles.helper]
+deployment = "scripted"
+require_approval = ["system:current_datetime"]
+agent = { name = "helper", description = "Tells the time." }
+"#;
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(toml.into()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("please ask the helper").await;
+    let outcome = outcome.expect("completed");
+    assert!(
+        outcome.text.contains("needs a person's approval"),
+        "{}",
+        outcome.text
+    );
+    assert!(parked_keys(&env).await.is_empty());
+}
