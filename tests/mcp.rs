@@ -2,8 +2,10 @@
 //! SDK, `tests/mcp/notes_server.py`) whose tools answer chat jobs through
 //! the fleet — text and a resource link that becomes a reference; a server
 //! that dies mid-call is started again and the call retried; a server that
-//! cannot start or hangs on `initialize` is left out with its reason while
-//! the others are served.
+//! cannot start, hangs on `initialize` or answers garbage is left out with
+//! its reason while the others are served. A streamable HTTP server on the same SDK
+//! (`tests/mcp/http_server.py`) is served the same way, and again once it
+//! is back after dying.
 
 use serde_json::json;
 
@@ -24,6 +26,10 @@ command = ["/nonexistent/mcp-server"]
 [servers.hung]
 command = ["sleep", "60"]
 init_timeout_ms = 500
+
+[servers.garbage]
+command = ["sh", "-c", "while true; do echo 'this is not JSON-RPC'; sleep 0.05; done"]
+init_timeout_ms = 1000
 "#,
         server.display(),
         crash_marker.display()
@@ -62,8 +68,9 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
     let imported = toolfleet_worker_mcp::import(&config(&dir.path().join("crashed")))
         .await
         .expect("the notes server is imported");
-    // The two servers that cannot serve are left out, each saying why.
+    // The servers that cannot serve are left out, each saying why.
     let skipped = imported.skipped.join("\n");
+    assert!(skipped.contains("server garbage left out"), "{skipped}");
     assert!(
         skipped.contains("server gone left out") && skipped.contains("cannot start"),
         "{skipped}"
@@ -93,8 +100,7 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
     let _worker = env.start_worker_with(imported.worker, config).await;
 
     // Text and a resource link: the answer, and a reference.
-    let (job, outcome) = env.ask("what do the notes say about the lamp?").await;
-    let outcome = outcome.unwrap_or_else(|e| panic!("{}: {e}", job.invocation_id));
+    let outcome = ask_when_offered(&env, "what do the notes say about the lamp?").await;
     assert!(
         outcome
             .text
@@ -139,6 +145,233 @@ async fn an_mcp_servers_tools_answer_chat_jobs_through_the_fleet() {
     assert_eq!(calls("timeout"), 0, "zero-initialised");
     assert_eq!(metrics.tools("notes"), 4);
     assert_eq!(metrics.tools("gone"), 0);
+    assert_eq!(metrics.tools("garbage"), 0);
+}
+
+/// A streamable HTTP MCP server on the official Python SDK
+/// (`tests/mcp/http_server.py`) on a port of the test's, killed on drop.
+struct HttpServer {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl HttpServer {
+    /// Starts it on `port` as `name` (its log and its `hold` tool's marker
+    /// in `dir`) and waits until the port answers.
+    async fn start(port: u16, dir: &std::path::Path, name: &str) -> Self {
+        let log = dir.join("http_server.log");
+        let child = std::process::Command::new("python3")
+            .arg(support::root().join("tests/mcp/http_server.py"))
+            .arg(port.to_string())
+            .arg(dir.join("held"))
+            .arg(name)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap(),
+            )
+            .spawn()
+            .expect("python3");
+        let mut server = Self { child, log };
+        let deadline = tokio::time::Instant::now() + support::WAIT;
+        while tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .is_err()
+        {
+            if let Some(status) = server.child.try_wait().unwrap() {
+                panic!(
+                    "the HTTP MCP server exited ({status}; scripts/ensure-servers installs `mcp`):\n{}",
+                    server.log()
+                );
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the HTTP MCP server does not listen on port {port}:\n{}",
+                server.log()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+        server
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for HttpServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// The outcome of an asked question that was answered.
+fn answered(
+    (job, outcome): (
+        toolfleet_protocol::ChatJob,
+        Result<toolfleet_protocol::client::ChatOutcome, toolfleet_protocol::client::ClientError>,
+    ),
+) -> toolfleet_protocol::client::ChatOutcome {
+    outcome.unwrap_or_else(|e| panic!("{}: {e}", job.invocation_id))
+}
+
+/// The outcome of `question` once the orchestrator offers the tool its
+/// script calls: a worker just started may be missing from a catalog
+/// reading (under load, its `INFO` answer can come after the reading ends),
+/// and the model then reads that there is no such tool.
+async fn ask_when_offered(env: &Env, question: &str) -> toolfleet_protocol::client::ChatOutcome {
+    let deadline = tokio::time::Instant::now() + support::WAIT;
+    loop {
+        let outcome = answered(env.ask(question).await);
+        if !outcome.text.contains("there is no tool named") {
+            return outcome;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{question}: {}",
+            outcome.text
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
+
+/// A loopback port free now (the test's HTTP server takes it, and takes it
+/// again when started again).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A streamable HTTP server's tools answer chat jobs like a stdio
+/// server's; the server dying fails the call in flight and the calls while
+/// it is down `mcp_unavailable`, and once it is back on its port the next
+/// call is answered by the new process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamable_http_servers_tools_answer_chat_jobs_across_its_restart() {
+    use toolfleet_protocol::ToolStatus;
+
+    let env = Env::start_with(
+        json!({
+            "rules": [
+                { "whenUserContains": ["tide"], "steps": [
+                    { "toolCalls": [ { "name": "mcp_tides_tide", "arguments": { "harbour": "Brest" } } ] },
+                    { "answer": "Tide: {{tool:mcp_tides_tide}}" }
+                ] },
+                { "whenUserContains": ["hold"], "steps": [
+                    { "toolCalls": [ { "name": "mcp_tides_hold", "arguments": {} } ] },
+                    { "answer": "After the hold: {{tool:mcp_tides_hold}}" }
+                ] }
+            ]
+        }),
+        Options {
+            workers: vec![],
+            ..Options::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut server = HttpServer::start(port, dir.path(), "first").await;
+    let config: toolfleet_worker_mcp::McpConfig = toml::from_str(&format!(
+        "[servers.tides]\nurl = \"http://127.0.0.1:{port}/mcp\"\ntimeout_ms = 20000\n"
+    ))
+    .unwrap();
+    config.check().unwrap();
+    let imported = tokio::time::timeout(support::WAIT, toolfleet_worker_mcp::import(&config))
+        .await
+        .expect("the import ends in time")
+        .unwrap_or_else(|e| panic!("the tides server is imported: {e}\n{}", server.log()));
+    assert!(imported.skipped.is_empty(), "{:?}", imported.skipped);
+    let mut ids: Vec<String> = imported
+        .worker
+        .definitions()
+        .map(|d| d.id.to_string())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["mcp_tides:hold@1.0.0", "mcp_tides:tide@1.0.0"]);
+    let metrics = imported.metrics.clone();
+    let _worker = env.start_worker(imported.worker).await;
+
+    // Over HTTP, by the server's process.
+    let outcome = ask_when_offered(&env, "what is the tide at Brest?").await;
+    assert!(
+        outcome
+            .text
+            .contains("Tide: Brest: high water at 06:12 (the first server)"),
+        "{}",
+        outcome.text
+    );
+
+    // The server dies with a call in flight: the call fails (not run
+    // again: the tool does not say it is safe to repeat) and the model
+    // reads why.
+    let held = dir.path().join("held");
+    let (asked, ()) = tokio::join!(env.ask("hold the line"), async {
+        let deadline = tokio::time::Instant::now() + support::WAIT;
+        while !held.exists() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the hold call never reached the server"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        server.kill();
+    });
+    let outcome = answered(asked);
+    assert!(
+        outcome
+            .text
+            .contains("After the hold: Error: MCP server tides is unavailable"),
+        "{}",
+        outcome.text
+    );
+    assert_eq!(
+        support::result_codes(&outcome.events),
+        [(ToolStatus::Error, Some("mcp_unavailable".into()))]
+    );
+
+    // While it is down, a call finds it gone.
+    let outcome = answered(env.ask("what is the tide now?").await);
+    assert!(
+        outcome
+            .text
+            .contains("Tide: Error: MCP server tides is unavailable"),
+        "{}",
+        outcome.text
+    );
+    assert_eq!(
+        support::result_codes(&outcome.events),
+        [(ToolStatus::Error, Some("mcp_unavailable".into()))]
+    );
+
+    // Back on its port: the next call is answered, by the new process.
+    server = HttpServer::start(port, dir.path(), "second").await;
+    let outcome = answered(env.ask("and the tide at Brest now?").await);
+    assert!(
+        outcome
+            .text
+            .contains("Tide: Brest: high water at 06:12 (the second server)"),
+        "{}\n{}",
+        outcome.text,
+        server.log()
+    );
+
+    let calls = |outcome: &str| metrics.calls("tides", outcome);
+    assert_eq!(calls("ok"), 2);
+    assert_eq!(calls("unavailable"), 2);
+    assert_eq!(calls("timeout") + calls("refused"), 0);
 }
 
 /// `toolfleet mcp serve`, as a real MCP client (the official Python SDK)

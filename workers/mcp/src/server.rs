@@ -3,15 +3,20 @@
 //! call's deadline and cancellation. A server that changes its tool list
 //! (`notifications/tools/list_changed`) is noted, for the worker to list it
 //! again.
+//!
+//! One connection attempt at a time: callers that find one in flight wait
+//! for its outcome rather than queue for attempts of their own (a server
+//! that hangs on `initialize` costs its callers one `init_timeout`, not one
+//! each). No lock is held while connecting.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rmcp::ServiceExt;
 use rmcp::model::{CallToolRequestParams, CallToolResult, ClientConfig, Implementation};
 use rmcp::service::{NotificationContext, Peer, RoleClient, RunningService};
-use tokio::sync::Mutex;
+use tokio::sync::watch;
 
 use crate::config::{ServerSpec, Transport};
 
@@ -57,12 +62,54 @@ impl rmcp::ClientHandler for Handler {
     }
 }
 
+/// An attempt's outcome, as its callers share it.
+type Outcome = Result<Peer<RoleClient>, McpError>;
+
+/// A server's connection, and the attempt to make one in flight (if any).
+/// Only ever locked for a moment, never across an await.
+#[derive(Default)]
+struct Connection {
+    running: Option<RunningService<RoleClient, Handler>>,
+    /// The attempt in flight: its number, and where its outcome appears
+    /// (its sender dropped unanswered when its caller gave up on it).
+    connecting: Option<(u64, watch::Receiver<Option<Outcome>>)>,
+    attempts: u64,
+    /// A connection was lost and none made since: the next one may offer
+    /// other tools.
+    lost: bool,
+}
+
 /// One configured server and its connection (if any).
 pub struct Server {
     pub name: String,
     spec: ServerSpec,
     handler: Handler,
-    running: Mutex<Option<RunningService<RoleClient, Handler>>>,
+    connection: Mutex<Connection>,
+}
+
+/// What a caller of [`Server::peer`] does, decided under the lock.
+enum Step {
+    Live(Peer<RoleClient>),
+    Wait(watch::Receiver<Option<Outcome>>),
+    Connect(u64, watch::Sender<Option<Outcome>>),
+}
+
+/// Ends attempt `.1` if its caller gives up on it before it stored its
+/// outcome (the call was cancelled or ran out of time): its waiters, woken
+/// by its sender's drop, then make an attempt of their own.
+struct Attempt<'a>(&'a Server, u64);
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        let mut connection = self.0.connection();
+        if connection
+            .connecting
+            .as_ref()
+            .is_some_and(|(n, _)| *n == self.1)
+        {
+            connection.connecting = None;
+        }
+    }
 }
 
 impl std::fmt::Debug for Server {
@@ -77,7 +124,7 @@ impl Server {
             name: name.into(),
             spec,
             handler: Handler::default(),
-            running: Mutex::new(None),
+            connection: Mutex::default(),
         })
     }
 
@@ -109,20 +156,65 @@ impl Server {
         }
     }
 
+    /// The connection state. Nothing panics while holding it, so a poisoned
+    /// lock still holds a consistent state.
+    fn connection(&self) -> MutexGuard<'_, Connection> {
+        self.connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// The live connection's peer, connecting (again) when there is none or
-    /// the last one closed.
+    /// the last one closed, or waiting for the attempt in flight.
     async fn peer(&self) -> Result<Peer<RoleClient>, McpError> {
-        let mut running = self.running.lock().await;
-        if let Some(r) = running.as_ref()
-            && !r.is_closed()
-            && !r.peer().is_transport_closed()
-        {
-            return Ok(r.peer().clone());
+        loop {
+            let step = {
+                let mut connection = self.connection();
+                match (&connection.running, &connection.connecting) {
+                    (Some(r), _) if !r.is_closed() && !r.peer().is_transport_closed() => {
+                        Step::Live(r.peer().clone())
+                    }
+                    (_, Some((_, outcome))) => Step::Wait(outcome.clone()),
+                    (_, None) => {
+                        if connection.running.take().is_some() {
+                            connection.lost = true;
+                            tracing::warn!(
+                                server = %self.name,
+                                "MCP server connection closed; connecting again"
+                            );
+                        }
+                        let (tx, rx) = watch::channel(None);
+                        connection.attempts += 1;
+                        connection.connecting = Some((connection.attempts, rx));
+                        Step::Connect(connection.attempts, tx)
+                    }
+                }
+            };
+            match step {
+                Step::Live(peer) => return Ok(peer),
+                Step::Wait(mut attempt) => {
+                    if let Ok(outcome) = attempt.wait_for(Option::is_some).await
+                        && let Some(outcome) = &*outcome
+                    {
+                        return outcome.clone();
+                    }
+                    // Its caller gave up on it unanswered: try again.
+                }
+                Step::Connect(n, tx) => {
+                    // Declared after `tx`, dropped before it: the attempt
+                    // is gone when its waiters wake.
+                    let attempt = Attempt(self, n);
+                    let outcome = self.attempt().await;
+                    drop(attempt);
+                    tx.send_replace(Some(outcome.clone()));
+                    return outcome;
+                }
+            }
         }
-        let again = running.take().is_some();
-        if again {
-            tracing::warn!(server = %self.name, "MCP server connection closed; connecting again");
-        }
+    }
+
+    /// Connects within the init timeout and stores the connection.
+    async fn attempt(&self) -> Outcome {
         let connected = tokio::time::timeout(self.spec.init_timeout(), self.connect())
             .await
             .map_err(|_| McpError::Timeout {
@@ -130,7 +222,11 @@ impl Server {
                 after: self.spec.init_timeout(),
             })??;
         let peer = connected.peer().clone();
-        *running = Some(connected);
+        let again = {
+            let mut connection = self.connection();
+            connection.running = Some(connected);
+            std::mem::take(&mut connection.lost)
+        };
         if again {
             // A server started again may offer other tools.
             self.handler.changed.store(true, Ordering::Release);
@@ -257,8 +353,90 @@ impl Server {
 
     /// Closes the connection (a stdio server's process ends with it).
     pub async fn close(&self) {
-        if let Some(r) = self.running.lock().await.take() {
+        let running = self.connection().running.take();
+        if let Some(r) = running {
             let _ = r.cancel().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A stdio server that never answers `initialize` and adds a line to
+    /// `starts` each time it is started.
+    fn hung(starts: &std::path::Path) -> Arc<Server> {
+        let spec: ServerSpec = toml::from_str(&format!(
+            r#"
+command = ["sh", "-c", "echo started >> '{}'; exec sleep 60"]
+init_timeout_ms = 3000
+"#,
+            starts.display()
+        ))
+        .unwrap();
+        Server::new("hung", spec)
+    }
+
+    fn starts(path: &std::path::Path) -> usize {
+        std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    }
+
+    /// Waits (with a deadline) until the server was started `n` times.
+    async fn started(path: &std::path::Path, n: usize) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while starts(path) < n {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "started {} times, not {n}",
+                starts(path)
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn callers_share_the_connection_attempt_in_flight() {
+        let dir = std::env::temp_dir().join(format!("toolfleet-mcp-server-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("starts");
+        let _ = std::fs::remove_file(&path);
+        let server = hung(&path);
+
+        // Three callers at once: one start, whose timeout all three get
+        // (not three starts, one after another).
+        let (a, b, c, ()) = tokio::join!(
+            server.list_tools(),
+            server.list_tools(),
+            server.list_tools(),
+            started(&path, 1)
+        );
+        for r in [a, b, c] {
+            assert!(matches!(r, Err(McpError::Timeout { .. })), "{r:?}");
+        }
+        assert_eq!(starts(&path), 1, "one attempt for the three callers");
+
+        // A caller that gives up on its attempt leaves those waiting for
+        // it to make their own.
+        let mut first = Box::pin(server.list_tools());
+        assert!(futures::FutureExt::now_or_never(&mut first).is_none());
+        let mut second = Box::pin(server.list_tools());
+        assert!(futures::FutureExt::now_or_never(&mut second).is_none());
+        started(&path, 2).await;
+        drop(first);
+        let (second, ()) = tokio::join!(
+            tokio::time::timeout(Duration::from_secs(30), second),
+            started(&path, 3)
+        );
+        let second = second.expect("the waiter made an attempt of its own");
+        assert!(
+            matches!(second, Err(McpError::Timeout { .. })),
+            "{second:?}"
+        );
+        assert_eq!(starts(&path), 3);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }
