@@ -268,6 +268,21 @@ fn fit(event: ChatEvent, limit: usize) -> bytes::Bytes {
             tool,
             arguments: Value::String(format!("[{size} bytes: too large for an event]")),
         },
+        // The person must still learn which call waits, and where to
+        // answer: the arguments go, the rest stays.
+        ChatEventBody::ApprovalRequested {
+            call_id,
+            tool,
+            expires_at_ms,
+            subject,
+            ..
+        } => ChatEventBody::ApprovalRequested {
+            call_id,
+            tool,
+            arguments: Value::String(format!("[{size} bytes: too large for an event]")),
+            expires_at_ms,
+            subject,
+        },
         terminal if terminal.is_terminal() => ChatEventBody::Error {
             code: "answer_too_large".into(),
             message: format!(
@@ -326,6 +341,30 @@ mod tests {
                     arguments.as_str().is_some_and(|a| a.contains("bytes")),
                     "{arguments}"
                 );
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_big_approval_request_keeps_its_call_and_subject() {
+        let e = event(ChatEventBody::ApprovalRequested {
+            call_id: "call_1".into(),
+            tool: "web:read_page@1.0.0".into(),
+            arguments: serde_json::json!({ "url": "x".repeat(5000) }),
+            expires_at_ms: 9,
+            subject: "toolfleet.chat.approve.acme.inv-1".into(),
+        });
+        match decoded(&fit(e, 1000)).body {
+            ChatEventBody::ApprovalRequested {
+                call_id,
+                arguments,
+                subject,
+                ..
+            } => {
+                assert_eq!(call_id, "call_1");
+                assert_eq!(subject, "toolfleet.chat.approve.acme.inv-1");
+                assert!(arguments.as_str().is_some_and(|a| a.contains("bytes")));
             }
             other => panic!("{other:?}"),
         }
