@@ -365,6 +365,8 @@ pub struct UpArgs {
     pub llm: LlmArgs,
     #[command(flatten)]
     pub index: IndexArgs,
+    #[command(flatten)]
+    pub sinks: toolfleet_orchestrator::sinks::SinkArgs,
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     pub max_in_flight: usize,
@@ -1586,6 +1588,17 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
     let subjects =
         toolfleet_service::args::or_exit(args.worker.nats.subjects().map_err(Into::into));
     let models = toolfleet_service::args::or_exit(args.llm.fleet_config().map_err(Into::into));
+    // A configured sink the policy refuses stops the start (exit 64), as
+    // the orchestrator's binary does.
+    let sinks = args.sinks.settings();
+    if let Err(e) = sinks.check_config(
+        &subjects,
+        &models.sinks,
+        &toolfleet_llm::profiles::ProcessEnv,
+    ) {
+        eprintln!("toolfleet up: {e}");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
     let workers = toolfleet_service::args::or_exit(
         crate::families::all(&crate::families::Inputs {
             definitions: &args.worker.defs.dir,
@@ -1596,6 +1609,7 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
     );
     let mut orchestrator = OrchestratorConfig::new(subjects.clone(), models);
     orchestrator.max_in_flight = args.max_in_flight;
+    orchestrator.sinks = sinks;
     let spec = FleetSpec {
         nats_url: args.worker.nats.url.clone(),
         redis_url: args.worker.redis.url.clone(),

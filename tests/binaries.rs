@@ -647,6 +647,14 @@ fn bad_configuration_exits_64_and_every_binary_documents_its_settings() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // A relay prefix no job may be given, before anything starts.
+    let out = toolfleet(&["up", "--relay-allow", "$JS.API"]);
+    assert_eq!(out.status.code(), Some(64));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--relay-allow"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     for sub in [
         &["up"][..],
         &["demo"],
