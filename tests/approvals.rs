@@ -667,3 +667,100 @@ agent = { name = "helper", description = "Tells the time." }
     );
     assert!(parked_keys(&env).await.is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_cut_short_by_a_crash_is_finished_by_another_orchestrator() {
+    // The answer after the approval is slow the first time: every
+    // orchestrator is killed while the resumed invocation waits on it.
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["one clock"],
+            "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "The model read: {{tool:current_datetime}}",
+                  "fault": { "kind": "slowFirstToken", "delayMs": 60000, "times": 1 } }
+            ]
+        }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec!["system"],
+            no_orchestrator: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        profiles(600_000).replace("{base_url}", env.model.base_url().as_str()),
+    )
+    .unwrap();
+    let mut first = [orchestrator(&env, &config), orchestrator(&env, &config)];
+    let js = async_nats::jetstream::new(env.client.clone());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while js
+        .get_stream(env.subjects.decisions_stream())
+        .await
+        .is_err()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no orchestrator came up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let job = toolfleet_protocol::client::question("What does one clock say?");
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", &job.invocation_id),
+        json!({ "callId": call, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v, json!({ "ok": true }));
+    // The resume is under way once the clock answered; the model is slow.
+    until(&mut sub, &mut seen, |e| {
+        matches!(e.body, ChatEventBody::ToolResult { .. }).then_some(())
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while env.model.requests().len() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the answer was never asked for"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for p in &mut first {
+        p.kill().unwrap();
+        p.wait().unwrap();
+    }
+    // A new orchestrator takes the decision again (once its ack wait and
+    // the dead run's lease lapse) and finishes the invocation.
+    let mut second = orchestrator(&env, &config);
+    let _guard = support::KillOnDrop(&mut second);
+    let end = tokio::time::timeout(
+        Duration::from_secs(60),
+        until(&mut sub, &mut seen, terminal),
+    )
+    .await
+    .expect("the invocation is finished by the new orchestrator");
+    let ChatEventBody::Completed { text, .. } = end else {
+        panic!("{end:?}");
+    };
+    assert!(text.starts_with("The model read: "), "{text}");
+    assert_eq!(
+        seen.iter()
+            .filter(|e| matches!(e.body, ChatEventBody::Started { .. }))
+            .count(),
+        1,
+        "it went on from the park; it did not start again"
+    );
+    assert!(parked_keys(&env).await.is_empty());
+}
