@@ -59,3 +59,60 @@ async fn a_python_client_written_from_the_readme_asks_follows_and_cancels() {
     assert_eq!(seen["stored"], "completed");
     assert_eq!(seen["cancelled"], "cancelled");
 }
+
+/// `tests/clients/python_approver.py` (nats-py), written from the README's
+/// approvals section and the schemas: a call parks, a bad decision is
+/// refused with its code, a denial is recorded, and the model reads it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_approver_written_from_the_readme_denies_a_held_call() {
+    let env = Env::start_with(
+        json!({
+            "rules": [{ "whenUserContains": ["one clock"], "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "The model read: {{tool:current_datetime}}" }
+            ] }]
+        }),
+        support::Options {
+            workers: vec!["system"],
+            profiles_toml: Some(
+                "default_profile = \"default\"\n[deployments.scripted]\nbase_url = \"{base_url}\"\n\
+                 model = \"toolfleet-scripted\"\n[profiles.default]\ndeployment = \"scripted\"\n\
+                 require_approval = [\"system:current_datetime\"]\n"
+                    .into(),
+            ),
+            ..Default::default()
+        },
+    )
+    .await;
+    let script = support::root().join("tests/clients/python_approver.py");
+    let child = tokio::process::Command::new("python3")
+        .arg(&script)
+        .arg(env.nats.url())
+        .arg("acme")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), child)
+        .await
+        .expect("the Python approver finished")
+        .expect("python3 runs (nats-py installed: scripts/ensure-servers)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the Python approver failed:\n{stderr}"
+    );
+    let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    assert_eq!(seen["tool"], "system:current_datetime@1.0.0", "{seen}");
+    assert_eq!(seen["refused"], "malformed_approval", "{seen}");
+    assert_eq!(seen["resolved"], json!(["denied"]), "{seen}");
+    assert_eq!(
+        seen["results"],
+        json!([["blocked", "approval_denied"]]),
+        "{seen}"
+    );
+    assert!(
+        seen["text"]
+            .as_str()
+            .is_some_and(|t| t.contains("clocks are off limits")),
+        "{seen}"
+    );
+}
