@@ -534,3 +534,37 @@ async fn a_sinks_stream_message_without_its_destination_is_dead_lettered_not_ret
     );
     assert!(receiver.got().is_empty());
 }
+
+/// [`loopback`], with jobs' webhooks kept to the strict policy.
+fn loopback_for_configured_sinks_only(config: &mut OrchestratorConfig) {
+    loopback(config);
+    config.sinks.job_exceptions = false;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_webhook_whose_name_resolves_to_a_private_address_is_dead_lettered_unsent() {
+    let receiver = Receiver::start().await;
+    let env = fleet(&receiver, loopback_for_configured_sinks_only).await;
+    let mut dead = sink_dead_letters(&env).await;
+    // Gate 1 passes (https, a name, port 443); the name resolves to
+    // loopback, which jobs' webhooks may not reach although configured
+    // sinks here may.
+    let job = with_sink(
+        "Route to a name on loopback.",
+        Some("https://localhost/hook".to_string()),
+        None,
+        SinkEvents::Final,
+    );
+    let outcome = env.submit(&job).await.expect("the invocation completes");
+    assert_eq!(outcome.text, "Routed answer.");
+    let letter = support::next_json(&mut dead).await;
+    assert_eq!(letter["kind"], "sink", "{letter}");
+    assert_eq!(letter["code"], "ssrf_blocked", "{letter}");
+    assert_eq!(letter["attempts"], 1, "not retried: {letter}");
+    assert!(
+        !letter.to_string().contains("/hook"),
+        "no path in the dead letter: {letter}"
+    );
+    assert!(receiver.got().is_empty());
+    metrics_once(&env, "webhook", "refused", 1).await;
+}
