@@ -709,8 +709,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                 eprintln!("toolfleet mcp serve: --tenant {tenant:?} is not 1-64 of [A-Za-z0-9_-]");
                 return Ok(toolfleet_service::args::EXIT_CONFIG);
             }
-            let scope = match &profile {
-                None => None,
+            let (scope, needs_approval) = match &profile {
+                None => (None, Vec::new()),
                 Some(name) => {
                     let config =
                         toolfleet_service::args::or_exit(llm.fleet_config().map_err(Into::into));
@@ -718,12 +718,13 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
                         eprintln!("toolfleet mcp serve: no profile {name:?} in the profiles file");
                         return Ok(toolfleet_service::args::EXIT_CONFIG);
                     };
-                    Some(p.tools.clone())
+                    (Some(p.tools.clone()), p.require_approval.clone())
                 }
             };
             let subjects = nats.subjects()?;
             let client = nats.connect("toolfleet-mcp").await?;
-            let server = crate::mcp_serve::FleetServer::new(client, subjects, tenant, scope);
+            let server =
+                crate::mcp_serve::FleetServer::new(client, subjects, tenant, scope, needs_approval);
             match http {
                 Some(listen) => {
                     let mut hosts = allowed_hosts;

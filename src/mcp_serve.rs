@@ -33,6 +33,9 @@ pub struct FleetServer {
     tenant: String,
     /// Only these tools (a profile's); all when `None`.
     scope: Option<Vec<toolfleet_protocol::tools::ToolRef>>,
+    /// Tools the profile holds for a person's approval: never offered (an
+    /// MCP call has nobody to ask).
+    needs_approval: Vec<toolfleet_protocol::tools::ToolRef>,
     discovery_wait: Duration,
     /// The last reading of the catalog, reused for a moment (every call
     /// would otherwise wait out a discovery).
@@ -51,12 +54,14 @@ impl FleetServer {
         subjects: Subjects,
         tenant: String,
         scope: Option<Vec<toolfleet_protocol::tools::ToolRef>>,
+        needs_approval: Vec<toolfleet_protocol::tools::ToolRef>,
     ) -> Self {
         Self {
             client,
             subjects,
             tenant,
             scope,
+            needs_approval,
             discovery_wait: Duration::from_millis(500),
             cached: Arc::default(),
         }
@@ -90,7 +95,12 @@ impl FleetServer {
         .map_err(|e| rmcp::ErrorData::internal_error(format!("the fleet's catalog: {e}"), None))?;
         let mut by_name: std::collections::BTreeMap<String, ToolDefinition> = Default::default();
         for d in catalog.all().map(|e| e.definition().clone()) {
-            if !d.selectable || d.id.namespace == "agent" || !self.in_scope(&d) || !exported(&d) {
+            if !d.selectable
+                || d.id.namespace == "agent"
+                || !self.in_scope(&d)
+                || !exported(&d)
+                || self.needs_approval.iter().any(|r| r.matches(&d.id))
+            {
                 continue;
             }
             match by_name.get(&d.function.name) {
@@ -118,13 +128,16 @@ pub const MCP_SURFACE: &str = "mcp";
 /// no data source is selected (`data_source_search` too), the surface is
 /// [`MCP_SURFACE`] (a tool whose `visibleIn` does not name it is left
 /// out), and no provider confidence is known (a tool with a
-/// `minProviderConfidence` would refuse every call).
+/// `minProviderConfidence` would refuse every call). A tool that needs a
+/// person's approval is never offered: an MCP call has nobody to ask.
 fn exported(d: &ToolDefinition) -> bool {
     use toolfleet_protocol::tools::Purpose;
-    !matches!(
-        d.purpose(),
-        Purpose::DocumentProcessing | Purpose::DataSourceSearch
-    ) && (d.visible_in.is_empty() || d.visible_in.iter().any(|s| s == MCP_SURFACE))
+    !d.requires_approval
+        && !matches!(
+            d.purpose(),
+            Purpose::DocumentProcessing | Purpose::DataSourceSearch
+        )
+        && (d.visible_in.is_empty() || d.visible_in.iter().any(|s| s == MCP_SURFACE))
         && d.min_provider_confidence.is_none_or(|c| c <= 0.0)
 }
 
@@ -339,6 +352,7 @@ mod tests {
             serde_json::json!({ "purpose": "data_source_search" }),
             serde_json::json!({ "visibleIn": ["chat"] }),
             serde_json::json!({ "minProviderConfidence": 0.5 }),
+            serde_json::json!({ "requiresApproval": true }),
         ] {
             assert!(!exported(&definition(left_out.clone())), "{left_out}");
         }

@@ -70,7 +70,7 @@ pub mod headers {
     /// same for every retry of one event (a receiver's idempotency key).
     pub const EVENT_ID: &str = "Toolfleet-Event-Id";
     /// On a webhook POST: `t=<unix seconds>,v1=<hex HMAC-SHA256 of
-    /// "<t>.<body>">` with the sink's secret.
+    /// "<t>.<tenant>.<body>">` with the sink's secret.
     pub const SIGNATURE: &str = "Toolfleet-Signature";
 }
 

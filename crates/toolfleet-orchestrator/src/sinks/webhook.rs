@@ -1,13 +1,13 @@
 //! Webhook delivery: one signed HTTPS POST per routed event.
 //!
 //! The body is the chat event exactly as published on NATS. Headers:
-//! `Content-Type: application/json`, `Toolfleet-Event-Id:
-//! <invocationId>:<seq>` (the same on every retry: the receiver's
-//! idempotency key) and `Toolfleet-Signature: t=<unix seconds>,v1=<hex
-//! HMAC-SHA256 of "<t>.<body>">` with the sink's secret (ring's HMAC, the
-//! crypto already in the process for TLS). A receiver recomputes the HMAC
-//! over the timestamp, a dot and the raw body, compares in constant time,
-//! and refuses a timestamp too far from its clock (a replay).
+//! `Content-Type: application/json`, `Toolfleet-Tenant`,
+//! `Toolfleet-Event-Id: <invocationId>:<seq>` (the same on every retry)
+//! and `Toolfleet-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of
+//! "<t>.<tenant>.<body>">` with the sink's secret (ring's HMAC, the crypto
+//! already in the process for TLS). A receiver recomputes the HMAC over
+//! the timestamp, its own tenant and the raw body, compares in constant
+//! time, and refuses a timestamp too far from its clock (a replay).
 //!
 //! The client resolves names itself ([`CheckedResolver`]): every address
 //! of the host must pass the SSRF address gate, or nothing is connected
