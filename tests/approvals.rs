@@ -438,6 +438,38 @@ async fn a_parked_invocation_ends_on_its_cancel() {
     );
 }
 
+/// [`profiles`] (600 s to decide) on the test's model, with `extra` lines
+/// for the default profile, in a file of a temporary directory.
+fn profiles_file(env: &Env, extra: &str) -> (tempfile::TempDir, std::path::PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        profiles(600_000).replace("{base_url}", env.model.base_url().as_str()) + extra,
+    )
+    .unwrap();
+    (dir, config)
+}
+
+/// Two orchestrator processes, once they are up (they made the streams).
+async fn two_orchestrators(env: &Env, config: &std::path::Path) -> [Child; 2] {
+    let both = [orchestrator(env, config), orchestrator(env, config)];
+    let js = async_nats::jetstream::new(env.client.clone());
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while js
+        .get_stream(env.subjects.decisions_stream())
+        .await
+        .is_err()
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no orchestrator came up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    both
+}
+
 /// An orchestrator process on the test's servers and profiles file.
 fn orchestrator(env: &Env, config: &std::path::Path) -> Child {
     Command::new(support::sibling_bin("toolfleet-orchestrator"))
@@ -463,29 +495,8 @@ async fn an_approval_survives_the_restart_of_every_orchestrator() {
         },
     )
     .await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("toolfleet.toml");
-    std::fs::write(
-        &config,
-        profiles(600_000).replace("{base_url}", env.model.base_url().as_str())
-            + "data_source = \"handbook\"\n",
-    )
-    .unwrap();
-    let mut first = [orchestrator(&env, &config), orchestrator(&env, &config)];
-    // Up once they made the streams.
-    let js = async_nats::jetstream::new(env.client.clone());
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while js
-        .get_stream(env.subjects.decisions_stream())
-        .await
-        .is_err()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no orchestrator came up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (_dir, config) = profiles_file(&env, "data_source = \"handbook\"\n");
+    let mut first = two_orchestrators(&env, &config).await;
 
     let job =
         toolfleet_protocol::client::question("What time is it, and how do lighthouses warn ships?");
@@ -692,27 +703,8 @@ async fn a_resume_cut_short_by_a_crash_is_finished_by_another_orchestrator() {
         },
     )
     .await;
-    let dir = tempfile::tempdir().unwrap();
-    let config = dir.path().join("toolfleet.toml");
-    std::fs::write(
-        &config,
-        profiles(600_000).replace("{base_url}", env.model.base_url().as_str()),
-    )
-    .unwrap();
-    let mut first = [orchestrator(&env, &config), orchestrator(&env, &config)];
-    let js = async_nats::jetstream::new(env.client.clone());
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while js
-        .get_stream(env.subjects.decisions_stream())
-        .await
-        .is_err()
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "no orchestrator came up"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (_dir, config) = profiles_file(&env, "");
+    let mut first = two_orchestrators(&env, &config).await;
     let job = toolfleet_protocol::client::question("What does one clock say?");
     let mut sub = env.follow_and_submit(&job).await;
     let mut seen = Vec::new();
@@ -763,4 +755,49 @@ async fn a_resume_cut_short_by_a_crash_is_finished_by_another_orchestrator() {
         "it went on from the park; it did not start again"
     );
     assert!(parked_keys(&env).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_keeps_waiting_while_a_call_waits_for_a_person() {
+    let env = Env::start_with(
+        two_clocks_script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(profiles(600_000)),
+            ..Default::default()
+        },
+    )
+    .await;
+    let job = toolfleet_protocol::client::question("What does one clock say?");
+    let mut sub = env
+        .subscribe(env.subjects.chat_events("default", &job.invocation_id))
+        .await;
+    // The client's own timeout is shorter than the person takes.
+    let timeout = Duration::from_secs(1);
+    let asked = {
+        let (client, subjects, job) = (env.client.clone(), env.subjects.clone(), job.clone());
+        tokio::spawn(async move {
+            toolfleet_protocol::client::chat(&client, &subjects, &job, timeout, |_| {}).await
+        })
+    };
+    let mut seen = Vec::new();
+    let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    tokio::time::sleep(timeout * 2).await;
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", &job.invocation_id),
+        json!({ "callId": call, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v, json!({ "ok": true }));
+    let outcome = tokio::time::timeout(WAIT, asked)
+        .await
+        .expect("the client returns")
+        .unwrap()
+        .expect("the client waited past its timeout for the approval");
+    assert!(
+        outcome.text.starts_with("The model read: "),
+        "{}",
+        outcome.text
+    );
 }

@@ -7,6 +7,24 @@ use serde_json::{Value, json};
 
 use crate::support::{self, Env};
 
+/// Runs `tests/clients/<script>` (nats-py) against `env` as tenant `acme`;
+/// the one JSON line it prints.
+async fn python(env: &Env, script: &str) -> Value {
+    let child = tokio::process::Command::new("python3")
+        .arg(support::root().join("tests/clients").join(script))
+        .arg(env.nats.url())
+        .arg("acme")
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(120), child)
+        .await
+        .unwrap_or_else(|_| panic!("{script} finished"))
+        .expect("python3 runs (nats-py installed: scripts/ensure-servers)");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{script} failed:\n{stderr}");
+    serde_json::from_slice(&out.stdout).expect("one JSON line")
+}
+
 /// `tests/clients/python_client.py` (nats-py): asks as tenant `acme`,
 /// follows the events to a cited answer, checks a retried submit is a
 /// duplicate, reads the answer back from the events stream (and a 404 for
@@ -23,20 +41,7 @@ async fn a_python_client_written_from_the_readme_asks_follows_and_cancels() {
         ]
     }))
     .await;
-    let script = support::root().join("tests/clients/python_client.py");
-    let child = tokio::process::Command::new("python3")
-        .arg(&script)
-        .arg(env.nats.url())
-        .arg("acme")
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(120), child)
-        .await
-        .expect("the Python client finished")
-        .expect("python3 runs (nats-py installed: scripts/ensure-servers)");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "the Python client failed:\n{stderr}");
-    let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    let seen = python(&env, "python_client.py").await;
     let types: Vec<&str> = seen["answer"]["types"]
         .as_array()
         .unwrap()
@@ -84,23 +89,7 @@ async fn a_python_approver_written_from_the_readme_denies_a_held_call() {
         },
     )
     .await;
-    let script = support::root().join("tests/clients/python_approver.py");
-    let child = tokio::process::Command::new("python3")
-        .arg(&script)
-        .arg(env.nats.url())
-        .arg("acme")
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(120), child)
-        .await
-        .expect("the Python approver finished")
-        .expect("python3 runs (nats-py installed: scripts/ensure-servers)");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success(),
-        "the Python approver failed:\n{stderr}"
-    );
-    let seen: Value = serde_json::from_slice(&out.stdout).expect("one JSON line");
+    let seen = python(&env, "python_approver.py").await;
     assert_eq!(seen["tool"], "system:current_datetime@1.0.0", "{seen}");
     assert_eq!(seen["refused"], "malformed_approval", "{seen}");
     assert_eq!(seen["resolved"], json!(["denied"]), "{seen}");

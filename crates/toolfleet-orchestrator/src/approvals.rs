@@ -136,7 +136,7 @@ impl ParkedCall {
             },
         };
         Self {
-            tool: tool.map_or_else(|| call.name.clone(), |t| t.definition.id.to_string()),
+            tool: tool_name(inv, &call),
             shown_arguments,
             call,
             state,
@@ -159,6 +159,12 @@ impl ParkedCall {
     fn held(&self) -> bool {
         matches!(self.state, CallState::Held)
     }
+}
+
+/// What events and metrics call `call`'s tool: its id, or the name the
+/// model used when no offered or permitted tool has it.
+pub(crate) fn tool_name(inv: &Invocation, call: &ToolCall) -> String {
+    resolve(inv, &call.name).map_or_else(|| call.name.clone(), |t| t.definition.id.to_string())
 }
 
 /// The offered or permitted tool the model calls by `name`.

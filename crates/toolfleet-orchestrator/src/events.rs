@@ -32,7 +32,7 @@ pub struct Events {
     /// The `seq` the next event sent gets (the task numbers events in the
     /// order they are sent).
     next_seq: std::sync::atomic::AtomicU64,
-    task: tokio::task::JoinHandle<(Option<bytes::Bytes>, u64)>,
+    task: tokio::task::JoinHandle<Option<bytes::Bytes>>,
     /// Where the routed events also go, once [`route`](Self::route)d.
     route: std::sync::Arc<std::sync::OnceLock<crate::sinks::Route>>,
 }
@@ -117,7 +117,7 @@ impl Events {
                 connects() != connected
             }))
             .await;
-            (terminal, seq)
+            terminal
         });
         Self {
             tx,
@@ -168,14 +168,8 @@ impl Events {
     /// Waits until every event sent so far is published; returns the
     /// terminal event as published, if one was sent.
     pub(crate) async fn close(self) -> Option<bytes::Bytes> {
-        self.close_counted().await.0
-    }
-
-    /// [`close`](Self::close), also returning the `seq` the next event
-    /// would have had.
-    pub(crate) async fn close_counted(self) -> (Option<bytes::Bytes>, u64) {
         drop(self.tx);
-        self.task.await.unwrap_or((None, 0))
+        self.task.await.ok().flatten()
     }
 }
 

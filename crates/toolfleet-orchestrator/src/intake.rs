@@ -260,28 +260,20 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
     // with in-progress acks, rather than by redelivery (which would spend
     // the job's deliveries while Redis is away, or while the run that
     // holds the lease — alive, but cut off from NATS — still runs).
-    let claimed = {
-        let _alive = fleet.heartbeat.hold(&msg);
-        let mut claimed = claim(fleet, &job.invocation_id, delivery, &holder).await;
-        let until = Instant::now() + CLAIM_PATIENCE;
-        // A store that cannot answer: for a while. A live run elsewhere:
-        // for as long as it renews its lease, up to the invocation's
-        // deadline (that run ends by then) — giving the job back sooner
-        // would spend its deliveries, and after the last one nobody would
-        // answer it.
-        let (deadline, _) =
-            invocation_deadline(fleet, &job, delivery, toolfleet_protocol::now_ms());
-        let held_until = deadline + LEASE_TTL.as_millis() as u64;
-        while match claimed {
-            Claimed::Unknown(_) => Instant::now() < until,
-            Claimed::Held(_) => toolfleet_protocol::now_ms() < held_until,
-            _ => false,
-        } {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            claimed = claim(fleet, &job.invocation_id, delivery, &holder).await;
-        }
-        claimed
-    };
+    // A live run elsewhere is waited for as long as it renews its lease,
+    // up to the invocation's deadline (that run ends by then) — giving the
+    // job back sooner would spend its deliveries, and after the last one
+    // nobody would answer it.
+    let (deadline, _) = invocation_deadline(fleet, &job, delivery, toolfleet_protocol::now_ms());
+    let claimed = claim_patiently(
+        fleet,
+        &msg,
+        &job.invocation_id,
+        &owner(delivery),
+        &holder,
+        deadline + LEASE_TTL.as_millis() as u64,
+    )
+    .await;
     match claimed {
         // Parked by an earlier delivery of this job, whose ack was lost
         // (or that died before it): the invocation lives in its record
@@ -343,23 +335,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
             };
             return dead_letter(fleet, &msg, delivery, rejection).await;
         }
-        Claimed::Unknown(e) => {
-            // Not run unclaimed (a duplicate could run twice), not lost:
-            // it comes back when the store may answer again.
-            warn!(invocation_id = %job.invocation_id, error = %e, "cannot claim the invocation (the store is unavailable); the job will be delivered again");
-            let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
-            return;
-        }
-        Claimed::Held(left) => {
-            // Its run is alive elsewhere past the invocation's deadline
-            // (renewing its lease, its acks not reaching NATS): not a
-            // second run. It comes back, and is answered from the finished
-            // run or run once the lease lapses.
-            warn!(invocation_id = %job.invocation_id, lease_left = ?left, "another orchestrator's run of this invocation is still alive; the job will be delivered again");
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(left.max(CLAIM_RETRY_DELAY))))
-                .await;
-            return;
+        unclaimed @ (Claimed::Unknown(_) | Claimed::Held(_)) => {
+            return give_back(&msg, &job.invocation_id, unclaimed).await;
         }
     }
     if job.tenant.as_deref().is_some_and(|named| named != tenant) {
@@ -412,20 +389,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
         .map(|v| v.as_str().to_string())
         .filter(|tp| telemetry::is_traceparent(tp))
         .or_else(|| job.traceparent.take());
-    let span = tracing::info_span!(
-        "chat_job",
-        otel.name = "invoke_agent toolfleet",
-        otel.kind = "consumer",
-        otel.status_code = tracing::field::Empty,
-        gen_ai.operation.name = "invoke_agent",
-        gen_ai.agent.name = "toolfleet",
-        gen_ai.conversation.id = %job.invocation_id,
-        invocation_id = %job.invocation_id,
-        tenant = %tenant,
-        attempt = delivery.attempt,
-        trace_id = tracing::field::Empty,
-        error.type = tracing::field::Empty,
-    );
+    let span = chat_job_span(&job.invocation_id, &tenant, delivery.attempt);
     telemetry::set_parent(&span, incoming.as_deref());
     let traceparent = telemetry::traceparent(&span, incoming.as_deref())
         .unwrap_or_else(telemetry::new_traceparent);
@@ -439,6 +403,75 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, msg: jetstream::Message) {
     run(fleet, msg, job, leg, delivery, holder, started)
         .instrument(span)
         .await
+}
+
+/// The span of one run of an invocation (a chat job's, or a resumed
+/// parked one's: `resumed` is then recorded).
+fn chat_job_span(id: &str, tenant: &str, attempt: u32) -> tracing::Span {
+    tracing::info_span!(
+        "chat_job",
+        otel.name = "invoke_agent toolfleet",
+        otel.kind = "consumer",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "invoke_agent",
+        gen_ai.agent.name = "toolfleet",
+        gen_ai.conversation.id = %id,
+        invocation_id = %id,
+        tenant = %tenant,
+        attempt,
+        resumed = tracing::field::Empty,
+        trace_id = tracing::field::Empty,
+        error.type = tracing::field::Empty,
+    )
+}
+
+/// Claims invocation `id` for `owner` and `holder`, keeping `msg` alive
+/// meanwhile: a store that cannot answer is tried again for
+/// [`CLAIM_PATIENCE`], a live run elsewhere until `held_until` (Unix ms).
+/// Retried here rather than by redelivery, which would spend the
+/// message's deliveries while Redis is away, or while the run that holds
+/// the lease — alive, but cut off from NATS — still runs.
+async fn claim_patiently(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    id: &str,
+    owner: &str,
+    holder: &str,
+    held_until: u64,
+) -> Claimed {
+    let _alive = fleet.heartbeat.hold(msg);
+    let mut claimed = claim_as(fleet, id, owner, holder).await;
+    let until = Instant::now() + CLAIM_PATIENCE;
+    while match claimed {
+        Claimed::Unknown(_) => Instant::now() < until,
+        Claimed::Held(_) => toolfleet_protocol::now_ms() < held_until,
+        _ => false,
+    } {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        claimed = claim_as(fleet, id, owner, holder).await;
+    }
+    claimed
+}
+
+/// Gives `msg` back to be delivered again when its invocation could not be
+/// claimed. A store that cannot answer: not run unclaimed (a duplicate
+/// could run twice), not lost — it comes back when the store may answer.
+/// A run alive elsewhere past its patience (renewing its lease, its acks
+/// not reaching NATS): not a second run — it comes back, and is answered
+/// from the finished run or run once the lease lapses.
+async fn give_back(msg: &jetstream::Message, id: &str, claimed: Claimed) {
+    let delay = match claimed {
+        Claimed::Unknown(e) => {
+            warn!(invocation_id = %id, error = %e, "cannot claim the invocation (the store is unavailable); its message will be delivered again");
+            CLAIM_RETRY_DELAY
+        }
+        Claimed::Held(left) => {
+            warn!(invocation_id = %id, lease_left = ?left, "another orchestrator's run of this invocation is still alive; its message will be delivered again");
+            left.max(CLAIM_RETRY_DELAY)
+        }
+        _ => return,
+    };
+    let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
 }
 
 /// Where a run of an invocation starts.
@@ -463,22 +496,15 @@ pub(crate) async fn resume(
     let delivery = Delivery::of(&msg);
     let holder = uuid::Uuid::new_v4().simple().to_string();
     let id = parked.job.invocation_id.clone();
-    let claimed = {
-        let _alive = fleet.heartbeat.hold(&msg);
-        let mut claimed = claim_as(fleet, &id, &parked.owner, &holder).await;
-        let until = Instant::now() + CLAIM_PATIENCE;
-        let held_until =
-            toolfleet_protocol::now_ms() + parked.remaining_ms + LEASE_TTL.as_millis() as u64;
-        while match claimed {
-            Claimed::Unknown(_) => Instant::now() < until,
-            Claimed::Held(_) => toolfleet_protocol::now_ms() < held_until,
-            _ => false,
-        } {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            claimed = claim_as(fleet, &id, &parked.owner, &holder).await;
-        }
-        claimed
-    };
+    let claimed = claim_patiently(
+        fleet,
+        &msg,
+        &id,
+        &parked.owner,
+        &holder,
+        toolfleet_protocol::now_ms() + parked.remaining_ms + LEASE_TTL.as_millis() as u64,
+    )
+    .await;
     match claimed {
         Claimed::Ours => {
             // Read again under the lease: another decision's run may have
@@ -503,33 +529,12 @@ pub(crate) async fn resume(
             ack(&msg).await;
             return;
         }
-        Claimed::Unknown(e) => {
-            warn!(invocation_id = %id, error = %e, "cannot claim the parked invocation (the store is unavailable); the decision will be delivered again");
-            let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
-            return;
-        }
-        Claimed::Held(left) => {
-            let _ = msg
-                .ack_with(AckKind::Nak(Some(left.max(CLAIM_RETRY_DELAY))))
-                .await;
-            return;
+        unclaimed @ (Claimed::Unknown(_) | Claimed::Held(_)) => {
+            return give_back(&msg, &id, unclaimed).await;
         }
     }
-    let span = tracing::info_span!(
-        "chat_job",
-        otel.name = "invoke_agent toolfleet",
-        otel.kind = "consumer",
-        otel.status_code = tracing::field::Empty,
-        gen_ai.operation.name = "invoke_agent",
-        gen_ai.agent.name = "toolfleet",
-        gen_ai.conversation.id = %id,
-        invocation_id = %id,
-        tenant = %parked.tenant,
-        attempt = delivery.attempt,
-        resumed = true,
-        trace_id = tracing::field::Empty,
-        error.type = tracing::field::Empty,
-    );
+    let span = chat_job_span(&id, &parked.tenant, delivery.attempt);
+    span.record("resumed", true);
     let traceparent = parked.job.traceparent.clone();
     telemetry::set_parent(&span, traceparent.as_deref());
     if let Some(tid) = traceparent.as_deref().and_then(telemetry::trace_id) {

@@ -362,8 +362,7 @@ async fn run_calls(
     let mut ran = run_turn(inv, tools, &ours, &run, fleet, events).await;
     for ((call, hold), ran) in ours.iter().zip(&holds).zip(ran.iter_mut()) {
         if *hold == Hold::Refuse {
-            let tool =
-                crate::approvals::ParkedCall::new(inv, call.clone(), None, Hold::Refuse).tool;
+            let tool = crate::approvals::tool_name(inv, call);
             *ran = Some(crate::dispatch::immediate_with(
                 fleet.metrics(),
                 events,

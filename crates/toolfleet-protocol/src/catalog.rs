@@ -93,56 +93,24 @@ pub fn key(id: &ToolId, digest: &str) -> String {
     format!("{}.{digest}", id.subject_token())
 }
 
-/// The fleet's catalog bucket, created on first use.
-///
-/// The bucket's stream is created here with the key-value layout (ADR-8:
-/// `KV_<bucket>` over `$KV.<bucket>.>`, one message per key, rollups,
-/// direct get) rather than by `create_key_value`, whose account-info query
-/// does not parse on nats-server 2.9, the version Debian ships. A stream
-/// of that name over other subjects belongs to someone else and is an
-/// error, never shared.
+/// The fleet's catalog bucket, created on first use
+/// ([`crate::streams::key_value`]). Live workers write their definitions
+/// again every minute; one no worker has written for [`CATALOG_MAX_AGE`]
+/// (an old digest) leaves the bucket.
 pub async fn bucket(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<kv::Store, CatalogError> {
     let name = subjects.catalog_bucket();
-    let ours = |info: &jetstream::stream::Info| {
-        crate::streams::check_subjects(info, &format!("$KV.{name}.>"))
-            .map_err(|e| CatalogError::new(&format!("bucket {name}"), e))
-    };
-    let store = match js.get_key_value(&name).await {
-        Ok(store) => store,
-        Err(_) => {
-            let stream = js
-                .get_or_create_stream(jetstream::stream::Config {
-                    name: format!("KV_{name}"),
-                    description: Some("toolfleet: tool definitions advertised by workers".into()),
-                    subjects: vec![format!("$KV.{name}.>")],
-                    max_messages_per_subject: 1,
-                    discard: jetstream::stream::DiscardPolicy::New,
-                    allow_rollup: true,
-                    deny_delete: true,
-                    allow_direct: true,
-                    duplicate_window: Duration::from_secs(120),
-                    // Live workers write their definitions again every
-                    // minute; one no worker has written for this long (an
-                    // old digest) leaves the bucket.
-                    max_age: CATALOG_MAX_AGE,
-                    storage: jetstream::stream::StorageType::File,
-                    num_replicas: crate::streams::default_replicas(),
-                    ..Default::default()
-                })
-                .await
-                .map_err(|e| CatalogError::new(&format!("bucket {name}"), e))?;
-            ours(stream.cached_info())?;
-            js.get_key_value(&name)
-                .await
-                .map_err(|e| CatalogError::new(&format!("bucket {name}"), e))?
-        }
-    };
-    ours(store.stream.cached_info())?;
-    crate::streams::check_replicas(store.stream.cached_info());
-    Ok(store)
+    crate::streams::key_value(
+        js,
+        &name,
+        "toolfleet: tool definitions advertised by workers",
+        CATALOG_MAX_AGE,
+        true,
+    )
+    .await
+    .map_err(|e| CatalogError(e.to_string()))
 }
 
 /// Writes `definition` into the catalog bucket under its [`key`] (a worker

@@ -165,34 +165,60 @@ pub async fn parked_bucket(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<jetstream::kv::Store, StreamError> {
-    let name = subjects.parked_bucket();
+    key_value(
+        js,
+        &subjects.parked_bucket(),
+        "toolfleet: invocations parked for approval",
+        PARKED_MAX_AGE,
+        false,
+    )
+    .await
+}
+
+/// The key-value bucket `name`, created on first use with the key-value
+/// layout by hand (ADR-8: `KV_<name>` over `$KV.<name>.>`, one message per
+/// key, rollups, direct get) rather than by `create_key_value`, whose
+/// account-info query does not parse on nats-server 2.9, the version
+/// Debian ships. A stream of that name over other subjects belongs to
+/// someone else and is an error, never shared.
+pub async fn key_value(
+    js: &jetstream::Context,
+    name: &str,
+    description: &str,
+    max_age: Duration,
+    deny_delete: bool,
+) -> Result<jetstream::kv::Store, StreamError> {
     let subject = format!("$KV.{name}.>");
-    if let Ok(store) = js.get_key_value(&name).await {
-        check_subjects(store.stream.cached_info(), &subject)?;
-        return Ok(store);
-    }
-    let stream = js
-        .get_or_create_stream(stream::Config {
-            name: format!("KV_{name}"),
-            description: Some("toolfleet: invocations parked for approval".into()),
-            subjects: vec![subject.clone()],
-            max_messages_per_subject: 1,
-            discard: stream::DiscardPolicy::New,
-            allow_rollup: true,
-            allow_direct: true,
-            duplicate_window: Duration::from_secs(120),
-            max_age: PARKED_MAX_AGE,
-            storage: stream::StorageType::File,
-            num_replicas: default_replicas(),
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| StreamError(format!("bucket {name}: {e}")))?;
-    check_subjects(stream.cached_info(), &subject)?;
-    check_replicas(stream.cached_info());
-    js.get_key_value(&name)
-        .await
-        .map_err(|e| StreamError(format!("bucket {name}: {e}")))
+    let store = match js.get_key_value(name).await {
+        Ok(store) => store,
+        Err(_) => {
+            let stream = js
+                .get_or_create_stream(stream::Config {
+                    name: format!("KV_{name}"),
+                    description: Some(description.into()),
+                    subjects: vec![subject.clone()],
+                    max_messages_per_subject: 1,
+                    discard: stream::DiscardPolicy::New,
+                    allow_rollup: true,
+                    deny_delete,
+                    allow_direct: true,
+                    duplicate_window: Duration::from_secs(120),
+                    max_age,
+                    storage: stream::StorageType::File,
+                    num_replicas: default_replicas(),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| StreamError(format!("bucket {name}: {e}")))?;
+            check_subjects(stream.cached_info(), &subject)?;
+            js.get_key_value(name)
+                .await
+                .map_err(|e| StreamError(format!("bucket {name}: {e}")))?
+        }
+    };
+    check_subjects(store.stream.cached_info(), &subject)?;
+    check_replicas(store.stream.cached_info());
+    Ok(store)
 }
 
 /// Creates, if it does not exist, the limits stream `name` over `subject`
