@@ -21,8 +21,8 @@ use serde_json::{Map, Value, json};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use toolfleet_llm::Message;
 use toolfleet_llm::profiles::ScopingPolicy;
-use toolfleet_orchestrator::gating;
-use toolfleet_orchestrator::scoping::{self, RelevanceIndex};
+use toolfleet_orchestrator::tools::gating;
+use toolfleet_orchestrator::tools::scoring::{self as scoping, RelevanceIndex};
 use toolfleet_protocol::registry::{Registry, SourcedTool, ToolSource};
 use toolfleet_protocol::tools::{CompiledTool, ToolDefinition};
 

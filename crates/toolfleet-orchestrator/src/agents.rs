@@ -22,113 +22,18 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use toolfleet_llm::ToolCall;
-use toolfleet_llm::profiles::FleetConfig;
 use toolfleet_protocol::client::{self, ClientError};
-use toolfleet_protocol::registry::{SourcedTool, ToolSource};
-use toolfleet_protocol::tools::{CompiledTool, Origin, ToolDefinition};
+use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{
     AGENT_SURFACE, ChatEventBody, ChatJob, ChatMessage, ChatRole, Reference, ToolStatus, headers,
 };
 use toolfleet_store::NewReference;
 use tracing::warn;
 
-use crate::gating::AGENTS_SOURCE;
+use crate::tools::agents::profile_of;
 use crate::{Events, Fleet, Invocation, ToolOutcome};
-
-/// The `implementationKey` of profile `profile`'s agent tool.
-pub fn implementation_key(profile: &str) -> String {
-    format!("agent.{profile}")
-}
-
-/// The profile an agent tool runs, from its implementation key.
-pub fn profile_of(tool: &CompiledTool) -> Option<&str> {
-    tool.definition.implementation_key.strip_prefix("agent.")
-}
-
-/// The agent tools of a configuration: one per profile with an `agent`
-/// table, served by the orchestrators (always live while one runs).
-pub struct AgentSource {
-    tools: Vec<SourcedTool>,
-}
-
-impl AgentSource {
-    /// The agent tools `config` declares.
-    ///
-    /// # Errors
-    ///
-    /// A message naming the profile when its tool definition does not
-    /// pass the definition checks (the config's own validation makes that
-    /// a bug).
-    pub fn new(config: &FleetConfig) -> Result<Self, String> {
-        let mut tools = Vec::new();
-        for (name, profile) in &config.profiles {
-            let Some(agent) = &profile.agent else {
-                continue;
-            };
-            let value = json!({
-                "schemaVersion": 1,
-                "id": format!("agent:{}@1.0.0", agent.name),
-                "implementationKey": implementation_key(name),
-                "title": format!("Agent {}", agent.name),
-                "description": agent.description,
-                "category": "agent",
-                "selectable": true,
-                "tags": ["agent"],
-                "timeoutMs": agent.timeout_ms,
-                "parallelSafe": true,
-                "function": {
-                    "name": agent.name,
-                    "description": agent.description,
-                    "parameters": {
-                        "type": "object",
-                        "properties": {
-                            "task": {
-                                "type": "string",
-                                "minLength": 1,
-                                "description": "What the agent should do, with everything it needs to know: it does not see this conversation."
-                            }
-                        },
-                        "required": ["task"],
-                        "additionalProperties": false
-                    }
-                }
-            });
-            let definition = ToolDefinition::from_value(
-                value,
-                Origin::Named(format!("profile {name:?} (agent tool)")),
-            )
-            .and_then(CompiledTool::new)
-            .map_err(|e| format!("profile {name:?}: its agent tool is not valid: {e}"))?;
-            tools.push(SourcedTool {
-                tool: Arc::new(definition),
-                workers: 1,
-                families: vec!["orchestrator".into()],
-            });
-        }
-        Ok(Self { tools })
-    }
-}
-
-impl ToolSource for AgentSource {
-    fn name(&self) -> &str {
-        AGENTS_SOURCE
-    }
-
-    fn tools(&self) -> Vec<SourcedTool> {
-        self.tools.clone()
-    }
-}
-
-/// The depth of a chat job from its headers (0 without the header; an
-/// unreadable value counts as the deepest, so it is offered no agent).
-pub fn depth_of(h: Option<&async_nats::HeaderMap>) -> u32 {
-    match h.and_then(|h| h.get(headers::AGENT_DEPTH)) {
-        None => 0,
-        Some(v) => v.as_str().parse().unwrap_or(u32::MAX),
-    }
-}
 
 /// Runs one call of agent tool `tool`: a nested chat job, its progress
 /// into `events` as the call's `tool_progress`, its answer as the result.
@@ -234,7 +139,7 @@ pub async fn run_agent_call(
                 events.send(ChatEventBody::ToolProgress {
                     call_id: call.id.clone(),
                     tool: tool_id.clone(),
-                    message: crate::dispatch::shorten(
+                    message: crate::text::shorten(
                         &format!("{name}: {message}"),
                         toolfleet_protocol::MAX_PROGRESS_CHARS,
                     ),

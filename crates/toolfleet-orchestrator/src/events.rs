@@ -20,6 +20,9 @@ use tokio::sync::mpsc;
 use toolfleet_protocol::{ChatEvent, ChatEventBody, encode};
 use tracing::warn;
 
+use crate::tools::ToolOutcome;
+use crate::{Failure, Fleet, Invocation};
+
 /// How long the end of an invocation waits for the server to confirm its
 /// events.
 const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
@@ -292,6 +295,27 @@ fn fit(event: ChatEvent, limit: usize) -> bytes::Bytes {
         }
     };
     encode(&ChatEvent { body, ..event })
+}
+
+impl Fleet {
+    /// Takes the references of a turn's tool calls into the invocation and
+    /// publishes a `references` event with those not published yet.
+    pub fn publish_references(
+        &self,
+        inv: &mut Invocation,
+        outcomes: &[ToolOutcome],
+        events: &Events,
+    ) -> Result<(), Failure> {
+        for outcome in outcomes {
+            inv.citations.add(&outcome.references)?;
+        }
+        let new = inv.citations.unpublished();
+        if !new.is_empty() {
+            let references = crate::links::resolve_all(new, &self.config().profiles.links);
+            events.send(ChatEventBody::References { references });
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

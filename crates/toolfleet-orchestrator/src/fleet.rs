@@ -4,26 +4,30 @@
 //!
 //! An [`Orchestrator`](crate::Orchestrator) reaches the rest of the fleet
 //! through it: [`Fleet::call_model`] (the model, with streamed deltas and
-//! usage recorded), [`Fleet::tool_runner`] (tool calls), and
-//! [`Fleet::publish_references`] (citations the tools wrote).
+//! usage recorded, in `rounds`), [`Fleet::tool_runner`] (tool calls, in
+//! `dispatch`), and [`Fleet::publish_references`] (citations the tools
+//! wrote, in `events`). Those methods live with the stage they belong to;
+//! this module knows no stage.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use async_nats::jetstream;
+use async_nats::jetstream::{self, kv};
 use dashmap::DashMap;
 use tokio_util::sync::CancellationToken;
 use toolfleet_llm::LlmClient;
 use toolfleet_llm::profiles::ResolvedProfile;
-use toolfleet_protocol::ChatEventBody;
 use toolfleet_protocol::catalog::Catalog;
+use toolfleet_protocol::{ChatJob, InvocationContext};
 use toolfleet_store::CitationStore;
 use tracing::{info, warn};
 
 use crate::catalog::LiveCatalog;
 use crate::metrics::OrchestratorMetrics;
 use crate::replies::Replies;
-use crate::{Events, Failure, Invocation, OrchestratorConfig, PayloadLimits};
+use crate::tools::gating;
+use crate::tools::{Scope, ToolSnapshot, agents::AgentSource, blocking};
+use crate::{Failure, PayloadLimits, Settings};
 
 /// What every invocation shares. Built once per orchestrator process.
 pub struct Fleet {
@@ -33,7 +37,7 @@ pub struct Fleet {
     llms: DashMap<String, LlmClient>,
     pub(crate) store: CitationStore,
     pub(crate) metrics: OrchestratorMetrics,
-    pub(crate) config: OrchestratorConfig,
+    pub(crate) config: Settings,
     pub(crate) catalog: LiveCatalog,
     /// Cancel tokens of the invocations running here, by invocation id,
     /// with the tenant each runs as; the number tells two runs of one id
@@ -45,22 +49,23 @@ pub struct Fleet {
     /// In-progress acks for every chat job held here, from one ticker.
     pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
     /// The agent tools of the configuration (a registry backend).
-    agents: crate::agents::AgentSource,
+    agents: AgentSource,
     /// The registry and relevance index of the latest catalog generation,
     /// rebuilt whole when the catalog changes.
-    tools: std::sync::Mutex<Option<Arc<crate::scope::ToolSnapshot>>>,
+    tools: std::sync::Mutex<Option<Arc<ToolSnapshot>>>,
     /// Held while a snapshot is built.
     building: std::sync::Mutex<()>,
-    /// The parked bucket.
-    pub(crate) approvals: crate::approvals::Approvals,
+    /// The parked bucket (see [`approvals`](crate::approvals)).
+    pub(crate) parked_bucket: kv::Store,
 }
 
 /// What the orchestrator's start makes for the [`Fleet`] besides its
 /// connections.
 pub(crate) struct Parts {
     pub(crate) replies: Arc<Replies>,
-    pub(crate) agents: crate::agents::AgentSource,
-    pub(crate) approvals: crate::approvals::Approvals,
+    pub(crate) agents: AgentSource,
+    pub(crate) parked_bucket: kv::Store,
+    pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
 }
 
 impl Fleet {
@@ -69,18 +74,15 @@ impl Fleet {
         js: jetstream::Context,
         store: CitationStore,
         metrics: OrchestratorMetrics,
-        config: OrchestratorConfig,
+        config: Settings,
         parts: Parts,
     ) -> Self {
         let Parts {
             replies,
             agents,
-            approvals,
+            parked_bucket,
+            heartbeat,
         } = parts;
-        let heartbeat = toolfleet_service::jobs::Heartbeat::start(
-            client.clone(),
-            crate::intake::CHAT_PROGRESS_EVERY,
-        );
         let catalog =
             LiveCatalog::new(client.clone(), config.subjects.clone(), config.catalog_wait);
         Self {
@@ -98,14 +100,14 @@ impl Fleet {
             agents,
             tools: std::sync::Mutex::new(None),
             building: std::sync::Mutex::new(()),
-            approvals,
+            parked_bucket,
         }
     }
 
     /// The registry (agents, then the live catalog) and relevance index of
     /// the latest catalog reading: built once per catalog generation, then
     /// shared by every invocation until the catalog changes.
-    pub fn tool_snapshot(&self) -> Arc<crate::scope::ToolSnapshot> {
+    pub fn tool_snapshot(&self) -> Arc<ToolSnapshot> {
         let catalog = self.catalog();
         {
             let cached = self.tools.lock().unwrap_or_else(|e| e.into_inner());
@@ -124,7 +126,7 @@ impl Fleet {
                 if let Some(stale) = self.tools.lock().unwrap_or_else(|e| e.into_inner()).clone() {
                     return stale;
                 }
-                crate::scope::blocking(|| self.building.lock().unwrap_or_else(|e| e.into_inner()))
+                blocking(|| self.building.lock().unwrap_or_else(|e| e.into_inner()))
             }
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
         };
@@ -138,8 +140,8 @@ impl Fleet {
             return snapshot.clone();
         }
         let started = std::time::Instant::now();
-        let snapshot = Arc::new(crate::scope::blocking(|| {
-            crate::scope::ToolSnapshot::build(
+        let snapshot = Arc::new(blocking(|| {
+            ToolSnapshot::build(
                 &self.agents,
                 &catalog,
                 self.config.compat.as_deref(),
@@ -152,8 +154,30 @@ impl Fleet {
         snapshot
     }
 
+    /// The tools `job` may use (see [`gating`](crate::tools::gating)), from
+    /// the registry snapshot of the latest catalog reading.
+    pub fn permitted_tools(
+        &self,
+        job: &ChatJob,
+        profile: &ResolvedProfile,
+        ctx: &InvocationContext,
+        agent_depth: u32,
+    ) -> Result<Scope, Failure> {
+        let snapshot = self.tool_snapshot();
+        let gate = gating::Gate {
+            documents: !job.attached_documents.is_empty(),
+            data_source: ctx.data_source_id.is_some(),
+            surface: job.surface(),
+            provider_confidence: job.provider_confidence.unwrap_or(0.0),
+            agents: agent_depth < self.config.profiles.max_agent_depth,
+            own_profile: &profile.name,
+        };
+        let permitted = gating::permitted(&snapshot.registry, &profile.profile, job, &gate)?;
+        Ok(Scope::new(snapshot, permitted, profile.profile.scoping))
+    }
+
     /// The configuration this orchestrator runs with.
-    pub fn config(&self) -> &OrchestratorConfig {
+    pub fn config(&self) -> &Settings {
         &self.config
     }
 
@@ -171,25 +195,6 @@ impl Fleet {
     /// is read each time: a reconnect may reach another server).
     pub fn limits(&self) -> PayloadLimits {
         PayloadLimits::of(&self.client)
-    }
-
-    /// Takes the references of a turn's tool calls into the invocation and
-    /// publishes a `references` event with those not published yet.
-    pub fn publish_references(
-        &self,
-        inv: &mut Invocation,
-        outcomes: &[crate::ToolOutcome],
-        events: &Events,
-    ) -> Result<(), Failure> {
-        for outcome in outcomes {
-            inv.citations.add(&outcome.references)?;
-        }
-        let new = inv.citations.unpublished();
-        if !new.is_empty() {
-            let references = crate::links::resolve_all(new, &self.config().profiles.links);
-            events.send(ChatEventBody::References { references });
-        }
-        Ok(())
     }
 
     /// The client of a resolved profile's deployment, built once.

@@ -414,39 +414,6 @@ impl Route {
     }
 }
 
-/// The invocation's route: the job's own sink, else its profile's, else
-/// none. A job's sink that is refused is an `invalid_sink` failure.
-pub(crate) fn route_for(
-    fleet: &crate::Fleet,
-    inv: &crate::Invocation,
-) -> Result<Option<Route>, Failure> {
-    // A job an agent tool started answers its caller, not a sink: its
-    // events reach the caller's route as the caller's tool result.
-    if inv.agent_depth > 0 {
-        return Ok(None);
-    }
-    let config = fleet.config();
-    resolve(
-        &config.sinks,
-        &config.subjects,
-        &config.profiles.sinks,
-        inv.job.sink.as_ref(),
-        inv.profile.profile.sink.as_deref(),
-        inv.job.tenant(),
-    )
-    .map_err(|(kind, failure)| {
-        if let Some(kind) = kind {
-            fleet
-                .metrics
-                .sinks
-                .deliveries
-                .with_label_values(&[kind, "refused"])
-                .inc();
-        }
-        failure
-    })
-}
-
 /// [`route_for`] over its parts; a refusal names the kind of sink refused
 /// (for the metrics) when there is one.
 pub fn resolve(

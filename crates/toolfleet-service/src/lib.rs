@@ -20,6 +20,7 @@
 //!   shared by the web worker and the orchestrator's webhook sinks.
 
 pub mod args;
+pub mod dead_letters;
 pub mod health;
 pub mod jobs;
 pub mod metrics;

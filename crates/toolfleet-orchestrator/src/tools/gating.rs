@@ -35,10 +35,8 @@ use toolfleet_protocol::ChatJob;
 use toolfleet_protocol::registry::{Registry, RegistryEntry};
 use toolfleet_protocol::tools::{CompiledTool, Purpose, ToolDefinition, ToolId, ToolRef};
 
+use super::agents::AGENTS_SOURCE;
 use crate::Failure;
-
-/// The source name of the agent tools' backend.
-pub const AGENTS_SOURCE: &str = "agents";
 
 /// Notes kept for the `scoping` event; the rest are counted.
 pub const MAX_NOTES: usize = 10;
@@ -253,13 +251,13 @@ pub fn permitted(
 fn impersonates(entry: &RegistryEntry) -> bool {
     let def = &entry.tool.definition;
     def.id.namespace == "agent"
-        || crate::agents::profile_of(&entry.tool).is_some()
-        || def.function.name == crate::scoping::SEARCH_TOOLS
+        || super::agents::profile_of(&entry.tool).is_some()
+        || def.function.name == super::scoring::SEARCH_TOOLS
 }
 
 /// Whether `entry` is the agent tool of profile `profile`.
 fn is_own_agent(entry: &RegistryEntry, profile: &str) -> bool {
-    entry.tool.definition.implementation_key == crate::agents::implementation_key(profile)
+    entry.tool.definition.implementation_key == super::agents::implementation_key(profile)
 }
 
 fn explain(refused: Refused) -> &'static str {

@@ -34,25 +34,17 @@ use toolfleet_llm::ToolCall;
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_protocol::tools::{CompiledTool, Delivery};
 use toolfleet_protocol::{
-    CallContext, ChatEventBody, Envelope, MAX_PROGRESS_CHARS, Reference, ToolJob, ToolReply,
-    ToolResult, ToolStatus, encode,
+    CallContext, ChatEventBody, Envelope, MAX_PROGRESS_CHARS, ToolJob, ToolReply, ToolResult,
+    ToolStatus, encode,
 };
 use tracing::warn;
 
+pub mod agent;
+
 use crate::metrics::OrchestratorMetrics;
 use crate::replies::RunInbox;
-use crate::{Events, Failure, Fleet, Invocation};
-
-/// What a tool call came to.
-#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
-pub struct ToolOutcome {
-    /// What the model reads.
-    pub content: String,
-    pub status: ToolStatus,
-    /// The references the call's result carried (only those naming the
-    /// call itself).
-    pub references: Vec<Reference>,
-}
+use crate::text::{redact, shorten};
+use crate::{Events, Failure, Fleet, Invocation, ToolOutcome};
 
 /// Runs tool calls for one invocation: owns the invocation's reply inbox.
 pub struct ToolRunner<'f> {
@@ -158,7 +150,7 @@ impl ToolRunner<'_> {
             }
         }
         out.into_iter()
-            .map(|o| o.unwrap_or_else(no_result))
+            .map(|o| o.unwrap_or_else(ToolOutcome::no_result))
             .collect()
     }
 
@@ -177,7 +169,9 @@ impl ToolRunner<'_> {
         self.internal = Some((call.id.clone(), tool));
         let out = self.run(inv, std::slice::from_ref(call), events).await;
         self.internal = None;
-        out.into_iter().next().unwrap_or_else(no_result)
+        out.into_iter()
+            .next()
+            .unwrap_or_else(ToolOutcome::no_result)
     }
 
     /// Dispatches a batch of calls together and awaits their answers.
@@ -212,7 +206,7 @@ impl ToolRunner<'_> {
         batch
             .answers
             .into_iter()
-            .map(|a| a.unwrap_or_else(no_result))
+            .map(|a| a.unwrap_or_else(ToolOutcome::no_result))
             .collect()
     }
 
@@ -351,7 +345,7 @@ impl ToolRunner<'_> {
                 call,
                 &call.name,
                 "unknown_tool",
-                crate::scope::unknown_tool_message(inv, &call.name),
+                inv.unknown_tool_message(&call.name),
             ));
         };
         let def = &tool.definition;
@@ -408,14 +402,10 @@ impl ToolRunner<'_> {
             return Some(tool.clone());
         }
         self.fleet.catalog.by_function_name(name).await?;
-        let scope = crate::context::permitted_tools(
-            self.fleet,
-            &inv.job,
-            &inv.profile,
-            &inv.ctx,
-            inv.agent_depth,
-        )
-        .ok()?;
+        let scope = self
+            .fleet
+            .permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth)
+            .ok()?;
         scope.permitted.by_function_name(name).cloned()
     }
 
@@ -739,14 +729,6 @@ fn parse_arguments(arguments: &str) -> Result<Value, serde_json::Error> {
     })
 }
 
-fn no_result() -> ToolOutcome {
-    ToolOutcome {
-        content: "Error: no result.".to_string(),
-        status: ToolStatus::Error,
-        references: Vec::new(),
-    }
-}
-
 /// Answers a call whose tool has no live worker, saying why.
 fn no_worker(
     metrics: &OrchestratorMetrics,
@@ -930,40 +912,9 @@ fn record(
     }
 }
 
-/// Replaces the values of sensitive arguments.
-pub(crate) fn redact(arguments: &Value, sensitive: &[String]) -> Value {
-    let mut out = arguments.clone();
-    if let Some(map) = out.as_object_mut() {
-        for name in sensitive {
-            if let Some(v) = map.get_mut(name) {
-                *v = Value::String("[redacted]".into());
-            }
-        }
-    }
-    out
-}
-
-/// `text` cut to `max` characters, with `…` when cut.
-pub(crate) fn shorten(text: &str, max: usize) -> String {
-    match text.char_indices().nth(max) {
-        Some((end, _)) => format!("{}…", &text[..end]),
-        None => text.to_string(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sensitive_arguments_are_redacted() {
-        let args = serde_json::json!({"query": "q", "apiToken": "s3cret"});
-        let out = redact(&args, &["apiToken".to_string()]);
-        assert_eq!(
-            out,
-            serde_json::json!({"query": "q", "apiToken": "[redacted]"})
-        );
-    }
 
     fn call(name: &str) -> ToolCall {
         ToolCall {
@@ -997,12 +948,5 @@ mod tests {
     fn empty_arguments_are_an_empty_object() {
         assert_eq!(parse_arguments("  ").unwrap(), serde_json::json!({}));
         assert!(parse_arguments("{not json").is_err());
-    }
-
-    #[test]
-    fn progress_messages_are_cut_on_a_character_boundary() {
-        assert_eq!(shorten("short", 10), "short");
-        assert_eq!(shorten("ééééé", 3), "ééé…");
-        assert_eq!(shorten(&"x".repeat(10), 10), "x".repeat(10));
     }
 }

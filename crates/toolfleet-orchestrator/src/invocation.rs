@@ -1,35 +1,6 @@
-//! Context: from a chat job to an [`Invocation`] — the value every later
-//! stage works on.
-//!
-//! [`build`] runs the steps below in order; each is one function that
-//! reads the job (and the fleet) and fills in part of the invocation:
-//!
-//! 1. [`resolve_profile`] — the job's profile among the configured ones
-//!    (falling back to the default), its first deployment with a usable
-//!    key, and the orchestrator its `orchestrator` name resolves to among
-//!    the registered ones. No resolvable deployment (or one whose client
-//!    cannot be built) ends the job at once.
-//! 2. [`invocation_context`] — the [`InvocationContext`] every tool job
-//!    carries in its headers, with the deadline.
-//! 3. [`conversation`] — the system prompt, then the job's messages.
-//! 4. [`permitted_tools`] — the tools the invocation may use at all, from
-//!    the registry snapshot (agent tools, then the live catalog) through
-//!    the gates of [`gating`](crate::gating): system, profile, selected
-//!    and agent tools; purpose, `visibleIn`, provider confidence,
-//!    liveness. The model is offered none of them yet:
-//! 5. [`scope::choose`](crate::scope::choose) (async, after `build`) picks
-//!    the tools offered first — all of them, or the most relevant, or what
-//!    a planning call names — and the `search_tools` meta-tool when some
-//!    were left out.
-//!
-//! # Adding a step
-//!
-//! Steps that shape what the model sees before its first call go here, as
-//! one more function called from [`build`] in its place: **preemptive
-//! retrieval** runs after step 4, calls tools through the fleet, and adds what it
-//! found to [`Invocation::messages`] — its citations reach the client with
-//! the first `references` event, published right after `started`. A step
-//! fails the job by returning a [`Failure`].
+//! [`Invocation`]: one chat job on its way to an answer — the value the
+//! context stage builds and every later stage works on — with its
+//! [`Citations`] and its [`CancelCheck`].
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -37,10 +8,10 @@ use std::sync::Arc;
 use toolfleet_llm::profiles::ResolvedProfile;
 use toolfleet_llm::{Message, ToolSpec};
 use toolfleet_protocol::tools::CompiledTool;
-use toolfleet_protocol::{ChatJob, ChatRole, InvocationContext, Reference};
-use tracing::info;
+use toolfleet_protocol::{ChatJob, InvocationContext, Reference};
 
-use crate::{DEFAULT_SYSTEM_PROMPT, Failure, Fleet, UsageLedger};
+use crate::tools::{Scope, scoring};
+use crate::{Failure, UsageLedger};
 
 /// One chat job on its way to an answer.
 #[derive(Debug)]
@@ -54,13 +25,13 @@ pub struct Invocation {
     /// The conversation so far, system prompt first.
     pub messages: Vec<Message>,
     /// The tools offered to the model. A call runs when its tool is among
-    /// these, or among the permitted ones ([`Scope::permitted`](crate::scope::Scope):
+    /// these, or among the permitted ones ([`Scope::permitted`]:
     /// scoping bounds what the model is shown, the gates what may run); any
     /// other call is answered with close names and not run.
     pub tools: Vec<Arc<CompiledTool>>,
     /// The tools the invocation may use, and how the offered ones were
     /// chosen among them.
-    pub scope: crate::scope::Scope,
+    pub scope: Scope,
     /// How deep in agent calls this job runs (0: a client's job).
     pub agent_depth: u32,
     /// Unix time in milliseconds after which nobody waits for the answer.
@@ -179,12 +150,61 @@ impl Invocation {
             .find(|t| t.definition.function.name == function_name)
     }
 
+    /// The tool a call of the model names by `function_name`: an offered
+    /// one, or a permitted one scoping left out (it runs when called by
+    /// name). The one lookup every stage uses for "which tool is this call".
+    pub fn tool_for_call(&self, function_name: &str) -> Option<&Arc<CompiledTool>> {
+        self.tool(function_name)
+            .or_else(|| self.scope.permitted.by_function_name(function_name))
+    }
+
+    /// What events and metrics call the tool of a call named
+    /// `function_name`: its id, or the name the model used when no offered
+    /// or permitted tool has it.
+    pub fn tool_label(&self, function_name: &str) -> String {
+        self.tool_for_call(function_name).map_or_else(
+            || function_name.to_string(),
+            |t| t.definition.id.to_string(),
+        )
+    }
+
+    /// What the model reads after calling a tool it may not use: close
+    /// names among the tools it may use (a permitted tool scoping left out
+    /// runs when called by name), and `search_tools` when it may still add
+    /// some.
+    pub fn unknown_tool_message(&self, name: &str) -> String {
+        let offered: Vec<&str> = self
+            .tools
+            .iter()
+            .map(|t| t.definition.function.name.as_str())
+            .collect();
+        let permitted = self
+            .scope
+            .permitted
+            .tools
+            .iter()
+            .map(|t| t.definition.function.name.as_str());
+        let mut message = format!("Error: there is no tool named {name:?}.");
+        let close = scoring::suggest(name, permitted, 3);
+        if !close.is_empty() {
+            message.push_str(&format!(" Did you mean: {}?", close.join(", ")));
+        }
+        if self.scope.can_expand(self.tools.len()) {
+            message.push_str(&format!(
+                " More tools exist than are offered: call {} to find one.",
+                scoring::SEARCH_TOOLS
+            ));
+        }
+        message.push_str(&format!(" Available tools: {}.", offered.join(", ")));
+        message
+    }
+
     /// The offered tools as the model sees them, with `search_tools` when
     /// tools were left out and the model may still add some.
     pub fn tool_specs(&self) -> Vec<Arc<ToolSpec>> {
         let mut specs: Vec<Arc<ToolSpec>> = self.tools.iter().map(|t| t.spec.clone()).collect();
         if self.scope.can_expand(self.tools.len()) {
-            specs.push(crate::scope::search_tools_spec());
+            specs.push(crate::tools::search_tools_spec());
         }
         specs
     }
@@ -196,132 +216,6 @@ impl Invocation {
             .map(|t| t.definition.id.to_string())
             .collect()
     }
-}
-
-/// Builds the invocation of `job`, step by step (see the module docs).
-pub fn build(
-    fleet: &Fleet,
-    job: ChatJob,
-    deadline_ms: u64,
-    agent_depth: u32,
-) -> Result<Invocation, Failure> {
-    let profile = resolve_profile(fleet, &job)?;
-    let ctx = invocation_context(&job, &profile, deadline_ms);
-    let messages = conversation(&job, &profile);
-    let scope = permitted_tools(fleet, &job, &profile, &ctx, agent_depth)?;
-    Ok(Invocation {
-        job,
-        profile,
-        ctx,
-        messages,
-        tools: Vec::new(),
-        scope,
-        agent_depth,
-        deadline_ms,
-        usage: UsageLedger::default(),
-        citations: Citations::default(),
-        cancel_check: CancelCheck::default(),
-    })
-}
-
-/// Step 1: the profile the job named (or the default), its deployment, and
-/// its orchestrator among those registered in the configuration.
-pub fn resolve_profile(fleet: &Fleet, job: &ChatJob) -> Result<ResolvedProfile, Failure> {
-    let config = fleet.config();
-    let resolved = config
-        .profiles
-        .resolve_among(
-            job.profile.as_deref(),
-            &*config.env,
-            &config.orchestrator_names(),
-        )
-        .map_err(|e| Failure::new(e.code(), e.to_string()))?;
-    // A deployment whose client cannot be built fails the job here, before
-    // `started`, like one that does not resolve.
-    fleet.llm_for(&resolved)?;
-    if resolved.fell_back || resolved.orchestrator_fell_back {
-        info!(profile = %resolved.name, requested = ?resolved.requested, orchestrator = %resolved.orchestrator, "profile or orchestrator fell back to the default");
-    }
-    Ok(resolved)
-}
-
-/// Step 2: the context tool jobs carry. The data source is the job's, or
-/// the profile's when the job names none.
-pub fn invocation_context(
-    job: &ChatJob,
-    profile: &ResolvedProfile,
-    deadline_ms: u64,
-) -> InvocationContext {
-    InvocationContext {
-        invocation_id: job.invocation_id.clone(),
-        tenant: job.tenant.clone(),
-        user: job.user.clone(),
-        profile: Some(profile.name.clone()),
-        provider: job.provider.clone(),
-        connection: job.connection.clone(),
-        resource: job.resource.clone(),
-        data_source_id: job
-            .data_source_id
-            .clone()
-            .or_else(|| profile.profile.data_source.clone()),
-        attached_documents: job.attached_documents.clone(),
-        provider_confidence: job.provider_confidence,
-        deadline_ms: Some(deadline_ms),
-        traceparent: job.traceparent.clone(),
-    }
-}
-
-/// Step 3: the profile's system prompt (or [`DEFAULT_SYSTEM_PROMPT`]),
-/// then the job's messages as they came.
-pub fn conversation(job: &ChatJob, profile: &ResolvedProfile) -> Vec<Message> {
-    let mut messages = Vec::with_capacity(job.messages.len() + 2);
-    messages.push(Message::System {
-        content: profile
-            .profile
-            .system_prompt
-            .clone()
-            .unwrap_or_else(|| DEFAULT_SYSTEM_PROMPT.to_string()),
-    });
-    messages.extend(job.messages.iter().map(|m| match m.role {
-        ChatRole::System => Message::System {
-            content: m.content.clone(),
-        },
-        ChatRole::User => Message::User {
-            content: m.content.clone(),
-        },
-        ChatRole::Assistant => Message::Assistant {
-            content: Some(m.content.clone()),
-            tool_calls: Vec::new(),
-            opaque: Vec::new(),
-        },
-    }));
-    messages
-}
-
-/// Step 4: the tools the invocation may use (see [`gating`](crate::gating)),
-/// from the registry snapshot of the latest catalog reading.
-pub fn permitted_tools(
-    fleet: &Fleet,
-    job: &ChatJob,
-    profile: &ResolvedProfile,
-    ctx: &InvocationContext,
-    agent_depth: u32,
-) -> Result<crate::scope::Scope, Failure> {
-    let snapshot = fleet.tool_snapshot();
-    let gate = crate::gating::Gate {
-        documents: !job.attached_documents.is_empty(),
-        data_source: ctx.data_source_id.is_some(),
-        surface: job.surface(),
-        provider_confidence: job.provider_confidence.unwrap_or(0.0),
-        agents: agent_depth < fleet.config().profiles.max_agent_depth,
-        own_profile: &profile.name,
-    };
-    let permitted = crate::gating::permitted(&snapshot.registry, &profile.profile, job, &gate)?;
-    Ok(crate::scope::Scope::new(
-        snapshot,
-        permitted,
-        profile.profile.scoping,
-    ))
 }
 
 #[cfg(test)]

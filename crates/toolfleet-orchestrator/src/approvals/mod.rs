@@ -1,0 +1,378 @@
+//! Approvals: a person's yes before a risky tool runs, as a durable pause.
+//!
+//! A call needs approval when its definition sets `requiresApproval` or
+//! the profile lists the tool in `require_approval`. When the model calls
+//! such a tool, the round's other calls run, and the orchestrator
+//! ([`Ending::Parked`](crate::Ending)) hands the frame a
+//! [`Park`]. The frame keeps the whole invocation — conversation, offered
+//! tools, usage, citations, the held turn, the loop's own state, the
+//! deadline left — as a [`Parked`] record in the parked bucket
+//! (`<P>_PARKED`, key = invocation id), publishes `approval_requested` per
+//! held call, acks the chat job and ends the run. No task, lease or
+//! connection waits for the person.
+//!
+//! A decision is a core NATS request on
+//! `<p>.chat.approve.<tenant>.<inv>`, answered by one orchestrator of the
+//! queue group ([`requests::serve`]): checked against the record (unknown
+//! invocation or call, already decided: a clear refusal, nothing changes)
+//! and recorded as a [`Decision`] on the decisions stream (`<P>_DECISIONS`,
+//! a work queue), whose message id makes the first decision on a call the
+//! one that counts. The orchestrator that takes a decision from the stream
+//! (intake's decisions consumer) writes it into the record (compare-and-set on the
+//! entry's revision) and, when it was the turn's last, resumes the
+//! invocation while holding the decision message — the same claim, lease,
+//! in-progress acks and ack-after-the-terminal-event as a chat job, so an
+//! orchestrator that dies while resuming leaves the message to be
+//! delivered again to another.
+//!
+//! Every orchestrator watches the bucket ([`watch::watch_parked`]) and publishes a
+//! timeout decision for a record whose approval timeout has passed; a
+//! cancel of a parked invocation becomes a cancel decision. Both resume
+//! the invocation only to end it (`approval_timeout`, `cancelled`).
+
+pub mod requests;
+pub mod store;
+pub mod watch;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use toolfleet_llm::{Message, ToolCall};
+use toolfleet_protocol::approval::{ApprovalDecision, ApprovalOutcome, Decision, DecisionKind};
+use toolfleet_protocol::{ChatEventBody, ChatJob, now_ms};
+
+use crate::invocation::Citations;
+use crate::{Events, Fleet, Invocation, ToolOutcome, UsageLedger};
+
+/// What an orchestrator hands the frame when calls of its turn wait for
+/// approval.
+#[derive(Debug)]
+pub struct Park {
+    /// The model's ids of the turn's calls, in order (what the tool
+    /// messages answer when the turn resumes).
+    pub model_call_ids: Vec<String>,
+    /// The turn's calls, with our ids, in the model's order.
+    pub calls: Vec<ParkedCall>,
+    /// The orchestrator's own state, given back to
+    /// [`Orchestrator::resume`](crate::Orchestrator::resume).
+    pub state: Value,
+}
+
+/// What [`Orchestrator::resume`](crate::Orchestrator::resume) goes on
+/// from: the parked turn, every held call decided.
+#[derive(Debug)]
+pub struct Resumed {
+    pub model_call_ids: Vec<String>,
+    pub calls: Vec<ParkedCall>,
+    pub state: Value,
+}
+
+/// One call of a parked turn.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ParkedCall {
+    /// The call, with the fleet's call id.
+    pub call: ToolCall,
+    /// The tool's id (`ns:name@x.y.z`), or the name the model used.
+    pub tool: String,
+    /// The arguments as events show them (`sensitiveArguments` redacted).
+    pub shown_arguments: Value,
+    pub state: CallState,
+}
+
+/// Where a call of a parked turn stands.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "state", rename_all = "snake_case")]
+pub enum CallState {
+    /// It needed no approval and ran (or was answered) before the park.
+    Done { outcome: ToolOutcome },
+    /// It waits for a person.
+    Held,
+    /// It waits for an earlier call of the turn (calls run one at a
+    /// time); it runs when the turn resumes.
+    After,
+    /// A person (or the timeout) decided.
+    #[serde(rename_all = "camelCase")]
+    Decided {
+        outcome: ApprovalOutcome,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reason: Option<String>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        approver: Option<String>,
+        at_ms: u64,
+    },
+}
+
+impl ParkedCall {
+    /// A call of a turn that parks: `ran` is its outcome when it ran,
+    /// `held` the reason it waits when it needs approval.
+    pub(crate) fn new(
+        inv: &Invocation,
+        call: ToolCall,
+        ran: Option<ToolOutcome>,
+        hold: Hold,
+    ) -> Self {
+        let tool = inv.tool_for_call(&call.name);
+        let shown_arguments = match (tool, serde_json::from_str::<Value>(&call.arguments)) {
+            (Some(t), Ok(v)) => crate::text::redact(&v, &t.definition.sensitive_arguments),
+            (_, Ok(v)) => v,
+            (_, Err(_)) => Value::String(format!("[{} characters]", call.arguments.len())),
+        };
+        let state = match (ran, hold) {
+            (Some(outcome), _) => CallState::Done { outcome },
+            (None, Hold::Person) => CallState::Held,
+            (None, Hold::After) => CallState::After,
+            (None, Hold::Run | Hold::Refuse) => CallState::Done {
+                outcome: ToolOutcome::no_result(),
+            },
+        };
+        Self {
+            tool: inv.tool_label(&call.name),
+            shown_arguments,
+            call,
+            state,
+        }
+    }
+
+    /// Whether it runs when the turn resumes: a person approved it, or it
+    /// waited for an earlier call.
+    pub fn runs_on_resume(&self) -> bool {
+        matches!(
+            self.state,
+            CallState::After
+                | CallState::Decided {
+                    outcome: ApprovalOutcome::Approved,
+                    ..
+                }
+        )
+    }
+
+    pub(crate) fn held(&self) -> bool {
+        matches!(self.state, CallState::Held)
+    }
+}
+
+/// What happens to one call of a turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Hold {
+    /// It runs now.
+    Run,
+    /// It waits for a person.
+    Person,
+    /// It needs no approval, but calls run one at a time and an earlier
+    /// one waits: it runs after that one is decided.
+    After,
+    /// It needs approval, and an agent tool's nested job cannot wait for
+    /// one: answered without running.
+    Refuse,
+}
+
+/// For each of the turn's calls (our ids), whether it must wait: its tool
+/// (offered, or permitted) requires approval under the invocation's
+/// profile. Calls over the per-turn cap are never run, so they wait for
+/// nobody; without parallel calls, the calls after a held one wait too.
+pub(crate) fn held_calls(inv: &Invocation, calls: &[ToolCall]) -> Vec<Hold> {
+    let policy = inv.profile.profile.policy;
+    let mut held_before = false;
+    calls
+        .iter()
+        .enumerate()
+        .map(|(i, call)| {
+            if i >= policy.max_calls_per_turn {
+                return Hold::Run;
+            }
+            let needs = inv
+                .tool_for_call(&call.name)
+                .is_some_and(|t| inv.profile.profile.requires_approval(&t.definition));
+            let hold = match (needs, inv.agent_depth > 0) {
+                (true, true) => Hold::Refuse,
+                (true, false) => Hold::Person,
+                (false, _) if held_before && !policy.parallel_tool_calls => Hold::After,
+                (false, _) => Hold::Run,
+            };
+            held_before |= hold == Hold::Person;
+            hold
+        })
+        .collect()
+}
+
+/// What the model reads for a call an agent tool's nested job cannot wait
+/// for.
+pub(crate) const REFUSED_IN_AGENT: &str = "Not run: this tool needs a person's approval, and a job started by an agent tool cannot wait for one. Answer with what you have, or say that the caller should run it.";
+
+/// What the model reads for a denied call.
+pub(crate) fn denied_message(reason: Option<&str>) -> String {
+    match reason.map(str::trim).filter(|r| !r.is_empty()) {
+        Some(r) => format!(
+            "Not run: a person denied this call. Their reason: {r}. Do not call it again with the same arguments; answer with what you have, or ask the user."
+        ),
+        None => "Not run: a person denied this call. Do not call it again with the same arguments; answer with what you have, or ask the user.".to_string(),
+    }
+}
+
+/// The version of [`Parked`] records this release writes and reads.
+const RECORD_VERSION: u32 = 1;
+
+/// A parked invocation, as kept in the parked bucket.
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Parked {
+    pub version: u32,
+    /// This parking of the invocation (it may park again after resuming).
+    pub park_id: String,
+    /// The chat job, as it ran (tenant and traceparent set).
+    pub job: ChatJob,
+    pub tenant: String,
+    /// The claim owner of the chat job: the resumed run speaks for the
+    /// invocation under the same claim.
+    pub owner: String,
+    pub profile: String,
+    /// The deployment the conversation was on (after any fallback).
+    pub deployment: String,
+    pub agent_depth: u32,
+    pub messages: Vec<Message>,
+    /// The offered tools' ids.
+    pub offered: Vec<String>,
+    pub usage: UsageLedger,
+    pub citations: Citations,
+    /// Of the invocation's deadline, what was left when it parked: the
+    /// wait for a person does not count.
+    pub remaining_ms: u64,
+    /// The `seq` its next event gets.
+    pub next_seq: u64,
+    pub parked_at_ms: u64,
+    pub expires_at_ms: u64,
+    pub model_call_ids: Vec<String>,
+    pub calls: Vec<ParkedCall>,
+    /// The orchestrator's own state.
+    pub state: Value,
+    #[serde(default)]
+    pub cancelled: bool,
+    /// The parking this one came from, when a resumed run parked again
+    /// (a redelivery of the decision that resumed it finds this one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resumed_from: Option<String>,
+}
+
+impl Parked {
+    /// The record of `inv` parking with `park`; intake fills in the claim
+    /// owner, the deadline left and the next `seq`.
+    pub(crate) fn of(inv: Invocation, park: Park) -> Self {
+        let now = now_ms();
+        let tenant = inv.job.tenant().to_string();
+        Parked {
+            version: RECORD_VERSION,
+            park_id: uuid::Uuid::new_v4().simple().to_string(),
+            tenant,
+            owner: String::new(),
+            profile: inv.profile.name.clone(),
+            deployment: inv.profile.deployment_name.clone(),
+            agent_depth: inv.agent_depth,
+            offered: inv.tool_ids(),
+            messages: inv.messages,
+            usage: inv.usage,
+            citations: inv.citations,
+            remaining_ms: 0,
+            next_seq: 0,
+            parked_at_ms: now,
+            expires_at_ms: now + inv.profile.profile.approval_timeout_ms,
+            model_call_ids: park.model_call_ids,
+            calls: park.calls,
+            state: park.state,
+            cancelled: false,
+            resumed_from: None,
+            job: inv.job,
+        }
+    }
+
+    /// Publishes its `approval_requested` events again, with the `seq`s
+    /// they had: a run that parked and died before (or while) publishing
+    /// them, or before its ack, left them unsaid.
+    pub(crate) async fn announce_again(&self, fleet: &Fleet) {
+        let requests = self.requests(fleet);
+        let events = Events::start_at(
+            fleet.client.clone(),
+            &fleet.config.subjects,
+            &self.tenant,
+            &self.job.invocation_id,
+            self.next_seq.saturating_sub(requests.len() as u64),
+        );
+        for request in requests {
+            events.send(request);
+        }
+        events.close().await;
+    }
+
+    pub(crate) fn held(&self) -> impl Iterator<Item = &ParkedCall> {
+        self.calls.iter().filter(|c| c.held())
+    }
+
+    /// Whether nothing is left to decide.
+    pub(crate) fn decided(&self) -> bool {
+        self.cancelled || !self.calls.iter().any(ParkedCall::held)
+    }
+
+    /// The `approval_requested` events of the held calls.
+    pub(crate) fn requests(&self, fleet: &Fleet) -> Vec<ChatEventBody> {
+        let subject = fleet
+            .config
+            .subjects
+            .chat_approve(&self.tenant, &self.job.invocation_id);
+        self.held()
+            .map(|c| ChatEventBody::ApprovalRequested {
+                call_id: c.call.id.clone(),
+                tool: c.tool.clone(),
+                arguments: c.shown_arguments.clone(),
+                expires_at_ms: self.expires_at_ms,
+                subject: subject.clone(),
+            })
+            .collect()
+    }
+
+    /// Writes `decision` in; returns what it decided (each call's outcome
+    /// and how long it waited), and whether anything changed.
+    pub(crate) fn apply(&mut self, decision: &Decision) -> (Vec<(ApprovalOutcome, u64)>, bool) {
+        let waited = decision.at_ms.saturating_sub(self.parked_at_ms);
+        let decide =
+            |call: &mut ParkedCall, outcome, reason: &Option<String>, approver: &Option<String>| {
+                call.state = CallState::Decided {
+                    outcome,
+                    reason: reason.clone(),
+                    approver: approver.clone(),
+                    at_ms: decision.at_ms,
+                };
+                (outcome, waited)
+            };
+        match &decision.kind {
+            DecisionKind::Call {
+                call_id,
+                decision: d,
+                reason,
+                approver,
+            } => {
+                let Some(call) = self
+                    .calls
+                    .iter_mut()
+                    .find(|c| &c.call.id == call_id && c.held())
+                else {
+                    return (Vec::new(), false);
+                };
+                let outcome = match d {
+                    ApprovalDecision::Approve => ApprovalOutcome::Approved,
+                    ApprovalDecision::Deny => ApprovalOutcome::Denied,
+                };
+                (vec![decide(call, outcome, reason, approver)], true)
+            }
+            DecisionKind::Timeout => {
+                let decided: Vec<_> = self
+                    .calls
+                    .iter_mut()
+                    .filter(|c| c.held())
+                    .map(|c| decide(c, ApprovalOutcome::Timeout, &None, &None))
+                    .collect();
+                let changed = !decided.is_empty();
+                (decided, changed)
+            }
+            DecisionKind::Cancel => (Vec::new(), !std::mem::replace(&mut self.cancelled, true)),
+        }
+    }
+}

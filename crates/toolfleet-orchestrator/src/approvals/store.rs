@@ -1,0 +1,107 @@
+//! Where approvals live: the parked bucket (`<P>_PARKED`, key =
+//! invocation id; the [`Fleet`] holds it) and the decisions stream
+//! (`<P>_DECISIONS`).
+
+use async_nats::jetstream::{self, kv};
+use toolfleet_protocol::approval::Decision;
+use tracing::warn;
+
+use super::Parked;
+use crate::Fleet;
+
+/// The parked bucket, and the decisions stream made sure of: what an
+/// orchestrator opens at its start.
+pub(crate) async fn open(
+    js: &jetstream::Context,
+    subjects: &toolfleet_protocol::Subjects,
+) -> Result<kv::Store, String> {
+    let bucket = toolfleet_protocol::streams::parked_bucket(js, subjects)
+        .await
+        .map_err(|e| e.to_string())?;
+    toolfleet_protocol::streams::ensure_decisions_stream(js, subjects)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(bucket)
+}
+
+impl Fleet {
+    /// Keeps `parked` in the bucket (a new record, or the invocation's
+    /// earlier one replaced: the run writing it holds the lease).
+    pub(crate) async fn keep_parked(&self, parked: &Parked) -> Result<(), String> {
+        let value = serde_json::to_vec(parked).map_err(|e| e.to_string())?;
+        self.parked_bucket
+            .put(&parked.job.invocation_id, value.into())
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    }
+
+    /// Removes the record of an invocation that ended. Best effort: a
+    /// record left behind is removed by the next decision or timeout on
+    /// it, or by the bucket's age limit.
+    pub(crate) async fn forget_parked(&self, invocation_id: &str) {
+        if let Err(e) = self.parked_bucket.delete(invocation_id).await {
+            warn!(invocation_id, error = %e, "cannot remove the parked record of an ended invocation");
+        }
+    }
+
+    /// The record of `invocation_id` and its revision, if it is parked.
+    pub(crate) async fn parked(
+        &self,
+        invocation_id: &str,
+    ) -> Result<Option<(Parked, u64)>, String> {
+        let entry = self
+            .parked_bucket
+            .entry(invocation_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+            return Ok(None);
+        };
+        let parked: Parked = serde_json::from_slice(&entry.value)
+            .map_err(|e| format!("the parked record cannot be read: {e}"))?;
+        Ok(Some((parked, entry.revision)))
+    }
+
+    /// Writes a record (`value`, serialised) over revision `revision` of
+    /// `invocation_id`'s (a compare-and-set: another decision written in
+    /// between fails it with `WrongLastRevision`).
+    pub(crate) async fn update_parked(
+        &self,
+        invocation_id: &str,
+        value: Vec<u8>,
+        revision: u64,
+    ) -> Result<u64, kv::UpdateError> {
+        self.parked_bucket
+            .update(invocation_id, value.into(), revision)
+            .await
+    }
+
+    /// Publishes `decision` on the decisions stream; returns whether it
+    /// was new (not a duplicate of one already recorded).
+    pub(crate) async fn record_decision(
+        &self,
+        tenant: &str,
+        decision: &Decision,
+    ) -> Result<bool, String> {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(
+            toolfleet_protocol::headers::NATS_MSG_ID,
+            decision.msg_id().as_str(),
+        );
+        let ack = self
+            .js
+            .publish_with_headers(
+                self.config.subjects.chat_decision(tenant),
+                headers,
+                serde_json::to_vec(decision)
+                    .map_err(|e| e.to_string())?
+                    .into(),
+            )
+            .await
+            .map_err(|e| e.to_string())?
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(!ack.duplicate)
+    }
+}

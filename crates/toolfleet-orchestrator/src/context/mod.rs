@@ -1,0 +1,386 @@
+//! Context, the second stage: from a chat job to the [`Invocation`] the
+//! model's first call works on.
+//!
+//! The stage opens the invocation with its profile ([`open`]: the job's
+//! profile among the configured ones, its first deployment with a usable
+//! key, the orchestrator its `orchestrator` name resolves to — the one
+//! fact every later step reads), then runs an ordered list of
+//! [`ContextHandler`]s over it ([`ContextHandlers`]). The built-ins, in
+//! order:
+//!
+//! 1. `invocation_context` — the [`InvocationContext`] every tool job
+//!    carries in its headers, with the deadline;
+//! 2. `conversation` — the system prompt, then the job's messages;
+//! 3. `permitted_tools` — the tools the invocation may use at all (the
+//!    gates of [`gating`](crate::tools::gating): system, profile, selected
+//!    and agent tools; purpose, `visibleIn`, provider confidence,
+//!    liveness);
+//! 4. `sink_route` — where the events also go ([`route_for`]: the job's
+//!    sink, else its profile's; a refused one is `invalid_sink`, before
+//!    any model call);
+//! 5. `scoping` — the tools offered first ([`scope::choose`]): all of them,
+//!    the most relevant, or what a planning call names;
+//! 6. `started` — the `started` event (model, profile, offered tools), then
+//!    the `scoping` event saying how they were chosen;
+//! 7. `preemptive_rag` — the attachments and data source searched with the
+//!    user's question ([`rag::prefetch`]); their passages join the
+//!    conversation and their references are published.
+//!
+//! A deployment adds its own handler with
+//! [`OrchestratorConfig::register_context_handler`](crate::OrchestratorConfig::register_context_handler)
+//! (after the built-ins) or at a place among them
+//! ([`ContextHandlers::insert_before`], [`ContextHandlers::insert_after`]).
+//! A handler fails the job by returning a [`Failure`]; the frame then
+//! publishes the `error` event.
+//!
+//! Resuming a parked invocation opens it again and runs only the first
+//! three steps ([`reopen`]): the conversation and the offered tools come
+//! from the parked record.
+
+pub mod rag;
+pub mod scope;
+mod steps;
+
+use std::sync::Arc;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use toolfleet_protocol::{ChatEventBody, ChatJob, InvocationContext};
+
+use crate::invocation::{CancelCheck, Citations};
+use crate::tools::Scope;
+use crate::tools::gating::Permitted;
+use crate::{Events, Failure, Fleet, Invocation, UsageLedger};
+
+pub use steps::{
+    DEFAULT_SYSTEM_PROMPT, conversation, invocation_context, resolve_profile, route_for,
+};
+
+/// What a context handler works with besides the invocation.
+pub struct Context<'a> {
+    pub fleet: &'a Fleet,
+    /// The invocation's events (`started` is out once the `started`
+    /// handler ran).
+    pub events: &'a Events,
+    /// The `scoping` event the `scoping` handler decided, for `started` to
+    /// publish after its own.
+    scoping: Option<ChatEventBody>,
+}
+
+/// One step of the context stage: shapes the invocation before the
+/// model's first call (adds messages, narrows tools, publishes events).
+pub trait ContextHandler: Send + Sync + 'static {
+    /// Its name in the list (and in logs); unique among the handlers.
+    fn name(&self) -> &str;
+
+    /// Runs the step on `inv`. A [`Failure`] ends the invocation with an
+    /// `error` event.
+    fn handle<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        cx: &'a mut Context<'_>,
+    ) -> BoxFuture<'a, Result<(), Failure>>;
+}
+
+/// The context stage's handlers, in the order they run.
+#[derive(Clone)]
+pub struct ContextHandlers(Vec<Arc<dyn ContextHandler>>);
+
+impl Default for ContextHandlers {
+    /// The built-ins (see the module docs).
+    fn default() -> Self {
+        Self(vec![
+            Arc::new(builtin::InvocationContextStep),
+            Arc::new(builtin::Conversation),
+            Arc::new(builtin::PermittedTools),
+            Arc::new(builtin::SinkRoute),
+            Arc::new(builtin::Scoping),
+            Arc::new(builtin::Started),
+            Arc::new(builtin::PreemptiveRag),
+        ])
+    }
+}
+
+impl std::fmt::Debug for ContextHandlers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+impl ContextHandlers {
+    /// The handlers' names, in order.
+    pub fn names(&self) -> Vec<&str> {
+        self.0.iter().map(|h| h.name()).collect()
+    }
+
+    /// Adds `handler` at the end (after the built-ins: the references of
+    /// preemptive retrieval are out, the model not called yet).
+    pub fn push(&mut self, handler: impl ContextHandler) -> &mut Self {
+        self.0.push(Arc::new(handler));
+        self
+    }
+
+    /// Adds `handler` right before the one named `name`.
+    ///
+    /// # Errors
+    ///
+    /// When no handler has that name (the names are listed).
+    pub fn insert_before(
+        &mut self,
+        name: &str,
+        handler: impl ContextHandler,
+    ) -> Result<&mut Self, String> {
+        let at = self.position(name)?;
+        self.0.insert(at, Arc::new(handler));
+        Ok(self)
+    }
+
+    /// Adds `handler` right after the one named `name`.
+    ///
+    /// # Errors
+    ///
+    /// When no handler has that name (the names are listed).
+    pub fn insert_after(
+        &mut self,
+        name: &str,
+        handler: impl ContextHandler,
+    ) -> Result<&mut Self, String> {
+        let at = self.position(name)?;
+        self.0.insert(at + 1, Arc::new(handler));
+        Ok(self)
+    }
+
+    fn position(&self, name: &str) -> Result<usize, String> {
+        self.0.iter().position(|h| h.name() == name).ok_or_else(|| {
+            format!(
+                "no context handler is named {name:?} (there are: {})",
+                self.names().join(", ")
+            )
+        })
+    }
+
+    /// Runs every handler on `inv`, in order; the first failure ends the
+    /// stage.
+    pub async fn run(
+        &self,
+        inv: &mut Invocation,
+        fleet: &Fleet,
+        events: &Events,
+    ) -> Result<(), Failure> {
+        let mut cx = Context {
+            fleet,
+            events,
+            scoping: None,
+        };
+        for handler in &self.0 {
+            handler.handle(inv, &mut cx).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Opens the invocation of `job`: its profile resolved among the
+/// registered `orchestrators`; the rest is empty until the handlers fill
+/// it in.
+pub fn open(
+    fleet: &Fleet,
+    job: ChatJob,
+    deadline_ms: u64,
+    agent_depth: u32,
+    orchestrators: &[&str],
+) -> Result<Invocation, Failure> {
+    let profile = resolve_profile(fleet, &job, orchestrators)?;
+    let scope = Scope::new(
+        fleet.tool_snapshot(),
+        Permitted::default(),
+        profile.profile.scoping,
+    );
+    Ok(Invocation {
+        ctx: InvocationContext {
+            invocation_id: job.invocation_id.clone(),
+            deadline_ms: Some(deadline_ms),
+            ..InvocationContext::default()
+        },
+        job,
+        profile,
+        messages: Vec::new(),
+        tools: Vec::new(),
+        scope,
+        agent_depth,
+        deadline_ms,
+        usage: UsageLedger::default(),
+        citations: Citations::default(),
+        cancel_check: CancelCheck::default(),
+    })
+}
+
+/// Opens the invocation of a parked `job` again, with its invocation
+/// context, conversation and permitted tools (what resuming starts from;
+/// the parked record then restores the conversation and offered tools).
+pub fn reopen(
+    fleet: &Fleet,
+    job: ChatJob,
+    deadline_ms: u64,
+    agent_depth: u32,
+    orchestrators: &[&str],
+) -> Result<Invocation, Failure> {
+    let mut inv = open(fleet, job, deadline_ms, agent_depth, orchestrators)?;
+    builtin::first_steps(&mut inv, fleet)?;
+    Ok(inv)
+}
+
+/// The built-in handlers.
+mod builtin {
+    use super::*;
+
+    /// Runs what `invocation_context`, `conversation` and
+    /// `permitted_tools` do.
+    pub(super) fn first_steps(inv: &mut Invocation, fleet: &Fleet) -> Result<(), Failure> {
+        inv.ctx = invocation_context(&inv.job, &inv.profile, inv.deadline_ms);
+        inv.messages = conversation(&inv.job, &inv.profile);
+        inv.scope = fleet.permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth)?;
+        Ok(())
+    }
+
+    pub(super) struct InvocationContextStep;
+
+    impl ContextHandler for InvocationContextStep {
+        fn name(&self) -> &str {
+            "invocation_context"
+        }
+
+        fn handle<'a>(
+            &'a self,
+            inv: &'a mut Invocation,
+            _: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            inv.ctx = invocation_context(&inv.job, &inv.profile, inv.deadline_ms);
+            std::future::ready(Ok(())).boxed()
+        }
+    }
+
+    pub(super) struct Conversation;
+
+    impl ContextHandler for Conversation {
+        fn name(&self) -> &str {
+            "conversation"
+        }
+
+        fn handle<'a>(
+            &'a self,
+            inv: &'a mut Invocation,
+            _: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            inv.messages = conversation(&inv.job, &inv.profile);
+            std::future::ready(Ok(())).boxed()
+        }
+    }
+
+    pub(super) struct PermittedTools;
+
+    impl ContextHandler for PermittedTools {
+        fn name(&self) -> &str {
+            "permitted_tools"
+        }
+
+        fn handle<'a>(
+            &'a self,
+            inv: &'a mut Invocation,
+            cx: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            let scope = cx
+                .fleet
+                .permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth);
+            std::future::ready(scope.map(|scope| inv.scope = scope)).boxed()
+        }
+    }
+
+    pub(super) struct SinkRoute;
+
+    impl ContextHandler for SinkRoute {
+        fn name(&self) -> &str {
+            "sink_route"
+        }
+
+        fn handle<'a>(
+            &'a self,
+            inv: &'a mut Invocation,
+            cx: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            let routed = route_for(cx.fleet, inv).map(|route| {
+                if let Some(route) = route {
+                    cx.events.route(route);
+                }
+            });
+            std::future::ready(routed).boxed()
+        }
+    }
+
+    pub(super) struct Scoping;
+
+    impl ContextHandler for Scoping {
+        fn name(&self) -> &str {
+            "scoping"
+        }
+
+        fn handle<'a>(
+            &'a self,
+            inv: &'a mut Invocation,
+            cx: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            async move {
+                cx.scoping = Some(scope::choose(cx.fleet, inv).await);
+                Ok(())
+            }
+            .boxed()
+        }
+    }
+
+    pub(super) struct Started;
+
+    impl ContextHandler for Started {
+        fn name(&self) -> &str {
+            "started"
+        }
+
+        fn handle<'a>(
+            &'a self,
+            inv: &'a mut Invocation,
+            cx: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            cx.events.send(ChatEventBody::Started {
+                model: inv.model().to_string(),
+                profile: Some(inv.profile.name.clone()),
+                tools: inv.tool_ids(),
+            });
+            // Nothing to say when every permitted tool is offered and
+            // nothing was left out: `started` lists them.
+            match cx.scoping.take() {
+                Some(ChatEventBody::Scoping {
+                    ref decision,
+                    note: None,
+                    ..
+                }) if decision == "all" => {}
+                Some(scoping) => cx.events.send(scoping),
+                None => {}
+            }
+            std::future::ready(Ok(())).boxed()
+        }
+    }
+
+    pub(super) struct PreemptiveRag;
+
+    impl ContextHandler for PreemptiveRag {
+        fn name(&self) -> &str {
+            "preemptive_rag"
+        }
+
+        fn handle<'a>(
+            &'a self,
+            inv: &'a mut Invocation,
+            cx: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            async move { rag::prefetch(cx.fleet, inv, cx.events).await.map(drop) }.boxed()
+        }
+    }
+}

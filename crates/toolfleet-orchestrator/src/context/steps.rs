@@ -1,0 +1,118 @@
+//! The built-in steps of the context stage, as plain functions (the
+//! handlers in [`super`] call them; resuming a parked invocation calls the
+//! first ones again).
+
+use toolfleet_llm::Message;
+use toolfleet_llm::profiles::ResolvedProfile;
+use toolfleet_protocol::{ChatJob, ChatRole, InvocationContext};
+use tracing::info;
+
+use crate::sinks::{self, Route};
+use crate::{Failure, Fleet, Invocation};
+
+/// The system prompt of a profile that sets none.
+pub const DEFAULT_SYSTEM_PROMPT: &str = "You are a helpful assistant with tools. When a tool result contains markers like [doc:3], cite the passages you use with those exact markers.";
+
+/// The profile the job named (or the default), its deployment, and its
+/// orchestrator among `orchestrators` (the registered names).
+pub fn resolve_profile(
+    fleet: &Fleet,
+    job: &ChatJob,
+    orchestrators: &[&str],
+) -> Result<ResolvedProfile, Failure> {
+    let config = fleet.config();
+    let resolved = config
+        .profiles
+        .resolve_among(job.profile.as_deref(), &*config.env, orchestrators)
+        .map_err(|e| Failure::new(e.code(), e.to_string()))?;
+    // A deployment whose client cannot be built fails the job here, before
+    // `started`, like one that does not resolve.
+    fleet.llm_for(&resolved)?;
+    if resolved.fell_back || resolved.orchestrator_fell_back {
+        info!(profile = %resolved.name, requested = ?resolved.requested, orchestrator = %resolved.orchestrator, "profile or orchestrator fell back to the default");
+    }
+    Ok(resolved)
+}
+
+/// The context tool jobs carry. The data source is the job's, or
+/// the profile's when the job names none.
+pub fn invocation_context(
+    job: &ChatJob,
+    profile: &ResolvedProfile,
+    deadline_ms: u64,
+) -> InvocationContext {
+    InvocationContext {
+        invocation_id: job.invocation_id.clone(),
+        tenant: job.tenant.clone(),
+        user: job.user.clone(),
+        profile: Some(profile.name.clone()),
+        provider: job.provider.clone(),
+        connection: job.connection.clone(),
+        resource: job.resource.clone(),
+        data_source_id: job
+            .data_source_id
+            .clone()
+            .or_else(|| profile.profile.data_source.clone()),
+        attached_documents: job.attached_documents.clone(),
+        provider_confidence: job.provider_confidence,
+        deadline_ms: Some(deadline_ms),
+        traceparent: job.traceparent.clone(),
+    }
+}
+
+/// The profile's system prompt (or [`DEFAULT_SYSTEM_PROMPT`]),
+/// then the job's messages as they came.
+pub fn conversation(job: &ChatJob, profile: &ResolvedProfile) -> Vec<Message> {
+    let mut messages = Vec::with_capacity(job.messages.len() + 2);
+    messages.push(Message::System {
+        content: profile
+            .profile
+            .system_prompt
+            .clone()
+            .unwrap_or_else(|| DEFAULT_SYSTEM_PROMPT.to_string()),
+    });
+    messages.extend(job.messages.iter().map(|m| match m.role {
+        ChatRole::System => Message::System {
+            content: m.content.clone(),
+        },
+        ChatRole::User => Message::User {
+            content: m.content.clone(),
+        },
+        ChatRole::Assistant => Message::Assistant {
+            content: Some(m.content.clone()),
+            tool_calls: Vec::new(),
+            opaque: Vec::new(),
+        },
+    }));
+    messages
+}
+
+/// The invocation's route: the job's own sink, else its profile's, else
+/// none. A job's sink that is refused is an `invalid_sink` failure.
+pub fn route_for(fleet: &Fleet, inv: &Invocation) -> Result<Option<Route>, Failure> {
+    // A job an agent tool started answers its caller, not a sink: its
+    // events reach the caller's route as the caller's tool result.
+    if inv.agent_depth > 0 {
+        return Ok(None);
+    }
+    let config = fleet.config();
+    sinks::resolve(
+        &config.sinks,
+        &config.subjects,
+        &config.profiles.sinks,
+        inv.job.sink.as_ref(),
+        inv.profile.profile.sink.as_deref(),
+        inv.job.tenant(),
+    )
+    .map_err(|(kind, failure)| {
+        if let Some(kind) = kind {
+            fleet
+                .metrics
+                .sinks
+                .deliveries
+                .with_label_values(&[kind, "refused"])
+                .inc();
+        }
+        failure
+    })
+}

@@ -1,0 +1,238 @@
+//! Claims and leases: one invocation id runs once, by one live run.
+//!
+//! A delivery first **claims** the invocation for its message (its stream
+//! sequence): a second message with the same id — a resubmission under a
+//! new `Nats-Msg-Id`, a forgery — is refused, while a redelivery of the
+//! claiming message (an orchestrator died) continues, and a finished
+//! run's redelivery is answered from its stored terminal event. A delivery
+//! that may run then takes the run **lease**, renewed beside the run
+//! ([`keep_lease`]): a redelivery while the earlier run is alive (renewing
+//! its lease, its acks cut off) waits instead of running twice. A job is
+//! acked only after its terminal event, with a confirmed ack ([`ack`]).
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind};
+use toolfleet_store::Lease;
+use tracing::warn;
+
+use crate::Fleet;
+use crate::invocation::CancelCheck;
+
+/// How long a run's lease on its invocation lasts unless renewed: shorter
+/// than the ack wait, so a crashed orchestrator's lease has lapsed by the
+/// time its job is delivered again.
+pub(super) const LEASE_TTL: Duration = Duration::from_secs(8);
+/// How often a running invocation renews its lease.
+const LEASE_RENEW_EVERY: Duration = Duration::from_secs(2);
+
+/// What the stream says about one delivery.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Delivery {
+    /// 1 for the first delivery.
+    pub(super) attempt: u32,
+    pub(super) stream_sequence: u64,
+    /// When the client published the job (Unix ms), if known.
+    pub(super) published_ms: Option<u64>,
+}
+
+impl Delivery {
+    pub(super) fn of(msg: &jetstream::Message) -> Self {
+        match msg.info() {
+            Ok(i) => Self {
+                attempt: u32::try_from(i.delivered).unwrap_or(1),
+                stream_sequence: i.stream_sequence,
+                published_ms: u64::try_from(i.published.unix_timestamp_nanos() / 1_000_000).ok(),
+            },
+            Err(_) => Self {
+                attempt: 1,
+                stream_sequence: 0,
+                published_ms: None,
+            },
+        }
+    }
+}
+
+/// Whether a delivery may speak for its invocation.
+pub(super) enum Claimed {
+    /// This message claimed the invocation (now or on an earlier delivery).
+    Ours,
+    /// This message's run already ended; only its ack was lost.
+    Finished,
+    /// Another message holds it: named by its stream sequence.
+    Other(String),
+    /// This message holds it, but another delivery's run is still alive
+    /// (its lease has this long left).
+    Held(Duration),
+    /// The store could not say.
+    Unknown(String),
+}
+
+/// Claims the invocation for this message (its stream sequence), so that
+/// one invocation id runs once however often it is submitted: a second
+/// message with the same id — a resubmission under a new `Nats-Msg-Id`,
+/// a forgery — is refused, while a redelivery of the claiming message
+/// (an orchestrator died) continues.
+///
+/// A delivery that may run then takes the run lease for `holder`: a
+/// redelivery while the earlier run is alive (renewing its lease, its acks
+/// cut off) is [`Claimed::Held`], not a second run.
+pub(super) async fn claim(
+    fleet: &Fleet,
+    invocation_id: &str,
+    delivery: Delivery,
+    holder: &str,
+) -> Claimed {
+    claim_as(fleet, invocation_id, &owner(delivery), holder).await
+}
+
+/// [`claim`] under the claim owner `owner`.
+pub(super) async fn claim_as(
+    fleet: &Fleet,
+    invocation_id: &str,
+    owner: &str,
+    holder: &str,
+) -> Claimed {
+    match fleet.store.claim(invocation_id, owner).await {
+        Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => {
+            match fleet.store.lease(invocation_id, holder, LEASE_TTL).await {
+                Ok(Lease::Held) => Claimed::Ours,
+                Ok(Lease::Busy { left, .. }) => Claimed::Held(left),
+                Err(e) => Claimed::Unknown(e.to_string()),
+            }
+        }
+        Ok(toolfleet_store::Claim::Finished) => Claimed::Finished,
+        Ok(toolfleet_store::Claim::Other(owner)) => Claimed::Other(owner),
+        Err(e) => Claimed::Unknown(e.to_string()),
+    }
+}
+
+/// The claim owner of a delivery: its message's stream sequence.
+pub(super) fn owner(delivery: Delivery) -> String {
+    format!("chat-seq-{}", delivery.stream_sequence)
+}
+
+/// Claims invocation `id` for `owner` and `holder`, keeping `msg` alive
+/// meanwhile: a store that cannot answer is tried again for
+/// [`CLAIM_PATIENCE`], a live run elsewhere until `held_until` (Unix ms).
+/// Retried here rather than by redelivery, which would spend the
+/// message's deliveries while Redis is away, or while the run that holds
+/// the lease — alive, but cut off from NATS — still runs.
+pub(super) async fn claim_patiently(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    id: &str,
+    owner: &str,
+    holder: &str,
+    held_until: u64,
+) -> Claimed {
+    let _alive = fleet.heartbeat.hold(msg);
+    let mut claimed = claim_as(fleet, id, owner, holder).await;
+    let until = Instant::now() + CLAIM_PATIENCE;
+    while match claimed {
+        Claimed::Unknown(_) => Instant::now() < until,
+        Claimed::Held(_) => toolfleet_protocol::now_ms() < held_until,
+        _ => false,
+    } {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        claimed = claim_as(fleet, id, owner, holder).await;
+    }
+    claimed
+}
+
+/// Gives `msg` back to be delivered again when its invocation could not be
+/// claimed. A store that cannot answer: not run unclaimed (a duplicate
+/// could run twice), not lost — it comes back when the store may answer.
+/// A run alive elsewhere past its patience (renewing its lease, its acks
+/// not reaching NATS): not a second run — it comes back, and is answered
+/// from the finished run or run once the lease lapses.
+pub(super) async fn give_back(msg: &jetstream::Message, id: &str, claimed: Claimed) {
+    let delay = match claimed {
+        Claimed::Unknown(e) => {
+            warn!(invocation_id = %id, error = %e, "cannot claim the invocation (the store is unavailable); its message will be delivered again");
+            CLAIM_RETRY_DELAY
+        }
+        Claimed::Held(left) => {
+            warn!(invocation_id = %id, lease_left = ?left, "another orchestrator's run of this invocation is still alive; its message will be delivered again");
+            left.max(CLAIM_RETRY_DELAY)
+        }
+        _ => return,
+    };
+    let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+}
+
+/// How long a job waits before it is delivered again when its invocation
+/// cannot be claimed (the store did not answer within its retry budget).
+pub(super) const CLAIM_RETRY_DELAY: Duration = Duration::from_secs(5);
+
+/// How long a delivery keeps trying to claim its invocation (sending
+/// in-progress acks) before it gives the job back.
+const CLAIM_PATIENCE: Duration = Duration::from_secs(30);
+
+/// Why [`keep_lease`] stopped a run.
+pub(super) enum LeaseEnd {
+    /// Another run holds the lease: this one stops without a word.
+    TakenOver,
+    /// The invocation's cancel tombstone is there: a cancel this
+    /// orchestrator did not hear (it was disconnected when it was
+    /// published; another orchestrator remembered it).
+    Cancelled,
+}
+
+/// Renews the run's lease for as long as it is polled (beside the run);
+/// returns when another run holds it, or when the invocation's tenant
+/// cancelled it (read in the same round trip). A store that cannot answer
+/// does not stop the run: if only this orchestrator lost Redis, the lease
+/// lapses after its TTL and a redelivery may take it over — the check
+/// before the terminal event then stops this run from speaking.
+pub(super) async fn keep_lease(
+    fleet: &Fleet,
+    id: &str,
+    tenant: &str,
+    holder: &str,
+    check: &CancelCheck,
+) -> LeaseEnd {
+    loop {
+        tokio::time::sleep(LEASE_RENEW_EVERY).await;
+        // Boxed: this future lives beside the whole run, and the store
+        // call (a few hundred bytes of state) is only briefly alive.
+        match Box::pin(fleet.store.renew_lease(id, holder, tenant, LEASE_TTL)).await {
+            Ok((Lease::Held, false)) => check.passed(),
+            Ok((Lease::Held, true)) => {
+                warn!(invocation_id = %id, "the invocation was cancelled (its tombstone is in the store; this orchestrator missed the cancel message); it stops");
+                return LeaseEnd::Cancelled;
+            }
+            Ok((Lease::Busy { .. }, _)) => {
+                warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");
+                return LeaseEnd::TakenOver;
+            }
+            Err(e) => {
+                warn!(invocation_id = %id, error = %e, "cannot renew the run's lease; running on");
+            }
+        }
+    }
+}
+
+/// How often a confirmed ack is tried.
+const ACK_TRIES: u32 = 5;
+
+/// Acks a finished job and waits for the server to confirm it, trying again
+/// across a reconnection (a NATS node that died with the first ack). A
+/// job whose ack never lands is delivered again and answered from its
+/// finished claim.
+pub(super) async fn ack(msg: &jetstream::Message) {
+    for attempt in 1..=ACK_TRIES {
+        match msg.double_ack().await {
+            Ok(()) => return,
+            Err(e) if attempt == ACK_TRIES => {
+                warn!(error = %e, "the job's ack was not confirmed; it will be delivered again and not rerun");
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(200 * u64::from(attempt))).await,
+        }
+    }
+}
+
+/// A fresh lease holder: one delivery's run, should it get the lease.
+pub(super) fn new_holder() -> String {
+    uuid::Uuid::new_v4().simple().to_string()
+}

@@ -1,0 +1,214 @@
+//! The frame every invocation runs in, the same for every orchestrator
+//! so a custom one plugs in without touching the loop and cannot forget
+//! the contract:
+//!
+//! 1. the context stage ([`context`]) opens the [`Invocation`] and runs
+//!    its handlers (`started` and preemptive retrieval among them);
+//! 2. the profile's [`Orchestrator`](crate::Orchestrator) runs, publishing
+//!    what it does through [`Events`];
+//! 3. on an [`Answer`](crate::Answer): the references not published yet,
+//!    then `completed` with the answer and only the references it cites,
+//!    renumbered 1..k (text and list alike) with their links, and the
+//!    usage ledger. On a park, the record to keep. On a [`Failure`], the
+//!    run publishes the `error` event.
+//!
+//! A parked invocation whose held calls are all decided goes through
+//! [`resume`]: rebuilt from its record, its decisions announced, then its
+//! orchestrator's `resume`.
+
+use toolfleet_protocol::approval::ApprovalOutcome;
+use toolfleet_protocol::{ChatEventBody, ChatJob};
+
+use super::Plugins;
+use crate::approvals::{CallState, Parked, Resumed};
+use crate::context;
+use crate::invocation::CancelCheck;
+use crate::rounds::Ending;
+use crate::{Events, Failure, Fleet, Invocation};
+
+/// How the frame ends a run that did not fail.
+#[derive(Debug)]
+pub(crate) enum Finished {
+    /// The `completed` event, for the caller to send once it knows the
+    /// run still speaks for the invocation.
+    Completed(ChatEventBody),
+    /// The invocation waits for approvals: the record to keep.
+    Parked(Box<Parked>),
+}
+
+/// Runs `job` through the frame: the context stage, then the profile's
+/// orchestrator.
+pub(crate) async fn invoke(
+    fleet: &Fleet,
+    plugins: &Plugins,
+    job: ChatJob,
+    deadline_ms: u64,
+    agent_depth: u32,
+    events: &Events,
+    cancel_check: &CancelCheck,
+) -> Result<Finished, Failure> {
+    let mut inv = context::open(fleet, job, deadline_ms, agent_depth, &plugins.names())?;
+    inv.cancel_check = cancel_check.clone();
+    let orchestrator = plugins.orchestrator_of(&inv)?;
+    plugins.context.run(&mut inv, fleet, events).await?;
+    let ending = orchestrator.run(&mut inv, fleet, events).await?;
+    finish(fleet, inv, ending, events)
+}
+
+/// The end of the frame: an answer becomes `completed`, a park the record
+/// to keep.
+pub(crate) fn finish(
+    fleet: &Fleet,
+    mut inv: Invocation,
+    ending: Ending,
+    events: &Events,
+) -> Result<Finished, Failure> {
+    let answer = match ending {
+        Ending::Answered(answer) => answer,
+        Ending::Parked(park) => {
+            fleet.publish_references(&mut inv, &[], events)?;
+            return Ok(Finished::Parked(Box::new(Parked::of(inv, park))));
+        }
+    };
+    fleet.publish_references(&mut inv, &[], events)?;
+    // Only what the answer cites, renumbered 1..k, with links.
+    let cited = toolfleet_protocol::references::cited_only(&answer.text, &inv.citations.all());
+    let links = &fleet.config().profiles.links;
+    Ok(Finished::Completed(ChatEventBody::Completed {
+        text: cited.text,
+        references: crate::links::resolve_all(cited.references, links),
+        usage: inv.usage.total(),
+        cost_usd: inv.usage.cost(),
+        llm_calls: inv.usage.into_calls(),
+        rounds: answer.rounds,
+    }))
+}
+
+/// Runs a parked invocation whose held calls are all decided: rebuilt
+/// from its record, its decisions announced (`approval_resolved`, metrics);
+/// a timeout or cancel ends it, otherwise its orchestrator goes on.
+pub(crate) async fn resume(
+    fleet: &Fleet,
+    plugins: &Plugins,
+    parked: Parked,
+    deadline_ms: u64,
+    events: &Events,
+    cancel_check: &CancelCheck,
+) -> Result<Finished, Failure> {
+    // Rebuilt first, so the invocation's sinks hear the decisions and the
+    // end too; an invocation that only ends needs no rebuilding to.
+    let rebuilt = rebuild(fleet, plugins, &parked, deadline_ms);
+    if let Ok((inv, _)) = &rebuilt
+        && let Ok(Some(route)) = context::route_for(fleet, inv)
+    {
+        events.route(route);
+    }
+    let mut timed_out = false;
+    for call in &parked.calls {
+        if let CallState::Decided {
+            outcome,
+            reason,
+            approver,
+            at_ms,
+            ..
+        } = &call.state
+        {
+            let waited_ms = at_ms.saturating_sub(parked.parked_at_ms);
+            timed_out |= *outcome == ApprovalOutcome::Timeout;
+            events.send(ChatEventBody::ApprovalResolved {
+                call_id: call.call.id.clone(),
+                tool: call.tool.clone(),
+                decision: *outcome,
+                reason: reason.clone(),
+                approver: approver.clone(),
+                waited_ms,
+            });
+        }
+    }
+    if parked.cancelled {
+        return Err(Failure::new(
+            "cancelled",
+            "the invocation was cancelled while it waited for approval",
+        ));
+    }
+    if timed_out {
+        let waiting: Vec<&str> = parked
+            .calls
+            .iter()
+            .filter(|c| {
+                matches!(
+                    c.state,
+                    CallState::Decided {
+                        outcome: ApprovalOutcome::Timeout,
+                        ..
+                    }
+                )
+            })
+            .map(|c| c.tool.as_str())
+            .collect();
+        return Err(Failure::new(
+            "approval_timeout",
+            format!(
+                "no approval arrived within {} s for {}",
+                parked.expires_at_ms.saturating_sub(parked.parked_at_ms) / 1000,
+                waiting.join(", ")
+            ),
+        ));
+    }
+    let (mut inv, resumed) = rebuilt?;
+    inv.cancel_check = cancel_check.clone();
+    let orchestrator = plugins.orchestrator_of(&inv)?;
+    let ending = orchestrator
+        .resume(&mut inv, resumed, fleet, events)
+        .await?;
+    finish(fleet, inv, ending, events)
+}
+
+/// The invocation of a parked record: the job's profile and gates
+/// resolved again (on the deployment it was on), the conversation, offered
+/// tools, usage and citations as they were.
+fn rebuild(
+    fleet: &Fleet,
+    plugins: &Plugins,
+    parked: &Parked,
+    deadline_ms: u64,
+) -> Result<(Invocation, Resumed), Failure> {
+    let names = plugins.names();
+    let mut inv = context::reopen(
+        fleet,
+        parked.job.clone(),
+        deadline_ms,
+        parked.agent_depth,
+        &names,
+    )?;
+    while inv.profile.deployment_name != parked.deployment {
+        match inv.profile.next_deployment("parked on a later deployment") {
+            Some(next) => inv.profile = next,
+            None => break,
+        }
+    }
+    if inv.profile.deployment_name != parked.deployment {
+        inv = context::reopen(fleet, inv.job, deadline_ms, parked.agent_depth, &names)?;
+    }
+    inv.messages = parked.messages.clone();
+    inv.tools = parked
+        .offered
+        .iter()
+        .filter_map(|id| {
+            inv.scope
+                .permitted
+                .tools
+                .iter()
+                .find(|t| &t.definition.id.to_string() == id)
+                .cloned()
+        })
+        .collect();
+    inv.usage = parked.usage.clone();
+    inv.citations = parked.citations.clone();
+    let resumed = Resumed {
+        model_call_ids: parked.model_call_ids.clone(),
+        calls: parked.calls.clone(),
+        state: parked.state.clone(),
+    };
+    Ok((inv, resumed))
+}

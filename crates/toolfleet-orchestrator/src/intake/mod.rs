@@ -1,0 +1,373 @@
+//! Intake, the first stage: a chat job from the stream to its ack.
+//!
+//! [`handle`] takes one delivery through its steps: decode (size against
+//! the smaller of the contract's and the server's limit, then schema), the
+//! claim ([`claim`]), the typed checks ([`reject::check`]) — any refusal
+//! goes down one path, [`reject::reject`]: an `error` event when the
+//! message may speak for the invocation, a dead letter, `term` —, the
+//! trace, then the run ([`run`]): the frame ([`frame`]) under the
+//! invocation's deadline (counted from the stream's publish time, since the
+//! client's clock starts at submission), its cancel token and its lease,
+//! with in-progress acks so a long invocation is not redelivered to
+//! another orchestrator. Whatever happens, the invocation ends in exactly
+//! one terminal event, and the job is acked only after it is published.
+//!
+//! Decisions on parked invocations come in the same way
+//! ([`decisions`]): the one that decides a turn's last held call resumes
+//! the invocation as a run. The durable consumers every orchestrator
+//! shares and the listener that cancels invocations ([`cancels`]) live
+//! here too. [`Plugins`] is what the frame runs that a deployment
+//! registers.
+
+mod cancels;
+mod claim;
+mod decisions;
+mod frame;
+mod reject;
+mod run;
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, AckKind, consumer::pull};
+use toolfleet_llm::profiles::DEFAULT_ORCHESTRATOR;
+use toolfleet_protocol::{ChatJob, Envelope, Subjects};
+use toolfleet_service::telemetry;
+use tracing::{Instrument, info, warn};
+
+use crate::context::ContextHandlers;
+use crate::tools::agents::depth_of;
+use crate::{Agentic, Failure, Fleet, Invocation, Orchestrator, OrchestratorError};
+use claim::{Claimed, Delivery, claim_patiently, give_back, new_holder, owner};
+use reject::{Refusal, Refused};
+use run::{Leg, Taken};
+
+pub(crate) use cancels::listen_for_cancels;
+pub(crate) use decisions::handle_decision;
+pub(crate) use reject::poison;
+
+/// Ack wait of the chat and decisions consumers: how long the jobs of an
+/// orchestrator that died (crash, SIGKILL, lost host) wait before another
+/// takes them. Short, because running jobs prove they are alive with
+/// in-progress acks (a heartbeat, as Temporal's activity heartbeat
+/// timeout) at a third of it.
+pub(crate) const CHAT_ACK_WAIT: Duration = Duration::from_secs(10);
+/// How often a held job's in-progress ack is sent.
+pub(crate) const CHAT_PROGRESS_EVERY: Duration = Duration::from_secs(3);
+
+/// Deliveries of one chat job that are run (an orchestrator that dies
+/// mid-way gets the job redelivered); the next one ends it with an error
+/// event and a dead letter.
+pub const MAX_CHAT_ATTEMPTS: u32 = 3;
+
+/// What a deployment registers and the frame runs: orchestrators by the
+/// name a profile gives ([`Agentic`] as `agentic` by default), and the
+/// context stage's handlers.
+#[derive(Clone)]
+pub struct Plugins {
+    orchestrators: BTreeMap<String, Arc<dyn Orchestrator>>,
+    pub(crate) context: ContextHandlers,
+}
+
+impl Default for Plugins {
+    fn default() -> Self {
+        let mut plugins = Self {
+            orchestrators: BTreeMap::new(),
+            context: ContextHandlers::default(),
+        };
+        plugins.register_orchestrator(DEFAULT_ORCHESTRATOR, Agentic);
+        plugins
+    }
+}
+
+impl Plugins {
+    /// Registers `orchestrator` under `name` (replacing one of that name).
+    pub(crate) fn register_orchestrator(
+        &mut self,
+        name: impl Into<String>,
+        orchestrator: impl Orchestrator,
+    ) {
+        self.orchestrators
+            .insert(name.into(), Arc::new(orchestrator));
+    }
+
+    /// The registered orchestrator names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.orchestrators.keys().map(String::as_str).collect()
+    }
+
+    /// The orchestrator registered under `name`.
+    pub fn orchestrator(&self, name: &str) -> Option<Arc<dyn Orchestrator>> {
+        self.orchestrators.get(name).cloned()
+    }
+
+    /// The orchestrator the invocation's profile names.
+    pub(crate) fn orchestrator_of(
+        &self,
+        inv: &Invocation,
+    ) -> Result<Arc<dyn Orchestrator>, Failure> {
+        self.orchestrator(&inv.profile.orchestrator).ok_or_else(|| {
+            Failure::new(
+                "internal_error",
+                format!(
+                    "no orchestrator is registered as {:?}",
+                    inv.profile.orchestrator
+                ),
+            )
+        })
+    }
+}
+
+/// Handles one delivery of a chat job (see the module docs).
+pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message) {
+    let started = Instant::now();
+    let delivery = Delivery::of(&msg);
+    // This delivery's run, should it get the invocation's lease.
+    let holder = new_holder();
+    // The tenant is the submit subject's: whoever may publish there may act
+    // as that tenant, and nobody else. A job the stream kept from before
+    // subjects named a tenant runs as the one it names.
+    let subject_tenant = fleet
+        .config
+        .subjects
+        .submit_tenant(msg.subject.as_str())
+        .map(str::to_string);
+    let limit = fleet.limits().job_body();
+    let mut job: ChatJob = match Envelope::ChatJob.decode_within(&msg.payload, limit) {
+        Ok(job) => job,
+        Err(e) => return reject::malformed(fleet, &msg, delivery, subject_tenant, e).await,
+    };
+    let tenant = subject_tenant.unwrap_or_else(|| job.tenant().to_string());
+    match claimed(fleet, &msg, &job, &tenant, delivery, &holder).await {
+        ControlFlow::Continue(()) => {}
+        ControlFlow::Break(None) => return,
+        ControlFlow::Break(Some(refusal)) => {
+            let refused = Refused {
+                invocation_id: Some(job.invocation_id),
+                tenant,
+                tell_sender: false,
+                refusal,
+            };
+            return reject::reject(fleet, &msg, delivery, refused).await;
+        }
+    }
+    if let Err(refusal) = reject::check(fleet, job.tenant.as_deref(), &tenant, delivery) {
+        let refused = Refused {
+            invocation_id: Some(job.invocation_id),
+            tenant,
+            tell_sender: true,
+            refusal,
+        };
+        return reject::reject(fleet, &msg, delivery, refused).await;
+    }
+    job.tenant = Some(tenant.clone());
+    let span = trace(&msg, &mut job, &tenant, delivery);
+    let leg = Leg::Fresh {
+        agent_depth: depth_of(msg.headers.as_ref()),
+        job: Box::new(job),
+    };
+    let taken = Taken {
+        msg,
+        delivery,
+        holder,
+        started,
+    };
+    run::run(fleet, plugins, taken, leg).instrument(span).await
+}
+
+/// Claims the job's invocation and settles what the claim says: go on
+/// (`Continue`), done here (`Break(None)`: answered from a finished or
+/// parked run, or given back), or refused (`Break(Some)`: another job's).
+///
+/// Claimed before anything else: a finished run's redelivery is answered
+/// whatever its delivery count. The claim is retried with in-progress
+/// acks rather than by redelivery (which would spend the job's deliveries
+/// while Redis is away, or while the run that holds the lease — alive, but
+/// cut off from NATS — still runs). A live run elsewhere is waited for as
+/// long as it renews its lease, up to the invocation's deadline (that run
+/// ends by then) — giving the job back sooner would spend its deliveries,
+/// and after the last one nobody would answer it.
+async fn claimed(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    job: &ChatJob,
+    tenant: &str,
+    delivery: Delivery,
+    holder: &str,
+) -> ControlFlow<Option<Refusal>> {
+    let id = &job.invocation_id;
+    let (deadline, _) =
+        run::invocation_deadline(fleet, job, delivery, toolfleet_protocol::now_ms());
+    let held_until = deadline + claim::LEASE_TTL.as_millis() as u64;
+    match claim_patiently(fleet, msg, id, &owner(delivery), holder, held_until).await {
+        // Parked by an earlier delivery of this job, whose ack was lost
+        // (or that died before it): the invocation lives in its record
+        // now. Its requests are said again; nothing reruns.
+        Claimed::Ours if delivery.attempt > 1 => match fleet.parked(id).await {
+            Ok(Some((parked, _))) if parked.owner == owner(delivery) => {
+                parked.announce_again(fleet).await;
+                let _ = fleet.store.release_lease(id, holder).await;
+                claim::ack(msg).await;
+                ControlFlow::Break(None)
+            }
+            Ok(_) => ControlFlow::Continue(()),
+            Err(e) => {
+                warn!(invocation_id = %id, error = %e, "cannot tell whether the invocation is parked; the job will be delivered again");
+                let _ = fleet.store.release_lease(id, holder).await;
+                let _ = msg
+                    .ack_with(AckKind::Nak(Some(claim::CLAIM_RETRY_DELAY)))
+                    .await;
+                ControlFlow::Break(None)
+            }
+        },
+        Claimed::Ours => ControlFlow::Continue(()),
+        Claimed::Finished => {
+            // Ended before; the ack was lost (an orchestrator or NATS node
+            // died in between), and the terminal event may have been lost
+            // with it: publish it again, verbatim, ack, run nothing.
+            match fleet.store.terminal_event(id).await {
+                Ok(Some(event)) => {
+                    let subject = fleet.config.subjects.chat_events(tenant, id);
+                    let _ = fleet.client.publish(subject, event.into()).await;
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(invocation_id = %id, error = %e, "cannot read the finished run's terminal event");
+                }
+            }
+            claim::ack(msg).await;
+            ControlFlow::Break(None)
+        }
+        Claimed::Other(owner) => ControlFlow::Break(Some(Refusal::Duplicate {
+            id: id.clone(),
+            owner,
+        })),
+        unclaimed @ (Claimed::Unknown(_) | Claimed::Held(_)) => {
+            give_back(msg, id, unclaimed).await;
+            ControlFlow::Break(None)
+        }
+    }
+}
+
+/// The run's span: the trace goes on from the submitter's `traceparent`
+/// (its header, else the job's field), or starts here; the job carries
+/// the run's own from then on.
+fn trace(
+    msg: &jetstream::Message,
+    job: &mut ChatJob,
+    tenant: &str,
+    delivery: Delivery,
+) -> tracing::Span {
+    let incoming = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(toolfleet_protocol::headers::TRACEPARENT))
+        .map(|v| v.as_str().to_string())
+        .filter(|tp| telemetry::is_traceparent(tp))
+        .or_else(|| job.traceparent.take());
+    let span = run::chat_job_span(&job.invocation_id, tenant, delivery.attempt);
+    telemetry::set_parent(&span, incoming.as_deref());
+    let traceparent = telemetry::traceparent(&span, incoming.as_deref())
+        .unwrap_or_else(telemetry::new_traceparent);
+    if let Some(id) = telemetry::trace_id(&traceparent) {
+        span.record("trace_id", id);
+    }
+    job.traceparent = Some(traceparent);
+    span
+}
+
+/// The streams, and the durable chat consumer every orchestrator shares.
+pub(crate) async fn chat_consumer(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<jetstream::consumer::Consumer<pull::Config>, OrchestratorError> {
+    let stream = toolfleet_protocol::streams::ensure_chat_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_tools_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_events_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_history_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    toolfleet_protocol::streams::ensure_dead_letters_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    let config = pull::Config {
+        durable_name: Some(subjects.chat_consumer()),
+        // The stream holds chat jobs only (`<p>.chat.submit.<tenant>`): no
+        // filter, so a stream moved from the untenanted subject still
+        // delivers the jobs it held.
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: CHAT_ACK_WAIT,
+        // One more than we run, so the delivery after the last
+        // attempt can still end the invocation visibly.
+        max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    };
+    let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
+        .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+    // A consumer made by an earlier release keeps its longer ack wait:
+    // bring it to this one's (an editable setting).
+    let info = consumer
+        .info()
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+    // One made before submit subjects named a tenant filters on the old
+    // subject, and the filter of a consumer cannot be edited: make it
+    // again (the jobs stay in the work queue meanwhile).
+    if !info.config.filter_subject.is_empty() {
+        stream
+            .delete_consumer(&subjects.chat_consumer())
+            .await
+            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+        consumer = stream
+            .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
+            .await
+            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
+        info!("chat consumer made again without the old subject filter");
+    } else if info.config.ack_wait != CHAT_ACK_WAIT {
+        match stream.create_consumer(config).await {
+            Ok(updated) => consumer = updated,
+            Err(e) => warn!(error = %e, ack_wait = ?info.config.ack_wait,
+                "cannot shorten the chat consumer's ack wait; a crashed orchestrator's jobs wait that long"),
+        }
+    }
+    Ok(consumer)
+}
+
+/// The durable consumer of the decisions stream every orchestrator
+/// shares.
+pub(crate) async fn decisions_consumer(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<jetstream::consumer::PullConsumer, OrchestratorError> {
+    let stream = toolfleet_protocol::streams::ensure_decisions_stream(js, subjects)
+        .await
+        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+    stream
+        .get_or_create_consumer(
+            &subjects.chat_consumer(),
+            pull::Config {
+                durable_name: Some(subjects.chat_consumer()),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: CHAT_ACK_WAIT,
+                // A decision is never given up by the server (it would
+                // leave its invocation parked for good): the resumed run
+                // counts its own attempts.
+                max_deliver: -1,
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("decisions consumer: {e}")))
+}

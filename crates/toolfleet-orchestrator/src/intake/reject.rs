@@ -1,0 +1,265 @@
+//! Jobs that do not run. Every reason is a [`Refusal`]; one path
+//! ([`reject`]) counts it, logs it, ends the invocation with an `error`
+//! event when the message may speak for it, dead-letters the job and
+//! terminates it. A job whose headers the NATS client cannot read
+//! ([`poison`]) was already removed from the stream by the pull loop's
+//! sweep: it gets the event and the dead letter.
+
+use std::sync::Arc;
+
+use async_nats::jetstream::{self, AckKind};
+use toolfleet_protocol::{
+    ChatEventBody, DEFAULT_TENANT, DeadLetter, DeadLetterKind, ProtocolError, dead_letter_headers,
+    salvage_invocation_id,
+};
+use tracing::warn;
+
+use super::MAX_CHAT_ATTEMPTS;
+use super::claim::{Claimed, Delivery, claim, new_holder};
+use crate::{Events, Fleet};
+
+/// Why a chat job is not run.
+pub(super) enum Refusal {
+    /// It cannot be decoded (size, JSON, schema).
+    Malformed(ProtocolError),
+    /// Another message holds the invocation's claim (named by its owner).
+    Duplicate { id: String, owner: String },
+    /// The job names another tenant than its submit subject's.
+    TenantMismatch {
+        named: String,
+        tenant: String,
+        resubmit_to: String,
+    },
+    /// Delivered more often than it may run.
+    TooManyAttempts { attempt: u32 },
+}
+
+impl Refusal {
+    /// The `chat_jobs_total` outcome it counts as.
+    fn outcome(&self) -> &'static str {
+        match self {
+            Refusal::Malformed(_) | Refusal::TenantMismatch { .. } => "malformed",
+            Refusal::Duplicate { .. } => "duplicate",
+            Refusal::TooManyAttempts { .. } => "error",
+        }
+    }
+
+    /// The `error` event's code.
+    fn event_code(&self) -> &'static str {
+        match self {
+            Refusal::Malformed(_) => "malformed_job",
+            Refusal::Duplicate { .. } => "duplicate_invocation",
+            Refusal::TenantMismatch { .. } => "tenant_mismatch",
+            Refusal::TooManyAttempts { .. } => "too_many_attempts",
+        }
+    }
+
+    /// The dead letter's code: the decoding error's own for a malformed
+    /// job, else the event's.
+    fn code(&self) -> &'static str {
+        match self {
+            Refusal::Malformed(e) => e.code(),
+            _ => self.event_code(),
+        }
+    }
+
+    /// For people.
+    fn message(&self) -> String {
+        match self {
+            Refusal::Malformed(e) => e.to_string(),
+            Refusal::Duplicate { id, owner } => format!(
+                "invocation {id} already belongs to another chat job ({owner}); this one is not run"
+            ),
+            Refusal::TenantMismatch {
+                named,
+                tenant,
+                resubmit_to,
+            } => format!(
+                "the job names tenant {named:?} but was submitted as tenant {tenant:?} (its submit subject); \
+                 submit it to {resubmit_to} under a new invocation id (this one is spent)"
+            ),
+            Refusal::TooManyAttempts { attempt } => format!(
+                "the job was delivered {attempt} times without finishing (an orchestrator stopped while running it each time)"
+            ),
+        }
+    }
+}
+
+/// The checks a claimed, decoded job passes before it runs, in order.
+pub(super) fn check(
+    fleet: &Fleet,
+    named: Option<&str>,
+    tenant: &str,
+    delivery: Delivery,
+) -> Result<(), Refusal> {
+    if let Some(named) = named.filter(|named| *named != tenant) {
+        return Err(Refusal::TenantMismatch {
+            named: named.to_string(),
+            tenant: tenant.to_string(),
+            resubmit_to: fleet.config.subjects.chat_submit(named),
+        });
+    }
+    if delivery.attempt > MAX_CHAT_ATTEMPTS {
+        return Err(Refusal::TooManyAttempts {
+            attempt: delivery.attempt,
+        });
+    }
+    Ok(())
+}
+
+/// Whose job was refused, and whether the sender hears it.
+pub(super) struct Refused {
+    pub(super) invocation_id: Option<String>,
+    /// The tenant whose events subject hears the `error` event.
+    pub(super) tenant: String,
+    /// Whether the sender gets an `error` event: only when this message
+    /// holds the invocation's claim (an event on another job's invocation
+    /// would be a second terminal event there).
+    pub(super) tell_sender: bool,
+    pub(super) refusal: Refusal,
+}
+
+/// Ends a chat job that will not run (see the module docs).
+pub(super) async fn reject(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    delivery: Delivery,
+    refused: Refused,
+) {
+    let refusal = &refused.refusal;
+    fleet
+        .metrics
+        .chat_jobs
+        .with_label_values(&[refusal.outcome()])
+        .inc();
+    let error = refusal.message();
+    warn!(invocation_id = ?refused.invocation_id, code = refusal.code(), "chat job not run: {error}");
+    if let Some(id) = refused
+        .invocation_id
+        .as_ref()
+        .filter(|_| refused.tell_sender)
+    {
+        tell(fleet, &refused.tenant, id, refusal.event_code(), &error).await;
+    }
+    let dead = DeadLetter {
+        kind: DeadLetterKind::Chat,
+        stream: fleet.config.subjects.chat_stream(),
+        stream_sequence: delivery.stream_sequence,
+        invocation_id: refused.invocation_id,
+        call_id: None,
+        tool_id: None,
+        attempts: delivery.attempt,
+        code: refusal.code().to_string(),
+        error,
+        headers: dead_letter_headers(msg.headers.as_ref()),
+        raw_headers: None,
+        job: toolfleet_protocol::dead_letter_job(&msg.payload),
+    };
+    publish(fleet, &dead).await;
+    let _ = msg.ack_with(AckKind::Term).await;
+}
+
+/// A job that cannot be decoded: the sender hears it when an invocation
+/// id can be read from it and this message may claim it.
+pub(super) async fn malformed(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    delivery: Delivery,
+    subject_tenant: Option<String>,
+    error: ProtocolError,
+) {
+    let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
+    let tell_sender = match &invocation_id {
+        Some(id) => matches!(
+            claim(fleet, id, delivery, &new_holder()).await,
+            Claimed::Ours
+        ),
+        None => false,
+    };
+    let refused = Refused {
+        invocation_id,
+        tenant: subject_tenant.unwrap_or_else(|| DEFAULT_TENANT.to_string()),
+        tell_sender,
+        refusal: Refusal::Malformed(error),
+    };
+    reject(fleet, msg, delivery, refused).await;
+}
+
+/// Ends a chat job whose headers the NATS client cannot read (found by the
+/// pull loop's sweep and already removed from the stream): an `error`
+/// event when an invocation id can be read from it and it may speak for
+/// that invocation, and a dead letter with the headers as stored.
+pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison::Poison) {
+    use toolfleet_protocol::headers::INVOCATION_ID;
+    let invocation_id = salvage_invocation_id(&poison.payload, None).or_else(|| {
+        poison
+            .header(INVOCATION_ID)
+            .filter(|id| toolfleet_protocol::valid_invocation_id(id))
+            .map(str::to_string)
+    });
+    let delivery = Delivery {
+        attempt: 1,
+        stream_sequence: poison.stream_sequence,
+        published_ms: None,
+    };
+    let error = format!(
+        "the job's headers cannot be read ({}); it was removed from the queue",
+        poison.reason
+    );
+    fleet
+        .metrics
+        .chat_jobs
+        .with_label_values(&["malformed"])
+        .inc();
+    if let Some(id) = &invocation_id
+        && matches!(
+            claim(&fleet, id, delivery, &new_holder()).await,
+            Claimed::Ours
+        )
+    {
+        let tenant = fleet
+            .config
+            .subjects
+            .submit_tenant(&poison.subject)
+            .unwrap_or(DEFAULT_TENANT);
+        tell(&fleet, tenant, id, "unreadable_headers", &error).await;
+    }
+    let dead = DeadLetter {
+        kind: DeadLetterKind::Chat,
+        stream: fleet.config.subjects.chat_stream(),
+        stream_sequence: poison.stream_sequence,
+        invocation_id,
+        call_id: None,
+        tool_id: None,
+        attempts: 1,
+        code: "unreadable_headers".into(),
+        error,
+        headers: Default::default(),
+        raw_headers: Some(poison.raw_headers),
+        job: None,
+    };
+    publish(&fleet, &dead).await;
+}
+
+/// The invocation's one terminal event: an `error` with `code`.
+async fn tell(fleet: &Fleet, tenant: &str, id: &str, code: &str, message: &str) {
+    let events = Events::start(fleet.client.clone(), &fleet.config.subjects, tenant, id);
+    events.finish(ChatEventBody::Error {
+        code: code.into(),
+        message: message.to_string(),
+    });
+    events.close().await;
+}
+
+async fn publish(fleet: &Fleet, dead: &DeadLetter) {
+    let published = toolfleet_service::dead_letters::publish(
+        &fleet.client,
+        &fleet.config.subjects,
+        &fleet.metrics.dead_letters,
+        dead,
+    )
+    .await;
+    if let Err(e) = published {
+        warn!(error = %e, "cannot publish a chat dead letter");
+    }
+}

@@ -1,0 +1,70 @@
+//! [`Settings`]: how this orchestrator process runs — the subjects, the
+//! profiles file, where keys are read, limits and timings. Read by every
+//! stage through [`Fleet::config`](crate::Fleet::config); built by
+//! [`OrchestratorConfig`](crate::OrchestratorConfig), which also holds what
+//! a deployment registers (orchestrators, context handlers).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use toolfleet_llm::profiles::{EnvSource, FleetConfig, ProcessEnv};
+use toolfleet_protocol::Subjects;
+
+use crate::sinks::SinkSettings;
+
+/// How the orchestrator runs. Model endpoints, prompts and loop policies
+/// come from the profiles ([`FleetConfig`]), resolved per chat job.
+#[derive(Clone)]
+pub struct Settings {
+    pub subjects: Subjects,
+    pub profiles: Arc<FleetConfig>,
+    /// Where API-key variables are read.
+    pub env: Arc<dyn EnvSource + Send + Sync>,
+    /// Chat jobs worked on at once by this process.
+    pub max_in_flight: usize,
+    /// Deadline of a chat job that names none.
+    pub default_timeout: Duration,
+    /// Added to a tool's own timeout while waiting for its result (queueing,
+    /// transport).
+    pub tool_wait_slack: Duration,
+    /// How often the live worker catalog is read.
+    pub catalog_refresh: Duration,
+    /// How long a catalog reading collects answers.
+    pub catalog_wait: Duration,
+    /// Recommended models per tool (`--tool-compat`), joined to the
+    /// registry on every rebuild.
+    pub compat: Option<Arc<toolfleet_protocol::registry::CompatFile>>,
+    /// Webhook and relay sinks: retries, SSRF exceptions, allowed relays.
+    pub sinks: SinkSettings,
+}
+
+impl Settings {
+    /// The defaults for `subjects` and `profiles`.
+    pub fn new(subjects: Subjects, profiles: FleetConfig) -> Self {
+        Self {
+            subjects,
+            profiles: Arc::new(profiles),
+            env: Arc::new(ProcessEnv),
+            max_in_flight: 32,
+            default_timeout: Duration::from_secs(120),
+            tool_wait_slack: Duration::from_secs(2),
+            catalog_refresh: Duration::from_secs(2),
+            catalog_wait: Duration::from_millis(250),
+            compat: None,
+            sinks: SinkSettings::default(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("subjects", &self.subjects)
+            .field(
+                "profiles",
+                &self.profiles.profiles.keys().collect::<Vec<_>>(),
+            )
+            .field("max_in_flight", &self.max_in_flight)
+            .finish_non_exhaustive()
+    }
+}

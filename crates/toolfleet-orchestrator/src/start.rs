@@ -1,0 +1,339 @@
+//! Start-up and drain: connect, open the streams and consumers, build the
+//! [`Fleet`], spawn the background tasks (catalog readings, pool signals,
+//! the sink relay, cancels, approval requests and timeouts), then pull
+//! decisions and chat jobs until shutdown, and let the invocations in
+//! flight finish.
+
+use std::sync::Arc;
+
+use async_nats::jetstream;
+use futures::FutureExt;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use toolfleet_service::jobs::{self, Reconnects, Sweeper};
+use toolfleet_store::CitationStore;
+use tracing::{info, warn};
+
+use crate::intake::{self, Plugins};
+use crate::metrics::OrchestratorMetrics;
+use crate::replies::Replies;
+use crate::tools::agents::AgentSource;
+use crate::{
+    Fleet, OrchestratorConfig, OrchestratorError, PayloadLimits, approvals, fleet, limits, pools,
+    sinks,
+};
+
+/// Connects to NATS and Redis as configured, registers the metrics on
+/// `rt`, and runs the orchestrator on `rt`'s tracker until its shutdown.
+/// Returns once the chat consumer is in place.
+pub async fn start(
+    nats: &toolfleet_service::args::NatsArgs,
+    redis: &toolfleet_service::args::RedisArgs,
+    config: OrchestratorConfig,
+    rt: toolfleet_service::Runtime,
+) -> anyhow::Result<()> {
+    use anyhow::Context;
+    let options = toolfleet_store::RedisOptions {
+        url: redis.url.clone(),
+        cluster: redis.cluster,
+        tls_ca: redis.tls_ca.clone(),
+        tls_cert: redis.tls_cert.clone(),
+        tls_key: redis.tls_key.clone(),
+        retry_budget: redis.retry_budget(),
+    };
+    let store = CitationStore::connect_with(&options, config.subjects.prefix(), redis.ttl())
+        .await
+        .with_context(|| format!("cannot connect to Redis at {}", redis.redacted_url()))?;
+    let client = nats.connect("toolfleet-orchestrator").await?;
+    let ping = toolfleet_service::health::ping(store.clone(), |s| async move { s.ping().await });
+    toolfleet_service::health::watch_connections(&rt, &client, Some(ping))?;
+    let dead_letters = toolfleet_service::metrics::dead_letters(&rt.metrics)?;
+    let metrics = OrchestratorMetrics::register(&rt.metrics, dead_letters)?;
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let shutdown = rt.shutdown.clone();
+    rt.tracker.spawn(async move {
+        if let Err(e) =
+            run_with_ready(client, store, config, metrics, shutdown, Some(ready_tx)).await
+        {
+            tracing::error!(error = %e, "orchestrator stopped");
+        }
+    });
+    ready_rx.await.context("the orchestrator failed to start")?;
+    Ok(())
+}
+
+/// Runs the orchestrator until `shutdown`; then stops taking jobs and lets
+/// invocations in flight finish.
+pub async fn run(
+    client: async_nats::Client,
+    store: CitationStore,
+    config: OrchestratorConfig,
+    metrics: OrchestratorMetrics,
+    shutdown: CancellationToken,
+) -> Result<(), OrchestratorError> {
+    run_with_ready(client, store, config, metrics, shutdown, None).await
+}
+
+/// [`run`], telling `ready` once the chat consumer is in place.
+pub async fn run_with_ready(
+    client: async_nats::Client,
+    store: CitationStore,
+    config: OrchestratorConfig,
+    metrics: OrchestratorMetrics,
+    shutdown: CancellationToken,
+    ready: Option<tokio::sync::oneshot::Sender<()>>,
+) -> Result<(), OrchestratorError> {
+    match PayloadLimits::of(&client).startup_message() {
+        Some((limits::Severity::Warning, message)) => warn!("{message}"),
+        Some((limits::Severity::Notice, message)) => info!("{message}"),
+        None => {}
+    }
+    zero_model_series(&config, &metrics);
+    let (settings, plugins) = config.into_parts();
+    let plugins = Arc::new(plugins);
+    // The replies keep flowing until the invocations in flight are done
+    // (after `tracker.wait()` below), not just until shutdown is asked: a
+    // draining run may still be waiting on its tools.
+    let stop_replies = CancellationToken::new();
+    let _stop_replies_on_return = stop_replies.clone().drop_guard();
+    let opened = Opened::open(client, store, settings, metrics, stop_replies).await?;
+    let fleet = opened.fleet.clone();
+    fleet.catalog.refresh().await;
+    // The registry and its gauges from the first reading on.
+    fleet.tool_snapshot();
+
+    let tracker = TaskTracker::new();
+    spawn_background(&tracker, &fleet, opened.background, &shutdown);
+    let known = plugins.names();
+    for w in fleet.config.profiles.warnings_among(&known) {
+        warn!("{w}");
+    }
+    info!(stream = %fleet.config.subjects.chat_stream(), profiles = fleet.config.profiles.profiles.len(), orchestrators = ?known, "orchestrator taking chat jobs");
+    if let Some(ready) = ready {
+        let _ = ready.send(());
+    }
+    let permits = Arc::new(Semaphore::new(fleet.config.max_in_flight.max(1)));
+    // Decisions on parked invocations: the one that decides a turn's last
+    // held call resumes the invocation, as a chat job runs (same permits).
+    tracker.spawn(pull_decisions(
+        fleet.clone(),
+        plugins.clone(),
+        opened.decisions,
+        permits.clone(),
+        tracker.clone(),
+        shutdown.clone(),
+    ));
+    pull_chat_jobs(
+        fleet,
+        plugins,
+        opened.chat,
+        permits,
+        tracker.clone(),
+        shutdown,
+    )
+    .await;
+    tracker.close();
+    tracker.wait().await;
+    Ok(())
+}
+
+/// Every fallback a profile can make, and every model's answered
+/// requests, at zero from the start.
+fn zero_model_series(config: &OrchestratorConfig, metrics: &OrchestratorMetrics) {
+    for profile in config.profiles.profiles.values() {
+        for model in profile
+            .deployments
+            .iter()
+            .filter_map(|d| config.profiles.deployments.get(d))
+        {
+            metrics
+                .llm_requests
+                .with_label_values(&[model.model.as_str(), "ok"]);
+        }
+        for (i, from) in profile.deployments.iter().enumerate() {
+            for to in &profile.deployments[i + 1..] {
+                metrics
+                    .llm_fallbacks
+                    .with_label_values(&[from.as_str(), to.as_str()]);
+            }
+        }
+    }
+}
+
+/// What the start opens: the fleet, its consumers and subscriptions.
+struct Opened {
+    fleet: Arc<Fleet>,
+    chat: jetstream::consumer::PullConsumer,
+    decisions: jetstream::consumer::PullConsumer,
+    background: Background,
+}
+
+/// The subscriptions and consumer the background tasks run on.
+struct Background {
+    sinks: jetstream::consumer::PullConsumer,
+    cancels: async_nats::Subscriber,
+    approval_requests: async_nats::Subscriber,
+}
+
+impl Opened {
+    async fn open(
+        client: async_nats::Client,
+        store: CitationStore,
+        settings: crate::Settings,
+        metrics: OrchestratorMetrics,
+        stop_replies: CancellationToken,
+    ) -> Result<Self, OrchestratorError> {
+        let nats = |e: String| OrchestratorError::Nats(e);
+        let js = jetstream::new(client.clone());
+        let subjects = &settings.subjects;
+        let chat = intake::chat_consumer(&js, subjects).await?;
+        (settings.sinks)
+            .check_config(subjects, &settings.profiles.sinks, &*settings.env)
+            .map_err(OrchestratorError::Config)?;
+        let sinks = sinks::consumer(&js, subjects, &settings.sinks).await?;
+        let cancels = client
+            .subscribe(subjects.chat_cancel_all())
+            .await
+            .map_err(|e| nats(e.to_string()))?;
+        let replies = Replies::start(&client, subjects, stop_replies)
+            .await
+            .map_err(|e| nats(e.to_string()))?;
+        let agents = AgentSource::new(&settings.profiles).map_err(OrchestratorError::Config)?;
+        let parked_bucket = approvals::store::open(&js, subjects).await.map_err(nats)?;
+        let decisions = intake::decisions_consumer(&js, subjects).await?;
+        let approval_requests = client
+            .queue_subscribe(subjects.chat_approve_all(), subjects.chat_consumer())
+            .await
+            .map_err(|e| nats(e.to_string()))?;
+        let heartbeat = jobs::Heartbeat::start(client.clone(), intake::CHAT_PROGRESS_EVERY);
+        let parts = fleet::Parts {
+            replies,
+            agents,
+            parked_bucket,
+            heartbeat,
+        };
+        let fleet = Arc::new(Fleet::new(client, js, store, metrics, settings, parts));
+        Ok(Self {
+            fleet,
+            chat,
+            decisions,
+            background: Background {
+                sinks,
+                cancels,
+                approval_requests,
+            },
+        })
+    }
+}
+
+/// The tasks beside the consumers, until `shutdown`.
+fn spawn_background(
+    tracker: &TaskTracker,
+    fleet: &Arc<Fleet>,
+    background: Background,
+    shutdown: &CancellationToken,
+) {
+    {
+        let fleet = fleet.clone();
+        let shutdown = shutdown.clone();
+        tracker.spawn(async move {
+            fleet
+                .catalog
+                .run(fleet.config.catalog_refresh, shutdown)
+                .await
+        });
+    }
+    let every = fleet.config.catalog_refresh;
+    tracker.spawn(pools::watch(fleet.clone(), every, shutdown.clone()));
+    tracker.spawn(sinks::relay::run(
+        fleet.clone(),
+        background.sinks,
+        shutdown.clone(),
+    ));
+    tracker.spawn(intake::listen_for_cancels(
+        fleet.clone(),
+        background.cancels,
+        shutdown.clone(),
+    ));
+    tracker.spawn(approvals::requests::serve(
+        fleet.clone(),
+        background.approval_requests,
+        shutdown.clone(),
+    ));
+    tracker.spawn(approvals::watch::watch_parked(
+        fleet.clone(),
+        shutdown.clone(),
+    ));
+}
+
+/// Pulls decisions on parked invocations until `shutdown`.
+async fn pull_decisions(
+    fleet: Arc<Fleet>,
+    plugins: Arc<Plugins>,
+    consumer: jetstream::consumer::PullConsumer,
+    permits: Arc<Semaphore>,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+) {
+    let reconnects = Reconnects::watch(fleet.client.clone(), shutdown.clone());
+    let sweeper = Sweeper {
+        js: jetstream::new(fleet.client.clone()),
+        stream: fleet.config.subjects.decisions_stream(),
+        on_poison: Arc::new(|_| async {}.boxed()),
+    };
+    let name = fleet.config.subjects.chat_consumer();
+    jobs::pull_bounded(
+        consumer,
+        reconnects,
+        sweeper,
+        permits,
+        tracker,
+        shutdown,
+        name,
+        intake::CHAT_PROGRESS_EVERY,
+        move |msg| {
+            let fleet = fleet.clone();
+            let plugins = plugins.clone();
+            async move { intake::handle_decision(&fleet, &plugins, msg).await }
+        },
+    )
+    .await;
+}
+
+/// Pulls chat jobs until `shutdown`.
+async fn pull_chat_jobs(
+    fleet: Arc<Fleet>,
+    plugins: Arc<Plugins>,
+    consumer: jetstream::consumer::PullConsumer,
+    permits: Arc<Semaphore>,
+    tracker: TaskTracker,
+    shutdown: CancellationToken,
+) {
+    let reconnects = Reconnects::watch(fleet.client.clone(), shutdown.clone());
+    let sweeper = {
+        let fleet = fleet.clone();
+        Sweeper {
+            js: jetstream::new(fleet.client.clone()),
+            stream: fleet.config.subjects.chat_stream(),
+            on_poison: Arc::new(move |p| intake::poison(fleet.clone(), p).boxed()),
+        }
+    };
+    let name = fleet.config.subjects.chat_consumer();
+    jobs::pull_bounded(
+        consumer,
+        reconnects,
+        sweeper,
+        permits,
+        tracker,
+        shutdown,
+        name,
+        intake::CHAT_PROGRESS_EVERY,
+        move |msg| {
+            let fleet = fleet.clone();
+            let plugins = plugins.clone();
+            async move { intake::handle(&fleet, &plugins, msg).await }
+        },
+    )
+    .await;
+}

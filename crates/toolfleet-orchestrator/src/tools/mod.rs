@@ -1,0 +1,260 @@
+//! The tools an invocation may use, shared by every stage: the registry of
+//! one catalog generation ([`ToolSnapshot`]), the gates ([`gating`]), the
+//! pure scoring and planning functions ([`scoring`]), the agent tools'
+//! registry backend ([`agents`]), an invocation's [`Scope`], and what a
+//! call came to ([`ToolOutcome`]).
+//!
+//! Nothing here speaks NATS or HTTP: the context stage and dispatch call
+//! these functions and publish what they decide.
+
+pub mod agents;
+pub mod gating;
+pub mod scoring;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use toolfleet_llm::ToolSpec;
+use toolfleet_llm::profiles::ScopingPolicy;
+use toolfleet_protocol::catalog::Catalog;
+use toolfleet_protocol::registry::{Registry, ToolSource};
+use toolfleet_protocol::tools::CompiledTool;
+use toolfleet_protocol::{Reference, ToolStatus};
+use tracing::warn;
+
+use agents::AgentSource;
+use gating::Permitted;
+use scoring::RelevanceIndex;
+
+/// What a tool call came to.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ToolOutcome {
+    /// What the model reads.
+    pub content: String,
+    pub status: ToolStatus,
+    /// The references the call's result carried (only those naming the
+    /// call itself).
+    pub references: Vec<Reference>,
+}
+
+impl ToolOutcome {
+    /// The outcome of a call that got no answer at all (a bug, or a call
+    /// skipped by a turn that ended early): the model is told so.
+    pub fn no_result() -> Self {
+        Self {
+            content: "Error: the call got no result.".into(),
+            status: ToolStatus::Error,
+            references: Vec::new(),
+        }
+    }
+}
+
+/// The registry of one catalog generation and its relevance index, shared
+/// by every invocation until the catalog changes.
+pub struct ToolSnapshot {
+    /// The catalog generation it was built from.
+    pub generation: u64,
+    pub registry: Registry,
+    /// Every registry entry's tool, in the registry's (id) order: the
+    /// positions the index scores.
+    pub tools: Vec<Arc<CompiledTool>>,
+    /// Snapshot position by the address of the tool's `Arc` (every tool a
+    /// scope holds comes from this snapshot's registry): no string is
+    /// built or hashed per tool and invocation.
+    positions: HashMap<usize, usize>,
+    pub index: RelevanceIndex,
+}
+
+impl std::fmt::Debug for ToolSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ToolSnapshot")
+            .field("generation", &self.generation)
+            .field("tools", &self.tools.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ToolSnapshot {
+    /// The registry over the agent tools, then the live catalog (the
+    /// configuration's agents win a duplicate id), and its index.
+    pub fn build(
+        agents: &AgentSource,
+        catalog: &Catalog,
+        compat: Option<&toolfleet_protocol::registry::CompatFile>,
+        profiles: &toolfleet_llm::profiles::FleetConfig,
+    ) -> Self {
+        let mut registry =
+            Registry::build(&[agents as &dyn ToolSource, catalog as &dyn ToolSource]);
+        if let Some(compat) = compat {
+            // `<deployment>/<model>`: the deployment's own model, or a
+            // profile's utility model on it.
+            let known = |model: &str| {
+                let Some((deployment, model)) = model.split_once('/') else {
+                    return false;
+                };
+                profiles.deployments.get(deployment).is_some_and(|d| {
+                    d.model == model
+                        || profiles.profiles.values().any(|p| {
+                            p.deployments.iter().any(|n| n == deployment)
+                                && p.utility_model.as_deref() == Some(model)
+                        })
+                })
+            };
+            let (joined, problems) = registry.with_compat(compat, known);
+            registry = joined;
+            for p in problems {
+                warn!(problem = %p, "tool compat file entry skipped");
+            }
+        }
+        let tools: Vec<Arc<CompiledTool>> = registry.list().map(|e| e.tool.clone()).collect();
+        let positions = tools
+            .iter()
+            .enumerate()
+            .map(|(i, t)| (Arc::as_ptr(t) as usize, i))
+            .collect();
+        let index = RelevanceIndex::build(&tools);
+        Self {
+            generation: catalog.generation,
+            registry,
+            tools,
+            positions,
+            index,
+        }
+    }
+
+    pub(crate) fn position(&self, tool: &Arc<CompiledTool>) -> Option<usize> {
+        self.positions.get(&(Arc::as_ptr(tool) as usize)).copied()
+    }
+}
+
+/// The tools an invocation may use, and what has been done to pick the
+/// offered ones.
+#[derive(Debug, Clone)]
+pub struct Scope {
+    pub(crate) snapshot: Arc<ToolSnapshot>,
+    /// Every tool the invocation may use.
+    pub permitted: Permitted,
+    /// `search_tools` calls that added tools so far.
+    pub expansions: u32,
+    pub(crate) policy: ScopingPolicy,
+}
+
+impl Scope {
+    pub fn new(snapshot: Arc<ToolSnapshot>, permitted: Permitted, policy: ScopingPolicy) -> Self {
+        Self {
+            snapshot,
+            permitted,
+            expansions: 0,
+            policy,
+        }
+    }
+
+    /// Whether the model may still add tools with `search_tools` when
+    /// `offered` are offered: some were left out, expansion rounds and
+    /// the tool cap allow it.
+    pub fn can_expand(&self, offered: usize) -> bool {
+        self.permitted.tools.len() > offered
+            && self.expansions < self.policy.max_expansion_rounds
+            && offered < self.policy.max_tool_count
+    }
+
+    /// The snapshot positions of the permitted tools.
+    pub(crate) fn candidates(&self) -> Vec<usize> {
+        self.permitted
+            .tools
+            .iter()
+            .filter_map(|t| self.snapshot.position(t))
+            .collect()
+    }
+
+    /// The tools at snapshot `positions`, in id order.
+    pub(crate) fn tools_at(&self, positions: &[usize]) -> Vec<Arc<CompiledTool>> {
+        let mut tools: Vec<Arc<CompiledTool>> = positions
+            .iter()
+            .filter_map(|&p| self.snapshot.index.tool(p).cloned())
+            .collect();
+        tools.sort_by(|a, b| a.definition.id.cmp(&b.definition.id));
+        tools
+    }
+}
+
+/// Runs `f`, which may take a while (scoring thousands of tools), where it
+/// does not hold up other tasks: on a multi-threaded runtime the worker
+/// thread is handed over meanwhile.
+pub(crate) fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// The `search_tools` meta-tool as the model sees it.
+pub fn search_tools_spec() -> Arc<ToolSpec> {
+    static SPEC: std::sync::LazyLock<Arc<ToolSpec>> =
+        std::sync::LazyLock::new(|| Arc::new(scoring::search_tools_spec()));
+    SPEC.clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+    use toolfleet_protocol::tools::{Origin, ToolDefinition};
+
+    fn tool(id: &str, function: &str) -> Arc<CompiledTool> {
+        let key = id.split_once('@').unwrap().0.replace(':', ".");
+        let v = json!({
+            "schemaVersion": 1, "id": id, "implementationKey": key, "title": id,
+            "description": "d", "category": "c",
+            "function": { "name": function, "description": "d",
+                          "parameters": { "type": "object", "properties": {} } }
+        });
+        Arc::new(
+            CompiledTool::new(ToolDefinition::from_value(v, Origin::Named(id.into())).unwrap())
+                .unwrap(),
+        )
+    }
+
+    /// The agents backend comes first: a worker advertising an agent's id
+    /// is a counted duplicate; the compat file's models join the registry,
+    /// and a model no deployment serves is left out.
+    #[test]
+    fn a_snapshot_puts_agents_first_and_joins_the_compat_file() {
+        let config = toolfleet_llm::profiles::FleetConfig::from_toml(
+            r#"
+[deployments.openai]
+base_url = "https://api.openai.com/v1"
+model = "gpt-4o-mini"
+[profiles.default]
+deployment = "openai"
+[profiles.helper]
+deployment = "openai"
+agent = { name = "helper", description = "Helps." }
+"#,
+            "test",
+        )
+        .unwrap();
+        let agents = AgentSource::new(&config).unwrap();
+        let catalog =
+            Catalog::from_tools([tool("agent:helper@1.0.0", "helper"), tool("t:a@1.0.0", "a")]);
+        let compat = toolfleet_protocol::registry::CompatFile::from_json(
+            r#"{"tools": {"t:a": ["openai/gpt-4o-mini", "openai/gpt-9"]}}"#,
+            "compat.json",
+        )
+        .unwrap();
+        let snapshot = ToolSnapshot::build(&agents, &catalog, Some(&compat), &config);
+        let helper = snapshot.registry.get("agent:helper@1.0.0").unwrap();
+        assert_eq!(&*helper.source, agents::AGENTS_SOURCE);
+        assert_eq!(
+            agents::profile_of(&helper.tool),
+            Some("helper"),
+            "the configuration's agent, not the worker's"
+        );
+        assert_eq!(snapshot.registry.duplicates().len(), 1);
+        assert_eq!(
+            snapshot.registry.models_for(&"t:a@1.0.0".parse().unwrap()),
+            ["openai/gpt-4o-mini"]
+        );
+        assert_eq!(snapshot.tools.len(), 2);
+    }
+}
