@@ -1,6 +1,7 @@
-"""An approver in Python, written only from README.md ("Approvals: a
-person's yes before a tool runs") and schemas/ (chat_event, approval): a
-backend that asks, sees a call wait for a person, and decides. Run by
+"""An approver in Python, written only from docs/approvals.md ("Approvals:
+a person's yes before a tool runs"), docs/clients.md (subjects, submitting,
+the events) and schemas/ (chat_event, approval): a backend that asks, sees
+a call wait for a person, and decides. Run by
 tests/clients.rs against a real fleet whose default profile requires
 approval for the clock:
 
