@@ -1,8 +1,8 @@
-"""An approver in Python, written only from README.md ("Approvals: a
-person's yes before a tool runs") and schemas/ (chat_event, approval): a
-backend that asks, sees a call wait for a person, and decides. Run by
-tests/clients.rs against a real fleet whose default profile requires
-approval for the clock:
+"""An approver in Python, written only from docs/approvals.md ("Approvals:
+a person's yes before a tool runs"), docs/clients.md (subjects, submitting,
+the events) and schemas/ (chat_event, approval): a backend that asks, sees
+a call wait for a person, and decides. Run by tests/clients.rs against a
+real fleet whose default profile requires approval for the clock:
 
     python3 tests/clients/python_approver.py NATS_URL TENANT
 

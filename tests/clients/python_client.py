@@ -1,6 +1,7 @@
-"""A toolfleet client in Python, written only from README.md ("Submitting a
-chat job from any language") and schemas/: what a platform team's backend
-in another language does. Run by tests/clients.rs against a real fleet:
+"""A toolfleet client in Python, written only from docs/clients.md
+("Clients: submitting chat jobs from any language") and schemas/: what a
+platform team's backend in another language does. Run by tests/clients.rs
+against a real fleet:
 
     python3 tests/clients/python_client.py NATS_URL TENANT
 
