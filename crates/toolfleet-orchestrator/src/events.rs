@@ -20,6 +20,7 @@ use tokio::sync::mpsc;
 use toolfleet_protocol::{ChatEvent, ChatEventBody, encode};
 use tracing::warn;
 
+use crate::failure::ChatErrorCode;
 use crate::tools::ToolOutcome;
 use crate::{Failure, Fleet, Invocation};
 
@@ -281,7 +282,7 @@ fn fit(event: ChatEvent, limit: usize) -> bytes::Bytes {
             subject,
         },
         terminal if terminal.is_terminal() => ChatEventBody::Error {
-            code: "answer_too_large".into(),
+            code: ChatErrorCode::AnswerTooLarge.to_string(),
             message: format!(
                 "the answer event is {size} bytes; the NATS server takes at most {limit}"
             ),

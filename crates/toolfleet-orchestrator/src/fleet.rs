@@ -23,6 +23,7 @@ use toolfleet_store::CitationStore;
 use tracing::{info, warn};
 
 use crate::catalog::LiveCatalog;
+use crate::failure::ChatErrorCode;
 use crate::metrics::OrchestratorMetrics;
 use crate::replies::Replies;
 use crate::tools::gating;
@@ -204,7 +205,7 @@ impl Fleet {
         }
         let client = LlmClient::new(resolved.llm_config()).map_err(|e| {
             Failure::new(
-                "bad_deployment",
+                ChatErrorCode::BadDeployment,
                 format!("deployment {:?}: {e}", resolved.deployment_name),
             )
         })?;

@@ -10,6 +10,7 @@ use toolfleet_llm::{Message, ToolSpec};
 use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{ChatJob, InvocationContext, Reference};
 
+use crate::failure::ChatErrorCode;
 use crate::tools::{Scope, scoring};
 use crate::{Failure, UsageLedger};
 
@@ -101,7 +102,7 @@ impl Citations {
             match self.by_index.get(&r.index) {
                 Some(known) if known != r => {
                     return Err(Failure::new(
-                        "citation_conflict",
+                        ChatErrorCode::CitationConflict,
                         format!(
                             "two tool calls were given citation [doc:{}] (the citation store lost its counter, e.g. Redis restarted without persistence); the answer could cite the wrong document",
                             r.index

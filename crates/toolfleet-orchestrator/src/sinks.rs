@@ -50,6 +50,7 @@ use toolfleet_service::netpolicy::NetPolicy;
 use tracing::warn;
 
 use crate::Failure;
+use crate::failure::ChatErrorCode;
 
 /// The environment variable a job-named webhook's secret is read from.
 pub const DEFAULT_SECRET_ENV: &str = "TOOLFLEET_SINK_SECRET";
@@ -424,7 +425,8 @@ pub fn resolve(
     profile_sink: Option<&str>,
     tenant: &str,
 ) -> Result<Option<Route>, (Option<&'static str>, Failure)> {
-    let invalid = |kind: Option<&'static str>, m: String| (kind, Failure::new("invalid_sink", m));
+    let invalid =
+        |kind: Option<&'static str>, m: String| (kind, Failure::new(ChatErrorCode::InvalidSink, m));
     if let Some(request) = job {
         let mut destinations = Vec::new();
         if let Some(raw) = &request.webhook {

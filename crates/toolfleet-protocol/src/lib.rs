@@ -24,6 +24,7 @@ pub mod approval;
 pub mod blob;
 pub mod catalog;
 pub mod client;
+pub mod codes;
 pub mod redact;
 pub mod references;
 pub mod registry;
@@ -35,6 +36,7 @@ pub mod usage;
 pub mod wire;
 
 pub use approval::{Approval, ApprovalOutcome};
+pub use codes::ChatErrorCode;
 pub use redact::redact_url;
 pub use tools::{ToolId, ToolSpec};
 pub use usage::Usage;

@@ -18,6 +18,7 @@ use super::claim::{
 };
 use super::run::{Leg, Taken, chat_job_span, run};
 use crate::approvals::Parked;
+use crate::failure::ChatErrorCode;
 use crate::{Events, Fleet};
 
 /// Deliveries of the decision that resumes a parked invocation before it
@@ -113,7 +114,7 @@ async fn give_up(fleet: &Fleet, msg: &jetstream::Message, parked: &Parked, deliv
         parked.next_seq,
     );
     events.finish(ChatEventBody::Error {
-        code: "too_many_attempts".into(),
+        code: ChatErrorCode::TooManyAttempts.to_string(),
         message: format!(
             "the decision that resumes the invocation was delivered {} times without the invocation finishing (orchestrators stopped while running it, or the stores did not answer)",
             delivery.attempt

@@ -22,6 +22,7 @@ use toolfleet_protocol::{ChatEventBody, ChatJob};
 use super::Plugins;
 use crate::approvals::{CallState, Parked, Resumed};
 use crate::context;
+use crate::failure::ChatErrorCode;
 use crate::invocation::CancelCheck;
 use crate::rounds::Ending;
 use crate::{Events, Failure, Fleet, Invocation};
@@ -127,7 +128,7 @@ pub(crate) async fn resume(
     }
     if parked.cancelled {
         return Err(Failure::new(
-            "cancelled",
+            ChatErrorCode::Cancelled,
             "the invocation was cancelled while it waited for approval",
         ));
     }
@@ -147,7 +148,7 @@ pub(crate) async fn resume(
             .map(|c| c.tool.as_str())
             .collect();
         return Err(Failure::new(
-            "approval_timeout",
+            ChatErrorCode::ApprovalTimeout,
             format!(
                 "no approval arrived within {} s for {}",
                 parked.expires_at_ms.saturating_sub(parked.parked_at_ms) / 1000,

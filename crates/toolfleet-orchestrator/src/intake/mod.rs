@@ -38,6 +38,7 @@ use toolfleet_service::telemetry;
 use tracing::{Instrument, info, warn};
 
 use crate::context::ContextHandlers;
+use crate::failure::ChatErrorCode;
 use crate::tools::agents::depth_of;
 use crate::{Agentic, Failure, Fleet, Invocation, Orchestrator, OrchestratorError};
 use claim::{Claimed, Delivery, claim_patiently, give_back, new_holder, owner};
@@ -110,7 +111,7 @@ impl Plugins {
     ) -> Result<Arc<dyn Orchestrator>, Failure> {
         self.orchestrator(&inv.profile.orchestrator).ok_or_else(|| {
             Failure::new(
-                "internal_error",
+                ChatErrorCode::InternalError,
                 format!(
                     "no orchestrator is registered as {:?}",
                     inv.profile.orchestrator

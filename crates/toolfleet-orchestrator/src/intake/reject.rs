@@ -16,6 +16,7 @@ use tracing::warn;
 
 use super::MAX_CHAT_ATTEMPTS;
 use super::claim::{Claimed, Delivery, claim, new_holder};
+use crate::failure::ChatErrorCode;
 use crate::{Events, Fleet};
 
 /// Why a chat job is not run.
@@ -45,21 +46,21 @@ impl Refusal {
     }
 
     /// The `error` event's code.
-    fn event_code(&self) -> &'static str {
+    fn event_code(&self) -> ChatErrorCode {
         match self {
-            Refusal::Malformed(_) => "malformed_job",
-            Refusal::Duplicate { .. } => "duplicate_invocation",
-            Refusal::TenantMismatch { .. } => "tenant_mismatch",
-            Refusal::TooManyAttempts { .. } => "too_many_attempts",
+            Refusal::Malformed(_) => ChatErrorCode::MalformedJob,
+            Refusal::Duplicate { .. } => ChatErrorCode::DuplicateInvocation,
+            Refusal::TenantMismatch { .. } => ChatErrorCode::TenantMismatch,
+            Refusal::TooManyAttempts { .. } => ChatErrorCode::TooManyAttempts,
         }
     }
 
     /// The dead letter's code: the decoding error's own for a malformed
     /// job, else the event's.
-    fn code(&self) -> &'static str {
+    fn code(&self) -> String {
         match self {
-            Refusal::Malformed(e) => e.code(),
-            _ => self.event_code(),
+            Refusal::Malformed(e) => e.code().to_string(),
+            _ => self.event_code().to_string(),
         }
     }
 
@@ -133,7 +134,8 @@ pub(super) async fn reject(
         .with_label_values(&[refusal.outcome()])
         .inc();
     let error = refusal.message();
-    warn!(invocation_id = ?refused.invocation_id, code = refusal.code(), "chat job not run: {error}");
+    let code = refusal.code();
+    warn!(invocation_id = ?refused.invocation_id, code, "chat job not run: {error}");
     if let Some(id) = refused
         .invocation_id
         .as_ref()
@@ -149,7 +151,7 @@ pub(super) async fn reject(
         call_id: None,
         tool_id: None,
         attempts: delivery.attempt,
-        code: refusal.code().to_string(),
+        code,
         error,
         headers: dead_letter_headers(msg.headers.as_ref()),
         raw_headers: None,
@@ -222,7 +224,7 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
             .subjects
             .submit_tenant(&poison.subject)
             .unwrap_or(DEFAULT_TENANT);
-        tell(&fleet, tenant, id, "unreadable_headers", &error).await;
+        tell(&fleet, tenant, id, ChatErrorCode::UnreadableHeaders, &error).await;
     }
     let dead = DeadLetter {
         kind: DeadLetterKind::Chat,
@@ -232,7 +234,7 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         call_id: None,
         tool_id: None,
         attempts: 1,
-        code: "unreadable_headers".into(),
+        code: ChatErrorCode::UnreadableHeaders.to_string(),
         error,
         headers: Default::default(),
         raw_headers: Some(poison.raw_headers),
@@ -242,10 +244,10 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
 }
 
 /// The invocation's one terminal event: an `error` with `code`.
-async fn tell(fleet: &Fleet, tenant: &str, id: &str, code: &str, message: &str) {
+async fn tell(fleet: &Fleet, tenant: &str, id: &str, code: ChatErrorCode, message: &str) {
     let events = Events::start(fleet.client.clone(), &fleet.config.subjects, tenant, id);
     events.finish(ChatEventBody::Error {
-        code: code.into(),
+        code: code.to_string(),
         message: message.to_string(),
     });
     events.close().await;

@@ -21,6 +21,7 @@ use super::cancels::cancelled_before_start;
 use super::claim::{Delivery, LEASE_TTL, LeaseEnd, ack, keep_lease, owner};
 use super::frame::{self, Finished};
 use crate::approvals::{self, CallState, Parked};
+use crate::failure::ChatErrorCode;
 use crate::invocation::CancelCheck;
 use crate::{Events, Failure, Fleet};
 
@@ -186,21 +187,21 @@ impl Run<'_> {
         let outcome = tokio::select! {
             biased;
             // Cancelled while it waited in the stream: nothing runs.
-            _ = std::future::ready(()), if cancelled_early => Err(Failure::new("cancelled", "the invocation was cancelled before it started")),
+            _ = std::future::ready(()), if cancelled_early => Err(Failure::new(ChatErrorCode::Cancelled, "the invocation was cancelled before it started")),
             // Another delivery's run took the invocation over: it speaks for
             // the invocation now; this one stops without a word. (Renewed
             // here, beside the run, rather than on a task of its own.)
             end = keep_lease(fleet, &self.id, &self.tenant, &self.holder, &cancel_check) => match end {
                 LeaseEnd::TakenOver => return None,
-                LeaseEnd::Cancelled => Err(Failure::new("cancelled", "the invocation was cancelled")),
+                LeaseEnd::Cancelled => Err(Failure::new(ChatErrorCode::Cancelled, "the invocation was cancelled")),
             },
             // A bug must end the invocation with an error event, not leave it
             // silent.
             r = std::panic::AssertUnwindSafe(invocation).catch_unwind(), if !left.is_zero() && !cancelled_early => {
-                r.unwrap_or_else(|_| Err(Failure::new("internal_error", "the orchestrator failed unexpectedly; see its log")))
+                r.unwrap_or_else(|_| Err(Failure::new(ChatErrorCode::InternalError, "the orchestrator failed unexpectedly; see its log")))
             }
-            _ = tokio::time::sleep(left) => Err(Failure::new("deadline_exceeded", format!("no answer within {} ms of submission", timeout.as_millis()))),
-            _ = cancel.cancelled() => Err(Failure::new("cancelled", "the invocation was cancelled")),
+            _ = tokio::time::sleep(left) => Err(Failure::new(ChatErrorCode::DeadlineExceeded, format!("no answer within {} ms of submission", timeout.as_millis()))),
+            _ = cancel.cancelled() => Err(Failure::new(ChatErrorCode::Cancelled, "the invocation was cancelled")),
         };
         // Only the run that holds the lease speaks for the invocation:
         // checked (and renewed, so nobody can take it over for the lease's
@@ -262,7 +263,7 @@ impl Run<'_> {
         parked.resumed_from = resumed_from;
         if let Err(e) = fleet.keep_parked(&parked).await {
             let failure = Failure::new(
-                "approval_unavailable",
+                ChatErrorCode::ApprovalUnavailable,
                 format!("a call needs approval, but the invocation cannot be parked: {e}"),
             );
             return Err((failure, events));
@@ -323,9 +324,9 @@ impl Run<'_> {
             }
             Err(f) => {
                 warn!(code = %f.code, message = %f.message, "invocation failed");
-                let code = f.code.clone();
+                let code = f.code.to_string();
                 events.finish(ChatEventBody::Error {
-                    code: f.code,
+                    code: code.clone(),
                     message: f.message,
                 });
                 Some(code)

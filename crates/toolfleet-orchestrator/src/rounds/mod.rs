@@ -26,6 +26,7 @@ mod turn;
 
 use crate::approvals::{self, CallState, Park, Resumed};
 use crate::dispatch;
+use crate::failure::ChatErrorCode;
 use crate::{Events, Failure, Fleet, Invocation, ToolOutcome, ToolRunner};
 use turn::{Ended, Turn};
 
@@ -67,7 +68,7 @@ pub trait Orchestrator: Send + Sync + 'static {
     ) -> BoxFuture<'a, Result<Ending, Failure>> {
         let _ = (inv, resumed, fleet, events);
         Box::pin(std::future::ready(Err(Failure::new(
-            "internal_error",
+            ChatErrorCode::InternalError,
             "this orchestrator parked an invocation but cannot resume one",
         ))))
     }
@@ -157,7 +158,7 @@ async fn resume(
     let state: LoopState =
         serde_json::from_value(std::mem::take(&mut resumed.state)).map_err(|e| {
             Failure::new(
-                "internal_error",
+                ChatErrorCode::InternalError,
                 format!("the parked loop state cannot be read: {e}"),
             )
         })?;
@@ -197,7 +198,10 @@ async fn resume(
     let outcomes = turn.outcomes();
     turn::after(inv, &mut tools, &turn, fleet);
     if tools.cancelled() {
-        return Err(Failure::new("cancelled", "the invocation was cancelled"));
+        return Err(Failure::new(
+            ChatErrorCode::Cancelled,
+            "the invocation was cancelled",
+        ));
     }
     caps.close_round(resumed.model_call_ids.len(), &outcomes, &policy, fleet);
     fleet.publish_references(inv, &outcomes, events)?;
@@ -239,7 +243,7 @@ async fn rounds(
         }
         if !tools_allowed {
             return Err(Failure::new(
-                "round_limit",
+                ChatErrorCode::RoundLimit,
                 format!(
                     "the model asked for tools after being told to answer ({}); round {round} of {}",
                     caps.stop.as_deref().unwrap_or_default(),
@@ -251,7 +255,10 @@ async fn rounds(
             Ended::Ran(outcomes) => outcomes,
             Ended::Held(calls) => {
                 if tools.cancelled() {
-                    return Err(Failure::new("cancelled", "the invocation was cancelled"));
+                    return Err(Failure::new(
+                        ChatErrorCode::Cancelled,
+                        "the invocation was cancelled",
+                    ));
                 }
                 let state = LoopState {
                     round,
@@ -266,13 +273,16 @@ async fn rounds(
             }
         };
         if tools.cancelled() {
-            return Err(Failure::new("cancelled", "the invocation was cancelled"));
+            return Err(Failure::new(
+                ChatErrorCode::Cancelled,
+                "the invocation was cancelled",
+            ));
         }
         caps.close_round(completion.tool_calls.len(), &outcomes, &policy, fleet);
         fleet.publish_references(inv, &outcomes, events)?;
     }
     Err(Failure::new(
-        "round_limit",
+        ChatErrorCode::RoundLimit,
         format!("no answer within {} rounds", policy.max_rounds),
     ))
 }
@@ -383,7 +393,7 @@ fn truncated_tool_call(
     limit_hit(fleet, "truncated_tool_call");
     match policy.on_truncated_tool_call {
         TruncatedPolicy::Error => Err(Failure::new(
-            "truncated_tool_call",
+            ChatErrorCode::TruncatedToolCall,
             "the model ran out of tokens while writing a tool call; its arguments are incomplete and were not run",
         )),
         TruncatedPolicy::AskAgain => {

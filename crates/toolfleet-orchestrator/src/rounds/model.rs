@@ -7,6 +7,7 @@ use toolfleet_llm::{ChatRequest, Completion};
 use toolfleet_protocol::ChatEventBody;
 
 use super::PURPOSE_CONVERSATION;
+use crate::failure::ChatErrorCode;
 use crate::usage::ModelCall;
 use crate::{Events, Failure, Fleet, Invocation};
 
@@ -34,7 +35,7 @@ impl Fleet {
             match result {
                 Err(e) if !streamed && e.is_retryable() => {
                     let Some(next) = inv.profile.next_deployment(e.code()) else {
-                        return Err(Failure::new(format!("llm_{}", e.code()), e.to_string()));
+                        return Err(Failure::new(ChatErrorCode::llm(e.code()), e.to_string()));
                     };
                     tracing::warn!(
                         invocation_id = %inv.job.invocation_id,
@@ -60,7 +61,7 @@ impl Fleet {
                     inv.profile = next;
                     request.model = inv.profile.model().to_string();
                 }
-                Err(e) => return Err(Failure::new(format!("llm_{}", e.code()), e.to_string())),
+                Err(e) => return Err(Failure::new(ChatErrorCode::llm(e.code()), e.to_string())),
                 Ok(completion) => return Ok(completion),
             }
         }

@@ -37,6 +37,7 @@ use toolfleet_protocol::tools::{CompiledTool, Purpose, ToolDefinition, ToolId, T
 
 use super::agents::AGENTS_SOURCE;
 use crate::Failure;
+use crate::failure::ChatErrorCode;
 
 /// Notes kept for the `scoping` event; the rest are counted.
 pub const MAX_NOTES: usize = 10;
@@ -145,7 +146,10 @@ pub fn permitted(
     let mut named: HashMap<&ToolId, &'static str> = HashMap::new();
     for (i, text) in job.tools.iter().enumerate() {
         let invalid = |message: String| {
-            Failure::new("invalid_tool_selection", format!("tools[{i}]: {message}"))
+            Failure::new(
+                ChatErrorCode::InvalidToolSelection,
+                format!("tools[{i}]: {message}"),
+            )
         };
         let r: ToolRef = text.parse().map_err(|e| invalid(format!("{e}")))?;
         if r.is_pattern() {

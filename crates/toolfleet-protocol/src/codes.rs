@@ -1,0 +1,232 @@
+//! [`ChatErrorCode`]: why an invocation ended without an answer — the
+//! `code` of its `error` event, said once here and serialised as the
+//! strings clients match on. `schemas/chat_event.schema.json` lists the
+//! same fixed codes (a test checks the two agree).
+
+use std::fmt;
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+/// The `code` of an `error` chat event.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ChatErrorCode {
+    /// The job could not be decoded (size, JSON, schema).
+    MalformedJob,
+    /// Another chat job holds the invocation id.
+    DuplicateInvocation,
+    /// The job names another tenant than its submit subject's.
+    TenantMismatch,
+    /// Delivered more often than it may run.
+    TooManyAttempts,
+    /// The job's NATS headers cannot be read.
+    UnreadableHeaders,
+    /// The invocation was cancelled.
+    Cancelled,
+    /// No answer within the job's timeout (counted from submission).
+    DeadlineExceeded,
+    /// A bug; the orchestrator's log says more.
+    InternalError,
+    /// The loop policy's round limit was hit (or the model asked for tools
+    /// after being told to answer).
+    RoundLimit,
+    /// The model ran out of tokens while writing a tool call.
+    TruncatedToolCall,
+    /// Two tool calls were given the same citation index.
+    CitationConflict,
+    /// The job's (or its profile's) sink was refused.
+    InvalidSink,
+    /// The job's `tools` name tools it may not select.
+    InvalidToolSelection,
+    /// A call needs approval but the invocation cannot be parked.
+    ApprovalUnavailable,
+    /// No approval arrived in time.
+    ApprovalTimeout,
+    /// The profile's deployment cannot be used (its client cannot be built,
+    /// or no key).
+    BadDeployment,
+    /// The profile names no usable deployment.
+    NoDeployment,
+    /// No profile of that name, and no default.
+    NoProfile,
+    /// The answer does not fit in a NATS message.
+    AnswerTooLarge,
+    /// The model provider failed: `llm_<kind>`, the kind being the
+    /// provider client's error code (`http_429`, `timeout`, a provider's
+    /// own code).
+    Llm(String),
+    /// A custom orchestrator's own code (`[a-z][a-z0-9_]*`).
+    Custom(String),
+}
+
+impl ChatErrorCode {
+    /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
+    /// the order the schema lists them.
+    pub const FIXED: [ChatErrorCode; 19] = [
+        Self::MalformedJob,
+        Self::DuplicateInvocation,
+        Self::TenantMismatch,
+        Self::TooManyAttempts,
+        Self::UnreadableHeaders,
+        Self::Cancelled,
+        Self::DeadlineExceeded,
+        Self::InternalError,
+        Self::RoundLimit,
+        Self::TruncatedToolCall,
+        Self::CitationConflict,
+        Self::InvalidSink,
+        Self::InvalidToolSelection,
+        Self::ApprovalUnavailable,
+        Self::ApprovalTimeout,
+        Self::BadDeployment,
+        Self::NoDeployment,
+        Self::NoProfile,
+        Self::AnswerTooLarge,
+    ];
+
+    /// The prefix of a provider failure's code.
+    pub const LLM_PREFIX: &str = "llm_";
+
+    /// A provider failure of `kind` (the provider client's code).
+    pub fn llm(kind: &str) -> Self {
+        Self::Llm(kind.to_string())
+    }
+
+    /// The code as clients see it.
+    pub fn as_str(&self) -> std::borrow::Cow<'_, str> {
+        let fixed = match self {
+            Self::MalformedJob => "malformed_job",
+            Self::DuplicateInvocation => "duplicate_invocation",
+            Self::TenantMismatch => "tenant_mismatch",
+            Self::TooManyAttempts => "too_many_attempts",
+            Self::UnreadableHeaders => "unreadable_headers",
+            Self::Cancelled => "cancelled",
+            Self::DeadlineExceeded => "deadline_exceeded",
+            Self::InternalError => "internal_error",
+            Self::RoundLimit => "round_limit",
+            Self::TruncatedToolCall => "truncated_tool_call",
+            Self::CitationConflict => "citation_conflict",
+            Self::InvalidSink => "invalid_sink",
+            Self::InvalidToolSelection => "invalid_tool_selection",
+            Self::ApprovalUnavailable => "approval_unavailable",
+            Self::ApprovalTimeout => "approval_timeout",
+            Self::BadDeployment => "bad_deployment",
+            Self::NoDeployment => "no_deployment",
+            Self::NoProfile => "no_profile",
+            Self::AnswerTooLarge => "answer_too_large",
+            Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
+            Self::Custom(code) => return code.as_str().into(),
+        };
+        fixed.into()
+    }
+
+    /// The code a string names: a fixed one, a provider failure, or a
+    /// custom one.
+    pub fn parse(code: &str) -> Self {
+        if let Some(fixed) = Self::FIXED.iter().find(|c| c.as_str() == code) {
+            return fixed.clone();
+        }
+        match code.strip_prefix(Self::LLM_PREFIX) {
+            Some(kind) => Self::Llm(kind.to_string()),
+            None => Self::Custom(code.to_string()),
+        }
+    }
+}
+
+impl fmt::Display for ChatErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.as_str())
+    }
+}
+
+impl From<&str> for ChatErrorCode {
+    fn from(code: &str) -> Self {
+        Self::parse(code)
+    }
+}
+
+impl From<String> for ChatErrorCode {
+    fn from(code: String) -> Self {
+        Self::parse(&code)
+    }
+}
+
+impl From<ChatErrorCode> for String {
+    fn from(code: ChatErrorCode) -> Self {
+        code.as_str().into_owned()
+    }
+}
+
+impl PartialEq<&str> for ChatErrorCode {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
+impl PartialEq<str> for ChatErrorCode {
+    fn eq(&self, other: &str) -> bool {
+        self.as_str() == other
+    }
+}
+
+impl Serialize for ChatErrorCode {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.as_str())
+    }
+}
+
+impl<'de> Deserialize<'de> for ChatErrorCode {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let code = String::deserialize(d)?;
+        Ok(Self::parse(&code))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_as_strings() {
+        for code in ChatErrorCode::FIXED {
+            assert_eq!(ChatErrorCode::parse(&code.as_str()), code);
+            let json = serde_json::to_string(&code).unwrap();
+            assert_eq!(serde_json::from_str::<ChatErrorCode>(&json).unwrap(), code);
+        }
+        assert_eq!(ChatErrorCode::llm("http_429").as_str(), "llm_http_429");
+        assert_eq!(
+            ChatErrorCode::parse("llm_timeout"),
+            ChatErrorCode::llm("timeout")
+        );
+        assert_eq!(
+            ChatErrorCode::parse("clock_failed"),
+            ChatErrorCode::Custom("clock_failed".into())
+        );
+        assert_eq!(ChatErrorCode::Cancelled, "cancelled");
+    }
+
+    /// The schema's list of fixed codes is this enum's.
+    #[test]
+    fn the_schema_lists_every_fixed_code() {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../schemas/chat_event.schema.json"
+        );
+        let schema: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        let listed: Vec<String> = schema["$defs"]["errorCode"]["anyOf"][0]["enum"]
+            .as_array()
+            .expect("$defs.errorCode.anyOf[0].enum lists the fixed codes")
+            .iter()
+            .map(|c| c.as_str().unwrap().to_string())
+            .collect();
+        let ours: Vec<String> = ChatErrorCode::FIXED
+            .iter()
+            .map(|c| c.as_str().into_owned())
+            .collect();
+        assert_eq!(listed, ours);
+        let llm = schema["$defs"]["errorCode"]["anyOf"][1]["pattern"]
+            .as_str()
+            .unwrap();
+        assert_eq!(llm, "^llm_[a-z0-9_]+$");
+    }
+}
