@@ -20,6 +20,15 @@ use crate::sse::{ARGUMENT_FRAGMENT_CHARS, Piece, Tag, answer_pieces, fragments};
 pub(crate) const MALFORMED_CHUNK: &str =
     "data: {\"choices\": [{\"index\": 0, \"delta\": {\"content\": \"scripted malformed chunk\"\n\n";
 
+/// Whether a streamed answer ends with a usage chunk:
+/// `stream_options.include_usage`.
+pub(crate) fn includes_usage(request: &Value) -> bool {
+    request
+        .pointer("/stream_options/include_usage")
+        .and_then(Value::as_bool)
+        == Some(true)
+}
+
 /// Checks a request the way the real API would and extracts its turns.
 pub(crate) fn read_request(body: &Value) -> Result<Vec<Turn>, ApiError> {
     let object = request_object(body)?;

@@ -95,7 +95,7 @@ pub(crate) async fn embeddings(
     .into_response()
 }
 
-/// The scripted embedding of `text` (see [`embeddings`]): hashed words,
+/// The scripted embedding of `text` (what `POST /v1/embeddings` answers): hashed words,
 /// L2-normalised; all zeros for a text without a word.
 pub fn scripted_embedding(text: &str, dimensions: usize) -> Vec<f32> {
     let mut vector = vec![0.0f32; dimensions.max(1)];

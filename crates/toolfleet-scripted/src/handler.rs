@@ -195,20 +195,13 @@ impl<'a> Answer<'a> {
     fn stream_pieces(&self) -> Vec<Piece> {
         let model = self.script.model();
         match self.api {
-            Api::Chat => {
-                let include_usage = self
-                    .request
-                    .pointer("/stream_options/include_usage")
-                    .and_then(Value::as_bool)
-                    == Some(true);
-                chat::stream_pieces(
-                    &chat::Envelope::new(model),
-                    &self.reply,
-                    self.prompt_tokens,
-                    include_usage,
-                    self.truncated,
-                )
-            }
+            Api::Chat => chat::stream_pieces(
+                &chat::Envelope::new(model),
+                &self.reply,
+                self.prompt_tokens,
+                chat::includes_usage(self.request),
+                self.truncated,
+            ),
             Api::Responses => responses::stream_pieces(
                 &responses::Envelope::new(model, self.request),
                 &self.reply,

@@ -13,7 +13,9 @@
 //!   `response.function_call_arguments.delta` / `.done`,
 //!   `response.output_item.done`, `response.completed` or
 //!   `response.incomplete`) or one response object;
-//! - `GET /v1/models`.
+//! - `GET /v1/models`;
+//! - `POST /v1/images/generations` and `POST /v1/embeddings`, for the
+//!   tools that call them.
 //!
 //! It answers by following a JSON script instead of thinking, can inject
 //! faults (error statuses, cut streams, malformed chunks, slow first tokens,
@@ -26,27 +28,34 @@
 //!
 //! # Layout
 //!
-//! Each module's `//!` says what it owns; lower ones never call up.
+//! From the bottom up: each module uses only those listed before it. The
+//! script format, the faults and the request checks are documented in the
+//! `//!` of `script`, `fault` and `request` (and `responses`).
 //!
-//! - `script`: the script format (documented there), reading and checking
-//!   a script file, and which rule answers a conversation.
-//! - `fault`: the faults a step can inject (documented there) and how a
-//!   step's `fault` is checked.
+//! - `fault`: the faults a step can inject, and how a step's `fault` is
+//!   checked.
+//! - `script`: the script format; reading and checking a script; which
+//!   rule answers a conversation.
 //! - `request`: what both API shapes share in reading a request: the
 //!   OpenAI-shaped error, the first checks, the turns a conversation
-//!   reduces to (the request checks are documented there).
+//!   reduces to.
 //! - `reply`: playing the script against the turns: the step, its
 //!   placeholders filled, a `length` cut; ids and token estimates.
-//! - `chat` and `responses`: one per API shape: reading its request and
-//!   writing its reply as one body or as streamed frames.
-//! - `sse`: streamed bodies: frames, stream faults, the paced body that
-//!   counts how it ended.
 //! - `state`: what the server keeps across requests: the request log,
 //!   fault counts, stream counts.
+//! - `sse`: streamed bodies: frames, stream faults, and the paced body that
+//!   counts how it ended.
+//! - `chat` and `responses`: one per API shape: reading its request and
+//!   writing its reply as one body or as streamed frames.
 //! - `handler`: the handler both model APIs share: record, play, inject
 //!   the fault, answer.
-//! - `images` and `embeddings`: the two other endpoints.
+//! - `images` and `embeddings`: the other two endpoints.
 //! - `server`: routes, the accept loop, [`serve`] and [`ScriptedServer`].
+//!
+//! Invariants: only `chat` and `responses` know how the two model APIs
+//! shape messages, bodies and frames (the rest works on `Turn`s and a
+//! `Reply`); only `state` holds what outlives a request; `script` and
+//! `fault` are the script as data and never see a request.
 
 mod chat;
 mod embeddings;

@@ -41,7 +41,8 @@
 //!   `"reasoning": true`, else `false`; `false` next to such a step is an
 //!   error (only a reasoning model reasons). Like OpenAI, a Responses
 //!   request for a model that is not one is refused when it asks for
-//!   `include: ["reasoning.encrypted_content"]` (see *Request checks*).
+//!   `include: ["reasoning.encrypted_content"]` (see the request checks
+//!   in `responses`).
 //! - `chunkDelayMs` (optional, default 0): pause before each streamed chunk
 //!   or event.
 //! - `firstTokenDelayMs` (optional, default 0): a slow model: every
@@ -96,7 +97,7 @@
 //!     tokens. The item carries a labelled fake `encrypted_content` only when
 //!     the request's `include` asks for `reasoning.encrypted_content`, as
 //!     with OpenAI. Chat Completions ignores it.
-//!   - `fault`: something to go wrong when this step is played, see below.
+//!   - `fault`: something to go wrong when this step is played, see `fault`.
 //!
 //! The step to play is the number of assistant turns with tool calls after
 //! the last user message: step 0 on the first call, step 1 after one tool

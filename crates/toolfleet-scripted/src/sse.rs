@@ -2,7 +2,8 @@
 //! with where they sit in it, how text and arguments are split into
 //! frames, how the stream faults (`cutMidToolCall`, `cutMidText`,
 //! `malformedChunk`) bend the frames, and the body that feeds them out at
-//! the script's pace while counting how it ended ([`StreamStats`](crate::StreamStats)).
+//! the script's pace while counting how it ended
+//! ([`StreamStats`](crate::StreamStats)).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
