@@ -11,10 +11,13 @@
 //!   ports, a node killable and restartable (tests of replicated streams).
 //! - [`redis_cluster`]: a Redis Cluster of `redis-server` masters, plain or
 //!   TLS-only, optionally password-protected (the store's cluster mode).
+//! - [`postgres`]: a PostgreSQL server with a fresh cluster on a free
+//!   loopback port, the machine's or another installation (pgvector's).
 //! - [`wait`]: the bound on every await of a test, and the next JSON
 //!   message of a subscription within it.
 
 pub mod cluster;
+pub mod postgres;
 pub mod redis_cluster;
 pub mod servers;
 pub mod wait;
