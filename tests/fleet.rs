@@ -19,7 +19,6 @@ mod orchestrator;
 mod policies;
 mod prometheus;
 mod rag;
-mod redis_store;
 mod runtime;
 mod scoping;
 mod secrets;

@@ -115,11 +115,31 @@ fn crates_depend_only_where_the_rules_allow() {
         our_deps_of("workers/llm/Cargo.toml", true),
         set(&["toolfleet-scripted"])
     );
+    // The real-server harness depends on no crate of ours (not even for
+    // its tests), so testing a crate against real servers compiles no
+    // fleet; the contract's and the store's tests use it and nothing else
+    // of ours (never the in-process fleet of toolfleet-local, which brings
+    // the orchestrator).
+    for dev in [false, true] {
+        assert_eq!(
+            our_deps_of("crates/toolfleet-testkit/Cargo.toml", dev),
+            set(&[]),
+            "toolfleet-testkit (dev: {dev})"
+        );
+    }
+    for m in [
+        "crates/toolfleet-protocol/Cargo.toml",
+        "crates/toolfleet-store/Cargo.toml",
+    ] {
+        assert_eq!(our_deps_of(m, true), set(&["toolfleet-testkit"]), "{m}");
+    }
     // The SDK's and the orchestrator's tests stay on their side too.
     assert!(
         !our_deps_of("crates/toolfleet-worker/Cargo.toml", true)
             .iter()
-            .any(|d| d == "toolfleet-llm" || d == "toolfleet-orchestrator")
+            .any(|d| d == "toolfleet-llm"
+                || d == "toolfleet-orchestrator"
+                || d == "toolfleet-local")
     );
     assert!(
         !our_deps_of("crates/toolfleet-orchestrator/Cargo.toml", true)

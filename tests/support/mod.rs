@@ -21,8 +21,9 @@ use toolfleet_protocol::client::{ChatOutcome, ClientError};
 use toolfleet_protocol::{ChatJob, Subjects};
 use toolfleet_scripted::{Script, ScriptedServer};
 
-/// Every await in a test is bounded by this.
-pub const WAIT: Duration = Duration::from_secs(30);
+// The bound on every await, and the next JSON message within it: from the
+// testkit, which the crates' own tests share.
+pub use toolfleet_testkit::wait::{WAIT, next_json};
 
 pub fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -282,14 +283,6 @@ impl Drop for Env {
 pub async fn reqwest_get(url: &str) -> String {
     toolfleet_llm::install_crypto_provider();
     reqwest::get(url).await.unwrap().text().await.unwrap()
-}
-
-pub async fn next_json(sub: &mut async_nats::Subscriber) -> serde_json::Value {
-    let msg = tokio::time::timeout(WAIT, sub.next())
-        .await
-        .expect("no message in time")
-        .expect("subscription closed");
-    serde_json::from_slice(&msg.payload).unwrap()
 }
 
 /// A script for the question "What time is it, and how do lighthouses warn

@@ -3,14 +3,13 @@
 //!
 //! # Layout
 //!
-//! - [`servers`]: `nats-server` and `redis-server` as child processes on
-//!   free loopback ports, killed on drop, restartable on the same port.
-//! - [`cluster`]: a JetStream cluster of `nats-server` nodes on loopback
-//!   ports, a node killable and restartable (tests of replicated streams).
 //! - [`fleet`]: an orchestrator and any listed workers in one process. It
 //!   knows no tool family: the caller builds each family's tools.
+//! - [`servers`], [`cluster`], [`redis_cluster`]: the real servers as
+//!   child processes, from `toolfleet-testkit` (which depends on no crate
+//!   of the fleet), re-exported so `toolfleet up`, the demo and the bench
+//!   find them beside the fleet.
 
-pub mod cluster;
 pub mod fleet;
-pub mod redis_cluster;
-pub mod servers;
+
+pub use toolfleet_testkit::{cluster, redis_cluster, servers};

@@ -35,7 +35,7 @@ async fn within<F: Future>(future: F) -> F::Output {
 }
 
 /// The harness's `nats-server` (JetStream on, free port, killed on drop).
-type Nats = toolfleet_local::servers::NatsServer;
+type Nats = toolfleet_testkit::servers::NatsServer;
 
 /// One fleet on the server: a client for readings, one for the stand-in
 /// workers, and the catalog bucket.

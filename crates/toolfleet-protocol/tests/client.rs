@@ -20,7 +20,7 @@ async fn within<F: Future>(future: F) -> F::Output {
 }
 
 /// The harness's `nats-server` (JetStream on, free port, killed on drop).
-type Nats = toolfleet_local::servers::NatsServer;
+type Nats = toolfleet_testkit::servers::NatsServer;
 
 /// A connected client, the chat stream created, and a way to count what
 /// it holds.

@@ -7,14 +7,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use toolfleet_local::redis_cluster::{ClusterOptions, ClusterTls, RedisCluster};
-use toolfleet_local::servers::{RedisServer, free_port};
 use toolfleet_protocol::{ToolResult, ToolStatus};
 use toolfleet_store::{
     Blob, CitationStore, Claim, ErrorKind, MAX_BLOB_BYTES, NewReference, RedisOptions,
 };
-
-use crate::support::WAIT;
+use toolfleet_testkit::redis_cluster::{ClusterOptions, ClusterTls, RedisCluster};
+use toolfleet_testkit::servers::{RedisServer, free_port};
+use toolfleet_testkit::wait::WAIT;
 
 const TTL: Duration = Duration::from_secs(600);
 

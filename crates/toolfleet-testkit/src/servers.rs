@@ -13,10 +13,18 @@ use std::time::{Duration, Instant};
 pub const INSTALL_HINT: &str = "install it with `sudo apt-get install -y nats-server redis-server` (Debian/Ubuntu), \
 `brew install nats-server redis` (macOS), or download nats-server from https://github.com/nats-io/nats-server/releases";
 
+/// What to install when PostgreSQL is missing.
+pub const POSTGRES_HINT: &str = "install it with `sudo apt-get install -y postgresql` (Debian/Ubuntu) \
+or `brew install postgresql` (macOS)";
+
 #[derive(Debug, thiserror::Error)]
 pub enum LocalError {
     #[error("`{0}` was not found on PATH: {INSTALL_HINT}")]
     Missing(&'static str),
+    #[error("PostgreSQL was not found in {0}: {POSTGRES_HINT}")]
+    NoPostgres(String),
+    #[error("{0} failed: {1}")]
+    Failed(&'static str, String),
     #[error("{0} did not become ready within {1:?}; its output:\n{2}")]
     NotReady(&'static str, Duration, String),
     #[error("{0} exited while starting ({1}); its output:\n{2}")]
@@ -70,6 +78,16 @@ impl Proc {
         if !have(name) {
             return Err(LocalError::Missing(name));
         }
+        Self::spawn_found(name, cmd, log)
+    }
+
+    /// [`Proc::spawn`] of a program the caller has found (not necessarily
+    /// on PATH: PostgreSQL's binaries usually are not).
+    pub(crate) fn spawn_found(
+        name: &'static str,
+        cmd: &mut Command,
+        log: &Path,
+    ) -> Result<Self, LocalError> {
         let out = std::fs::File::create(log).map_err(|e| LocalError::Io(name, e))?;
         let err = out.try_clone().map_err(|e| LocalError::Io(name, e))?;
         let child = cmd
@@ -101,6 +119,22 @@ impl Proc {
         }
         let log = std::fs::read_to_string(&self.log).unwrap_or_default();
         Err(LocalError::NotReady(self.name, READY_WITHIN, log))
+    }
+
+    /// Asks the process to stop with `signal` (a name `kill` knows), waits
+    /// up to `within` for it to exit, then kills it if it has not.
+    pub(crate) fn stop_with(&mut self, signal: &str, within: Duration) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = Command::new("kill")
+                .arg(format!("-{signal}"))
+                .arg(c.id().to_string())
+                .status();
+            let start = Instant::now();
+            while start.elapsed() < within && matches!(c.try_wait(), Ok(None)) {
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        }
+        self.kill();
     }
 
     pub(crate) fn kill(&mut self) {

@@ -1,0 +1,185 @@
+//! A PostgreSQL server as a child process: a fresh cluster (`initdb`) in a
+//! temporary directory, on a free loopback port, trust authentication for
+//! the superuser `postgres`, stopped on drop. The machine's PostgreSQL, or
+//! another installation (pgserver's, which has pgvector). As root, the
+//! server runs as the user `postgres`: PostgreSQL refuses to run as root.
+
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::servers::{LocalError, Proc, free_port, with_retries};
+
+/// A `postgres` child process with its own cluster.
+pub struct PostgresServer {
+    proc: Proc,
+    port: u16,
+    dir: tempfile::TempDir,
+}
+
+impl PostgresServer {
+    /// Starts the machine's PostgreSQL: `postgres` and `initdb` on PATH,
+    /// else the newest of `/usr/lib/postgresql/<version>/bin` (where
+    /// Debian and Ubuntu put them).
+    pub fn start() -> Result<Self, LocalError> {
+        Self::start_in(&machine_bindir()?)
+    }
+
+    /// Starts the `postgres` and `initdb` of `bindir` (an installation's
+    /// `bin` directory). Retried on a new port like
+    /// [`crate::servers::NatsServer::start`].
+    pub fn start_in(bindir: &Path) -> Result<Self, LocalError> {
+        if !bindir.join("postgres").is_file() || !bindir.join("initdb").is_file() {
+            return Err(LocalError::NoPostgres(bindir.display().to_string()));
+        }
+        let as_root = running_as_root();
+        with_retries(|| {
+            let dir = tempfile::tempdir().map_err(|e| LocalError::Io("postgres", e))?;
+            if as_root {
+                run(
+                    "chown",
+                    Command::new("chown")
+                        .arg("postgres:postgres")
+                        .arg(dir.path()),
+                )?;
+            }
+            let data = dir.path().join("data");
+            run(
+                "initdb",
+                as_owner(bindir.join("initdb"), as_root)
+                    .arg("-D")
+                    .arg(&data)
+                    .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]),
+            )?;
+            let port = free_port().map_err(|e| LocalError::Io("postgres", e))?;
+            let mut proc = Proc::spawn_found(
+                "postgres",
+                as_owner(bindir.join("postgres"), as_root)
+                    .arg("-D")
+                    .arg(&data)
+                    .arg("-k")
+                    .arg(dir.path())
+                    .args(["-p", &port.to_string()])
+                    .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]),
+                &dir.path().join("postgres.log"),
+            )?;
+            let log = dir.path().join("postgres.log");
+            proc.wait_ready(|| {
+                std::fs::read_to_string(&log)
+                    .is_ok_and(|l| l.contains("ready to accept connections"))
+                    && TcpStream::connect(("127.0.0.1", port)).is_ok()
+            })?;
+            Ok(Self { proc, port, dir })
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The superuser's URL (trust authentication: no password).
+    pub fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// What the server has logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("postgres.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for PostgresServer {
+    fn drop(&mut self) {
+        // SIGQUIT: the postmaster stops its children and exits at once (a
+        // SIGKILL would leave them behind).
+        self.proc.stop_with("QUIT", Duration::from_secs(5));
+    }
+}
+
+/// Where the machine's PostgreSQL binaries are.
+fn machine_bindir() -> Result<PathBuf, LocalError> {
+    let on_path = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .find(|d| d.join("postgres").is_file() && d.join("initdb").is_file())
+    });
+    if let Some(dir) = on_path {
+        return Ok(dir);
+    }
+    let debian = Path::new("/usr/lib/postgresql");
+    let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir(debian)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| Some((e.file_name().to_str()?.parse().ok()?, e.path().join("bin"))))
+        .filter(|(_, bin)| bin.join("postgres").is_file())
+        .collect();
+    versions.sort();
+    versions
+        .pop()
+        .map(|(_, bin)| bin)
+        .ok_or_else(|| LocalError::NoPostgres(format!("PATH and {}", debian.display())))
+}
+
+fn running_as_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.trim_ascii() == b"0")
+}
+
+/// `program` run as the user that owns the data directory: `postgres`
+/// when we are root.
+fn as_owner(program: PathBuf, as_root: bool) -> Command {
+    if !as_root {
+        return Command::new(program);
+    }
+    let mut c = Command::new("setpriv");
+    c.args([
+        "--reuid=postgres",
+        "--regid=postgres",
+        "--init-groups",
+        "--",
+    ]);
+    c.arg(program);
+    c
+}
+
+/// Runs a set-up step to its end; its output is the error when it fails.
+fn run(name: &'static str, cmd: &mut Command) -> Result<(), LocalError> {
+    let out = cmd.output().map_err(|e| LocalError::Io(name, e))?;
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(LocalError::Failed(
+        name,
+        format!("{}: {}", out.status, String::from_utf8_lossy(&out.stderr)),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cluster_starts_answers_and_is_gone_after_drop() {
+        let server = PostgresServer::start().unwrap();
+        let port = server.port();
+        assert!(server.url().ends_with(&format!(":{port}/postgres")));
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_ok());
+        assert!(server.log().contains("ready to accept connections"));
+        drop(server);
+        assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+    }
+
+    #[test]
+    fn a_missing_installation_says_what_to_install() {
+        let err = PostgresServer::start_in(Path::new("/nonexistent/bin"))
+            .err()
+            .unwrap();
+        assert!(
+            err.to_string().contains("apt-get install -y postgresql"),
+            "{err}"
+        );
+    }
+}
