@@ -13,6 +13,7 @@ mod health;
 mod layout;
 mod llm_tools;
 mod mcp;
+mod modules;
 mod nats_cluster;
 mod operator;
 mod orchestrator;

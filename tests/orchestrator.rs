@@ -9,8 +9,11 @@ use futures::future::BoxFuture;
 use futures::{FutureExt, StreamExt};
 use serde_json::{Value, json};
 use toolfleet_llm::ToolCall;
+use toolfleet_orchestrator::context::Context;
 use toolfleet_orchestrator::dispatch::new_call_id;
-use toolfleet_orchestrator::{Answer, Ending, Events, Failure, Fleet, Invocation, Orchestrator};
+use toolfleet_orchestrator::{
+    Answer, ContextHandler, Ending, Events, Failure, Fleet, Invocation, Orchestrator,
+};
 use toolfleet_protocol::{ChatEvent, ChatEventBody, Envelope, MAX_JOB_BYTES, ToolStatus};
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
@@ -252,6 +255,108 @@ async fn a_profile_selects_a_custom_orchestrator_registered_in_the_config() {
     assert_eq!(started_profile(&outcome.events).as_deref(), Some("swarm"));
     assert!(outcome.rounds >= 1);
     assert!(!env.model.requests().is_empty(), "the model was called");
+}
+
+/// A deployment's own context step: adds a system note after the
+/// conversation is built, naming how many tools the invocation may use.
+struct HouseRules;
+
+impl ContextHandler for HouseRules {
+    fn name(&self) -> &str {
+        "house_rules"
+    }
+
+    fn handle<'a>(
+        &'a self,
+        inv: &'a mut Invocation,
+        _cx: &'a mut Context<'_>,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        let note = format!(
+            "House rules: answer in one paragraph. You may use {} tools.",
+            inv.scope.permitted.tools.len()
+        );
+        inv.messages
+            .push(toolfleet_llm::Message::System { content: note });
+        std::future::ready(Ok(())).boxed()
+    }
+}
+
+/// A context step that refuses every job it sees.
+struct Gatekeeper;
+
+impl ContextHandler for Gatekeeper {
+    fn name(&self) -> &str {
+        "gatekeeper"
+    }
+
+    fn handle<'a>(
+        &'a self,
+        _inv: &'a mut Invocation,
+        _cx: &'a mut Context<'_>,
+    ) -> BoxFuture<'a, Result<(), Failure>> {
+        let refused = Failure::new("not_today", "the gatekeeper says no");
+        std::future::ready(Err(refused)).boxed()
+    }
+}
+
+/// A third-party context handler plugs into the context stage without
+/// replacing the orchestrator: one registered after the built-ins adds a
+/// system note the model reads on its first call (after the permitted
+/// tools are known); one that fails before `started` ends the job with
+/// its own code, and the model is never called.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_third_party_context_handler_adds_a_system_note_the_model_reads() {
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            tweak: |c| {
+                c.register_context_handler(HouseRules);
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("How do lighthouses warn ships?").await;
+    let outcome = outcome.expect("the job completes");
+    assert!(!outcome.text.is_empty());
+    let requests = env.model.requests();
+    let first = &requests[0]["messages"];
+    let notes: Vec<&str> = first
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "system")
+        .filter_map(|m| m["content"].as_str())
+        .filter(|c| c.starts_with("House rules:"))
+        .collect();
+    assert_eq!(notes.len(), 1, "{first}");
+    assert!(
+        !notes[0].ends_with("use 0 tools."),
+        "the note was written after the permitted tools: {}",
+        notes[0]
+    );
+
+    let env = Env::start_with(
+        lighthouse_script(),
+        Options {
+            tweak: |c| {
+                c.context_handlers_mut()
+                    .insert_before("started", Gatekeeper)
+                    .unwrap();
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("How do lighthouses warn ships?").await;
+    match outcome {
+        Err(toolfleet_protocol::client::ClientError::Failed { code, message }) => {
+            assert_eq!(code, "not_today");
+            assert_eq!(message, "the gatekeeper says no");
+        }
+        other => panic!("expected the gatekeeper's error, got {other:?}"),
+    }
+    assert!(env.model.requests().is_empty(), "the model was not called");
 }
 
 /// Sends two progress messages, the second longer than an event carries,

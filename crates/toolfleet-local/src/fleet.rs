@@ -74,7 +74,7 @@ async fn start_parts(
         } else {
             let ping =
                 toolfleet_service::health::ping(store.clone(), |s| async move { s.ping().await });
-            toolfleet_service::health::watch_connections(rt, client, Some(ping))?;
+            rt.watch_connections(client, Some(ping))?;
             watched = true;
         }
         Ok(())

@@ -47,7 +47,7 @@ pub async fn start(
         .with_context(|| format!("cannot connect to Redis at {}", redis.redacted_url()))?;
     let client = nats.connect("toolfleet-orchestrator").await?;
     let ping = toolfleet_service::health::ping(store.clone(), |s| async move { s.ping().await });
-    toolfleet_service::health::watch_connections(&rt, &client, Some(ping))?;
+    rt.watch_connections(&client, Some(ping))?;
     let dead_letters = toolfleet_service::metrics::dead_letters(&rt.metrics)?;
     let metrics = OrchestratorMetrics::register(&rt.metrics, dead_letters)?;
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();

@@ -189,36 +189,6 @@ where
     })
 }
 
-/// Wires a process's connections into its health: readiness checks for
-/// NATS (and Redis, given its `ping`), the connection gauges and reconnect
-/// counter on its registry, refreshed until it shuts down.
-///
-/// # Errors
-///
-/// A metric already registered.
-pub fn watch_connections(
-    rt: &crate::Runtime,
-    client: &async_nats::Client,
-    redis: Option<Ping>,
-) -> prometheus::Result<()> {
-    let (health, registry, shutdown) = (&rt.health, &rt.metrics, rt.shutdown.clone());
-    health.nats(client);
-    if let Some(ping) = &redis {
-        let ping = ping.clone();
-        health.check("redis", move || ping());
-    }
-    let metrics = ConnectionMetrics::register(registry)?;
-    let redis_up = redis.map(|ping| {
-        let f: Arc<dyn Fn() -> BoxFuture<'static, bool> + Send + Sync> = Arc::new(move || {
-            let ping = ping.clone();
-            async move { ping().await.is_ok() }.boxed()
-        });
-        f
-    });
-    metrics.watch(client.clone(), redis_up, shutdown);
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

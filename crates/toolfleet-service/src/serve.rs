@@ -6,9 +6,15 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use anyhow::Context;
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+
+use crate::health::{ConnectionMetrics, Ping};
 
 /// How long a process waits for work in flight after SIGTERM.
 pub const GRACE_PERIOD: Duration = Duration::from_secs(30);
@@ -202,5 +208,37 @@ mod tests {
             raised: false,
         };
         assert!(!unlimited.is_low());
+    }
+}
+
+impl Runtime {
+    /// Wires a process's connections into its health: readiness checks for
+    /// NATS (and Redis, given its `ping`), the connection gauges and reconnect
+    /// counter on its registry, refreshed until it shuts down.
+    ///
+    /// # Errors
+    ///
+    /// A metric already registered.
+    pub fn watch_connections(
+        &self,
+        client: &async_nats::Client,
+        redis: Option<Ping>,
+    ) -> prometheus::Result<()> {
+        let (health, registry, shutdown) = (&self.health, &self.metrics, self.shutdown.clone());
+        health.nats(client);
+        if let Some(ping) = &redis {
+            let ping = ping.clone();
+            health.check("redis", move || ping());
+        }
+        let metrics = ConnectionMetrics::register(registry)?;
+        let redis_up = redis.map(|ping| {
+            let f: Arc<dyn Fn() -> BoxFuture<'static, bool> + Send + Sync> = Arc::new(move || {
+                let ping = ping.clone();
+                async move { ping().await.is_ok() }.boxed()
+            });
+            f
+        });
+        metrics.watch(client.clone(), redis_up, shutdown);
+        Ok(())
     }
 }

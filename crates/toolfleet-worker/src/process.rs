@@ -59,7 +59,7 @@ impl Worker {
                 .await?;
             let ping =
                 toolfleet_service::health::ping(store.clone(), |s| async move { s.ping().await });
-            toolfleet_service::health::watch_connections(&rt, &client, Some(ping))?;
+            rt.watch_connections(&client, Some(ping))?;
             rt.health
                 .check("consumers", self.consumer_check(&client, &subjects));
             let metrics = WorkerMetrics::register_all(&rt.metrics)?;

@@ -384,3 +384,68 @@ mod builtin {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Named(&'static str);
+
+    impl ContextHandler for Named {
+        fn name(&self) -> &str {
+            self.0
+        }
+
+        fn handle<'a>(
+            &'a self,
+            _: &'a mut Invocation,
+            _: &'a mut Context<'_>,
+        ) -> BoxFuture<'a, Result<(), Failure>> {
+            std::future::ready(Ok(())).boxed()
+        }
+    }
+
+    #[test]
+    fn the_built_ins_run_in_order_and_a_handler_goes_where_it_is_put() {
+        let mut handlers = ContextHandlers::default();
+        assert_eq!(
+            handlers.names(),
+            [
+                "invocation_context",
+                "conversation",
+                "permitted_tools",
+                "sink_route",
+                "scoping",
+                "started",
+                "preemptive_rag"
+            ]
+        );
+        handlers.push(Named("last"));
+        handlers
+            .insert_before("scoping", Named("tenant_check"))
+            .unwrap();
+        handlers
+            .insert_after("conversation", Named("note"))
+            .unwrap();
+        assert_eq!(
+            handlers.names(),
+            [
+                "invocation_context",
+                "conversation",
+                "note",
+                "permitted_tools",
+                "sink_route",
+                "tenant_check",
+                "scoping",
+                "started",
+                "preemptive_rag",
+                "last"
+            ]
+        );
+        let e = handlers.insert_after("nope", Named("x")).unwrap_err();
+        assert!(
+            e.contains("\"nope\"") && e.contains("preemptive_rag"),
+            "{e}"
+        );
+    }
+}
