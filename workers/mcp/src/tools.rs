@@ -56,104 +56,134 @@ pub fn definitions(
     tools: &[rmcp::model::Tool],
     functions: &mut BTreeSet<String>,
 ) -> (Vec<Imported>, Vec<String>) {
-    let namespace = format!("mcp_{server}");
-    let mut seen = BTreeSet::new();
+    let mut names = Names {
+        server,
+        namespace: format!("mcp_{server}"),
+        seen: BTreeSet::new(),
+        functions,
+    };
     let mut imported = Vec::new();
     let mut skipped = Vec::new();
     for tool in tools {
-        let name = token(&tool.name);
-        let function = format!("{namespace}_{name}");
-        if function.len() > 64 {
-            skipped.push(format!(
-                "{server}/{}: the function name {function} is over 64 characters",
-                tool.name
-            ));
-            continue;
-        }
-        if !seen.insert(name.clone()) {
-            skipped.push(format!(
-                "{server}/{}: its name maps to {name}, as another tool's does",
-                tool.name
-            ));
-            continue;
-        }
-        if functions.contains(&function) {
-            skipped.push(format!(
-                "{server}/{}: the function name {function} is another server's tool's",
-                tool.name
-            ));
-            continue;
-        }
-        let description: String = tool
-            .description
-            .as_deref()
-            .filter(|d| !d.trim().is_empty())
-            .unwrap_or("A tool of an MCP server.")
-            .chars()
-            .take(MAX_DESCRIPTION)
-            .collect();
-        let title = tool
-            .title
-            .clone()
-            .or_else(|| tool.annotations.as_ref().and_then(|a| a.title.clone()))
-            .unwrap_or_else(|| tool.name.to_string());
-        let read_only = tool
-            .annotations
-            .as_ref()
-            .and_then(|a| a.read_only_hint)
-            .unwrap_or(false);
-        let idempotent = tool
-            .annotations
-            .as_ref()
-            .and_then(|a| a.idempotent_hint)
-            .unwrap_or(false);
-        let mut parameters = Value::Object((*tool.input_schema).clone());
-        if parameters.get("type").is_none() {
-            parameters["type"] = json!("object");
-        }
-        // What model providers take as function parameters: an object
-        // schema at the root, not a reference or a choice of schemas.
-        if let Some(why) = unusable_root(&parameters) {
-            skipped.push(format!("{server}/{}: its input schema {why}", tool.name));
-            continue;
-        }
-        let value = json!({
-            "schemaVersion": 1,
-            "id": format!("{namespace}:{name}@1.0.0"),
-            "implementationKey": format!("{namespace}.{name}"),
-            "title": title,
-            "description": description,
-            "category": "mcp",
-            "purpose": "general",
-            "selectable": true,
-            "tags": ["mcp", format!("mcp_server_{server}")],
-            "function": {
-                "name": function,
-                "description": description,
-                "strict": false,
-                "parameters": parameters,
-            },
-            "timeoutMs": timeout_ms,
-            "delivery": "jetstream",
-            "parallelSafe": read_only,
-            "idempotent": idempotent && read_only,
-        });
-        match ToolDefinition::from_value(
-            value,
-            Origin::Named(format!("MCP tool {} of server {server}", tool.name)),
-        ) {
-            Ok(definition) => {
-                functions.insert(function);
-                imported.push(Imported {
-                    definition,
-                    mcp_name: tool.name.to_string(),
-                    safe_to_repeat: read_only || idempotent,
-                });
-            }
-            Err(e) => skipped.push(format!("{server}/{}: {e}", tool.name)),
+        match import(&mut names, timeout_ms, tool) {
+            Ok(one) => imported.push(one),
+            Err(why) => skipped.push(format!("{server}/{}: {why}", tool.name)),
         }
     }
     (imported, skipped)
+}
+
+/// The names taken while one server's tools are imported.
+struct Names<'a> {
+    server: &'a str,
+    /// `mcp_<server>`.
+    namespace: String,
+    /// The id tokens of this server's tools so far.
+    seen: BTreeSet<String>,
+    /// The function names of every server's tools so far.
+    functions: &'a mut BTreeSet<String>,
+}
+
+/// One tool as a definition, or why it is left out.
+fn import(
+    names: &mut Names,
+    timeout_ms: u64,
+    tool: &rmcp::model::Tool,
+) -> Result<Imported, String> {
+    let (server, namespace) = (names.server, &names.namespace);
+    let name = token(&tool.name);
+    let function = format!("{namespace}_{name}");
+    if function.len() > 64 {
+        return Err(format!(
+            "the function name {function} is over 64 characters"
+        ));
+    }
+    if !names.seen.insert(name.clone()) {
+        return Err(format!("its name maps to {name}, as another tool's does"));
+    }
+    if names.functions.contains(&function) {
+        return Err(format!(
+            "the function name {function} is another server's tool's"
+        ));
+    }
+    let (title, description) = describe(tool);
+    let (read_only, idempotent) = hints(tool);
+    let parameters = parameters(tool)?;
+    let value = json!({
+        "schemaVersion": 1,
+        "id": format!("{namespace}:{name}@1.0.0"),
+        "implementationKey": format!("{namespace}.{name}"),
+        "title": title,
+        "description": description,
+        "category": "mcp",
+        "purpose": "general",
+        "selectable": true,
+        "tags": ["mcp", format!("mcp_server_{server}")],
+        "function": {
+            "name": function,
+            "description": description,
+            "strict": false,
+            "parameters": parameters,
+        },
+        "timeoutMs": timeout_ms,
+        "delivery": "jetstream",
+        "parallelSafe": read_only,
+        "idempotent": idempotent && read_only,
+    });
+    let definition = ToolDefinition::from_value(
+        value,
+        Origin::Named(format!("MCP tool {} of server {server}", tool.name)),
+    )
+    .map_err(|e| e.to_string())?;
+    names.functions.insert(function);
+    Ok(Imported {
+        definition,
+        mcp_name: tool.name.to_string(),
+        safe_to_repeat: read_only || idempotent,
+    })
+}
+
+/// A tool's title and description (cut to [`MAX_DESCRIPTION`]), with
+/// stand-ins for what the server left out.
+fn describe(tool: &rmcp::model::Tool) -> (String, String) {
+    let description: String = tool
+        .description
+        .as_deref()
+        .filter(|d| !d.trim().is_empty())
+        .unwrap_or("A tool of an MCP server.")
+        .chars()
+        .take(MAX_DESCRIPTION)
+        .collect();
+    let title = tool
+        .title
+        .clone()
+        .or_else(|| tool.annotations.as_ref().and_then(|a| a.title.clone()))
+        .unwrap_or_else(|| tool.name.to_string());
+    (title, description)
+}
+
+/// The server's read-only and idempotent hints (false when not given).
+fn hints(tool: &rmcp::model::Tool) -> (bool, bool) {
+    let annotations = tool.annotations.as_ref();
+    (
+        annotations.and_then(|a| a.read_only_hint).unwrap_or(false),
+        annotations.and_then(|a| a.idempotent_hint).unwrap_or(false),
+    )
+}
+
+/// A tool's input schema as function parameters (`type: object` when it
+/// says no type), or why it cannot be.
+fn parameters(tool: &rmcp::model::Tool) -> Result<Value, String> {
+    let mut parameters = Value::Object((*tool.input_schema).clone());
+    if parameters.get("type").is_none() {
+        parameters["type"] = json!("object");
+    }
+    // What model providers take as function parameters: an object
+    // schema at the root, not a reference or a choice of schemas.
+    match unusable_root(&parameters) {
+        Some(why) => Err(format!("its input schema {why}")),
+        None => Ok(parameters),
+    }
 }
 
 /// Why a tool's input schema cannot be a function's parameters, if it

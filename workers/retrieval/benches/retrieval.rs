@@ -1,7 +1,8 @@
 //! The retrieval benchmarks of BENCHMARKS.md (no framework, as the
 //! workspace's other benches):
 //!
-//! 1. chunking alone — normalised text into 500/50-token windows — beside
+//! 1. chunking alone — normalised text into chunks of at most 500 tokens,
+//!    overlapping by at most 50, cut at sentence boundaries — beside
 //!    Python tiktoken's `o200k_base` on the same text, measured in the same
 //!    run (the floor: `scripts/bench_tiktoken.py`);
 //! 2. ingestion throughput (MB of Markdown per second: normalise, chunk,
@@ -368,7 +369,10 @@ async fn main() {
         row("Python tiktoken `encode_ordinary` (floor)", p);
     }
     row("Rust `encode_ordinary` (tiktoken-rs)", best_encode);
-    row("Rust `chunk` (encode + 500/50 windows)", best_chunk);
+    row(
+        "Rust `chunk` (500/50 tokens, sentence boundaries)",
+        best_chunk,
+    );
     let _ = std::io::stdout().flush();
 
     // 2. Ingestion per backend.

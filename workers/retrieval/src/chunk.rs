@@ -1,17 +1,19 @@
-//! Token-aware chunking with tiktoken's `o200k_base` encoding (the one
-//! GPT-4o and later models count with): windows of `max_tokens` tokens,
-//! each starting `max_tokens - overlap_tokens` tokens after the previous
-//! one, so that a sentence cut by one window is whole in the next.
+//! Token-aware chunking at paragraph and sentence boundaries, sized in
+//! tiktoken's `o200k_base` tokens (the encoding GPT-4o and later count with).
 //!
-//! The text is encoded once; each token's byte length gives the byte offset
-//! of every token boundary, and a chunk is the slice of the original text
-//! between two boundaries (snapped outward to character boundaries where a
-//! multi-byte character spans two tokens). A chunk is therefore always a
-//! substring of the text, never re-decoded, and its window holds exactly
-//! `max_tokens` tokens except the last.
+//! The `text-splitter` crate does the cutting: each chunk is the longest run
+//! of the largest units that fits in `max_tokens` — whole paragraphs where
+//! they fit, else whole sentences, and words only for a sentence longer than
+//! a chunk — and the next chunk starts up to `overlap_tokens` tokens back,
+//! again on a unit boundary. So a cited passage starts where a sentence
+//! starts, where fixed token windows began mid-sentence.
+//!
+//! A chunk is a substring of the text with its edge whitespace trimmed,
+//! never re-decoded; counted on its own it is at most `max_tokens` tokens.
 
 use std::ops::Range;
 
+use text_splitter::TextSplitter;
 use tiktoken_rs::CoreBPE;
 
 /// Default tokens per chunk.
@@ -87,8 +89,6 @@ impl ChunkConfig {
 pub struct Chunk {
     /// Its bytes in the text (on character boundaries).
     pub bytes: Range<usize>,
-    /// Its token window in the text's encoding.
-    pub tokens: Range<usize>,
 }
 
 /// The encoding, built once per process (building it takes tens of ms).
@@ -96,158 +96,181 @@ pub fn encoding() -> &'static CoreBPE {
     tiktoken_rs::o200k_base_singleton()
 }
 
-/// The byte length of every token of the encoding, by rank, decoded once
-/// per process: chunking looks lengths up instead of decoding each token.
-fn token_lengths() -> &'static [u32] {
-    static LENGTHS: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    LENGTHS.get_or_init(|| {
-        let bpe = encoding();
-        // o200k_base ranks run below 200,019 (special tokens included).
-        (0..200_019u32)
-            .map(|rank| bpe.decode_bytes(&[rank]).map_or(0, |b| b.len() as u32))
-            .collect()
-    })
-}
-
 /// How many `o200k_base` tokens `text` is.
 pub fn count_tokens(text: &str) -> usize {
     encoding().encode_ordinary(text).len()
 }
 
-/// Cuts `text` into chunks; an empty text has none.
+/// Cuts `text` into chunks; a text of only whitespace has none.
 pub fn chunk(text: &str, config: ChunkConfig) -> Vec<Chunk> {
-    let bpe = encoding();
-    let tokens = bpe.encode_ordinary(text);
-    if tokens.is_empty() {
-        return Vec::new();
-    }
-    // offsets[i] is where token i starts; offsets[n] is the end.
-    let lengths = token_lengths();
-    let mut offsets = Vec::with_capacity(tokens.len() + 1);
-    let mut at = 0usize;
-    offsets.push(0);
-    for token in &tokens {
-        // Every token of an encoding has a length; an impossible miss
-        // counts zero bytes and only shifts a boundary, which snapping
-        // keeps valid.
-        let len = match lengths.get(*token as usize) {
-            Some(&len) => len as usize,
-            None => bpe.decode_bytes(&[*token]).map_or(0, |b| b.len()),
-        };
-        at += len;
-        offsets.push(at.min(text.len()));
-    }
-    *offsets.last_mut().expect("pushed above") = text.len();
-
-    let step = config.max_tokens - config.overlap_tokens;
-    let mut chunks = Vec::new();
-    let mut start = 0usize;
-    loop {
-        let end = (start + config.max_tokens).min(tokens.len());
-        let from = floor_char_boundary(text, offsets[start]);
-        let to = ceil_char_boundary(text, offsets[end]);
-        chunks.push(Chunk {
-            bytes: from..to,
-            tokens: start..end,
-        });
-        if end == tokens.len() {
-            break;
-        }
-        start += step;
-    }
-    chunks
-}
-
-fn floor_char_boundary(text: &str, mut at: usize) -> usize {
-    while !text.is_char_boundary(at) {
-        at -= 1;
-    }
-    at
-}
-
-fn ceil_char_boundary(text: &str, mut at: usize) -> usize {
-    while !text.is_char_boundary(at) {
-        at += 1;
-    }
-    at
+    // `ChunkConfig::new` rules out the overlap the splitter would refuse;
+    // were it refused anyway, chunks without overlap are still chunks.
+    let split = text_splitter::ChunkConfig::new(config.max_tokens)
+        .with_overlap(config.overlap_tokens)
+        .unwrap_or_else(|_| text_splitter::ChunkConfig::new(config.max_tokens))
+        .with_sizer(encoding());
+    TextSplitter::new(split)
+        .chunk_indices(text)
+        .map(|(start, piece)| Chunk {
+            bytes: start..start + piece.len(),
+        })
+        .collect()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn prose(words: usize) -> String {
-        let vocabulary = [
-            "refund",
-            "policy",
-            "customers",
-            "return",
-            "items",
-            "within",
-            "thirty",
-            "days",
-            "receipt",
-            "store",
-            "credit",
-            "exchange",
-            "manager",
-            "approval",
-            "warranty",
-        ];
-        (0..words)
-            .map(|i| vocabulary[(i * 7 + i / 3) % vocabulary.len()])
+    const VOCABULARY: [&str; 15] = [
+        "refund",
+        "policy",
+        "customers",
+        "return",
+        "items",
+        "within",
+        "thirty",
+        "days",
+        "receipt",
+        "store",
+        "credit",
+        "exchange",
+        "manager",
+        "approval",
+        "warranty",
+    ];
+
+    fn words(count: usize, seed: usize) -> Vec<&'static str> {
+        (0..count)
+            .map(|i| VOCABULARY[((i + seed) * 7 + (i + seed) / 3) % VOCABULARY.len()])
+            .collect()
+    }
+
+    /// One sentence of `count` words: a capital first letter and a full stop.
+    fn sentence(count: usize, seed: usize) -> String {
+        let body = words(count, seed).join(" ");
+        let mut chars = body.chars();
+        let first = chars.next().map(|c| c.to_ascii_uppercase()).unwrap_or('X');
+        format!("{first}{}.", chars.as_str())
+    }
+
+    /// Paragraphs of 2 to 40 sentences of 8 to 30 words: some fit a chunk
+    /// whole, some must be cut between sentences.
+    fn document() -> String {
+        (0..24)
+            .map(|p| {
+                (0..2 + (p * 11) % 39)
+                    .map(|s| sentence(8 + (p * 5 + s * 3) % 23, p * 31 + s))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            })
             .collect::<Vec<_>>()
-            .join(" ")
-            + "."
+            .join("\n\n")
+    }
+
+    fn texts<'a>(text: &'a str, chunks: &[Chunk]) -> Vec<&'a str> {
+        chunks.iter().map(|c| &text[c.bytes.clone()]).collect()
+    }
+
+    /// Whether `at` is where a sentence starts: the text's start, or a
+    /// capital after a full stop and whitespace.
+    fn starts_a_sentence(text: &str, at: usize) -> bool {
+        let before = text[..at].trim_end();
+        let capital = text[at..].starts_with(|c: char| c.is_ascii_uppercase());
+        capital && (before.is_empty() || before.ends_with('.'))
+    }
+
+    /// The tokens `next` repeats from the end of `previous`.
+    fn overlap_tokens(text: &str, previous: &Chunk, next: &Chunk) -> usize {
+        text.get(next.bytes.start..previous.bytes.end)
+            .map_or(0, count_tokens)
     }
 
     #[test]
-    fn default_chunks_are_500_tokens_overlapping_by_50() {
-        let text = prose(3000);
-        let total = count_tokens(&text);
-        assert!(total > 1500, "{total}");
+    fn chunks_end_at_sentence_ends_within_500_tokens_overlapping_by_at_most_50() {
+        let text = document();
+        assert!(count_tokens(&text) > 3000, "{}", count_tokens(&text));
         let chunks = chunk(&text, ChunkConfig::default());
-        let bpe = encoding();
-        let all = bpe.encode_ordinary(&text);
+        assert!(chunks.len() >= 6, "{}", chunks.len());
+        let mut overlapping = 0;
         for (i, c) in chunks.iter().enumerate() {
-            let last = i + 1 == chunks.len();
-            let window = c.tokens.len();
-            if last {
-                assert!(window <= 500 && window > 50, "last window {window}");
-                assert_eq!(c.tokens.end, total);
-            } else {
-                assert_eq!(window, 500, "chunk {i}");
-            }
-            // The chunk's text is exactly its window's tokens...
-            let decoded = bpe.decode(&all[c.tokens.clone()]).unwrap();
-            assert_eq!(&text[c.bytes.clone()], decoded);
-            // ...and, counted again on its own, within a token of the window
-            // (only a cut word's edge may merge differently).
-            let recount = count_tokens(&text[c.bytes.clone()]);
+            let piece = &text[c.bytes.clone()];
             assert!(
-                recount.abs_diff(window) <= 1,
-                "chunk {i}: {recount} vs {window}"
+                count_tokens(piece) <= 500,
+                "chunk {i}: {}",
+                count_tokens(piece)
+            );
+            assert!(
+                starts_a_sentence(&text, c.bytes.start),
+                "chunk {i}: {piece:.60}"
+            );
+            assert!(
+                piece.ends_with('.'),
+                "chunk {i} ends mid-sentence: …{}",
+                &piece[piece.len() - 40..]
             );
             if i > 0 {
                 let previous = &chunks[i - 1];
-                assert_eq!(previous.tokens.end - c.tokens.start, 50, "overlap {i}");
-                let shared = &text[c.bytes.start..previous.bytes.end];
-                assert_eq!(bpe.encode_ordinary(shared).len(), 50, "shared text {i}");
+                assert!(c.bytes.start > previous.bytes.start);
+                if c.bytes.start < previous.bytes.end {
+                    overlapping += 1;
+                    let shared = overlap_tokens(&text, previous, c);
+                    assert!(shared <= 50, "overlap {i}: {shared}");
+                } else {
+                    // Nothing between two chunks is lost.
+                    assert!(text[previous.bytes.end..c.bytes.start].trim().is_empty());
+                }
             }
         }
-        assert_eq!(chunks[0].tokens.start, 0);
-        assert_eq!(chunks.len(), (total - 50).div_ceil(450));
+        assert!(
+            overlapping > 0,
+            "no chunk shares a sentence with the one before"
+        );
+        assert_eq!(chunks[0].bytes.start, 0);
+        assert_eq!(chunks.last().unwrap().bytes.end, text.len());
+    }
+
+    #[test]
+    fn whole_paragraphs_stay_together_when_they_fit() {
+        let text = document();
+        let paragraphs: Vec<&str> = text.split("\n\n").collect();
+        let chunks = chunk(&text, ChunkConfig::default());
+        let pieces = texts(&text, &chunks);
+        for paragraph in paragraphs.iter().filter(|p| count_tokens(p) < 450) {
+            assert!(
+                pieces.iter().any(|piece| piece.contains(paragraph)),
+                "a {}-token paragraph was cut: {paragraph:.60}",
+                count_tokens(paragraph)
+            );
+        }
+    }
+
+    #[test]
+    fn a_sentence_longer_than_a_chunk_is_cut_between_words() {
+        let text = sentence(3000, 0);
+        let chunks = chunk(&text, ChunkConfig::default());
+        assert!(chunks.len() >= 3, "{}", chunks.len());
+        for (i, c) in chunks.iter().enumerate() {
+            assert!(count_tokens(&text[c.bytes.clone()]) <= 500, "chunk {i}");
+            assert!(
+                c.bytes.start == 0 || text[..c.bytes.start].ends_with(' '),
+                "chunk {i}"
+            );
+            assert!(c.bytes.end == text.len() || text[c.bytes.end..].starts_with(' '));
+            if i > 0 {
+                assert!(overlap_tokens(&text, &chunks[i - 1], c) <= 50, "chunk {i}");
+            }
+        }
     }
 
     #[test]
     fn the_size_and_overlap_are_configurable_and_checked() {
-        let text = prose(400);
+        let text = document();
         let config = ChunkConfig::new(100, 10).unwrap();
         let chunks = chunk(&text, config);
-        assert!(chunks.len() >= 4);
+        assert!(chunks.len() >= 30, "{}", chunks.len());
         for pair in chunks.windows(2) {
-            assert_eq!(pair[0].tokens.len(), 100);
-            assert_eq!(pair[1].tokens.start, pair[0].tokens.start + 90);
+            assert!(count_tokens(&text[pair[0].bytes.clone()]) <= 100);
+            assert!(overlap_tokens(&text, &pair[0], &pair[1]) <= 10);
         }
         assert_eq!(ChunkConfig::new(0, 0), Err(ChunkConfigError::Size(0)));
         assert_eq!(ChunkConfig::new(9000, 0), Err(ChunkConfigError::Size(9000)));
@@ -258,18 +281,22 @@ mod tests {
                 size: 100
             })
         );
-        // No overlap is allowed: windows then tile the text.
+        // No overlap is allowed: chunks then tile the text, only the
+        // whitespace between them left out.
         let tiles = chunk(&text, ChunkConfig::new(64, 0).unwrap());
-        let joined: String = tiles.iter().map(|c| &text[c.bytes.clone()]).collect();
-        assert_eq!(joined, text);
+        let joined: String = texts(&text, &tiles).concat();
+        let squeezed: String = text.split_whitespace().collect();
+        assert_eq!(joined.split_whitespace().collect::<String>(), squeezed);
+        for pair in tiles.windows(2) {
+            assert!(pair[0].bytes.end <= pair[1].bytes.start);
+        }
     }
 
     #[test]
     fn a_short_or_empty_text_makes_one_or_no_chunk() {
         assert!(chunk("", ChunkConfig::default()).is_empty());
         let one = chunk("Hello, world.", ChunkConfig::default());
-        assert_eq!(one.len(), 1);
-        assert_eq!(one[0].bytes, 0..13);
+        assert_eq!(one, [Chunk { bytes: 0..13 }]);
     }
 
     #[test]
@@ -281,7 +308,8 @@ mod tests {
         for c in &chunks {
             assert!(text.is_char_boundary(c.bytes.start) && text.is_char_boundary(c.bytes.end));
             assert!(!text[c.bytes.clone()].is_empty());
+            assert!(count_tokens(&text[c.bytes.clone()]) <= 37);
         }
-        assert_eq!(chunks.last().unwrap().bytes.end, text.len());
+        assert_eq!(chunks.last().unwrap().bytes.end, text.trim_end().len());
     }
 }

@@ -3,9 +3,9 @@
 //! Each path given is a file or a directory walked recursively (hidden
 //! entries skipped, symbolic links followed only to places inside the
 //! allowed roots). A file of a known format ([`Format`]) is read,
-//! normalised, cut into token windows ([`chunk`]) and written with one
-//! [`Store::replace_document`] call, so re-ingesting a file replaces its
-//! chunks atomically. A `.jsonl` file holds context items (knowledge,
+//! normalised, cut into chunks at paragraph and sentence boundaries
+//! ([`chunk`]) and written with one [`Store::replace_document`] call, so
+//! re-ingesting a file replaces its chunks atomically. A `.jsonl` file holds context items (knowledge,
 //! events, entities, profiles), one JSON [`Item`] per line.
 //!
 //! Nothing about one file stops the others: a binary, huge, unreadable or
@@ -16,7 +16,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
-use crate::chunk::{ChunkConfig, chunk};
+use crate::chunk::{ChunkConfig, chunk, count_tokens};
 use crate::embed::{Embedder, item_input};
 use crate::model::{Item, ItemKind, MAX_ID_CHARS, Owner};
 use crate::normalize::{Format, normalize, one_line};
@@ -331,7 +331,7 @@ pub fn prepare(
         )
     });
     let windows = chunk(&normalized.text, options.chunking);
-    let tokens = windows.last().map_or(0, |w| w.tokens.end) as u64;
+    let tokens = count_tokens(&normalized.text) as u64;
     let chunks: Vec<Item> = windows
         .iter()
         .enumerate()
@@ -812,8 +812,10 @@ mod tests {
     async fn re_ingesting_a_file_replaces_all_its_chunks() {
         let root = tempfile::tempdir().unwrap();
         let file = root.path().join("long.md");
-        let words = |w: &str| format!("{w} ").repeat(400);
-        fs::write(&file, format!("# Long\n\n{}", words("alpha"))).unwrap();
+        // The heading holds the word too: a paragraph too long to sit
+        // beside it leaves the heading a chunk of its own.
+        let document = |w: &str| format!("# Long {w}\n\n{}", format!("{w} ").repeat(400));
+        fs::write(&file, document("alpha")).unwrap();
         let store_dir = tempfile::tempdir().unwrap();
         let store = TantivyStore::open(store_dir.path()).unwrap();
         let options = options(root.path());
@@ -824,7 +826,7 @@ mod tests {
         assert!(chunks > 5, "{chunks}");
         assert_eq!(search(&store, "alpha").await.len(), chunks as usize);
 
-        fs::write(&file, format!("# Long\n\n{}", words("omega"))).unwrap();
+        fs::write(&file, document("omega")).unwrap();
         ingest(&store, std::slice::from_ref(&file), &options, &mut |_| {}).await;
         assert!(search(&store, "alpha").await.is_empty());
         let omega = search(&store, "omega").await;

@@ -2,8 +2,9 @@
 //! index, looked up by the `implementationKey` of their definition file.
 //! tantivy and the PostgreSQL client live in this crate alone.
 //!
-//! - [`normalize`] and [`chunk`]: files to text, text to token windows;
-//!   [`ingest`]: files and JSON Lines into a store.
+//! - [`normalize`] and [`chunk`]: files to text, text to chunks that end
+//!   at paragraph or sentence boundaries; [`ingest`]: files and JSON Lines
+//!   into a store.
 //! - [`store`]: the index as a trait, with two backends
 //!   ([`tantivy_store`] on local disk, [`postgres_store`] shared), and
 //!   [`model`]/[`search`]: what it holds and how it is asked.

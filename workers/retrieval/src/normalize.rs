@@ -16,8 +16,8 @@ use std::path::Path;
 use html5ever::tendril::StrTendril;
 use html5ever::tokenizer::states::RawKind;
 use html5ever::tokenizer::{
-    BufferQueue, CharacterTokens, EndTag, NullCharacterToken, StartTag, TagToken, Token, TokenSink,
-    TokenSinkResult, Tokenizer, TokenizerOpts,
+    BufferQueue, CharacterTokens, EndTag, StartTag, Tag as HtmlTag, TagKind, TagToken, Token,
+    TokenSink, TokenSinkResult, Tokenizer, TokenizerOpts,
 };
 use pulldown_cmark::{Event, HeadingLevel, Options, Parser, Tag, TagEnd};
 
@@ -230,6 +230,127 @@ struct HtmlText {
     h1_done: bool,
 }
 
+impl HtmlText {
+    /// A start or end tag: what it opens or closes, and the line breaks it
+    /// asks of the next text.
+    fn tag(&mut self, tag: &HtmlTag) -> TokenSinkResult<()> {
+        let name: &str = &tag.name;
+        if let Some(hidden) = &self.hidden {
+            if tag.kind == EndTag && hidden == name {
+                self.hidden = None;
+            }
+            return TokenSinkResult::Continue;
+        }
+        match (tag.kind, name) {
+            (StartTag, "br") | (EndTag, "br") => self.pending = (self.pending + 1).min(2),
+            (StartTag, "pre") => self.in_pre += 1,
+            (EndTag, "pre") => self.in_pre = self.in_pre.saturating_sub(1),
+            (StartTag, "title") => self.in_title = true,
+            (EndTag, "title") => {
+                self.in_title = false;
+                return TokenSinkResult::Continue;
+            }
+            (StartTag, "h1") if !self.h1_done => self.in_h1 = true,
+            (EndTag, "h1") if self.in_h1 => {
+                self.in_h1 = false;
+                self.h1_done = true;
+            }
+            _ => {}
+        }
+        if tag.kind == StartTag
+            && let Some(raw) = self.raw_contents(name, tag.self_closing)
+        {
+            return raw;
+        }
+        self.ask_for_break(tag.kind, name);
+        TokenSinkResult::Continue
+    }
+
+    /// How the tokenizer must read what a start tag opens, when not as
+    /// markup: hidden elements are entered (their contents dropped).
+    fn raw_contents(&mut self, name: &str, self_closing: bool) -> Option<TokenSinkResult<()>> {
+        if HIDDEN_ELEMENTS.contains(&name) && !self_closing {
+            self.hidden = Some(name.to_owned());
+            // The tokenizer alone does not know these hold raw text.
+            return Some(match name {
+                "script" => TokenSinkResult::RawData(RawKind::ScriptData),
+                "style" | "iframe" | "noscript" => TokenSinkResult::RawData(RawKind::Rawtext),
+                _ => TokenSinkResult::Continue,
+            });
+        }
+        (name == "textarea").then_some(TokenSinkResult::RawData(RawKind::Rcdata))
+    }
+
+    /// A block element's edge owes the next text a line break; a cell's end
+    /// a space.
+    fn ask_for_break(&mut self, kind: TagKind, name: &str) {
+        if BLOCK_ELEMENTS.contains(&name) {
+            // A paragraph-like end is a blank line; a cell or item end
+            // one line.
+            let blank = matches!(
+                name,
+                "p" | "div"
+                    | "section"
+                    | "article"
+                    | "table"
+                    | "ul"
+                    | "ol"
+                    | "dl"
+                    | "blockquote"
+                    | "pre"
+                    | "figure"
+            ) || name.starts_with('h') && name.len() == 2;
+            let want = if blank { 2 } else { 1 };
+            self.pending = self.pending.max(want);
+        } else if matches!(name, "td" | "th") && kind == EndTag {
+            self.text.push(' ');
+        }
+    }
+
+    /// Text: kept unless hidden, paying the line breaks owed before it.
+    fn characters(&mut self, chars: &str) {
+        if self.hidden.is_some() {
+            return;
+        }
+        if self.in_title {
+            self.title.push_str(chars);
+            return;
+        }
+        if self.in_h1 {
+            self.first_h1.push_str(chars);
+        }
+        // Outside <pre>, a line break in the source is a space.
+        let text: String = if self.in_pre > 0 {
+            chars.to_owned()
+        } else {
+            chars
+                .chars()
+                .map(|c| if c.is_whitespace() { ' ' } else { c })
+                .collect()
+        };
+        if text.trim().is_empty() {
+            if self.pending == 0 {
+                self.text.push(' ');
+            }
+        } else if self.pending > 0 {
+            self.pay_breaks();
+            self.text.push_str(text.trim_start());
+        } else {
+            self.text.push_str(&text);
+        }
+    }
+
+    /// Writes the line breaks owed.
+    fn pay_breaks(&mut self) {
+        if self.pending > 0 {
+            let breaks = if self.pending >= 2 { "\n\n" } else { "\n" };
+            self.text.push_str(breaks);
+            self.pending = 0;
+        }
+    }
+}
+
+#[derive(Default)]
 struct HtmlSink(RefCell<HtmlText>);
 
 impl TokenSink for HtmlSink {
@@ -238,107 +359,59 @@ impl TokenSink for HtmlSink {
     fn process_token(&self, token: Token, _line: u64) -> TokenSinkResult<()> {
         let mut state = self.0.borrow_mut();
         match token {
-            TagToken(tag) => {
-                let name: &str = &tag.name;
-                if let Some(hidden) = &state.hidden {
-                    if tag.kind == EndTag && hidden == name {
-                        state.hidden = None;
-                    }
-                    return TokenSinkResult::Continue;
-                }
-                match (tag.kind, name) {
-                    (StartTag, "br") | (EndTag, "br") => state.pending = (state.pending + 1).min(2),
-                    (StartTag, "pre") => state.in_pre += 1,
-                    (EndTag, "pre") => state.in_pre = state.in_pre.saturating_sub(1),
-                    (StartTag, "title") => state.in_title = true,
-                    (EndTag, "title") => {
-                        state.in_title = false;
-                        return TokenSinkResult::Continue;
-                    }
-                    (StartTag, "h1") if !state.h1_done => state.in_h1 = true,
-                    (EndTag, "h1") if state.in_h1 => {
-                        state.in_h1 = false;
-                        state.h1_done = true;
-                    }
-                    _ => {}
-                }
-                if tag.kind == StartTag && HIDDEN_ELEMENTS.contains(&name) && !tag.self_closing {
-                    state.hidden = Some(name.to_owned());
-                    // The tokenizer alone does not know these hold raw text.
-                    return match name {
-                        "script" => TokenSinkResult::RawData(RawKind::ScriptData),
-                        "style" | "iframe" | "noscript" => {
-                            TokenSinkResult::RawData(RawKind::Rawtext)
-                        }
-                        _ => TokenSinkResult::Continue,
-                    };
-                }
-                if name == "textarea" && tag.kind == StartTag {
-                    return TokenSinkResult::RawData(RawKind::Rcdata);
-                }
-                if BLOCK_ELEMENTS.contains(&name) {
-                    // A paragraph-like end is a blank line; a cell or item end
-                    // one line.
-                    let blank = matches!(
-                        name,
-                        "p" | "div"
-                            | "section"
-                            | "article"
-                            | "table"
-                            | "ul"
-                            | "ol"
-                            | "dl"
-                            | "blockquote"
-                            | "pre"
-                            | "figure"
-                    ) || name.starts_with('h') && name.len() == 2;
-                    let want = if blank { 2 } else { 1 };
-                    state.pending = state.pending.max(want);
-                } else if matches!(name, "td" | "th") && tag.kind == EndTag {
-                    state.text.push(' ');
-                }
-            }
-            CharacterTokens(chars) => {
-                if state.hidden.is_some() {
-                    return TokenSinkResult::Continue;
-                }
-                if state.in_title {
-                    state.title.push_str(&chars);
-                    return TokenSinkResult::Continue;
-                }
-                if state.in_h1 {
-                    state.first_h1.push_str(&chars);
-                }
-                // Outside <pre>, a line break in the source is a space.
-                let text: String = if state.in_pre > 0 {
-                    chars.to_string()
-                } else {
-                    chars
-                        .chars()
-                        .map(|c| if c.is_whitespace() { ' ' } else { c })
-                        .collect()
-                };
-                if text.trim().is_empty() {
-                    if state.pending == 0 {
-                        state.text.push(' ');
-                    }
-                } else {
-                    if state.pending > 0 {
-                        let breaks = if state.pending >= 2 { "\n\n" } else { "\n" };
-                        state.text.push_str(breaks);
-                        state.pending = 0;
-                        state.text.push_str(text.trim_start());
-                    } else {
-                        state.text.push_str(&text);
-                    }
-                }
-            }
-            NullCharacterToken => {}
-            // Comments, doctypes, parse errors (malformed HTML is read as
-            // browsers read it) and the end carry no text.
+            TagToken(tag) => return state.tag(&tag),
+            CharacterTokens(chars) => state.characters(&chars),
+            // NUL characters, comments, doctypes, parse errors (malformed
+            // HTML is read as browsers read it) and the end carry no text.
             _ => {}
         }
         TokenSinkResult::Continue
+    }
+}
+
+/// HTML met inside Markdown, blocks and inline tags alike, read by the same
+/// tokenizer as HTML files. One tokenizer lives from a Markdown block's
+/// first HTML to the block's end, so an unclosed `<style>` in a paragraph
+/// cannot hide the rest of the document.
+#[derive(Default)]
+struct EmbeddedHtml {
+    tokenizer: Option<Tokenizer<HtmlSink>>,
+    input: BufferQueue,
+}
+
+impl EmbeddedHtml {
+    /// Reads one fragment, appending its text (and the line breaks its
+    /// tags ask for) to `out`.
+    fn feed(&mut self, html: &str, out: &mut String) {
+        let tokenizer = self
+            .tokenizer
+            .get_or_insert_with(|| Tokenizer::new(HtmlSink::default(), TokenizerOpts::default()));
+        self.input.push_back(StrTendril::from_slice(html));
+        let _ = tokenizer.feed(&self.input);
+        Self::drain(tokenizer, out);
+    }
+
+    /// Whether Markdown text here is inside `<script>`, `<style>` and the
+    /// like (and so dropped).
+    fn hidden(&self) -> bool {
+        self.tokenizer
+            .as_ref()
+            .is_some_and(|t| t.sink.0.borrow().hidden.is_some())
+    }
+
+    /// The block ended: the rest of its HTML goes to `out`.
+    fn finish(&mut self, out: &mut String) {
+        if let Some(tokenizer) = self.tokenizer.take() {
+            tokenizer.end();
+            Self::drain(&tokenizer, out);
+        }
+    }
+
+    fn drain(tokenizer: &Tokenizer<HtmlSink>, out: &mut String) {
+        let mut state = tokenizer.sink.0.borrow_mut();
+        // The Markdown text after a `<br>` is owed its break too.
+        state.pay_breaks();
+        out.push_str(&std::mem::take(&mut state.text));
     }
 }
 
@@ -362,8 +435,10 @@ pub fn html_to_text(html: &str) -> Normalized {
 }
 
 /// Markdown to text: one paragraph per block, list items and table rows one
-/// per line, headings kept as lines, front matter and raw HTML dropped. The
-/// title is the first level-one heading.
+/// per line, headings kept as lines, front matter dropped. HTML in it is
+/// read as in an HTML file (tags removed, `<br>` a newline, `<script>` and
+/// `<style>` contents dropped), so its text is kept. The title is the first
+/// level-one heading.
 pub fn markdown_to_text(markdown: &str) -> Normalized {
     let options = Options::ENABLE_TABLES
         | Options::ENABLE_STRIKETHROUGH
@@ -374,7 +449,13 @@ pub fn markdown_to_text(markdown: &str) -> Normalized {
     let mut title: Option<String> = None;
     let mut heading: Option<(HeadingLevel, usize)> = None;
     let mut in_metadata = false;
+    let mut html = EmbeddedHtml::default();
     for event in Parser::new_ext(markdown, options) {
+        if let Event::End(end) = &event
+            && ends_block(end)
+        {
+            html.finish(&mut text);
+        }
         match event {
             Event::Start(Tag::MetadataBlock(_)) => in_metadata = true,
             Event::End(TagEnd::MetadataBlock(_)) => in_metadata = false,
@@ -393,9 +474,10 @@ pub fn markdown_to_text(markdown: &str) -> Normalized {
             }
             Event::Start(Tag::Item | Tag::TableRow | Tag::TableHead) => text.push('\n'),
             Event::End(TagEnd::TableCell) => text.push_str(" | "),
-            Event::Start(Tag::CodeBlock(_)) => text.push_str("\n\n"),
+            Event::Start(Tag::CodeBlock(_) | Tag::HtmlBlock) => text.push_str("\n\n"),
             Event::End(
                 TagEnd::Paragraph
+                | TagEnd::HtmlBlock
                 | TagEnd::BlockQuote(_)
                 | TagEnd::CodeBlock
                 | TagEnd::List(_)
@@ -403,6 +485,9 @@ pub fn markdown_to_text(markdown: &str) -> Normalized {
                 | TagEnd::FootnoteDefinition
                 | TagEnd::DefinitionList,
             ) => text.push_str("\n\n"),
+            Event::Html(fragment) | Event::InlineHtml(fragment) => html.feed(&fragment, &mut text),
+            // Inside an inline `<script>` or `<style>`.
+            Event::Text(_) | Event::Code(_) if html.hidden() => {}
             Event::Text(t) | Event::Code(t) | Event::InlineMath(t) | Event::DisplayMath(t) => {
                 text.push_str(&t)
             }
@@ -411,6 +496,7 @@ pub fn markdown_to_text(markdown: &str) -> Normalized {
             _ => {}
         }
     }
+    html.finish(&mut text);
     // Table rows end in a dangling separator.
     let text = text.replace(" | \n", "\n");
     Normalized {
@@ -418,6 +504,21 @@ pub fn markdown_to_text(markdown: &str) -> Normalized {
         text: collapse_whitespace(text.trim_end_matches(" | ")),
         warnings: Vec::new(),
     }
+}
+
+/// Whether a Markdown element that ends is a block (where embedded HTML's
+/// tokenizer is reset), not an inline span such as emphasis or a link.
+fn ends_block(end: &TagEnd) -> bool {
+    !matches!(
+        end,
+        TagEnd::Emphasis
+            | TagEnd::Strong
+            | TagEnd::Strikethrough
+            | TagEnd::Superscript
+            | TagEnd::Subscript
+            | TagEnd::Link
+            | TagEnd::Image
+    )
 }
 
 /// A parsed CSV file: the header and the rows, as read (ragged rows kept).
@@ -566,7 +667,26 @@ mod tests {
         assert_eq!(
             out.text,
             "Refund policy\n\nCustomers may return items within 30 days.\n\nExceptions\n\n\
-             sale items\ngift cards\n\na | b\n1 | 2\n\ncode here"
+             sale items\ngift cards\n\na | b\n1 | 2\n\nraw html\n\ncode here"
+        );
+    }
+
+    #[test]
+    fn html_in_markdown_keeps_its_text_with_breaks_and_without_scripts() {
+        let md = "# Guide\n\n<div>Important text</div>\n\n\
+                  <details>\n<summary>More</summary>\n\nHidden *details* here.\n\n</details>\n\n\
+                  Line one<br>line two<br/>line three<BR />end &amp; <b>bold</b>.\n\n\
+                  <script>\nalert('never');\n</script>\n\n\
+                  <style>p { color: red }</style>\n\n\
+                  Inline <script>tracking()</script>kept <!-- a note -->too.\n\n\
+                  An unclosed <style> tag in prose.\n\nThe next paragraph stays.\n";
+        let out = normalize(Format::Markdown, md.as_bytes()).unwrap();
+        assert_eq!(out.title.as_deref(), Some("Guide"));
+        assert_eq!(
+            out.text,
+            "Guide\n\nImportant text\n\nMore\n\nHidden details here.\n\n\
+             Line one\nline two\nline three\nend & bold.\n\n\
+             Inline kept too.\n\nAn unclosed\n\nThe next paragraph stays."
         );
     }
 

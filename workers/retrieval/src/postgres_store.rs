@@ -235,91 +235,17 @@ impl PostgresStore {
         pgvector: bool,
         items: &[Item],
     ) -> Result<(), StoreError> {
-        // With pgvector the array is copied into the `vec` column when it
-        // can be a vector: 1 to 16 000 elements, none missing.
-        let (vec_column, vec_value, vec_update) = if pgvector {
-            (
-                ", vec",
-                format!(
-                    ", CASE WHEN cardinality(a.embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
-                        AND array_position(a.embedding, NULL) IS NULL
-                        THEN a.embedding::vector END"
-                ),
-                ", vec = EXCLUDED.vec",
-            )
-        } else {
-            ("", String::new(), "")
-        };
-        let sql = format!(
-            "INSERT INTO {table} (id, kind, collection, document_id, owner_user, owner_device,
-                owner_agent, level, bucket, entities, title, body, timestamp_ms, payload,
-                embedding{vec_column})
-             SELECT u.id, u.kind, u.collection, u.document_id, u.owner_user, u.owner_device,
-                u.owner_agent, u.level, u.bucket,
-                ARRAY(SELECT jsonb_array_elements_text(u.entities::jsonb)),
-                u.title, u.body, u.timestamp_ms, u.payload::jsonb,
-                a.embedding{vec_value}
-             FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
-                $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[],
-                $12::text[], $13::bigint[], $14::text[], $15::text[])
-                AS u(id, kind, collection, document_id, owner_user, owner_device, owner_agent,
-                     level, bucket, entities, title, body, timestamp_ms, payload, embedding)
-             CROSS JOIN LATERAL (SELECT CASE WHEN u.embedding IS NULL THEN NULL ELSE ARRAY(
-                    SELECT e.v::real FROM jsonb_array_elements_text(u.embedding::jsonb)
-                        WITH ORDINALITY AS e(v, n) ORDER BY e.n) END AS embedding) AS a
-             ON CONFLICT (id) DO UPDATE SET kind = EXCLUDED.kind,
-                collection = EXCLUDED.collection, document_id = EXCLUDED.document_id,
-                owner_user = EXCLUDED.owner_user, owner_device = EXCLUDED.owner_device,
-                owner_agent = EXCLUDED.owner_agent, level = EXCLUDED.level,
-                bucket = EXCLUDED.bucket, entities = EXCLUDED.entities,
-                title = EXCLUDED.title, body = EXCLUDED.body,
-                timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload,
-                embedding = EXCLUDED.embedding{vec_update}"
-        );
-        let statement = tx.prepare(&sql).await.map_err(pg("preparing an insert"))?;
-        // One row per id (a statement may not update a row twice): the last.
-        let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
-        for (i, item) in items.iter().enumerate() {
-            item.validate()
-                .map_err(|e| StoreError::Invalid(e.to_string()))?;
-            last.insert(&item.id, i);
-        }
-        let rows: Vec<&Item> = items
-            .iter()
-            .enumerate()
-            .filter(|(i, item)| last.get(item.id.as_str()) == Some(i))
-            .map(|(_, item)| item)
-            .collect();
+        let statement = tx
+            .prepare(&insert_sql(table, pgvector))
+            .await
+            .map_err(pg("preparing an insert"))?;
+        let rows = last_of_each_id(items)?;
         for batch in rows.chunks(1000) {
             // The text columns in statement order, without timestamp_ms.
             let mut columns: [Vec<Option<String>>; 14] = Default::default();
             let mut timestamps: Vec<i64> = Vec::with_capacity(batch.len());
             for item in batch {
-                let entities: Vec<String> =
-                    item.entities.iter().map(|e| normalize_entity(e)).collect();
-                // The vector lives in its column; the payload stays small.
-                let stored = Item {
-                    embedding: None,
-                    ..(*item).clone()
-                };
-                let values = [
-                    Some(item.id.clone()),
-                    Some(item.kind.as_str().to_owned()),
-                    Some(item.collection.clone()),
-                    item.document_id.clone(),
-                    item.owner.user.clone(),
-                    item.owner.device.clone(),
-                    item.owner.agent.clone(),
-                    item.level.map(|l| format!("L{}", l.number())),
-                    item.level
-                        .and_then(|l| item.buckets().map(|b| b.key(l).to_owned())),
-                    Some(to_json(&entities)?),
-                    Some(item.title.clone()),
-                    Some(item.text.clone()),
-                    Some(to_json(&stored)?),
-                    item.embedding.as_ref().map(to_json).transpose()?,
-                ];
-                for (column, value) in columns.iter_mut().zip(values) {
+                for (column, value) in columns.iter_mut().zip(text_columns(item)?) {
                     column.push(value);
                 }
                 timestamps.push(item.timestamp_ms);
@@ -658,6 +584,96 @@ const TIMESTAMP_COLUMN: usize = 12;
 fn item_of(payload: &str) -> Result<Item, StoreError> {
     serde_json::from_str(payload)
         .map_err(|e| StoreError::Engine(format!("a stored item is unreadable: {e}")))
+}
+
+/// The statement [`PostgresStore::insert_items`] runs: one row per element
+/// of fifteen arrays, an upsert on the id.
+fn insert_sql(table: &str, pgvector: bool) -> String {
+    // With pgvector the array is copied into the `vec` column when it
+    // can be a vector: 1 to 16 000 elements, none missing.
+    let (vec_column, vec_value, vec_update) = if pgvector {
+        (
+            ", vec",
+            format!(
+                ", CASE WHEN cardinality(a.embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
+                    AND array_position(a.embedding, NULL) IS NULL
+                    THEN a.embedding::vector END"
+            ),
+            ", vec = EXCLUDED.vec",
+        )
+    } else {
+        ("", String::new(), "")
+    };
+    format!(
+        "INSERT INTO {table} (id, kind, collection, document_id, owner_user, owner_device,
+            owner_agent, level, bucket, entities, title, body, timestamp_ms, payload,
+            embedding{vec_column})
+         SELECT u.id, u.kind, u.collection, u.document_id, u.owner_user, u.owner_device,
+            u.owner_agent, u.level, u.bucket,
+            ARRAY(SELECT jsonb_array_elements_text(u.entities::jsonb)),
+            u.title, u.body, u.timestamp_ms, u.payload::jsonb,
+            a.embedding{vec_value}
+         FROM UNNEST($1::text[], $2::text[], $3::text[], $4::text[], $5::text[],
+            $6::text[], $7::text[], $8::text[], $9::text[], $10::text[], $11::text[],
+            $12::text[], $13::bigint[], $14::text[], $15::text[])
+            AS u(id, kind, collection, document_id, owner_user, owner_device, owner_agent,
+                 level, bucket, entities, title, body, timestamp_ms, payload, embedding)
+         CROSS JOIN LATERAL (SELECT CASE WHEN u.embedding IS NULL THEN NULL ELSE ARRAY(
+                SELECT e.v::real FROM jsonb_array_elements_text(u.embedding::jsonb)
+                    WITH ORDINALITY AS e(v, n) ORDER BY e.n) END AS embedding) AS a
+         ON CONFLICT (id) DO UPDATE SET kind = EXCLUDED.kind,
+            collection = EXCLUDED.collection, document_id = EXCLUDED.document_id,
+            owner_user = EXCLUDED.owner_user, owner_device = EXCLUDED.owner_device,
+            owner_agent = EXCLUDED.owner_agent, level = EXCLUDED.level,
+            bucket = EXCLUDED.bucket, entities = EXCLUDED.entities,
+            title = EXCLUDED.title, body = EXCLUDED.body,
+            timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload,
+            embedding = EXCLUDED.embedding{vec_update}"
+    )
+}
+
+/// The items to write, validated, the last of each id only (a statement
+/// may not update a row twice).
+fn last_of_each_id(items: &[Item]) -> Result<Vec<&Item>, StoreError> {
+    let mut last: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+    for (i, item) in items.iter().enumerate() {
+        item.validate()
+            .map_err(|e| StoreError::Invalid(e.to_string()))?;
+        last.insert(&item.id, i);
+    }
+    Ok(items
+        .iter()
+        .enumerate()
+        .filter(|(i, item)| last.get(item.id.as_str()) == Some(i))
+        .map(|(_, item)| item)
+        .collect())
+}
+
+/// One item's text columns in the insert's order, without timestamp_ms.
+fn text_columns(item: &Item) -> Result<[Option<String>; 14], StoreError> {
+    let entities: Vec<String> = item.entities.iter().map(|e| normalize_entity(e)).collect();
+    // The vector lives in its column; the payload stays small.
+    let stored = Item {
+        embedding: None,
+        ..item.clone()
+    };
+    Ok([
+        Some(item.id.clone()),
+        Some(item.kind.as_str().to_owned()),
+        Some(item.collection.clone()),
+        item.document_id.clone(),
+        item.owner.user.clone(),
+        item.owner.device.clone(),
+        item.owner.agent.clone(),
+        item.level.map(|l| format!("L{}", l.number())),
+        item.level
+            .and_then(|l| item.buckets().map(|b| b.key(l).to_owned())),
+        Some(to_json(&entities)?),
+        Some(item.title.clone()),
+        Some(item.text.clone()),
+        Some(to_json(&stored)?),
+        item.embedding.as_ref().map(to_json).transpose()?,
+    ])
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ use toolfleet_worker::{NewReference, Tool, ToolCtx, ToolError, ToolOutput};
 use crate::RetrievalMetrics;
 use crate::embed::Embedder;
 use crate::model::{Item, ItemKind, Level, Owner, normalize_entity};
-use crate::normalize::{column_name, one_line, parse_csv};
+use crate::normalize::{Table, column_name, one_line, parse_csv};
 use crate::search::{Hit, MAX_TOP_K, Query, TimeRange, merge_keep_best, reciprocal_rank_fusion};
 use crate::store::{Store, StoreError};
 
@@ -640,6 +640,26 @@ async fn attached_record(
         })
 }
 
+/// Cites the part of an attached document a read returns: the marker the
+/// model quotes and the reference's index.
+async fn cite_document(
+    ctx: &ToolCtx,
+    record: &crate::store::DocumentRecord,
+    snippet: String,
+) -> Result<(String, Option<u64>), ToolError> {
+    let cited = ctx
+        .cite(vec![NewReference {
+            kind: "document".into(),
+            title: record.title.clone(),
+            source: Some(record.source.clone()),
+            url: None,
+            snippet: Some(snippet),
+        }])
+        .await?;
+    let marker = cited.first().map(|r| r.marker()).unwrap_or_default();
+    Ok((marker, cited.first().map(|r| r.index)))
+}
+
 /// `retrieval.read_document`: an attached document's text, a window at a
 /// time.
 pub struct ReadDocument(pub Retrieval);
@@ -662,16 +682,8 @@ impl Tool for ReadDocument {
             .clamp(1, READ_MAX_CHARS);
         let text: String = record.text.chars().skip(offset).take(max).collect();
         let end = offset + text.chars().count();
-        let cited = ctx
-            .cite(vec![NewReference {
-                kind: "document".into(),
-                title: record.title.clone(),
-                source: Some(record.source.clone()),
-                url: None,
-                snippet: Some(cut(&one_line(&text), SNIPPET_MAX_CHARS)),
-            }])
-            .await?;
-        let marker = cited.first().map(|r| r.marker()).unwrap_or_default();
+        let (marker, reference) =
+            cite_document(ctx, &record, cut(&one_line(&text), SNIPPET_MAX_CHARS)).await?;
         let more = if end < total {
             format!("\n\n(continues: call again with offset {end})")
         } else {
@@ -684,7 +696,7 @@ impl Tool for ReadDocument {
             ),
             data: Some(json!({
                 "documentId": record.id,
-                "reference": cited.first().map(|r| r.index),
+                "reference": reference,
                 "offset": offset,
                 "end": end,
                 "totalChars": total,
@@ -720,6 +732,45 @@ impl Tool for ReadTabularData {
             )));
         };
         let table = parse_csv(raw).map_err(|e| ToolError::failed(e.to_string()))?;
+        let window = TableWindow::of(&table, &args)?;
+        let rows = format!(
+            "rows {}–{} of {}",
+            window.offset + 1,
+            window.end,
+            table.rows.len()
+        );
+        let (marker, reference) = cite_document(ctx, &record, rows).await?;
+        Ok(ToolOutput {
+            content: window.render(&marker, &record.title, table.rows.len()),
+            data: Some(json!({
+                "documentId": record.id,
+                "reference": reference,
+                "columns": window.names,
+                "rows": window.rows,
+                "offset": window.offset,
+                "totalRows": table.rows.len(),
+                "raggedRows": table.ragged_rows,
+            })),
+        })
+    }
+}
+
+/// The rows and columns of a table one [`ReadTabularData`] call reads.
+struct TableWindow {
+    /// The table's widest row (or its header), in columns.
+    width: usize,
+    /// The names of the columns read.
+    names: Vec<String>,
+    rows: Vec<Vec<String>>,
+    /// The first row read (0-based) and the one after the last.
+    offset: usize,
+    end: usize,
+    /// Whether `maxColumns` left columns out.
+    columns_cut: bool,
+}
+
+impl TableWindow {
+    fn of(table: &Table, args: &TableArgs) -> Result<Self, ToolError> {
         let width = table
             .rows
             .iter()
@@ -727,26 +778,7 @@ impl Tool for ReadTabularData {
             .chain([table.header.len()])
             .max()
             .unwrap_or(0);
-        let mut columns: Vec<usize> = if args.columns.is_empty() {
-            (0..width).collect()
-        } else {
-            let mut picked = Vec::new();
-            for wanted in &args.columns {
-                let at = (0..width)
-                    .find(|&i| column_name(&table.header, i).eq_ignore_ascii_case(wanted))
-                    .ok_or_else(|| {
-                        ToolError::invalid(format!(
-                            "no column {wanted:?}; the columns are: {}",
-                            (0..width)
-                                .map(|i| column_name(&table.header, i))
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ))
-                    })?;
-                picked.push(at);
-            }
-            picked
-        };
+        let mut columns = pick_columns(table, width, &args.columns)?;
         let max_columns = args
             .max_columns
             .unwrap_or(TABLE_DEFAULT_COLUMNS)
@@ -780,52 +812,61 @@ impl Tool for ReadTabularData {
                     .collect()
             })
             .collect();
-        let end = offset + rows.len();
-        let cited = ctx
-            .cite(vec![NewReference {
-                kind: "document".into(),
-                title: record.title.clone(),
-                source: Some(record.source.clone()),
-                url: None,
-                snippet: Some(format!(
-                    "rows {}–{} of {}",
-                    offset + 1,
-                    end,
-                    table.rows.len()
-                )),
-            }])
-            .await?;
-        let marker = cited.first().map(|r| r.marker()).unwrap_or_default();
-        let mut content = format!(
-            "{marker} {} (rows {}–{end} of {}, {} of {width} columns):\n| {} |",
-            record.title,
-            (offset + 1).min(end.max(1)),
-            table.rows.len(),
-            names.len(),
-            names.join(" | ")
-        );
-        for row in &rows {
-            content.push_str(&format!("\n| {} |", row.join(" | ")));
-        }
-        if end < table.rows.len() {
-            content.push_str(&format!("\n(more rows: call again with offset {end})"));
-        }
-        if columns_cut {
-            content.push_str("\n(more columns: name the ones you need in columns)");
-        }
-        Ok(ToolOutput {
-            content,
-            data: Some(json!({
-                "documentId": record.id,
-                "reference": cited.first().map(|r| r.index),
-                "columns": names,
-                "rows": rows,
-                "offset": offset,
-                "totalRows": table.rows.len(),
-                "raggedRows": table.ragged_rows,
-            })),
+        Ok(Self {
+            width,
+            names,
+            end: offset + rows.len(),
+            rows,
+            offset,
+            columns_cut,
         })
     }
+
+    /// The window as the model reads it: a Markdown table under the
+    /// citation marker, with how to read more.
+    fn render(&self, marker: &str, title: &str, total_rows: usize) -> String {
+        let (offset, end) = (self.offset, self.end);
+        let mut content = format!(
+            "{marker} {title} (rows {}–{end} of {total_rows}, {} of {} columns):\n| {} |",
+            (offset + 1).min(end.max(1)),
+            self.names.len(),
+            self.width,
+            self.names.join(" | ")
+        );
+        for row in &self.rows {
+            content.push_str(&format!("\n| {} |", row.join(" | ")));
+        }
+        if end < total_rows {
+            content.push_str(&format!("\n(more rows: call again with offset {end})"));
+        }
+        if self.columns_cut {
+            content.push_str("\n(more columns: name the ones you need in columns)");
+        }
+        content
+    }
+}
+
+/// The columns a call names (any case), or all of them when it names none.
+fn pick_columns(table: &Table, width: usize, wanted: &[String]) -> Result<Vec<usize>, ToolError> {
+    if wanted.is_empty() {
+        return Ok((0..width).collect());
+    }
+    wanted
+        .iter()
+        .map(|wanted| {
+            (0..width)
+                .find(|&i| column_name(&table.header, i).eq_ignore_ascii_case(wanted))
+                .ok_or_else(|| {
+                    ToolError::invalid(format!(
+                        "no column {wanted:?}; the columns are: {}",
+                        (0..width)
+                            .map(|i| column_name(&table.header, i))
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ))
+                })
+        })
+        .collect()
 }
 
 /// `retrieval.retrieve_knowledge_context`: knowledge items and L0 events,
@@ -1019,58 +1060,19 @@ impl Tool for EntityLookup {
                 })
                 .into_iter()
                 .collect(),
-            EntityMode::Similar => {
-                let wanted = normalize_entity(&args.name);
-                let mut similar: Vec<Hit> = candidates
-                    .iter()
-                    .map(|c| {
-                        let best = std::iter::once(&c.title)
-                            .chain(&c.aliases)
-                            .map(|n| strsim::jaro_winkler(&normalize_entity(n), &wanted))
-                            .fold(0.0_f64, f64::max);
-                        Hit {
-                            item: c.clone(),
-                            score: best as f32,
-                        }
-                    })
-                    .filter(|h| f64::from(h.score) >= FUZZY_ENTITY_THRESHOLD - 0.1)
-                    .collect();
-                similar.sort_by(|a, b| b.score.total_cmp(&a.score));
-                similar.truncate(top_k);
-                similar
-            }
+            EntityMode::Similar => similar_entities(&candidates, &args.name, top_k),
             EntityMode::List => {
                 let mut query = scope.query(&args.name, top_k);
                 query.kinds = vec![ItemKind::Entity];
                 self.0.search(&query).await?
             }
             EntityMode::Relationships => {
-                let Some((entity, _)) = best_entity(&candidates, &args.name) else {
+                let Some(related) = related_entities(&candidates, &args.name, top_k) else {
                     return Ok(ToolOutput {
                         content: format!("No entity named {:?}.", args.name),
                         data: Some(json!({ "hits": [] })),
                     });
                 };
-                let me = normalize_entity(&entity.title);
-                let mut related = vec![Hit {
-                    item: entity.clone(),
-                    score: 1.0,
-                }];
-                // Entities whose relations point at this one.
-                for other in &candidates {
-                    if other.id != entity.id
-                        && other
-                            .relations
-                            .iter()
-                            .any(|r| normalize_entity(&r.target) == me)
-                    {
-                        related.push(Hit {
-                            item: other.clone(),
-                            score: 0.5,
-                        });
-                    }
-                }
-                related.truncate(top_k);
                 related
             }
         };
@@ -1100,6 +1102,55 @@ impl Tool for EntityLookup {
         }
         Ok(output)
     }
+}
+
+/// Entities whose name or an alias is close to `name` (Jaro-Winkler),
+/// best first.
+fn similar_entities(candidates: &[Item], name: &str, top_k: usize) -> Vec<Hit> {
+    let wanted = normalize_entity(name);
+    let mut similar: Vec<Hit> = candidates
+        .iter()
+        .map(|c| {
+            let best = std::iter::once(&c.title)
+                .chain(&c.aliases)
+                .map(|n| strsim::jaro_winkler(&normalize_entity(n), &wanted))
+                .fold(0.0_f64, f64::max);
+            Hit {
+                item: c.clone(),
+                score: best as f32,
+            }
+        })
+        .filter(|h| f64::from(h.score) >= FUZZY_ENTITY_THRESHOLD - 0.1)
+        .collect();
+    similar.sort_by(|a, b| b.score.total_cmp(&a.score));
+    similar.truncate(top_k);
+    similar
+}
+
+/// The entity `name` names, then the entities whose relations point at
+/// it; `None` when no entity is named so.
+fn related_entities(candidates: &[Item], name: &str, top_k: usize) -> Option<Vec<Hit>> {
+    let (entity, _) = best_entity(candidates, name)?;
+    let me = normalize_entity(&entity.title);
+    let mut related = vec![Hit {
+        item: entity.clone(),
+        score: 1.0,
+    }];
+    for other in candidates {
+        if other.id != entity.id
+            && other
+                .relations
+                .iter()
+                .any(|r| normalize_entity(&r.target) == me)
+        {
+            related.push(Hit {
+                item: other.clone(),
+                score: 0.5,
+            });
+        }
+    }
+    related.truncate(top_k);
+    Some(related)
 }
 
 #[cfg(test)]

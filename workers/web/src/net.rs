@@ -418,6 +418,37 @@ impl Fetcher {
         let driver = tokio::spawn(connection);
         let _stop = AbortOnDrop(driver);
         let url = &target.url;
+        let http_request = self.http_request(url, request)?;
+        let response = sender.send_request(http_request).await.map_err(|e| {
+            failed(
+                format!(
+                    "{} did not answer: {e}",
+                    url.host_str().unwrap_or("the host")
+                ),
+                true,
+            )
+        })?;
+        let status = response.status().as_u16();
+        if REDIRECTS.contains(&status) {
+            let location = response
+                .headers()
+                .get(hyper::header::LOCATION)
+                .and_then(|v| v.to_str().ok())
+                .ok_or_else(|| failed(format!("a {status} redirect without a Location"), false))?;
+            return Ok(Exchanged::Redirect(location.to_owned()));
+        }
+        let mut fetched = checked_head(url, status, response.headers(), limits)?;
+        fetched.body = read_body(url, response.into_body(), limits).await?;
+        Ok(Exchanged::Done(fetched))
+    }
+
+    /// The GET for `url`: our headers (no compression, no keep-alive), then
+    /// the request's own.
+    fn http_request(
+        &self,
+        url: &Url,
+        request: &Request,
+    ) -> Result<hyper::Request<Empty<Bytes>>, FetchError> {
         let host = match url.port() {
             Some(port) => format!("{}:{port}", url.host_str().unwrap_or_default()),
             None => url.host_str().unwrap_or_default().to_owned(),
@@ -434,81 +465,84 @@ impl Fetcher {
         for (name, value) in &request.headers {
             builder = builder.header(name, value);
         }
-        let http_request = builder
+        builder
             .body(Empty::<Bytes>::new())
-            .map_err(|e| failed(format!("the request cannot be built: {e}"), false))?;
-        let response = sender.send_request(http_request).await.map_err(|e| {
-            failed(
-                format!(
-                    "{} did not answer: {e}",
-                    url.host_str().unwrap_or("the host")
-                ),
-                true,
-            )
-        })?;
-        let status = response.status().as_u16();
-        let headers = response.headers();
-        if REDIRECTS.contains(&status) {
-            let location = headers
-                .get(hyper::header::LOCATION)
-                .and_then(|v| v.to_str().ok())
-                .ok_or_else(|| failed(format!("a {status} redirect without a Location"), false))?;
-            return Ok(Exchanged::Redirect(location.to_owned()));
-        }
-        let (content_type, charset) = headers
-            .get(hyper::header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .map_or((None, None), media_type);
-        let retry_after = headers
-            .get(hyper::header::RETRY_AFTER)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.trim().parse().ok());
-        if (200..300).contains(&status) && !limits.content_types.is_empty() {
-            let allowed = content_type
-                .as_deref()
-                .is_some_and(|t| limits.content_types.iter().any(|a| a == t));
-            if !allowed {
-                return Err(FetchError::Unsupported(format!(
-                    "{url} is {}, not one of the types read ({})",
-                    content_type.as_deref().unwrap_or("of no declared type"),
-                    limits.content_types.join(", ")
-                )));
-            }
-        }
-        let too_large = || {
-            FetchError::TooLarge(format!(
-                "{url} is larger than the {} byte limit",
-                limits.max_bytes
-            ))
-        };
-        if let Some(length) = headers
-            .get(hyper::header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.parse::<u64>().ok())
-            && length > limits.max_bytes as u64
-        {
-            return Err(too_large());
-        }
-        let mut body = response.into_body();
-        let mut bytes = Vec::new();
-        while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| failed(format!("reading {url} failed: {e}"), true))?;
-            if let Ok(data) = frame.into_data() {
-                if bytes.len() + data.len() > limits.max_bytes {
-                    return Err(too_large());
-                }
-                bytes.extend_from_slice(&data);
-            }
-        }
-        Ok(Exchanged::Done(Fetched {
-            url: url.clone(),
-            status,
-            content_type,
-            charset,
-            retry_after,
-            body: bytes,
-        }))
+            .map_err(|e| failed(format!("the request cannot be built: {e}"), false))
     }
+}
+
+/// A response that is not a redirect, from its headers: refused before its
+/// body is read when of a type not read or declared too large; otherwise
+/// the [`Fetched`] its body goes into.
+fn checked_head(
+    url: &Url,
+    status: u16,
+    headers: &hyper::HeaderMap,
+    limits: &Limits,
+) -> Result<Fetched, FetchError> {
+    let (content_type, charset) = headers
+        .get(hyper::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map_or((None, None), media_type);
+    let retry_after = headers
+        .get(hyper::header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok());
+    if (200..300).contains(&status) && !limits.content_types.is_empty() {
+        let allowed = content_type
+            .as_deref()
+            .is_some_and(|t| limits.content_types.iter().any(|a| a == t));
+        if !allowed {
+            return Err(FetchError::Unsupported(format!(
+                "{url} is {}, not one of the types read ({})",
+                content_type.as_deref().unwrap_or("of no declared type"),
+                limits.content_types.join(", ")
+            )));
+        }
+    }
+    if let Some(length) = headers
+        .get(hyper::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        && length > limits.max_bytes as u64
+    {
+        return Err(too_large(url, limits));
+    }
+    Ok(Fetched {
+        url: url.clone(),
+        status,
+        content_type,
+        charset,
+        retry_after,
+        body: Vec::new(),
+    })
+}
+
+/// Reads a body under the byte cap (a server may send more than it
+/// declared, or declare nothing).
+async fn read_body(
+    url: &Url,
+    mut body: hyper::body::Incoming,
+    limits: &Limits,
+) -> Result<Vec<u8>, FetchError> {
+    let mut bytes = Vec::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| failed(format!("reading {url} failed: {e}"), true))?;
+        if let Ok(data) = frame.into_data() {
+            if bytes.len() + data.len() > limits.max_bytes {
+                return Err(too_large(url, limits));
+            }
+            bytes.extend_from_slice(&data);
+        }
+    }
+    Ok(bytes)
+}
+
+fn too_large(url: &Url, limits: &Limits) -> FetchError {
+    FetchError::TooLarge(format!(
+        "{url} is larger than the {} byte limit",
+        limits.max_bytes
+    ))
 }
 
 enum Exchanged {
