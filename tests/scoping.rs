@@ -486,6 +486,71 @@ async fn planning_narrows_a_large_catalog_and_falls_back_to_tokens_when_it_fails
     assert_eq!(failing.text, "convert_currency ran");
 }
 
+/// Seed rules of planning: tools imported from MCP servers (served by the
+/// `mcp` family) make the orchestrator plan as soon as tools are left out,
+/// though there are fewer than the planning threshold; and a configured
+/// utility model that fails hands the plan to the conversation's own model
+/// before token scoring would take over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_tools_call_for_planning_and_a_failing_utility_model_hands_over_to_the_main_one() {
+    let profiles = format!(
+        "{PROFILES}\n[profiles.utility]\ndeployment = \"scripted\"\nutility_model = \"tiny-planner\"\n"
+    );
+    let env = env_with(
+        json!({ "rules": [
+            { "whenModel": ["tiny-planner"], "steps": [
+                { "fault": { "kind": "status", "status": 500, "times": 100 },
+                  "answer": "never sent" } ] },
+            { "whenUserContains": ["user: PLANNED"], "steps": [
+                { "answer": "{\"tools\": [\"convert_currency\"], \"categories\": []}" } ] },
+            { "whenUserContains": ["money"], "steps": [
+                { "toolCalls": [ { "name": "convert_currency", "arguments": { "amount": 3 } } ] },
+                { "answer": "{{tool:convert_currency}}" } ] }
+        ] }),
+        &profiles,
+    )
+    .await;
+    let _w = env.start_worker(worker("mcp", many(40))).await;
+    until_offered(&env, "convert_currency").await;
+
+    let planned = env
+        .submit(&job("PLANNED: how much money is 3 euros in dollars?"))
+        .await
+        .expect("planned");
+    let scoping = scoping_events(&planned.events);
+    assert_eq!(scoping[0].0, "planning", "{scoping:?}");
+    assert_eq!(scoping[0].1, 42, "below the planning threshold");
+    assert_eq!(scoping[0].2, ["t:convert_currency@1.0.0"]);
+    assert_eq!(planned.text, "convert_currency ran");
+
+    let mut with_utility = job("PLANNED: how much money is 3 euros in dollars?");
+    with_utility.profile = Some("utility".into());
+    let handed_over = env.submit(&with_utility).await.expect("planned");
+    let scoping = scoping_events(&handed_over.events);
+    assert_eq!(scoping[0].0, "planning", "{scoping:?}");
+    assert_eq!(scoping[0].2, ["t:convert_currency@1.0.0"]);
+    let note = scoping[0].4.clone().unwrap_or_default();
+    assert!(
+        note.contains("the utility model tiny-planner failed"),
+        "{note}"
+    );
+    let planning: Vec<&str> = handed_over
+        .llm_calls
+        .iter()
+        .filter(|c| c.purpose == "planning")
+        .map(|c| c.model.as_str())
+        .collect();
+    assert_eq!(planning, ["toolfleet-scripted"]);
+    let asked: Vec<String> = env
+        .model
+        .requests()
+        .iter()
+        .filter_map(|r| r["model"].as_str().map(str::to_string))
+        .collect();
+    assert!(asked.iter().any(|m| m == "tiny-planner"), "{asked:?}");
+    assert_eq!(handed_over.text, "convert_currency ran");
+}
+
 /// `search_tools` adds left-out tools for the next round (an `expansion`
 /// event names them); a profile's caps stop further expansion with a
 /// clear error, and the loop goes on.

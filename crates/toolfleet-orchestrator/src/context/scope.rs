@@ -29,7 +29,8 @@ use toolfleet_protocol::ChatEventBody;
 use toolfleet_protocol::tools::CompiledTool;
 use tracing::{info, warn};
 
-use crate::tools::{Scope, scoring};
+use crate::tools::Scope;
+use crate::tools::scoring::{self, Stage};
 use crate::usage::ModelCall;
 use crate::{Fleet, Invocation};
 
@@ -51,12 +52,12 @@ pub async fn choose(fleet: &Fleet, inv: &mut Invocation) -> ChatEventBody {
     let permitted = inv.scope.permitted.tools.clone();
     let n = permitted.len();
     let mut notes = inv.scope.permitted.notes.clone();
-    let (decision, tools) = if n <= policy.scoping_threshold {
-        ("all", permitted)
-    } else {
-        let query = scoring::scoring_query(&inv.messages);
-        let by_tokens = |inv: &Invocation| token_choice(inv, &query);
-        if n > policy.planning_threshold {
+    let query = || scoring::scoring_query(&inv.messages);
+    let (decision, tools) = match scoring::stage(n, inv.scope.has_mcp_tools(), &policy) {
+        Stage::All => ("all", permitted),
+        Stage::Relevance => ("token", token_choice(inv, &query())),
+        Stage::Planning => {
+            let query = query();
             match plan(fleet, inv, &query).await {
                 Ok((tools, plan_notes)) => {
                     notes.extend(plan_notes);
@@ -65,11 +66,9 @@ pub async fn choose(fleet: &Fleet, inv: &mut Invocation) -> ChatEventBody {
                 Err(why) => {
                     warn!(invocation_id = %inv.job.invocation_id, reason = %why, "tool planning failed; token scoring used");
                     notes.push(format!("planning failed, token scoring used: {why}"));
-                    ("planning_fallback", by_tokens(inv))
+                    ("planning_fallback", token_choice(inv, &query))
                 }
             }
-        } else {
-            ("token", by_tokens(inv))
         }
     };
     fleet
@@ -116,90 +115,97 @@ fn must_include_positions(scope: &Scope) -> Vec<usize> {
 }
 
 /// The planning call: the utility model names categories or tools among
-/// the most relevant candidates.
+/// the most relevant candidates. A utility model that fails (no answer in
+/// time, an error, a plan naming nothing usable) hands over to the
+/// conversation's own model before token scoring takes over.
 async fn plan(
     fleet: &Fleet,
     inv: &mut Invocation,
     query: &str,
 ) -> Result<(Vec<Arc<CompiledTool>>, Vec<String>), String> {
-    let scope = &inv.scope;
-    let index = &scope.snapshot.index;
-    let candidates = scope.candidates();
-    let mask = scoring::candidate_mask(index.len(), &candidates);
-    let is_allowed = |p: usize| mask[p];
-    let ranked = index.score(query, is_allowed);
-    let mut listed: Vec<&CompiledTool> = ranked
-        .iter()
-        .take(PLANNING_CANDIDATES)
-        .filter_map(|s| index.tool(s.position).map(|t| &**t))
-        .collect();
-    if listed.len() < PLANNING_CANDIDATES {
-        // Not enough relevant tools: list the rest in id order.
-        for t in &scope.permitted.tools {
-            if listed.len() >= PLANNING_CANDIDATES {
-                break;
+    let candidates = Candidates::of(inv, query);
+    let utility = inv.profile.utility_model().to_string();
+    let main = inv.model().to_string();
+    match plan_with(fleet, inv, &utility, &candidates).await {
+        Err(why) if utility != main => {
+            warn!(invocation_id = %inv.job.invocation_id, utility = %utility, reason = %why, "the utility model failed to plan; the main model plans");
+            let (tools, mut notes) =
+                plan_with(fleet, inv, &main, &candidates)
+                    .await
+                    .map_err(|e| {
+                        format!(
+                            "the utility model {utility} failed ({why}), and so did {main}: {e}"
+                        )
+                    })?;
+            notes.insert(
+                0,
+                format!("the utility model {utility} failed ({why}); {main} planned"),
+            );
+            Ok((tools, notes))
+        }
+        planned => planned,
+    }
+}
+
+/// What a planning prompt lists: the permitted tools' snapshot positions,
+/// their ranking for the query, and the prompt's messages.
+struct Candidates {
+    positions: Vec<usize>,
+    ranked: Vec<scoring::Scored>,
+    messages: Vec<toolfleet_llm::Message>,
+}
+
+impl Candidates {
+    fn of(inv: &Invocation, query: &str) -> Self {
+        let scope = &inv.scope;
+        let index = &scope.snapshot.index;
+        let positions = scope.candidates();
+        let mask = scoring::candidate_mask(index.len(), &positions);
+        let is_allowed = |p: usize| mask[p];
+        let ranked = index.score(query, is_allowed);
+        let mut listed: Vec<&CompiledTool> = ranked
+            .iter()
+            .take(PLANNING_CANDIDATES)
+            .filter_map(|s| index.tool(s.position).map(|t| &**t))
+            .collect();
+        if listed.len() < PLANNING_CANDIDATES {
+            // Not enough relevant tools: list the rest in id order.
+            for t in &scope.permitted.tools {
+                if listed.len() >= PLANNING_CANDIDATES {
+                    break;
+                }
+                if !listed.iter().any(|l| l.definition.id == t.definition.id) {
+                    listed.push(t);
+                }
             }
-            if !listed.iter().any(|l| l.definition.id == t.definition.id) {
-                listed.push(t);
-            }
+        }
+        let categories = index.categories(is_allowed);
+        let messages =
+            scoring::planning_messages(&inv.messages, &listed, &categories, &scope.policy);
+        Self {
+            positions,
+            ranked,
+            messages,
         }
     }
-    let categories = index.categories(is_allowed);
-    let messages = scoring::planning_messages(&inv.messages, &listed, &categories, &scope.policy);
-    let model = inv.profile.utility_model().to_string();
-    let request = ChatRequest {
-        model: model.clone(),
-        messages,
-        tools: Vec::new(),
-        tool_choice: None,
-        parallel_tool_calls: false,
-        temperature: Some(PLANNING_TEMPERATURE),
-        max_tokens: Some(PLANNING_MAX_TOKENS),
-    };
-    let llm = fleet.llm_for(&inv.profile).map_err(|f| f.message)?;
-    let started = Instant::now();
-    // Never more than half of what is left: a hung plan must leave the
-    // conversation time to run on token scoring.
-    let left = Duration::from_millis(inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()));
-    let limit = PLANNING_TIMEOUT.min(left / 2);
-    let completion = tokio::time::timeout(limit, llm.stream_chat(&request, |_| {}))
-        .await
-        .map_err(|_| format!("no answer within {} ms", limit.as_millis()))?;
-    let m = fleet.metrics();
-    m.llm_request_duration
-        .with_label_values(&[model.as_str()])
-        .observe(started.elapsed().as_secs_f64());
-    let completion = match completion {
-        Ok(c) => c,
-        Err(e) => {
-            m.llm_requests
-                .with_label_values(&[model.as_str(), e.code()])
-                .inc();
-            return Err(format!("the planning call failed: {e}"));
-        }
-    };
-    m.llm_requests
-        .with_label_values(&[model.as_str(), "ok"])
-        .inc();
-    let usage = completion.usage.unwrap_or_default();
-    inv.usage.record(
-        m,
-        ModelCall {
-            model: &model,
-            purpose: PURPOSE_PLANNING,
-            usage,
-            cost: fleet.config().profiles.prices.cost(&model, &usage),
-            attempts: completion.attempts,
-        },
-    );
-    let plan = scoring::parse_plan(&completion.text).map_err(|e| e.to_string())?;
+}
+
+/// One planning call on `model`, and the tools its plan picks.
+async fn plan_with(
+    fleet: &Fleet,
+    inv: &mut Invocation,
+    model: &str,
+    candidates: &Candidates,
+) -> Result<(Vec<Arc<CompiledTool>>, Vec<String>), String> {
+    let text = ask(fleet, inv, model, candidates.messages.clone()).await?;
+    let plan = scoring::parse_plan(&text).map_err(|e| e.to_string())?;
     let scope = &inv.scope;
     let must = must_include_positions(scope);
     let selection = scoring::apply_plan(
         &plan,
         &scope.snapshot.index,
-        &candidates,
-        &ranked,
+        &candidates.positions,
+        &candidates.ranked,
         &scope.policy,
         &must,
     );
@@ -221,8 +227,60 @@ async fn plan(
     {
         return Err(format!(
             "the plan named no permitted tool or category ({})",
-            crate::text::shorten(&completion.text, 200)
+            crate::text::shorten(&text, 200)
         ));
     }
     Ok((scope.tools_at(&selection.chosen), notes))
+}
+
+/// The planning request to `model` (on the profile's deployment): its
+/// answer's text, with its metrics and usage recorded.
+async fn ask(
+    fleet: &Fleet,
+    inv: &mut Invocation,
+    model: &str,
+    messages: Vec<toolfleet_llm::Message>,
+) -> Result<String, String> {
+    let request = ChatRequest {
+        model: model.to_string(),
+        messages,
+        tools: Vec::new(),
+        tool_choice: None,
+        parallel_tool_calls: false,
+        temperature: Some(PLANNING_TEMPERATURE),
+        max_tokens: Some(PLANNING_MAX_TOKENS),
+    };
+    let llm = fleet.llm_for(&inv.profile).map_err(|f| f.message)?;
+    let started = Instant::now();
+    // Never more than half of what is left: a hung plan must leave the
+    // conversation time to run on token scoring.
+    let left = Duration::from_millis(inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()));
+    let limit = PLANNING_TIMEOUT.min(left / 2);
+    let completion = tokio::time::timeout(limit, llm.stream_chat(&request, |_| {}))
+        .await
+        .map_err(|_| format!("no answer within {} ms", limit.as_millis()))?;
+    let m = fleet.metrics();
+    m.llm_request_duration
+        .with_label_values(&[model])
+        .observe(started.elapsed().as_secs_f64());
+    let completion = match completion {
+        Ok(c) => c,
+        Err(e) => {
+            m.llm_requests.with_label_values(&[model, e.code()]).inc();
+            return Err(format!("the planning call failed: {e}"));
+        }
+    };
+    m.llm_requests.with_label_values(&[model, "ok"]).inc();
+    let usage = completion.usage.unwrap_or_default();
+    inv.usage.record(
+        m,
+        ModelCall {
+            model,
+            purpose: PURPOSE_PLANNING,
+            usage,
+            cost: fleet.config().profiles.prices.cost(model, &usage),
+            attempts: completion.attempts,
+        },
+    );
+    Ok(completion.text)
 }

@@ -23,6 +23,9 @@ use toolfleet_protocol::{Reference, ToolStatus};
 use tracing::warn;
 
 use agents::AgentSource;
+
+/// The worker family that serves tools imported from MCP servers.
+pub const MCP_FAMILY: &str = "mcp";
 use gating::Permitted;
 use scoring::RelevanceIndex;
 
@@ -156,6 +159,17 @@ impl Scope {
         self.permitted.tools.len() > offered
             && self.expansions < self.policy.max_expansion_rounds
             && offered < self.policy.max_tool_count
+    }
+
+    /// Whether imported MCP tools are among the permitted ones (served by
+    /// the [`MCP_FAMILY`]'s workers).
+    pub fn has_mcp_tools(&self) -> bool {
+        self.permitted.tools.iter().any(|t| {
+            self.snapshot
+                .registry
+                .get(&t.definition.id.to_string())
+                .is_some_and(|e| e.families.iter().any(|f| f == MCP_FAMILY))
+        })
     }
 
     /// The snapshot positions of the permitted tools.

@@ -87,12 +87,15 @@ pub enum Stage {
     Planning,
 }
 
-/// The stage for `permitted` tools under `policy`.
+/// The stage for `permitted` tools under `policy`: planning above the
+/// planning threshold, or above the scoping threshold when imported MCP
+/// tools are among them (`mcp`: their names and descriptions are a
+/// stranger's, so relevance by words is a poor guide).
 #[must_use]
-pub fn stage(permitted: usize, policy: &ScopingPolicy) -> Stage {
+pub fn stage(permitted: usize, mcp: bool, policy: &ScopingPolicy) -> Stage {
     if permitted <= policy.scoping_threshold {
         Stage::All
-    } else if permitted <= policy.planning_threshold {
+    } else if permitted <= policy.planning_threshold && !mcp {
         Stage::Relevance
     } else {
         Stage::Planning
@@ -1639,11 +1642,14 @@ mod tests {
     #[test]
     fn stages_follow_the_thresholds() {
         let p = policy();
-        assert_eq!(stage(0, &p), Stage::All);
-        assert_eq!(stage(30, &p), Stage::All);
-        assert_eq!(stage(31, &p), Stage::Relevance);
-        assert_eq!(stage(100, &p), Stage::Relevance);
-        assert_eq!(stage(101, &p), Stage::Planning);
+        assert_eq!(stage(0, false, &p), Stage::All);
+        assert_eq!(stage(30, false, &p), Stage::All);
+        assert_eq!(stage(31, false, &p), Stage::Relevance);
+        assert_eq!(stage(100, false, &p), Stage::Relevance);
+        assert_eq!(stage(101, false, &p), Stage::Planning);
+        // Imported MCP tools: planning as soon as tools are left out.
+        assert_eq!(stage(30, true, &p), Stage::All);
+        assert_eq!(stage(31, true, &p), Stage::Planning);
     }
 
     #[test]
