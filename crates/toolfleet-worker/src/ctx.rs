@@ -18,7 +18,7 @@ use toolfleet_protocol::{
 use toolfleet_store::{MAX_BLOB_BYTES, NewReference};
 
 use crate::hooks::HookSet;
-use crate::tool::ToolError;
+use crate::error::ToolError;
 
 /// Where a call's citations and progress go: Redis and NATS in a worker
 /// ([`crate::runtime`]), memory in a [`crate::TestCtx`].

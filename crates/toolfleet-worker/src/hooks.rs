@@ -14,7 +14,7 @@ use toolfleet_protocol::tools::ToolDefinition;
 use toolfleet_protocol::{CallContext, ToolResult, ToolWarning};
 
 use crate::settings::Scrubber;
-use crate::tool::ToolError;
+use crate::error::ToolError;
 
 /// What [`Hooks::before_call`] sees of a call.
 #[derive(Debug, Clone, Copy)]

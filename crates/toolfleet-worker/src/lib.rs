@@ -64,6 +64,7 @@
 
 pub mod builder;
 pub mod ctx;
+mod error;
 pub mod hooks;
 pub mod metrics;
 pub mod process;
