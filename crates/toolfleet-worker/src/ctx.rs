@@ -17,8 +17,8 @@ use toolfleet_protocol::{
 };
 use toolfleet_store::{MAX_BLOB_BYTES, NewReference};
 
-use crate::hooks::HookSet;
 use crate::error::ToolError;
+use crate::hooks::HookSet;
 
 /// Where a call's citations and progress go: Redis and NATS in a worker
 /// ([`crate::runtime`]), memory in a [`crate::TestCtx`].

@@ -13,8 +13,8 @@ use serde_json::Value;
 use toolfleet_protocol::tools::ToolDefinition;
 use toolfleet_protocol::{CallContext, ToolResult, ToolWarning};
 
-use crate::settings::Scrubber;
 use crate::error::ToolError;
+use crate::settings::Scrubber;
 
 /// What [`Hooks::before_call`] sees of a call.
 #[derive(Debug, Clone, Copy)]
