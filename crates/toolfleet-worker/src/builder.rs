@@ -104,6 +104,7 @@ impl Worker {
         }
     }
 
+    /// The worker's name (its family), as given to [`Worker::builder`].
     pub fn name(&self) -> &str {
         &self.name
     }

@@ -59,6 +59,7 @@ pub struct BlobRef {
     pub uri: String,
     /// The blob's size.
     pub bytes: usize,
+    /// The blob's media type (`type/subtype`), as the tool stored it.
     pub content_type: String,
 }
 

@@ -18,7 +18,12 @@ pub enum ToolError {
     /// (then the job goes back to the queue with our delay, up to the
     /// attempt cap).
     #[error("{message}")]
-    Failed { message: String, retryable: bool },
+    Failed {
+        /// What went wrong, for the model and the log.
+        message: String,
+        /// Whether another attempt may help.
+        retryable: bool,
+    },
     /// The call did not finish in time (the worker reports this to hooks;
     /// a tool returning it is answered `timeout`).
     #[error("{0}")]
@@ -31,8 +36,11 @@ pub enum ToolError {
     /// `fallback_exhausted`), for callers that act on it.
     #[error("{message}")]
     Coded {
+        /// The code in the result's error (`snake_case`).
         code: &'static str,
+        /// What went wrong, for the model and the log.
         message: String,
+        /// Whether another attempt may help.
         retryable: bool,
     },
 }
@@ -74,6 +82,8 @@ impl ToolError {
         }
     }
 
+    /// Whether another attempt may help: the worker then hands the job
+    /// back for a retry instead of answering with the error.
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,

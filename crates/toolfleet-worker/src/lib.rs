@@ -31,7 +31,8 @@
 //! # Layout
 //!
 //! - [`tool`]: the [`Tool`] trait (typed arguments, deserialised after
-//!   schema validation), [`ToolOutput`], [`ToolError`].
+//!   schema validation), [`ToolOutput`], [`ToolError`] (kept in `error`,
+//!   below `tool`, `ctx` and `hooks`, which all speak of it).
 //! - [`ctx`]: [`ToolCtx`] — the call's context, per-tenant settings,
 //!   cancellation, [`ToolCtx::cite`], [`ToolCtx::store_blob`] (binary
 //!   outputs kept out of the model's context, as a [`BlobRef`]),
@@ -45,7 +46,7 @@
 //!   `implementationKey`, hooks.
 //! - [`runtime`]: serving on JetStream and direct delivery, with the result
 //!   ledger, our own retries and dead letters; advertising the tools in the
-//!   fleet's catalog.
+//!   fleet's catalog. Its parts are listed in its own layout.
 //! - [`settings`]: operator settings per tool from the definition's
 //!   `settingsSchema` ([`SettingsFile`], [`ToolSettings`]): plain values
 //!   from the settings file, secrets only from the environment or files.
@@ -61,6 +62,9 @@
 //! nothing and are never retried. The caller gets exactly one result per
 //! job, even a dead one; the ack comes after the result is published.
 //! Retries are ours (nak with delay), never the consumer's `backoff`.
+
+// A public API: every public item says what it is and why.
+#![warn(missing_docs)]
 
 pub mod builder;
 pub mod ctx;

@@ -8,11 +8,15 @@ use toolfleet_service::metrics::{counter, histogram};
 pub struct WorkerMetrics {
     /// `tool`, `outcome`: ok | error | blocked | timeout | invalid_arguments | redelivered.
     pub tool_jobs: IntCounterVec,
+    /// `tool`: how long the tool ran, in seconds.
     pub tool_job_duration: prometheus::HistogramVec,
+    /// `tool`: jobs running now.
     pub tool_jobs_in_flight: IntGaugeVec,
+    /// `tool`: failed attempts handed back for a retry.
     pub tool_job_retries: IntCounterVec,
     /// `kind`: tool.
     pub dead_letters: IntCounterVec,
+    /// `tool`: references written to the citation store.
     pub citations_written: IntCounterVec,
 }
 
@@ -24,6 +28,9 @@ impl WorkerMetrics {
         Self::register(r, dead_letters)
     }
 
+    /// Registers the worker metrics on `r`, counting dead letters on
+    /// `dead_letters` (the process's one counter, shared with an
+    /// orchestrator running beside the workers).
     pub fn register(r: &Registry, dead_letters: IntCounterVec) -> prometheus::Result<Self> {
         let in_flight = IntGaugeVec::new(
             Opts::new("toolfleet_tool_jobs_in_flight", "Tool jobs being executed."),

@@ -52,7 +52,10 @@ pub trait Tool: Send + Sync + 'static {
 /// programs.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct ToolOutput {
+    /// What the model reads.
     pub content: String,
+    /// Structured data for programs (the result's `data`), checked against
+    /// the definition's `outputSchema` when it has one.
     pub data: Option<Value>,
 }
 
