@@ -309,6 +309,14 @@ impl ToolCtx {
         }
     }
 
+    /// Whether this call has reported a warning with `code` (and not had
+    /// its warnings taken since).
+    pub(crate) fn has_warning(&self, code: &str) -> bool {
+        self.warnings
+            .lock()
+            .is_ok_and(|w| w.iter().any(|w| w.code == code))
+    }
+
     /// The warnings reported so far by this call.
     pub(crate) fn take_warnings(&self) -> Vec<ToolWarning> {
         self.warnings

@@ -46,7 +46,11 @@
 //!   `implementationKey`, hooks.
 //! - [`runtime`]: serving on JetStream and direct delivery, with the result
 //!   ledger, our own retries and dead letters; advertising the tools in the
-//!   fleet's catalog. Its parts are listed in its own layout.
+//!   fleet's catalog; each structured output checked against the
+//!   definition's `outputSchema`. Its parts are listed in its own layout.
+//! - `output`: the `outputSchema` check the runtime and
+//!   [`TestCtx::call_checked`] share (a mismatch is a warning
+//!   `output_schema_mismatch`, never a failed call).
 //! - [`settings`]: operator settings per tool from the definition's
 //!   `settingsSchema` ([`SettingsFile`], [`ToolSettings`]): plain values
 //!   from the settings file, secrets only from the environment or files.
@@ -69,8 +73,11 @@
 pub mod builder;
 pub mod ctx;
 mod error;
+#[cfg(test)]
+mod fixtures;
 pub mod hooks;
 pub mod metrics;
+mod output;
 pub mod process;
 pub mod runtime;
 mod service_stats;

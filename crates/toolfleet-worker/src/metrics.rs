@@ -18,6 +18,11 @@ pub struct WorkerMetrics {
     pub dead_letters: IntCounterVec,
     /// `tool`: references written to the citation store.
     pub citations_written: IntCounterVec,
+    /// `tool`: structured outputs that do not match the definition's
+    /// `outputSchema` (answered all the same, with an
+    /// `output_schema_mismatch` warning): a definition and its code that
+    /// disagree.
+    pub tool_output_schema_mismatches: IntCounterVec,
 }
 
 impl WorkerMetrics {
@@ -62,6 +67,12 @@ impl WorkerMetrics {
                 r,
                 "toolfleet_citations_written_total",
                 "References written to the citation store.",
+                &["tool"],
+            )?,
+            tool_output_schema_mismatches: counter(
+                r,
+                "toolfleet_tool_output_schema_mismatches_total",
+                "Tool outputs that do not match the definition's outputSchema.",
                 &["tool"],
             )?,
         })

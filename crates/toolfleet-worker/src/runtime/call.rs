@@ -1,7 +1,8 @@
 //! Running an admitted call: its time budget (the tool's timeout or the
 //! invocation's deadline), its registration for cancels, the start and
 //! error hooks, the tool under its timeout (a panic is a failed call),
-//! and the result it makes — or a retry for a retryable failure.
+//! and the result it makes — its structured output checked against the
+//! definition's `outputSchema` — or a retry for a retryable failure.
 
 use std::time::{Duration, Instant};
 
@@ -9,6 +10,7 @@ use futures::FutureExt;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 use toolfleet_protocol::{CallContext, ToolResult, ToolStatus};
+use tracing::warn;
 
 use super::admit::admit;
 use super::cancels::run_key;
@@ -64,7 +66,7 @@ pub(super) async fn process_call(
     let stats = shared.stats(tool);
     let (ran, duration_ms) = timed_run(tool, &ctx, job.arguments, budget, &stats, shared).await;
     let mut result = match ran {
-        Ok(output) => answered(&ctx, output, duration_ms),
+        Ok(output) => answered(tool, &ctx, output, duration_ms, &stats),
         Err(e) => match failed(&ctx, e, duration_ms, shared) {
             Ok(failed) => failed,
             Err(retry) => {
@@ -126,8 +128,26 @@ async fn timed_run(
 }
 
 /// The `ok` result of the call, with what the tool cited, spent and
-/// warned of.
-fn answered(ctx: &ToolCtx, output: ToolOutput, duration_ms: u64) -> ToolResult {
+/// warned of — and a warning when its structured output misses the
+/// definition's `outputSchema` (logged and counted too).
+fn answered(
+    tool: &Served,
+    ctx: &ToolCtx,
+    output: ToolOutput,
+    duration_ms: u64,
+    stats: &ToolStats,
+) -> ToolResult {
+    if let Some(check) = &tool.output
+        && let Some(first) = check.check(ctx, output.data.as_ref())
+    {
+        stats.output_mismatches.inc();
+        warn!(
+            tool = %tool.label(),
+            path = first.display_path(),
+            error = %first.message,
+            "the tool's output does not match its definition's outputSchema"
+        );
+    }
     let call = ctx.call();
     ToolResult {
         invocation_id: call.invocation.invocation_id.clone(),
@@ -244,5 +264,54 @@ async fn run_tool(
             "the tool did not finish within {} ms",
             budget.as_millis()
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::Registry;
+    use serde_json::json;
+
+    use super::*;
+    use crate::fixtures::{Answers, counted, served};
+    use crate::metrics::WorkerMetrics;
+    use crate::testing::TestCtx;
+
+    /// What the runtime makes of one `ok` call of `tool`, and the count
+    /// of its output schema mismatches after it.
+    async fn answer_once(tool: Answers) -> (ToolResult, u64) {
+        let metrics = WorkerMetrics::register_all(&Registry::new()).unwrap();
+        let served = served(tool, Some(counted()));
+        let stats = ToolStats::zeroed(&metrics, served.label(), Default::default());
+        let ctx = TestCtx::new().ctx();
+        let output = served.imp.call_json(&ctx, json!({})).await.unwrap();
+        let result = answered(&served, &ctx, output, 1, &stats);
+        let mismatches = metrics
+            .tool_output_schema_mismatches
+            .with_label_values(&[served.label()])
+            .get();
+        (result, mismatches)
+    }
+
+    #[tokio::test]
+    async fn an_output_that_misses_its_schema_is_answered_with_a_warning_and_counted() {
+        let (result, mismatches) = answer_once(Answers::data(json!({"count": "three"}))).await;
+        assert_eq!(result.status, ToolStatus::Ok);
+        assert_eq!(result.data, Some(json!({"count": "three"})));
+        let codes: Vec<&str> = result.warnings.iter().map(|w| w.code.as_str()).collect();
+        assert_eq!(codes, ["output_schema_mismatch"]);
+        assert!(
+            result.warnings[0].message.contains("at /count:"),
+            "{:?}",
+            result.warnings
+        );
+        assert_eq!(mismatches, 1);
+    }
+
+    #[tokio::test]
+    async fn an_output_that_matches_its_schema_is_neither_warned_of_nor_counted() {
+        let (result, mismatches) = answer_once(Answers::data(json!({"count": 3}))).await;
+        assert!(result.warnings.is_empty(), "{:?}", result.warnings);
+        assert_eq!(mismatches, 0);
     }
 }

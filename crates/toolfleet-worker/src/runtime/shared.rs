@@ -50,6 +50,8 @@ pub(super) struct ToolStats {
     pub(super) duration: prometheus::Histogram,
     /// `toolfleet_tool_jobs_total{outcome="ok"}`: most jobs end there.
     pub(super) ok: prometheus::IntCounter,
+    /// Outputs that missed the definition's `outputSchema`.
+    pub(super) output_mismatches: prometheus::IntCounter,
     /// Its endpoint's counts for `$SRV.STATS`.
     pub(super) jobs: Arc<EndpointJobs>,
 }
@@ -69,7 +71,7 @@ impl ToolStats {
     /// The metrics of the tool labelled `label`, every series of it made
     /// now: the first dead letter, and the first job of every outcome,
     /// must be an increase.
-    fn zeroed(metrics: &WorkerMetrics, label: &str, jobs: Arc<EndpointJobs>) -> Self {
+    pub(super) fn zeroed(metrics: &WorkerMetrics, label: &str, jobs: Arc<EndpointJobs>) -> Self {
         metrics.dead_letters.with_label_values(&["tool", label]);
         for outcome in OUTCOMES {
             metrics.tool_jobs.with_label_values(&[label, outcome]);
@@ -83,6 +85,9 @@ impl ToolStats {
             in_flight: metrics.tool_jobs_in_flight.with_label_values(&[label]),
             duration: metrics.tool_job_duration.with_label_values(&[label]),
             ok: metrics.tool_jobs.with_label_values(&[label, "ok"]),
+            output_mismatches: metrics
+                .tool_output_schema_mismatches
+                .with_label_values(&[label]),
             jobs,
         }
     }
@@ -163,5 +168,46 @@ impl Shared {
                 Arc::default(),
             )),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use prometheus::Registry;
+
+    use super::*;
+
+    #[test]
+    fn every_series_of_a_tool_starts_at_zero() {
+        let registry = Registry::new();
+        let metrics = WorkerMetrics::register_all(&registry).unwrap();
+        ToolStats::zeroed(&metrics, "test:answers@1.0.0", Arc::default());
+        let series = |name: &str| -> Vec<(String, f64)> {
+            let family = registry.gather().into_iter().find(|f| f.name() == name);
+            family
+                .map(|f| {
+                    f.get_metric()
+                        .iter()
+                        .map(|m| {
+                            let labels: Vec<String> = m
+                                .get_label()
+                                .iter()
+                                .map(|l| format!("{}={}", l.name(), l.value()))
+                                .collect();
+                            (labels.join(","), m.get_counter().get_value())
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        assert_eq!(
+            series("toolfleet_tool_output_schema_mismatches_total"),
+            [("tool=test:answers@1.0.0".to_string(), 0.0)]
+        );
+        assert_eq!(
+            series("toolfleet_dead_letters_total"),
+            [("kind=tool,tool=test:answers@1.0.0".to_string(), 0.0)]
+        );
+        assert_eq!(series("toolfleet_tool_jobs_total").len(), 7);
     }
 }
