@@ -141,10 +141,11 @@ fn answered(
         && let Some(first) = check.check(ctx, output.data.as_ref())
     {
         stats.output_mismatches.inc();
+        // The path only: the violation's message may quote the output,
+        // which the log must not hold unscrubbed (the warning is scrubbed).
         warn!(
             tool = %tool.label(),
             path = first.display_path(),
-            error = %first.message,
             "the tool's output does not match its definition's outputSchema"
         );
     }
