@@ -6,9 +6,11 @@ use std::path::Path;
 use std::sync::Arc;
 
 use prometheus::core::Collector;
+use toolfleet_protocol::schema::SchemaError;
 use toolfleet_protocol::tools::{self, CompiledTool, ToolDefinition};
 
 use crate::hooks::{HookSet, Hooks};
+use crate::output::OutputCheck;
 use crate::tool::{DynTool, Tool};
 
 /// A worker could not be built or could not serve.
@@ -28,17 +30,21 @@ pub enum WorkerError {
 pub(crate) struct Served {
     pub(crate) tool: Arc<CompiledTool>,
     pub(crate) imp: Arc<dyn DynTool>,
+    /// The definition's `outputSchema`, compiled once like the arguments'.
+    pub(crate) output: Option<OutputCheck>,
     /// The tool's id as text: its label in metrics and logs.
     label: String,
 }
 
 impl Served {
-    pub(crate) fn new(tool: CompiledTool, imp: Arc<dyn DynTool>) -> Self {
-        Self {
+    /// `imp` serving the definition of `tool`, its `outputSchema` compiled.
+    pub(crate) fn new(tool: CompiledTool, imp: Arc<dyn DynTool>) -> Result<Self, SchemaError> {
+        Ok(Self {
             label: tool.definition.id.to_string(),
+            output: OutputCheck::of(&tool.definition)?,
             tool: Arc::new(tool),
             imp,
-        }
+        })
     }
 
     pub(crate) fn definition(&self) -> &ToolDefinition {
@@ -104,6 +110,7 @@ impl Worker {
         }
     }
 
+    /// The worker's name (its family), as given to [`Worker::builder`].
     pub fn name(&self) -> &str {
         &self.name
     }
@@ -279,9 +286,13 @@ impl WorkerBuilder {
                     ));
                     continue;
                 }
-                match CompiledTool::new(def.clone()) {
-                    Ok(tool) => served.push(Arc::new(Served::new(tool, imp.clone()))),
-                    Err(e) => problems.push(e.to_string()),
+                let compiled = CompiledTool::new(def.clone()).map_err(|e| e.to_string());
+                match compiled.and_then(|tool| {
+                    Served::new(tool, imp.clone())
+                        .map_err(|e| format!("{}: outputSchema: {e}", def.id))
+                }) {
+                    Ok(tool) => served.push(Arc::new(tool)),
+                    Err(e) => problems.push(e),
                 }
             }
             if !found {

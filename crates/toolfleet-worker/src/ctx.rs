@@ -17,8 +17,8 @@ use toolfleet_protocol::{
 };
 use toolfleet_store::{MAX_BLOB_BYTES, NewReference};
 
+use crate::error::ToolError;
 use crate::hooks::HookSet;
-use crate::tool::ToolError;
 
 /// Where a call's citations and progress go: Redis and NATS in a worker
 /// ([`crate::runtime`]), memory in a [`crate::TestCtx`].
@@ -59,6 +59,7 @@ pub struct BlobRef {
     pub uri: String,
     /// The blob's size.
     pub bytes: usize,
+    /// The blob's media type (`type/subtype`), as the tool stored it.
     pub content_type: String,
 }
 
@@ -306,6 +307,14 @@ impl ToolCtx {
         {
             warnings.push(warning);
         }
+    }
+
+    /// Whether this call has reported a warning with `code` (and not had
+    /// its warnings taken since).
+    pub(crate) fn has_warning(&self, code: &str) -> bool {
+        self.warnings
+            .lock()
+            .is_ok_and(|w| w.iter().any(|w| w.code == code))
     }
 
     /// The warnings reported so far by this call.

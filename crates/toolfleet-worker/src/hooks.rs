@@ -13,13 +13,15 @@ use serde_json::Value;
 use toolfleet_protocol::tools::ToolDefinition;
 use toolfleet_protocol::{CallContext, ToolResult, ToolWarning};
 
+use crate::error::ToolError;
 use crate::settings::Scrubber;
-use crate::tool::ToolError;
 
 /// What [`Hooks::before_call`] sees of a call.
 #[derive(Debug, Clone, Copy)]
 pub struct CallInfo<'a> {
+    /// The call: invocation context, call id, tool id, attempt.
     pub call: &'a CallContext,
+    /// The definition of the tool called.
     pub definition: &'a ToolDefinition,
     /// The validated arguments.
     pub arguments: &'a Value,
@@ -31,11 +33,15 @@ pub struct CallInfo<'a> {
 /// code and message (the message is for the model: say what to do).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
+    /// The code in the `blocked` result (`snake_case`, e.g.
+    /// `provider_confidence`).
     pub code: String,
+    /// Why, for the model: what to do instead.
     pub message: String,
 }
 
 impl Refusal {
+    /// A refusal with `code` and `message`.
     pub fn new(code: impl Into<String>, message: impl Into<String>) -> Self {
         Self {
             code: code.into(),

@@ -31,7 +31,8 @@
 //! # Layout
 //!
 //! - [`tool`]: the [`Tool`] trait (typed arguments, deserialised after
-//!   schema validation), [`ToolOutput`], [`ToolError`].
+//!   schema validation), [`ToolOutput`], [`ToolError`] (kept in `error`,
+//!   below `tool`, `ctx` and `hooks`, which all speak of it).
 //! - [`ctx`]: [`ToolCtx`] — the call's context, per-tenant settings,
 //!   cancellation, [`ToolCtx::cite`], [`ToolCtx::store_blob`] (binary
 //!   outputs kept out of the model's context, as a [`BlobRef`]),
@@ -45,7 +46,11 @@
 //!   `implementationKey`, hooks.
 //! - [`runtime`]: serving on JetStream and direct delivery, with the result
 //!   ledger, our own retries and dead letters; advertising the tools in the
-//!   fleet's catalog.
+//!   fleet's catalog; each structured output checked against the
+//!   definition's `outputSchema`. Its parts are listed in its own layout.
+//! - `output`: the `outputSchema` check the runtime and
+//!   [`TestCtx::call_checked`] share (a mismatch is a warning
+//!   `output_schema_mismatch`, never a failed call).
 //! - [`settings`]: operator settings per tool from the definition's
 //!   `settingsSchema` ([`SettingsFile`], [`ToolSettings`]): plain values
 //!   from the settings file, secrets only from the environment or files.
@@ -62,10 +67,17 @@
 //! job, even a dead one; the ack comes after the result is published.
 //! Retries are ours (nak with delay), never the consumer's `backoff`.
 
+// A public API: every public item says what it is and why.
+#![warn(missing_docs)]
+
 pub mod builder;
 pub mod ctx;
+mod error;
+#[cfg(test)]
+mod fixtures;
 pub mod hooks;
 pub mod metrics;
+mod output;
 pub mod process;
 pub mod runtime;
 mod service_stats;

@@ -14,10 +14,13 @@ use crate::{Worker, WorkerConfig};
 /// The command-line and environment settings every worker binary shares.
 #[derive(Args, Debug, Clone)]
 pub struct WorkerArgs {
+    /// The NATS connection and the fleet's subject prefix.
     #[command(flatten)]
     pub nats: NatsArgs,
+    /// The citation store and result ledger.
     #[command(flatten)]
     pub redis: RedisArgs,
+    /// Where the tool definitions are.
     #[command(flatten)]
     pub defs: ToolDefsArgs,
     /// Tool jobs executed at once by this process.

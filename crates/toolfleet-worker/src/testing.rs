@@ -5,7 +5,8 @@
 //! indices back), blobs are kept by URI (the same id replaces a blob),
 //! progress messages are kept, and
 //! [`TestCtx::call_checked`] puts the arguments through the definition's
-//! schema and the built-in policies first, as a worker would.
+//! schema and the built-in policies first, and the structured output
+//! through its `outputSchema` after, as a worker would.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -22,6 +23,7 @@ use toolfleet_store::{Blob, NewReference};
 
 use crate::ctx::{Sink, ToolCtx};
 use crate::hooks::{CallInfo, HookSet, Hooks};
+use crate::output::OutputCheck;
 use crate::tool::{DynTool, Tool, ToolError, ToolOutput};
 
 /// An in-memory stand-in for the worker around a tool.
@@ -184,7 +186,9 @@ impl TestCtx {
     /// Runs `tool` as a worker would for `definition`: the arguments must
     /// pass its JSON Schema ([`ToolError::InvalidInput`] naming the failing
     /// path otherwise) and the built-in policies and hooks
-    /// ([`ToolError::Blocked`]) before the tool runs.
+    /// ([`ToolError::Blocked`]) before the tool runs; structured output
+    /// that misses the definition's `outputSchema` adds an
+    /// `output_schema_mismatch` warning ([`TestCtx::warnings`]).
     ///
     /// # Errors
     ///
@@ -197,6 +201,8 @@ impl TestCtx {
     ) -> Result<ToolOutput, ToolError> {
         let compiled = CompiledTool::new(definition.clone())
             .map_err(|e| ToolError::failed(format!("the definition: {e}")))?;
+        let output_check = OutputCheck::of(definition)
+            .map_err(|e| ToolError::failed(format!("the definition's outputSchema: {e}")))?;
         if let Err(violations) = compiled.validate_arguments(&args) {
             return Err(ToolError::InvalidInput(format!(
                 "Invalid arguments for {}: {}",
@@ -218,6 +224,9 @@ impl TestCtx {
             .map_err(|refusal| ToolError::Blocked(refusal.message))?;
         let ctx = self.ctx_for(call, hooks);
         let result = tool.call_json(&ctx, args).await;
+        if let (Ok(output), Some(check)) = (&result, &output_check) {
+            check.check(&ctx, output.data.as_ref());
+        }
         self.keep(&ctx);
         result
     }

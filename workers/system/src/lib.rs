@@ -84,6 +84,7 @@ impl Tool for CurrentDatetime {
 mod tests {
     use super::*;
     use toolfleet_worker::TestCtx;
+    use toolfleet_worker::protocol::schema::{Validator, describe};
 
     fn args(offset: Option<&str>) -> DatetimeArgs {
         DatetimeArgs {
@@ -116,6 +117,45 @@ mod tests {
         assert_eq!(ids, ["system:current_datetime@1.0.0"]);
         let err = super::worker(Path::new("/nonexistent")).unwrap_err();
         assert!(matches!(err, WorkerError::Config(_)), "{err}");
+    }
+
+    /// Every system tool, run as a worker runs it, answers what its
+    /// definition's `outputSchema` describes (each has one): no
+    /// `output_schema_mismatch` warning, and the data validates.
+    #[tokio::test]
+    async fn every_system_tool_answers_as_its_output_schema_says() {
+        let worker = worker(&shipped_definitions()).unwrap();
+        for def in worker.definitions() {
+            let schema = def
+                .output_schema
+                .as_ref()
+                .unwrap_or_else(|| panic!("{} has no outputSchema", def.id));
+            let validator = Validator::compile(schema).unwrap();
+            let ctx = TestCtx::new();
+            let outputs = match def.implementation_key.as_str() {
+                "system.current_datetime" => vec![
+                    ctx.call_checked(def, &CurrentDatetime, json!({})).await,
+                    ctx.call_checked(def, &CurrentDatetime, json!({"utcOffset": "-05:30"}))
+                        .await,
+                ],
+                other => panic!("no case for {other}: add the tool's calls here"),
+            };
+            for output in outputs {
+                let output = output.unwrap_or_else(|e| panic!("{}: {e}", def.id));
+                let data = output
+                    .data
+                    .unwrap_or_else(|| panic!("{}: no structured output", def.id));
+                if let Err(violations) = validator.validate(&data) {
+                    panic!("{}: {data} misses: {}", def.id, describe(&violations));
+                }
+            }
+            assert!(
+                ctx.warnings().is_empty(),
+                "{}: {:?}",
+                def.id,
+                ctx.warnings()
+            );
+        }
     }
 
     #[tokio::test]
