@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use toolfleet_config::ConfigArgs;
 use toolfleet_llm::args::LlmArgs;
 use toolfleet_local::fleet::FleetSpec;
 use toolfleet_service::args::{NatsArgs, ToolDefsArgs};
@@ -1090,8 +1091,8 @@ impl LocalFleet {
 
         let subjects = toolfleet_protocol::Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         // The scripted stand-in plays the model of the one default profile.
-        let profiles = toolfleet_llm::profiles::FleetConfig::single(
-            toolfleet_llm::profiles::Deployment::new(model.base_url(), model_name),
+        let profiles = toolfleet_config::FleetConfig::single(
+            toolfleet_llm::deployments::Deployment::new(model.base_url(), model_name),
         )
         .with_data_source("handbook");
         let workers = crate::families::all(&crate::families::Inputs {
@@ -1595,7 +1596,7 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
     if let Err(e) = sinks.check_config(
         &subjects,
         &models.sinks,
-        &toolfleet_llm::profiles::ProcessEnv,
+        &toolfleet_llm::deployments::ProcessEnv,
     ) {
         eprintln!("toolfleet up: {e}");
         return Ok(toolfleet_service::args::EXIT_CONFIG);

@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use serde_json::{Value, json};
 use toolfleet_llm::ToolCall;
-use toolfleet_llm::profiles::FleetConfig;
+use toolfleet_config::FleetConfig;
 use toolfleet_protocol::client::{self, ClientError};
 use toolfleet_protocol::registry::{SourcedTool, ToolSource};
 use toolfleet_protocol::tools::{CompiledTool, Origin, ToolDefinition};

@@ -14,7 +14,7 @@ use async_nats::jetstream;
 use dashmap::DashMap;
 use tokio_util::sync::CancellationToken;
 use toolfleet_llm::LlmClient;
-use toolfleet_llm::profiles::ResolvedProfile;
+use toolfleet_config::ResolvedProfile;
 use toolfleet_protocol::ChatEventBody;
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_store::CitationStore;

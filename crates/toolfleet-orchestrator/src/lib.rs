@@ -101,7 +101,8 @@ pub use rounds::{Agentic, PURPOSE_CONVERSATION};
 pub use usage::UsageLedger;
 
 use crate::metrics::OrchestratorMetrics;
-use toolfleet_llm::profiles::{DEFAULT_ORCHESTRATOR, EnvSource, FleetConfig, ProcessEnv};
+use toolfleet_config::{DEFAULT_ORCHESTRATOR, FleetConfig};
+use toolfleet_llm::deployments::{EnvSource, ProcessEnv};
 use toolfleet_protocol::Subjects;
 use toolfleet_store::CitationStore;
 

@@ -6,6 +6,7 @@
 use std::net::SocketAddr;
 
 use clap::Parser;
+use toolfleet_config::ConfigArgs;
 use toolfleet_llm::args::LlmArgs;
 use toolfleet_orchestrator::OrchestratorConfig;
 use toolfleet_service::args::{self, NatsArgs, RedisArgs};
