@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
-use toolfleet_llm::Message;
 use toolfleet_config::ScopingPolicy;
+use toolfleet_llm::Message;
 use toolfleet_orchestrator::gating;
 use toolfleet_orchestrator::scoping::{self, RelevanceIndex};
 use toolfleet_protocol::registry::{Registry, SourcedTool, ToolSource};

@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use toolfleet_llm::ToolCall;
 use toolfleet_config::FleetConfig;
+use toolfleet_llm::ToolCall;
 use toolfleet_protocol::client::{self, ClientError};
 use toolfleet_protocol::registry::{SourcedTool, ToolSource};
 use toolfleet_protocol::tools::{CompiledTool, Origin, ToolDefinition};

@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use toolfleet_llm::budget::TokenBudget;
 use toolfleet_config::{LoopPolicy, TruncatedPolicy};
+use toolfleet_llm::budget::TokenBudget;
 use toolfleet_llm::{ChatRequest, Completion, Message, ToolCall, ToolChoice};
 use toolfleet_protocol::{ChatEventBody, ToolStatus};
 
