@@ -434,7 +434,11 @@ impl ResponsesStreamAccumulator {
                 let item = event
                     .item
                     .ok_or_else(|| LlmError::protocol(format!("{kind} event without an item")))?;
-                return self.upsert(index, item, kind == "response.output_item.done");
+                return self.upsert(
+                    event.output_index,
+                    item,
+                    kind == "response.output_item.done",
+                );
             }
             "response.completed" | "response.incomplete" => {
                 let response = event.response.unwrap_or_default();
