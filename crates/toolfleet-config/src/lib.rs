@@ -10,7 +10,7 @@
 //!
 //! # Layout
 //!
-//! - [`file`]: [`FleetConfig`], the whole file, its load and its checks
+//! - [`file`](mod@file): [`FleetConfig`], the whole file, its load and its checks
 //!   across tables; [`ConfigArgs`] builds it from the `--config` /
 //!   `--llm-*` flags;
 //! - [`profile`]: [`Profile`], what a chat job names;
@@ -27,7 +27,7 @@
 //!
 //! - Depends only on the contract and the LLM client crates: never on the
 //!   orchestrator, the service plumbing, the store or the worker SDK.
-//! - A loaded [`FleetConfig`] is consistent (see [`file`]); no secret is
+//! - A loaded [`FleetConfig`] is consistent (see [`file`](mod@file)); no secret is
 //!   in the file, in a message or in `Debug` output.
 
 pub mod agents;
