@@ -161,7 +161,7 @@ impl FleetConfig {
         ModelConfig {
             deployments: self.deployments.clone(),
             prices: self.prices.clone(),
-            default_deployment: self
+            default_name: self
                 .profiles
                 .get(&self.default_profile)
                 .and_then(|p| p.deployments.first().cloned()),
@@ -369,7 +369,7 @@ mod tests {
     use toolfleet_llm::{ApiShape, Auth, RetryPolicy};
 
     use super::*;
-    use crate::testing::{EXAMPLE, MINIMAL, PROVIDERS_DOC, parse, parse_err};
+    use crate::testing::{EXAMPLE, MINIMAL, PROVIDERS_DOC, TWO, parse, parse_err};
     use crate::{ConfigErrorKind, LoopPolicy, TruncatedPolicy};
 
     #[test]
@@ -752,5 +752,18 @@ mod tests {
         let llm = r.llm_config();
         assert_eq!(llm.idle_timeout, Duration::from_millis(1234));
         assert_eq!(llm.api_key.as_deref(), Some("flag-key"));
+    }
+
+    /// The model-only reader of the LLM client sees the same deployments,
+    /// prices and default deployment as the whole file's.
+    #[test]
+    fn the_models_of_a_file_are_what_the_model_only_reader_reads() {
+        for text in [EXAMPLE, MINIMAL, TWO] {
+            let config = parse(text).expect("loads");
+            let models = ModelConfig::from_toml(text, "test.toml").expect("loads");
+            assert_eq!(config.models(), models);
+        }
+        let models = parse(TWO).expect("loads").models();
+        assert_eq!(models.default_name.as_deref(), Some("primary"));
     }
 }

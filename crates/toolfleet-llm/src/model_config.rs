@@ -29,7 +29,7 @@ pub struct ModelConfig {
     pub prices: PriceTable,
     /// The name of the default profile's first deployment, when the file
     /// has that profile; not checked against `deployments` here.
-    pub default_deployment: Option<String>,
+    pub default_name: Option<String>,
 }
 
 /// The file as this crate reads it: no `deny_unknown_fields`, since the
@@ -83,14 +83,14 @@ impl ModelConfig {
         deployments::validate_all(&file.deployments)
             .and_then(|()| file.prices.validate())
             .map_err(|problem| ConfigError::invalid(origin, problem))?;
-        let default_deployment = file
+        let default_name = file
             .profiles
             .remove(&file.default_profile)
             .and_then(|p| p.deployment.or_else(|| p.deployments.into_iter().next()));
         Ok(Self {
             deployments: file.deployments,
             prices: file.prices,
-            default_deployment,
+            default_name,
         })
     }
 
@@ -100,13 +100,13 @@ impl ModelConfig {
         Self {
             deployments: BTreeMap::from([(DEFAULT_PROFILE.to_owned(), deployment)]),
             prices: PriceTable::default(),
-            default_deployment: Some(DEFAULT_PROFILE.to_owned()),
+            default_name: Some(DEFAULT_PROFILE.to_owned()),
         }
     }
 
     /// The default deployment with its name, when it is configured.
     pub fn default_deployment(&self) -> Option<(&str, &Deployment)> {
-        let name = self.default_deployment.as_deref()?;
+        let name = self.default_name.as_deref()?;
         Some((name, self.deployments.get(name)?))
     }
 }
@@ -124,7 +124,7 @@ mod tests {
         assert!(config.deployments.len() > 1);
         assert!(!config.prices.is_empty());
         let (name, deployment) = config.default_deployment().expect("a default");
-        assert_eq!(Some(name), config.default_deployment.as_deref());
+        assert_eq!(Some(name), config.default_name.as_deref());
         assert!(!deployment.model.is_empty());
     }
 
@@ -135,7 +135,7 @@ mod tests {
             [profiles.main]\ndeployments = [\"d\", \"e\"]\nnot_a_profile_key = 1\n\
             [sinks.s]\nwhatever = true\n[prices.m]\ninput = 1\noutput = 2\n";
         let config = ModelConfig::from_toml(text, "t.toml").expect("loads");
-        assert_eq!(config.default_deployment.as_deref(), Some("d"));
+        assert_eq!(config.default_name.as_deref(), Some("d"));
         assert_eq!(config.default_deployment().map(|(n, _)| n), Some("d"));
         assert!(config.prices.get("m").is_some());
 
@@ -158,7 +158,7 @@ mod tests {
     fn no_default_profile_means_no_default_deployment() {
         let text = "[deployments.d]\nbase_url = \"http://127.0.0.1:1/v1\"\nmodel = \"m\"\n";
         let config = ModelConfig::from_toml(text, "t.toml").expect("loads");
-        assert_eq!(config.default_deployment, None);
+        assert_eq!(config.default_name, None);
         let single = ModelConfig::single(config.deployments["d"].clone());
         assert_eq!(single.default_deployment().map(|(n, _)| n), Some("default"));
     }
