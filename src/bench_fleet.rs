@@ -36,7 +36,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
-use toolfleet_llm::profiles::{Deployment, EnvSource, FleetConfig};
+use toolfleet_config::FleetConfig;
+use toolfleet_llm::deployments::{Deployment, EnvSource};
 use toolfleet_local::fleet::FleetSpec;
 use toolfleet_orchestrator::OrchestratorConfig;
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker, WorkerError};
@@ -115,7 +116,7 @@ pub fn sleep_worker() -> Result<Worker, WorkerError> {
 /// plus the bench's own tool; the LLM tools family only when
 /// [`ENV_BENCH_MODEL_URL`] names a model ([`models_from_env`]).
 pub async fn bench_workers(definitions: &Path, index: &IndexArgs) -> anyhow::Result<Vec<Worker>> {
-    let models = models_from_env(&toolfleet_llm::profiles::ProcessEnv)?;
+    let models = models_from_env(&toolfleet_llm::deployments::ProcessEnv)?;
     bench_workers_with(definitions, index, models.as_ref()).await
 }
 
@@ -674,7 +675,7 @@ mod tests {
         .unwrap()
         .expect("a model");
         assert_eq!(
-            toolfleet_worker_llm::default_model_of(&models).as_deref(),
+            toolfleet_worker_llm::default_model_of(&models.models()).as_deref(),
             Some("default/toolfleet-scripted")
         );
         let deployment = &models.deployments["default"];

@@ -126,7 +126,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     let model = llm_tool
         .as_ref()
         .and(fleet.models.as_ref())
-        .and_then(toolfleet_worker_llm::default_model_of);
+        .and_then(|models| toolfleet_worker_llm::default_model_of(&models.models()));
     let own_peak = Memory::of("self").unwrap_or_default().hwm_kib;
     fleet.stop().await;
     let (summary, floors, memory) = result?;

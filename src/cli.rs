@@ -11,6 +11,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::Instrument;
 
+use toolfleet_config::ConfigArgs;
 use toolfleet_llm::args::LlmArgs;
 use toolfleet_local::fleet::FleetSpec;
 use toolfleet_service::args::{NatsArgs, ToolDefsArgs};
@@ -249,7 +250,7 @@ pub struct LocalArgs {
     #[arg(long, env = toolfleet_service::args::ENV_NATS_URL, default_value = toolfleet_service::args::DEFAULT_NATS_URL, hide_env_values = true)]
     pub nats_url: String,
     /// Use this Redis server instead of a child process (when reachable).
-    #[arg(long, env = toolfleet_service::args::ENV_REDIS_URL, default_value = toolfleet_service::args::DEFAULT_REDIS_URL, hide_env_values = true)]
+    #[arg(long, env = toolfleet_store::connection::ENV_REDIS_URL, default_value = toolfleet_store::connection::DEFAULT_REDIS_URL, hide_env_values = true)]
     pub redis_url: String,
     /// Always start private nats-server and redis-server child processes.
     #[arg(long)]
@@ -619,7 +620,7 @@ pub enum BlobCommand {
         #[arg(long = "subject-prefix", env = toolfleet_service::args::ENV_SUBJECT_PREFIX, default_value = toolfleet_protocol::DEFAULT_PREFIX)]
         prefix: String,
         #[command(flatten)]
-        redis: toolfleet_service::args::RedisArgs,
+        redis: toolfleet_store::RedisOptions,
     },
 }
 
@@ -1090,8 +1091,8 @@ impl LocalFleet {
 
         let subjects = toolfleet_protocol::Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         // The scripted stand-in plays the model of the one default profile.
-        let profiles = toolfleet_llm::profiles::FleetConfig::single(
-            toolfleet_llm::profiles::Deployment::new(model.base_url(), model_name),
+        let profiles = toolfleet_config::FleetConfig::single(
+            toolfleet_llm::deployments::Deployment::new(model.base_url(), model_name),
         )
         .with_data_source("handbook");
         let workers = crate::families::all(&crate::families::Inputs {
@@ -1203,7 +1204,7 @@ async fn bench_worker(args: BenchWorkerArgs) -> anyhow::Result<i32> {
         nats_url: args.worker.nats.url.clone(),
         redis_url: args.worker.redis.url.clone(),
         subjects,
-        citation_ttl: args.worker.redis.ttl(),
+        citation_ttl: args.worker.redis.ttl,
         orchestrator: None,
         workers,
         worker_concurrency: args.worker.concurrency,
@@ -1595,7 +1596,7 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
     if let Err(e) = sinks.check_config(
         &subjects,
         &models.sinks,
-        &toolfleet_llm::profiles::ProcessEnv,
+        &toolfleet_llm::deployments::ProcessEnv,
     ) {
         eprintln!("toolfleet up: {e}");
         return Ok(toolfleet_service::args::EXIT_CONFIG);
@@ -1615,7 +1616,7 @@ async fn up(args: UpArgs) -> anyhow::Result<i32> {
         nats_url: args.worker.nats.url.clone(),
         redis_url: args.worker.redis.url.clone(),
         subjects,
-        citation_ttl: args.worker.redis.ttl(),
+        citation_ttl: args.worker.redis.ttl,
         orchestrator: Some(orchestrator),
         workers,
         worker_concurrency: args.worker.concurrency,
@@ -1953,15 +1954,7 @@ async fn blob(command: BlobCommand) -> anyhow::Result<i32> {
         eprintln!("toolfleet blob get: {e}");
         return Ok(toolfleet_service::args::EXIT_CONFIG);
     }
-    let options = toolfleet_store::RedisOptions {
-        url: redis.url.clone(),
-        cluster: redis.cluster,
-        tls_ca: redis.tls_ca.clone(),
-        tls_cert: redis.tls_cert.clone(),
-        tls_key: redis.tls_key.clone(),
-        retry_budget: redis.retry_budget(),
-    };
-    let store = toolfleet_store::CitationStore::connect_with(&options, &prefix, redis.ttl())
+    let store = toolfleet_store::CitationStore::connect_with(&redis, &prefix, redis.ttl)
         .await
         .with_context(|| format!("cannot connect to Redis at {}", redis.redacted_url()))?;
     let Some(blob) = store.get_blob(uri.invocation_id(), uri.blob_id()).await? else {

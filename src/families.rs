@@ -5,7 +5,8 @@
 use std::path::Path;
 
 use anyhow::Context;
-use toolfleet_llm::profiles::{FleetConfig, ProcessEnv};
+use toolfleet_config::FleetConfig;
+use toolfleet_llm::deployments::ProcessEnv;
 use toolfleet_worker::Worker;
 
 pub use toolfleet_worker_retrieval::IndexArgs;
@@ -73,16 +74,17 @@ async fn family(name: &str, inputs: &Inputs<'_>) -> anyhow::Result<Worker> {
             )?)
         }
         toolfleet_worker_llm::FAMILY => {
-            let models = inputs.models.context(
-                "the LLM tools family needs the model deployments (--config or --llm-*)",
-            )?;
+            let models = inputs
+                .models
+                .context("the LLM tools family needs the model deployments (--config or --llm-*)")?
+                .models();
             let settings = toolfleet_worker_llm::Settings {
-                default_model: toolfleet_worker_llm::default_model_of(models),
+                default_model: toolfleet_worker_llm::default_model_of(&models),
                 ..toolfleet_worker_llm::Settings::default()
             };
             Ok(toolfleet_worker_llm::worker(
                 definitions,
-                models,
+                &models,
                 &ProcessEnv,
                 &settings,
             )?)

@@ -32,7 +32,8 @@ use async_nats::jetstream::{self, consumer::pull};
 use futures::StreamExt;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
-use toolfleet_llm::profiles::{FleetConfig, ProcessEnv};
+use toolfleet_config::FleetConfig;
+use toolfleet_llm::deployments::ProcessEnv;
 use toolfleet_protocol::tools::{OutputFormat, ToolDefinition, ToolId};
 use toolfleet_worker_llm::LlmTool;
 
@@ -347,12 +348,13 @@ impl DirectCall {
         arguments: Value,
         timeout: Duration,
     ) -> anyhow::Result<Self> {
+        let models = models.models();
         let settings = toolfleet_worker_llm::Settings {
-            default_model: toolfleet_worker_llm::default_model_of(models),
+            default_model: toolfleet_worker_llm::default_model_of(&models),
             ..toolfleet_worker_llm::Settings::default()
         };
         let (tool, _) =
-            toolfleet_worker_llm::llm_tool(definitions, models, &ProcessEnv, &settings)?;
+            toolfleet_worker_llm::llm_tool(definitions, &models, &ProcessEnv, &settings)?;
         // The variant for the model may change the format; the default
         // (first) model's is what the call expects.
         let json = definition.output_format == Some(OutputFormat::Json);

@@ -69,6 +69,7 @@ fn crates_depend_only_where_the_rules_allow() {
     assert_eq!(
         our_deps("crates/toolfleet-orchestrator/Cargo.toml"),
         set(&[
+            "toolfleet-config",
             "toolfleet-llm",
             "toolfleet-protocol",
             "toolfleet-service",
@@ -78,6 +79,20 @@ fn crates_depend_only_where_the_rules_allow() {
     assert_eq!(
         our_deps("crates/toolfleet-llm/Cargo.toml"),
         set(&["toolfleet-protocol"])
+    );
+    // The configuration file's crate: the contract and the LLM client (for
+    // deployments and prices), never the orchestrator, the service
+    // plumbing, the store or the SDK — nor for its tests.
+    for dev in [false, true] {
+        assert!(
+            our_deps_of("crates/toolfleet-config/Cargo.toml", dev)
+                .is_subset(&set(&["toolfleet-llm", "toolfleet-protocol"])),
+            "toolfleet-config (dev: {dev})"
+        );
+    }
+    assert_eq!(
+        our_deps("crates/toolfleet-config/Cargo.toml"),
+        set(&["toolfleet-llm", "toolfleet-protocol"])
     );
     // Families and the third-party example: the SDK only, never each other
     // (not even for tests).

@@ -700,7 +700,7 @@ async fn an_old_chat_stream_and_consumer_are_upgraded() {
         citation_ttl: Duration::from_secs(60),
         orchestrator: Some(toolfleet_orchestrator::OrchestratorConfig::new(
             subjects.clone(),
-            toolfleet_llm::profiles::FleetConfig::single(toolfleet_llm::profiles::Deployment::new(
+            toolfleet_config::FleetConfig::single(toolfleet_llm::deployments::Deployment::new(
                 model.base_url(),
                 "toolfleet-scripted",
             )),

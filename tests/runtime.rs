@@ -152,8 +152,8 @@ async fn start_fleet(
     rt: &toolfleet_service::Runtime,
 ) -> Subjects {
     let subjects = Subjects::new(prefix).unwrap();
-    let profiles = toolfleet_llm::profiles::FleetConfig::single(
-        toolfleet_llm::profiles::Deployment::new(model.base_url(), "toolfleet-scripted"),
+    let profiles = toolfleet_config::FleetConfig::single(
+        toolfleet_llm::deployments::Deployment::new(model.base_url(), "toolfleet-scripted"),
     )
     .with_data_source("handbook");
     let workers = toolfleet::families::some(

@@ -466,7 +466,7 @@ async fn a_configured_sink_the_policy_refuses_stops_the_orchestrator_start() {
     let receiver = Receiver::start().await;
     let nats = toolfleet_local::servers::NatsServer::start().expect("nats-server");
     let redis = toolfleet_local::servers::RedisServer::start().expect("redis-server");
-    let profiles = toolfleet_llm::profiles::FleetConfig::from_toml(
+    let profiles = toolfleet_config::FleetConfig::from_toml(
         &format!(
             "[deployments.d]\nbase_url = \"http://127.0.0.1:9/v1\"\nmodel = \"m\"\n\
              [profiles.default]\ndeployment = \"d\"\nsink = \"acme\"\n\

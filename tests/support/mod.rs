@@ -109,13 +109,13 @@ impl Env {
         let dir = tempfile::tempdir().unwrap();
         let subjects = Subjects::new("toolfleet").unwrap();
         let profiles = match &options.profiles_toml {
-            Some(text) => toolfleet_llm::profiles::FleetConfig::from_toml(
+            Some(text) => toolfleet_config::FleetConfig::from_toml(
                 &text.replace("{base_url}", model.base_url().as_str()),
                 "test profiles",
             )
             .expect("test profiles"),
-            None => toolfleet_llm::profiles::FleetConfig::single(
-                toolfleet_llm::profiles::Deployment::new(model.base_url(), "toolfleet-scripted")
+            None => toolfleet_config::FleetConfig::single(
+                toolfleet_llm::deployments::Deployment::new(model.base_url(), "toolfleet-scripted")
                     .with_api_key("sk-test-secret-never-logged".to_string()),
             ),
         };

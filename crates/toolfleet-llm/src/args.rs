@@ -1,7 +1,13 @@
 //! The model endpoint on the command line: a profiles file, or one
 //! deployment from `--llm-*` flags (environment `TOOLFLEET_LLM_*`).
 
+use std::time::Duration;
+
 use clap::Args;
+
+use crate::config_file::ConfigError;
+use crate::deployments::Deployment;
+use crate::model_config::ModelConfig;
 
 /// The model endpoint: a profiles file, or one deployment from flags.
 #[derive(Args, Debug, Clone)]
@@ -84,21 +90,31 @@ fn parse_api(s: &str) -> Result<crate::ApiShape, String> {
 }
 
 impl LlmArgs {
-    /// The profiles: the `--config` file, or one profile from the flags.
-    pub fn fleet_config(
-        &self,
-    ) -> Result<crate::profiles::FleetConfig, crate::profiles::ConfigError> {
+    /// The deployment described by the `--llm-*` flags.
+    pub fn deployment(&self) -> Deployment {
+        let mut deployment = Deployment::new(self.base_url.clone(), self.model.clone());
+        deployment.api = self.api;
+        deployment.http = self.http;
+        deployment.connect_timeout = Duration::from_millis(self.connect_timeout_ms);
+        deployment.first_token_timeout = Duration::from_millis(self.first_token_timeout_ms);
+        deployment.idle_timeout = Duration::from_millis(self.idle_timeout_ms);
+        if let Some(key) = &self.api_key {
+            deployment = deployment.with_api_key(key.clone());
+        }
+        deployment
+    }
+
+    /// The deployments and prices: the `--config` file's, or the one
+    /// deployment from the flags. (The whole file, profiles included, is
+    /// the `toolfleet-config` crate's.)
+    ///
+    /// # Errors
+    ///
+    /// The `--config` file cannot be read, or its model tables are bad.
+    pub fn model_config(&self) -> Result<ModelConfig, ConfigError> {
         match &self.config {
-            Some(path) => crate::profiles::FleetConfig::load(path),
-            None => {
-                let config = crate::profiles::FleetConfig::single(
-                    crate::profiles::Deployment::from_llm_args(self),
-                );
-                Ok(match &self.data_source {
-                    Some(ds) => config.with_data_source(ds),
-                    None => config,
-                })
-            }
+            Some(path) => ModelConfig::load(path),
+            None => Ok(ModelConfig::single(self.deployment())),
         }
     }
 }

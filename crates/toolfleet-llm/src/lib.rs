@@ -22,7 +22,17 @@
 //!   types;
 //! - `sse`: [`SseDecoder`], bytes to server-sent events;
 //! - `retry`: [`RetryPolicy`] and the pure retry decision;
-//! - `error`: [`LlmError`] and [`LlmErrorKind`].
+//! - `error`: [`LlmError`] and [`LlmErrorKind`];
+//! - [`deployments`]: a model endpoint as the configuration file describes
+//!   it, and where its key is read from ([`deployments::EnvSource`]);
+//! - [`prices`]: USD per million tokens, a call's cost;
+//! - [`model_config`]: the deployments and prices of the fleet's
+//!   configuration file, the rest of it skipped (the `toolfleet-config`
+//!   crate reads the whole file);
+//! - [`config_file`]: errors that name the file, key and position, and the
+//!   naming rules of the file's tables;
+//! - [`budget`]: the tool-result token cap (tiktoken);
+//! - [`args`]: the `--llm-*` / `--config` command-line group.
 //!
 //! # Invariants
 //!
@@ -44,18 +54,17 @@
 //!   first.
 //! - Dropping a call's future closes its HTTP connection at once: no task
 //!   is spawned, so nothing keeps reading a stream nobody wants.
-//! - [`profiles`]: deployments, profiles (loop policy included) and prices
-//!   from the TOML config file, resolved per job;
-//! - [`budget`]: the tool-result token cap (tiktoken);
-//! - [`args`]: the `--llm-*` / `--config` command-line group.
 
 pub mod args;
 pub mod budget;
 mod chat_wire;
 mod client;
+pub mod config_file;
+pub mod deployments;
 mod error;
 mod images;
-pub mod profiles;
+pub mod model_config;
+pub mod prices;
 mod responses_wire;
 mod retry;
 mod sse;

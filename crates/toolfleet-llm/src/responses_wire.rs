@@ -420,8 +420,6 @@ impl ResponsesStreamAccumulator {
         let event: WireEvent = serde_json::from_str(data)
             .map_err(|e| LlmError::protocol(format!("unparseable stream event: {e}")))?;
         let kind = event.kind.as_deref().or(name).unwrap_or_default();
-        let index = event.output_index;
-        let item_id = event.item_id.as_deref();
         match kind {
             "response.created" => {
                 if self.started {
@@ -436,62 +434,11 @@ impl ResponsesStreamAccumulator {
                 let item = event
                     .item
                     .ok_or_else(|| LlmError::protocol(format!("{kind} event without an item")))?;
-                return self.upsert(index, item, kind == "response.output_item.done");
-            }
-            "response.function_call_arguments.delta" => {
-                let delta = text_of(event.delta.as_ref()).unwrap_or_default();
-                if let ItemBody::FunctionCall { arguments, .. } =
-                    &mut self.slot(item_id, index, ItemBody::empty_call).body
-                {
-                    arguments.push_str(delta);
-                }
-            }
-            "response.function_call_arguments.done" => {
-                if let Some(done) = text_of(event.arguments.as_ref())
-                    && let ItemBody::FunctionCall { arguments, .. } =
-                        &mut self.slot(item_id, index, ItemBody::empty_call).body
-                {
-                    // The final text is authoritative over the deltas.
-                    done.clone_into(arguments);
-                }
-            }
-            "response.output_text.delta" => {
-                let delta = text_of(event.delta.as_ref()).unwrap_or_default();
-                if let ItemBody::Message { text, .. } =
-                    &mut self.slot(item_id, index, ItemBody::empty_message).body
-                    && !delta.is_empty()
-                {
-                    text.push_str(delta);
-                    return Ok(Some(delta.to_owned()));
-                }
-            }
-            "response.output_text.done" => {
-                // Only fills in text that never streamed as deltas.
-                if let Some(done) = text_of(event.text.as_ref())
-                    && let ItemBody::Message { text, .. } =
-                        &mut self.slot(item_id, index, ItemBody::empty_message).body
-                    && text.is_empty()
-                    && !done.is_empty()
-                {
-                    done.clone_into(text);
-                    return Ok(Some(done.to_owned()));
-                }
-            }
-            "response.refusal.delta" => {
-                let delta = text_of(event.delta.as_ref()).unwrap_or_default();
-                if let ItemBody::Message { refusal, .. } =
-                    &mut self.slot(item_id, index, ItemBody::empty_message).body
-                {
-                    refusal.get_or_insert_default().push_str(delta);
-                }
-            }
-            "response.refusal.done" => {
-                if let Some(done) = text_of(event.refusal.as_ref())
-                    && let ItemBody::Message { refusal, .. } =
-                        &mut self.slot(item_id, index, ItemBody::empty_message).body
-                {
-                    *refusal = Some(done.to_owned());
-                }
+                return self.upsert(
+                    event.output_index,
+                    item,
+                    kind == "response.output_item.done",
+                );
             }
             "response.completed" | "response.incomplete" => {
                 let response = event.response.unwrap_or_default();
@@ -520,11 +467,77 @@ impl ResponsesStreamAccumulator {
                 };
                 return Err(provider_error(&error));
             }
+            _ => return Ok(self.push_content(kind, &event)),
+        }
+        Ok(None)
+    }
+
+    /// The events that stream an output item's content (call arguments,
+    /// text, refusals); returns the content text it added, if any.
+    fn push_content(&mut self, kind: &str, event: &WireEvent) -> Option<String> {
+        let index = event.output_index;
+        let item_id = event.item_id.as_deref();
+        match kind {
+            "response.function_call_arguments.delta" => {
+                let delta = text_of(event.delta.as_ref()).unwrap_or_default();
+                if let ItemBody::FunctionCall { arguments, .. } =
+                    &mut self.slot(item_id, index, ItemBody::empty_call).body
+                {
+                    arguments.push_str(delta);
+                }
+            }
+            "response.function_call_arguments.done" => {
+                if let Some(done) = text_of(event.arguments.as_ref())
+                    && let ItemBody::FunctionCall { arguments, .. } =
+                        &mut self.slot(item_id, index, ItemBody::empty_call).body
+                {
+                    // The final text is authoritative over the deltas.
+                    done.clone_into(arguments);
+                }
+            }
+            "response.output_text.delta" => {
+                let delta = text_of(event.delta.as_ref()).unwrap_or_default();
+                if let ItemBody::Message { text, .. } =
+                    &mut self.slot(item_id, index, ItemBody::empty_message).body
+                    && !delta.is_empty()
+                {
+                    text.push_str(delta);
+                    return Some(delta.to_owned());
+                }
+            }
+            "response.output_text.done" => {
+                // Only fills in text that never streamed as deltas.
+                if let Some(done) = text_of(event.text.as_ref())
+                    && let ItemBody::Message { text, .. } =
+                        &mut self.slot(item_id, index, ItemBody::empty_message).body
+                    && text.is_empty()
+                    && !done.is_empty()
+                {
+                    done.clone_into(text);
+                    return Some(done.to_owned());
+                }
+            }
+            "response.refusal.delta" => {
+                let delta = text_of(event.delta.as_ref()).unwrap_or_default();
+                if let ItemBody::Message { refusal, .. } =
+                    &mut self.slot(item_id, index, ItemBody::empty_message).body
+                {
+                    refusal.get_or_insert_default().push_str(delta);
+                }
+            }
+            "response.refusal.done" => {
+                if let Some(done) = text_of(event.refusal.as_ref())
+                    && let ItemBody::Message { refusal, .. } =
+                        &mut self.slot(item_id, index, ItemBody::empty_message).body
+                {
+                    *refusal = Some(done.to_owned());
+                }
+            }
             // Reasoning summaries, content parts, annotations, built-in
             // tools: nothing the completion needs.
             _ => {}
         }
-        Ok(None)
+        None
     }
 
     /// Records the end of the response and reconciles its final `output`

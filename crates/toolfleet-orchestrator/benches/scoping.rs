@@ -19,8 +19,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::{Map, Value, json};
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
+use toolfleet_config::ScopingPolicy;
 use toolfleet_llm::Message;
-use toolfleet_llm::profiles::ScopingPolicy;
 use toolfleet_orchestrator::tools::gating;
 use toolfleet_orchestrator::tools::scoring::{self as scoping, RelevanceIndex};
 use toolfleet_protocol::registry::{Registry, SourcedTool, ToolSource};
@@ -747,7 +747,7 @@ fn main() {
             .collect(),
     );
     let registry = Registry::build(&[&live as &dyn ToolSource]);
-    let profile = toolfleet_llm::profiles::Profile::new("bench");
+    let profile = toolfleet_config::Profile::new("bench");
     let job = toolfleet_protocol::client::question("find the unpaid invoices");
     let gate = gating::Gate {
         documents: false,

@@ -5,7 +5,7 @@
 
 use std::ops::{Deref, DerefMut};
 
-use toolfleet_llm::profiles::FleetConfig;
+use toolfleet_config::FleetConfig;
 use toolfleet_protocol::Subjects;
 
 use crate::context::{ContextHandler, ContextHandlers};
@@ -101,7 +101,7 @@ impl OrchestratorConfig {
 mod tests {
     use super::*;
     use crate::Agentic;
-    use toolfleet_llm::profiles::DEFAULT_ORCHESTRATOR;
+    use toolfleet_config::DEFAULT_ORCHESTRATOR;
 
     fn config() -> OrchestratorConfig {
         let profiles = FleetConfig::from_toml(

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-use toolfleet_llm::profiles::ResolvedProfile;
+use toolfleet_config::ResolvedProfile;
 use toolfleet_llm::{Message, ToolSpec};
 use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{ChatJob, InvocationContext, Reference};

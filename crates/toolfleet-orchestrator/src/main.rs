@@ -6,9 +6,11 @@
 use std::net::SocketAddr;
 
 use clap::Parser;
+use toolfleet_config::ConfigArgs;
 use toolfleet_llm::args::LlmArgs;
 use toolfleet_orchestrator::OrchestratorConfig;
-use toolfleet_service::args::{self, NatsArgs, RedisArgs};
+use toolfleet_service::args::{self, NatsArgs};
+use toolfleet_store::RedisOptions;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -19,7 +21,7 @@ struct Args {
     #[command(flatten)]
     nats: NatsArgs,
     #[command(flatten)]
-    redis: RedisArgs,
+    redis: RedisOptions,
     #[command(flatten)]
     llm: LlmArgs,
     #[command(flatten)]

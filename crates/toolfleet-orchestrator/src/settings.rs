@@ -7,7 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use toolfleet_llm::profiles::{EnvSource, FleetConfig, ProcessEnv};
+use toolfleet_config::FleetConfig;
+use toolfleet_llm::deployments::{EnvSource, ProcessEnv};
 use toolfleet_protocol::Subjects;
 
 use crate::sinks::SinkSettings;

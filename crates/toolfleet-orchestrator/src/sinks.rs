@@ -44,7 +44,7 @@ use std::time::Duration;
 
 use async_nats::jetstream;
 use serde::{Deserialize, Serialize};
-use toolfleet_llm::profiles::SinkConfig;
+use toolfleet_config::SinkConfig;
 use toolfleet_protocol::{SinkEvents, SinkRequest, Subjects, headers};
 use toolfleet_service::netpolicy::NetPolicy;
 use tracing::warn;
@@ -301,7 +301,7 @@ impl SinkSettings {
         &self,
         subjects: &Subjects,
         sinks: &BTreeMap<String, SinkConfig>,
-        env: &dyn toolfleet_llm::profiles::EnvSource,
+        env: &dyn toolfleet_llm::deployments::EnvSource,
     ) -> Result<(), String> {
         for prefix in &self.relay_allow {
             if reserved_subject(prefix) || subjects.owns(prefix) || prefix.contains(['*', '>']) {

@@ -29,20 +29,12 @@ use crate::{
 /// Returns once the chat consumer is in place.
 pub async fn start(
     nats: &toolfleet_service::args::NatsArgs,
-    redis: &toolfleet_service::args::RedisArgs,
+    redis: &toolfleet_store::RedisOptions,
     config: OrchestratorConfig,
     rt: toolfleet_service::Runtime,
 ) -> anyhow::Result<()> {
     use anyhow::Context;
-    let options = toolfleet_store::RedisOptions {
-        url: redis.url.clone(),
-        cluster: redis.cluster,
-        tls_ca: redis.tls_ca.clone(),
-        tls_cert: redis.tls_cert.clone(),
-        tls_key: redis.tls_key.clone(),
-        retry_budget: redis.retry_budget(),
-    };
-    let store = CitationStore::connect_with(&options, config.subjects.prefix(), redis.ttl())
+    let store = CitationStore::connect_with(redis, config.subjects.prefix(), redis.ttl)
         .await
         .with_context(|| format!("cannot connect to Redis at {}", redis.redacted_url()))?;
     let client = nats.connect("toolfleet-orchestrator").await?;

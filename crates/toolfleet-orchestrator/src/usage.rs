@@ -83,7 +83,7 @@ impl UsageLedger {
     pub fn record_tool(
         &mut self,
         metrics: &OrchestratorMetrics,
-        prices: &toolfleet_llm::profiles::PriceTable,
+        prices: &toolfleet_llm::prices::PriceTable,
         mut call: LlmCall,
     ) {
         call.purpose = PURPOSE_TOOL.to_owned();

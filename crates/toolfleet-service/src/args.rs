@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use clap::Args;
 
-pub use crate::redis_args::{DEFAULT_REDIS_URL, ENV_REDIS_URL, RedisArgs};
 use toolfleet_protocol::redact_url;
 
 pub const ENV_NATS_URL: &str = "TOOLFLEET_NATS_URL";

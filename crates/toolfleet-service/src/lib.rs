@@ -4,8 +4,9 @@
 //! # Layout
 //!
 //! - [`args`]: command-line and environment groups (`NatsArgs`,
-//!   `RedisArgs`, `ToolDefsArgs`), NATS connection with a start-up wait,
-//!   exit code 64 on bad configuration, signals.
+//!   `ToolDefsArgs`; the Redis group is the store's `RedisOptions`), NATS
+//!   connection with a start-up wait, exit code 64 on bad configuration,
+//!   signals.
 //! - [`telemetry`]: logs (text or JSON) and traces (OTLP, W3C
 //!   `traceparent` across messages and HTTP requests).
 //! - [`metrics`]: registration helpers and the `/metrics`, `/livez`,
@@ -26,7 +27,6 @@ pub mod jobs;
 pub mod metrics;
 pub mod netpolicy;
 pub mod poison;
-pub mod redis_args;
 pub mod serve;
 pub mod telemetry;
 

@@ -2,6 +2,29 @@
 //! TLS, with credentials in the URL. Whatever the topology, commands go
 //! through one `Conn`, so every store operation has one code path.
 //!
+//! [`RedisOptions`] is also the Redis part of every binary's command line
+//! (with the `clap` feature): `--redis-*` flags and `TOOLFLEET_REDIS_*`
+//! variables, parsed straight into the options the store connects with.
+//!
+//! - One server: `--redis-url redis://host:6379`.
+//! - Password or ACL user: in the URL, `redis://:PASSWORD@host:6379` or
+//!   `redis://USER:PASSWORD@host:6379` (percent-encode `@`, `:` and `/`
+//!   in them). The URL is a secret: it is hidden from `--help` and `Debug`.
+//! - TLS: a `rediss://` URL; `--redis-tls-ca` replaces the system roots
+//!   with your CA, `--redis-tls-cert` and `--redis-tls-key` (both or
+//!   neither) present a client certificate to a server that asks for one
+//!   (`tls-auth-clients yes`). Files are PEM.
+//! - Redis Cluster: list several seed nodes, comma-separated, in
+//!   `--redis-url` (`redis://n1:7000,redis://n2:7000,redis://n3:7000`), or
+//!   give one seed node and `--redis-cluster`. The cluster client finds the
+//!   other nodes and follows MOVED/ASK; every key of an invocation carries
+//!   the same hash tag, so an invocation lives in one slot. Auth and TLS
+//!   work the same way (every node URL carries the same credentials).
+//! - Outages: every store operation retries transient errors (connection
+//!   refused or reset, timeouts, LOADING, TRYAGAIN, CLUSTERDOWN, failover)
+//!   with exponential backoff and jitter for `--redis-retry-budget-ms`,
+//!   then fails as unavailable.
+//!
 //! Secrets (the password in the URL, the client key) are never printed:
 //! [`RedisOptions`]'s `Debug` redacts the URL, and every error is passed
 //! through `Secrets::redact` before it leaves the crate.
@@ -16,6 +39,15 @@ use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, TlsCertificates, Val
 
 use crate::{CitationError, ErrorKind};
 
+pub const ENV_REDIS_URL: &str = "TOOLFLEET_REDIS_URL";
+pub const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+pub const ENV_REDIS_CLUSTER: &str = "TOOLFLEET_REDIS_CLUSTER";
+pub const ENV_REDIS_TLS_CA: &str = "TOOLFLEET_REDIS_TLS_CA";
+pub const ENV_REDIS_TLS_CERT: &str = "TOOLFLEET_REDIS_TLS_CERT";
+pub const ENV_REDIS_TLS_KEY: &str = "TOOLFLEET_REDIS_TLS_KEY";
+pub const ENV_REDIS_RETRY_BUDGET_MS: &str = "TOOLFLEET_REDIS_RETRY_BUDGET_MS";
+pub const ENV_CITATION_TTL: &str = "TOOLFLEET_CITATION_TTL";
+
 /// How long transient Redis errors are retried before an operation fails
 /// as unavailable.
 pub const DEFAULT_RETRY_BUDGET: Duration = Duration::from_secs(3);
@@ -25,27 +57,93 @@ const CONNECTION_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long one command may wait for its answer on a live connection.
 const RESPONSE_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Where Redis is and how to talk to it.
+/// Where Redis is, how to talk to it, and how long an invocation's keys
+/// live.
 ///
 /// `url` is one `redis://` or `rediss://` URL (`redis://user:pass@host:port/db`),
 /// or several comma-separated node URLs of a Redis Cluster; `cluster`
 /// forces cluster mode for a single seed node. The TLS files are PEM; the
 /// CA replaces the system roots, the certificate and key (both or neither)
 /// authenticate the client.
+///
+/// The field docs are the flags' `--help` (with the `clap` feature).
 #[derive(Clone)]
+#[cfg_attr(feature = "clap", derive(clap::Args))]
 pub struct RedisOptions {
+    /// Redis URL (the citation store and result ledger): `redis://` or
+    /// `rediss://` (TLS), with `user:password@` for auth; several
+    /// comma-separated node URLs for a Redis Cluster.
+    #[cfg_attr(feature = "clap", arg(id = "redis_url", long = "redis-url", env = ENV_REDIS_URL, default_value = DEFAULT_REDIS_URL, hide_env_values = true))]
     pub url: String,
+    /// Treat `--redis-url` as a seed node of a Redis Cluster (implied when
+    /// it lists several nodes).
+    #[cfg_attr(feature = "clap", arg(
+        id = "redis_cluster",
+        long = "redis-cluster",
+        env = ENV_REDIS_CLUSTER,
+        value_parser = clap::builder::BoolishValueParser::new(),
+        action = clap::ArgAction::SetTrue
+    ))]
     pub cluster: bool,
+    /// PEM file of the CA that signed the Redis server's certificate
+    /// (`rediss://` only; replaces the system roots).
+    #[cfg_attr(feature = "clap", arg(id = "redis_tls_ca", long = "redis-tls-ca", env = ENV_REDIS_TLS_CA))]
     pub tls_ca: Option<PathBuf>,
+    /// PEM client certificate, for a server that authenticates clients.
+    #[cfg_attr(feature = "clap", arg(id = "redis_tls_cert", long = "redis-tls-cert", env = ENV_REDIS_TLS_CERT, requires = "redis_tls_key"))]
     pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `--redis-tls-cert`.
+    #[cfg_attr(feature = "clap", arg(id = "redis_tls_key", long = "redis-tls-key", env = ENV_REDIS_TLS_KEY, requires = "redis_tls_cert"))]
     pub tls_key: Option<PathBuf>,
-    /// Transient errors are retried, with backoff, for this long.
+    /// How long a store operation retries transient Redis errors before
+    /// it fails as unavailable, in milliseconds.
+    // The default is `DEFAULT_RETRY_BUDGET` written out (a test holds them
+    // equal): clap wants a string.
+    #[cfg_attr(feature = "clap", arg(
+        id = "redis_retry_budget_ms",
+        long = "redis-retry-budget-ms",
+        env = ENV_REDIS_RETRY_BUDGET_MS,
+        default_value = "3000",
+        value_parser = parse_millis
+    ))]
     pub retry_budget: Duration,
+    /// Lifetime of an invocation's citation keys, in seconds.
+    // The default is `DEFAULT_TTL` written out (a test holds them equal);
+    // the value name is the one `--help` has always shown.
+    #[cfg_attr(feature = "clap", arg(
+        id = "ttl_secs",
+        value_name = "TTL_SECS",
+        long = "citation-ttl",
+        env = ENV_CITATION_TTL,
+        default_value = "86400",
+        value_parser = parse_secs
+    ))]
+    pub ttl: Duration,
+}
+
+#[cfg(feature = "clap")]
+fn parse_millis(text: &str) -> Result<Duration, std::num::ParseIntError> {
+    text.parse().map(Duration::from_millis)
+}
+
+#[cfg(feature = "clap")]
+fn parse_secs(text: &str) -> Result<Duration, std::num::ParseIntError> {
+    text.parse().map(Duration::from_secs)
+}
+
+/// A Redis URL that cannot be one, found before connecting: names the URL,
+/// its password hidden.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("bad Redis URL {url}: {why}")]
+pub struct BadUrl {
+    /// The node URL, redacted.
+    pub url: String,
+    pub why: String,
 }
 
 impl RedisOptions {
     /// One server (or a cluster, when `url` lists several nodes), no TLS
-    /// files, the default retry budget.
+    /// files, the default retry budget and key lifetime.
     pub fn new(url: impl Into<String>) -> Self {
         Self {
             url: url.into(),
@@ -54,6 +152,7 @@ impl RedisOptions {
             tls_cert: None,
             tls_key: None,
             retry_budget: DEFAULT_RETRY_BUDGET,
+            ttl: crate::DEFAULT_TTL,
         }
     }
 
@@ -70,18 +169,48 @@ impl RedisOptions {
     pub fn is_cluster(&self) -> bool {
         self.cluster || self.nodes().len() > 1
     }
+
+    /// Checks the URL (each comma-separated node) without connecting: a
+    /// URL with a host, scheme `redis` or `rediss` (or a `unix`/`redis+unix`
+    /// socket path), so a binary can refuse a bad one at start.
+    ///
+    /// # Errors
+    ///
+    /// [`BadUrl`] naming the first bad node, its password hidden.
+    pub fn check_url(&self) -> Result<(), BadUrl> {
+        for node in self.url.split(',').map(str::trim) {
+            let bad = |why: &str| BadUrl {
+                url: redact_url(node),
+                why: why.to_owned(),
+            };
+            let parsed = url::Url::parse(node).map_err(|e| bad(&e.to_string()))?;
+            match parsed.scheme() {
+                "redis" | "rediss" if parsed.host_str().is_some_and(|h| !h.is_empty()) => {}
+                "redis" | "rediss" => return Err(bad("it names no host")),
+                "unix" | "redis+unix" => {}
+                other => return Err(bad(&format!("the scheme is {other}, not redis or rediss"))),
+            }
+        }
+        Ok(())
+    }
+
+    /// The URL with any password replaced, for logs.
+    pub fn redacted_url(&self) -> String {
+        let nodes: Vec<String> = self.nodes().into_iter().map(redact_url).collect();
+        nodes.join(",")
+    }
 }
 
 impl std::fmt::Debug for RedisOptions {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let nodes: Vec<String> = self.nodes().into_iter().map(redact_url).collect();
         f.debug_struct("RedisOptions")
-            .field("url", &nodes.join(","))
+            .field("url", &self.redacted_url())
             .field("cluster", &self.cluster)
             .field("tls_ca", &self.tls_ca)
             .field("tls_cert", &self.tls_cert)
             .field("tls_key", &self.tls_key)
             .field("retry_budget", &self.retry_budget)
+            .field("ttl", &self.ttl)
             .finish()
     }
 }
@@ -359,5 +488,89 @@ mod tests {
                 .to_string()
                 .contains("no Redis URL")
         );
+    }
+
+    #[test]
+    fn urls_are_checked_before_connecting_without_the_password() {
+        assert!(
+            RedisOptions::new("redis://h:1,rediss://u:p@h2:2")
+                .check_url()
+                .is_ok()
+        );
+        assert!(
+            RedisOptions::new("unix:///run/redis.sock")
+                .check_url()
+                .is_ok()
+        );
+        let e = RedisOptions::new("http://:hunter2@x")
+            .check_url()
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "bad Redis URL http://***@x: the scheme is http, not redis or rediss"
+        );
+        let e = RedisOptions::new("redis://:hunter2@[bad")
+            .check_url()
+            .unwrap_err();
+        assert!(e.to_string().starts_with("bad Redis URL"), "{e}");
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        assert_eq!(
+            RedisOptions::new(" redis://a:p@h:1 , redis://h2:2").redacted_url(),
+            "redis://***@h:1,redis://h2:2"
+        );
+    }
+
+    /// The flags as every binary has them (`--help` shows the same).
+    #[cfg(feature = "clap")]
+    mod flags {
+        use clap::Parser;
+
+        use super::*;
+
+        #[derive(Parser, Debug)]
+        struct Cli {
+            #[command(flatten)]
+            redis: RedisOptions,
+        }
+
+        #[test]
+        fn flags_parse_and_debug_hides_the_password() {
+            let cli = Cli::try_parse_from([
+                "x",
+                "--redis-url",
+                "rediss://app:s3cret@a:7000,rediss://app:s3cret@b:7000",
+                "--redis-tls-ca",
+                "/etc/ca.pem",
+                "--redis-tls-cert",
+                "/etc/c.pem",
+                "--redis-tls-key",
+                "/etc/k.pem",
+                "--redis-retry-budget-ms",
+                "1500",
+            ])
+            .unwrap();
+            assert_eq!(cli.redis.retry_budget, Duration::from_millis(1500));
+            assert_eq!(cli.redis.tls_ca, Some(PathBuf::from("/etc/ca.pem")));
+            assert!(!cli.redis.cluster);
+            let debug = format!("{cli:?}");
+            assert!(!debug.contains("s3cret"), "{debug}");
+            assert!(debug.contains("rediss://***@a:7000"), "{debug}");
+            // A certificate without its key is refused.
+            assert!(Cli::try_parse_from(["x", "--redis-tls-cert", "/c.pem"]).is_err());
+            let cli = Cli::try_parse_from(["x", "--redis-cluster"]).unwrap();
+            assert!(cli.redis.cluster);
+            assert_eq!(cli.redis.retry_budget, Duration::from_secs(3));
+        }
+
+        #[test]
+        fn flag_defaults_are_the_store_defaults() {
+            let cli = Cli::try_parse_from(["x"]).unwrap();
+            assert_eq!(cli.redis.url, DEFAULT_REDIS_URL);
+            assert_eq!(cli.redis.retry_budget, DEFAULT_RETRY_BUDGET);
+            assert_eq!(cli.redis.ttl, crate::DEFAULT_TTL);
+            let cli = Cli::try_parse_from(["x", "--citation-ttl", "60"]).unwrap();
+            assert_eq!(cli.redis.ttl, Duration::from_secs(60));
+            assert!(Cli::try_parse_from(["x", "--citation-ttl", "soon"]).is_err());
+        }
     }
 }

@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::{Args, FromArgMatches};
-use toolfleet_service::args::{NatsArgs, RedisArgs, ToolDefsArgs};
-use toolfleet_store::CitationStore;
+use toolfleet_service::args::{NatsArgs, ToolDefsArgs};
+use toolfleet_store::{CitationStore, RedisOptions};
 
 use crate::metrics::WorkerMetrics;
 use crate::{Worker, WorkerConfig};
@@ -19,7 +19,7 @@ pub struct WorkerArgs {
     pub nats: NatsArgs,
     /// The citation store and result ledger.
     #[command(flatten)]
-    pub redis: RedisArgs,
+    pub redis: RedisOptions,
     /// Where the tool definitions are.
     #[command(flatten)]
     pub defs: ToolDefsArgs,
@@ -45,15 +45,7 @@ impl Worker {
         let subjects = args.nats.subjects()?;
         toolfleet_service::serve_until_signal(metrics_addr, |rt| async move {
             let r = &args.redis;
-            let options = toolfleet_store::RedisOptions {
-                url: r.url.clone(),
-                cluster: r.cluster,
-                tls_ca: r.tls_ca.clone(),
-                tls_cert: r.tls_cert.clone(),
-                tls_key: r.tls_key.clone(),
-                retry_budget: r.retry_budget(),
-            };
-            let store = CitationStore::connect_with(&options, subjects.prefix(), r.ttl())
+            let store = CitationStore::connect_with(r, subjects.prefix(), r.ttl)
                 .await
                 .with_context(|| format!("cannot connect to Redis at {}", r.redacted_url()))?;
             let client = args
@@ -249,12 +241,10 @@ where
     if let Err(e) = args.worker.nats.subjects() {
         return usage(&e);
     }
-    if let Err(e) = args
-        .worker
-        .nats
-        .check_url()
-        .and_then(|()| args.worker.redis.check_url())
-    {
+    if let Err(e) = args.worker.nats.check_url() {
+        return usage(&e);
+    }
+    if let Err(e) = args.worker.redis.check_url() {
         return usage(&e);
     }
     let metrics_addr = match args.metrics_addr {

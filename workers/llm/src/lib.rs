@@ -34,7 +34,8 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 use std::sync::Arc;
 
-use toolfleet_llm::profiles::{EnvSource, FleetConfig};
+use toolfleet_llm::deployments::EnvSource;
+use toolfleet_llm::model_config::ModelConfig;
 use toolfleet_worker::protocol::tools::{self, ToolDefinition};
 use toolfleet_worker::{Worker, WorkerError};
 
@@ -59,10 +60,8 @@ pub fn chart_schema() -> serde_json::Value {
 /// The worker's default model when none is given: the default profile's
 /// first deployment and its model (`deployment/model`).
 #[must_use]
-pub fn default_model_of(config: &FleetConfig) -> Option<String> {
-    let profile = config.profiles.get(&config.default_profile)?;
-    let name = profile.deployments.first()?;
-    let deployment = config.deployments.get(name)?;
+pub fn default_model_of(config: &ModelConfig) -> Option<String> {
+    let (name, deployment) = config.default_deployment()?;
     Some(format!("{name}/{}", deployment.model))
 }
 
@@ -80,7 +79,7 @@ pub fn is_declarative(definition: &ToolDefinition) -> bool {
 /// As [`llm_tool`], and a directory without declarative tools.
 pub fn worker(
     definitions: &Path,
-    config: &FleetConfig,
+    config: &ModelConfig,
     env: &dyn EnvSource,
     settings: &Settings,
 ) -> Result<Worker, WorkerError> {
@@ -186,7 +185,7 @@ pub fn image_tool(
 /// all), an unreadable directory, or a default model of no deployment.
 pub fn llm_tool(
     definitions: &Path,
-    config: &FleetConfig,
+    config: &ModelConfig,
     env: &dyn EnvSource,
     settings: &Settings,
 ) -> Result<(LlmTool, Vec<ToolDefinition>), WorkerError> {

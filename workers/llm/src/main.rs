@@ -44,7 +44,7 @@ async fn main() -> std::process::ExitCode {
         async |args, own: &LlmToolArgs| {
             let config = own
                 .llm
-                .fleet_config()
+                .model_config()
                 .map_err(|e| WorkerError::Config(e.to_string()))?;
             let compat = match &own.tool_compat {
                 Some(path) => Some(std::sync::Arc::new(
@@ -64,7 +64,7 @@ async fn main() -> std::process::ExitCode {
             toolfleet_worker_llm::worker(
                 &args.defs.dir,
                 &config,
-                &toolfleet_llm::profiles::ProcessEnv,
+                &toolfleet_llm::deployments::ProcessEnv,
                 &settings,
             )
         },

@@ -6,7 +6,9 @@
 use std::collections::BTreeMap;
 
 use toolfleet_llm::LlmClient;
-use toolfleet_llm::profiles::{EnvSource, FleetConfig, PriceTable};
+use toolfleet_llm::deployments::EnvSource;
+use toolfleet_llm::model_config::ModelConfig;
+use toolfleet_llm::prices::PriceTable;
 
 /// A deployment as the worker uses it.
 pub(crate) struct Provider {
@@ -36,17 +38,14 @@ impl Providers {
     /// # Errors
     ///
     /// A client that cannot be built (a key that cannot go in a header).
-    pub fn new(config: &FleetConfig, env: &dyn EnvSource) -> Result<Self, String> {
+    pub fn new(config: &ModelConfig, env: &dyn EnvSource) -> Result<Self, String> {
         let mut by_name = BTreeMap::new();
         for (name, deployment) in &config.deployments {
             let client = match deployment.to_llm_config(env) {
                 Ok(llm) => {
                     Ok(LlmClient::new(llm).map_err(|e| format!("deployment {name:?}: {e}"))?)
                 }
-                Err(e) => Err(match e {
-                    toolfleet_llm::profiles::ResolveError::Unusable { why, .. } => why,
-                    other => other.to_string(),
-                }),
+                Err(why) => Err(why.to_string()),
             };
             by_name.insert(name.clone(), Provider { client });
         }

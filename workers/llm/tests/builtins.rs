@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde_json::{Value, json};
-use toolfleet_llm::profiles::FleetConfig;
+use toolfleet_llm::model_config::ModelConfig;
 use toolfleet_scripted::{Script, ScriptedServer};
 use toolfleet_worker::TestCtx;
 use toolfleet_worker::protocol::schema::Validator;
@@ -69,7 +69,7 @@ impl Fixture {
     }
 
     fn tool(&self, default_model: &str) -> LlmTool {
-        let config = FleetConfig::from_toml(
+        let config = ModelConfig::from_toml(
             &format!(
                 "[deployments.main]\nbase_url = \"{}\"\nmodel = \"gpt-test\"\nretry = {{ max_attempts = 1 }}\n\
                  [profiles.default]\ndeployment = \"main\"\n",
@@ -257,7 +257,7 @@ async fn a_chart_that_does_not_validate_moves_on_to_the_next_model() {
         serde_json::to_string(&definition).unwrap(),
     )
     .unwrap();
-    let config = FleetConfig::from_toml(
+    let config = ModelConfig::from_toml(
         &format!(
             "[deployments.main]\nbase_url = \"{}\"\nmodel = \"gpt-test\"\nretry = {{ max_attempts = 1 }}\n\
              [profiles.default]\ndeployment = \"main\"\n",

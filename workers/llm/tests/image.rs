@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::json;
-use toolfleet_llm::profiles::FleetConfig;
+use toolfleet_llm::model_config::ModelConfig;
 use toolfleet_scripted::{Script, ScriptedServer};
 use toolfleet_worker::protocol::tools::load_file;
 use toolfleet_worker::{TestCtx, ToolError};
@@ -25,8 +25,8 @@ async fn server() -> ScriptedServer {
     .unwrap()
 }
 
-fn config(server: &ScriptedServer) -> FleetConfig {
-    FleetConfig::from_toml(
+fn config(server: &ScriptedServer) -> ModelConfig {
+    ModelConfig::from_toml(
         &format!(
             "[deployments.main]\nbase_url = \"{}\"\nmodel = \"gpt-test\"\nretry = {{ max_attempts = 1 }}\n\
              [profiles.default]\ndeployment = \"main\"\n",

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::{Arc, Mutex};
 
 use serde_json::{Value, json};
-use toolfleet_llm::profiles::FleetConfig;
+use toolfleet_llm::model_config::ModelConfig;
 use toolfleet_scripted::{Script, ScriptedServer};
 use toolfleet_worker::protocol::tools::{ToolDefinition, load_file};
 use toolfleet_worker::protocol::{CallContext, ToolWarning, registry::CompatFile};
@@ -48,9 +48,9 @@ impl Fixture {
     /// Deployments `main` and `backup` on the scripted server (no retries,
     /// so a failure moves on at once) and `keyless`, whose key variable is
     /// never set; a price for `gpt-test`.
-    fn config(&self) -> FleetConfig {
+    fn config(&self) -> ModelConfig {
         let url = self.server.base_url();
-        FleetConfig::from_toml(
+        ModelConfig::from_toml(
             &format!(
                 r#"
 [deployments.main]

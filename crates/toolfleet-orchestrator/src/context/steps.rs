@@ -2,8 +2,8 @@
 //! handlers in [`super`] call them; resuming a parked invocation calls the
 //! first ones again).
 
+use toolfleet_config::ResolvedProfile;
 use toolfleet_llm::Message;
-use toolfleet_llm::profiles::ResolvedProfile;
 use toolfleet_protocol::{ChatJob, ChatRole, InvocationContext};
 use tracing::info;
 

@@ -32,7 +32,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull};
-use toolfleet_llm::profiles::DEFAULT_ORCHESTRATOR;
+use toolfleet_config::DEFAULT_ORCHESTRATOR;
 use toolfleet_protocol::{ChatJob, Envelope, Subjects};
 use toolfleet_service::telemetry;
 use tracing::{Instrument, info, warn};

@@ -13,7 +13,7 @@
 
 use futures::FutureExt;
 use futures::future::BoxFuture;
-use toolfleet_llm::profiles::{LoopPolicy, TruncatedPolicy};
+use toolfleet_config::{LoopPolicy, TruncatedPolicy};
 use toolfleet_llm::{ChatRequest, Message, ToolChoice};
 use toolfleet_protocol::ToolStatus;
 

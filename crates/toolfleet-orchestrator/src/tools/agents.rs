@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use serde_json::json;
-use toolfleet_llm::profiles::FleetConfig;
+use toolfleet_config::FleetConfig;
 use toolfleet_protocol::headers;
 use toolfleet_protocol::registry::{SourcedTool, ToolSource};
 use toolfleet_protocol::tools::{CompiledTool, Origin, ToolDefinition};

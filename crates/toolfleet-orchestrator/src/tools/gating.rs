@@ -30,7 +30,7 @@
 use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
-use toolfleet_llm::profiles::Profile;
+use toolfleet_config::Profile;
 use toolfleet_protocol::ChatJob;
 use toolfleet_protocol::registry::{Registry, RegistryEntry};
 use toolfleet_protocol::tools::{CompiledTool, Purpose, ToolDefinition, ToolId, ToolRef};
@@ -483,7 +483,7 @@ mod tests {
             ],
         );
         let registry = Registry::build(&[&agents as &dyn ToolSource, &catalog]);
-        let mut profile = toolfleet_llm::profiles::Profile::new("d");
+        let mut profile = toolfleet_config::Profile::new("d");
         let job = toolfleet_protocol::client::question("hi");
 
         // `*`: every selectable live tool, the system tool, agents but not
@@ -569,7 +569,7 @@ mod tests {
             ],
         );
         let registry = Registry::build(&[&catalog as &dyn ToolSource]);
-        let profile = toolfleet_llm::profiles::Profile::new("d");
+        let profile = toolfleet_config::Profile::new("d");
         let job = toolfleet_protocol::client::question("hi");
         let p = permitted(&registry, &profile, &job, &gate()).unwrap();
         assert_eq!(ids(&p), ["t:x@2.0.0"], "the newest version of the first id");

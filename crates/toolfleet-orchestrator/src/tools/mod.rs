@@ -14,8 +14,8 @@ pub mod scoring;
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use toolfleet_config::ScopingPolicy;
 use toolfleet_llm::ToolSpec;
-use toolfleet_llm::profiles::ScopingPolicy;
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_protocol::registry::{Registry, ToolSource};
 use toolfleet_protocol::tools::CompiledTool;
@@ -84,7 +84,7 @@ impl ToolSnapshot {
         agents: &AgentSource,
         catalog: &Catalog,
         compat: Option<&toolfleet_protocol::registry::CompatFile>,
-        profiles: &toolfleet_llm::profiles::FleetConfig,
+        profiles: &toolfleet_config::FleetConfig,
     ) -> Self {
         let mut registry =
             Registry::build(&[agents as &dyn ToolSource, catalog as &dyn ToolSource]);
@@ -234,7 +234,7 @@ mod tests {
     /// and a model no deployment serves is left out.
     #[test]
     fn a_snapshot_puts_agents_first_and_joins_the_compat_file() {
-        let config = toolfleet_llm::profiles::FleetConfig::from_toml(
+        let config = toolfleet_config::FleetConfig::from_toml(
             r#"
 [deployments.openai]
 base_url = "https://api.openai.com/v1"

@@ -67,7 +67,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use serde_json::{Map, Value, json};
-use toolfleet_llm::profiles::ScopingPolicy;
+use toolfleet_config::ScopingPolicy;
 use toolfleet_llm::{Message, ToolSpec};
 use toolfleet_protocol::search;
 use toolfleet_protocol::tools::{CompiledTool, ToolId};

@@ -1,0 +1,51 @@
+//! toolfleet-config: the fleet's configuration file — profiles and their
+//! policies, sinks, links, agents — parsed and validated once, and resolved
+//! per chat job; shared by the orchestrator and the `toolfleet` CLI.
+//!
+//! The same TOML file also holds the model deployments and prices: those
+//! tables are the LLM client's ([`toolfleet_llm::deployments`],
+//! [`toolfleet_llm::prices`]), which a process that only calls models
+//! (the LLM tools worker) reads alone ([`toolfleet_llm::model_config`]).
+//! This crate reads and checks the whole file.
+//!
+//! # Layout
+//!
+//! - [`file`](mod@file): [`FleetConfig`], the whole file, its load and its checks
+//!   across tables; [`ConfigArgs`] builds it from the `--config` /
+//!   `--llm-*` flags;
+//! - [`profile`]: [`Profile`], what a chat job names;
+//! - [`policy`]: the loop, scoping and retrieval policies of a profile;
+//! - [`approvals`]: which calls a person must approve, and for how long a
+//!   parked invocation waits;
+//! - [`agents`]: profiles exposed as tools, and how deep they nest;
+//! - [`sinks`]: named webhooks and relay subjects;
+//! - [`resolve`]: a job's profile on its first usable deployment
+//!   ([`ResolvedProfile`]);
+//! - [`errors`]: [`ConfigError`] (the file) and [`ResolveError`] (a job).
+//!
+//! # Invariants
+//!
+//! - Depends only on the contract and the LLM client crates: never on the
+//!   orchestrator, the service plumbing, the store or the worker SDK.
+//! - A loaded [`FleetConfig`] is consistent (see [`file`](mod@file)); no secret is
+//!   in the file, in a message or in `Debug` output.
+
+pub mod agents;
+pub mod approvals;
+pub mod errors;
+pub mod file;
+pub mod policy;
+pub mod profile;
+pub mod resolve;
+pub mod sinks;
+#[cfg(test)]
+mod testing;
+
+pub use agents::AgentTool;
+pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
+pub use file::{ConfigArgs, FleetConfig};
+pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
+pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
+pub use resolve::{ResolvedDeployment, ResolvedProfile};
+pub use sinks::SinkConfig;
+pub use toolfleet_llm::model_config::DEFAULT_PROFILE;
