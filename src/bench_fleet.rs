@@ -42,8 +42,8 @@ use toolfleet_orchestrator::OrchestratorConfig;
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker, WorkerError};
 
 use crate::bench::Memory;
-use crate::cli::{DemoServers, LocalArgs};
 use crate::families::IndexArgs;
+use crate::local::{LocalArgs, LocalServers};
 
 /// The id of the bench's own tool.
 pub const SLEEP_TOOL: &str = "bench:sleep@1.0.0";
@@ -215,7 +215,7 @@ pub struct BenchFleet {
     /// The model deployment of the orchestrator and the LLM tools family
     /// (the scripted stand-in), when the fleet has a model.
     pub models: Option<FleetConfig>,
-    servers: DemoServers,
+    servers: LocalServers,
     model: Model,
     workers: Vec<Proc>,
     shutdown: CancellationToken,
@@ -232,7 +232,7 @@ pub struct Orchestrator {
 
 impl BenchFleet {
     pub async fn start(local: &LocalArgs, shape: &Shape) -> anyhow::Result<Self> {
-        let servers = crate::cli::demo_servers(local)?;
+        let servers = LocalServers::start(local)?;
         let subjects = toolfleet_protocol::Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         let work = tempfile::tempdir()?;
         let index = IndexArgs::tantivy(work.path().join("index"), local.corpus.clone());

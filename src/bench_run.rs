@@ -5,15 +5,107 @@
 //! model — read the orchestrator's memory, print a table (or JSON) and
 //! write the chart ([`crate::svg`]).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
+use clap::Args;
+use toolfleet_protocol::tools::{ToolDefinition, ToolId};
 
 use crate::bench::{Load, Memory, Ratios, Summary, ToolCaller, chat_op, drive, interleave, table};
 use crate::bench_fleet::{BenchFleet, OrchestratorMemory, SLEEP_TOOL, Sampler, Shape};
-use crate::cli::{BenchArgs, BenchMode, DEMO_QUESTIONS};
+use crate::demo::DEMO_QUESTIONS;
 use crate::floor::Floor;
-use toolfleet_protocol::tools::{ToolDefinition, ToolId};
+use crate::local::LocalArgs;
+
+/// What `toolfleet bench` drives through the fleet.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BenchMode {
+    /// Raw tool calls: a tool job on the tools stream, the result awaited
+    /// on a reply inbox (no orchestrator, no model).
+    Tool,
+    /// Whole chat jobs: model calls, tool calls, citations and events.
+    Chat,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Raw tool calls or whole chat jobs.
+    #[arg(long, value_enum, default_value_t = BenchMode::Chat)]
+    pub mode: BenchMode,
+    /// Operations to run (after the warm-up). With --duration, whichever
+    /// ends first.
+    #[arg(long, visible_alias = "jobs")]
+    pub count: Option<usize>,
+    /// Run for this many seconds instead of (or at most, with --count) a
+    /// count.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Operations in flight at once (also the orchestrator's limit).
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Operations before the measured run, discarded (default: one batch
+    /// of --concurrency).
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// Tool mode: the tool to call. Default: bench:sleep@1.0.0 when
+    /// --tool-delay-ms is given, else system:current_datetime@1.0.0.
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// Tool mode: the tool's arguments (JSON object).
+    #[arg(long)]
+    pub tool_args: Option<String>,
+    /// Tool mode: call the bench's own tool (`bench:sleep`), which waits
+    /// this long: a stand-in for a tool's own work.
+    #[arg(long)]
+    pub tool_delay_ms: Option<u64>,
+    /// Chat mode, and tool mode with an LLM tool: the scripted model's
+    /// pause before every first token, in ms (a slow model; each chat job
+    /// makes two model calls).
+    #[arg(long, default_value_t = 0)]
+    pub model_delay_ms: u64,
+    /// The scripted model's script (no artificial delay of its own).
+    #[arg(long, default_value = "examples/bench-script.json")]
+    pub script: PathBuf,
+    /// Run the scripted model in a process of its own.
+    #[arg(long)]
+    pub model_process: bool,
+    /// Run the model, the orchestrator (`toolfleet-orchestrator` beside
+    /// this binary) and the workers as processes of their own; the
+    /// orchestrator's memory is then read from /proc.
+    #[arg(long)]
+    pub processes: bool,
+    /// Worker processes (with --processes).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Tool jobs each worker process (or the in-process workers) runs at
+    /// once. Default: --concurrency.
+    #[arg(long)]
+    pub worker_concurrency: Option<usize>,
+    /// Seconds an operation may take before it counts as a `timeout`.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_secs: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Write an SVG chart of the latency distributions here.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Chat mode: print the event timeline of every job slower than this,
+    /// in ms.
+    #[arg(long, default_value_t = 10_000)]
+    pub slow_ms: u64,
+    /// Also measure the transport floors on the same server under the same
+    /// load (a JetStream work-queue round trip, a core NATS
+    /// request-reply; for an LLM tool in tool mode, also a direct call to
+    /// the same model with the tool's own request) and print the fleet's
+    /// figures as ratios to them.
+    #[arg(long)]
+    pub floor: bool,
+    #[command(flatten)]
+    pub local: LocalArgs,
+}
 
 /// Operations when neither `--count` nor `--duration` is given.
 const DEFAULT_COUNT: usize = 500;

@@ -42,7 +42,7 @@ async fn main() {
         cli.command,
         toolfleet::cli::Command::Up(_)
             | toolfleet::cli::Command::BenchWorker(_)
-            | toolfleet::cli::Command::ScriptedModel { .. }
+            | toolfleet::cli::Command::ScriptedModel(_)
     );
     let telemetry = toolfleet_service::telemetry::init(
         "toolfleet",
