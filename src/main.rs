@@ -1,5 +1,6 @@
 //! `toolfleet`: the command line — chat, demo, up, tools, index, and the
-//! scripted model server. All logic lives in `toolfleet::cli`.
+//! scripted model server. `main` parses, sets up telemetry and calls
+//! `toolfleet::cli::run`, which hands each command to its module.
 
 use clap::Parser;
 
