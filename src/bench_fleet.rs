@@ -43,8 +43,8 @@ use toolfleet_orchestrator::OrchestratorConfig;
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker, WorkerError};
 
 use crate::bench::Memory;
-use crate::cli::{DemoServers, LocalArgs};
 use crate::families::IndexArgs;
+use crate::local::{LocalArgs, LocalServers};
 
 /// The id of the bench's own tool.
 pub const SLEEP_TOOL: &str = "bench:sleep@1.0.0";
@@ -216,7 +216,7 @@ pub struct BenchFleet {
     /// The model deployment of the orchestrator and the LLM tools family
     /// (the scripted stand-in), when the fleet has a model.
     pub models: Option<FleetConfig>,
-    servers: DemoServers,
+    servers: LocalServers,
     model: Model,
     workers: Vec<Proc>,
     shutdown: CancellationToken,
@@ -232,16 +232,132 @@ pub struct Orchestrator {
 }
 
 impl BenchFleet {
+    /// Starts the fleet in `shape` on the servers of `local` (reused or
+    /// child processes), each part once it answers.
     pub async fn start(local: &LocalArgs, shape: &Shape) -> anyhow::Result<Self> {
-        let servers = crate::cli::demo_servers(local)?;
+        let servers = LocalServers::start(local)?;
         let subjects = toolfleet_protocol::Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         let work = tempfile::tempdir()?;
         let index = IndexArgs::tantivy(work.path().join("index"), local.corpus.clone());
+        let started = StartedModel::start(shape).await?;
+        let models = started.models();
+        // The LLM tools family only when its tool is under test.
+        let llm_models = models.as_ref().filter(|_| shape.llm_tools);
 
+        let shutdown = CancellationToken::new();
+        let tracker = TaskTracker::new();
+        let mut workers = Vec::new();
+        let mut orchestrator = None;
+        if shape.processes {
+            let children = Children {
+                servers: &servers,
+                model: &started,
+                shape,
+            };
+            for i in 0..shape.workers.max(1) {
+                workers.push(
+                    children
+                        .worker(i, local, &index, llm_models.is_some())
+                        .await?,
+                );
+            }
+            if let Some(model_url) = started.url.as_ref().filter(|_| shape.chat) {
+                orchestrator = Some(children.orchestrator(model_url).await?);
+            }
+        } else {
+            let orchestrator_config = match models.as_ref().filter(|_| shape.chat) {
+                Some(models) => {
+                    let mut config = OrchestratorConfig::new(subjects.clone(), models.clone());
+                    config.max_in_flight = shape.orchestrator_in_flight;
+                    Some(config)
+                }
+                None => None,
+            };
+            let spec = FleetSpec {
+                nats_url: servers.nats_url.clone(),
+                redis_url: servers.redis_url.clone(),
+                subjects: subjects.clone(),
+                citation_ttl: Duration::from_secs(3600),
+                orchestrator: orchestrator_config,
+                workers: bench_workers_with(&local.defs.dir, &index, llm_models).await?,
+                worker_concurrency: shape.worker_concurrency,
+                nats_connect_wait: Duration::from_secs(10),
+            };
+            let metrics = prometheus::Registry::new();
+            toolfleet_local::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
+            eprintln!("• fleet running in this process");
+        }
+        let client = toolfleet_service::args::connect_nats(
+            &servers.nats_url,
+            "toolfleet-bench",
+            Duration::from_secs(5),
+        )
+        .await?;
+        let model_pid = match &started.model {
+            Model::Process(p) => Some(p.pid()),
+            _ => None,
+        };
+        Ok(Self {
+            nats_url: servers.nats_url.clone(),
+            subjects,
+            client,
+            orchestrator,
+            model_pid,
+            started: std::time::Instant::now(),
+            models,
+            servers,
+            model: started.model,
+            workers,
+            shutdown,
+            tracker,
+            _work: work,
+        })
+    }
+
+    /// Takes the fleet down: SIGTERM to its processes (they drain), the
+    /// in-process parts cancelled, then the servers.
+    pub async fn stop(self) {
+        eprint!("• shutting down … ");
+        if let Some(o) = self.orchestrator {
+            o.proc.stop();
+        }
+        for w in self.workers {
+            w.stop();
+        }
+        self.shutdown.cancel();
+        self.tracker.close();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.tracker.wait()).await;
+        match self.model {
+            Model::InProcess(m) => m.shutdown().await,
+            Model::Process(p) => p.stop(),
+            Model::None => {}
+        }
+        drop(self.servers);
+        eprintln!("done");
+    }
+}
+
+/// The fleet's model as started: none (tool mode without an LLM tool),
+/// the scripted stand-in in this process, or in a process of its own.
+struct StartedModel {
+    model: Model,
+    /// Its base URL (including `/v1`), when there is a model.
+    url: Option<url::Url>,
+    /// The model name the script answers as.
+    name: String,
+    /// The deployment's first-token timeout: a slow model must not trip
+    /// it.
+    first_token_timeout: Duration,
+}
+
+impl StartedModel {
+    async fn start(shape: &Shape) -> anyhow::Result<Self> {
         let script = toolfleet_scripted::Script::load(&shape.script)?
             .with_first_token_delay(shape.model_delay);
-        let model_name = script.model().to_string();
-        let (model, model_url) = if !shape.chat && !shape.llm_tools {
+        let name = script.model().to_string();
+        let first_token_timeout =
+            Duration::from_secs(60).max(shape.model_delay * 2 + Duration::from_secs(10));
+        let (model, url) = if !shape.chat && !shape.llm_tools {
             (Model::None, None)
         } else if shape.model_process || shape.processes {
             let port = toolfleet_local::servers::free_port()?;
@@ -275,158 +391,111 @@ impl BenchFleet {
             eprintln!("• model: the scripted stand-in in this process at {url}");
             (Model::InProcess(m), Some(url))
         };
-        // A slow model must not trip the first-token timeout.
-        let first_token_timeout =
-            Duration::from_secs(60).max(shape.model_delay * 2 + Duration::from_secs(10));
-        let models = model_url
-            .as_ref()
-            .map(|url| bench_models(url.clone(), &model_name, first_token_timeout));
-        // The LLM tools family only when its tool is under test.
-        let llm_models = models.as_ref().filter(|_| shape.llm_tools);
-
-        let shutdown = CancellationToken::new();
-        let tracker = TaskTracker::new();
-        let mut workers = Vec::new();
-        let mut orchestrator = None;
-        let env = |extra: Vec<(&'static str, String)>| {
-            let mut v = vec![
-                ("TOOLFLEET_NATS_URL", servers.nats_url.clone()),
-                ("TOOLFLEET_REDIS_URL", servers.redis_url.clone()),
-                ("TOOLFLEET_LOG", "warn".to_string()),
-            ];
-            v.extend(extra);
-            v
-        };
-        if shape.processes {
-            for i in 0..shape.workers.max(1) {
-                let port = toolfleet_local::servers::free_port()?;
-                let mut cmd = Command::new(std::env::current_exe()?);
-                cmd.args(["bench-worker", "--index-dir"])
-                    .arg(&index.index_dir)
-                    .arg("--corpus-dir")
-                    .arg(&index.corpus_dir)
-                    .arg("--tool-definitions")
-                    .arg(&local.defs.dir)
-                    .args(["--concurrency", &shape.worker_concurrency.to_string()])
-                    .envs(env(vec![(
-                        "TOOLFLEET_METRICS_ADDR",
-                        format!("127.0.0.1:{port}"),
-                    )]));
-                match (llm_models, &model_url) {
-                    (Some(_), Some(url)) => {
-                        cmd.env(ENV_BENCH_MODEL_URL, url.as_str())
-                            .env(ENV_BENCH_MODEL, &model_name)
-                            .env(
-                                ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS,
-                                first_token_timeout.as_millis().to_string(),
-                            );
-                    }
-                    _ => {
-                        cmd.env_remove(ENV_BENCH_MODEL_URL);
-                    }
-                }
-                let proc = Proc::spawn(&format!("worker {i}"), &mut cmd)?;
-                wait_http(port, "/healthz").await?;
-                eprintln!("• worker process {} ready", proc.pid());
-                workers.push(proc);
-            }
-            if let Some(model_url) = model_url.as_ref().filter(|_| shape.chat) {
-                let bin = sibling_bin("toolfleet-orchestrator")?;
-                let port = toolfleet_local::servers::free_port()?;
-                let mut cmd = Command::new(&bin);
-                cmd.envs(env(vec![
-                    ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
-                    ("TOOLFLEET_LLM_BASE_URL", model_url.to_string()),
-                    ("TOOLFLEET_LLM_MODEL", model_name.clone()),
-                    ("TOOLFLEET_LLM_API_KEY", "sk-bench-stand-in".into()),
-                    (
-                        "TOOLFLEET_LLM_FIRST_TOKEN_TIMEOUT_MS",
-                        first_token_timeout.as_millis().to_string(),
-                    ),
-                    (
-                        "TOOLFLEET_MAX_IN_FLIGHT",
-                        shape.orchestrator_in_flight.to_string(),
-                    ),
-                ]));
-                let proc = Proc::spawn("orchestrator", &mut cmd)?;
-                wait_http(port, "/healthz").await?;
-                eprintln!("• orchestrator process {} ready", proc.pid());
-                orchestrator = Some(Orchestrator {
-                    pid: proc.pid(),
-                    metrics_port: port,
-                    proc,
-                });
-            }
-        } else {
-            let orchestrator_config = match models.as_ref().filter(|_| shape.chat) {
-                Some(models) => {
-                    let mut config = OrchestratorConfig::new(subjects.clone(), models.clone());
-                    config.max_in_flight = shape.orchestrator_in_flight;
-                    Some(config)
-                }
-                None => None,
-            };
-            let spec = FleetSpec {
-                nats_url: servers.nats_url.clone(),
-                redis_url: servers.redis_url.clone(),
-                subjects: subjects.clone(),
-                citation_ttl: Duration::from_secs(3600),
-                orchestrator: orchestrator_config,
-                workers: bench_workers_with(&local.defs.dir, &index, llm_models).await?,
-                worker_concurrency: shape.worker_concurrency,
-                nats_connect_wait: Duration::from_secs(10),
-            };
-            let metrics = prometheus::Registry::new();
-            toolfleet_local::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
-            eprintln!("• fleet running in this process");
-        }
-        let client = toolfleet_service::args::connect_nats(
-            &servers.nats_url,
-            "toolfleet-bench",
-            Duration::from_secs(5),
-        )
-        .await?;
-        let model_pid = match &model {
-            Model::Process(p) => Some(p.pid()),
-            _ => None,
-        };
         Ok(Self {
-            nats_url: servers.nats_url.clone(),
-            subjects,
-            client,
-            orchestrator,
-            model_pid,
-            started: std::time::Instant::now(),
-            models,
-            servers,
             model,
-            workers,
-            shutdown,
-            tracker,
-            _work: work,
+            url,
+            name,
+            first_token_timeout,
         })
     }
 
-    /// Takes the fleet down: SIGTERM to its processes (they drain), the
-    /// in-process parts cancelled, then the servers.
-    pub async fn stop(self) {
-        eprint!("• shutting down … ");
-        if let Some(o) = self.orchestrator {
-            o.proc.stop();
+    /// The deployment of the orchestrator and the LLM tools family, when
+    /// there is a model.
+    fn models(&self) -> Option<FleetConfig> {
+        self.url
+            .as_ref()
+            .map(|url| bench_models(url.clone(), &self.name, self.first_token_timeout))
+    }
+}
+
+/// What the fleet's child processes (`--processes`) are started with.
+struct Children<'a> {
+    servers: &'a LocalServers,
+    model: &'a StartedModel,
+    shape: &'a Shape,
+}
+
+impl Children<'_> {
+    /// The environment every child has, and `extra`.
+    fn env(&self, extra: Vec<(&'static str, String)>) -> Vec<(&'static str, String)> {
+        let mut v = vec![
+            ("TOOLFLEET_NATS_URL", self.servers.nats_url.clone()),
+            ("TOOLFLEET_REDIS_URL", self.servers.redis_url.clone()),
+            ("TOOLFLEET_LOG", "warn".to_string()),
+        ];
+        v.extend(extra);
+        v
+    }
+
+    /// Worker process `i` (`toolfleet bench-worker`), once healthy; with
+    /// the LLM tools family against the model when `llm_tools`.
+    async fn worker(
+        &self,
+        i: usize,
+        local: &LocalArgs,
+        index: &IndexArgs,
+        llm_tools: bool,
+    ) -> anyhow::Result<Proc> {
+        let port = toolfleet_local::servers::free_port()?;
+        let mut cmd = Command::new(std::env::current_exe()?);
+        cmd.args(["bench-worker", "--index-dir"])
+            .arg(&index.index_dir)
+            .arg("--corpus-dir")
+            .arg(&index.corpus_dir)
+            .arg("--tool-definitions")
+            .arg(&local.defs.dir)
+            .args(["--concurrency", &self.shape.worker_concurrency.to_string()])
+            .envs(self.env(vec![(
+                "TOOLFLEET_METRICS_ADDR",
+                format!("127.0.0.1:{port}"),
+            )]));
+        match (llm_tools, &self.model.url) {
+            (true, Some(url)) => {
+                cmd.env(ENV_BENCH_MODEL_URL, url.as_str())
+                    .env(ENV_BENCH_MODEL, &self.model.name)
+                    .env(
+                        ENV_BENCH_MODEL_FIRST_TOKEN_TIMEOUT_MS,
+                        self.model.first_token_timeout.as_millis().to_string(),
+                    );
+            }
+            _ => {
+                cmd.env_remove(ENV_BENCH_MODEL_URL);
+            }
         }
-        for w in self.workers {
-            w.stop();
-        }
-        self.shutdown.cancel();
-        self.tracker.close();
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.tracker.wait()).await;
-        match self.model {
-            Model::InProcess(m) => m.shutdown().await,
-            Model::Process(p) => p.stop(),
-            Model::None => {}
-        }
-        drop(self.servers);
-        eprintln!("done");
+        let proc = Proc::spawn(&format!("worker {i}"), &mut cmd)?;
+        wait_http(port, "/healthz").await?;
+        eprintln!("• worker process {} ready", proc.pid());
+        Ok(proc)
+    }
+
+    /// The orchestrator's process (`toolfleet-orchestrator` beside this
+    /// binary) on the model at `model_url`, once healthy.
+    async fn orchestrator(&self, model_url: &url::Url) -> anyhow::Result<Orchestrator> {
+        let bin = sibling_bin("toolfleet-orchestrator")?;
+        let port = toolfleet_local::servers::free_port()?;
+        let mut cmd = Command::new(&bin);
+        cmd.envs(self.env(vec![
+            ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
+            ("TOOLFLEET_LLM_BASE_URL", model_url.to_string()),
+            ("TOOLFLEET_LLM_MODEL", self.model.name.clone()),
+            ("TOOLFLEET_LLM_API_KEY", "sk-bench-stand-in".into()),
+            (
+                "TOOLFLEET_LLM_FIRST_TOKEN_TIMEOUT_MS",
+                self.model.first_token_timeout.as_millis().to_string(),
+            ),
+            (
+                "TOOLFLEET_MAX_IN_FLIGHT",
+                self.shape.orchestrator_in_flight.to_string(),
+            ),
+        ]));
+        let proc = Proc::spawn("orchestrator", &mut cmd)?;
+        wait_http(port, "/healthz").await?;
+        eprintln!("• orchestrator process {} ready", proc.pid());
+        Ok(Orchestrator {
+            pid: proc.pid(),
+            metrics_port: port,
+            proc,
+        })
     }
 }
 

@@ -5,15 +5,109 @@
 //! model — read the orchestrator's memory, print a table (or JSON) and
 //! write the chart ([`crate::svg`]).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
-
-use crate::bench::{Load, Memory, Ratios, Summary, ToolCaller, chat_op, drive, interleave, table};
-use crate::bench_fleet::{BenchFleet, OrchestratorMemory, SLEEP_TOOL, Sampler, Shape};
-use crate::cli::{BenchArgs, BenchMode, DEMO_QUESTIONS};
-use crate::floor::Floor;
+use clap::Args;
 use toolfleet_protocol::tools::{ToolDefinition, ToolId};
+
+use crate::bench::{
+    Load, Memory, Op, Ratios, Summary, ToolCaller, chat_op, drive, interleave, table,
+};
+use crate::bench_fleet::{BenchFleet, OrchestratorMemory, SLEEP_TOOL, Sampler, Shape};
+use crate::demo::DEMO_QUESTIONS;
+use crate::floor::Floor;
+use crate::local::LocalArgs;
+
+/// What `toolfleet bench` drives through the fleet.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum BenchMode {
+    /// Raw tool calls: a tool job on the tools stream, the result awaited
+    /// on a reply inbox (no orchestrator, no model).
+    Tool,
+    /// Whole chat jobs: model calls, tool calls, citations and events.
+    Chat,
+}
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Raw tool calls or whole chat jobs.
+    #[arg(long, value_enum, default_value_t = BenchMode::Chat)]
+    pub mode: BenchMode,
+    /// Operations to run (after the warm-up). With --duration, whichever
+    /// ends first.
+    #[arg(long, visible_alias = "jobs")]
+    pub count: Option<usize>,
+    /// Run for this many seconds instead of (or at most, with --count) a
+    /// count.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Operations in flight at once (also the orchestrator's limit).
+    #[arg(long, default_value_t = 32)]
+    pub concurrency: usize,
+    /// Operations before the measured run, discarded (default: one batch
+    /// of --concurrency).
+    #[arg(long)]
+    pub warmup: Option<usize>,
+    /// Tool mode: the tool to call. Default: bench:sleep@1.0.0 when
+    /// --tool-delay-ms is given, else system:current_datetime@1.0.0.
+    #[arg(long)]
+    pub tool: Option<String>,
+    /// Tool mode: the tool's arguments (JSON object).
+    #[arg(long)]
+    pub tool_args: Option<String>,
+    /// Tool mode: call the bench's own tool (`bench:sleep`), which waits
+    /// this long: a stand-in for a tool's own work.
+    #[arg(long)]
+    pub tool_delay_ms: Option<u64>,
+    /// Chat mode, and tool mode with an LLM tool: the scripted model's
+    /// pause before every first token, in ms (a slow model; each chat job
+    /// makes two model calls).
+    #[arg(long, default_value_t = 0)]
+    pub model_delay_ms: u64,
+    /// The scripted model's script (no artificial delay of its own).
+    #[arg(long, default_value = "examples/bench-script.json")]
+    pub script: PathBuf,
+    /// Run the scripted model in a process of its own.
+    #[arg(long)]
+    pub model_process: bool,
+    /// Run the model, the orchestrator (`toolfleet-orchestrator` beside
+    /// this binary) and the workers as processes of their own; the
+    /// orchestrator's memory is then read from /proc.
+    #[arg(long)]
+    pub processes: bool,
+    /// Worker processes (with --processes).
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Tool jobs each worker process (or the in-process workers) runs at
+    /// once. Default: --concurrency.
+    #[arg(long)]
+    pub worker_concurrency: Option<usize>,
+    /// Seconds an operation may take before it counts as a `timeout`.
+    #[arg(long, default_value_t = 120)]
+    pub timeout_secs: u64,
+    /// Print the report as JSON.
+    #[arg(long)]
+    pub json: bool,
+    /// Write an SVG chart of the latency distributions here.
+    #[arg(long)]
+    pub svg: Option<PathBuf>,
+    /// Chat mode: print the event timeline of every job slower than this,
+    /// in ms.
+    #[arg(long, default_value_t = 10_000)]
+    pub slow_ms: u64,
+    /// Also measure the transport floors on the same server under the same
+    /// load (a JetStream work-queue round trip, a core NATS
+    /// request-reply; for an LLM tool in tool mode, also a direct call to
+    /// the same model with the tool's own request) and print the fleet's
+    /// figures as ratios to them.
+    #[arg(long)]
+    pub floor: bool,
+    #[command(flatten)]
+    pub local: LocalArgs,
+}
 
 /// Operations when neither `--count` nor `--duration` is given.
 const DEFAULT_COUNT: usize = 500;
@@ -49,38 +143,13 @@ struct Report {
     bench_process_peak_rss_kib: u64,
 }
 
+/// `toolfleet bench`: exit 0 when every measured operation succeeded, 1
+/// when one failed.
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     toolfleet_service::serve::raise_fd_limit();
-    let duration = args
-        .duration
-        .map(Duration::try_from_secs_f64)
-        .transpose()
-        .context("--duration")?;
-    let load = Load {
-        concurrency: args.concurrency.max(1),
-        count: match (args.count, duration) {
-            (None, None) => Some(DEFAULT_COUNT),
-            (count, _) => count,
-        },
-        duration,
-    };
+    let load = load_of(&args)?;
     let timeout = Duration::from_secs(args.timeout_secs);
-    let (tool, tool_arguments) = match args.mode {
-        BenchMode::Chat => (None, None),
-        BenchMode::Tool => {
-            let tool = match (&args.tool, args.tool_delay_ms) {
-                (Some(t), _) => t.clone(),
-                (None, Some(_)) => SLEEP_TOOL.to_string(),
-                (None, None) => "system:current_datetime@1.0.0".to_string(),
-            };
-            let arguments: serde_json::Value = match (&args.tool_args, args.tool_delay_ms) {
-                (Some(a), _) => serde_json::from_str(a).context("--tool-args is not JSON")?,
-                (None, Some(ms)) if tool == SLEEP_TOOL => serde_json::json!({ "ms": ms }),
-                _ => serde_json::json!({}),
-            };
-            (Some(tool), Some(arguments))
-        }
-    };
+    let (tool, tool_arguments) = tool_under_test(&args)?;
     // An LLM tool under test needs the model and the LLM tools family; its
     // definition also gives the direct model call floor its request.
     let llm_tool = match &tool {
@@ -98,31 +167,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         script: args.script.clone(),
         model_delay: Duration::from_millis(args.model_delay_ms),
     };
-    eprintln!(
-        "toolfleet bench --mode {}: {} in flight, {}",
-        match args.mode {
-            BenchMode::Tool => "tool",
-            BenchMode::Chat => "chat (the scripted stand-in model)",
-        },
-        load.concurrency,
-        match (load.count, load.duration) {
-            (Some(c), Some(d)) => format!("{c} operations or {d:?}"),
-            (Some(c), None) => format!("{c} operations"),
-            (None, Some(d)) => format!("for {d:?}"),
-            (None, None) => String::new(),
-        },
-    );
+    announce(&args, &load);
     let fleet = BenchFleet::start(&args.local, &shape).await?;
-    let result = measure(
-        &args,
-        &fleet,
-        &load,
+    let under_test = UnderTest {
+        tool: tool.as_deref(),
+        arguments: tool_arguments.clone(),
+        llm_tool: llm_tool.as_ref(),
         timeout,
-        tool.as_deref(),
-        tool_arguments.clone(),
-        llm_tool.as_ref(),
-    )
-    .await;
+    };
+    let result = measure(&args, &fleet, &load, &under_test).await;
     let model = llm_tool
         .as_ref()
         .and(fleet.models.as_ref())
@@ -133,24 +186,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
 
     let ratios: Vec<Ratios> = floors.iter().map(|f| Ratios::of(&summary, f)).collect();
     if let Some(path) = &args.svg {
-        let mut series = vec![crate::svg::Series {
-            name: &summary.name,
-            sorted_ms: &summary.sorted_ms,
-        }];
-        series.extend(floors.iter().map(|f| crate::svg::Series {
-            name: &f.name,
-            sorted_ms: &f.sorted_ms,
-        }));
-        let title = format!(
-            "toolfleet bench --mode {} · {} in flight",
-            serde_json::to_value(args.mode)?
-                .as_str()
-                .unwrap_or_default(),
-            load.concurrency
-        );
-        std::fs::write(path, crate::svg::latency_cdf(&title, &series))
-            .with_context(|| format!("writing {}", path.display()))?;
-        eprintln!("• latency chart written to {}", path.display());
+        write_chart(path, &args, &load, &summary, &floors)?;
     }
     let failed = summary.errors;
     let report = Report {
@@ -179,6 +215,93 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     Ok(if failed == 0 { 0 } else { 1 })
 }
 
+/// The load of the flags: `--concurrency` for `--count` operations or
+/// `--duration` ([`DEFAULT_COUNT`] when neither is given).
+fn load_of(args: &BenchArgs) -> anyhow::Result<Load> {
+    let duration = args
+        .duration
+        .map(Duration::try_from_secs_f64)
+        .transpose()
+        .context("--duration")?;
+    Ok(Load {
+        concurrency: args.concurrency.max(1),
+        count: match (args.count, duration) {
+            (None, None) => Some(DEFAULT_COUNT),
+            (count, _) => count,
+        },
+        duration,
+    })
+}
+
+/// Tool mode: the tool to call and its arguments (by default the bench's
+/// own tool with `--tool-delay-ms`, else `system:current_datetime`);
+/// chat mode: none.
+fn tool_under_test(
+    args: &BenchArgs,
+) -> anyhow::Result<(Option<String>, Option<serde_json::Value>)> {
+    if args.mode == BenchMode::Chat {
+        return Ok((None, None));
+    }
+    let tool = match (&args.tool, args.tool_delay_ms) {
+        (Some(t), _) => t.clone(),
+        (None, Some(_)) => SLEEP_TOOL.to_string(),
+        (None, None) => "system:current_datetime@1.0.0".to_string(),
+    };
+    let arguments: serde_json::Value = match (&args.tool_args, args.tool_delay_ms) {
+        (Some(a), _) => serde_json::from_str(a).context("--tool-args is not JSON")?,
+        (None, Some(ms)) if tool == SLEEP_TOOL => serde_json::json!({ "ms": ms }),
+        _ => serde_json::json!({}),
+    };
+    Ok((Some(tool), Some(arguments)))
+}
+
+/// The run's first line on stderr: mode, concurrency and extent.
+fn announce(args: &BenchArgs, load: &Load) {
+    eprintln!(
+        "toolfleet bench --mode {}: {} in flight, {}",
+        match args.mode {
+            BenchMode::Tool => "tool",
+            BenchMode::Chat => "chat (the scripted stand-in model)",
+        },
+        load.concurrency,
+        match (load.count, load.duration) {
+            (Some(c), Some(d)) => format!("{c} operations or {d:?}"),
+            (Some(c), None) => format!("{c} operations"),
+            (None, Some(d)) => format!("for {d:?}"),
+            (None, None) => String::new(),
+        },
+    );
+}
+
+/// `--svg PATH`: the latency chart of the fleet and its floors.
+fn write_chart(
+    path: &std::path::Path,
+    args: &BenchArgs,
+    load: &Load,
+    summary: &Summary,
+    floors: &[Summary],
+) -> anyhow::Result<()> {
+    let mut series = vec![crate::svg::Series {
+        name: &summary.name,
+        sorted_ms: &summary.sorted_ms,
+    }];
+    series.extend(floors.iter().map(|f| crate::svg::Series {
+        name: &f.name,
+        sorted_ms: &f.sorted_ms,
+    }));
+    let title = format!(
+        "toolfleet bench --mode {} · {} in flight",
+        serde_json::to_value(args.mode)?
+            .as_str()
+            .unwrap_or_default(),
+        load.concurrency
+    );
+    std::fs::write(path, crate::svg::latency_cdf(&title, &series))
+        .with_context(|| format!("writing {}", path.display()))?;
+    eprintln!("• latency chart written to {}", path.display());
+    Ok(())
+}
+
 /// The definition of `tool` when it is a declarative LLM tool of
 /// `definitions` (one with a prompt, served by the LLM tools family);
 /// `None` for any other tool. (`content:generate_image` is not one: the
@@ -201,41 +324,26 @@ fn llm_tool_definition(
 
 type Measured = (Summary, Vec<Summary>, Option<OrchestratorMemory>);
 
+/// What tool mode calls (chat mode: no tool), and how long an operation
+/// may take.
+struct UnderTest<'a> {
+    tool: Option<&'a str>,
+    arguments: Option<serde_json::Value>,
+    /// The tool's definition when it is an LLM tool.
+    llm_tool: Option<&'a ToolDefinition>,
+    timeout: Duration,
+}
+
+/// Warms up, then drives the fleet (and the floors asked for, in
+/// alternating rounds) under `load`: the fleet's summary, the floors' and
+/// the orchestrator's memory.
 async fn measure(
     args: &BenchArgs,
     fleet: &BenchFleet,
     load: &Load,
-    timeout: Duration,
-    tool: Option<&str>,
-    tool_arguments: Option<serde_json::Value>,
-    llm_tool: Option<&ToolDefinition>,
+    under_test: &UnderTest<'_>,
 ) -> anyhow::Result<Measured> {
-    let (op, name) = match tool {
-        Some(tool) => {
-            let id = tool
-                .parse()
-                .map_err(|e| anyhow::anyhow!("--tool {tool:?}: {e}"))?;
-            let caller = ToolCaller::new(
-                &fleet.client,
-                &fleet.subjects,
-                id,
-                tool_arguments.clone().unwrap_or_default(),
-                timeout,
-            )
-            .await?;
-            (caller.op(), format!("fleet: tool calls ({tool})"))
-        }
-        None => (
-            chat_op(
-                fleet.client.clone(),
-                fleet.subjects.clone(),
-                DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect(),
-                timeout,
-                Duration::from_millis(args.slow_ms),
-            ),
-            "fleet: chat jobs".to_string(),
-        ),
-    };
+    let (op, name) = fleet_op(args, fleet, under_test).await?;
     let warm = match args.warmup {
         Some(n) => Load {
             count: Some(n),
@@ -244,55 +352,13 @@ async fn measure(
         },
         None => load.warm_up(),
     };
-    // A worker's first jobs (published within its cancel-hearing margin
-    // of its start) read the cancel tombstone from Redis; after that a new
-    // call's first delivery does not. Measure the steady state.
-    let settle =
-        toolfleet_worker::runtime::CANCEL_HEARING_MARGIN.saturating_sub(fleet.started.elapsed());
-    if !settle.is_zero() {
-        eprintln!(
-            "• waiting {:.1} s: workers read Redis for the jobs of their first {} s",
-            settle.as_secs_f64(),
-            toolfleet_worker::runtime::CANCEL_HEARING_MARGIN.as_secs()
-        );
-        tokio::time::sleep(settle).await;
-    }
+    settle(fleet).await;
     if warm.count != Some(0) {
         eprint!("• warming up ({} operations) … ", warm.count.unwrap_or(0));
         let w = drive("warm-up", &warm, op.clone()).await;
         eprintln!("{} ok, {} errors {:?}", w.ok, w.errors, w.error_codes);
     }
-    // The floors run on the same server, in rounds that alternate with the
-    // fleet's, so that both see the machine's other load alike.
-    let mut floors = Vec::new();
-    if args.floor {
-        floors.push(Floor::jetstream(&fleet.client, &fleet.nats_url).await?);
-        floors.push(Floor::request_reply(&fleet.client, &fleet.nats_url).await?);
-        if let (Some(definition), Some(models)) = (llm_tool, &fleet.models) {
-            floors.push(
-                Floor::direct_model(
-                    models,
-                    &args.local.defs.dir,
-                    definition,
-                    tool_arguments.clone().unwrap_or_default(),
-                    timeout,
-                )
-                .await?,
-            );
-        }
-    }
-    // A floor with connections of its own to fill is warmed up as the
-    // fleet was.
-    for floor in floors.iter().filter(|f| f.warm_up) {
-        if warm.count != Some(0) {
-            eprint!(
-                "• warming up the {} … ",
-                floor.name.trim_start_matches("floor: ")
-            );
-            let w = drive("warm-up", &warm, floor.op.clone()).await;
-            eprintln!("{} ok, {} errors {:?}", w.ok, w.errors, w.error_codes);
-        }
-    }
+    let floors = floors(args, fleet, under_test, &warm).await?;
     let rounds = if floors.is_empty() { 1 } else { load.rounds() };
     let mut sides = vec![(name, op)];
     sides.extend(floors.iter().map(|f| (f.name.to_string(), f.op.clone())));
@@ -317,6 +383,98 @@ async fn measure(
     }
     let summary = summaries.remove(0);
     Ok((summary, summaries, memory))
+}
+
+/// The fleet's operation (a tool call, or a chat job asking the demo's
+/// questions in turn) and its name in the report.
+async fn fleet_op(
+    args: &BenchArgs,
+    fleet: &BenchFleet,
+    under_test: &UnderTest<'_>,
+) -> anyhow::Result<(Op, String)> {
+    Ok(match under_test.tool {
+        Some(tool) => {
+            let id = tool
+                .parse()
+                .map_err(|e| anyhow::anyhow!("--tool {tool:?}: {e}"))?;
+            let caller = ToolCaller::new(
+                &fleet.client,
+                &fleet.subjects,
+                id,
+                under_test.arguments.clone().unwrap_or_default(),
+                under_test.timeout,
+            )
+            .await?;
+            (caller.op(), format!("fleet: tool calls ({tool})"))
+        }
+        None => (
+            chat_op(
+                fleet.client.clone(),
+                fleet.subjects.clone(),
+                DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect(),
+                under_test.timeout,
+                Duration::from_millis(args.slow_ms),
+            ),
+            "fleet: chat jobs".to_string(),
+        ),
+    })
+}
+
+/// A worker's first jobs (published within its cancel-hearing margin of
+/// its start) read the cancel tombstone from Redis; after that a new
+/// call's first delivery does not. Waits that out, to measure the steady
+/// state.
+async fn settle(fleet: &BenchFleet) {
+    let settle =
+        toolfleet_worker::runtime::CANCEL_HEARING_MARGIN.saturating_sub(fleet.started.elapsed());
+    if !settle.is_zero() {
+        eprintln!(
+            "• waiting {:.1} s: workers read Redis for the jobs of their first {} s",
+            settle.as_secs_f64(),
+            toolfleet_worker::runtime::CANCEL_HEARING_MARGIN.as_secs()
+        );
+        tokio::time::sleep(settle).await;
+    }
+}
+
+/// The floors of `--floor`, set up on the fleet's server and, those with
+/// connections of their own to fill, warmed up as the fleet was (`warm`).
+async fn floors(
+    args: &BenchArgs,
+    fleet: &BenchFleet,
+    under_test: &UnderTest<'_>,
+    warm: &Load,
+) -> anyhow::Result<Vec<Floor>> {
+    // The floors run on the same server, in rounds that alternate with the
+    // fleet's, so that both see the machine's other load alike.
+    let mut floors = Vec::new();
+    if args.floor {
+        floors.push(Floor::jetstream(&fleet.client, &fleet.nats_url).await?);
+        floors.push(Floor::request_reply(&fleet.client, &fleet.nats_url).await?);
+        if let (Some(definition), Some(models)) = (under_test.llm_tool, &fleet.models) {
+            floors.push(
+                Floor::direct_model(
+                    models,
+                    &args.local.defs.dir,
+                    definition,
+                    under_test.arguments.clone().unwrap_or_default(),
+                    under_test.timeout,
+                )
+                .await?,
+            );
+        }
+    }
+    for floor in floors.iter().filter(|f| f.warm_up) {
+        if warm.count != Some(0) {
+            eprint!(
+                "• warming up the {} … ",
+                floor.name.trim_start_matches("floor: ")
+            );
+            let w = drive("warm-up", warm, floor.op.clone()).await;
+            eprintln!("{} ok, {} errors {:?}", w.ok, w.errors, w.error_codes);
+        }
+    }
+    Ok(floors)
 }
 
 fn render(r: &Report) -> String {

@@ -95,77 +95,9 @@ impl Floor {
         )
         .await?;
         let stop = CancellationToken::new();
-        let responder = {
-            let (client, stop) = (responder_client.clone(), stop.clone());
-            // Pull requests of a bounded life, asked again as each ends: a
-            // long-lived pull stream sometimes lost its request on a loaded
-            // machine and left a whole floor round waiting out its timeout
-            // (30 s), which flattered the fleet. The batch is larger than
-            // any load the bench puts in flight, so it ends by expiring
-            // (once a second) rather than by filling.
-            tokio::spawn(async move {
-                'pulls: while !stop.is_cancelled() {
-                    let mut batch = match consumer
-                        .batch()
-                        .max_messages(FLOOR_PULL_BATCH)
-                        .expires(Duration::from_secs(1))
-                        .messages()
-                        .await
-                    {
-                        Ok(batch) => batch,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "floor responder: cannot pull; asking again");
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            continue;
-                        }
-                    };
-                    loop {
-                        let msg = tokio::select! {
-                            _ = stop.cancelled() => break 'pulls,
-                            m = batch.next() => match m {
-                                Some(Ok(m)) => m,
-                                Some(Err(e)) => {
-                                    tracing::warn!(error = %e, "floor responder: pull error; asking again");
-                                    break;
-                                }
-                                None => break,
-                            },
-                        };
-                        if let Some(reply) = msg.headers.as_ref().and_then(|h| h.get(REPLY_TO)) {
-                            let _ = client.publish(reply.to_string(), msg.payload.clone()).await;
-                        }
-                        let _ = msg.ack().await;
-                    }
-                }
-            })
-        };
+        let responder = tokio::spawn(pull_responder(consumer, responder_client, stop.clone()));
         let replies = Replies::subscribe(client, client.new_inbox()).await?;
-        let publisher = js.clone();
-        let op: Op = Arc::new(move |i| {
-            let (js, subject, replies) = (publisher.clone(), subject.clone(), replies.clone());
-            Box::pin(async move {
-                let key = format!("f{i}");
-                let (reply, mut rx) = replies.expect(&key);
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert(REPLY_TO, reply.as_str());
-                let body = bytes::Bytes::from_static(b"{\"arguments\":{}}");
-                let result = async {
-                    let ack = js
-                        .publish_with_headers(subject, headers, body)
-                        .await
-                        .map_err(|_| "publish".to_string())?;
-                    ack.await.map_err(|_| "publish_ack".to_string())?;
-                    tokio::time::timeout(Duration::from_secs(30), rx.recv())
-                        .await
-                        .map_err(|_| "timeout".to_string())?
-                        .ok_or_else(|| "inbox_closed".to_string())?;
-                    Ok(0)
-                }
-                .await;
-                replies.done(&key);
-                result
-            })
-        });
+        let op = publish_op(js.clone(), subject, replies);
         Ok(Self {
             name: "floor: jetstream work queue",
             op,
@@ -388,6 +320,85 @@ impl DirectCall {
         }
         Ok(())
     }
+}
+
+/// The JetStream floor's responder: pulls each job, answers on core NATS
+/// to the reply subject its header names, and acks it, until `stop`.
+///
+/// Pull requests of a bounded life, asked again as each ends: a
+/// long-lived pull stream sometimes lost its request on a loaded machine
+/// and left a whole floor round waiting out its timeout (30 s), which
+/// flattered the fleet. The batch is larger than any load the bench puts
+/// in flight, so it ends by expiring (once a second) rather than by
+/// filling.
+async fn pull_responder(
+    consumer: jetstream::consumer::Consumer<pull::Config>,
+    client: async_nats::Client,
+    stop: CancellationToken,
+) {
+    'pulls: while !stop.is_cancelled() {
+        let mut batch = match consumer
+            .batch()
+            .max_messages(FLOOR_PULL_BATCH)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+        {
+            Ok(batch) => batch,
+            Err(e) => {
+                tracing::warn!(error = %e, "floor responder: cannot pull; asking again");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        loop {
+            let msg = tokio::select! {
+                _ = stop.cancelled() => break 'pulls,
+                m = batch.next() => match m {
+                    Some(Ok(m)) => m,
+                    Some(Err(e)) => {
+                        tracing::warn!(error = %e, "floor responder: pull error; asking again");
+                        break;
+                    }
+                    None => break,
+                },
+            };
+            if let Some(reply) = msg.headers.as_ref().and_then(|h| h.get(REPLY_TO)) {
+                let _ = client.publish(reply.to_string(), msg.payload.clone()).await;
+            }
+            let _ = msg.ack().await;
+        }
+    }
+}
+
+/// The JetStream floor's operation: publish a job to `subject`, await
+/// the publish ack, then the reply on `replies`, as `--mode tool` does.
+fn publish_op(js: jetstream::Context, subject: String, replies: Replies) -> Op {
+    Arc::new(move |i| {
+        let (js, subject, replies) = (js.clone(), subject.clone(), replies.clone());
+        Box::pin(async move {
+            let key = format!("f{i}");
+            let (reply, mut rx) = replies.expect(&key);
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert(REPLY_TO, reply.as_str());
+            let body = bytes::Bytes::from_static(b"{\"arguments\":{}}");
+            let result = async {
+                let ack = js
+                    .publish_with_headers(subject, headers, body)
+                    .await
+                    .map_err(|_| "publish".to_string())?;
+                ack.await.map_err(|_| "publish_ack".to_string())?;
+                tokio::time::timeout(Duration::from_secs(30), rx.recv())
+                    .await
+                    .map_err(|_| "timeout".to_string())?
+                    .ok_or_else(|| "inbox_closed".to_string())?;
+                Ok(0)
+            }
+            .await;
+            replies.done(&key);
+            result
+        })
+    })
 }
 
 /// A per-run token for the floor's subjects and stream.

@@ -4,32 +4,55 @@
 //!
 //! # Layout
 //!
-//! - [`cli`]: the command line — chat, demo, up, tools, index, bench,
-//!   scripted-model.
+//! A module per command group, each holding its flags and its body; the
+//! imports run one way: [`cli`] → the commands → [`local`], [`families`]
+//! and [`common`].
+//!
+//! - [`cli`]: the clap tree and [`cli::run`], which hands each command to
+//!   its module. Nothing here imports it.
+//! - [`chat`]: `toolfleet chat` (and the progress and Ctrl-C handling the
+//!   demo shares).
+//! - [`demo`]: `toolfleet demo`, a whole fleet in this process answering
+//!   example questions.
+//! - [`serve`]: the commands that serve until a signal: `up`,
+//!   `bench-worker`, `scripted-model`.
+//! - [`tools`]: `toolfleet tools` list, show, search, validate.
+//! - [`index`]: `toolfleet ingest` and `toolfleet index search`.
+//! - [`blob`]: `toolfleet blob get`.
+//! - [`ops`]: the operator's commands on a running fleet: `status`,
+//!   `events`, `health`, `cancel`, `approve`, `deadletters`.
+//! - [`mcp`]: `toolfleet mcp serve`'s flags and start-up; [`mcp_serve`]:
+//!   the live fleet's tools as an MCP server.
+//! - [`bench_run`]: `toolfleet bench` from arguments to report, over
+//!   [`bench`] (the load generator: operations at a concurrency for a
+//!   count or a duration, summarised as throughput, percentiles and
+//!   errors), [`bench_fleet`] (the fleet it measures, in-process or as
+//!   separate processes, with the bench's `bench:sleep` tool and the
+//!   orchestrator's memory sampler), [`floor`] (the transport floors:
+//!   JetStream work queue, core request-reply, a direct model call) and
+//!   [`svg`] (the latency chart).
+//! - [`local`]: a fleet on this machine: its flags and its NATS and Redis
+//!   servers (reused or child processes), for `demo` and `bench`.
 //! - [`families`]: the tool families this command starts, by name. The
 //!   only place here that names a family.
-//! - [`bench`]: the load generator behind `toolfleet bench`: operations
-//!   (raw tool calls, chat jobs) at a concurrency for a count or a
-//!   duration, summarised as throughput, percentiles and errors.
-//! - [`bench_fleet`]: the fleet the bench measures, in-process or as
-//!   separate processes (model, orchestrator, workers), with the bench's
-//!   `bench:sleep` tool and the orchestrator's memory sampler.
-//! - [`bench_run`]: `toolfleet bench` from arguments to report.
-//! - [`floor`]: the transport floors `toolfleet bench --floor` measures the
-//!   fleet against (JetStream work queue, core request-reply, and for an
-//!   LLM tool a direct call to the same model).
-//! - [`mcp_serve`]: `toolfleet mcp serve`, the live fleet's tools as an
-//!   MCP server.
-//! - [`ops`]: operator commands that read the running fleet: `status`
-//!   and `events`.
-//! - [`svg`]: the bench's latency chart.
+//! - [`common`]: what several commands share: `--output`, one-line text,
+//!   loading tool definitions, checks of typed ids.
 
 pub mod bench;
 pub mod bench_fleet;
 pub mod bench_run;
+pub mod blob;
+pub mod chat;
 pub mod cli;
+pub mod common;
+pub mod demo;
 pub mod families;
 pub mod floor;
+pub mod index;
+pub mod local;
+pub mod mcp;
 pub mod mcp_serve;
 pub mod ops;
+pub mod serve;
 pub mod svg;
+pub mod tools;

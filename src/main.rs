@@ -1,5 +1,6 @@
 //! `toolfleet`: the command line — chat, demo, up, tools, index, and the
-//! scripted model server. All logic lives in `toolfleet::cli`.
+//! scripted model server. `main` parses, sets up telemetry and calls
+//! `toolfleet::cli::run`, which hands each command to its module.
 
 use clap::Parser;
 
@@ -42,7 +43,7 @@ async fn main() {
         cli.command,
         toolfleet::cli::Command::Up(_)
             | toolfleet::cli::Command::BenchWorker(_)
-            | toolfleet::cli::Command::ScriptedModel { .. }
+            | toolfleet::cli::Command::ScriptedModel(_)
     );
     let telemetry = toolfleet_service::telemetry::init(
         "toolfleet",

@@ -28,121 +28,169 @@ pub struct Series<'a> {
 /// (y, 0–100 %) that took at most x milliseconds (log scale), with the
 /// p50 and p99 of each marked and named in the legend.
 pub fn latency_cdf(title: &str, series: &[Series<'_>]) -> String {
-    let values = || {
-        series
-            .iter()
-            .flat_map(|s| s.sorted_ms.iter().copied())
-            .filter(|v| v.is_finite() && *v > 0.0)
-    };
-    let lo = values().fold(f64::INFINITY, f64::min);
-    let hi = values().fold(0.0, f64::max);
-    let (lo_exp, hi_exp) = if lo.is_finite() && hi > 0.0 {
-        let lo_exp = lo.log10().floor() as i32;
-        (lo_exp, (hi.log10().ceil() as i32).max(lo_exp + 1))
-    } else {
-        (-1, 3)
-    };
-    let plot_w = WIDTH - LEFT - RIGHT;
-    let plot_h = HEIGHT - TOP - BOTTOM;
-    let x_of = |ms: f64| {
-        let ms = ms.max(10f64.powi(lo_exp));
-        LEFT + (ms.log10() - f64::from(lo_exp)) / f64::from(hi_exp - lo_exp) * plot_w
-    };
-    let y_of = |share: f64| TOP + (1.0 - share) * plot_h;
+    let mut chart = Chart::new(series);
+    chart.frame(title);
+    chart.grid();
+    for (i, s) in series.iter().enumerate() {
+        chart.curve(i, s);
+    }
+    chart.svg.push_str("</svg>\n");
+    chart.svg
+}
 
-    let mut svg = String::new();
-    let _ = writeln!(
-        svg,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
-    );
-    let _ = writeln!(
-        svg,
-        r#"<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>"#
-    );
-    let _ = writeln!(
-        svg,
-        r#"<text x="{LEFT}" y="24" font-size="15" font-weight="bold">{}</text>"#,
-        escape(title)
-    );
+/// The plot area's width and height.
+const PLOT_W: f64 = WIDTH - LEFT - RIGHT;
+const PLOT_H: f64 = HEIGHT - TOP - BOTTOM;
 
-    // Grid: decades with 2 and 5 between them; every 10 % of operations.
-    for exp in lo_exp..=hi_exp {
-        for (m, major) in [(1.0, true), (2.0, false), (5.0, false)] {
-            let ms = m * 10f64.powi(exp);
-            if exp == hi_exp && !major {
-                continue;
-            }
-            let x = x_of(ms);
-            let stroke = if major { "#bbb" } else { "#e6e6e6" };
-            let _ = writeln!(
-                svg,
-                r#"<line x1="{x:.1}" y1="{TOP}" x2="{x:.1}" y2="{:.1}" stroke="{stroke}"/>"#,
-                TOP + plot_h
-            );
-            let _ = writeln!(
-                svg,
-                r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle" fill="{}">{}</text>"#,
-                TOP + plot_h + 16.0,
-                if major { "#333" } else { "#999" },
-                ms_label(ms)
-            );
+/// A chart being drawn: its SVG text so far and its time axis, from
+/// 10^`lo_exp` to 10^`hi_exp` ms.
+struct Chart {
+    svg: String,
+    lo_exp: i32,
+    hi_exp: i32,
+}
+
+impl Chart {
+    /// An empty chart whose time axis spans the decades of `series`.
+    fn new(series: &[Series<'_>]) -> Self {
+        let values = || {
+            series
+                .iter()
+                .flat_map(|s| s.sorted_ms.iter().copied())
+                .filter(|v| v.is_finite() && *v > 0.0)
+        };
+        let lo = values().fold(f64::INFINITY, f64::min);
+        let hi = values().fold(0.0, f64::max);
+        let (lo_exp, hi_exp) = if lo.is_finite() && hi > 0.0 {
+            let lo_exp = lo.log10().floor() as i32;
+            (lo_exp, (hi.log10().ceil() as i32).max(lo_exp + 1))
+        } else {
+            (-1, 3)
+        };
+        Self {
+            svg: String::new(),
+            lo_exp,
+            hi_exp,
         }
     }
-    for tenth in 0..=10 {
-        let y = y_of(f64::from(tenth) / 10.0);
+
+    /// Where `ms` falls on the (log) time axis.
+    fn x_of(&self, ms: f64) -> f64 {
+        let ms = ms.max(10f64.powi(self.lo_exp));
+        LEFT + (ms.log10() - f64::from(self.lo_exp)) / f64::from(self.hi_exp - self.lo_exp) * PLOT_W
+    }
+
+    /// Where a share of operations (0–1) falls on the vertical axis.
+    fn y_of(share: f64) -> f64 {
+        TOP + (1.0 - share) * PLOT_H
+    }
+
+    /// The document's opening, background, title and axis names.
+    fn frame(&mut self, title: &str) {
+        let svg = &mut self.svg;
         let _ = writeln!(
             svg,
-            r##"<line x1="{LEFT}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{}"/>"##,
-            LEFT + plot_w,
-            if tenth % 5 == 0 { "#bbb" } else { "#eee" }
+            r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif" font-size="12">"#
         );
         let _ = writeln!(
             svg,
-            r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}%</text>"#,
-            LEFT - 6.0,
-            y + 4.0,
-            tenth * 10
+            r#"<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/>"#
+        );
+        let _ = writeln!(
+            svg,
+            r#"<text x="{LEFT}" y="24" font-size="15" font-weight="bold">{}</text>"#,
+            escape(title)
         );
     }
-    let _ = writeln!(
-        svg,
-        r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">latency, ms (log scale)</text>"#,
-        LEFT + plot_w / 2.0,
-        TOP + plot_h + 34.0
-    );
-    let _ = writeln!(
-        svg,
-        r#"<text transform="translate(16 {:.1}) rotate(-90)" text-anchor="middle">operations at most this slow</text>"#,
-        TOP + plot_h / 2.0
-    );
 
-    for (i, s) in series.iter().enumerate() {
+    /// Grid: decades with 2 and 5 between them; every 10 % of operations;
+    /// then the axes' names.
+    fn grid(&mut self) {
+        for exp in self.lo_exp..=self.hi_exp {
+            for (m, major) in [(1.0, true), (2.0, false), (5.0, false)] {
+                let ms = m * 10f64.powi(exp);
+                if exp == self.hi_exp && !major {
+                    continue;
+                }
+                let x = self.x_of(ms);
+                let stroke = if major { "#bbb" } else { "#e6e6e6" };
+                let _ = writeln!(
+                    self.svg,
+                    r#"<line x1="{x:.1}" y1="{TOP}" x2="{x:.1}" y2="{:.1}" stroke="{stroke}"/>"#,
+                    TOP + PLOT_H
+                );
+                let _ = writeln!(
+                    self.svg,
+                    r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle" fill="{}">{}</text>"#,
+                    TOP + PLOT_H + 16.0,
+                    if major { "#333" } else { "#999" },
+                    ms_label(ms)
+                );
+            }
+        }
+        for tenth in 0..=10 {
+            let y = Self::y_of(f64::from(tenth) / 10.0);
+            let _ = writeln!(
+                self.svg,
+                r##"<line x1="{LEFT}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{}"/>"##,
+                LEFT + PLOT_W,
+                if tenth % 5 == 0 { "#bbb" } else { "#eee" }
+            );
+            let _ = writeln!(
+                self.svg,
+                r#"<text x="{:.1}" y="{:.1}" text-anchor="end">{}%</text>"#,
+                LEFT - 6.0,
+                y + 4.0,
+                tenth * 10
+            );
+        }
+        let _ = writeln!(
+            self.svg,
+            r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">latency, ms (log scale)</text>"#,
+            LEFT + PLOT_W / 2.0,
+            TOP + PLOT_H + 34.0
+        );
+        let _ = writeln!(
+            self.svg,
+            r#"<text transform="translate(16 {:.1}) rotate(-90)" text-anchor="middle">operations at most this slow</text>"#,
+            TOP + PLOT_H / 2.0
+        );
+    }
+
+    /// Series `i`: its curve with its p50 and p99 marked, and its line of
+    /// the legend.
+    fn curve(&mut self, i: usize, s: &Series<'_>) {
         let colour = COLOURS[i % COLOURS.len()];
         let n = s.sorted_ms.len();
         if n > 0 {
             let mut points = String::new();
             for k in sample_indices(n) {
                 let share = (k + 1) as f64 / n as f64;
-                let _ = write!(points, "{:.1},{:.1} ", x_of(s.sorted_ms[k]), y_of(share));
+                let _ = write!(
+                    points,
+                    "{:.1},{:.1} ",
+                    self.x_of(s.sorted_ms[k]),
+                    Self::y_of(share)
+                );
             }
             let _ = writeln!(
-                svg,
+                self.svg,
                 r#"<polyline fill="none" stroke="{colour}" stroke-width="2" points="{}"/>"#,
                 points.trim_end()
             );
             for p in [50.0, 99.0] {
                 let v = crate::bench::percentile(s.sorted_ms, p);
                 let _ = writeln!(
-                    svg,
+                    self.svg,
                     r#"<circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{colour}"/>"#,
-                    x_of(v),
-                    y_of(p / 100.0)
+                    self.x_of(v),
+                    Self::y_of(p / 100.0)
                 );
             }
         }
         let y = HEIGHT - BOTTOM + 56.0 + 18.0 * i as f64;
         let _ = writeln!(
-            svg,
+            self.svg,
             r#"<line x1="{LEFT}" y1="{:.1}" x2="{:.1}" y2="{:.1}" stroke="{colour}" stroke-width="3"/>"#,
             y - 4.0,
             LEFT + 24.0,
@@ -158,14 +206,12 @@ pub fn latency_cdf(title: &str, series: &[Series<'_>]) -> String {
             )
         };
         let _ = writeln!(
-            svg,
+            self.svg,
             r#"<text x="{:.1}" y="{y:.1}">{} — {stats}</text>"#,
             LEFT + 32.0,
             escape(s.name)
         );
     }
-    svg.push_str("</svg>\n");
-    svg
 }
 
 /// At most [`MAX_POINTS`] indices spread over `0..n`, always with the
