@@ -180,37 +180,6 @@ fn raise_soft_to_hard() -> FdLimit {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_soft_fd_limit_ends_at_the_hard_limit() {
-        let first = raise_fd_limit();
-        assert_eq!(first.soft, first.hard, "{first:?}");
-        // Idempotent: nothing left to raise.
-        let again = raise_fd_limit();
-        assert_eq!(again.soft, first.soft);
-        assert!(!again.raised);
-    }
-
-    #[test]
-    fn a_low_limit_is_named() {
-        let low = FdLimit {
-            soft: Some(1024),
-            hard: Some(1024),
-            raised: false,
-        };
-        assert!(low.is_low());
-        let unlimited = FdLimit {
-            soft: None,
-            hard: None,
-            raised: false,
-        };
-        assert!(!unlimited.is_low());
-    }
-}
-
 impl Runtime {
     /// Wires a process's connections into its health: readiness checks for
     /// NATS (and Redis, given its `ping`), the connection gauges and reconnect
@@ -240,5 +209,36 @@ impl Runtime {
         });
         metrics.watch(client.clone(), redis_up, shutdown);
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_soft_fd_limit_ends_at_the_hard_limit() {
+        let first = raise_fd_limit();
+        assert_eq!(first.soft, first.hard, "{first:?}");
+        // Idempotent: nothing left to raise.
+        let again = raise_fd_limit();
+        assert_eq!(again.soft, first.soft);
+        assert!(!again.raised);
+    }
+
+    #[test]
+    fn a_low_limit_is_named() {
+        let low = FdLimit {
+            soft: Some(1024),
+            hard: Some(1024),
+            raised: false,
+        };
+        assert!(low.is_low());
+        let unlimited = FdLimit {
+            soft: None,
+            hard: None,
+            raised: false,
+        };
+        assert!(!unlimited.is_low());
     }
 }
