@@ -297,17 +297,9 @@ impl fmt::Debug for LlmConfig {
     }
 }
 
-/// A URL for humans: no user info and no query, either of which may carry a
-/// credential.
+/// A URL for humans (the protocol's one redaction).
 fn redacted_url(url: &Url) -> String {
-    let mut shown = url.clone();
-    // Both setters only fail for URLs that cannot have credentials at all.
-    let _ = shown.set_username("");
-    let _ = shown.set_password(None);
-    if shown.query().is_some() {
-        shown.set_query(Some("[redacted]"));
-    }
-    shown.to_string()
+    toolfleet_protocol::redact_url(url.as_str())
 }
 
 /// Installs rustls' `ring` crypto provider for the process. reqwest is built

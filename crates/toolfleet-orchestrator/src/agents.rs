@@ -35,6 +35,15 @@ use tracing::warn;
 use crate::tools::agents::profile_of;
 use crate::{Events, Fleet, Invocation, ToolOutcome};
 
+/// What a failed agent call tells the model.
+fn fail(code: &str, message: String) -> ToolOutcome {
+    ToolOutcome {
+        content: format!("Error ({code}): {message}"),
+        status: ToolStatus::Error,
+        references: Vec::new(),
+    }
+}
+
 /// Runs one call of agent tool `tool`: a nested chat job, its progress
 /// into `events` as the call's `tool_progress`, its answer as the result.
 pub async fn run_agent_call(
@@ -48,22 +57,7 @@ pub async fn run_agent_call(
 ) -> ToolOutcome {
     let def = &tool.definition;
     let tool_id = def.id.to_string();
-    let fail = |code: &str, message: String| ToolOutcome {
-        content: format!("Error ({code}): {message}"),
-        status: ToolStatus::Error,
-        references: Vec::new(),
-    };
-    // Only a profile the configuration exposes as this very agent runs
-    // (gating keeps workers' look-alikes out; this holds whatever calls it).
-    let Some(profile) = profile_of(tool).filter(|p| {
-        fleet
-            .config
-            .profiles
-            .profiles
-            .get(*p)
-            .and_then(|p| p.agent.as_ref())
-            .is_some_and(|a| def.id.namespace == "agent" && a.name == def.id.name)
-    }) else {
+    let Some(profile) = configured_profile(fleet, tool) else {
         return fail(
             "internal_error",
             format!("{tool_id} is not an agent of this configuration"),
@@ -72,8 +66,7 @@ pub async fn run_agent_call(
     let Some(task) = arguments.get("task").and_then(Value::as_str) else {
         return fail("invalid_arguments", "`task` (a string) is required".into());
     };
-    let now = toolfleet_protocol::now_ms();
-    let left = inv.deadline_ms.saturating_sub(now);
+    let left = inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms());
     // Leave the caller time to answer with what the agent said (or that
     // it said nothing).
     let wait = def
@@ -89,7 +82,70 @@ pub async fn run_agent_call(
             references: Vec::new(),
         };
     }
-    let job = ChatJob {
+    let nested = Nested {
+        fleet,
+        call,
+        tool_id: &tool_id,
+        name: &def.function.name,
+        wait,
+    };
+    let answer = match nested
+        .ask(nested_job(inv, profile, task, wait), inv, events)
+        .await
+    {
+        Ok(answer) => answer,
+        Err(outcome) => return outcome,
+    };
+    // The nested job's model calls are this call's spend.
+    if let Ok(mut spent) = spent.lock() {
+        spent.extend(answer.llm_calls.iter().cloned());
+    }
+    match renumber(
+        fleet,
+        inv,
+        &tool_id,
+        &call.id,
+        answer.text,
+        answer.references,
+    )
+    .await
+    {
+        Ok((text, references)) => ToolOutcome {
+            content: text,
+            status: ToolStatus::Ok,
+            references,
+        },
+        Err(e) => fail(
+            "citation_store",
+            format!(
+                "{} answered, but its citations could not be renumbered: {e}",
+                def.function.name
+            ),
+        ),
+    }
+}
+
+/// The profile an agent tool runs — only one the configuration exposes
+/// as this very agent (gating keeps workers' look-alikes out; this holds
+/// whatever calls it).
+fn configured_profile<'t>(fleet: &Fleet, tool: &'t CompiledTool) -> Option<&'t str> {
+    let id = &tool.definition.id;
+    profile_of(tool).filter(|p| {
+        fleet
+            .config
+            .profiles
+            .profiles
+            .get(*p)
+            .and_then(|p| p.agent.as_ref())
+            .is_some_and(|a| id.namespace == "agent" && a.name == id.name)
+    })
+}
+
+/// The nested chat job of an agent call: the agent's profile, the
+/// caller's tenant, user, data source and documents, the surface `agent`,
+/// a deadline of `wait`.
+fn nested_job(inv: &Invocation, profile: &str, task: &str, wait: u64) -> ChatJob {
+    ChatJob {
         invocation_id: client::new_invocation_id(),
         messages: vec![ChatMessage {
             role: ChatRole::User,
@@ -110,86 +166,77 @@ pub async fn run_agent_call(
         surface: Some(AGENT_SURFACE.to_string()),
         // A nested job answers its caller, not the caller's sinks.
         sink: None,
-    };
-    let mut h = async_nats::HeaderMap::new();
-    h.insert(headers::PARENT_INVOCATION, inv.job.invocation_id.as_str());
-    h.insert(
-        headers::AGENT_DEPTH,
-        inv.agent_depth.saturating_add(1).to_string().as_str(),
-    );
-    let subjects = &fleet.config.subjects;
-    // The nested job is cancelled when this call stops waiting for it
-    // before its end (the parent's deadline or cancel drops this future).
-    let guard = CancelOnDrop {
-        client: fleet.client.clone(),
-        subjects: subjects.clone(),
-        tenant: job.tenant().to_string(),
-        invocation_id: job.invocation_id.clone(),
-        armed: true,
-    };
-    let name = def.function.name.clone();
-    let outcome = client::chat_with_headers(
-        &fleet.client,
-        subjects,
-        &job,
-        h,
-        Duration::from_millis(wait),
-        |event| {
+    }
+}
+
+/// One agent call's nested job on its way.
+struct Nested<'a> {
+    fleet: &'a Fleet,
+    call: &'a ToolCall,
+    tool_id: &'a str,
+    name: &'a str,
+    /// How long the call waits for the answer, in ms.
+    wait: u64,
+}
+
+impl Nested<'_> {
+    /// Submits `job` (linked to the parent, one level deeper) and waits
+    /// for its answer, passing its progress on; a failure is the call's
+    /// outcome.
+    async fn ask(
+        &self,
+        job: ChatJob,
+        inv: &Invocation,
+        events: &Events,
+    ) -> Result<client::ChatOutcome, ToolOutcome> {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert(headers::PARENT_INVOCATION, inv.job.invocation_id.as_str());
+        h.insert(
+            headers::AGENT_DEPTH,
+            inv.agent_depth.saturating_add(1).to_string().as_str(),
+        );
+        let subjects = &self.fleet.config.subjects;
+        // The nested job is cancelled when this call stops waiting for it
+        // before its end (the parent's deadline or cancel drops this future).
+        let mut guard = CancelOnDrop {
+            client: self.fleet.client.clone(),
+            subjects: subjects.clone(),
+            tenant: job.tenant().to_string(),
+            invocation_id: job.invocation_id.clone(),
+            armed: true,
+        };
+        let name = self.name;
+        let progress = |event: &toolfleet_protocol::ChatEvent| {
             if let Some(message) = progress_of(&event.body) {
                 events.send(ChatEventBody::ToolProgress {
-                    call_id: call.id.clone(),
-                    tool: tool_id.clone(),
+                    call_id: self.call.id.clone(),
+                    tool: self.tool_id.to_string(),
                     message: crate::text::shorten(
                         &format!("{name}: {message}"),
                         toolfleet_protocol::MAX_PROGRESS_CHARS,
                     ),
                 });
             }
-        },
-    )
-    .await;
-    let mut guard = guard;
-    let answer = match outcome {
-        Ok(answer) => {
-            guard.armed = false;
-            // The nested job's model calls are this call's spend.
-            if let Ok(mut spent) = spent.lock() {
-                spent.extend(answer.llm_calls.iter().cloned());
+        };
+        let wait = Duration::from_millis(self.wait);
+        let outcome =
+            client::chat_with_headers(&self.fleet.client, subjects, &job, h, wait, progress).await;
+        match outcome {
+            Ok(answer) => {
+                guard.armed = false;
+                Ok(answer)
             }
-            answer
-        }
-        Err(ClientError::Timeout(_)) => {
-            return ToolOutcome {
-                content: format!("Error: {name} did not answer within {wait} ms."),
+            Err(ClientError::Timeout(_)) => Err(ToolOutcome {
+                content: format!("Error: {name} did not answer within {} ms.", self.wait),
                 status: ToolStatus::Timeout,
                 references: Vec::new(),
-            };
+            }),
+            Err(ClientError::Failed { code, message }) => {
+                guard.armed = false;
+                Err(fail(&code, format!("{name} failed: {message}")))
+            }
+            Err(e) => Err(fail(e.code(), format!("{name} could not run: {e}"))),
         }
-        Err(ClientError::Failed { code, message }) => {
-            guard.armed = false;
-            return fail(&code, format!("{name} failed: {message}"));
-        }
-        Err(e) => return fail(e.code(), format!("{name} could not run: {e}")),
-    };
-    match renumber(
-        fleet,
-        inv,
-        &tool_id,
-        &call.id,
-        answer.text,
-        answer.references,
-    )
-    .await
-    {
-        Ok((text, references)) => ToolOutcome {
-            content: text,
-            status: ToolStatus::Ok,
-            references,
-        },
-        Err(e) => fail(
-            "citation_store",
-            format!("{name} answered, but its citations could not be renumbered: {e}"),
-        ),
     }
 }
 

@@ -1,9 +1,10 @@
 //! Metrics of the orchestrator.
 
 use prometheus::{
-    CounterVec, Histogram, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
+    CounterVec, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry,
 };
-use toolfleet_service::metrics::{LATENCY_BUCKETS, counter, histogram};
+use toolfleet_service::metrics::{LATENCY_BUCKETS, counter, histogram, registered};
 
 /// Every `outcome` of `toolfleet_chat_jobs_total`.
 /// `parked`: a run that ended waiting for a person's approval (its
@@ -68,14 +69,14 @@ pub struct OrchestratorMetrics {
     /// `search_tools` calls, by `outcome`: added | nothing | capped.
     pub tool_expansions: IntCounterVec,
     /// Tools in the registry, by `backend` (catalog, agents, …).
-    pub registry_tools: prometheus::IntGaugeVec,
+    pub registry_tools: IntGaugeVec,
     /// Duplicate ids a later backend brought (the first backend's wins).
-    pub registry_duplicates: prometheus::IntGauge,
+    pub registry_duplicates: IntGauge,
     /// Time to rebuild the registry and relevance index after a catalog
     /// change.
     pub registry_build: Histogram,
     /// Tool calls naming no offered tool (answered with suggestions).
-    pub unknown_tool_calls: prometheus::IntCounter,
+    pub unknown_tool_calls: IntCounter,
     /// Sink deliveries (webhooks, relays).
     pub sinks: crate::sinks::SinkMetrics,
     /// `toolfleet_dead_letters_total`, shared with the workers of the
@@ -99,242 +100,281 @@ pub struct OrchestratorMetrics {
     pub approvals_parked: IntGauge,
 }
 
+/// One metric's name, help and labels: the registration table below is a
+/// list of these, each registered in one line.
+struct Spec {
+    name: &'static str,
+    help: &'static str,
+    labels: &'static [&'static str],
+}
+
+impl Spec {
+    fn counter(&self, r: &Registry) -> prometheus::Result<IntCounterVec> {
+        counter(r, self.name, self.help, self.labels)
+    }
+
+    /// With the latency buckets.
+    fn histogram(&self, r: &Registry) -> prometheus::Result<HistogramVec> {
+        histogram(r, self.name, self.help, self.labels)
+    }
+
+    fn histogram_with(&self, r: &Registry, buckets: &[f64]) -> prometheus::Result<HistogramVec> {
+        let opts = HistogramOpts::new(self.name, self.help).buckets(buckets.to_vec());
+        registered(r, HistogramVec::new(opts, self.labels)?)
+    }
+
+    /// Without labels.
+    fn plain_histogram(&self, r: &Registry, buckets: &[f64]) -> prometheus::Result<Histogram> {
+        let opts = HistogramOpts::new(self.name, self.help).buckets(buckets.to_vec());
+        registered(r, Histogram::with_opts(opts)?)
+    }
+
+    fn cost(&self, r: &Registry) -> prometheus::Result<CounterVec> {
+        registered(
+            r,
+            CounterVec::new(Opts::new(self.name, self.help), self.labels)?,
+        )
+    }
+
+    fn gauges(&self, r: &Registry) -> prometheus::Result<IntGaugeVec> {
+        registered(
+            r,
+            IntGaugeVec::new(Opts::new(self.name, self.help), self.labels)?,
+        )
+    }
+
+    fn gauge(&self, r: &Registry) -> prometheus::Result<IntGauge> {
+        registered(r, IntGauge::new(self.name, self.help)?)
+    }
+
+    fn total(&self, r: &Registry) -> prometheus::Result<IntCounter> {
+        registered(r, IntCounter::new(self.name, self.help)?)
+    }
+}
+
+const fn spec(name: &'static str, help: &'static str, labels: &'static [&'static str]) -> Spec {
+    Spec { name, help, labels }
+}
+
+const CHAT_JOBS: Spec = spec(
+    "toolfleet_chat_jobs_total",
+    "Chat jobs by outcome.",
+    &["outcome"],
+);
+const CHAT_JOB_DURATION: Spec = spec(
+    "toolfleet_chat_job_duration_seconds",
+    "Time from taking a chat job to its terminal event.",
+    &[],
+);
+const CHAT_JOBS_IN_FLIGHT: Spec = spec(
+    "toolfleet_chat_jobs_in_flight",
+    "Chat jobs being worked on by this orchestrator.",
+    &[],
+);
+const LLM_REQUESTS: Spec = spec(
+    "toolfleet_llm_requests_total",
+    "Model requests by model and outcome.",
+    &["model", "outcome"],
+);
+const LLM_REQUEST_DURATION: Spec = spec(
+    "toolfleet_llm_request_duration_seconds",
+    "Model request duration, first byte to last.",
+    &["model"],
+);
+const LLM_TIME_TO_FIRST_TOKEN: Spec = spec(
+    "toolfleet_llm_time_to_first_token_seconds",
+    "Streamed model calls: from sending the request to the first text, refusal or tool call.",
+    &["model"],
+);
+const LLM_TOKENS: Spec = spec(
+    "toolfleet_llm_tokens_total",
+    "Tokens reported by the model, by kind and purpose.",
+    &["model", "kind", "purpose"],
+);
+const LLM_COST: Spec = spec(
+    "toolfleet_llm_cost_usd_total",
+    "Model cost in USD from the configured price table.",
+    &["model", "purpose"],
+);
+const LLM_RETRIES: Spec = spec(
+    "toolfleet_llm_retries_total",
+    "Model HTTP attempts beyond the first (429, 5xx, connect, timeout).",
+    &["model"],
+);
+const LLM_FALLBACKS: Spec = spec(
+    "toolfleet_llm_fallbacks_total",
+    "Model calls moved to the profile's next deployment after a failure before any output.",
+    &["from", "to"],
+);
+const LOOP_LIMITS: Spec = spec(
+    "toolfleet_loop_limits_total",
+    "Loop caps hit; the model is then told to answer with what it has.",
+    &["limit"],
+);
+const TOOL_RESULTS_TRUNCATED: Spec = spec(
+    "toolfleet_tool_results_truncated_total",
+    "Tool results cut to the per-profile token cap.",
+    &["function"],
+);
+const TOOL_CALLS: Spec = spec(
+    "toolfleet_tool_calls_total",
+    "Tool calls dispatched by the orchestrator, by final status.",
+    &["tool", "status"],
+);
+const TOOL_CALL_DURATION: Spec = spec(
+    "toolfleet_tool_call_duration_seconds",
+    "Tool call round trip as the orchestrator sees it.",
+    &["tool"],
+);
+const SCOPING_DECISIONS: Spec = spec(
+    "toolfleet_scoping_decisions_total",
+    "How the tools offered were chosen, by decision.",
+    &["decision"],
+);
+const TOOLS_OFFERED: Spec = spec(
+    "toolfleet_tools_offered",
+    "Tools offered to the model per request (search_tools included).",
+    &[],
+);
+const TOOL_EXPANSIONS: Spec = spec(
+    "toolfleet_tool_expansions_total",
+    "search_tools calls, by outcome.",
+    &["outcome"],
+);
+const REGISTRY_TOOLS: Spec = spec(
+    "toolfleet_registry_tools",
+    "Tools in the orchestrator's registry, by backend.",
+    &["backend"],
+);
+const REGISTRY_DUPLICATES: Spec = spec(
+    "toolfleet_registry_duplicate_tools",
+    "Tool ids a later backend also brought (the first backend's definition is used).",
+    &[],
+);
+const REGISTRY_BUILD: Spec = spec(
+    "toolfleet_registry_build_seconds",
+    "Time to rebuild the registry and relevance index after a catalog change.",
+    &[],
+);
+const UNKNOWN_TOOL_CALLS: Spec = spec(
+    "toolfleet_unknown_tool_calls_total",
+    "Tool calls naming no offered tool; answered with close names.",
+    &[],
+);
+const TOOL_BACKLOG: Spec = spec(
+    "toolfleet_tool_backlog",
+    "Tool jobs waiting for a worker (the tool consumer's num_pending): scale the pool on it.",
+    &["tool"],
+);
+const TOOL_JOBS_PENDING_ACK: Spec = spec(
+    "toolfleet_tool_jobs_pending_ack",
+    "Tool jobs a worker took and has not answered yet (num_ack_pending).",
+    &["tool"],
+);
+const TOOL_LIVE_WORKERS: Spec = spec(
+    "toolfleet_tool_live_workers",
+    "Live worker processes serving the tool, from the catalog.",
+    &["tool"],
+);
+const APPROVALS: Spec = spec(
+    "toolfleet_approvals_total",
+    "Tool calls that waited for a person's approval, by outcome.",
+    &["outcome"],
+);
+const APPROVAL_WAIT: Spec = spec(
+    "toolfleet_approval_wait_seconds",
+    "Time from approval_requested to the decision, by outcome.",
+    &["outcome"],
+);
+const APPROVALS_REFUSED: Spec = spec(
+    "toolfleet_approval_requests_refused_total",
+    "Approval requests answered with an error, by code.",
+    &["code"],
+);
+const APPROVALS_PARKED: Spec = spec(
+    "toolfleet_approvals_parked",
+    "Invocations parked waiting for approvals, fleet-wide (every orchestrator reports the same count).",
+    &[],
+);
+
+/// Buckets of the approval wait: a second to a week.
+const APPROVAL_WAIT_BUCKETS: [f64; 10] = [
+    1.0,
+    5.0,
+    15.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
+    4.0 * 3600.0,
+    86_400.0,
+    604_800.0,
+];
+
+/// Buckets of the tools offered per request.
+const TOOLS_OFFERED_BUCKETS: [f64; 10] = [0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 100.0, 128.0];
+
 impl OrchestratorMetrics {
+    /// Registers the orchestrator's metrics on `r` (`dead_letters` is the
+    /// process's shared counter) with every bounded series at zero.
     pub fn register(r: &Registry, dead_letters: IntCounterVec) -> prometheus::Result<Self> {
-        let chat_job_duration = Histogram::with_opts(
-            HistogramOpts::new(
-                "toolfleet_chat_job_duration_seconds",
-                "Time from taking a chat job to its terminal event.",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-        )?;
-        r.register(Box::new(chat_job_duration.clone()))?;
-        let chat_jobs_in_flight = IntGauge::new(
-            "toolfleet_chat_jobs_in_flight",
-            "Chat jobs being worked on by this orchestrator.",
-        )?;
-        r.register(Box::new(chat_jobs_in_flight.clone()))?;
-        let tools_offered = Histogram::with_opts(
-            HistogramOpts::new(
-                "toolfleet_tools_offered",
-                "Tools offered to the model per request (search_tools included).",
-            )
-            .buckets(vec![
-                0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 50.0, 100.0, 128.0,
-            ]),
-        )?;
-        r.register(Box::new(tools_offered.clone()))?;
-        let registry_tools = prometheus::IntGaugeVec::new(
-            Opts::new(
-                "toolfleet_registry_tools",
-                "Tools in the orchestrator's registry, by backend.",
-            ),
-            &["backend"],
-        )?;
-        r.register(Box::new(registry_tools.clone()))?;
-        let pool_gauge = |name: &str, help: &str| -> prometheus::Result<prometheus::IntGaugeVec> {
-            let g = prometheus::IntGaugeVec::new(Opts::new(name, help), &["tool"])?;
-            r.register(Box::new(g.clone()))?;
-            Ok(g)
-        };
-        let tool_backlog = pool_gauge(
-            "toolfleet_tool_backlog",
-            "Tool jobs waiting for a worker (the tool consumer's num_pending): scale the pool on it.",
-        )?;
-        let tool_jobs_pending_ack = pool_gauge(
-            "toolfleet_tool_jobs_pending_ack",
-            "Tool jobs a worker took and has not answered yet (num_ack_pending).",
-        )?;
-        let tool_live_workers = pool_gauge(
-            "toolfleet_tool_live_workers",
-            "Live worker processes serving the tool, from the catalog.",
-        )?;
-        let registry_duplicates = prometheus::IntGauge::new(
-            "toolfleet_registry_duplicate_tools",
-            "Tool ids a later backend also brought (the first backend's definition is used).",
-        )?;
-        r.register(Box::new(registry_duplicates.clone()))?;
-        let registry_build = Histogram::with_opts(
-            HistogramOpts::new(
-                "toolfleet_registry_build_seconds",
-                "Time to rebuild the registry and relevance index after a catalog change.",
-            )
-            .buckets(LATENCY_BUCKETS.to_vec()),
-        )?;
-        r.register(Box::new(registry_build.clone()))?;
-        let unknown_tool_calls = prometheus::IntCounter::new(
-            "toolfleet_unknown_tool_calls_total",
-            "Tool calls naming no offered tool; answered with close names.",
-        )?;
-        r.register(Box::new(unknown_tool_calls.clone()))?;
-        let scoping_decisions = counter(
-            r,
-            "toolfleet_scoping_decisions_total",
-            "How the tools offered were chosen, by decision.",
-            &["decision"],
-        )?;
-        for d in ["all", "token", "planning", "planning_fallback"] {
-            scoping_decisions.with_label_values(&[d]);
-        }
-        let tool_expansions = counter(
-            r,
-            "toolfleet_tool_expansions_total",
-            "search_tools calls, by outcome.",
-            &["outcome"],
-        )?;
-        for o in ["added", "nothing", "capped"] {
-            tool_expansions.with_label_values(&[o]);
-        }
-        let llm_fallbacks = counter(
-            r,
-            "toolfleet_llm_fallbacks_total",
-            "Model calls moved to the profile's next deployment after a failure before any output.",
-            &["from", "to"],
-        )?;
-        // The first dead letter must be an increase.
-        dead_letters.with_label_values(&["chat", ""]);
-        dead_letters.with_label_values(&["sink", ""]);
-        let chat_jobs = counter(
-            r,
-            "toolfleet_chat_jobs_total",
-            "Chat jobs by outcome.",
-            &["outcome"],
-        )?;
-        // So must the first job of every outcome.
-        for o in CHAT_OUTCOMES {
-            chat_jobs.with_label_values(&[o]);
-        }
-        let approvals = counter(
-            r,
-            "toolfleet_approvals_total",
-            "Tool calls that waited for a person's approval, by outcome.",
-            &["outcome"],
-        )?;
-        let approval_wait = HistogramVec::new(
-            HistogramOpts::new(
-                "toolfleet_approval_wait_seconds",
-                "Time from approval_requested to the decision, by outcome.",
-            )
-            .buckets(vec![
-                1.0,
-                5.0,
-                15.0,
-                60.0,
-                300.0,
-                900.0,
-                3600.0,
-                4.0 * 3600.0,
-                86_400.0,
-                604_800.0,
-            ]),
-            &["outcome"],
-        )?;
-        r.register(Box::new(approval_wait.clone()))?;
-        for o in toolfleet_protocol::ApprovalOutcome::ALL {
-            approvals.with_label_values(&[o.as_str()]);
-            approval_wait.with_label_values(&[o.as_str()]);
-        }
-        let approvals_refused = counter(
-            r,
-            "toolfleet_approval_requests_refused_total",
-            "Approval requests answered with an error, by code.",
-            &["code"],
-        )?;
-        for c in APPROVAL_REFUSALS {
-            approvals_refused.with_label_values(&[c]);
-        }
-        let approvals_parked = IntGauge::new(
-            "toolfleet_approvals_parked",
-            "Invocations parked waiting for approvals, fleet-wide (every orchestrator reports the same count).",
-        )?;
-        r.register(Box::new(approvals_parked.clone()))?;
-        Ok(Self {
-            approvals,
-            approval_wait,
-            approvals_refused,
-            approvals_parked,
-            tool_backlog,
-            tool_jobs_pending_ack,
-            tool_live_workers,
-            llm_fallbacks,
-            scoping_decisions,
-            tools_offered,
-            tool_expansions,
-            registry_tools,
-            registry_duplicates,
-            registry_build,
-            unknown_tool_calls,
-            chat_jobs,
-            chat_job_duration,
-            chat_jobs_in_flight,
-            llm_requests: counter(
-                r,
-                "toolfleet_llm_requests_total",
-                "Model requests by model and outcome.",
-                &["model", "outcome"],
-            )?,
-            llm_request_duration: histogram(
-                r,
-                "toolfleet_llm_request_duration_seconds",
-                "Model request duration, first byte to last.",
-                &["model"],
-            )?,
-            llm_time_to_first_token: histogram(
-                r,
-                "toolfleet_llm_time_to_first_token_seconds",
-                "Streamed model calls: from sending the request to the first text, refusal or tool call.",
-                &["model"],
-            )?,
-            llm_tokens: counter(
-                r,
-                "toolfleet_llm_tokens_total",
-                "Tokens reported by the model, by kind and purpose.",
-                &["model", "kind", "purpose"],
-            )?,
-            llm_cost: {
-                let c = CounterVec::new(
-                    Opts::new(
-                        "toolfleet_llm_cost_usd_total",
-                        "Model cost in USD from the configured price table.",
-                    ),
-                    &["model", "purpose"],
-                )?;
-                r.register(Box::new(c.clone()))?;
-                c
-            },
-            llm_retries: counter(
-                r,
-                "toolfleet_llm_retries_total",
-                "Model HTTP attempts beyond the first (429, 5xx, connect, timeout).",
-                &["model"],
-            )?,
-            loop_limits: counter(
-                r,
-                "toolfleet_loop_limits_total",
-                "Loop caps hit; the model is then told to answer with what it has.",
-                &["limit"],
-            )?,
-            tool_results_truncated: counter(
-                r,
-                "toolfleet_tool_results_truncated_total",
-                "Tool results cut to the per-profile token cap.",
-                &["function"],
-            )?,
-            tool_calls: counter(
-                r,
-                "toolfleet_tool_calls_total",
-                "Tool calls dispatched by the orchestrator, by final status.",
-                &["tool", "status"],
-            )?,
-            tool_call_duration: histogram(
-                r,
-                "toolfleet_tool_call_duration_seconds",
-                "Tool call round trip as the orchestrator sees it.",
-                &["tool"],
-            )?,
+        let m = Self {
+            chat_jobs: CHAT_JOBS.counter(r)?,
+            chat_job_duration: CHAT_JOB_DURATION.plain_histogram(r, LATENCY_BUCKETS)?,
+            chat_jobs_in_flight: CHAT_JOBS_IN_FLIGHT.gauge(r)?,
+            llm_requests: LLM_REQUESTS.counter(r)?,
+            llm_request_duration: LLM_REQUEST_DURATION.histogram(r)?,
+            llm_time_to_first_token: LLM_TIME_TO_FIRST_TOKEN.histogram(r)?,
+            llm_tokens: LLM_TOKENS.counter(r)?,
+            llm_cost: LLM_COST.cost(r)?,
+            llm_retries: LLM_RETRIES.counter(r)?,
+            llm_fallbacks: LLM_FALLBACKS.counter(r)?,
+            loop_limits: LOOP_LIMITS.counter(r)?,
+            tool_results_truncated: TOOL_RESULTS_TRUNCATED.counter(r)?,
+            tool_calls: TOOL_CALLS.counter(r)?,
+            tool_call_duration: TOOL_CALL_DURATION.histogram(r)?,
+            scoping_decisions: SCOPING_DECISIONS.counter(r)?,
+            tools_offered: TOOLS_OFFERED.plain_histogram(r, &TOOLS_OFFERED_BUCKETS)?,
+            tool_expansions: TOOL_EXPANSIONS.counter(r)?,
+            registry_tools: REGISTRY_TOOLS.gauges(r)?,
+            registry_duplicates: REGISTRY_DUPLICATES.gauge(r)?,
+            registry_build: REGISTRY_BUILD.plain_histogram(r, LATENCY_BUCKETS)?,
+            unknown_tool_calls: UNKNOWN_TOOL_CALLS.total(r)?,
             sinks: crate::sinks::SinkMetrics::register(r)?,
             dead_letters,
-        })
+            tool_backlog: TOOL_BACKLOG.gauges(r)?,
+            tool_jobs_pending_ack: TOOL_JOBS_PENDING_ACK.gauges(r)?,
+            tool_live_workers: TOOL_LIVE_WORKERS.gauges(r)?,
+            approvals: APPROVALS.counter(r)?,
+            approval_wait: APPROVAL_WAIT.histogram_with(r, &APPROVAL_WAIT_BUCKETS)?,
+            approvals_refused: APPROVALS_REFUSED.counter(r)?,
+            approvals_parked: APPROVALS_PARKED.gauge(r)?,
+        };
+        m.zero();
+        Ok(m)
+    }
+
+    /// Every bounded series at zero, so the first of each is an increase
+    /// an alert sees.
+    fn zero(&self) {
+        for d in ["all", "token", "planning", "planning_fallback"] {
+            self.scoping_decisions.with_label_values(&[d]);
+        }
+        for o in ["added", "nothing", "capped"] {
+            self.tool_expansions.with_label_values(&[o]);
+        }
+        self.dead_letters.with_label_values(&["chat", ""]);
+        self.dead_letters.with_label_values(&["sink", ""]);
+        for o in CHAT_OUTCOMES {
+            self.chat_jobs.with_label_values(&[o]);
+        }
+        for o in toolfleet_protocol::ApprovalOutcome::ALL {
+            self.approvals.with_label_values(&[o.as_str()]);
+            self.approval_wait.with_label_values(&[o.as_str()]);
+        }
+        for c in APPROVAL_REFUSALS {
+            self.approvals_refused.with_label_values(&[c]);
+        }
     }
 }
 

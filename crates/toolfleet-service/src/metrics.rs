@@ -16,6 +16,20 @@ pub const LATENCY_BUCKETS: &[f64] = &[
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 ];
 
+/// Registers `metric` on `r` and hands it back: one line per metric in a
+/// registration table.
+///
+/// # Errors
+///
+/// A metric of the same name already registered.
+pub fn registered<M: prometheus::core::Collector + Clone + 'static>(
+    r: &Registry,
+    metric: M,
+) -> prometheus::Result<M> {
+    r.register(Box::new(metric.clone()))?;
+    Ok(metric)
+}
+
 pub fn counter(
     r: &Registry,
     name: &str,

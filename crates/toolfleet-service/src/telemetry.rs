@@ -294,6 +294,20 @@ pub fn set_parent(span: &tracing::Span, traceparent: Option<&str>) {
     }
 }
 
+/// Continues in `span` the trace a message's `traceparent` names (or
+/// starts one), records the trace's id in its `trace_id` field, and
+/// returns the `traceparent` naming `span` for the next hop — a fresh one
+/// when there is none and tracing is off. The one way a process picks up a
+/// trace from a message.
+pub fn continue_trace(span: &tracing::Span, incoming: Option<&str>) -> String {
+    set_parent(span, incoming);
+    let traceparent = traceparent(span, incoming).unwrap_or_else(new_traceparent);
+    if let Some(id) = trace_id(&traceparent) {
+        span.record("trace_id", id);
+    }
+    traceparent
+}
+
 /// The `traceparent` naming `span`, for the next message or request; with
 /// tracing off (the span has no OpenTelemetry context) `incoming`, when it
 /// is a valid one, else `None`.

@@ -215,17 +215,7 @@ impl std::fmt::Debug for RedisOptions {
     }
 }
 
-/// A URL with its password (and user) replaced, for logs and `Debug`.
-pub fn redact_url(url: &str) -> String {
-    let Some((scheme, rest)) = url.split_once("://") else {
-        return "<unparsable redis url>".to_string();
-    };
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    match rest[..authority_end].rfind('@') {
-        Some(at) => format!("{scheme}://***@{}", &rest[at + 1..]),
-        None => url.to_string(),
-    }
-}
+pub use toolfleet_protocol::redact_url;
 
 /// The secrets of a configuration, to scrub from any text that leaves the
 /// crate (Redis and rustls errors should not carry them; this makes sure).

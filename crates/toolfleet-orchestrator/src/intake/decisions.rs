@@ -41,11 +41,7 @@ async fn resume(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message, 
     let id = &parked.job.invocation_id;
     let span = chat_job_span(id, &parked.tenant, delivery.attempt);
     span.record("resumed", true);
-    let traceparent = parked.job.traceparent.clone();
-    telemetry::set_parent(&span, traceparent.as_deref());
-    if let Some(tid) = traceparent.as_deref().and_then(telemetry::trace_id) {
-        span.record("trace_id", tid);
-    }
+    telemetry::continue_trace(&span, parked.job.traceparent.as_deref());
     if delivery.attempt > MAX_RESUME_DELIVERIES {
         return give_up(fleet, &msg, &parked, delivery).await;
     }

@@ -269,13 +269,7 @@ fn trace(
         .filter(|tp| telemetry::is_traceparent(tp))
         .or_else(|| job.traceparent.take());
     let span = run::chat_job_span(&job.invocation_id, tenant, delivery.attempt);
-    telemetry::set_parent(&span, incoming.as_deref());
-    let traceparent = telemetry::traceparent(&span, incoming.as_deref())
-        .unwrap_or_else(telemetry::new_traceparent);
-    if let Some(id) = telemetry::trace_id(&traceparent) {
-        span.record("trace_id", id);
-    }
-    job.traceparent = Some(traceparent);
+    job.traceparent = Some(telemetry::continue_trace(&span, incoming.as_deref()));
     span
 }
 

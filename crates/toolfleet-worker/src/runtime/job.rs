@@ -92,11 +92,7 @@ fn job_span(call: &CallContext, tool: &Served) -> Span {
         attempt = call.attempt,
         trace_id = tracing::field::Empty,
     );
-    let incoming = call.invocation.traceparent.as_deref();
-    toolfleet_service::telemetry::set_parent(&span, incoming);
-    if let Some(id) = incoming.and_then(toolfleet_service::telemetry::trace_id) {
-        span.record("trace_id", id);
-    }
+    toolfleet_service::telemetry::continue_trace(&span, call.invocation.traceparent.as_deref());
     span
 }
 
