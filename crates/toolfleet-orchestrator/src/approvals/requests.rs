@@ -12,7 +12,7 @@ use toolfleet_protocol::approval::{Approval, ApprovalReply, Decision, DecisionKi
 use toolfleet_protocol::now_ms;
 use tracing::{info, warn};
 
-use super::CallState;
+use super::{CallState, Parked};
 use crate::Fleet;
 
 /// Answers approval requests (one queue group across orchestrators) until
@@ -79,50 +79,8 @@ async fn answer(fleet: &Fleet, msg: &async_nats::Message) -> ApprovalReply {
             );
         }
     };
-    let Some(call) = parked.calls.iter().find(|c| c.call.id == approval.call_id) else {
-        return ApprovalReply::refused(
-            "unknown_call",
-            format!(
-                "invocation {id} holds no call {} (waiting: {})",
-                approval.call_id,
-                parked
-                    .held()
-                    .map(|c| c.call.id.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        );
-    };
-    match &call.state {
-        CallState::Held if parked.cancelled => {
-            return ApprovalReply::refused(
-                "already_decided",
-                format!("invocation {id} was cancelled"),
-            );
-        }
-        CallState::Held => {}
-        CallState::Decided { outcome, .. } => {
-            return ApprovalReply::refused(
-                "already_decided",
-                format!(
-                    "call {} was already decided: {}",
-                    approval.call_id,
-                    outcome.as_str()
-                ),
-            );
-        }
-        CallState::Done { .. } | CallState::After => {
-            return ApprovalReply::refused(
-                "unknown_call",
-                format!("call {} needs no approval", approval.call_id),
-            );
-        }
-    }
-    if now_ms() >= parked.expires_at_ms {
-        return ApprovalReply::refused(
-            "already_decided",
-            format!("the approval of call {} timed out", approval.call_id),
-        );
+    if let Err(refused) = decidable(&parked, &approval, id) {
+        return refused;
     }
     let decision = Decision {
         invocation_id: id.to_string(),
@@ -154,5 +112,47 @@ async fn answer(fleet: &Fleet, msg: &async_nats::Message) -> ApprovalReply {
                 "the decision could not be recorded just now; send it again",
             )
         }
+    }
+}
+
+/// Whether `approval` may decide a call of `parked` (of invocation `id`):
+/// the call is held, not decided, and its time is not up.
+fn decidable(parked: &Parked, approval: &Approval, id: &str) -> Result<(), ApprovalReply> {
+    let Some(call) = parked.calls.iter().find(|c| c.call.id == approval.call_id) else {
+        return Err(ApprovalReply::refused(
+            "unknown_call",
+            format!(
+                "invocation {id} holds no call {} (waiting: {})",
+                approval.call_id,
+                parked
+                    .held()
+                    .map(|c| c.call.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        ));
+    };
+    match &call.state {
+        CallState::Held if parked.cancelled => Err(ApprovalReply::refused(
+            "already_decided",
+            format!("invocation {id} was cancelled"),
+        )),
+        CallState::Held if now_ms() >= parked.expires_at_ms => Err(ApprovalReply::refused(
+            "already_decided",
+            format!("the approval of call {} timed out", approval.call_id),
+        )),
+        CallState::Held => Ok(()),
+        CallState::Decided { outcome, .. } => Err(ApprovalReply::refused(
+            "already_decided",
+            format!(
+                "call {} was already decided: {}",
+                approval.call_id,
+                outcome.as_str()
+            ),
+        )),
+        CallState::Done { .. } | CallState::After => Err(ApprovalReply::refused(
+            "unknown_call",
+            format!("call {} needs no approval", approval.call_id),
+        )),
     }
 }

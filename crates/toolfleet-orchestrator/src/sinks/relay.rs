@@ -16,7 +16,7 @@ use futures::StreamExt;
 use serde::Deserialize;
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
-use toolfleet_protocol::{DeadLetter, DeadLetterKind, encode, headers};
+use toolfleet_protocol::{DeadLetter, DeadLetterKind, headers};
 use tracing::{info, warn};
 
 use super::webhook::{DeliveryError, Webhooks};
@@ -94,11 +94,44 @@ struct EventId {
     seq: u64,
 }
 
+/// A routed event as read off the sinks stream.
+struct Routed {
+    destination: Destination,
+    id: EventId,
+    /// The sinks subject's (`<p>.sink.<tenant>.<inv>`), which only the
+    /// invocation's orchestrator publishes.
+    tenant: String,
+}
+
+/// Reads a sinks-stream message; why it cannot be delivered otherwise.
+fn read(fleet: &Fleet, msg: &jetstream::Message) -> Result<Routed, String> {
+    let destination = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(headers::SINK))
+        .ok_or_else(|| format!("no {} header", headers::SINK))
+        .and_then(|v| Destination::decode(v.as_str()))?;
+    let id = serde_json::from_slice::<EventId>(&msg.payload)
+        .map_err(|e| format!("the body is not a chat event: {e}"))?;
+    let tenant = fleet
+        .config
+        .subjects
+        .parse_sink(msg.subject.as_str())
+        .map(|(t, _)| t.to_owned())
+        .ok_or_else(|| format!("{} is not a sinks subject", msg.subject))?;
+    // The destination is checked again as if it were new: the header is
+    // only as trustworthy as whoever could publish on the sinks stream.
+    trusted(fleet, &destination, &tenant)?;
+    Ok(Routed {
+        destination,
+        id,
+        tenant,
+    })
+}
+
 /// Delivers one routed event to its destination, and acks, naks or
 /// dead-letters it.
 async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
-    let settings = &fleet.config.sinks;
-    let metrics = &fleet.metrics.sinks;
     let (attempt, stream_sequence) = match msg.info() {
         Ok(i) => (
             u32::try_from(i.delivered).unwrap_or(u32::MAX),
@@ -106,45 +139,18 @@ async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
         ),
         Err(_) => (1, 0),
     };
-    let msg = &msg;
-    let unreadable = |error: String| async move {
-        warn!(error = %error, "a sinks-stream message cannot be delivered");
-        let dead = DeliveryError::failed("bad_sink_message", error, false);
-        dead_letter(fleet, msg, None, attempt, stream_sequence, &dead).await;
+    let routed = match read(fleet, &msg) {
+        Ok(routed) => routed,
+        Err(error) => {
+            warn!(error = %error, "a sinks-stream message cannot be delivered");
+            let dead = DeliveryError::failed("bad_sink_message", error, false);
+            return dead_letter(fleet, &msg, None, attempt, stream_sequence, &dead).await;
+        }
     };
-    let destination = match msg
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(headers::SINK))
-        .ok_or_else(|| format!("no {} header", headers::SINK))
-        .and_then(|v| Destination::decode(v.as_str()))
-    {
-        Ok(d) => d,
-        Err(e) => return unreadable(e).await,
-    };
-    let id = match serde_json::from_slice::<EventId>(&msg.payload) {
-        Ok(id) => id,
-        Err(e) => return unreadable(format!("the body is not a chat event: {e}")).await,
-    };
-    // The tenant is the sinks subject's (`<p>.sink.<tenant>.<inv>`), which
-    // only the invocation's orchestrator publishes.
-    let Some(tenant) = fleet
-        .config
-        .subjects
-        .parse_sink(msg.subject.as_str())
-        .map(|(t, _)| t.to_owned())
-    else {
-        return unreadable(format!("{} is not a sinks subject", msg.subject)).await;
-    };
-    // The destination is checked again as if it were new: the header is
-    // only as trustworthy as whoever could publish on the sinks stream.
-    if let Err(e) = trusted(fleet, &destination, &tenant) {
-        return unreadable(e).await;
-    }
-    let kind = destination.kind();
-    let event_id = format!("{}:{}", id.invocation_id, id.seq);
+    let kind = routed.destination.kind();
+    let event_id = format!("{}:{}", routed.id.invocation_id, routed.id.seq);
     let started = Instant::now();
-    let outcome = match &destination {
+    let outcome = match &routed.destination {
         Destination::Webhook {
             url,
             secret_env,
@@ -157,55 +163,46 @@ async fn deliver(fleet: &Fleet, webhooks: &Webhooks, msg: jetstream::Message) {
                     sink.is_none(),
                     secret,
                     secret_env,
-                    &tenant,
+                    &routed.tenant,
                     &event_id,
                     msg.payload.clone(),
                 )
                 .await
         }
-        Destination::Relay { subject, .. } => relay(fleet, subject, &event_id, msg).await,
+        Destination::Relay { subject, .. } => relay(fleet, subject, &event_id, &msg).await,
     };
+    let metrics = &fleet.metrics.sinks;
     metrics
         .duration
         .with_label_values(&[kind])
         .observe(started.elapsed().as_secs_f64());
-    match outcome {
-        Ok(()) => {
-            count(metrics, kind, "ok");
-            if let Err(e) = msg.ack().await {
-                warn!(error = %e, kind, event_id, "a delivered event's ack was lost; it may be delivered again");
-            }
+    let Err(e) = outcome else {
+        count(metrics, kind, "ok");
+        if let Err(e) = msg.ack().await {
+            warn!(error = %e, kind, event_id, "a delivered event's ack was lost; it may be delivered again");
         }
-        Err(e) if e.retryable && attempt < settings.max_attempts => {
-            count(metrics, kind, "retry");
-            let delay = settings.backoff(attempt + 1);
-            warn!(kind, event_id, attempt, code = %e.code, error = %e.message, retry_in_ms = delay.as_millis() as u64, "sink delivery failed; retrying");
-            let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
-        }
-        Err(e) => {
-            count(
-                metrics,
-                kind,
-                if e.refused {
-                    "refused"
-                } else {
-                    "dead_lettered"
-                },
-            );
-            warn!(kind, event_id, attempt, code = %e.code, error = %e.message, sink = %destination.describe(), "sink delivery dead-lettered");
-            let mut e = e;
-            e.message = format!("{}: {}", destination.describe(), e.message);
-            dead_letter(
-                fleet,
-                msg,
-                Some(&id.invocation_id),
-                attempt,
-                stream_sequence,
-                &e,
-            )
-            .await;
-        }
+        return;
+    };
+    let settings = &fleet.config.sinks;
+    if e.retryable && attempt < settings.max_attempts {
+        count(metrics, kind, "retry");
+        let delay = settings.backoff(attempt + 1);
+        warn!(kind, event_id, attempt, code = %e.code, error = %e.message, retry_in_ms = delay.as_millis() as u64, "sink delivery failed; retrying");
+        let _ = msg.ack_with(AckKind::Nak(Some(delay))).await;
+        return;
     }
+    let outcome = if e.refused {
+        "refused"
+    } else {
+        "dead_lettered"
+    };
+    count(metrics, kind, outcome);
+    let destination = routed.destination.describe();
+    warn!(kind, event_id, attempt, code = %e.code, error = %e.message, sink = %destination, "sink delivery dead-lettered");
+    let mut e = e;
+    e.message = format!("{destination}: {}", e.message);
+    let invocation_id = Some(routed.id.invocation_id.as_str());
+    dead_letter(fleet, &msg, invocation_id, attempt, stream_sequence, &e).await;
 }
 
 /// Whether `destination` is one an invocation of `tenant` may have: a
@@ -297,19 +294,14 @@ async fn dead_letter(
         raw_headers: None,
         job: toolfleet_protocol::dead_letter_job(&msg.payload),
     };
-    fleet
-        .metrics
-        .dead_letters
-        .with_label_values(&["sink", ""])
-        .inc();
-    if let Err(err) = fleet
-        .client
-        .publish(
-            fleet.config.subjects.dead_letter(DeadLetterKind::Sink),
-            encode(&dead),
-        )
-        .await
-    {
+    let published = toolfleet_service::dead_letters::publish(
+        &fleet.client,
+        &fleet.config.subjects,
+        &fleet.metrics.dead_letters,
+        &dead,
+    )
+    .await;
+    if let Err(err) = published {
         warn!(error = %err, "cannot publish a sink dead letter");
     }
     let _ = msg.ack_with(AckKind::Term).await;

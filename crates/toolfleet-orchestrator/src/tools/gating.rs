@@ -140,63 +140,9 @@ pub fn permitted(
             }
     };
     let mut notes = Vec::new();
-
-    // The job's picks, each checked before anything else: a bad pick is
-    // the client's mistake, told at once.
-    let mut named: HashMap<&ToolId, &'static str> = HashMap::new();
-    for (i, text) in job.tools.iter().enumerate() {
-        let invalid = |message: String| {
-            Failure::new(
-                ChatErrorCode::InvalidToolSelection,
-                format!("tools[{i}]: {message}"),
-            )
-        };
-        let r: ToolRef = text.parse().map_err(|e| invalid(format!("{e}")))?;
-        if r.is_pattern() {
-            return Err(invalid(format!(
-                "{text:?} is a pattern; a chat job picks tools by id (ns:name or ns:name@x.y.z)"
-            )));
-        }
-        let Some(entry) = registry.resolve(&r).into_iter().find(|e| offerable(e)) else {
-            return Err(invalid(format!(
-                "no tool {text} is served by this fleet (no live worker serves it)"
-            )));
-        };
-        if !entry.tool.definition.selectable {
-            return Err(invalid(format!(
-                "{} is a system tool: it cannot be picked (it is added when its purpose applies)",
-                entry.tool.definition.id
-            )));
-        }
-        named.insert(&entry.tool.definition.id, "selected");
-    }
-    // The profile's tools by name, and its must-include tools: each a
-    // lookup; patterns are matched in the one pass below.
-    let mut must_include = BTreeSet::new();
-    let mut patterns: Vec<&ToolRef> = Vec::new();
-    for r in &profile.tools {
-        if r.is_pattern() {
-            patterns.push(r);
-            continue;
-        }
-        match registry.resolve(r).into_iter().find(|e| offerable(e)) {
-            Some(entry) => {
-                named.entry(&entry.tool.definition.id).or_insert("profile");
-            }
-            None => notes.push(format!("profile tool {r} is not served by any live worker")),
-        }
-    }
-    for id in &profile.must_include_tools {
-        match registry.get_id(id).filter(|e| offerable(e)) {
-            Some(entry) => {
-                named.insert(&entry.tool.definition.id, "must include");
-                must_include.insert(id.to_string());
-            }
-            None => notes.push(format!(
-                "must-include tool {id} is not served by any live worker"
-            )),
-        }
-    }
+    let mut named = job_picks(registry, job, &offerable)?;
+    let (mut must_include, patterns) =
+        profile_picks(registry, profile, &offerable, &mut named, &mut notes);
 
     // One pass over the registry, in id order: system tools whenever their
     // gates pass, tools named above (a refusal is noted), and the
@@ -244,6 +190,81 @@ pub fn permitted(
         must_include,
         notes,
     })
+}
+
+/// The job's picks, each checked before anything else: a bad pick is the
+/// client's mistake, told at once.
+fn job_picks<'r>(
+    registry: &'r Registry,
+    job: &ChatJob,
+    offerable: &dyn Fn(&RegistryEntry) -> bool,
+) -> Result<HashMap<&'r ToolId, &'static str>, Failure> {
+    let mut named: HashMap<&ToolId, &'static str> = HashMap::new();
+    for (i, text) in job.tools.iter().enumerate() {
+        let invalid = |message: String| {
+            Failure::new(
+                ChatErrorCode::InvalidToolSelection,
+                format!("tools[{i}]: {message}"),
+            )
+        };
+        let r: ToolRef = text.parse().map_err(|e| invalid(format!("{e}")))?;
+        if r.is_pattern() {
+            return Err(invalid(format!(
+                "{text:?} is a pattern; a chat job picks tools by id (ns:name or ns:name@x.y.z)"
+            )));
+        }
+        let Some(entry) = registry.resolve(&r).into_iter().find(|e| offerable(e)) else {
+            return Err(invalid(format!(
+                "no tool {text} is served by this fleet (no live worker serves it)"
+            )));
+        };
+        if !entry.tool.definition.selectable {
+            return Err(invalid(format!(
+                "{} is a system tool: it cannot be picked (it is added when its purpose applies)",
+                entry.tool.definition.id
+            )));
+        }
+        named.insert(&entry.tool.definition.id, "selected");
+    }
+    Ok(named)
+}
+
+/// The profile's tools by name, and its must-include tools, into `named`
+/// (each a lookup); returns the must-include ids and the profile's
+/// patterns, which the one pass over the registry matches.
+fn profile_picks<'r, 'p>(
+    registry: &'r Registry,
+    profile: &'p Profile,
+    offerable: &dyn Fn(&RegistryEntry) -> bool,
+    named: &mut HashMap<&'r ToolId, &'static str>,
+    notes: &mut Vec<String>,
+) -> (BTreeSet<String>, Vec<&'p ToolRef>) {
+    let mut must_include = BTreeSet::new();
+    let mut patterns: Vec<&ToolRef> = Vec::new();
+    for r in &profile.tools {
+        if r.is_pattern() {
+            patterns.push(r);
+            continue;
+        }
+        match registry.resolve(r).into_iter().find(|e| offerable(e)) {
+            Some(entry) => {
+                named.entry(&entry.tool.definition.id).or_insert("profile");
+            }
+            None => notes.push(format!("profile tool {r} is not served by any live worker")),
+        }
+    }
+    for id in &profile.must_include_tools {
+        match registry.get_id(id).filter(|e| offerable(e)) {
+            Some(entry) => {
+                named.insert(&entry.tool.definition.id, "must include");
+                must_include.insert(id.to_string());
+            }
+            None => notes.push(format!(
+                "must-include tool {id} is not served by any live worker"
+            )),
+        }
+    }
+    (must_include, patterns)
 }
 
 /// Whether a tool from a worker (not the agents backend) looks like one of

@@ -70,7 +70,7 @@ use serde_json::{Map, Value, json};
 use toolfleet_config::ScopingPolicy;
 use toolfleet_llm::{Message, ToolSpec};
 use toolfleet_protocol::search;
-use toolfleet_protocol::tools::{CompiledTool, ToolId};
+use toolfleet_protocol::tools::{CompiledTool, ToolDefinition, ToolId};
 
 // ---------------------------------------------------------------------------
 // Stages
@@ -308,135 +308,31 @@ impl RelevanceIndex {
         // (token, packed posting), in position order.
         let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(n * 32);
         let mut one_tool: Vec<(u32, u32)> = Vec::new();
-        let mut category_numbers: HashMap<&str, u32> = HashMap::new();
-        let mut category_names = Vec::new();
-        let mut category = Vec::with_capacity(n);
-
-        for (position, tool) in tools.iter().enumerate() {
-            let d = &tool.definition;
-            let next = u32::try_from(category_names.len()).unwrap_or(u32::MAX);
-            let number = *category_numbers
-                .entry(d.category.as_str())
-                .or_insert_with(|| {
-                    category_names.push(d.category.clone());
-                    next
-                });
-            category.push(number);
+        for (position, tool) in tools.iter().enumerate().take(MAX_INDEXED) {
             let Ok(packed) = u32::try_from(position) else {
                 continue;
             };
-            if position >= MAX_INDEXED {
-                continue;
-            }
             one_tool.clear();
-            let mut add = |text: &str, field: usize| {
-                for_each_token(text, |token| {
-                    let number = match vocabulary.get(token) {
-                        Some(&number) => number,
-                        None => {
-                            let number = u32::try_from(vocabulary.len()).unwrap_or(u32::MAX);
-                            vocabulary.insert(token.into(), number);
-                            number
-                        }
-                    };
-                    one_tool.push((number, 1 << field));
-                });
-            };
-            add(&d.id.namespace, NAME);
-            add(&d.id.name, NAME);
-            add(&d.function.name, NAME);
-            for tag in &d.tags {
-                add(tag, TAG);
-            }
-            add(&d.category, TAG);
-            if let Some(properties) = d
-                .function
-                .parameters
-                .get("properties")
-                .and_then(Value::as_object)
-            {
-                for name in properties.keys() {
-                    add(name, PARAMETER);
-                }
-            }
-            add(&d.title, DESCRIPTION);
-            add(&d.description, DESCRIPTION);
-            add(&d.function.description, DESCRIPTION);
-
+            tool_tokens(&mut vocabulary, &mut one_tool, &tool.definition);
             // One posting per distinct token, its fields OR-ed together.
             one_tool.sort_unstable_by_key(|&(token, _)| token);
-            let mut i = 0;
-            while i < one_tool.len() {
-                let token = one_tool[i].0;
-                let mut mask = 0;
-                while i < one_tool.len() && one_tool[i].0 == token {
-                    mask |= one_tool[i].1;
-                    i += 1;
-                }
-                pairs.push((token, packed << FIELD_BITS | mask));
+            for group in one_tool.chunk_by(|a, b| a.0 == b.0) {
+                let mask = group.iter().fold(0, |mask, &(_, field)| mask | field);
+                pairs.push((group[0].0, packed << FIELD_BITS | mask));
             }
         }
-
-        // Postings as one array grouped by token (a counting sort keeps
-        // each token's postings in position order).
-        let tokens = vocabulary.len();
-        let mut offsets = vec![0u32; tokens + 1];
-        for &(token, _) in &pairs {
-            offsets[token as usize + 1] += 1;
-        }
-        for t in 0..tokens {
-            offsets[t + 1] += offsets[t];
-        }
-        let idf: Vec<f32> = (0..tokens)
-            .map(|t| {
-                let df = (offsets[t + 1] - offsets[t]).max(1) as f32;
-                (1.0 + n as f32 / df).ln()
-            })
-            .collect();
-        let mut fill = offsets.clone();
-        let mut postings = vec![0u32; pairs.len()];
-        let mut field_totals = vec![[0f32; FIELDS]; n];
-        for &(token, posting) in &pairs {
-            let slot = &mut fill[token as usize];
-            postings[*slot as usize] = posting;
-            *slot += 1;
-            let totals = &mut field_totals[(posting >> FIELD_BITS) as usize];
-            for (field, total) in totals.iter_mut().enumerate() {
-                if posting & (1 << field) != 0 {
-                    *total += idf[token as usize];
-                }
-            }
-        }
+        let grouped = Postings::group(&pairs, vocabulary.len(), n);
         drop(pairs);
         vocabulary.shrink_to_fit();
-
-        let mut by_id: Vec<u32> = (0..n).filter_map(|p| u32::try_from(p).ok()).collect();
-        by_id.sort_by(|&a, &b| {
-            tools[a as usize]
-                .definition
-                .id
-                .cmp(&tools[b as usize].definition.id)
-        });
-        let mut id_rank = vec![0u32; n];
-        for (rank, &position) in by_id.iter().enumerate() {
-            id_rank[position as usize] = u32::try_from(rank).unwrap_or(u32::MAX);
-        }
-        let mut by_function = by_id.clone();
-        by_function.sort_by(|&a, &b| {
-            tools[a as usize]
-                .definition
-                .function
-                .name
-                .cmp(&tools[b as usize].definition.function.name)
-        });
-
+        let (category, category_names) = categories(tools);
+        let (by_id, id_rank, by_function) = orders(tools);
         RelevanceIndex {
             tools: tools.to_vec(),
             vocabulary,
-            idf,
-            offsets,
-            postings,
-            field_totals,
+            idf: grouped.idf,
+            offsets: grouped.offsets,
+            postings: grouped.postings,
+            field_totals: grouped.field_totals,
             by_id,
             id_rank,
             by_function,
@@ -1411,6 +1307,138 @@ fn first_sentence(text: &str) -> &str {
         .min()
         .unwrap_or(text.len());
     &text[..end]
+}
+
+/// The tokens of one definition, each with the field it was found in,
+/// into `out` (new tokens join `vocabulary`).
+fn tool_tokens(vocabulary: &mut Vocabulary, out: &mut Vec<(u32, u32)>, d: &ToolDefinition) {
+    let mut add = |text: &str, field: usize| {
+        for_each_token(text, |token| {
+            let number = match vocabulary.get(token) {
+                Some(&number) => number,
+                None => {
+                    let number = u32::try_from(vocabulary.len()).unwrap_or(u32::MAX);
+                    vocabulary.insert(token.into(), number);
+                    number
+                }
+            };
+            out.push((number, 1 << field));
+        });
+    };
+    add(&d.id.namespace, NAME);
+    add(&d.id.name, NAME);
+    add(&d.function.name, NAME);
+    for tag in &d.tags {
+        add(tag, TAG);
+    }
+    add(&d.category, TAG);
+    if let Some(properties) = d
+        .function
+        .parameters
+        .get("properties")
+        .and_then(Value::as_object)
+    {
+        for name in properties.keys() {
+            add(name, PARAMETER);
+        }
+    }
+    add(&d.title, DESCRIPTION);
+    add(&d.description, DESCRIPTION);
+    add(&d.function.description, DESCRIPTION);
+}
+
+/// The postings grouped by token, and what scoring needs beside them.
+struct Postings {
+    offsets: Vec<u32>,
+    idf: Vec<f32>,
+    postings: Vec<u32>,
+    field_totals: Vec<[f32; FIELDS]>,
+}
+
+impl Postings {
+    /// `pairs` (token, packed posting) of `n` tools over `tokens` tokens as
+    /// one array grouped by token (a counting sort keeps each token's
+    /// postings in position order), with each token's idf and each tool's
+    /// idf total per field.
+    fn group(pairs: &[(u32, u32)], tokens: usize, n: usize) -> Self {
+        let mut offsets = vec![0u32; tokens + 1];
+        for &(token, _) in pairs {
+            offsets[token as usize + 1] += 1;
+        }
+        for t in 0..tokens {
+            offsets[t + 1] += offsets[t];
+        }
+        let idf: Vec<f32> = (0..tokens)
+            .map(|t| {
+                let df = (offsets[t + 1] - offsets[t]).max(1) as f32;
+                (1.0 + n as f32 / df).ln()
+            })
+            .collect();
+        let mut fill = offsets.clone();
+        let mut postings = vec![0u32; pairs.len()];
+        let mut field_totals = vec![[0f32; FIELDS]; n];
+        for &(token, posting) in pairs {
+            let slot = &mut fill[token as usize];
+            postings[*slot as usize] = posting;
+            *slot += 1;
+            let totals = &mut field_totals[(posting >> FIELD_BITS) as usize];
+            for (field, total) in totals.iter_mut().enumerate() {
+                if posting & (1 << field) != 0 {
+                    *total += idf[token as usize];
+                }
+            }
+        }
+        Self {
+            offsets,
+            idf,
+            postings,
+            field_totals,
+        }
+    }
+}
+
+/// Each tool's category number, and the category names by number.
+fn categories(tools: &[Arc<CompiledTool>]) -> (Vec<u32>, Vec<String>) {
+    let mut numbers: HashMap<&str, u32> = HashMap::new();
+    let mut names = Vec::new();
+    let category = tools
+        .iter()
+        .map(|tool| {
+            let d = &tool.definition;
+            let next = u32::try_from(names.len()).unwrap_or(u32::MAX);
+            *numbers.entry(d.category.as_str()).or_insert_with(|| {
+                names.push(d.category.clone());
+                next
+            })
+        })
+        .collect();
+    (category, names)
+}
+
+/// Positions in id order, each position's rank in it, and positions in
+/// function-name order.
+fn orders(tools: &[Arc<CompiledTool>]) -> (Vec<u32>, Vec<u32>, Vec<u32>) {
+    let n = tools.len();
+    let mut by_id: Vec<u32> = (0..n).filter_map(|p| u32::try_from(p).ok()).collect();
+    by_id.sort_by(|&a, &b| {
+        tools[a as usize]
+            .definition
+            .id
+            .cmp(&tools[b as usize].definition.id)
+    });
+    let mut id_rank = vec![0u32; n];
+    for (rank, &position) in by_id.iter().enumerate() {
+        id_rank[position as usize] = u32::try_from(rank).unwrap_or(u32::MAX);
+    }
+    let mut by_function = by_id.clone();
+    by_function.sort_by(|&a, &b| {
+        tools[a as usize]
+            .definition
+            .function
+            .name
+            .cmp(&tools[b as usize].definition.function.name)
+    });
+    (by_id, id_rank, by_function)
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use toolfleet_protocol::headers::{CALL_ID, INVOCATION_ID, REPLY_TO};
-use toolfleet_protocol::{CallContext, DeadLetter, DeadLetterKind, InvocationContext, encode};
+use toolfleet_protocol::{CallContext, DeadLetter, DeadLetterKind, InvocationContext};
 use toolfleet_service::poison::Poison;
 
 use super::reply::{fit_result, publish_reply};
@@ -13,21 +13,16 @@ use super::results::error_result;
 use super::shared::Shared;
 use crate::builder::Served;
 
-/// Counts `dead` (a job of the tool labelled `tool`) and publishes it on
-/// the fleet's tool dead-letter subject.
-pub(super) async fn publish(shared: &Shared, tool: &str, dead: DeadLetter) {
-    shared
-        .metrics
-        .dead_letters
-        .with_label_values(&["tool", tool])
-        .inc();
-    let _ = shared
-        .client
-        .publish(
-            shared.config.subjects.dead_letter(DeadLetterKind::Tool),
-            encode(&dead),
-        )
-        .await;
+/// Counts `dead` and publishes it on the fleet's tool dead-letter subject
+/// (the fleet's one dead-letter publisher).
+pub(super) async fn publish(shared: &Shared, dead: DeadLetter) {
+    let _ = toolfleet_service::dead_letters::publish(
+        &shared.client,
+        &shared.config.subjects,
+        &shared.metrics.dead_letters,
+        &dead,
+    )
+    .await;
 }
 
 /// Ends a tool job whose headers the NATS client cannot read (found by the
@@ -83,5 +78,5 @@ pub(super) async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: Poiso
         headers: Default::default(),
         raw_headers: Some(poison.raw_headers),
     };
-    publish(&shared, &label, dead).await;
+    publish(&shared, dead).await;
 }

@@ -133,6 +133,6 @@ async fn give_up(
         raw_headers: None,
         job: toolfleet_protocol::dead_letter_job(&msg.payload),
     };
-    dead_letters::publish(shared, tool.label(), dead).await;
+    dead_letters::publish(shared, dead).await;
     warn!(tool = %tool.label(), attempt, code = %code, "tool job dead-lettered");
 }
