@@ -23,13 +23,13 @@ use toolfleet_scripted::{Script, ScriptedServer};
 
 // The bound on every await, and the next JSON message within it: from the
 // testkit, which the crates' own tests share.
-pub use toolfleet_testkit::wait::{WAIT, next_json};
+pub(crate) use toolfleet_testkit::wait::{WAIT, next_json};
 
-pub fn root() -> PathBuf {
+pub(crate) fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
 
-pub struct Env {
+pub(crate) struct Env {
     pub nats: NatsServer,
     pub redis: RedisServer,
     pub model: ScriptedServer,
@@ -43,7 +43,7 @@ pub struct Env {
     _dir: tempfile::TempDir,
 }
 
-pub struct Options {
+pub(crate) struct Options {
     pub workers: Vec<&'static str>,
     pub tweak: fn(&mut OrchestratorConfig),
     /// A profiles file; `{base_url}` is replaced by the scripted server's
@@ -78,17 +78,17 @@ impl Default for Options {
 }
 
 impl Env {
-    pub async fn start(script: serde_json::Value) -> Env {
+    pub(crate) async fn start(script: serde_json::Value) -> Env {
         Self::start_with(script, Options::default()).await
     }
 
     /// A fleet with no worker of its own (the test brings its own).
-    pub async fn start_bare(script: serde_json::Value) -> Env {
+    pub(crate) async fn start_bare(script: serde_json::Value) -> Env {
         Self::start_only(script, &[]).await
     }
 
     /// A fleet with only these worker families.
-    pub async fn start_only(script: serde_json::Value, workers: &[&'static str]) -> Env {
+    pub(crate) async fn start_only(script: serde_json::Value, workers: &[&'static str]) -> Env {
         Self::start_with(
             script,
             Options {
@@ -99,7 +99,7 @@ impl Env {
         .await
     }
 
-    pub async fn start_with(script: serde_json::Value, options: Options) -> Env {
+    pub(crate) async fn start_with(script: serde_json::Value, options: Options) -> Env {
         let nats = NatsServer::start().expect("nats-server");
         let redis = RedisServer::start().expect("redis-server");
         let script = Script::from_json(&script.to_string()).expect("script");
@@ -201,13 +201,13 @@ impl Env {
         }
     }
 
-    pub async fn ask(&self, question: &str) -> (ChatJob, Result<ChatOutcome, ClientError>) {
+    pub(crate) async fn ask(&self, question: &str) -> (ChatJob, Result<ChatOutcome, ClientError>) {
         let job = toolfleet_protocol::client::question(question);
         let out = self.submit(&job).await;
         (job, out)
     }
 
-    pub async fn submit(&self, job: &ChatJob) -> Result<ChatOutcome, ClientError> {
+    pub(crate) async fn submit(&self, job: &ChatJob) -> Result<ChatOutcome, ClientError> {
         tokio::time::timeout(
             WAIT,
             toolfleet_protocol::client::chat(&self.client, &self.subjects, job, WAIT, |_| {}),
@@ -217,7 +217,7 @@ impl Env {
     }
 
     /// Every Redis key of an invocation.
-    pub async fn keys(&self, invocation_id: &str) -> Vec<String> {
+    pub(crate) async fn keys(&self, invocation_id: &str) -> Vec<String> {
         let mut c = self.redis_conn.clone();
         let mut keys: Vec<String> = redis::cmd("KEYS")
             .arg(format!("toolfleet:{{{invocation_id}}}:*"))
@@ -231,7 +231,7 @@ impl Env {
     /// The invocation's keys that tools wrote (citations, ledger): every
     /// key but the orchestrator's claim (`owner`), its run lease (`lease`)
     /// and its stored terminal event (`terminal`).
-    pub async fn tool_keys(&self, invocation_id: &str) -> Vec<String> {
+    pub(crate) async fn tool_keys(&self, invocation_id: &str) -> Vec<String> {
         let mut keys = self.keys(invocation_id).await;
         keys.retain(|k| {
             !k.ends_with(":owner") && !k.ends_with(":lease") && !k.ends_with(":terminal")
@@ -239,7 +239,7 @@ impl Env {
         keys
     }
 
-    pub async fn ttl(&self, key: &str) -> i64 {
+    pub(crate) async fn ttl(&self, key: &str) -> i64 {
         let mut c = self.redis_conn.clone();
         redis::cmd("TTL")
             .arg(key)
@@ -248,7 +248,7 @@ impl Env {
             .unwrap()
     }
 
-    pub async fn metrics_text(&self) -> String {
+    pub(crate) async fn metrics_text(&self) -> String {
         let url = format!("http://{}/metrics", self.metrics_addr);
         reqwest_get(&url).await
     }
@@ -256,7 +256,7 @@ impl Env {
     /// Subscribes (and flushes, so the subscription is live).
     /// Subscribes to `job`'s events, then submits it: the events
     /// subscription, from the first event on.
-    pub async fn follow_and_submit(&self, job: &ChatJob) -> async_nats::Subscriber {
+    pub(crate) async fn follow_and_submit(&self, job: &ChatJob) -> async_nats::Subscriber {
         let events = self
             .subscribe(self.subjects.chat_events(job.tenant(), &job.invocation_id))
             .await;
@@ -266,7 +266,7 @@ impl Env {
         events
     }
 
-    pub async fn subscribe(&self, subject: String) -> async_nats::Subscriber {
+    pub(crate) async fn subscribe(&self, subject: String) -> async_nats::Subscriber {
         let s = self.client.subscribe(subject).await.unwrap();
         self.client.flush().await.unwrap();
         s
@@ -280,14 +280,14 @@ impl Drop for Env {
 }
 
 /// A plain HTTP GET over a TCP socket, so tests need no TLS setup.
-pub async fn reqwest_get(url: &str) -> String {
+pub(crate) async fn reqwest_get(url: &str) -> String {
     toolfleet_llm::install_crypto_provider();
     reqwest::get(url).await.unwrap().text().await.unwrap()
 }
 
 /// A script for the question "What time is it, and how do lighthouses warn
 /// ships?": both tools in one round, then an answer quoting both.
-pub fn lighthouse_script() -> serde_json::Value {
+pub(crate) fn lighthouse_script() -> serde_json::Value {
     serde_json::json!({
         "rules": [{
             "whenUserContains": ["lighthouse"],
@@ -305,7 +305,7 @@ pub fn lighthouse_script() -> serde_json::Value {
 
 /// Runs the `toolfleet` command against the fleet at `nats_url`: its exit
 /// code, stdout and stderr.
-pub fn toolfleet_at(nats_url: &str, args: &[&str]) -> (Option<i32>, String, String) {
+pub(crate) fn toolfleet_at(nats_url: &str, args: &[&str]) -> (Option<i32>, String, String) {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
         .args(args)
         .env("TOOLFLEET_NATS_URL", nats_url)
@@ -321,7 +321,7 @@ pub fn toolfleet_at(nats_url: &str, args: &[&str]) -> (Option<i32>, String, Stri
 /// A binary of another workspace package, built beside `toolfleet` (the
 /// test command builds the whole workspace: `cargo nextest run
 /// --workspace`).
-pub fn sibling_bin(name: &str) -> String {
+pub(crate) fn sibling_bin(name: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_BIN_EXE_toolfleet")).with_file_name(name);
     assert!(
         path.exists(),
@@ -333,7 +333,7 @@ pub fn sibling_bin(name: &str) -> String {
 
 /// Kills a child process when dropped (a failed assertion must not leave
 /// it running).
-pub struct KillOnDrop<'a>(pub &'a mut std::process::Child);
+pub(crate) struct KillOnDrop<'a>(pub &'a mut std::process::Child);
 
 impl Drop for KillOnDrop<'_> {
     fn drop(&mut self) {
@@ -343,7 +343,7 @@ impl Drop for KillOnDrop<'_> {
 }
 
 /// Each `tool_result` event's status and error code, in order.
-pub fn result_codes(
+pub(crate) fn result_codes(
     events: &[toolfleet_protocol::ChatEvent],
 ) -> Vec<(toolfleet_protocol::ToolStatus, Option<String>)> {
     events
@@ -358,7 +358,7 @@ pub fn result_codes(
 }
 
 /// A worker of a test's own, serving beside the fleet of an [`Env`].
-pub struct TestWorker {
+pub(crate) struct TestWorker {
     task: tokio::task::JoinHandle<Result<(), toolfleet_worker::WorkerError>>,
     shutdown: CancellationToken,
 }
@@ -366,7 +366,7 @@ pub struct TestWorker {
 impl Env {
     /// Starts `worker` on this fleet's servers (its own NATS connection and
     /// metrics); returns once it takes jobs.
-    pub async fn start_worker(&self, worker: toolfleet_worker::Worker) -> TestWorker {
+    pub(crate) async fn start_worker(&self, worker: toolfleet_worker::Worker) -> TestWorker {
         self.start_worker_with(
             worker,
             toolfleet_worker::WorkerConfig::new(self.subjects.clone()),
@@ -375,7 +375,7 @@ impl Env {
     }
 
     /// [`Env::start_worker`] with a configuration of the test's own.
-    pub async fn start_worker_with(
+    pub(crate) async fn start_worker_with(
         &self,
         worker: toolfleet_worker::Worker,
         config: toolfleet_worker::WorkerConfig,
@@ -411,7 +411,7 @@ impl Env {
 
 impl TestWorker {
     /// Stops the worker and waits for it to finish cleanly.
-    pub async fn stop(self) {
+    pub(crate) async fn stop(self) {
         self.shutdown.cancel();
         tokio::time::timeout(WAIT, self.task)
             .await
@@ -423,7 +423,7 @@ impl TestWorker {
 
 /// Asserts that nothing arrives on `sub` within `within`; `what` says what
 /// an arrival would mean.
-pub async fn assert_silent(sub: &mut async_nats::Subscriber, within: Duration, what: &str) {
+pub(crate) async fn assert_silent(sub: &mut async_nats::Subscriber, within: Duration, what: &str) {
     assert!(
         tokio::time::timeout(within, sub.next()).await.is_err(),
         "{what}"
@@ -431,7 +431,9 @@ pub async fn assert_silent(sub: &mut async_nats::Subscriber, within: Duration, w
 }
 
 /// Every event of an invocation until its terminal one.
-pub async fn events_until_terminal(events: &mut async_nats::Subscriber) -> Vec<serde_json::Value> {
+pub(crate) async fn events_until_terminal(
+    events: &mut async_nats::Subscriber,
+) -> Vec<serde_json::Value> {
     let mut out = Vec::new();
     loop {
         let ev = next_json(events).await;
@@ -444,13 +446,13 @@ pub async fn events_until_terminal(events: &mut async_nats::Subscriber) -> Vec<s
 }
 
 /// The `type` of each event.
-pub fn kinds(events: &[serde_json::Value]) -> Vec<&str> {
+pub(crate) fn kinds(events: &[serde_json::Value]) -> Vec<&str> {
     events.iter().filter_map(|e| e["type"].as_str()).collect()
 }
 
 /// Makes invocation `invocation_id`'s run lease `holder`'s for `ms`: what
 /// a live run elsewhere (or a run that took this one over) leaves.
-pub async fn set_lease(
+pub(crate) async fn set_lease(
     redis: &mut redis::aio::MultiplexedConnection,
     invocation_id: &str,
     holder: &str,
@@ -470,7 +472,7 @@ pub async fn set_lease(
 /// TCP connection speaking the NATS protocol (the client library refuses
 /// to send headers it could not read back), as `user` with its password
 /// when given, and waits until the server has processed it.
-pub async fn publish_raw(
+pub(crate) async fn publish_raw(
     url: &str,
     user: Option<(&str, &str)>,
     subject: &str,
@@ -520,7 +522,7 @@ pub async fn publish_raw(
 /// Copies the definition files of `from` whose names start with `prefix`
 /// (a family's, e.g. `retrieval.`) into `to`: a family's worker refuses to
 /// start without every one of its tools' definitions.
-pub fn copy_definitions(from: &Path, to: &Path, prefix: &str) {
+pub(crate) fn copy_definitions(from: &Path, to: &Path, prefix: &str) {
     for entry in std::fs::read_dir(from).unwrap() {
         let entry = entry.unwrap();
         let name = entry.file_name().to_string_lossy().into_owned();
@@ -531,7 +533,7 @@ pub fn copy_definitions(from: &Path, to: &Path, prefix: &str) {
 }
 
 /// The retrieval family's tools, in id order.
-pub const RETRIEVAL_TOOLS: [&str; 9] = [
+pub(crate) const RETRIEVAL_TOOLS: [&str; 9] = [
     "entity_lookup",
     "list_documents",
     "read_document",
@@ -547,7 +549,7 @@ pub const RETRIEVAL_TOOLS: [&str; 9] = [
 /// `system:current_datetime` one renamed to `<ns>:<name>@1.0.0`
 /// (implementation key `<ns>.<name>`, function `<name>`), without its
 /// output schema.
-pub fn renamed_definition(dir: &Path, ns: &str, name: &str) -> PathBuf {
+pub(crate) fn renamed_definition(dir: &Path, ns: &str, name: &str) -> PathBuf {
     let mut def: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(root().join("tool_definitions/system.current_datetime.json"))
             .unwrap(),

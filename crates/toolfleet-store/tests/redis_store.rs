@@ -3,6 +3,9 @@
 //! claims, blobs, password and ACL users, `rediss://` with a client
 //! certificate, and a 3-master Redis Cluster.
 
+// Tests are exempt from the 100-line limit: a scenario reads top to bottom.
+#![allow(clippy::too_many_lines)]
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};

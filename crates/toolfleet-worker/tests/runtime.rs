@@ -3,6 +3,9 @@
 //! hooks, per-tool timeouts and handler failures, the result ledger and its
 //! reads, cancels heard or missed, and calls longer than their ack wait.
 
+// Tests are exempt from the 100-line limit: a scenario reads top to bottom.
+#![allow(clippy::too_many_lines)]
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

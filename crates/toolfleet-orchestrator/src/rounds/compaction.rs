@@ -30,8 +30,8 @@ use toolfleet_protocol::{ChatEventBody, ToolStatus};
 use crate::{Events, Fleet, Invocation, ToolRunner};
 
 /// The tool that writes the summary (its highest live version).
-pub const SUMMARIZE_NAMESPACE: &str = "llm";
-pub const SUMMARIZE_NAME: &str = "summarize";
+pub(super) const SUMMARIZE_NAMESPACE: &str = "llm";
+pub(super) const SUMMARIZE_NAME: &str = "summarize";
 
 /// Tokens a message costs beyond its text (role, separators), roughly as
 /// OpenAI counts them.
@@ -44,11 +44,11 @@ const MAX_TRANSCRIPT_CHARS: usize = 150_000;
 /// The longest the summary may take.
 const MAX_SUMMARY_WAIT: Duration = Duration::from_secs(30);
 /// How the summary starts in the conversation.
-pub const SUMMARY_HEADING: &str = "Summary of the earlier conversation";
+pub(super) const SUMMARY_HEADING: &str = "Summary of the earlier conversation";
 
 /// Tokens of `message` in `budget`'s encoding.
 #[must_use]
-pub fn message_tokens(budget: &TokenBudget, message: &Message) -> usize {
+pub(super) fn message_tokens(budget: &TokenBudget, message: &Message) -> usize {
     PER_MESSAGE_TOKENS
         + match message {
             Message::System { content } | Message::User { content } => budget.count(content),
@@ -103,7 +103,11 @@ fn is_boundary(messages: &[Message], cut: usize) -> bool {
 /// message's tokens. `None` when the conversation is within `budget` or
 /// nothing can be replaced (see the module docs).
 #[must_use]
-pub fn plan(messages: &[Message], tokens: &[usize], budget: usize) -> Option<(usize, usize)> {
+pub(super) fn plan(
+    messages: &[Message],
+    tokens: &[usize],
+    budget: usize,
+) -> Option<(usize, usize)> {
     let total: usize = tokens.iter().sum();
     if total <= budget {
         return None;
@@ -139,7 +143,12 @@ pub fn plan(messages: &[Message], tokens: &[usize], budget: usize) -> Option<(us
 /// The conversation after the summary replaced `messages[start..end]`
 /// (the last user message among them stays, right after the summary).
 #[must_use]
-pub fn splice(messages: Vec<Message>, start: usize, end: usize, summary: Message) -> Vec<Message> {
+pub(super) fn splice(
+    messages: Vec<Message>,
+    start: usize,
+    end: usize,
+    summary: Message,
+) -> Vec<Message> {
     let last_user = messages
         .iter()
         .rposition(|m| matches!(m, Message::User { .. }))
@@ -158,7 +167,7 @@ pub fn splice(messages: Vec<Message>, start: usize, end: usize, summary: Message
 
 /// The replaced turns as text for the summary.
 #[must_use]
-pub fn transcript(messages: &[Message]) -> String {
+pub(super) fn transcript(messages: &[Message]) -> String {
     let mut out = String::new();
     for message in messages {
         let line = match message {
@@ -221,7 +230,7 @@ fn summary_text(content: &str) -> String {
 
 /// Compacts `inv`'s conversation when it is over the profile's budget
 /// (see the module docs); `true` when it did.
-pub async fn maybe_compact(
+pub(super) async fn maybe_compact(
     inv: &mut Invocation,
     tools: &mut ToolRunner<'_>,
     fleet: &Fleet,

@@ -17,7 +17,7 @@ use crate::{Events, Fleet, Invocation, ToolOutcome};
 /// Runs a `search_tools` call: the matches among the permitted tools not
 /// offered yet join the offered ones (within the caps) from the next
 /// round on.
-pub fn search_tools_call(
+pub(super) fn search_tools_call(
     inv: &mut Invocation,
     call: &ToolCall,
     fleet: &Fleet,
