@@ -494,7 +494,9 @@ async fn planning_narrows_a_large_catalog_and_falls_back_to_tokens_when_it_fails
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_tools_call_for_planning_and_a_failing_utility_model_hands_over_to_the_main_one() {
     let profiles = format!(
-        "{PROFILES}\n[profiles.utility]\ndeployment = \"scripted\"\nutility_model = \"tiny-planner\"\n"
+        "{PROFILES}\n[profiles.utility]\ndeployment = \"scripted\"\nutility_model = \"tiny-planner\"\n\
+         [profiles.house_plan]\ndeployment = \"scripted\"\n\
+         planning_prompt = \"House planner: name at most {{max_tools}} tools as JSON.\"\n"
     );
     let env = env_with(
         json!({ "rules": [
@@ -549,6 +551,18 @@ async fn mcp_tools_call_for_planning_and_a_failing_utility_model_hands_over_to_t
         .collect();
     assert!(asked.iter().any(|m| m == "tiny-planner"), "{asked:?}");
     assert_eq!(handed_over.text, "convert_currency ran");
+
+    // A profile's planning prompt replaces the built-in instructions.
+    let before = env.model.requests().len();
+    let mut own_prompt = job("PLANNED: how much money is 3 euros in dollars?");
+    own_prompt.profile = Some("house_plan".into());
+    let planned = env.submit(&own_prompt).await.expect("planned");
+    assert_eq!(scoping_events(&planned.events)[0].0, "planning");
+    let planning_request = &env.model.requests()[before];
+    assert_eq!(
+        planning_request["messages"][0]["content"],
+        json!("House planner: name at most 30 tools as JSON.")
+    );
 }
 
 /// `search_tools` adds left-out tools for the next round (an `expansion`

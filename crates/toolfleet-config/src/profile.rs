@@ -44,6 +44,12 @@ pub struct Profile {
     pub deployments: Vec<String>,
     /// Model for the tool-planning call; the deployment's model when unset.
     pub utility_model: Option<String>,
+    /// The planning call's instructions, replacing the built-in ones (the
+    /// conversation and candidate tools still follow them). `{max_tools}`
+    /// is replaced by the scoping policy's `max_tool_count`. The answer must
+    /// stay the JSON object the built-in prompt asks for:
+    /// `{"tools": [...], "categories": [...]}`.
+    pub planning_prompt: Option<String>,
     pub temperature: Option<f32>,
     /// The orchestrator's default prompt when unset.
     pub system_prompt: Option<String>,
@@ -92,6 +98,8 @@ struct RawProfile {
     #[serde(default)]
     utility_model: Option<String>,
     #[serde(default)]
+    planning_prompt: Option<String>,
+    #[serde(default)]
     temperature: Option<f32>,
     #[serde(default)]
     system_prompt: Option<String>,
@@ -136,10 +144,21 @@ impl TryFrom<RawProfile> for Profile {
                 return Err("set either `deployment` or `deployments`, not both".to_owned());
             }
         };
+        if raw
+            .planning_prompt
+            .as_deref()
+            .is_some_and(|p| p.trim().is_empty())
+        {
+            return Err(
+                "`planning_prompt` must not be empty (leave it out for the built-in one)"
+                    .to_owned(),
+            );
+        }
         Ok(Self {
             orchestrator: raw.orchestrator,
             deployments,
             utility_model: raw.utility_model,
+            planning_prompt: raw.planning_prompt,
             temperature: raw.temperature,
             system_prompt: raw.system_prompt,
             must_include_tools: raw.must_include_tools,
@@ -164,6 +183,7 @@ impl Profile {
             orchestrator: DEFAULT_ORCHESTRATOR.to_owned(),
             deployments: vec![deployment.into()],
             utility_model: None,
+            planning_prompt: None,
             temperature: None,
             system_prompt: None,
             must_include_tools: Vec::new(),
@@ -248,5 +268,24 @@ mod tests {
 
         let e = parse_err(&MINIMAL.replace("deployment = \"local\"", "temperature = 0.5"));
         assert!(e.message.contains("missing `deployment`"), "{e}");
+    }
+
+    #[test]
+    fn a_planning_prompt_is_the_profiles_own_and_never_empty() {
+        let toml = MINIMAL.replace(
+            "deployment = \"local\"",
+            "deployment = \"local\"\nplanning_prompt = \"Pick at most {max_tools} tools.\"",
+        );
+        let config = crate::FleetConfig::from_toml(&toml, "test").expect("valid");
+        assert_eq!(
+            config.profiles["default"].planning_prompt.as_deref(),
+            Some("Pick at most {max_tools} tools.")
+        );
+        let e = parse_err(&MINIMAL.replace(
+            "deployment = \"local\"",
+            "deployment = \"local\"\nplanning_prompt = \"  \"",
+        ));
+        assert!(e.message.contains("must not be empty"), "{e}");
+        assert_eq!(e.key.as_deref(), Some("profiles.default"));
     }
 }

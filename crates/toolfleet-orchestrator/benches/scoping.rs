@@ -802,6 +802,7 @@ fn main() {
             &listed,
             &categories,
             &policy,
+            None,
         ));
     });
     row(
@@ -810,7 +811,7 @@ fn main() {
         &planning,
     );
     let planning_prompt_chars: usize =
-        scoping::planning_messages(&conversation, &listed, &categories, &policy)
+        scoping::planning_messages(&conversation, &listed, &categories, &policy, None)
             .iter()
             .map(|m| match m {
                 Message::System { content } | Message::User { content } => content.len(),

@@ -180,8 +180,13 @@ impl Candidates {
             }
         }
         let categories = index.categories(is_allowed);
-        let messages =
-            scoring::planning_messages(&inv.messages, &listed, &categories, &scope.policy);
+        let messages = scoring::planning_messages(
+            &inv.messages,
+            &listed,
+            &categories,
+            &scope.policy,
+            inv.profile.profile.planning_prompt.as_deref(),
+        );
         Self {
             positions,
             ranked,

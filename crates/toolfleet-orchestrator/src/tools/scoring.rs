@@ -760,6 +760,16 @@ const PLANNING_TOOL_RESULT_CHARS: usize = 160;
 /// Characters kept of a candidate's description in a planning call.
 const PLANNING_DESCRIPTION_CHARS: usize = 100;
 
+/// The planning call's built-in instructions; a profile's
+/// `planning_prompt` replaces them. `{max_tools}` becomes the policy's
+/// `max_tool_count`.
+pub const PLANNING_PROMPT: &str = "You choose the tools an assistant is offered for the next step of a conversation. \
+     Answer with one JSON object and nothing else: \
+     {\"tools\": [\"<function name>\", ...], \"categories\": [\"<category>\", ...]}. \
+     Name at most {max_tools} tools, only from the candidates listed, the ones the conversation \
+     needs now or next. Name a category only when many of its tools may be needed. \
+     At least one of the two lists must not be empty.";
+
 /// The messages of a planning call to the utility model: instructions,
 /// then one user message starting with [`PLANNING_MARKER`] holding the
 /// last `planning_history_message_count` messages of `history` (system
@@ -772,16 +782,11 @@ pub fn planning_messages(
     candidates: &[&CompiledTool],
     categories: &[(String, usize)],
     policy: &ScopingPolicy,
+    template: Option<&str>,
 ) -> Vec<Message> {
-    let system = format!(
-        "You choose the tools an assistant is offered for the next step of a conversation. \
-         Answer with one JSON object and nothing else: \
-         {{\"tools\": [\"<function name>\", ...], \"categories\": [\"<category>\", ...]}}. \
-         Name at most {} tools, only from the candidates listed, the ones the conversation \
-         needs now or next. Name a category only when many of its tools may be needed. \
-         At least one of the two lists must not be empty.",
-        policy.max_tool_count
-    );
+    let system = template
+        .unwrap_or(PLANNING_PROMPT)
+        .replace("{max_tools}", &policy.max_tool_count.to_string());
     let recent: Vec<&Message> = history
         .iter()
         .filter(|m| !matches!(m, Message::System { .. }))
@@ -1915,7 +1920,21 @@ mod tests {
             .collect();
         let candidates: Vec<&CompiledTool> = tools.iter().map(|t| &**t).collect();
         let categories = vec![("travel".to_owned(), 150), ("finance".to_owned(), 3)];
-        let messages = planning_messages(&history, &candidates, &categories, &p);
+        // A profile's own instructions replace the built-in ones; the
+        // conversation and candidates follow them the same.
+        let own = planning_messages(
+            &history,
+            &candidates,
+            &categories,
+            &p,
+            Some("House rules: at most {max_tools} tools, JSON only."),
+        );
+        assert!(
+            matches!(&own[0], Message::System { content } if content == "House rules: at most 30 tools, JSON only."),
+            "{own:?}"
+        );
+        let messages = planning_messages(&history, &candidates, &categories, &p, None);
+        assert_eq!(own[1..], messages[1..]);
         assert_eq!(messages.len(), 2);
         let Message::System { content: system } = &messages[0] else {
             panic!("{messages:?}");
