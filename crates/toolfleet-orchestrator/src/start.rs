@@ -105,26 +105,17 @@ pub async fn run_with_ready(
     if let Some(ready) = ready {
         let _ = ready.send(());
     }
-    let permits = Arc::new(Semaphore::new(fleet.config.max_in_flight.max(1)));
-    // Decisions on parked invocations: the one that decides a turn's last
-    // held call resumes the invocation, as a chat job runs (same permits).
-    tracker.spawn(pull_decisions(
-        fleet.clone(),
-        plugins.clone(),
-        opened.decisions,
-        permits.clone(),
-        tracker.clone(),
-        shutdown.clone(),
-    ));
-    pull_chat_jobs(
+    let puller = Puller {
+        permits: Arc::new(Semaphore::new(fleet.config.max_in_flight.max(1))),
         fleet,
         plugins,
-        opened.chat,
-        permits,
-        tracker.clone(),
+        tracker: tracker.clone(),
         shutdown,
-    )
-    .await;
+    };
+    // Decisions on parked invocations: the one that decides a turn's last
+    // held call resumes the invocation, as a chat job runs (same permits).
+    tracker.spawn(puller.clone().pull(Queue::Decisions, opened.decisions));
+    puller.pull(Queue::Chat, opened.chat).await;
     tracker.close();
     tracker.wait().await;
     Ok(())
@@ -259,73 +250,75 @@ fn spawn_background(
     ));
 }
 
-/// Pulls decisions on parked invocations until `shutdown`.
-async fn pull_decisions(
-    fleet: Arc<Fleet>,
-    plugins: Arc<Plugins>,
-    consumer: jetstream::consumer::PullConsumer,
-    permits: Arc<Semaphore>,
-    tracker: TaskTracker,
-    shutdown: CancellationToken,
-) {
-    let reconnects = Reconnects::watch(fleet.client.clone(), shutdown.clone());
-    let sweeper = Sweeper {
-        js: jetstream::new(fleet.client.clone()),
-        stream: fleet.config.subjects.decisions_stream(),
-        on_poison: Arc::new(|_| async {}.boxed()),
-    };
-    let name = fleet.config.subjects.chat_consumer();
-    jobs::pull_bounded(
-        consumer,
-        reconnects,
-        sweeper,
-        permits,
-        tracker,
-        shutdown,
-        name,
-        intake::CHAT_PROGRESS_EVERY,
-        move |msg| {
-            let fleet = fleet.clone();
-            let plugins = plugins.clone();
-            async move { intake::handle_decision(&fleet, &plugins, msg).await }
-        },
-    )
-    .await;
+/// What a pull loop does with a message whose headers cannot be read.
+type OnPoison = Arc<
+    dyn Fn(toolfleet_service::poison::Poison) -> futures::future::BoxFuture<'static, ()>
+        + Send
+        + Sync,
+>;
+
+/// What a pull loop of the orchestrator takes.
+#[derive(Clone, Copy)]
+enum Queue {
+    /// Chat jobs.
+    Chat,
+    /// Decisions on parked invocations.
+    Decisions,
 }
 
-/// Pulls chat jobs until `shutdown`.
-async fn pull_chat_jobs(
+/// The shared parts of the pull loops.
+#[derive(Clone)]
+struct Puller {
     fleet: Arc<Fleet>,
     plugins: Arc<Plugins>,
-    consumer: jetstream::consumer::PullConsumer,
     permits: Arc<Semaphore>,
     tracker: TaskTracker,
     shutdown: CancellationToken,
-) {
-    let reconnects = Reconnects::watch(fleet.client.clone(), shutdown.clone());
-    let sweeper = {
-        let fleet = fleet.clone();
-        Sweeper {
+}
+
+impl Puller {
+    /// Pulls `queue` off `consumer` until shutdown, each message handled
+    /// by intake under the shared permits.
+    async fn pull(self, queue: Queue, consumer: jetstream::consumer::PullConsumer) {
+        let fleet = self.fleet;
+        let subjects = &fleet.config.subjects;
+        let reconnects = Reconnects::watch(fleet.client.clone(), self.shutdown.clone());
+        let (stream, on_poison): (String, OnPoison) = match queue {
+            Queue::Chat => {
+                let fleet = fleet.clone();
+                let on_poison: OnPoison =
+                    Arc::new(move |p| intake::poison(fleet.clone(), p).boxed());
+                (subjects.chat_stream(), on_poison)
+            }
+            Queue::Decisions => (subjects.decisions_stream(), Arc::new(|_| async {}.boxed())),
+        };
+        let sweeper = Sweeper {
             js: jetstream::new(fleet.client.clone()),
-            stream: fleet.config.subjects.chat_stream(),
-            on_poison: Arc::new(move |p| intake::poison(fleet.clone(), p).boxed()),
-        }
-    };
-    let name = fleet.config.subjects.chat_consumer();
-    jobs::pull_bounded(
-        consumer,
-        reconnects,
-        sweeper,
-        permits,
-        tracker,
-        shutdown,
-        name,
-        intake::CHAT_PROGRESS_EVERY,
-        move |msg| {
-            let fleet = fleet.clone();
-            let plugins = plugins.clone();
-            async move { intake::handle(&fleet, &plugins, msg).await }
-        },
-    )
-    .await;
+            stream,
+            on_poison,
+        };
+        let name = subjects.chat_consumer();
+        let plugins = self.plugins;
+        jobs::pull_bounded(
+            consumer,
+            reconnects,
+            sweeper,
+            self.permits,
+            self.tracker,
+            self.shutdown,
+            name,
+            intake::CHAT_PROGRESS_EVERY,
+            move |msg| {
+                let fleet = fleet.clone();
+                let plugins = plugins.clone();
+                async move {
+                    match queue {
+                        Queue::Chat => intake::handle(&fleet, &plugins, msg).await,
+                        Queue::Decisions => intake::handle_decision(&fleet, &plugins, msg).await,
+                    }
+                }
+            },
+        )
+        .await;
+    }
 }
