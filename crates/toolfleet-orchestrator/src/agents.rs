@@ -21,6 +21,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use toolfleet_protocol::ToolErrorCode;
 
 use serde_json::Value;
 use toolfleet_llm::ToolCall;
@@ -64,7 +65,10 @@ pub async fn run_agent_call(
         );
     };
     let Some(task) = arguments.get("task").and_then(Value::as_str) else {
-        return fail("invalid_arguments", "`task` (a string) is required".into());
+        return fail(
+            ToolErrorCode::InvalidArguments.as_str(),
+            "`task` (a string) is required".into(),
+        );
     };
     let left = inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms());
     // Leave the caller time to answer with what the agent said (or that

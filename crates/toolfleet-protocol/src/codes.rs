@@ -1,7 +1,9 @@
-//! [`ChatErrorCode`]: why an invocation ended without an answer — the
-//! `code` of its `error` event, said once here and serialised as the
-//! strings clients match on. `schemas/chat_event.schema.json` lists the
-//! same fixed codes (a test checks the two agree).
+//! The fleet's error codes, said once here and serialised as the strings
+//! clients match on: [`ChatErrorCode`], why an invocation ended without an
+//! answer (the `code` of its `error` event), and [`ToolErrorCode`], why a
+//! tool call did (a tool result's `error.code`, a `tool_result` event's
+//! `errorCode`). The schemas list the same fixed codes (tests check they
+//! agree).
 
 use std::fmt;
 
@@ -181,6 +183,156 @@ impl<'de> Deserialize<'de> for ChatErrorCode {
     }
 }
 
+/// Why a tool call did not succeed: a tool result's `error.code` and a
+/// `tool_result` event's `errorCode`, as the worker SDK and the
+/// orchestrator set them; a tool may also answer with its own code.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ToolErrorCode {
+    /// The arguments are not JSON, or do not match the tool's parameters.
+    InvalidArguments,
+    /// The tool said its input cannot be used.
+    InvalidInput,
+    /// No offered or permitted tool has the name the model called.
+    UnknownTool,
+    /// No live worker serves the tool.
+    NoWorker,
+    /// The job would not fit in a NATS message.
+    TooLarge,
+    /// The job could not be published.
+    DispatchFailed,
+    /// A deployment's `before_call` policy refused the call.
+    ToolCallRefused,
+    /// No result within the tool's timeout.
+    Timeout,
+    /// More calls in the turn than the loop policy allows.
+    CallsPerTurn,
+    /// The invocation was cancelled.
+    Cancelled,
+    /// This one call was cancelled (`toolfleet cancel INV --call CALL`).
+    CallCancelled,
+    /// A person denied the call.
+    ApprovalDenied,
+    /// The call was never approved.
+    ApprovalMissing,
+    /// The call needs approval and nobody can give it (an agent's job).
+    ApprovalUnavailable,
+    /// `search_tools` may add no more tools.
+    ExpansionCapped,
+    /// The job reached a worker that does not serve its tool.
+    WrongTool,
+    /// The worker cannot reach its store (Redis).
+    StoreUnavailable,
+    /// The job's NATS headers cannot be read.
+    UnreadableHeaders,
+    /// The invocation's deadline passed before the call could run.
+    DeadlineExceeded,
+    /// The job's reply subject is not one of the fleet's.
+    BadReplySubject,
+    /// The tool failed.
+    ToolFailed,
+    /// The tool failed in a way a retry may cure (retries used up).
+    TransientFailure,
+    /// The tool refused (a policy of its own).
+    Blocked,
+    /// The result was sent but could not be kept in the ledger.
+    LedgerNotWritten,
+    /// The result does not fit in a NATS message.
+    ResultTooLarge,
+    /// A tool's own code.
+    Custom(String),
+}
+
+impl ToolErrorCode {
+    /// Every code but [`Custom`](Self::Custom), in the order the schemas
+    /// list them.
+    pub const FIXED: [ToolErrorCode; 25] = [
+        Self::InvalidArguments,
+        Self::InvalidInput,
+        Self::UnknownTool,
+        Self::NoWorker,
+        Self::TooLarge,
+        Self::DispatchFailed,
+        Self::ToolCallRefused,
+        Self::Timeout,
+        Self::CallsPerTurn,
+        Self::Cancelled,
+        Self::CallCancelled,
+        Self::ApprovalDenied,
+        Self::ApprovalMissing,
+        Self::ApprovalUnavailable,
+        Self::ExpansionCapped,
+        Self::WrongTool,
+        Self::StoreUnavailable,
+        Self::UnreadableHeaders,
+        Self::DeadlineExceeded,
+        Self::BadReplySubject,
+        Self::ToolFailed,
+        Self::TransientFailure,
+        Self::Blocked,
+        Self::LedgerNotWritten,
+        Self::ResultTooLarge,
+    ];
+
+    /// The code as clients see it.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Self::InvalidArguments => "invalid_arguments",
+            Self::InvalidInput => "invalid_input",
+            Self::UnknownTool => "unknown_tool",
+            Self::NoWorker => "no_worker",
+            Self::TooLarge => "too_large",
+            Self::DispatchFailed => "dispatch_failed",
+            Self::ToolCallRefused => "tool_call_refused",
+            Self::Timeout => "timeout",
+            Self::CallsPerTurn => "calls_per_turn",
+            Self::Cancelled => "cancelled",
+            Self::CallCancelled => "call_cancelled",
+            Self::ApprovalDenied => "approval_denied",
+            Self::ApprovalMissing => "approval_missing",
+            Self::ApprovalUnavailable => "approval_unavailable",
+            Self::ExpansionCapped => "expansion_capped",
+            Self::WrongTool => "wrong_tool",
+            Self::StoreUnavailable => "store_unavailable",
+            Self::UnreadableHeaders => "unreadable_headers",
+            Self::DeadlineExceeded => "deadline_exceeded",
+            Self::BadReplySubject => "bad_reply_subject",
+            Self::ToolFailed => "tool_failed",
+            Self::TransientFailure => "transient_failure",
+            Self::Blocked => "blocked",
+            Self::LedgerNotWritten => "ledger_not_written",
+            Self::ResultTooLarge => "result_too_large",
+            Self::Custom(code) => code,
+        }
+    }
+
+    /// The code a string names: a fixed one, or a tool's own.
+    pub fn parse(code: &str) -> Self {
+        Self::FIXED
+            .iter()
+            .find(|c| c.as_str() == code)
+            .cloned()
+            .unwrap_or_else(|| Self::Custom(code.to_string()))
+    }
+}
+
+impl fmt::Display for ToolErrorCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<ToolErrorCode> for String {
+    fn from(code: ToolErrorCode) -> Self {
+        code.as_str().to_string()
+    }
+}
+
+impl PartialEq<&str> for ToolErrorCode {
+    fn eq(&self, other: &&str) -> bool {
+        self.as_str() == *other
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,5 +380,32 @@ mod tests {
             .as_str()
             .unwrap();
         assert_eq!(llm, "^llm_[a-z0-9_]+$");
+    }
+
+    #[test]
+    fn tool_codes_round_trip_and_the_schemas_list_them() {
+        for code in ToolErrorCode::FIXED {
+            assert_eq!(ToolErrorCode::parse(code.as_str()), code);
+        }
+        assert_eq!(
+            ToolErrorCode::parse("ssrf_blocked"),
+            ToolErrorCode::Custom("ssrf_blocked".into())
+        );
+        let ours: Vec<&str> = ToolErrorCode::FIXED
+            .iter()
+            .map(ToolErrorCode::as_str)
+            .collect();
+        for schema in ["tool_reply.schema.json", "chat_event.schema.json"] {
+            let path = format!("{}/../../schemas/{schema}", env!("CARGO_MANIFEST_DIR"));
+            let schema: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let listed: Vec<&str> = schema["$defs"]["toolErrorCode"]["anyOf"][0]["enum"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{path}: $defs.toolErrorCode.anyOf[0].enum"))
+                .iter()
+                .map(|c| c.as_str().unwrap())
+                .collect();
+            assert_eq!(listed, ours, "{path}");
+        }
     }
 }

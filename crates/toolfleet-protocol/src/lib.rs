@@ -36,7 +36,7 @@ pub mod usage;
 pub mod wire;
 
 pub use approval::{Approval, ApprovalOutcome};
-pub use codes::ChatErrorCode;
+pub use codes::{ChatErrorCode, ToolErrorCode};
 pub use redact::redact_url;
 pub use tools::{ToolId, ToolSpec};
 pub use usage::Usage;

@@ -112,3 +112,29 @@ impl ToolError {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use toolfleet_protocol::ToolErrorCode;
+
+    /// The SDK's own codes are the contract's fixed ones, said once there.
+    #[test]
+    fn every_sdk_code_is_a_fixed_tool_error_code() {
+        let errors = [
+            ToolError::InvalidInput("x".into()),
+            ToolError::Blocked("x".into()),
+            ToolError::failed("x"),
+            ToolError::transient("x"),
+            ToolError::Timeout("x".into()),
+            ToolError::Cancelled("x".into()),
+        ];
+        for e in errors {
+            assert!(
+                !matches!(ToolErrorCode::parse(e.code()), ToolErrorCode::Custom(_)),
+                "{} is not in ToolErrorCode::FIXED",
+                e.code()
+            );
+        }
+    }
+}

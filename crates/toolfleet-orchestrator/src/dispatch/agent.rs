@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 use std::time::Instant;
+use toolfleet_protocol::ToolErrorCode;
 
 use serde_json::Value;
 use toolfleet_llm::ToolCall;
@@ -44,7 +45,7 @@ pub async fn agent_call(
                 status: ToolStatus::Error,
                 references: Vec::new(),
             },
-            Some("invalid_arguments".to_string()),
+            Some(ToolErrorCode::InvalidArguments.to_string()),
         ),
         Ok(arguments) => match tool.validate_arguments(&arguments) {
             Err(violations) => (
@@ -61,7 +62,7 @@ pub async fn agent_call(
                     status: ToolStatus::Error,
                     references: Vec::new(),
                 },
-                Some("invalid_arguments".to_string()),
+                Some(ToolErrorCode::InvalidArguments.to_string()),
             ),
             Ok(()) => {
                 let outcome = crate::agents::run_agent_call(

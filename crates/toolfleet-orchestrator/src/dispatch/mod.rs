@@ -26,6 +26,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use toolfleet_protocol::ToolErrorCode;
 
 use async_nats::jetstream::context::PublishAckFuture;
 use serde_json::Value;
@@ -234,7 +235,7 @@ impl ToolRunner<'_> {
         let (tool, arguments) = match self.accept(inv, call, events).await {
             Ok(accepted) => accepted,
             Err(outcome) => {
-                failed(&span, "tool_call_refused");
+                failed(&span, ToolErrorCode::ToolCallRefused.as_str());
                 return Err(outcome);
             }
         };
@@ -264,13 +265,13 @@ impl ToolRunner<'_> {
             settings: None,
         });
         if let Err(e) = self.fleet.limits().check_job(&headers, body.len()) {
-            failed(&span, "too_large");
+            failed(&span, ToolErrorCode::TooLarge.as_str());
             return Err(immediate(
                 metrics,
                 events,
                 call,
                 &id,
-                "too_large",
+                ToolErrorCode::TooLarge.as_str(),
                 format!(
                     "Error: the job for {} is {} bytes, and at most {} fit. Send shorter arguments.",
                     call.name, e.body, e.limit
@@ -280,13 +281,13 @@ impl ToolRunner<'_> {
         let ack = match self.publish(def.delivery, &call_ctx, headers, body).await {
             Ok(ack) => ack,
             Err(e) => {
-                failed(&span, "dispatch_failed");
+                failed(&span, ToolErrorCode::DispatchFailed.as_str());
                 return Err(immediate(
                     metrics,
                     events,
                     call,
                     &id,
-                    "dispatch_failed",
+                    ToolErrorCode::DispatchFailed.as_str(),
                     format!("Error: the tool job could not be queued: {e}"),
                 ));
             }
@@ -344,7 +345,7 @@ impl ToolRunner<'_> {
                 events,
                 call,
                 &call.name,
-                "unknown_tool",
+                ToolErrorCode::UnknownTool.as_str(),
                 inv.unknown_tool_message(&call.name),
             ));
         };
@@ -363,7 +364,7 @@ impl ToolRunner<'_> {
                     events,
                     call,
                     &id,
-                    "invalid_arguments",
+                    ToolErrorCode::InvalidArguments.as_str(),
                     format!(
                         "Error: the arguments for {} are not valid JSON ({e}). Send a JSON object.",
                         call.name
@@ -462,13 +463,13 @@ impl ToolRunner<'_> {
             if let Some(e) = failed
                 && let Some(p) = batch.pending.remove(&call_id)
             {
-                self::failed(&p.span, "dispatch_failed");
+                self::failed(&p.span, ToolErrorCode::DispatchFailed.as_str());
                 batch.answers[p.index] = Some(immediate(
                     &self.fleet.metrics,
                     events,
                     batch.calls[p.index],
                     &p.tool.definition.id.to_string(),
-                    "dispatch_failed",
+                    ToolErrorCode::DispatchFailed.as_str(),
                     format!("Error: the tool job was not stored: {e}"),
                 ));
             }
@@ -504,7 +505,11 @@ impl ToolRunner<'_> {
                         continue;
                     }
                     if let Some(p) = batch.pending.remove(&result.call_id) {
-                        if result.error.as_ref().is_some_and(|e| e.code == "cancelled") {
+                        if result
+                            .error
+                            .as_ref()
+                            .is_some_and(|e| e.code == ToolErrorCode::Cancelled.as_str())
+                        {
                             self.cancelled = true;
                         }
                         match &result.error {
@@ -529,7 +534,7 @@ impl ToolRunner<'_> {
                 }
                 Waited::NoResponders { call_id } => {
                     if let Some(p) = batch.pending.remove(&call_id) {
-                        failed(&p.span, "no_worker");
+                        failed(&p.span, ToolErrorCode::NoWorker.as_str());
                         batch.answers[p.index] = Some(no_worker(
                             metrics,
                             events,
@@ -611,7 +616,7 @@ impl Batch<'_> {
         }
         for call_id in gone {
             if let Some(p) = self.pending.remove(&call_id) {
-                failed(&p.span, "no_worker");
+                failed(&p.span, ToolErrorCode::NoWorker.as_str());
                 self.answers[p.index] = Some(no_worker(
                     metrics,
                     events,
@@ -641,7 +646,7 @@ impl Batch<'_> {
             let Some(p) = self.pending.remove(&call_id) else {
                 continue;
             };
-            failed(&p.span, "timeout");
+            failed(&p.span, ToolErrorCode::Timeout.as_str());
             let call = self.calls[p.index];
             let tool = p.tool.definition.id.to_string();
             metrics
@@ -653,7 +658,7 @@ impl Batch<'_> {
                 tool,
                 status: ToolStatus::Timeout,
                 duration_ms: p.started.elapsed().as_millis() as u64,
-                error_code: Some("timeout".into()),
+                error_code: Some(ToolErrorCode::Timeout.to_string()),
                 warnings: Vec::new(),
             });
             self.answers[p.index] = Some(ToolOutcome {
@@ -742,7 +747,7 @@ fn no_worker(
         events,
         call,
         tool,
-        "no_worker",
+        ToolErrorCode::NoWorker.as_str(),
         format!(
             "Error: the tool {} is not available right now ({why}). Answer without it.",
             call.name
@@ -766,7 +771,7 @@ pub(crate) fn over_the_turn_cap(
         events,
         call,
         &tool,
-        "calls_per_turn",
+        ToolErrorCode::CallsPerTurn.as_str(),
         format!(
             "Error: not run: at most {} tool calls per turn.",
             inv.profile.profile.policy.max_calls_per_turn

@@ -5,6 +5,7 @@
 //! decision `expansion`.
 
 use std::time::Instant;
+use toolfleet_protocol::ToolErrorCode;
 
 use serde_json::Value;
 use toolfleet_llm::ToolCall;
@@ -41,7 +42,7 @@ pub(super) fn search_tools_call(
                 "Error: no more tools can be added (at most {} search_tools calls and {} tools per conversation). Answer with the tools you have.",
                 inv.scope.policy.max_expansion_rounds, inv.scope.policy.max_tool_count
             ),
-            Some("expansion_capped".to_string()),
+            Some(ToolErrorCode::ExpansionCapped.to_string()),
         )
     } else {
         let offered_ids: std::collections::HashSet<&ToolId> =
@@ -63,7 +64,7 @@ pub(super) fn search_tools_call(
             Err(e) => (
                 ToolStatus::Error,
                 format!("Error: {e}"),
-                Some("invalid_arguments".to_string()),
+                Some(ToolErrorCode::InvalidArguments.to_string()),
             ),
             Ok(found) => {
                 // Every search counts against the rounds, found or not.

@@ -15,6 +15,7 @@ use futures::FutureExt;
 use futures::future::BoxFuture;
 use toolfleet_config::{LoopPolicy, TruncatedPolicy};
 use toolfleet_llm::{ChatRequest, Message, ToolChoice};
+use toolfleet_protocol::ToolErrorCode;
 use toolfleet_protocol::ToolStatus;
 
 use serde::{Deserialize, Serialize};
@@ -182,7 +183,7 @@ async fn resume(
                 &parked.call,
                 &parked.tool,
                 ToolStatus::Blocked,
-                "approval_denied",
+                ToolErrorCode::ApprovalDenied.as_str(),
                 approvals::denied_message(reason.as_deref()),
             ),
             CallState::Held | CallState::After => dispatch::immediate(
@@ -190,7 +191,7 @@ async fn resume(
                 events,
                 &parked.call,
                 &parked.tool,
-                "approval_missing",
+                ToolErrorCode::ApprovalMissing.as_str(),
                 "Error: the call was not run: it was never approved.".into(),
             ),
         });

@@ -11,6 +11,7 @@
 
 use toolfleet_llm::budget::TokenBudget;
 use toolfleet_llm::{Completion, Message, ToolCall};
+use toolfleet_protocol::ToolErrorCode;
 use toolfleet_protocol::ToolStatus;
 
 use crate::approvals::{self, CallState, Hold, ParkedCall, Resumed};
@@ -141,7 +142,7 @@ pub(crate) async fn run_calls(
             &c.call,
             &tool,
             ToolStatus::Blocked,
-            "approval_unavailable",
+            ToolErrorCode::ApprovalUnavailable.as_str(),
             approvals::REFUSED_IN_AGENT.to_string(),
         ));
     }

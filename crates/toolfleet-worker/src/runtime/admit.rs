@@ -5,6 +5,7 @@
 //! without running it.
 
 use std::time::SystemTime;
+use toolfleet_protocol::ToolErrorCode;
 
 use toolfleet_protocol::{CallContext, Envelope, ToolJob, ToolResult, ToolStatus};
 use toolfleet_store::CitationError;
@@ -40,7 +41,7 @@ fn check_tool(call: &CallContext, tool: &Served, shared: &Shared) -> Result<(), 
     }
     shared.count(tool.label(), "error");
     Err(Outcome::Dead(Failure::new(
-        "wrong_tool",
+        ToolErrorCode::WrongTool.as_str(),
         format!(
             "this subject serves {}, but the job names {}",
             def.id, call.tool_id
@@ -74,14 +75,14 @@ async fn check_prior(
                 call.attempt,
                 0,
                 ToolStatus::Error,
-                "cancelled",
+                ToolErrorCode::Cancelled.as_str(),
                 "the invocation was cancelled before this call started",
                 Vec::new(),
             )))
         }
         Ok((None, false)) => Ok(()),
         Err(e) => Err(Outcome::Retry(Failure::new(
-            "store_unavailable",
+            ToolErrorCode::StoreUnavailable.as_str(),
             e.to_string(),
         ))),
     }
@@ -162,7 +163,7 @@ fn validate(
         call.attempt,
         0,
         ToolStatus::Error,
-        "invalid_arguments",
+        ToolErrorCode::InvalidArguments.as_str(),
         &message,
         violations,
     )))

@@ -5,6 +5,7 @@
 //! definition's `outputSchema` — or a retry for a retryable failure.
 
 use std::time::{Duration, Instant};
+use toolfleet_protocol::ToolErrorCode;
 
 use futures::FutureExt;
 use serde_json::Value;
@@ -42,7 +43,7 @@ pub(super) async fn process_call(
             call.attempt,
             0,
             ToolStatus::Timeout,
-            "deadline_exceeded",
+            ToolErrorCode::DeadlineExceeded.as_str(),
             "the invocation's deadline passed before the tool could run",
             Vec::new(),
         ));
@@ -114,7 +115,7 @@ async fn timed_run(
         // invocation.
         Err(ToolError::Cancelled(_)) if shared.running.call_cancelled(&key, &call.call_id) => {
             Err(ToolError::coded(
-                "call_cancelled",
+                ToolErrorCode::CallCancelled.as_str(),
                 "an operator cancelled this call; the tool was stopped",
             ))
         }

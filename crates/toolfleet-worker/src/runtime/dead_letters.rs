@@ -3,6 +3,7 @@
 //! the pull loop's sweep).
 
 use std::sync::Arc;
+use toolfleet_protocol::ToolErrorCode;
 
 use toolfleet_protocol::headers::{CALL_ID, INVOCATION_ID, REPLY_TO};
 use toolfleet_protocol::{CallContext, DeadLetter, DeadLetterKind, InvocationContext};
@@ -61,7 +62,13 @@ pub(super) async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: Poiso
             citation_floor: 0,
             new_call: false,
         };
-        let result = error_result(&call, 1, 0, "unreadable_headers", &message);
+        let result = error_result(
+            &call,
+            1,
+            0,
+            ToolErrorCode::UnreadableHeaders.as_str(),
+            &message,
+        );
         publish_reply(&shared, &call, fit_result(&shared, &result, None)).await;
     }
     let dead = DeadLetter {
@@ -72,7 +79,7 @@ pub(super) async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: Poiso
         call_id,
         tool_id: Some(label.clone()),
         attempts: 1,
-        code: "unreadable_headers".into(),
+        code: ToolErrorCode::UnreadableHeaders.to_string(),
         error: message,
         job: None,
         headers: Default::default(),

@@ -5,6 +5,7 @@
 //! the endpoint's counts when it is over.
 
 use std::time::{Instant, SystemTime};
+use toolfleet_protocol::ToolErrorCode;
 
 use toolfleet_protocol::CallContext;
 use tracing::{Instrument, Span, info, warn};
@@ -61,7 +62,7 @@ fn read_call(
         shared.count(label, "error");
         warn!(tool = %label, reply_to = %call.reply_to, "tool job with a reply subject outside the fleet's reply prefix");
         return Err(Failure::new(
-            "bad_reply_subject",
+            ToolErrorCode::BadReplySubject.as_str(),
             format!(
                 "the reply subject {:?} is not under {}",
                 call.reply_to,

@@ -2,6 +2,7 @@
 //! small error when it is too big for the server), then into the ledger
 //! when the tool ran for it.
 
+use toolfleet_protocol::ToolErrorCode;
 use toolfleet_protocol::{CallContext, ToolErrorBody, ToolResult, ToolStatus};
 use tracing::warn;
 
@@ -46,7 +47,7 @@ pub(super) async fn write_ledger(shared: &Shared, call: &CallContext, json: &byt
         shared.hooks.on_warning(
             call,
             &toolfleet_protocol::ToolWarning {
-                code: "ledger_not_written".to_owned(),
+                code: ToolErrorCode::LedgerNotWritten.to_string(),
                 message: format!("result ledger not written: {e}"),
             },
         );
@@ -89,7 +90,7 @@ pub(super) fn fit_result(
         content: message.clone(),
         data: None,
         error: Some(ToolErrorBody {
-            code: "result_too_large".into(),
+            code: ToolErrorCode::ResultTooLarge.to_string(),
             message,
             violations: Vec::new(),
         }),
