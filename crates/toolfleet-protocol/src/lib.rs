@@ -20,6 +20,10 @@
 //! - [`client`]: submitting a chat job and following its events.
 //! - [`redact`]: credentials out of URLs before they reach a message.
 
+// The contract is a public API: every item says what it is to a client or
+// worker author.
+#![warn(missing_docs)]
+
 pub mod approval;
 pub mod blob;
 pub mod catalog;
