@@ -24,6 +24,7 @@ pub const MAX_REASON_CHARS: usize = 2_000;
 pub struct Approval {
     /// The call, as named by its `approval_requested` event.
     pub call_id: String,
+    /// Approve or deny.
     pub decision: ApprovalDecision,
     /// Why: a denial's reason is what the model reads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -34,10 +35,14 @@ pub struct Approval {
     pub approver: Option<String>,
 }
 
+/// What a person decided about one call.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalDecision {
+    /// Run the call as the model asked.
     Approve,
+    /// Do not run it; the model reads the denial (and its reason) as the call's
+    /// result.
     Deny,
 }
 
@@ -93,15 +98,19 @@ fn schema(details: String) -> ProtocolError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ApprovalOutcome {
+    /// A person approved the call; it runs.
     Approved,
+    /// A person denied the call; it does not run.
     Denied,
     /// Nobody decided within the profile's approval timeout.
     Timeout,
 }
 
 impl ApprovalOutcome {
+    /// Every outcome, for registering metric labels up front.
     pub const ALL: [ApprovalOutcome; 3] = [Self::Approved, Self::Denied, Self::Timeout];
 
+    /// The outcome's name on the wire and as a metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Approved => "approved",
@@ -122,11 +131,13 @@ pub struct ApprovalReply {
     /// `unknown_call`, `already_decided`, `unavailable`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub code: Option<String>,
+    /// A human-readable explanation of the refusal.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }
 
 impl ApprovalReply {
+    /// The answer to an approval that was recorded.
     pub fn ok() -> Self {
         Self {
             ok: true,
@@ -135,6 +146,8 @@ impl ApprovalReply {
         }
     }
 
+    /// The answer to an approval that was not recorded, with its refusal `code`
+    /// (see [`ApprovalReply::code`]) and an explanation.
     pub fn refused(code: &str, error: impl Into<String>) -> Self {
         Self {
             ok: false,
@@ -149,25 +162,33 @@ impl ApprovalReply {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Decision {
+    /// The parked invocation.
     pub invocation_id: String,
     /// Which parking of the invocation it decides (an invocation may park
     /// more than once); a decision for an earlier one is ignored.
     pub park_id: String,
+    /// What was decided.
     pub kind: DecisionKind,
     /// Unix ms when it was decided.
     pub at_ms: u64,
 }
 
+/// The kinds of decision on a parked invocation; each one counts once (see
+/// [`Decision::msg_id`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum DecisionKind {
     /// A person's approval or denial of one call.
     #[serde(rename_all = "camelCase")]
     Call {
+        /// The call decided on.
         call_id: String,
+        /// Approve or deny.
         decision: ApprovalDecision,
+        /// Why, as the person said; the model reads a denial's reason.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reason: Option<String>,
+        /// Who decided, as the sender says.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         approver: Option<String>,
     },

@@ -65,6 +65,7 @@ pub struct BlobUri {
 pub struct BlobUriError {
     /// The text given, cut to 200 characters.
     pub uri: String,
+    /// What is wrong with it.
     pub reason: &'static str,
 }
 
@@ -131,10 +132,12 @@ impl BlobUri {
         Self::new(invocation_id, blob_id).map_err(|e| BlobUriError::new(uri, e.reason))
     }
 
+    /// The invocation the blob belongs to (and lives and expires with).
     pub fn invocation_id(&self) -> &str {
         &self.invocation_id
     }
 
+    /// The blob's id within its invocation.
     pub fn blob_id(&self) -> &str {
         &self.blob_id
     }

@@ -144,6 +144,7 @@ pub struct CatalogEntry {
 }
 
 impl CatalogEntry {
+    /// The tool's definition, as the workers advertise it.
     pub fn definition(&self) -> &ToolDefinition {
         &self.tool.definition
     }
@@ -218,6 +219,7 @@ impl Catalog {
         self.offered.len()
     }
 
+    /// Whether no entry is offered.
     pub fn is_empty(&self) -> bool {
         self.offered.is_empty()
     }

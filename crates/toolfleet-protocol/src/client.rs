@@ -34,16 +34,30 @@ use crate::{
     headers,
 };
 
+/// Why [`chat`], [`submit`], [`cancel`] or [`call_tool`] failed.
+/// [`ClientError::code`] names the kind as a short string a caller can match or
+/// print.
 #[derive(Debug, thiserror::Error)]
 pub enum ClientError {
+    /// The NATS connection failed, or a reply or stored event could not be
+    /// read.
     #[error("NATS: {0}")]
     Nats(String),
+    /// The job was not published or JetStream did not store it.
     #[error("the fleet did not accept the job: {0}")]
     Rejected(String),
+    /// No terminal event (or tool result) arrived within the given time.
     #[error("no terminal event within {0:?} (is an orchestrator running?)")]
     Timeout(Duration),
+    /// The invocation ended with an `error` event.
     #[error("{code}: {message}")]
-    Failed { code: String, message: String },
+    Failed {
+        /// The event's code ([`ChatErrorCode`](crate::ChatErrorCode) names
+        /// the fixed ones).
+        code: String,
+        /// What went wrong, in words.
+        message: String,
+    },
     /// The encoded job is bigger than `limit` allows; nothing was sent. See
     /// [the module docs](self#how-big-a-job-may-be).
     #[error(
@@ -54,7 +68,9 @@ pub enum ClientError {
         /// What the limit counts: the body for [`JobSizeLimit::Fleet`],
         /// body and headers for [`JobSizeLimit::Server`].
         size: usize,
+        /// The limit it went over, in bytes.
         limit: usize,
+        /// Whose limit that is: the fleet's or the NATS server's.
         limit_of: JobSizeLimit,
     },
 }
@@ -80,6 +96,9 @@ impl fmt::Display for JobSizeLimit {
 }
 
 impl ClientError {
+    /// The error's kind as a short code: `nats`, `rejected`, `timeout`,
+    /// `job_too_large`, or for [`ClientError::Failed`] the `error` event's own
+    /// code.
     pub fn code(&self) -> &str {
         match self {
             ClientError::Nats(_) => "nats",
@@ -94,11 +113,19 @@ impl ClientError {
 /// The answer of a completed invocation.
 #[derive(Debug, Clone)]
 pub struct ChatOutcome {
+    /// The answer, its `[doc:N]` markers renumbered 1..k to match
+    /// [`ChatOutcome::references`].
     pub text: String,
+    /// Only the references the answer cites, numbered 1..k as in the text.
     pub references: Vec<Reference>,
+    /// Tokens of every model call of the invocation, summed.
     pub usage: Usage,
+    /// Cost in USD from the configured price table; `None` when a model used
+    /// has no price.
     pub cost_usd: Option<f64>,
+    /// Each model call: model, purpose, usage, cost, attempts.
     pub llm_calls: Vec<crate::LlmCall>,
+    /// Model rounds the answer took (0 for an answer without a model call).
     pub rounds: u32,
     /// Every event received, in order.
     pub events: Vec<ChatEvent>,

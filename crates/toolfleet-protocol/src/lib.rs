@@ -7,9 +7,14 @@
 //!   invocation and call context carried in headers, the envelopes (chat
 //!   job, chat event, tool job, tool reply, dead letter), error codes. The
 //!   only place that knows a subject or header name.
+//! - [`codes`]: [`ChatErrorCode`], the `code` of an `error` event.
+//! - [`approval`]: a person's approval of a parked call, its answer, and
+//!   the decisions the orchestrators record.
+//! - [`blob`]: [`blob::BlobUri`], how a tool's binary output is named.
 //! - [`schema`]: JSON Schema validators, compiled once, no remote `$ref`.
 //! - [`tools`]: tool ids, definition files, the neutral [`ToolSpec`] the
 //!   provider wire shapes are generated from, the registry.
+//! - [`search`]: tool definitions found by a query, with scores.
 //! - [`usage`]: token usage of model calls.
 //! - [`references`]: the one `[doc:N]` scanner and the reader-side renderer.
 //! - [`streams`]: the JetStream stream definitions.
@@ -19,6 +24,10 @@
 //!   recommended models.
 //! - [`client`]: submitting a chat job and following its events.
 //! - [`redact`]: credentials out of URLs before they reach a message.
+
+// The contract is a public API: every item says what it is to a client or
+// worker author.
+#![warn(missing_docs)]
 
 pub mod approval;
 pub mod blob;

@@ -55,6 +55,7 @@ pub trait ToolSource: Send + Sync {
 /// A tool as one backend has it.
 #[derive(Clone, Debug)]
 pub struct SourcedTool {
+    /// The checked, compiled definition.
     pub tool: Arc<CompiledTool>,
     /// Live copies serving it (0: known, not served by any live worker).
     pub workers: usize,
@@ -152,6 +153,7 @@ impl ToolSource for DirSource {
 /// One tool of the registry and the source it was taken from.
 #[derive(Clone, Debug)]
 pub struct RegistryEntry {
+    /// The checked, compiled definition.
     pub tool: Arc<CompiledTool>,
     /// The [`ToolSource::name`] of the source it was taken from.
     pub source: Arc<str>,
@@ -162,11 +164,13 @@ pub struct RegistryEntry {
 }
 
 impl RegistryEntry {
+    /// The tool's id.
     #[must_use]
     pub fn id(&self) -> &ToolId {
         &self.tool.definition.id
     }
 
+    /// The tool's definition.
     #[must_use]
     pub fn definition(&self) -> &ToolDefinition {
         &self.tool.definition
@@ -183,6 +187,7 @@ impl RegistryEntry {
 /// `kept` is in the registry, the one of `dropped` is not.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Duplicate {
+    /// The id both sources had.
     pub id: ToolId,
     /// The source whose definition was kept.
     pub kept: String,
@@ -430,11 +435,13 @@ impl Registry {
         self.sizes.clone()
     }
 
+    /// How many tools the registry holds.
     #[must_use]
     pub fn len(&self) -> usize {
         self.entries.len()
     }
 
+    /// Whether the registry holds no tool.
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
@@ -693,6 +700,7 @@ pub struct CompatError {
     /// Where in the document, e.g. `tools["units:convert"][1]`; empty for
     /// the whole document.
     pub field: String,
+    /// What is wrong there.
     pub problem: CompatProblem,
 }
 
@@ -719,25 +727,49 @@ impl fmt::Display for CompatError {
 /// What is wrong in a compat file.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CompatProblem {
+    /// The file cannot be read.
     #[error("cannot read: {0}")]
     Io(String),
+    /// The file is not JSON.
     #[error("not valid JSON: {0}")]
     Json(String),
     /// The document is not `{"tools": {key: [model, ..]}}`.
     #[error("{0}")]
     Shape(String),
+    /// A key of `tools` is neither a tool id nor an `ns:name`.
     #[error("{key:?} is not a tool id (ns:name@x.y.z) or ns:name: {reason}")]
-    BadTool { key: String, reason: String },
+    BadTool {
+        /// The key, as written.
+        key: String,
+        /// Why it is not one.
+        reason: String,
+    },
+    /// A listed model is not `provider/model`.
     #[error("{model:?} is not a model name: expected provider/model, both non-empty, no spaces")]
-    BadModel { model: String },
+    BadModel {
+        /// The model, as written.
+        model: String,
+    },
+    /// A tool lists one model twice.
     #[error("{model:?} is listed twice (first at index {first})")]
-    DuplicateModel { model: String, first: usize },
+    DuplicateModel {
+        /// The model, as written.
+        model: String,
+        /// The index of its first listing.
+        first: usize,
+    },
     /// Found by [`CompatFile::check`]: no tool of the registry is named.
     #[error("no tool in the registry is {key}")]
-    UnknownTool { key: String },
+    UnknownTool {
+        /// The key, as written.
+        key: String,
+    },
     /// Found by [`CompatFile::check`]: a model nobody configured.
     #[error("unknown model {model:?}")]
-    UnknownModel { model: String },
+    UnknownModel {
+        /// The model, as written.
+        model: String,
+    },
 }
 
 #[cfg(test)]

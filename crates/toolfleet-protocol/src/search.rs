@@ -27,18 +27,26 @@ pub const DEFAULT_LIMIT: usize = 20;
 
 /// Scores of each kind of match (see the module docs).
 pub mod scores {
+    /// The query is one of the tool's names.
     pub const EXACT_NAME: u32 = 100;
+    /// One of the tool's names starts with the query.
     pub const NAME_PREFIX: u32 = 80;
+    /// One of the tool's names contains the query.
     pub const NAME_SUBSTRING: u32 = 60;
+    /// The query is one of the tool's tags.
     pub const EXACT_TAG: u32 = 50;
+    /// One of the tool's tags contains the query.
     pub const TAG_SUBSTRING: u32 = 40;
+    /// The tool's description contains the query.
     pub const DESCRIPTION_SUBSTRING: u32 = 20;
 }
 
 /// One result: a definition and its score.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct Hit<'a> {
+    /// How well the definition matches; higher is better (see [`scores`]).
     pub score: u32,
+    /// The matching definition.
     pub definition: &'a ToolDefinition,
 }
 

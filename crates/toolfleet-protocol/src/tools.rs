@@ -68,8 +68,11 @@ fn definition_validator() -> Result<&'static Validator, ToolDefError> {
 /// `[a-z][a-z0-9_]*`, which keeps them valid NATS subject tokens.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ToolId {
+    /// The namespace, e.g. `system`: the family of tools it belongs to.
     pub namespace: String,
+    /// The tool's name within its namespace, e.g. `current_datetime`.
     pub name: String,
+    /// `(major, minor, patch)`.
     pub version: (u32, u32, u32),
 }
 
@@ -195,7 +198,12 @@ pub enum ToolRef {
     /// `ns:*`
     Namespace(String),
     /// `ns:name`: the highest version served.
-    Name { namespace: String, name: String },
+    Name {
+        /// The namespace.
+        namespace: String,
+        /// The tool's name within it.
+        name: String,
+    },
     /// `ns:name@x.y.z`
     Exact(ToolId),
 }
@@ -364,16 +372,36 @@ impl ToolIdError {
 /// The ways a tool id can be malformed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ToolIdProblem {
+    /// No `:` between namespace and name.
     #[error("missing ':' between namespace and name")]
     MissingColon,
+    /// No `@` between name and version.
     #[error("missing '@' between name and version")]
     MissingAt,
+    /// The namespace is not `[a-z][a-z0-9_]*`.
     #[error("bad namespace {namespace:?}: {reason}")]
-    BadNamespace { namespace: String, reason: String },
+    BadNamespace {
+        /// The namespace, as given.
+        namespace: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The name is not `[a-z][a-z0-9_]*`.
     #[error("bad name {name:?}: {reason}")]
-    BadName { name: String, reason: String },
+    BadName {
+        /// The name, as given.
+        name: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+    /// The version is not `major.minor.patch`.
     #[error("bad version {version:?}: {reason}")]
-    BadVersion { version: String, reason: String },
+    BadVersion {
+        /// The version, as given.
+        version: String,
+        /// What is wrong with it.
+        reason: String,
+    },
 }
 
 // ---------------------------------------------------------------------------
@@ -388,27 +416,38 @@ pub struct ToolDefinition {
     pub json_schema: Option<String>,
     /// Version of the file format (1).
     pub schema_version: u32,
+    /// `namespace:name@major.minor.patch`; it also names the tool's NATS
+    /// subject.
     pub id: ToolId,
     /// Which implementation a worker runs, e.g. `retrieval.search_documents`.
     pub implementation_key: String,
+    /// A short human-readable name.
     pub title: String,
     /// For people and relevance scoring; the model reads
     /// `function.description`.
     pub description: String,
+    /// A lower-case word grouping tools, e.g. `utility` or `retrieval`; scoping
+    /// and [`crate::registry::Filter`] use it.
     pub category: String,
     /// Absent means [`Purpose::General`]; see [`ToolDefinition::purpose`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub purpose: Option<Purpose>,
+    /// `true` (the default): offered when a chat job or its profile picks it.
+    /// `false`: a system tool, never picked by users, added by the orchestrator
+    /// whenever its purpose applies.
     #[serde(default = "default_true")]
     pub selectable: bool,
+    /// Surfaces that show the tool; empty means no restriction.
     #[serde(default)]
     pub visible_in: Vec<String>,
+    /// Keywords for search and relevance scoring.
     #[serde(default)]
     pub tags: Vec<String>,
     /// JSON Schema of per-tenant settings; properties may carry
     /// `"secret": true`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub settings_schema: Option<Value>,
+    /// The function the model sees and calls.
     pub function: FunctionSpec,
     /// JSON Schema of the tool's structured result.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -419,10 +458,15 @@ pub struct ToolDefinition {
     /// In `0..=1`: below it the tool refuses to run (`blocked`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub min_provider_confidence: Option<f64>,
+    /// How long one call may run, in ms ([`DEFAULT_TIMEOUT_MS`] when the file
+    /// names none).
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
+    /// How jobs reach the tool's workers.
     #[serde(default)]
     pub delivery: Delivery,
+    /// Whether calls of the tool may run in parallel with other calls of the
+    /// same model turn (default `true`).
     #[serde(default = "default_true")]
     pub parallel_safe: bool,
     /// Running a call again has no further effect (as MCP's
@@ -435,6 +479,7 @@ pub struct ToolDefinition {
     /// denial or the profile's approval timeout.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub requires_approval: bool,
+    /// Declarative LLM tools: the models to use, and their settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_preference: Option<ModelPreference>,
     /// In `0..=1`: relevance from which scoping recommends the tool.
@@ -473,7 +518,10 @@ fn default_timeout_ms() -> u64 {
 pub struct FunctionSpec {
     /// `^[a-zA-Z0-9_-]{1,64}$`, unique across the catalog.
     pub name: String,
+    /// What the model reads to decide when and how to call the tool.
     pub description: String,
+    /// Whether the provider's strict mode holds the model's arguments to
+    /// `parameters` (which must then follow the strict-mode rules).
     #[serde(default)]
     pub strict: bool,
     /// JSON Schema of the arguments object (`"type": "object"`).
@@ -484,6 +532,7 @@ pub struct FunctionSpec {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Purpose {
+    /// Offered whatever the invocation carries.
     #[default]
     General,
     /// Offered only when documents are attached.
@@ -509,12 +558,17 @@ pub enum Delivery {
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ModelPreference {
+    /// The model to try first, `provider/model` (after the compat file's
+    /// recommendations).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub preferred_model: Option<String>,
+    /// The models to try next, in order, `provider/model` each.
     #[serde(default)]
     pub fallback_models: Vec<String>,
+    /// The most tokens the answer may take.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_tokens: Option<u32>,
+    /// Sampling temperature, in `0..=2`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temperature: Option<f64>,
 }
@@ -523,8 +577,11 @@ pub struct ModelPreference {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum OutputFormat {
+    /// Plain text.
     Text,
+    /// Markdown text.
     Markdown,
+    /// A JSON value, checked against the definition's `outputSchema`.
     Json,
 }
 
@@ -540,12 +597,16 @@ pub struct ToolVariant {
     /// The variant used when no variant's `models` match.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub default: bool,
+    /// What the variant is for, in words, for people reading the file.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
+    /// The system prompt, in place of the definition's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub system_prompt: Option<String>,
+    /// The user message template, in place of the definition's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user_template: Option<String>,
+    /// The answer format, in place of the definition's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub output_format: Option<OutputFormat>,
 }
@@ -637,6 +698,7 @@ impl ToolDefinition {
 /// to validate a call without compiling anything per call.
 #[derive(Debug, Clone)]
 pub struct CompiledTool {
+    /// The checked definition.
     pub definition: ToolDefinition,
     /// Compiled `function.parameters`.
     pub arguments: Validator,
@@ -1020,13 +1082,21 @@ impl fmt::Display for Origin {
 /// What kind of [`ToolDefError`] happened.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ToolDefErrorKind {
+    /// See [`ToolDefError::Io`].
     Io,
+    /// See [`ToolDefError::Json`].
     Json,
+    /// See [`ToolDefError::Schema`].
     Schema,
+    /// See [`ToolDefError::InvalidSchema`].
     InvalidSchema,
+    /// See [`ToolDefError::Invalid`].
     Invalid,
+    /// See [`ToolDefError::DuplicateId`].
     DuplicateId,
+    /// See [`ToolDefError::DuplicateFunctionName`].
     DuplicateFunctionName,
+    /// See [`ToolDefError::EmbeddedSchema`].
     EmbeddedSchema,
 }
 
@@ -1037,13 +1107,17 @@ pub enum ToolDefError {
     /// The file or directory cannot be read.
     #[error("{}: cannot read: {source}", path.display())]
     Io {
+        /// The file or directory.
         path: PathBuf,
+        /// Why it cannot be read.
         source: std::io::Error,
     },
     /// The file is not JSON.
     #[error("{}: not valid JSON: {source}", path.display())]
     Json {
+        /// The file.
         path: PathBuf,
+        /// What the parser says, with line and column.
         source: serde_json::Error,
     },
     /// The file does not match `schemas/tool_definition.schema.json`.
@@ -1052,7 +1126,9 @@ pub enum ToolDefError {
         describe(violations)
     )]
     Schema {
+        /// The definition.
         origin: Origin,
+        /// Each place the definition breaks the schema.
         violations: Vec<Violation>,
     },
     /// A schema inside the definition (parameters, settings, output) does
@@ -1062,37 +1138,51 @@ pub enum ToolDefError {
         inner_pointer(pointer, source)
     )]
     InvalidSchema {
+        /// The definition.
         origin: Origin,
         /// Where the embedded schema is, e.g. `/function/parameters`.
         pointer: String,
+        /// Why the schema does not compile.
         source: SchemaError,
     },
     /// A semantic check failed.
     #[error("{origin}: at {}: {message}", if pointer.is_empty() { "/" } else { pointer })]
     Invalid {
+        /// The definition.
         origin: Origin,
+        /// Where in the definition, as a JSON pointer (empty for the whole).
         pointer: String,
+        /// What is wrong.
         message: String,
     },
     /// Two definitions share an id.
     #[error("{second}: at /id: tool id {id} is already defined by {first}")]
     DuplicateId {
+        /// The shared id.
         // Boxed: unboxed, it would make every `Result<_, ToolDefError>` larger.
         id: Box<ToolId>,
+        /// The definition that had it first.
         first: Origin,
+        /// The definition that has it again.
         second: Origin,
     },
     /// Two definitions share a function name, so a model's call would be
     /// ambiguous.
     #[error("{second}: at /function/name: function name {name:?} is already used by {first}")]
     DuplicateFunctionName {
+        /// The shared function name.
         name: String,
+        /// The definition that had it first.
         first: Origin,
+        /// The definition that has it again.
         second: Origin,
     },
     /// The embedded definition schema is broken (a build defect).
     #[error("{message}")]
-    EmbeddedSchema { message: String },
+    EmbeddedSchema {
+        /// Why it does not compile.
+        message: String,
+    },
 }
 
 fn inner_pointer(pointer: &str, source: &SchemaError) -> String {
@@ -1175,6 +1265,7 @@ impl ToolRegistry {
         }
     }
 
+    /// The definition of `id`.
     #[must_use]
     pub fn get(&self, id: &ToolId) -> Option<&ToolDefinition> {
         self.compiled(id).map(|tool| &tool.definition)
@@ -1210,11 +1301,13 @@ impl ToolRegistry {
         self.tools.iter().map(AsRef::as_ref)
     }
 
+    /// How many tools the registry holds.
     #[must_use]
     pub fn len(&self) -> usize {
         self.tools.len()
     }
 
+    /// Whether the registry holds no tool.
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.tools.is_empty()
@@ -1239,7 +1332,9 @@ impl ToolRegistry {
 /// [`to_responses`](Self::to_responses)).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ToolSpec {
+    /// The function name the model calls.
     pub name: String,
+    /// What the model reads to decide when and how to call the tool.
     pub description: String,
     /// JSON Schema of the arguments object.
     pub parameters: Value,

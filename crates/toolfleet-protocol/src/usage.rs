@@ -12,6 +12,7 @@ pub struct Usage {
     pub prompt_tokens: u64,
     /// Chat `completion_tokens`, Responses `output_tokens`.
     pub completion_tokens: u64,
+    /// Prompt and completion tokens together, as the provider reports them.
     pub total_tokens: u64,
     /// The part of the prompt served from the provider's prompt cache
     /// (`prompt_tokens_details` / `input_tokens_details.cached_tokens`).

@@ -28,29 +28,50 @@ pub const MAX_JOB_BYTES: usize = 1024 * 1024;
 
 /// Header names. NATS headers are case-sensitive: these are exact.
 pub mod headers {
+    /// The invocation a tool job belongs to (required on tool jobs).
     pub const INVOCATION_ID: &str = "Toolfleet-Invocation-Id";
+    /// The tool call a tool job runs, minted by the orchestrator (required on
+    /// tool jobs).
     pub const CALL_ID: &str = "Toolfleet-Call-Id";
+    /// The tool a job is for, `ns:name@x.y.z` (required on tool jobs).
     pub const TOOL_ID: &str = "Toolfleet-Tool-Id";
+    /// The tenant the invocation runs as (absent: the default tenant).
     pub const TENANT: &str = "Toolfleet-Tenant";
+    /// The user who asks, as the chat job names them; the context tools need
+    /// it.
     pub const USER: &str = "Toolfleet-User";
+    /// The profile the invocation runs under.
     pub const PROFILE: &str = "Toolfleet-Profile";
+    /// The chat job's `provider`, passed to tools as it came.
     pub const PROVIDER: &str = "Toolfleet-Provider";
+    /// The chat job's `connection`, passed to tools as it came.
     pub const CONNECTION: &str = "Toolfleet-Connection";
+    /// The chat job's `resource`, passed to tools as it came.
     pub const RESOURCE: &str = "Toolfleet-Resource";
+    /// The data source the job (or its profile) names: what the
+    /// `data_source_search` tools search.
     pub const DATA_SOURCE_ID: &str = "Toolfleet-Data-Source-Id";
     /// The chat job's attached document ids, as a JSON array of strings
     /// (absent when none): the document-processing tools see only these.
     pub const ATTACHED_DOCUMENTS: &str = "Toolfleet-Attached-Documents";
+    /// How much the job's provider is trusted, `0..=1`: a tool with a higher
+    /// `minProviderConfidence` refuses the call (`blocked`).
     pub const PROVIDER_CONFIDENCE: &str = "Toolfleet-Provider-Confidence";
+    /// Unix time in ms after which nobody waits for the call's answer (required
+    /// on tool jobs).
     pub const DEADLINE: &str = "Toolfleet-Deadline";
+    /// The delivery attempt of a tool job; absent when 1.
     pub const ATTEMPT: &str = "Toolfleet-Attempt";
+    /// Where the worker publishes the call's progress and result (required on
+    /// tool jobs; always under
+    /// [`Subjects::replies_all`](crate::Subjects::replies_all)).
     pub const REPLY_TO: &str = "Toolfleet-Reply-To";
     /// The highest `[doc:N]` the invocation had announced when the call
     /// was sent: a worker's new citation indices are always above it.
     pub const CITATION_FLOOR: &str = "Toolfleet-Citation-Floor";
     /// `1` when the publisher minted the call id for this job (no earlier
     /// job carried it, so its first delivery has no stored result to find:
-    /// see [`CallContext::new_call`]).
+    /// see [`CallContext::new_call`](crate::CallContext::new_call)).
     pub const NEW_CALL: &str = "Toolfleet-New-Call";
     /// On a chat job an agent tool started: the invocation that called the
     /// agent (for linking; the nested job is an ordinary job of its own).
@@ -60,7 +81,11 @@ pub mod headers {
     /// On a chat job an agent tool started: how deep it is nested (1 for a
     /// job started by a top-level job's agent call). Absent: 0.
     pub const AGENT_DEPTH: &str = "Toolfleet-Agent-Depth";
+    /// W3C trace context, so a worker's spans join the invocation's trace.
     pub const TRACEPARENT: &str = "traceparent";
+    /// JetStream's deduplication id: the invocation id on a chat job,
+    /// `<invocation>.<call>` on a tool job, `terminal-<invocation>` on a
+    /// terminal event.
     pub const NATS_MSG_ID: &str = "Nats-Msg-Id";
     /// On a message of the sinks stream: where the event it carries goes
     /// (one destination, as JSON; the orchestrator's `sinks` module reads
@@ -77,19 +102,37 @@ pub mod headers {
 /// Why a message could not be understood.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProtocolError {
+    /// A required header is absent (its name).
     #[error("missing required header {0}")]
     MissingHeader(&'static str),
+    /// A header's value cannot be read.
     #[error("malformed header {name}: {reason}")]
-    MalformedHeader { name: &'static str, reason: String },
+    MalformedHeader {
+        /// The header.
+        name: &'static str,
+        /// What is wrong with its value.
+        reason: String,
+    },
+    /// The body is bigger than the reader accepts.
     #[error("message of {size} bytes exceeds the limit of {limit} bytes")]
-    TooLarge { size: usize, limit: usize },
+    TooLarge {
+        /// The body's size, in bytes.
+        size: usize,
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// The body is not JSON.
     #[error("message is not valid JSON: {0}")]
     NotJson(String),
+    /// The body is JSON but does not match its envelope's schema.
     #[error("message does not match {schema}: {details}")]
     Schema {
+        /// The schema's name, e.g. `chat_job.schema.json`.
         schema: &'static str,
+        /// Where and how it does not match.
         details: String,
     },
+    /// A subject prefix that is not tokens of `[a-z0-9-]` joined by `.`.
     #[error(
         "invalid subject prefix {0:?}: use lowercase letters, digits and '-', in tokens separated by '.' (e.g. acme.tf-prod)"
     )]
@@ -126,6 +169,8 @@ pub struct Subjects {
 }
 
 impl Subjects {
+    /// The names under `prefix`.
+    ///
     /// # Errors
     ///
     /// [`ProtocolError::BadPrefix`] unless `prefix` is tokens of
@@ -145,6 +190,7 @@ impl Subjects {
         })
     }
 
+    /// The prefix every name is built from, e.g. `toolfleet`.
     pub fn prefix(&self) -> &str {
         &self.prefix
     }
@@ -176,7 +222,6 @@ impl Subjects {
         format!("{}.chat.events.{tenant}.{invocation_id}", self.prefix)
     }
 
-    /// Every invocation's events, of every tenant.
     /// The limits stream that keeps dead letters for inspection and
     /// replay (`TOOLFLEET_DEADLETTERS`).
     pub fn dead_letters_stream(&self) -> String {
@@ -194,6 +239,8 @@ impl Subjects {
         format!("{}.chat.history.{tenant}.{invocation_id}", self.prefix)
     }
 
+    /// Every invocation's history subject, of every tenant (the history
+    /// stream's subjects).
     pub fn chat_history_all(&self) -> String {
         format!("{}.chat.history.>", self.prefix)
     }
@@ -211,6 +258,7 @@ impl Subjects {
         (valid_tenant(tenant) && valid_invocation_id(id)).then_some((tenant, id))
     }
 
+    /// Every sink subject, of every tenant (the sinks stream's subjects).
     pub fn sink_all(&self) -> String {
         format!("{}.sink.>", self.prefix)
     }
@@ -232,6 +280,7 @@ impl Subjects {
             .is_some_and(|rest| rest.is_empty() || rest.starts_with('.'))
     }
 
+    /// Every invocation's events, of every tenant.
     pub fn chat_events_all(&self) -> String {
         format!("{}.chat.events.>", self.prefix)
     }
@@ -242,6 +291,8 @@ impl Subjects {
         format!("{}.chat.cancel.{tenant}.{invocation_id}", self.prefix)
     }
 
+    /// Every invocation's cancel subject, of every tenant (not the cancels of
+    /// single calls: see [`Subjects::chat_cancel_any`]).
     pub fn chat_cancel_all(&self) -> String {
         format!("{}.chat.cancel.*.*", self.prefix)
     }
@@ -359,6 +410,9 @@ impl Subjects {
             })
     }
 
+    /// The subject a tool's jobs are published to:
+    /// `<p>.tool.<ns>.<name>.<major>_<minor>_<patch>` (see
+    /// [`ToolId::subject_token`]).
     pub fn tool(&self, id: &ToolId) -> String {
         format!("{}.tool.{}", self.prefix, id.subject_token())
     }
@@ -378,6 +432,7 @@ impl Subjects {
         Some(format!("{ns}:{name}@{version}"))
     }
 
+    /// Every tool's job subject (the tools stream's subjects).
     pub fn tools_all(&self) -> String {
         format!("{}.tool.>", self.prefix)
     }
@@ -389,6 +444,7 @@ impl Subjects {
         format!("{}.direct.{}", self.prefix, id.subject_token())
     }
 
+    /// Where dead letters of `kind` are published: `<p>.deadletter.<kind>`.
     pub fn dead_letter(&self, kind: DeadLetterKind) -> String {
         format!("{}.deadletter.{}", self.prefix, kind.as_str())
     }
@@ -477,21 +533,35 @@ pub fn valid_invocation_id(id: &str) -> bool {
 /// job and result.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InvocationContext {
+    /// The invocation's id, chosen by the client: unique, unguessable, 1-128 of
+    /// `[A-Za-z0-9_-]`.
     pub invocation_id: String,
+    /// The tenant it runs as; `None` means [`DEFAULT_TENANT`] (see
+    /// [`InvocationContext::tenant`]).
     pub tenant: Option<String>,
+    /// The user who asks, as the chat job names them.
     pub user: Option<String>,
+    /// The profile it runs under.
     pub profile: Option<String>,
+    /// The chat job's `provider`, passed to tools as it came.
     pub provider: Option<String>,
+    /// The chat job's `connection`, passed to tools as it came.
     pub connection: Option<String>,
+    /// The chat job's `resource`, passed to tools as it came.
     pub resource: Option<String>,
+    /// The data source the `data_source_search` tools search (the job's, else
+    /// the profile's).
     pub data_source_id: Option<String>,
     /// Document ids the chat job attached (at most
     /// [`MAX_ATTACHED_DOCUMENTS`], each 1-512 characters without line
     /// breaks): the document-processing tools are scoped to them.
     pub attached_documents: Vec<String>,
+    /// How much the job's provider is trusted, `0..=1`; a tool with a higher
+    /// `minProviderConfidence` is not offered and refuses to run.
     pub provider_confidence: Option<f64>,
     /// Unix time in milliseconds after which nobody waits for the answer.
     pub deadline_ms: Option<u64>,
+    /// W3C trace context of the invocation.
     pub traceparent: Option<String>,
 }
 
@@ -511,11 +581,15 @@ pub const MAX_CITATION_FLOOR: u64 = 1 << 40;
 /// The context of one tool call: the invocation plus the call's own headers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct CallContext {
+    /// The invocation the call belongs to.
     pub invocation: InvocationContext,
+    /// The call's id, minted by the orchestrator; unique within its invocation.
     pub call_id: String,
+    /// The tool the call runs.
     pub tool_id: ToolId,
     /// 1 for the first delivery.
     pub attempt: u32,
+    /// Where the worker publishes progress and the result.
     pub reply_to: String,
     /// See [`headers::CITATION_FLOOR`]; 0 when absent.
     pub citation_floor: u64,
@@ -614,6 +688,7 @@ pub fn now_ms() -> u64 {
 }
 
 impl InvocationContext {
+    /// A context with only an invocation id; the rest is empty.
     pub fn new(invocation_id: impl Into<String>) -> Self {
         Self {
             invocation_id: invocation_id.into(),
@@ -627,6 +702,7 @@ impl InvocationContext {
         self.tenant.as_deref().unwrap_or(DEFAULT_TENANT)
     }
 
+    /// Writes the context's headers into `h` (an absent field writes none).
     pub fn write_headers(&self, h: &mut HeaderMap) {
         use headers::*;
         h.insert(INVOCATION_ID, self.invocation_id.as_str());
@@ -651,12 +727,16 @@ impl InvocationContext {
         put(h, TRACEPARENT, self.traceparent.as_deref());
     }
 
+    /// The context as a fresh header map.
     pub fn to_headers(&self) -> HeaderMap {
         let mut h = HeaderMap::new();
         self.write_headers(&mut h);
         h
     }
 
+    /// Reads the context from a message's headers. Fails with
+    /// [`ProtocolError::MissingHeader`] or [`ProtocolError::MalformedHeader`]
+    /// when the invocation id is absent or a value is malformed.
     pub fn from_headers(h: &HeaderMap) -> Result<Self, ProtocolError> {
         Self::from_known(&Known::read(h))
     }
@@ -735,6 +815,8 @@ impl CallContext {
         format!("{}.{}", self.invocation.invocation_id, self.call_id)
     }
 
+    /// The call's headers, its invocation's included, with `Nats-Msg-Id` set to
+    /// [`CallContext::msg_id`].
     pub fn to_headers(&self) -> HeaderMap {
         use headers::*;
         let mut h = self.invocation.to_headers();
@@ -755,6 +837,9 @@ impl CallContext {
         h
     }
 
+    /// Reads a tool job's headers. Fails with [`ProtocolError::MissingHeader`]
+    /// or [`ProtocolError::MalformedHeader`] when a required header is absent
+    /// or a value is malformed.
     pub fn from_headers(h: &HeaderMap) -> Result<Self, ProtocolError> {
         use headers::*;
         let h = &Known::read(h);
@@ -802,15 +887,21 @@ impl CallContext {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ChatMessage {
+    /// Who wrote it.
     pub role: ChatRole,
+    /// The text.
     pub content: String,
 }
 
+/// The author of a [`ChatMessage`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ChatRole {
+    /// Instructions to the model.
     System,
+    /// The person asking.
     User,
+    /// The model's earlier answers.
     Assistant,
 }
 
@@ -819,29 +910,48 @@ pub enum ChatRole {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ChatJob {
+    /// Chosen by the client, fresh and unguessable for every job (a UUID): one
+    /// NATS subject token and part of Redis keys. An id another job already
+    /// claimed is refused (`duplicate_invocation`).
     pub invocation_id: String,
+    /// The conversation so far (1 to 500 messages).
     pub messages: Vec<ChatMessage>,
+    /// The profile to run; an unknown one, or none, runs the default profile.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
+    /// The tenant the job runs as; when present it must be the submit subject's
+    /// tenant. Absent: the subject's tenant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
+    /// The user who asks; passed to tools, and the context tools need it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
+    /// Passed to tools in a header, as it came.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider: Option<String>,
+    /// Passed to tools in a header, as it came.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub connection: Option<String>,
+    /// Passed to tools in a header, as it came.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<String>,
+    /// The data source the `data_source_search` tools search (else the
+    /// profile's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data_source_id: Option<String>,
+    /// Ids of ingested documents (`<collection>:<path>`) the user attached: the
+    /// document-processing tools see only these, and they are searched before
+    /// the first model call.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attached_documents: Vec<String>,
+    /// How much the provider of this job is trusted, `0..=1`: a tool with a
+    /// higher `minProviderConfidence` is not offered. Absent: 0 for that check.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub provider_confidence: Option<f64>,
     /// How long the client waits for the answer, from submission.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// W3C trace context, when the message's `traceparent` header is not set.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traceparent: Option<String>,
     /// Selectable tools the job picks, by id (`ns:name@x.y.z`, or
@@ -889,6 +999,7 @@ pub enum SinkEvents {
 }
 
 impl SinkEvents {
+    /// The value's name on the wire.
     pub fn as_str(self) -> &'static str {
         match self {
             SinkEvents::Final => "final",
@@ -921,18 +1032,26 @@ impl ChatJob {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Reference {
+    /// The `N` of the `[doc:N]` marker (from 1).
     pub index: u64,
+    /// What was cited, e.g. `document`.
     #[serde(rename = "type")]
     pub kind: String,
+    /// A title a reader can show.
     pub title: String,
+    /// Where it came from, e.g. a document's path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<String>,
+    /// A link for the reader, where one applies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// A short passage of the cited text.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub snippet: Option<String>,
+    /// The tool that produced it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_id: Option<String>,
+    /// The call that produced it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_id: Option<String>,
 }
@@ -948,13 +1067,19 @@ impl Reference {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ToolStatus {
+    /// The tool answered.
     Ok,
+    /// The tool failed; the result's `error` says why.
     Error,
+    /// The call was refused before it ran (a policy, a hook, an approval that
+    /// cannot be had).
     Blocked,
+    /// The call did not finish in time.
     Timeout,
 }
 
 impl ToolStatus {
+    /// The status's name on the wire and as a metric label.
     pub fn as_str(self) -> &'static str {
         match self {
             ToolStatus::Ok => "ok",
@@ -974,41 +1099,61 @@ pub type UsageTotals = Usage;
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ChatEvent {
+    /// The invocation the event belongs to.
     pub invocation_id: String,
     /// 0, 1, 2, … per invocation, so a client can detect gaps.
     pub seq: u64,
+    /// What happened (the `type` and its fields).
     #[serde(flatten)]
     pub body: ChatEventBody,
 }
 
+/// The kinds of chat event, tagged by `type` on the wire
+/// (`schemas/chat_event.schema.json`). Every invocation ends with one terminal
+/// event, `completed` or `error`.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ChatEventBody {
+    /// The invocation started: the first event (again after a redelivery).
     Started {
+        /// The model the profile's conversation uses.
         model: String,
         /// The profile the job runs under (after falling back to the
         /// default when it named none or an unknown one).
         #[serde(default, skip_serializing_if = "Option::is_none")]
         profile: Option<String>,
+        /// The ids of the tools offered to the model.
         tools: Vec<String>,
     },
+    /// A piece of the answer as the model streams it, `[doc:N]` markers as
+    /// written.
     Delta {
+        /// The text, appended to what came before.
         text: String,
     },
+    /// The model called a tool.
     #[serde(rename_all = "camelCase")]
     ToolCall {
+        /// The call's id, shared by its later events.
         call_id: String,
+        /// The tool's id.
         tool: String,
         /// Arguments as the model sent them, with `sensitiveArguments`
         /// replaced by `"[redacted]"`.
         arguments: Value,
     },
+    /// A tool call ended.
     #[serde(rename_all = "camelCase")]
     ToolResult {
+        /// The call's id.
         call_id: String,
+        /// The tool's id.
         tool: String,
+        /// How the call ended.
         status: ToolStatus,
+        /// How long the call took, in ms.
         duration_ms: u64,
+        /// The error's code when the call failed.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         error_code: Option<String>,
         /// What the tool reported that did not fail the call.
@@ -1020,11 +1165,16 @@ pub enum ChatEventBody {
     /// [`MAX_PROGRESS_CHARS`].
     #[serde(rename_all = "camelCase")]
     ToolProgress {
+        /// The call's id.
         call_id: String,
+        /// The tool's id.
         tool: String,
+        /// As the tool sent it, cut to [`MAX_PROGRESS_CHARS`] plus an ellipsis.
         message: String,
     },
+    /// New references the answer may cite, from a turn's tool calls.
     References {
+        /// The new references, each with its `[doc:N]` index.
         references: Vec<Reference>,
     },
     /// How the tools offered to the model were chosen, or changed (a
@@ -1052,9 +1202,11 @@ pub enum ChatEventBody {
     Fallback {
         /// The deployment that failed, and its model.
         from: String,
+        /// The failed deployment's model.
         from_model: String,
         /// The deployment tried now, and its model.
         to: String,
+        /// The next deployment's model.
         to_model: String,
         /// The failure's code, e.g. `http_503`, `connect`.
         code: String,
@@ -1067,6 +1219,7 @@ pub enum ChatEventBody {
         /// The conversation's tokens before and after (the model's
         /// encoding).
         tokens_before: u64,
+        /// The conversation's tokens after.
         tokens_after: u64,
         /// `tokens_before - tokens_after`.
         saved: u64,
@@ -1078,7 +1231,9 @@ pub enum ChatEventBody {
     /// on `subject`, or `expires_at_ms` passes.
     #[serde(rename_all = "camelCase")]
     ApprovalRequested {
+        /// The held call's id: what an [`Approval`](crate::Approval) names.
         call_id: String,
+        /// The tool's id.
         tool: String,
         /// As in `tool_call`: `sensitiveArguments` redacted.
         arguments: Value,
@@ -1091,18 +1246,30 @@ pub enum ChatEventBody {
     /// A parked call was decided.
     #[serde(rename_all = "camelCase")]
     ApprovalResolved {
+        /// The call's id.
         call_id: String,
+        /// The tool's id.
         tool: String,
+        /// Approved (the call runs now), denied (the model is told, with the
+        /// reason) or timeout (the invocation ends with `approval_timeout`).
         decision: crate::approval::ApprovalOutcome,
+        /// Why, as the person said.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         reason: Option<String>,
+        /// Who decided, as the sender said.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         approver: Option<String>,
+        /// How long the call waited for the decision, in ms.
         waited_ms: u64,
     },
+    /// The invocation answered (terminal).
     #[serde(rename_all = "camelCase")]
     Completed {
+        /// The answer, its `[doc:N]` markers renumbered 1..k to match
+        /// `references` (markers citing nothing are removed).
         text: String,
+        /// Only the references the answer cites, with index 1..k in order of
+        /// their original index.
         references: Vec<Reference>,
         /// Tokens of every model call of the invocation, summed.
         usage: Usage,
@@ -1113,10 +1280,14 @@ pub enum ChatEventBody {
         /// Each model call: model, purpose, usage, cost, attempts.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         llm_calls: Vec<LlmCall>,
+        /// Model rounds the answer took.
         rounds: u32,
     },
+    /// The invocation ended without an answer (terminal).
     Error {
+        /// Why: a [`ChatErrorCode`](crate::ChatErrorCode) as a string.
         code: String,
+        /// What went wrong, in words.
         message: String,
     },
 }
@@ -1145,6 +1316,7 @@ impl ChatEventBody {
         }
     }
 
+    /// Whether the event ends the invocation (`completed` or `error`).
     pub fn is_terminal(&self) -> bool {
         matches!(
             self,
@@ -1157,10 +1329,14 @@ impl ChatEventBody {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct LlmCall {
+    /// The model called.
     pub model: String,
     /// `conversation`, `planning` or `tool`.
     pub purpose: String,
+    /// Its tokens.
     pub usage: Usage,
+    /// Its cost in USD from the price table; absent when the model has no
+    /// price.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cost_usd: Option<f64>,
     /// HTTP attempts, retries included.
@@ -1171,6 +1347,8 @@ pub struct LlmCall {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ToolJob {
+    /// The tool's arguments, validated by the worker against the tool's
+    /// `function.parameters` schema.
     pub arguments: Value,
     /// Per-tenant tool settings (may hold secrets: never echoed anywhere).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -1181,8 +1359,12 @@ pub struct ToolJob {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ToolErrorBody {
+    /// A `snake_case` code, e.g. `invalid_arguments`.
     pub code: String,
+    /// What went wrong, in words.
     pub message: String,
+    /// For invalid arguments: each place they break the tool's parameters
+    /// schema.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub violations: Vec<Violation>,
 }
@@ -1191,19 +1373,28 @@ pub struct ToolErrorBody {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ToolResult {
+    /// The invocation of the call.
     pub invocation_id: String,
+    /// The call it answers.
     pub call_id: String,
+    /// The tool that ran, `ns:name@x.y.z`.
     pub tool_id: String,
+    /// How the call ended.
     pub status: ToolStatus,
     /// What the model reads.
     pub content: String,
+    /// Structured output, matching the tool's `outputSchema` when it has one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub data: Option<Value>,
+    /// Why the call failed (absent when it did not).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<ToolErrorBody>,
+    /// What the content cites, each with its `[doc:N]` index.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub references: Vec<Reference>,
+    /// The delivery attempt that produced the result (from 1).
     pub attempt: u32,
+    /// How long the call took, in ms.
     pub duration_ms: u64,
     /// Set when this result was answered from the ledger of an earlier
     /// attempt.
@@ -1232,6 +1423,7 @@ pub const MAX_WARNING_CHARS: usize = 1000;
 pub struct ToolWarning {
     /// `snake_case`.
     pub code: String,
+    /// What happened, in words (at most [`MAX_WARNING_CHARS`]).
     pub message: String,
 }
 
@@ -1239,25 +1431,34 @@ pub struct ToolWarning {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ToolReply {
+    /// A progress message; any number may come before the result.
     #[serde(rename_all = "camelCase")]
     Progress {
+        /// The invocation of the call.
         invocation_id: String,
+        /// The call being worked on.
         call_id: String,
+        /// What the tool is doing, in words.
         message: String,
     },
+    /// The call's one result, which ends the call.
     Result(Box<ToolResult>),
 }
 
+/// What kind of message died; each kind has its own dead-letter subject.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DeadLetterKind {
+    /// A tool job.
     Tool,
+    /// A chat job.
     Chat,
     /// An event a webhook or relay sink could not take.
     Sink,
 }
 
 impl DeadLetterKind {
+    /// The kind's name on the wire and in the dead-letter subject.
     pub fn as_str(self) -> &'static str {
         match self {
             DeadLetterKind::Tool => "tool",
@@ -1272,17 +1473,27 @@ impl DeadLetterKind {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct DeadLetter {
+    /// What kind of message died.
     pub kind: DeadLetterKind,
+    /// The stream the message was in.
     pub stream: String,
+    /// Its sequence number in that stream.
     pub stream_sequence: u64,
+    /// The invocation, when it could be told.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub invocation_id: Option<String>,
+    /// The tool call, for a tool job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub call_id: Option<String>,
+    /// The tool, for a tool job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_id: Option<String>,
+    /// How many times it was delivered.
     pub attempts: u32,
+    /// Why it died, e.g. `too_many_attempts`, `malformed_job`, or for a sink
+    /// `sink_http_<status>`.
     pub code: String,
+    /// What went wrong, in words.
     pub error: String,
     /// Headers of the dead message, secrets excluded.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
@@ -1319,24 +1530,35 @@ pub fn dead_letter_job(body: &[u8]) -> Option<Value> {
 
 /// The envelope schemas, embedded at build time.
 pub mod schema_text {
+    /// `schemas/chat_job.schema.json`.
     pub const CHAT_JOB: &str = include_str!("../../../schemas/chat_job.schema.json");
+    /// `schemas/chat_event.schema.json`.
     pub const CHAT_EVENT: &str = include_str!("../../../schemas/chat_event.schema.json");
+    /// `schemas/tool_job.schema.json`.
     pub const TOOL_JOB: &str = include_str!("../../../schemas/tool_job.schema.json");
+    /// `schemas/tool_reply.schema.json`.
     pub const TOOL_REPLY: &str = include_str!("../../../schemas/tool_reply.schema.json");
+    /// `schemas/dead_letter.schema.json`.
     pub const DEAD_LETTER: &str = include_str!("../../../schemas/dead_letter.schema.json");
 }
 
 /// An envelope kind with its schema.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Envelope {
+    /// A [`ChatJob`].
     ChatJob,
+    /// A [`ChatEvent`].
     ChatEvent,
+    /// A [`ToolJob`].
     ToolJob,
+    /// A [`ToolReply`].
     ToolReply,
+    /// A [`DeadLetter`].
     DeadLetter,
 }
 
 impl Envelope {
+    /// Every envelope kind.
     pub const ALL: [Envelope; 5] = [
         Envelope::ChatJob,
         Envelope::ChatEvent,
@@ -1345,6 +1567,7 @@ impl Envelope {
         Envelope::DeadLetter,
     ];
 
+    /// The schema's file name, e.g. `chat_job.schema.json`.
     pub fn name(self) -> &'static str {
         match self {
             Envelope::ChatJob => "chat_job.schema.json",
@@ -1355,6 +1578,7 @@ impl Envelope {
         }
     }
 
+    /// The embedded schema's text.
     pub fn schema_text(self) -> &'static str {
         match self {
             Envelope::ChatJob => schema_text::CHAT_JOB,
@@ -1365,6 +1589,7 @@ impl Envelope {
         }
     }
 
+    /// The schema, compiled once on first use.
     pub fn validator(self) -> &'static Validator {
         static COMPILED: LazyLock<Vec<Validator>> = LazyLock::new(|| {
             Envelope::ALL
@@ -1473,6 +1698,7 @@ pub fn dead_letter_headers(h: Option<&HeaderMap>) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// A message body: `value` as JSON.
 pub fn encode<T: Serialize>(value: &T) -> bytes::Bytes {
     // Serialising our own envelopes (strings, numbers, maps with string keys)
     // cannot fail.
