@@ -3,6 +3,7 @@
 //! 127.0.0.1:0, and the fleet running in-process through the same
 //! `fleet::start` the binaries call.
 
+// Each test module uses a part of the support; the rest is dead to it.
 #![allow(dead_code)]
 
 use std::collections::HashMap;

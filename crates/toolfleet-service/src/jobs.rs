@@ -132,6 +132,8 @@ impl Reconnects {
 /// meanwhile, so its ack wait never runs out and no other copy runs it too.
 /// When the connection comes back after a loss (`reconnects`), the pull in
 /// flight is abandoned and a new one sent at once.
+// The loop's parts are each its caller's, handed over once: a struct
+// would only rename them.
 #[allow(clippy::too_many_arguments)]
 pub async fn pull_bounded<F, Fut>(
     consumer: jetstream::consumer::Consumer<pull::Config>,

@@ -313,6 +313,8 @@ pub fn content(server: &str, result: &CallToolResult) -> (String, Vec<NewReferen
                     parts.push(format!("[resource {uri}: binary]"));
                     references.push(reference(uri.clone(), uri, None));
                 }
+                // rmcp may add kinds of content in a minor release: those
+                // are left out rather than break the build.
                 #[allow(unreachable_patterns)]
                 _ => {}
             },
@@ -321,6 +323,7 @@ pub fn content(server: &str, result: &CallToolResult) -> (String, Vec<NewReferen
                 parts.push(format!("[{title}]({})", link.uri));
                 references.push(reference(title, &link.uri, link.description.clone()));
             }
+            // The same for kinds of block.
             #[allow(unreachable_patterns)]
             _ => {}
         }

@@ -181,6 +181,8 @@ impl Webhooks {
     /// POSTs `body` (an event of an invocation of `tenant`) to `url`,
     /// signed with the secret in `secret_env`; `from_job` when a chat job
     /// named the webhook.
+    // Each argument is one fact of the delivery, read once; a struct
+    // would only rename them.
     #[allow(clippy::too_many_arguments)]
     pub async fn post(
         &self,
