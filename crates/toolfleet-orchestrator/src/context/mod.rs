@@ -90,12 +90,12 @@ impl Default for ContextHandlers {
     /// The built-ins (see the module docs).
     fn default() -> Self {
         Self(vec![
-            Arc::new(builtin::InvocationContextStep),
-            Arc::new(builtin::Conversation),
-            Arc::new(builtin::PermittedTools),
-            Arc::new(builtin::SinkRoute),
+            Arc::new(builtin::INVOCATION_CONTEXT),
+            Arc::new(builtin::CONVERSATION),
+            Arc::new(builtin::PERMITTED_TOOLS),
+            Arc::new(builtin::SINK_ROUTE),
             Arc::new(builtin::Scoping),
-            Arc::new(builtin::Started),
+            Arc::new(builtin::STARTED),
             Arc::new(builtin::PreemptiveRag),
         ])
     }
@@ -242,79 +242,84 @@ mod builtin {
         Ok(())
     }
 
-    pub(super) struct InvocationContextStep;
+    /// A built-in step that waits for nothing.
+    pub(super) struct Now {
+        name: &'static str,
+        step: fn(&mut Invocation, &mut Context<'_>) -> Result<(), Failure>,
+    }
 
-    impl ContextHandler for InvocationContextStep {
+    impl ContextHandler for Now {
         fn name(&self) -> &str {
-            "invocation_context"
+            self.name
         }
 
         fn handle<'a>(
             &'a self,
             inv: &'a mut Invocation,
-            _: &'a mut Context<'_>,
+            cx: &'a mut Context<'_>,
         ) -> BoxFuture<'a, Result<(), Failure>> {
+            std::future::ready((self.step)(inv, cx)).boxed()
+        }
+    }
+
+    pub(super) const INVOCATION_CONTEXT: Now = Now {
+        name: "invocation_context",
+        step: |inv, _| {
             inv.ctx = invocation_context(&inv.job, &inv.profile, inv.deadline_ms);
-            std::future::ready(Ok(())).boxed()
-        }
-    }
+            Ok(())
+        },
+    };
 
-    pub(super) struct Conversation;
-
-    impl ContextHandler for Conversation {
-        fn name(&self) -> &str {
-            "conversation"
-        }
-
-        fn handle<'a>(
-            &'a self,
-            inv: &'a mut Invocation,
-            _: &'a mut Context<'_>,
-        ) -> BoxFuture<'a, Result<(), Failure>> {
+    pub(super) const CONVERSATION: Now = Now {
+        name: "conversation",
+        step: |inv, _| {
             inv.messages = conversation(&inv.job, &inv.profile);
-            std::future::ready(Ok(())).boxed()
-        }
-    }
+            Ok(())
+        },
+    };
 
-    pub(super) struct PermittedTools;
+    pub(super) const PERMITTED_TOOLS: Now = Now {
+        name: "permitted_tools",
+        step: |inv, cx| {
+            inv.scope =
+                cx.fleet
+                    .permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth)?;
+            Ok(())
+        },
+    };
 
-    impl ContextHandler for PermittedTools {
-        fn name(&self) -> &str {
-            "permitted_tools"
-        }
+    pub(super) const SINK_ROUTE: Now = Now {
+        name: "sink_route",
+        step: |inv, cx| {
+            if let Some(route) = route_for(cx.fleet, inv)? {
+                cx.events.route(route);
+            }
+            Ok(())
+        },
+    };
 
-        fn handle<'a>(
-            &'a self,
-            inv: &'a mut Invocation,
-            cx: &'a mut Context<'_>,
-        ) -> BoxFuture<'a, Result<(), Failure>> {
-            let scope = cx
-                .fleet
-                .permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth);
-            std::future::ready(scope.map(|scope| inv.scope = scope)).boxed()
-        }
-    }
-
-    pub(super) struct SinkRoute;
-
-    impl ContextHandler for SinkRoute {
-        fn name(&self) -> &str {
-            "sink_route"
-        }
-
-        fn handle<'a>(
-            &'a self,
-            inv: &'a mut Invocation,
-            cx: &'a mut Context<'_>,
-        ) -> BoxFuture<'a, Result<(), Failure>> {
-            let routed = route_for(cx.fleet, inv).map(|route| {
-                if let Some(route) = route {
-                    cx.events.route(route);
-                }
+    pub(super) const STARTED: Now = Now {
+        name: "started",
+        step: |inv, cx| {
+            cx.events.send(ChatEventBody::Started {
+                model: inv.model().to_string(),
+                profile: Some(inv.profile.name.clone()),
+                tools: inv.tool_ids(),
             });
-            std::future::ready(routed).boxed()
-        }
-    }
+            // Nothing to say when every permitted tool is offered and
+            // nothing was left out: `started` lists them.
+            match cx.scoping.take() {
+                Some(ChatEventBody::Scoping {
+                    ref decision,
+                    note: None,
+                    ..
+                }) if decision == "all" => {}
+                Some(scoping) => cx.events.send(scoping),
+                None => {}
+            }
+            Ok(())
+        },
+    };
 
     pub(super) struct Scoping;
 
@@ -333,38 +338,6 @@ mod builtin {
                 Ok(())
             }
             .boxed()
-        }
-    }
-
-    pub(super) struct Started;
-
-    impl ContextHandler for Started {
-        fn name(&self) -> &str {
-            "started"
-        }
-
-        fn handle<'a>(
-            &'a self,
-            inv: &'a mut Invocation,
-            cx: &'a mut Context<'_>,
-        ) -> BoxFuture<'a, Result<(), Failure>> {
-            cx.events.send(ChatEventBody::Started {
-                model: inv.model().to_string(),
-                profile: Some(inv.profile.name.clone()),
-                tools: inv.tool_ids(),
-            });
-            // Nothing to say when every permitted tool is offered and
-            // nothing was left out: `started` lists them.
-            match cx.scoping.take() {
-                Some(ChatEventBody::Scoping {
-                    ref decision,
-                    note: None,
-                    ..
-                }) if decision == "all" => {}
-                Some(scoping) => cx.events.send(scoping),
-                None => {}
-            }
-            std::future::ready(Ok(())).boxed()
         }
     }
 
