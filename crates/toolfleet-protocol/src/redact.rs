@@ -3,23 +3,26 @@
 
 /// A URL for people: any user info (a user and password, or a NATS token
 /// in the user part) becomes `***`, and a query (which may carry a key) is
-/// `[redacted]`. Text that is not a URL shows nothing of itself.
+/// `[redacted]`; the rest stays as written. Text that is not a URL shows
+/// nothing of itself.
 pub fn redact_url(url: &str) -> String {
-    match url::Url::parse(url) {
-        Ok(mut u) => {
-            if !u.username().is_empty() || u.password().is_some() {
-                // Both setters only fail for URLs that cannot have
-                // credentials at all.
-                let _ = u.set_password(None);
-                let _ = u.set_username("***");
-            }
-            if u.query().is_some() {
-                u.set_query(Some("[redacted]"));
-            }
-            u.to_string()
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<unparsable url>".to_string();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    let host = match authority.rfind('@') {
+        Some(at) => format!("***@{}", &authority[at + 1..]),
+        None => authority.to_string(),
+    };
+    let tail = match tail.split_once('?') {
+        Some((path, query)) => {
+            let fragment = query.find('#').map_or("", |f| &query[f..]);
+            format!("{path}?[redacted]{fragment}")
         }
-        Err(_) => "<unparsable url>".to_string(),
-    }
+        None => tail.to_string(),
+    };
+    format!("{scheme}://{host}{tail}")
 }
 
 #[cfg(test)]
@@ -46,5 +49,11 @@ mod tests {
         );
         assert_eq!(redact_url("nats://host:4222"), "nats://host:4222");
         assert_eq!(redact_url("not a url hunter2"), "<unparsable url>");
+        assert_eq!(redact_url("http://:hunter2@x"), "http://***@x");
+        assert_eq!(redact_url("redis://:hunter2@[bad"), "redis://***@[bad");
+        assert_eq!(
+            redact_url("https://u:p@h/a@b?k=v#top"),
+            "https://***@h/a@b?[redacted]#top"
+        );
     }
 }
