@@ -183,9 +183,16 @@ pub(crate) fn after(inv: &mut Invocation, tools: &mut ToolRunner<'_>, turn: &Tur
             Some((b, cap)) => {
                 let capped = b.cap(&outcome.content, *cap);
                 if capped.truncated {
-                    // Bounded label: a name the model made up is "unknown".
+                    // The function of the turn's first call with this
+                    // model id (some servers repeat ids); bounded: a name
+                    // the model made up is "unknown".
+                    let named = turn
+                        .calls
+                        .iter()
+                        .find(|o| o.model_id == c.model_id)
+                        .map_or(c.call.name.as_str(), |o| o.call.name.as_str());
                     let function = inv
-                        .tool(&c.call.name)
+                        .tool(named)
                         .map_or("unknown", |t| t.definition.function.name.as_str());
                     fleet
                         .metrics()
