@@ -90,6 +90,7 @@ impl LocalFleet {
             models: Some(&profiles),
         })
         .await?;
+        let families: Vec<String> = workers.iter().map(|w| w.name().to_string()).collect();
         let mut orchestrator = OrchestratorConfig::new(subjects.clone(), profiles);
         orchestrator.max_in_flight = max_in_flight;
         let spec = FleetSpec {
@@ -105,7 +106,10 @@ impl LocalFleet {
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
         let metrics = prometheus::Registry::new();
-        eprint!("• starting the orchestrator and the system and retrieval workers … ");
+        eprint!(
+            "• starting the orchestrator and the {} workers … ",
+            families.join(", ")
+        );
         toolfleet_local::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;
         eprintln!("ready\n");
         let client = toolfleet_service::args::connect_nats(
