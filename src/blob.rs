@@ -15,6 +15,10 @@ pub enum BlobCommand {
     Get {
         /// `toolfleet-blob:<invocation id>/<blob id>`, as a tool returned it.
         uri: String,
+        /// The tenant whose invocation made the blob: invocation ids are
+        /// unique per tenant only, and the store keeps each tenant's apart.
+        #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
+        tenant: String,
         /// Where to write the bytes (stdout when omitted).
         #[arg(short = 'o', long = "output")]
         output: Option<PathBuf>,
@@ -27,11 +31,13 @@ pub enum BlobCommand {
 }
 
 /// `toolfleet blob get`: exit 0 once written, 1 when the blob is gone,
-/// 64 for a malformed URI or prefix, or binary bytes bound for a terminal.
+/// 64 for a malformed URI, tenant or prefix, or binary bytes bound for a
+/// terminal.
 pub async fn run(command: BlobCommand) -> anyhow::Result<i32> {
     use std::io::IsTerminal;
     let BlobCommand::Get {
         uri,
+        tenant,
         output,
         prefix,
         redis,
@@ -43,6 +49,10 @@ pub async fn run(command: BlobCommand) -> anyhow::Result<i32> {
             return Ok(toolfleet_service::args::EXIT_CONFIG);
         }
     };
+    if !toolfleet_protocol::valid_tenant(&tenant) {
+        eprintln!("toolfleet blob get: --tenant {tenant:?} is not 1-64 of [A-Za-z0-9_-]");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
     if let Err(e) = toolfleet_protocol::Subjects::new(&prefix) {
         eprintln!("toolfleet blob get: {e}");
         return Ok(toolfleet_service::args::EXIT_CONFIG);
@@ -50,10 +60,11 @@ pub async fn run(command: BlobCommand) -> anyhow::Result<i32> {
     let store = toolfleet_store::CitationStore::connect_with(&redis, &prefix, redis.ttl)
         .await
         .with_context(|| format!("cannot connect to Redis at {}", redis.redacted_url()))?;
-    let Some(blob) = store.get_blob(uri.invocation_id(), uri.blob_id()).await? else {
+    let inv = toolfleet_store::InvocationKey::new(&tenant, uri.invocation_id());
+    let Some(blob) = store.get_blob(inv, uri.blob_id()).await? else {
         eprintln!(
-            "toolfleet blob get: no blob at {uri}: it expired with its invocation's keys, \
-             or was never stored"
+            "toolfleet blob get: no blob at {uri} of tenant {tenant}: it expired with its \
+             invocation's keys, was never stored, or is another tenant's (--tenant)"
         );
         return Ok(1);
     };

@@ -750,7 +750,9 @@ async fn blob_get_writes_a_stored_blob_to_a_file() {
     .unwrap()
     .unwrap();
     let png: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
-    tokio::time::timeout(WAIT, store.put_blob("inv-7", "call-3.1", "image/png", &png))
+    // Of the default tenant (what `--tenant` defaults to).
+    let inv = toolfleet_store::InvocationKey::new("default", "inv-7");
+    tokio::time::timeout(WAIT, store.put_blob(inv, "call-3.1", "image/png", &png))
         .await
         .unwrap()
         .unwrap();
@@ -800,6 +802,10 @@ async fn blob_get_writes_a_stored_blob_to_a_file() {
     // Another fleet's prefix sees nothing either.
     let out = toolfleet(&["blob", "get", &uri, "--redis-url", &url]);
     assert_eq!(out.status.code(), Some(1));
+    // Nor does another tenant's invocation of the same id.
+    let out = get(&uri, &["--tenant", "acme"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
 
     // Malformed: 64, before any connection.
     for bad in [

@@ -138,16 +138,16 @@ async fn both_tools_in_one_round_answer_with_citations() {
     let keys = env.keys(&job.invocation_id).await;
     let id = &job.invocation_id;
     assert!(
-        keys.contains(&format!("toolfleet:{{{id}}}:seq")),
+        keys.contains(&format!("toolfleet:{{default/{id}}}:seq")),
         "{keys:?}"
     );
     assert!(
-        keys.contains(&format!("toolfleet:{{{id}}}:refs")),
+        keys.contains(&format!("toolfleet:{{default/{id}}}:refs")),
         "{keys:?}"
     );
     assert!(
         keys.iter()
-            .any(|k| k.starts_with(&format!("toolfleet:{{{id}}}:result:"))),
+            .any(|k| k.starts_with(&format!("toolfleet:{{default/{id}}}:result:"))),
         "{keys:?}"
     );
     for k in &keys {
@@ -466,7 +466,7 @@ async fn a_repeated_tool_job_is_answered_from_the_ledger() {
     }
     let mut c = env.redis_conn.clone();
     let seq: u64 = redis::cmd("GET")
-        .arg("toolfleet:{ledger-1}:seq")
+        .arg("toolfleet:{default/ledger-1}:seq")
         .query_async(&mut c)
         .await
         .unwrap();

@@ -211,7 +211,7 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
             let mut finished = 0;
             for id in seen.keys() {
                 let owner: Option<String> = redis::cmd("GET")
-                    .arg(format!("toolfleet:{{{id}}}:owner"))
+                    .arg(format!("toolfleet:{{default/{id}}}:owner"))
                     .query_async(&mut store_conn)
                     .await
                     .unwrap();

@@ -554,7 +554,10 @@ async fn a_cancel_the_orchestrator_missed_stops_the_run_at_its_next_lease_renewa
     )
     .await
     .unwrap()
-    .mark_cancelled(&job.invocation_id, job.tenant())
+    .mark_cancelled(toolfleet_store::InvocationKey::new(
+        job.tenant(),
+        &job.invocation_id,
+    ))
     .await
     .unwrap();
     let ev = next_json(&mut events).await;

@@ -217,11 +217,12 @@ impl Env {
         .expect("chat timed out")
     }
 
-    /// Every Redis key of an invocation.
+    /// Every Redis key of an invocation id, under any tenant
+    /// (`toolfleet:{<tenant>/<id>}:…`).
     pub(crate) async fn keys(&self, invocation_id: &str) -> Vec<String> {
         let mut c = self.redis_conn.clone();
         let mut keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("toolfleet:{{{invocation_id}}}:*"))
+            .arg(format!("toolfleet:{{*/{invocation_id}}}:*"))
             .query_async(&mut c)
             .await
             .unwrap();
@@ -451,8 +452,9 @@ pub(crate) fn kinds(events: &[serde_json::Value]) -> Vec<&str> {
     events.iter().filter_map(|e| e["type"].as_str()).collect()
 }
 
-/// Makes invocation `invocation_id`'s run lease `holder`'s for `ms`: what
-/// a live run elsewhere (or a run that took this one over) leaves.
+/// Makes the run lease of invocation `invocation_id` (of the default
+/// tenant) `holder`'s for `ms`: what a live run elsewhere (or a run that
+/// took this one over) leaves.
 pub(crate) async fn set_lease(
     redis: &mut redis::aio::MultiplexedConnection,
     invocation_id: &str,
@@ -460,7 +462,7 @@ pub(crate) async fn set_lease(
     ms: u64,
 ) {
     let () = redis::cmd("SET")
-        .arg(format!("toolfleet:{{{invocation_id}}}:lease"))
+        .arg(format!("toolfleet:{{default/{invocation_id}}}:lease"))
         .arg(holder)
         .arg("PX")
         .arg(ms)

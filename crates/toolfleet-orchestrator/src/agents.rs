@@ -271,7 +271,7 @@ async fn renumber(
     let stored = fleet
         .store
         .reserve(
-            &inv.job.invocation_id,
+            toolfleet_store::InvocationKey::new(inv.job.tenant(), &inv.job.invocation_id),
             call_id,
             call_id,
             tool_id,

@@ -112,7 +112,7 @@ impl Events {
                     terminal = Some(payload.clone());
                     // Boxed: the task waits on its channel for the whole
                     // invocation, and should not carry this rare state.
-                    Box::pin(publish_terminal(&client, &subject, &invocation_id, payload)).await;
+                    Box::pin(publish_terminal(&client, &subject, payload)).await;
                 } else if let Err(e) = Box::pin(client.publish(subject.clone(), payload)).await {
                     warn!(error = %e, "cannot publish a chat event");
                 }
@@ -210,20 +210,22 @@ const TERMINAL_TRIES: u32 = 5;
 
 /// Publishes the terminal event through JetStream and waits for the events
 /// stream to store it, trying again (with the same `Nats-Msg-Id`, so it is
-/// stored once) when the publish or its confirmation is lost. Core
+/// stored once) when the publish or its confirmation is lost. The id names
+/// the events subject, so the tenant too: the same invocation id under
+/// another tenant is another invocation, whose terminal event a duplicate
+/// window shared by all tenants must not drop. Core
 /// subscribers receive it like any event; a retry after a lost
 /// confirmation may reach them twice, with the same `seq`.
 async fn publish_terminal(
     client: &async_nats::Client,
     subject: &str,
-    invocation_id: &str,
     payload: bytes::Bytes,
 ) {
     let js = async_nats::jetstream::new(client.clone());
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(
         toolfleet_protocol::headers::NATS_MSG_ID,
-        format!("terminal-{invocation_id}").as_str(),
+        format!("terminal:{subject}").as_str(),
     );
     for attempt in 1..=TERMINAL_TRIES {
         let stored = match js

@@ -40,10 +40,11 @@ pub struct Fleet {
     pub(crate) metrics: OrchestratorMetrics,
     pub(crate) config: Settings,
     pub(crate) catalog: LiveCatalog,
-    /// Cancel tokens of the invocations running here, by invocation id,
-    /// with the tenant each runs as; the number tells two runs of one id
-    /// apart, so the end of one never removes the other's token.
-    cancels: DashMap<String, (u64, String, CancellationToken)>,
+    /// Cancel tokens of the invocations running here, by tenant and
+    /// invocation id (ids are unique per tenant only); the number tells
+    /// two runs of one invocation apart, so the end of one never removes
+    /// the other's token.
+    cancels: DashMap<(String, String), (u64, CancellationToken)>,
     runs: AtomicU64,
     /// The orchestrator's one reply subscription, shared by every run.
     pub(crate) replies: Arc<Replies>,
@@ -224,30 +225,29 @@ impl Fleet {
         let token = CancellationToken::new();
         let run = self.runs.fetch_add(1, Ordering::Relaxed);
         self.cancels.insert(
-            invocation_id.to_string(),
-            (run, tenant.to_string(), token.clone()),
+            (tenant.to_string(), invocation_id.to_string()),
+            (run, token.clone()),
         );
         (run, token)
     }
 
-    pub(crate) fn forget_run(&self, invocation_id: &str, run: u64) {
-        self.cancels
-            .remove_if(invocation_id, |_, (r, _, _)| *r == run);
+    pub(crate) fn forget_run(&self, invocation_id: &str, tenant: &str, run: u64) {
+        self.cancels.remove_if(
+            &(tenant.to_string(), invocation_id.to_string()),
+            |_, (r, _)| *r == run,
+        );
     }
 
-    /// Cancels the run of `invocation_id` in this process, if any and if it
-    /// runs as `tenant` (a cancel sent under another tenant stops nothing).
+    /// Cancels the run of `invocation_id` of `tenant` in this process, if
+    /// any (the same id under another tenant is another invocation: a
+    /// cancel sent under one stops nothing of the other).
     pub(crate) fn cancel(&self, invocation_id: &str, tenant: &str) {
-        if let Some(entry) = self.cancels.get(invocation_id) {
-            if entry.1 == tenant {
-                info!(invocation_id, "cancel requested");
-                entry.2.cancel();
-            } else {
-                warn!(
-                    invocation_id,
-                    tenant, "cancel under another tenant than the invocation's ignored"
-                );
-            }
+        if let Some(entry) = self
+            .cancels
+            .get(&(tenant.to_string(), invocation_id.to_string()))
+        {
+            info!(invocation_id, tenant, "cancel requested");
+            entry.1.cancel();
         }
     }
 }

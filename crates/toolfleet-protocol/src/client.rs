@@ -21,6 +21,17 @@
 //! The job schema allows bigger jobs (long conversations, attached
 //! documents); a caller that may build one should catch `job_too_large`
 //! and send less.
+//!
+//! # No `Nats-Msg-Id` on chat jobs
+//!
+//! A chat job carries no `Nats-Msg-Id`, and a client in any language must
+//! not set one: the chat stream's duplicate window is shared by every
+//! tenant, and any client may write any message id, so a job that carries
+//! one can be dropped by whoever published that id first. The fleet
+//! deduplicates by (tenant, invocation id) itself: a resubmission of an id
+//! (a retry after a lost publish ack) is not run twice, and the one run's
+//! events, or its terminal event from the events stream ([`last_event`]),
+//! answer it.
 
 use std::fmt;
 use std::time::Duration;
@@ -331,8 +342,9 @@ async fn stored_event(
 }
 
 /// Publishes a chat job to the JetStream stream and waits for it to be
-/// stored. `Nats-Msg-Id` is the invocation id, so a retried submit is a
-/// no-op inside the stream's duplicate window.
+/// stored. It sets no `Nats-Msg-Id` ([why](self#no-nats-msg-id-on-chat-jobs)):
+/// a retried submit is a second message, which the fleet runs once (by
+/// tenant and invocation id) and answers through the one run's events.
 ///
 /// The job's size is checked first (see [the module
 /// docs](self#how-big-a-job-may-be)): its encoded body against
@@ -565,7 +577,9 @@ impl SubmitMessage {
                 limit_of: JobSizeLimit::Fleet,
             });
         }
-        h.insert(headers::NATS_MSG_ID, job.invocation_id.as_str());
+        // No `Nats-Msg-Id`: the stream's duplicate window is shared by every
+        // tenant, so a message id another client wrote first would drop
+        // this job (see the module docs).
         h.insert(headers::INVOCATION_ID, job.invocation_id.as_str());
         // The trace context rides where every tracing library looks.
         if let Some(tp) = job.traceparent.as_deref() {

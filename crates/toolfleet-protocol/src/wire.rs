@@ -1658,9 +1658,9 @@ impl Envelope {
 /// 1. the body's `invocationId`, when the body parses as JSON — it is what
 ///    the client's events subject is named after;
 /// 2. the `Toolfleet-Invocation-Id` header;
-/// 3. the `Nats-Msg-Id` header: clients that submit through
-///    [`crate::client::submit`] set it to the invocation id, so a body that
-///    is not JSON at all can still be answered on the right subject.
+/// 3. the `Nats-Msg-Id` header: older clients set it to the invocation
+///    id (clients no longer set it on chat jobs), so a body that is not
+///    JSON at all can still be answered on the right subject.
 pub fn salvage_invocation_id(payload: &[u8], h: Option<&HeaderMap>) -> Option<String> {
     let from_body = serde_json::from_slice::<Value>(payload)
         .ok()

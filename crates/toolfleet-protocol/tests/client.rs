@@ -78,7 +78,7 @@ fn job_of(bytes: usize) -> ChatJob {
 /// rather than taken from the client, so a miscount there shows.
 fn headers_len(job: &ChatJob) -> usize {
     let id = &job.invocation_id;
-    format!("NATS/1.0\r\nNats-Msg-Id: {id}\r\nToolfleet-Invocation-Id: {id}\r\n\r\n").len()
+    format!("NATS/1.0\r\nToolfleet-Invocation-Id: {id}\r\n\r\n").len()
 }
 
 fn assert_too_large(err: ClientError, size: usize, limit: usize, limit_of: JobSizeLimit) {

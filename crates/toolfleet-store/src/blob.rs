@@ -3,14 +3,14 @@
 //! the model's context (the model gets a
 //! [`toolfleet_protocol::blob::BlobUri`]).
 //!
-//! A blob is one hash, `<p>:{<inv>}:blob:<id>`, with the fields `type`
+//! A blob is one hash, `<p>:{<t>/<inv>}:blob:<id>`, with the fields `type`
 //! (the content type) and `bytes`, written with its TTL by one script: a
 //! reader gets both or neither, and the key never exists without its TTL.
 //! Writing the same blob id again replaces the blob (a redelivered job).
 
 use toolfleet_protocol::blob::{MAX_CONTENT_TYPE_CHARS, valid_blob_id, valid_content_type};
 
-use crate::{CitationError, CitationStore, ErrorKind};
+use crate::{CitationError, CitationStore, ErrorKind, InvocationKey};
 
 /// The largest blob the store takes, in bytes (32 MiB).
 pub const MAX_BLOB_BYTES: usize = 32 * 1024 * 1024;
@@ -42,14 +42,14 @@ impl std::fmt::Debug for Blob {
 }
 
 impl CitationStore {
-    fn blob_key(&self, invocation_id: &str, blob_id: &str) -> Result<String, CitationError> {
+    fn blob_key(&self, inv: InvocationKey<'_>, blob_id: &str) -> Result<String, CitationError> {
         if !valid_blob_id(blob_id) {
             return Err(CitationError::new(
                 ErrorKind::Invalid,
                 format!("blob id {blob_id:?} is not 1-160 of [A-Za-z0-9_.-]"),
             ));
         }
-        Ok(self.key(invocation_id, &format!("blob:{blob_id}")))
+        Ok(self.key(inv, &format!("blob:{blob_id}")))
     }
 
     /// Stores `bytes` of `content_type` as blob `blob_id` of the
@@ -64,7 +64,7 @@ impl CitationStore {
     /// operation.
     pub async fn put_blob(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         blob_id: &str,
         content_type: &str,
         bytes: &[u8],
@@ -92,7 +92,7 @@ impl CitationStore {
             std::sync::LazyLock::new(|| redis::Script::new(PUT_BLOB));
         let mut invocation = SCRIPT.prepare_invoke();
         invocation
-            .key(self.blob_key(invocation_id, blob_id)?)
+            .key(self.blob_key(inv, blob_id)?)
             .arg(self.ttl.as_secs().max(1))
             .arg(content_type)
             .arg(bytes);
@@ -114,10 +114,10 @@ impl CitationStore {
     /// as every operation.
     pub async fn get_blob(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         blob_id: &str,
     ) -> Result<Option<Blob>, CitationError> {
-        let key = &self.blob_key(invocation_id, blob_id)?;
+        let key = &self.blob_key(inv, blob_id)?;
         let (content_type, bytes): (Option<Vec<u8>>, Option<Vec<u8>>) = self
             .run("get_blob", |mut conn| async move {
                 redis::cmd("HMGET")

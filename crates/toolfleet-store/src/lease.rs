@@ -5,7 +5,7 @@
 //! orchestrator that ran it died, and wrong when it is alive but cut off
 //! from NATS longer than the ack wait (its in-progress acks do not arrive,
 //! so NATS hands the job to another orchestrator). The lease tells the two
-//! apart: the run that holds the claim also holds `<p>:{<inv>}:lease`
+//! apart: the run that holds the claim also holds `<p>:{<t>/<inv>}:lease`
 //! (its holder id, with a short TTL) and renews it while it runs. A
 //! redelivery finds the lease live and waits; once the holder stops
 //! renewing (it died, or lost Redis too) the lease lapses and the next
@@ -14,7 +14,7 @@
 
 use std::time::Duration;
 
-use crate::{CitationError, CitationStore};
+use crate::{CitationError, CitationStore, InvocationKey};
 
 /// Takes the lease when it is free or already `holder`'s, for `ttl`;
 /// otherwise answers who holds it and for how long yet. One script, so
@@ -44,33 +44,30 @@ pub enum Lease {
 }
 
 impl CitationStore {
-    /// Takes or renews the run lease of `invocation_id` for `holder` (a
+    /// Takes or renews the run lease of the invocation for `holder` (a
     /// run's unique id) for `ttl`. Safe to repeat: a renewal that ran
     /// before the connection broke is found held by the same holder.
     pub async fn lease(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         holder: &str,
         ttl: Duration,
     ) -> Result<Lease, CitationError> {
-        Ok(self.lease_script(invocation_id, holder, ttl, None).await?.0)
+        Ok(self.lease_script(inv, holder, ttl, false).await?.0)
     }
 
-    /// [`CitationStore::lease`], and in the same round trip whether
-    /// `tenant` cancelled the invocation
-    /// ([`CitationStore::mark_cancelled`]): a run renewing its lease also
-    /// learns of a cancel whose message it missed (it was disconnected
-    /// when the cancel was published, and another orchestrator wrote the
-    /// tombstone).
+    /// [`CitationStore::lease`], and in the same round trip whether the
+    /// invocation was cancelled ([`CitationStore::mark_cancelled`]): a run
+    /// renewing its lease also learns of a cancel whose message it missed
+    /// (it was disconnected when the cancel was published, and another
+    /// orchestrator wrote the tombstone).
     pub async fn renew_lease(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         holder: &str,
-        tenant: &str,
         ttl: Duration,
     ) -> Result<(Lease, bool), CitationError> {
-        self.lease_script(invocation_id, holder, ttl, Some(tenant))
-            .await
+        self.lease_script(inv, holder, ttl, true).await
     }
 
     /// Gives the lease up if `holder` holds it (a run that parked its
@@ -78,7 +75,7 @@ impl CitationStore {
     /// repeat.
     pub async fn release_lease(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         holder: &str,
     ) -> Result<(), CitationError> {
         static SCRIPT: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
@@ -87,7 +84,7 @@ impl CitationStore {
             )
         });
         let mut invocation = SCRIPT.prepare_invoke();
-        invocation.key(self.key(invocation_id, "lease")).arg(holder);
+        invocation.key(self.key(inv, "lease")).arg(holder);
         let invocation = &invocation;
         self.run("release_lease", |mut conn| async move {
             invocation.invoke_async::<i64>(&mut conn).await
@@ -98,17 +95,17 @@ impl CitationStore {
 
     async fn lease_script(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         holder: &str,
         ttl: Duration,
-        tombstone_of: Option<&str>,
+        read_tombstone: bool,
     ) -> Result<(Lease, bool), CitationError> {
         static SCRIPT: std::sync::LazyLock<redis::Script> =
             std::sync::LazyLock::new(|| redis::Script::new(LEASE));
         let mut invocation = SCRIPT.prepare_invoke();
-        invocation.key(self.key(invocation_id, "lease"));
-        if let Some(tenant) = tombstone_of {
-            invocation.key(self.tombstone(invocation_id, tenant));
+        invocation.key(self.key(inv, "lease"));
+        if read_tombstone {
+            invocation.key(self.tombstone(inv));
         }
         invocation.arg(holder).arg(ttl.as_millis().max(1) as u64);
         let invocation = &invocation;

@@ -1,20 +1,24 @@
 //! toolfleet-store: citations and the result ledger in Redis.
 //!
 //! This is the only crate that speaks Redis (rendering for readers is
-//! `toolfleet_protocol::references`). Per invocation, with one hash
-//! tag so a cluster keeps the keys in one slot:
+//! `toolfleet_protocol::references`). Invocation ids are chosen by
+//! clients, so they are unique per tenant only: every key of an
+//! invocation names its tenant and its id ([`InvocationKey`]), and one
+//! tenant's id never blocks, reveals or reaches another's. Per invocation,
+//! with one hash tag (`{<tenant>/<inv>}`) so a cluster keeps the keys in
+//! one slot:
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `<p>:{<inv>}:seq` | string (INCR) | the shared reference counter: `[doc:N]` never collide |
-//! | `<p>:{<inv>}:refs` | hash | `[doc:N]` → reference JSON |
-//! | `<p>:{<inv>}:call:<call>` | string | the indices a call reserved, so a redelivered job reuses them |
-//! | `<p>:{<inv>}:result:<call>` | string | the result ledger: a redelivered job returns the stored result |
-//! | `<p>:{<inv>}:cancelled:<tenant>` | string | a cancel tombstone of the invocation's tenant: a job that starts after its cancel is not run (a cancel sent under another tenant is kept apart and stops nothing) |
-//! | `<p>:{<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation (`:finished` appended when its run ended) |
-//! | `<p>:{<inv>}:lease` | string (short TTL) | the run holding the claim, renewed while it runs ([`Lease`]): a redelivery waits while it is live |
-//! | `<p>:{<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
-//! | `<p>:{<inv>}:blob:<id>` | hash (`type`, `bytes`) | a tool's binary output ([`Blob`], at most [`MAX_BLOB_BYTES`]), read by its `toolfleet-blob:` URI |
+//! | `<p>:{<t>/<inv>}:seq` | string (INCR) | the shared reference counter: `[doc:N]` never collide |
+//! | `<p>:{<t>/<inv>}:refs` | hash | `[doc:N]` → reference JSON |
+//! | `<p>:{<t>/<inv>}:call:<call>` | string | the indices a call reserved, so a redelivered job reuses them |
+//! | `<p>:{<t>/<inv>}:result:<call>` | string | the result ledger: a redelivered job returns the stored result |
+//! | `<p>:{<t>/<inv>}:cancelled` | string | the cancel tombstone: a job that starts after its cancel is not run |
+//! | `<p>:{<t>/<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation (`:finished` appended when its run ended) |
+//! | `<p>:{<t>/<inv>}:lease` | string (short TTL) | the run holding the claim, renewed while it runs ([`Lease`]): a redelivery waits while it is live |
+//! | `<p>:{<t>/<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
+//! | `<p>:{<t>/<inv>}:blob:<id>` | hash (`type`, `bytes`) | a tool's binary output ([`Blob`], at most [`MAX_BLOB_BYTES`]), read by its `toolfleet-blob:` URI |
 //!
 //! Every key carries the TTL. References are written by one Lua script, so
 //! a reservation is atomic: the counter, the hash and the call's indices move
@@ -29,8 +33,8 @@
 //!   the one connection type every command goes through.
 //! - `blob`: [`Blob`]s, the binary outputs of tools
 //!   ([`CitationStore::put_blob`], [`CitationStore::get_blob`]), scoped
-//!   like references by invocation (an invocation id belongs to one
-//!   tenant) and never larger than [`MAX_BLOB_BYTES`].
+//!   like references by tenant and invocation, and never larger than
+//!   [`MAX_BLOB_BYTES`].
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
@@ -199,6 +203,54 @@ pub enum Claim {
     Other(String),
 }
 
+/// Whose invocation a key belongs to: its tenant and its id. Invocation
+/// ids are the client's choice and unique within a tenant only, so every
+/// key of an invocation names both — the same id under two tenants is two
+/// invocations with nothing in common.
+///
+/// Both parts are 1-64 (tenant) and 1-128 (id) of `[A-Za-z0-9_-]` as the
+/// contract has them ([`toolfleet_protocol::valid_tenant`],
+/// [`toolfleet_protocol::valid_invocation_id`]), so the hash tag
+/// `{<tenant>/<id>}` is unambiguous. The tenant is the one the fleet
+/// decided (the submit subject's, or a tool job's `Toolfleet-Tenant`
+/// header), never one a job body names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct InvocationKey<'a> {
+    tenant: &'a str,
+    invocation_id: &'a str,
+}
+
+impl<'a> InvocationKey<'a> {
+    /// The invocation `invocation_id` of `tenant`.
+    pub fn new(tenant: &'a str, invocation_id: &'a str) -> Self {
+        Self {
+            tenant,
+            invocation_id,
+        }
+    }
+
+    /// The key of the invocation a tool call belongs to (its tenant from
+    /// the job's `Toolfleet-Tenant` header).
+    pub fn of_call(call: &'a toolfleet_protocol::CallContext) -> Self {
+        Self::new(call.invocation.tenant(), &call.invocation.invocation_id)
+    }
+
+    pub fn tenant(&self) -> &'a str {
+        self.tenant
+    }
+
+    pub fn invocation_id(&self) -> &'a str {
+        self.invocation_id
+    }
+}
+
+impl std::fmt::Display for InvocationKey<'_> {
+    /// `<tenant>/<invocation id>`, as in the keys' hash tag.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.tenant, self.invocation_id)
+    }
+}
+
 /// A reference before it has an index.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewReference {
@@ -276,14 +328,15 @@ impl CitationStore {
         .await
     }
 
-    /// The key layout, in one place.
-    pub fn key(&self, invocation_id: &str, part: &str) -> String {
-        format!("{}:{{{invocation_id}}}:{part}", self.prefix)
+    /// The key layout, in one place: `<p>:{<tenant>/<id>}:<part>`, one
+    /// hash tag per invocation of a tenant.
+    pub fn key(&self, inv: InvocationKey<'_>, part: &str) -> String {
+        format!("{}:{{{inv}}}:{part}", self.prefix)
     }
 
-    /// The cancel tombstone `tenant` leaves on an invocation.
-    fn tombstone(&self, invocation_id: &str, tenant: &str) -> String {
-        self.key(invocation_id, &format!("cancelled:{tenant}"))
+    /// The invocation's cancel tombstone.
+    fn tombstone(&self, inv: InvocationKey<'_>) -> String {
+        self.key(inv, "cancelled")
     }
 
     pub fn ttl(&self) -> Duration {
@@ -303,31 +356,32 @@ impl CitationStore {
     /// always above it, even when Redis lost the counter.
     pub async fn reserve(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         reservation: &str,
         call_id: &str,
         tool_id: &str,
         refs: Vec<NewReference>,
         floor: u64,
     ) -> Result<Vec<Reference>, CitationError> {
-        let mut inv = self.reserve.prepare_invoke();
-        inv.key(self.key(invocation_id, "seq"))
-            .key(self.key(invocation_id, "refs"))
-            .key(self.key(invocation_id, &format!("call:{reservation}")))
+        let mut script = self.reserve.prepare_invoke();
+        script
+            .key(self.key(inv, "seq"))
+            .key(self.key(inv, "refs"))
+            .key(self.key(inv, &format!("call:{reservation}")))
             .arg(self.ttl.as_secs().max(1))
             .arg(floor);
         let mut stored = Vec::with_capacity(refs.len());
         for r in refs {
             let reference = r.cited(0, tool_id, call_id);
-            inv.arg(toolfleet_protocol::encode(&reference).to_vec());
+            script.arg(toolfleet_protocol::encode(&reference).to_vec());
             stored.push(reference);
         }
         // Safe to repeat: the reservation key makes a second run return
         // the first run's indices.
-        let inv = &inv;
+        let script = &script;
         let indices: String = self
             .run("reserve", |mut conn| async move {
-                inv.invoke_async(&mut conn).await
+                script.invoke_async(&mut conn).await
             })
             .await?;
         let indices = indices
@@ -359,8 +413,11 @@ impl CitationStore {
     }
 
     /// Every reference of the invocation, sorted by index.
-    pub async fn references(&self, invocation_id: &str) -> Result<Vec<Reference>, CitationError> {
-        let key = &self.key(invocation_id, "refs");
+    pub async fn references(
+        &self,
+        inv: InvocationKey<'_>,
+    ) -> Result<Vec<Reference>, CitationError> {
+        let key = &self.key(inv, "refs");
         let all: HashMap<String, String> = self
             .run(
                 "references",
@@ -389,17 +446,16 @@ impl CitationStore {
 
     /// Before a tool call runs, in one round trip: the stored result of an
     /// earlier attempt of this call, if any, and whether the invocation
-    /// was cancelled under `tenant` (both keys share the invocation's hash
-    /// tag, so this works on a cluster too).
+    /// was cancelled (both keys share the invocation's hash tag, so this
+    /// works on a cluster too).
     pub async fn ledger_and_cancel(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         call_id: &str,
-        tenant: &str,
     ) -> Result<(Option<ToolResult>, bool), CitationError> {
         let keys = &[
-            self.key(invocation_id, &format!("result:{call_id}")),
-            self.tombstone(invocation_id, tenant),
+            self.key(inv, &format!("result:{call_id}")),
+            self.tombstone(inv),
         ];
         let (result, cancelled): (Option<String>, Option<String>) = self
             .run("ledger_and_cancel", |mut conn| async move {
@@ -412,15 +468,12 @@ impl CitationStore {
         ))
     }
 
-    /// Remembers that `tenant` cancelled the invocation (for the store's
-    /// TTL), so a job of that tenant still queued when its cancel arrived
-    /// is not run later.
-    pub async fn mark_cancelled(
-        &self,
-        invocation_id: &str,
-        tenant: &str,
-    ) -> Result<(), CitationError> {
-        let key = &self.tombstone(invocation_id, tenant);
+    /// Remembers that the invocation was cancelled (for the store's TTL),
+    /// so a job of it still queued when its cancel arrived is not run
+    /// later. The same id under another tenant is another invocation: its
+    /// cancel stops nothing here.
+    pub async fn mark_cancelled(&self, inv: InvocationKey<'_>) -> Result<(), CitationError> {
+        let key = &self.tombstone(inv);
         let ttl = self.ttl.as_secs().max(1);
         self.run("mark_cancelled", |mut conn| async move {
             conn.set_ex::<_, _, ()>(key, "1", ttl).await
@@ -428,14 +481,9 @@ impl CitationStore {
         .await
     }
 
-    /// Was the invocation cancelled under `tenant`
-    /// ([`CitationStore::mark_cancelled`])?
-    pub async fn is_cancelled(
-        &self,
-        invocation_id: &str,
-        tenant: &str,
-    ) -> Result<bool, CitationError> {
-        let key = &self.tombstone(invocation_id, tenant);
+    /// Was the invocation cancelled ([`CitationStore::mark_cancelled`])?
+    pub async fn is_cancelled(&self, inv: InvocationKey<'_>) -> Result<bool, CitationError> {
+        let key = &self.tombstone(inv);
         self.run(
             "is_cancelled",
             |mut conn| async move { conn.exists(key).await },
@@ -443,24 +491,25 @@ impl CitationStore {
         .await
     }
 
-    /// Stores `result` in the ledger: a later delivery of its call returns
-    /// it ([`CitationStore::ledger_and_cancel`]).
-    pub async fn ledger_put(&self, result: &ToolResult) -> Result<(), CitationError> {
+    /// Stores `result` (of an invocation of `tenant`) in the ledger: a
+    /// later delivery of its call returns it
+    /// ([`CitationStore::ledger_and_cancel`]).
+    pub async fn ledger_put(&self, tenant: &str, result: &ToolResult) -> Result<(), CitationError> {
         let json = serde_json::to_vec(result)
             .map_err(|e| CitationError::new(ErrorKind::Corrupt, e.to_string()))?;
-        self.ledger_put_json(&result.invocation_id, &result.call_id, &json)
-            .await
+        let inv = InvocationKey::new(tenant, &result.invocation_id);
+        self.ledger_put_json(inv, &result.call_id, &json).await
     }
 
     /// [`CitationStore::ledger_put`] of a result already encoded as JSON
     /// (a worker encodes it once, for the ledger and for its reply).
     pub async fn ledger_put_json(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         call_id: &str,
         json: &[u8],
     ) -> Result<(), CitationError> {
-        let key = &self.key(invocation_id, &format!("result:{call_id}"));
+        let key = &self.key(inv, &format!("result:{call_id}"));
         let ttl = self.ttl.as_secs().max(1);
         // Safe to repeat: the same value under the same key.
         self.run("ledger_put", |mut conn| async move {
@@ -469,25 +518,25 @@ impl CitationStore {
         .await
     }
 
-    /// Stores many encoded results at once (`(invocation id, call id,
-    /// JSON)`): one pipeline on a single server; on a cluster, where each
+    /// Stores many encoded results at once (`(invocation, call id, JSON)`):
+    /// one pipeline on a single server; on a cluster, where each
     /// invocation's keys live in their own slot, one write per result, all
     /// at once. All or nothing as far as the caller knows: an error means
     /// some may be stored, and repeating them is safe.
     pub async fn ledger_put_many(
         &self,
-        results: &[(&str, &str, &[u8])],
+        results: &[(InvocationKey<'_>, &str, &[u8])],
     ) -> Result<(), CitationError> {
         match results {
             [] => return Ok(()),
-            [(inv, call, json)] => return self.ledger_put_json(inv, call, json).await,
+            [(inv, call, json)] => return self.ledger_put_json(*inv, call, json).await,
             _ => {}
         }
         let ttl = self.ttl.as_secs().max(1);
         if matches!(self.conn, Conn::Cluster(_)) {
             let writes = results
                 .iter()
-                .map(|(inv, call, json)| self.ledger_put_json(inv, call, json));
+                .map(|(inv, call, json)| self.ledger_put_json(*inv, call, json));
             for outcome in futures::future::join_all(writes).await {
                 outcome?;
             }
@@ -495,7 +544,7 @@ impl CitationStore {
         }
         let mut pipe = redis::pipe();
         for (inv, call, json) in results {
-            pipe.set_ex(self.key(inv, &format!("result:{call}")), *json, ttl)
+            pipe.set_ex(self.key(*inv, &format!("result:{call}")), *json, ttl)
                 .ignore();
         }
         let pipe = &pipe;
@@ -510,8 +559,15 @@ impl CitationStore {
     /// job that carries it), once: the first claim wins for the store's
     /// TTL; the same owner claiming again (a redelivery of that message)
     /// continues; any other owner is told who holds it.
-    pub async fn claim(&self, invocation_id: &str, owner: &str) -> Result<Claim, CitationError> {
-        let key = &self.key(invocation_id, "owner");
+    ///
+    /// The claim is the tenant's: another tenant's invocation of the same
+    /// id is claimed apart and never learns of this one.
+    pub async fn claim(
+        &self,
+        inv: InvocationKey<'_>,
+        owner: &str,
+    ) -> Result<Claim, CitationError> {
+        let key = &self.key(inv, "owner");
         let ttl = self.ttl.as_secs().max(1);
         // Safe to repeat: a SET NX that ran before the connection broke is
         // found on the next try as "held by this owner", i.e. `Again`.
@@ -550,12 +606,12 @@ impl CitationStore {
     /// in case it was lost with the connection that lost the ack.
     pub async fn finish(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         owner: &str,
         terminal_event: &[u8],
     ) -> Result<(), CitationError> {
-        let key = &self.key(invocation_id, "owner");
-        let event_key = &self.key(invocation_id, "terminal");
+        let key = &self.key(inv, "owner");
+        let event_key = &self.key(inv, "terminal");
         let ttl = self.ttl.as_secs().max(1);
         let value = &format!("{owner}{FINISHED}");
         // The event first: a finished claim always has its event.
@@ -570,9 +626,9 @@ impl CitationStore {
     /// The terminal event stored by [`CitationStore::finish`].
     pub async fn terminal_event(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
     ) -> Result<Option<Vec<u8>>, CitationError> {
-        let key = &self.key(invocation_id, "terminal");
+        let key = &self.key(inv, "terminal");
         self.run(
             "terminal_event",
             |mut conn| async move { conn.get(key).await },
@@ -585,10 +641,10 @@ impl CitationStore {
     /// than the TTL for a person, and its id must stay claimed meanwhile.
     pub async fn keep_claim(
         &self,
-        invocation_id: &str,
+        inv: InvocationKey<'_>,
         at_least: Duration,
     ) -> Result<(), CitationError> {
-        let key = &self.key(invocation_id, "owner");
+        let key = &self.key(inv, "owner");
         let secs =
             i64::try_from(at_least.as_secs().max(self.ttl.as_secs()).max(1)).unwrap_or(i64::MAX);
         self.run("keep_claim", |mut conn| async move {

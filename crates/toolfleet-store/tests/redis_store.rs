@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use toolfleet_protocol::{ToolResult, ToolStatus};
 use toolfleet_store::{
-    Blob, CitationStore, Claim, ErrorKind, MAX_BLOB_BYTES, NewReference, RedisOptions,
+    Blob, CitationStore, Claim, ErrorKind, InvocationKey, MAX_BLOB_BYTES, NewReference,
+    RedisOptions,
 };
 use toolfleet_testkit::redis_cluster::{ClusterOptions, ClusterTls, RedisCluster};
 use toolfleet_testkit::servers::{RedisServer, free_port};
@@ -31,6 +32,16 @@ fn refs(titles: &[&str]) -> Vec<NewReference> {
             snippet: Some(format!("about {t}")),
         })
         .collect()
+}
+
+/// Invocation `id` of `tenant`.
+fn of<'a>(tenant: &'a str, id: &'a str) -> InvocationKey<'a> {
+    InvocationKey::new(tenant, id)
+}
+
+/// Invocation `id` of tenant `acme`.
+fn acme(id: &str) -> InvocationKey<'_> {
+    of("acme", id)
 }
 
 fn indices(r: &[toolfleet_protocol::Reference]) -> Vec<u64> {
@@ -134,7 +145,7 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     ))
     .await
     .unwrap();
-    let first = within(store.reserve("inv-o", "c1", "c1", "t", refs(&["a"]), 0))
+    let first = within(store.reserve(acme("inv-o"), "c1", "c1", "t", refs(&["a"]), 0))
         .await
         .unwrap();
     assert_eq!(indices(&first), [1]);
@@ -144,11 +155,11 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     // reservation also finds the script cache empty and loads it again.
     let s = store.clone();
     let reserve =
-        tokio::spawn(async move { s.reserve("inv-o", "c2", "c2", "t", refs(&["b"]), 1).await });
+        tokio::spawn(async move { s.reserve(acme("inv-o"), "c2", "c2", "t", refs(&["b"]), 1).await });
     let s = store.clone();
-    let cancel = tokio::spawn(async move { s.mark_cancelled("inv-o", "acme").await });
+    let cancel = tokio::spawn(async move { s.mark_cancelled(of("acme", "inv-o")).await });
     let s = store.clone();
-    let put = tokio::spawn(async move { s.ledger_put(&result("inv-o", "c2")).await });
+    let put = tokio::spawn(async move { s.ledger_put("acme", &result("inv-o", "c2")).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         !reserve.is_finished() && !cancel.is_finished() && !put.is_finished(),
@@ -168,8 +179,8 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     assert_eq!(indices(&second), [2]);
     within(cancel).await.unwrap().unwrap();
     within(put).await.unwrap().unwrap();
-    assert!(within(store.is_cancelled("inv-o", "acme")).await.unwrap());
-    let stored = within(store.ledger_and_cancel("inv-o", "c2", "acme"))
+    assert!(within(store.is_cancelled(of("acme", "inv-o"))).await.unwrap());
+    let stored = within(store.ledger_and_cancel(of("acme", "inv-o"), "c2"))
         .await
         .unwrap()
         .0
@@ -201,7 +212,7 @@ async fn redis_gone_past_the_budget_fails_as_unavailable_without_the_password() 
     drop(redis);
 
     let started = Instant::now();
-    let err = within(store.claim("inv-gone", "seq-1")).await.unwrap_err();
+    let err = within(store.claim(acme("inv-gone"), "seq-1")).await.unwrap_err();
     let elapsed = started.elapsed();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     assert!(err.is_unavailable());
@@ -231,15 +242,15 @@ async fn an_error_that_is_not_transient_fails_at_once() {
     let mut raw = client.get_multiplexed_async_connection().await.unwrap();
     // Something else wrote a string where the references hash belongs.
     let _: () = redis::cmd("SET")
-        .arg(store.key("inv-w", "refs"))
+        .arg(store.key(acme("inv-w"), "refs"))
         .arg("not a hash")
         .query_async(&mut raw)
         .await
         .unwrap();
-    let err = within(store.references("inv-w")).await.unwrap_err();
+    let err = within(store.references(acme("inv-w"))).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Rejected, "{err}");
     assert!(err.to_string().contains("WRONGTYPE"), "{err}");
-    let err = within(store.reserve("inv-w", "c", "c", "t", refs(&["x"]), 0))
+    let err = within(store.reserve(acme("inv-w"), "c", "c", "t", refs(&["x"]), 0))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Rejected, "{err}");
@@ -251,12 +262,12 @@ async fn reservations_stay_above_the_floor_after_a_restart_lost_the_counter() {
     let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
         .await
         .unwrap();
-    let a = within(store.reserve("inv-f", "a", "a", "t", refs(&["1", "2", "3"]), 0))
+    let a = within(store.reserve(acme("inv-f"), "a", "a", "t", refs(&["1", "2", "3"]), 0))
         .await
         .unwrap();
     assert_eq!(indices(&a), [1, 2, 3]);
     // A redelivery of the same reservation reuses its indices.
-    let again = within(store.reserve("inv-f", "a", "a", "t", refs(&["1", "2", "3"]), 0))
+    let again = within(store.reserve(acme("inv-f"), "a", "a", "t", refs(&["1", "2", "3"]), 0))
         .await
         .unwrap();
     assert_eq!(indices(&again), [1, 2, 3]);
@@ -269,16 +280,16 @@ async fn reservations_stay_above_the_floor_after_a_restart_lost_the_counter() {
     })
     .await
     .unwrap();
-    let b = within(store.reserve("inv-f", "b", "b", "t", refs(&["4", "5"]), 3))
+    let b = within(store.reserve(acme("inv-f"), "b", "b", "t", refs(&["4", "5"]), 3))
         .await
         .unwrap();
     assert_eq!(indices(&b), [4, 5], "never an index at or below the floor");
     // A floor below the counter does not pull it back.
-    let c = within(store.reserve("inv-f", "c", "c", "t", refs(&["6"]), 1))
+    let c = within(store.reserve(acme("inv-f"), "c", "c", "t", refs(&["6"]), 1))
         .await
         .unwrap();
     assert_eq!(indices(&c), [6]);
-    let all = within(store.references("inv-f")).await.unwrap();
+    let all = within(store.references(acme("inv-f"))).await.unwrap();
     assert_eq!(indices(&all), [4, 5, 6]);
     assert_eq!(all[0].title, "4");
     assert_eq!(all[0].call_id.as_deref(), Some("b"));
@@ -292,7 +303,7 @@ async fn reservations_stay_above_the_floor_after_a_restart_lost_the_counter() {
     })
     .await
     .unwrap();
-    let d = within(store.reserve("inv-f", "d", "d", "t", refs(&["7"]), 6))
+    let d = within(store.reserve(acme("inv-f"), "d", "d", "t", refs(&["7"]), 6))
         .await
         .unwrap();
     assert_eq!(indices(&d), [7]);
@@ -305,40 +316,102 @@ async fn an_invocation_is_claimed_once() {
         .await
         .unwrap();
     assert_eq!(
-        within(store.claim("inv-c", "17")).await.unwrap(),
+        within(store.claim(acme("inv-c"), "17")).await.unwrap(),
         Claim::New
     );
     assert_eq!(
-        within(store.claim("inv-c", "17")).await.unwrap(),
+        within(store.claim(acme("inv-c"), "17")).await.unwrap(),
         Claim::Again
     );
     assert_eq!(
-        within(store.claim("inv-c", "18")).await.unwrap(),
+        within(store.claim(acme("inv-c"), "18")).await.unwrap(),
         Claim::Other("17".into())
     );
     assert_eq!(
-        within(store.claim("inv-d", "18")).await.unwrap(),
+        within(store.claim(acme("inv-d"), "18")).await.unwrap(),
         Claim::New
     );
     // The run of 17 ended: its redelivery is told so; others still not.
-    within(store.finish("inv-c", "17", b"{\"seq\":3}"))
+    within(store.finish(acme("inv-c"), "17", b"{\"seq\":3}"))
         .await
         .unwrap();
     assert_eq!(
-        within(store.terminal_event("inv-c"))
+        within(store.terminal_event(acme("inv-c")))
             .await
             .unwrap()
             .as_deref(),
         Some(&b"{\"seq\":3}"[..])
     );
     assert_eq!(
-        within(store.claim("inv-c", "17")).await.unwrap(),
+        within(store.claim(acme("inv-c"), "17")).await.unwrap(),
         Claim::Finished
     );
     assert!(matches!(
-        within(store.claim("inv-c", "18")).await.unwrap(),
+        within(store.claim(acme("inv-c"), "18")).await.unwrap(),
         Claim::Other(_)
     ));
+}
+
+/// Ids are per tenant: the same invocation id under two tenants is two
+/// invocations. Each claims it, runs under its own lease, counts its own
+/// citations, keeps its own ledger, terminal event, tombstone and blobs;
+/// nothing one writes is read by the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_id_under_two_tenants_shares_nothing() {
+    use toolfleet_store::Lease;
+    let redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    let (acme, globex) = (of("acme", "inv-same"), of("globex", "inv-same"));
+    // The attacker claims first; the victim's claim is its own.
+    assert_eq!(within(store.claim(acme, "7")).await.unwrap(), Claim::New);
+    assert_eq!(within(store.claim(globex, "9")).await.unwrap(), Claim::New);
+    let long = Duration::from_secs(30);
+    assert_eq!(within(store.lease(acme, "a", long)).await.unwrap(), Lease::Held);
+    assert_eq!(within(store.lease(globex, "g", long)).await.unwrap(), Lease::Held);
+    // Citations: each from [doc:1], each its own hash.
+    let a = within(store.reserve(acme, "c1", "c1", "t", refs(&["acme-doc"]), 0))
+        .await
+        .unwrap();
+    let g = within(store.reserve(globex, "c1", "c1", "t", refs(&["globex-canary"]), 0))
+        .await
+        .unwrap();
+    assert_eq!((indices(&a), indices(&g)), (vec![1], vec![1]));
+    let acme_refs = within(store.references(acme)).await.unwrap();
+    assert_eq!(acme_refs.len(), 1);
+    assert_eq!(acme_refs[0].title, "acme-doc");
+    assert_eq!(
+        within(store.references(globex)).await.unwrap()[0].title,
+        "globex-canary"
+    );
+    // The ledger: globex's stored result is not acme's replay.
+    within(store.ledger_put("globex", &result("inv-same", "c1")))
+        .await
+        .unwrap();
+    assert_eq!(
+        within(store.ledger_and_cancel(acme, "c1")).await.unwrap(),
+        (None, false)
+    );
+    assert!(
+        within(store.ledger_and_cancel(globex, "c1"))
+            .await
+            .unwrap()
+            .0
+            .is_some()
+    );
+    // A cancel, a finished run and a blob stay with their tenant.
+    within(store.mark_cancelled(acme)).await.unwrap();
+    assert!(!within(store.is_cancelled(globex)).await.unwrap());
+    within(store.finish(acme, "7", b"acme's end")).await.unwrap();
+    assert_eq!(within(store.terminal_event(globex)).await.unwrap(), None);
+    assert_eq!(within(store.claim(globex, "9")).await.unwrap(), Claim::Again);
+    within(store.put_blob(globex, "c1.1", "text/plain", b"globex canary"))
+        .await
+        .unwrap();
+    assert_eq!(within(store.get_blob(acme, "c1.1")).await.unwrap(), None);
+    // One hash tag per tenant's invocation.
+    assert_eq!(store.key(globex, "refs"), "tf:{globex/inv-same}:refs");
 }
 
 /// Many results go to the ledger in one write (a pipeline), each under
@@ -356,14 +429,14 @@ async fn many_results_are_written_to_the_ledger_at_once() {
             (r.invocation_id, r.call_id, json)
         })
         .collect();
-    let batch: Vec<(&str, &str, &[u8])> = encoded
+    let batch: Vec<(InvocationKey<'_>, &str, &[u8])> = encoded
         .iter()
-        .map(|(i, c, j)| (i.as_str(), c.as_str(), j.as_slice()))
+        .map(|(i, c, j)| (acme(i), c.as_str(), j.as_slice()))
         .collect();
     within(store.ledger_put_many(&batch)).await.unwrap();
     within(store.ledger_put_many(&[])).await.unwrap();
     for (inv, call, _) in &encoded {
-        let got = within(store.ledger_and_cancel(inv, call, "acme"))
+        let got = within(store.ledger_and_cancel(of("acme", inv), call))
             .await
             .unwrap()
             .0
@@ -373,7 +446,7 @@ async fn many_results_are_written_to_the_ledger_at_once() {
     }
     // Each with the store's TTL.
     let ttl: i64 = redis::cmd("TTL")
-        .arg("tf:{inv-1}:result:call-5")
+        .arg("tf:{acme/inv-1}:result:call-5")
         .query_async(
             &mut redis::Client::open(redis.url())
                 .unwrap()
@@ -397,10 +470,10 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
         .unwrap();
     // Every byte value, and a NUL-heavy run: binary, not text.
     let png: Vec<u8> = (0..=255u8).cycle().take(300_000).collect();
-    within(store.put_blob("inv-b", "call-1.1", "image/png", &png))
+    within(store.put_blob(acme("inv-b"), "call-1.1", "image/png", &png))
         .await
         .unwrap();
-    let got = within(store.get_blob("inv-b", "call-1.1"))
+    let got = within(store.get_blob(acme("inv-b"), "call-1.1"))
         .await
         .unwrap()
         .expect("stored");
@@ -421,7 +494,7 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
     )
     .await
     .unwrap();
-    let key = "tf:{inv-b}:blob:call-1.1";
+    let key = "tf:{acme/inv-b}:blob:call-1.1";
     let ttl: i64 = redis::cmd("TTL")
         .arg(key)
         .query_async(&mut raw)
@@ -437,10 +510,10 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
     assert_eq!(kind, "image/png");
 
     // The same id again (a redelivered job) replaces the blob whole.
-    within(store.put_blob("inv-b", "call-1.1", "image/jpeg", b"jpeg"))
+    within(store.put_blob(acme("inv-b"), "call-1.1", "image/jpeg", b"jpeg"))
         .await
         .unwrap();
-    let again = within(store.get_blob("inv-b", "call-1.1"))
+    let again = within(store.get_blob(acme("inv-b"), "call-1.1"))
         .await
         .unwrap()
         .unwrap();
@@ -454,24 +527,24 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
         .await
         .unwrap();
     assert_eq!(
-        within(store.get_blob("inv-b", "call-1.2")).await.unwrap(),
+        within(store.get_blob(acme("inv-b"), "call-1.2")).await.unwrap(),
         None
     );
     assert_eq!(
-        within(store.get_blob("inv-c", "call-1.1")).await.unwrap(),
+        within(store.get_blob(acme("inv-c"), "call-1.1")).await.unwrap(),
         None
     );
     assert_eq!(
-        within(other_fleet.get_blob("inv-b", "call-1.1"))
+        within(other_fleet.get_blob(acme("inv-b"), "call-1.1"))
             .await
             .unwrap(),
         None
     );
-    within(other_fleet.put_blob("inv-b", "call-1.1", "text/plain", b"theirs"))
+    within(other_fleet.put_blob(acme("inv-b"), "call-1.1", "text/plain", b"theirs"))
         .await
         .unwrap();
     assert_eq!(
-        within(store.get_blob("inv-b", "call-1.1"))
+        within(store.get_blob(acme("inv-b"), "call-1.1"))
             .await
             .unwrap()
             .unwrap()
@@ -481,31 +554,31 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
 
     // Refused before anything is sent: past the cap, a bad id or type.
     let big = vec![7u8; MAX_BLOB_BYTES + 1];
-    let err = within(store.put_blob("inv-b", "call-2.1", "image/png", &big))
+    let err = within(store.put_blob(acme("inv-b"), "call-2.1", "image/png", &big))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::TooLarge, "{err}");
     assert!(err.to_string().contains("32 MiB"), "{err}");
-    let err = within(store.put_blob("inv-b", "a:b", "image/png", b"x"))
+    let err = within(store.put_blob(acme("inv-b"), "a:b", "image/png", b"x"))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
-    let err = within(store.put_blob("inv-b", "call-2.1", "png", b"x"))
+    let err = within(store.put_blob(acme("inv-b"), "call-2.1", "png", b"x"))
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Invalid, "{err}");
     let keys: Vec<String> = redis::cmd("KEYS")
-        .arg("tf:{inv-b}:blob:*")
+        .arg("tf:{acme/inv-b}:blob:*")
         .query_async(&mut raw)
         .await
         .unwrap();
     assert_eq!(keys, [key]);
     // Exactly at the cap is fine.
     let cap = vec![1u8; MAX_BLOB_BYTES];
-    within(store.put_blob("inv-b", "call-3.1", "application/octet-stream", &cap))
+    within(store.put_blob(acme("inv-b"), "call-3.1", "application/octet-stream", &cap))
         .await
         .unwrap();
-    let got = within(store.get_blob("inv-b", "call-3.1"))
+    let got = within(store.get_blob(acme("inv-b"), "call-3.1"))
         .await
         .unwrap()
         .unwrap();
@@ -513,13 +586,13 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
 
     // A key that is not a whole blob is reported, not taken for one.
     let _: () = redis::cmd("HSET")
-        .arg("tf:{inv-b}:blob:half")
+        .arg("tf:{acme/inv-b}:blob:half")
         .arg("type")
         .arg("image/png")
         .query_async(&mut raw)
         .await
         .unwrap();
-    let err = within(store.get_blob("inv-b", "half")).await.unwrap_err();
+    let err = within(store.get_blob(acme("inv-b"), "half")).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }
 
@@ -534,14 +607,14 @@ async fn a_run_lease_is_held_renewed_and_lapses() {
         .unwrap();
     let long = Duration::from_secs(30);
     assert_eq!(
-        within(store.lease("inv-l", "a", long)).await.unwrap(),
+        within(store.lease(acme("inv-l"), "a", long)).await.unwrap(),
         Lease::Held
     );
     assert_eq!(
-        within(store.lease("inv-l", "a", long)).await.unwrap(),
+        within(store.lease(acme("inv-l"), "a", long)).await.unwrap(),
         Lease::Held
     );
-    match within(store.lease("inv-l", "b", long)).await.unwrap() {
+    match within(store.lease(acme("inv-l"), "b", long)).await.unwrap() {
         Lease::Busy { holder, left } => {
             assert_eq!(holder, "a");
             assert!(left > Duration::from_secs(20) && left <= long, "{left:?}");
@@ -550,51 +623,51 @@ async fn a_run_lease_is_held_renewed_and_lapses() {
     }
     // Another invocation's lease is its own.
     assert_eq!(
-        within(store.lease("inv-m", "b", long)).await.unwrap(),
+        within(store.lease(acme("inv-m"), "b", long)).await.unwrap(),
         Lease::Held
     );
     // Not renewed, it lapses, and the next holder takes it.
     let short = Duration::from_millis(200);
     assert_eq!(
-        within(store.lease("inv-n", "a", short)).await.unwrap(),
+        within(store.lease(acme("inv-n"), "a", short)).await.unwrap(),
         Lease::Held
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(
-        within(store.lease("inv-n", "b", long)).await.unwrap(),
+        within(store.lease(acme("inv-n"), "b", long)).await.unwrap(),
         Lease::Held
     );
     assert!(matches!(
-        within(store.lease("inv-n", "a", long)).await.unwrap(),
+        within(store.lease(acme("inv-n"), "a", long)).await.unwrap(),
         Lease::Busy { .. }
     ));
 
     // A renewal also tells whether the invocation's tenant cancelled it
     // (another tenant's tombstone is not its own).
     assert_eq!(
-        within(store.renew_lease("inv-l", "a", "acme", long))
+        within(store.renew_lease(of("acme", "inv-l"), "a", long))
             .await
             .unwrap(),
         (Lease::Held, false)
     );
-    within(store.mark_cancelled("inv-l", "globex"))
+    within(store.mark_cancelled(of("globex", "inv-l")))
         .await
         .unwrap();
     assert_eq!(
-        within(store.renew_lease("inv-l", "a", "acme", long))
+        within(store.renew_lease(of("acme", "inv-l"), "a", long))
             .await
             .unwrap(),
         (Lease::Held, false)
     );
-    within(store.mark_cancelled("inv-l", "acme")).await.unwrap();
+    within(store.mark_cancelled(of("acme", "inv-l"))).await.unwrap();
     assert_eq!(
-        within(store.renew_lease("inv-l", "a", "acme", long))
+        within(store.renew_lease(of("acme", "inv-l"), "a", long))
             .await
             .unwrap(),
         (Lease::Held, true)
     );
     assert!(matches!(
-        within(store.renew_lease("inv-l", "b", "acme", long))
+        within(store.renew_lease(of("acme", "inv-l"), "b", long))
             .await
             .unwrap(),
         (Lease::Busy { .. }, true)
@@ -627,12 +700,12 @@ async fn a_password_and_an_acl_user_authenticate() {
             .await
             .unwrap();
         let inv = format!("inv-{}", url.len());
-        let r = within(store.reserve(&inv, "c", "c", "t", refs(&["a", "b"]), 0))
+        let r = within(store.reserve(acme(&inv), "c", "c", "t", refs(&["a", "b"]), 0))
             .await
             .unwrap();
         assert_eq!(indices(&r), [1, 2]);
         assert_eq!(
-            within(store.claim(&inv, "1")).await.unwrap(),
+            within(store.claim(acme(&inv), "1")).await.unwrap(),
             Claim::New,
             "{}",
             toolfleet_store::redact_url(&url)
@@ -646,7 +719,7 @@ async fn a_password_and_an_acl_user_authenticate() {
     ))
     .await
     .unwrap();
-    let err = within(outside.claim("inv", "1")).await.unwrap_err();
+    let err = within(outside.claim(acme("inv"), "1")).await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Rejected, "{err}");
 
     // A wrong password fails at once, as a rejection, and is not echoed.
@@ -798,17 +871,17 @@ async fn rediss_with_a_custom_ca_a_client_certificate_and_a_password() {
     ))
     .await
     .unwrap();
-    let r = within(store.reserve("inv-t", "c", "c", "t", refs(&["a", "b"]), 4))
+    let r = within(store.reserve(acme("inv-t"), "c", "c", "t", refs(&["a", "b"]), 4))
         .await
         .unwrap();
     assert_eq!(indices(&r), [5, 6]);
-    let all = within(store.references("inv-t")).await.unwrap();
+    let all = within(store.references(acme("inv-t"))).await.unwrap();
     assert_eq!(indices(&all), [5, 6]);
-    within(store.ledger_put(&result("inv-t", "c")))
+    within(store.ledger_put("acme", &result("inv-t", "c")))
         .await
         .unwrap();
     assert!(
-        within(store.ledger_and_cancel("inv-t", "c", "acme"))
+        within(store.ledger_and_cancel(of("acme", "inv-t"), "c"))
             .await
             .unwrap()
             .0
@@ -875,47 +948,47 @@ async fn the_store_works_on_a_three_master_cluster() {
     for n in 0..48 {
         let inv = format!("inv-{n}");
         let s = if n % 2 == 0 { &store } else { &seeded };
-        let a = within(s.reserve(&inv, "a", "a", "t", refs(&["x", "y"]), 0))
+        let a = within(s.reserve(acme(&inv), "a", "a", "t", refs(&["x", "y"]), 0))
             .await
             .unwrap();
         assert_eq!(indices(&a), [1, 2], "{inv}");
-        let again = within(s.reserve(&inv, "a", "a", "t", refs(&["x", "y"]), 0))
+        let again = within(s.reserve(acme(&inv), "a", "a", "t", refs(&["x", "y"]), 0))
             .await
             .unwrap();
         assert_eq!(indices(&again), [1, 2], "{inv}");
-        let b = within(s.reserve(&inv, "b", "b", "t", refs(&["z"]), 5))
+        let b = within(s.reserve(acme(&inv), "b", "b", "t", refs(&["z"]), 5))
             .await
             .unwrap();
         assert_eq!(indices(&b), [6], "{inv}");
-        let all = within(store.references(&inv)).await.unwrap();
+        let all = within(store.references(acme(&inv))).await.unwrap();
         assert_eq!(indices(&all), [1, 2, 6], "{inv}");
-        within(s.ledger_put(&result(&inv, "a"))).await.unwrap();
-        let got = within(seeded.ledger_and_cancel(&inv, "a", "acme"))
+        within(s.ledger_put("acme", &result(&inv, "a"))).await.unwrap();
+        let got = within(seeded.ledger_and_cancel(of("acme", &inv), "a"))
             .await
             .unwrap()
             .0
             .unwrap();
         assert_eq!(got.content, "answer of a");
-        assert_eq!(within(s.claim(&inv, "1")).await.unwrap(), Claim::New);
-        assert_eq!(within(store.claim(&inv, "1")).await.unwrap(), Claim::Again);
+        assert_eq!(within(s.claim(acme(&inv), "1")).await.unwrap(), Claim::New);
+        assert_eq!(within(store.claim(acme(&inv), "1")).await.unwrap(), Claim::Again);
         assert_eq!(
-            within(seeded.claim(&inv, "2")).await.unwrap(),
+            within(seeded.claim(acme(&inv), "2")).await.unwrap(),
             Claim::Other("1".into())
         );
-        assert!(!within(store.is_cancelled(&inv, "acme")).await.unwrap());
-        within(s.mark_cancelled(&inv, "acme")).await.unwrap();
-        assert!(within(seeded.is_cancelled(&inv, "acme")).await.unwrap());
+        assert!(!within(store.is_cancelled(of("acme", &inv))).await.unwrap());
+        within(s.mark_cancelled(of("acme", &inv))).await.unwrap();
+        assert!(within(seeded.is_cancelled(of("acme", &inv))).await.unwrap());
         // Another tenant's cancel of the same id is kept apart.
-        assert!(!within(seeded.is_cancelled(&inv, "globex")).await.unwrap());
-        let (_, cancelled) = within(seeded.ledger_and_cancel(&inv, "a", "globex"))
+        assert!(!within(seeded.is_cancelled(of("globex", &inv))).await.unwrap());
+        let (_, cancelled) = within(seeded.ledger_and_cancel(of("globex", &inv), "a"))
             .await
             .unwrap();
         assert!(!cancelled);
         // A blob, on whichever master holds the invocation's slot.
-        within(s.put_blob(&inv, "a.1", "image/png", inv.as_bytes()))
+        within(s.put_blob(acme(&inv), "a.1", "image/png", inv.as_bytes()))
             .await
             .unwrap();
-        let blob = within(seeded.get_blob(&inv, "a.1")).await.unwrap().unwrap();
+        let blob = within(seeded.get_blob(acme(&inv), "a.1")).await.unwrap().unwrap();
         assert_eq!(blob.bytes, inv.as_bytes());
     }
     // Many results of many invocations (every master) in one write.
@@ -929,14 +1002,14 @@ async fn the_store_works_on_a_three_master_cluster() {
             (r.invocation_id.clone(), r.call_id.clone(), json)
         })
         .collect();
-    let batch: Vec<(&str, &str, &[u8])> = encoded
+    let batch: Vec<(InvocationKey<'_>, &str, &[u8])> = encoded
         .iter()
-        .map(|(i, c, j)| (i.as_str(), c.as_str(), j.as_slice()))
+        .map(|(i, c, j)| (acme(i), c.as_str(), j.as_slice()))
         .collect();
     within(store.ledger_put_many(&batch)).await.unwrap();
     for n in 0..48 {
         let inv = format!("batch-{n}");
-        let got = within(seeded.ledger_and_cancel(&inv, "c", "acme"))
+        let got = within(seeded.ledger_and_cancel(of("acme", &inv), "c"))
             .await
             .unwrap()
             .0
@@ -979,12 +1052,12 @@ async fn a_cluster_master_restarted_mid_operation_is_waited_for() {
     let mut inv = None;
     for n in 0..200 {
         let candidate = format!("inv-r{n}");
-        let r = within(store.reserve(&candidate, "a", "a", "t", refs(&["x"]), 0))
+        let r = within(store.reserve(acme(&candidate), "a", "a", "t", refs(&["x"]), 0))
             .await
             .unwrap();
         assert_eq!(indices(&r), [1]);
         let here: redis::RedisResult<i64> = redis::cmd("EXISTS")
-            .arg(store.key(&candidate, "refs"))
+            .arg(store.key(acme(&candidate), "refs"))
             .query_async(&mut first)
             .await;
         if here == Ok(1) {
@@ -997,10 +1070,10 @@ async fn a_cluster_master_restarted_mid_operation_is_waited_for() {
     cluster.stop(0);
     let s = store.clone();
     let i = inv.clone();
-    let reserve = tokio::spawn(async move { s.reserve(&i, "b", "b", "t", refs(&["y"]), 1).await });
+    let reserve = tokio::spawn(async move { s.reserve(acme(&i), "b", "b", "t", refs(&["y"]), 1).await });
     let s = store.clone();
     let i = inv.clone();
-    let claim = tokio::spawn(async move { s.claim(&i, "7").await });
+    let claim = tokio::spawn(async move { s.claim(acme(&i), "7").await });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         !reserve.is_finished() && !claim.is_finished(),
@@ -1017,7 +1090,7 @@ async fn a_cluster_master_restarted_mid_operation_is_waited_for() {
     let b = within(reserve).await.unwrap().unwrap();
     assert_eq!(indices(&b), [2]);
     assert_eq!(within(claim).await.unwrap().unwrap(), Claim::New);
-    let all = within(store.references(&inv)).await.unwrap();
+    let all = within(store.references(acme(&inv))).await.unwrap();
     assert_eq!(indices(&all), [2]);
 }
 
@@ -1032,7 +1105,7 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     ))
     .await
     .unwrap();
-    within(store.mark_cancelled("inv-z", "acme")).await.unwrap();
+    within(store.mark_cancelled(of("acme", "inv-z"))).await.unwrap();
     let signal = |sig: &str| {
         let ok = Command::new("kill")
             .args([sig, &redis.child.id().to_string()])
@@ -1045,7 +1118,7 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     // only the budget ends the wait.
     signal("-STOP");
     let started = Instant::now();
-    let err = within(store.is_cancelled("inv-z", "acme"))
+    let err = within(store.is_cancelled(of("acme", "inv-z")))
         .await
         .unwrap_err();
     let elapsed = started.elapsed();
@@ -1054,7 +1127,7 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     assert!(err.to_string().contains("is_cancelled"), "{err}");
     assert!(elapsed >= budget, "gave up after {elapsed:?}");
     // Thawed, the same store answers again.
-    assert!(within(store.is_cancelled("inv-z", "acme")).await.unwrap());
+    assert!(within(store.is_cancelled(of("acme", "inv-z"))).await.unwrap());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1082,16 +1155,16 @@ async fn the_store_works_on_a_tls_cluster_with_a_password() {
     .unwrap();
     for n in 0..24 {
         let inv = format!("inv-s{n}");
-        let a = within(store.reserve(&inv, "a", "a", "t", refs(&["x", "y"]), 2))
+        let a = within(store.reserve(acme(&inv), "a", "a", "t", refs(&["x", "y"]), 2))
             .await
             .unwrap();
         assert_eq!(indices(&a), [3, 4], "{inv}");
         assert_eq!(
-            indices(&within(store.references(&inv)).await.unwrap()),
+            indices(&within(store.references(acme(&inv))).await.unwrap()),
             [3, 4]
         );
-        assert_eq!(within(store.claim(&inv, "1")).await.unwrap(), Claim::New);
-        assert_eq!(within(store.claim(&inv, "1")).await.unwrap(), Claim::Again);
+        assert_eq!(within(store.claim(acme(&inv), "1")).await.unwrap(), Claim::New);
+        assert_eq!(within(store.claim(acme(&inv), "1")).await.unwrap(), Claim::Again);
     }
     // The cluster client needs the CA like the single-server one.
     let err = within(CitationStore::connect_with(

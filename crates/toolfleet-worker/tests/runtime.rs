@@ -323,10 +323,10 @@ impl Servers {
         }
     }
 
-    /// Every Redis key of an invocation.
+    /// Every Redis key of an invocation id, under any tenant.
     async fn keys(&self, invocation_id: &str) -> Vec<String> {
         let mut keys: Vec<String> = redis::cmd("KEYS")
-            .arg(format!("toolfleet:{{{invocation_id}}}:*"))
+            .arg(format!("toolfleet:{{*/{invocation_id}}}:*"))
             .query_async(&mut self.redis_conn.clone())
             .await
             .unwrap();
@@ -537,7 +537,7 @@ async fn a_result_is_answered_before_its_ledger_write_and_acked_after_it() {
     // Acked means written.
     w.until_all_acked().await;
     let stored: Option<String> = redis::cmd("GET")
-        .arg("toolfleet:{ledger-order}:result:call_1")
+        .arg("toolfleet:{default/ledger-order}:result:call_1")
         .query_async(&mut w.env.redis_conn.clone())
         .await
         .unwrap();
@@ -644,7 +644,10 @@ async fn a_cancel_the_worker_may_have_missed_is_read_from_the_store() {
     .await
     .unwrap();
     // Cancelled before this worker listened: only the store knows.
-    store.mark_cancelled("missed-1", "default").await.unwrap();
+    store
+        .mark_cancelled(toolfleet_store::InvocationKey::new("default", "missed-1"))
+        .await
+        .unwrap();
     let reads = w.ledger_reads().await;
     w.publish_new("missed-1", "call_1").await;
     let reply = next_json(&mut w.replies).await;
@@ -666,7 +669,10 @@ async fn a_cancel_the_worker_may_have_missed_is_read_from_the_store() {
     w.until_all_acked().await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     w.env.nats.stop();
-    store.mark_cancelled("missed-2", "default").await.unwrap();
+    store
+        .mark_cancelled(toolfleet_store::InvocationKey::new("default", "missed-2"))
+        .await
+        .unwrap();
     w.env.nats.start_again().unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;
     while w.env.client.connection_state() != async_nats::connection::State::Connected {

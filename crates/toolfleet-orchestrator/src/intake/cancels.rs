@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
+use toolfleet_store::InvocationKey;
 use tracing::warn;
 
 use crate::Fleet;
@@ -30,7 +31,11 @@ pub(crate) async fn listen_for_cancels(
         let Some((tenant, id)) = fleet.config.subjects.parse_cancel(msg.subject.as_str()) else {
             continue;
         };
-        if let Err(e) = fleet.store.mark_cancelled(id, tenant).await {
+        if let Err(e) = fleet
+            .store
+            .mark_cancelled(InvocationKey::new(tenant, id))
+            .await
+        {
             warn!(invocation_id = id, error = %e, "cancel not remembered (the store is unavailable); only a running invocation is cancelled");
         }
         fleet.cancel(id, tenant);
@@ -39,15 +44,15 @@ pub(crate) async fn listen_for_cancels(
     }
 }
 
-/// Whether a cancel for `id` of `tenant` came before its job started. A
+/// Whether a cancel for the invocation came before its job started. A
 /// store that cannot answer does not stop the job (logged).
 pub(super) async fn cancelled_before_start(
     fleet: &Fleet,
-    id: &str,
-    tenant: &str,
+    inv: InvocationKey<'_>,
     check: &CancelCheck,
 ) -> bool {
-    match fleet.store.is_cancelled(id, tenant).await {
+    let id = inv.invocation_id();
+    match fleet.store.is_cancelled(inv).await {
         Ok(true) => true,
         Ok(false) => {
             check.passed();

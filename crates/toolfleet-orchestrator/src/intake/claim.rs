@@ -1,19 +1,24 @@
 //! Claims and leases: one invocation id runs once, by one live run.
 //!
 //! A delivery first **claims** the invocation for its message (its stream
-//! sequence): a second message with the same id — a resubmission under a
-//! new `Nats-Msg-Id`, a forgery — is refused, while a redelivery of the
+//! sequence): a second message with the same id of the same tenant — a
+//! client's retry, a forgery — is refused, while a redelivery of the
 //! claiming message (an orchestrator died) continues, and a finished
 //! run's redelivery is answered from its stored terminal event. A delivery
 //! that may run then takes the run **lease**, renewed beside the run
 //! ([`keep_lease`]): a redelivery while the earlier run is alive (renewing
 //! its lease, its acks cut off) waits instead of running twice. A job is
 //! acked only after its terminal event, with a confirmed ack ([`ack`]).
+//!
+//! Claims and leases are the tenant's ([`InvocationKey`]: the submit
+//! subject's tenant and the job's id): the same id under another tenant is
+//! another invocation, claimed apart, so one tenant's id never blocks,
+//! reveals or reaches another's.
 
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
-use toolfleet_store::Lease;
+use toolfleet_store::{InvocationKey, Lease};
 use tracing::warn;
 
 use crate::Fleet;
@@ -69,33 +74,33 @@ pub(super) enum Claimed {
 }
 
 /// Claims the invocation for this message (its stream sequence), so that
-/// one invocation id runs once however often it is submitted: a second
-/// message with the same id — a resubmission under a new `Nats-Msg-Id`,
-/// a forgery — is refused, while a redelivery of the claiming message
-/// (an orchestrator died) continues.
+/// one invocation id of a tenant runs once however often it is submitted:
+/// a second message with the same id — a client's retry, a forgery — is
+/// refused, while a redelivery of the claiming message (an orchestrator
+/// died) continues.
 ///
 /// A delivery that may run then takes the run lease for `holder`: a
 /// redelivery while the earlier run is alive (renewing its lease, its acks
 /// cut off) is [`Claimed::Held`], not a second run.
 pub(super) async fn claim(
     fleet: &Fleet,
-    invocation_id: &str,
+    inv: InvocationKey<'_>,
     delivery: Delivery,
     holder: &str,
 ) -> Claimed {
-    claim_as(fleet, invocation_id, &owner(delivery), holder).await
+    claim_as(fleet, inv, &owner(delivery), holder).await
 }
 
 /// [`claim`] under the claim owner `owner`.
 pub(super) async fn claim_as(
     fleet: &Fleet,
-    invocation_id: &str,
+    inv: InvocationKey<'_>,
     owner: &str,
     holder: &str,
 ) -> Claimed {
-    match fleet.store.claim(invocation_id, owner).await {
+    match fleet.store.claim(inv, owner).await {
         Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => {
-            match fleet.store.lease(invocation_id, holder, LEASE_TTL).await {
+            match fleet.store.lease(inv, holder, LEASE_TTL).await {
                 Ok(Lease::Held) => Claimed::Ours,
                 Ok(Lease::Busy { left, .. }) => Claimed::Held(left),
                 Err(e) => Claimed::Unknown(e.to_string()),
@@ -112,7 +117,7 @@ pub(super) fn owner(delivery: Delivery) -> String {
     format!("chat-seq-{}", delivery.stream_sequence)
 }
 
-/// Claims invocation `id` for `owner` and `holder`, keeping `msg` alive
+/// Claims invocation `inv` for `owner` and `holder`, keeping `msg` alive
 /// meanwhile: a store that cannot answer is tried again for
 /// [`CLAIM_PATIENCE`], a live run elsewhere until `held_until` (Unix ms).
 /// Retried here rather than by redelivery, which would spend the
@@ -121,13 +126,13 @@ pub(super) fn owner(delivery: Delivery) -> String {
 pub(super) async fn claim_patiently(
     fleet: &Fleet,
     msg: &jetstream::Message,
-    id: &str,
+    inv: InvocationKey<'_>,
     owner: &str,
     holder: &str,
     held_until: u64,
 ) -> Claimed {
     let _alive = fleet.heartbeat.hold(msg);
-    let mut claimed = claim_as(fleet, id, owner, holder).await;
+    let mut claimed = claim_as(fleet, inv, owner, holder).await;
     let until = Instant::now() + CLAIM_PATIENCE;
     while match claimed {
         Claimed::Unknown(_) => Instant::now() < until,
@@ -135,7 +140,7 @@ pub(super) async fn claim_patiently(
         _ => false,
     } {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        claimed = claim_as(fleet, id, owner, holder).await;
+        claimed = claim_as(fleet, inv, owner, holder).await;
     }
     claimed
 }
@@ -180,23 +185,23 @@ pub(super) enum LeaseEnd {
 }
 
 /// Renews the run's lease for as long as it is polled (beside the run);
-/// returns when another run holds it, or when the invocation's tenant
-/// cancelled it (read in the same round trip). A store that cannot answer
+/// returns when another run holds it, or when the invocation was
+/// cancelled (read in the same round trip). A store that cannot answer
 /// does not stop the run: if only this orchestrator lost Redis, the lease
 /// lapses after its TTL and a redelivery may take it over — the check
 /// before the terminal event then stops this run from speaking.
 pub(super) async fn keep_lease(
     fleet: &Fleet,
-    id: &str,
-    tenant: &str,
+    inv: InvocationKey<'_>,
     holder: &str,
     check: &CancelCheck,
 ) -> LeaseEnd {
+    let id = inv.invocation_id();
     loop {
         tokio::time::sleep(LEASE_RENEW_EVERY).await;
         // Boxed: this future lives beside the whole run, and the store
         // call (a few hundred bytes of state) is only briefly alive.
-        match Box::pin(fleet.store.renew_lease(id, holder, tenant, LEASE_TTL)).await {
+        match Box::pin(fleet.store.renew_lease(inv, holder, LEASE_TTL)).await {
             Ok((Lease::Held, false)) => check.passed(),
             Ok((Lease::Held, true)) => {
                 warn!(invocation_id = %id, "the invocation was cancelled (its tombstone is in the store; this orchestrator missed the cancel message); it stops");

@@ -10,6 +10,7 @@ use async_nats::jetstream::{self, AckKind, kv};
 use toolfleet_protocol::ChatEventBody;
 use toolfleet_protocol::approval::Decision;
 use toolfleet_service::telemetry;
+use toolfleet_store::InvocationKey;
 use tracing::{Instrument, warn};
 
 use super::Plugins;
@@ -65,9 +66,10 @@ async fn claim_parked(
     holder: &str,
 ) -> bool {
     let id = &parked.job.invocation_id;
+    let inv = InvocationKey::new(&parked.tenant, id);
     let held_until =
         toolfleet_protocol::now_ms() + parked.remaining_ms + LEASE_TTL.as_millis() as u64;
-    match claim_patiently(fleet, msg, id, &parked.owner, holder, held_until).await {
+    match claim_patiently(fleet, msg, inv, &parked.owner, holder, held_until).await {
         Claimed::Ours => {
             // Read again under the lease: another decision's run may have
             // resumed (and parked again, or ended) while this one waited.
@@ -75,7 +77,7 @@ async fn claim_parked(
             let same =
                 matches!(&current, Ok(Some((p, _))) if p.park_id == parked.park_id && p.decided());
             if !same {
-                let _ = fleet.store.release_lease(id, holder).await;
+                let _ = fleet.store.release_lease(inv, holder).await;
                 if current.is_err() {
                     let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
                 } else {
@@ -117,7 +119,10 @@ async fn give_up(fleet: &Fleet, msg: &jetstream::Message, parked: &Parked, deliv
         ),
     });
     if let Some(terminal) = events.close().await
-        && let Err(e) = fleet.store.finish(id, &parked.owner, &terminal).await
+        && let Err(e) = fleet
+            .store
+            .finish(InvocationKey::new(&parked.tenant, id), &parked.owner, &terminal)
+            .await
     {
         warn!(invocation_id = %id, error = %e, "cannot mark the invocation finished");
     }

@@ -35,6 +35,7 @@ use async_nats::jetstream::{self, AckKind, consumer::pull};
 use toolfleet_config::DEFAULT_ORCHESTRATOR;
 use toolfleet_protocol::{ChatJob, Envelope, Subjects};
 use toolfleet_service::telemetry;
+use toolfleet_store::InvocationKey;
 use tracing::{Instrument, info, warn};
 
 use crate::context::ContextHandlers;
@@ -199,24 +200,27 @@ async fn claimed(
     holder: &str,
 ) -> ControlFlow<Option<Refusal>> {
     let id = &job.invocation_id;
+    // The tenant's own id: another tenant's invocation of the same id is
+    // claimed apart, and this one never learns of it.
+    let inv = InvocationKey::new(tenant, id);
     let (deadline, _) =
         run::invocation_deadline(fleet, job, delivery, toolfleet_protocol::now_ms());
     let held_until = deadline + claim::LEASE_TTL.as_millis() as u64;
-    match claim_patiently(fleet, msg, id, &owner(delivery), holder, held_until).await {
+    match claim_patiently(fleet, msg, inv, &owner(delivery), holder, held_until).await {
         // Parked by an earlier delivery of this job, whose ack was lost
         // (or that died before it): the invocation lives in its record
         // now. Its requests are said again; nothing reruns.
         Claimed::Ours if delivery.attempt > 1 => match fleet.parked(id).await {
             Ok(Some((parked, _))) if parked.owner == owner(delivery) => {
                 parked.announce_again(fleet).await;
-                let _ = fleet.store.release_lease(id, holder).await;
+                let _ = fleet.store.release_lease(inv, holder).await;
                 claim::ack(msg).await;
                 ControlFlow::Break(None)
             }
             Ok(_) => ControlFlow::Continue(()),
             Err(e) => {
                 warn!(invocation_id = %id, error = %e, "cannot tell whether the invocation is parked; the job will be delivered again");
-                let _ = fleet.store.release_lease(id, holder).await;
+                let _ = fleet.store.release_lease(inv, holder).await;
                 let _ = msg
                     .ack_with(AckKind::Nak(Some(claim::CLAIM_RETRY_DELAY)))
                     .await;
@@ -228,7 +232,7 @@ async fn claimed(
             // Ended before; the ack was lost (an orchestrator or NATS node
             // died in between), and the terminal event may have been lost
             // with it: publish it again, verbatim, ack, run nothing.
-            match fleet.store.terminal_event(id).await {
+            match fleet.store.terminal_event(inv).await {
                 Ok(Some(event)) => {
                     let subject = fleet.config.subjects.chat_events(tenant, id);
                     let _ = fleet.client.publish(subject, event.into()).await;

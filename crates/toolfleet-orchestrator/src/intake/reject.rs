@@ -12,6 +12,7 @@ use toolfleet_protocol::{
     ChatEventBody, DEFAULT_TENANT, DeadLetter, DeadLetterKind, ProtocolError, dead_letter_headers,
     salvage_invocation_id,
 };
+use toolfleet_store::InvocationKey;
 use tracing::warn;
 
 use super::MAX_CHAT_ATTEMPTS;
@@ -171,16 +172,17 @@ pub(super) async fn malformed(
     error: ProtocolError,
 ) {
     let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
+    let tenant = subject_tenant.unwrap_or_else(|| DEFAULT_TENANT.to_string());
     let tell_sender = match &invocation_id {
         Some(id) => matches!(
-            claim(fleet, id, delivery, &new_holder()).await,
+            claim(fleet, InvocationKey::new(&tenant, id), delivery, &new_holder()).await,
             Claimed::Ours
         ),
         None => false,
     };
     let refused = Refused {
         invocation_id,
-        tenant: subject_tenant.unwrap_or_else(|| DEFAULT_TENANT.to_string()),
+        tenant,
         tell_sender,
         refusal: Refusal::Malformed(error),
     };
@@ -213,17 +215,17 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         .chat_jobs
         .with_label_values(&["malformed"])
         .inc();
+    let tenant = fleet
+        .config
+        .subjects
+        .submit_tenant(&poison.subject)
+        .unwrap_or(DEFAULT_TENANT);
     if let Some(id) = &invocation_id
         && matches!(
-            claim(&fleet, id, delivery, &new_holder()).await,
+            claim(&fleet, InvocationKey::new(tenant, id), delivery, &new_holder()).await,
             Claimed::Ours
         )
     {
-        let tenant = fleet
-            .config
-            .subjects
-            .submit_tenant(&poison.subject)
-            .unwrap_or(DEFAULT_TENANT);
         tell(&fleet, tenant, id, ChatErrorCode::UnreadableHeaders, &error).await;
     }
     let dead = DeadLetter {

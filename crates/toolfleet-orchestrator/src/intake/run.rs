@@ -13,7 +13,7 @@ use futures::FutureExt;
 use tokio_util::sync::CancellationToken;
 use toolfleet_protocol::{ChatEventBody, ChatJob};
 use toolfleet_service::jobs::Held;
-use toolfleet_store::Lease;
+use toolfleet_store::{InvocationKey, Lease};
 use tracing::{info, warn};
 
 use super::Plugins;
@@ -146,6 +146,11 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
 }
 
 impl Run<'_> {
+    /// The invocation's keys in the store: its tenant's, under its id.
+    fn inv(&self) -> InvocationKey<'_> {
+        InvocationKey::new(&self.tenant, &self.id)
+    }
+
     /// The frame, raced against the deadline, cancels and the lease;
     /// `None` when another run took the invocation over.
     async fn race(
@@ -163,8 +168,7 @@ impl Run<'_> {
         } = deadline;
         let left = Duration::from_millis(deadline_ms.saturating_sub(toolfleet_protocol::now_ms()));
         let cancel_check = CancelCheck::default();
-        let cancelled_early =
-            cancelled_before_start(fleet, &self.id, &self.tenant, &cancel_check).await;
+        let cancelled_early = cancelled_before_start(fleet, self.inv(), &cancel_check).await;
         let invocation = async {
             match leg {
                 Leg::Fresh { job, agent_depth } => {
@@ -191,7 +195,7 @@ impl Run<'_> {
             // Another delivery's run took the invocation over: it speaks for
             // the invocation now; this one stops without a word. (Renewed
             // here, beside the run, rather than on a task of its own.)
-            end = keep_lease(fleet, &self.id, &self.tenant, &self.holder, &cancel_check) => match end {
+            end = keep_lease(fleet, self.inv(), &self.holder, &cancel_check) => match end {
                 LeaseEnd::TakenOver => return None,
                 LeaseEnd::Cancelled => Err(Failure::new(ChatErrorCode::Cancelled, "the invocation was cancelled")),
             },
@@ -207,7 +211,7 @@ impl Run<'_> {
         // checked (and renewed, so nobody can take it over for the lease's
         // length) right before the terminal event, so a run that lost it
         // between two renewals adds no second terminal event, finish or ack.
-        if let Ok(Lease::Busy { .. }) = fleet.store.lease(&self.id, &self.holder, LEASE_TTL).await {
+        if let Ok(Lease::Busy { .. }) = fleet.store.lease(self.inv(), &self.holder, LEASE_TTL).await {
             warn!(invocation_id = %self.id, "this run's lease was taken over while it ended; it stops without its terminal event");
             return None;
         }
@@ -280,7 +284,7 @@ impl Run<'_> {
             + 3_600_000;
         if let Err(e) = fleet
             .store
-            .keep_claim(id, Duration::from_millis(wait))
+            .keep_claim(self.inv(), Duration::from_millis(wait))
             .await
         {
             warn!(invocation_id = %id, error = %e, "cannot extend the parked invocation's claim past the store's TTL");
@@ -290,13 +294,13 @@ impl Run<'_> {
         if cancel.is_cancelled()
             || fleet
                 .store
-                .is_cancelled(id, &self.tenant)
+                .is_cancelled(self.inv())
                 .await
                 .unwrap_or(false)
         {
             approvals::watch::cancel_parked(fleet, id, &self.tenant).await;
         }
-        if let Err(e) = fleet.store.release_lease(id, &self.holder).await {
+        if let Err(e) = fleet.store.release_lease(self.inv(), &self.holder).await {
             warn!(invocation_id = %id, error = %e, "cannot give up the parked run's lease; its resumption waits for it to lapse");
         }
         Ok(End::Parked {
@@ -344,7 +348,7 @@ impl Run<'_> {
             && let Err(e) = self
                 .fleet
                 .store
-                .finish(&self.id, &self.owner, &terminal)
+                .finish(self.inv(), &self.owner, &terminal)
                 .await
         {
             warn!(error = %e, "cannot mark the invocation finished; if this job's ack is lost it runs again");
@@ -362,7 +366,7 @@ impl Run<'_> {
         if !matches!(end, End::Superseded) {
             ack(&self.msg).await;
         }
-        self.fleet.forget_run(&self.id, self.number);
+        self.fleet.forget_run(&self.id, &self.tenant, self.number);
         let metrics = &self.fleet.metrics;
         let took = self.started.elapsed();
         let label = match &end {

@@ -8,7 +8,7 @@ use std::time::SystemTime;
 use toolfleet_protocol::ToolErrorCode;
 
 use toolfleet_protocol::{CallContext, Envelope, ToolJob, ToolResult, ToolStatus};
-use toolfleet_store::CitationError;
+use toolfleet_store::{CitationError, InvocationKey};
 
 use super::cancels::run_key;
 use super::outcome::{Failure, Outcome};
@@ -117,11 +117,7 @@ async fn prior(
         _ => {
             shared
                 .store
-                .ledger_and_cancel(
-                    &call.invocation.invocation_id,
-                    &call.call_id,
-                    call.invocation.tenant(),
-                )
+                .ledger_and_cancel(InvocationKey::of_call(call), &call.call_id)
                 .await
         }
     }

@@ -7,15 +7,27 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 
 use toolfleet_protocol::{CallContext, ToolResult};
-use toolfleet_store::CitationStore;
+use toolfleet_store::{CitationStore, InvocationKey};
+
+/// An invocation as the recording knows it: (tenant, invocation id), since
+/// ids are unique per tenant only.
+type Invocation = (String, String);
+
+/// The invocation `call` belongs to.
+fn invocation_of(call: &CallContext) -> Invocation {
+    (
+        call.invocation.tenant().to_string(),
+        call.invocation.invocation_id.clone(),
+    )
+}
 
 /// The results this worker has published and is writing to the ledger,
-/// by invocation and call: a repeat of the call that arrives before the
-/// write is done is answered from here, so the reply going out before the
-/// ledger write never lets this worker run a call twice.
+/// by tenant, invocation and call: a repeat of the call that arrives
+/// before the write is done is answered from here, so the reply going out
+/// before the ledger write never lets this worker run a call twice.
 #[derive(Default)]
 pub(super) struct Recording {
-    results: Mutex<HashMap<String, HashMap<String, bytes::Bytes>>>,
+    results: Mutex<HashMap<Invocation, HashMap<String, bytes::Bytes>>>,
 }
 
 impl Recording {
@@ -27,13 +39,10 @@ impl Recording {
         json: bytes::Bytes,
     ) -> RecordingGuard<'a> {
         if let Ok(mut results) = self.results.lock() {
-            let calls = match results.get_mut(&call.invocation.invocation_id) {
-                Some(calls) => calls,
-                None => results
-                    .entry(call.invocation.invocation_id.clone())
-                    .or_default(),
-            };
-            calls.insert(call.call_id.clone(), json);
+            results
+                .entry(invocation_of(call))
+                .or_default()
+                .insert(call.call_id.clone(), json);
         }
         RecordingGuard {
             recording: self,
@@ -47,7 +56,7 @@ impl Recording {
             .results
             .lock()
             .ok()?
-            .get(&call.invocation.invocation_id)?
+            .get(&invocation_of(call))?
             .get(&call.call_id)?
             .clone();
         serde_json::from_slice(&json).ok()
@@ -62,12 +71,13 @@ pub(super) struct RecordingGuard<'a> {
 
 impl Drop for RecordingGuard<'_> {
     fn drop(&mut self) {
+        let invocation = invocation_of(self.call);
         if let Ok(mut results) = self.recording.results.lock()
-            && let Some(calls) = results.get_mut(&self.call.invocation.invocation_id)
+            && let Some(calls) = results.get_mut(&invocation)
         {
             calls.remove(&self.call.call_id);
             if calls.is_empty() {
-                results.remove(&self.call.invocation.invocation_id);
+                results.remove(&invocation);
             }
         }
     }
@@ -81,6 +91,7 @@ const LEDGER_BATCH_BYTES: usize = 1024 * 1024;
 
 /// One result on its way to the ledger, and who waits for it.
 struct LedgerWrite {
+    tenant: String,
     invocation_id: String,
     call_id: String,
     json: bytes::Bytes,
@@ -116,6 +127,7 @@ impl LedgerWriter {
         let (done, stored) = tokio::sync::oneshot::channel();
         self.tx
             .send(LedgerWrite {
+                tenant: call.invocation.tenant().to_string(),
                 invocation_id: call.invocation.invocation_id.clone(),
                 call_id: call.call_id.clone(),
                 json,
@@ -139,9 +151,12 @@ async fn write_batch(store: &CitationStore, batch: &mut Vec<LedgerWrite>) {
             bytes += write.json.len();
             chunk.push(write);
         }
-        let results: Vec<(&str, &str, &[u8])> = chunk
+        let results: Vec<(InvocationKey<'_>, &str, &[u8])> = chunk
             .iter()
-            .map(|w| (w.invocation_id.as_str(), w.call_id.as_str(), &w.json[..]))
+            .map(|w| {
+                let inv = InvocationKey::new(&w.tenant, &w.invocation_id);
+                (inv, w.call_id.as_str(), &w.json[..])
+            })
             .collect();
         let outcome = store
             .ledger_put_many(&results)
@@ -173,6 +188,10 @@ mod tests {
         assert_eq!(recording.get(&call("inv-1", "c1")), Some(result));
         assert_eq!(recording.get(&call("inv-1", "c2")), None);
         assert_eq!(recording.get(&call("inv-2", "c1")), None);
+        // The same id under another tenant is another invocation.
+        let mut elsewhere = call("inv-1", "c1");
+        elsewhere.invocation.tenant = Some("globex".into());
+        assert_eq!(recording.get(&elsewhere), None);
         drop(guard);
         assert_eq!(recording.get(&first), None);
         assert!(recording.results.lock().unwrap().is_empty());

@@ -4,7 +4,7 @@
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use toolfleet_protocol::{CallContext, Reference, ToolReply, encode};
-use toolfleet_store::{CitationStore, NewReference};
+use toolfleet_store::{CitationStore, InvocationKey, NewReference};
 
 use crate::ctx::Sink;
 use crate::error::ToolError;
@@ -29,7 +29,7 @@ impl Sink for LiveSink {
             let stored = self
                 .store
                 .reserve(
-                    &call.invocation.invocation_id,
+                    InvocationKey::of_call(call),
                     &reservation,
                     &call.call_id,
                     &tool,
@@ -57,7 +57,7 @@ impl Sink for LiveSink {
         async move {
             self.store
                 .put_blob(
-                    &call.invocation.invocation_id,
+                    InvocationKey::of_call(call),
                     &blob_id,
                     &content_type,
                     &bytes,
