@@ -1,11 +1,21 @@
 //! `toolfleet deadletters`: list, show and replay the dead letters (jobs
 //! that exhausted their attempts or could not be read, and sink
 //! deliveries that failed), kept in the dead-letter stream for 14 days.
+//!
+//! A tool job's sensitive arguments (its definition's
+//! `sensitiveArguments`) are never printed: workers redact them before a
+//! dead letter is kept, and `show` and `ls -o json` redact them again for
+//! records kept before workers did ([`Sensitive`]).
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::time::Duration;
 
 use async_nats::jetstream;
 use clap::Subcommand;
+use toolfleet_protocol::redact::REDACTED;
 use toolfleet_protocol::{DeadLetter, DeadLetterKind, Subjects};
-use toolfleet_service::args::NatsArgs;
+use toolfleet_service::args::{NatsArgs, ToolDefsArgs};
 
 use crate::common::Output;
 
@@ -20,13 +30,23 @@ pub enum DeadlettersCommand {
         /// `text` (a table) or `json`.
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
         output: Output,
+        /// Where tool definitions are read to know a tool's sensitive
+        /// arguments (the fleet's live catalog is asked too).
+        #[command(flatten)]
+        defs: ToolDefsArgs,
         #[command(flatten)]
         nats: NatsArgs,
     },
-    /// One dead letter, whole (its job's body included), as JSON.
+    /// One dead letter, whole (its job's body included), as JSON; a tool
+    /// job's sensitive arguments are never shown (every argument's value is
+    /// hidden when the tool's definition is not known here).
     Show {
         /// Its sequence in the dead-letter stream (from `ls`).
         seq: u64,
+        /// Where tool definitions are read to know a tool's sensitive
+        /// arguments (the fleet's live catalog is asked too).
+        #[command(flatten)]
+        defs: ToolDefsArgs,
         #[command(flatten)]
         nats: NatsArgs,
     },
@@ -60,8 +80,18 @@ pub async fn run(command: DeadlettersCommand) -> anyhow::Result<i32> {
     let js = jetstream::new(client.clone());
     let stream = dead_letter_stream(&js, &subjects).await?;
     match command {
-        DeadlettersCommand::Ls { limit, output, .. } => ls(stream, limit, output).await,
-        DeadlettersCommand::Show { seq, .. } => show(&stream, seq).await,
+        DeadlettersCommand::Ls {
+            limit,
+            output,
+            defs,
+            ..
+        } => {
+            let sensitive = Sensitive::new(client, subjects, defs.dir);
+            ls(stream, limit, output, sensitive).await
+        }
+        DeadlettersCommand::Show { seq, defs, .. } => {
+            show(&stream, seq, Sensitive::new(client, subjects, defs.dir)).await
+        }
         DeadlettersCommand::Replay { seq, tenant, .. } => {
             replay(&js, &subjects, &stream, seq, &tenant).await
         }
@@ -107,6 +137,7 @@ async fn ls(
     mut stream: jetstream::stream::Stream,
     limit: usize,
     output: Output,
+    mut sensitive: Sensitive,
 ) -> anyhow::Result<i32> {
     let state = stream.info().await?.state.clone();
     let mut rows = Vec::new();
@@ -122,6 +153,11 @@ async fn ls(
     }
     match output {
         Output::Json => {
+            // The error text of a record kept before workers redacted may
+            // quote a sensitive argument.
+            for (_, _, dead) in &mut rows {
+                sensitive.hide(dead).await;
+            }
             let json: Vec<serde_json::Value> = rows
                 .iter()
                 .map(|(seq, time, dead)| {
@@ -164,10 +200,16 @@ fn print_rows(rows: &[(u64, String, DeadLetter)]) {
     }
 }
 
-/// `deadletters show`: one, whole, as JSON.
-async fn show(stream: &jetstream::stream::Stream, seq: u64) -> anyhow::Result<i32> {
+/// `deadletters show`: one, whole, as JSON, its sensitive arguments
+/// hidden.
+async fn show(
+    stream: &jetstream::stream::Stream,
+    seq: u64,
+    mut sensitive: Sensitive,
+) -> anyhow::Result<i32> {
     match dead_letter_at(stream, seq).await? {
-        Some((dead, time)) => {
+        Some((mut dead, time)) => {
+            sensitive.hide(&mut dead).await;
             let mut v = serde_json::to_value(&dead)?;
             v["seq"] = seq.into();
             v["time"] = time.into();
@@ -201,6 +243,17 @@ async fn replay(
         );
         return Ok(1);
     };
+    let redacted = job
+        .get("arguments")
+        .and_then(serde_json::Value::as_object)
+        .is_some_and(|args| args.values().any(|v| v == REDACTED));
+    if redacted {
+        eprintln!(
+            "dead letter {seq} kept its tool job without its sensitive arguments ({REDACTED}): \
+             it cannot be replayed as it was; call the tool again"
+        );
+        return Ok(1);
+    }
     let headers = fresh_headers(&dead, seq);
     let subject = match replay_subject(js, subjects, &dead, seq, tenant).await? {
         Ok(subject) => subject,
@@ -210,6 +263,13 @@ async fn replay(
         .publish_with_headers(subject.clone(), headers, serde_json::to_vec(job)?.into())
         .await?
         .await?;
+    if ack.duplicate {
+        eprintln!(
+            "dead letter {seq} was already replayed (the stream's duplicate window still \
+             holds that replay): not published again"
+        );
+        return Ok(1);
+    }
     println!(
         "dead letter {seq} replayed to {subject} (stream sequence {})",
         ack.sequence
@@ -218,7 +278,11 @@ async fn replay(
 }
 
 /// The dead job's headers for its replay: a fresh run, with no old
-/// message id, deadline or attempt, and a message id of the replay's own.
+/// message id, deadline or attempt. A tool job gets a message id of the
+/// replay's own (only the fleet publishes tool jobs); a chat job none,
+/// since any tenant's client may write message ids into the chat stream's
+/// one duplicate window (the fleet runs one chat job per tenant and
+/// invocation id anyway).
 fn fresh_headers(dead: &DeadLetter, seq: u64) -> async_nats::HeaderMap {
     let mut headers = async_nats::HeaderMap::new();
     for (k, v) in &dead.headers {
@@ -231,10 +295,12 @@ fn fresh_headers(dead: &DeadLetter, seq: u64) -> async_nats::HeaderMap {
             headers.insert(k.as_str(), v.as_str());
         }
     }
-    headers.insert(
-        toolfleet_protocol::headers::NATS_MSG_ID,
-        format!("replay-{}-{seq}", dead.stream_sequence).as_str(),
-    );
+    if dead.kind == DeadLetterKind::Tool {
+        headers.insert(
+            toolfleet_protocol::headers::NATS_MSG_ID,
+            format!("replay-{}-{seq}", dead.stream_sequence).as_str(),
+        );
+    }
     headers
 }
 
@@ -288,4 +354,97 @@ async fn replay_subject(
             Ok(subjects.chat_submit(tenant))
         }
     })
+}
+
+/// What a tool's definition marks sensitive, to hide it on display: read
+/// from the definitions directory, else from the fleet's live catalog
+/// (asked once, when a tool is not in the directory), remembered per tool.
+struct Sensitive {
+    client: async_nats::Client,
+    subjects: Subjects,
+    dir: PathBuf,
+    files: Option<Vec<toolfleet_protocol::tools::ToolDefinition>>,
+    catalog: Option<toolfleet_protocol::catalog::Catalog>,
+    known: HashMap<String, Option<Vec<String>>>,
+}
+
+impl Sensitive {
+    fn new(client: async_nats::Client, subjects: Subjects, dir: PathBuf) -> Self {
+        Self {
+            client,
+            subjects,
+            dir,
+            files: None,
+            catalog: None,
+            known: HashMap::new(),
+        }
+    }
+
+    /// Hides `dead`'s sensitive arguments (a tool job's), in its job and
+    /// its error text. When the tool's definition is known nowhere here,
+    /// every argument counts as sensitive (said on stderr).
+    async fn hide(&mut self, dead: &mut DeadLetter) {
+        if dead.kind != DeadLetterKind::Tool {
+            return;
+        }
+        let Some(arguments) = dead.job.as_ref().and_then(|j| j.get("arguments")) else {
+            return;
+        };
+        let tool = dead.tool_id.clone().unwrap_or_default();
+        let names = match self.of(&tool).await {
+            Some(names) => names,
+            None => {
+                eprintln!(
+                    "the definition of {tool:?} is known neither in {} nor to a live worker: \
+                     every argument's value is hidden",
+                    self.dir.display()
+                );
+                match arguments.as_object() {
+                    Some(map) => map.keys().cloned().collect(),
+                    None => {
+                        if let Some(job) = dead.job.as_mut() {
+                            job["arguments"] = REDACTED.into();
+                        }
+                        return;
+                    }
+                }
+            }
+        };
+        dead.redact_arguments(&names);
+    }
+
+    /// The sensitive arguments of tool `id`, if its definition is known.
+    async fn of(&mut self, id: &str) -> Option<Vec<String>> {
+        if let Some(known) = self.known.get(id) {
+            return known.clone();
+        }
+        let files = self.files.get_or_insert_with(|| {
+            toolfleet_protocol::tools::load_dir(&self.dir).unwrap_or_default()
+        });
+        let mut found = files
+            .iter()
+            .find(|d| d.id.to_string() == id)
+            .map(|d| d.sensitive_arguments.clone());
+        if found.is_none() {
+            if self.catalog.is_none() {
+                // Best effort: an identity that may not read the catalog
+                // finds nothing there.
+                let read = toolfleet_protocol::catalog::discover(
+                    &self.client,
+                    &self.subjects,
+                    Duration::from_millis(500),
+                    &toolfleet_protocol::catalog::Catalog::default(),
+                )
+                .await;
+                self.catalog = Some(read.unwrap_or_default());
+            }
+            found = self
+                .catalog
+                .as_ref()
+                .and_then(|c| c.get(id))
+                .map(|e| e.definition().sensitive_arguments.clone());
+        }
+        self.known.insert(id.to_string(), found.clone());
+        found
+    }
 }

@@ -1,20 +1,9 @@
 //! Small text helpers the stages share: what events show of a call's
 //! arguments, and text cut to a length.
 
-use serde_json::Value;
-
-/// Replaces the values of sensitive arguments.
-pub(crate) fn redact(arguments: &Value, sensitive: &[String]) -> Value {
-    let mut out = arguments.clone();
-    if let Some(map) = out.as_object_mut() {
-        for name in sensitive {
-            if let Some(v) = map.get_mut(name) {
-                *v = Value::String("[redacted]".into());
-            }
-        }
-    }
-    out
-}
+// Replaces the values of sensitive arguments: the contract's one
+// redaction, which dead letters use too.
+pub(crate) use toolfleet_protocol::redact::redact_arguments as redact;
 
 /// `text` cut to `max` characters, with `…` when cut.
 pub(crate) fn shorten(text: &str, max: usize) -> String {
@@ -27,16 +16,6 @@ pub(crate) fn shorten(text: &str, max: usize) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sensitive_arguments_are_redacted() {
-        let args = serde_json::json!({"query": "q", "apiToken": "s3cret"});
-        let out = redact(&args, &["apiToken".to_string()]);
-        assert_eq!(
-            out,
-            serde_json::json!({"query": "q", "apiToken": "[redacted]"})
-        );
-    }
 
     #[test]
     fn progress_messages_are_cut_on_a_character_boundary() {

@@ -23,7 +23,8 @@
 //!   catalog, definition directories, …), with the compat file of
 //!   recommended models.
 //! - [`client`]: submitting a chat job and following its events.
-//! - [`redact`]: credentials out of URLs before they reach a message.
+//! - [`redact`]: credentials out of URLs before they reach a message, and
+//!   a call's sensitive arguments out of events and dead letters.
 
 // The contract is a public API: every item says what it is to a client or
 // worker author.

@@ -1503,10 +1503,27 @@ pub struct DeadLetter {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raw_headers: Option<String>,
     /// The dead job's body, for `toolfleet deadletters replay`: a JSON
-    /// object, a tool job's `settings` removed (they may hold secrets).
+    /// object, a tool job's `settings` removed (they may hold secrets) and
+    /// its sensitive arguments redacted ([`DeadLetter::redact_arguments`]).
     /// Absent when the body was not a JSON object.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub job: Option<Value>,
+}
+
+impl DeadLetter {
+    /// Hides a dead tool job's sensitive arguments (`sensitive`: its tool
+    /// definition's `sensitiveArguments`) as events do: their values in
+    /// `job.arguments` become [`REDACTED`](crate::redact::REDACTED), and
+    /// wherever the error text quotes one, it is replaced too. Safe to
+    /// repeat (a worker redacts before publishing, `toolfleet deadletters
+    /// show` again for records kept before it did).
+    pub fn redact_arguments(&mut self, sensitive: &[String]) {
+        let Some(arguments) = self.job.as_mut().and_then(|j| j.get_mut("arguments")) else {
+            return;
+        };
+        self.error = crate::redact::redact_argument_values(&self.error, arguments, sensitive);
+        *arguments = crate::redact::redact_arguments(arguments, sensitive);
+    }
 }
 
 /// The body of a dead job as a dead letter keeps it ([`DeadLetter::job`]):

@@ -119,7 +119,7 @@ async fn give_up(
     }
     let _ = msg.ack_with(AckKind::Term).await;
     let code = failure.code.clone();
-    let dead = DeadLetter {
+    let mut dead = DeadLetter {
         kind: DeadLetterKind::Tool,
         stream: shared.config.subjects.tools_stream(),
         stream_sequence: delivery.sequence,
@@ -133,6 +133,9 @@ async fn give_up(
         raw_headers: None,
         job: toolfleet_protocol::dead_letter_job(&msg.payload),
     };
+    // Kept for days: its sensitive arguments are hidden as events hide
+    // them, before it leaves the worker.
+    dead.redact_arguments(&tool.definition().sensitive_arguments);
     dead_letters::publish(shared, dead).await;
     warn!(tool = %tool.label(), attempt, code = %code, "tool job dead-lettered");
 }
