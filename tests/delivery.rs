@@ -789,3 +789,244 @@ async fn a_draining_orchestrator_still_hears_the_tools_of_its_invocations() {
     assert_eq!(titles, ["round 1", "round 2"], "{all:#?}");
     worker.stop().await;
 }
+
+/// Ids are per tenant: the same invocation id under two tenants is two
+/// invocations. Each runs (the second is not refused as a duplicate), each
+/// answer cites its own call's reference as `[doc:1]`, and Redis keeps
+/// two reference sets, one under each tenant's hash tag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_invocation_id_under_two_tenants_is_two_invocations() {
+    let env = Env::start(json!({
+        "rules": [
+            { "whenUserContains": ["acme cites"], "steps": [
+                { "toolCalls": [ { "name": "cite_round", "arguments": { "round": 1 } } ] },
+                { "answer": "Acme: {{tool:cite_round}}" } ] },
+            { "whenUserContains": ["globex cites"], "steps": [
+                { "toolCalls": [ { "name": "cite_round", "arguments": { "round": 7 } } ] },
+                { "answer": "Globex: {{tool:cite_round}}" } ] }
+        ]
+    }))
+    .await;
+    let worker = env.start_worker(cite_round_worker(CiteRound::new())).await;
+    let id = toolfleet_protocol::client::new_invocation_id();
+    let mut answers = Vec::new();
+    for (tenant, question) in [("acme", "acme cites"), ("globex", "globex cites")] {
+        let mut job = toolfleet_protocol::client::question(question);
+        job.invocation_id = id.clone();
+        job.tenant = Some(tenant.into());
+        let outcome = env
+            .submit(&job)
+            .await
+            .unwrap_or_else(|e| panic!("{tenant}'s job under the shared id: {e}"));
+        answers.push(outcome);
+    }
+    let titles = |o: &toolfleet_protocol::client::ChatOutcome| -> Vec<String> {
+        o.references.iter().map(|r| r.title.clone()).collect()
+    };
+    assert_eq!(titles(&answers[0]), ["round 1"], "{}", answers[0].text);
+    assert_eq!(titles(&answers[1]), ["round 7"], "{}", answers[1].text);
+    assert!(answers[1].text.contains("says round 7"), "{}", answers[1].text);
+
+    let mut redis = env.redis_conn.clone();
+    for (tenant, title) in [("acme", "round 1"), ("globex", "round 7")] {
+        let refs: std::collections::HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(format!("toolfleet:{{{tenant}/{id}}}:refs"))
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        assert_eq!(refs.len(), 1, "{tenant}: {refs:?}");
+        let stored: Value = serde_json::from_str(&refs["[doc:1]"]).unwrap();
+        assert_eq!(stored["title"], title, "{tenant}: {refs:?}");
+    }
+    worker.stop().await;
+}
+
+/// The attack of issue 28, item 8, on a real `nats-server` with the shipped
+/// `ops/nats/auth.conf`, each tenant under its own client identity: acme
+/// submits globex's invocation id first, with the `Nats-Msg-Id` a globex
+/// client of an earlier release sent (the id itself). Globex's job still
+/// runs and globex gets its own answer; acme's job runs as acme's own, and
+/// acme sees nothing of globex's. An id globex used first does not make
+/// acme's job vanish either (which would tell acme the id exists).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_it() {
+    use crate::security::{Secure, spawn};
+    use toolfleet_protocol::client::{self, ChatOutcome};
+
+    let secure = Secure::start();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let script = toolfleet_scripted::Script::from_json(
+        &json!({
+            "rules": [
+                { "whenUserContains": ["globex"], "steps": [
+                    { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                    { "answer": "globex-canary-4b1 at {{tool:current_datetime}}" } ] },
+                { "whenUserContains": ["time"], "steps": [
+                    { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                    { "answer": "It is {{tool:current_datetime}}." } ] }
+            ],
+            "default": { "steps": [ { "answer": "no script" } ] }
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let model = toolfleet_scripted::ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let config = logs.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[deployments.scripted]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
+             api_key_env = \"TOOLFLEET_IDS_TEST_KEY\"\n[profiles.default]\ndeployment = \"scripted\"\n",
+            model.base_url()
+        ),
+    )
+    .unwrap();
+    let with = |user: &str, extra: Vec<(&'static str, String)>| {
+        let mut env = secure.env(user);
+        env.push(("TOOLFLEET_REDIS_URL", redis.url()));
+        env.push((
+            "TOOLFLEET_METRICS_ADDR",
+            format!(
+                "127.0.0.1:{}",
+                toolfleet_local::servers::free_port().unwrap()
+            ),
+        ));
+        env.extend(extra);
+        env
+    };
+    let orchestrator = spawn(
+        "toolfleet-orchestrator",
+        &with(
+            "orchestrator",
+            vec![
+                ("TOOLFLEET_CONFIG", config.display().to_string()),
+                ("TOOLFLEET_IDS_TEST_KEY", "sk-ids-test".into()),
+            ],
+        ),
+        logs.path().join("orchestrator.log"),
+    );
+    let _worker = spawn(
+        "toolfleet-worker-system",
+        &with("worker-system", vec![]),
+        logs.path().join("worker-system.log"),
+    );
+    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+    let acme = secure.connect("client-acme").await;
+    let globex = secure.connect("client-globex").await;
+    let ask = |client: async_nats::Client, tenant: &'static str, id: String, text: &'static str| {
+        let subjects = subjects.clone();
+        async move {
+            let mut job = client::question(text);
+            job.invocation_id = id;
+            job.tenant = Some(tenant.into());
+            client::chat(&client, &subjects, &job, WAIT, |_| {}).await
+        }
+    };
+    // The fleet is up once acme's question is answered with the time (the
+    // chat stream exists once the orchestrator started; the catalog offers
+    // the clock once the worker advertised it).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let id = client::new_invocation_id();
+        match ask(acme.clone(), "acme", id, "what time is it").await {
+            Ok(o) if o.events.iter().any(|e| {
+                matches!(&e.body, toolfleet_protocol::ChatEventBody::ToolResult {
+                    status: toolfleet_protocol::ToolStatus::Ok, .. })
+            }) => break,
+            other => assert!(
+                tokio::time::Instant::now() < deadline,
+                "the fleet never answered: {other:?}\n{}",
+                std::fs::read_to_string(&orchestrator.log).unwrap_or_default()
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // acme first, under globex's id, with the message id a globex client
+    // sent until now.
+    let id = client::new_invocation_id();
+    let mut acme_events = acme
+        .subscribe(subjects.chat_events("acme", &id))
+        .await
+        .unwrap();
+    acme.flush().await.unwrap();
+    let mut forged = client::question("what time is it");
+    forged.invocation_id = id.clone();
+    forged.tenant = Some("acme".into());
+    let mut h = async_nats::HeaderMap::new();
+    h.insert("Nats-Msg-Id", id.as_str());
+    h.insert("Toolfleet-Invocation-Id", id.as_str());
+    async_nats::jetstream::new(acme.clone())
+        .publish_with_headers(
+            subjects.chat_submit("acme"),
+            h,
+            serde_json::to_vec(&forged).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let acme_saw = events_until_terminal(&mut acme_events).await;
+    let last = acme_saw.last().unwrap();
+    assert_eq!(last["type"], "completed", "acme's own job runs: {acme_saw:#?}");
+    assert!(last["text"].as_str().unwrap().starts_with("It is "), "{last}");
+
+    // Then globex, through the client library: its job runs, its answer is
+    // its own.
+    let answered: ChatOutcome = ask(globex.clone(), "globex", id.clone(), "globex: the time?")
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "globex's job under an id acme used first: {e}\n{}",
+                std::fs::read_to_string(&orchestrator.log).unwrap_or_default()
+            )
+        });
+    assert!(answered.text.starts_with("globex-canary-4b1 at "), "{}", answered.text);
+    // acme heard nothing of it.
+    assert_silent(
+        &mut acme_events,
+        Duration::from_millis(500),
+        "an event of globex's run reached acme's subject",
+    )
+    .await;
+    assert!(!serde_json::to_string(&acme_saw).unwrap().contains("globex-canary"));
+
+    // The other way round: an id globex used first is not refused to acme
+    // (a refusal would tell acme that the id exists).
+    let taken = client::new_invocation_id();
+    let first = ask(globex.clone(), "globex", taken.clone(), "globex: the time?")
+        .await
+        .expect("globex's job");
+    assert!(first.text.starts_with("globex-canary-4b1"), "{}", first.text);
+    let second = ask(acme.clone(), "acme", taken.clone(), "what time is it")
+        .await
+        .expect("acme's job under an id globex used first runs as acme's own");
+    assert!(second.text.starts_with("It is "), "{}", second.text);
+    assert!(!format!("{second:?}").contains("globex-canary"), "{second:?}");
+
+    // Each claim and stored answer is its tenant's own.
+    let mut conn = redis::Client::open(redis.url())
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    for inv in [&id, &taken] {
+        for tenant in ["acme", "globex"] {
+            let owner: Option<String> = redis::cmd("GET")
+                .arg(format!("toolfleet:{{{tenant}/{inv}}}:owner"))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert!(owner.is_some_and(|o| o.ends_with(":finished")), "{tenant}/{inv}");
+            let terminal: String = redis::cmd("GET")
+                .arg(format!("toolfleet:{{{tenant}/{inv}}}:terminal"))
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(terminal.contains("globex-canary"), tenant == "globex", "{terminal}");
+        }
+    }
+}

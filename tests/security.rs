@@ -45,12 +45,12 @@ fn password(user: &str) -> String {
 }
 
 /// A server running the shipped role identities.
-struct Secure {
-    nats: NatsServer,
+pub(crate) struct Secure {
+    pub(crate) nats: NatsServer,
 }
 
 impl Secure {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let auth = std::fs::read(support::root().join("ops/nats/auth.conf")).unwrap();
         let nats = NatsServer::start_configured(NatsConfig {
             extra: Some("include \"auth.conf\"".into()),
@@ -75,7 +75,7 @@ impl Secure {
     }
 
     /// The environment a binary of `user`'s role runs with.
-    fn env(&self, user: &str) -> Vec<(&'static str, String)> {
+    pub(crate) fn env(&self, user: &str) -> Vec<(&'static str, String)> {
         vec![
             ("TOOLFLEET_NATS_URL", self.nats.url()),
             ("TOOLFLEET_NATS_USER", user.into()),
@@ -84,7 +84,7 @@ impl Secure {
         ]
     }
 
-    async fn connect(&self, user: &str) -> async_nats::Client {
+    pub(crate) async fn connect(&self, user: &str) -> async_nats::Client {
         self.args(user).connect(user).await.expect("connect")
     }
 
