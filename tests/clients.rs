@@ -26,8 +26,8 @@ async fn python(env: &Env, script: &str) -> Value {
 }
 
 /// `tests/clients/python_client.py` (nats-py): asks as tenant `acme`,
-/// follows the events to a cited answer, checks a retried submit is a
-/// duplicate, reads the answer back from the events stream (and a 404 for
+/// follows the events to a cited answer, checks a retried submit is not
+/// run again, reads the answer back from the events stream (and a 404 for
 /// an unknown invocation), and cancels a slow question.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_client_written_from_the_readme_asks_follows_and_cancels() {

@@ -4,8 +4,10 @@
 //! `toolfleet-blob:<invocation id>/<blob id>`.
 //!
 //! The URI names the invocation (whose keys the blob lives and expires
-//! with) and the blob within it; it carries no secret and no tenant:
-//! invocation ids are unguessable and belong to one tenant. Both parts are
+//! with) and the blob within it; it carries no secret and no tenant. Ids
+//! are per tenant, so a reader also names the tenant whose invocation made
+//! the blob (the store keys blobs by both; `toolfleet blob get --tenant`).
+//! Both parts are
 //! restricted to characters that need no escaping in a URI, a subject or a
 //! Redis key, so the format is plain text with no percent-encoding.
 

@@ -533,8 +533,8 @@ pub fn valid_invocation_id(id: &str) -> bool {
 /// job and result.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct InvocationContext {
-    /// The invocation's id, chosen by the client: unique, unguessable, 1-128 of
-    /// `[A-Za-z0-9_-]`.
+    /// The invocation's id, chosen by the client: unique within its tenant,
+    /// 1-128 of `[A-Za-z0-9_-]`.
     pub invocation_id: String,
     /// The tenant it runs as; `None` means [`DEFAULT_TENANT`] (see
     /// [`InvocationContext::tenant`]).
@@ -910,9 +910,10 @@ pub enum ChatRole {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ChatJob {
-    /// Chosen by the client, fresh and unguessable for every job (a UUID): one
-    /// NATS subject token and part of Redis keys. An id another job already
-    /// claimed is refused (`duplicate_invocation`).
+    /// Chosen by the client, fresh for every job (a UUID): one NATS subject
+    /// token and part of Redis keys. Ids are per tenant: an id another job of
+    /// the same tenant already claimed is refused (`duplicate_invocation`);
+    /// another tenant's invocation of the same id is another invocation.
     pub invocation_id: String,
     /// The conversation so far (1 to 500 messages).
     pub messages: Vec<ChatMessage>,
