@@ -20,7 +20,7 @@ use toolfleet_llm::LlmClient;
 use toolfleet_protocol::catalog::Catalog;
 use toolfleet_protocol::{ChatJob, InvocationContext};
 use toolfleet_store::CitationStore;
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::catalog::LiveCatalog;
 use crate::failure::ChatErrorCode;
