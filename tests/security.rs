@@ -17,7 +17,7 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-const USERS: [(&str, &str); 9] = [
+pub(crate) const USERS: [(&str, &str); 9] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
@@ -30,7 +30,7 @@ const USERS: [(&str, &str); 9] = [
 ];
 
 /// The inbox prefix a role's processes set (ops/nats/auth.conf).
-fn inbox_prefix(user: &str) -> String {
+pub(crate) fn inbox_prefix(user: &str) -> String {
     if let Some(family) = user.strip_prefix("worker-") {
         format!("_INBOX.worker.{family}")
     } else if let Some(tenant) = user.strip_prefix("client-") {
@@ -40,17 +40,17 @@ fn inbox_prefix(user: &str) -> String {
     }
 }
 
-fn password(user: &str) -> String {
+pub(crate) fn password(user: &str) -> String {
     format!("pw-{user}-canary-7f3a")
 }
 
 /// A server running the shipped role identities.
-struct Secure {
-    nats: NatsServer,
+pub(crate) struct Secure {
+    pub(crate) nats: NatsServer,
 }
 
 impl Secure {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         let auth = std::fs::read(support::root().join("ops/nats/auth.conf")).unwrap();
         let nats = NatsServer::start_configured(NatsConfig {
             extra: Some("include \"auth.conf\"".into()),
@@ -75,7 +75,7 @@ impl Secure {
     }
 
     /// The environment a binary of `user`'s role runs with.
-    fn env(&self, user: &str) -> Vec<(&'static str, String)> {
+    pub(crate) fn env(&self, user: &str) -> Vec<(&'static str, String)> {
         vec![
             ("TOOLFLEET_NATS_URL", self.nats.url()),
             ("TOOLFLEET_NATS_USER", user.into()),
@@ -84,7 +84,7 @@ impl Secure {
         ]
     }
 
-    async fn connect(&self, user: &str) -> async_nats::Client {
+    pub(crate) async fn connect(&self, user: &str) -> async_nats::Client {
         self.args(user).connect(user).await.expect("connect")
     }
 
@@ -316,7 +316,11 @@ require_approval = ["system:current_datetime"]
             "toolfleet-worker-retrieval",
             &with(
                 "worker-retrieval",
-                vec![("TOOLFLEET_INDEX_DIR", index.display().to_string())],
+                vec![
+                    ("TOOLFLEET_INDEX_DIR", index.display().to_string()),
+                    // The shipped corpus is the data of the tenant that asks.
+                    ("TOOLFLEET_CORPUS_TENANT", "acme".into()),
+                ],
             ),
             logs.path().join("worker-retrieval.log"),
         ),
