@@ -542,7 +542,7 @@ async fn bench_vectors(work: &Path, postgres: Option<&str>) {
         for (filtered, times) in timings.iter_mut().enumerate() {
             for (q, probe) in probes.iter().enumerate() {
                 let query = Query {
-            tenant: "bench".into(),
+                    tenant: "bench".into(),
                     vector: Some(probe.clone()),
                     collections: scope(filtered == 1),
                     top_k: 5,

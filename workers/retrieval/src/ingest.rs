@@ -514,7 +514,8 @@ async fn ingest_items(
             }
             match store
                 .upsert_items(&options.tenant, std::mem::take(&mut batch))
-                .await {
+                .await
+            {
                 Ok(()) => written += count,
                 Err(e) => return stop(written, rejected, e.to_string()),
             }
@@ -795,16 +796,24 @@ mod tests {
         assert_eq!(search(&store, "swarms").await, ["k1"]);
         assert!(search(&store, "secret").await.is_empty());
         let page = store
-            .document("handbook:sub/page.html")
+            .document("acme", "handbook:sub/page.html")
             .await
             .unwrap()
             .unwrap();
         assert_eq!(page.title, "Page");
         assert_eq!(page.owner.user.as_deref(), Some("u1"));
         assert_eq!(page.text, "Hive frames");
-        let table = store.document("acme", "handbook:table.csv").await.unwrap().unwrap();
+        let table = store
+            .document("acme", "handbook:table.csv")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(table.raw.as_deref(), Some("a,b\n1,2\n3\n"));
-        let notes = store.document("acme", "handbook:notes.txt").await.unwrap().unwrap();
+        let notes = store
+            .document("acme", "handbook:notes.txt")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(notes.title, "notes");
     }
 
@@ -845,7 +854,11 @@ mod tests {
             unreachable!()
         };
         assert!(why.contains("same document id"), "{why}");
-        let doc = store.document("acme", "handbook:README.md").await.unwrap().unwrap();
+        let doc = store
+            .document("acme", "handbook:README.md")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(doc.title, "a");
     }
 
@@ -878,7 +891,11 @@ mod tests {
     #[tokio::test]
     async fn files_go_to_the_named_tenant_which_a_store_of_several_requires() {
         let root = tempfile::tempdir().unwrap();
-        fs::write(root.path().join("vault.md"), "# Vault\n\nThe vault code is 1234.").unwrap();
+        fs::write(
+            root.path().join("vault.md"),
+            "# Vault\n\nThe vault code is 1234.",
+        )
+        .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let store = TantivyStore::open(dir.path()).unwrap();
         // An empty store: the default tenant, unless one is named.
@@ -898,7 +915,13 @@ mod tests {
             ..Query::default()
         };
         assert!(store.search(&as_globex).await.unwrap().is_empty());
-        assert!(store.document("globex", "handbook:vault.md").await.unwrap().is_none());
+        assert!(
+            store
+                .document("globex", "handbook:vault.md")
+                .await
+                .unwrap()
+                .is_none()
+        );
 
         // The store now holds acme's: no tenant by default any more.
         let error = resolve_tenant(&store, None).await.unwrap_err();
@@ -906,6 +929,9 @@ mod tests {
             error.contains("tenants acme") && error.contains("--tenant"),
             "{error}"
         );
-        assert_eq!(resolve_tenant(&store, Some("globex")).await.unwrap(), "globex");
+        assert_eq!(
+            resolve_tenant(&store, Some("globex")).await.unwrap(),
+            "globex"
+        );
     }
 }

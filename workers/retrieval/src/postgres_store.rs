@@ -151,7 +151,10 @@ impl PostgresStore {
         }
         .await;
         let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
-        let ended = client.batch_execute(end).await.map_err(pg("ending the schema transaction"));
+        let ended = client
+            .batch_execute(end)
+            .await
+            .map_err(pg("ending the schema transaction"));
         done.and(ended)
     }
 
@@ -565,8 +568,7 @@ impl Store for PostgresStore {
             let inner = &*self.inner;
             let mut client = inner.write.lock().await;
             let tx = client.transaction().await.map_err(pg("beginning"))?;
-            Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), tenant, &items)
-                .await?;
+            Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), tenant, &items).await?;
             tx.commit().await.map_err(pg("committing"))
         }
         .boxed()
@@ -831,12 +833,18 @@ mod tests {
     #[tokio::test]
     async fn passes_the_store_suite() {
         let server = server();
-        let store = PostgresStore::connect(&server.url(), "toolfleet").await.unwrap();
+        let store = PostgresStore::connect(&server.url(), "toolfleet")
+            .await
+            .unwrap();
         crate::conformance::documents(&store).await;
         // A second prefix is a second, empty index in the same database.
-        let other = PostgresStore::connect(&server.url(), "other").await.unwrap();
+        let other = PostgresStore::connect(&server.url(), "other")
+            .await
+            .unwrap();
         crate::conformance::context_items(&other).await;
-        let vectors = PostgresStore::connect(&server.url(), "vectors").await.unwrap();
+        let vectors = PostgresStore::connect(&server.url(), "vectors")
+            .await
+            .unwrap();
         crate::conformance::vectors(&vectors).await;
         assert!(
             other
@@ -845,9 +853,13 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
-        let tenants = PostgresStore::connect(&server.url(), "tenants").await.unwrap();
+        let tenants = PostgresStore::connect(&server.url(), "tenants")
+            .await
+            .unwrap();
         crate::conformance::tenants(&tenants).await;
-        let attacked = PostgresStore::connect(&server.url(), "attacked").await.unwrap();
+        let attacked = PostgresStore::connect(&server.url(), "attacked")
+            .await
+            .unwrap();
         crate::tools::tenant_attack::run(Arc::new(attacked)).await;
     }
 
@@ -912,9 +924,10 @@ mod tests {
             .unwrap();
 
         // Two workers start at once: one migrates, the other finds it done.
+        let url = server.url();
         let (a, b) = tokio::join!(
-            PostgresStore::connect(&server.url(), "old"),
-            PostgresStore::connect(&server.url(), "old")
+            PostgresStore::connect(&url, "old"),
+            PostgresStore::connect(&url, "old")
         );
         let (store, _) = (a.unwrap(), b.unwrap());
         let mut q = query("lighthouse keepers");
@@ -951,9 +964,10 @@ mod tests {
         // Keyed by (tenant, id), the old single-column indexes gone.
         let key: String = admin
             .query_one(
-                "SELECT string_agg(a.attname, ',' ORDER BY a.attnum)
-                 FROM pg_constraint c JOIN pg_attribute a
-                   ON a.attrelid = c.conrelid AND a.attnum = ANY(c.conkey)
+                "SELECT string_agg(a.attname, ',' ORDER BY k.n)
+                 FROM pg_constraint c
+                 CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, n)
+                 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
                  WHERE c.conrelid = 'old_items'::regclass AND c.contype = 'p'",
                 &[],
             )
@@ -980,7 +994,10 @@ mod tests {
             )
             .await
             .unwrap_err();
-        assert!(error.to_string().contains("null value") || format!("{error:?}").contains("tenant"), "{error:?}");
+        assert!(
+            error.to_string().contains("null value") || format!("{error:?}").contains("tenant"),
+            "{error:?}"
+        );
     }
 
     /// A PostgreSQL 16 server with pgvector, started on a free loopback
@@ -1151,6 +1168,7 @@ mod tests {
         assert!(reopened.pgvector().is_some());
         let hits = reopened
             .search(&Query {
+                tenant: crate::conformance::TENANT.into(),
                 vector: Some(vec![1.0, 0.0, 0.0]),
                 collections: vec!["ds".into()],
                 top_k: 10,

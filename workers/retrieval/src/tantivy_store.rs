@@ -164,7 +164,8 @@ impl TantivyStore {
     /// earlier release's index must be migrated while another process
     /// writes it.
     pub fn open(dir: &Path) -> Result<Self, StoreError> {
-        let unavailable = |e: std::io::Error| StoreError::Unavailable(format!("{}: {e}", dir.display()));
+        let unavailable =
+            |e: std::io::Error| StoreError::Unavailable(format!("{}: {e}", dir.display()));
         std::fs::create_dir_all(dir).map_err(unavailable)?;
         let path = dir.join(INDEX_SUBDIR);
         if !path.join("meta.json").is_file() && dir.join("meta.json").is_file() {
@@ -296,7 +297,8 @@ impl TantivyStore {
         doc.add_text(fields.tenant, tenant);
         doc.add_text(fields.collection, &document.collection);
         doc.add_i64(fields.timestamp, document.timestamp_ms);
-        let json = serde_json::to_string(&document).map_err(|e| StoreError::Engine(e.to_string()))?;
+        let json =
+            serde_json::to_string(&document).map_err(|e| StoreError::Engine(e.to_string()))?;
         doc.add_text(fields.payload, json);
         Ok(doc)
     }
@@ -556,18 +558,21 @@ fn migrate_pre_tenant(dir: &Path) -> Result<(), StoreError> {
     };
     let old = Index::open_in_dir(dir).map_err(|e| failed("opening it", &e))?;
     if old.schema().get_field("tenant").is_ok() {
-        return Err(failed("reading it", &"it already has tenants; move it into by-tenant"));
+        return Err(failed(
+            "reading it",
+            &"it already has tenants; move it into by-tenant",
+        ));
     }
-    let lock: IndexWriter<TantivyDocument> = old
-        .writer_with_num_threads(1, 15_000_000)
-        .map_err(|e| match e {
+    let lock: IndexWriter<TantivyDocument> = old.writer_with_num_threads(1, 15_000_000).map_err(
+        |e| match e {
             TantivyError::LockFailure(..) => StoreError::Busy(format!(
                 "the index in {} must be migrated to tenants, and another process is writing it; \
                  stop that process (or wait for its migration) and start again",
                 dir.display()
             )),
             e => failed("locking it", &e),
-        })?;
+        },
+    )?;
     let target = dir.join(INDEX_SUBDIR);
     if target.join("meta.json").is_file() {
         // Another process migrated it while this one waited.
@@ -623,12 +628,17 @@ fn copy_as_default_tenant(old: &Index, to: &Path) -> Result<usize, StoreError> {
     let all = searcher
         .search(&AllQuery, &DocSetCollector)
         .map_err(engine("listing the old index"))?;
+    // `record` is indexed, not stored: the document records are found by it.
+    let records = searcher
+        .search(&*term_query(record, RECORD_DOC), &DocSetCollector)
+        .map_err(engine("listing the old index's document records"))?;
     let mut vectors = Vectors::new(&searcher, "vector");
-    let unreadable = |e: serde_json::Error| StoreError::Engine(format!("an old entry is unreadable: {e}"));
+    let unreadable =
+        |e: serde_json::Error| StoreError::Engine(format!("an old entry is unreadable: {e}"));
     for address in &all {
         let doc: TantivyDocument = searcher.doc(*address).map_err(engine("reading"))?;
         let json = payload(&doc, old_payload);
-        let copy = if payload(&doc, record) == RECORD_DOC {
+        let copy = if records.contains(address) {
             let document: DocumentRecord = serde_json::from_str(&json).map_err(unreadable)?;
             TantivyStore::record_doc(&fields, DEFAULT_TENANT, &document)?
         } else {
@@ -640,7 +650,9 @@ fn copy_as_default_tenant(old: &Index, to: &Path) -> Result<usize, StoreError> {
             .add_document(copy)
             .map_err(engine("copying an entry"))?;
     }
-    writer.commit().map_err(engine("committing the migrated index"))?;
+    writer
+        .commit()
+        .map_err(engine("committing the migrated index"))?;
     writer
         .wait_merging_threads()
         .map_err(engine("finishing the migrated index"))?;
@@ -944,7 +956,10 @@ mod tests {
 
         let store = TantivyStore::open(dir.path()).unwrap();
         assert_eq!(store.path(), dir.path().join(INDEX_SUBDIR));
-        assert!(!dir.path().join("meta.json").exists(), "the old index is gone");
+        assert!(
+            !dir.path().join("meta.json").exists(),
+            "the old index is gone"
+        );
         assert!(!dir.path().join(MIGRATING_SUBDIR).exists());
         let mut q = query("lighthouse keepers");
         q.tenant = DEFAULT_TENANT.into();

@@ -2131,24 +2131,38 @@ pub(crate) mod tenant_attack {
     /// references they cited.
     async fn everything(r: &Retrieval, tenant: &str) -> String {
         let test = as_tenant(tenant);
-        let search = json!({ "query": format!("vault code {CANARY}"), "topK": 10 });
+        // The words are acme's too: an empty answer that echoes the query
+        // must not count as a leak.
+        let search = json!({ "query": "vault code", "topK": 10 });
         let mut out = Vec::new();
         let mut note = |result: Result<ToolOutput, ToolError>| match result {
             Ok(o) => out.push(format!("{}\n{}", o.content, o.data.unwrap_or_default())),
             Err(e) => out.push(e.to_string()),
         };
         note(test.call(&SearchDocuments(r.clone()), search.clone()).await);
-        note(test.call(&SearchDataSources(r.clone()), search.clone()).await);
+        note(
+            test.call(&SearchDataSources(r.clone()), search.clone())
+                .await,
+        );
         note(test.call(&ListDocuments(r.clone()), json!({})).await);
         for id in ["globex-kb:secret.md", "uploads:bob.md"] {
-            note(test.call(&ReadDocument(r.clone()), json!({ "documentId": id })).await);
+            note(
+                test.call(&ReadDocument(r.clone()), json!({ "documentId": id }))
+                    .await,
+            );
         }
         let ledger = json!({ "documentId": "globex-kb:ledger.csv" });
         note(test.call(&ReadTabularData(r.clone()), ledger).await);
-        note(test.call(&RetrieveKnowledgeContext(r.clone()), search.clone()).await);
+        note(
+            test.call(&RetrieveKnowledgeContext(r.clone()), search.clone())
+                .await,
+        );
         let events = json!({ "query": "vault code", "from": "2026-11-01", "to": "2026-11-30" });
         note(test.call(&RetrieveEventContext(r.clone()), events).await);
-        note(test.call(&RetrieveProfileContext(r.clone()), json!({ "query": "" })).await);
+        note(
+            test.call(&RetrieveProfileContext(r.clone()), json!({ "query": "" }))
+                .await,
+        );
         for mode in ["exact", "similar", "list", "relationships"] {
             let lookup = json!({ "name": "Vault Keeper", "mode": mode });
             note(test.call(&EntityLookup(r.clone()), lookup).await);
