@@ -220,9 +220,10 @@ pub async fn search(command: IndexCommand) -> anyhow::Result<i32> {
     let store = toolfleet_worker_retrieval::open_store(&index)
         .await
         .map_err(anyhow::Error::msg)?;
-    let tenant = toolfleet_worker_retrieval::ingest::resolve_tenant(store.as_ref(), tenant.as_deref())
-        .await
-        .map_err(anyhow::Error::msg)?;
+    let tenant =
+        toolfleet_worker_retrieval::ingest::resolve_tenant(store.as_ref(), tenant.as_deref())
+            .await
+            .map_err(anyhow::Error::msg)?;
     let query = toolfleet_worker_retrieval::search::Query {
         tenant,
         text: query,

@@ -1182,8 +1182,19 @@ fn toolfleet_ingest_reports_bad_files_and_reingests_atomically() {
         "no --tenant on a store of no other tenant: default; {stdout}"
     );
     // Another tenant's copy of the same file: its own, beside default's.
-    std::fs::write(docs.join("hives.md"), "# Hives\n\nAcme keeps warre hives.\n").unwrap();
-    let out = run(&["ingest", "docs/hives.md", "--collection", "kb", "--tenant", "acme"]);
+    std::fs::write(
+        docs.join("hives.md"),
+        "# Hives\n\nAcme keeps warre hives.\n",
+    )
+    .unwrap();
+    let out = run(&[
+        "ingest",
+        "docs/hives.md",
+        "--collection",
+        "kb",
+        "--tenant",
+        "acme",
+    ]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert_eq!(out.status.code(), Some(0), "{stdout}");
     assert!(stdout.contains("as tenant \"acme\""), "{stdout}");
@@ -1202,7 +1213,15 @@ fn toolfleet_ingest_reports_bad_files_and_reingests_atomically() {
         );
     }
     let as_tenant = |query: &str, tenant: &str| {
-        let out = run(&["index", "search", query, "--collection", "kb", "--tenant", tenant]);
+        let out = run(&[
+            "index",
+            "search",
+            query,
+            "--collection",
+            "kb",
+            "--tenant",
+            tenant,
+        ]);
         assert!(out.status.success());
         String::from_utf8_lossy(&out.stdout).to_string()
     };

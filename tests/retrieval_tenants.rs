@@ -97,7 +97,9 @@ async fn seed(store: &dyn Store) {
         chunked(CANARY, "uploads:bob-private.md", Some("bob")),
     ];
     store.replace_documents("globex", globex).await.unwrap();
-    let mut knowledge = chunked(CANARY, "globex-kb:bob-note.md", Some("bob")).1.remove(0);
+    let mut knowledge = chunked(CANARY, "globex-kb:bob-note.md", Some("bob"))
+        .1
+        .remove(0);
     knowledge.id = "bob-note".into();
     knowledge.kind = ItemKind::Knowledge;
     knowledge.document_id = None;
@@ -161,16 +163,44 @@ async fn redis_values(redis: &RedisServer, invocation_id: &str) -> String {
         .unwrap();
     let mut out = Vec::new();
     for key in keys {
-        let kind: String = redis::cmd("TYPE").arg(&key).query_async(&mut c).await.unwrap();
+        let kind: String = redis::cmd("TYPE")
+            .arg(&key)
+            .query_async(&mut c)
+            .await
+            .unwrap();
         let value: Vec<String> = match kind.as_str() {
-            "hash" => redis::cmd("HGETALL").arg(&key).query_async(&mut c).await.unwrap(),
+            "hash" => redis::cmd("HGETALL")
+                .arg(&key)
+                .query_async(&mut c)
+                .await
+                .unwrap(),
             "string" => {
-                let v: Vec<u8> = redis::cmd("GET").arg(&key).query_async(&mut c).await.unwrap();
+                let v: Vec<u8> = redis::cmd("GET")
+                    .arg(&key)
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
                 vec![String::from_utf8_lossy(&v).into_owned()]
             }
-            "list" => redis::cmd("LRANGE").arg(&key).arg(0).arg(-1).query_async(&mut c).await.unwrap(),
-            "set" => redis::cmd("SMEMBERS").arg(&key).query_async(&mut c).await.unwrap(),
-            "zset" => redis::cmd("ZRANGE").arg(&key).arg(0).arg(-1).query_async(&mut c).await.unwrap(),
+            "list" => redis::cmd("LRANGE")
+                .arg(&key)
+                .arg(0)
+                .arg(-1)
+                .query_async(&mut c)
+                .await
+                .unwrap(),
+            "set" => redis::cmd("SMEMBERS")
+                .arg(&key)
+                .query_async(&mut c)
+                .await
+                .unwrap(),
+            "zset" => redis::cmd("ZRANGE")
+                .arg(&key)
+                .arg(0)
+                .arg(-1)
+                .query_async(&mut c)
+                .await
+                .unwrap(),
             other => vec![format!("{key}: a {other}")],
         };
         out.push(format!("{key}: {}", value.join(" ")));
@@ -309,7 +339,13 @@ async fn retrieval_acme_reads_nothing_of_globex_tantivy() {
     }
     let env = vec![
         ("TOOLFLEET_INDEX_DIR", index.display().to_string()),
-        ("TOOLFLEET_CORPUS_DIR", support::root().join("examples/corpus").display().to_string()),
+        (
+            "TOOLFLEET_CORPUS_DIR",
+            support::root()
+                .join("examples/corpus")
+                .display()
+                .to_string(),
+        ),
     ];
     attack(&secure, env).await;
 }
@@ -328,7 +364,13 @@ async fn retrieval_acme_reads_nothing_of_globex_postgres() {
     let env = vec![
         ("TOOLFLEET_STORE", "postgres".to_string()),
         ("TOOLFLEET_POSTGRES_URL", postgres.url()),
-        ("TOOLFLEET_CORPUS_DIR", support::root().join("examples/corpus").display().to_string()),
+        (
+            "TOOLFLEET_CORPUS_DIR",
+            support::root()
+                .join("examples/corpus")
+                .display()
+                .to_string(),
+        ),
     ];
     attack(&secure, env).await;
 }
