@@ -19,6 +19,11 @@ pub struct IngestArgs {
     /// The data source (or upload collection) the documents belong to.
     #[arg(long)]
     pub collection: String,
+    /// The tenant the documents belong to: only that tenant's jobs find
+    /// them. Required when the index holds another tenant's data; else
+    /// `default`.
+    #[arg(long, env = "TOOLFLEET_TENANT")]
+    pub tenant: Option<String>,
     /// Owner ids stored with every document.
     #[arg(long)]
     pub owner_user: Option<String>,
@@ -56,6 +61,10 @@ pub enum IndexCommand {
         /// Only this data source or upload collection.
         #[arg(long)]
         collection: Option<String>,
+        /// The tenant whose documents are searched (required when the
+        /// index holds another tenant's data; else `default`).
+        #[arg(long, env = "TOOLFLEET_TENANT")]
+        tenant: Option<String>,
         #[arg(long, default_value_t = 5)]
         top_k: usize,
         /// `text` (a passage per hit) or `json` (`[{"score", "id",
@@ -68,10 +77,14 @@ pub enum IndexCommand {
 /// `toolfleet ingest`: exit 0 when every file went in, 2 when some input
 /// was left out (the rest went in all the same).
 pub async fn ingest(args: IngestArgs) -> anyhow::Result<i32> {
-    let options = ingest_options(&args)?;
+    let mut options = ingest_options(&args)?;
     let store = toolfleet_worker_retrieval::open_store(&args.index)
         .await
         .map_err(anyhow::Error::msg)?;
+    options.tenant =
+        toolfleet_worker_retrieval::ingest::resolve_tenant(store.as_ref(), args.tenant.as_deref())
+            .await
+            .map_err(anyhow::Error::msg)?;
     let (planned, _) = toolfleet_worker_retrieval::ingest::plan(&args.paths, &options);
     let total_bytes: u64 = planned.iter().map(|p| p.bytes).sum();
     let bar = progress_bar(total_bytes, args.quiet);
@@ -93,12 +106,13 @@ pub async fn ingest(args: IngestArgs) -> anyhow::Result<i32> {
     }
     let mb = report.bytes_ingested() as f64 / 1_000_000.0;
     println!(
-        "ingested {} documents ({} chunks) and {} context items into {:?} ({}) from {:.2} MB in {:.2} s ({:.2} MB/s); {} skipped",
+        "ingested {} documents ({} chunks) and {} context items into {:?} ({}) as tenant {:?} from {:.2} MB in {:.2} s ({:.2} MB/s); {} skipped",
         report.documents(),
         report.chunks(),
         report.items(),
         options.collection,
         store.backend(),
+        options.tenant,
         mb,
         report.elapsed_secs,
         mb / report.elapsed_secs.max(1e-9),
@@ -126,6 +140,8 @@ fn ingest_options(
         args.allow_roots.clone()
     };
     Ok(toolfleet_worker_retrieval::ingest::IngestOptions {
+        // Chosen once the store is open (`resolve_tenant`).
+        tenant: String::new(),
         collection,
         owner: toolfleet_worker_retrieval::model::Owner {
             user: args.owner_user.clone(),
@@ -197,13 +213,19 @@ pub async fn search(command: IndexCommand) -> anyhow::Result<i32> {
         query,
         index,
         collection,
+        tenant,
         top_k,
         output,
     } = command;
     let store = toolfleet_worker_retrieval::open_store(&index)
         .await
         .map_err(anyhow::Error::msg)?;
+    let tenant =
+        toolfleet_worker_retrieval::ingest::resolve_tenant(store.as_ref(), tenant.as_deref())
+            .await
+            .map_err(anyhow::Error::msg)?;
     let query = toolfleet_worker_retrieval::search::Query {
+        tenant,
         text: query,
         collections: collection.into_iter().collect(),
         top_k: top_k.clamp(1, toolfleet_worker_retrieval::search::MAX_TOP_K),

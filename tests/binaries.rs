@@ -1183,6 +1183,58 @@ fn toolfleet_ingest_reports_bad_files_and_reingests_atomically() {
         "the old chunk is gone"
     );
     assert!(search("top-bar").contains("kb:hives.md#0"));
+    assert!(
+        stdout.contains("as tenant \"default\""),
+        "no --tenant on a store of no other tenant: default; {stdout}"
+    );
+    // Another tenant's copy of the same file: its own, beside default's.
+    std::fs::write(
+        docs.join("hives.md"),
+        "# Hives\n\nAcme keeps warre hives.\n",
+    )
+    .unwrap();
+    let out = run(&[
+        "ingest",
+        "docs/hives.md",
+        "--collection",
+        "kb",
+        "--tenant",
+        "acme",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(0), "{stdout}");
+    assert!(stdout.contains("as tenant \"acme\""), "{stdout}");
+    // Now the store holds two tenants: --tenant is required, for ingest
+    // and search alike.
+    for args in [
+        &["ingest", "docs/hives.md", "--collection", "kb"][..],
+        &["index", "search", "warre", "--collection", "kb"][..],
+    ] {
+        let out = run(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_ne!(out.status.code(), Some(0), "{args:?}");
+        assert!(
+            stderr.contains("tenants acme, default") && stderr.contains("--tenant"),
+            "{args:?}: {stderr}"
+        );
+    }
+    let as_tenant = |query: &str, tenant: &str| {
+        let out = run(&[
+            "index",
+            "search",
+            query,
+            "--collection",
+            "kb",
+            "--tenant",
+            tenant,
+        ]);
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    assert!(as_tenant("warre", "acme").contains("kb:hives.md#0"));
+    assert!(as_tenant("warre", "default").trim().is_empty());
+    assert!(as_tenant("top-bar", "default").contains("kb:hives.md#0"));
+    assert!(as_tenant("top-bar", "acme").trim().is_empty());
     // A bad chunking is refused before anything is read.
     let out = run(&[
         "ingest",

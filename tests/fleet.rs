@@ -23,6 +23,7 @@ mod orchestrator;
 mod policies;
 mod prometheus;
 mod rag;
+mod retrieval_tenants;
 mod runtime;
 mod scoping;
 mod secrets;

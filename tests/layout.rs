@@ -114,10 +114,11 @@ fn crates_depend_only_where_the_rules_allow() {
         assert!(our_deps_of(m, true).is_empty(), "{m}: dev-dependencies");
     }
     // Retrieval tests hybrid search against the scripted server's
-    // embeddings, the one stand-in.
+    // embeddings, the one stand-in, and its PostgreSQL store against a
+    // real server of the testkit's.
     assert_eq!(
         our_deps_of("workers/retrieval/Cargo.toml", true),
-        set(&["toolfleet-scripted"])
+        set(&["toolfleet-scripted", "toolfleet-testkit"])
     );
     // The LLM tools family also speaks to models, through the LLM client
     // crate (never the orchestrator), and tests against the scripted model

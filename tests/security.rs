@@ -17,7 +17,7 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-const USERS: [(&str, &str); 9] = [
+pub(crate) const USERS: [(&str, &str); 9] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
@@ -30,7 +30,7 @@ const USERS: [(&str, &str); 9] = [
 ];
 
 /// The inbox prefix a role's processes set (ops/nats/auth.conf).
-fn inbox_prefix(user: &str) -> String {
+pub(crate) fn inbox_prefix(user: &str) -> String {
     if let Some(family) = user.strip_prefix("worker-") {
         format!("_INBOX.worker.{family}")
     } else if let Some(tenant) = user.strip_prefix("client-") {
@@ -40,7 +40,7 @@ fn inbox_prefix(user: &str) -> String {
     }
 }
 
-fn password(user: &str) -> String {
+pub(crate) fn password(user: &str) -> String {
     format!("pw-{user}-canary-7f3a")
 }
 
@@ -316,7 +316,11 @@ require_approval = ["system:current_datetime"]
             "toolfleet-worker-retrieval",
             &with(
                 "worker-retrieval",
-                vec![("TOOLFLEET_INDEX_DIR", index.display().to_string())],
+                vec![
+                    ("TOOLFLEET_INDEX_DIR", index.display().to_string()),
+                    // The shipped corpus is the data of the tenant that asks.
+                    ("TOOLFLEET_CORPUS_TENANT", "acme".into()),
+                ],
             ),
             logs.path().join("worker-retrieval.log"),
         ),

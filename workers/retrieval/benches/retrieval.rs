@@ -189,6 +189,7 @@ async fn drop_postgres(admin: &str, name: &str) {
 
 async fn bench_ingest(store: &dyn Store, corpus: &Path, mb: f64) -> f64 {
     let options = IngestOptions {
+        tenant: "bench".into(),
         collection: "bench".into(),
         owner: Owner::default(),
         chunking: ChunkConfig::default(),
@@ -236,13 +237,13 @@ async fn fill(store: &dyn Store, n: usize) -> Duration {
         });
         if batch.len() == 5000 {
             store
-                .upsert_items(std::mem::take(&mut batch))
+                .upsert_items("bench", std::mem::take(&mut batch))
                 .await
                 .unwrap();
         }
     }
     if !batch.is_empty() {
-        store.upsert_items(batch).await.unwrap();
+        store.upsert_items("bench", batch).await.unwrap();
     }
     started.elapsed()
 }
@@ -253,6 +254,7 @@ async fn bench_search(store: &dyn Store, queries: usize, filtered: bool) -> (Dur
     for _ in 0..queries {
         let text = format!("{} {} {}", words.next(), words.next(), words.next());
         let query = Query {
+            tenant: "bench".into(),
             text,
             collections: scope(filtered),
             top_k: 5,
@@ -533,13 +535,14 @@ async fn bench_vectors(work: &Path, postgres: Option<&str>) {
                     }
                 })
                 .collect();
-            store.upsert_items(items).await.unwrap();
+            store.upsert_items("bench", items).await.unwrap();
         }
         let fill = started.elapsed();
         let mut timings = [Vec::new(), Vec::new()];
         for (filtered, times) in timings.iter_mut().enumerate() {
             for (q, probe) in probes.iter().enumerate() {
                 let query = Query {
+                    tenant: "bench".into(),
                     vector: Some(probe.clone()),
                     collections: scope(filtered == 1),
                     top_k: 5,

@@ -46,8 +46,12 @@ pub(crate) fn record(id: &str, collection: &str) -> DocumentRecord {
     }
 }
 
+/// The tenant the suites write and read as.
+pub(crate) const TENANT: &str = "acme";
+
 pub(crate) fn query(text: &str) -> Query {
     Query {
+        tenant: TENANT.into(),
         text: text.into(),
         top_k: 10,
         ..Query::default()
@@ -57,6 +61,7 @@ pub(crate) fn query(text: &str) -> Query {
 pub(crate) async fn documents(store: &dyn Store) {
     store
         .replace_document(
+            TENANT,
             record("ds:bees.md", "ds"),
             vec![
                 chunk("ds:bees.md", 0, "Bees dance to tell where nectar is."),
@@ -72,6 +77,7 @@ pub(crate) async fn documents(store: &dyn Store) {
     // Re-ingested: the old chunks are gone in the same commit.
     store
         .replace_document(
+            TENANT,
             record("ds:bees.md", "ds"),
             vec![chunk("ds:bees.md", 0, "Wasps build paper nests.")],
         )
@@ -99,26 +105,29 @@ pub(crate) async fn documents(store: &dyn Store) {
     // Only stop words: an empty result, not an error.
     assert!(store.search(&query("the and of")).await.unwrap().is_empty());
 
-    let listed = store.list_documents(&["ds".into()], &[], 10).await.unwrap();
+    let listed = store
+        .list_documents(TENANT, &["ds".into()], &[], 10)
+        .await
+        .unwrap();
     assert_eq!(listed.len(), 1);
     assert_eq!(listed[0].id, "ds:bees.md");
     assert!(
         store
-            .list_documents(&["x".into()], &[], 10)
+            .list_documents(TENANT, &["x".into()], &[], 10)
             .await
             .unwrap()
             .is_empty()
     );
     assert_eq!(
         store
-            .document("ds:bees.md")
+            .document(TENANT, "ds:bees.md")
             .await
             .unwrap()
             .unwrap()
             .collection,
         "ds"
     );
-    assert!(store.document("ds:none").await.unwrap().is_none());
+    assert!(store.document(TENANT, "ds:none").await.unwrap().is_none());
 }
 
 pub(crate) async fn context_items(store: &dyn Store) {
@@ -136,7 +145,7 @@ pub(crate) async fn context_items(store: &dyn Store) {
     l1.level = Some(Level::L1);
     l1.child_ids = vec!["ev-1".into()];
     l1.text = "A day at the harbour.".into();
-    store.upsert_items(vec![l0, l1]).await.unwrap();
+    store.upsert_items(TENANT, vec![l0, l1]).await.unwrap();
 
     let mut q = query("harbour");
     q.levels = vec![Level::L1];
@@ -159,7 +168,7 @@ pub(crate) async fn context_items(store: &dyn Store) {
 
     // A chunk cannot come in as a context item.
     let error = store
-        .upsert_items(vec![chunk("d", 0, "x")])
+        .upsert_items(TENANT, vec![chunk("d", 0, "x")])
         .await
         .unwrap_err();
     assert!(matches!(error, StoreError::Invalid(_)), "{error}");
@@ -194,8 +203,9 @@ pub(crate) async fn vectors(store: &dyn Store) {
     plain.document_id = None;
     plain.chunk = None;
     items.push(plain);
-    store.upsert_items(items).await.unwrap();
+    store.upsert_items(TENANT, items).await.unwrap();
     let query = Query {
+        tenant: TENANT.into(),
         vector: Some(vec![1.0, 0.0, 0.0]),
         collections: vec!["ds".into()],
         top_k: 10,
@@ -252,9 +262,13 @@ pub(crate) async fn vectors(store: &dyn Store) {
     first.entities = vec!["Zoë".into()];
     let mut second = first.clone();
     second.text = "second version".into();
-    store.upsert_items(vec![first, second]).await.unwrap();
+    store
+        .upsert_items(TENANT, vec![first, second])
+        .await
+        .unwrap();
     let hits = store
         .search(&Query {
+            tenant: TENANT.into(),
             ids: vec!["twice".into()],
             entities: vec!["zoe".into()],
             top_k: 5,
@@ -264,4 +278,143 @@ pub(crate) async fn vectors(store: &dyn Store) {
         .unwrap();
     assert_eq!(hits.len(), 1, "{} backend", store.backend());
     assert_eq!(hits[0].item.text, "second version");
+}
+
+/// Tenants: two tenants with the same ids (a data source, a document, a
+/// user's knowledge, an entity, vectors) never see, replace or delete each
+/// other's, whatever the query's other filters name; a read or write
+/// without a valid tenant is refused, never widened.
+pub(crate) async fn tenants(store: &dyn Store) {
+    const CANARY: &str = "globexcanary";
+    let in_kb = |mut chunk: Item| {
+        chunk.collection = "kb".into();
+        chunk
+    };
+    for (tenant, word) in [("globex", CANARY), ("acme", "acmeword")] {
+        store
+            .replace_document(
+                tenant,
+                record("kb:secret.md", "kb"),
+                vec![in_kb(chunk(
+                    "kb:secret.md",
+                    0,
+                    &format!("The vault code {word}."),
+                ))],
+            )
+            .await
+            .unwrap();
+        let mut knowledge = chunk("k", 0, &format!("Bob likes {word} tea."));
+        knowledge.id = "bob-1".into();
+        knowledge.kind = ItemKind::Knowledge;
+        knowledge.document_id = None;
+        knowledge.chunk = None;
+        knowledge.owner.user = Some("bob".into());
+        knowledge.embedding = Some(vec![1.0, 0.0]);
+        store.upsert_items(tenant, vec![knowledge]).await.unwrap();
+    }
+    // globex re-ingests its document: acme's of the same id stays.
+    store
+        .replace_document(
+            "globex",
+            record("kb:secret.md", "kb"),
+            vec![chunk(
+                "kb:secret.md",
+                0,
+                &format!("The new vault code {CANARY}."),
+            )],
+        )
+        .await
+        .unwrap();
+    let texts = |hits: Vec<crate::search::Hit>| -> Vec<String> {
+        hits.into_iter().map(|h| h.item.text).collect()
+    };
+    // acme names globex's data source, document, user and words: its own
+    // alone, never the canary.
+    let mut q = query("vault code");
+    q.collections = vec!["kb".into()];
+    q.documents = vec!["kb:secret.md".into()];
+    assert_eq!(
+        texts(store.search(&q).await.unwrap()),
+        ["The vault code acmeword."],
+        "{} backend",
+        store.backend()
+    );
+    let mut bob = query("");
+    bob.owner.user = Some("bob".into());
+    bob.kinds = vec![ItemKind::Knowledge];
+    bob.ids = vec!["bob-1".into()];
+    assert_eq!(
+        texts(store.search(&bob).await.unwrap()),
+        ["Bob likes acmeword tea."]
+    );
+    bob.vector = Some(vec![1.0, 0.0]);
+    assert_eq!(
+        texts(store.search(&bob).await.unwrap()),
+        ["Bob likes acmeword tea."],
+        "{} backend: vectors",
+        store.backend()
+    );
+    let mut as_globex = query(CANARY);
+    as_globex.tenant = "globex".into();
+    let mut theirs = texts(store.search(&as_globex).await.unwrap());
+    theirs.sort();
+    assert_eq!(
+        theirs,
+        [
+            format!("Bob likes {CANARY} tea."),
+            format!("The new vault code {CANARY}.")
+        ]
+    );
+    let listed = store
+        .list_documents("acme", &["kb".into()], &["kb:secret.md".into()], 10)
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    let found = store
+        .document("acme", "kb:secret.md")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(found.id, "kb:secret.md");
+    assert!(
+        store
+            .document("initech", "kb:secret.md")
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert!(
+        store
+            .list_documents("initech", &[], &[], 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    let mut none = query(CANARY);
+    none.tenant = "initech".into();
+    assert!(store.search(&none).await.unwrap().is_empty());
+    let tenants = store.tenants().await.unwrap();
+    assert!(
+        tenants.contains(&"acme".to_owned()) && tenants.contains(&"globex".to_owned()),
+        "{tenants:?}"
+    );
+
+    // No tenant, or a malformed one: refused, never "every tenant".
+    for bad in ["", "a b", "x\n"] {
+        let mut q = query(CANARY);
+        q.tenant = bad.into();
+        let error = store.search(&q).await.unwrap_err();
+        assert!(matches!(error, StoreError::Invalid(_)), "{bad:?}: {error}");
+        let error = store.list_documents(bad, &[], &[], 10).await.unwrap_err();
+        assert!(matches!(error, StoreError::Invalid(_)), "{error}");
+        let error = store.document(bad, "kb:secret.md").await.unwrap_err();
+        assert!(matches!(error, StoreError::Invalid(_)), "{error}");
+        let error = store
+            .replace_document(bad, record("kb:x.md", "kb"), vec![])
+            .await
+            .unwrap_err();
+        assert!(matches!(error, StoreError::Invalid(_)), "{error}");
+        let error = store.upsert_items(bad, vec![]).await.unwrap_err();
+        assert!(matches!(error, StoreError::Invalid(_)), "{error}");
+    }
 }

@@ -20,7 +20,8 @@ use crate::chunk::{ChunkConfig, chunk, count_tokens};
 use crate::embed::{Embedder, item_input};
 use crate::model::{Item, ItemKind, MAX_ID_CHARS, Owner};
 use crate::normalize::{Format, normalize, one_line};
-use crate::store::{DocumentRecord, Store};
+use crate::store::{DocumentRecord, Store, check_tenant};
+use toolfleet_worker::protocol::DEFAULT_TENANT;
 
 /// The default cap on one file's size.
 pub const DEFAULT_MAX_FILE_BYTES: u64 = 16 * 1024 * 1024;
@@ -31,6 +32,10 @@ const ITEM_BATCH: usize = 500;
 /// What every ingested file shares.
 #[derive(Debug, Clone)]
 pub struct IngestOptions {
+    /// The tenant everything ingested belongs to (see [`resolve_tenant`]):
+    /// only that tenant's jobs ever find it. A JSON Lines item cannot name
+    /// another (an item has no tenant field).
+    pub tenant: String,
     /// The data source or upload collection the documents belong to.
     pub collection: String,
     /// Who owns them.
@@ -397,6 +402,36 @@ pub fn now_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// The tenant an ingest writes as: `named` (`--tenant`) when given, else
+/// [`DEFAULT_TENANT`] — but only while the store holds no other tenant's
+/// data, since a store of several tenants has no obvious one.
+///
+/// # Errors
+///
+/// A message for the operator: an invalid name, a store of other tenants
+/// without `--tenant`, or the store's error.
+pub async fn resolve_tenant(store: &dyn Store, named: Option<&str>) -> Result<String, String> {
+    if let Some(tenant) = named {
+        check_tenant(tenant).map_err(|e| format!("--tenant: {e}"))?;
+        return Ok(tenant.to_owned());
+    }
+    let tenants = store.tenants().await.map_err(|e| e.to_string())?;
+    let others: Vec<&str> = tenants
+        .iter()
+        .map(String::as_str)
+        .filter(|t| *t != DEFAULT_TENANT)
+        .collect();
+    if others.is_empty() {
+        Ok(DEFAULT_TENANT.to_owned())
+    } else {
+        Err(format!(
+            "the index holds the data of tenants {}: name the tenant with --tenant \
+             (what is ingested is found by that tenant's jobs alone)",
+            tenants.join(", ")
+        ))
+    }
+}
+
 /// Sets the embedding of every item that has none.
 async fn embed_items(embedder: Option<&Embedder>, items: &mut [Item]) -> Result<(), String> {
     let Some(embedder) = embedder else {
@@ -477,7 +512,10 @@ async fn ingest_items(
             if let Err(e) = embed_items(options.embedder.as_ref(), &mut batch).await {
                 return stop(written, rejected, e);
             }
-            match store.upsert_items(std::mem::take(&mut batch)).await {
+            match store
+                .upsert_items(&options.tenant, std::mem::take(&mut batch))
+                .await
+            {
                 Ok(()) => written += count,
                 Err(e) => return stop(written, rejected, e.to_string()),
             }
@@ -488,7 +526,7 @@ async fn ingest_items(
         if let Err(e) = embed_items(options.embedder.as_ref(), &mut batch).await {
             return stop(written, rejected, e);
         }
-        match store.upsert_items(batch).await {
+        match store.upsert_items(&options.tenant, batch).await {
             Ok(()) => written += count,
             Err(e) => return stop(written, rejected, e.to_string()),
         }
@@ -518,7 +556,7 @@ pub async fn ingest(
     for file in &planned {
         let now = now_ms();
         if is_jsonl(&file.path) {
-            pending.flush(store, &mut report, progress).await;
+            pending.flush(store, options, &mut report, progress).await;
             let outcome = ingest_items(store, file, options, now).await;
             report_file(&mut report, progress, file, outcome);
             continue;
@@ -544,13 +582,13 @@ pub async fn ingest(
                     .documents
                     .push((file.clone(), record, chunks, warnings));
                 if pending.bytes >= BATCH_BYTES || pending.documents.len() >= BATCH_DOCUMENTS {
-                    pending.flush(store, &mut report, progress).await;
+                    pending.flush(store, options, &mut report, progress).await;
                 }
             }
             Err(reason) => report_file(&mut report, progress, file, Outcome::Skipped(reason)),
         }
     }
-    pending.flush(store, &mut report, progress).await;
+    pending.flush(store, options, &mut report, progress).await;
     report.elapsed_secs = started.elapsed().as_secs_f64();
     report
 }
@@ -588,6 +626,7 @@ impl Pending {
     async fn flush(
         &mut self,
         store: &dyn Store,
+        options: &IngestOptions,
         report: &mut IngestReport,
         progress: &mut (dyn FnMut(&FileReport) + Send),
     ) {
@@ -600,11 +639,12 @@ impl Pending {
             .iter()
             .map(|(_, record, chunks, _)| (record.clone(), chunks.clone()))
             .collect();
-        let together = store.replace_documents(batch).await;
+        let tenant = options.tenant.as_str();
+        let together = store.replace_documents(tenant, batch).await;
         for (file, record, chunks, warnings) in documents {
             let written = match &together {
                 Ok(()) => Ok(()),
-                Err(_) => store.replace_document(record.clone(), chunks).await,
+                Err(_) => store.replace_document(tenant, record.clone(), chunks).await,
             };
             let outcome = match written {
                 Ok(()) => Outcome::Document {
@@ -628,6 +668,7 @@ mod tests {
 
     fn options(root: &Path) -> IngestOptions {
         IngestOptions {
+            tenant: "acme".into(),
             collection: "handbook".into(),
             owner: Owner {
                 user: Some("u1".into()),
@@ -642,6 +683,7 @@ mod tests {
 
     async fn search(store: &TantivyStore, text: &str) -> Vec<String> {
         let query = Query {
+            tenant: "acme".into(),
             text: text.into(),
             top_k: 50,
             ..Query::default()
@@ -754,16 +796,24 @@ mod tests {
         assert_eq!(search(&store, "swarms").await, ["k1"]);
         assert!(search(&store, "secret").await.is_empty());
         let page = store
-            .document("handbook:sub/page.html")
+            .document("acme", "handbook:sub/page.html")
             .await
             .unwrap()
             .unwrap();
         assert_eq!(page.title, "Page");
         assert_eq!(page.owner.user.as_deref(), Some("u1"));
         assert_eq!(page.text, "Hive frames");
-        let table = store.document("handbook:table.csv").await.unwrap().unwrap();
+        let table = store
+            .document("acme", "handbook:table.csv")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(table.raw.as_deref(), Some("a,b\n1,2\n3\n"));
-        let notes = store.document("handbook:notes.txt").await.unwrap().unwrap();
+        let notes = store
+            .document("acme", "handbook:notes.txt")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(notes.title, "notes");
     }
 
@@ -804,7 +854,11 @@ mod tests {
             unreachable!()
         };
         assert!(why.contains("same document id"), "{why}");
-        let doc = store.document("handbook:README.md").await.unwrap().unwrap();
+        let doc = store
+            .document("acme", "handbook:README.md")
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(doc.title, "a");
     }
 
@@ -832,5 +886,52 @@ mod tests {
         let omega = search(&store, "omega").await;
         assert_eq!(omega.len(), chunks as usize);
         assert!(omega.iter().all(|id| id.starts_with("handbook:long.md#")));
+    }
+
+    #[tokio::test]
+    async fn files_go_to_the_named_tenant_which_a_store_of_several_requires() {
+        let root = tempfile::tempdir().unwrap();
+        fs::write(
+            root.path().join("vault.md"),
+            "# Vault\n\nThe vault code is 1234.",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let store = TantivyStore::open(dir.path()).unwrap();
+        // An empty store: the default tenant, unless one is named.
+        assert_eq!(resolve_tenant(&store, None).await.unwrap(), DEFAULT_TENANT);
+        assert_eq!(resolve_tenant(&store, Some("acme")).await.unwrap(), "acme");
+        let error = resolve_tenant(&store, Some("ac me")).await.unwrap_err();
+        assert!(error.starts_with("--tenant: "), "{error}");
+
+        let options = options(root.path());
+        let report = ingest(&store, &[root.path().to_path_buf()], &options, &mut |_| {}).await;
+        assert_eq!(report.documents(), 1);
+        assert_eq!(search(&store, "vault").await, ["handbook:vault.md#0"]);
+        let as_globex = Query {
+            tenant: "globex".into(),
+            text: "vault".into(),
+            top_k: 10,
+            ..Query::default()
+        };
+        assert!(store.search(&as_globex).await.unwrap().is_empty());
+        assert!(
+            store
+                .document("globex", "handbook:vault.md")
+                .await
+                .unwrap()
+                .is_none()
+        );
+
+        // The store now holds acme's: no tenant by default any more.
+        let error = resolve_tenant(&store, None).await.unwrap_err();
+        assert!(
+            error.contains("tenants acme") && error.contains("--tenant"),
+            "{error}"
+        );
+        assert_eq!(
+            resolve_tenant(&store, Some("globex")).await.unwrap(),
+            "globex"
+        );
     }
 }

@@ -82,6 +82,10 @@ pub struct IndexArgs {
     /// The data source the start-up corpus belongs to.
     #[arg(long, env = "TOOLFLEET_CORPUS_COLLECTION", default_value = "handbook")]
     pub corpus_collection: String,
+    /// The tenant the start-up corpus belongs to: only that tenant's jobs
+    /// find it.
+    #[arg(long, env = "TOOLFLEET_CORPUS_TENANT", default_value = "default")]
+    pub corpus_tenant: String,
     /// An OpenAI-shaped embeddings endpoint (its API base, e.g.
     /// https://api.openai.com/v1): chunks are embedded at ingestion and
     /// search is hybrid (BM25 and vectors, fused by reciprocal rank).
@@ -115,6 +119,7 @@ impl std::fmt::Debug for IndexArgs {
             .field("postgres_prefix", &self.postgres_prefix)
             .field("corpus_dir", &self.corpus_dir)
             .field("corpus_collection", &self.corpus_collection)
+            .field("corpus_tenant", &self.corpus_tenant)
             .field(
                 "embeddings_base_url",
                 &self.embeddings_base_url.as_ref().map(|u| u.as_str()),
@@ -139,6 +144,7 @@ impl IndexArgs {
             postgres_prefix: "toolfleet".into(),
             corpus_dir,
             corpus_collection: "handbook".into(),
+            corpus_tenant: toolfleet_worker::protocol::DEFAULT_TENANT.into(),
             embeddings_base_url: None,
             embeddings_model: "text-embedding-3-small".into(),
             embeddings_api_key: None,
@@ -207,9 +213,10 @@ pub async fn open_store(args: &IndexArgs) -> Result<Arc<dyn Store>, String> {
     }
 }
 
-/// Opens the store and, when it holds no document of the corpus
-/// collection yet, ingests `corpus_dir` into it (a missing corpus directory
-/// is not an error: the index simply starts empty).
+/// Opens the store and, when its corpus tenant holds no document of the
+/// corpus collection yet, ingests `corpus_dir` into it as that tenant's (a
+/// missing corpus directory is not an error: the index simply starts
+/// empty).
 ///
 /// # Errors
 ///
@@ -220,13 +227,19 @@ pub async fn open_and_seed(args: &IndexArgs) -> Result<Arc<dyn Store>, String> {
         return Ok(store);
     }
     let existing = store
-        .list_documents(std::slice::from_ref(&args.corpus_collection), &[], 1)
+        .list_documents(
+            &args.corpus_tenant,
+            std::slice::from_ref(&args.corpus_collection),
+            &[],
+            1,
+        )
         .await
         .map_err(|e| e.to_string())?;
     if !existing.is_empty() {
         return Ok(store);
     }
     let options = IngestOptions {
+        tenant: args.corpus_tenant.clone(),
         collection: args.corpus_collection.clone(),
         owner: model::Owner::default(),
         chunking: chunk::ChunkConfig::default(),
@@ -249,6 +262,7 @@ pub async fn open_and_seed(args: &IndexArgs) -> Result<Arc<dyn Store>, String> {
         documents = report.documents(),
         chunks = report.chunks(),
         collection = %args.corpus_collection,
+        tenant = %args.corpus_tenant,
         "start-up corpus ingested"
     );
     Ok(store)

@@ -32,7 +32,8 @@ use tokio_postgres::{Client, NoTls};
 use crate::analysis::sanitize_query;
 use crate::model::{Item, normalize_entity};
 use crate::search::{Hit, MAX_TOP_K, Query, has_direction, similarity, top_k_by_score};
-use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError};
+use crate::store::{DocumentRecord, DocumentSummary, Store, StoreError, check_tenant};
+use toolfleet_worker::protocol::DEFAULT_TENANT;
 
 /// The PostgreSQL backend. Cheap to clone.
 #[derive(Clone)]
@@ -104,42 +105,7 @@ impl PostgresStore {
         let write = connect(url).await?;
         let documents = format!("{prefix}_documents");
         let items = format!("{prefix}_items");
-        let ddl = format!(
-            "CREATE TABLE IF NOT EXISTS {documents} (
-                id text PRIMARY KEY,
-                collection text NOT NULL,
-                timestamp_ms bigint NOT NULL,
-                payload jsonb NOT NULL);
-             CREATE INDEX IF NOT EXISTS {documents}_collection ON {documents} (collection);
-             CREATE TABLE IF NOT EXISTS {items} (
-                id text PRIMARY KEY,
-                kind text NOT NULL,
-                collection text NOT NULL,
-                document_id text,
-                owner_user text,
-                owner_device text,
-                owner_agent text,
-                level text,
-                bucket text,
-                entities text[] NOT NULL DEFAULT '{{}}',
-                title text NOT NULL,
-                body text NOT NULL,
-                timestamp_ms bigint NOT NULL,
-                payload jsonb NOT NULL,
-                tsv tsvector GENERATED ALWAYS AS (
-                    setweight(to_tsvector('english', title), 'A') ||
-                    setweight(to_tsvector('english', body), 'B')) STORED);
-             CREATE INDEX IF NOT EXISTS {items}_tsv ON {items} USING gin (tsv);
-             CREATE INDEX IF NOT EXISTS {items}_collection ON {items} (collection);
-             CREATE INDEX IF NOT EXISTS {items}_document ON {items} (document_id);
-             CREATE INDEX IF NOT EXISTS {items}_entities ON {items} USING gin (entities);
-             CREATE INDEX IF NOT EXISTS {items}_time ON {items} (timestamp_ms);
-             ALTER TABLE {items} ADD COLUMN IF NOT EXISTS embedding real[];"
-        );
-        write
-            .batch_execute(&ddl)
-            .await
-            .map_err(pg("creating the tables"))?;
+        Self::create_tables(&write, prefix, &documents, &items).await?;
         let pgvector = Self::enable_pgvector(&write, &items).await?;
         Ok(Self {
             inner: Arc::new(Inner {
@@ -150,6 +116,94 @@ impl PostgresStore {
                 pgvector,
             }),
         })
+    }
+
+    /// Creates the tables when missing and migrates tables of an earlier
+    /// release to tenants, in one transaction under an advisory lock (two
+    /// workers starting at once migrate once).
+    async fn create_tables(
+        client: &Client,
+        prefix: &str,
+        documents: &str,
+        items: &str,
+    ) -> Result<(), StoreError> {
+        let lock = format!("toolfleet-retrieval:{prefix}");
+        client
+            .batch_execute("BEGIN")
+            .await
+            .map_err(pg("beginning the schema transaction"))?;
+        let done = async {
+            client
+                .execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&lock])
+                .await
+                .map_err(pg("locking the schema"))?;
+            client
+                .batch_execute(&create_sql(documents, items))
+                .await
+                .map_err(pg("creating the tables"))?;
+            for table in [documents, items] {
+                Self::migrate_to_tenants(client, table).await?;
+            }
+            client
+                .batch_execute(&index_sql(documents, items))
+                .await
+                .map_err(pg("creating the indexes"))
+        }
+        .await;
+        let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
+        let ended = client
+            .batch_execute(end)
+            .await
+            .map_err(pg("ending the schema transaction"));
+        done.and(ended)
+    }
+
+    /// A table of an earlier release (no `tenant` column, keyed by `id`
+    /// alone): every row becomes tenant [`DEFAULT_TENANT`]'s, the key
+    /// becomes (tenant, id), and the old single-column indexes go (the
+    /// tenant-led ones replace them). Nothing to do on a current table.
+    async fn migrate_to_tenants(client: &Client, table: &str) -> Result<(), StoreError> {
+        let has_tenant = client
+            .query_opt(
+                "SELECT 1 FROM information_schema.columns
+                 WHERE table_schema = current_schema() AND table_name = $1
+                   AND column_name = 'tenant'",
+                &[&table],
+            )
+            .await
+            .map_err(pg("looking for the tenant column"))?
+            .is_some();
+        if has_tenant {
+            return Ok(());
+        }
+        let key = client
+            .query_opt(
+                "SELECT conname::text FROM pg_constraint
+                 WHERE conrelid = $1::text::regclass AND contype = 'p'",
+                &[&table],
+            )
+            .await
+            .map_err(pg("reading the primary key"))?
+            .map(|row| row.get::<_, String>(0));
+        let drop_key = key
+            .map(|name| format!("DROP CONSTRAINT \"{}\", ", name.replace('"', "\"\"")))
+            .unwrap_or_default();
+        client
+            .batch_execute(&format!(
+                "ALTER TABLE {table} ADD COLUMN tenant text NOT NULL DEFAULT '{DEFAULT_TENANT}';
+                 ALTER TABLE {table} ALTER COLUMN tenant DROP DEFAULT, {drop_key}
+                    ADD PRIMARY KEY (tenant, id);
+                 DROP INDEX IF EXISTS {table}_collection;
+                 DROP INDEX IF EXISTS {table}_document;"
+            ))
+            .await
+            .map_err(pg("migrating a table to tenants"))?;
+        tracing::warn!(
+            table,
+            tenant = DEFAULT_TENANT,
+            "a retrieval table of an earlier release was migrated to tenants: its rows now belong to the default tenant"
+        );
+        Ok(())
     }
 
     /// The pgvector version in use, or `None` when vectors are scored by
@@ -233,6 +287,7 @@ impl PostgresStore {
         tx: &tokio_postgres::Transaction<'_>,
         table: &str,
         pgvector: bool,
+        tenant: &str,
         items: &[Item],
     ) -> Result<(), StoreError> {
         let statement = tx
@@ -253,6 +308,7 @@ impl PostgresStore {
             let mut params: Vec<&(dyn ToSql + Sync)> =
                 columns.iter().map(|c| c as &(dyn ToSql + Sync)).collect();
             params.insert(TIMESTAMP_COLUMN, &timestamps);
+            params.push(&tenant);
             tx.execute(&statement, &params)
                 .await
                 .map_err(pg("inserting items"))?;
@@ -261,12 +317,14 @@ impl PostgresStore {
     }
 
     async fn search_async(&self, q: &Query) -> Result<Vec<Hit>, StoreError> {
+        check_tenant(&q.tenant)?;
         let top_k = q.top_k.min(MAX_TOP_K);
         if top_k == 0 {
             return Ok(Vec::new());
         }
-        let mut params: Vec<Box<dyn ToSql + Sync + Send>> = Vec::new();
-        let mut filters = String::new();
+        // The tenant first: every statement below filters on it.
+        let mut params: Vec<Box<dyn ToSql + Sync + Send>> = vec![Box::new(q.tenant.clone())];
+        let mut filters = String::from(" AND tenant = $1");
         let mut any =
             |column: &str, values: Vec<String>, params: &mut Vec<Box<dyn ToSql + Sync + Send>>| {
                 if !values.is_empty() {
@@ -436,11 +494,13 @@ impl Store for PostgresStore {
         "postgres"
     }
 
-    fn replace_documents(
-        &self,
+    fn replace_documents<'a>(
+        &'a self,
+        tenant: &'a str,
         batch: Vec<(DocumentRecord, Vec<Item>)>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
         async move {
+            check_tenant(tenant)?;
             for (document, chunks) in &batch {
                 for chunk in chunks {
                     if chunk.document_id.as_deref() != Some(document.id.as_str()) {
@@ -456,8 +516,11 @@ impl Store for PostgresStore {
             let tx = client.transaction().await.map_err(pg("beginning"))?;
             for (document, chunks) in &batch {
                 tx.execute(
-                    &format!("DELETE FROM {} WHERE document_id = $1", inner.items),
-                    &[&document.id],
+                    &format!(
+                        "DELETE FROM {} WHERE tenant = $1 AND document_id = $2",
+                        inner.items
+                    ),
+                    &[&tenant, &document.id],
                 )
                 .await
                 .map_err(pg("deleting old chunks"))?;
@@ -465,13 +528,14 @@ impl Store for PostgresStore {
                     .map_err(|e| StoreError::Engine(e.to_string()))?;
                 tx.execute(
                     &format!(
-                        "INSERT INTO {} (id, collection, timestamp_ms, payload)
-                     VALUES ($1, $2, $3, $4::text::jsonb)
-                     ON CONFLICT (id) DO UPDATE SET collection = EXCLUDED.collection,
+                        "INSERT INTO {} (tenant, id, collection, timestamp_ms, payload)
+                     VALUES ($1, $2, $3, $4, $5::text::jsonb)
+                     ON CONFLICT (tenant, id) DO UPDATE SET collection = EXCLUDED.collection,
                         timestamp_ms = EXCLUDED.timestamp_ms, payload = EXCLUDED.payload",
                         inner.documents
                     ),
                     &[
+                        &tenant,
                         &document.id,
                         &document.collection,
                         &document.timestamp_ms,
@@ -480,15 +544,21 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(pg("writing the document record"))?;
-                Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), chunks).await?;
+                Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), tenant, chunks)
+                    .await?;
             }
             tx.commit().await.map_err(pg("committing"))
         }
         .boxed()
     }
 
-    fn upsert_items(&self, items: Vec<Item>) -> BoxFuture<'_, Result<(), StoreError>> {
+    fn upsert_items<'a>(
+        &'a self,
+        tenant: &'a str,
+        items: Vec<Item>,
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
         async move {
+            check_tenant(tenant)?;
             if let Some(chunk) = items.iter().find(|i| i.document_id.is_some()) {
                 return Err(StoreError::Invalid(format!(
                     "item {} is a document chunk: ingest its document instead",
@@ -498,7 +568,7 @@ impl Store for PostgresStore {
             let inner = &*self.inner;
             let mut client = inner.write.lock().await;
             let tx = client.transaction().await.map_err(pg("beginning"))?;
-            Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), &items).await?;
+            Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), tenant, &items).await?;
             tx.commit().await.map_err(pg("committing"))
         }
         .boxed()
@@ -510,11 +580,13 @@ impl Store for PostgresStore {
 
     fn list_documents<'a>(
         &'a self,
+        tenant: &'a str,
         collections: &'a [String],
         ids: &'a [String],
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<DocumentSummary>, StoreError>> {
         async move {
+            check_tenant(tenant)?;
             let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
             let rows = self
                 .inner
@@ -522,12 +594,13 @@ impl Store for PostgresStore {
                 .query(
                     &format!(
                         "SELECT payload::text FROM {}
-                         WHERE (cardinality($1::text[]) = 0 OR collection = ANY($1))
+                         WHERE tenant = $4
+                           AND (cardinality($1::text[]) = 0 OR collection = ANY($1))
                            AND (cardinality($2::text[]) = 0 OR id = ANY($2))
                          ORDER BY timestamp_ms DESC, id LIMIT $3",
                         self.inner.documents
                     ),
-                    &[&collections, &ids, &limit],
+                    &[&collections, &ids, &limit, &tenant],
                 )
                 .await
                 .map_err(pg("listing documents"))?;
@@ -545,18 +618,20 @@ impl Store for PostgresStore {
 
     fn document<'a>(
         &'a self,
+        tenant: &'a str,
         id: &'a str,
     ) -> BoxFuture<'a, Result<Option<DocumentRecord>, StoreError>> {
         async move {
+            check_tenant(tenant)?;
             let row = self
                 .inner
                 .read
                 .query_opt(
                     &format!(
-                        "SELECT payload::text FROM {} WHERE id = $1",
+                        "SELECT payload::text FROM {} WHERE tenant = $1 AND id = $2",
                         self.inner.documents
                     ),
-                    &[&id],
+                    &[&tenant, &id],
                 )
                 .await
                 .map_err(pg("reading a document"))?;
@@ -566,6 +641,25 @@ impl Store for PostgresStore {
                 })
             })
             .transpose()
+        }
+        .boxed()
+    }
+
+    fn tenants(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
+        async move {
+            let inner = &*self.inner;
+            let rows = inner
+                .read
+                .query(
+                    &format!(
+                        "SELECT tenant FROM {} UNION SELECT tenant FROM {} ORDER BY 1",
+                        inner.documents, inner.items
+                    ),
+                    &[],
+                )
+                .await
+                .map_err(pg("listing tenants"))?;
+            Ok(rows.iter().map(|row| row.get(0)).collect())
         }
         .boxed()
     }
@@ -586,8 +680,57 @@ fn item_of(payload: &str) -> Result<Item, StoreError> {
         .map_err(|e| StoreError::Engine(format!("a stored item is unreadable: {e}")))
 }
 
+/// The tables, keyed by (tenant, id), when missing.
+fn create_sql(documents: &str, items: &str) -> String {
+    format!(
+        "CREATE TABLE IF NOT EXISTS {documents} (
+            tenant text NOT NULL,
+            id text NOT NULL,
+            collection text NOT NULL,
+            timestamp_ms bigint NOT NULL,
+            payload jsonb NOT NULL,
+            PRIMARY KEY (tenant, id));
+         CREATE TABLE IF NOT EXISTS {items} (
+            tenant text NOT NULL,
+            id text NOT NULL,
+            kind text NOT NULL,
+            collection text NOT NULL,
+            document_id text,
+            owner_user text,
+            owner_device text,
+            owner_agent text,
+            level text,
+            bucket text,
+            entities text[] NOT NULL DEFAULT '{{}}',
+            title text NOT NULL,
+            body text NOT NULL,
+            timestamp_ms bigint NOT NULL,
+            payload jsonb NOT NULL,
+            tsv tsvector GENERATED ALWAYS AS (
+                setweight(to_tsvector('english', title), 'A') ||
+                setweight(to_tsvector('english', body), 'B')) STORED,
+            PRIMARY KEY (tenant, id));"
+    )
+}
+
+/// The indexes, every scope filter led by the tenant (the primary key
+/// serves the tenant alone and ids).
+fn index_sql(documents: &str, items: &str) -> String {
+    format!(
+        "CREATE INDEX IF NOT EXISTS {documents}_tenant_collection
+            ON {documents} (tenant, collection);
+         CREATE INDEX IF NOT EXISTS {items}_tsv ON {items} USING gin (tsv);
+         CREATE INDEX IF NOT EXISTS {items}_tenant_collection ON {items} (tenant, collection);
+         CREATE INDEX IF NOT EXISTS {items}_tenant_document ON {items} (tenant, document_id);
+         CREATE INDEX IF NOT EXISTS {items}_entities ON {items} USING gin (entities);
+         CREATE INDEX IF NOT EXISTS {items}_time ON {items} (timestamp_ms);
+         ALTER TABLE {items} ADD COLUMN IF NOT EXISTS embedding real[];"
+    )
+}
+
 /// The statement [`PostgresStore::insert_items`] runs: one row per element
-/// of fifteen arrays, an upsert on the id.
+/// of fifteen arrays, all of one tenant (`$16`), an upsert on (tenant,
+/// id).
 fn insert_sql(table: &str, pgvector: bool) -> String {
     // With pgvector the array is copied into the `vec` column when it
     // can be a vector: 1 to 16 000 elements, none missing.
@@ -605,10 +748,10 @@ fn insert_sql(table: &str, pgvector: bool) -> String {
         ("", String::new(), "")
     };
     format!(
-        "INSERT INTO {table} (id, kind, collection, document_id, owner_user, owner_device,
-            owner_agent, level, bucket, entities, title, body, timestamp_ms, payload,
-            embedding{vec_column})
-         SELECT u.id, u.kind, u.collection, u.document_id, u.owner_user, u.owner_device,
+        "INSERT INTO {table} (tenant, id, kind, collection, document_id, owner_user,
+            owner_device, owner_agent, level, bucket, entities, title, body, timestamp_ms,
+            payload, embedding{vec_column})
+         SELECT $16::text, u.id, u.kind, u.collection, u.document_id, u.owner_user, u.owner_device,
             u.owner_agent, u.level, u.bucket,
             ARRAY(SELECT jsonb_array_elements_text(u.entities::jsonb)),
             u.title, u.body, u.timestamp_ms, u.payload::jsonb,
@@ -621,7 +764,7 @@ fn insert_sql(table: &str, pgvector: bool) -> String {
          CROSS JOIN LATERAL (SELECT CASE WHEN u.embedding IS NULL THEN NULL ELSE ARRAY(
                 SELECT e.v::real FROM jsonb_array_elements_text(u.embedding::jsonb)
                     WITH ORDINALITY AS e(v, n) ORDER BY e.n) END AS embedding) AS a
-         ON CONFLICT (id) DO UPDATE SET kind = EXCLUDED.kind,
+         ON CONFLICT (tenant, id) DO UPDATE SET kind = EXCLUDED.kind,
             collection = EXCLUDED.collection, document_id = EXCLUDED.document_id,
             owner_user = EXCLUDED.owner_user, owner_device = EXCLUDED.owner_device,
             owner_agent = EXCLUDED.owner_agent, level = EXCLUDED.level,
@@ -680,63 +823,28 @@ fn text_columns(item: &Item) -> Result<[Option<String>; 14], StoreError> {
 mod tests {
     use super::*;
 
-    /// A fresh database on the PostgreSQL server of
-    /// `TOOLFLEET_TEST_POSTGRES_URL` (the machine's own by default),
-    /// dropped by the guard.
-    struct FreshDatabase {
-        admin: Client,
-        name: String,
-        url: String,
-    }
-
-    impl FreshDatabase {
-        async fn create() -> Self {
-            let base = std::env::var("TOOLFLEET_TEST_POSTGRES_URL")
-                .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-            let admin = connect(&base)
-                .await
-                .expect("PostgreSQL for the store suite (scripts/ensure-servers starts it)");
-            let name = format!("toolfleet_test_{}", uuid_like());
-            admin
-                .batch_execute(&format!("CREATE DATABASE {name}"))
-                .await
-                .expect("create database");
-            let (prefix, _) = base.rsplit_once('/').expect("a URL with a database");
-            Self {
-                admin,
-                url: format!("{prefix}/{name}"),
-                name,
-            }
-        }
-
-        async fn drop_it(self) {
-            let _ = self
-                .admin
-                .batch_execute(&format!(
-                    "DROP DATABASE IF EXISTS {} WITH (FORCE)",
-                    self.name
-                ))
-                .await;
-        }
-    }
-
-    fn uuid_like() -> String {
-        use std::time::{SystemTime, UNIX_EPOCH};
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        format!("{}_{nanos}", std::process::id())
+    /// A PostgreSQL server of its own (toolfleet-testkit: a fresh cluster
+    /// on a free loopback port, stopped on drop), never the machine's.
+    fn server() -> toolfleet_testkit::postgres::PostgresServer {
+        toolfleet_testkit::postgres::PostgresServer::start()
+            .expect("PostgreSQL for the store suite (scripts/ensure-servers installs it)")
     }
 
     #[tokio::test]
     async fn passes_the_store_suite() {
-        let db = FreshDatabase::create().await;
-        let store = PostgresStore::connect(&db.url, "toolfleet").await.unwrap();
+        let server = server();
+        let store = PostgresStore::connect(&server.url(), "toolfleet")
+            .await
+            .unwrap();
         crate::conformance::documents(&store).await;
         // A second prefix is a second, empty index in the same database.
-        let other = PostgresStore::connect(&db.url, "other").await.unwrap();
+        let other = PostgresStore::connect(&server.url(), "other")
+            .await
+            .unwrap();
         crate::conformance::context_items(&other).await;
-        let vectors = PostgresStore::connect(&db.url, "vectors").await.unwrap();
+        let vectors = PostgresStore::connect(&server.url(), "vectors")
+            .await
+            .unwrap();
         crate::conformance::vectors(&vectors).await;
         assert!(
             other
@@ -745,7 +853,151 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
-        db.drop_it().await;
+        let tenants = PostgresStore::connect(&server.url(), "tenants")
+            .await
+            .unwrap();
+        crate::conformance::tenants(&tenants).await;
+        let attacked = PostgresStore::connect(&server.url(), "attacked")
+            .await
+            .unwrap();
+        crate::tools::tenant_attack::run(Arc::new(attacked)).await;
+    }
+
+    /// Tables as the release before tenants created them, with a row each.
+    const PRE_TENANT_TABLES: &str = "
+        CREATE TABLE old_documents (
+            id text PRIMARY KEY,
+            collection text NOT NULL,
+            timestamp_ms bigint NOT NULL,
+            payload jsonb NOT NULL);
+        CREATE INDEX old_documents_collection ON old_documents (collection);
+        CREATE TABLE old_items (
+            id text PRIMARY KEY,
+            kind text NOT NULL,
+            collection text NOT NULL,
+            document_id text,
+            owner_user text,
+            owner_device text,
+            owner_agent text,
+            level text,
+            bucket text,
+            entities text[] NOT NULL DEFAULT '{}',
+            title text NOT NULL,
+            body text NOT NULL,
+            timestamp_ms bigint NOT NULL,
+            payload jsonb NOT NULL,
+            tsv tsvector GENERATED ALWAYS AS (
+                setweight(to_tsvector('english', title), 'A') ||
+                setweight(to_tsvector('english', body), 'B')) STORED);
+        CREATE INDEX old_items_tsv ON old_items USING gin (tsv);
+        CREATE INDEX old_items_collection ON old_items (collection);
+        CREATE INDEX old_items_document ON old_items (document_id);
+        ALTER TABLE old_items ADD COLUMN embedding real[];";
+
+    #[tokio::test]
+    async fn tables_without_tenants_are_migrated_to_the_default_tenant() {
+        use crate::conformance::{TENANT, chunk, query, record};
+        let server = server();
+        let admin = connect(&server.url()).await.unwrap();
+        admin.batch_execute(PRE_TENANT_TABLES).await.unwrap();
+        let old_chunk = chunk("ds:old.md", 0, "Old lighthouse keepers.");
+        admin
+            .execute(
+                "INSERT INTO old_items (id, kind, collection, document_id, title, body,
+                    timestamp_ms, payload, embedding)
+                 VALUES ($1, 'document', 'ds', 'ds:old.md', 'Bees', $2, 1000,
+                    $3::text::jsonb, ARRAY[0, 1]::real[])",
+                &[
+                    &old_chunk.id,
+                    &old_chunk.text,
+                    &serde_json::to_string(&old_chunk).unwrap(),
+                ],
+            )
+            .await
+            .unwrap();
+        admin
+            .execute(
+                "INSERT INTO old_documents VALUES ('ds:old.md', 'ds', 1000, $1::text::jsonb)",
+                &[&serde_json::to_string(&record("ds:old.md", "ds")).unwrap()],
+            )
+            .await
+            .unwrap();
+
+        // Two workers start at once: one migrates, the other finds it done.
+        let url = server.url();
+        let (a, b) = tokio::join!(
+            PostgresStore::connect(&url, "old"),
+            PostgresStore::connect(&url, "old")
+        );
+        let (store, _) = (a.unwrap(), b.unwrap());
+        let mut q = query("lighthouse keepers");
+        q.tenant = DEFAULT_TENANT.into();
+        let hits = store.search(&q).await.unwrap();
+        assert_eq!(hits.len(), 1);
+        assert_eq!(hits[0].item.id, "ds:old.md#0");
+        q.text.clear();
+        q.vector = Some(vec![0.0, 1.0]);
+        assert_eq!(store.search(&q).await.unwrap().len(), 1, "vectors kept");
+        assert!(
+            store
+                .document(DEFAULT_TENANT, "ds:old.md")
+                .await
+                .unwrap()
+                .is_some()
+        );
+        // Nothing of it is another tenant's, and another tenant may now
+        // use the same ids beside it.
+        assert!(store.search(&query("lighthouse")).await.unwrap().is_empty());
+        assert!(store.document(TENANT, "ds:old.md").await.unwrap().is_none());
+        store
+            .replace_document(
+                TENANT,
+                record("ds:old.md", "ds"),
+                vec![chunk("ds:old.md", 0, "New keepers of acme.")],
+            )
+            .await
+            .unwrap();
+        let mut q = query("lighthouse keepers");
+        q.tenant = DEFAULT_TENANT.into();
+        assert_eq!(store.search(&q).await.unwrap().len(), 1, "default's stays");
+        assert_eq!(store.tenants().await.unwrap(), [TENANT, DEFAULT_TENANT]);
+        // Keyed by (tenant, id), the old single-column indexes gone.
+        let key: String = admin
+            .query_one(
+                "SELECT string_agg(a.attname, ',' ORDER BY k.n)
+                 FROM pg_constraint c
+                 CROSS JOIN LATERAL unnest(c.conkey) WITH ORDINALITY AS k(attnum, n)
+                 JOIN pg_attribute a ON a.attrelid = c.conrelid AND a.attnum = k.attnum
+                 WHERE c.conrelid = 'old_items'::regclass AND c.contype = 'p'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(key, "tenant,id");
+        let old_indexes: i64 = admin
+            .query_one(
+                "SELECT count(*) FROM pg_indexes WHERE indexname IN
+                   ('old_items_collection', 'old_items_document', 'old_documents_collection')",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(old_indexes, 0);
+        // No row can be written without its tenant.
+        let error = admin
+            .execute(
+                "INSERT INTO old_documents (id, collection, timestamp_ms, payload)
+                 VALUES ('x', 'ds', 0, '{}')",
+                &[],
+            )
+            .await
+            .unwrap_err();
+        assert!(
+            error.to_string().contains("null value") || format!("{error:?}").contains("tenant"),
+            "{error:?}"
+        );
     }
 
     /// A PostgreSQL 16 server with pgvector, started on a free loopback
@@ -916,6 +1168,7 @@ mod tests {
         assert!(reopened.pgvector().is_some());
         let hits = reopened
             .search(&Query {
+                tenant: crate::conformance::TENANT.into(),
                 vector: Some(vec![1.0, 0.0, 0.0]),
                 collections: vec!["ds".into()],
                 top_k: 10,

@@ -3,8 +3,8 @@
 //! Both index backends answer the same [`Query`]: words to match (BM25 in
 //! tantivy, `tsvector` ranking in PostgreSQL) and filters that must really
 //! filter — kinds, collections, documents, owner, time range, event levels
-//! and buckets, entities, ids — cut to `top_k`. Lists from different
-//! searches combine in two ways:
+//! and buckets, entities, ids — cut to `top_k`, always within one tenant.
+//! Lists from different searches combine in two ways:
 //!
 //! - [`reciprocal_rank_fusion`] for lists whose scores are not comparable
 //!   (BM25 and vector similarity): each item scores `Σ 1/(k + rank)`.
@@ -38,9 +38,13 @@ impl TimeRange {
 }
 
 /// One search. Empty filter lists mean "any"; the callers that scope a
-/// search (the retrieval tools) always set the scope filters.
+/// search (the retrieval tools) always set the scope filters. The tenant is
+/// never "any": a backend refuses a query without a valid one.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Query {
+    /// The tenant whose items are searched (the invocation's); nothing of
+    /// another tenant's ever matches.
+    pub tenant: String,
     /// Words to match; empty for a filter-only listing, newest first.
     pub text: String,
     pub kinds: Vec<ItemKind>,

@@ -8,6 +8,15 @@
 //! answers [`Query`]s. Writes are atomic per document: a re-ingested file's
 //! chunks replace the old ones in one commit or transaction, so a search
 //! never sees half of each.
+//!
+//! Everything stored belongs to one tenant, given to every write, and every
+//! read names its tenant ([`Query::tenant`], the `tenant` argument): a
+//! backend keys items and documents by (tenant, id), so two tenants may use
+//! the same ids, and never returns, replaces or deletes another tenant's.
+//! The tenant is the invocation's (the tool job's `Toolfleet-Tenant`
+//! header, which only the orchestrator writes), never a field of a job's
+//! body; a read or write naming no valid tenant is refused
+//! ([`StoreError::Invalid`]), never widened to all.
 
 use futures::future::BoxFuture;
 use serde::{Deserialize, Serialize};
@@ -97,45 +106,75 @@ pub trait Store: Send + Sync {
     /// `tantivy` or `postgres`, for logs and metrics.
     fn backend(&self) -> &'static str;
 
-    /// Replaces everything stored for `document.id` (record and chunks)
-    /// with `document` and `chunks`, atomically.
-    fn replace_document(
-        &self,
+    /// Replaces everything `tenant` has stored for `document.id` (record
+    /// and chunks) with `document` and `chunks`, atomically.
+    fn replace_document<'a>(
+        &'a self,
+        tenant: &'a str,
         document: DocumentRecord,
         chunks: Vec<Item>,
-    ) -> BoxFuture<'_, Result<(), StoreError>> {
-        self.replace_documents(vec![(document, chunks)])
+    ) -> BoxFuture<'a, Result<(), StoreError>> {
+        self.replace_documents(tenant, vec![(document, chunks)])
     }
 
     /// [`Store::replace_document`] for several documents in one commit
     /// (tantivy) or transaction (PostgreSQL): all of them or none, and a
     /// search never sees half of one. Ingestion batches files this way,
     /// since a commit costs far more than the documents in it.
-    fn replace_documents(
-        &self,
+    fn replace_documents<'a>(
+        &'a self,
+        tenant: &'a str,
         batch: Vec<(DocumentRecord, Vec<Item>)>,
-    ) -> BoxFuture<'_, Result<(), StoreError>>;
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
 
-    /// Inserts or replaces context items (knowledge, events, entities,
-    /// profiles) by id, atomically as a batch.
-    fn upsert_items(&self, items: Vec<Item>) -> BoxFuture<'_, Result<(), StoreError>>;
+    /// Inserts or replaces `tenant`'s context items (knowledge, events,
+    /// entities, profiles) by id, atomically as a batch.
+    fn upsert_items<'a>(
+        &'a self,
+        tenant: &'a str,
+        items: Vec<Item>,
+    ) -> BoxFuture<'a, Result<(), StoreError>>;
 
-    /// Matches `query`: by relevance when it has text, newest first when
-    /// it has none. An empty result is not an error.
+    /// Matches `query` among its tenant's items: by relevance when it has
+    /// text, newest first when it has none. An empty result is not an
+    /// error.
     fn search<'a>(&'a self, query: &'a Query) -> BoxFuture<'a, Result<Vec<Hit>, StoreError>>;
 
-    /// The documents of `collections` or with `ids`, newest first, at most
-    /// `limit`.
+    /// `tenant`'s documents of `collections` or with `ids`, newest first,
+    /// at most `limit`.
     fn list_documents<'a>(
         &'a self,
+        tenant: &'a str,
         collections: &'a [String],
         ids: &'a [String],
         limit: usize,
     ) -> BoxFuture<'a, Result<Vec<DocumentSummary>, StoreError>>;
 
-    /// One document's record, if stored.
+    /// One of `tenant`'s document records, if stored.
     fn document<'a>(
         &'a self,
+        tenant: &'a str,
         id: &'a str,
     ) -> BoxFuture<'a, Result<Option<DocumentRecord>, StoreError>>;
+
+    /// The tenants that have anything stored, sorted (what `toolfleet
+    /// ingest` checks before it picks a tenant by default).
+    fn tenants(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
+}
+
+/// Refuses a tenant that is not 1-64 of `[A-Za-z0-9_-]` (an empty one
+/// above all: a read naming no tenant must never match every tenant's).
+///
+/// # Errors
+///
+/// [`StoreError::Invalid`] naming the value.
+pub fn check_tenant(tenant: &str) -> Result<(), StoreError> {
+    if toolfleet_worker::protocol::valid_tenant(tenant) {
+        Ok(())
+    } else {
+        Err(StoreError::Invalid(format!(
+            "{tenant:?} is not a tenant (1-64 of A-Z, a-z, 0-9, _ and -); \
+             every read and write of the document index names its tenant"
+        )))
+    }
 }

@@ -1,10 +1,16 @@
 //! The retrieval tools over a [`Store`], each scoped by the call's headers
-//! and never by what the model asks:
+//! and never by what the model asks. Every search, listing and read is
+//! first of all within the invocation's tenant (`Toolfleet-Tenant`, which
+//! only the orchestrator writes, from the subject the job was submitted
+//! on): the headers below only narrow within it, so a job naming another
+//! tenant's data source or document ids finds nothing of theirs.
 //!
 //! - `document_processing` tools (`search_documents`, `list_documents`,
 //!   `read_document`, `read_tabular_data`) see only the chat job's attached
 //!   documents (`Toolfleet-Attached-Documents`), and of those only the
-//!   ones without an owner user or owned by the job's user.
+//!   ones without an owner user or owned by the job's user
+//!   (`Toolfleet-User`, which the orchestrator sets only for a user the
+//!   fleet trusts: without one, no owned document is visible).
 //! - `search_data_sources` sees only the documents of the job's data
 //!   source (`Toolfleet-Data-Source-Id`: the collection of that name).
 //! - The context tools (`retrieve_knowledge_context`,
@@ -221,6 +227,8 @@ fn store_error(e: StoreError) -> ToolError {
 /// What a call may see, from its headers alone.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Scope {
+    /// The invocation's tenant: nothing outside it is ever seen.
+    pub tenant: String,
     pub collections: Vec<String>,
     pub documents: Vec<String>,
     pub owner: Owner,
@@ -237,6 +245,7 @@ impl Scope {
             ));
         }
         Ok(Self {
+            tenant: ctx.invocation().tenant().to_owned(),
             documents,
             ..Self::default()
         })
@@ -246,6 +255,7 @@ impl Scope {
     pub fn data_source(ctx: &ToolCtx) -> Result<Self, ToolError> {
         match &ctx.invocation().data_source_id {
             Some(ds) => Ok(Self {
+                tenant: ctx.invocation().tenant().to_owned(),
                 collections: vec![ds.clone()],
                 ..Self::default()
             }),
@@ -267,6 +277,7 @@ impl Scope {
             ));
         }
         Ok(Self {
+            tenant: invocation.tenant().to_owned(),
             collections: invocation.data_source_id.iter().cloned().collect(),
             documents: Vec::new(),
             owner: Owner {
@@ -279,6 +290,7 @@ impl Scope {
 
     fn query(&self, text: &str, top_k: usize) -> Query {
         Query {
+            tenant: self.tenant.clone(),
             text: text.to_owned(),
             collections: self.collections.clone(),
             documents: self.documents.clone(),
@@ -303,7 +315,7 @@ async fn attachment_scope(retrieval: &Retrieval, ctx: &ToolCtx) -> Result<Scope,
     let user = ctx.invocation().user.as_deref();
     let docs = retrieval
         .store
-        .list_documents(&[], &scope.documents, MAX_TOP_K)
+        .list_documents(&scope.tenant, &[], &scope.documents, MAX_TOP_K)
         .await
         .map_err(store_error)?;
     let visible: HashSet<&str> = docs
@@ -563,7 +575,7 @@ impl Tool for ListDocuments {
         let mut docs = self
             .0
             .store
-            .list_documents(&[], &scope.documents, limit)
+            .list_documents(&scope.tenant, &[], &scope.documents, limit)
             .await
             .map_err(store_error)?;
         docs.retain(|d| visible_to(&d.owner, user));
@@ -629,7 +641,7 @@ async fn attached_record(
     }
     retrieval
         .store
-        .document(id)
+        .document(&scope.tenant, id)
         .await
         .map_err(store_error)?
         .filter(|record| visible_to(&record.owner, ctx.invocation().user.as_deref()))
@@ -1160,7 +1172,7 @@ mod tests {
     use crate::store::DocumentRecord;
     use crate::tantivy_store::TantivyStore;
     use toolfleet_worker::TestCtx;
-    use toolfleet_worker::protocol::InvocationContext;
+    use toolfleet_worker::protocol::{DEFAULT_TENANT, InvocationContext};
 
     const DAY: i64 = 86_400_000;
     /// 2026-11-02T00:00:00Z, a Monday.
@@ -1214,7 +1226,10 @@ mod tests {
             chunks: 1,
             tokens: 10,
         };
-        store.replace_document(record, vec![chunk]).await.unwrap();
+        store
+            .replace_document(DEFAULT_TENANT, record, vec![chunk])
+            .await
+            .unwrap();
     }
 
     async fn store() -> (tempfile::TempDir, Retrieval) {
@@ -1385,7 +1400,10 @@ mod tests {
             chunks: 1,
             tokens: 5,
         };
-        store.replace_document(record, vec![chunk]).await.unwrap();
+        store
+            .replace_document(DEFAULT_TENANT, record, vec![chunk])
+            .await
+            .unwrap();
         let r = Retrieval::new(Arc::new(store));
         let attach = ["uploads:private.md", "uploads:mine.md"];
         let stranger = ctx(&attach, None, Some("u1"));
@@ -1665,7 +1683,7 @@ mod tests {
         );
         profile.owner.user = Some("u1".into());
         items.push(profile);
-        r.store().upsert_items(items).await.unwrap();
+        r.store().upsert_items(DEFAULT_TENANT, items).await.unwrap();
     }
 
     #[tokio::test]
@@ -1889,7 +1907,7 @@ mod hybrid {
     use crate::embed::{EmbedderConfig, item_input};
     use crate::tantivy_store::TantivyStore;
     use toolfleet_worker::TestCtx;
-    use toolfleet_worker::protocol::InvocationContext;
+    use toolfleet_worker::protocol::{DEFAULT_TENANT, InvocationContext};
 
     /// A word longer than the BM25 analyzer keeps (40 bytes): only the
     /// vector side can find it.
@@ -1943,7 +1961,7 @@ mod hybrid {
             assert_eq!(v.len(), 64);
             item.embedding = Some(v);
         }
-        store.upsert_items(items).await.unwrap();
+        store.upsert_items(DEFAULT_TENANT, items).await.unwrap();
         let test = TestCtx::new().with_invocation(InvocationContext {
             data_source_id: Some("ds".into()),
             user: Some("u1".into()),
@@ -1991,5 +2009,189 @@ mod hybrid {
         let e = dead.embed(&["x".into()]).await.unwrap_err();
         assert!(!e.to_string().contains("sk-embed-secret"), "{e}");
         assert!(!format!("{dead:?}").contains("sk-embed-secret"));
+    }
+}
+
+/// The cross-tenant attack on every tool, for any backend: tenant globex
+/// holds canary documents (a data source, a CSV, a user's private upload)
+/// and canary context items of its user bob; tenant acme's job names
+/// globex's data source, attaches globex's document ids and claims to be
+/// bob. Nothing acme's tools return, cite or say in an error holds the
+/// canary; the same calls as globex do find it (so the check can fail).
+#[cfg(test)]
+pub(crate) mod tenant_attack {
+    use super::*;
+    use crate::store::DocumentRecord;
+    use toolfleet_worker::TestCtx;
+    use toolfleet_worker::protocol::InvocationContext;
+
+    pub(crate) const CANARY: &str = "zebracanary";
+    const NOV2: i64 = 1_793_577_600_000;
+
+    fn item(id: &str, kind: ItemKind, collection: &str, text: &str) -> Item {
+        Item {
+            id: id.into(),
+            kind,
+            collection: collection.into(),
+            document_id: None,
+            chunk: None,
+            title: format!("Vault {id}"),
+            text: text.into(),
+            source: Some(format!("{id}.md")),
+            owner: Owner {
+                user: Some("bob".into()),
+                ..Owner::default()
+            },
+            timestamp_ms: NOV2,
+            ingested_ms: NOV2,
+            entities: vec!["Vault Keeper".into()],
+            level: None,
+            child_ids: vec![],
+            aliases: vec![],
+            relations: vec![],
+            embedding: None,
+        }
+    }
+
+    async fn document(store: &dyn Store, tenant: &str, id: &str, text: &str, owner: Option<&str>) {
+        let (collection, path) = id.split_once(':').unwrap();
+        let mut chunk = item(&format!("{id}#0"), ItemKind::Document, collection, text);
+        chunk.document_id = Some(id.into());
+        chunk.chunk = Some(0);
+        chunk.entities.clear();
+        chunk.owner.user = owner.map(Into::into);
+        let csv = path.ends_with(".csv");
+        let record = DocumentRecord {
+            id: id.into(),
+            collection: collection.into(),
+            title: path.into(),
+            source: path.into(),
+            format: if csv { "csv" } else { "markdown" }.into(),
+            owner: chunk.owner.clone(),
+            text: text.into(),
+            raw: csv.then(|| text.to_owned()),
+            timestamp_ms: NOV2,
+            ingested_ms: NOV2,
+            chunks: 1,
+            tokens: 10,
+        };
+        store
+            .replace_document(tenant, record, vec![chunk])
+            .await
+            .unwrap();
+    }
+
+    /// globex's canaries, and acme's own data under the same names.
+    pub(crate) async fn seed(store: &dyn Store) {
+        let secret = format!("The vault code is {CANARY}.");
+        for (tenant, word) in [("globex", CANARY), ("acme", "acmeplain")] {
+            let text = format!("The vault code is {word}.");
+            document(store, tenant, "globex-kb:secret.md", &text, None).await;
+            document(store, tenant, "uploads:bob.md", &text, Some("bob")).await;
+        }
+        document(
+            store,
+            "globex",
+            "globex-kb:ledger.csv",
+            &format!("vault,code\nmain,{CANARY}\n"),
+            None,
+        )
+        .await;
+        let mut items = vec![
+            item("k-bob", ItemKind::Knowledge, "globex-kb", &secret),
+            item("p-bob", ItemKind::Profile, "globex-kb", &secret),
+        ];
+        let mut entity = item("e-keeper", ItemKind::Entity, "globex-kb", &secret);
+        entity.title = "Vault Keeper".into();
+        items.push(entity);
+        let mut l0 = item("ev-bob", ItemKind::Event, "globex-kb", &secret);
+        l0.level = Some(Level::L0);
+        let mut l1 = item("day-bob", ItemKind::Event, "globex-kb", &secret);
+        l1.level = Some(Level::L1);
+        l1.child_ids = vec!["ev-bob".into()];
+        items.extend([l0, l1]);
+        store.upsert_items("globex", items).await.unwrap();
+    }
+
+    fn as_tenant(tenant: &str) -> TestCtx {
+        TestCtx::new().with_invocation(InvocationContext {
+            tenant: Some(tenant.into()),
+            user: Some("bob".into()),
+            data_source_id: Some("globex-kb".into()),
+            attached_documents: vec![
+                "globex-kb:secret.md".into(),
+                "globex-kb:ledger.csv".into(),
+                "uploads:bob.md".into(),
+            ],
+            ..InvocationContext::new("inv-attack")
+        })
+    }
+
+    /// Every tool's answers (content, data or error) as `tenant`, and the
+    /// references they cited.
+    async fn everything(r: &Retrieval, tenant: &str) -> String {
+        let test = as_tenant(tenant);
+        // The words are acme's too: an empty answer that echoes the query
+        // must not count as a leak.
+        let search = json!({ "query": "vault code", "topK": 10 });
+        let mut out = Vec::new();
+        let mut note = |result: Result<ToolOutput, ToolError>| match result {
+            Ok(o) => out.push(format!("{}\n{}", o.content, o.data.unwrap_or_default())),
+            Err(e) => out.push(e.to_string()),
+        };
+        note(test.call(&SearchDocuments(r.clone()), search.clone()).await);
+        note(
+            test.call(&SearchDataSources(r.clone()), search.clone())
+                .await,
+        );
+        note(test.call(&ListDocuments(r.clone()), json!({})).await);
+        for id in ["globex-kb:secret.md", "uploads:bob.md"] {
+            note(
+                test.call(&ReadDocument(r.clone()), json!({ "documentId": id }))
+                    .await,
+            );
+        }
+        let ledger = json!({ "documentId": "globex-kb:ledger.csv" });
+        note(test.call(&ReadTabularData(r.clone()), ledger).await);
+        note(
+            test.call(&RetrieveKnowledgeContext(r.clone()), search.clone())
+                .await,
+        );
+        let events = json!({ "query": "vault code", "from": "2026-11-01", "to": "2026-11-30" });
+        note(test.call(&RetrieveEventContext(r.clone()), events).await);
+        note(
+            test.call(&RetrieveProfileContext(r.clone()), json!({ "query": "" }))
+                .await,
+        );
+        for mode in ["exact", "similar", "list", "relationships"] {
+            let lookup = json!({ "name": "Vault Keeper", "mode": mode });
+            note(test.call(&EntityLookup(r.clone()), lookup).await);
+        }
+        for reference in test.references() {
+            out.push(serde_json::to_string(&reference).unwrap());
+        }
+        out.join("\n")
+    }
+
+    /// Runs the attack on `store` (seeded here).
+    pub(crate) async fn run(store: Arc<dyn Store>) {
+        seed(store.as_ref()).await;
+        let r = Retrieval::new(store.clone());
+        let acme = everything(&r, "acme").await;
+        assert!(
+            !acme.contains(CANARY),
+            "{} backend: acme got globex's canary:\n{acme}",
+            store.backend()
+        );
+        assert!(acme.contains("acmeplain"), "acme finds its own:\n{acme}");
+        // The positive control: the very same calls as globex find it by
+        // every path (data source, attachment, table, bob's upload and
+        // context items).
+        let globex = everything(&r, "globex").await;
+        assert!(
+            globex.matches(CANARY).count() >= 10,
+            "{} backend: globex's own calls should see the canary:\n{globex}",
+            store.backend()
+        );
     }
 }
