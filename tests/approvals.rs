@@ -170,7 +170,7 @@ async fn a_denial_is_read_by_the_model_and_bad_approvals_change_nothing() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(parked_keys(&env).await, vec![id.clone()]);
+    assert_eq!(parked_keys(&env).await, vec![format!("default.{id}")]);
 
     // Bad approvals: a clear refusal each, and nothing changes.
     let subject = first.3.clone();
@@ -238,7 +238,7 @@ async fn a_denial_is_read_by_the_model_and_bad_approvals_change_nothing() {
     };
     refused(&v, "already_decided");
     // Nothing ran yet: the turn waits for its other call.
-    assert_eq!(parked_keys(&env).await, vec![id.clone()]);
+    assert_eq!(parked_keys(&env).await, vec![format!("default.{id}")]);
 
     let v = request(
         &env,
