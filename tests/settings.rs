@@ -18,11 +18,16 @@ use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
 use crate::support::{self, WAIT};
 
-/// (user, the server's environment variable with its password).
-const USERS: [(&str, &str); 5] = [
+/// (user, the server's environment variable with its password): every
+/// identity of the file (the server needs each variable).
+const USERS: [(&str, &str); 9] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
+    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
+    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
+    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
+    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
     ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
     ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
 ];
@@ -279,10 +284,14 @@ async fn a_tenants_settings_reach_its_own_calls_only_and_secrets_stay_references
     .unwrap();
     let shutdown = tokio_util::sync::CancellationToken::new();
     let _stop = shutdown.clone().drop_guard();
-    let store = || async {
-        toolfleet_store::CitationStore::connect(&redis.url(), "toolfleet", Duration::from_secs(60))
-            .await
-            .unwrap()
+    let redis_url = redis.url();
+    let store = || {
+        let url = redis_url.clone();
+        async move {
+            toolfleet_store::CitationStore::connect(&url, "toolfleet", Duration::from_secs(60))
+                .await
+                .unwrap()
+        }
     };
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
     tokio::spawn(toolfleet_orchestrator::run_with_ready(
