@@ -669,6 +669,303 @@ agent = { name = "helper", description = "Tells the time." }
         },
     )
     .await;
+    let (_, outcome) = env.ask("please ask the helper").await;
+    let outcome = outcome.expect("completed");
+    assert!(
+        outcome.text.contains("needs a person's approval"),
+        "{}",
+        outcome.text
+    );
+    assert!(parked_keys(&env).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_cut_short_by_a_crash_is_finished_by_another_orchestrator() {
+    // The answer after the approval is slow the first time: every
+    // orchestrator is killed while the resumed invocation waits on it.
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["one clock"],
+            "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "The model read: {{tool:current_datetime}}",
+                  "fault": { "kind": "slowFirstToken", "delayMs": 60000, "times": 1 } }
+            ]
+        }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec!["system"],
+            no_orchestrator: true,
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_dir, config) = profiles_file(&env, "");
+    let mut first = two_orchestrators(&env, &config).await;
+    let job = toolfleet_protocol::client::question("What does one clock say?");
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", &job.invocation_id),
+        json!({ "callId": call, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v, json!({ "ok": true }));
+    // The resume is under way once the clock answered; the model is slow.
+    until(&mut sub, &mut seen, |e| {
+        matches!(e.body, ChatEventBody::ToolResult { .. }).then_some(())
+    })
+    .await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while env.model.requests().len() < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the answer was never asked for"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for p in &mut first {
+        p.kill().unwrap();
+        p.wait().unwrap();
+    }
+    // A new orchestrator takes the decision again (once its ack wait and
+    // the dead run's lease lapse) and finishes the invocation.
+    let mut second = orchestrator(&env, &config);
+    let _guard = support::KillOnDrop(&mut second);
+    let end = tokio::time::timeout(
+        Duration::from_secs(60),
+        until(&mut sub, &mut seen, terminal),
+    )
+    .await
+    .expect("the invocation is finished by the new orchestrator");
+    let ChatEventBody::Completed { text, .. } = end else {
+        panic!("{end:?}");
+    };
+    assert!(text.starts_with("The model read: "), "{text}");
+    assert_eq!(
+        seen.iter()
+            .filter(|e| matches!(e.body, ChatEventBody::Started { .. }))
+            .count(),
+        1,
+        "it went on from the park; it did not start again"
+    );
+    assert!(parked_keys(&env).await.is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_rust_client_keeps_waiting_while_a_call_waits_for_a_person() {
+    let env = Env::start_with(
+        two_clocks_script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(profiles(600_000)),
+            ..Default::default()
+        },
+    )
+    .await;
+    let job = toolfleet_protocol::client::question("What does one clock say?");
+    let mut sub = env
+        .subscribe(env.subjects.chat_events("default", &job.invocation_id))
+        .await;
+    // The client's own timeout is shorter than the person takes.
+    let timeout = Duration::from_secs(1);
+    let asked = {
+        let (client, subjects, job) = (env.client.clone(), env.subjects.clone(), job.clone());
+        tokio::spawn(async move {
+            toolfleet_protocol::client::chat(&client, &subjects, &job, timeout, |_| {}).await
+        })
+    };
+    let mut seen = Vec::new();
+    let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    tokio::time::sleep(timeout * 2).await;
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", &job.invocation_id),
+        json!({ "callId": call, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v, json!({ "ok": true }));
+    let outcome = tokio::time::timeout(WAIT, asked)
+        .await
+        .expect("the client returns")
+        .unwrap()
+        .expect("the client waited past its timeout for the approval");
+    assert!(
+        outcome.text.starts_with("The model read: "),
+        "{}",
+        outcome.text
+    );
+}
+
+/// A tool whose call waits inside until the test says go (once): the test
+/// can change the fleet between two rounds of one invocation.
+#[derive(Clone)]
+struct Gate {
+    reached: std::sync::Arc<tokio::sync::Notify>,
+    go: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl toolfleet_worker::Tool for Gate {
+    type Args = Value;
+    async fn call(
+        &self,
+        _ctx: &toolfleet_worker::ToolCtx,
+        _args: Value,
+    ) -> Result<toolfleet_worker::ToolOutput, toolfleet_worker::ToolError> {
+        self.reached.notify_one();
+        self.go.notified().await;
+        Ok(toolfleet_worker::ToolOutput::text("the gate opened"))
+    }
+}
+
+const GATE: &str = r#"{
+  "schemaVersion": 1,
+  "id": "testing:gate@1.0.0",
+  "implementationKey": "testing.gate",
+  "title": "Gate",
+  "description": "Waits for the test.",
+  "category": "testing",
+  "purpose": "general",
+  "selectable": true,
+  "tags": [],
+  "function": {
+    "name": "gate",
+    "description": "Waits for the test.",
+    "parameters": { "type": "object", "properties": {}, "additionalProperties": false }
+  },
+  "timeoutMs": 20000,
+  "delivery": "jetstream",
+  "parallelSafe": true
+}"#;
+
+/// The system worker, as its binary builds it.
+async fn system_worker() -> toolfleet_worker::Worker {
+    toolfleet::families::some(
+        &["system"],
+        &toolfleet::families::Inputs {
+            definitions: &support::root().join("tool_definitions"),
+            index: &toolfleet::families::IndexArgs::tantivy(
+                std::env::temp_dir().join("unused-index"),
+                support::root().join("examples/corpus"),
+            ),
+            models: None,
+        },
+    )
+    .await
+    .unwrap()
+    .remove(0)
+}
+
+/// Issue 28, item 5(a): a tool that needs approval (the profile's
+/// `require_approval`) whose worker comes online after the invocation
+/// started — neither offered nor permitted at the start — parks when the
+/// model calls it. Before, the hold was decided on the start-time tool
+/// list (no tool, no hold) while dispatch resolved the late tool afresh
+/// and ran it unapproved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_whose_worker_comes_online_late_and_needs_approval_parks() {
+    let script = json!({
+        "rules": [{ "whenUserContains": ["late clock"], "steps": [
+            { "toolCalls": [ { "name": "gate", "arguments": {} } ] },
+            { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+            { "answer": "The model read: {{tool:current_datetime}}" } ] }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: Vec::new(),
+            profiles_toml: Some(profiles(600_000)),
+            data_source: None,
+            ..Default::default()
+        },
+    )
+    .await;
+    let gate = Gate {
+        reached: Default::default(),
+        go: Default::default(),
+    };
+    let _gate = env
+        .start_worker(
+            toolfleet_worker::Worker::builder("testing")
+                .definition_json(GATE)
+                .tool("testing.gate", gate.clone())
+                .build()
+                .unwrap(),
+        )
+        .await;
+    let job = toolfleet_protocol::client::question("What does the late clock say?");
+    let mut sub = env.follow_and_submit(&job).await;
+    tokio::time::timeout(WAIT, gate.reached.notified())
+        .await
+        .expect("the first round's gate call never ran");
+    // The clock's worker comes online while the invocation runs.
+    let _clock = env.start_worker(system_worker().await).await;
+    gate.go.notify_one();
+    let mut seen = Vec::new();
+    let (call_id, tool, _, subject) = until(&mut sub, &mut seen, |e| {
+        if let ChatEventBody::Completed { text, .. } = &e.body {
+            panic!("ran without approval: {text}");
+        }
+        approval_requested(e)
+    })
+    .await;
+    assert_eq!(tool, "system:current_datetime@1.0.0");
+    assert!(
+        !seen.iter().any(|e| matches!(&e.body,
+            ChatEventBody::ToolCall { tool, .. } if tool.starts_with("system:"))),
+        "{seen:?}"
+    );
+    let v = request(&env, subject, json!({ "callId": call_id, "decision": "approve" })).await;
+    assert_eq!(v["ok"], true, "{v}");
+    let end = until(&mut sub, &mut seen, terminal).await;
+    let ChatEventBody::Completed { text, .. } = &end else {
+        panic!("{end:?}");
+    };
+    assert!(text.starts_with("The model read: "), "{text}");
+    assert!(!text.contains("Not run"), "{text}");
+}
+
+/// Issue 28, item 5(c): the model calls an agent tool; the nested job runs
+/// the agent's profile, which holds nothing, but it inherits its caller's
+/// `require_approval`: the clock the caller holds is not run in the nested
+/// job (which cannot wait for a person: `blocked`, `approval_unavailable`).
+/// Before, the nested job ran it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_agent_job_holds_what_its_caller_holds() {
+    let script = json!({
+        "rules": [
+            { "whenUserContains": ["AGENT TASK"], "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "The helper read: {{tool:current_datetime}}" } ] },
+            { "whenUserContains": ["ask the helper"], "steps": [
+                { "toolCalls": [ { "name": "helper", "arguments": { "task": "AGENT TASK: read the clock" } } ] },
+                { "answer": "Helper: {{tool:helper}}" } ] }
+        ],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(
+                profiles(600_000)
+                    + r#"
+[profiles.helper]
+deployment = "scripted"
+agent = { name = "helper", description = "Reads the clock." }
+"#,
+            ),
+            data_source: None,
+            ..Default::default()
+        },
+    )
+    .await;
     // Every invocation's events, the nested job's included.
     let mut all = env.subscribe(env.subjects.chat_events("default", "*")).await;
     let (_, outcome) = env.ask("please ask the helper").await;
