@@ -211,16 +211,17 @@ async fn definition(args: &SetArgs) -> anyhow::Result<Option<ToolDefinition>> {
         })?;
         Registry::build(&[&dir])
     };
-    Ok(registry
-        .get(&args.key.tool)
-        .map(|e| e.definition().clone()))
+    Ok(registry.get(&args.key.tool).map(|e| e.definition().clone()))
 }
 
 /// Whether `settings` fit `definition`'s `settingsSchema`: known settings
 /// only, every secret one a reference (`{"env": NAME}` or
 /// `{"file": PATH}`), the others as the schema says. The error names the
 /// failing setting or path, never a secret's value.
-pub(crate) fn check(definition: &ToolDefinition, settings: &Map<String, Value>) -> Result<(), String> {
+pub(crate) fn check(
+    definition: &ToolDefinition,
+    settings: &Map<String, Value>,
+) -> Result<(), String> {
     let Some(schema) = &definition.settings_schema else {
         return Err("the tool takes no settings (its definition has no settingsSchema)".into());
     };
@@ -349,7 +350,8 @@ mod tests {
 
     fn web_search() -> ToolDefinition {
         toolfleet_protocol::tools::load_file(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tool_definitions/web.search.json"),
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("tool_definitions/web.search.json"),
         )
         .unwrap()
     }
@@ -367,7 +369,11 @@ mod tests {
             &map(json!({ "braveApiKey": { "env": "ACME_BRAVE_KEY" } })),
         )
         .unwrap();
-        check(&d, &map(json!({ "braveApiKey": { "file": "/run/secrets/brave" } }))).unwrap();
+        check(
+            &d,
+            &map(json!({ "braveApiKey": { "file": "/run/secrets/brave" } })),
+        )
+        .unwrap();
         let e = check(&d, &map(json!({ "maxResults": 50 }))).unwrap_err();
         assert!(e.contains("/maxResults"), "{e}");
         let e = check(&d, &map(json!({ "maxResult": 5 }))).unwrap_err();

@@ -127,6 +127,23 @@ async fn parked_keys(env: &Env) -> Vec<String> {
         .collect()
 }
 
+/// Waits (bounded) until the parked bucket holds no record: a run removes
+/// its record just after its terminal event.
+async fn no_parked_record(env: &Env) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let keys = parked_keys(env).await;
+        if keys.is_empty() {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still parked: {keys:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn metric(text: &str, line_start: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(line_start))
@@ -676,7 +693,7 @@ agent = { name = "helper", description = "Tells the time." }
         "{}",
         outcome.text
     );
-    assert!(parked_keys(&env).await.is_empty());
+    no_parked_record(&env).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -754,7 +771,7 @@ async fn a_resume_cut_short_by_a_crash_is_finished_by_another_orchestrator() {
         1,
         "it went on from the park; it did not start again"
     );
-    assert!(parked_keys(&env).await.is_empty());
+    no_parked_record(&env).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -921,7 +938,12 @@ async fn a_tool_whose_worker_comes_online_late_and_needs_approval_parks() {
             ChatEventBody::ToolCall { tool, .. } if tool.starts_with("system:"))),
         "{seen:?}"
     );
-    let v = request(&env, subject, json!({ "callId": call_id, "decision": "approve" })).await;
+    let v = request(
+        &env,
+        subject,
+        json!({ "callId": call_id, "decision": "approve" }),
+    )
+    .await;
     assert_eq!(v["ok"], true, "{v}");
     let end = until(&mut sub, &mut seen, terminal).await;
     let ChatEventBody::Completed { text, .. } = &end else {
@@ -967,7 +989,9 @@ agent = { name = "helper", description = "Reads the clock." }
     )
     .await;
     // Every invocation's events, the nested job's included.
-    let mut all = env.subscribe(env.subjects.chat_events("default", "*")).await;
+    let mut all = env
+        .subscribe(env.subjects.chat_events("default", "*"))
+        .await;
     let (_, outcome) = env.ask("please ask the helper").await;
     let outcome = outcome.expect("completed");
     assert!(
@@ -989,7 +1013,10 @@ agent = { name = "helper", description = "Reads the clock." }
     .await;
     assert_eq!(
         result,
-        (ToolStatus::Blocked, Some("approval_unavailable".to_string()))
+        (
+            ToolStatus::Blocked,
+            Some("approval_unavailable".to_string())
+        )
     );
 }
 
@@ -1069,7 +1096,12 @@ async fn a_parked_record_keeps_no_webhook_url_and_the_resume_still_delivers_to_i
     assert!(!text.contains(token), "{text}");
     assert!(!text.contains(&addr.to_string()), "{text}");
     assert!(text.contains("sealedWebhook"), "{text}");
-    let v = request(&env, subject, json!({ "callId": call_id, "decision": "approve" })).await;
+    let v = request(
+        &env,
+        subject,
+        json!({ "callId": call_id, "decision": "approve" }),
+    )
+    .await;
     assert_eq!(v["ok"], true, "{v}");
     let end = until(&mut sub, &mut seen, terminal).await;
     assert!(matches!(end, ChatEventBody::Completed { .. }), "{end:?}");

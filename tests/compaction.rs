@@ -182,7 +182,9 @@ fn fenced_user_summary(body: &serde_json::Value) {
         .filter_map(|m| m["content"].as_str())
         .find(|c| c.contains("Summary of the earlier conversation"))
         .expect("the summary is a user message");
-    let open = summary.find("<<<untrusted-summary ").expect("an opening fence");
+    let open = summary
+        .find("<<<untrusted-summary ")
+        .expect("an opening fence");
     let boundary = summary[open + "<<<untrusted-summary ".len()..]
         .split(">>>")
         .next()

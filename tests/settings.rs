@@ -147,7 +147,11 @@ async fn ask_probe(client: &async_nats::Client, tenant: &str) -> (String, Vec<St
                     if tool == "units:convert@1.0.0")
             })
         {
-            let events = outcome.events.iter().map(|e| serde_json::to_string(e).unwrap()).collect();
+            let events = outcome
+                .events
+                .iter()
+                .map(|e| serde_json::to_string(e).unwrap())
+                .collect();
             return (outcome.text.clone(), events);
         }
         assert!(
@@ -159,7 +163,11 @@ async fn ask_probe(client: &async_nats::Client, tenant: &str) -> (String, Vec<St
 }
 
 /// Waits until the server refuses `user`'s `what` on `subject`.
-async fn refused(errors: &mut tokio::sync::mpsc::UnboundedReceiver<String>, what: &str, subject: &str) {
+async fn refused(
+    errors: &mut tokio::sync::mpsc::UnboundedReceiver<String>,
+    what: &str,
+    subject: &str,
+) {
     let wanted = format!("permissions violation for {what} to \"{subject}\"").to_lowercase();
     loop {
         let e = tokio::time::timeout(WAIT, errors.recv())
@@ -188,7 +196,8 @@ async fn bucket_closed_to(nats: &NatsServer, user: &str) {
         .connect(nats.url())
         .await
         .unwrap();
-    let read = "$JS.API.DIRECT.GET.KV_TOOLFLEET_SETTINGS.$KV.TOOLFLEET_SETTINGS.globex.units.convert";
+    let read =
+        "$JS.API.DIRECT.GET.KV_TOOLFLEET_SETTINGS.$KV.TOOLFLEET_SETTINGS.globex.units.convert";
     let write = "$KV.TOOLFLEET_SETTINGS.acme.units.convert";
     for subject in [read, write] {
         client
@@ -227,12 +236,24 @@ async fn a_tenants_settings_reach_its_own_calls_only_and_secrets_stay_references
     let literal = format!("apiKey={ACME_CANARY}");
     for (bad, says) in [
         (literal.as_str(), "/apiKey: is secret"),
-        ("greeting=\"this greeting is much longer than forty characters\"", "/greeting"),
+        (
+            "greeting=\"this greeting is much longer than forty characters\"",
+            "/greeting",
+        ),
         ("colour=blue", "/colour: unknown setting"),
     ] {
         let (code, _, err) = settings_cmd(
             &nats,
-            &["set", "--tenant", "acme", "--tool", "units:convert", "--tool-definitions", &defs_arg, bad],
+            &[
+                "set",
+                "--tenant",
+                "acme",
+                "--tool",
+                "units:convert",
+                "--tool-definitions",
+                &defs_arg,
+                bad,
+            ],
         );
         assert_eq!(code, Some(64), "{bad}: {err}");
         assert!(err.contains(says), "{bad}: {err}");
@@ -241,22 +262,45 @@ async fn a_tenants_settings_reach_its_own_calls_only_and_secrets_stay_references
     let reference = format!("apiKey={{\"file\":\"{}\"}}", key_file.display());
     let (code, out, err) = settings_cmd(
         &nats,
-        &["set", "--tenant", "acme", "--tool", "units:convert", "--tool-definitions", &defs_arg,
-          "greeting=hello-acme", &reference],
+        &[
+            "set",
+            "--tenant",
+            "acme",
+            "--tool",
+            "units:convert",
+            "--tool-definitions",
+            &defs_arg,
+            "greeting=hello-acme",
+            &reference,
+        ],
     );
     assert_eq!(code, Some(0), "{out}{err}");
     let (code, _, err) = settings_cmd(
         &nats,
-        &["set", "--tenant", "globex", "--tool", "units:convert@1.0.0", "--tool-definitions", &defs_arg,
-          "greeting=hello-globex"],
+        &[
+            "set",
+            "--tenant",
+            "globex",
+            "--tool",
+            "units:convert@1.0.0",
+            "--tool-definitions",
+            &defs_arg,
+            "greeting=hello-globex",
+        ],
     );
     assert_eq!(code, Some(0), "{err}");
     let (code, out, _) = settings_cmd(&nats, &["ls", "--tenant", "acme"]);
     assert_eq!((code, out.trim()), (Some(0), "units:convert"));
-    let (code, out, _) = settings_cmd(&nats, &["get", "--tenant", "acme", "--tool", "units:convert"]);
+    let (code, out, _) = settings_cmd(
+        &nats,
+        &["get", "--tenant", "acme", "--tool", "units:convert"],
+    );
     assert_eq!(code, Some(0));
     let kept: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(kept["apiKey"], json!({ "file": key_file.display().to_string() }));
+    assert_eq!(
+        kept["apiKey"],
+        json!({ "file": key_file.display().to_string() })
+    );
 
     // The orchestrator and the worker, each under its own identity.
     let model_script = json!({
@@ -330,7 +374,10 @@ async fn a_tenants_settings_reach_its_own_calls_only_and_secrets_stay_references
     let (acme_text, acme_events) = ask_probe(&acme, "acme").await;
     assert_eq!(acme_text, "tenant=acme greeting=hello-acme secret=resolved");
     let (globex_text, globex_events) = ask_probe(&globex, "globex").await;
-    assert_eq!(globex_text, "tenant=globex greeting=hello-globex secret=none");
+    assert_eq!(
+        globex_text,
+        "tenant=globex greeting=hello-globex secret=none"
+    );
     for line in acme_events.iter().chain(&globex_events) {
         assert!(!line.contains(ACME_CANARY), "{line}");
     }
@@ -339,7 +386,10 @@ async fn a_tenants_settings_reach_its_own_calls_only_and_secrets_stay_references
     }
     // What the jobs carried: the reference, never the secret.
     let seen = probe.seen.lock().unwrap().clone();
-    assert!(seen.iter().any(|s| s["greeting"] == "hello-acme"), "{seen:?}");
+    assert!(
+        seen.iter().any(|s| s["greeting"] == "hello-acme"),
+        "{seen:?}"
+    );
     for settings in &seen {
         assert!(!settings.to_string().contains(ACME_CANARY), "{settings}");
         if settings["greeting"] == "hello-globex" {

@@ -411,7 +411,10 @@ pub fn secret_from_json_reference(
     let reference = match value {
         Value::Object(map) => map
             .iter()
-            .map(|(k, v)| v.as_str().map(|s| (k.clone(), toml::Value::String(s.to_owned()))))
+            .map(|(k, v)| {
+                v.as_str()
+                    .map(|s| (k.clone(), toml::Value::String(s.to_owned())))
+            })
             .collect::<Option<toml::Table>>()
             .map(toml::Value::Table),
         _ => None,

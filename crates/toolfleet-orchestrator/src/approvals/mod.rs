@@ -188,8 +188,7 @@ pub(crate) fn held_calls(
             if i >= policy.max_calls_per_turn {
                 return Hold::Run;
             }
-            let needs =
-                tool.is_some_and(|t| inv.profile.profile.requires_approval(&t.definition));
+            let needs = tool.is_some_and(|t| inv.profile.profile.requires_approval(&t.definition));
             let hold = match (needs, inv.agent_depth > 0) {
                 (true, true) => Hold::Refuse,
                 (true, false) => Hold::Person,

@@ -97,7 +97,10 @@ mod tests {
         let sealed = seal(b"whsec-one", "acme", "inv_1", URL).unwrap();
         assert!(!sealed.contains("hooks.example.com"));
         assert!(!sealed.contains("secret-token"));
-        assert_eq!(open(b"whsec-one", "acme", "inv_1", &sealed).as_deref(), Some(URL));
+        assert_eq!(
+            open(b"whsec-one", "acme", "inv_1", &sealed).as_deref(),
+            Some(URL)
+        );
         assert_eq!(open(b"whsec-two", "acme", "inv_1", &sealed), None);
         assert_eq!(open(b"whsec-one", "globex", "inv_1", &sealed), None);
         assert_eq!(open(b"whsec-one", "acme", "inv_2", &sealed), None);

@@ -231,7 +231,10 @@ impl ToolRunner<'_> {
     ) -> Vec<ToolOutcome> {
         let policy = &inv.profile.profile.policy;
         let mut out: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
-        let run = calls.len().min(policy.max_calls_per_turn).min(resolved.len());
+        let run = calls
+            .len()
+            .min(policy.max_calls_per_turn)
+            .min(resolved.len());
         for (i, call) in calls.iter().enumerate().skip(run) {
             out[i] = Some(over_the_turn_cap(self.fleet, inv, call, events));
         }
@@ -273,7 +276,12 @@ impl ToolRunner<'_> {
             approved: true,
         };
         let out = self
-            .run_resolved(inv, std::slice::from_ref(call), std::slice::from_ref(&resolved), events)
+            .run_resolved(
+                inv,
+                std::slice::from_ref(call),
+                std::slice::from_ref(&resolved),
+                events,
+            )
             .await;
         self.internal = None;
         out.into_iter()
@@ -379,7 +387,10 @@ impl ToolRunner<'_> {
                     call,
                     &id,
                     ToolErrorCode::DispatchFailed.as_str(),
-                    format!("Error: the settings of {} cannot be read just now.", call.name),
+                    format!(
+                        "Error: the settings of {} cannot be read just now.",
+                        call.name
+                    ),
                 ));
             }
         };
@@ -824,11 +835,7 @@ fn batches(calls: usize, parallel: bool, parallel_safe: impl Fn(usize) -> bool) 
     let mut batches: Vec<Vec<usize>> = Vec::new();
     if parallel {
         batches.push((0..calls).filter(|&i| parallel_safe(i)).collect());
-        batches.extend(
-            (0..calls)
-                .filter(|&i| !parallel_safe(i))
-                .map(|i| vec![i]),
-        );
+        batches.extend((0..calls).filter(|&i| !parallel_safe(i)).map(|i| vec![i]));
     } else {
         batches.extend((0..calls).map(|i| vec![i]));
     }

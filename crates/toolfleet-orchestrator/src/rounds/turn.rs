@@ -66,12 +66,12 @@ impl Turn {
         for (i, model) in completion.tool_calls.iter().enumerate() {
             // Calls over the cap never run, and `search_tools` is the
             // loop's own: neither needs a catalog reading.
-            let tool = if i >= cap || (model.name == SEARCH_TOOLS && inv.tool(SEARCH_TOOLS).is_none())
-            {
-                None
-            } else {
-                dispatch::resolve_tool(fleet, inv, &model.name).await
-            };
+            let tool =
+                if i >= cap || (model.name == SEARCH_TOOLS && inv.tool(SEARCH_TOOLS).is_none()) {
+                    None
+                } else {
+                    dispatch::resolve_tool(fleet, inv, &model.name).await
+                };
             calls.push(TurnCall {
                 model_id: model.id.clone(),
                 call: ToolCall {
