@@ -350,7 +350,7 @@ mod tests {
 
     fn web_search() -> ToolDefinition {
         toolfleet_protocol::tools::load_file(
-            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
                 .join("tool_definitions/web.search.json"),
         )
         .unwrap()

@@ -376,24 +376,7 @@ impl ToolRunner<'_> {
             new_call: inv.cancel_check.fresh(),
         };
         let headers = call_ctx.to_headers();
-        let settings = match tenant_settings(self.fleet, inv.job.tenant(), def).await {
-            Ok(settings) => settings,
-            Err(e) => {
-                failed(&span, ToolErrorCode::DispatchFailed.as_str());
-                warn!(tool = %id, error = %e, "cannot read the tenant's settings of a tool");
-                return Err(immediate(
-                    metrics,
-                    events,
-                    call,
-                    &id,
-                    ToolErrorCode::DispatchFailed.as_str(),
-                    format!(
-                        "Error: the settings of {} cannot be read just now.",
-                        call.name
-                    ),
-                ));
-            }
-        };
+        let settings = self.settings_for(inv, call, def, &span, events).await?;
         let body = encode(&ToolJob {
             arguments,
             settings,
@@ -441,6 +424,36 @@ impl ToolRunner<'_> {
             },
             ack,
         ))
+    }
+
+    /// The invocation's tenant's settings of `def` for `call`'s job
+    /// ([`tenant_settings`]); a call whose settings cannot be read is
+    /// answered `dispatch_failed` at once, never run without them.
+    async fn settings_for(
+        &self,
+        inv: &Invocation,
+        call: &ToolCall,
+        def: &toolfleet_protocol::tools::ToolDefinition,
+        span: &tracing::Span,
+        events: &Events,
+    ) -> Result<Option<Value>, ToolOutcome> {
+        tenant_settings(self.fleet, inv.job.tenant(), def)
+            .await
+            .map_err(|e| {
+                failed(span, ToolErrorCode::DispatchFailed.as_str());
+                warn!(tool = %def.id, error = %e, "cannot read the tenant's settings of a tool");
+                immediate(
+                    &self.fleet.metrics,
+                    events,
+                    call,
+                    &def.id.to_string(),
+                    ToolErrorCode::DispatchFailed.as_str(),
+                    format!(
+                        "Error: the settings of {} cannot be read just now.",
+                        call.name
+                    ),
+                )
+            })
     }
 
     /// Takes a call's resolved tool and its arguments and publishes its
