@@ -92,6 +92,13 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::mcp::McpCommand,
     },
+    /// Per-tenant tool settings (the settings bucket the orchestrators
+    /// send in each tenant's tool jobs): set (checked against the tool's
+    /// settingsSchema; secrets only as references), get, ls, rm.
+    Settings {
+        #[command(subcommand)]
+        command: crate::settings::SettingsCommand,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish,
     /// powershell): `toolfleet completions bash > /etc/bash_completion.d/toolfleet`.
     Completions { shell: clap_complete::Shell },
@@ -123,6 +130,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Status(args) => crate::ops::status::run(args).await,
         Command::Events(args) => crate::ops::events::run(args).await,
         Command::Mcp { command } => crate::mcp::run(command).await,
+        Command::Settings { command } => crate::settings::run(command).await,
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(

@@ -19,6 +19,8 @@
 //! - [`tools`]: `toolfleet tools` list, show, search, validate.
 //! - [`index`]: `toolfleet ingest` and `toolfleet index search`.
 //! - [`blob`]: `toolfleet blob get`.
+//! - [`settings`]: `toolfleet settings set|get|ls|rm`, the operator's
+//!   per-tenant tool settings.
 //! - [`ops`]: the operator's commands on a running fleet: `status`,
 //!   `events`, `health`, `cancel`, `approve`, `deadletters`.
 //! - [`mcp`]: `toolfleet mcp serve`'s flags and start-up; [`mcp_serve`]:
@@ -54,5 +56,6 @@ pub mod mcp;
 pub mod mcp_serve;
 pub mod ops;
 pub mod serve;
+pub mod settings;
 pub mod svg;
 pub mod tools;

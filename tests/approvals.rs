@@ -127,6 +127,23 @@ async fn parked_keys(env: &Env) -> Vec<String> {
         .collect()
 }
 
+/// Waits (bounded) until the parked bucket holds no record: a run removes
+/// its record just after its terminal event.
+async fn no_parked_record(env: &Env) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let keys = parked_keys(env).await;
+        if keys.is_empty() {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "still parked: {keys:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn metric(text: &str, line_start: &str) -> f64 {
     text.lines()
         .find(|l| l.starts_with(line_start))
@@ -170,7 +187,7 @@ async fn a_denial_is_read_by_the_model_and_bad_approvals_change_nothing() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert_eq!(parked_keys(&env).await, vec![id.clone()]);
+    assert_eq!(parked_keys(&env).await, vec![format!("default.{id}")]);
 
     // Bad approvals: a clear refusal each, and nothing changes.
     let subject = first.3.clone();
@@ -238,7 +255,7 @@ async fn a_denial_is_read_by_the_model_and_bad_approvals_change_nothing() {
     };
     refused(&v, "already_decided");
     // Nothing ran yet: the turn waits for its other call.
-    assert_eq!(parked_keys(&env).await, vec![id.clone()]);
+    assert_eq!(parked_keys(&env).await, vec![format!("default.{id}")]);
 
     let v = request(
         &env,
@@ -676,7 +693,7 @@ agent = { name = "helper", description = "Tells the time." }
         "{}",
         outcome.text
     );
-    assert!(parked_keys(&env).await.is_empty());
+    no_parked_record(&env).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -754,7 +771,7 @@ async fn a_resume_cut_short_by_a_crash_is_finished_by_another_orchestrator() {
         1,
         "it went on from the park; it did not start again"
     );
-    assert!(parked_keys(&env).await.is_empty());
+    no_parked_record(&env).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -800,4 +817,307 @@ async fn the_rust_client_keeps_waiting_while_a_call_waits_for_a_person() {
         "{}",
         outcome.text
     );
+}
+
+/// A tool whose call waits inside until the test says go (once): the test
+/// can change the fleet between two rounds of one invocation.
+#[derive(Clone)]
+struct Gate {
+    reached: std::sync::Arc<tokio::sync::Notify>,
+    go: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl toolfleet_worker::Tool for Gate {
+    type Args = Value;
+    async fn call(
+        &self,
+        _ctx: &toolfleet_worker::ToolCtx,
+        _args: Value,
+    ) -> Result<toolfleet_worker::ToolOutput, toolfleet_worker::ToolError> {
+        self.reached.notify_one();
+        self.go.notified().await;
+        Ok(toolfleet_worker::ToolOutput::text("the gate opened"))
+    }
+}
+
+const GATE: &str = r#"{
+  "schemaVersion": 1,
+  "id": "testing:gate@1.0.0",
+  "implementationKey": "testing.gate",
+  "title": "Gate",
+  "description": "Waits for the test.",
+  "category": "testing",
+  "purpose": "general",
+  "selectable": true,
+  "tags": [],
+  "function": {
+    "name": "gate",
+    "description": "Waits for the test.",
+    "parameters": { "type": "object", "properties": {}, "additionalProperties": false }
+  },
+  "timeoutMs": 20000,
+  "delivery": "jetstream",
+  "parallelSafe": true
+}"#;
+
+/// The system worker, as its binary builds it.
+async fn system_worker() -> toolfleet_worker::Worker {
+    toolfleet::families::some(
+        &["system"],
+        &toolfleet::families::Inputs {
+            definitions: &support::root().join("tool_definitions"),
+            index: &toolfleet::families::IndexArgs::tantivy(
+                std::env::temp_dir().join("unused-index"),
+                support::root().join("examples/corpus"),
+            ),
+            models: None,
+        },
+    )
+    .await
+    .unwrap()
+    .remove(0)
+}
+
+/// Issue 28, item 5(a): a tool that needs approval (the profile's
+/// `require_approval`) whose worker comes online after the invocation
+/// started — neither offered nor permitted at the start — parks when the
+/// model calls it. Before, the hold was decided on the start-time tool
+/// list (no tool, no hold) while dispatch resolved the late tool afresh
+/// and ran it unapproved.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_whose_worker_comes_online_late_and_needs_approval_parks() {
+    let script = json!({
+        "rules": [{ "whenUserContains": ["late clock"], "steps": [
+            { "toolCalls": [ { "name": "gate", "arguments": {} } ] },
+            { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+            { "answer": "The model read: {{tool:current_datetime}}" } ] }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: Vec::new(),
+            profiles_toml: Some(profiles(600_000)),
+            data_source: None,
+            ..Default::default()
+        },
+    )
+    .await;
+    let gate = Gate {
+        reached: Default::default(),
+        go: Default::default(),
+    };
+    let _gate = env
+        .start_worker(
+            toolfleet_worker::Worker::builder("testing")
+                .definition_json(GATE)
+                .tool("testing.gate", gate.clone())
+                .build()
+                .unwrap(),
+        )
+        .await;
+    let job = toolfleet_protocol::client::question("What does the late clock say?");
+    let mut sub = env.follow_and_submit(&job).await;
+    tokio::time::timeout(WAIT, gate.reached.notified())
+        .await
+        .expect("the first round's gate call never ran");
+    // The clock's worker comes online while the invocation runs.
+    let _clock = env.start_worker(system_worker().await).await;
+    gate.go.notify_one();
+    let mut seen = Vec::new();
+    let (call_id, tool, _, subject) = until(&mut sub, &mut seen, |e| {
+        if let ChatEventBody::Completed { text, .. } = &e.body {
+            panic!("ran without approval: {text}");
+        }
+        approval_requested(e)
+    })
+    .await;
+    assert_eq!(tool, "system:current_datetime@1.0.0");
+    assert!(
+        !seen.iter().any(|e| matches!(&e.body,
+            ChatEventBody::ToolCall { tool, .. } if tool.starts_with("system:"))),
+        "{seen:?}"
+    );
+    let v = request(
+        &env,
+        subject,
+        json!({ "callId": call_id, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v["ok"], true, "{v}");
+    let end = until(&mut sub, &mut seen, terminal).await;
+    let ChatEventBody::Completed { text, .. } = &end else {
+        panic!("{end:?}");
+    };
+    assert!(text.starts_with("The model read: "), "{text}");
+    assert!(!text.contains("Not run"), "{text}");
+}
+
+/// Issue 28, item 5(c): the model calls an agent tool; the nested job runs
+/// the agent's profile, which holds nothing, but it inherits its caller's
+/// `require_approval`: the clock the caller holds is not run in the nested
+/// job (which cannot wait for a person: `blocked`, `approval_unavailable`).
+/// Before, the nested job ran it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nested_agent_job_holds_what_its_caller_holds() {
+    let script = json!({
+        "rules": [
+            { "whenUserContains": ["AGENT TASK"], "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "The helper read: {{tool:current_datetime}}" } ] },
+            { "whenUserContains": ["ask the helper"], "steps": [
+                { "toolCalls": [ { "name": "helper", "arguments": { "task": "AGENT TASK: read the clock" } } ] },
+                { "answer": "Helper: {{tool:helper}}" } ] }
+        ],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(
+                profiles(600_000)
+                    + r#"
+[profiles.helper]
+deployment = "scripted"
+agent = { name = "helper", description = "Reads the clock." }
+"#,
+            ),
+            data_source: None,
+            ..Default::default()
+        },
+    )
+    .await;
+    // Every invocation's events, the nested job's included.
+    let mut all = env
+        .subscribe(env.subjects.chat_events("default", "*"))
+        .await;
+    let (_, outcome) = env.ask("please ask the helper").await;
+    let outcome = outcome.expect("completed");
+    assert!(
+        outcome.text.starts_with("Helper: The helper read: Not run"),
+        "{}",
+        outcome.text
+    );
+    // The nested job's clock call: refused, never run.
+    let mut seen = Vec::new();
+    let result = until(&mut all, &mut seen, |e| match &e.body {
+        ChatEventBody::ToolResult {
+            tool,
+            status,
+            error_code,
+            ..
+        } if tool == "system:current_datetime@1.0.0" => Some((*status, error_code.clone())),
+        _ => None,
+    })
+    .await;
+    assert_eq!(
+        result,
+        (
+            ToolStatus::Blocked,
+            Some("approval_unavailable".to_string())
+        )
+    );
+}
+
+/// A webhook receiver on 127.0.0.1: every POST body, by path.
+async fn receiver() -> (
+    std::net::SocketAddr,
+    std::sync::Arc<std::sync::Mutex<Vec<(String, bytes::Bytes)>>>,
+) {
+    let got: std::sync::Arc<std::sync::Mutex<Vec<(String, bytes::Bytes)>>> = Default::default();
+    let record = {
+        let got = got.clone();
+        move |path: axum::extract::Path<String>, body: bytes::Bytes| {
+            let got = got.clone();
+            async move {
+                got.lock().unwrap().push((path.0, body));
+                axum::http::StatusCode::NO_CONTENT
+            }
+        }
+    };
+    let app = axum::Router::new().route("/{path}", axum::routing::post(record));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (addr, got)
+}
+
+/// Issue 28, item 7: the parked record (read from the bucket) keeps no
+/// webhook URL — the job's own webhook is sealed — and the resumed
+/// invocation still delivers its answer to that webhook.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_parked_record_keeps_no_webhook_url_and_the_resume_still_delivers_to_it() {
+    let (addr, got) = receiver().await;
+    let env = Env::start_with(
+        two_clocks_script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(profiles(600_000)),
+            data_source: None,
+            env: vec![("TOOLFLEET_SINK_SECRET", "whsec-approvals-test-3c4d")],
+            tweak: |config| {
+                let sinks = &mut config.sinks;
+                sinks.allow_http = true;
+                sinks.policy = toolfleet_orchestrator::sinks::sink_policy(
+                    Vec::new(),
+                    vec!["127.0.0.0/8".parse().unwrap()],
+                );
+                sinks.job_exceptions = true;
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let token = "hook-token-canary-8e2f";
+    let job = toolfleet_protocol::ChatJob {
+        sink: Some(toolfleet_protocol::SinkRequest {
+            webhook: Some(format!("http://{addr}/{token}")),
+            relay: None,
+            events: None,
+        }),
+        ..toolfleet_protocol::client::question("What does one clock say?")
+    };
+    let id = job.invocation_id.clone();
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let (call_id, _, _, subject) = until(&mut sub, &mut seen, approval_requested).await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    let kv = js
+        .get_key_value(env.subjects.parked_bucket())
+        .await
+        .unwrap();
+    let record = kv
+        .get(format!("default.{id}"))
+        .await
+        .unwrap()
+        .expect("the parked record, under its tenant");
+    let text = String::from_utf8_lossy(&record);
+    assert!(!text.contains(token), "{text}");
+    assert!(!text.contains(&addr.to_string()), "{text}");
+    assert!(text.contains("sealedWebhook"), "{text}");
+    let v = request(
+        &env,
+        subject,
+        json!({ "callId": call_id, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v["ok"], true, "{v}");
+    let end = until(&mut sub, &mut seen, terminal).await;
+    assert!(matches!(end, ChatEventBody::Completed { .. }), "{end:?}");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let delivered = got.lock().unwrap().clone();
+        if let Some((_, body)) = delivered.iter().find(|(path, _)| path == token) {
+            let event: Value = serde_json::from_slice(body).unwrap();
+            assert_eq!(event["type"], "completed", "{event}");
+            assert_eq!(event["invocationId"], id.as_str(), "{event}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the webhook got {delivered:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }

@@ -28,6 +28,7 @@ mod runtime;
 mod scoping;
 mod secrets;
 mod security;
+mod settings;
 mod sinks;
 mod support;
 mod traces;

@@ -14,6 +14,13 @@
 //! (one reservation, keyed by the call, so a repeat reuses them) and its
 //! `[doc:N]` markers rewritten to match.
 //!
+//! The nested job inherits its caller's approval rules
+//! ([`headers::REQUIRE_APPROVAL`]: the caller's `require_approval`, itself
+//! widened by its own caller's), widening the agent profile's: a tool the
+//! caller holds for a person is held in the nested job too, where it
+//! cannot wait for one and is answered `blocked` (`approval_unavailable`)
+//! without running.
+//!
 //! A job at the fleet's `max_agent_depth` is offered no agent tool, so
 //! nesting stops there whatever the profiles say. The nested job's deadline
 //! is the agent's timeout, never past the parent's; when the parent stops
@@ -199,6 +206,11 @@ impl Nested<'_> {
             headers::AGENT_DEPTH,
             inv.agent_depth.saturating_add(1).to_string().as_str(),
         );
+        let rules = &inv.profile.profile.require_approval;
+        if !rules.is_empty() {
+            let value: Vec<String> = rules.iter().map(ToString::to_string).collect();
+            h.insert(headers::REQUIRE_APPROVAL, value.join(",").as_str());
+        }
         let subjects = &self.fleet.config.subjects;
         // The nested job is cancelled when this call stops waiting for it
         // before its end (the parent's deadline or cancel drops this future).
@@ -286,6 +298,27 @@ async fn renumber(
         .collect();
     let text = toolfleet_protocol::references::renumber(&text, |n| map.get(&n).copied());
     Ok((text, stored))
+}
+
+/// The most inherited approval rules a chat job's header is read for.
+const MAX_INHERITED_RULES: usize = 256;
+
+/// The approval rules a nested job's caller passed down
+/// ([`headers::REQUIRE_APPROVAL`]); none without the header. Anyone who
+/// may submit can set it, and it only ever adds holds, so it is taken as
+/// given; an entry that is not a tool ref is skipped.
+pub fn inherited_approval(
+    h: Option<&async_nats::HeaderMap>,
+) -> Vec<toolfleet_protocol::tools::ToolRef> {
+    let Some(value) = h.and_then(|h| h.get(headers::REQUIRE_APPROVAL)) else {
+        return Vec::new();
+    };
+    value
+        .as_str()
+        .split(',')
+        .filter_map(|r| r.trim().parse().ok())
+        .take(MAX_INHERITED_RULES)
+        .collect()
 }
 
 /// What of a nested job's event the parent's client sees, in words.

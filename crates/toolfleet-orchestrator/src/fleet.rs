@@ -59,6 +59,9 @@ pub struct Fleet {
     building: std::sync::Mutex<()>,
     /// The parked bucket (see [`approvals`](crate::approvals)).
     pub(crate) parked_bucket: kv::Store,
+    /// The per-tenant tool settings the operator writes (see
+    /// [`dispatch`](crate::dispatch)).
+    pub(crate) settings_bucket: kv::Store,
 }
 
 /// What the orchestrator's start makes for the [`Fleet`] besides its
@@ -67,6 +70,7 @@ pub(crate) struct Parts {
     pub(crate) replies: Arc<Replies>,
     pub(crate) agents: AgentSource,
     pub(crate) parked_bucket: kv::Store,
+    pub(crate) settings_bucket: kv::Store,
     pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
 }
 
@@ -83,6 +87,7 @@ impl Fleet {
             replies,
             agents,
             parked_bucket,
+            settings_bucket,
             heartbeat,
         } = parts;
         let catalog =
@@ -103,6 +108,7 @@ impl Fleet {
             tools: std::sync::Mutex::new(None),
             building: std::sync::Mutex::new(()),
             parked_bucket,
+            settings_bucket,
         }
     }
 

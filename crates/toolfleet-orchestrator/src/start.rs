@@ -184,6 +184,9 @@ impl Opened {
             .map_err(|e| nats(e.to_string()))?;
         let agents = AgentSource::new(&settings.profiles).map_err(OrchestratorError::Config)?;
         let parked_bucket = approvals::store::open(&js, subjects).await.map_err(nats)?;
+        let settings_bucket = toolfleet_protocol::streams::settings_bucket(&js, subjects)
+            .await
+            .map_err(|e| nats(e.to_string()))?;
         let decisions = intake::decisions_consumer(&js, subjects).await?;
         let approval_requests = client
             .queue_subscribe(subjects.chat_approve_all(), subjects.chat_consumer())
@@ -194,6 +197,7 @@ impl Opened {
             replies,
             agents,
             parked_bucket,
+            settings_bucket,
             heartbeat,
         };
         let fleet = Arc::new(Fleet::new(client, js, store, metrics, settings, parts));

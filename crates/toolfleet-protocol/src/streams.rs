@@ -175,6 +175,25 @@ pub async fn parked_bucket(
     .await
 }
 
+/// The bucket of per-tenant tool settings (key:
+/// [`settings_key`](crate::settings_key); value: the settings object, as
+/// JSON, secrets as references only), created on first use like the
+/// others; entries never expire. The operator writes it, the
+/// orchestrators read it (`ops/nats/auth.conf`).
+pub async fn settings_bucket(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+) -> Result<jetstream::kv::Store, StreamError> {
+    key_value(
+        js,
+        &subjects.settings_bucket(),
+        "toolfleet: per-tenant tool settings",
+        Duration::ZERO,
+        false,
+    )
+    .await
+}
+
 /// The key-value bucket `name`, created on first use with the key-value
 /// layout by hand (ADR-8: `KV_<name>` over `$KV.<name>.>`, one message per
 /// key, rollups, direct get) rather than by `create_key_value`, whose

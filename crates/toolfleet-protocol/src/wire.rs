@@ -81,6 +81,11 @@ pub mod headers {
     /// On a chat job an agent tool started: how deep it is nested (1 for a
     /// job started by a top-level job's agent call). Absent: 0.
     pub const AGENT_DEPTH: &str = "Toolfleet-Agent-Depth";
+    /// On a chat job an agent tool started: the caller's approval rules,
+    /// tool refs separated by `,` (`system:current_datetime,web:*`). The
+    /// nested job holds these tools too (its own profile's rules widened,
+    /// never narrowed: whoever sets it can only make a job stricter).
+    pub const REQUIRE_APPROVAL: &str = "Toolfleet-Require-Approval";
     /// W3C trace context, so a worker's spans join the invocation's trace.
     pub const TRACEPARENT: &str = "traceparent";
     /// JetStream's deduplication id: the invocation id on a chat job,
@@ -371,9 +376,17 @@ impl Subjects {
         format!("{}_DECISIONS", self.stream_stem())
     }
 
-    /// The key-value bucket of parked invocations (key: invocation id).
+    /// The key-value bucket of parked invocations (key:
+    /// `<tenant>.<invocation id>`).
     pub fn parked_bucket(&self) -> String {
         format!("{}_PARKED", self.stream_stem())
+    }
+
+    /// The key-value bucket of per-tenant tool settings, written by the
+    /// operator (`toolfleet settings set`), read by the orchestrators (key:
+    /// [`settings_key`]).
+    pub fn settings_bucket(&self) -> String {
+        format!("{}_SETTINGS", self.stream_stem())
     }
 
     /// What follows `<p><infix>` in `subject`.
@@ -508,6 +521,15 @@ impl Subjects {
 
 /// The tenant of a job that names none.
 pub const DEFAULT_TENANT: &str = "default";
+
+/// The settings bucket's key of `tenant`'s settings of tool `ns:name`
+/// (every version): `<tenant>.<ns>.<name>`. Tenants are
+/// `[A-Za-z0-9_-]`, namespaces and names `[a-z][a-z0-9_]*`, so the key is
+/// a valid key-value key whose first token is the tenant.
+#[must_use]
+pub fn settings_key(tenant: &str, namespace: &str, name: &str) -> String {
+    format!("{tenant}.{namespace}.{name}")
+}
 
 /// Is `tenant` usable as a tenant (a single subject token of 1-64
 /// `[A-Za-z0-9_-]`: it is part of the submit, events and cancel subjects)?

@@ -19,6 +19,7 @@ use toolfleet_store::{MAX_BLOB_BYTES, NewReference};
 
 use crate::error::ToolError;
 use crate::hooks::HookSet;
+use crate::settings::Secret;
 
 /// Where a call's citations and progress go: Redis and NATS in a worker
 /// ([`crate::runtime`]), memory in a [`crate::TestCtx`].
@@ -67,6 +68,9 @@ pub struct BlobRef {
 pub struct ToolCtx {
     call: CallContext,
     settings: Option<Value>,
+    /// The per-tenant secrets this call resolved ([`ToolCtx::secret`]):
+    /// scrubbed from its result like the worker's own.
+    resolved: Mutex<Vec<Secret>>,
     cancel: CancellationToken,
     deadline: Option<tokio::time::Instant>,
     sink: Arc<dyn Sink>,
@@ -99,6 +103,7 @@ impl ToolCtx {
         Self {
             call,
             settings,
+            resolved: Mutex::new(Vec::new()),
             cancel,
             deadline,
             sink,
@@ -141,6 +146,51 @@ impl ToolCtx {
                 ToolError::failed(format!("the tool's setting {name:?} is misconfigured"))
             }),
         }
+    }
+
+    /// A secret setting of the tenant: the job's settings name where it
+    /// is (`{"env": "NAME"}` or `{"file": "/path"}`: the operator's
+    /// `toolfleet settings set` refuses anything else), and it is read here,
+    /// on this worker's host — a secret value never travels on NATS.
+    /// `Ok(None)` when the setting is absent. The value is scrubbed from
+    /// everything the call publishes.
+    ///
+    /// # Errors
+    ///
+    /// A non-retryable [`ToolError::Failed`] naming the setting (never a
+    /// value) when it is not a reference or what it names is missing.
+    pub fn secret(&self, name: &str) -> Result<Option<Secret>, ToolError> {
+        let Some(value) = self
+            .settings
+            .as_ref()
+            .and_then(|s| s.get(name))
+            .filter(|v| !v.is_null())
+        else {
+            return Ok(None);
+        };
+        match crate::settings::secret_from_json_reference(
+            name,
+            value,
+            &crate::settings::ProcessSecrets,
+        ) {
+            Ok(secret) => {
+                if let Ok(mut resolved) = self.resolved.lock() {
+                    resolved.push(secret.clone());
+                }
+                Ok(Some(secret))
+            }
+            Err(e) => {
+                tracing::error!(tool = %self.call.tool_id, setting = name, error = %e, "a tenant's secret setting cannot be read");
+                Err(ToolError::failed(format!(
+                    "the tool's secret setting {name:?} is misconfigured"
+                )))
+            }
+        }
+    }
+
+    /// The secrets this call resolved so far ([`ToolCtx::secret`]).
+    pub(crate) fn resolved_secrets(&self) -> Vec<Secret> {
+        self.resolved.lock().map(|r| r.clone()).unwrap_or_default()
     }
 
     /// Cancelled when the invocation is cancelled (the worker then drops

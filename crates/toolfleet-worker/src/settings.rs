@@ -394,6 +394,35 @@ fn secret_from_reference(
     }
 }
 
+/// The secret a per-tenant setting names (`{"env": "NAME"}` or
+/// `{"file": "/path"}`, as `toolfleet settings set` writes it), read from
+/// `secrets` on this worker's host. A literal value is refused: a secret
+/// never travels on NATS, only where it is. Errors name the setting and
+/// the reference, never a value.
+///
+/// # Errors
+///
+/// Not a reference, or the variable or file is missing or empty.
+pub fn secret_from_json_reference(
+    name: &str,
+    value: &Value,
+    secrets: &dyn SecretSource,
+) -> Result<Secret, SettingsError> {
+    let reference = match value {
+        Value::Object(map) => map
+            .iter()
+            .map(|(k, v)| {
+                v.as_str()
+                    .map(|s| (k.clone(), toml::Value::String(s.to_owned())))
+            })
+            .collect::<Option<toml::Table>>()
+            .map(toml::Value::Table),
+        _ => None,
+    };
+    let reference = reference.unwrap_or(toml::Value::Boolean(false));
+    secret_from_reference(name, &reference, secrets).map_err(SettingsError)
+}
+
 fn secret_from_environment(
     variable: &str,
     secrets: &dyn SecretSource,

@@ -9,7 +9,9 @@
 //! deadline left — as a [`Parked`] record in the parked bucket
 //! (`<P>_PARKED`, key = invocation id), publishes `approval_requested` per
 //! held call, acks the chat job and ends the run. No task, lease or
-//! connection waits for the person.
+//! connection waits for the person. The record is keyed by tenant and
+//! invocation id (`<tenant>.<inv>`), and keeps no webhook URL: a job's own
+//! webhook is sealed ([`seal`]), a configured sink is the profile's.
 //!
 //! A decision is a core NATS request on
 //! `<p>.chat.approve.<tenant>.<inv>`, answered by one orchestrator of the
@@ -31,6 +33,7 @@
 //! the invocation only to end it (`approval_timeout`, `cancelled`).
 
 pub mod requests;
+pub(crate) mod seal;
 pub mod store;
 pub mod watch;
 
@@ -106,12 +109,11 @@ impl ParkedCall {
     /// A call of a turn that parks: `ran` is its outcome when it ran,
     /// `held` the reason it waits when it needs approval.
     pub(crate) fn new(
-        inv: &Invocation,
+        tool: Option<&std::sync::Arc<toolfleet_protocol::tools::CompiledTool>>,
         call: ToolCall,
         ran: Option<ToolOutcome>,
         hold: Hold,
     ) -> Self {
-        let tool = inv.tool_for_call(&call.name);
         let shown_arguments = match (tool, serde_json::from_str::<Value>(&call.arguments)) {
             (Some(t), Ok(v)) => crate::text::redact(&v, &t.definition.sensitive_arguments),
             (_, Ok(v)) => v,
@@ -126,7 +128,7 @@ impl ParkedCall {
             },
         };
         Self {
-            tool: inv.tool_label(&call.name),
+            tool: tool.map_or_else(|| call.name.clone(), |t| t.definition.id.to_string()),
             shown_arguments,
             call,
             state,
@@ -166,23 +168,27 @@ pub(crate) enum Hold {
     Refuse,
 }
 
-/// For each of the turn's calls (our ids), whether it must wait: its tool
-/// (offered, or permitted) requires approval under the invocation's
-/// profile. Calls over the per-turn cap are never run, so they wait for
-/// nobody; without parallel calls, the calls after a held one wait too.
-pub(crate) fn held_calls(inv: &Invocation, calls: &[ToolCall]) -> Vec<Hold> {
+/// For each of the turn's calls, whether it must wait, given the tool
+/// each call resolved to (dispatch's `resolve_tool`: offered,
+/// permitted, or one whose worker joined late — the very tool dispatch
+/// then runs): its tool requires approval under the invocation's rules
+/// (the profile's, and a nested job's caller's). Calls over the per-turn
+/// cap are never run, so they wait for nobody; without parallel calls, the
+/// calls after a held one wait too.
+pub(crate) fn held_calls(
+    inv: &Invocation,
+    tools: &[Option<&std::sync::Arc<toolfleet_protocol::tools::CompiledTool>>],
+) -> Vec<Hold> {
     let policy = inv.profile.profile.policy;
     let mut held_before = false;
-    calls
+    tools
         .iter()
         .enumerate()
-        .map(|(i, call)| {
+        .map(|(i, tool)| {
             if i >= policy.max_calls_per_turn {
                 return Hold::Run;
             }
-            let needs = inv
-                .tool_for_call(&call.name)
-                .is_some_and(|t| inv.profile.profile.requires_approval(&t.definition));
+            let needs = tool.is_some_and(|t| inv.profile.profile.requires_approval(&t.definition));
             let hold = match (needs, inv.agent_depth > 0) {
                 (true, true) => Hold::Refuse,
                 (true, false) => Hold::Person,
@@ -209,6 +215,17 @@ pub(crate) fn denied_message(reason: Option<&str>) -> String {
     }
 }
 
+/// The secret that signs jobs' own webhooks, from the orchestrator's
+/// environment: also what seals them in parked records.
+fn job_webhook_secret(fleet: &Fleet) -> Option<String> {
+    let settings = &fleet.config.sinks;
+    fleet
+        .config
+        .env
+        .var(&settings.default_secret_env)
+        .filter(|s| !s.is_empty())
+}
+
 /// The version of [`Parked`] records this release writes and reads.
 const RECORD_VERSION: u32 = 1;
 
@@ -219,8 +236,13 @@ pub struct Parked {
     pub version: u32,
     /// This parking of the invocation (it may park again after resuming).
     pub park_id: String,
-    /// The chat job, as it ran (tenant and traceparent set).
+    /// The chat job, as it ran (tenant and traceparent set), but for its
+    /// own webhook's URL, which is only in [`Parked::sealed_webhook`].
     pub job: ChatJob,
+    /// The job's own webhook URL, sealed ([`seal`]): opened again when the
+    /// invocation resumes. Never the URL itself.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sealed_webhook: Option<String>,
     pub tenant: String,
     /// The claim owner of the chat job: the resumed run speaks for the
     /// invocation under the same claim.
@@ -255,11 +277,25 @@ pub struct Parked {
 
 impl Parked {
     /// The record of `inv` parking with `park`; intake fills in the claim
-    /// owner, the deadline left and the next `seq`.
-    pub(crate) fn of(inv: Invocation, park: Park) -> Self {
+    /// owner, the deadline left and the next `seq`. The job's own webhook
+    /// is sealed under the fleet's job-webhook secret, or dropped without
+    /// one (see [`seal`]).
+    pub(crate) fn of(fleet: &Fleet, mut inv: Invocation, park: Park) -> Self {
         let now = now_ms();
         let tenant = inv.job.tenant().to_string();
+        let webhook = inv.job.sink.as_mut().and_then(|s| s.webhook.take());
+        let sealed_webhook = webhook.and_then(|url| {
+            let sealed = job_webhook_secret(fleet).and_then(|secret| {
+                seal::seal(secret.as_bytes(), &tenant, &inv.job.invocation_id, &url)
+            });
+            if sealed.is_none() {
+                tracing::warn!(invocation_id = %inv.job.invocation_id,
+                    "the job's webhook cannot be kept while it waits for approval (no job-webhook secret): later events go to NATS only");
+            }
+            sealed
+        });
         Parked {
+            sealed_webhook,
             version: RECORD_VERSION,
             park_id: uuid::Uuid::new_v4().simple().to_string(),
             tenant,
@@ -282,6 +318,33 @@ impl Parked {
             resumed_from: None,
             job: inv.job,
         }
+    }
+
+    /// The chat job as it was submitted: its own webhook opened again from
+    /// [`Parked::sealed_webhook`] (and left out when it cannot be: the
+    /// secret changed).
+    pub(crate) fn unsealed_job(&self, fleet: &Fleet) -> ChatJob {
+        let mut job = self.job.clone();
+        if let Some(sealed) = &self.sealed_webhook {
+            let url = job_webhook_secret(fleet).and_then(|secret| {
+                seal::open(secret.as_bytes(), &self.tenant, &job.invocation_id, sealed)
+            });
+            if url.is_none() {
+                tracing::warn!(invocation_id = %job.invocation_id,
+                    "the job's sealed webhook does not open (the job-webhook secret changed): its events go to NATS only");
+            }
+            if let Some(sink) = job.sink.as_mut() {
+                sink.webhook = url;
+            }
+        }
+        if job
+            .sink
+            .as_ref()
+            .is_some_and(|s| s.webhook.is_none() && s.relay.is_none())
+        {
+            job.sink = None;
+        }
+        job
     }
 
     /// Publishes its `approval_requested` events again, with the `seq`s

@@ -68,8 +68,8 @@ async fn answer(fleet: &Fleet, msg: &async_nats::Message) -> ApprovalReply {
             format!("no invocation {id} of tenant {tenant} is waiting for an approval"),
         )
     };
-    let parked = match fleet.parked(id).await {
-        Ok(Some((p, _))) if p.tenant == tenant => p,
+    let parked = match fleet.parked(tenant, id).await {
+        Ok(Some((p, _))) => p,
         Ok(_) => return unknown(),
         Err(e) => {
             warn!(invocation_id = id, error = %e, "cannot read a parked invocation");

@@ -1,5 +1,6 @@
 //! Where approvals live: the parked bucket (`<P>_PARKED`, key =
-//! invocation id; the [`Fleet`] holds it) and the decisions stream
+//! `<tenant>.<invocation id>`, so the same id under two tenants never
+//! meets; the [`Fleet`] holds it) and the decisions stream
 //! (`<P>_DECISIONS`).
 
 use async_nats::jetstream::{self, kv};
@@ -24,13 +25,22 @@ pub(crate) async fn open(
     Ok(bucket)
 }
 
+/// The parked bucket's key of `tenant`'s invocation `invocation_id`
+/// (both are single subject tokens: neither holds a `.`).
+pub(crate) fn parked_key(tenant: &str, invocation_id: &str) -> String {
+    format!("{tenant}.{invocation_id}")
+}
+
 impl Fleet {
     /// Keeps `parked` in the bucket (a new record, or the invocation's
     /// earlier one replaced: the run writing it holds the lease).
     pub(crate) async fn keep_parked(&self, parked: &Parked) -> Result<(), String> {
         let value = serde_json::to_vec(parked).map_err(|e| e.to_string())?;
         self.parked_bucket
-            .put(&parked.job.invocation_id, value.into())
+            .put(
+                parked_key(&parked.tenant, &parked.job.invocation_id),
+                value.into(),
+            )
             .await
             .map(drop)
             .map_err(|e| e.to_string())
@@ -39,20 +49,23 @@ impl Fleet {
     /// Removes the record of an invocation that ended. Best effort: a
     /// record left behind is removed by the next decision or timeout on
     /// it, or by the bucket's age limit.
-    pub(crate) async fn forget_parked(&self, invocation_id: &str) {
-        if let Err(e) = self.parked_bucket.delete(invocation_id).await {
+    pub(crate) async fn forget_parked(&self, tenant: &str, invocation_id: &str) {
+        let key = parked_key(tenant, invocation_id);
+        if let Err(e) = self.parked_bucket.delete(&key).await {
             warn!(invocation_id, error = %e, "cannot remove the parked record of an ended invocation");
         }
     }
 
-    /// The record of `invocation_id` and its revision, if it is parked.
+    /// The record of `tenant`'s `invocation_id` and its revision, if it
+    /// is parked.
     pub(crate) async fn parked(
         &self,
+        tenant: &str,
         invocation_id: &str,
     ) -> Result<Option<(Parked, u64)>, String> {
         let entry = self
             .parked_bucket
-            .entry(invocation_id)
+            .entry(parked_key(tenant, invocation_id))
             .await
             .map_err(|e| e.to_string())?;
         let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
@@ -60,20 +73,26 @@ impl Fleet {
         };
         let parked: Parked = serde_json::from_slice(&entry.value)
             .map_err(|e| format!("the parked record cannot be read: {e}"))?;
+        // The key names the tenant; a record that says otherwise is not
+        // this tenant's.
+        if parked.tenant != tenant || parked.job.invocation_id != invocation_id {
+            return Ok(None);
+        }
         Ok(Some((parked, entry.revision)))
     }
 
     /// Writes a record (`value`, serialised) over revision `revision` of
-    /// `invocation_id`'s (a compare-and-set: another decision written in
-    /// between fails it with `WrongLastRevision`).
+    /// `tenant`'s `invocation_id` (a compare-and-set: another decision
+    /// written in between fails it with `WrongLastRevision`).
     pub(crate) async fn update_parked(
         &self,
+        tenant: &str,
         invocation_id: &str,
         value: Vec<u8>,
         revision: u64,
     ) -> Result<u64, kv::UpdateError> {
         self.parked_bucket
-            .update(invocation_id, value.into(), revision)
+            .update(parked_key(tenant, invocation_id), value.into(), revision)
             .await
     }
 

@@ -27,8 +27,10 @@ const TIMEOUT_RETRY_MS: u64 = 30_000;
 /// just before the expiry are on the decisions stream by then.
 const TIMEOUT_GRACE_MS: u64 = 5_000;
 
-/// What the watcher knows of one parked record.
+/// What the watcher knows of one parked record (by its key,
+/// `<tenant>.<invocation id>`).
 struct Watched {
+    invocation_id: String,
     park_id: String,
     tenant: String,
     expires_at_ms: u64,
@@ -66,6 +68,7 @@ pub(crate) async fn watch_parked(fleet: Arc<Fleet>, shutdown: CancellationToken)
                         {
                             known.insert(entry.key.clone(), Watched {
                                 waiting: !p.decided(),
+                                invocation_id: p.job.invocation_id,
                                 park_id: p.park_id,
                                 tenant: p.tenant,
                                 expires_at_ms: p.expires_at_ms,
@@ -84,8 +87,9 @@ pub(crate) async fn watch_parked(fleet: Arc<Fleet>, shutdown: CancellationToken)
                 },
                 _ = tick.tick() => {
                     let now = now_ms();
-                    for (id, w) in known.iter_mut().filter(|(_, w)| w.waiting && w.expires_at_ms + TIMEOUT_GRACE_MS <= now && w.next_try_ms <= now) {
+                    for w in known.values_mut().filter(|w| w.waiting && w.expires_at_ms + TIMEOUT_GRACE_MS <= now && w.next_try_ms <= now) {
                         w.next_try_ms = now + TIMEOUT_RETRY_MS;
+                        let id = &w.invocation_id;
                         let decision = Decision {
                             invocation_id: id.clone(),
                             park_id: w.park_id.clone(),
@@ -106,8 +110,8 @@ pub(crate) async fn watch_parked(fleet: Arc<Fleet>, shutdown: CancellationToken)
 /// decision ends it (every orchestrator hears a cancel; the decision's
 /// message id keeps it one).
 pub(crate) async fn cancel_parked(fleet: &Fleet, invocation_id: &str, tenant: &str) {
-    let parked = match fleet.parked(invocation_id).await {
-        Ok(Some((p, _))) if p.tenant == tenant && !p.cancelled => p,
+    let parked = match fleet.parked(tenant, invocation_id).await {
+        Ok(Some((p, _))) if !p.cancelled => p,
         Ok(_) => return,
         Err(e) => {
             warn!(invocation_id, error = %e, "cannot read the parked invocations to cancel");

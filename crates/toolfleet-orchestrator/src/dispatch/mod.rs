@@ -22,6 +22,14 @@
 //! missed `INFO` answer under load is not enough); a call past its deadline
 //! (its tool's timeout plus slack, never past the invocation's) is answered
 //! `timeout`.
+//!
+//! Every call's tool is resolved once ([`resolve_tool`]); a call whose tool
+//! needs a person's approval under the invocation's rules runs only when
+//! it carries that approval ([`Resolved::approved`]), whoever called the
+//! runner. A tool with a `settingsSchema` gets the invocation's tenant's
+//! settings of it in its job (`settings`), read from the settings bucket
+//! (`<P>_SETTINGS`, key `<tenant>.<ns>.<name>`) at dispatch: one read per
+//! such call, never a setting of another tenant.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -124,27 +132,121 @@ pub fn new_call_id() -> String {
     format!("call_{}", uuid::Uuid::new_v4().simple())
 }
 
+/// `tenant`'s settings of the tool `def` from the settings bucket (one
+/// read, only for a tool whose definition has a `settingsSchema`): the
+/// object the operator wrote with `toolfleet settings set`, secrets as
+/// references the worker resolves. `None` when there are none.
+async fn tenant_settings(
+    fleet: &Fleet,
+    tenant: &str,
+    def: &toolfleet_protocol::tools::ToolDefinition,
+) -> Result<Option<Value>, String> {
+    if def.settings_schema.is_none() {
+        return Ok(None);
+    }
+    let key = toolfleet_protocol::settings_key(tenant, &def.id.namespace, &def.id.name);
+    let Some(bytes) = fleet
+        .settings_bucket
+        .get(&key)
+        .await
+        .map_err(|e| e.to_string())?
+    else {
+        return Ok(None);
+    };
+    match serde_json::from_slice::<Value>(&bytes) {
+        Ok(v @ Value::Object(_)) => Ok(Some(v)),
+        Ok(_) => Err(format!("the settings under {key} are not an object")),
+        Err(e) => Err(format!("the settings under {key} are not JSON: {e}")),
+    }
+}
+
+/// A call's tool as resolved once for its turn: what its approval is
+/// decided on and what dispatch runs.
+#[derive(Debug, Clone, Default)]
+pub struct Resolved {
+    /// The tool, or `None` for a name the invocation may not use.
+    pub tool: Option<Arc<CompiledTool>>,
+    /// A person approved this call (or it is the orchestrator's own):
+    /// it runs even when its tool needs approval.
+    pub approved: bool,
+}
+
+/// The tool a model's call named `name` runs: an offered one; a permitted
+/// one scoping left out; or — after one fresh catalog reading — one whose
+/// worker joined since the offer and that passes the gates. `None` for
+/// anything else. The one resolution both the approval hold and dispatch
+/// use.
+pub async fn resolve_tool(
+    fleet: &Fleet,
+    inv: &Invocation,
+    name: &str,
+) -> Option<Arc<CompiledTool>> {
+    if let Some(tool) = inv.tool_for_call(name) {
+        return Some(tool.clone());
+    }
+    fleet.catalog.by_function_name(name).await?;
+    let scope = fleet
+        .permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth)
+        .ok()?;
+    scope.permitted.by_function_name(name).cloned()
+}
+
 impl ToolRunner<'_> {
     /// Runs one turn's `calls` under the invocation's loop policy; returns
     /// an outcome per call, in call order. Each call's id must be one of
     /// ours ([`new_call_id`]), never the model's: it names the call's job,
     /// reply subject, events and citations.
+    ///
+    /// Each call's tool is resolved here ([`resolve_tool`]) and none is
+    /// approved: a call whose tool needs a person's approval under the
+    /// invocation's rules is answered `blocked` (`approval_missing`), never
+    /// run. An orchestrator that parks for approvals resolves the tools
+    /// itself, decides the holds on that resolution, and runs the rest
+    /// through [`ToolRunner::run_resolved`].
     pub async fn run(
         &mut self,
         inv: &Invocation,
         calls: &[ToolCall],
         events: &Events,
     ) -> Vec<ToolOutcome> {
+        let mut resolved = Vec::with_capacity(calls.len());
+        for call in calls {
+            resolved.push(Resolved {
+                tool: resolve_tool(self.fleet, inv, &call.name).await,
+                approved: false,
+            });
+        }
+        self.run_resolved(inv, calls, &resolved, events).await
+    }
+
+    /// [`ToolRunner::run`] with each call's tool already resolved
+    /// (`resolved[i]` is `calls[i]`'s): the tool the caller decided the
+    /// call's approval on is the one that runs, never one looked up again.
+    pub async fn run_resolved(
+        &mut self,
+        inv: &Invocation,
+        calls: &[ToolCall],
+        resolved: &[Resolved],
+        events: &Events,
+    ) -> Vec<ToolOutcome> {
         let policy = &inv.profile.profile.policy;
         let mut out: Vec<Option<ToolOutcome>> = vec![None; calls.len()];
-        let run = calls.len().min(policy.max_calls_per_turn);
+        let run = calls
+            .len()
+            .min(policy.max_calls_per_turn)
+            .min(resolved.len());
         for (i, call) in calls.iter().enumerate().skip(run) {
             out[i] = Some(over_the_turn_cap(self.fleet, inv, call, events));
         }
-        let parallel_safe =
-            |c: &ToolCall| inv.tool(&c.name).is_none_or(|t| t.definition.parallel_safe);
-        for batch in batches(&calls[..run], policy.parallel_tool_calls, parallel_safe) {
-            let subset: Vec<&ToolCall> = batch.iter().map(|&i| &calls[i]).collect();
+        let parallel_safe = |i: usize| {
+            resolved[i]
+                .tool
+                .as_ref()
+                .is_none_or(|t| t.definition.parallel_safe)
+        };
+        for batch in batches(run, policy.parallel_tool_calls, parallel_safe) {
+            let subset: Vec<(&ToolCall, &Resolved)> =
+                batch.iter().map(|&i| (&calls[i], &resolved[i])).collect();
             let outcomes = self.run_batch(inv, subset, events).await;
             for (i, outcome) in batch.into_iter().zip(outcomes) {
                 out[i] = Some(outcome);
@@ -167,8 +269,20 @@ impl ToolRunner<'_> {
         call: &ToolCall,
         events: &Events,
     ) -> ToolOutcome {
-        self.internal = Some((call.id.clone(), tool));
-        let out = self.run(inv, std::slice::from_ref(call), events).await;
+        self.internal = Some((call.id.clone(), tool.clone()));
+        // The orchestrator's own call: no person decides it.
+        let resolved = Resolved {
+            tool: Some(tool),
+            approved: true,
+        };
+        let out = self
+            .run_resolved(
+                inv,
+                std::slice::from_ref(call),
+                std::slice::from_ref(&resolved),
+                events,
+            )
+            .await;
         self.internal = None;
         out.into_iter()
             .next()
@@ -179,19 +293,20 @@ impl ToolRunner<'_> {
     async fn run_batch(
         &mut self,
         inv: &Invocation,
-        calls: Vec<&ToolCall>,
+        calls: Vec<(&ToolCall, &Resolved)>,
         events: &Events,
     ) -> Vec<ToolOutcome> {
         // Before any job goes out: every reading after this one counts.
         let mut readings = self.fleet.catalog.subscribe();
+        let (calls, resolved): (Vec<&ToolCall>, Vec<&Resolved>) = calls.into_iter().unzip();
         let mut batch = Batch {
             answers: vec![None; calls.len()],
             calls,
             pending: HashMap::new(),
         };
         let mut acks = Vec::new();
-        for (index, call) in batch.calls.iter().enumerate() {
-            match self.dispatch(inv, call, index, events).await {
+        for (index, (call, resolved)) in batch.calls.iter().zip(resolved).enumerate() {
+            match self.dispatch(inv, call, resolved, index, events).await {
                 Ok((pending, ack)) => {
                     if let Some(ack) = ack {
                         acks.push((call.id.clone(), ack));
@@ -216,6 +331,7 @@ impl ToolRunner<'_> {
         &self,
         inv: &Invocation,
         call: &ToolCall,
+        resolved: &Resolved,
         index: usize,
         events: &Events,
     ) -> Result<(Pending, Option<PublishAckFuture>), ToolOutcome> {
@@ -232,7 +348,7 @@ impl ToolRunner<'_> {
             gen_ai.tool.type = "function",
             error.type = tracing::field::Empty,
         );
-        let (tool, arguments) = match self.accept(inv, call, events).await {
+        let (tool, arguments) = match self.accept(inv, call, resolved, events).await {
             Ok(accepted) => accepted,
             Err(outcome) => {
                 failed(&span, ToolErrorCode::ToolCallRefused.as_str());
@@ -260,9 +376,10 @@ impl ToolRunner<'_> {
             new_call: inv.cancel_check.fresh(),
         };
         let headers = call_ctx.to_headers();
+        let settings = self.settings_for(inv, call, def, &span, events).await?;
         let body = encode(&ToolJob {
             arguments,
-            settings: None,
+            settings,
         });
         if let Err(e) = self.fleet.limits().check_job(&headers, body.len()) {
             failed(&span, ToolErrorCode::TooLarge.as_str());
@@ -309,30 +426,55 @@ impl ToolRunner<'_> {
         ))
     }
 
-    /// Resolves a call's tool and arguments and publishes its `tool_call`
-    /// event; answers at once a call to an unknown tool, with arguments
+    /// The invocation's tenant's settings of `def` for `call`'s job
+    /// ([`tenant_settings`]); a call whose settings cannot be read is
+    /// answered `dispatch_failed` at once, never run without them.
+    async fn settings_for(
+        &self,
+        inv: &Invocation,
+        call: &ToolCall,
+        def: &toolfleet_protocol::tools::ToolDefinition,
+        span: &tracing::Span,
+        events: &Events,
+    ) -> Result<Option<Value>, ToolOutcome> {
+        tenant_settings(self.fleet, inv.job.tenant(), def)
+            .await
+            .map_err(|e| {
+                failed(span, ToolErrorCode::DispatchFailed.as_str());
+                warn!(tool = %def.id, error = %e, "cannot read the tenant's settings of a tool");
+                immediate(
+                    &self.fleet.metrics,
+                    events,
+                    call,
+                    &def.id.to_string(),
+                    ToolErrorCode::DispatchFailed.as_str(),
+                    format!(
+                        "Error: the settings of {} cannot be read just now.",
+                        call.name
+                    ),
+                )
+            })
+    }
+
+    /// Takes a call's resolved tool and its arguments and publishes its
+    /// `tool_call` event; answers at once a call to an unknown tool, to a
+    /// tool that needs an approval the call does not have, with arguments
     /// that are not JSON, or to a tool no live worker serves.
     async fn accept(
         &self,
         inv: &Invocation,
         call: &ToolCall,
+        resolved: &Resolved,
         events: &Events,
     ) -> Result<(Arc<CompiledTool>, Value), ToolOutcome> {
         let metrics = &self.fleet.metrics;
-        // An offered tool, or one the invocation may use (scoping left it
-        // out, or its worker joined after the offer: one fresh catalog
-        // reading and the gates again). Anything else is unknown.
         let internal = self
             .internal
             .as_ref()
             .filter(|(id, _)| *id == call.id)
             .map(|(_, tool)| tool.clone());
         let is_internal = internal.is_some();
-        let tool = match (internal, inv.tool(&call.name)) {
-            (Some(tool), _) => Some(tool),
-            (None, Some(tool)) => Some(tool.clone()),
-            (None, None) => self.permitted_late(inv, &call.name).await,
-        };
+        let tool = internal.or_else(|| resolved.tool.clone());
         let Some(tool) = tool else {
             events.send(ChatEventBody::ToolCall {
                 call_id: call.id.clone(),
@@ -351,6 +493,27 @@ impl ToolRunner<'_> {
         };
         let def = &tool.definition;
         let id = def.id.to_string();
+        if !is_internal && !resolved.approved && inv.profile.profile.requires_approval(def) {
+            // Decided on this very resolution: a tool that needs a person
+            // never runs without one, however it was reached.
+            events.send(ChatEventBody::ToolCall {
+                call_id: call.id.clone(),
+                tool: id.clone(),
+                arguments: Value::String("[not run]".into()),
+            });
+            return Err(immediate_with(
+                metrics,
+                events,
+                call,
+                &id,
+                ToolStatus::Blocked,
+                ToolErrorCode::ApprovalMissing.as_str(),
+                format!(
+                    "Not run: {} needs a person's approval, and this call has none.",
+                    call.name
+                ),
+            ));
+        }
         let arguments = match parse_arguments(&call.arguments) {
             Ok(v) => v,
             Err(e) => {
@@ -393,21 +556,6 @@ impl ToolRunner<'_> {
             ));
         }
         Ok((tool, arguments))
-    }
-
-    /// A tool the invocation may use although it was not offered: one
-    /// scoping left out, or — after one fresh catalog reading — one whose
-    /// worker joined since the offer and that passes the gates.
-    async fn permitted_late(&self, inv: &Invocation, name: &str) -> Option<Arc<CompiledTool>> {
-        if let Some(tool) = inv.scope.permitted.by_function_name(name) {
-            return Some(tool.clone());
-        }
-        self.fleet.catalog.by_function_name(name).await?;
-        let scope = self
-            .fleet
-            .permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth)
-            .ok()?;
-        scope.permitted.by_function_name(name).cloned()
     }
 
     /// Publishes a job: to the tool's stream (the ack comes later), or as a
@@ -696,25 +844,13 @@ fn classify(msg: async_nats::Message) -> Option<Waited> {
 /// Splits the calls to run into batches of indices: with parallel calls
 /// on, the parallel-safe ones together, then each unsafe one alone; with
 /// them off, each call alone. Empty batches are left out.
-fn batches(
-    calls: &[ToolCall],
-    parallel: bool,
-    parallel_safe: impl Fn(&ToolCall) -> bool,
-) -> Vec<Vec<usize>> {
+fn batches(calls: usize, parallel: bool, parallel_safe: impl Fn(usize) -> bool) -> Vec<Vec<usize>> {
     let mut batches: Vec<Vec<usize>> = Vec::new();
     if parallel {
-        batches.push(
-            (0..calls.len())
-                .filter(|&i| parallel_safe(&calls[i]))
-                .collect(),
-        );
-        batches.extend(
-            (0..calls.len())
-                .filter(|&i| !parallel_safe(&calls[i]))
-                .map(|i| vec![i]),
-        );
+        batches.push((0..calls).filter(|&i| parallel_safe(i)).collect());
+        batches.extend((0..calls).filter(|&i| !parallel_safe(i)).map(|i| vec![i]));
     } else {
-        batches.extend((0..calls.len()).map(|i| vec![i]));
+        batches.extend((0..calls).map(|i| vec![i]));
     }
     batches.retain(|b| !b.is_empty());
     batches
@@ -932,21 +1068,15 @@ mod tests {
     #[test]
     fn parallel_safe_calls_share_a_batch_and_unsafe_ones_run_alone() {
         let calls = [call("a"), call("unsafe1"), call("b"), call("unsafe2")];
-        let safe = |c: &ToolCall| !c.name.starts_with("unsafe");
+        let safe = |i: usize| !calls[i].name.starts_with("unsafe");
+        assert_eq!(batches(4, true, safe), vec![vec![0, 2], vec![1], vec![3]]);
         assert_eq!(
-            batches(&calls, true, safe),
-            vec![vec![0, 2], vec![1], vec![3]]
-        );
-        assert_eq!(
-            batches(&calls, false, safe),
+            batches(4, false, safe),
             vec![vec![0], vec![1], vec![2], vec![3]]
         );
-        let all_unsafe = |_: &ToolCall| false;
-        assert_eq!(
-            batches(&calls[..2], true, all_unsafe),
-            vec![vec![0], vec![1]]
-        );
-        assert!(batches(&[], true, safe).is_empty());
+        let all_unsafe = |_: usize| false;
+        assert_eq!(batches(2, true, all_unsafe), vec![vec![0], vec![1]]);
+        assert!(batches(0, true, safe).is_empty());
     }
 
     #[test]

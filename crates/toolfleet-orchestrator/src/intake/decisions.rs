@@ -73,7 +73,7 @@ async fn claim_parked(
         Claimed::Ours => {
             // Read again under the lease: another decision's run may have
             // resumed (and parked again, or ended) while this one waited.
-            let current = fleet.parked(id).await;
+            let current = fleet.parked(&parked.tenant, id).await;
             let same =
                 matches!(&current, Ok(Some((p, _))) if p.park_id == parked.park_id && p.decided());
             if !same {
@@ -89,7 +89,7 @@ async fn claim_parked(
         Claimed::Finished | Claimed::Other(_) => {
             // Ended before (this decision's ack was lost), or the id was
             // taken by another job: nothing to resume.
-            fleet.forget_parked(id).await;
+            fleet.forget_parked(&parked.tenant, id).await;
             ack(msg).await;
             false
         }
@@ -126,7 +126,7 @@ async fn give_up(fleet: &Fleet, msg: &jetstream::Message, parked: &Parked, deliv
     {
         warn!(invocation_id = %id, error = %e, "cannot mark the invocation finished");
     }
-    fleet.forget_parked(id).await;
+    fleet.forget_parked(&parked.tenant, id).await;
     fleet.metrics.chat_jobs.with_label_values(&["error"]).inc();
     let _ = msg.ack_with(AckKind::Term).await;
 }
@@ -159,7 +159,7 @@ pub(crate) async fn handle_decision(
         .to_string();
     let id = decision.invocation_id.clone();
     loop {
-        let (mut parked, revision) = match fleet.parked(&id).await {
+        let (mut parked, revision) = match fleet.parked(&tenant, &id).await {
             Ok(Some(found)) => found,
             Ok(None) => {
                 // Ended already (this decision came late, or twice).
@@ -192,7 +192,7 @@ pub(crate) async fn handle_decision(
                 Ok(v) => v,
                 Err(_) => return,
             };
-            match fleet.update_parked(&id, value, revision).await {
+            match fleet.update_parked(&tenant, &id, value, revision).await {
                 // Counted here, once: the write that decided them.
                 Ok(_) => {
                     for (outcome, waited_ms) in decided {

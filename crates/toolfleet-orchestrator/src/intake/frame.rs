@@ -37,6 +37,16 @@ pub(crate) enum Finished {
     Parked(Box<Parked>),
 }
 
+/// How deep a fresh job runs in agent calls, and the approval rules its
+/// caller passed down.
+pub(crate) struct Nesting {
+    pub(crate) agent_depth: u32,
+    /// A nested job's caller's `require_approval` (and its callers'): the
+    /// job's own profile's rules are widened by them, never narrowed, so
+    /// a nested run cannot run what its caller holds.
+    pub(crate) inherited_approval: Vec<toolfleet_protocol::tools::ToolRef>,
+}
+
 /// Runs `job` through the frame: the context stage, then the profile's
 /// orchestrator.
 pub(crate) async fn invoke(
@@ -44,11 +54,23 @@ pub(crate) async fn invoke(
     plugins: &Plugins,
     job: ChatJob,
     deadline_ms: u64,
-    agent_depth: u32,
+    nesting: Nesting,
     events: &Events,
     cancel_check: &CancelCheck,
 ) -> Result<Finished, Failure> {
-    let mut inv = context::open(fleet, job, deadline_ms, agent_depth, &plugins.names())?;
+    let mut inv = context::open(
+        fleet,
+        job,
+        deadline_ms,
+        nesting.agent_depth,
+        &plugins.names(),
+    )?;
+    let rules = &mut inv.profile.profile.require_approval;
+    for r in nesting.inherited_approval {
+        if !rules.contains(&r) {
+            rules.push(r);
+        }
+    }
     inv.cancel_check = cancel_check.clone();
     let orchestrator = plugins.orchestrator_of(&inv)?;
     plugins.context.run(&mut inv, fleet, events).await?;
@@ -68,7 +90,7 @@ pub(crate) fn finish(
         Ending::Answered(answer) => answer,
         Ending::Parked(park) => {
             fleet.publish_references(&mut inv, &[], events)?;
-            return Ok(Finished::Parked(Box::new(Parked::of(inv, park))));
+            return Ok(Finished::Parked(Box::new(Parked::of(fleet, inv, park))));
         }
     };
     fleet.publish_references(&mut inv, &[], events)?;
@@ -177,7 +199,7 @@ fn rebuild(
     let names = plugins.names();
     let mut inv = context::reopen(
         fleet,
-        parked.job.clone(),
+        parked.unsealed_job(fleet),
         deadline_ms,
         parked.agent_depth,
         &names,

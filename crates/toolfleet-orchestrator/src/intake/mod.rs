@@ -168,6 +168,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
     let span = trace(&msg, &mut job, &tenant, delivery);
     let leg = Leg::Fresh {
         agent_depth: depth_of(msg.headers.as_ref()),
+        inherited_approval: crate::agents::inherited_approval(msg.headers.as_ref()),
         job: Box::new(job),
     };
     let taken = Taken {
@@ -210,7 +211,7 @@ async fn claimed(
         // Parked by an earlier delivery of this job, whose ack was lost
         // (or that died before it): the invocation lives in its record
         // now. Its requests are said again; nothing reruns.
-        Claimed::Ours if delivery.attempt > 1 => match fleet.parked(id).await {
+        Claimed::Ours if delivery.attempt > 1 => match fleet.parked(tenant, id).await {
             Ok(Some((parked, _))) if parked.owner == owner(delivery) => {
                 parked.announce_again(fleet).await;
                 let _ = fleet.store.release_lease(inv, holder).await;

@@ -28,7 +28,12 @@ use crate::{Events, Failure, Fleet};
 /// Where a run of an invocation starts.
 pub(super) enum Leg {
     /// From the chat job (its first delivery, or a redelivery).
-    Fresh { job: Box<ChatJob>, agent_depth: u32 },
+    Fresh {
+        job: Box<ChatJob>,
+        agent_depth: u32,
+        /// A nested job's caller's approval rules (`Toolfleet-Require-Approval`).
+        inherited_approval: Vec<toolfleet_protocol::tools::ToolRef>,
+    },
     /// From its parked record, every held call decided.
     Resume(Box<Parked>),
 }
@@ -171,13 +176,21 @@ impl Run<'_> {
         let cancelled_early = cancelled_before_start(fleet, self.inv(), &cancel_check).await;
         let invocation = async {
             match leg {
-                Leg::Fresh { job, agent_depth } => {
+                Leg::Fresh {
+                    job,
+                    agent_depth,
+                    inherited_approval,
+                } => {
+                    let nesting = frame::Nesting {
+                        agent_depth,
+                        inherited_approval,
+                    };
                     frame::invoke(
                         fleet,
                         plugins,
                         *job,
                         deadline_ms,
-                        agent_depth,
+                        nesting,
                         events,
                         &cancel_check,
                     )
@@ -354,7 +367,7 @@ impl Run<'_> {
             warn!(error = %e, "cannot mark the invocation finished; if this job's ack is lost it runs again");
         }
         if resumed {
-            self.fleet.forget_parked(&self.id).await;
+            self.fleet.forget_parked(&self.tenant, &self.id).await;
         }
         End::Terminal { code }
     }

@@ -169,7 +169,7 @@ async fn resume(
         failed_rounds: state.failed_rounds,
         stop: state.stop,
     };
-    let mut turn = Turn::resumed(&resumed);
+    let mut turn = Turn::resumed(&resumed, inv, fleet).await;
     turn::run(inv, &mut tools, &mut turn, fleet, events).await;
     for (c, parked) in turn.calls.iter_mut().zip(&resumed.calls) {
         if c.outcome.is_some() {

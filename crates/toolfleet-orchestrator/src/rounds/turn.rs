@@ -8,6 +8,12 @@
 //! together when parallel calls are on, else one at a time. A call that
 //! needs a person's approval holds the turn: the others run, and the turn
 //! parks (its tool messages are added when it resumes).
+//!
+//! Each call's tool is resolved once, when the turn is made
+//! ([`dispatch::resolve_tool`]: offered, permitted, or one whose worker
+//! joined after the invocation started): the hold is decided on that tool,
+//! and dispatch runs that very tool ([`ToolRunner::run_resolved`]), so a
+//! late tool that needs approval parks like any other.
 
 use toolfleet_llm::budget::TokenBudget;
 use toolfleet_llm::{Completion, Message, ToolCall};
@@ -15,7 +21,7 @@ use toolfleet_protocol::ToolErrorCode;
 use toolfleet_protocol::ToolStatus;
 
 use crate::approvals::{self, CallState, Hold, ParkedCall, Resumed};
-use crate::dispatch::{self, new_call_id};
+use crate::dispatch::{self, Resolved, new_call_id};
 use crate::tools::agents::profile_of;
 use crate::tools::scoring::SEARCH_TOOLS;
 use crate::{Events, Fleet, Invocation, ToolOutcome, ToolRunner};
@@ -29,6 +35,8 @@ pub(crate) struct TurnCall {
     pub(crate) model_id: String,
     /// The call under the fleet's own id — its job, events and citations.
     pub(crate) call: ToolCall,
+    /// Its tool, resolved once: what the hold is decided on and what runs.
+    pub(crate) resolved: Resolved,
     /// Whether it runs in this turn, waits, or is refused.
     pub(crate) hold: Hold,
     /// What it came to, once answered.
@@ -51,53 +59,75 @@ pub(crate) enum Ended {
 
 impl Turn {
     /// The turn of `completion`'s calls, each under a fresh id of ours,
-    /// with what the profile's approval rules hold.
-    fn new(inv: &Invocation, completion: &Completion) -> Self {
-        let ours: Vec<ToolCall> = completion
-            .tool_calls
-            .iter()
-            .map(|c| ToolCall {
-                id: new_call_id(),
-                ..c.clone()
-            })
-            .collect();
-        let holds = approvals::held_calls(inv, &ours);
-        let calls = completion
-            .tool_calls
-            .iter()
-            .zip(ours)
-            .zip(holds)
-            .map(|((model, call), hold)| TurnCall {
+    /// its tool resolved, with what the approval rules hold.
+    async fn new(inv: &Invocation, completion: &Completion, fleet: &Fleet) -> Self {
+        let cap = inv.profile.profile.policy.max_calls_per_turn;
+        let mut calls = Vec::with_capacity(completion.tool_calls.len());
+        for (i, model) in completion.tool_calls.iter().enumerate() {
+            // Calls over the cap never run, and `search_tools` is the
+            // loop's own: neither needs a catalog reading.
+            let tool =
+                if i >= cap || (model.name == SEARCH_TOOLS && inv.tool(SEARCH_TOOLS).is_none()) {
+                    None
+                } else {
+                    dispatch::resolve_tool(fleet, inv, &model.name).await
+                };
+            calls.push(TurnCall {
                 model_id: model.id.clone(),
-                call,
-                hold,
+                call: ToolCall {
+                    id: new_call_id(),
+                    ..model.clone()
+                },
+                resolved: Resolved {
+                    tool,
+                    approved: false,
+                },
+                hold: Hold::Run,
                 outcome: None,
-            })
-            .collect();
+            });
+        }
+        let tools: Vec<_> = calls.iter().map(|c| c.resolved.tool.as_ref()).collect();
+        let holds = approvals::held_calls(inv, &tools);
+        for (c, hold) in calls.iter_mut().zip(holds) {
+            c.hold = hold;
+        }
         Self { calls }
     }
 
     /// The turn a parked one resumes: approved calls (and those that waited
-    /// for an earlier one) run; the others keep what they came to.
-    pub(crate) fn resumed(resumed: &Resumed) -> Self {
-        let calls = resumed
-            .model_call_ids
-            .iter()
-            .zip(&resumed.calls)
-            .map(|(model_id, parked)| TurnCall {
+    /// for an earlier one) run; the others keep what they came to. The
+    /// calls that run are resolved again; an approval counts only for the
+    /// tool the person was shown, so a call whose name now resolves to
+    /// another tool that needs approval is refused, never run.
+    pub(crate) async fn resumed(resumed: &Resumed, inv: &Invocation, fleet: &Fleet) -> Self {
+        let mut calls = Vec::with_capacity(resumed.calls.len());
+        for (model_id, parked) in resumed.model_call_ids.iter().zip(&resumed.calls) {
+            let runs = parked.runs_on_resume();
+            let tool = if runs {
+                dispatch::resolve_tool(fleet, inv, &parked.call.name).await
+            } else {
+                None
+            };
+            let approved = matches!(
+                parked.state,
+                CallState::Decided {
+                    outcome: toolfleet_protocol::approval::ApprovalOutcome::Approved,
+                    ..
+                }
+            ) && tool
+                .as_ref()
+                .is_some_and(|t| t.definition.id.to_string() == parked.tool);
+            calls.push(TurnCall {
                 model_id: model_id.clone(),
                 call: parked.call.clone(),
-                hold: if parked.runs_on_resume() {
-                    Hold::Run
-                } else {
-                    Hold::Person
-                },
+                resolved: Resolved { tool, approved },
+                hold: if runs { Hold::Run } else { Hold::Person },
                 outcome: match &parked.state {
                     CallState::Done { outcome } => Some(outcome.clone()),
                     _ => None,
                 },
-            })
-            .collect();
+            });
+        }
         Self { calls }
     }
 
@@ -132,10 +162,14 @@ pub(crate) async fn run_calls(
     events: &Events,
 ) -> Ended {
     inv.messages.push(completion.assistant_message());
-    let mut turn = Turn::new(inv, completion);
+    let mut turn = Turn::new(inv, completion, fleet).await;
     run(inv, tools, &mut turn, fleet, events).await;
     for c in turn.calls.iter_mut().filter(|c| c.hold == Hold::Refuse) {
-        let tool = inv.tool_label(&c.call.name);
+        let tool = c
+            .resolved
+            .tool
+            .as_ref()
+            .map_or_else(|| c.call.name.clone(), |t| t.definition.id.to_string());
         c.outcome = Some(dispatch::immediate_with(
             fleet.metrics(),
             events,
@@ -151,7 +185,7 @@ pub(crate) async fn run_calls(
         let calls = turn
             .calls
             .into_iter()
-            .map(|c| ParkedCall::new(inv, c.call, c.outcome, c.hold))
+            .map(|c| ParkedCall::new(c.resolved.tool.as_ref(), c.call, c.outcome, c.hold))
             .collect();
         return Ended::Held(calls);
     }
@@ -255,7 +289,7 @@ async fn run_remote(
     let mut agent_calls = Vec::new();
     let mut worker_calls = Vec::new();
     for i in (0..turn.calls.len()).filter(|&i| turn.runs(i)) {
-        match inv.tool_for_call(&turn.calls[i].call.name) {
+        match &turn.calls[i].resolved.tool {
             Some(tool) if profile_of(tool).is_some() => agent_calls.push((i, tool.clone())),
             _ => worker_calls.push(i),
         }
@@ -263,6 +297,10 @@ async fn run_remote(
     let remote: Vec<ToolCall> = worker_calls
         .iter()
         .map(|&i| turn.calls[i].call.clone())
+        .collect();
+    let resolved: Vec<Resolved> = worker_calls
+        .iter()
+        .map(|&i| turn.calls[i].resolved.clone())
         .collect();
     let agents_spent = std::sync::Mutex::new(Vec::new());
     let calls = &turn.calls;
@@ -276,7 +314,7 @@ async fn run_remote(
         if remote.is_empty() {
             (agents.await, Vec::new())
         } else {
-            futures::join!(agents, tools.run(inv, &remote, events))
+            futures::join!(agents, tools.run_resolved(inv, &remote, &resolved, events))
         }
     } else {
         let mut done = Vec::with_capacity(agent_calls.len());
@@ -286,7 +324,7 @@ async fn run_remote(
         let workers = if remote.is_empty() {
             Vec::new()
         } else {
-            tools.run(inv, &remote, events).await
+            tools.run_resolved(inv, &remote, &resolved, events).await
         };
         (done, workers)
     };

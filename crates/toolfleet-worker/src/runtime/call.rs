@@ -77,6 +77,11 @@ pub(super) async fn process_call(
         },
     };
     scrub(shared.hooks.scrubber(), &mut result);
+    // And the tenant's secrets the call read from its settings.
+    scrub(
+        &crate::settings::Scrubber::new(ctx.resolved_secrets()),
+        &mut result,
+    );
     finish(shared, &stats, call, tool.label(), result)
 }
 
