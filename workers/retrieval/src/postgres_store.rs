@@ -1139,6 +1139,11 @@ mod tests {
         );
         crate::conformance::documents(&store).await;
         crate::conformance::context_items(&store).await;
+        // Tenants, with vectors searched inside PostgreSQL.
+        let tenants = PostgresStore::connect(&server.url, "tenants")
+            .await
+            .unwrap();
+        crate::conformance::tenants(&tenants).await;
         let vectors = PostgresStore::connect(&server.url, "vectors")
             .await
             .unwrap();
