@@ -143,7 +143,7 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
         parent == &json!([]) || parent.as_str().is_some_and(|s| s.starts_with("unreadable")),
         "{acme}"
     );
-    let allowed = ["HOME", "LANG", "LC_ALL", "PATH", "PROBE_FILES", "PROBE_TOKEN", "TMPDIR", "TOOLFLEET_TENANT"];
+    let allowed = ["HOME", "LANG", "LC_ALL", "LC_CTYPE", "PATH", "PROBE_FILES", "PROBE_TOKEN", "TMPDIR", "TOOLFLEET_TENANT"];
     for name in acme["env_names"].as_array().unwrap() {
         assert!(allowed.contains(&name.as_str().unwrap()), "{name}: {acme}");
     }
