@@ -20,6 +20,27 @@
 //!   until the operator accepts the new digest;
 //! - the server's `tenants` go into each definition: no other tenant is
 //!   offered the tool, and the worker refuses their calls.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+
+use rmcp::model::{CallToolResult, ContentBlock, ResourceContents};
+use serde_json::{Value, json};
+use toolfleet_worker::fence::{Fence, neutralize};
+use toolfleet_worker::protocol::tools::{Origin, ToolDefinition};
+use toolfleet_worker::{NewReference, Tool, ToolCtx, ToolError, ToolOutput};
+
+use crate::config::ServerSpec;
+use crate::pins::{Pins, digest};
+use crate::server::{Caller, McpError, Server};
+
+/// The fence of an MCP tool's description.
+pub const DESCRIPTION_FENCE: &str = "untrusted_mcp_description";
+/// The fence of what an MCP tool answers.
+pub const RESULT_FENCE: &str = "untrusted_mcp_content";
+/// The most characters of a reference's snippet.
+const MAX_SNIPPET: usize = 300;
+
 /// `name` as a fleet id token: lowercase ASCII letters, digits and `_`
 /// (anything else becomes `_`), starting with a letter.
 pub fn token(name: &str) -> String {
