@@ -64,15 +64,22 @@ pub fn servers_with_secrets(
         .collect()
 }
 
-/// The worker's own credentials (NATS password or token, passwords in the
-/// NATS and Redis URLs, the HTTP servers' bearer tokens from the
-/// environment): what its children's stderr is scrubbed of.
+/// The worker's own credentials (NATS password or token, from the
+/// environment or their files, and passwords in the NATS and Redis URLs):
+/// what its children's stderr is scrubbed of.
 pub fn worker_secrets(args: &toolfleet_worker::WorkerArgs) -> Vec<toolfleet_worker::Secret> {
     let mut secrets: Vec<String> = [&args.nats.password, &args.nats.token]
         .into_iter()
         .flatten()
         .map(|s| s.expose().to_string())
         .collect();
+    // Read again from their files (the connection read them first).
+    for file in [&args.nats.password_file, &args.nats.token_file]
+        .into_iter()
+        .flatten()
+    {
+        secrets.extend(child::read_secret(file).ok());
+    }
     for url in args.nats.url.split(',').chain(args.redis.url.split(',')) {
         secrets.extend(url_password(url));
     }
