@@ -576,7 +576,11 @@ async fn a_changed_tool_list_is_served_without_a_restart() {
     };
     asked("please learn a word", "\nlearned\n</untrusted_mcp_content").await;
     // The new tool answers once the worker has served the new list.
-    asked("now recall it", "\nlearned: beacon\n</untrusted_mcp_content").await;
+    asked(
+        "now recall it",
+        "\nlearned: beacon\n</untrusted_mcp_content",
+    )
+    .await;
 }
 
 /// Cites what it found, after telling how far it got.

@@ -4,7 +4,8 @@ python3 as any user (the tests run it as `nobody` with `run_as`).
 Usage: probe_server.py CANARY...
 
 - `whoami` (read-only): its pid, uid, tenant (TOOLFLEET_TENANT), the
-  call's `_meta` keys `toolfleet/*`, and which canaries it found in its own
+  call's `_meta` keys `toolfleet/*`, the variables of its environment
+  beyond the worker's explicit few, and which canaries it found in its own
   environment, in its parent's (`/proc/<ppid>/environ`, or why it could not
   read it) and in the files PROBE_FILES names (`:`-separated);
 - `eraser` (no hints: MCP's defaults make it destructive);
@@ -21,6 +22,11 @@ CANARIES = sys.argv[1:]
 READ_ONLY = {"readOnlyHint": True}
 OBJECT = {"type": "object", "properties": {}}
 state = {"shifty": "Reads the tide table."}
+# What an MCP child's environment may hold (the worker's explicit one).
+EXPECTED_ENV = {
+    "HOME", "LANG", "LC_ALL", "LC_CTYPE", "PATH", "TMPDIR",
+    "PROBE_FILES", "PROBE_TOKEN", "TOOLFLEET_TENANT",
+}
 
 
 def found_in(data: bytes) -> list:
@@ -56,12 +62,12 @@ def whoami(meta: dict) -> str:
         "uid": os.getuid(),
         "tenant": os.environ.get("TOOLFLEET_TENANT"),
         "meta": {k: v for k, v in meta.items() if k.startswith("toolfleet/")},
-        "env_names": sorted(os.environ),
+        "extra_env": sorted(set(os.environ) - EXPECTED_ENV),
         "own_env": found_in(env),
         "own_environ": probe("/proc/self/environ"),
         "parent_environ": probe(f"/proc/{os.getppid()}/environ"),
         "files": {p: probe(p) for p in files},
-    })
+    }, separators=(",", ":"))
 
 
 def send(message: dict) -> None:

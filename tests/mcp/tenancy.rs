@@ -38,7 +38,13 @@ async fn ask_as(env: &Env, tenant: &str, question: &str) -> String {
 
 /// Asks until the answer holds `wanted` (a worker just started, or a tool
 /// set being reloaded, may not be offered yet): the answer.
-async fn ask_until(env: &Env, tenant: &str, question: &str, wanted: &str, log: &std::path::Path) -> String {
+async fn ask_until(
+    env: &Env,
+    tenant: &str,
+    question: &str,
+    wanted: &str,
+    log: &std::path::Path,
+) -> String {
     let deadline = tokio::time::Instant::now() + support::WAIT;
     loop {
         let text = ask_as(env, tenant, question).await;
@@ -54,9 +60,33 @@ async fn ask_until(env: &Env, tenant: &str, question: &str, wanted: &str, log: &
     }
 }
 
+/// The last tool result the model read, whole (the scripted model quotes
+/// only the start of one in its answer).
+fn last_tool_result(env: &Env) -> String {
+    let requests = env.model.requests();
+    let last = requests.last().expect("the model got requests");
+    last["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Asks `question` as `tenant` until the probe answers: its report.
+async fn probe_as(env: &Env, tenant: &str, question: &str, log: &std::path::Path) -> Value {
+    ask_until(env, tenant, question, "<untrusted_mcp_content", log).await;
+    report(&last_tool_result(env))
+}
+
 /// The probe's JSON report inside a fenced answer.
 fn report(text: &str) -> Value {
-    let start = text.find("{\"pid\"").unwrap_or_else(|| panic!("no report: {text}"));
+    let start = text
+        .find("{\"pid\"")
+        .unwrap_or_else(|| panic!("no report: {text}"));
     let end = text.rfind('}').unwrap();
     serde_json::from_str(&text[start..=end]).unwrap_or_else(|e| panic!("{e}: {text}"))
 }
@@ -90,6 +120,10 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
     std::fs::write(&secret_file, file_canary).unwrap();
     let token_file = dir.path().join("probe-token");
     std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    for file in [&secret_file, &token_file] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
     let root = running_as_root();
     // As root, the children run as nobody; otherwise as the worker's user,
     // behind the worker made non-dumpable.
@@ -100,7 +134,7 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
     };
     let probe = support::root().join("tests/mcp/probe_server.py");
     let command = format!(
-        "command = [\"/usr/bin/python3\", \"{}\", \"{env_canary}\", \"{file_canary}\", \"{token}\"]\ncwd = \"/\"\n{run_as}",
+        "command = [\"/usr/bin/python3\", \"{}\", \"{env_canary}\", \"{file_canary}\"]\ncwd = \"/\"\n{run_as}",
         probe.display()
     );
     let config = dir.path().join("mcp.toml");
@@ -130,9 +164,13 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
     let _kill = support::KillOnDrop(&mut child);
 
     // acme's call: its own child, its tenant in `_meta`, no canary.
-    let acme = report(&ask_until(&env, "acme", "probe", "\"pid\"", &log).await);
+    let acme = probe_as(&env, "acme", "probe", &log).await;
     assert_eq!(acme["tenant"], "acme", "{acme}");
-    assert_eq!(acme["meta"], json!({ "toolfleet/tenant": "acme" }), "{acme}");
+    assert_eq!(
+        acme["meta"],
+        json!({ "toolfleet/tenant": "acme" }),
+        "{acme}"
+    );
     for key in ["own_env", "own_environ"] {
         assert_eq!(acme[key], json!([]), "{key}: {acme}");
     }
@@ -143,30 +181,37 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
         parent == &json!([]) || parent.as_str().is_some_and(|s| s.starts_with("unreadable")),
         "{acme}"
     );
-    let allowed = ["HOME", "LANG", "LC_ALL", "LC_CTYPE", "PATH", "PROBE_FILES", "PROBE_TOKEN", "TMPDIR", "TOOLFLEET_TENANT"];
-    for name in acme["env_names"].as_array().unwrap() {
-        assert!(allowed.contains(&name.as_str().unwrap()), "{name}: {acme}");
-    }
+    // Only the explicit few variables (PATH, HOME, LANG, …, its own).
+    assert_eq!(acme["extra_env"], json!([]), "{acme}");
     if root {
         assert_eq!(acme["uid"], 65534, "{acme}");
         let file = &acme["files"][secret_file.to_str().unwrap()];
-        assert!(file.as_str().is_some_and(|s| s.starts_with("unreadable")), "{acme}");
+        assert!(
+            file.as_str().is_some_and(|s| s.starts_with("unreadable")),
+            "{acme}"
+        );
     }
 
     // globex: a child of its own; acme again: the same child as before.
-    let globex = report(&ask_as(&env, "globex", "probe").await);
+    let globex = probe_as(&env, "globex", "probe", &log).await;
     assert_eq!(globex["tenant"], "globex", "{globex}");
     assert_eq!(globex["meta"]["toolfleet/tenant"], "globex");
     assert_ne!(globex["pid"], acme["pid"], "one child per tenant");
-    let again = report(&ask_as(&env, "acme", "probe").await);
+    let again = probe_as(&env, "acme", "probe", &log).await;
     assert_eq!(again["pid"], acme["pid"], "acme's child is kept");
 
     // The globex-only server: globex's, never offered to acme.
-    let vault = report(&ask_until(&env, "globex", "vault", "\"pid\"", &log).await);
+    let vault = probe_as(&env, "globex", "vault", &log).await;
     assert_eq!(vault["meta"]["toolfleet/tenant"], "globex");
     let refused = ask_as(&env, "acme", "vault").await;
-    assert!(!refused.contains("\"pid\""), "acme reached globex's server: {refused}");
-    assert!(refused.contains("there is no tool named \"mcp_vault_whoami\""), "{refused}");
+    assert!(
+        !refused.contains("untrusted_mcp_content"),
+        "acme reached globex's server: {refused}"
+    );
+    assert!(
+        refused.contains("there is no tool named \"mcp_vault_whoami\""),
+        "{refused}"
+    );
 
     // The child's token, written on its stderr, is scrubbed from the log.
     let logged = std::fs::read_to_string(&log).unwrap();
@@ -177,7 +222,14 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
     let shifty = ask_until(&env, "globex", "shifty", "shifty answered", &log).await;
     assert!(shifty.contains("shifty answered"));
     ask_until(&env, "globex", "mutate", "mutated", &log).await;
-    ask_until(&env, "globex", "shifty", "there is no tool named \"mcp_vault_shifty\"", &log).await;
+    ask_until(
+        &env,
+        "globex",
+        "shifty",
+        "there is no tool named \"mcp_vault_shifty\"",
+        &log,
+    )
+    .await;
     let logged = std::fs::read_to_string(&log).unwrap();
     assert!(
         logged.contains("changed since it was first listed"),

@@ -281,7 +281,9 @@ impl Identity {
         }
         if let Some(path) = &args.token_file {
             let token = read_secret_file(path, "NATS token").await?;
-            return Ok(Self::Token(Secret(token.trim_end_matches(['\n', '\r']).to_string())));
+            return Ok(Self::Token(Secret(
+                token.trim_end_matches(['\n', '\r']).to_string(),
+            )));
         }
         if let (Some(user), Some(password)) = (&args.user, &args.password) {
             return Ok(Self::UserPassword(user.clone(), password.clone()));

@@ -177,6 +177,9 @@ mod tests {
         assert_eq!(a.boundary().len(), 32);
         let d = Fence::derived("untrusted_mcp_description", "ab\"12>");
         assert_eq!(d.boundary(), "ab12");
-        assert!(d.preamble("The description").contains("</untrusted_mcp_description boundary=\"ab12\">"));
+        assert!(
+            d.preamble("The description")
+                .contains("</untrusted_mcp_description boundary=\"ab12\">")
+        );
     }
 }

@@ -194,7 +194,8 @@ pub(crate) struct HookSet(Vec<Arc<dyn Hooks>>, Scrubber);
 
 impl HookSet {
     pub(crate) fn with_scrubber(authored: Vec<Arc<dyn Hooks>>, scrubber: Scrubber) -> Self {
-        let mut all: Vec<Arc<dyn Hooks>> = vec![Arc::new(TenantsAllowed), Arc::new(ProviderConfidence)];
+        let mut all: Vec<Arc<dyn Hooks>> =
+            vec![Arc::new(TenantsAllowed), Arc::new(ProviderConfidence)];
         all.extend(authored);
         Self(all, scrubber)
     }

@@ -171,8 +171,8 @@ mod tests {
         assert!(env.contains(&("A".into(), Some("1".into()))));
         assert!(env.contains(&(TENANT_ENV.into(), Some("acme".into()))));
         assert!(
-            env.iter()
-                .all(|(k, _)| BASE_ENV.contains(&k.as_str()) || ["T", "A", TENANT_ENV].contains(&k.as_str())),
+            env.iter().all(|(k, _)| BASE_ENV.contains(&k.as_str())
+                || ["T", "A", TENANT_ENV].contains(&k.as_str())),
             "{env:?}"
         );
         assert_eq!(prepared.secrets, [Secret::new("file-secret-1234")]);

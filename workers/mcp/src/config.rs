@@ -332,8 +332,7 @@ fn check_tenants(name: &str, tenants: &[String]) -> Result<(), String> {
         let valid = t == "*"
             || (!t.is_empty()
                 && t.len() <= 64
-                && t
-                    .chars()
+                && t.chars()
                     .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'));
         if !valid {
             return Err(format!(
@@ -393,8 +392,18 @@ bearer_token_env = "T"
         let n = &c.servers["n"];
         assert!(n.allows("globex") && !n.allows("acme"));
         assert_eq!(n.advertised_tenants(), ["globex"]);
-        assert_eq!(n.run_as, Some(RunAs { uid: 65534, gid: 65534 }));
-        assert!(n.accept["a"].accepts("d1") && n.accept["b"].accepts("d3") && !n.accept["b"].accepts("d1"));
+        assert_eq!(
+            n.run_as,
+            Some(RunAs {
+                uid: 65534,
+                gid: 65534
+            })
+        );
+        assert!(
+            n.accept["a"].accepts("d1")
+                && n.accept["b"].accepts("d3")
+                && !n.accept["b"].accepts("d1")
+        );
         for (bad, why) in [
             ("[servers.Notes]\ncommand = [\"x\"]", "server name"),
             ("[servers.n]\n", "give `command`"),
@@ -420,8 +429,14 @@ bearer_token_env = "T"
                 "[servers.n]\nurl = \"https://a/mcp\"\nbearer_token_env = \"T\"\nbearer_token_file = \"/t\"",
                 "not both",
             ),
-            ("[servers.n]\ncommand = [\"x\"]\ntenants = []", "tenants is empty"),
-            ("[servers.n]\ncommand = [\"x\"]\ntenants = [\"a.b\"]", "tenant \"a.b\""),
+            (
+                "[servers.n]\ncommand = [\"x\"]\ntenants = []",
+                "tenants is empty",
+            ),
+            (
+                "[servers.n]\ncommand = [\"x\"]\ntenants = [\"a.b\"]",
+                "tenant \"a.b\"",
+            ),
             (
                 "[servers.n]\ncommand = [\"x\"]\nmax_children = 0",
                 "above 0",

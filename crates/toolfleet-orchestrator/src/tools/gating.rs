@@ -583,7 +583,11 @@ mod tests {
             vec![
                 live(tool("t:open@1.0.0", "open", json!({}))),
                 live(tool("t:star@1.0.0", "star", json!({"tenants": ["*"]}))),
-                live(tool("t:theirs@1.0.0", "theirs", json!({"tenants": ["globex"]}))),
+                live(tool(
+                    "t:theirs@1.0.0",
+                    "theirs",
+                    json!({"tenants": ["globex"]}),
+                )),
             ],
         );
         let registry = Registry::build(&[&catalog as &dyn ToolSource]);
@@ -605,7 +609,11 @@ mod tests {
         naming.tools = vec!["t:theirs".into()];
         let e = permitted(&registry, &profile, &naming, &gate()).unwrap_err();
         assert_eq!(e.code, "invalid_tool_selection");
-        assert!(e.message.contains("no tool t:theirs is served"), "{}", e.message);
+        assert!(
+            e.message.contains("no tool t:theirs is served"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
