@@ -12,14 +12,18 @@ use toolfleet_service::args::NatsArgs;
 #[derive(Subcommand, Debug)]
 pub enum McpCommand {
     /// An MCP server on stdin/stdout: `tools/list` is the fleet's live
-    /// catalog (a profile's tools with `--profile`), `tools/call` runs the
-    /// tool as a tool job of a fresh invocation of `--tenant`, its progress
-    /// passed on as MCP progress, its references as resource links.
+    /// catalog within a profile's tools (`--profile`, else the default
+    /// profile), never a tool that needs a person's approval (by its
+    /// definition or the profile's `require_approval`) nor one `--tenant`
+    /// may not use; `tools/call` runs the tool as a tool job of a fresh
+    /// invocation of `--tenant`, its progress passed on as MCP progress,
+    /// its references as resource links.
     Serve {
         /// The tenant the calls run as.
         #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
         tenant: String,
-        /// Offer only this profile's tools (from the profiles file).
+        /// Offer only this profile's tools, under its approval rules (from
+        /// the profiles file; the default profile when not given).
         #[arg(id = "mcp_profile", long = "profile", env = "TOOLFLEET_MCP_PROFILE")]
         profile: Option<String>,
         /// Serve MCP's streamable HTTP at `http://ADDR/mcp` instead of
@@ -52,17 +56,15 @@ pub async fn run(command: McpCommand) -> anyhow::Result<i32> {
     if !crate::common::tenant_ok("toolfleet mcp serve", &tenant) {
         return Ok(toolfleet_service::args::EXIT_CONFIG);
     }
-    let (scope, needs_approval) = match &profile {
-        None => (None, Vec::new()),
-        Some(name) => {
-            let config = toolfleet_service::args::or_exit(llm.fleet_config().map_err(Into::into));
-            let Some(p) = config.profiles.get(name) else {
-                eprintln!("toolfleet mcp serve: no profile {name:?} in the profiles file");
-                return Ok(toolfleet_service::args::EXIT_CONFIG);
-            };
-            (Some(p.tools.clone()), p.require_approval.clone())
-        }
+    // Without --profile, the default profile's rules: its tools, and its
+    // approval rules (a tool it holds for approval is never offered).
+    let config = toolfleet_service::args::or_exit(llm.fleet_config().map_err(Into::into));
+    let name = profile.unwrap_or_else(|| config.default_profile.clone());
+    let Some(p) = config.profiles.get(&name) else {
+        eprintln!("toolfleet mcp serve: no profile {name:?} in the profiles file");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
     };
+    let (scope, needs_approval) = (Some(p.tools.clone()), p.require_approval.clone());
     let subjects = nats.subjects()?;
     let client = nats.connect("toolfleet-mcp").await?;
     let server =

@@ -1,7 +1,10 @@
 //! `toolfleet mcp serve`: the live fleet's tools as an MCP server (stdio).
 //!
-//! `tools/list` is the catalog the fleet's workers advertise (scoped to a
-//! profile's tools when given); `tools/call` runs the tool as a real tool
+//! `tools/list` is the catalog the fleet's workers advertise, scoped to a
+//! profile's tools (the default profile's unless one is given), without
+//! the tools that profile or their definition hold for a person's approval
+//! (an MCP call has nobody to ask) and those the tenant may not use;
+//! `tools/call` runs the tool as a real tool
 //! job of a fresh invocation (through JetStream, or its direct endpoint),
 //! passing the tool's progress on as MCP progress notifications when the
 //! client asked for them, and answers with the tool's content, its data as
@@ -31,7 +34,7 @@ pub struct FleetServer {
     client: async_nats::Client,
     subjects: Subjects,
     tenant: String,
-    /// Only these tools (a profile's); all when `None`.
+    /// Only these tools (the profile's); all when `None`.
     scope: Option<Vec<toolfleet_protocol::tools::ToolRef>>,
     /// Tools the profile holds for a person's approval: never offered (an
     /// MCP call has nobody to ask).
@@ -99,6 +102,7 @@ impl FleetServer {
                 || d.id.namespace == "agent"
                 || !self.in_scope(&d)
                 || !exported(&d)
+                || !d.allows_tenant(&self.tenant)
                 || self.needs_approval.iter().any(|r| r.matches(&d.id))
             {
                 continue;

@@ -7,6 +7,8 @@
 //! (`tests/mcp/http_server.py`) is served the same way, and again once it
 //! is back after dying.
 
+mod tenancy;
+
 use serde_json::json;
 
 use crate::support::{self, Env, Options};
@@ -19,6 +21,8 @@ fn config(crash_marker: &std::path::Path) -> toolfleet_worker_mcp::McpConfig {
 command = ["python3", "{}"]
 env = {{ NOTES_CRASH_ONCE = "{}" }}
 timeout_ms = 20000
+# Its tools give no read-only hints: trusted, so no call waits for a person.
+trusted = true
 
 [servers.gone]
 command = ["/nonexistent/mcp-server"]
@@ -285,7 +289,7 @@ async fn a_streamable_http_servers_tools_answer_chat_jobs_across_its_restart() {
     let port = free_port();
     let mut server = HttpServer::start(port, dir.path(), "first").await;
     let config: toolfleet_worker_mcp::McpConfig = toml::from_str(&format!(
-        "[servers.tides]\nurl = \"http://127.0.0.1:{port}/mcp\"\ntimeout_ms = 20000\n"
+        "[servers.tides]\nurl = \"http://127.0.0.1:{port}/mcp\"\ntimeout_ms = 20000\ntrusted = true\n"
     ))
     .unwrap();
     config.check().unwrap();
@@ -309,7 +313,7 @@ async fn a_streamable_http_servers_tools_answer_chat_jobs_across_its_restart() {
     assert!(
         outcome
             .text
-            .contains("Tide: Brest: high water at 06:12 (the first server)"),
+            .contains("\nBrest: high water at 06:12 (the first server)\n</untrusted_mcp_content"),
         "{}",
         outcome.text
     );
@@ -362,7 +366,7 @@ async fn a_streamable_http_servers_tools_answer_chat_jobs_across_its_restart() {
     assert!(
         outcome
             .text
-            .contains("Tide: Brest: high water at 06:12 (the second server)"),
+            .contains("\nBrest: high water at 06:12 (the second server)\n</untrusted_mcp_content"),
         "{}\n{}",
         outcome.text,
         server.log()
@@ -532,7 +536,7 @@ async fn a_changed_tool_list_is_served_without_a_restart() {
     std::fs::write(
         &config,
         format!(
-            "[servers.notes]\ncommand = [\"python3\", \"{}\"]\n",
+            "[servers.notes]\ncommand = [\"python3\", \"{}\"]\ntrusted = true\n",
             support::root().join("tests/mcp/notes_server.py").display()
         ),
     )
@@ -570,9 +574,13 @@ async fn a_changed_tool_list_is_served_without_a_restart() {
             }
         }
     };
-    asked("please learn a word", "Taught: learned").await;
+    asked("please learn a word", "\nlearned\n</untrusted_mcp_content").await;
     // The new tool answers once the worker has served the new list.
-    asked("now recall it", "Recalled: learned: beacon").await;
+    asked(
+        "now recall it",
+        "\nlearned: beacon\n</untrusted_mcp_content",
+    )
+    .await;
 }
 
 /// Cites what it found, after telling how far it got.

@@ -179,6 +179,7 @@ impl Fleet {
             provider_confidence: job.provider_confidence.unwrap_or(0.0),
             agents: agent_depth < self.config.profiles.max_agent_depth,
             own_profile: &profile.name,
+            tenant: ctx.tenant(),
         };
         let permitted = gating::permitted(&snapshot.registry, &profile.profile, job, &gate)?;
         Ok(Scope::new(snapshot, permitted, profile.profile.scoping))

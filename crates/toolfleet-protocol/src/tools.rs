@@ -479,6 +479,11 @@ pub struct ToolDefinition {
     /// denial or the profile's approval timeout.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub requires_approval: bool,
+    /// The tenants that may use the tool; empty (the default) or `"*"`:
+    /// every tenant. No other tenant is offered the tool, and its workers
+    /// refuse their calls (see [`ToolDefinition::allows_tenant`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tenants: Vec<String>,
     /// Declarative LLM tools: the models to use, and their settings.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub model_preference: Option<ModelPreference>,
@@ -612,6 +617,12 @@ pub struct ToolVariant {
 }
 
 impl ToolDefinition {
+    /// Whether `tenant` may use the tool: its [`tenants`](Self::tenants)
+    /// is empty, holds `"*"`, or names it.
+    pub fn allows_tenant(&self, tenant: &str) -> bool {
+        self.tenants.is_empty() || self.tenants.iter().any(|t| t == "*" || t == tenant)
+    }
+
     /// The tool as the model client offers it, in neutral form; the client
     /// renders it in the API shape of its endpoint.
     #[must_use]

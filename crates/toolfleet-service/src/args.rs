@@ -24,6 +24,10 @@ pub const EXIT_CONFIG: i32 = 64;
 pub const ENV_NATS_USER: &str = "TOOLFLEET_NATS_USER";
 pub const ENV_NATS_PASSWORD: &str = "TOOLFLEET_NATS_PASSWORD";
 pub const ENV_NATS_TOKEN: &str = "TOOLFLEET_NATS_TOKEN";
+/// A file holding the NATS password (so it never sits in the environment).
+pub const ENV_NATS_PASSWORD_FILE: &str = "TOOLFLEET_NATS_PASSWORD_FILE";
+/// A file holding the NATS token.
+pub const ENV_NATS_TOKEN_FILE: &str = "TOOLFLEET_NATS_TOKEN_FILE";
 pub const ENV_NATS_NKEY: &str = "TOOLFLEET_NATS_NKEY";
 pub const ENV_NATS_CREDS: &str = "TOOLFLEET_NATS_CREDS";
 pub const ENV_NATS_TLS_CA: &str = "TOOLFLEET_NATS_TLS_CA";
@@ -67,8 +71,8 @@ impl std::str::FromStr for Secret {
 /// Where NATS is, who we are to it, and which subject prefix the fleet
 /// uses.
 ///
-/// One identity at a time: user and password, a token, an NKey seed file,
-/// or a `.creds` file (user JWT + seed, for servers in operator mode). TLS
+/// One identity at a time: user and password (or a password file), a
+/// token (or a token file), an NKey seed file, or a `.creds` file (user JWT + seed, for servers in operator mode). TLS
 /// is independent of the identity: a CA to trust, a client certificate for
 /// servers that verify clients, or TLS required even when the server does
 /// not ask for it (`tls://` URLs require it too). Secrets are never logged
@@ -89,18 +93,27 @@ pub struct NatsArgs {
         default_value_t = 30
     )]
     pub connect_wait_secs: u64,
-    /// NATS user name (with `--nats-password`).
-    #[arg(long = "nats-user", env = ENV_NATS_USER, requires = "nats_password",
-          conflicts_with_all = ["nats_token", "nats_nkey", "nats_creds"])]
+    /// NATS user name (with `--nats-password` or `--nats-password-file`).
+    #[arg(long = "nats-user", env = ENV_NATS_USER, requires = "nats_user_secret",
+          conflicts_with_all = ["nats_token", "nats_token_file", "nats_nkey", "nats_creds"])]
     pub user: Option<String>,
     /// NATS password of `--nats-user`.
     #[arg(id = "nats_password", long = "nats-password", env = ENV_NATS_PASSWORD,
-          hide_env_values = true, requires = "user")]
+          hide_env_values = true, requires = "user", group = "nats_user_secret")]
     pub password: Option<Secret>,
+    /// A file holding the NATS password of `--nats-user`, instead of
+    /// `--nats-password` (the password then never sits in the environment).
+    #[arg(id = "nats_password_file", long = "nats-password-file", env = ENV_NATS_PASSWORD_FILE,
+          requires = "user", group = "nats_user_secret")]
+    pub password_file: Option<PathBuf>,
     /// NATS authentication token.
     #[arg(id = "nats_token", long = "nats-token", env = ENV_NATS_TOKEN, hide_env_values = true,
-          conflicts_with_all = ["nats_nkey", "nats_creds"])]
+          conflicts_with_all = ["nats_token_file", "nats_nkey", "nats_creds"])]
     pub token: Option<Secret>,
+    /// A file holding the NATS token, instead of `--nats-token`.
+    #[arg(id = "nats_token_file", long = "nats-token-file", env = ENV_NATS_TOKEN_FILE,
+          conflicts_with_all = ["nats_nkey", "nats_creds"])]
+    pub token_file: Option<PathBuf>,
     /// File holding an NKey user seed (`SU…`): the server knows the public key.
     #[arg(id = "nats_nkey", long = "nats-nkey", env = ENV_NATS_NKEY, conflicts_with = "nats_creds")]
     pub nkey_seed_file: Option<PathBuf>,
@@ -143,7 +156,9 @@ impl NatsArgs {
             connect_wait_secs: 30,
             user: None,
             password: None,
+            password_file: None,
             token: None,
+            token_file: None,
             nkey_seed_file: None,
             creds_file: None,
             tls_ca: None,
@@ -264,8 +279,19 @@ impl Identity {
         if let Some(token) = &args.token {
             return Ok(Self::Token(token.clone()));
         }
+        if let Some(path) = &args.token_file {
+            let token = read_secret_file(path, "NATS token").await?;
+            return Ok(Self::Token(Secret(
+                token.trim_end_matches(['\n', '\r']).to_string(),
+            )));
+        }
         if let (Some(user), Some(password)) = (&args.user, &args.password) {
             return Ok(Self::UserPassword(user.clone(), password.clone()));
+        }
+        if let (Some(user), Some(path)) = (&args.user, &args.password_file) {
+            let password = read_secret_file(path, "NATS password").await?;
+            let password = Secret(password.trim_end_matches(['\n', '\r']).to_string());
+            return Ok(Self::UserPassword(user.clone(), password));
         }
         Ok(Self::Anonymous)
     }

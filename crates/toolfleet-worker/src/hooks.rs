@@ -137,6 +137,29 @@ impl Hooks for ProviderConfidence {
     }
 }
 
+/// The definition's `tenants`: a call from an invocation of another tenant
+/// (its `Toolfleet-Tenant`, which only the orchestrator sets) is refused
+/// with `tenant_not_allowed`. Every worker runs it; it is not added by
+/// hand.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TenantsAllowed;
+
+impl Hooks for TenantsAllowed {
+    fn before_call(&self, info: &CallInfo<'_>) -> Result<(), Refusal> {
+        let tenant = info.call.invocation.tenant();
+        if info.definition.allows_tenant(tenant) {
+            return Ok(());
+        }
+        Err(Refusal::new(
+            "tenant_not_allowed",
+            format!(
+                "{} is not offered to tenant {tenant}",
+                info.definition.function.name
+            ),
+        ))
+    }
+}
+
 /// `error` with the worker's secrets scrubbed from its message.
 fn scrubbed(error: &ToolError, s: &Scrubber) -> ToolError {
     if s.is_empty() {
@@ -171,7 +194,8 @@ pub(crate) struct HookSet(Vec<Arc<dyn Hooks>>, Scrubber);
 
 impl HookSet {
     pub(crate) fn with_scrubber(authored: Vec<Arc<dyn Hooks>>, scrubber: Scrubber) -> Self {
-        let mut all: Vec<Arc<dyn Hooks>> = vec![Arc::new(ProviderConfidence)];
+        let mut all: Vec<Arc<dyn Hooks>> =
+            vec![Arc::new(TenantsAllowed), Arc::new(ProviderConfidence)];
         all.extend(authored);
         Self(all, scrubber)
     }

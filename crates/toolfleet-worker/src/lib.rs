@@ -51,6 +51,8 @@
 //! - `output`: the `outputSchema` check the runtime and
 //!   [`TestCtx::call_checked`] share (a mismatch is a warning
 //!   `output_schema_mismatch`, never a failed call).
+//! - [`fence`]: untrusted text (web pages, search results, MCP results
+//!   and descriptions) wrapped so its content cannot close the wrapper.
 //! - [`settings`]: operator settings per tool from the definition's
 //!   `settingsSchema` ([`SettingsFile`], [`ToolSettings`]): plain values
 //!   from the settings file, secrets only from the environment or files.
@@ -73,6 +75,7 @@
 pub mod builder;
 pub mod ctx;
 mod error;
+pub mod fence;
 #[cfg(test)]
 mod fixtures;
 pub mod hooks;

@@ -161,6 +161,23 @@ async fn supervise(
     finished(current.0.await);
 }
 
+/// A file holding the Redis URL (with its password): when set, the URL is
+/// read from it, so the password never sits in the worker's environment.
+pub const ENV_REDIS_URL_FILE: &str = "TOOLFLEET_REDIS_URL_FILE";
+
+/// `redis.url` from the file [`ENV_REDIS_URL_FILE`] names, when it names
+/// one.
+fn redis_url_from_file(redis: &mut RedisOptions) -> Result<(), String> {
+    let Some(path) = std::env::var_os(ENV_REDIS_URL_FILE) else {
+        return Ok(());
+    };
+    let path = std::path::PathBuf::from(path);
+    let url = std::fs::read_to_string(&path)
+        .map_err(|e| format!("{ENV_REDIS_URL_FILE}: cannot read {}: {e}", path.display()))?;
+    redis.url = url.trim().to_string();
+    Ok(())
+}
+
 /// A worker binary's settings: the shared [`WorkerArgs`], the binary's
 /// own (`A`), and where to serve metrics.
 #[derive(clap::Parser, Debug)]
@@ -238,6 +255,10 @@ where
         }
     };
     let telemetry = toolfleet_service::telemetry::init(binary, "info", &args.telemetry);
+    let mut args = args;
+    if let Err(e) = redis_url_from_file(&mut args.worker.redis) {
+        return usage(&e);
+    }
     if let Err(e) = args.worker.nats.subjects() {
         return usage(&e);
     }

@@ -433,6 +433,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_tool_for_other_tenants_refuses_their_calls() {
+        use crate::fixtures::{Answers, definition};
+        let mut def = definition(None);
+        def.tenants = vec!["globex".into()];
+        let as_tenant = |tenant: &str| {
+            let mut inv = toolfleet_protocol::InvocationContext::new("inv-1");
+            inv.tenant = Some(tenant.into());
+            TestCtx::new().with_invocation(inv)
+        };
+        let refused = as_tenant("acme")
+            .call_checked(&def, &Answers::data(Value::Null), json!({}))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code(), "blocked");
+        assert!(
+            refused.to_string().contains("not offered to tenant acme"),
+            "{refused}"
+        );
+        let ok = as_tenant("globex")
+            .call_checked(&def, &Answers::data(Value::Null), json!({}))
+            .await
+            .unwrap();
+        assert_eq!(ok.content, "fixed");
+    }
+
+    #[tokio::test]
     async fn a_blob_too_large_or_without_a_content_type_fails_for_good() {
         let test = TestCtx::new();
         let ctx = test.ctx();

@@ -4,18 +4,31 @@
 //! [servers.notes]                       # the server's name: [a-z][a-z0-9_]*, ≤ 24
 //! command = ["python3", "notes_server.py"]   # a stdio server, started by the worker
 //! env = { NOTES_DIR = "/srv/notes" }    # set for the child (literal values)
-//! pass_env = ["NOTES_TOKEN"]            # copied from the worker's environment
+//! env_files = { NOTES_TOKEN = "/run/secrets/notes_token" }  # set for the child, read from files
+//! pass_env = ["NOTES_LANG"]             # copied from the worker's environment (no secrets: use env_files)
 //! cwd = "/srv"                          # its working directory
+//! run_as = { uid = 65534, gid = 65534 } # the child's user and group (the worker must be root)
+//! per_tenant = true                     # one child per tenant, started on its first call
+//! max_children = 8                      # per_tenant: children at once (the least recently used idle one is closed)
 //! timeout_ms = 30000                    # a call's timeout (the tools' `timeoutMs`)
+//! tenants = ["acme"]                    # who may call its tools (absent: ["*"], every tenant)
+//! trusted = false                       # true: its tools need no approval whatever their hints
+//! max_description_chars = 2000          # a longer tool description: the tool is refused
+//! max_schema_bytes = 16384              # a larger input schema (JSON): the tool is refused
+//! accept = { lookup = "5f0c…" }         # the digests the operator accepted, per MCP tool name
 //!
 //! [servers.search]
 //! url = "https://mcp.example.com/mcp"   # a streamable HTTP server
-//! bearer_token_env = "SEARCH_MCP_TOKEN" # `Authorization: Bearer …` from the environment
+//! bearer_token_file = "/run/secrets/search_mcp_token"  # `Authorization: Bearer …` from a file
+//! # bearer_token_env = "SEARCH_MCP_TOKEN"              # … or from the environment
 //! init_timeout_ms = 10000               # how long `initialize` may take
 //! ```
 //!
-//! A stdio child gets a clean environment (`PATH`, `HOME`, `LANG` and what
-//! `env` and `pass_env` name): the worker's own credentials never reach it.
+//! A stdio child gets an explicit environment — `PATH`, `HOME`, `LANG`,
+//! `LC_ALL`, `TMPDIR`, what `env`, `env_files` and `pass_env` name, and
+//! (with `per_tenant`) `TOOLFLEET_TENANT` — never the worker's own: its
+//! credentials never reach the child. See `docs/mcp.md` for approvals
+//! (`trusted`), digests (`accept`) and tenants.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -52,13 +65,87 @@ pub struct ServerSpec {
     pub env: BTreeMap<String, String>,
     #[serde(default)]
     pub pass_env: Vec<String>,
+    /// Variables of the child whose values are read from files (at each
+    /// start of the child): secrets never sit in the worker's environment.
+    #[serde(default)]
+    pub env_files: BTreeMap<String, PathBuf>,
     pub cwd: Option<PathBuf>,
+    /// The child's uid and gid (the worker must be allowed to switch:
+    /// root, or `CAP_SETUID` and `CAP_SETGID`).
+    pub run_as: Option<RunAs>,
+    /// One child per tenant, each started on its tenant's first call.
+    #[serde(default)]
+    pub per_tenant: bool,
+    /// With `per_tenant`: how many tenants' children run at once.
+    #[serde(default = "default_max_children")]
+    pub max_children: usize,
     pub url: Option<String>,
     pub bearer_token_env: Option<String>,
+    /// A file holding the bearer token (instead of `bearer_token_env`).
+    pub bearer_token_file: Option<PathBuf>,
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
     #[serde(default = "default_init_timeout_ms")]
     pub init_timeout_ms: u64,
+    /// The tenants that may call the server's tools (`"*"`: every tenant).
+    #[serde(default = "every_tenant")]
+    pub tenants: Vec<String>,
+    /// The operator trusts the server: its tools need no approval, whatever
+    /// their hints say.
+    #[serde(default)]
+    pub trusted: bool,
+    /// The longest tool description taken, in characters.
+    #[serde(default = "default_max_description_chars")]
+    pub max_description_chars: usize,
+    /// The largest input schema taken, in bytes of JSON.
+    #[serde(default = "default_max_schema_bytes")]
+    pub max_schema_bytes: usize,
+    /// Digests the operator accepted, by MCP tool name (one or several): a
+    /// tool listed here is served only while its digest is one of them.
+    #[serde(default)]
+    pub accept: BTreeMap<String, Accepted>,
+}
+
+/// A child's user and group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunAs {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// One accepted digest, or several (while an operator rolls a server).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Accepted {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl Accepted {
+    /// Whether `digest` is accepted.
+    pub fn accepts(&self, digest: &str) -> bool {
+        match self {
+            Self::One(d) => d == digest,
+            Self::Many(ds) => ds.iter().any(|d| d == digest),
+        }
+    }
+}
+
+fn default_max_children() -> usize {
+    8
+}
+
+fn every_tenant() -> Vec<String> {
+    vec!["*".into()]
+}
+
+fn default_max_description_chars() -> usize {
+    2000
+}
+
+fn default_max_schema_bytes() -> usize {
+    16 * 1024
 }
 
 fn default_timeout_ms() -> u64 {
@@ -98,6 +185,21 @@ impl ServerSpec {
 
     pub fn init_timeout(&self) -> Duration {
         Duration::from_millis(self.init_timeout_ms)
+    }
+
+    /// Whether `tenant` may call the server's tools.
+    pub fn allows(&self, tenant: &str) -> bool {
+        self.tenants.iter().any(|t| t == "*" || t == tenant)
+    }
+
+    /// The tenants as a tool definition advertises them: empty for every
+    /// tenant.
+    pub fn advertised_tenants(&self) -> Vec<String> {
+        if self.tenants.iter().any(|t| t == "*") {
+            Vec::new()
+        } else {
+            self.tenants.clone()
+        }
     }
 }
 
@@ -165,7 +267,8 @@ impl McpConfig {
                     }
                     let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
                     let loopback = matches!(host, "localhost" | "127.0.0.1" | "[::1]");
-                    if s.bearer_token_env.is_some() && url.starts_with("http://") && !loopback {
+                    let bearer = s.bearer_token_env.is_some() || s.bearer_token_file.is_some();
+                    if bearer && url.starts_with("http://") && !loopback {
                         return Err(format!(
                             "server {name}: a bearer token goes over https only (or to loopback)"
                         ));
@@ -173,9 +276,22 @@ impl McpConfig {
                 }
                 (None, false) => {}
             }
-            if s.bearer_token_env.is_some() && s.url.is_none() {
+            let bearer = s.bearer_token_env.is_some() || s.bearer_token_file.is_some();
+            if bearer && s.url.is_none() {
                 return Err(format!(
-                    "server {name}: bearer_token_env applies to an HTTP server only"
+                    "server {name}: bearer_token_env and bearer_token_file apply to an HTTP server only"
+                ));
+            }
+            if s.bearer_token_env.is_some() && s.bearer_token_file.is_some() {
+                return Err(format!(
+                    "server {name}: give bearer_token_env or bearer_token_file, not both"
+                ));
+            }
+            check_stdio_only(name, s)?;
+            check_tenants(name, &s.tenants)?;
+            if s.max_children == 0 || s.max_description_chars == 0 || s.max_schema_bytes == 0 {
+                return Err(format!(
+                    "server {name}: max_children, max_description_chars and max_schema_bytes must be above 0"
                 ));
             }
             if !(100..=3_600_000).contains(&s.timeout_ms)
@@ -188,6 +304,43 @@ impl McpConfig {
         }
         Ok(())
     }
+}
+
+/// What applies to a child process only is not given for an HTTP server.
+fn check_stdio_only(name: &str, s: &ServerSpec) -> Result<(), String> {
+    let stdio_only = [
+        ("env_files", !s.env_files.is_empty()),
+        ("run_as", s.run_as.is_some()),
+        ("per_tenant", s.per_tenant),
+    ];
+    match stdio_only.iter().find(|(_, given)| *given) {
+        Some((key, _)) if s.url.is_some() => Err(format!(
+            "server {name}: {key} applies to a stdio server only"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `tenants` is `["*"]` or tenant names.
+fn check_tenants(name: &str, tenants: &[String]) -> Result<(), String> {
+    if tenants.is_empty() {
+        return Err(format!(
+            "server {name}: tenants is empty (no tenant could call it); give [\"*\"] or names"
+        ));
+    }
+    for t in tenants {
+        let valid = t == "*"
+            || (!t.is_empty()
+                && t.len() <= 64
+                && t.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-'));
+        if !valid {
+            return Err(format!(
+                "server {name}: tenant {t:?} is not \"*\" or 1-64 of [A-Za-z0-9_-]"
+            ));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -228,6 +381,29 @@ bearer_token_env = "T"
             }
         );
         assert_eq!(c.servers["search"].timeout(), Duration::from_secs(30));
+        // Every tenant by default; trusted only when the operator says so.
+        assert!(c.servers["notes"].allows("globex") && !c.servers["notes"].trusted);
+        assert!(c.servers["notes"].advertised_tenants().is_empty());
+        let c = parse(
+            "[servers.n]\ncommand = [\"x\"]\ntenants = [\"globex\"]\nrun_as = { uid = 65534, gid = 65534 }\n\
+             per_tenant = true\naccept = { a = \"d1\", b = [\"d2\", \"d3\"] }\n",
+        )
+        .unwrap();
+        let n = &c.servers["n"];
+        assert!(n.allows("globex") && !n.allows("acme"));
+        assert_eq!(n.advertised_tenants(), ["globex"]);
+        assert_eq!(
+            n.run_as,
+            Some(RunAs {
+                uid: 65534,
+                gid: 65534
+            })
+        );
+        assert!(
+            n.accept["a"].accepts("d1")
+                && n.accept["b"].accepts("d3")
+                && !n.accept["b"].accepts("d1")
+        );
         for (bad, why) in [
             ("[servers.Notes]\ncommand = [\"x\"]", "server name"),
             ("[servers.n]\n", "give `command`"),
@@ -244,6 +420,26 @@ bearer_token_env = "T"
             (
                 "[servers.n]\ncommand = [\"x\"]\nbearer_token_env = \"T\"",
                 "HTTP server only",
+            ),
+            (
+                "[servers.n]\nurl = \"https://a/mcp\"\nper_tenant = true",
+                "stdio server only",
+            ),
+            (
+                "[servers.n]\nurl = \"https://a/mcp\"\nbearer_token_env = \"T\"\nbearer_token_file = \"/t\"",
+                "not both",
+            ),
+            (
+                "[servers.n]\ncommand = [\"x\"]\ntenants = []",
+                "tenants is empty",
+            ),
+            (
+                "[servers.n]\ncommand = [\"x\"]\ntenants = [\"a.b\"]",
+                "tenant \"a.b\"",
+            ),
+            (
+                "[servers.n]\ncommand = [\"x\"]\nmax_children = 0",
+                "above 0",
             ),
             (
                 "[servers.n]\ncommand = [\"x\"]\ntimeout_ms = 1",

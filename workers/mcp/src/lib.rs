@@ -5,14 +5,27 @@
 //! definitions under the namespace `mcp_<server>` ([`tools`]), advertised
 //! in the catalog like any other tool and called through JetStream: every
 //! call reaches this worker, which calls the server with the call's
-//! deadline and cancellation. A server that died is started (or connected)
-//! again on the next call; a call it died in is `mcp_unavailable`, retried
-//! as the job's policy says. A tool whose schema does not compile is left
-//! out and reported; so is a server that cannot be reached at start (the
-//! others are served).
+//! deadline, cancellation, tenant and user. A server that died is started
+//! (or connected) again on the next call; a call it died in is
+//! `mcp_unavailable`, retried as the job's policy says. A tool whose
+//! schema does not compile is left out and reported; so is a server that
+//! cannot be reached at start (the others are served).
+//!
+//! # Layout
+//!
+//! - [`config`]: the servers, their tenants, trust, bounds and children;
+//! - [`server`]: connections, per-tenant children, calls with `_meta`;
+//! - [`child`]: a stdio child's explicit environment, user, and scrubbed
+//!   stderr; the worker made non-dumpable;
+//! - [`tools`]: MCP tools as definitions (fenced descriptions, approval
+//!   from hints, tenants) and the tool that calls them (fenced results);
+//! - [`pins`]: tool digests, pinned or accepted by the operator;
+//! - [`metrics`]: calls, durations, tools and refused changes by server.
 
+pub mod child;
 pub mod config;
 pub mod metrics;
+pub mod pins;
 pub mod server;
 pub mod tools;
 
@@ -35,11 +48,55 @@ pub struct Imported {
 
 /// The servers of `config`, not connected yet.
 pub fn servers(config: &McpConfig) -> Vec<Arc<Server>> {
+    servers_with_secrets(config, &[])
+}
+
+/// The servers of `config`, not connected yet, their children's stderr
+/// scrubbed of `secrets` (the worker's own credentials) too.
+pub fn servers_with_secrets(
+    config: &McpConfig,
+    secrets: &[toolfleet_worker::Secret],
+) -> Vec<Arc<Server>> {
     config
         .servers
         .iter()
-        .map(|(name, spec)| Server::new(name.clone(), spec.clone()))
+        .map(|(name, spec)| Server::with_secrets(name.clone(), spec.clone(), secrets.to_vec()))
         .collect()
+}
+
+/// The worker's own credentials (NATS password or token, from the
+/// environment or their files, and passwords in the NATS and Redis URLs):
+/// what its children's stderr is scrubbed of.
+pub fn worker_secrets(args: &toolfleet_worker::WorkerArgs) -> Vec<toolfleet_worker::Secret> {
+    let mut secrets: Vec<String> = [&args.nats.password, &args.nats.token]
+        .into_iter()
+        .flatten()
+        .map(|s| s.expose().to_string())
+        .collect();
+    // Read again from their files (the connection read them first).
+    for file in [&args.nats.password_file, &args.nats.token_file]
+        .into_iter()
+        .flatten()
+    {
+        secrets.extend(child::read_secret(file).ok());
+    }
+    for url in args.nats.url.split(',').chain(args.redis.url.split(',')) {
+        secrets.extend(url_password(url));
+    }
+    secrets
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .map(toolfleet_worker::Secret::new)
+        .collect()
+}
+
+/// The password in a URL's user info (`scheme://user:password@host`).
+fn url_password(url: &str) -> Option<String> {
+    let rest = url.trim().split_once("://")?.1;
+    let authority = rest.split(['/', '?', '#']).next()?;
+    let (userinfo, _) = authority.rsplit_once('@')?;
+    let secret = userinfo.split_once(':').map_or(userinfo, |(_, p)| p);
+    Some(secret.to_string())
 }
 
 impl std::fmt::Debug for Imported {
@@ -90,9 +147,14 @@ pub async fn builder(
         let (name, spec) = (&server.name, server.spec());
         match server.list_tools().await {
             Ok(listed) => {
+                let changes = server.pins.changes(name);
                 let (imported, left_out) =
-                    tools::definitions(name, spec.timeout_ms, &listed, &mut functions);
+                    tools::definitions(name, spec, &listed, &mut functions, &server.pins);
                 skipped.extend(left_out);
+                metrics
+                    .tool_changes
+                    .with_label_values(&[name.as_str()])
+                    .inc_by(server.pins.changes(name) - changes);
                 metrics
                     .tools
                     .with_label_values(&[name.as_str()])
@@ -124,4 +186,20 @@ pub async fn builder(
         ));
     }
     Ok((builder, skipped))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn passwords_in_urls_are_the_workers_secrets() {
+        assert_eq!(
+            super::url_password("redis://default:s3cret-pw@redis:6379/0").as_deref(),
+            Some("s3cret-pw")
+        );
+        assert_eq!(
+            super::url_password("nats://tok3n@nats:4222").as_deref(),
+            Some("tok3n")
+        );
+        assert_eq!(super::url_password("redis://redis:6379"), None);
+    }
 }

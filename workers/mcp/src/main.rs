@@ -2,7 +2,9 @@
 //! configuration file (`--mcp-config`, `TOOLFLEET_MCP_CONFIG`; see
 //! `toolfleet_worker_mcp::config`). Start more copies to scale the pool.
 //! When a server says its tool list changed (or comes back after dying),
-//! the worker lists it again and serves the new set.
+//! the worker lists it again and serves the new set. The worker makes
+//! itself non-dumpable first, so its children cannot read its memory or
+//! `/proc/<pid>/environ`; their stderr is logged scrubbed of its secrets.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,10 +23,13 @@ async fn main() -> std::process::ExitCode {
         "toolfleet-worker-mcp",
         "toolfleet worker: serves the tools of MCP servers (stdio or streamable HTTP) as fleet tools.",
         "0.0.0.0:9469",
-        async |_, own: &McpArgs| {
+        async |args, own: &McpArgs| {
+            // Before any child: no process of this user reads our memory.
+            toolfleet_worker_mcp::child::protect_worker();
             let config = toolfleet_worker_mcp::McpConfig::load(&own.mcp_config)
                 .map_err(|e| e.to_string())?;
-            let servers = toolfleet_worker_mcp::servers(&config);
+            let secrets = toolfleet_worker_mcp::worker_secrets(args);
+            let servers = toolfleet_worker_mcp::servers_with_secrets(&config, &secrets);
             let metrics =
                 toolfleet_worker_mcp::McpMetrics::new(servers.iter().map(|s| s.name.as_str()))
                     .map_err(|e| e.to_string())?;

@@ -1,5 +1,5 @@
 //! The MCP family's metrics: calls by server and outcome, their duration,
-//! and the tools each server gives. Registered once per process, shared by
+//! the tools each server gives, and the tools refused for a changed digest. Registered once per process, shared by
 //! every tool set it serves (a reloaded set counts on the same series).
 
 /// Every `outcome` of `toolfleet_mcp_calls_total`.
@@ -18,6 +18,7 @@ pub struct McpMetrics {
     pub(crate) calls: prometheus::IntCounterVec,
     pub(crate) duration: prometheus::HistogramVec,
     pub(crate) tools: prometheus::IntGaugeVec,
+    pub(crate) tool_changes: prometheus::IntCounterVec,
 }
 
 impl McpMetrics {
@@ -51,16 +52,25 @@ impl McpMetrics {
             ),
             &["server"],
         )?;
+        let tool_changes = prometheus::IntCounterVec::new(
+            prometheus::Opts::new(
+                "toolfleet_mcp_tool_changes_total",
+                "MCP tools refused because their description, schema or hints changed from the digest pinned or accepted, by server.",
+            ),
+            &["server"],
+        )?;
         for server in servers {
             for outcome in OUTCOMES {
                 calls.with_label_values(&[server, outcome]);
             }
             tools.with_label_values(&[server]);
+            tool_changes.with_label_values(&[server]);
         }
         Ok(Self {
             calls,
             duration,
             tools,
+            tool_changes,
         })
     }
 
@@ -72,6 +82,11 @@ impl McpMetrics {
     /// The tools `server` gave at its last listing.
     pub fn tools(&self, server: &str) -> i64 {
         self.tools.with_label_values(&[server]).get()
+    }
+
+    /// Tools of `server` refused so far for a changed digest.
+    pub fn tool_changes(&self, server: &str) -> u64 {
+        self.tool_changes.with_label_values(&[server]).get()
     }
 
     /// One collector for the worker's registry.
@@ -88,6 +103,7 @@ impl prometheus::core::Collector for Collectors {
         let mut d = self.0.calls.desc();
         d.extend(self.0.duration.desc());
         d.extend(self.0.tools.desc());
+        d.extend(self.0.tool_changes.desc());
         d
     }
 
@@ -95,6 +111,7 @@ impl prometheus::core::Collector for Collectors {
         let mut m = self.0.calls.collect();
         m.extend(self.0.duration.collect());
         m.extend(self.0.tools.collect());
+        m.extend(self.0.tool_changes.collect());
         m
     }
 }

@@ -1,24 +1,44 @@
 //! One MCP server as the worker uses it: connected on first use (and again
 //! after it died or closed), its tools listed, its tools called with the
-//! call's deadline and cancellation. A server that changes its tool list
-//! (`notifications/tools/list_changed`) is noted, for the worker to list it
-//! again.
+//! call's deadline, cancellation, tenant and user. A server that changes
+//! its tool list (`notifications/tools/list_changed`) is noted, for the
+//! worker to list it again.
 //!
-//! One connection attempt at a time: callers that find one in flight wait
-//! for its outcome rather than queue for attempts of their own (a server
-//! that hangs on `initialize` costs its callers one `init_timeout`, not one
-//! each). No lock is held while connecting.
+//! A server has one connection ([`Instance`]) for listing and, unless it
+//! is `per_tenant`, for every call; a `per_tenant` stdio server gets one
+//! child per tenant, started on that tenant's first call, at most
+//! `max_children` at once (the least recently used idle one is closed to
+//! make room; when none is idle the call is `mcp_unavailable`). Every call
+//! carries `_meta` `toolfleet/tenant` (and `toolfleet/user`, when the job
+//! has a user the fleet trusts).
+//!
+//! One connection attempt at a time per instance: callers that find one in
+//! flight wait for its outcome rather than queue for attempts of their own
+//! (a server that hangs on `initialize` costs its callers one
+//! `init_timeout`, not one each). No lock is held while connecting.
 
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rmcp::ServiceExt;
-use rmcp::model::{CallToolRequestParams, CallToolResult, ClientConfig, Implementation};
+use rmcp::model::{
+    CallToolRequestParams, CallToolResult, ClientConfig, Implementation, MetaObject,
+    RequestMetaObject,
+};
 use rmcp::service::{NotificationContext, Peer, RoleClient, RunningService};
 use tokio::sync::watch;
+use toolfleet_worker::Secret;
+use toolfleet_worker::settings::Scrubber;
 
 use crate::config::{ServerSpec, Transport};
+use crate::pins::Pins;
+
+/// `_meta` key of the tenant a call runs for.
+pub const META_TENANT: &str = "toolfleet/tenant";
+/// `_meta` key of the user a call runs for (only a user the fleet trusts).
+pub const META_USER: &str = "toolfleet/user";
 
 /// What went wrong talking to a server.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -33,6 +53,14 @@ pub enum McpError {
     /// No answer in time.
     #[error("MCP server {server} did not answer within {after:?}")]
     Timeout { server: String, after: Duration },
+}
+
+/// Who a call runs for: the job's tenant, and its user when the fleet
+/// trusts it (both from the job's headers, set by the orchestrator).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Caller {
+    pub tenant: String,
+    pub user: Option<String>,
 }
 
 /// Notes a server's `tools/list_changed`.
@@ -65,8 +93,8 @@ impl rmcp::ClientHandler for Handler {
 /// An attempt's outcome, as its callers share it.
 type Outcome = Result<Peer<RoleClient>, McpError>;
 
-/// A server's connection, and the attempt to make one in flight (if any).
-/// Only ever locked for a moment, never across an await.
+/// A connection, and the attempt to make one in flight (if any). Only
+/// ever locked for a moment, never across an await.
 #[derive(Default)]
 struct Connection {
     running: Option<RunningService<RoleClient, Handler>>,
@@ -79,12 +107,49 @@ struct Connection {
     lost: bool,
 }
 
-/// One configured server and its connection (if any).
+/// One connection to the server: the shared one, or a tenant's child.
+#[derive(Default)]
+struct Instance {
+    /// The tenant of a `per_tenant` child.
+    tenant: Option<String>,
+    handler: Handler,
+    connection: Mutex<Connection>,
+}
+
+impl Instance {
+    /// The connection state. Nothing panics while holding it, so a
+    /// poisoned lock still holds a consistent state.
+    fn connection(&self) -> MutexGuard<'_, Connection> {
+        self.connection
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    async fn close(&self) {
+        let running = self.connection().running.take();
+        if let Some(r) = running {
+            let _ = r.cancel().await;
+        }
+    }
+}
+
+/// The `per_tenant` children: tenant → (instance, last use).
+#[derive(Default)]
+struct Children {
+    by_tenant: BTreeMap<String, (Arc<Instance>, u64)>,
+    uses: u64,
+}
+
+/// One configured server and its connections (if any).
 pub struct Server {
     pub name: String,
     spec: ServerSpec,
-    handler: Handler,
-    connection: Mutex<Connection>,
+    /// The worker's own secrets: scrubbed from the children's stderr.
+    secrets: Vec<Secret>,
+    /// The digests of its tools this process pinned.
+    pub pins: Pins,
+    shared: Arc<Instance>,
+    children: Mutex<Children>,
 }
 
 /// What a caller of [`Server::peer`] does, decided under the lock.
@@ -97,7 +162,7 @@ enum Step {
 /// Ends attempt `.1` if its caller gives up on it before it stored its
 /// outcome (the call was cancelled or ran out of time): its waiters, woken
 /// by its sender's drop, then make an attempt of their own.
-struct Attempt<'a>(&'a Server, u64);
+struct Attempt<'a>(&'a Instance, u64);
 
 impl Drop for Attempt<'_> {
     fn drop(&mut self) {
@@ -120,11 +185,23 @@ impl std::fmt::Debug for Server {
 
 impl Server {
     pub fn new(name: impl Into<String>, spec: ServerSpec) -> Arc<Self> {
+        Self::with_secrets(name, spec, Vec::new())
+    }
+
+    /// A server whose children's stderr is also scrubbed of `secrets` (the
+    /// worker's own credentials).
+    pub fn with_secrets(
+        name: impl Into<String>,
+        spec: ServerSpec,
+        secrets: Vec<Secret>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             name: name.into(),
             spec,
-            handler: Handler::default(),
-            connection: Mutex::default(),
+            secrets,
+            pins: Pins::default(),
+            shared: Arc::default(),
+            children: Mutex::default(),
         })
     }
 
@@ -135,9 +212,10 @@ impl Server {
     /// Resolves after the server said its tool list changed (since the
     /// last [`Server::take_changed`]).
     pub async fn changed(&self) {
+        let handler = &self.shared.handler;
         loop {
-            let notified = self.handler.notify.notified();
-            if self.handler.changed.load(Ordering::Acquire) {
+            let notified = handler.notify.notified();
+            if handler.changed.load(Ordering::Acquire) {
                 return;
             }
             notified.await;
@@ -146,7 +224,7 @@ impl Server {
 
     /// Whether the tool list changed; clears the flag.
     pub fn take_changed(&self) -> bool {
-        self.handler.changed.swap(false, Ordering::AcqRel)
+        self.shared.handler.changed.swap(false, Ordering::AcqRel)
     }
 
     fn unavailable(&self, message: impl std::fmt::Display) -> McpError {
@@ -156,20 +234,59 @@ impl Server {
         }
     }
 
-    /// The connection state. Nothing panics while holding it, so a poisoned
-    /// lock still holds a consistent state.
-    fn connection(&self) -> MutexGuard<'_, Connection> {
-        self.connection
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+    /// The instance `caller`'s calls go to: the shared one, or (per
+    /// tenant) the tenant's, made room for by closing the least recently
+    /// used idle one.
+    fn instance_for(&self, caller: &Caller) -> Result<Arc<Instance>, McpError> {
+        if !self.spec.per_tenant {
+            return Ok(self.shared.clone());
+        }
+        let (instance, evicted) = {
+            let mut children = self.children.lock().unwrap_or_else(PoisonError::into_inner);
+            children.uses += 1;
+            let now = children.uses;
+            if let Some((instance, used)) = children.by_tenant.get_mut(&caller.tenant) {
+                *used = now;
+                return Ok(instance.clone());
+            }
+            let mut evicted = None;
+            if children.by_tenant.len() >= self.spec.max_children {
+                let idle = children
+                    .by_tenant
+                    .iter()
+                    .filter(|(_, (i, _))| Arc::strong_count(i) == 1)
+                    .min_by_key(|(_, (_, used))| *used)
+                    .map(|(t, _)| t.clone());
+                let Some(idle) = idle else {
+                    return Err(self.unavailable(format!(
+                        "its {} tenants' children (max_children) are all busy",
+                        self.spec.max_children
+                    )));
+                };
+                evicted = children.by_tenant.remove(&idle).map(|(i, _)| i);
+            }
+            let instance = Arc::new(Instance {
+                tenant: Some(caller.tenant.clone()),
+                ..Instance::default()
+            });
+            children
+                .by_tenant
+                .insert(caller.tenant.clone(), (instance.clone(), now));
+            (instance, evicted)
+        };
+        if let Some(old) = evicted {
+            tracing::info!(server = %self.name, tenant = old.tenant.as_deref().unwrap_or("-"), "closing the least recently used tenant's MCP child");
+            tokio::spawn(async move { old.close().await });
+        }
+        Ok(instance)
     }
 
     /// The live connection's peer, connecting (again) when there is none or
     /// the last one closed, or waiting for the attempt in flight.
-    async fn peer(&self) -> Result<Peer<RoleClient>, McpError> {
+    async fn peer(&self, instance: &Instance) -> Result<Peer<RoleClient>, McpError> {
         loop {
             let step = {
-                let mut connection = self.connection();
+                let mut connection = instance.connection();
                 match (&connection.running, &connection.connecting) {
                     (Some(r), _) if !r.is_closed() && !r.peer().is_transport_closed() => {
                         Step::Live(r.peer().clone())
@@ -203,8 +320,8 @@ impl Server {
                 Step::Connect(n, tx) => {
                     // Declared after `tx`, dropped before it: the attempt
                     // is gone when its waiters wake.
-                    let attempt = Attempt(self, n);
-                    let outcome = self.attempt().await;
+                    let attempt = Attempt(instance, n);
+                    let outcome = self.attempt(instance).await;
                     drop(attempt);
                     tx.send_replace(Some(outcome.clone()));
                     return outcome;
@@ -214,8 +331,8 @@ impl Server {
     }
 
     /// Connects within the init timeout and stores the connection.
-    async fn attempt(&self) -> Outcome {
-        let connected = tokio::time::timeout(self.spec.init_timeout(), self.connect())
+    async fn attempt(&self, instance: &Instance) -> Outcome {
+        let connected = tokio::time::timeout(self.spec.init_timeout(), self.connect(instance))
             .await
             .map_err(|_| McpError::Timeout {
                 server: self.name.clone(),
@@ -223,42 +340,44 @@ impl Server {
             })??;
         let peer = connected.peer().clone();
         let again = {
-            let mut connection = self.connection();
+            let mut connection = instance.connection();
             connection.running = Some(connected);
             std::mem::take(&mut connection.lost)
         };
-        if again {
+        if again && instance.tenant.is_none() {
             // A server started again may offer other tools.
-            self.handler.changed.store(true, Ordering::Release);
-            self.handler.notify.notify_waiters();
+            instance.handler.changed.store(true, Ordering::Release);
+            instance.handler.notify.notify_waiters();
         }
         Ok(peer)
     }
 
-    async fn connect(&self) -> Result<RunningService<RoleClient, Handler>, McpError> {
+    async fn connect(
+        &self,
+        instance: &Instance,
+    ) -> Result<RunningService<RoleClient, Handler>, McpError> {
         match self.spec.transport() {
             Transport::Stdio { program, args } => {
-                let mut cmd = tokio::process::Command::new(&program);
-                cmd.args(&args).env_clear();
-                for keep in ["PATH", "HOME", "LANG", "LC_ALL", "TMPDIR"] {
-                    if let Ok(v) = std::env::var(keep) {
-                        cmd.env(keep, v);
-                    }
+                crate::child::protect_worker();
+                let tenant = instance.tenant.as_deref();
+                let prepared = crate::child::prepare(&self.spec, &program, &args, tenant)
+                    .map_err(|e| self.unavailable(e))?;
+                let (transport, stderr) =
+                    rmcp::transport::TokioChildProcess::builder(prepared.command)
+                        .stderr(std::process::Stdio::piped())
+                        .spawn()
+                        .map_err(|e| self.unavailable(format!("cannot start {program}: {e}")))?;
+                if let Some(stderr) = stderr {
+                    let secrets = self.secrets.iter().chain(&prepared.secrets).cloned();
+                    crate::child::log_stderr(
+                        stderr,
+                        Scrubber::new(secrets),
+                        self.name.clone(),
+                        instance.tenant.clone(),
+                    );
                 }
-                for name in &self.spec.pass_env {
-                    if let Ok(v) = std::env::var(name) {
-                        cmd.env(name, v);
-                    }
-                }
-                cmd.envs(&self.spec.env);
-                if let Some(dir) = &self.spec.cwd {
-                    cmd.current_dir(dir);
-                }
-                let (transport, _stderr) = rmcp::transport::TokioChildProcess::builder(cmd)
-                    .stderr(std::process::Stdio::inherit())
-                    .spawn()
-                    .map_err(|e| self.unavailable(format!("cannot start {program}: {e}")))?;
-                self.handler
+                instance
+                    .handler
                     .clone()
                     .serve(transport)
                     .await
@@ -270,18 +389,32 @@ impl Server {
                     rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(
                         url.as_str(),
                     );
-                if let Some(var) = &self.spec.bearer_token_env {
-                    let token = std::env::var(var)
-                        .map_err(|_| self.unavailable(format!("{var} is not set")))?;
+                if let Some(token) = self.bearer_token()? {
                     config = config.auth_header(token);
                 }
                 let transport = rmcp::transport::StreamableHttpClientTransport::from_config(config);
-                self.handler
+                instance
+                    .handler
                     .clone()
                     .serve(transport)
                     .await
                     .map_err(|e| self.unavailable(format!("initialize failed: {e}")))
             }
+        }
+    }
+
+    /// The HTTP server's bearer token, from its file or variable.
+    fn bearer_token(&self) -> Result<Option<String>, McpError> {
+        if let Some(path) = &self.spec.bearer_token_file {
+            return crate::child::read_secret(path)
+                .map(Some)
+                .map_err(|e| self.unavailable(format!("bearer_token_file: {e}")));
+        }
+        match &self.spec.bearer_token_env {
+            Some(var) => std::env::var(var)
+                .map(Some)
+                .map_err(|_| self.unavailable(format!("{var} is not set"))),
+            None => Ok(None),
         }
     }
 
@@ -291,7 +424,7 @@ impl Server {
     ///
     /// [`McpError`] when the server cannot be reached or refuses.
     pub async fn list_tools(&self) -> Result<Vec<rmcp::model::Tool>, McpError> {
-        let peer = self.peer().await?;
+        let peer = self.peer(&self.shared).await?;
         tokio::time::timeout(self.spec.init_timeout(), peer.list_all_tools())
             .await
             .map_err(|_| McpError::Timeout {
@@ -301,25 +434,29 @@ impl Server {
             .map_err(|e| self.service_error(e))
     }
 
-    /// Calls `tool` with `arguments` until `deadline`; dropping the future
-    /// (a cancelled call) cancels the request on the server.
+    /// Calls `tool` with `arguments` for `caller` until `deadline`;
+    /// dropping the future (a cancelled call) cancels the request on the
+    /// server.
     ///
     /// # Errors
     ///
     /// [`McpError`]: unavailable (retryable), refused, or out of time.
     pub async fn call(
         &self,
+        caller: &Caller,
         tool: &str,
         arguments: serde_json::Map<String, serde_json::Value>,
         deadline: tokio::time::Instant,
     ) -> Result<CallToolResult, McpError> {
-        let peer = tokio::time::timeout_at(deadline, self.peer())
+        let instance = self.instance_for(caller)?;
+        let peer = tokio::time::timeout_at(deadline, self.peer(&instance))
             .await
             .map_err(|_| McpError::Timeout {
                 server: self.name.clone(),
                 after: self.spec.timeout(),
             })??;
-        let params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
+        let mut params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
+        params.meta = Some(meta(caller));
         match tokio::time::timeout_at(deadline, peer.call_tool(params)).await {
             Ok(r) => r.map_err(|e| self.service_error(e)),
             Err(_) => Err(McpError::Timeout {
@@ -351,13 +488,30 @@ impl Server {
         }
     }
 
-    /// Closes the connection (a stdio server's process ends with it).
+    /// Closes every connection (a stdio server's processes end with them).
     pub async fn close(&self) {
-        let running = self.connection().running.take();
-        if let Some(r) = running {
-            let _ = r.cancel().await;
+        self.shared.close().await;
+        let children: Vec<Arc<Instance>> = {
+            let mut children = self.children.lock().unwrap_or_else(PoisonError::into_inner);
+            std::mem::take(&mut children.by_tenant)
+                .into_values()
+                .map(|(i, _)| i)
+                .collect()
+        };
+        for child in children {
+            child.close().await;
         }
     }
+}
+
+/// A call's `_meta`: its tenant, and its user when there is one.
+fn meta(caller: &Caller) -> RequestMetaObject {
+    let mut meta = serde_json::Map::new();
+    meta.insert(META_TENANT.into(), caller.tenant.clone().into());
+    if let Some(user) = &caller.user {
+        meta.insert(META_USER.into(), user.clone().into());
+    }
+    RequestMetaObject(MetaObject(meta))
 }
 
 #[cfg(test)]

@@ -20,7 +20,10 @@
 //! `content_generation` always), **`visibleIn`** (when not empty, it must
 //! name the job's surface), **`minProviderConfidence`** (the job's
 //! confidence, 0 when absent, must reach it — the same rule workers apply)
-//! and **liveness** (a tool no live worker serves is never offered).
+//! and **liveness** (a tool no live worker serves is never offered). A
+//! tool whose definition names `tenants` is served to those tenants only:
+//! to any other it is as if no worker served it (a job naming it fails
+//! with `invalid_tool_selection`, "not served", revealing nothing more).
 //!
 //! A job that names a tool the fleet does not serve, or one that is not
 //! selectable, fails with `invalid_tool_selection` naming the entry; a
@@ -59,6 +62,9 @@ pub struct Gate<'a> {
     /// The invocation's own profile, whose agent tool is never offered to
     /// itself.
     pub own_profile: &'a str,
+    /// The invocation's tenant: a tool whose `tenants` leaves it out is
+    /// not served to it (as if no worker served it).
+    pub tenant: &'a str,
 }
 
 /// Why a gate kept a tool out.
@@ -133,6 +139,7 @@ pub fn permitted(
 ) -> Result<Permitted, Failure> {
     let offerable = |e: &RegistryEntry| {
         e.is_live()
+            && e.tool.definition.allows_tenant(gate.tenant)
             && if &*e.source == AGENTS_SOURCE {
                 gate.agents && !is_own_agent(e, gate.own_profile)
             } else {
@@ -418,6 +425,7 @@ mod tests {
             provider_confidence: 0.0,
             agents: true,
             own_profile: "default",
+            tenant: "acme",
         }
     }
 
@@ -566,6 +574,46 @@ mod tests {
                 e.message
             );
         }
+    }
+
+    #[test]
+    fn a_tool_for_other_tenants_is_not_served_to_this_one() {
+        let catalog = Source(
+            "catalog",
+            vec![
+                live(tool("t:open@1.0.0", "open", json!({}))),
+                live(tool("t:star@1.0.0", "star", json!({"tenants": ["*"]}))),
+                live(tool(
+                    "t:theirs@1.0.0",
+                    "theirs",
+                    json!({"tenants": ["globex"]}),
+                )),
+            ],
+        );
+        let registry = Registry::build(&[&catalog as &dyn ToolSource]);
+        let profile = toolfleet_config::Profile::new("d");
+        let job = toolfleet_protocol::client::question("hi");
+        let acme = permitted(&registry, &profile, &job, &gate()).unwrap();
+        assert_eq!(ids(&acme), ["t:open@1.0.0", "t:star@1.0.0"]);
+        let globex = Gate {
+            tenant: "globex",
+            ..gate()
+        };
+        let theirs = permitted(&registry, &profile, &job, &globex).unwrap();
+        assert_eq!(
+            ids(&theirs),
+            ["t:open@1.0.0", "t:star@1.0.0", "t:theirs@1.0.0"]
+        );
+        // Named by acme: "not served", like a tool nobody serves.
+        let mut naming = job.clone();
+        naming.tools = vec!["t:theirs".into()];
+        let e = permitted(&registry, &profile, &naming, &gate()).unwrap_err();
+        assert_eq!(e.code, "invalid_tool_selection");
+        assert!(
+            e.message.contains("no tool t:theirs is served"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

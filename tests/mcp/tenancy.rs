@@ -1,0 +1,304 @@
+//! MCP servers as a tenant boundary (issue 28, items 5(d), 5(e), 6, 7 and
+//! 9), against a real stdio MCP server that probes what it can reach
+//! (`tests/mcp/probe_server.py`, the standard library only, so it runs as
+//! `nobody`):
+//!
+//! - the worker as a process, its environment holding a canary secret: a
+//!   child finds no canary in its own environment, in the worker's
+//!   `/proc/<ppid>/environ`, or (run as `nobody`) in the worker's files;
+//!   its stderr is logged scrubbed; a `per_tenant` server gives acme and
+//!   globex a child each, with the tenant in `_meta`; a globex-only
+//!   server's tools are not acme's; a tool whose description changes
+//!   under the same name is refused;
+//! - `toolfleet mcp serve` without `--profile` offers neither the default
+//!   profile's gated tools nor MCP tools without a read-only hint, nor
+//!   another tenant's.
+
+use serde_json::{Value, json};
+
+use crate::support::{self, Env};
+
+/// The model calls `tool` for a question that holds `word`, then quotes it.
+fn rule(word: &str, tool: &str) -> Value {
+    json!({ "whenUserContains": [word], "steps": [
+        { "toolCalls": [ { "name": tool, "arguments": {} } ] },
+        { "answer": format!("Said: {{{{tool:{tool}}}}}") }
+    ] })
+}
+
+/// Asks `question` as `tenant`: the answer's text.
+async fn ask_as(env: &Env, tenant: &str, question: &str) -> String {
+    let mut job = toolfleet_protocol::client::question(question);
+    job.tenant = Some(tenant.into());
+    match env.submit(&job).await {
+        Ok(outcome) => outcome.text,
+        Err(e) => format!("error: {e}"),
+    }
+}
+
+/// Asks until the answer holds `wanted` (a worker just started, or a tool
+/// set being reloaded, may not be offered yet): the answer.
+async fn ask_until(
+    env: &Env,
+    tenant: &str,
+    question: &str,
+    wanted: &str,
+    log: &std::path::Path,
+) -> String {
+    let deadline = tokio::time::Instant::now() + support::WAIT;
+    loop {
+        let text = ask_as(env, tenant, question).await;
+        if text.contains(wanted) {
+            return text;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{tenant}: {question}: {text}\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+}
+
+/// The last tool result the model read, whole (the scripted model quotes
+/// only the start of one in its answer).
+fn last_tool_result(env: &Env) -> String {
+    let requests = env.model.requests();
+    let last = requests.last().expect("the model got requests");
+    last["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .rev()
+        .find(|m| m["role"] == "tool")
+        .and_then(|m| m["content"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// Asks `question` as `tenant` until the probe answers: its report.
+async fn probe_as(env: &Env, tenant: &str, question: &str, log: &std::path::Path) -> Value {
+    ask_until(env, tenant, question, "<untrusted_mcp_content", log).await;
+    report(&last_tool_result(env))
+}
+
+/// The probe's JSON report inside a fenced answer.
+fn report(text: &str) -> Value {
+    let start = text
+        .find("{\"pid\"")
+        .unwrap_or_else(|| panic!("no report: {text}"));
+    let end = text.rfind('}').unwrap();
+    serde_json::from_str(&text[start..=end]).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn running_as_root() -> bool {
+    std::process::Command::new("id")
+        .arg("-u")
+        .output()
+        .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
+    let env = Env::start_bare(json!({
+        "rules": [
+            rule("probe", "mcp_probe_whoami"),
+            rule("vault", "mcp_vault_whoami"),
+            rule("mutate", "mcp_vault_mutate"),
+            rule("shifty", "mcp_vault_shifty"),
+        ]
+    }))
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let (env_canary, file_canary, token) = (
+        "canary-env-5b1d9e",
+        "canary-file-77c0aa",
+        "canary-child-token-3f2e",
+    );
+    // A file only the worker's user may read, and the child's own token.
+    let secret_file = dir.path().join("worker-secret");
+    std::fs::write(&secret_file, file_canary).unwrap();
+    let token_file = dir.path().join("probe-token");
+    std::fs::write(&token_file, format!("{token}\n")).unwrap();
+    for file in [&secret_file, &token_file] {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    }
+    let root = running_as_root();
+    // As root, the children run as nobody; otherwise as the worker's user,
+    // behind the worker made non-dumpable.
+    let run_as = if root {
+        "run_as = { uid = 65534, gid = 65534 }\n"
+    } else {
+        ""
+    };
+    let probe = support::root().join("tests/mcp/probe_server.py");
+    let command = format!(
+        "command = [\"/usr/bin/python3\", \"{}\", \"{env_canary}\", \"{file_canary}\"]\ncwd = \"/\"\n{run_as}",
+        probe.display()
+    );
+    let config = dir.path().join("mcp.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[servers.probe]\n{command}per_tenant = true\ntenants = [\"acme\", \"globex\"]\n\
+             env = {{ PROBE_FILES = \"{}\" }}\nenv_files = {{ PROBE_TOKEN = \"{}\" }}\n\n\
+             [servers.vault]\n{command}tenants = [\"globex\"]\n",
+            secret_file.display(),
+            token_file.display()
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("worker.log");
+    let mut child = std::process::Command::new(support::sibling_bin("toolfleet-worker-mcp"))
+        .env("TOOLFLEET_NATS_URL", env.nats.url())
+        .env("TOOLFLEET_REDIS_URL", env.redis.url())
+        .env("TOOLFLEET_MCP_CONFIG", &config)
+        .env("TOOLFLEET_METRICS_ADDR", "127.0.0.1:0")
+        .env("TOOLFLEET_LOG", "info")
+        .env("PROBE_WORKER_SECRET", env_canary)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let _kill = support::KillOnDrop(&mut child);
+
+    // acme's call: its own child, its tenant in `_meta`, no canary.
+    let acme = probe_as(&env, "acme", "probe", &log).await;
+    assert_eq!(acme["tenant"], "acme", "{acme}");
+    assert_eq!(
+        acme["meta"],
+        json!({ "toolfleet/tenant": "acme" }),
+        "{acme}"
+    );
+    for key in ["own_env", "own_environ"] {
+        assert_eq!(acme[key], json!([]), "{key}: {acme}");
+    }
+    // The worker's environment: unreadable (another user, or a
+    // non-dumpable worker), or read without a canary.
+    let parent = &acme["parent_environ"];
+    assert!(
+        parent == &json!([]) || parent.as_str().is_some_and(|s| s.starts_with("unreadable")),
+        "{acme}"
+    );
+    // Only the explicit few variables (PATH, HOME, LANG, …, its own).
+    assert_eq!(acme["extra_env"], json!([]), "{acme}");
+    if root {
+        assert_eq!(acme["uid"], 65534, "{acme}");
+        let file = &acme["files"][secret_file.to_str().unwrap()];
+        assert!(
+            file.as_str().is_some_and(|s| s.starts_with("unreadable")),
+            "{acme}"
+        );
+    }
+
+    // globex: a child of its own; acme again: the same child as before.
+    let globex = probe_as(&env, "globex", "probe", &log).await;
+    assert_eq!(globex["tenant"], "globex", "{globex}");
+    assert_eq!(globex["meta"]["toolfleet/tenant"], "globex");
+    assert_ne!(globex["pid"], acme["pid"], "one child per tenant");
+    let again = probe_as(&env, "acme", "probe", &log).await;
+    assert_eq!(again["pid"], acme["pid"], "acme's child is kept");
+
+    // The globex-only server: globex's, never offered to acme.
+    let vault = probe_as(&env, "globex", "vault", &log).await;
+    assert_eq!(vault["meta"]["toolfleet/tenant"], "globex");
+    let refused = ask_as(&env, "acme", "vault").await;
+    assert!(
+        !refused.contains("untrusted_mcp_content"),
+        "acme reached globex's server: {refused}"
+    );
+    assert!(
+        refused.contains("there is no tool named \"mcp_vault_whoami\""),
+        "{refused}"
+    );
+
+    // The child's token, written on its stderr, is scrubbed from the log.
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(logged.contains("my token is [redacted]"), "{logged}");
+    assert!(!logged.contains(token), "{logged}");
+
+    // A description changed under the same name: refused, logged.
+    let shifty = ask_until(&env, "globex", "shifty", "shifty answered", &log).await;
+    assert!(shifty.contains("shifty answered"));
+    ask_until(&env, "globex", "mutate", "mutated", &log).await;
+    ask_until(
+        &env,
+        "globex",
+        "shifty",
+        "there is no tool named \"mcp_vault_shifty\"",
+        &log,
+    )
+    .await;
+    let logged = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        logged.contains("changed since it was first listed"),
+        "{logged}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mcp_serve_without_a_profile_offers_no_gated_tool() {
+    let env = Env::start_only(json!({ "rules": [] }), &["system"]).await;
+    let dir = tempfile::tempdir().unwrap();
+    let probe = support::root().join("tests/mcp/probe_server.py");
+    let config: toolfleet_worker_mcp::McpConfig = toml::from_str(&format!(
+        "[servers.probe]\ncommand = [\"python3\", \"{p}\"]\n[servers.vault]\ncommand = [\"python3\", \"{p}\"]\ntenants = [\"globex\"]\n",
+        p = probe.display()
+    ))
+    .unwrap();
+    config.check().unwrap();
+    let imported = tokio::time::timeout(support::WAIT, toolfleet_worker_mcp::import(&config))
+        .await
+        .expect("the import ends in time")
+        .expect("the probe is imported");
+    // Without a read-only hint a tool needs approval; with it, not.
+    let approval: std::collections::BTreeMap<String, bool> = imported
+        .worker
+        .definitions()
+        .map(|d| (d.function.name.clone(), d.requires_approval))
+        .collect();
+    assert!(approval["mcp_probe_eraser"]);
+    assert!(!approval["mcp_probe_whoami"]);
+    let _worker = env.start_worker(imported.worker).await;
+    // The default profile holds the clock for approval.
+    let profiles = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &profiles,
+        format!(
+            "default_profile = \"default\"\n[deployments.d]\nbase_url = \"{}\"\nmodel = \"m\"\n\
+             [profiles.default]\ndeployment = \"d\"\nrequire_approval = [\"system:current_datetime\"]\n",
+            env.model.base_url()
+        ),
+    )
+    .unwrap();
+    let out = tokio::task::spawn_blocking({
+        let (url, profiles) = (env.nats.url(), profiles.clone());
+        move || {
+            std::process::Command::new("python3")
+                .arg(support::root().join("tests/mcp/fleet_client.py"))
+                .args([env!("CARGO_BIN_EXE_toolfleet"), "mcp_probe_whoami", "{}"])
+                .env("TOOLFLEET_NATS_URL", url)
+                .env("TOOLFLEET_CONFIG", profiles)
+                .env("TOOLFLEET_TENANT", "acme")
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let seen: Value = serde_json::from_slice(&out.stdout).unwrap();
+    // Not the clock (the default profile's approval), not the eraser (no
+    // read-only hint), not globex's vault.
+    assert_eq!(
+        seen["tools"],
+        json!(["mcp_probe_mutate", "mcp_probe_shifty", "mcp_probe_whoami"]),
+        "{seen}"
+    );
+    assert_eq!(seen["isError"], false, "{seen}");
+    let text = seen["content"][0]["text"].as_str().unwrap();
+    assert!(text.contains("<untrusted_mcp_content boundary="), "{text}");
+    assert_eq!(report(text)["meta"]["toolfleet/tenant"], "acme", "{text}");
+}
