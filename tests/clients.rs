@@ -31,7 +31,11 @@ async fn python(env: &Env, script: &str) -> Value {
 /// an unknown invocation), and cancels a slow question.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_client_written_from_the_readme_asks_follows_and_cancels() {
-    let env = Env::start(json!({
+    let acme_corpus = support::Options {
+        corpus_tenant: Some("acme"),
+        ..Default::default()
+    };
+    let env = Env::start_with(json!({
         "rules": [
             { "whenUserContains": ["slow"], "steps": [ { "fault": { "kind": "slowFirstToken", "delayMs": 30000 }, "answer": "too late" } ] },
             { "whenUserContains": ["lighthouse"], "steps": [
@@ -39,7 +43,7 @@ async fn a_python_client_written_from_the_readme_asks_follows_and_cancels() {
                 { "answer": "Lighthouses: {{tool:search_data_sources}}" }
             ] }
         ]
-    }))
+    }), acme_corpus)
     .await;
     let seen = python(&env, "python_client.py").await;
     let types: Vec<&str> = seen["answer"]["types"]

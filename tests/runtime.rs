@@ -284,8 +284,10 @@ async fn two_fleets_on_one_server_never_see_each_other() {
             "FLEET-B_TOOLS",
             "KV_FLEET-A_CATALOG",
             "KV_FLEET-A_PARKED",
+            "KV_FLEET-A_SETTINGS",
             "KV_FLEET-B_CATALOG",
-            "KV_FLEET-B_PARKED"
+            "KV_FLEET-B_PARKED",
+            "KV_FLEET-B_SETTINGS",
         ]
     );
     for (stream, want) in [

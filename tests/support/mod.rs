@@ -59,6 +59,9 @@ pub(crate) struct Options {
     /// preemptive retrieval (tested on its own) would add a search to
     /// every job.
     pub data_source: Option<&'static str>,
+    /// The tenant the shipped corpus is ingested for (default `default`):
+    /// retrieval finds only the asking tenant's documents.
+    pub corpus_tenant: Option<&'static str>,
     /// Runs no orchestrator in-process (the test starts its own, e.g. as
     /// processes it can kill).
     pub no_orchestrator: bool,
@@ -73,6 +76,7 @@ impl Default for Options {
             env: Vec::new(),
             defs_dir: None,
             data_source: Some("handbook"),
+            corpus_tenant: None,
             no_orchestrator: false,
         }
     }
@@ -145,10 +149,10 @@ impl Env {
                     .defs_dir
                     .clone()
                     .unwrap_or_else(|| root().join("tool_definitions")),
-                index: &IndexArgs::tantivy(
-                    dir.path().join("index"),
-                    root().join("examples/corpus"),
-                ),
+                index: &IndexArgs {
+                    corpus_tenant: options.corpus_tenant.unwrap_or("default").into(),
+                    ..IndexArgs::tantivy(dir.path().join("index"), root().join("examples/corpus"))
+                },
                 models: Some(&*orchestrator.profiles),
             },
         )
