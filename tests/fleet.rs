@@ -27,6 +27,7 @@ mod runtime;
 mod scoping;
 mod secrets;
 mod security;
+mod tenant_config;
 mod sinks;
 mod support;
 mod traces;

@@ -759,6 +759,7 @@ fn main() {
         provider_confidence: 0.0,
         agents: true,
         own_profile: "bench",
+        agents_denied: &[],
     };
     let gated = time_runs(GATING_RUNS, || {
         black_box(
