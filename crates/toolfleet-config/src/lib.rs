@@ -21,7 +21,8 @@
 //! - [`sinks`]: named webhooks and relay subjects;
 //! - [`tenants`]: `[tenants.<name>]`, `[data_sources.<id>]` and the
 //!   `tenants = [..]` every profile, sink, agent and data source carries
-//!   ([`TenantScope`]);
+//!   ([`TenantScope`]); [`access`]: what a tenant may use, asked of the
+//!   loaded file, and the checks that keep it consistent;
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -40,6 +41,7 @@
 // Tests are exempt from the 100-line limit: a scenario reads top to bottom.
 #![cfg_attr(test, allow(clippy::too_many_lines))]
 
+pub mod access;
 pub mod agents;
 pub mod approvals;
 pub mod errors;
