@@ -50,7 +50,7 @@ use toolfleet_llm::prices::PriceTable;
 use crate::agents::{DEFAULT_MAX_AGENT_DEPTH, MAX_AGENT_DEPTH_LIMIT};
 use crate::profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 use crate::sinks::SinkConfig;
-use crate::tenants::{DataSourceConfig, TenantConfig, TenantScope};
+use crate::tenants::{DataSourceConfig, TenantConfig};
 
 /// The whole configuration: deployments, profiles, prices, sinks, links.
 #[derive(Clone, Debug, PartialEq)]
@@ -712,6 +712,18 @@ mod tests {
                 "[prices.\"m\"]\ninput = -1\noutput = 1\n[profiles.default]",
                 "prices.m.input",
                 "0 or more",
+            ),
+            (
+                "model = \"llama3.1:8b\"",
+                "model = \"m\"\nconfidence = 1.5",
+                "deployments.local.confidence",
+                "between 0.0 and 1.0, not 1.5",
+            ),
+            (
+                "model = \"llama3.1:8b\"",
+                "model = \"m\"\nprovider = \"open ai\"",
+                "deployments.local.provider",
+                "not a provider name",
             ),
         ];
         for (from, to, key, words) in cases {

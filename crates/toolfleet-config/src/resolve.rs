@@ -110,11 +110,11 @@ impl FleetConfig {
 
     /// The profile a job of `tenant` runs: the one it named, else its
     /// tenant's default — if it exists and allows `tenant`.
-    fn choose(
-        &self,
+    fn choose<'a>(
+        &'a self,
         tenant: &str,
-        requested: Option<&str>,
-    ) -> Result<(&str, &Profile), ResolveError> {
+        requested: Option<&'a str>,
+    ) -> Result<(&'a str, &'a Profile), ResolveError> {
         let name = requested.unwrap_or_else(|| self.default_profile_of(tenant));
         let chosen = match (self.profiles.get(name), requested) {
             (Some(chosen), _) => chosen,

@@ -237,22 +237,22 @@ mod tests {
             ),
             (
                 "[tenants.acme]\ntrust_users = true",
-                "tenants.acme",
+                "tenants.acme.trust_users",
                 "trust_users",
             ),
             (
                 "[profiles.p]\ndeployment = \"local\"\ntenants = \"acme\"",
-                "profiles.p",
+                "profiles.p.tenants",
                 "",
             ),
             (
                 "[profiles.p]\ndeployment = \"local\"\ntenants = [\"*\", \"acme\"]",
-                "profiles.p",
+                "profiles.p.tenants",
                 "stands alone",
             ),
             (
                 "[profiles.p]\ndeployment = \"local\"\ntenants = []",
-                "profiles.p",
+                "profiles.p.tenants",
                 "at least one",
             ),
             (
@@ -269,7 +269,7 @@ mod tests {
             ),
             (
                 "[data_sources.kb]\ntenant = [\"acme\"]",
-                "data_sources.kb",
+                "data_sources.kb.tenant",
                 "tenant",
             ),
         ];
