@@ -27,9 +27,9 @@ mod runtime;
 mod scoping;
 mod secrets;
 mod security;
-mod tenant_config;
 mod sinks;
 mod support;
+mod tenant_config;
 mod traces;
 
 use std::collections::HashSet;

@@ -77,7 +77,10 @@ async fn no_resolvable_deployment_ends_the_job_at_once_naming_the_profile() {
     let err = env.submit(&job).await.expect_err("an unknown profile");
     assert_eq!(err.code(), "unknown_profile");
     assert!(err.to_string().contains("no-such-profile"), "{err}");
-    assert!(env.model.requests().is_empty(), "the model was never called");
+    assert!(
+        env.model.requests().is_empty(),
+        "the model was never called"
+    );
     // No name: the default one.
     let job = toolfleet_protocol::client::question("how do lighthouses work?");
     let outcome = env.submit(&job).await.expect("the default profile");

@@ -95,7 +95,8 @@ impl Secured {
             "tenant test profiles",
         )
         .expect("test profiles");
-        let config = toolfleet_orchestrator::OrchestratorConfig::new(fleet.subjects.clone(), profiles);
+        let config =
+            toolfleet_orchestrator::OrchestratorConfig::new(fleet.subjects.clone(), profiles);
         let registry = prometheus::Registry::new();
         let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
             &registry,
@@ -349,21 +350,34 @@ async fn tenant_config_acme_cannot_use_globex_profiles_or_data_sources() {
 
     let mut job = job_of("acme", "hello");
     job.profile = Some("no-such-profile".into());
-    let err = fleet.chat(&acme, &job).await.expect_err("an unknown profile");
+    let err = fleet
+        .chat(&acme, &job)
+        .await
+        .expect_err("an unknown profile");
     assert_eq!(err.code(), "unknown_profile", "{err}");
 
     let mut job = job_of("acme", "hello");
     job.data_source_id = Some("globex-kb".into());
-    let err = fleet.chat(&acme, &job).await.expect_err("globex's data source");
+    let err = fleet
+        .chat(&acme, &job)
+        .await
+        .expect_err("globex's data source");
     assert_eq!(err.code(), "data_source_not_allowed", "{err}");
 
     let mut job = job_of("acme", "hello");
     job.attached_documents = vec!["globex-kb:secret.md".into()];
-    let err = fleet.chat(&acme, &job).await.expect_err("globex's document");
+    let err = fleet
+        .chat(&acme, &job)
+        .await
+        .expect_err("globex's document");
     assert_eq!(err.code(), "data_source_not_allowed", "{err}");
 
     // Nothing of that reached the model: it was never called.
-    assert!(fleet.model.requests().is_empty(), "{:?}", fleet.model.requests());
+    assert!(
+        fleet.model.requests().is_empty(),
+        "{:?}",
+        fleet.model.requests()
+    );
 
     // Naming no profile, acme runs its own default.
     let outcome = fleet
@@ -375,7 +389,10 @@ async fn tenant_config_acme_cannot_use_globex_profiles_or_data_sources() {
     let mut job = job_of("globex", "hello");
     job.profile = Some("globex-private".into());
     let outcome = fleet.chat(&globex, &job).await.expect("globex's own");
-    assert_eq!(started(&outcome.events).0.as_deref(), Some("globex-private"));
+    assert_eq!(
+        started(&outcome.events).0.as_deref(),
+        Some("globex-private")
+    );
     let outcome = fleet
         .chat(&globex, &job_of("globex", "hello"))
         .await
@@ -459,7 +476,11 @@ async fn tenant_config_trust_comes_from_the_deployment_never_the_job() {
         let message = end["message"].as_str().unwrap_or_default();
         assert!(message.contains("the fleet decides them"), "{end}");
     }
-    assert_eq!(fleet.model.requests().len(), requests, "the model was not called");
+    assert_eq!(
+        fleet.model.requests().len(),
+        requests,
+        "the model was not called"
+    );
     assert_eq!(seen.lock().unwrap().len(), calls, "the tool never ran");
 
     // On a deployment of confidence 0 (acme's default profile) the tool is
@@ -473,8 +494,13 @@ async fn tenant_config_trust_comes_from_the_deployment_never_the_job() {
     assert_eq!(profile.as_deref(), Some("acme-home"));
     assert!(!tools.iter().any(|t| t.starts_with("units:")), "{tools:?}");
     assert!(
-        !outcome.events.iter().any(|e| matches!(&e.body,
-            ChatEventBody::ToolResult { status: ToolStatus::Ok, .. })),
+        !outcome.events.iter().any(|e| matches!(
+            &e.body,
+            ChatEventBody::ToolResult {
+                status: ToolStatus::Ok,
+                ..
+            }
+        )),
         "{:?}",
         outcome.events
     );
@@ -487,5 +513,8 @@ async fn tenant_config_trust_comes_from_the_deployment_never_the_job() {
     let outcome = fleet.chat(&globex, &job).await.expect("completes");
     assert_eq!(outcome.text, "Converted: 100 cm");
     let last = seen.lock().unwrap().last().cloned().unwrap();
-    assert_eq!((last.tenant.as_str(), last.user.as_deref()), ("globex", Some("alice")));
+    assert_eq!(
+        (last.tenant.as_str(), last.user.as_deref()),
+        ("globex", Some("alice"))
+    );
 }

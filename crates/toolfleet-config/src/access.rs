@@ -97,7 +97,10 @@ impl FleetConfig {
         }
         for (name, profile) in &self.profiles {
             let at = format!("profiles.{}", key_segment(name));
-            let sink = profile.sink.as_ref().and_then(|s| Some((s, self.sinks.get(s)?)));
+            let sink = profile
+                .sink
+                .as_ref()
+                .and_then(|s| Some((s, self.sinks.get(s)?)));
             if let Some((sink, config)) = sink
                 && !config.tenants.covers(&profile.tenants)
             {
@@ -132,4 +135,3 @@ impl FleetConfig {
         Ok(())
     }
 }
-

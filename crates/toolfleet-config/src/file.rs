@@ -783,7 +783,11 @@ mod tests {
             .resolve("acme", None, &HashMap::new())
             .expect("resolves");
         assert_eq!(r.name, "default");
-        assert_eq!(r.provider_confidence(), 0.0, "trusted only when the file says so");
+        assert_eq!(
+            r.provider_confidence(),
+            0.0,
+            "trusted only when the file says so"
+        );
         assert_eq!(r.provider(), "127.0.0.1");
         assert_eq!(r.connection(), "default");
         assert_eq!(r.model(), "scripted");

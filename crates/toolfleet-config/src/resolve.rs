@@ -315,7 +315,9 @@ deployments = ["a", "nokey", "b"]
     fn resolves_the_first_deployment_with_a_key() {
         let config = parse(TWO).expect("loads");
         let both = env(&[("PRIMARY_KEY", "k1"), ("BACKUP_KEY", "k2")]);
-        let r = config.resolve("default", Some("main"), &both).expect("resolves");
+        let r = config
+            .resolve("default", Some("main"), &both)
+            .expect("resolves");
         assert_eq!(r.name, "main");
         assert_eq!(r.deployment_name, "primary");
         assert_eq!(r.api_key.as_deref(), Some("k1"));
@@ -421,7 +423,10 @@ deployments = ["a", "nokey", "b"]
         // The deployment in use decides the trust, fallbacks included.
         assert_eq!((r.connection(), r.provider_confidence()), ("plain", 0.0));
         let next = r.next_deployment("http_500").expect("a fallback");
-        assert_eq!((next.connection(), next.provider_confidence()), ("trusted", 0.9));
+        assert_eq!(
+            (next.connection(), next.provider_confidence()),
+            ("trusted", 0.9)
+        );
 
         // A fleet default a tenant may not use is refused, saying how to
         // give it one.
@@ -430,12 +435,11 @@ deployments = ["a", "nokey", "b"]
             "[profiles.default]\n        deployment = \"plain\"\n        tenants = [\"acme\"]",
         ))
         .expect("loads");
-        let e = narrow.resolve("globex", None, &none).expect_err("no default");
+        let e = narrow
+            .resolve("globex", None, &none)
+            .expect_err("no default");
         assert_eq!(e.code(), "profile_not_allowed");
-        assert!(
-            e.to_string().contains("[tenants.globex]"),
-            "{e}"
-        );
+        assert!(e.to_string().contains("[tenants.globex]"), "{e}");
     }
 
     #[test]
@@ -483,7 +487,9 @@ deployments = ["a", "nokey", "b"]
     #[test]
     fn a_deployment_without_key_variable_needs_no_key() {
         let config = parse(MINIMAL).expect("loads");
-        let r = config.resolve("default", None, &HashMap::new()).expect("resolves");
+        let r = config
+            .resolve("default", None, &HashMap::new())
+            .expect("resolves");
         assert_eq!(r.api_key, None);
         assert_eq!(r.utility_model(), "llama3.1:8b");
         let llm = r.llm_config();

@@ -199,14 +199,20 @@ mod tests {
         assert!(config.trusts_user("acme") && !config.trusts_user("globex"));
         assert!(config.data_source_allows("acme-kb", "acme"));
         assert!(!config.data_source_allows("acme-kb", "globex"));
-        assert!(config.data_source_allows("handbook", "globex"), "[\"*\"] by default");
+        assert!(
+            config.data_source_allows("handbook", "globex"),
+            "[\"*\"] by default"
+        );
         assert!(config.data_source_allows("undeclared", "globex"));
         assert!(config.agent_allows("acme", "acme"));
         assert!(!config.agent_allows("acme", "globex"));
         assert!(config.agent_allows("shared-agent", "globex"));
         assert!(!config.agent_allows("default", "acme"), "no agent");
         assert_eq!(config.profiles["default"].tenants, TenantScope::any());
-        assert_eq!(config.sinks["acme-hook"].tenants, TenantScope::only(["acme", "nobody-yet"]));
+        assert_eq!(
+            config.sinks["acme-hook"].tenants,
+            TenantScope::only(["acme", "nobody-yet"])
+        );
     }
 
     /// Data-driven: each addition to `BASE` is refused at the given key.

@@ -1645,9 +1645,7 @@ impl Envelope {
         let value: Value =
             serde_json::from_slice(payload).map_err(|e| ProtocolError::NotJson(e.to_string()))?;
         if self == Envelope::ChatJob
-            && let Some(field) = FLEET_DECIDED
-                .iter()
-                .find(|f| value.get(**f).is_some())
+            && let Some(field) = FLEET_DECIDED.iter().find(|f| value.get(**f).is_some())
         {
             return Err(ProtocolError::Schema {
                 schema: self.name(),

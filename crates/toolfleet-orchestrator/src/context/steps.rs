@@ -85,7 +85,10 @@ pub fn invocation_context(
 pub fn check_data_sources(fleet: &Fleet, ctx: &InvocationContext) -> Result<(), Failure> {
     let config = &fleet.config().profiles;
     let tenant = ctx.tenant();
-    let named = ctx.data_source_id.iter().map(|d| (d.as_str(), "data source"));
+    let named = ctx
+        .data_source_id
+        .iter()
+        .map(|d| (d.as_str(), "data source"));
     let attached = ctx
         .attached_documents
         .iter()
