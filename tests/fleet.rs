@@ -31,6 +31,7 @@ mod security;
 mod settings;
 mod sinks;
 mod support;
+mod tenant_config;
 mod traces;
 
 use std::collections::HashSet;

@@ -71,10 +71,19 @@ async fn no_resolvable_deployment_ends_the_job_at_once_naming_the_profile() {
         "the model was never called"
     );
 
-    // An unknown profile falls back to the default one.
+    // An unknown profile is refused, never run on the default one.
     let mut job = toolfleet_protocol::client::question("how do lighthouses work?");
     job.profile = Some("no-such-profile".into());
-    let outcome = env.submit(&job).await.expect("falls back to default");
+    let err = env.submit(&job).await.expect_err("an unknown profile");
+    assert_eq!(err.code(), "unknown_profile");
+    assert!(err.to_string().contains("no-such-profile"), "{err}");
+    assert!(
+        env.model.requests().is_empty(),
+        "the model was never called"
+    );
+    // No name: the default one.
+    let job = toolfleet_protocol::client::question("how do lighthouses work?");
+    let outcome = env.submit(&job).await.expect("the default profile");
     assert_eq!(started_profile(&outcome.events).as_deref(), Some("default"));
 }
 

@@ -65,8 +65,26 @@ const PROFILES: &str = r#"
 base_url = "{base_url}"
 model = "toolfleet-scripted"
 
+# The same server, trusted more: the fleet decides a job's provider
+# confidence by the deployment it calls.
+[deployments.trusted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+confidence = 0.9
+
+[deployments.wary]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+confidence = 0.5
+
 [profiles.default]
 deployment = "scripted"
+
+[profiles.trusted]
+deployment = "trusted"
+
+[profiles.wary]
+deployment = "wary"
 
 [profiles.narrow]
 deployment = "scripted"
@@ -231,11 +249,11 @@ async fn every_gate_decides_what_the_model_is_offered() {
     // Nothing was left out: no scoping event.
     assert!(scoping_events(&plain.events).is_empty());
 
-    // Documents, a data source and a trusted provider open three gates.
+    // Documents, a data source and a trusted deployment open three gates.
     let mut rich = job("hello");
     rich.attached_documents = vec!["handbook.md".into()];
     rich.data_source_id = Some("handbook".into());
-    rich.provider_confidence = Some(0.9);
+    rich.profile = Some("trusted".into());
     let rich = env.submit(&rich).await.expect("rich");
     assert_eq!(
         started_tools(&rich.events),
@@ -256,7 +274,7 @@ async fn every_gate_decides_what_the_model_is_offered() {
     // swaps the visibleIn tools.
     let mut mobile = job("hello");
     mobile.surface = Some("mobile".into());
-    mobile.provider_confidence = Some(0.5);
+    mobile.profile = Some("wary".into());
     let mobile = env.submit(&mobile).await.expect("mobile");
     assert_eq!(
         started_tools(&mobile.events),

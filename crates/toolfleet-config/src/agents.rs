@@ -5,10 +5,12 @@
 //! | key | type, default | meaning |
 //! |---|---|---|
 //! | `max_agent_depth` (top level) | 0..=5, `1` | how deep agent tools nest: a job at this depth is offered no agent tool |
-//! | `profiles.<name>.agent` | `{ name, description, timeout_ms = 120000 }`, none | expose the profile as the tool `agent:<name>@1.0.0` (a nested chat job); names unique across profiles |
+//! | `profiles.<name>.agent` | `{ name, description, timeout_ms = 120000, tenants = ["*"] }`, none | expose the profile as the tool `agent:<name>@1.0.0` (a nested chat job); names unique across profiles; offered only to the tenants both `tenants` and the profile's `tenants` allow |
 
 use serde::Deserialize;
 use toolfleet_protocol::ToolId;
+
+use crate::tenants::TenantScope;
 
 /// Default of [`FleetConfig::max_agent_depth`](crate::FleetConfig::max_agent_depth).
 pub const DEFAULT_MAX_AGENT_DEPTH: u32 = 1;
@@ -28,6 +30,10 @@ pub struct AgentTool {
     /// How long one call may run, in ms (default 120 000).
     #[serde(default = "default_agent_timeout_ms")]
     pub timeout_ms: u64,
+    /// The tenants the tool is offered to (besides the profile's own
+    /// `tenants`, which the nested job must pass too).
+    #[serde(default)]
+    pub tenants: TenantScope,
 }
 
 /// Default of [`AgentTool::timeout_ms`].

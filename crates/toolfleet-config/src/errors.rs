@@ -22,6 +22,19 @@ pub enum ResolveError {
         requested: Option<String>,
         default: String,
     },
+    /// The job names a profile that is not configured (it is never run on
+    /// another one instead).
+    #[error("no profile named {requested:?} is configured; the job is not run on another one")]
+    UnknownProfile { requested: String },
+    /// The profile (the one the job named, or its tenant's default) does
+    /// not allow the job's tenant.
+    #[error("{}", not_allowed(.profile, .tenant, *.named))]
+    ProfileNotAllowed {
+        profile: String,
+        tenant: String,
+        /// The job named it (else it is the tenant's default).
+        named: bool,
+    },
 }
 
 impl ResolveError {
@@ -30,6 +43,8 @@ impl ResolveError {
         match self {
             Self::NoDeployment { .. } => "no_deployment",
             Self::NoProfile { .. } => "no_profile",
+            Self::UnknownProfile { .. } => "unknown_profile",
+            Self::ProfileNotAllowed { .. } => "profile_not_allowed",
         }
     }
 }
@@ -49,5 +64,16 @@ fn requested_note(requested: &Option<String>) -> String {
     match requested {
         Some(r) => format!(" and profile {r:?} does not exist"),
         None => String::new(),
+    }
+}
+
+fn not_allowed(profile: &str, tenant: &str, named: bool) -> String {
+    if named {
+        format!("tenant {tenant:?} may not use profile {profile:?}")
+    } else {
+        format!(
+            "tenant {tenant:?} may not use the default profile {profile:?}: name a profile it \
+             may use, or have the operator set `default_profile` under [tenants.{tenant}]"
+        )
     }
 }

@@ -6,11 +6,13 @@
 //!
 //! | key | type, default | meaning |
 //! |---|---|---|
-//! | `default_profile` | string, `"default"` | profile used when a job names none, or one that does not exist; must exist |
+//! | `default_profile` | string, `"default"` | profile used when a job names none and its tenant has no `default_profile` of its own; must exist. A job naming a profile that does not exist is refused (`unknown_profile`), never run on this one |
 //! | `max_agent_depth` | 0..=5, `1` | how deep agent tools nest: a job at this depth is offered no agent tool |
 //! | `[deployments.<name>]` | table | one model endpoint: [`toolfleet_llm::deployments`] |
 //! | `[profiles.<name>]` | table | what a chat job names: [`crate::profile`], with its [`crate::policy`] tables |
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
+//! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
+//! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
 //!
@@ -27,7 +29,9 @@
 //!
 //! - **A loaded [`FleetConfig`] is consistent**: the default profile exists,
 //!   every profile names existing deployments and sinks, agent names are
-//!   unique, every value is in range. What can still fail at resolution is
+//!   unique, every value is in range, each tenant's default profile exists
+//!   and allows that tenant, and a profile's sink and declared data source
+//!   allow every tenant the profile allows. What can still fail at resolution is
 //!   the environment: a missing key.
 //! - **No secret is read from, or written to, the file or a message**: keys
 //!   and signing secrets are named by environment variable only; TOML error
@@ -46,6 +50,7 @@ use toolfleet_llm::prices::PriceTable;
 use crate::agents::{DEFAULT_MAX_AGENT_DEPTH, MAX_AGENT_DEPTH_LIMIT};
 use crate::profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 use crate::sinks::SinkConfig;
+use crate::tenants::{DataSourceConfig, TenantConfig};
 
 /// The whole configuration: deployments, profiles, prices, sinks, links.
 #[derive(Clone, Debug, PartialEq)]
@@ -66,6 +71,12 @@ pub struct FleetConfig {
     pub links: BTreeMap<String, String>,
     /// Named sinks a profile may route its answers to (`[sinks.<name>]`).
     pub sinks: BTreeMap<String, SinkConfig>,
+    /// What the operator says about each tenant (`[tenants.<name>]`); a
+    /// tenant not listed has the defaults.
+    pub tenants: BTreeMap<String, TenantConfig>,
+    /// Declared data sources and who may use them (`[data_sources.<id>]`);
+    /// an undeclared id is usable by every tenant.
+    pub data_sources: BTreeMap<String, DataSourceConfig>,
 }
 
 /// The file as written; checked further by [`FleetConfig::validate`].
@@ -86,6 +97,10 @@ struct FileConfig {
     links: BTreeMap<String, String>,
     #[serde(default)]
     sinks: BTreeMap<String, SinkConfig>,
+    #[serde(default)]
+    tenants: BTreeMap<String, TenantConfig>,
+    #[serde(default)]
+    data_sources: BTreeMap<String, DataSourceConfig>,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -125,6 +140,8 @@ impl FleetConfig {
             max_agent_depth: file.max_agent_depth,
             links: file.links,
             sinks: file.sinks,
+            tenants: file.tenants,
+            data_sources: file.data_sources,
         };
         config
             .validate()
@@ -143,6 +160,8 @@ impl FleetConfig {
             max_agent_depth: DEFAULT_MAX_AGENT_DEPTH,
             links: BTreeMap::new(),
             sinks: BTreeMap::new(),
+            tenants: BTreeMap::new(),
+            data_sources: BTreeMap::new(),
         }
     }
 
@@ -211,6 +230,8 @@ impl FleetConfig {
         self.check_sinks()?;
         deployments::validate_all(&self.deployments)?;
         self.check_profiles()?;
+        self.check_tenants()?;
+        self.check_data_sources()?;
         self.prices.validate()
     }
 
@@ -439,6 +460,10 @@ mod tests {
             "top_k",
             "in_scope_only",
             "data_source",
+            "confidence",
+            "provider",
+            "tenants",
+            "trust_user",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),
@@ -464,7 +489,7 @@ mod tests {
                 .map(|v| (v, "test-key".to_owned()))
                 .collect();
             config
-                .resolve(None, &vars)
+                .resolve("default", None, &vars)
                 .unwrap_or_else(|e| panic!("{e}\n{snippet}"));
             snippets += 1;
             rest = &body[end + 3..];
@@ -688,6 +713,18 @@ mod tests {
                 "prices.m.input",
                 "0 or more",
             ),
+            (
+                "model = \"llama3.1:8b\"",
+                "model = \"m\"\nconfidence = 1.5",
+                "deployments.local.confidence",
+                "between 0.0 and 1.0, not 1.5",
+            ),
+            (
+                "model = \"llama3.1:8b\"",
+                "model = \"m\"\nprovider = \"open ai\"",
+                "deployments.local.provider",
+                "not a provider name",
+            ),
         ];
         for (from, to, key, words) in cases {
             assert!(MINIMAL.contains(from), "bad case {from}");
@@ -743,11 +780,21 @@ mod tests {
         ]);
         let config = FleetConfig::single(cli.llm.deployment());
         let r = config
-            .resolve(Some("anything"), &HashMap::new())
+            .resolve("acme", None, &HashMap::new())
             .expect("resolves");
         assert_eq!(r.name, "default");
-        assert!(r.fell_back);
+        assert_eq!(
+            r.provider_confidence(),
+            0.0,
+            "trusted only when the file says so"
+        );
+        assert_eq!(r.provider(), "127.0.0.1");
+        assert_eq!(r.connection(), "default");
         assert_eq!(r.model(), "scripted");
+        let e = config
+            .resolve("acme", Some("anything"), &HashMap::new())
+            .expect_err("no silent fallback");
+        assert_eq!(e.code(), "unknown_profile");
         assert_eq!(r.api_key.as_deref(), Some("flag-key"));
         let llm = r.llm_config();
         assert_eq!(llm.idle_timeout, Duration::from_millis(1234));

@@ -19,8 +19,13 @@
 //!   parked invocation waits;
 //! - [`agents`]: profiles exposed as tools, and how deep they nest;
 //! - [`sinks`]: named webhooks and relay subjects;
-//! - [`resolve`]: a job's profile on its first usable deployment
-//!   ([`ResolvedProfile`]);
+//! - [`tenants`]: `[tenants.<name>]`, `[data_sources.<id>]` and the
+//!   `tenants = [..]` every profile, sink, agent and data source carries
+//!   ([`TenantScope`]); [`access`]: what a tenant may use, asked of the
+//!   loaded file, and the checks that keep it consistent;
+//! - [`resolve`]: a job's profile, as its tenant may use it, on its first
+//!   usable deployment ([`ResolvedProfile`]), with the trust that
+//!   deployment carries;
 //! - [`errors`]: [`ConfigError`] (the file) and [`ResolveError`] (a job).
 //!
 //! # Invariants
@@ -29,10 +34,14 @@
 //!   orchestrator, the service plumbing, the store or the worker SDK.
 //! - A loaded [`FleetConfig`] is consistent (see [`file`](mod@file)); no secret is
 //!   in the file, in a message or in `Debug` output.
+//! - A job never runs on a profile it did not ask for (bar its tenant's
+//!   default when it names none) nor on one its tenant may not use; its
+//!   provider confidence, provider and connection are its deployment's.
 
 // Tests are exempt from the 100-line limit: a scenario reads top to bottom.
 #![cfg_attr(test, allow(clippy::too_many_lines))]
 
+pub mod access;
 pub mod agents;
 pub mod approvals;
 pub mod errors;
@@ -41,6 +50,7 @@ pub mod policy;
 pub mod profile;
 pub mod resolve;
 pub mod sinks;
+pub mod tenants;
 #[cfg(test)]
 mod testing;
 
@@ -51,4 +61,5 @@ pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
 pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 pub use resolve::{ResolvedDeployment, ResolvedProfile};
 pub use sinks::SinkConfig;
+pub use tenants::{DataSourceConfig, TenantConfig, TenantScope};
 pub use toolfleet_llm::model_config::DEFAULT_PROFILE;

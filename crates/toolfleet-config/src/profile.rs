@@ -16,6 +16,7 @@
 //! | `must_include_tools` | list of tool ids, `[]` | tools always offered whatever scoping picks, e.g. `"system:current_datetime@1.0.0"` |
 //! | `data_source` | string, none | data source searched before the model is called (preemptive RAG) |
 //! | `sink` | sink name, none | the `[sinks.<name>]` this profile's events also go to (a chat job's own `sink` wins) |
+//! | `tenants` | list of tenant names or `["*"]`, `["*"]` | the tenants whose jobs may run this profile ([`crate::tenants`]); another tenant's job naming it ends with `profile_not_allowed` |
 //! | `agent`, `require_approval`, `approval_timeout_ms` | | see [`crate::agents`] and [`crate::approvals`] |
 //! | `[profiles.<name>.policy]`, `.scoping`, `.rag` | tables | see [`crate::policy`] |
 
@@ -26,6 +27,7 @@ use toolfleet_protocol::tools::{ToolDefinition, ToolRef};
 use crate::agents::AgentTool;
 use crate::approvals::{self, DEFAULT_APPROVAL_TIMEOUT_MS, default_approval_timeout_ms};
 use crate::policy::{LoopPolicy, RagPolicy, ScopingPolicy};
+use crate::tenants::TenantScope;
 
 /// The orchestrator used when a profile names none or one that is unknown.
 pub const DEFAULT_ORCHESTRATOR: &str = "agentic";
@@ -80,6 +82,8 @@ pub struct Profile {
     /// The named sink (`[sinks.<name>]`) this profile's answers also go
     /// to; a chat job's own `sink` wins over it.
     pub sink: Option<String>,
+    /// The tenants whose jobs may run this profile.
+    pub tenants: TenantScope,
 }
 
 fn default_profile_tools() -> Vec<ToolRef> {
@@ -123,6 +127,8 @@ struct RawProfile {
     approval_timeout_ms: u64,
     #[serde(default)]
     sink: Option<String>,
+    #[serde(default)]
+    tenants: TenantScope,
 }
 
 fn default_orchestrator() -> String {
@@ -171,6 +177,7 @@ impl TryFrom<RawProfile> for Profile {
             require_approval: raw.require_approval,
             approval_timeout_ms: raw.approval_timeout_ms,
             sink: raw.sink,
+            tenants: raw.tenants,
         })
     }
 }
@@ -196,6 +203,7 @@ impl Profile {
             require_approval: Vec::new(),
             approval_timeout_ms: DEFAULT_APPROVAL_TIMEOUT_MS,
             sink: None,
+            tenants: TenantScope::any(),
         }
     }
 

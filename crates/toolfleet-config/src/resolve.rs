@@ -1,6 +1,9 @@
-//! Resolution: the profile a chat job names (or the default), on the first
-//! of its deployments whose key the environment has, with the later ones
-//! as fallbacks ([`ResolvedProfile`]).
+//! Resolution: the profile a chat job names (or its tenant's default), if
+//! its tenant may use it, on the first of its deployments whose key the
+//! environment has, with the later ones as fallbacks
+//! ([`ResolvedProfile`]). The deployment in use decides the trust the
+//! invocation carries: its provider confidence, provider and connection
+//! ([`ResolvedProfile::provider_confidence`]).
 //!
 //! # Invariants
 //!
@@ -19,25 +22,29 @@ use crate::file::FleetConfig;
 use crate::profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 
 impl FleetConfig {
-    /// The profile a job named, or the default one; and the first of its
-    /// deployments whose key is available in `env`.
+    /// The profile a job of `tenant` named, or the tenant's default one;
+    /// and the first of its deployments whose key is available in `env`.
     ///
-    /// A missing, empty or unknown profile name resolves to the default
-    /// profile ([`ResolvedProfile::fell_back`] says whether a name was given
-    /// but not found).
+    /// A missing or empty name is the tenant's default profile
+    /// ([`FleetConfig::default_profile_of`]). A name that is not
+    /// configured is refused, never replaced by the default.
     ///
     /// # Errors
     ///
+    /// [`ResolveError::UnknownProfile`] when the job names a profile that
+    /// does not exist; [`ResolveError::ProfileNotAllowed`] when the
+    /// profile's `tenants` do not allow `tenant`;
     /// [`ResolveError::NoDeployment`] when no deployment of the profile is
-    /// resolvable (a fatal configuration error for the job: it ends at once
-    /// with an `error` event); [`ResolveError::NoProfile`] when the default
-    /// profile does not exist (only possible for a config built in code).
+    /// resolvable; [`ResolveError::NoProfile`] when the default profile
+    /// does not exist (only possible for a config built in code). Each is
+    /// fatal for the job: it ends at once with an `error` event.
     pub fn resolve(
         &self,
+        tenant: &str,
         profile: Option<&str>,
         env: &dyn EnvSource,
     ) -> Result<ResolvedProfile, ResolveError> {
-        self.resolve_among(profile, env, ORCHESTRATORS)
+        self.resolve_among(tenant, profile, env, ORCHESTRATORS)
     }
 
     /// [`resolve`](Self::resolve), with the profile's orchestrator resolved
@@ -46,23 +53,13 @@ impl FleetConfig {
     /// [`DEFAULT_ORCHESTRATOR`].
     pub fn resolve_among(
         &self,
+        tenant: &str,
         profile: Option<&str>,
         env: &dyn EnvSource,
         orchestrators: &[&str],
     ) -> Result<ResolvedProfile, ResolveError> {
         let requested = profile.filter(|p| !p.is_empty());
-        let (name, fell_back) = match requested {
-            Some(p) if self.profiles.contains_key(p) => (p, false),
-            Some(_) => (self.default_profile.as_str(), true),
-            None => (self.default_profile.as_str(), false),
-        };
-        let chosen = self
-            .profiles
-            .get(name)
-            .ok_or_else(|| ResolveError::NoProfile {
-                requested: requested.map(str::to_owned),
-                default: self.default_profile.clone(),
-            })?;
+        let (name, chosen) = self.choose(tenant, requested)?;
         let (orchestrator, orchestrator_fell_back) =
             match orchestrators.iter().find(|o| **o == chosen.orchestrator) {
                 Some(known) => ((*known).to_owned(), false),
@@ -100,7 +97,6 @@ impl FleetConfig {
         Ok(ResolvedProfile {
             name: name.to_owned(),
             requested: requested.map(str::to_owned),
-            fell_back,
             profile: chosen.clone(),
             deployment_name: first.name,
             deployment: first.deployment,
@@ -111,6 +107,38 @@ impl FleetConfig {
             fallbacks: usable,
         })
     }
+
+    /// The profile a job of `tenant` runs: the one it named, else its
+    /// tenant's default — if it exists and allows `tenant`.
+    fn choose<'a>(
+        &'a self,
+        tenant: &str,
+        requested: Option<&'a str>,
+    ) -> Result<(&'a str, &'a Profile), ResolveError> {
+        let name = requested.unwrap_or_else(|| self.default_profile_of(tenant));
+        let chosen = match (self.profiles.get(name), requested) {
+            (Some(chosen), _) => chosen,
+            (None, Some(requested)) => {
+                return Err(ResolveError::UnknownProfile {
+                    requested: requested.to_owned(),
+                });
+            }
+            (None, None) => {
+                return Err(ResolveError::NoProfile {
+                    requested: None,
+                    default: name.to_owned(),
+                });
+            }
+        };
+        if !chosen.tenants.allows(tenant) {
+            return Err(ResolveError::ProfileNotAllowed {
+                profile: name.to_owned(),
+                tenant: tenant.to_owned(),
+                named: requested.is_some(),
+            });
+        }
+        Ok((name, chosen))
+    }
 }
 
 /// A profile resolved for one job: the deployment to call and its key.
@@ -118,10 +146,8 @@ impl FleetConfig {
 pub struct ResolvedProfile {
     /// The profile used.
     pub name: String,
-    /// The name the job gave, if any.
+    /// The name the job gave, if any (none: its tenant's default).
     pub requested: Option<String>,
-    /// The job named a profile that does not exist; the default was used.
-    pub fell_back: bool,
     pub profile: Profile,
     pub deployment_name: String,
     pub deployment: Deployment,
@@ -163,7 +189,6 @@ impl fmt::Debug for ResolvedProfile {
         f.debug_struct("ResolvedProfile")
             .field("name", &self.name)
             .field("requested", &self.requested)
-            .field("fell_back", &self.fell_back)
             .field("profile", &self.profile)
             .field("deployment_name", &self.deployment_name)
             .field("deployment", &self.deployment)
@@ -196,6 +221,23 @@ impl ResolvedProfile {
             skipped,
             ..self.clone()
         })
+    }
+
+    /// How much the fleet trusts the deployment in use, `0..=1`: the
+    /// invocation's provider confidence (its `confidence`, 0 unless set).
+    pub fn provider_confidence(&self) -> f64 {
+        self.deployment.confidence
+    }
+
+    /// The provider label of the deployment in use: its `provider`, else
+    /// its `base_url`'s host.
+    pub fn provider(&self) -> String {
+        self.deployment.provider_name()
+    }
+
+    /// The connection tool jobs carry: the deployment's name.
+    pub fn connection(&self) -> &str {
+        &self.deployment_name
     }
 
     /// The conversation model.
@@ -253,7 +295,7 @@ deployments = ["a", "nokey", "b"]
         .unwrap();
         let env: std::collections::HashMap<String, String> =
             [("TOOLFLEET_TEST_B_KEY".to_owned(), "sk-b-secret".to_owned())].into();
-        let r = config.resolve(None, &env).unwrap();
+        let r = config.resolve("default", None, &env).unwrap();
         assert_eq!(r.deployment_name, "a");
         let names: Vec<&str> = r.fallbacks.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(names, ["b"], "the one without a key is left out");
@@ -273,9 +315,10 @@ deployments = ["a", "nokey", "b"]
     fn resolves_the_first_deployment_with_a_key() {
         let config = parse(TWO).expect("loads");
         let both = env(&[("PRIMARY_KEY", "k1"), ("BACKUP_KEY", "k2")]);
-        let r = config.resolve(Some("main"), &both).expect("resolves");
+        let r = config
+            .resolve("default", Some("main"), &both)
+            .expect("resolves");
         assert_eq!(r.name, "main");
-        assert!(!r.fell_back);
         assert_eq!(r.deployment_name, "primary");
         assert_eq!(r.api_key.as_deref(), Some("k1"));
         assert!(r.skipped.is_empty());
@@ -283,7 +326,7 @@ deployments = ["a", "nokey", "b"]
 
         let backup_only = env(&[("PRIMARY_KEY", "  \n"), ("BACKUP_KEY", "k2\n")]);
         let r = config
-            .resolve(Some("main"), &backup_only)
+            .resolve("default", Some("main"), &backup_only)
             .expect("resolves");
         assert_eq!(r.deployment_name, "backup");
         assert_eq!(r.api_key.as_deref(), Some("k2"), "trimmed");
@@ -297,23 +340,113 @@ deployments = ["a", "nokey", "b"]
     }
 
     #[test]
-    fn unknown_or_missing_profile_falls_back_to_the_default() {
+    fn a_missing_profile_is_the_default_and_an_unknown_one_is_refused() {
         let config = parse(TWO).expect("loads");
         let both = env(&[("PRIMARY_KEY", "k1"), ("BACKUP_KEY", "k2")]);
-        for (asked, fell_back) in [(None, false), (Some(""), false), (Some("nope"), true)] {
-            let r = config.resolve(asked, &both).expect("resolves");
+        for asked in [None, Some("")] {
+            let r = config.resolve("acme", asked, &both).expect("resolves");
             assert_eq!(r.name, "main", "{asked:?}");
-            assert_eq!(r.fell_back, fell_back, "{asked:?}");
+            assert_eq!(r.requested, None);
         }
-        let r = config.resolve(Some("nope"), &both).expect("resolves");
-        assert_eq!(r.requested.as_deref(), Some("nope"));
+        let e = config
+            .resolve("acme", Some("nope"), &both)
+            .expect_err("never the default instead");
+        assert_eq!(e.code(), "unknown_profile");
+        assert_eq!(
+            e.to_string(),
+            "no profile named \"nope\" is configured; the job is not run on another one"
+        );
+    }
+
+    const TENANTS: &str = r#"
+        [deployments.plain]
+        base_url = "https://plain.example/v1"
+        model = "m"
+        [deployments.trusted]
+        base_url = "https://api.openai.com/v1"
+        model = "m"
+        confidence = 0.9
+        provider = "openai"
+        [profiles.default]
+        deployment = "plain"
+        [profiles.acme-only]
+        deployment = "trusted"
+        tenants = ["acme"]
+        [profiles.globex-private]
+        deployments = ["plain", "trusted"]
+        tenants = ["globex"]
+        [tenants.acme]
+        default_profile = "acme-only"
+        trust_user = true
+        [tenants.initech]
+    "#;
+
+    #[test]
+    fn each_tenant_gets_its_default_and_only_the_profiles_it_may_use() {
+        let config = parse(TENANTS).expect("loads");
+        let none = HashMap::new();
+        let r = config.resolve("acme", None, &none).expect("acme's default");
+        assert_eq!(r.name, "acme-only");
+        assert_eq!(r.provider_confidence(), 0.9);
+        assert_eq!(r.provider(), "openai");
+        assert_eq!(r.connection(), "trusted");
+        // A tenant without its own default gets the file's.
+        for tenant in ["globex", "initech", "default"] {
+            let r = config.resolve(tenant, None, &none).expect("the default");
+            assert_eq!(r.name, "default", "{tenant}");
+            assert_eq!(r.provider_confidence(), 0.0);
+            assert_eq!(r.provider(), "plain.example", "the host by default");
+        }
+        assert!(config.trusts_user("acme"));
+        assert!(!config.trusts_user("globex") && !config.trusts_user("initech"));
+
+        let e = config
+            .resolve("acme", Some("globex-private"), &none)
+            .expect_err("globex's profile");
+        assert_eq!(e.code(), "profile_not_allowed");
+        assert_eq!(
+            e,
+            ResolveError::ProfileNotAllowed {
+                profile: "globex-private".into(),
+                tenant: "acme".into(),
+                named: true
+            }
+        );
+        assert!(e.to_string().contains("may not use profile"), "{e}");
+        let e = config
+            .resolve("globex", Some("acme-only"), &none)
+            .expect_err("acme's profile");
+        assert_eq!(e.code(), "profile_not_allowed");
+        let r = config
+            .resolve("globex", Some("globex-private"), &none)
+            .expect("its own");
+        // The deployment in use decides the trust, fallbacks included.
+        assert_eq!((r.connection(), r.provider_confidence()), ("plain", 0.0));
+        let next = r.next_deployment("http_500").expect("a fallback");
+        assert_eq!(
+            (next.connection(), next.provider_confidence()),
+            ("trusted", 0.9)
+        );
+
+        // A fleet default a tenant may not use is refused, saying how to
+        // give it one.
+        let narrow = parse(&TENANTS.replace(
+            "[profiles.default]\n        deployment = \"plain\"",
+            "[profiles.default]\n        deployment = \"plain\"\n        tenants = [\"acme\"]",
+        ))
+        .expect("loads");
+        let e = narrow
+            .resolve("globex", None, &none)
+            .expect_err("no default");
+        assert_eq!(e.code(), "profile_not_allowed");
+        assert!(e.to_string().contains("[tenants.globex]"), "{e}");
     }
 
     #[test]
     fn unknown_orchestrator_falls_back_to_agentic() {
         let config = parse(TWO).expect("loads");
         let r = config
-            .resolve(Some("other"), &env(&[("BACKUP_KEY", "k2")]))
+            .resolve("default", Some("other"), &env(&[("BACKUP_KEY", "k2")]))
             .expect("resolves");
         assert_eq!(r.name, "other");
         assert_eq!(r.orchestrator, "agentic");
@@ -325,7 +458,7 @@ deployments = ["a", "nokey", "b"]
     fn no_resolvable_deployment_names_the_profile_and_why() {
         let config = parse(TWO).expect("loads");
         let e = config
-            .resolve(Some("main"), &env(&[("BACKUP_KEY", "")]))
+            .resolve("default", Some("main"), &env(&[("BACKUP_KEY", "")]))
             .expect_err("nothing resolvable");
         assert_eq!(e.code(), "no_deployment");
         assert_eq!(
@@ -354,7 +487,9 @@ deployments = ["a", "nokey", "b"]
     #[test]
     fn a_deployment_without_key_variable_needs_no_key() {
         let config = parse(MINIMAL).expect("loads");
-        let r = config.resolve(None, &HashMap::new()).expect("resolves");
+        let r = config
+            .resolve("default", None, &HashMap::new())
+            .expect("resolves");
         assert_eq!(r.api_key, None);
         assert_eq!(r.utility_model(), "llama3.1:8b");
         let llm = r.llm_config();
@@ -366,7 +501,7 @@ deployments = ["a", "nokey", "b"]
     fn keys_never_show_in_debug_output() {
         let config = parse(TWO).expect("loads");
         let r = config
-            .resolve(None, &env(&[("PRIMARY_KEY", "sk-very-secret")]))
+            .resolve("default", None, &env(&[("PRIMARY_KEY", "sk-very-secret")]))
             .expect("resolves");
         assert!(!format!("{r:?}").contains("sk-very-secret"));
         let d = Deployment::new(
@@ -428,7 +563,7 @@ deployments = ["a", "nokey", "b"]
         assert_eq!(llm.api, ApiShape::Responses);
         assert!(llm.reasoning);
         let resolved = config
-            .resolve(Some("deep"), &vars)
+            .resolve("default", Some("deep"), &vars)
             .expect("the reasoning profile resolves");
         assert!(resolved.llm_config().reasoning);
 

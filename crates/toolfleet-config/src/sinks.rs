@@ -10,11 +10,14 @@
 //! | `sinks.<name>.secret_env` | env var name, required with `url` | the variable holding the signing secret (never the secret itself) |
 //! | `sinks.<name>.events` | `"final"` (default) or `"all"` | the terminal event only, or every event but the deltas |
 //! | `sinks.<name>.relay` | NATS subject, none | a subject on another prefix the events are published to (no wildcards; not under the fleet's prefix, checked at the orchestrator's start) |
+//! | `sinks.<name>.tenants` | list of tenant names or `["*"]`, `["*"]` | the tenants whose answers may go to it: a profile's sink must allow every tenant the profile allows (checked at load) |
 //! | `profiles.<name>.sink` | sink name, none | the sink this profile's events also go to (a chat job's own `sink` wins) |
 
 use serde::Deserialize;
 use toolfleet_llm::config_file::is_env_var_name;
 use url::Url;
+
+use crate::tenants::TenantScope;
 
 /// A named sink (`[sinks.<name>]`): a webhook, a relay subject, or both.
 /// The secret is never in the file: `secret_env` names the variable.
@@ -35,6 +38,9 @@ pub struct SinkConfig {
     /// A NATS subject on another prefix the events are published to.
     #[serde(default)]
     pub relay: Option<String>,
+    /// The tenants whose answers may go to it.
+    #[serde(default)]
+    pub tenants: TenantScope,
 }
 
 impl SinkConfig {

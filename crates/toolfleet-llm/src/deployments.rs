@@ -25,6 +25,8 @@
 //! | `retry.max_elapsed_ms` | ms > 0, `30000` | no new attempt after this long since the first |
 //! | `retry.base_delay_ms` | ms, `250` | first backoff delay, doubled per attempt (a `Retry-After` wins) |
 //! | `retry.max_delay_ms` | ms ≥ `base_delay_ms`, `5000` | longest backoff delay |
+//! | `confidence` | 0.0..=1.0, `0` | how much the fleet trusts this deployment: the provider confidence of every invocation whose model calls go to it (tools with a higher `minProviderConfidence` are not offered, and workers refuse them). Decided here, never by a chat job |
+//! | `provider` | name, the `base_url`'s host | the provider label tool jobs carry (`Toolfleet-Provider`), e.g. `"openai"`, `"azure"`; `[A-Za-z0-9_.-]+`. The connection they carry (`Toolfleet-Connection`) is the deployment's name |
 //!
 //! # Invariants
 //!
@@ -191,6 +193,13 @@ pub struct Deployment {
     pub idle_timeout: Duration,
     /// Retries of 429 and 5xx answers before any output was streamed.
     pub retry: RetryPolicy,
+    /// How much the fleet trusts this deployment, `0..=1` (0 unless the
+    /// file says more): the provider confidence of the invocations it
+    /// serves.
+    pub confidence: f64,
+    /// The provider label tool jobs carry; `None`: the `base_url`'s host
+    /// ([`Deployment::provider_name`]).
+    pub provider: Option<String>,
     /// A key given on the command line ([`Deployment::with_api_key`]); never
     /// read from a file. Wins over `api_key_env`.
     inline_api_key: Option<String>,
@@ -215,6 +224,8 @@ impl fmt::Debug for Deployment {
             .field("first_token_timeout", &self.first_token_timeout)
             .field("idle_timeout", &self.idle_timeout)
             .field("retry", &self.retry)
+            .field("confidence", &self.confidence)
+            .field("provider", &self.provider)
             .field(
                 "inline_api_key",
                 &self.inline_api_key.as_ref().map(|_| "[redacted]"),
@@ -256,6 +267,10 @@ struct RawDeployment {
     idle_timeout_ms: u64,
     #[serde(default)]
     retry: RawRetry,
+    #[serde(default)]
+    confidence: f64,
+    #[serde(default)]
+    provider: Option<String>,
 }
 
 fn deserialize_url<'de, D: Deserializer<'de>>(d: D) -> Result<Url, D::Error> {
@@ -301,6 +316,8 @@ impl TryFrom<RawDeployment> for Deployment {
             first_token_timeout: Duration::from_millis(raw.first_token_timeout_ms),
             idle_timeout: Duration::from_millis(raw.idle_timeout_ms),
             retry: raw.retry.into(),
+            confidence: raw.confidence,
+            provider: raw.provider,
             inline_api_key: None,
         })
     }
@@ -325,7 +342,26 @@ impl Deployment {
             first_token_timeout: crate::DEFAULT_FIRST_TOKEN_TIMEOUT,
             idle_timeout: crate::DEFAULT_IDLE_TIMEOUT,
             retry: RetryPolicy::default(),
+            confidence: 0.0,
+            provider: None,
             inline_api_key: None,
+        }
+    }
+
+    /// This deployment with `confidence` (`0..=1`) as its provider
+    /// confidence.
+    #[must_use]
+    pub fn with_confidence(mut self, confidence: f64) -> Self {
+        self.confidence = confidence;
+        self
+    }
+
+    /// The provider label tool jobs carry: the `provider` key, else the
+    /// `base_url`'s host.
+    pub fn provider_name(&self) -> String {
+        match &self.provider {
+            Some(p) => p.clone(),
+            None => self.base_url.host_str().unwrap_or_default().to_owned(),
         }
     }
 
@@ -445,6 +481,7 @@ impl Deployment {
                 ));
             }
         }
+        self.validate_trust(at)?;
         for (key, value) in [
             ("connect_timeout_ms", self.connect_timeout),
             ("first_token_timeout_ms", self.first_token_timeout),
@@ -455,6 +492,29 @@ impl Deployment {
             }
         }
         validate_retry(&self.retry, &format!("{at}.retry"))
+    }
+}
+
+impl Deployment {
+    /// `confidence` is a number in `0..=1`; `provider` a short name.
+    fn validate_trust(&self, at: &str) -> Result<(), (String, String)> {
+        if !(0.0..=1.0).contains(&self.confidence) {
+            return Err((
+                format!("{at}.confidence"),
+                format!("must be between 0.0 and 1.0, not {}", self.confidence),
+            ));
+        }
+        if let Some(provider) = &self.provider
+            && (provider.len() > 128 || check_name(provider).is_err())
+        {
+            return Err((
+                format!("{at}.provider"),
+                format!(
+                    "{provider:?} is not a provider name (1-128 of letters, digits, `_`, `-` and `.`)"
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -760,6 +760,7 @@ fn main() {
         agents: true,
         own_profile: "bench",
         tenant: "bench",
+        agents_denied: &[],
     };
     let gated = time_runs(GATING_RUNS, || {
         black_box(

@@ -154,7 +154,10 @@ fn configured_profile<'t>(fleet: &Fleet, tool: &'t CompiledTool) -> Option<&'t s
 
 /// The nested chat job of an agent call: the agent's profile, the
 /// caller's tenant, user, data source and documents, the surface `agent`,
-/// a deadline of `wait`.
+/// a deadline of `wait`. It claims no trust (a chat job may not): the
+/// nested run takes its provider confidence, provider and connection from
+/// the deployment its own profile calls, and its user only if its tenant
+/// is trusted to assert users.
 fn nested_job(inv: &Invocation, profile: &str, task: &str, wait: u64) -> ChatJob {
     ChatJob {
         invocation_id: client::new_invocation_id(),
@@ -165,12 +168,9 @@ fn nested_job(inv: &Invocation, profile: &str, task: &str, wait: u64) -> ChatJob
         profile: Some(profile.to_string()),
         tenant: inv.job.tenant.clone(),
         user: inv.job.user.clone(),
-        provider: inv.job.provider.clone(),
-        connection: inv.job.connection.clone(),
         resource: inv.job.resource.clone(),
         data_source_id: inv.job.data_source_id.clone(),
         attached_documents: inv.job.attached_documents.clone(),
-        provider_confidence: inv.job.provider_confidence,
         timeout_ms: Some(wait),
         traceparent: inv.job.traceparent.clone(),
         tools: Vec::new(),

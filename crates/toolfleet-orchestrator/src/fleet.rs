@@ -172,14 +172,23 @@ impl Fleet {
         agent_depth: u32,
     ) -> Result<Scope, Failure> {
         let snapshot = self.tool_snapshot();
+        let config = &self.config.profiles;
+        // The profiles whose agent tool the job's tenant may not use.
+        let agents_denied: Vec<String> = config
+            .profiles
+            .iter()
+            .filter(|(name, p)| p.agent.is_some() && !config.agent_allows(name, job.tenant()))
+            .map(|(name, _)| name.clone())
+            .collect();
         let gate = gating::Gate {
             documents: !job.attached_documents.is_empty(),
             data_source: ctx.data_source_id.is_some(),
             surface: job.surface(),
-            provider_confidence: job.provider_confidence.unwrap_or(0.0),
+            provider_confidence: ctx.provider_confidence.unwrap_or(0.0),
             agents: agent_depth < self.config.profiles.max_agent_depth,
             own_profile: &profile.name,
             tenant: ctx.tenant(),
+            agents_denied: &agents_denied,
         };
         let permitted = gating::permitted(&snapshot.registry, &profile.profile, job, &gate)?;
         Ok(Scope::new(snapshot, permitted, profile.profile.scoping))

@@ -45,6 +45,17 @@ pub struct Invocation {
     pub cancel_check: CancelCheck,
 }
 
+/// Sets the trust `ctx` carries from the deployment `profile` is on: its
+/// `confidence`, its provider and its name — never anything a chat job
+/// claimed. Set again when the invocation moves to a fallback deployment
+/// ([`Invocation::use_deployment`]), so tool jobs carry the trust of the
+/// deployment whose model asked for them.
+pub fn trust_from(ctx: &mut InvocationContext, profile: &ResolvedProfile) {
+    ctx.provider_confidence = Some(profile.provider_confidence());
+    ctx.provider = Some(profile.provider());
+    ctx.connection = Some(profile.connection().to_owned());
+}
+
 /// When a run last read its invocation's cancel tombstone and found none
 /// (at its start, then at each lease renewal). Its tool jobs are marked
 /// new calls (`Toolfleet-New-Call`: a worker may then answer for the
@@ -139,6 +150,13 @@ impl Citations {
 }
 
 impl Invocation {
+    /// Moves the invocation to `next` (the profile on another of its
+    /// deployments), with that deployment's trust in its context.
+    pub fn use_deployment(&mut self, next: ResolvedProfile) {
+        self.profile = next;
+        trust_from(&mut self.ctx, &self.profile);
+    }
+
     /// The conversation model.
     pub fn model(&self) -> &str {
         self.profile.model()

@@ -741,6 +741,7 @@ mod tests {
                 secret_env: Some("ACME_SECRET".into()),
                 events: SinkEvents::All,
                 relay: Some("acme.bus".into()),
+                tenants: Default::default(),
             },
         )]);
         let none = resolve(&s, &subjects(), &configured, None, None, "acme").unwrap();

@@ -48,10 +48,20 @@ pub enum ChatErrorCode {
     BadDeployment,
     /// The profile names no usable deployment.
     NoDeployment,
-    /// No profile of that name, and no default.
+    /// The default profile is not configured (a configuration built in
+    /// code; a loaded file always has it).
     NoProfile,
     /// The answer does not fit in a NATS message.
     AnswerTooLarge,
+    /// The job names a profile that is not configured (never run on
+    /// another one instead).
+    UnknownProfile,
+    /// The job's tenant may not use the profile (the one it named, or its
+    /// default).
+    ProfileNotAllowed,
+    /// The job's tenant may not use a data source it names (its
+    /// `dataSourceId`, or the collection of an attached document).
+    DataSourceNotAllowed,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -63,7 +73,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 19] = [
+    pub const FIXED: [ChatErrorCode; 22] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -83,6 +93,9 @@ impl ChatErrorCode {
         Self::NoDeployment,
         Self::NoProfile,
         Self::AnswerTooLarge,
+        Self::UnknownProfile,
+        Self::ProfileNotAllowed,
+        Self::DataSourceNotAllowed,
     ];
 
     /// The prefix of a provider failure's code.
@@ -115,6 +128,9 @@ impl ChatErrorCode {
             Self::NoDeployment => "no_deployment",
             Self::NoProfile => "no_profile",
             Self::AnswerTooLarge => "answer_too_large",
+            Self::UnknownProfile => "unknown_profile",
+            Self::ProfileNotAllowed => "profile_not_allowed",
+            Self::DataSourceNotAllowed => "data_source_not_allowed",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

@@ -37,14 +37,17 @@ pub mod headers {
     pub const TOOL_ID: &str = "Toolfleet-Tool-Id";
     /// The tenant the invocation runs as (absent: the default tenant).
     pub const TENANT: &str = "Toolfleet-Tenant";
-    /// The user who asks, as the chat job names them; the context tools need
-    /// it.
+    /// The user who asks, set by the orchestrator only when the operator
+    /// trusts the tenant's identity to assert its users (`trust_user`):
+    /// when present, a worker may take it as a trusted user id.
     pub const USER: &str = "Toolfleet-User";
     /// The profile the invocation runs under.
     pub const PROFILE: &str = "Toolfleet-Profile";
-    /// The chat job's `provider`, passed to tools as it came.
+    /// The provider of the deployment the orchestrator calls (its
+    /// `provider`, else its URL's host): decided by the fleet.
     pub const PROVIDER: &str = "Toolfleet-Provider";
-    /// The chat job's `connection`, passed to tools as it came.
+    /// The name of the deployment the orchestrator calls: decided by the
+    /// fleet.
     pub const CONNECTION: &str = "Toolfleet-Connection";
     /// The chat job's `resource`, passed to tools as it came.
     pub const RESOURCE: &str = "Toolfleet-Resource";
@@ -54,8 +57,9 @@ pub mod headers {
     /// The chat job's attached document ids, as a JSON array of strings
     /// (absent when none): the document-processing tools see only these.
     pub const ATTACHED_DOCUMENTS: &str = "Toolfleet-Attached-Documents";
-    /// How much the job's provider is trusted, `0..=1`: a tool with a higher
-    /// `minProviderConfidence` refuses the call (`blocked`).
+    /// How much the fleet trusts the deployment the orchestrator calls (its
+    /// `confidence`), `0..=1`: a tool with a higher `minProviderConfidence`
+    /// refuses the call (`blocked`).
     pub const PROVIDER_CONFIDENCE: &str = "Toolfleet-Provider-Confidence";
     /// Unix time in ms after which nobody waits for the call's answer (required
     /// on tool jobs).
@@ -561,13 +565,17 @@ pub struct InvocationContext {
     /// The tenant it runs as; `None` means [`DEFAULT_TENANT`] (see
     /// [`InvocationContext::tenant`]).
     pub tenant: Option<String>,
-    /// The user who asks, as the chat job names them.
+    /// The user who asks, only when the fleet trusts it: the orchestrator
+    /// sets it from the chat job's `user` when the operator marked the
+    /// tenant `trust_user` (its identity asserts its users), else never.
     pub user: Option<String>,
     /// The profile it runs under.
     pub profile: Option<String>,
-    /// The chat job's `provider`, passed to tools as it came.
+    /// The provider of the deployment the orchestrator calls (its
+    /// `provider`, else its URL's host); decided by the fleet.
     pub provider: Option<String>,
-    /// The chat job's `connection`, passed to tools as it came.
+    /// The name of the deployment the orchestrator calls; decided by the
+    /// fleet.
     pub connection: Option<String>,
     /// The chat job's `resource`, passed to tools as it came.
     pub resource: Option<String>,
@@ -578,7 +586,8 @@ pub struct InvocationContext {
     /// [`MAX_ATTACHED_DOCUMENTS`], each 1-512 characters without line
     /// breaks): the document-processing tools are scoped to them.
     pub attached_documents: Vec<String>,
-    /// How much the job's provider is trusted, `0..=1`; a tool with a higher
+    /// How much the fleet trusts the deployment the orchestrator calls
+    /// (its `confidence`), `0..=1`; a tool with a higher
     /// `minProviderConfidence` is not offered and refuses to run.
     pub provider_confidence: Option<f64>,
     /// Unix time in milliseconds after which nobody waits for the answer.
@@ -939,22 +948,20 @@ pub struct ChatJob {
     pub invocation_id: String,
     /// The conversation so far (1 to 500 messages).
     pub messages: Vec<ChatMessage>,
-    /// The profile to run; an unknown one, or none, runs the default profile.
+    /// The profile to run; none runs the tenant's default profile. A
+    /// profile that is not configured, or that the tenant may not use,
+    /// ends the job (`unknown_profile`, `profile_not_allowed`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub profile: Option<String>,
     /// The tenant the job runs as; when present it must be the submit subject's
     /// tenant. Absent: the subject's tenant.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tenant: Option<String>,
-    /// The user who asks; passed to tools, and the context tools need it.
+    /// The user who asks. Passed to tools (`Toolfleet-User`) only when the
+    /// operator trusts the tenant's identity to assert its users
+    /// (`trust_user`); otherwise tools get no user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub user: Option<String>,
-    /// Passed to tools in a header, as it came.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub provider: Option<String>,
-    /// Passed to tools in a header, as it came.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub connection: Option<String>,
     /// Passed to tools in a header, as it came.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resource: Option<String>,
@@ -967,10 +974,6 @@ pub struct ChatJob {
     /// the first model call.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub attached_documents: Vec<String>,
-    /// How much the provider of this job is trusted, `0..=1`: a tool with a
-    /// higher `minProviderConfidence` is not offered. Absent: 0 for that check.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub provider_confidence: Option<f64>,
     /// How long the client waits for the answer, from submission.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
@@ -1582,6 +1585,12 @@ pub mod schema_text {
     pub const DEAD_LETTER: &str = include_str!("../../../schemas/dead_letter.schema.json");
 }
 
+/// Chat job fields a client may not send: trust is the fleet's to decide
+/// (the deployment the orchestrator calls), never a client's claim. A job
+/// with one is refused with a message that says so, rather than the
+/// schema's bare "additional property".
+pub const FLEET_DECIDED: [&str; 3] = ["providerConfidence", "provider", "connection"];
+
 /// An envelope kind with its schema.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Envelope {
@@ -1675,6 +1684,18 @@ impl Envelope {
         }
         let value: Value =
             serde_json::from_slice(payload).map_err(|e| ProtocolError::NotJson(e.to_string()))?;
+        if self == Envelope::ChatJob
+            && let Some(field) = FLEET_DECIDED.iter().find(|f| value.get(**f).is_some())
+        {
+            return Err(ProtocolError::Schema {
+                schema: self.name(),
+                details: format!(
+                    "/{field}: a chat job may not claim providerConfidence, provider or \
+                     connection: the fleet decides them from the deployment it calls \
+                     (its operator's configuration)"
+                ),
+            });
+        }
         if let Err(violations) = self.validator().validate(&value) {
             return Err(ProtocolError::Schema {
                 schema: self.name(),
@@ -2204,6 +2225,33 @@ mod tests {
         assert_eq!(err.code(), "schema_violation");
         let big = vec![b' '; MAX_JOB_BYTES + 1];
         assert_eq!(e.decode::<ChatJob>(&big).unwrap_err().code(), "too_large");
+    }
+
+    /// Trust is the fleet's: a job claiming it is refused, saying why.
+    #[test]
+    fn a_chat_job_may_not_claim_its_trust() {
+        for (field, value) in [
+            ("providerConfidence", serde_json::json!(1.0)),
+            ("provider", serde_json::json!("openai")),
+            ("connection", serde_json::json!("conn-1")),
+        ] {
+            let mut job = serde_json::json!({
+                "invocationId": "inv-1",
+                "messages": [{ "role": "user", "content": "hi" }],
+            });
+            job[field] = value;
+            let err = Envelope::ChatJob
+                .decode::<ChatJob>(job.to_string().as_bytes())
+                .unwrap_err();
+            assert_eq!(err.code(), "schema_violation");
+            let said = err.to_string();
+            assert!(
+                said.contains(&format!("/{field}")) && said.contains("the fleet decides them"),
+                "{said}"
+            );
+            // The schema alone refuses it too.
+            assert!(Envelope::ChatJob.validator().validate(&job).is_err());
+        }
     }
 
     #[test]

@@ -2,14 +2,18 @@
 //! model's first call works on.
 //!
 //! The stage opens the invocation with its profile ([`open`]: the job's
-//! profile among the configured ones, its first deployment with a usable
-//! key, the orchestrator its `orchestrator` name resolves to — the one
+//! profile among the configured ones, or its tenant's default — refused
+//! when unknown or not its tenant's to use —, its first deployment with a
+//! usable key, the orchestrator its `orchestrator` name resolves to — the one
 //! fact every later step reads), then runs an ordered list of
 //! [`ContextHandler`]s over it ([`ContextHandlers`]). The built-ins, in
 //! order:
 //!
 //! 1. `invocation_context` — the [`InvocationContext`] every tool job
-//!    carries in its headers, with the deadline;
+//!    carries in its headers, with the deadline, the trust of the
+//!    deployment in use and the user only when its tenant is trusted to
+//!    assert it; a data source its tenant may not use fails the job
+//!    (`data_source_not_allowed`);
 //! 2. `conversation` — the system prompt, then the job's messages;
 //! 3. `permitted_tools` — the tools the invocation may use at all (the
 //!    gates of [`gating`](crate::tools::gating): system, profile, selected
@@ -53,7 +57,8 @@ use crate::tools::gating::Permitted;
 use crate::{Events, Failure, Fleet, Invocation, UsageLedger};
 
 pub use steps::{
-    DEFAULT_SYSTEM_PROMPT, conversation, invocation_context, resolve_profile, route_for,
+    DEFAULT_SYSTEM_PROMPT, check_data_sources, conversation, invocation_context, resolve_profile,
+    route_for,
 };
 
 /// What a context handler works with besides the invocation.
@@ -236,10 +241,17 @@ mod builtin {
     /// Runs what `invocation_context`, `conversation` and
     /// `permitted_tools` do.
     pub(super) fn first_steps(inv: &mut Invocation, fleet: &Fleet) -> Result<(), Failure> {
-        inv.ctx = invocation_context(&inv.job, &inv.profile, inv.deadline_ms);
+        open_context(inv, fleet)?;
         inv.messages = conversation(&inv.job, &inv.profile);
         inv.scope = fleet.permitted_tools(&inv.job, &inv.profile, &inv.ctx, inv.agent_depth)?;
         Ok(())
+    }
+
+    /// What `invocation_context` does.
+    fn open_context(inv: &mut Invocation, fleet: &Fleet) -> Result<(), Failure> {
+        let trust_user = fleet.config().profiles.trusts_user(inv.job.tenant());
+        inv.ctx = invocation_context(&inv.job, &inv.profile, inv.deadline_ms, trust_user);
+        check_data_sources(fleet, &inv.ctx)
     }
 
     /// A built-in step that waits for nothing.
@@ -264,10 +276,7 @@ mod builtin {
 
     pub(super) const INVOCATION_CONTEXT: Now = Now {
         name: "invocation_context",
-        step: |inv, _| {
-            inv.ctx = invocation_context(&inv.job, &inv.profile, inv.deadline_ms);
-            Ok(())
-        },
+        step: |inv, cx| open_context(inv, cx.fleet),
     };
 
     pub(super) const CONVERSATION: Now = Now {

@@ -206,7 +206,7 @@ fn rebuild(
     )?;
     while inv.profile.deployment_name != parked.deployment {
         match inv.profile.next_deployment("parked on a later deployment") {
-            Some(next) => inv.profile = next,
+            Some(next) => inv.use_deployment(next),
             None => break,
         }
     }

@@ -58,7 +58,7 @@ impl Fleet {
                         to_model: next.model().to_string(),
                         code: e.code().to_string(),
                     });
-                    inv.profile = next;
+                    inv.use_deployment(next);
                     request.model = inv.profile.model().to_string();
                 }
                 Err(e) => return Err(Failure::new(ChatErrorCode::llm(e.code()), e.to_string())),

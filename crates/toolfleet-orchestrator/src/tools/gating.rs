@@ -12,14 +12,16 @@
 //!   `tools`;
 //! - **agent tools** (profiles exposed as tools, from the `agents`
 //!   backend) like any selectable tool, but only below the fleet's agent
-//!   depth and never the invocation's own profile.
+//!   depth, never the invocation's own profile, and only to the tenants
+//!   the agent and its profile allow.
 //!
 //! Every candidate then passes the gates: its **purpose**
 //! (`document_processing` only with attached documents,
 //! `data_source_search` only with a data source, `general` and
 //! `content_generation` always), **`visibleIn`** (when not empty, it must
-//! name the job's surface), **`minProviderConfidence`** (the job's
-//! confidence, 0 when absent, must reach it — the same rule workers apply)
+//! name the job's surface), **`minProviderConfidence`** (the confidence of
+//! the deployment the invocation calls, 0 unless the operator set one,
+//! must reach it — the same rule workers apply; a job cannot claim one)
 //! and **liveness** (a tool no live worker serves is never offered). A
 //! tool whose definition names `tenants` is served to those tenants only:
 //! to any other it is as if no worker served it (a job naming it fails
@@ -54,7 +56,8 @@ pub struct Gate<'a> {
     pub data_source: bool,
     /// Where the answer is shown (`chat`, `agent`, …).
     pub surface: &'a str,
-    /// The job's provider confidence (0 when it names none).
+    /// The provider confidence of the deployment in use (its
+    /// `confidence`; never the job's claim).
     pub provider_confidence: f64,
     /// Whether agent tools may be offered (the job is not at the deepest
     /// nesting yet).
@@ -65,6 +68,9 @@ pub struct Gate<'a> {
     /// The invocation's tenant: a tool whose `tenants` leaves it out is
     /// not served to it (as if no worker served it).
     pub tenant: &'a str,
+    /// Profiles whose agent tool the invocation's tenant may not use (the
+    /// agent's or the profile's `tenants` leave it out): never offered.
+    pub agents_denied: &'a [String],
 }
 
 /// Why a gate kept a tool out.
@@ -141,7 +147,10 @@ pub fn permitted(
         e.is_live()
             && e.tool.definition.allows_tenant(gate.tenant)
             && if &*e.source == AGENTS_SOURCE {
-                gate.agents && !is_own_agent(e, gate.own_profile)
+                gate.agents
+                    && !is_own_agent(e, gate.own_profile)
+                    && !super::agents::profile_of(&e.tool)
+                        .is_some_and(|p| gate.agents_denied.iter().any(|d| d == p))
             } else {
                 !impersonates(e)
             }
@@ -426,6 +435,7 @@ mod tests {
             agents: true,
             own_profile: "default",
             tenant: "acme",
+            agents_denied: &[],
         }
     }
 
@@ -540,6 +550,18 @@ mod tests {
         )
         .unwrap();
         assert!(!ids(&deep).iter().any(|i| i.starts_with("agent:")));
+        // An agent the tenant may not use: never offered, nor picked.
+        let denied = ["helper_profile".to_owned()];
+        let other_tenant = Gate {
+            agents_denied: &denied,
+            ..gate()
+        };
+        let theirs = permitted(&registry, &profile, &job, &other_tenant).unwrap();
+        assert!(!ids(&theirs).iter().any(|i| i.starts_with("agent:")));
+        let mut pick_agent = job.clone();
+        pick_agent.tools = vec!["agent:helper".into()];
+        assert!(permitted(&registry, &profile, &pick_agent, &other_tenant).is_err());
+        assert!(permitted(&registry, &profile, &pick_agent, &gate()).is_ok());
 
         // A narrow profile, a must-include tool, and a job's pick.
         profile.tools = vec!["u:*".parse().unwrap(), "u:dead".parse().unwrap()];
