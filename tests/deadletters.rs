@@ -208,7 +208,10 @@ fn secretive_definition(dir: &std::path::Path) -> std::path::PathBuf {
 fn listed(env: &Env, call_id: &str) -> Option<Value> {
     let (code, out, err) = deadletters(env, &["ls", "-o", "json"]);
     assert_eq!(code, Some(0), "{out}{err}");
-    assert!(!out.contains(CANARY), "ls printed a sensitive argument: {out}");
+    assert!(
+        !out.contains(CANARY),
+        "ls printed a sensitive argument: {out}"
+    );
     let rows: Vec<Value> = serde_json::from_str(&out).unwrap();
     rows.into_iter().find(|r| r["callId"] == call_id)
 }
@@ -269,12 +272,24 @@ async fn a_sensitive_argument_is_never_kept_in_a_dead_letter_nor_shown() {
         .expect("dead-lettered")
         .unwrap();
     let record = String::from_utf8_lossy(&msg.payload).into_owned();
-    assert!(!record.contains(CANARY), "the dead letter keeps it: {record}");
-    let record: Value = serde_json::from_str(&record).unwrap();
-    assert_eq!(record["job"]["arguments"]["apiToken"], "[redacted]", "{record}");
-    assert_eq!(record["job"]["arguments"]["utcOffset"], "+01:00", "{record}");
     assert!(
-        record["error"].as_str().unwrap().contains("refused token [redacted]"),
+        !record.contains(CANARY),
+        "the dead letter keeps it: {record}"
+    );
+    let record: Value = serde_json::from_str(&record).unwrap();
+    assert_eq!(
+        record["job"]["arguments"]["apiToken"], "[redacted]",
+        "{record}"
+    );
+    assert_eq!(
+        record["job"]["arguments"]["utcOffset"], "+01:00",
+        "{record}"
+    );
+    assert!(
+        record["error"]
+            .as_str()
+            .unwrap()
+            .contains("refused token [redacted]"),
         "{record}"
     );
     running.stop().await;
@@ -337,7 +352,10 @@ async fn a_sensitive_argument_is_never_kept_in_a_dead_letter_nor_shown() {
         assert_eq!(code, Some(0), "{err}");
         assert!(!out.contains(CANARY) && !err.contains(CANARY), "{out}{err}");
         let shown: Value = serde_json::from_str(&out).unwrap();
-        assert_eq!(shown["job"]["arguments"]["apiToken"], "[redacted]", "{shown}");
+        assert_eq!(
+            shown["job"]["arguments"]["apiToken"], "[redacted]",
+            "{shown}"
+        );
         // Only what is sensitive is hidden when the definition says which.
         let offset = &shown["job"]["arguments"]["utcOffset"];
         if tool.starts_with("testing:") {

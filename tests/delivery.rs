@@ -825,7 +825,11 @@ async fn the_same_invocation_id_under_two_tenants_is_two_invocations() {
     };
     assert_eq!(titles(&answers[0]), ["round 1"], "{}", answers[0].text);
     assert_eq!(titles(&answers[1]), ["round 7"], "{}", answers[1].text);
-    assert!(answers[1].text.contains("says round 7"), "{}", answers[1].text);
+    assert!(
+        answers[1].text.contains("says round 7"),
+        "{}",
+        answers[1].text
+    );
 
     let mut redis = env.redis_conn.clone();
     for (tenant, title) in [("acme", "round 1"), ("globex", "round 7")] {
@@ -932,10 +936,19 @@ async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_
     loop {
         let id = client::new_invocation_id();
         match ask(acme.clone(), "acme", id, "what time is it").await {
-            Ok(o) if o.events.iter().any(|e| {
-                matches!(&e.body, toolfleet_protocol::ChatEventBody::ToolResult {
-                    status: toolfleet_protocol::ToolStatus::Ok, .. })
-            }) => break,
+            Ok(o)
+                if o.events.iter().any(|e| {
+                    matches!(
+                        &e.body,
+                        toolfleet_protocol::ChatEventBody::ToolResult {
+                            status: toolfleet_protocol::ToolStatus::Ok,
+                            ..
+                        }
+                    )
+                }) =>
+            {
+                break;
+            }
             other => assert!(
                 tokio::time::Instant::now() < deadline,
                 "the fleet never answered: {other:?}\n{}",
@@ -971,8 +984,14 @@ async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_
         .unwrap();
     let acme_saw = events_until_terminal(&mut acme_events).await;
     let last = acme_saw.last().unwrap();
-    assert_eq!(last["type"], "completed", "acme's own job runs: {acme_saw:#?}");
-    assert!(last["text"].as_str().unwrap().starts_with("It is "), "{last}");
+    assert_eq!(
+        last["type"], "completed",
+        "acme's own job runs: {acme_saw:#?}"
+    );
+    assert!(
+        last["text"].as_str().unwrap().starts_with("It is "),
+        "{last}"
+    );
 
     // Then globex, through the client library: its job runs, its answer is
     // its own.
@@ -984,7 +1003,11 @@ async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_
                 std::fs::read_to_string(&orchestrator.log).unwrap_or_default()
             )
         });
-    assert!(answered.text.starts_with("globex-canary-4b1 at "), "{}", answered.text);
+    assert!(
+        answered.text.starts_with("globex-canary-4b1 at "),
+        "{}",
+        answered.text
+    );
     // acme heard nothing of it.
     assert_silent(
         &mut acme_events,
@@ -992,7 +1015,11 @@ async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_
         "an event of globex's run reached acme's subject",
     )
     .await;
-    assert!(!serde_json::to_string(&acme_saw).unwrap().contains("globex-canary"));
+    assert!(
+        !serde_json::to_string(&acme_saw)
+            .unwrap()
+            .contains("globex-canary")
+    );
 
     // The other way round: an id globex used first is not refused to acme
     // (a refusal would tell acme that the id exists).
@@ -1000,12 +1027,19 @@ async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_
     let first = ask(globex.clone(), "globex", taken.clone(), "globex: the time?")
         .await
         .expect("globex's job");
-    assert!(first.text.starts_with("globex-canary-4b1"), "{}", first.text);
+    assert!(
+        first.text.starts_with("globex-canary-4b1"),
+        "{}",
+        first.text
+    );
     let second = ask(acme.clone(), "acme", taken.clone(), "what time is it")
         .await
         .expect("acme's job under an id globex used first runs as acme's own");
     assert!(second.text.starts_with("It is "), "{}", second.text);
-    assert!(!format!("{second:?}").contains("globex-canary"), "{second:?}");
+    assert!(
+        !format!("{second:?}").contains("globex-canary"),
+        "{second:?}"
+    );
 
     // Each claim and stored answer is its tenant's own.
     let mut conn = redis::Client::open(redis.url())
@@ -1020,13 +1054,20 @@ async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_
                 .query_async(&mut conn)
                 .await
                 .unwrap();
-            assert!(owner.is_some_and(|o| o.ends_with(":finished")), "{tenant}/{inv}");
+            assert!(
+                owner.is_some_and(|o| o.ends_with(":finished")),
+                "{tenant}/{inv}"
+            );
             let terminal: String = redis::cmd("GET")
                 .arg(format!("toolfleet:{{{tenant}/{inv}}}:terminal"))
                 .query_async(&mut conn)
                 .await
                 .unwrap();
-            assert_eq!(terminal.contains("globex-canary"), tenant == "globex", "{terminal}");
+            assert_eq!(
+                terminal.contains("globex-canary"),
+                tenant == "globex",
+                "{terminal}"
+            );
         }
     }
 }

@@ -216,11 +216,7 @@ const TERMINAL_TRIES: u32 = 5;
 /// window shared by all tenants must not drop. Core
 /// subscribers receive it like any event; a retry after a lost
 /// confirmation may reach them twice, with the same `seq`.
-async fn publish_terminal(
-    client: &async_nats::Client,
-    subject: &str,
-    payload: bytes::Bytes,
-) {
+async fn publish_terminal(client: &async_nats::Client, subject: &str, payload: bytes::Bytes) {
     let js = async_nats::jetstream::new(client.clone());
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(

@@ -562,11 +562,7 @@ impl CitationStore {
     ///
     /// The claim is the tenant's: another tenant's invocation of the same
     /// id is claimed apart and never learns of this one.
-    pub async fn claim(
-        &self,
-        inv: InvocationKey<'_>,
-        owner: &str,
-    ) -> Result<Claim, CitationError> {
+    pub async fn claim(&self, inv: InvocationKey<'_>, owner: &str) -> Result<Claim, CitationError> {
         let key = &self.key(inv, "owner");
         let ttl = self.ttl.as_secs().max(1);
         // Safe to repeat: a SET NX that ran before the connection broke is

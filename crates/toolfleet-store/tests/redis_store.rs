@@ -154,8 +154,10 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     // Issued while Redis is down: each retries until it is back. The
     // reservation also finds the script cache empty and loads it again.
     let s = store.clone();
-    let reserve =
-        tokio::spawn(async move { s.reserve(acme("inv-o"), "c2", "c2", "t", refs(&["b"]), 1).await });
+    let reserve = tokio::spawn(async move {
+        s.reserve(acme("inv-o"), "c2", "c2", "t", refs(&["b"]), 1)
+            .await
+    });
     let s = store.clone();
     let cancel = tokio::spawn(async move { s.mark_cancelled(of("acme", "inv-o")).await });
     let s = store.clone();
@@ -179,7 +181,11 @@ async fn an_operation_during_a_short_outage_succeeds_once_redis_is_back() {
     assert_eq!(indices(&second), [2]);
     within(cancel).await.unwrap().unwrap();
     within(put).await.unwrap().unwrap();
-    assert!(within(store.is_cancelled(of("acme", "inv-o"))).await.unwrap());
+    assert!(
+        within(store.is_cancelled(of("acme", "inv-o")))
+            .await
+            .unwrap()
+    );
     let stored = within(store.ledger_and_cancel(of("acme", "inv-o"), "c2"))
         .await
         .unwrap()
@@ -212,7 +218,9 @@ async fn redis_gone_past_the_budget_fails_as_unavailable_without_the_password() 
     drop(redis);
 
     let started = Instant::now();
-    let err = within(store.claim(acme("inv-gone"), "seq-1")).await.unwrap_err();
+    let err = within(store.claim(acme("inv-gone"), "seq-1"))
+        .await
+        .unwrap_err();
     let elapsed = started.elapsed();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
     assert!(err.is_unavailable());
@@ -368,8 +376,14 @@ async fn the_same_id_under_two_tenants_shares_nothing() {
     assert_eq!(within(store.claim(acme, "7")).await.unwrap(), Claim::New);
     assert_eq!(within(store.claim(globex, "9")).await.unwrap(), Claim::New);
     let long = Duration::from_secs(30);
-    assert_eq!(within(store.lease(acme, "a", long)).await.unwrap(), Lease::Held);
-    assert_eq!(within(store.lease(globex, "g", long)).await.unwrap(), Lease::Held);
+    assert_eq!(
+        within(store.lease(acme, "a", long)).await.unwrap(),
+        Lease::Held
+    );
+    assert_eq!(
+        within(store.lease(globex, "g", long)).await.unwrap(),
+        Lease::Held
+    );
     // Citations: each from [doc:1], each its own hash.
     let a = within(store.reserve(acme, "c1", "c1", "t", refs(&["acme-doc"]), 0))
         .await
@@ -403,9 +417,14 @@ async fn the_same_id_under_two_tenants_shares_nothing() {
     // A cancel, a finished run and a blob stay with their tenant.
     within(store.mark_cancelled(acme)).await.unwrap();
     assert!(!within(store.is_cancelled(globex)).await.unwrap());
-    within(store.finish(acme, "7", b"acme's end")).await.unwrap();
+    within(store.finish(acme, "7", b"acme's end"))
+        .await
+        .unwrap();
     assert_eq!(within(store.terminal_event(globex)).await.unwrap(), None);
-    assert_eq!(within(store.claim(globex, "9")).await.unwrap(), Claim::Again);
+    assert_eq!(
+        within(store.claim(globex, "9")).await.unwrap(),
+        Claim::Again
+    );
     within(store.put_blob(globex, "c1.1", "text/plain", b"globex canary"))
         .await
         .unwrap();
@@ -527,11 +546,15 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
         .await
         .unwrap();
     assert_eq!(
-        within(store.get_blob(acme("inv-b"), "call-1.2")).await.unwrap(),
+        within(store.get_blob(acme("inv-b"), "call-1.2"))
+            .await
+            .unwrap(),
         None
     );
     assert_eq!(
-        within(store.get_blob(acme("inv-c"), "call-1.1")).await.unwrap(),
+        within(store.get_blob(acme("inv-c"), "call-1.1"))
+            .await
+            .unwrap(),
         None
     );
     assert_eq!(
@@ -592,7 +615,9 @@ async fn a_blob_round_trips_with_the_ttl_and_stays_in_its_invocation() {
         .query_async(&mut raw)
         .await
         .unwrap();
-    let err = within(store.get_blob(acme("inv-b"), "half")).await.unwrap_err();
+    let err = within(store.get_blob(acme("inv-b"), "half"))
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
 }
 
@@ -629,7 +654,9 @@ async fn a_run_lease_is_held_renewed_and_lapses() {
     // Not renewed, it lapses, and the next holder takes it.
     let short = Duration::from_millis(200);
     assert_eq!(
-        within(store.lease(acme("inv-n"), "a", short)).await.unwrap(),
+        within(store.lease(acme("inv-n"), "a", short))
+            .await
+            .unwrap(),
         Lease::Held
     );
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -659,7 +686,9 @@ async fn a_run_lease_is_held_renewed_and_lapses() {
             .unwrap(),
         (Lease::Held, false)
     );
-    within(store.mark_cancelled(of("acme", "inv-l"))).await.unwrap();
+    within(store.mark_cancelled(of("acme", "inv-l")))
+        .await
+        .unwrap();
     assert_eq!(
         within(store.renew_lease(of("acme", "inv-l"), "a", long))
             .await
@@ -962,7 +991,9 @@ async fn the_store_works_on_a_three_master_cluster() {
         assert_eq!(indices(&b), [6], "{inv}");
         let all = within(store.references(acme(&inv))).await.unwrap();
         assert_eq!(indices(&all), [1, 2, 6], "{inv}");
-        within(s.ledger_put("acme", &result(&inv, "a"))).await.unwrap();
+        within(s.ledger_put("acme", &result(&inv, "a")))
+            .await
+            .unwrap();
         let got = within(seeded.ledger_and_cancel(of("acme", &inv), "a"))
             .await
             .unwrap()
@@ -970,7 +1001,10 @@ async fn the_store_works_on_a_three_master_cluster() {
             .unwrap();
         assert_eq!(got.content, "answer of a");
         assert_eq!(within(s.claim(acme(&inv), "1")).await.unwrap(), Claim::New);
-        assert_eq!(within(store.claim(acme(&inv), "1")).await.unwrap(), Claim::Again);
+        assert_eq!(
+            within(store.claim(acme(&inv), "1")).await.unwrap(),
+            Claim::Again
+        );
         assert_eq!(
             within(seeded.claim(acme(&inv), "2")).await.unwrap(),
             Claim::Other("1".into())
@@ -979,7 +1013,11 @@ async fn the_store_works_on_a_three_master_cluster() {
         within(s.mark_cancelled(of("acme", &inv))).await.unwrap();
         assert!(within(seeded.is_cancelled(of("acme", &inv))).await.unwrap());
         // Another tenant's cancel of the same id is kept apart.
-        assert!(!within(seeded.is_cancelled(of("globex", &inv))).await.unwrap());
+        assert!(
+            !within(seeded.is_cancelled(of("globex", &inv)))
+                .await
+                .unwrap()
+        );
         let (_, cancelled) = within(seeded.ledger_and_cancel(of("globex", &inv), "a"))
             .await
             .unwrap();
@@ -988,7 +1026,10 @@ async fn the_store_works_on_a_three_master_cluster() {
         within(s.put_blob(acme(&inv), "a.1", "image/png", inv.as_bytes()))
             .await
             .unwrap();
-        let blob = within(seeded.get_blob(acme(&inv), "a.1")).await.unwrap().unwrap();
+        let blob = within(seeded.get_blob(acme(&inv), "a.1"))
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(blob.bytes, inv.as_bytes());
     }
     // Many results of many invocations (every master) in one write.
@@ -1070,7 +1111,8 @@ async fn a_cluster_master_restarted_mid_operation_is_waited_for() {
     cluster.stop(0);
     let s = store.clone();
     let i = inv.clone();
-    let reserve = tokio::spawn(async move { s.reserve(acme(&i), "b", "b", "t", refs(&["y"]), 1).await });
+    let reserve =
+        tokio::spawn(async move { s.reserve(acme(&i), "b", "b", "t", refs(&["y"]), 1).await });
     let s = store.clone();
     let i = inv.clone();
     let claim = tokio::spawn(async move { s.claim(acme(&i), "7").await });
@@ -1105,7 +1147,9 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     ))
     .await
     .unwrap();
-    within(store.mark_cancelled(of("acme", "inv-z"))).await.unwrap();
+    within(store.mark_cancelled(of("acme", "inv-z")))
+        .await
+        .unwrap();
     let signal = |sig: &str| {
         let ok = Command::new("kill")
             .args([sig, &redis.child.id().to_string()])
@@ -1127,7 +1171,11 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
     assert!(err.to_string().contains("is_cancelled"), "{err}");
     assert!(elapsed >= budget, "gave up after {elapsed:?}");
     // Thawed, the same store answers again.
-    assert!(within(store.is_cancelled(of("acme", "inv-z"))).await.unwrap());
+    assert!(
+        within(store.is_cancelled(of("acme", "inv-z")))
+            .await
+            .unwrap()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1163,8 +1211,14 @@ async fn the_store_works_on_a_tls_cluster_with_a_password() {
             indices(&within(store.references(acme(&inv))).await.unwrap()),
             [3, 4]
         );
-        assert_eq!(within(store.claim(acme(&inv), "1")).await.unwrap(), Claim::New);
-        assert_eq!(within(store.claim(acme(&inv), "1")).await.unwrap(), Claim::Again);
+        assert_eq!(
+            within(store.claim(acme(&inv), "1")).await.unwrap(),
+            Claim::New
+        );
+        assert_eq!(
+            within(store.claim(acme(&inv), "1")).await.unwrap(),
+            Claim::Again
+        );
     }
     // The cluster client needs the CA like the single-server one.
     let err = within(CitationStore::connect_with(

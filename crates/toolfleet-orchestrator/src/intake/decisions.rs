@@ -121,7 +121,11 @@ async fn give_up(fleet: &Fleet, msg: &jetstream::Message, parked: &Parked, deliv
     if let Some(terminal) = events.close().await
         && let Err(e) = fleet
             .store
-            .finish(InvocationKey::new(&parked.tenant, id), &parked.owner, &terminal)
+            .finish(
+                InvocationKey::new(&parked.tenant, id),
+                &parked.owner,
+                &terminal,
+            )
             .await
     {
         warn!(invocation_id = %id, error = %e, "cannot mark the invocation finished");

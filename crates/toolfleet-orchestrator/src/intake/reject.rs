@@ -175,7 +175,13 @@ pub(super) async fn malformed(
     let tenant = subject_tenant.unwrap_or_else(|| DEFAULT_TENANT.to_string());
     let tell_sender = match &invocation_id {
         Some(id) => matches!(
-            claim(fleet, InvocationKey::new(&tenant, id), delivery, &new_holder()).await,
+            claim(
+                fleet,
+                InvocationKey::new(&tenant, id),
+                delivery,
+                &new_holder()
+            )
+            .await,
             Claimed::Ours
         ),
         None => false,
@@ -222,7 +228,13 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         .unwrap_or(DEFAULT_TENANT);
     if let Some(id) = &invocation_id
         && matches!(
-            claim(&fleet, InvocationKey::new(tenant, id), delivery, &new_holder()).await,
+            claim(
+                &fleet,
+                InvocationKey::new(tenant, id),
+                delivery,
+                &new_holder()
+            )
+            .await,
             Claimed::Ours
         )
     {

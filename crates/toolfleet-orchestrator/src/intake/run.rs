@@ -224,7 +224,8 @@ impl Run<'_> {
         // checked (and renewed, so nobody can take it over for the lease's
         // length) right before the terminal event, so a run that lost it
         // between two renewals adds no second terminal event, finish or ack.
-        if let Ok(Lease::Busy { .. }) = fleet.store.lease(self.inv(), &self.holder, LEASE_TTL).await {
+        if let Ok(Lease::Busy { .. }) = fleet.store.lease(self.inv(), &self.holder, LEASE_TTL).await
+        {
             warn!(invocation_id = %self.id, "this run's lease was taken over while it ended; it stops without its terminal event");
             return None;
         }
@@ -304,13 +305,7 @@ impl Run<'_> {
         }
         // A cancel that came while it parked found neither a run nor a
         // record: end it now.
-        if cancel.is_cancelled()
-            || fleet
-                .store
-                .is_cancelled(self.inv())
-                .await
-                .unwrap_or(false)
-        {
+        if cancel.is_cancelled() || fleet.store.is_cancelled(self.inv()).await.unwrap_or(false) {
             approvals::watch::cancel_parked(fleet, id, &self.tenant).await;
         }
         if let Err(e) = fleet.store.release_lease(self.inv(), &self.holder).await {
