@@ -59,11 +59,17 @@ pub async fn run(command: McpCommand) -> anyhow::Result<i32> {
     // Without --profile, the default profile's rules: its tools, and its
     // approval rules (a tool it holds for approval is never offered).
     let config = toolfleet_service::args::or_exit(llm.fleet_config().map_err(Into::into));
-    let name = profile.unwrap_or_else(|| config.default_profile.clone());
+    // The tenant's own default profile, as the orchestrator would choose;
+    // a profile the tenant may not use is refused, as a job naming it is.
+    let name = profile.unwrap_or_else(|| config.default_profile_of(&tenant).to_owned());
     let Some(p) = config.profiles.get(&name) else {
         eprintln!("toolfleet mcp serve: no profile {name:?} in the profiles file");
         return Ok(toolfleet_service::args::EXIT_CONFIG);
     };
+    if !p.tenants.allows(&tenant) {
+        eprintln!("toolfleet mcp serve: profile {name:?} is not for tenant {tenant:?}");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
     let (scope, needs_approval) = (Some(p.tools.clone()), p.require_approval.clone());
     let subjects = nats.subjects()?;
     let client = nats.connect("toolfleet-mcp").await?;

@@ -302,3 +302,34 @@ async fn mcp_serve_without_a_profile_offers_no_gated_tool() {
     assert!(text.contains("<untrusted_mcp_content boundary="), "{text}");
     assert_eq!(report(text)["meta"]["toolfleet/tenant"], "acme", "{text}");
 }
+
+/// `toolfleet mcp serve` picks a profile as the orchestrator does: the
+/// tenant's own default, and never a profile its tenant may not use
+/// (exit 64 before it connects to anything).
+#[test]
+fn mcp_serve_refuses_a_profile_its_tenant_may_not_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let profiles = dir.path().join("toolfleet.toml");
+    std::fs::write(
+        &profiles,
+        "default_profile = \"globex-desk\"\n[deployments.d]\nbase_url = \"http://127.0.0.1:9\"\n\
+         model = \"m\"\n[profiles.globex-desk]\ndeployment = \"d\"\ntenants = [\"globex\"]\n",
+    )
+    .unwrap();
+    let serve = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .args(["mcp", "serve", "--tenant", "acme"])
+            .args(args)
+            .env("TOOLFLEET_CONFIG", &profiles)
+            .env("TOOLFLEET_NATS_URL", "nats://127.0.0.1:9")
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap()
+    };
+    for args in [&[][..], &["--profile", "globex-desk"][..]] {
+        let out = serve(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
+        assert!(stderr.contains("not for tenant \"acme\""), "{args:?}: {stderr}");
+    }
+}
