@@ -330,6 +330,9 @@ fn mcp_serve_refuses_a_profile_its_tenant_may_not_use() {
         let out = serve(args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(64), "{args:?}: {stderr}");
-        assert!(stderr.contains("not for tenant \"acme\""), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("not for tenant \"acme\""),
+            "{args:?}: {stderr}"
+        );
     }
 }

@@ -174,7 +174,11 @@ async fn https_pages_are_read_only_with_a_trusted_certificate() {
         .unwrap();
     // The title is untrusted too: it sits inside the fence.
     assert!(out.content.starts_with("[doc:1] "), "{}", out.content);
-    assert!(out.content.contains("Title: Secure bees"), "{}", out.content);
+    assert!(
+        out.content.contains("Title: Secure bees"),
+        "{}",
+        out.content
+    );
     assert!(out.content.contains("Over TLS."));
 
     // The system's roots do not know the test CA.
