@@ -46,7 +46,8 @@ type Known = BTreeMap<String, (usize, BTreeMap<String, String>)>;
 /// `$SRV.STATS`), every tool (instances serving it, backlog and jobs in
 /// flight from its consumer, jobs and errors from the instances' stats,
 /// the newest error), the chat backlog and the dead letters kept. Exits 0;
-/// [`EXIT_STRANDED`] when a tool has a backlog and no instance serves it.
+/// [`EXIT_STRANDED`] when a tool has jobs waiting or in flight and no
+/// instance serves it.
 pub async fn run(args: StatusArgs) -> anyhow::Result<i32> {
     let (nats, wait) = (&args.nats, Duration::from_millis(args.wait_ms));
     let subjects = nats.subjects()?;
@@ -194,7 +195,13 @@ impl Status {
         let stranded: Vec<&String> = self
             .tools
             .iter()
-            .filter(|(_, r)| r["instances"] == 0 && r["backlog"].as_u64().unwrap_or(0) > 0)
+            // A job delivered to an instance that has since gone (in
+            // flight to nobody until its ack wait ends) waits as well.
+            .filter(|(_, r)| {
+                let waiting =
+                    r["backlog"].as_u64().unwrap_or(0) + r["in_flight"].as_u64().unwrap_or(0);
+                r["instances"] == 0 && waiting > 0
+            })
             .map(|(id, _)| id)
             .collect();
         match output {
