@@ -253,7 +253,11 @@ pub(crate) async fn vectors(store: &dyn Store) {
         assert!(hits.is_empty(), "{} backend", store.backend());
     }
 
-    // The same id twice in one batch: the later one wins.
+    later_of_the_same_id_wins(store).await;
+}
+
+/// The same id twice in one batch: the later one wins.
+async fn later_of_the_same_id_wins(store: &dyn Store) {
     let mut first = chunk("v", 0, "first version");
     first.id = "twice".into();
     first.kind = ItemKind::Knowledge;
@@ -285,46 +289,7 @@ pub(crate) async fn vectors(store: &dyn Store) {
 /// other's, whatever the query's other filters name; a read or write
 /// without a valid tenant is refused, never widened.
 pub(crate) async fn tenants(store: &dyn Store) {
-    const CANARY: &str = "globexcanary";
-    let in_kb = |mut chunk: Item| {
-        chunk.collection = "kb".into();
-        chunk
-    };
-    for (tenant, word) in [("globex", CANARY), ("acme", "acmeword")] {
-        store
-            .replace_document(
-                tenant,
-                record("kb:secret.md", "kb"),
-                vec![in_kb(chunk(
-                    "kb:secret.md",
-                    0,
-                    &format!("The vault code {word}."),
-                ))],
-            )
-            .await
-            .unwrap();
-        let mut knowledge = chunk("k", 0, &format!("Bob likes {word} tea."));
-        knowledge.id = "bob-1".into();
-        knowledge.kind = ItemKind::Knowledge;
-        knowledge.document_id = None;
-        knowledge.chunk = None;
-        knowledge.owner.user = Some("bob".into());
-        knowledge.embedding = Some(vec![1.0, 0.0]);
-        store.upsert_items(tenant, vec![knowledge]).await.unwrap();
-    }
-    // globex re-ingests its document: acme's of the same id stays.
-    store
-        .replace_document(
-            "globex",
-            record("kb:secret.md", "kb"),
-            vec![chunk(
-                "kb:secret.md",
-                0,
-                &format!("The new vault code {CANARY}."),
-            )],
-        )
-        .await
-        .unwrap();
+    seed_two_tenants(store).await;
     let texts = |hits: Vec<crate::search::Hit>| -> Vec<String> {
         hits.into_iter().map(|h| h.item.text).collect()
     };
@@ -399,7 +364,58 @@ pub(crate) async fn tenants(store: &dyn Store) {
         "{tenants:?}"
     );
 
-    // No tenant, or a malformed one: refused, never "every tenant".
+    refuses_a_missing_or_malformed_tenant(store).await;
+}
+
+/// The canary of tenant globex in [`tenants`].
+const CANARY: &str = "globexcanary";
+
+/// globex and acme store a document, a user's knowledge and vectors under
+/// the same ids; then globex re-ingests its document.
+async fn seed_two_tenants(store: &dyn Store) {
+    let in_kb = |mut chunk: Item| {
+        chunk.collection = "kb".into();
+        chunk
+    };
+    for (tenant, word) in [("globex", CANARY), ("acme", "acmeword")] {
+        store
+            .replace_document(
+                tenant,
+                record("kb:secret.md", "kb"),
+                vec![in_kb(chunk(
+                    "kb:secret.md",
+                    0,
+                    &format!("The vault code {word}."),
+                ))],
+            )
+            .await
+            .unwrap();
+        let mut knowledge = chunk("k", 0, &format!("Bob likes {word} tea."));
+        knowledge.id = "bob-1".into();
+        knowledge.kind = ItemKind::Knowledge;
+        knowledge.document_id = None;
+        knowledge.chunk = None;
+        knowledge.owner.user = Some("bob".into());
+        knowledge.embedding = Some(vec![1.0, 0.0]);
+        store.upsert_items(tenant, vec![knowledge]).await.unwrap();
+    }
+    // globex re-ingests its document: acme's of the same id stays.
+    store
+        .replace_document(
+            "globex",
+            record("kb:secret.md", "kb"),
+            vec![chunk(
+                "kb:secret.md",
+                0,
+                &format!("The new vault code {CANARY}."),
+            )],
+        )
+        .await
+        .unwrap();
+}
+
+/// No tenant, or a malformed one: refused, never "every tenant".
+async fn refuses_a_missing_or_malformed_tenant(store: &dyn Store) {
     for bad in ["", "a b", "x\n"] {
         let mut q = query(CANARY);
         q.tenant = bad.into();
