@@ -12,41 +12,15 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use serde_json::{Value, json};
-use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
+use toolfleet_local::servers::{NatsServer, RedisServer};
 use toolfleet_protocol::{ChatEventBody, Subjects, ToolStatus};
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
-use crate::support::{self, WAIT};
-
-/// (user, the server's environment variable with its password): every
-/// identity of the file (the server needs each variable).
-const USERS: [(&str, &str); 9] = [
-    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
-    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
-    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
-    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
-    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
-    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
-    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
-    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
-    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
-];
+use crate::security::{inbox_prefix, password};
+use crate::support::WAIT;
 
 /// acme's secret, in a file only the worker's host reads.
 const ACME_CANARY: &str = "sk-acme-settings-canary-5e1d";
-
-fn password(user: &str) -> String {
-    format!("pw-{user}-settings-2b9c")
-}
-
-fn inbox(user: &str) -> String {
-    match user {
-        "worker-units" => "_INBOX.worker.units".into(),
-        "client-acme" => "_INBOX.client.acme".into(),
-        "client-globex" => "_INBOX.client.globex".into(),
-        other => format!("_INBOX.{other}"),
-    }
-}
 
 /// The units family's tool id, served by the test's worker with a
 /// settingsSchema of its own (`greeting`, and the secret `apiKey`).
@@ -108,7 +82,7 @@ impl Tool for Probe {
 
 async fn connect(nats: &NatsServer, user: &str) -> async_nats::Client {
     async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
-        .custom_inbox_prefix(inbox(user))
+        .custom_inbox_prefix(inbox_prefix(user))
         .connect(nats.url())
         .await
         .expect("connect")
@@ -122,7 +96,7 @@ fn settings_cmd(nats: &NatsServer, args: &[&str]) -> (Option<i32>, String, Strin
         .env("TOOLFLEET_NATS_URL", nats.url())
         .env("TOOLFLEET_NATS_USER", "operator")
         .env("TOOLFLEET_NATS_PASSWORD", password("operator"))
-        .env("TOOLFLEET_NATS_INBOX_PREFIX", inbox("operator"))
+        .env("TOOLFLEET_NATS_INBOX_PREFIX", inbox_prefix("operator"))
         .output()
         .unwrap();
     (
@@ -184,7 +158,7 @@ async fn refused(
 async fn bucket_closed_to(nats: &NatsServer, user: &str) {
     let (tx, mut errors) = tokio::sync::mpsc::unbounded_channel();
     let client = async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
-        .custom_inbox_prefix(inbox(user))
+        .custom_inbox_prefix(inbox_prefix(user))
         .event_callback(move |event| {
             let tx = tx.clone();
             async move {
@@ -211,17 +185,7 @@ async fn bucket_closed_to(nats: &NatsServer, user: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_settings_reach_its_own_calls_only_and_secrets_stay_references() {
-    let auth = std::fs::read(support::root().join("ops/nats/auth.conf")).unwrap();
-    let nats = NatsServer::start_configured(NatsConfig {
-        extra: Some("include \"auth.conf\"".into()),
-        files: vec![("auth.conf".into(), auth)],
-        env: USERS
-            .iter()
-            .map(|(user, var)| (var.to_string(), password(user)))
-            .collect(),
-        ..NatsConfig::default()
-    })
-    .expect("nats-server with ops/nats/auth.conf");
+    let nats = crate::security::Secure::start().nats;
     let redis = RedisServer::start().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let defs = dir.path().join("defs");

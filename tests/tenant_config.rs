@@ -10,42 +10,14 @@ use std::sync::{Arc, Mutex};
 use futures::StreamExt;
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
+use toolfleet_local::servers::{NatsServer, RedisServer};
 use toolfleet_protocol::client::{ChatOutcome, ClientError};
 use toolfleet_protocol::tools::{Origin, ToolDefinition};
 use toolfleet_protocol::{ChatEvent, ChatEventBody, ChatJob, Subjects, ToolStatus};
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
-use crate::support::{self, WAIT};
-
-/// Every identity of `ops/nats/auth.conf`, with the server's variable
-/// holding its password (the file names them all).
-const USERS: [(&str, &str); 9] = [
-    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
-    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
-    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
-    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
-    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
-    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
-    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
-    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
-    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
-];
-
-fn password(user: &str) -> String {
-    format!("pw-{user}-tenancy-4e2b")
-}
-
-/// The inbox prefix a role's connections set (ops/nats/auth.conf).
-fn inbox_prefix(user: &str) -> String {
-    if let Some(family) = user.strip_prefix("worker-") {
-        format!("_INBOX.worker.{family}")
-    } else if let Some(tenant) = user.strip_prefix("client-") {
-        format!("_INBOX.client.{tenant}")
-    } else {
-        format!("_INBOX.{user}")
-    }
-}
+use crate::security::{inbox_prefix, password};
+use crate::support::WAIT;
 
 /// The fleet under its role identities: the orchestrator in-process on
 /// `profiles`, and optionally a `units` worker.
@@ -65,17 +37,7 @@ impl Drop for Secured {
 
 impl Secured {
     async fn start(script: Value, profiles: &str) -> Self {
-        let auth = std::fs::read(support::root().join("ops/nats/auth.conf")).unwrap();
-        let nats = NatsServer::start_configured(NatsConfig {
-            extra: Some("include \"auth.conf\"".into()),
-            files: vec![("auth.conf".into(), auth)],
-            env: USERS
-                .iter()
-                .map(|(user, var)| (var.to_string(), password(user)))
-                .collect(),
-            ..NatsConfig::default()
-        })
-        .expect("nats-server with ops/nats/auth.conf");
+        let nats = crate::security::Secure::start().nats;
         let redis = RedisServer::start().expect("redis-server");
         let script = toolfleet_scripted::Script::from_json(&script.to_string()).unwrap();
         let model =
