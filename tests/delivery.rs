@@ -888,19 +888,7 @@ async fn another_tenant_using_an_invocation_id_first_neither_blocks_nor_reaches_
         ),
     )
     .unwrap();
-    let with = |user: &str, extra: Vec<(&'static str, String)>| {
-        let mut env = secure.env(user);
-        env.push(("TOOLFLEET_REDIS_URL", redis.url()));
-        env.push((
-            "TOOLFLEET_METRICS_ADDR",
-            format!(
-                "127.0.0.1:{}",
-                toolfleet_local::servers::free_port().unwrap()
-            ),
-        ));
-        env.extend(extra);
-        env
-    };
+    let with = |user: &str, extra| secure.process_env(user, &redis.url(), extra);
     let orchestrator = spawn(
         "toolfleet-orchestrator",
         &with(

@@ -14,7 +14,7 @@
 use std::time::Duration;
 
 use serde_json::json;
-use toolfleet_local::servers::{RedisServer, free_port};
+use toolfleet_local::servers::RedisServer;
 use toolfleet_protocol::client::{ChatOutcome, ClientError};
 use toolfleet_protocol::{ChatEventBody, ChatJob, Subjects, ToolStatus};
 use toolfleet_worker_retrieval::model::{Item, ItemKind, Owner};
@@ -233,26 +233,8 @@ async fn attack(secure: &Secure, store_env: Vec<(&'static str, String)>) {
         .unwrap();
     let logs = tempfile::tempdir().unwrap();
     let config = logs.path().join("toolfleet.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[deployments.scripted]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
-             [profiles.default]\ndeployment = \"scripted\"\n",
-            model.base_url()
-        ),
-    )
-    .unwrap();
-    let with = |user: &str, extra: Vec<(&'static str, String)>| {
-        let mut env = secure.env(user);
-        env.push(("TOOLFLEET_REDIS_URL", redis.url()));
-        env.push(("TOOLFLEET_LOG", "info".into()));
-        env.push((
-            "TOOLFLEET_METRICS_ADDR",
-            format!("127.0.0.1:{}", free_port().unwrap()),
-        ));
-        env.extend(extra);
-        env
-    };
+    support::write_scripted_config(&config, &model.base_url());
+    let with = |user: &str, extra| secure.process_env(user, &redis.url(), extra);
     let fleet = Fleet {
         procs: vec![
             spawn(

@@ -397,15 +397,7 @@ async fn the_web_workers_key_is_scrubbed_even_when_a_backend_echoes_it() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("toolfleet.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[deployments.scripted]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
-             [profiles.default]\ndeployment = \"scripted\"\n",
-            model.base_url()
-        ),
-    )
-    .unwrap();
+    support::write_scripted_config(&config, &model.base_url());
     let settings = dir.path().join("web.toml");
     std::fs::write(
         &settings,

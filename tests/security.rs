@@ -17,7 +17,7 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-pub(crate) const USERS: [(&str, &str); 9] = [
+pub(crate) const USERS: [(&str, &str); 10] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
@@ -26,6 +26,7 @@ pub(crate) const USERS: [(&str, &str); 9] = [
     ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
     ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
     ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
+    ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
     ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
 ];
 
@@ -51,10 +52,25 @@ pub(crate) struct Secure {
 
 impl Secure {
     pub(crate) fn start() -> Self {
-        let auth = std::fs::read(support::root().join("ops/nats/auth.conf")).unwrap();
+        Self::start_with_mcp_role(None)
+    }
+
+    /// The shipped identities, the MCP pool's role being `mcp_role` (what
+    /// `toolfleet-worker-mcp --print-nats-role` printed) instead of the
+    /// shipped `mcp-role.conf`.
+    pub(crate) fn start_with_mcp_role(mcp_role: Option<String>) -> Self {
+        let nats_dir = support::root().join("ops/nats");
+        let auth = std::fs::read(nats_dir.join("auth.conf")).unwrap();
+        let mcp_role = match mcp_role {
+            Some(role) => role.into_bytes(),
+            None => std::fs::read(nats_dir.join("mcp-role.conf")).unwrap(),
+        };
         let nats = NatsServer::start_configured(NatsConfig {
             extra: Some("include \"auth.conf\"".into()),
-            files: vec![("auth.conf".into(), auth)],
+            files: vec![
+                ("auth.conf".into(), auth),
+                ("mcp-role.conf".into(), mcp_role),
+            ],
             env: USERS
                 .iter()
                 .map(|(user, var)| (var.to_string(), password(user)))
@@ -82,6 +98,26 @@ impl Secure {
             ("TOOLFLEET_NATS_PASSWORD", password(user)),
             ("TOOLFLEET_NATS_INBOX_PREFIX", inbox_prefix(user)),
         ]
+    }
+
+    /// The environment a fleet binary of `user`'s role runs with on
+    /// `redis_url`: the role's NATS settings, Redis, `info` logs, metrics
+    /// on a free port, then `extra`.
+    pub(crate) fn process_env(
+        &self,
+        user: &str,
+        redis_url: &str,
+        extra: Vec<(&'static str, String)>,
+    ) -> Vec<(&'static str, String)> {
+        let mut env = self.env(user);
+        env.push(("TOOLFLEET_REDIS_URL", redis_url.to_string()));
+        env.push(("TOOLFLEET_LOG", "info".into()));
+        env.push((
+            "TOOLFLEET_METRICS_ADDR",
+            format!("127.0.0.1:{}", free_port().unwrap()),
+        ));
+        env.extend(extra);
+        env
     }
 
     pub(crate) async fn connect(&self, user: &str) -> async_nats::Client {
@@ -194,6 +230,74 @@ async fn nothing_before_marker(
     );
 }
 
+/// A family's block of `text` (`<NAME> = {` to the closing `}` at the
+/// start of a line), its comments and blank space left out.
+fn role_block(text: &str, name: &str) -> String {
+    let start = text
+        .find(&format!("\n{name} = {{"))
+        .unwrap_or_else(|| panic!("no block {name}"));
+    let end = start + text[start..].find("\n}").expect("the block ends");
+    text[start..end + 2]
+        .lines()
+        .map(|l| l.split(" #").next().unwrap_or(l).trim())
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every family block in `ops/nats/auth.conf` is what the family's binary
+/// prints with `--print-nats-role`: the rule operators use for their MCP
+/// pool (whose printed role the MCP tenancy test runs under) is the one
+/// the shipped roles follow, and no tool of a family lacks its lines.
+#[test]
+fn security_the_shipped_family_roles_are_what_the_workers_print() {
+    let dir = tempfile::tempdir().unwrap();
+    let nats_dir = support::root().join("ops/nats");
+    let auth = std::fs::read_to_string(nats_dir.join("auth.conf")).unwrap();
+    // (binary, block, the environment it needs to serve all its tools)
+    type Family<'a> = (&'a str, &'a str, Vec<(&'a str, String)>);
+    let families: [Family; 5] = [
+        ("toolfleet-worker-system", "TOOLFLEET_SYSTEM", vec![]),
+        (
+            "toolfleet-worker-retrieval",
+            "TOOLFLEET_RETRIEVAL",
+            vec![(
+                "TOOLFLEET_INDEX_DIR",
+                dir.path().join("index").display().to_string(),
+            )],
+        ),
+        (
+            "toolfleet-worker-llm",
+            "TOOLFLEET_LLM",
+            // With an image model it serves content:generate_image too.
+            vec![("TOOLFLEET_IMAGE_MODEL", "default/gpt-image-1".into())],
+        ),
+        ("toolfleet-worker-web", "TOOLFLEET_WEB", vec![]),
+        ("units-worker", "TOOLFLEET_UNITS", vec![]),
+    ];
+    for (bin, name, env) in families {
+        let out = Command::new(support::sibling_bin(bin))
+            .current_dir(support::root())
+            .arg("--print-nats-role")
+            .env("TOOLFLEET_NATS_URL", "nats://127.0.0.1:9")
+            .env("TOOLFLEET_REDIS_URL", "redis://127.0.0.1:9")
+            .envs(env)
+            .output()
+            .unwrap();
+        let printed = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{bin}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(
+            role_block(&auth, name),
+            role_block(&format!("\n{printed}"), name),
+            "{bin}'s role"
+        );
+    }
+}
+
 /// A binary of the fleet, killed on drop; its stderr goes to `log`.
 pub(crate) struct Proc {
     child: Child,
@@ -284,17 +388,7 @@ require_approval = ["system:current_datetime"]
     )
     .unwrap();
     let index = logs.path().join("index");
-    let with = |user: &str, extra: Vec<(&'static str, String)>| {
-        let mut env = secure.env(user);
-        env.push(("TOOLFLEET_REDIS_URL", redis.url()));
-        env.push(("TOOLFLEET_LOG", "info".into()));
-        env.push((
-            "TOOLFLEET_METRICS_ADDR",
-            format!("127.0.0.1:{}", free_port().unwrap()),
-        ));
-        env.extend(extra);
-        env
-    };
+    let with = |user: &str, extra| secure.process_env(user, &redis.url(), extra);
     let procs = [
         spawn(
             "toolfleet-orchestrator",

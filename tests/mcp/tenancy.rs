@@ -1,11 +1,15 @@
 //! MCP servers as a tenant boundary (issue 28, items 5(d), 5(e), 6, 7 and
 //! 9), against a real stdio MCP server that probes what it can reach
 //! (`tests/mcp/probe_server.py`, the standard library only, so it runs as
-//! `nobody`):
+//! `nobody`). The first test runs on a nats-server with the shipped
+//! `ops/nats/auth.conf`: the orchestrator and the MCP worker under their
+//! role identities (the MCP pool's role printed by the worker for its
+//! configuration), acme and globex each with its own client identity.
 //!
 //! - the worker as a process, its environment holding a canary secret: a
 //!   child finds no canary in its own environment, in the worker's
-//!   `/proc/<ppid>/environ`, or (run as `nobody`) in the worker's files;
+//!   `/proc/<ppid>/environ` (even as root, which may read it: the worker
+//!   empties it at start-up), or (run as `nobody`) in the worker's files;
 //!   its stderr is logged scrubbed; a `per_tenant` server gives acme and
 //!   globex a child each, with the tenant in `_meta`; a globex-only
 //!   server's tools are not acme's; a tool whose description changes
@@ -15,7 +19,11 @@
 //!   another tenant's.
 
 use serde_json::{Value, json};
+use toolfleet_local::servers::RedisServer;
+use toolfleet_protocol::Subjects;
+use toolfleet_scripted::ScriptedServer;
 
+use crate::security::{Proc, Secure, password, spawn};
 use crate::support::{self, Env};
 
 /// The model calls `tool` for a question that holds `word`, then quotes it.
@@ -26,44 +34,66 @@ fn rule(word: &str, tool: &str) -> Value {
     ] })
 }
 
-/// Asks `question` as `tenant`: the answer's text.
-async fn ask_as(env: &Env, tenant: &str, question: &str) -> String {
-    let mut job = toolfleet_protocol::client::question(question);
-    job.tenant = Some(tenant.into());
-    match env.submit(&job).await {
-        Ok(outcome) => outcome.text,
-        Err(e) => format!("error: {e}"),
-    }
+/// The fleet under the shipped identities: each tenant's client, the
+/// model, and the MCP worker's log.
+struct Tenants {
+    acme: async_nats::Client,
+    globex: async_nats::Client,
+    model: ScriptedServer,
+    subjects: Subjects,
+    log: std::path::PathBuf,
+    _procs: Vec<Proc>,
+    _servers: (Secure, RedisServer),
 }
 
-/// Asks until the answer holds `wanted` (a worker just started, or a tool
-/// set being reloaded, may not be offered yet): the answer.
-async fn ask_until(
-    env: &Env,
-    tenant: &str,
-    question: &str,
-    wanted: &str,
-    log: &std::path::Path,
-) -> String {
-    let deadline = tokio::time::Instant::now() + support::WAIT;
-    loop {
-        let text = ask_as(env, tenant, question).await;
-        if text.contains(wanted) {
-            return text;
+impl Tenants {
+    /// Asks `question` as `tenant`, with the tenant's own identity: the
+    /// answer's text.
+    async fn ask(&self, tenant: &str, question: &str) -> String {
+        let client = match tenant {
+            "acme" => &self.acme,
+            "globex" => &self.globex,
+            other => panic!("no identity for {other}"),
+        };
+        let mut job = toolfleet_protocol::client::question(question);
+        job.tenant = Some(tenant.into());
+        match toolfleet_protocol::client::chat(client, &self.subjects, &job, support::WAIT, |_| {})
+            .await
+        {
+            Ok(outcome) => outcome.text,
+            Err(e) => format!("error: {e}"),
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{tenant}: {question}: {text}\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    }
+
+    /// Asks until the answer holds `wanted` (a worker just started, or a
+    /// tool set being reloaded, may not be offered yet): the answer.
+    async fn ask_until(&self, tenant: &str, question: &str, wanted: &str) -> String {
+        let deadline = tokio::time::Instant::now() + support::WAIT;
+        loop {
+            let text = self.ask(tenant, question).await;
+            if text.contains(wanted) {
+                return text;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{tenant}: {question}: {text}\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+        }
+    }
+
+    /// Asks `question` as `tenant` until the probe answers: its report.
+    async fn probe(&self, tenant: &str, question: &str) -> Value {
+        self.ask_until(tenant, question, "<untrusted_mcp_content")
+            .await;
+        report(&last_tool_result(&self.model.requests()))
     }
 }
 
 /// The last tool result the model read, whole (the scripted model quotes
 /// only the start of one in its answer).
-fn last_tool_result(env: &Env) -> String {
-    let requests = env.model.requests();
+fn last_tool_result(requests: &[Value]) -> String {
     let last = requests.last().expect("the model got requests");
     last["messages"]
         .as_array()
@@ -74,12 +104,6 @@ fn last_tool_result(env: &Env) -> String {
         .and_then(|m| m["content"].as_str())
         .unwrap_or_default()
         .to_string()
-}
-
-/// Asks `question` as `tenant` until the probe answers: its report.
-async fn probe_as(env: &Env, tenant: &str, question: &str, log: &std::path::Path) -> Value {
-    ask_until(env, tenant, question, "<untrusted_mcp_content", log).await;
-    report(&last_tool_result(env))
 }
 
 /// The probe's JSON report inside a fenced answer.
@@ -98,17 +122,77 @@ fn running_as_root() -> bool {
         .is_ok_and(|o| o.stdout.starts_with(b"0\n"))
 }
 
+/// The fleet of the test under `ops/nats/auth.conf`: the orchestrator and
+/// the MCP worker (configured by `mcp_config`, its environment holding
+/// `env_canary`) as processes under their role identities, the MCP pool's
+/// role being what the worker prints for that configuration; acme and
+/// globex each with its own client identity.
+async fn start_tenants(script: Value, mcp_config: &std::path::Path, env_canary: &str) -> Tenants {
+    let role = std::process::Command::new(support::sibling_bin("toolfleet-worker-mcp"))
+        .arg("--print-nats-role")
+        .env("TOOLFLEET_MCP_CONFIG", mcp_config)
+        .env("TOOLFLEET_NATS_URL", "nats://127.0.0.1:9")
+        .env("TOOLFLEET_REDIS_URL", "redis://127.0.0.1:9")
+        .output()
+        .unwrap();
+    assert!(
+        role.status.success(),
+        "{}",
+        String::from_utf8_lossy(&role.stderr)
+    );
+    let secure = Secure::start_with_mcp_role(Some(String::from_utf8(role.stdout).unwrap()));
+    let redis = RedisServer::start().unwrap();
+    let script = toolfleet_scripted::Script::from_json(&script.to_string()).unwrap();
+    let model = ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
+        .await
+        .unwrap();
+    let dir = mcp_config.parent().unwrap();
+    let config = dir.join("toolfleet.toml");
+    support::write_scripted_config(&config, &model.base_url());
+    let with = |user: &str, extra| secure.process_env(user, &redis.url(), extra);
+    let log = dir.join("worker.log");
+    let procs = vec![
+        spawn(
+            "toolfleet-orchestrator",
+            &with(
+                "orchestrator",
+                vec![("TOOLFLEET_CONFIG", config.display().to_string())],
+            ),
+            dir.join("orchestrator.log"),
+        ),
+        spawn(
+            "toolfleet-worker-mcp",
+            &with(
+                "worker-mcp",
+                vec![
+                    ("TOOLFLEET_MCP_CONFIG", mcp_config.display().to_string()),
+                    ("PROBE_WORKER_SECRET", env_canary.to_string()),
+                ],
+            ),
+            log.clone(),
+        ),
+    ];
+    Tenants {
+        acme: secure.connect("client-acme").await,
+        globex: secure.connect("client-globex").await,
+        model,
+        subjects: Subjects::new("toolfleet").unwrap(),
+        log,
+        _procs: procs,
+        _servers: (secure, redis),
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
-    let env = Env::start_bare(json!({
+    let script = json!({
         "rules": [
             rule("probe", "mcp_probe_whoami"),
             rule("vault", "mcp_vault_whoami"),
             rule("mutate", "mcp_vault_mutate"),
             rule("shifty", "mcp_vault_shifty"),
         ]
-    }))
-    .await;
+    });
     let dir = tempfile::tempdir().unwrap();
     let (env_canary, file_canary, token) = (
         "canary-env-5b1d9e",
@@ -134,37 +218,29 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
     };
     let probe = support::root().join("tests/mcp/probe_server.py");
     let command = format!(
-        "command = [\"/usr/bin/python3\", \"{}\", \"{env_canary}\", \"{file_canary}\"]\ncwd = \"/\"\n{run_as}",
-        probe.display()
+        "command = [\"/usr/bin/python3\", \"{}\", \"{env_canary}\", \"{file_canary}\", \"{}\"]\ncwd = \"/\"\n{run_as}",
+        probe.display(),
+        password("worker-mcp")
     );
+    // The vault runs as the worker's user (root, when the test is): it may
+    // read the worker's memory, so only an emptied environment keeps it out.
+    let vault_command = command.replace(run_as, "");
     let config = dir.path().join("mcp.toml");
     std::fs::write(
         &config,
         format!(
             "[servers.probe]\n{command}per_tenant = true\ntenants = [\"acme\", \"globex\"]\n\
              env = {{ PROBE_FILES = \"{}\" }}\nenv_files = {{ PROBE_TOKEN = \"{}\" }}\n\n\
-             [servers.vault]\n{command}tenants = [\"globex\"]\n",
+             [servers.vault]\n{vault_command}tenants = [\"globex\"]\n",
             secret_file.display(),
             token_file.display()
         ),
     )
     .unwrap();
-    let log = dir.path().join("worker.log");
-    let mut child = std::process::Command::new(support::sibling_bin("toolfleet-worker-mcp"))
-        .env("TOOLFLEET_NATS_URL", env.nats.url())
-        .env("TOOLFLEET_REDIS_URL", env.redis.url())
-        .env("TOOLFLEET_MCP_CONFIG", &config)
-        .env("TOOLFLEET_METRICS_ADDR", "127.0.0.1:0")
-        .env("TOOLFLEET_LOG", "info")
-        .env("PROBE_WORKER_SECRET", env_canary)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let _kill = support::KillOnDrop(&mut child);
+    let fleet = start_tenants(script, &config, env_canary).await;
 
     // acme's call: its own child, its tenant in `_meta`, no canary.
-    let acme = probe_as(&env, "acme", "probe", &log).await;
+    let acme = fleet.probe("acme", "probe").await;
     assert_eq!(acme["tenant"], "acme", "{acme}");
     assert_eq!(
         acme["meta"],
@@ -193,17 +269,21 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
     }
 
     // globex: a child of its own; acme again: the same child as before.
-    let globex = probe_as(&env, "globex", "probe", &log).await;
+    let globex = fleet.probe("globex", "probe").await;
     assert_eq!(globex["tenant"], "globex", "{globex}");
     assert_eq!(globex["meta"]["toolfleet/tenant"], "globex");
     assert_ne!(globex["pid"], acme["pid"], "one child per tenant");
-    let again = probe_as(&env, "acme", "probe", &log).await;
+    let again = fleet.probe("acme", "probe").await;
     assert_eq!(again["pid"], acme["pid"], "acme's child is kept");
 
     // The globex-only server: globex's, never offered to acme.
-    let vault = probe_as(&env, "globex", "vault", &log).await;
+    let vault = fleet.probe("globex", "vault").await;
     assert_eq!(vault["meta"]["toolfleet/tenant"], "globex");
-    let refused = ask_as(&env, "acme", "vault").await;
+    // As root the vault reads the worker's /proc/<pid>/environ: emptied.
+    if root {
+        assert_eq!(vault["parent_environ"], json!([]), "{vault}");
+    }
+    let refused = fleet.ask("acme", "vault").await;
     assert!(
         !refused.contains("untrusted_mcp_content"),
         "acme reached globex's server: {refused}"
@@ -214,23 +294,22 @@ async fn mcp_children_reach_no_credential_and_keep_to_their_tenants() {
     );
 
     // The child's token, written on its stderr, is scrubbed from the log.
-    let logged = std::fs::read_to_string(&log).unwrap();
+    let logged = std::fs::read_to_string(&fleet.log).unwrap();
     assert!(logged.contains("my token is [redacted]"), "{logged}");
     assert!(!logged.contains(token), "{logged}");
 
     // A description changed under the same name: refused, logged.
-    let shifty = ask_until(&env, "globex", "shifty", "shifty answered", &log).await;
+    let shifty = fleet.ask_until("globex", "shifty", "shifty answered").await;
     assert!(shifty.contains("shifty answered"));
-    ask_until(&env, "globex", "mutate", "mutated", &log).await;
-    ask_until(
-        &env,
-        "globex",
-        "shifty",
-        "there is no tool named \"mcp_vault_shifty\"",
-        &log,
-    )
-    .await;
-    let logged = std::fs::read_to_string(&log).unwrap();
+    fleet.ask_until("globex", "mutate", "mutated").await;
+    fleet
+        .ask_until(
+            "globex",
+            "shifty",
+            "there is no tool named \"mcp_vault_shifty\"",
+        )
+        .await;
+    let logged = std::fs::read_to_string(&fleet.log).unwrap();
     assert!(
         logged.contains("changed since it was first listed"),
         "{logged}"

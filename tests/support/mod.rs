@@ -327,6 +327,20 @@ pub(crate) fn toolfleet_at(nats_url: &str, args: &[&str]) -> (Option<i32>, Strin
 /// A binary of another workspace package, built beside `toolfleet` (the
 /// test command builds the whole workspace: `cargo nextest run
 /// --workspace`).
+/// Writes at `path` a fleet configuration with one deployment,
+/// `scripted` (the scripted model at `base_url`), and one profile on it,
+/// `default`.
+pub(crate) fn write_scripted_config(path: &std::path::Path, base_url: &url::Url) {
+    std::fs::write(
+        path,
+        format!(
+            "[deployments.scripted]\nbase_url = \"{base_url}\"\nmodel = \"toolfleet-scripted\"\n\
+             [profiles.default]\ndeployment = \"scripted\"\n"
+        ),
+    )
+    .unwrap();
+}
+
 pub(crate) fn sibling_bin(name: &str) -> String {
     let path = std::path::Path::new(env!("CARGO_BIN_EXE_toolfleet")).with_file_name(name);
     assert!(

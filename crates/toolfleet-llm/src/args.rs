@@ -71,6 +71,32 @@ pub struct LlmArgs {
         default_value_t = 30_000
     )]
     pub idle_timeout_ms: u64,
+    /// How much the fleet trusts this endpoint, 0 to 1: the provider
+    /// confidence of every invocation it serves (tools with a higher
+    /// `minProviderConfidence` are not offered). The `confidence` of a
+    /// deployment in `--config`.
+    #[arg(long = "llm-confidence", env = "TOOLFLEET_LLM_CONFIDENCE", default_value_t = 0.0, value_parser = parse_confidence)]
+    pub confidence: f64,
+    /// The provider label tool jobs carry (default: the base URL's host).
+    #[arg(long = "llm-provider", env = "TOOLFLEET_LLM_PROVIDER", value_parser = parse_provider)]
+    pub provider: Option<String>,
+}
+
+fn parse_provider(s: &str) -> Result<String, String> {
+    if s.len() <= 128 && crate::config_file::check_name(s).is_ok() {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a provider name (1-128 of letters, digits, `_`, `-` and `.`)"
+        ))
+    }
+}
+
+fn parse_confidence(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(c) if (0.0..=1.0).contains(&c) => Ok(c),
+        _ => Err(format!("{s:?} is not a number from 0 to 1")),
+    }
 }
 
 fn parse_http(s: &str) -> Result<crate::HttpVersion, String> {
@@ -98,6 +124,8 @@ impl LlmArgs {
         deployment.connect_timeout = Duration::from_millis(self.connect_timeout_ms);
         deployment.first_token_timeout = Duration::from_millis(self.first_token_timeout_ms);
         deployment.idle_timeout = Duration::from_millis(self.idle_timeout_ms);
+        deployment.confidence = self.confidence;
+        deployment.provider = self.provider.clone();
         if let Some(key) = &self.api_key {
             deployment = deployment.with_api_key(key.clone());
         }
@@ -115,6 +143,39 @@ impl LlmArgs {
         match &self.config {
             Some(path) => ModelConfig::load(path),
             None => Ok(ModelConfig::single(self.deployment())),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        llm: LlmArgs,
+    }
+
+    #[test]
+    fn the_flags_set_the_deployments_trust_and_provider() {
+        let cli = Cli::try_parse_from(["x", "--llm-confidence", "0.8", "--llm-provider", "azure"])
+            .unwrap();
+        let d = cli.llm.deployment();
+        assert_eq!(
+            (d.confidence, d.provider_name()),
+            (0.8, "azure".to_string())
+        );
+        let plain = Cli::try_parse_from(["x"]).unwrap().llm.deployment();
+        assert_eq!(plain.confidence, 0.0);
+        assert_eq!(plain.provider_name(), "api.openai.com");
+        for bad in [
+            &["x", "--llm-confidence", "1.5"][..],
+            &["x", "--llm-confidence", "high"][..],
+            &["x", "--llm-provider", "no spaces"][..],
+        ] {
+            assert!(Cli::try_parse_from(bad).is_err(), "{bad:?}");
         }
     }
 }

@@ -82,6 +82,7 @@ pub mod hooks;
 pub mod metrics;
 mod output;
 pub mod process;
+pub mod role;
 pub mod runtime;
 mod service_stats;
 pub mod settings;

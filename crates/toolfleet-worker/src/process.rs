@@ -191,6 +191,11 @@ struct StandaloneArgs<A: Args> {
     /// Prometheus metrics and health endpoint.
     #[arg(long, env = toolfleet_service::args::ENV_METRICS_ADDR)]
     metrics_addr: Option<SocketAddr>,
+    /// Prints this worker's NATS role (the permissions block for
+    /// `ops/nats/auth.conf`, written from the tools it serves) and exits
+    /// without connecting to NATS or Redis.
+    #[arg(long)]
+    print_nats_role: bool,
 }
 
 /// For a worker binary with no settings of its own.
@@ -279,6 +284,14 @@ where
         Ok(w) => w,
         Err(e) => return usage(&e),
     };
+    if args.print_nats_role {
+        // Checked above: the prefix is valid.
+        if let Ok(subjects) = args.worker.nats.subjects() {
+            print!("{}", crate::role::nats_role(&worker, &subjects));
+        }
+        telemetry.shutdown().await;
+        return std::process::ExitCode::SUCCESS;
+    }
     let served = worker.serve(&args.worker, metrics_addr).await;
     telemetry.shutdown().await;
     match served {

@@ -5,11 +5,14 @@
 //!   `TMPDIR`, then what the server's `pass_env`, `env` and `env_files`
 //!   name, and `TOOLFLEET_TENANT` for a `per_tenant` child — never the
 //!   worker's own variables;
+//! - **no credential left in the worker's start-up environment**: before
+//!   its runtime starts, the worker moves its environment to the heap and
+//!   zeroes the block the kernel shows as `/proc/<pid>/environ`
+//!   ([`hide_start_environment`]), so even a child that may read the
+//!   worker's memory (root, `CAP_SYS_PTRACE`) finds no variable there;
 //! - **the worker's memory closed**: before its first child the worker
 //!   makes itself non-dumpable ([`protect_worker`]), so a process of the
-//!   same user cannot read its `/proc/<pid>/environ`, `mem` or open files
-//!   (Rust cannot safely rewrite its own environment, and the kernel keeps
-//!   the start-up environment in `/proc/<pid>/environ` anyway);
+//!   same user cannot read its `/proc/<pid>/environ`, `mem` or open files;
 //! - **another user**: `run_as = { uid, gid }` runs the child as that user
 //!   and group (supplementary groups dropped), so it cannot read the
 //!   worker's files either;
@@ -33,6 +36,75 @@ pub const BASE_ENV: [&str; 5] = ["PATH", "HOME", "LANG", "LC_ALL", "TMPDIR"];
 pub const TENANT_ENV: &str = "TOOLFLEET_TENANT";
 /// The longest stderr line logged whole (longer ones are cut).
 const MAX_STDERR_LINE: usize = 2000;
+
+/// Empties what the kernel shows as the worker's `/proc/<pid>/environ`,
+/// keeping every variable for the worker itself: each is copied, removed
+/// and set again (now on the heap), then the start-up block the kernel
+/// reads (`env_start..env_end` of `/proc/self/stat`) is overwritten with
+/// zeros through `/proc/self/mem`. Call it first in `main`, before any
+/// thread starts (the runtime included): changing the environment is sound
+/// only while the process has one thread. Returns why it could not (not
+/// Linux, no `/proc`): the worker then relies on [`protect_worker`] alone.
+///
+/// # Errors
+///
+/// `/proc/self/stat` or `/proc/self/mem` cannot be read or written.
+#[allow(unsafe_code)]
+pub fn hide_start_environment() -> Result<(), String> {
+    let (start, end) = env_block()?;
+    let vars: Vec<(std::ffi::OsString, std::ffi::OsString)> = std::env::vars_os().collect();
+    for (name, _) in &vars {
+        // SAFETY: called first in `main`, before any other thread exists,
+        // so no one reads the environment while it changes.
+        unsafe { std::env::remove_var(name) };
+    }
+    let zeroed = zero_memory(start, end);
+    for (name, value) in &vars {
+        // SAFETY: as above; the copies now live on the heap, outside the
+        // block the kernel shows.
+        unsafe { std::env::set_var(name, value) };
+    }
+    zeroed
+}
+
+/// The start-up environment block's addresses (`env_start`, `env_end`:
+/// fields 50 and 51 of `/proc/self/stat`, after the command in brackets).
+fn env_block() -> Result<(u64, u64), String> {
+    let stat = std::fs::read_to_string("/proc/self/stat")
+        .map_err(|e| format!("cannot read /proc/self/stat: {e}"))?;
+    let after = stat
+        .rfind(')')
+        .map(|i| &stat[i + 1..])
+        .ok_or("/proc/self/stat has no command")?;
+    // Field 3 is the first after the command: env_start is field 50.
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let field = |n: usize| {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse::<u64>().ok())
+            .ok_or_else(|| format!("/proc/self/stat has no field {n}"))
+    };
+    let (start, end) = (field(50)?, field(51)?);
+    if start == 0 || end < start {
+        return Err(format!(
+            "/proc/self/stat: no environment block ({start}..{end})"
+        ));
+    }
+    Ok((start, end))
+}
+
+/// Writes zeros over `start..end` of this process's memory.
+fn zero_memory(start: u64, end: u64) -> Result<(), String> {
+    use std::io::{Seek, SeekFrom, Write};
+    let mut mem = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/proc/self/mem")
+        .map_err(|e| format!("cannot open /proc/self/mem: {e}"))?;
+    let len = usize::try_from(end - start).map_err(|e| e.to_string())?;
+    mem.seek(SeekFrom::Start(start))
+        .and_then(|_| mem.write_all(&vec![0; len]))
+        .map_err(|e| format!("cannot zero the start-up environment: {e}"))
+}
 
 /// Makes the worker non-dumpable (once): its `/proc/<pid>/environ`, `mem`
 /// and `fd` become unreadable to every process without `CAP_SYS_PTRACE`,
@@ -181,6 +253,12 @@ mod tests {
         let e = prepare(&missing, "x", &[], None).err().unwrap();
         assert!(e.contains("env_files T: cannot read /nonexistent/t"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn the_start_up_environment_block_is_found() {
+        let (start, end) = env_block().unwrap();
+        assert!(end > start);
     }
 
     fn tempfile_dir() -> std::path::PathBuf {

@@ -2,9 +2,11 @@
 //! configuration file (`--mcp-config`, `TOOLFLEET_MCP_CONFIG`; see
 //! `toolfleet_worker_mcp::config`). Start more copies to scale the pool.
 //! When a server says its tool list changed (or comes back after dying),
-//! the worker lists it again and serves the new set. The worker makes
-//! itself non-dumpable first, so its children cannot read its memory or
-//! `/proc/<pid>/environ`; their stderr is logged scrubbed of its secrets.
+//! the worker lists it again and serves the new set. Before anything else
+//! the worker empties its `/proc/<pid>/environ` (keeping its variables on
+//! the heap) and makes itself non-dumpable, so its children find no
+//! credential there or in its memory; their stderr is logged scrubbed of
+//! its secrets.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,13 +19,29 @@ struct McpArgs {
     mcp_config: PathBuf,
 }
 
-#[tokio::main]
-async fn main() -> std::process::ExitCode {
+fn main() -> std::process::ExitCode {
+    // First, while this is the only thread: nothing left in the block the
+    // kernel shows as /proc/<pid>/environ.
+    let hidden = toolfleet_worker_mcp::child::hide_start_environment();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            eprintln!("cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    runtime.block_on(serve(hidden))
+}
+
+async fn serve(hidden: Result<(), String>) -> std::process::ExitCode {
     toolfleet_worker::process::main(
         "toolfleet-worker-mcp",
         "toolfleet worker: serves the tools of MCP servers (stdio or streamable HTTP) as fleet tools.",
         "0.0.0.0:9469",
         async |args, own: &McpArgs| {
+            if let Err(e) = &hidden {
+                tracing::warn!(error = %e, "cannot empty the worker's start-up environment: children that may read its memory may find credentials in /proc/<worker>/environ");
+            }
             // Before any child: no process of this user reads our memory.
             toolfleet_worker_mcp::child::protect_worker();
             let config = toolfleet_worker_mcp::McpConfig::load(&own.mcp_config)
