@@ -335,20 +335,7 @@ fn nats_cluster_the_shipped_server_configs_are_valid() {
             .arg("-t")
             .arg("-c")
             .arg(dir.join(file))
-            .envs(
-                [
-                    "CLIENT_ACME",
-                    "CLIENT_GLOBEX",
-                    "ORCHESTRATOR",
-                    "SYSTEM",
-                    "RETRIEVAL",
-                    "LLM",
-                    "WEB",
-                    "UNITS",
-                    "OPERATOR",
-                ]
-                .map(|r| (format!("TOOLFLEET_NATS_{r}_PASSWORD"), "x")),
-            )
+            .envs(crate::security::USERS.map(|(_, var)| (var, "x")))
             .output()
             .expect("nats-server");
         let text = String::from_utf8_lossy(&out.stderr).to_string()
