@@ -20,6 +20,7 @@ mod modules;
 mod nats_cluster;
 mod operator;
 mod orchestrator;
+mod poison;
 mod policies;
 mod prometheus;
 mod rag;

@@ -116,6 +116,11 @@ deployment = "scripted"
 max_rounds = 2
 max_tool_result_tokens = 64
 
+# The traffic's one unreadable chat job suspends the default tenant (its
+# poison series, a suspension, then a refused job).
+[tenants.default]
+poison_limit = 1
+
 [prices."toolfleet-scripted"]
 input = 0.15
 cached_input = 0.075
@@ -499,6 +504,15 @@ async fn traffic(env: &mut Env) {
     .await
     .unwrap();
     assert_eq!(next_json(&mut dead_chat).await["kind"], "chat");
+    // It was the tenant's first poison, and its limit is 1: the tenant is
+    // suspended, and its next job refused.
+    let refused = env
+        .submit(&toolfleet_protocol::client::question(
+            "How do bees navigate?",
+        ))
+        .await
+        .map_err(|e| e.code().to_string());
+    assert_eq!(refused.err().as_deref(), Some("tenant_suspended"));
 
     // Last, with Redis gone: a tool job is retried up to the attempt cap and
     // dead-lettered (tool job retries, a tool dead letter).

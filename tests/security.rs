@@ -519,10 +519,9 @@ require_approval = ["system:current_datetime"]
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
 
-    // A chat job whose header the NATS client cannot read (it costs the
-    // orchestrator a reconnect, then a sweep through the chat stream's
-    // messages) is still answered with an `error` event under its role's
-    // permissions.
+    // A chat job whose header the NATS client cannot read is answered
+    // with an `error` event under the orchestrator's role's permissions
+    // (no stream reads or deletes by sequence).
     let mut poison = toolfleet_protocol::client::question("poison");
     poison.tenant = Some("acme".into());
     let mut events = client

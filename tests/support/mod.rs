@@ -65,6 +65,8 @@ pub(crate) struct Options {
     /// Runs no orchestrator in-process (the test starts its own, e.g. as
     /// processes it can kill).
     pub no_orchestrator: bool,
+    /// The NATS server's settings (e.g. a monitoring port).
+    pub nats: toolfleet_local::servers::NatsConfig,
 }
 
 impl Default for Options {
@@ -78,6 +80,7 @@ impl Default for Options {
             data_source: Some("handbook"),
             corpus_tenant: None,
             no_orchestrator: false,
+            nats: Default::default(),
         }
     }
 }
@@ -105,7 +108,7 @@ impl Env {
     }
 
     pub(crate) async fn start_with(script: serde_json::Value, options: Options) -> Env {
-        let nats = NatsServer::start().expect("nats-server");
+        let nats = NatsServer::start_configured(options.nats.clone()).expect("nats-server");
         let redis = RedisServer::start().expect("redis-server");
         let script = Script::from_json(&script.to_string()).expect("script");
         let model = ScriptedServer::start("127.0.0.1:0".parse().unwrap(), script)
@@ -349,6 +352,21 @@ pub(crate) fn sibling_bin(name: &str) -> String {
         path.display()
     );
     path.to_string_lossy().into_owned()
+}
+
+/// Waits until the chat stream holds no message (every job acked or
+/// terminated).
+pub(crate) async fn chat_queue_drained(env: &Env) {
+    let js = async_nats::jetstream::new(env.client.clone());
+    let mut stream = js.get_stream(env.subjects.chat_stream()).await.unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while stream.info().await.unwrap().state.messages != 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the queue keeps a message"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Kills a child process when dropped (a failed assertion must not leave

@@ -13,6 +13,7 @@
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
+//! | `[tenant_defaults]` | table | a tenant's keys for every tenant without its own: [`crate::tenants`], [`crate::poison`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
 //!
@@ -77,6 +78,9 @@ pub struct FleetConfig {
     /// Declared data sources and who may use them (`[data_sources.<id>]`);
     /// an undeclared id is usable by every tenant.
     pub data_sources: BTreeMap<String, DataSourceConfig>,
+    /// A tenant's keys for every tenant whose table lacks them
+    /// (`[tenant_defaults]`).
+    pub tenant_defaults: TenantConfig,
 }
 
 /// The file as written; checked further by [`FleetConfig::validate`].
@@ -101,6 +105,8 @@ struct FileConfig {
     tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     data_sources: BTreeMap<String, DataSourceConfig>,
+    #[serde(default)]
+    tenant_defaults: TenantConfig,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -142,6 +148,7 @@ impl FleetConfig {
             sinks: file.sinks,
             tenants: file.tenants,
             data_sources: file.data_sources,
+            tenant_defaults: file.tenant_defaults,
         };
         config
             .validate()
@@ -162,6 +169,7 @@ impl FleetConfig {
             sinks: BTreeMap::new(),
             tenants: BTreeMap::new(),
             data_sources: BTreeMap::new(),
+            tenant_defaults: TenantConfig::default(),
         }
     }
 
@@ -232,6 +240,7 @@ impl FleetConfig {
         self.check_profiles()?;
         self.check_tenants()?;
         self.check_data_sources()?;
+        self.check_poison()?;
         self.prices.validate()
     }
 
@@ -464,6 +473,9 @@ mod tests {
             "provider",
             "tenants",
             "trust_user",
+            "poison_limit",
+            "poison_window_secs",
+            "poison_cooloff_secs",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

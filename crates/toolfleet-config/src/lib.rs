@@ -23,6 +23,8 @@
 //!   `tenants = [..]` every profile, sink, agent and data source carries
 //!   ([`TenantScope`]); [`access`]: what a tenant may use, asked of the
 //!   loaded file, and the checks that keep it consistent;
+//! - [`poison`]: how many unreadable chat jobs a tenant may send before
+//!   it is suspended, and for how long ([`PoisonPolicy`]);
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -46,6 +48,7 @@ pub mod agents;
 pub mod approvals;
 pub mod errors;
 pub mod file;
+pub mod poison;
 pub mod policy;
 pub mod profile;
 pub mod resolve;
@@ -57,6 +60,7 @@ mod testing;
 pub use agents::AgentTool;
 pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
 pub use file::{ConfigArgs, FleetConfig};
+pub use poison::PoisonPolicy;
 pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
 pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 pub use resolve::{ResolvedDeployment, ResolvedProfile};

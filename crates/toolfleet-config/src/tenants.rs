@@ -9,6 +9,8 @@
 //! | `tenants.<name>.default_profile` | profile name, the file's `default_profile` | the profile a job of this tenant runs when it names none; must exist and allow this tenant |
 //! | `tenants.<name>.trust_user` | bool, `false` | the tenant's identity is an authenticated front door that asserts its users: a job's `user` is passed to tools as trusted (`Toolfleet-User`); otherwise tools get no user |
 //! | `tenants` (in a profile, `[data_sources.<id>]`, `[sinks.<name>]`, a profile's `agent`) | list of tenant names, or `["*"]`; `["*"]` | which tenants may use it; `"*"` stands alone; a name no identity has is allowed (it matches nobody) |
+//! | `tenants.<name>.poison_limit`, `poison_window_secs`, `poison_cooloff_secs` | see [`crate::poison`] | when the tenant's unreadable chat jobs suspend it, and for how long |
+//! | `[tenant_defaults]` | table | the same keys as a tenant's table, for every tenant whose table lacks them (`default_profile` and `trust_user` are not read here: see the file's `default_profile`) |
 //! | `[data_sources.<id>]` | table | declares a data source (the id a profile's `data_source` or a job's `dataSourceId` names, and the collection of an attached document id `<collection>:<path>`) with the `tenants` that may use it; an undeclared id is usable by every tenant (the retrieval store filters by tenant anyway) |
 //!
 //! What a tenant may not use is refused, never swapped for something it
@@ -119,6 +121,16 @@ pub struct TenantConfig {
     /// door): a job's `user` reaches tools as trusted. Off by default.
     #[serde(default)]
     pub trust_user: bool,
+    /// Unreadable chat jobs within the window that suspend the tenant
+    /// (0: never); see [`crate::poison`].
+    #[serde(default)]
+    pub poison_limit: Option<u32>,
+    /// The window of the poison count, in seconds.
+    #[serde(default)]
+    pub poison_window_secs: Option<u64>,
+    /// How long a suspension lasts, in seconds.
+    #[serde(default)]
+    pub poison_cooloff_secs: Option<u64>,
 }
 
 /// A declared data source (`[data_sources.<id>]`).

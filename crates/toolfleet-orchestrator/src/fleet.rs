@@ -92,6 +92,9 @@ impl Fleet {
         } = parts;
         let catalog =
             LiveCatalog::new(client.clone(), config.subjects.clone(), config.catalog_wait);
+        for tenant in config.profiles.tenants.keys() {
+            metrics.zero_tenant(tenant);
+        }
         Self {
             client,
             js,

@@ -8,14 +8,16 @@ use toolfleet_service::metrics::{LATENCY_BUCKETS, counter, histogram, registered
 
 /// Every `outcome` of `toolfleet_chat_jobs_total`.
 /// `parked`: a run that ended waiting for a person's approval (its
-/// invocation goes on later, as another run).
-pub const CHAT_OUTCOMES: [&str; 6] = [
+/// invocation goes on later, as another run). `suspended`: refused because
+/// its tenant is suspended for poison.
+pub const CHAT_OUTCOMES: [&str; 7] = [
     "completed",
     "error",
     "malformed",
     "duplicate",
     "superseded",
     "parked",
+    "suspended",
 ];
 
 /// Every `code` of `toolfleet_approval_requests_refused_total`.
@@ -98,6 +100,12 @@ pub struct OrchestratorMetrics {
     /// Invocations parked fleet-wide, as this orchestrator last saw the
     /// parked bucket (every orchestrator reports the same count).
     pub approvals_parked: IntGauge,
+    /// `tenant` (the submit subject's): chat jobs that could not be read.
+    pub chat_poison: IntCounterVec,
+    /// `tenant`: suspensions for poison this orchestrator started.
+    pub tenant_suspensions: IntCounterVec,
+    /// `tenant`: chat jobs refused because their tenant was suspended.
+    pub chat_suspended: IntCounterVec,
 }
 
 /// One metric's name, help and labels: the registration table below is a
@@ -291,6 +299,21 @@ const APPROVALS_REFUSED: Spec = spec(
     "Approval requests answered with an error, by code.",
     &["code"],
 );
+const CHAT_POISON: Spec = spec(
+    "toolfleet_chat_poison_total",
+    "Chat jobs that could not be read (unreadable headers, a body that does not decode), by the tenant of their submit subject.",
+    &["tenant"],
+);
+const TENANT_SUSPENSIONS: Spec = spec(
+    "toolfleet_tenant_suspensions_total",
+    "Times a tenant was suspended for poison (its count reached its limit) by this orchestrator.",
+    &["tenant"],
+);
+const CHAT_SUSPENDED: Spec = spec(
+    "toolfleet_chat_suspended_total",
+    "Chat jobs refused (tenant_suspended, not run) because their tenant was suspended for poison.",
+    &["tenant"],
+);
 const APPROVALS_PARKED: Spec = spec(
     "toolfleet_approvals_parked",
     "Invocations parked waiting for approvals, fleet-wide (every orchestrator reports the same count).",
@@ -349,6 +372,9 @@ impl OrchestratorMetrics {
             approval_wait: APPROVAL_WAIT.histogram_with(r, &APPROVAL_WAIT_BUCKETS)?,
             approvals_refused: APPROVALS_REFUSED.counter(r)?,
             approvals_parked: APPROVALS_PARKED.gauge(r)?,
+            chat_poison: CHAT_POISON.counter(r)?,
+            tenant_suspensions: TENANT_SUSPENSIONS.counter(r)?,
+            chat_suspended: CHAT_SUSPENDED.counter(r)?,
         };
         m.zero();
         Ok(m)
@@ -379,6 +405,15 @@ impl OrchestratorMetrics {
 }
 
 impl OrchestratorMetrics {
+    /// `tenant`'s poison series at zero (a tenant of the config at start,
+    /// any at its first poison), so its first suspension is an increase
+    /// an alert sees.
+    pub fn zero_tenant(&self, tenant: &str) {
+        self.chat_poison.with_label_values(&[tenant]);
+        self.tenant_suspensions.with_label_values(&[tenant]);
+        self.chat_suspended.with_label_values(&[tenant]);
+    }
+
     /// Sets the registry gauges after a rebuild that took `took`.
     pub fn observe_registry(
         &self,

@@ -62,6 +62,9 @@ pub enum ChatErrorCode {
     /// The job's tenant may not use a data source it names (its
     /// `dataSourceId`, or the collection of an attached document).
     DataSourceNotAllowed,
+    /// The job's tenant is suspended: too many of its chat jobs could not
+    /// be read (the operator's poison guard); the job did not run.
+    TenantSuspended,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -73,7 +76,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 22] = [
+    pub const FIXED: [ChatErrorCode; 23] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -96,6 +99,7 @@ impl ChatErrorCode {
         Self::UnknownProfile,
         Self::ProfileNotAllowed,
         Self::DataSourceNotAllowed,
+        Self::TenantSuspended,
     ];
 
     /// The prefix of a provider failure's code.
@@ -131,6 +135,7 @@ impl ChatErrorCode {
             Self::UnknownProfile => "unknown_profile",
             Self::ProfileNotAllowed => "profile_not_allowed",
             Self::DataSourceNotAllowed => "data_source_not_allowed",
+            Self::TenantSuspended => "tenant_suspended",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

@@ -39,13 +39,13 @@ use crate::poison::Poison;
 pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
 
 /// What a pull loop does with poison messages (see [`crate::poison`]):
-/// it sweeps its consumer at start and after every reconnection, and
-/// hands each poison found to `on_poison` (dead-letter it, tell its
-/// sender).
+/// a delivery whose headers the client could not read is handed to
+/// `on_poison` (dead-letter it, tell its sender) instead of the loop's
+/// handler, then terminated.
 #[derive(Clone)]
 pub struct Sweeper {
     pub js: jetstream::Context,
-    /// The stream the consumer reads.
+    /// The stream the consumer reads (for logs).
     pub stream: String,
     pub on_poison: Arc<dyn Fn(Poison) -> BoxFuture<'static, ()> + Send + Sync>,
 }
@@ -59,14 +59,24 @@ impl std::fmt::Debug for Sweeper {
 }
 
 impl Sweeper {
-    async fn run(
+    /// Ends `msg`, a poison: `on_poison`, then `term`, on `tracker`,
+    /// holding `permit` (a trickle of poisons runs no more at once than
+    /// jobs would).
+    fn dispose(
         &self,
-        consumer: &mut jetstream::consumer::Consumer<pull::Config>,
+        poison: Poison,
+        msg: jetstream::Message,
+        permit: Option<OwnedSemaphorePermit>,
         tracker: &TaskTracker,
     ) {
-        for poison in crate::poison::sweep(&self.js, &self.stream, consumer).await {
-            tracker.spawn((self.on_poison)(poison));
-        }
+        warn!(stream = %self.stream, seq = poison.stream_sequence, subject = %poison.subject,
+            reason = %poison.reason, "a job whose headers cannot be read: dead-lettered, not run");
+        let handled = (self.on_poison)(poison);
+        tracker.spawn(async move {
+            handled.await;
+            let _ = msg.ack_with(jetstream::AckKind::Term).await;
+            drop(permit);
+        });
     }
 }
 
@@ -280,7 +290,7 @@ impl PullLoop {
         mut dispatch: impl FnMut(jetstream::Message, Option<OwnedSemaphorePermit>),
     ) {
         let PullLoop {
-            mut consumer,
+            consumer,
             mut reconnects,
             sweeper,
             permits,
@@ -290,11 +300,9 @@ impl PullLoop {
             hold_permit_while_waiting,
             ..
         } = self;
-        let mut sweep = true;
         'outer: while !shutdown.is_cancelled() {
-            if reconnects.take_new() | std::mem::take(&mut sweep) {
-                sweeper.run(&mut consumer, &tracker).await;
-            }
+            // A pull sent now replaces any the server forgot.
+            reconnects.take_new();
             // Ask only when something can run (see
             // `hold_permit_while_waiting`).
             let first = if hold_permit_while_waiting {
@@ -331,12 +339,8 @@ impl PullLoop {
             loop {
                 let next = tokio::select! {
                     _ = shutdown.cancelled() => break 'outer,
-                    // The server forgot our request with the old connection
-                    // (which a poison message may have broken: sweep).
-                    _ = reconnects.next() => {
-                        sweep = true;
-                        break;
-                    }
+                    // The server forgot our request with the old connection.
+                    _ = reconnects.next() => break,
                     n = batch.next() => n,
                 };
                 match next {
@@ -344,7 +348,10 @@ impl PullLoop {
                         let permit = first
                             .take()
                             .or_else(|| permits.clone().try_acquire_owned().ok());
-                        dispatch(msg, permit);
+                        match Poison::of(&msg) {
+                            Some(poison) => sweeper.dispose(poison, msg, permit, &tracker),
+                            None => dispatch(msg, permit),
+                        }
                     }
                     Some(Err(e)) => {
                         warn!(consumer = %what, error = %e, "pull error; asking again");

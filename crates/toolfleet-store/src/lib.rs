@@ -20,6 +20,13 @@
 //! | `<p>:{<t>/<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
 //! | `<p>:{<t>/<inv>}:blob:<id>` | hash (`type`, `bytes`) | a tool's binary output ([`Blob`], at most [`MAX_BLOB_BYTES`]), read by its `toolfleet-blob:` URI |
 //!
+//! Per tenant, with the tenant's hash tag, each with its own TTL:
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `<p>:tenant:{<t>}:poisons` | string (INCR, TTL the window) | the tenant's unreadable chat jobs in the current window ([`CitationStore::count_poison`]) |
+//! | `<p>:tenant:{<t>}:suspended` | string (TTL the cool-off) | present while the tenant is suspended for poison ([`CitationStore::suspended_for`]) |
+//!
 //! Every key carries the TTL. References are written by one Lua script, so
 //! a reservation is atomic: the counter, the hash and the call's indices move
 //! together or not at all.
@@ -35,6 +42,8 @@
 //!   ([`CitationStore::put_blob`], [`CitationStore::get_blob`]), scoped
 //!   like references by tenant and invocation, and never larger than
 //!   [`MAX_BLOB_BYTES`].
+//! - `poison`: a tenant's poison count and suspension ([`PoisonRule`],
+//!   [`PoisonCount`]), shared by every orchestrator.
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
@@ -43,6 +52,7 @@
 mod blob;
 pub mod connection;
 mod lease;
+mod poison;
 mod retry;
 
 use std::collections::HashMap;
@@ -58,6 +68,7 @@ pub use blob::{Blob, MAX_BLOB_BYTES};
 use connection::{Conn, Connector, Secrets};
 pub use connection::{DEFAULT_RETRY_BUDGET, RedisOptions, redact_url};
 pub use lease::Lease;
+pub use poison::{PoisonCount, PoisonRule};
 
 /// Default lifetime of an invocation's keys.
 pub const DEFAULT_TTL: Duration = Duration::from_secs(24 * 3600);

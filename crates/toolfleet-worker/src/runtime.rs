@@ -269,8 +269,8 @@ impl Loops {
 
     /// The loop that pulls `tool`'s jobs from `consumer`. It keeps every
     /// job alive from its pull until its handler is done, with one ticker
-    /// for all of them; jobs whose headers cannot be read are swept out
-    /// and dead-lettered.
+    /// for all of them; jobs whose headers cannot be read are taken aside,
+    /// answered and dead-lettered.
     fn pull(&self, tool: Arc<Served>, consumer: ToolConsumer) {
         let config = &self.shared.config;
         let sweeper = {

@@ -2,8 +2,9 @@
 //!
 //! [`handle`] takes one delivery through its steps: decode (size against
 //! the smaller of the contract's and the server's limit, then schema), the
-//! claim ([`claim`]), the typed checks ([`reject::check`]) — any refusal
-//! goes down one path, [`reject::reject`]: an `error` event when the
+//! claim ([`claim`]), the typed checks ([`reject::check`]) and the
+//! tenant's suspension for poison ([`suspend`]) — any refusal goes down
+//! one path, [`reject::reject`]: an `error` event when the
 //! message may speak for the invocation, a dead letter, `term` —, the
 //! trace, then the run ([`run`]): the frame ([`frame`]) under the
 //! invocation's deadline (counted from the stream's publish time, since the
@@ -25,6 +26,7 @@ mod decisions;
 mod frame;
 mod reject;
 mod run;
+mod suspend;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -141,6 +143,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         Ok(job) => job,
         Err(e) => return reject::malformed(fleet, &msg, delivery, subject_tenant, e).await,
     };
+    // Only a tenant of the subject (an identity) can be suspended.
+    let guarded = subject_tenant.is_some();
     let tenant = subject_tenant.unwrap_or_else(|| job.tenant().to_string());
     match claimed(fleet, &msg, &job, &tenant, delivery, &holder).await {
         ControlFlow::Continue(()) => {}
@@ -155,7 +159,25 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
             return reject::reject(fleet, &msg, delivery, refused).await;
         }
     }
-    if let Err(refusal) = reject::check(fleet, job.tenant.as_deref(), &tenant, delivery) {
+    let suspended = if guarded {
+        suspend::suspended_for(fleet, &tenant).await
+    } else {
+        None
+    };
+    let checked = reject::check(fleet, job.tenant.as_deref(), &tenant, delivery).and_then(|()| {
+        suspended.map_or(Ok(()), |left| {
+            fleet
+                .metrics
+                .chat_suspended
+                .with_label_values(&[tenant.as_str()])
+                .inc();
+            Err(Refusal::Suspended {
+                tenant: tenant.clone(),
+                left,
+            })
+        })
+    });
+    if let Err(refusal) = checked {
         let refused = Refused {
             invocation_id: Some(job.invocation_id),
             tenant,

@@ -2,10 +2,13 @@
 //! ([`reject`]) counts it, logs it, ends the invocation with an `error`
 //! event when the message may speak for it, dead-letters the job and
 //! terminates it. A job whose headers the NATS client cannot read
-//! ([`poison`]) was already removed from the stream by the pull loop's
-//! sweep: it gets the event and the dead letter.
+//! ([`poison`]) is taken aside by the pull loop, which terminates it after
+//! this: it gets the event and the dead letter. Both kinds of unreadable
+//! job count towards their tenant's suspension ([`super::suspend`]); a
+//! suspended tenant's job is refused without a dead letter.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_nats::jetstream::{self, AckKind};
 use toolfleet_protocol::{
@@ -17,6 +20,7 @@ use tracing::warn;
 
 use super::MAX_CHAT_ATTEMPTS;
 use super::claim::{Claimed, Delivery, claim, new_holder};
+use super::suspend::count_poison;
 use crate::failure::ChatErrorCode;
 use crate::{Events, Fleet};
 
@@ -34,6 +38,8 @@ pub(super) enum Refusal {
     },
     /// Delivered more often than it may run.
     TooManyAttempts { attempt: u32 },
+    /// Its tenant is suspended for poison, for `left` yet.
+    Suspended { tenant: String, left: Duration },
 }
 
 impl Refusal {
@@ -43,6 +49,7 @@ impl Refusal {
             Refusal::Malformed(_) | Refusal::TenantMismatch { .. } => "malformed",
             Refusal::Duplicate { .. } => "duplicate",
             Refusal::TooManyAttempts { .. } => "error",
+            Refusal::Suspended { .. } => "suspended",
         }
     }
 
@@ -53,6 +60,7 @@ impl Refusal {
             Refusal::Duplicate { .. } => ChatErrorCode::DuplicateInvocation,
             Refusal::TenantMismatch { .. } => ChatErrorCode::TenantMismatch,
             Refusal::TooManyAttempts { .. } => ChatErrorCode::TooManyAttempts,
+            Refusal::Suspended { .. } => ChatErrorCode::TenantSuspended,
         }
     }
 
@@ -83,7 +91,19 @@ impl Refusal {
             Refusal::TooManyAttempts { attempt } => format!(
                 "the job was delivered {attempt} times without finishing (an orchestrator stopped while running it each time)"
             ),
+            Refusal::Suspended { tenant, left } => format!(
+                "tenant {tenant:?} is suspended for {}s more: too many of its chat jobs could not be read \
+                 (headers or body); this job was not run, submit it again after that",
+                left.as_secs().max(1)
+            ),
         }
+    }
+
+    /// Whether the job is dead-lettered: not for a suspended tenant's (a
+    /// flood of them would flush the dead letters of everyone else; each
+    /// is counted and answered).
+    fn dead_letters(&self) -> bool {
+        !matches!(self, Refusal::Suspended { .. })
     }
 }
 
@@ -144,6 +164,10 @@ pub(super) async fn reject(
     {
         tell(fleet, &refused.tenant, id, refusal.event_code(), &error).await;
     }
+    if !refusal.dead_letters() {
+        let _ = msg.ack_with(AckKind::Term).await;
+        return;
+    }
     let dead = DeadLetter {
         kind: DeadLetterKind::Chat,
         stream: fleet.config.subjects.chat_stream(),
@@ -172,6 +196,9 @@ pub(super) async fn malformed(
     error: ProtocolError,
 ) {
     let invocation_id = salvage_invocation_id(&msg.payload, msg.headers.as_ref());
+    if let Some(tenant) = &subject_tenant {
+        count_poison(fleet, tenant).await;
+    }
     let tenant = subject_tenant.unwrap_or_else(|| DEFAULT_TENANT.to_string());
     let tell_sender = match &invocation_id {
         Some(id) => matches!(
@@ -195,10 +222,10 @@ pub(super) async fn malformed(
     reject(fleet, msg, delivery, refused).await;
 }
 
-/// Ends a chat job whose headers the NATS client cannot read (found by the
-/// pull loop's sweep and already removed from the stream): an `error`
-/// event when an invocation id can be read from it and it may speak for
-/// that invocation, and a dead letter with the headers as stored.
+/// Ends a chat job whose headers the NATS client cannot read (taken aside
+/// by the pull loop, which terminates it after this): an `error` event
+/// when an invocation id can be read from it and it may speak for that
+/// invocation, and a dead letter with the headers as received.
 pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison::Poison) {
     use toolfleet_protocol::headers::INVOCATION_ID;
     let invocation_id = salvage_invocation_id(&poison.payload, None).or_else(|| {
@@ -213,7 +240,7 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         published_ms: None,
     };
     let error = format!(
-        "the job's headers cannot be read ({}); it was removed from the queue",
+        "the job's headers cannot be read ({}); it was not run",
         poison.reason
     );
     fleet
@@ -221,11 +248,11 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         .chat_jobs
         .with_label_values(&["malformed"])
         .inc();
-    let tenant = fleet
-        .config
-        .subjects
-        .submit_tenant(&poison.subject)
-        .unwrap_or(DEFAULT_TENANT);
+    let subject_tenant = fleet.config.subjects.submit_tenant(&poison.subject);
+    if let Some(tenant) = subject_tenant {
+        count_poison(&fleet, tenant).await;
+    }
+    let tenant = subject_tenant.unwrap_or(DEFAULT_TENANT);
     if let Some(id) = &invocation_id
         && matches!(
             claim(

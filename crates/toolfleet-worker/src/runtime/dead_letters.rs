@@ -1,6 +1,6 @@
 //! Dead letters of tool jobs: the one place that counts and publishes
-//! them, and the end of a job whose headers cannot even be read (found by
-//! the pull loop's sweep).
+//! them, and the end of a job whose headers cannot even be read (taken
+//! aside by the pull loop).
 
 use std::sync::Arc;
 use toolfleet_protocol::ToolErrorCode;
@@ -26,11 +26,11 @@ pub(super) async fn publish(shared: &Shared, dead: DeadLetter) {
     .await;
 }
 
-/// Ends a tool job whose headers the NATS client cannot read (found by the
-/// pull loop's sweep and already removed from the stream): an error result
+/// Ends a tool job whose headers the NATS client cannot read (taken aside
+/// by the pull loop, which terminates it after this): an error result
 /// to its caller when the call can be read from it — invocation, call id
 /// and a reply subject of this fleet — and a dead letter with the headers
-/// as stored.
+/// as received.
 pub(super) async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: Poison) {
     let label = tool.label().to_string();
     let valid = |name| {
@@ -42,7 +42,7 @@ pub(super) async fn poison(tool: Arc<Served>, shared: Arc<Shared>, poison: Poiso
     let invocation_id = valid(INVOCATION_ID);
     let call_id = valid(CALL_ID);
     let message = format!(
-        "the tool job's headers cannot be read ({}); it was removed from the queue",
+        "the tool job's headers cannot be read ({}); it was not run",
         poison.reason
     );
     shared.count(&label, "error");
