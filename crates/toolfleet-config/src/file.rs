@@ -13,6 +13,7 @@
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
+//! | `[tenant_defaults]` | table | the caps of every tenant without its own: [`crate::caps`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
 //!
@@ -50,7 +51,7 @@ use toolfleet_llm::prices::PriceTable;
 use crate::agents::{DEFAULT_MAX_AGENT_DEPTH, MAX_AGENT_DEPTH_LIMIT};
 use crate::profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 use crate::sinks::SinkConfig;
-use crate::tenants::{DataSourceConfig, TenantConfig};
+use crate::tenants::{DataSourceConfig, TenantConfig, TenantDefaults};
 
 /// The whole configuration: deployments, profiles, prices, sinks, links.
 #[derive(Clone, Debug, PartialEq)]
@@ -77,6 +78,9 @@ pub struct FleetConfig {
     /// Declared data sources and who may use them (`[data_sources.<id>]`);
     /// an undeclared id is usable by every tenant.
     pub data_sources: BTreeMap<String, DataSourceConfig>,
+    /// What every tenant without a key of its own gets
+    /// (`[tenant_defaults]`).
+    pub tenant_defaults: TenantDefaults,
 }
 
 /// The file as written; checked further by [`FleetConfig::validate`].
@@ -101,6 +105,8 @@ struct FileConfig {
     tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     data_sources: BTreeMap<String, DataSourceConfig>,
+    #[serde(default)]
+    tenant_defaults: TenantDefaults,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -142,6 +148,7 @@ impl FleetConfig {
             sinks: file.sinks,
             tenants: file.tenants,
             data_sources: file.data_sources,
+            tenant_defaults: file.tenant_defaults,
         };
         config
             .validate()
@@ -162,6 +169,7 @@ impl FleetConfig {
             sinks: BTreeMap::new(),
             tenants: BTreeMap::new(),
             data_sources: BTreeMap::new(),
+            tenant_defaults: TenantDefaults::default(),
         }
     }
 
@@ -232,6 +240,7 @@ impl FleetConfig {
         self.check_profiles()?;
         self.check_tenants()?;
         self.check_data_sources()?;
+        self.check_caps()?;
         self.prices.validate()
     }
 
@@ -464,6 +473,10 @@ mod tests {
             "provider",
             "tenants",
             "trust_user",
+            "max_queued_jobs",
+            "max_job_bytes",
+            "max_stored_events",
+            "max_parked",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

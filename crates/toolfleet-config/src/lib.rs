@@ -23,6 +23,8 @@
 //!   `tenants = [..]` every profile, sink, agent and data source carries
 //!   ([`TenantScope`]); [`access`]: what a tenant may use, asked of the
 //!   loaded file, and the checks that keep it consistent;
+//! - [`caps`]: what a tenant may store (queued jobs, job size, kept
+//!   events, parked invocations), per tenant and in `[tenant_defaults]`;
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -44,6 +46,7 @@
 pub mod access;
 pub mod agents;
 pub mod approvals;
+pub mod caps;
 pub mod errors;
 pub mod file;
 pub mod policy;
@@ -55,11 +58,12 @@ pub mod tenants;
 mod testing;
 
 pub use agents::AgentTool;
+pub use caps::TenantCaps;
 pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
 pub use file::{ConfigArgs, FleetConfig};
 pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
 pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 pub use resolve::{ResolvedDeployment, ResolvedProfile};
 pub use sinks::SinkConfig;
-pub use tenants::{DataSourceConfig, TenantConfig, TenantScope};
+pub use tenants::{DataSourceConfig, TenantConfig, TenantDefaults, TenantScope};
 pub use toolfleet_llm::model_config::DEFAULT_PROFILE;

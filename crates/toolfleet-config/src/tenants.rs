@@ -119,6 +119,31 @@ pub struct TenantConfig {
     /// door): a job's `user` reaches tools as trusted. Off by default.
     #[serde(default)]
     pub trust_user: bool,
+    /// Caps on what the tenant stores ([`crate::caps`]); `None`:
+    /// `[tenant_defaults]`'s, else the fleet's.
+    #[serde(default)]
+    pub max_queued_jobs: Option<u64>,
+    #[serde(default)]
+    pub max_job_bytes: Option<u64>,
+    #[serde(default)]
+    pub max_stored_events: Option<u64>,
+    #[serde(default)]
+    pub max_parked: Option<u64>,
+}
+
+/// `[tenant_defaults]`: the caps keys of [`crate::caps`] as written (in `[tenants.<name>]`, whose struct carries
+/// them too, and `[tenant_defaults]`); `None`: not set there.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantDefaults {
+    #[serde(default)]
+    pub max_queued_jobs: Option<u64>,
+    #[serde(default)]
+    pub max_job_bytes: Option<u64>,
+    #[serde(default)]
+    pub max_stored_events: Option<u64>,
+    #[serde(default)]
+    pub max_parked: Option<u64>,
 }
 
 /// A declared data source (`[data_sources.<id>]`).

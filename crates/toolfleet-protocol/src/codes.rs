@@ -62,6 +62,12 @@ pub enum ChatErrorCode {
     /// The job's tenant may not use a data source it names (its
     /// `dataSourceId`, or the collection of an attached document).
     DataSourceNotAllowed,
+    /// The job's tenant had its cap of queued jobs (`max_queued_jobs`)
+    /// ahead of it.
+    QueueFull,
+    /// The job's tenant has its cap of parked invocations (`max_parked`),
+    /// or the parked bucket is full.
+    TooManyParked,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -73,7 +79,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 22] = [
+    pub const FIXED: [ChatErrorCode; 24] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -96,6 +102,8 @@ impl ChatErrorCode {
         Self::UnknownProfile,
         Self::ProfileNotAllowed,
         Self::DataSourceNotAllowed,
+        Self::QueueFull,
+        Self::TooManyParked,
     ];
 
     /// The prefix of a provider failure's code.
@@ -131,6 +139,8 @@ impl ChatErrorCode {
             Self::UnknownProfile => "unknown_profile",
             Self::ProfileNotAllowed => "profile_not_allowed",
             Self::DataSourceNotAllowed => "data_source_not_allowed",
+            Self::QueueFull => "queue_full",
+            Self::TooManyParked => "too_many_parked",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

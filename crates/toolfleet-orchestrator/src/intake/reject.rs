@@ -34,6 +34,8 @@ pub(super) enum Refusal {
     },
     /// Delivered more often than it may run.
     TooManyAttempts { attempt: u32 },
+    /// Its tenant had its cap of queued jobs ahead of it.
+    QueueFull { tenant: String, cap: u64 },
 }
 
 impl Refusal {
@@ -43,6 +45,21 @@ impl Refusal {
             Refusal::Malformed(_) | Refusal::TenantMismatch { .. } => "malformed",
             Refusal::Duplicate { .. } => "duplicate",
             Refusal::TooManyAttempts { .. } => "error",
+            Refusal::QueueFull { .. } => "error",
+        }
+    }
+
+    /// The tenant's cap it met (`toolfleet_tenant_cap_refusals_total`'s
+    /// `cap`), if that is why.
+    fn cap(&self) -> Option<&'static str> {
+        match self {
+            Refusal::QueueFull { .. } => Some("queued_jobs"),
+            Refusal::Malformed(ProtocolError::TooLarge { limit, .. })
+                if *limit < toolfleet_protocol::MAX_JOB_BYTES =>
+            {
+                Some("job_bytes")
+            }
+            _ => None,
         }
     }
 
@@ -53,6 +70,7 @@ impl Refusal {
             Refusal::Duplicate { .. } => ChatErrorCode::DuplicateInvocation,
             Refusal::TenantMismatch { .. } => ChatErrorCode::TenantMismatch,
             Refusal::TooManyAttempts { .. } => ChatErrorCode::TooManyAttempts,
+            Refusal::QueueFull { .. } => ChatErrorCode::QueueFull,
         }
     }
 
@@ -82,6 +100,10 @@ impl Refusal {
             ),
             Refusal::TooManyAttempts { attempt } => format!(
                 "the job was delivered {attempt} times without finishing (an orchestrator stopped while running it each time)"
+            ),
+            Refusal::QueueFull { tenant, cap } => format!(
+                "tenant {tenant:?} already had {cap} chat jobs queued or running ahead of this one, \
+                 its cap (max_queued_jobs); submit it again when some have finished"
             ),
         }
     }
@@ -134,6 +156,11 @@ pub(super) async fn reject(
         .chat_jobs
         .with_label_values(&[refusal.outcome()])
         .inc();
+    if let Some(cap) = refusal.cap() {
+        (fleet.metrics.caps_refused)
+            .with_label_values(&[refused.tenant.as_str(), cap])
+            .inc();
+    }
     let error = refusal.message();
     let code = refusal.code();
     warn!(invocation_id = ?refused.invocation_id, code, "chat job not run: {error}");
@@ -264,7 +291,11 @@ async fn tell(fleet: &Fleet, tenant: &str, id: &str, code: ChatErrorCode, messag
         code: code.to_string(),
         message: message.to_string(),
     });
-    events.close().await;
+    if events.close().await.is_some() {
+        (fleet.tenant_store)
+            .event_stored(&fleet.js, &fleet.config, tenant)
+            .await;
+    }
 }
 
 async fn publish(fleet: &Fleet, dead: &DeadLetter) {
