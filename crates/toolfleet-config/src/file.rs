@@ -13,7 +13,7 @@
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
-//! | `[tenant_defaults]` | table | a tenant's keys for every tenant without its own: [`crate::tenants`], [`crate::poison`] |
+//! | `[tenant_defaults]` | table | a tenant's keys for every tenant without its own: [`crate::tenants`], [`crate::poison`], [`crate::caps`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
 //!
@@ -241,6 +241,7 @@ impl FleetConfig {
         self.check_tenants()?;
         self.check_data_sources()?;
         self.check_poison()?;
+        self.check_caps()?;
         self.prices.validate()
     }
 
@@ -476,6 +477,10 @@ mod tests {
             "poison_limit",
             "poison_window_secs",
             "poison_cooloff_secs",
+            "max_queued_jobs",
+            "max_job_bytes",
+            "max_stored_events",
+            "max_parked",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

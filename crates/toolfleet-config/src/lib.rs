@@ -25,6 +25,8 @@
 //!   loaded file, and the checks that keep it consistent;
 //! - [`poison`]: how many unreadable chat jobs a tenant may send before
 //!   it is suspended, and for how long ([`PoisonPolicy`]);
+//! - [`caps`]: what a tenant may store (queued jobs, job size, kept
+//!   events, parked invocations), per tenant and in `[tenant_defaults]`;
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -46,6 +48,7 @@
 pub mod access;
 pub mod agents;
 pub mod approvals;
+pub mod caps;
 pub mod errors;
 pub mod file;
 pub mod poison;
@@ -58,6 +61,7 @@ pub mod tenants;
 mod testing;
 
 pub use agents::AgentTool;
+pub use caps::TenantCaps;
 pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
 pub use file::{ConfigArgs, FleetConfig};
 pub use poison::PoisonPolicy;
@@ -65,5 +69,5 @@ pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
 pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 pub use resolve::{ResolvedDeployment, ResolvedProfile};
 pub use sinks::SinkConfig;
-pub use tenants::{DataSourceConfig, TenantConfig, TenantScope};
+pub use tenants::{DataSourceConfig, CapKeys, TenantConfig, TenantScope};
 pub use toolfleet_llm::model_config::DEFAULT_PROFILE;

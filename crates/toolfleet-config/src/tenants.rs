@@ -131,6 +131,26 @@ pub struct TenantConfig {
     /// How long a suspension lasts, in seconds.
     #[serde(default)]
     pub poison_cooloff_secs: Option<u64>,
+    /// Caps on what the tenant stores ([`crate::caps`]); `None`:
+    /// `[tenant_defaults]`'s, else the fleet's.
+    #[serde(default)]
+    pub max_queued_jobs: Option<u64>,
+    #[serde(default)]
+    pub max_job_bytes: Option<u64>,
+    #[serde(default)]
+    pub max_stored_events: Option<u64>,
+    #[serde(default)]
+    pub max_parked: Option<u64>,
+}
+
+/// The caps keys of [`crate::caps`] as a `[tenants.<name>]` or
+/// `[tenant_defaults]` table writes them; `None`: not set there.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CapKeys {
+    pub max_queued_jobs: Option<u64>,
+    pub max_job_bytes: Option<u64>,
+    pub max_stored_events: Option<u64>,
+    pub max_parked: Option<u64>,
 }
 
 /// A declared data source (`[data_sources.<id>]`).

@@ -62,6 +62,8 @@ pub struct Fleet {
     /// The per-tenant tool settings the operator writes (see
     /// [`dispatch`](crate::dispatch)).
     pub(crate) settings_bucket: kv::Store,
+    /// What each tenant stores, held to its caps (see [`crate::caps`]).
+    pub(crate) tenant_store: crate::caps::TenantStore,
 }
 
 /// What the orchestrator's start makes for the [`Fleet`] besides its
@@ -112,6 +114,7 @@ impl Fleet {
             building: std::sync::Mutex::new(()),
             parked_bucket,
             settings_bucket,
+            tenant_store: crate::caps::TenantStore::default(),
         }
     }
 

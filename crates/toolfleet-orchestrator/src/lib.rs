@@ -51,6 +51,7 @@
 
 pub mod agents;
 pub mod approvals;
+pub mod caps;
 pub mod catalog;
 pub mod config;
 pub mod context;

@@ -106,7 +106,16 @@ pub struct OrchestratorMetrics {
     pub tenant_suspensions: IntCounterVec,
     /// `tenant`: chat jobs refused because their tenant was suspended.
     pub chat_suspended: IntCounterVec,
+    /// Jobs and parks refused at a tenant's cap, by `tenant` (an operator
+    /// identity: bounded) and `cap`: queued_jobs | job_bytes | parked.
+    pub caps_refused: IntCounterVec,
+    /// A tenant's invocations in the parked bucket, by `tenant`, as this
+    /// orchestrator last saw the bucket.
+    pub tenant_parked: IntGaugeVec,
 }
+
+/// Every `cap` of `toolfleet_tenant_cap_refusals_total`.
+pub const CAPS: [&str; 3] = ["queued_jobs", "job_bytes", "parked"];
 
 /// One metric's name, help and labels: the registration table below is a
 /// list of these, each registered in one line.
@@ -314,6 +323,18 @@ const CHAT_SUSPENDED: Spec = spec(
     "Chat jobs refused (tenant_suspended, not run) because their tenant was suspended for poison.",
     &["tenant"],
 );
+const CAPS_REFUSED: Spec = spec(
+    "toolfleet_tenant_cap_refusals_total",
+    "Chat jobs and parks refused at a tenant's cap, by tenant and cap (queued_jobs, job_bytes, parked); refusals on the publish ack are the NATS server's and not counted here.",
+    &["tenant", "cap"],
+);
+
+const TENANT_PARKED: Spec = spec(
+    "toolfleet_tenant_parked",
+    "A tenant's invocations parked waiting for approvals, as this orchestrator last saw the parked bucket.",
+    &["tenant"],
+);
+
 const APPROVALS_PARKED: Spec = spec(
     "toolfleet_approvals_parked",
     "Invocations parked waiting for approvals, fleet-wide (every orchestrator reports the same count).",
@@ -375,6 +396,8 @@ impl OrchestratorMetrics {
             chat_poison: CHAT_POISON.counter(r)?,
             tenant_suspensions: TENANT_SUSPENSIONS.counter(r)?,
             chat_suspended: CHAT_SUSPENDED.counter(r)?,
+            caps_refused: CAPS_REFUSED.counter(r)?,
+            tenant_parked: TENANT_PARKED.gauges(r)?,
         };
         m.zero();
         Ok(m)
@@ -400,6 +423,9 @@ impl OrchestratorMetrics {
         }
         for c in APPROVAL_REFUSALS {
             self.approvals_refused.with_label_values(&[c]);
+        }
+        for c in CAPS {
+            self.caps_refused.with_label_values(&["default", c]);
         }
     }
 }

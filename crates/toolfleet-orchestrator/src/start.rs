@@ -170,7 +170,10 @@ impl Opened {
         let nats = |e: String| OrchestratorError::Nats(e);
         let js = jetstream::new(client.clone());
         let subjects = &settings.subjects;
-        let chat = intake::chat_consumer(&js, subjects).await?;
+        let limits = toolfleet_protocol::streams::ChatLimits {
+            per_tenant: settings.profiles.largest_queued_cap(),
+        };
+        let chat = intake::chat_consumer(&js, subjects, limits).await?;
         (settings.sinks)
             .check_config(subjects, &settings.profiles.sinks, &*settings.env)
             .map_err(OrchestratorError::Config)?;

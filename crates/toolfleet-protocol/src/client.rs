@@ -22,6 +22,20 @@
 //! documents); a caller that may build one should catch `job_too_large`
 //! and send less.
 //!
+//! # When the queue is full
+//!
+//! Each tenant may have a capped number of chat jobs in the chat stream at
+//! once (waiting or running: the operator's `max_queued_jobs`), and the
+//! stream as a whole a capped size. JetStream refuses a job past either on
+//! its publish ack, at once, and stores nothing: [`submit`] and [`chat`]
+//! fail with [`ClientError::QueueFull`] (code `queue_full`). A client in
+//! another language sees the publish ack's error: code 503, error code
+//! 10077, description `maximum messages per subject exceeded` (the
+//! tenant's cap) or `maximum bytes exceeded` (the stream). A tenant whose
+//! cap is below the largest any tenant has is held to it when its job is
+//! taken instead: that job ends with an `error` event of code
+//! `queue_full`.
+//!
 //! # No `Nats-Msg-Id` on chat jobs
 //!
 //! A chat job carries no `Nats-Msg-Id`, and a client in any language must
@@ -84,6 +98,55 @@ pub enum ClientError {
         /// Whose limit that is: the fleet's or the NATS server's.
         limit_of: JobSizeLimit,
     },
+    /// JetStream refused the job on its publish ack because the tenant
+    /// has its cap of jobs queued (waiting or running), or the chat stream
+    /// is full; nothing was stored. See [the module
+    /// docs](self#when-the-queue-is-full).
+    #[error(
+        "the fleet refused the job: {0}; wait for some of the tenant's queued jobs to finish, \
+         then submit again"
+    )]
+    QueueFull(QueueFull),
+}
+
+/// Which limit a [`ClientError::QueueFull`] job met.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueueFull {
+    /// The tenant's queued jobs (the chat stream's per-subject limit,
+    /// `maximum messages per subject exceeded`).
+    Tenant,
+    /// The whole chat stream (`maximum bytes exceeded` or `maximum
+    /// messages exceeded`).
+    Stream,
+}
+
+impl fmt::Display for QueueFull {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            QueueFull::Tenant => "the tenant has as many chat jobs queued as it may (queue_full)",
+            QueueFull::Stream => "the chat stream is full (queue_full)",
+        })
+    }
+}
+
+impl QueueFull {
+    /// The limit a refused publish met, read from JetStream's answer:
+    /// the server says which limit in the error's description (its error
+    /// code, 10077, is the same for every store failure).
+    pub fn of(error: &async_nats::jetstream::context::PublishError) -> Option<Self> {
+        let source = std::error::Error::source(error)?;
+        let js = source.downcast_ref::<async_nats::jetstream::Error>()?;
+        let said = js.to_string();
+        if said.contains("maximum messages per subject exceeded") {
+            Some(QueueFull::Tenant)
+        } else if said.contains("maximum bytes exceeded")
+            || said.contains("maximum messages exceeded")
+        {
+            Some(QueueFull::Stream)
+        } else {
+            None
+        }
+    }
 }
 
 /// Whose limit a [`ClientError::JobTooLarge`] job went over.
@@ -108,7 +171,7 @@ impl fmt::Display for JobSizeLimit {
 
 impl ClientError {
     /// The error's kind as a short code: `nats`, `rejected`, `timeout`,
-    /// `job_too_large`, or for [`ClientError::Failed`] the `error` event's own
+    /// `job_too_large`, `queue_full`, or for [`ClientError::Failed`] the `error` event's own
     /// code.
     pub fn code(&self) -> &str {
         match self {
@@ -117,6 +180,7 @@ impl ClientError {
             ClientError::Timeout(_) => "timeout",
             ClientError::Failed { code, .. } => code,
             ClientError::JobTooLarge { .. } => "job_too_large",
+            ClientError::QueueFull(_) => "queue_full",
         }
     }
 }
@@ -618,7 +682,10 @@ impl SubmitMessage {
         .await
         .map_err(|e| ClientError::Rejected(e.to_string()))?
         .await
-        .map_err(|e| ClientError::Rejected(e.to_string()))?;
+        .map_err(|e| match QueueFull::of(&e) {
+            Some(full) => ClientError::QueueFull(full),
+            None => ClientError::Rejected(e.to_string()),
+        })?;
         Ok(())
     }
 }

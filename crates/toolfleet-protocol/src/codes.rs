@@ -65,6 +65,12 @@ pub enum ChatErrorCode {
     /// The job's tenant is suspended: too many of its chat jobs could not
     /// be read (the operator's poison guard); the job did not run.
     TenantSuspended,
+    /// The job's tenant had its cap of queued jobs (`max_queued_jobs`)
+    /// ahead of it.
+    QueueFull,
+    /// The job's tenant has its cap of parked invocations (`max_parked`),
+    /// or the parked bucket is full.
+    TooManyParked,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -76,7 +82,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 23] = [
+    pub const FIXED: [ChatErrorCode; 25] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -100,6 +106,8 @@ impl ChatErrorCode {
         Self::ProfileNotAllowed,
         Self::DataSourceNotAllowed,
         Self::TenantSuspended,
+        Self::QueueFull,
+        Self::TooManyParked,
     ];
 
     /// The prefix of a provider failure's code.
@@ -136,6 +144,8 @@ impl ChatErrorCode {
             Self::ProfileNotAllowed => "profile_not_allowed",
             Self::DataSourceNotAllowed => "data_source_not_allowed",
             Self::TenantSuspended => "tenant_suspended",
+            Self::QueueFull => "queue_full",
+            Self::TooManyParked => "too_many_parked",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

@@ -32,20 +32,93 @@ pub fn default_replicas() -> usize {
     DEFAULT_REPLICAS.load(Ordering::Relaxed)
 }
 
-/// Creates the chat-job stream if it does not exist.
+/// Chat jobs a tenant may have in the chat stream at once (waiting or
+/// running) when the operator says nothing (`max_queued_jobs`).
+pub const DEFAULT_MAX_QUEUED_JOBS: u64 = 10_000;
+
+/// The chat stream's size limit: past it a submit is refused on its
+/// publish ack (discard new) rather than the store filling for every
+/// stream, or a queued job being dropped.
+pub const CHAT_MAX_BYTES: i64 = 1024 * 1024 * 1024;
+
+/// What the chat stream's limits say about the tenants: at most
+/// `per_tenant` jobs on one submit subject (refused on the publish ack
+/// past it), [`CHAT_MAX_BYTES`] in all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChatLimits {
+    /// The per-subject limit: the largest queued-jobs cap of any tenant.
+    pub per_tenant: u64,
+}
+
+impl Default for ChatLimits {
+    fn default() -> Self {
+        Self {
+            per_tenant: DEFAULT_MAX_QUEUED_JOBS,
+        }
+    }
+}
+
+impl ChatLimits {
+    /// The stream settings these limits set: a submit past either limit
+    /// is refused (discard new), never a queued job dropped.
+    fn apply(self, config: &mut stream::Config) {
+        config.max_messages_per_subject = i64::try_from(self.per_tenant).unwrap_or(i64::MAX);
+        config.discard_new_per_subject = true;
+        config.discard = stream::DiscardPolicy::New;
+        config.max_bytes = CHAT_MAX_BYTES;
+    }
+
+    /// Whether `config` already has them.
+    fn held_by(self, config: &stream::Config) -> bool {
+        let mut wanted = config.clone();
+        self.apply(&mut wanted);
+        wanted.max_messages_per_subject == config.max_messages_per_subject
+            && wanted.discard_new_per_subject == config.discard_new_per_subject
+            && wanted.discard == config.discard
+            && wanted.max_bytes == config.max_bytes
+    }
+}
+
+/// Creates the chat-job stream if it does not exist, with the default
+/// [`ChatLimits`] (see [`ensure_chat_stream_with`]).
 pub async fn ensure_chat_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<stream::Stream, StreamError> {
+    ensure_chat_stream_with(js, subjects, ChatLimits::default()).await
+}
+
+/// Creates the chat-job stream if it does not exist, and brings an
+/// existing one to `limits` (an older fleet's stream had none; an
+/// operator's new caps take effect at the next orchestrator start).
+pub async fn ensure_chat_stream_with(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    limits: ChatLimits,
+) -> Result<stream::Stream, StreamError> {
     // A job nobody took within a day has no one waiting for it.
-    work_queue(
+    let stream = work_queue(
         js,
         subjects.chat_stream(),
         subjects.chat_submit_all(),
         Some(format!("{}.chat.submit", subjects.prefix())),
         24 * 3600,
+        |config| limits.apply(config),
     )
-    .await
+    .await?;
+    if limits.held_by(&stream.cached_info().config) {
+        return Ok(stream);
+    }
+    let name = subjects.chat_stream();
+    let mut config = stream.cached_info().config.clone();
+    limits.apply(&mut config);
+    js.update_stream(config)
+        .await
+        .map_err(|e| StreamError(format!("stream {name}: setting its per-tenant limit: {e}")))?;
+    tracing::info!(stream = %name, per_tenant = limits.per_tenant, "chat stream limits set");
+    js.get_stream(&name)
+        .await
+        .map_err(|e| StreamError(format!("stream {name}: {e}")))
 }
 
 /// How long the events stream keeps an invocation's latest event: past
@@ -152,27 +225,48 @@ pub async fn ensure_decisions_stream(
         subjects.chat_decision_all(),
         None,
         PARKED_MAX_AGE.as_secs(),
+        |_| {},
     )
     .await
 }
 
-/// The bucket of parked invocations (key: invocation id; value: the
-/// orchestrator's record of the conversation and the held calls), created
-/// on first use like the catalog bucket (the key-value layout by hand, so
-/// nats-server 2.9 serves it). Entries leave when their invocation
-/// resumes to its end, or after [`PARKED_MAX_AGE`].
+/// The parked bucket's size limit: past it a new record is refused (the
+/// bucket discards new), never an older one dropped, and the store is not
+/// filled for every stream.
+pub const PARKED_MAX_BYTES: i64 = 256 * 1024 * 1024;
+
+/// The bucket of parked invocations (key: `<tenant>.<invocation id>`;
+/// value: the orchestrator's record of the conversation and the held
+/// calls), created on first use like the catalog bucket (the key-value
+/// layout by hand, so nats-server 2.9 serves it), at most
+/// [`PARKED_MAX_BYTES`] (a bucket an older fleet made gets the limit).
+/// Entries leave when their invocation resumes to its end, or after
+/// [`PARKED_MAX_AGE`].
 pub async fn parked_bucket(
     js: &jetstream::Context,
     subjects: &Subjects,
 ) -> Result<jetstream::kv::Store, StreamError> {
-    key_value(
+    let name = subjects.parked_bucket();
+    let store = key_value(
         js,
-        &subjects.parked_bucket(),
+        &name,
         "toolfleet: invocations parked for approval",
         PARKED_MAX_AGE,
         false,
     )
-    .await
+    .await?;
+    let config = &store.stream.cached_info().config;
+    if config.max_bytes == PARKED_MAX_BYTES {
+        return Ok(store);
+    }
+    let mut limited = config.clone();
+    limited.max_bytes = PARKED_MAX_BYTES;
+    js.update_stream(limited)
+        .await
+        .map_err(|e| StreamError(format!("bucket {name}: setting its size limit: {e}")))?;
+    js.get_key_value(&name)
+        .await
+        .map_err(|e| StreamError(format!("bucket {name}: {e}")))
 }
 
 /// The bucket of per-tenant tool settings (key:
@@ -330,6 +424,7 @@ pub async fn ensure_tools_stream(
         subjects.tools_all(),
         None,
         2 * 3600,
+        |_| {},
     )
     .await
 }
@@ -349,8 +444,10 @@ async fn work_queue(
     subject: String,
     legacy: Option<String>,
     max_age_secs: u64,
+    tweak: impl FnOnce(&mut stream::Config),
 ) -> Result<stream::Stream, StreamError> {
-    let config = work_queue_config(&name, &subject, max_age_secs);
+    let mut config = work_queue_config(&name, &subject, max_age_secs);
+    tweak(&mut config);
     let mut stream = js
         .get_or_create_stream(config)
         .await

@@ -294,6 +294,17 @@ impl Subjects {
         format!("{}.chat.events.>", self.prefix)
     }
 
+    /// Every invocation's events of one tenant (what a tenant's cap on
+    /// stored events counts and trims).
+    pub fn chat_events_of(&self, tenant: &str) -> String {
+        format!("{}.chat.events.{tenant}.*", self.prefix)
+    }
+
+    /// Every invocation's history subject of one tenant.
+    pub fn chat_history_of(&self, tenant: &str) -> String {
+        format!("{}.chat.history.{tenant}.*", self.prefix)
+    }
+
     /// Cancels one invocation of `tenant`; a cancel under another tenant
     /// than the invocation's own is ignored.
     pub fn chat_cancel(&self, tenant: &str, invocation_id: &str) -> String {

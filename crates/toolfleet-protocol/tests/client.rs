@@ -165,3 +165,52 @@ async fn a_job_over_max_job_bytes_is_refused_whatever_the_server_allows() {
     assert_too_large(err, MAX_JOB_BYTES + 1, MAX_JOB_BYTES, JobSizeLimit::Fleet);
     assert_eq!(fleet.stored().await, 1);
 }
+
+/// Issue 29: a tenant at its cap of queued jobs is refused on the publish
+/// ack at once (`queue_full`), nothing is stored, and another tenant still
+/// submits; an older fleet's chat stream, made without limits, gets them.
+#[tokio::test]
+async fn a_tenant_over_its_queued_cap_is_refused_on_the_publish_ack_while_another_submits() {
+    use toolfleet_protocol::client::QueueFull;
+    use toolfleet_protocol::streams::{ChatLimits, ensure_chat_stream_with};
+
+    let nats = Nats::start().expect("nats-server");
+    // The stream as a fleet before issue 29 made it: no per-subject limit.
+    let fleet = Fleet::start(&nats).await;
+    let js = async_nats::jetstream::new(fleet.client.clone());
+    let stream = within(ensure_chat_stream_with(
+        &js,
+        &fleet.subjects,
+        ChatLimits { per_tenant: 2 },
+    ))
+    .await
+    .expect("the stream gets the limits");
+    let config = &stream.cached_info().config;
+    assert_eq!(config.max_messages_per_subject, 2);
+    assert!(config.discard_new_per_subject);
+
+    let of = |tenant: &str| {
+        let mut job = client::question("queued");
+        job.tenant = Some(tenant.into());
+        job
+    };
+    for _ in 0..2 {
+        fleet.submit(&of("acme")).await.expect("within acme's cap");
+    }
+    let err = fleet
+        .submit(&of("acme"))
+        .await
+        .expect_err("acme's third queued job is refused");
+    assert!(
+        matches!(err, ClientError::QueueFull(QueueFull::Tenant)),
+        "{err:?}"
+    );
+    assert_eq!(err.code(), "queue_full");
+    assert!(err.to_string().contains("queued"), "{err}");
+    assert_eq!(fleet.stored().await, 2, "nothing of the refused job stored");
+    fleet
+        .submit(&of("globex"))
+        .await
+        .expect("globex still submits");
+    assert_eq!(fleet.stored().await, 3);
+}

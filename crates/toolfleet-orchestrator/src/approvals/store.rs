@@ -25,6 +25,27 @@ pub(crate) async fn open(
     Ok(bucket)
 }
 
+/// Whether the bucket refused a put for its size: JetStream says so only
+/// in the words of its error (its code is every store failure's).
+fn bucket_full(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if e.to_string().contains("maximum bytes exceeded") {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// Why an invocation could not be parked.
+pub(crate) enum ParkError {
+    /// Its tenant's cap, or the bucket's size: `too_many_parked`.
+    Full(String),
+    /// The bucket did not answer: `approval_unavailable`.
+    Store(String),
+}
+
 /// The parked bucket's key of `tenant`'s invocation `invocation_id`
 /// (both are single subject tokens: neither holds a `.`).
 pub(crate) fn parked_key(tenant: &str, invocation_id: &str) -> String {
@@ -33,17 +54,39 @@ pub(crate) fn parked_key(tenant: &str, invocation_id: &str) -> String {
 
 impl Fleet {
     /// Keeps `parked` in the bucket (a new record, or the invocation's
-    /// earlier one replaced: the run writing it holds the lease).
-    pub(crate) async fn keep_parked(&self, parked: &Parked) -> Result<(), String> {
-        let value = serde_json::to_vec(parked).map_err(|e| e.to_string())?;
-        self.parked_bucket
-            .put(
-                parked_key(&parked.tenant, &parked.job.invocation_id),
-                value.into(),
-            )
-            .await
-            .map(drop)
-            .map_err(|e| e.to_string())
+    /// earlier one replaced: the run writing it holds the lease). A new
+    /// record of a tenant that has its cap of them (`max_parked`), or one
+    /// the full bucket refuses, is [`ParkError::Full`].
+    pub(crate) async fn keep_parked(&self, parked: &Parked) -> Result<(), ParkError> {
+        let tenant = parked.tenant.as_str();
+        let key = parked_key(tenant, &parked.job.invocation_id);
+        let cap = self.config.profiles.caps_of(tenant).max_parked;
+        if self.tenant_store.parked_full(&key, cap) {
+            self.metrics
+                .caps_refused
+                .with_label_values(&[tenant, "parked"])
+                .inc();
+            return Err(ParkError::Full(format!(
+                "a call needs approval, but tenant {tenant:?} already has {cap} invocations \
+                 parked for approval, its cap (max_parked); decide some of them first"
+            )));
+        }
+        let value = serde_json::to_vec(parked).map_err(|e| ParkError::Store(e.to_string()))?;
+        match self.parked_bucket.put(key, value.into()).await {
+            Ok(_) => Ok(()),
+            Err(e) if bucket_full(&e) => {
+                self.metrics
+                    .caps_refused
+                    .with_label_values(&[tenant, "parked"])
+                    .inc();
+                Err(ParkError::Full(
+                    "a call needs approval, but the parked bucket is full; decide some parked \
+                     invocations first"
+                        .to_string(),
+                ))
+            }
+            Err(e) => Err(ParkError::Store(e.to_string())),
+        }
     }
 
     /// Removes the record of an invocation that ended. Best effort: a

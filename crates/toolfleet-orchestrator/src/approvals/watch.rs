@@ -57,12 +57,18 @@ pub(crate) async fn watch_parked(fleet: Arc<Fleet>, shutdown: CancellationToken)
             }
         };
         known.clear();
+        fleet.tenant_store.parked_reset();
+        fleet.metrics.tenant_parked.reset();
         let mut tick = tokio::time::interval(TIMEOUT_TICK);
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
                 entry = watch.next() => match entry {
                     Some(Ok(entry)) => {
+                        let present = entry.operation == kv::Operation::Put;
+                        let (tenant, parked) = fleet.tenant_store.parked_seen(&entry.key, present);
+                        let parked = i64::try_from(parked).unwrap_or(i64::MAX);
+                        fleet.metrics.tenant_parked.with_label_values(&[&tenant]).set(parked);
                         if entry.operation == kv::Operation::Put
                             && let Ok(p) = serde_json::from_slice::<Parked>(&entry.value)
                         {

@@ -2,9 +2,10 @@
 //!
 //! [`handle`] takes one delivery through its steps: decode (size against
 //! the smaller of the contract's and the server's limit, then schema), the
-//! claim ([`claim`]), the typed checks ([`reject::check`]) and the
-//! tenant's suspension for poison ([`suspend`]) — any refusal goes down
-//! one path, [`reject::reject`]: an `error` event when the
+//! claim ([`claim`]), the typed checks ([`reject::check`]), the tenant's
+//! suspension for poison ([`suspend`]) and its queued-jobs cap where the
+//! stream cannot hold it ([`queued`]) — any refusal goes down one path,
+//! [`reject::reject`]: an `error` event when the
 //! message may speak for the invocation, a dead letter, `term` —, the
 //! trace, then the run ([`run`]): the frame ([`frame`]) under the
 //! invocation's deadline (counted from the stream's publish time, since the
@@ -24,6 +25,7 @@ mod cancels;
 mod claim;
 mod decisions;
 mod frame;
+mod queued;
 mod reject;
 mod run;
 mod suspend;
@@ -138,7 +140,14 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         .subjects
         .submit_tenant(msg.subject.as_str())
         .map(str::to_string);
-    let limit = fleet.limits().job_body();
+    // The tenant's own cap (`max_job_bytes`) when it is the smaller: a
+    // bigger job is refused as any oversized one (`too_large`).
+    let limit = match &subject_tenant {
+        Some(tenant) => {
+            (fleet.limits().job_body()).min(fleet.config.profiles.caps_of(tenant).max_job_bytes)
+        }
+        None => fleet.limits().job_body(),
+    };
     let mut job: ChatJob = match Envelope::ChatJob.decode_within(&msg.payload, limit) {
         Ok(job) => job,
         Err(e) => return reject::malformed(fleet, &msg, delivery, subject_tenant, e).await,
@@ -178,6 +187,17 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         })
     });
     if let Err(refusal) = checked {
+        let refused = Refused {
+            invocation_id: Some(job.invocation_id),
+            tenant,
+            tell_sender: true,
+            refusal,
+        };
+        return reject::reject(fleet, &msg, delivery, refused).await;
+    }
+    if delivery.attempt == 1
+        && let Some(refusal) = queued::over_cap(fleet, &tenant, delivery.stream_sequence).await
+    {
         let refused = Refused {
             invocation_id: Some(job.invocation_id),
             tenant,
@@ -304,8 +324,9 @@ fn trace(
 pub(crate) async fn chat_consumer(
     js: &jetstream::Context,
     subjects: &Subjects,
+    limits: toolfleet_protocol::streams::ChatLimits,
 ) -> Result<jetstream::consumer::Consumer<pull::Config>, OrchestratorError> {
-    let stream = toolfleet_protocol::streams::ensure_chat_stream(js, subjects)
+    let stream = toolfleet_protocol::streams::ensure_chat_stream_with(js, subjects, limits)
         .await
         .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
     toolfleet_protocol::streams::ensure_tools_stream(js, subjects)

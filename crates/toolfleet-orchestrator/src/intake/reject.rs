@@ -40,6 +40,8 @@ pub(super) enum Refusal {
     TooManyAttempts { attempt: u32 },
     /// Its tenant is suspended for poison, for `left` yet.
     Suspended { tenant: String, left: Duration },
+    /// Its tenant had its cap of queued jobs ahead of it.
+    QueueFull { tenant: String, cap: u64 },
 }
 
 impl Refusal {
@@ -50,6 +52,21 @@ impl Refusal {
             Refusal::Duplicate { .. } => "duplicate",
             Refusal::TooManyAttempts { .. } => "error",
             Refusal::Suspended { .. } => "suspended",
+            Refusal::QueueFull { .. } => "error",
+        }
+    }
+
+    /// The tenant's cap it met (`toolfleet_tenant_cap_refusals_total`'s
+    /// `cap`), if that is why.
+    fn cap(&self) -> Option<&'static str> {
+        match self {
+            Refusal::QueueFull { .. } => Some("queued_jobs"),
+            Refusal::Malformed(ProtocolError::TooLarge { limit, .. })
+                if *limit < toolfleet_protocol::MAX_JOB_BYTES =>
+            {
+                Some("job_bytes")
+            }
+            _ => None,
         }
     }
 
@@ -61,6 +78,7 @@ impl Refusal {
             Refusal::TenantMismatch { .. } => ChatErrorCode::TenantMismatch,
             Refusal::TooManyAttempts { .. } => ChatErrorCode::TooManyAttempts,
             Refusal::Suspended { .. } => ChatErrorCode::TenantSuspended,
+            Refusal::QueueFull { .. } => ChatErrorCode::QueueFull,
         }
     }
 
@@ -95,6 +113,9 @@ impl Refusal {
                 "tenant {tenant:?} is suspended for {}s more: too many of its chat jobs could not be read \
                  (headers or body); this job was not run, submit it again after that",
                 left.as_secs().max(1)
+            Refusal::QueueFull { tenant, cap } => format!(
+                "tenant {tenant:?} already had {cap} chat jobs queued or running ahead of this one, \
+                 its cap (max_queued_jobs); submit it again when some have finished"
             ),
         }
     }
@@ -154,6 +175,11 @@ pub(super) async fn reject(
         .chat_jobs
         .with_label_values(&[refusal.outcome()])
         .inc();
+    if let Some(cap) = refusal.cap() {
+        (fleet.metrics.caps_refused)
+            .with_label_values(&[refused.tenant.as_str(), cap])
+            .inc();
+    }
     let error = refusal.message();
     let code = refusal.code();
     warn!(invocation_id = ?refused.invocation_id, code, "chat job not run: {error}");
@@ -291,7 +317,11 @@ async fn tell(fleet: &Fleet, tenant: &str, id: &str, code: ChatErrorCode, messag
         code: code.to_string(),
         message: message.to_string(),
     });
-    events.close().await;
+    if events.close().await.is_some() {
+        (fleet.tenant_store)
+            .event_stored(&fleet.js, &fleet.config, tenant)
+            .await;
+    }
 }
 
 async fn publish(fleet: &Fleet, dead: &DeadLetter) {

@@ -20,6 +20,7 @@ use super::Plugins;
 use super::cancels::cancelled_before_start;
 use super::claim::{Delivery, LEASE_TTL, LeaseEnd, ack, keep_lease, owner};
 use super::frame::{self, Finished};
+use crate::approvals::store::ParkError;
 use crate::approvals::{self, CallState, Parked};
 use crate::failure::ChatErrorCode;
 use crate::invocation::CancelCheck;
@@ -280,10 +281,13 @@ impl Run<'_> {
         parked.next_seq = events.next_seq() + requests.len() as u64;
         parked.resumed_from = resumed_from;
         if let Err(e) = fleet.keep_parked(&parked).await {
-            let failure = Failure::new(
-                ChatErrorCode::ApprovalUnavailable,
-                format!("a call needs approval, but the invocation cannot be parked: {e}"),
-            );
+            let failure = match e {
+                ParkError::Full(why) => Failure::new(ChatErrorCode::TooManyParked, why),
+                ParkError::Store(e) => Failure::new(
+                    ChatErrorCode::ApprovalUnavailable,
+                    format!("a call needs approval, but the invocation cannot be parked: {e}"),
+                ),
+            };
             return Err((failure, events));
         }
         for request in requests {
@@ -352,14 +356,18 @@ impl Run<'_> {
         if let Some(code) = &code {
             span.record("error.type", code.as_str());
         }
-        if let Some(terminal) = events.close().await
-            && let Err(e) = self
+        if let Some(terminal) = events.close().await {
+            if let Err(e) = self
                 .fleet
                 .store
                 .finish(self.inv(), &self.owner, &terminal)
                 .await
-        {
-            warn!(error = %e, "cannot mark the invocation finished; if this job's ack is lost it runs again");
+            {
+                warn!(error = %e, "cannot mark the invocation finished; if this job's ack is lost it runs again");
+            }
+            (self.fleet.tenant_store)
+                .event_stored(&self.fleet.js, &self.fleet.config, &self.tenant)
+                .await;
         }
         if resumed {
             self.fleet.forget_parked(&self.tenant, &self.id).await;
