@@ -14,6 +14,7 @@ mod deadletters;
 mod delivery;
 mod health;
 mod layout;
+mod limits;
 mod llm_tools;
 mod mcp;
 mod modules;

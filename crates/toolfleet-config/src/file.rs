@@ -12,6 +12,7 @@
 //! | `[profiles.<name>]` | table | what a chat job names: [`crate::profile`], with its [`crate::policy`] tables |
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
+//! | `[tenant_defaults]` | table | per-tenant keys (rate limits, budgets, caps) for every tenant that does not set them: [`crate::limits`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
@@ -77,6 +78,9 @@ pub struct FleetConfig {
     /// Declared data sources and who may use them (`[data_sources.<id>]`);
     /// an undeclared id is usable by every tenant.
     pub data_sources: BTreeMap<String, DataSourceConfig>,
+    /// Per-tenant keys for every tenant that does not set them
+    /// (`[tenant_defaults]`).
+    pub tenant_defaults: TenantConfig,
 }
 
 /// The file as written; checked further by [`FleetConfig::validate`].
@@ -101,6 +105,8 @@ struct FileConfig {
     tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     data_sources: BTreeMap<String, DataSourceConfig>,
+    #[serde(default)]
+    tenant_defaults: TenantConfig,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -142,6 +148,7 @@ impl FleetConfig {
             sinks: file.sinks,
             tenants: file.tenants,
             data_sources: file.data_sources,
+            tenant_defaults: file.tenant_defaults,
         };
         config
             .validate()
@@ -162,6 +169,7 @@ impl FleetConfig {
             sinks: BTreeMap::new(),
             tenants: BTreeMap::new(),
             data_sources: BTreeMap::new(),
+            tenant_defaults: TenantConfig::default(),
         }
     }
 
@@ -231,6 +239,7 @@ impl FleetConfig {
         deployments::validate_all(&self.deployments)?;
         self.check_profiles()?;
         self.check_tenants()?;
+        crate::tenants::check_defaults(&self.tenant_defaults)?;
         self.check_data_sources()?;
         self.prices.validate()
     }
@@ -464,6 +473,13 @@ mod tests {
             "provider",
             "tenants",
             "trust_user",
+            "requests_per_minute",
+            "tokens_per_minute",
+            "spend_per_day_usd",
+            "spend_per_month_usd",
+            "soft_limit_ratio",
+            "max_run_tokens",
+            "max_run_spend_usd",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

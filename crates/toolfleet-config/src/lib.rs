@@ -23,6 +23,9 @@
 //!   `tenants = [..]` every profile, sink, agent and data source carries
 //!   ([`TenantScope`]); [`access`]: what a tenant may use, asked of the
 //!   loaded file, and the checks that keep it consistent;
+//! - [`limits`]: a tenant's rate limits, budgets and per-run caps
+//!   (`[tenants.<name>]` keys, `[tenant_defaults]`), and the bound on
+//!   their overshoot;
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -46,6 +49,7 @@ pub mod agents;
 pub mod approvals;
 pub mod errors;
 pub mod file;
+pub mod limits;
 pub mod policy;
 pub mod profile;
 pub mod resolve;
@@ -57,6 +61,7 @@ mod testing;
 pub use agents::AgentTool;
 pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
 pub use file::{ConfigArgs, FleetConfig};
+pub use limits::{LimitKeys, Ratio, Usd};
 pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
 pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 pub use resolve::{ResolvedDeployment, ResolvedProfile};

@@ -98,6 +98,8 @@ pub struct OrchestratorMetrics {
     /// Invocations parked fleet-wide, as this orchestrator last saw the
     /// parked bucket (every orchestrator reports the same count).
     pub approvals_parked: IntGauge,
+    /// The tenants' rate limits, budgets and per-run caps.
+    pub quota: crate::quota::QuotaMetrics,
 }
 
 /// One metric's name, help and labels: the registration table below is a
@@ -349,6 +351,7 @@ impl OrchestratorMetrics {
             approval_wait: APPROVAL_WAIT.histogram_with(r, &APPROVAL_WAIT_BUCKETS)?,
             approvals_refused: APPROVALS_REFUSED.counter(r)?,
             approvals_parked: APPROVALS_PARKED.gauge(r)?,
+            quota: crate::quota::QuotaMetrics::register(r)?,
         };
         m.zero();
         Ok(m)

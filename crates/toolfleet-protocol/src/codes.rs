@@ -62,6 +62,18 @@ pub enum ChatErrorCode {
     /// The job's tenant may not use a data source it names (its
     /// `dataSourceId`, or the collection of an attached document).
     DataSourceNotAllowed,
+    /// The tenant is over a rate limit of the operator's
+    /// (`requests_per_minute`, `tokens_per_minute`): the `error` event's
+    /// `retryAfterMs` says when a model call would be admitted again.
+    RateLimited,
+    /// The tenant's spend budget for the day or the month
+    /// (`spend_per_day_usd`, `spend_per_month_usd`) is spent: no model call
+    /// is made until it renews (`retryAfterMs`).
+    BudgetExhausted,
+    /// The invocation used the tokens or spend one run may use
+    /// (`max_run_tokens`, `max_run_spend_usd`): it ends before its next
+    /// model call.
+    RunLimitExceeded,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -73,7 +85,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 22] = [
+    pub const FIXED: [ChatErrorCode; 25] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -96,6 +108,9 @@ impl ChatErrorCode {
         Self::UnknownProfile,
         Self::ProfileNotAllowed,
         Self::DataSourceNotAllowed,
+        Self::RateLimited,
+        Self::BudgetExhausted,
+        Self::RunLimitExceeded,
     ];
 
     /// The prefix of a provider failure's code.
@@ -131,6 +146,9 @@ impl ChatErrorCode {
             Self::UnknownProfile => "unknown_profile",
             Self::ProfileNotAllowed => "profile_not_allowed",
             Self::DataSourceNotAllowed => "data_source_not_allowed",
+            Self::RateLimited => "rate_limited",
+            Self::BudgetExhausted => "budget_exhausted",
+            Self::RunLimitExceeded => "run_limit_exceeded",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

@@ -35,6 +35,10 @@
 //!   ([`CitationStore::put_blob`], [`CitationStore::get_blob`]), scoped
 //!   like references by tenant and invocation, and never larger than
 //!   [`MAX_BLOB_BYTES`].
+//! - [`quota`]: a tenant's fleet-wide rate limits and budgets (requests and
+//!   tokens per minute, spend per day and month): one script admits and
+//!   counts a model call; its keys are the tenant's (`{<tenant>}`), not an
+//!   invocation's.
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
@@ -43,6 +47,7 @@
 mod blob;
 pub mod connection;
 mod lease;
+pub mod quota;
 mod retry;
 
 use std::collections::HashMap;
