@@ -396,7 +396,7 @@ async fn an_approval_that_never_comes_ends_the_invocation_with_approval_timeout(
     let mut seen = Vec::new();
     let (call, ..) = until(&mut sub, &mut seen, approval_requested).await;
     let end = until(&mut sub, &mut seen, terminal).await;
-    let ChatEventBody::Error { code, message } = end else {
+    let ChatEventBody::Error { code, message, .. } = end else {
         panic!("{end:?}");
     };
     assert_eq!(code, "approval_timeout");

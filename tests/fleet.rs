@@ -15,6 +15,7 @@ mod deadletters;
 mod delivery;
 mod health;
 mod layout;
+mod limits;
 mod llm_tools;
 mod mcp;
 mod modules;

@@ -125,6 +125,11 @@ poison_limit = 1
 input = 0.15
 cached_input = 0.075
 output = 0.60
+
+# A millionth of a dollar a day: thrifty's first job spends it (a warning,
+# the used ratio), its second is refused (budget_exhausted).
+[tenants.thrifty]
+spend_per_day_usd = 0.000001
 "#;
 
 /// A `prometheus` child process on a free loopback port, killed on drop.
@@ -491,6 +496,18 @@ async fn traffic(env: &mut Env) {
         }
     });
     futures::future::join_all(runs).await;
+
+    // Tenant limits: a budget spent, then a refusal.
+    for expected in [Ok(()), Err("budget_exhausted")] {
+        let mut job = toolfleet_protocol::client::question("How do bees navigate?");
+        job.tenant = Some("thrifty".into());
+        let got = env
+            .submit(&job)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.code().to_string());
+        assert_eq!(got, expected.map_err(str::to_string), "thrifty");
+    }
 
     // A chat job that is not JSON: outcome "malformed", a chat dead letter.
     let js = async_nats::jetstream::new(env.client.clone());

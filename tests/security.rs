@@ -850,6 +850,7 @@ async fn security_a_client_keeps_to_its_own_tenant() {
             body: ChatEventBody::Error {
                 code: "cancelled".into(),
                 message: "stored".into(),
+                retry_after_ms: None,
             },
         };
         js.publish(

@@ -159,7 +159,7 @@ impl EventPrinter {
                 references.len(),
                 usage.total_tokens
             ),
-            ChatEventBody::Error { code, message } => {
+            ChatEventBody::Error { code, message, .. } => {
                 format!("{code}: {}", one_line(message, 160))
             }
             _ => {

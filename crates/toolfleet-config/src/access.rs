@@ -7,6 +7,7 @@ use toolfleet_llm::config_file::{key_segment, names};
 use toolfleet_protocol::valid_tenant;
 
 use crate::file::FleetConfig;
+use crate::limits::LimitKeys;
 use crate::tenants::TenantConfig;
 
 impl FleetConfig {
@@ -133,5 +134,18 @@ impl FleetConfig {
             }
         }
         Ok(())
+    }
+}
+
+impl FleetConfig {
+    /// `tenant`'s limits: its own keys, each unset one from
+    /// `[tenant_defaults]`.
+    pub fn limits_of(&self, tenant: &str) -> LimitKeys {
+        let own = self
+            .tenants
+            .get(tenant)
+            .map(TenantConfig::limits)
+            .unwrap_or_default();
+        own.or(self.tenant_defaults.limits())
     }
 }

@@ -12,6 +12,7 @@
 //! | `[profiles.<name>]` | table | what a chat job names: [`crate::profile`], with its [`crate::policy`] tables |
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
+//! | `[tenant_defaults]` | table | per-tenant keys (rate limits, budgets, caps) for every tenant that does not set them: [`crate::limits`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
 //! | `[tenant_defaults]` | table | a tenant's keys for every tenant without its own: [`crate::tenants`], [`crate::poison`], [`crate::caps`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
@@ -239,6 +240,7 @@ impl FleetConfig {
         deployments::validate_all(&self.deployments)?;
         self.check_profiles()?;
         self.check_tenants()?;
+        crate::tenants::check_defaults(&self.tenant_defaults)?;
         self.check_data_sources()?;
         self.check_poison()?;
         self.check_caps()?;
@@ -481,6 +483,13 @@ mod tests {
             "max_job_bytes",
             "max_stored_events",
             "max_parked",
+            "requests_per_minute",
+            "tokens_per_minute",
+            "spend_per_day_usd",
+            "spend_per_month_usd",
+            "soft_limit_ratio",
+            "max_run_tokens",
+            "max_run_spend_usd",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

@@ -27,6 +27,9 @@
 //!   it is suspended, and for how long ([`PoisonPolicy`]);
 //! - [`caps`]: what a tenant may store (queued jobs, job size, kept
 //!   events, parked invocations), per tenant and in `[tenant_defaults]`;
+//! - [`limits`]: a tenant's rate limits, budgets and per-run caps
+//!   (`[tenants.<name>]` keys, `[tenant_defaults]`), and the bound on
+//!   their overshoot;
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -52,6 +55,7 @@ pub mod caps;
 pub mod errors;
 pub mod file;
 pub mod poison;
+pub mod limits;
 pub mod policy;
 pub mod profile;
 pub mod resolve;
@@ -65,6 +69,7 @@ pub use caps::TenantCaps;
 pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
 pub use file::{ConfigArgs, FleetConfig};
 pub use poison::PoisonPolicy;
+pub use limits::{LimitKeys, Ratio, Usd};
 pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
 pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 pub use resolve::{ResolvedDeployment, ResolvedProfile};

@@ -7,6 +7,8 @@
 //! |---|---|---|
 //! | `[tenants.<name>]` | table | one tenant's settings; `<name>` is a tenant (1-64 of `[A-Za-z0-9_-]`) |
 //! | `tenants.<name>.default_profile` | profile name, the file's `default_profile` | the profile a job of this tenant runs when it names none; must exist and allow this tenant |
+//! | `tenants.<name>.requests_per_minute`, `tokens_per_minute`, `spend_per_day_usd`, `spend_per_month_usd`, `soft_limit_ratio`, `max_run_tokens`, `max_run_spend_usd` | see [`crate::limits`], none | the tenant's rate limits, budgets and per-run caps |
+//! | `[tenant_defaults]` | table | the same keys, for every tenant that does not set them (no `default_profile` or `trust_user` here) |
 //! | `tenants.<name>.trust_user` | bool, `false` | the tenant's identity is an authenticated front door that asserts its users: a job's `user` is passed to tools as trusted (`Toolfleet-User`); otherwise tools get no user |
 //! | `tenants` (in a profile, `[data_sources.<id>]`, `[sinks.<name>]`, a profile's `agent`) | list of tenant names, or `["*"]`; `["*"]` | which tenants may use it; `"*"` stands alone; a name no identity has is allowed (it matches nobody) |
 //! | `tenants.<name>.poison_limit`, `poison_window_secs`, `poison_cooloff_secs` | see [`crate::poison`] | when the tenant's unreadable chat jobs suspend it, and for how long |
@@ -27,6 +29,8 @@ use std::collections::BTreeSet;
 
 use serde::{Deserialize, Deserializer};
 use toolfleet_protocol::valid_tenant;
+
+use crate::limits::{LimitKeys, Ratio, Usd};
 
 /// The tenants that may use something (`tenants = [..]`): every tenant
 /// (`["*"]`, the default) or the ones named.
@@ -141,6 +145,22 @@ pub struct TenantConfig {
     pub max_stored_events: Option<u64>,
     #[serde(default)]
     pub max_parked: Option<u64>,
+    /// Rate limits, budgets and per-run caps ([`crate::limits`]); `None`:
+    /// `[tenant_defaults]`'s, else no limit.
+    #[serde(default, deserialize_with = "crate::limits::positive")]
+    pub requests_per_minute: Option<u32>,
+    #[serde(default, deserialize_with = "crate::limits::positive")]
+    pub tokens_per_minute: Option<u64>,
+    #[serde(default)]
+    pub spend_per_day_usd: Option<Usd>,
+    #[serde(default)]
+    pub spend_per_month_usd: Option<Usd>,
+    #[serde(default)]
+    pub soft_limit_ratio: Option<Ratio>,
+    #[serde(default, deserialize_with = "crate::limits::positive")]
+    pub max_run_tokens: Option<u64>,
+    #[serde(default)]
+    pub max_run_spend_usd: Option<Usd>,
 }
 
 /// The caps keys of [`crate::caps`] as a `[tenants.<name>]` or
@@ -151,6 +171,39 @@ pub struct CapKeys {
     pub max_job_bytes: Option<u64>,
     pub max_stored_events: Option<u64>,
     pub max_parked: Option<u64>,
+}
+
+impl TenantConfig {
+    /// The limit keys this table sets.
+    pub fn limits(&self) -> LimitKeys {
+        LimitKeys {
+            requests_per_minute: self.requests_per_minute,
+            tokens_per_minute: self.tokens_per_minute,
+            spend_per_day_usd: self.spend_per_day_usd,
+            spend_per_month_usd: self.spend_per_month_usd,
+            soft_limit_ratio: self.soft_limit_ratio,
+            max_run_tokens: self.max_run_tokens,
+            max_run_spend_usd: self.max_run_spend_usd,
+        }
+    }
+}
+
+/// `[tenant_defaults]` holds defaults of per-tenant keys; a tenant's
+/// default profile and its trust are said per tenant only.
+pub(crate) fn check_defaults(defaults: &TenantConfig) -> Result<(), (String, String)> {
+    if defaults.default_profile.is_some() {
+        return Err((
+            "tenant_defaults.default_profile".to_owned(),
+            "the default profile of every tenant is the top-level `default_profile`".to_owned(),
+        ));
+    }
+    if defaults.trust_user {
+        return Err((
+            "tenant_defaults.trust_user".to_owned(),
+            "whether a tenant's users are trusted is said per tenant ([tenants.<name>])".to_owned(),
+        ));
+    }
+    Ok(())
 }
 
 /// A declared data source (`[data_sources.<id>]`).

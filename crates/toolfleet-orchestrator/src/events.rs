@@ -284,6 +284,7 @@ fn fit(event: ChatEvent, limit: usize) -> bytes::Bytes {
             message: format!(
                 "the answer event is {size} bytes; the NATS server takes at most {limit}"
             ),
+            retry_after_ms: None,
         },
         other => {
             warn!(
@@ -392,6 +393,7 @@ mod tests {
         let e = event(ChatEventBody::Error {
             code: "x".into(),
             message: "y".repeat(5000),
+            retry_after_ms: None,
         });
         match decoded(&fit(e, 1000)).body {
             ChatEventBody::Error { code, .. } => assert_eq!(code, "answer_too_large"),

@@ -11,6 +11,9 @@ pub struct Failure {
     pub code: ChatErrorCode,
     /// For people; never holds a secret.
     pub message: String,
+    /// For `rate_limited` and `budget_exhausted`: when a model call would
+    /// be admitted again, in ms (the `error` event's `retryAfterMs`).
+    pub retry_after_ms: Option<u64>,
 }
 
 impl Failure {
@@ -18,7 +21,15 @@ impl Failure {
         Self {
             code: code.into(),
             message: message.into(),
+            retry_after_ms: None,
         }
+    }
+
+    /// This failure, with the `error` event's `retryAfterMs`.
+    #[must_use]
+    pub fn with_retry_after(mut self, after: std::time::Duration) -> Self {
+        self.retry_after_ms = Some(u64::try_from(after.as_millis()).unwrap_or(u64::MAX));
+        self
     }
 }
 

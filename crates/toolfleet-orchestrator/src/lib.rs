@@ -28,7 +28,8 @@
 //!
 //! **Shared** below them all: [`Fleet`] (what every invocation shares),
 //! [`Settings`], [`invocation`], [`tools`] (snapshot, gates, scoring),
-//! [`failure`], [`catalog`], [`usage`], [`limits`], [`links`],
+//! [`failure`], [`catalog`], [`usage`], [`quota`] (tenants' rate limits,
+//! budgets and per-run caps), [`limits`], [`links`],
 //! [`metrics`], `replies`, `text`.
 //!
 //! Around them: [`config`] ([`OrchestratorConfig`]: settings and what a
@@ -65,6 +66,7 @@ pub mod limits;
 pub mod links;
 pub mod metrics;
 mod pools;
+pub mod quota;
 mod replies;
 pub mod rounds;
 pub mod settings;

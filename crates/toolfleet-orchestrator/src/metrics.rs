@@ -112,6 +112,8 @@ pub struct OrchestratorMetrics {
     /// A tenant's invocations in the parked bucket, by `tenant`, as this
     /// orchestrator last saw the bucket.
     pub tenant_parked: IntGaugeVec,
+    /// The tenants' rate limits, budgets and per-run caps.
+    pub quota: crate::quota::QuotaMetrics,
 }
 
 /// Every `cap` of `toolfleet_tenant_cap_refusals_total`.
@@ -398,6 +400,7 @@ impl OrchestratorMetrics {
             chat_suspended: CHAT_SUSPENDED.counter(r)?,
             caps_refused: CAPS_REFUSED.counter(r)?,
             tenant_parked: TENANT_PARKED.gauges(r)?,
+            quota: crate::quota::QuotaMetrics::register(r)?,
         };
         m.zero();
         Ok(m)

@@ -17,6 +17,13 @@ pub struct UsageLedger {
     /// `None` until a call with a known price is recorded.
     cost: Option<f64>,
     calls: Vec<LlmCall>,
+    /// Tokens and millionths of a USD already added to the tenant's
+    /// fleet-wide counts ([`crate::quota`]).
+    #[serde(default)]
+    counted: (u64, u64),
+    /// The limits a `limit_warning` was sent for in this invocation.
+    #[serde(default)]
+    warned: Vec<String>,
 }
 
 /// One model call to record.
@@ -124,6 +131,42 @@ impl UsageLedger {
     /// The calls, in the order they were made.
     pub fn calls(&self) -> &[LlmCall] {
         &self.calls
+    }
+
+    /// Tokens (prompt and completion) and millionths of a USD of every
+    /// call so far.
+    pub fn spent(&self) -> (u64, u64) {
+        let t = self.total;
+        let tokens = t.total_tokens.max(t.prompt_tokens + t.completion_tokens);
+        let micros = self
+            .cost
+            .and_then(toolfleet_config::Usd::from_usd)
+            .map_or(0, toolfleet_config::Usd::micros);
+        (tokens, micros)
+    }
+
+    /// What [`spent`](Self::spent) adds since the last
+    /// [`counted`](Self::counted).
+    pub(crate) fn uncounted(&self) -> (u64, u64) {
+        let (tokens, micros) = self.spent();
+        (
+            tokens.saturating_sub(self.counted.0),
+            micros.saturating_sub(self.counted.1),
+        )
+    }
+
+    /// Marks `spent` as added to the tenant's counts.
+    pub(crate) fn counted(&mut self, spent: (u64, u64)) {
+        self.counted = (self.counted.0.max(spent.0), self.counted.1.max(spent.1));
+    }
+
+    /// `true` the first time it is asked for `limit` in this invocation.
+    pub(crate) fn warn_once(&mut self, limit: &str) -> bool {
+        if self.warned.iter().any(|w| w == limit) {
+            return false;
+        }
+        self.warned.push(limit.to_owned());
+        true
     }
 
     pub(crate) fn into_calls(self) -> Vec<LlmCall> {

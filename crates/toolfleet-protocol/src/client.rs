@@ -332,7 +332,7 @@ pub async fn chat_with_headers(
                     events,
                 });
             }
-            ChatEventBody::Error { code, message } => {
+            ChatEventBody::Error { code, message, .. } => {
                 return Err(ClientError::Failed { code, message });
             }
             _ => {}

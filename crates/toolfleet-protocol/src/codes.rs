@@ -71,6 +71,18 @@ pub enum ChatErrorCode {
     /// The job's tenant has its cap of parked invocations (`max_parked`),
     /// or the parked bucket is full.
     TooManyParked,
+    /// The tenant is over a rate limit of the operator's
+    /// (`requests_per_minute`, `tokens_per_minute`): the `error` event's
+    /// `retryAfterMs` says when a model call would be admitted again.
+    RateLimited,
+    /// The tenant's spend budget for the day or the month
+    /// (`spend_per_day_usd`, `spend_per_month_usd`) is spent: no model call
+    /// is made until it renews (`retryAfterMs`).
+    BudgetExhausted,
+    /// The invocation used the tokens or spend one run may use
+    /// (`max_run_tokens`, `max_run_spend_usd`): it ends before its next
+    /// model call.
+    RunLimitExceeded,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -82,7 +94,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 25] = [
+    pub const FIXED: [ChatErrorCode; 28] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -108,6 +120,9 @@ impl ChatErrorCode {
         Self::TenantSuspended,
         Self::QueueFull,
         Self::TooManyParked,
+        Self::RateLimited,
+        Self::BudgetExhausted,
+        Self::RunLimitExceeded,
     ];
 
     /// The prefix of a provider failure's code.
@@ -146,6 +161,9 @@ impl ChatErrorCode {
             Self::TenantSuspended => "tenant_suspended",
             Self::QueueFull => "queue_full",
             Self::TooManyParked => "too_many_parked",
+            Self::RateLimited => "rate_limited",
+            Self::BudgetExhausted => "budget_exhausted",
+            Self::RunLimitExceeded => "run_limit_exceeded",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

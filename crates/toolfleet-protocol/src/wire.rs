@@ -1326,6 +1326,28 @@ pub enum ChatEventBody {
         code: String,
         /// What went wrong, in words.
         message: String,
+        /// For `rate_limited` and `budget_exhausted`: how long until a
+        /// model call of the tenant would be admitted again, in ms.
+        #[serde(
+            rename = "retryAfterMs",
+            default,
+            skip_serializing_if = "Option::is_none"
+        )]
+        retry_after_ms: Option<u64>,
+    },
+    /// The tenant has used `soft_limit_ratio` (or more) of one of its
+    /// limits: a warning, sent at most once per limit per invocation; the
+    /// invocation goes on.
+    #[serde(rename_all = "camelCase")]
+    LimitWarning {
+        /// The limit, as the configuration names it: `spend_per_day_usd`,
+        /// `spend_per_month_usd`, `tokens_per_minute`, `requests_per_minute`.
+        limit: String,
+        /// What the tenant has used of it in the current window (USD for
+        /// spend, tokens, requests).
+        used: f64,
+        /// The limit itself, in the same unit.
+        cap: f64,
     },
 }
 
@@ -1350,6 +1372,7 @@ impl ChatEventBody {
             ChatEventBody::ApprovalResolved { .. } => "approval_resolved",
             ChatEventBody::Completed { .. } => "completed",
             ChatEventBody::Error { .. } => "error",
+            ChatEventBody::LimitWarning { .. } => "limit_warning",
         }
     }
 

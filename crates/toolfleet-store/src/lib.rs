@@ -44,6 +44,10 @@
 //!   [`MAX_BLOB_BYTES`].
 //! - `poison`: a tenant's poison count and suspension ([`PoisonRule`],
 //!   [`PoisonCount`]), shared by every orchestrator.
+//! - [`quota`]: a tenant's fleet-wide rate limits and budgets (requests and
+//!   tokens per minute, spend per day and month): one script admits and
+//!   counts a model call; its keys are the tenant's (`{<tenant>}`), not an
+//!   invocation's.
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
@@ -53,6 +57,7 @@ mod blob;
 pub mod connection;
 mod lease;
 mod poison;
+pub mod quota;
 mod retry;
 
 use std::collections::HashMap;

@@ -255,6 +255,10 @@ async fn ask(
         temperature: Some(PLANNING_TEMPERATURE),
         max_tokens: Some(PLANNING_MAX_TOKENS),
     };
+    // Under the tenant's limits like any model call; a refusal makes the
+    // plan fail (token scoring is used) and the conversation's own call
+    // then ends the run with it. Warnings are sent by that call.
+    fleet.admit_model_call(inv).await.map_err(|f| f.message)?;
     let llm = fleet.llm_for(&inv.profile).map_err(|f| f.message)?;
     let started = Instant::now();
     // Never more than half of what is left: a hung plan must leave the

@@ -117,6 +117,7 @@ async fn give_up(fleet: &Fleet, msg: &jetstream::Message, parked: &Parked, deliv
             "the decision that resumes the invocation was delivered {} times without the invocation finishing (orchestrators stopped while running it, or the stores did not answer)",
             delivery.attempt
         ),
+        retry_after_ms: None,
     });
     if let Some(terminal) = events.close().await
         && let Err(e) = fleet

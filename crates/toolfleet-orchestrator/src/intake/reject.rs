@@ -316,6 +316,7 @@ async fn tell(fleet: &Fleet, tenant: &str, id: &str, code: ChatErrorCode, messag
     events.finish(ChatEventBody::Error {
         code: code.to_string(),
         message: message.to_string(),
+        retry_after_ms: None,
     });
     if events.close().await.is_some() {
         (fleet.tenant_store)

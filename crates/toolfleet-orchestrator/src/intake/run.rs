@@ -344,6 +344,7 @@ impl Run<'_> {
                 events.finish(ChatEventBody::Error {
                     code: code.clone(),
                     message: f.message,
+                    retry_after_ms: f.retry_after_ms,
                 });
                 Some(code)
             }

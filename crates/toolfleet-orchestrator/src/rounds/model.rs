@@ -19,7 +19,10 @@ impl Fleet {
     /// its retries did not cure: connection, timeout, 429, 5xx), the call
     /// goes to the profile's next deployment (`request.model` becomes its
     /// model, a `fallback` event says so); the invocation stays on it. A
-    /// failed call is a [`Failure`] with code `llm_<kind>`.
+    /// failed call is a [`Failure`] with code `llm_<kind>`. Each attempt is
+    /// admitted under the tenant's limits first ([`crate::quota`]): a
+    /// refusal is the [`Failure`] (`rate_limited`, `budget_exhausted`,
+    /// `run_limit_exceeded`), and what the call used is counted after it.
     pub async fn call_model(
         &self,
         inv: &mut Invocation,
@@ -27,6 +30,9 @@ impl Fleet {
         events: &Events,
     ) -> Result<Completion, Failure> {
         loop {
+            for warning in self.admit_model_call(inv).await? {
+                events.send(warning);
+            }
             let llm = self.llm_for(&inv.profile)?;
             let mut streamed = false;
             let result = self
@@ -62,7 +68,12 @@ impl Fleet {
                     request.model = inv.profile.model().to_string();
                 }
                 Err(e) => return Err(Failure::new(ChatErrorCode::llm(e.code()), e.to_string())),
-                Ok(completion) => return Ok(completion),
+                Ok(completion) => {
+                    for warning in self.count_usage(inv).await {
+                        events.send(warning);
+                    }
+                    return Ok(completion);
+                }
             }
         }
     }
