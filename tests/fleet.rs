@@ -7,6 +7,7 @@
 mod approvals;
 mod bench;
 mod binaries;
+mod cancels;
 mod chat_cli;
 mod clients;
 mod compaction;

@@ -12,6 +12,7 @@
 //! | `[profiles.<name>]` | table | what a chat job names: [`crate::profile`], with its [`crate::policy`] tables |
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
+//! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::cancels`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
@@ -77,6 +78,9 @@ pub struct FleetConfig {
     /// Declared data sources and who may use them (`[data_sources.<id>]`);
     /// an undeclared id is usable by every tenant.
     pub data_sources: BTreeMap<String, DataSourceConfig>,
+    /// Values for every tenant whose `[tenants.<name>]` does not set them
+    /// (`[tenant_defaults]`, the same keys).
+    pub tenant_defaults: TenantConfig,
 }
 
 /// The file as written; checked further by [`FleetConfig::validate`].
@@ -101,6 +105,8 @@ struct FileConfig {
     tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     data_sources: BTreeMap<String, DataSourceConfig>,
+    #[serde(default)]
+    tenant_defaults: TenantConfig,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -142,6 +148,7 @@ impl FleetConfig {
             sinks: file.sinks,
             tenants: file.tenants,
             data_sources: file.data_sources,
+            tenant_defaults: file.tenant_defaults,
         };
         config
             .validate()
@@ -162,6 +169,7 @@ impl FleetConfig {
             sinks: BTreeMap::new(),
             tenants: BTreeMap::new(),
             data_sources: BTreeMap::new(),
+            tenant_defaults: TenantConfig::default(),
         }
     }
 
@@ -232,6 +240,7 @@ impl FleetConfig {
         self.check_profiles()?;
         self.check_tenants()?;
         self.check_data_sources()?;
+        self.check_cancel_limits()?;
         self.prices.validate()
     }
 
@@ -416,6 +425,7 @@ mod tests {
         );
         assert!(config.profiles.values().any(|p| p.deployments.len() > 1));
         assert!(!config.prices.is_empty());
+        assert!(config.tenant_defaults.cancel_rate.is_some());
     }
 
     #[test]
@@ -464,6 +474,9 @@ mod tests {
             "provider",
             "tenants",
             "trust_user",
+            "cancel_rate",
+            "cancel_burst",
+            "remembered_cancels",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

@@ -23,6 +23,8 @@
 //!   `tenants = [..]` every profile, sink, agent and data source carries
 //!   ([`TenantScope`]); [`access`]: what a tenant may use, asked of the
 //!   loaded file, and the checks that keep it consistent;
+//! - [`cancels`]: per tenant, how many cancels are written down per second
+//!   and how many of jobs not started are remembered ([`CancelLimits`]);
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -44,6 +46,7 @@
 pub mod access;
 pub mod agents;
 pub mod approvals;
+pub mod cancels;
 pub mod errors;
 pub mod file;
 pub mod policy;
@@ -55,6 +58,7 @@ pub mod tenants;
 mod testing;
 
 pub use agents::AgentTool;
+pub use cancels::CancelLimits;
 pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
 pub use file::{ConfigArgs, FleetConfig};
 pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};

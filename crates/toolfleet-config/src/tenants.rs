@@ -8,6 +8,8 @@
 //! | `[tenants.<name>]` | table | one tenant's settings; `<name>` is a tenant (1-64 of `[A-Za-z0-9_-]`) |
 //! | `tenants.<name>.default_profile` | profile name, the file's `default_profile` | the profile a job of this tenant runs when it names none; must exist and allow this tenant |
 //! | `tenants.<name>.trust_user` | bool, `false` | the tenant's identity is an authenticated front door that asserts its users: a job's `user` is passed to tools as trusted (`Toolfleet-User`); otherwise tools get no user |
+//! | `[tenant_defaults]` | table, the same keys | values for every tenant whose own table does not set them |
+//! | `tenants.<name>.cancel_rate`, `cancel_burst`, `remembered_cancels` | see [`crate::cancels`] | how many of the tenant's cancels are written down, and remembered for jobs not started |
 //! | `tenants` (in a profile, `[data_sources.<id>]`, `[sinks.<name>]`, a profile's `agent`) | list of tenant names, or `["*"]`; `["*"]` | which tenants may use it; `"*"` stands alone; a name no identity has is allowed (it matches nobody) |
 //! | `[data_sources.<id>]` | table | declares a data source (the id a profile's `data_source` or a job's `dataSourceId` names, and the collection of an attached document id `<collection>:<path>`) with the `tenants` that may use it; an undeclared id is usable by every tenant (the retrieval store filters by tenant anyway) |
 //!
@@ -119,6 +121,15 @@ pub struct TenantConfig {
     /// door): a job's `user` reaches tools as trusted. Off by default.
     #[serde(default)]
     pub trust_user: bool,
+    /// Cancels written down per second ([`crate::cancels`]).
+    #[serde(default)]
+    pub cancel_rate: Option<u32>,
+    /// Cancels written down at once before the rate applies.
+    #[serde(default)]
+    pub cancel_burst: Option<u32>,
+    /// Cancels of jobs not started yet remembered at once.
+    #[serde(default)]
+    pub remembered_cancels: Option<u32>,
 }
 
 /// A declared data source (`[data_sources.<id>]`).

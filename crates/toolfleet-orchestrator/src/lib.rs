@@ -29,7 +29,8 @@
 //! **Shared** below them all: [`Fleet`] (what every invocation shares),
 //! [`Settings`], [`invocation`], [`tools`] (snapshot, gates, scoring),
 //! [`failure`], [`catalog`], [`usage`], [`limits`], [`links`],
-//! [`metrics`], `replies`, `text`.
+//! [`metrics`], `replies`, `text`, `tenant_queue` (per-tenant queues
+//! taken in turn, and token buckets).
 //!
 //! Around them: [`config`] ([`OrchestratorConfig`]: settings and what a
 //! deployment registers) and [`start`](mod@start) (connect, open, spawn,
@@ -69,6 +70,7 @@ pub mod rounds;
 pub mod settings;
 pub mod sinks;
 pub mod start;
+mod tenant_queue;
 mod text;
 pub mod tools;
 pub mod usage;

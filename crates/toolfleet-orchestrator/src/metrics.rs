@@ -98,6 +98,9 @@ pub struct OrchestratorMetrics {
     /// Invocations parked fleet-wide, as this orchestrator last saw the
     /// parked bucket (every orchestrator reports the same count).
     pub approvals_parked: IntGauge,
+    /// Cancels heard, by `tenant` and `outcome` (every outcome is in
+    /// `CANCEL_OUTCOMES`, with the cancel listener).
+    pub cancels: IntCounterVec,
 }
 
 /// One metric's name, help and labels: the registration table below is a
@@ -297,6 +300,12 @@ const APPROVALS_PARKED: Spec = spec(
     &[],
 );
 
+const CANCELS: Spec = spec(
+    "toolfleet_cancels_total",
+    "Cancels heard by this orchestrator, by tenant and outcome: tombstone or remembered (written down), rate_limited or queue_full (not written down; a run here is still stopped), store_unavailable.",
+    &["tenant", "outcome"],
+);
+
 /// Buckets of the approval wait: a second to a week.
 const APPROVAL_WAIT_BUCKETS: [f64; 10] = [
     1.0,
@@ -349,6 +358,7 @@ impl OrchestratorMetrics {
             approval_wait: APPROVAL_WAIT.histogram_with(r, &APPROVAL_WAIT_BUCKETS)?,
             approvals_refused: APPROVALS_REFUSED.counter(r)?,
             approvals_parked: APPROVALS_PARKED.gauge(r)?,
+            cancels: CANCELS.counter(r)?,
         };
         m.zero();
         Ok(m)
