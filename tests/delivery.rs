@@ -587,7 +587,9 @@ async fn a_tool_job_with_unreadable_headers_gets_an_error_result_and_a_dead_lett
 
 /// A tool job of an invocation cancelled while it was queued — even before
 /// the worker that takes it started, so it never heard the cancel — is
-/// answered `cancelled` without running.
+/// answered `cancelled` without running. (A tool job comes from a running
+/// invocation, so the store knows it: its claim is taken first, as the
+/// orchestrator running it would have.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
     let env = Env::start_with(
@@ -598,6 +600,8 @@ async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
         },
     )
     .await;
+    let inv = toolfleet_store::InvocationKey::new(DEFAULT_TENANT, "queued-tool-1");
+    env.store().await.claim(inv, "1").await.unwrap();
     env.client
         .publish(
             env.subjects.chat_cancel(DEFAULT_TENANT, "queued-tool-1"),
@@ -606,7 +610,12 @@ async fn a_tool_job_of_a_cancelled_invocation_never_runs() {
         .await
         .unwrap();
     let deadline = tokio::time::Instant::now() + WAIT;
-    while env.keys("queued-tool-1").await.is_empty() {
+    while !env
+        .keys("queued-tool-1")
+        .await
+        .iter()
+        .any(|k| k.ends_with(":cancelled"))
+    {
         assert!(tokio::time::Instant::now() < deadline, "no tombstone");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

@@ -8,6 +8,7 @@ mod approvals;
 mod bench;
 mod binaries;
 mod caps;
+mod cancels;
 mod chat_cli;
 mod clients;
 mod compaction;

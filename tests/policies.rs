@@ -595,11 +595,8 @@ async fn a_cancel_under_another_tenant_stops_nothing() {
         .publish(cancel_as_globex.clone(), "".into())
         .await
         .unwrap();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while env.keys(&job.invocation_id).await.is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "no tombstone");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    env.wait_for_cancel_written("globex", &job.invocation_id)
+        .await;
     let mut events = env.follow_and_submit(&job).await;
     assert_eq!(next_json(&mut events).await["type"], "started");
     // Running: globex's cancel does not reach it either.

@@ -531,6 +531,18 @@ async fn traffic(env: &mut Env) {
         .map_err(|e| e.code().to_string());
     assert_eq!(refused.err().as_deref(), Some("tenant_suspended"));
 
+    // A cancel of an id never submitted: written down in the tenant's
+    // remembered cancels (`toolfleet_cancels_total`).
+    env.client
+        .publish(
+            env.subjects
+                .chat_cancel(toolfleet_protocol::DEFAULT_TENANT, "prom-never-submitted"),
+            "".into(),
+        )
+        .await
+        .unwrap();
+    env.client.flush().await.unwrap();
+
     // Last, with Redis gone: a tool job is retried up to the attempt cap and
     // dead-lettered (tool job retries, a tool dead letter).
     let mut dead_tool = env.subscribe("toolfleet.deadletter.tool".into()).await;

@@ -30,25 +30,30 @@ struct Received {
     body: bytes::Bytes,
 }
 
-/// A webhook receiver on 127.0.0.1: `/hook` answers 204, `/fail` 500;
-/// every request is recorded.
+/// A webhook receiver on 127.0.0.1: `/hook` answers 204, `/fail` 500,
+/// `/hold` 204 once the test calls [`Receiver::release`]; every request is
+/// recorded as it arrives.
 struct Receiver {
     addr: std::net::SocketAddr,
     got: Arc<Mutex<Vec<Received>>>,
     arrived: Arc<tokio::sync::Notify>,
+    release: tokio::sync::watch::Sender<bool>,
 }
 
 impl Receiver {
     async fn start() -> Self {
         let got: Arc<Mutex<Vec<Received>>> = Arc::default();
         let arrived = Arc::new(tokio::sync::Notify::new());
+        let (release, released) = tokio::sync::watch::channel(false);
         let record = {
             let got = got.clone();
             let arrived = arrived.clone();
             move |path: axum::extract::Path<String>, headers: HeaderMap, body: bytes::Bytes| {
                 let got = got.clone();
                 let arrived = arrived.clone();
+                let mut released = released.clone();
                 async move {
+                    let hold = path.0 == "hold";
                     let status = if path.0 == "fail" {
                         StatusCode::INTERNAL_SERVER_ERROR
                     } else {
@@ -60,6 +65,9 @@ impl Receiver {
                         body,
                     });
                     arrived.notify_waiters();
+                    if hold {
+                        let _ = released.wait_for(|r| *r).await;
+                    }
                     status
                 }
             }
@@ -68,7 +76,22 @@ impl Receiver {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await });
-        Self { addr, got, arrived }
+        Self {
+            addr,
+            got,
+            arrived,
+            release,
+        }
+    }
+
+    /// Answers every `/hold` request, now and from now on.
+    fn release(&self) {
+        self.release.send_replace(true);
+    }
+
+    /// How many requests to `path` arrived.
+    fn count(&self, path: &str) -> usize {
+        self.got().iter().filter(|r| r.path == path).count()
     }
 
     fn url(&self, path: &str) -> String {
@@ -340,7 +363,13 @@ async fn a_failing_webhook_is_retried_then_dead_lettered_and_the_answer_stands()
         letter["job"]["type"], "completed",
         "the event is kept: {letter}"
     );
-    assert!(letter.get("headers").is_none(), "{letter}");
+    // Of the headers, only the tenant is kept (a webhook URL may hold a
+    // token).
+    assert_eq!(
+        letter["headers"],
+        json!({ "Toolfleet-Tenant": "default" }),
+        "{letter}"
+    );
     // Three attempts of one event, all signed alike.
     let got = receiver.got();
     assert_eq!(got.len(), 3, "{got:?}");
@@ -359,6 +388,110 @@ async fn a_failing_webhook_is_retried_then_dead_lettered_and_the_answer_stands()
         "{text}"
     );
     assert!(text.contains("toolfleet_sink_delivery_duration_seconds_count{kind=\"webhook\"} 3"));
+}
+
+/// [`loopback`], with 4 deliveries at once, 2 of them per tenant, and
+/// requests that may wait two minutes.
+fn loopback_with_shares(config: &mut OrchestratorConfig) {
+    loopback(config);
+    config.sinks.concurrency = 4;
+    config.sinks.tenant_concurrency = 2;
+    config.sinks.request_timeout = Duration::from_secs(120);
+}
+
+/// acme's webhook holds every request until the test releases it;
+/// globex's answers at once. acme holds only its share of the relay's
+/// deliveries, and every one of globex's routed answers arrives while
+/// acme's are held (before: acme's held requests took every delivery, and
+/// globex's waited behind them). Once released, acme's arrive too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_slow_webhook_delays_only_that_tenant() {
+    let receiver = Receiver::start().await;
+    let env = fleet(&receiver, loopback_with_shares).await;
+    let routed = |tenant: &str, path: &str, n: usize| {
+        let mut job = with_sink(
+            &format!("{tenant} asks {n}"),
+            Some(receiver.url(path)),
+            None,
+            SinkEvents::Final,
+        );
+        job.tenant = Some(tenant.into());
+        job
+    };
+    for n in 0..6 {
+        let job = routed("acme", "hold", n);
+        env.submit(&job).await.expect("acme's invocation completes");
+    }
+    receiver.wait_until(|got| got.len() >= 2).await;
+    for n in 0..5 {
+        let job = routed("globex", "hook", n);
+        env.submit(&job)
+            .await
+            .expect("globex's invocation completes");
+    }
+    let got = receiver
+        .wait_until(|got| got.iter().filter(|r| r.path == "hook").count() == 5)
+        .await;
+    for r in got.iter().filter(|r| r.path == "hook") {
+        assert_eq!(r.headers["toolfleet-tenant"], "globex");
+    }
+    assert_eq!(
+        receiver.count("hold"),
+        2,
+        "acme holds its share of the deliveries, no more"
+    );
+    let text = env.metrics_text().await;
+    assert!(metric(&text, "webhook", "deferred") > 0, "{text}");
+
+    receiver.release();
+    receiver
+        .wait_until(|got| got.iter().filter(|r| r.path == "hold").count() == 6)
+        .await;
+    metrics_once(&env, "webhook", "ok", 11).await;
+}
+
+/// [`loopback`], with as many attempts as wanted but one second to
+/// deliver an event in.
+fn loopback_within_a_second(config: &mut OrchestratorConfig) {
+    loopback(config);
+    config.sinks.max_attempts = 100;
+    config.sinks.deliver_within = Duration::from_secs(1);
+}
+
+/// An event that cannot be delivered within `--sink-deliver-within-secs`
+/// is dead-lettered `sink_expired`, with its tenant and the last error,
+/// instead of being retried until the sinks stream's age drops it
+/// without a word (before: retried to the attempt cap, whatever its age).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_routed_event_not_delivered_in_time_is_dead_lettered_expired() {
+    let receiver = Receiver::start().await;
+    let env = fleet(&receiver, loopback_within_a_second).await;
+    let mut dead = sink_dead_letters(&env).await;
+    let job = with_sink(
+        "Route to a broken receiver.",
+        Some(receiver.url("fail")),
+        None,
+        SinkEvents::Final,
+    );
+    env.submit(&job).await.expect("the invocation completes");
+    let letter = support::next_json(&mut dead).await;
+    assert_eq!(letter["code"], "sink_expired", "{letter}");
+    assert_eq!(letter["invocationId"], job.invocation_id.as_str());
+    assert_eq!(
+        letter["headers"],
+        json!({ "Toolfleet-Tenant": "default" }),
+        "{letter}"
+    );
+    let error = letter["error"].as_str().unwrap();
+    assert!(
+        error.contains("not delivered within 1 s") && error.contains("500"),
+        "{error}"
+    );
+    assert_eq!(letter["job"]["type"], "completed", "{letter}");
+    let attempts = letter["attempts"].as_u64().unwrap();
+    assert!(attempts < 100, "dead before the attempt cap: {attempts}");
+    assert_eq!(receiver.got().len() as u64, attempts);
+    metrics_once(&env, "webhook", "expired", 1).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

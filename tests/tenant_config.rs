@@ -20,12 +20,15 @@ use crate::security::{inbox_prefix, password};
 use crate::support::WAIT;
 
 /// The fleet under its role identities: the orchestrator in-process on
-/// `profiles`, and optionally a `units` worker.
-struct Secured {
+/// `profiles`, and optionally a `units` worker. (Shared with the other
+/// attacks of one tenant on another: `cancels`.)
+pub(crate) struct Secured {
     nats: NatsServer,
-    _redis: RedisServer,
-    model: toolfleet_scripted::ScriptedServer,
-    subjects: Subjects,
+    pub(crate) redis: RedisServer,
+    pub(crate) model: toolfleet_scripted::ScriptedServer,
+    pub(crate) subjects: Subjects,
+    /// The orchestrator's metrics.
+    pub(crate) metrics: prometheus::Registry,
     shutdown: CancellationToken,
 }
 
@@ -36,7 +39,7 @@ impl Drop for Secured {
 }
 
 impl Secured {
-    async fn start(script: Value, profiles: &str) -> Self {
+    pub(crate) async fn start(script: Value, profiles: &str) -> Self {
         let nats = crate::security::Secure::start().nats;
         let redis = RedisServer::start().expect("redis-server");
         let script = toolfleet_scripted::Script::from_json(&script.to_string()).unwrap();
@@ -47,9 +50,10 @@ impl Secured {
         let subjects = Subjects::new("toolfleet").unwrap();
         let fleet = Self {
             nats,
-            _redis: redis,
+            redis,
             model,
             subjects,
+            metrics: prometheus::Registry::new(),
             shutdown: CancellationToken::new(),
         };
         let profiles = toolfleet_config::FleetConfig::from_toml(
@@ -59,10 +63,10 @@ impl Secured {
         .expect("test profiles");
         let config =
             toolfleet_orchestrator::OrchestratorConfig::new(fleet.subjects.clone(), profiles);
-        let registry = prometheus::Registry::new();
+        let registry = &fleet.metrics;
         let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
-            &registry,
-            toolfleet_service::metrics::dead_letters(&registry).unwrap(),
+            registry,
+            toolfleet_service::metrics::dead_letters(registry).unwrap(),
         )
         .unwrap();
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
@@ -86,7 +90,7 @@ impl Secured {
         fleet
     }
 
-    async fn connect(&self, user: &str) -> async_nats::Client {
+    pub(crate) async fn connect(&self, user: &str) -> async_nats::Client {
         tokio::time::timeout(
             WAIT,
             async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
@@ -98,9 +102,9 @@ impl Secured {
         .expect("connect")
     }
 
-    async fn store(&self) -> toolfleet_store::CitationStore {
+    pub(crate) async fn store(&self) -> toolfleet_store::CitationStore {
         toolfleet_store::CitationStore::connect(
-            &self._redis.url(),
+            &self.redis.url(),
             self.subjects.prefix(),
             std::time::Duration::from_secs(60),
         )
@@ -138,27 +142,39 @@ impl Secured {
         .expect("the chat ends in time")
     }
 
-    /// Publishes `body` as a chat job of `tenant` with `client`, and
-    /// returns its terminal event.
-    async fn raw_chat(&self, client: &async_nats::Client, tenant: &str, body: &Value) -> Value {
-        let id = body["invocationId"].as_str().unwrap();
-        let mut events = client
+    /// Follows the events of invocation `id` of `tenant`, then publishes
+    /// `body` as its chat job with `client` (acked by the stream).
+    pub(crate) async fn follow_and_publish(
+        &self,
+        client: &async_nats::Client,
+        tenant: &str,
+        id: &str,
+        body: Vec<u8>,
+    ) -> async_nats::Subscriber {
+        let events = client
             .subscribe(self.subjects.chat_events(tenant, id))
             .await
             .unwrap();
         client.flush().await.unwrap();
         let js = async_nats::jetstream::new(client.clone());
         let ack = js
-            .publish(
-                self.subjects.chat_submit(tenant),
-                serde_json::to_vec(body).unwrap().into(),
-            )
+            .publish(self.subjects.chat_submit(tenant), body.into())
             .await
             .expect("published");
         tokio::time::timeout(WAIT, ack)
             .await
             .expect("acked in time")
             .expect("acked");
+        events
+    }
+
+    /// Publishes `body` as a chat job of `tenant` with `client`, and
+    /// returns its terminal event.
+    async fn raw_chat(&self, client: &async_nats::Client, tenant: &str, body: &Value) -> Value {
+        let id = body["invocationId"].as_str().unwrap();
+        let mut events = self
+            .follow_and_publish(client, tenant, id, serde_json::to_vec(body).unwrap())
+            .await;
         loop {
             let msg = tokio::time::timeout(WAIT, events.next())
                 .await

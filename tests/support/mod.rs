@@ -248,6 +248,33 @@ impl Env {
         keys
     }
 
+    /// A store on the fleet's Redis, as the fleet's processes open it.
+    pub(crate) async fn store(&self) -> toolfleet_store::CitationStore {
+        toolfleet_store::CitationStore::connect(
+            &self.redis.url(),
+            self.subjects.prefix(),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap()
+    }
+
+    /// Waits until the fleet has written down a cancel of `invocation_id`
+    /// of `tenant` (a tombstone, or a remembered cancel of an id not
+    /// started yet).
+    pub(crate) async fn wait_for_cancel_written(&self, tenant: &str, invocation_id: &str) {
+        let store = self.store().await;
+        let inv = toolfleet_store::InvocationKey::new(tenant, invocation_id);
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while !store.is_cancelled(inv).await.unwrap() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the cancel of {tenant}/{invocation_id} was not written down"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub(crate) async fn ttl(&self, key: &str) -> i64 {
         let mut c = self.redis_conn.clone();
         redis::cmd("TTL")
@@ -418,13 +445,7 @@ impl Env {
         worker: toolfleet_worker::Worker,
         config: toolfleet_worker::WorkerConfig,
     ) -> TestWorker {
-        let store = toolfleet_store::CitationStore::connect(
-            &self.redis.url(),
-            self.subjects.prefix(),
-            Duration::from_secs(60),
-        )
-        .await
-        .unwrap();
+        let store = self.store().await;
         let shutdown = CancellationToken::new();
         let task =
             tokio::time::timeout(

@@ -12,7 +12,7 @@
 //! | `[profiles.<name>]` | table | what a chat job names: [`crate::profile`], with its [`crate::policy`] tables |
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
-//! | `[tenant_defaults]` | table | per-tenant keys (rate limits, budgets, caps) for every tenant that does not set them: [`crate::limits`] |
+//! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::poison`], [`crate::caps`], [`crate::limits`], [`crate::cancels`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
 //! | `[tenant_defaults]` | table | a tenant's keys for every tenant without its own: [`crate::tenants`], [`crate::poison`], [`crate::caps`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
@@ -79,8 +79,7 @@ pub struct FleetConfig {
     /// Declared data sources and who may use them (`[data_sources.<id>]`);
     /// an undeclared id is usable by every tenant.
     pub data_sources: BTreeMap<String, DataSourceConfig>,
-    /// A tenant's keys for every tenant whose table lacks them
-    /// (`[tenant_defaults]`).
+//! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::poison`], [`crate::caps`], [`crate::limits`], [`crate::cancels`] |
     pub tenant_defaults: TenantConfig,
 }
 
@@ -244,6 +243,7 @@ impl FleetConfig {
         self.check_data_sources()?;
         self.check_poison()?;
         self.check_caps()?;
+        self.check_cancel_limits()?;
         self.prices.validate()
     }
 
@@ -428,6 +428,7 @@ mod tests {
         );
         assert!(config.profiles.values().any(|p| p.deployments.len() > 1));
         assert!(!config.prices.is_empty());
+        assert!(config.tenant_defaults.cancel_rate.is_some());
     }
 
     #[test]
@@ -490,6 +491,9 @@ mod tests {
             "soft_limit_ratio",
             "max_run_tokens",
             "max_run_spend_usd",
+            "cancel_rate",
+            "cancel_burst",
+            "remembered_cancels",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

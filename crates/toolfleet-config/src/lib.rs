@@ -30,6 +30,8 @@
 //! - [`limits`]: a tenant's rate limits, budgets and per-run caps
 //!   (`[tenants.<name>]` keys, `[tenant_defaults]`), and the bound on
 //!   their overshoot;
+//! - [`cancels`]: per tenant, how many cancels are written down per second
+//!   and how many of jobs not started are remembered ([`CancelLimits`]);
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -52,6 +54,7 @@ pub mod access;
 pub mod agents;
 pub mod approvals;
 pub mod caps;
+pub mod cancels;
 pub mod errors;
 pub mod file;
 pub mod poison;
@@ -66,6 +69,7 @@ mod testing;
 
 pub use agents::AgentTool;
 pub use caps::TenantCaps;
+pub use cancels::CancelLimits;
 pub use errors::{ConfigError, ConfigErrorKind, ResolveError};
 pub use file::{ConfigArgs, FleetConfig};
 pub use poison::PoisonPolicy;

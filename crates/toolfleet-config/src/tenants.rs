@@ -10,6 +10,8 @@
 //! | `tenants.<name>.requests_per_minute`, `tokens_per_minute`, `spend_per_day_usd`, `spend_per_month_usd`, `soft_limit_ratio`, `max_run_tokens`, `max_run_spend_usd` | see [`crate::limits`], none | the tenant's rate limits, budgets and per-run caps |
 //! | `[tenant_defaults]` | table | the same keys, for every tenant that does not set them (no `default_profile` or `trust_user` here) |
 //! | `tenants.<name>.trust_user` | bool, `false` | the tenant's identity is an authenticated front door that asserts its users: a job's `user` is passed to tools as trusted (`Toolfleet-User`); otherwise tools get no user |
+//! | `[tenant_defaults]` | table, the same keys | values for every tenant whose own table does not set them |
+//! | `tenants.<name>.cancel_rate`, `cancel_burst`, `remembered_cancels` | see [`crate::cancels`] | how many of the tenant's cancels are written down, and remembered for jobs not started |
 //! | `tenants` (in a profile, `[data_sources.<id>]`, `[sinks.<name>]`, a profile's `agent`) | list of tenant names, or `["*"]`; `["*"]` | which tenants may use it; `"*"` stands alone; a name no identity has is allowed (it matches nobody) |
 //! | `tenants.<name>.poison_limit`, `poison_window_secs`, `poison_cooloff_secs` | see [`crate::poison`] | when the tenant's unreadable chat jobs suspend it, and for how long |
 //! | `[tenant_defaults]` | table | the same keys as a tenant's table, for every tenant whose table lacks them (`default_profile` and `trust_user` are not read here: see the file's `default_profile`) |
@@ -161,6 +163,15 @@ pub struct TenantConfig {
     pub max_run_tokens: Option<u64>,
     #[serde(default)]
     pub max_run_spend_usd: Option<Usd>,
+    /// Cancels written down per second ([`crate::cancels`]).
+    #[serde(default)]
+    pub cancel_rate: Option<u32>,
+    /// Cancels written down at once before the rate applies.
+    #[serde(default)]
+    pub cancel_burst: Option<u32>,
+    /// Cancels of jobs not started yet remembered at once.
+    #[serde(default)]
+    pub remembered_cancels: Option<u32>,
 }
 
 /// The caps keys of [`crate::caps`] as a `[tenants.<name>]` or

@@ -30,7 +30,8 @@
 //! [`Settings`], [`invocation`], [`tools`] (snapshot, gates, scoring),
 //! [`failure`], [`catalog`], [`usage`], [`quota`] (tenants' rate limits,
 //! budgets and per-run caps), [`limits`], [`links`],
-//! [`metrics`], `replies`, `text`.
+//! [`metrics`], `replies`, `text`, `tenant_queue` (per-tenant queues
+//! taken in turn, and token buckets).
 //!
 //! Around them: [`config`] ([`OrchestratorConfig`]: settings and what a
 //! deployment registers) and [`start`](mod@start) (connect, open, spawn,
@@ -72,6 +73,7 @@ pub mod rounds;
 pub mod settings;
 pub mod sinks;
 pub mod start;
+mod tenant_queue;
 mod text;
 pub mod tools;
 pub mod usage;

@@ -114,6 +114,9 @@ pub struct OrchestratorMetrics {
     pub tenant_parked: IntGaugeVec,
     /// The tenants' rate limits, budgets and per-run caps.
     pub quota: crate::quota::QuotaMetrics,
+    /// Cancels heard, by `tenant` and `outcome` (every outcome is in
+    /// `CANCEL_OUTCOMES`, with the cancel listener).
+    pub cancels: IntCounterVec,
 }
 
 /// Every `cap` of `toolfleet_tenant_cap_refusals_total`.
@@ -343,6 +346,12 @@ const APPROVALS_PARKED: Spec = spec(
     &[],
 );
 
+const CANCELS: Spec = spec(
+    "toolfleet_cancels_total",
+    "Cancels heard by this orchestrator, by tenant and outcome: tombstone or remembered (written down), rate_limited or queue_full (not written down; a run here is still stopped), store_unavailable.",
+    &["tenant", "outcome"],
+);
+
 /// Buckets of the approval wait: a second to a week.
 const APPROVAL_WAIT_BUCKETS: [f64; 10] = [
     1.0,
@@ -401,6 +410,7 @@ impl OrchestratorMetrics {
             caps_refused: CAPS_REFUSED.counter(r)?,
             tenant_parked: TENANT_PARKED.gauges(r)?,
             quota: crate::quota::QuotaMetrics::register(r)?,
+            cancels: CANCELS.counter(r)?,
         };
         m.zero();
         Ok(m)

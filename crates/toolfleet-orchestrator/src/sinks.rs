@@ -58,7 +58,26 @@ pub const DEFAULT_SECRET_ENV: &str = "TOOLFLEET_SINK_SECRET";
 /// Every `kind` of the sink metrics.
 pub const SINK_KINDS: [&str; 2] = ["webhook", "relay"];
 /// Every `outcome` of `toolfleet_sink_deliveries_total`.
-pub const SINK_OUTCOMES: [&str; 4] = ["ok", "retry", "dead_lettered", "refused"];
+/// `expired`: not delivered within `--sink-deliver-within-secs` of its
+/// event (dead-lettered `sink_expired`, never dropped by the stream's age);
+/// `deferred`: put back unattempted because its tenant's share of
+/// deliveries (`--sink-tenant-concurrency`) was in use.
+pub const SINK_OUTCOMES: [&str; 6] = [
+    "ok",
+    "retry",
+    "dead_lettered",
+    "refused",
+    "expired",
+    "deferred",
+];
+
+/// The default of [`SinkSettings::deliver_within`]: 50 minutes, under the
+/// sinks stream's hour, so an event is dead-lettered before the stream
+/// would drop it.
+pub const DEFAULT_DELIVER_WITHIN: Duration = Duration::from_secs(3000);
+/// The longest [`SinkSettings::deliver_within`]: the sinks stream's hour
+/// less a minute for the relay to act.
+pub const MAX_DELIVER_WITHIN: Duration = Duration::from_secs(3540);
 
 /// The operator's sink settings (`--sink-*` flags, [`SinkArgs`]).
 #[derive(Debug, Clone)]
@@ -74,6 +93,15 @@ pub struct SinkSettings {
     pub request_timeout: Duration,
     /// Deliveries in flight at once in this orchestrator.
     pub concurrency: usize,
+    /// Deliveries of one tenant in flight at once in this orchestrator
+    /// (at most `concurrency`): the tenant's share, so its slow receiver
+    /// leaves the rest to the others.
+    pub tenant_concurrency: usize,
+    /// How long after its event an event may still be delivered: an
+    /// older one (waiting behind a slow receiver, or retried this long) is
+    /// dead-lettered `sink_expired` with its tenant, never left for the
+    /// sinks stream's max age to drop silently.
+    pub deliver_within: Duration,
     /// Accept `http://` webhooks (tests, loopback receivers): off in
     /// production.
     pub allow_http: bool,
@@ -99,6 +127,8 @@ impl Default for SinkSettings {
             backoff_max: Duration::from_secs(60),
             request_timeout: Duration::from_secs(10),
             concurrency: 16,
+            tenant_concurrency: 4,
+            deliver_within: DEFAULT_DELIVER_WITHIN,
             allow_http: false,
             policy: sink_policy(Vec::new(), Vec::new()),
             relay_allow: Vec::new(),
@@ -140,6 +170,17 @@ pub struct SinkArgs {
     /// Sink deliveries in flight at once in this process.
     #[arg(long, env = "TOOLFLEET_SINK_CONCURRENCY", default_value_t = 16)]
     pub sink_concurrency: usize,
+    /// Sink deliveries of one tenant in flight at once in this process
+    /// (its share; at most `--sink-concurrency`): an event of a tenant
+    /// whose share is in use waits back on the stream, so one tenant's
+    /// slow receiver delays only that tenant.
+    #[arg(long, env = "TOOLFLEET_SINK_TENANT_CONCURRENCY", default_value_t = 4, value_parser = clap::value_parser!(u64).range(1..))]
+    pub sink_tenant_concurrency: u64,
+    /// Seconds after its event within which a routed event may still be
+    /// delivered; then it is dead-lettered (`sink_expired`). At most 3540:
+    /// the sinks stream keeps events an hour.
+    #[arg(long, env = "TOOLFLEET_SINK_DELIVER_WITHIN_SECS", default_value_t = 3000, value_parser = clap::value_parser!(u64).range(1..=3540))]
+    pub sink_deliver_within_secs: u64,
     /// Accept `http://` webhook URLs: for tests and loopback receivers
     /// only.
     #[arg(long, env = "TOOLFLEET_SINK_ALLOW_HTTP")]
@@ -174,6 +215,11 @@ impl SinkArgs {
             backoff_max: Duration::from_millis(self.sink_backoff_max_ms.max(self.sink_backoff_ms)),
             request_timeout: Duration::from_millis(self.sink_timeout_ms.max(1)),
             concurrency: self.sink_concurrency.max(1),
+            tenant_concurrency: usize::try_from(self.sink_tenant_concurrency)
+                .unwrap_or(usize::MAX)
+                .min(self.sink_concurrency.max(1)),
+            deliver_within: Duration::from_secs(self.sink_deliver_within_secs)
+                .min(MAX_DELIVER_WITHIN),
             allow_http: self.sink_allow_http,
             policy: sink_policy(
                 self.sink_allow_host

@@ -14,7 +14,7 @@
 //! | `<p>:{<t>/<inv>}:refs` | hash | `[doc:N]` → reference JSON |
 //! | `<p>:{<t>/<inv>}:call:<call>` | string | the indices a call reserved, so a redelivered job reuses them |
 //! | `<p>:{<t>/<inv>}:result:<call>` | string | the result ledger: a redelivered job returns the stored result |
-//! | `<p>:{<t>/<inv>}:cancelled` | string | the cancel tombstone: a job that starts after its cancel is not run |
+//! | `<p>:{<t>/<inv>}:cancelled` | string | the cancel tombstone of an invocation the store knows (claimed): a run that missed its cancel, or a tool job of it, is not run |
 //! | `<p>:{<t>/<inv>}:owner` | string | the stream sequence of the chat job that claimed the invocation (`:finished` appended when its run ended) |
 //! | `<p>:{<t>/<inv>}:lease` | string (short TTL) | the run holding the claim, renewed while it runs ([`Lease`]): a redelivery waits while it is live |
 //! | `<p>:{<t>/<inv>}:terminal` | string | the run's terminal event as published, for a redelivery to publish again |
@@ -26,6 +26,12 @@
 //! |---|---|---|
 //! | `<p>:tenant:{<t>}:poisons` | string (INCR, TTL the window) | the tenant's unreadable chat jobs in the current window ([`CitationStore::count_poison`]) |
 //! | `<p>:tenant:{<t>}:suspended` | string (TTL the cool-off) | present while the tenant is suspended for poison ([`CitationStore::suspended_for`]) |
+//! Per tenant (hash tag `{<t>}`):
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `<p>:{<t>}:sink:<stream>:<seq>` | string (INCR) | real delivery attempts of a routed event (`sinks`): the relay's attempt cap, apart from deliveries it put back unattempted |
+//! | `<p>:{<t>}:cancels` | sorted set (id → ms) | cancels of ids the store does not know (jobs still queued), at most the tenant's `remembered_cancels`, each for [`REMEMBERED_CANCEL_TTL`]: see `cancels` |
 //!
 //! Every key carries the TTL. References are written by one Lua script, so
 //! a reservation is atomic: the counter, the hash and the call's indices move
@@ -48,17 +54,23 @@
 //!   tokens per minute, spend per day and month): one script admits and
 //!   counts a model call; its keys are the tenant's (`{<tenant>}`), not an
 //!   invocation's.
+//! - `cancels`: cancels written down ([`CitationStore::remember_cancel`],
+//!   [`CitationStore::is_cancelled`]) at a bounded cost per tenant.
+//! - `sinks`: delivery attempts of routed events
+//!   ([`CitationStore::sink_attempt`]).
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
 //!   at once. Every operation is safe to repeat (see each one).
 
 mod blob;
+mod cancels;
 pub mod connection;
 mod lease;
 mod poison;
 pub mod quota;
 mod retry;
+mod sinks;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -70,6 +82,7 @@ use redis::AsyncCommands;
 use toolfleet_protocol::{Reference, ToolResult};
 
 pub use blob::{Blob, MAX_BLOB_BYTES};
+pub use cancels::{CancelNote, REMEMBERED_CANCEL_TTL};
 use connection::{Conn, Connector, Secrets};
 pub use connection::{DEFAULT_RETRY_BUDGET, RedisOptions, redact_url};
 pub use lease::Lease;
@@ -484,26 +497,18 @@ impl CitationStore {
         ))
     }
 
-    /// Remembers that the invocation was cancelled (for the store's TTL),
-    /// so a job of it still queued when its cancel arrived is not run
-    /// later. The same id under another tenant is another invocation: its
-    /// cancel stops nothing here.
+    /// Writes the invocation's cancel tombstone (for the store's TTL)
+    /// whether or not the store knows it: a run or a tool job of it is
+    /// then not run. The same id under another tenant is another
+    /// invocation: its cancel stops nothing here. The cancel listener
+    /// writes down cancels with [`CitationStore::remember_cancel`]
+    /// instead, which leaves no key for an id the store does not know.
     pub async fn mark_cancelled(&self, inv: InvocationKey<'_>) -> Result<(), CitationError> {
         let key = &self.tombstone(inv);
         let ttl = self.ttl.as_secs().max(1);
         self.run("mark_cancelled", |mut conn| async move {
             conn.set_ex::<_, _, ()>(key, "1", ttl).await
         })
-        .await
-    }
-
-    /// Was the invocation cancelled ([`CitationStore::mark_cancelled`])?
-    pub async fn is_cancelled(&self, inv: InvocationKey<'_>) -> Result<bool, CitationError> {
-        let key = &self.tombstone(inv);
-        self.run(
-            "is_cancelled",
-            |mut conn| async move { conn.exists(key).await },
-        )
         .await
     }
 

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use toolfleet_protocol::{ToolResult, ToolStatus};
 use toolfleet_store::{
-    Blob, CitationStore, Claim, ErrorKind, InvocationKey, MAX_BLOB_BYTES, NewReference,
+    Blob, CancelNote, CitationStore, Claim, ErrorKind, InvocationKey, MAX_BLOB_BYTES, NewReference,
     RedisOptions,
 };
 use toolfleet_testkit::redis_cluster::{ClusterOptions, ClusterTls, RedisCluster};
@@ -1010,6 +1010,14 @@ async fn the_store_works_on_a_three_master_cluster() {
             Claim::Other("1".into())
         );
         assert!(!within(store.is_cancelled(of("acme", &inv))).await.unwrap());
+        // A cancel of an id the store does not know is remembered in the
+        // tenant's set (another slot), and read from there.
+        let queued = format!("{inv}-queued");
+        assert_eq!(
+            within(s.remember_cancel(acme(&queued), 10)).await.unwrap(),
+            CancelNote::Remembered
+        );
+        assert!(within(seeded.is_cancelled(acme(&queued))).await.unwrap());
         within(s.mark_cancelled(of("acme", &inv))).await.unwrap();
         assert!(within(seeded.is_cancelled(of("acme", &inv))).await.unwrap());
         // Another tenant's cancel of the same id is kept apart.
@@ -1230,4 +1238,69 @@ async fn the_store_works_on_a_tls_cluster_with_a_password() {
     .unwrap_err();
     assert_ne!(err.kind(), ErrorKind::Unavailable, "{err}");
     assert!(!err.to_string().contains("cluster-secret"), "{err}");
+}
+
+/// A flood of cancels for ids the store does not know leaves one key per
+/// tenant, holding at most the tenant's `remembered` latest ids (the
+/// oldest forgotten first); a cancel of a claimed invocation leaves its
+/// tombstone; each tenant's cancels stay its own. (Before: a 24 h
+/// tombstone key per cancel.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancels_of_unknown_ids_cost_one_bounded_key_per_tenant() {
+    let redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    for n in 0..500 {
+        let id = format!("unknown-{n}");
+        let note = within(store.remember_cancel(acme(&id), 100)).await.unwrap();
+        assert_eq!(note, CancelNote::Remembered);
+    }
+    let client = redis::Client::open(redis.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("*")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert_eq!(keys, ["tf:{acme}:cancels"], "one key for the flood");
+    assert_eq!(
+        within(store.remembered_cancel_count("acme")).await.unwrap(),
+        100
+    );
+    let ttl: i64 = redis::cmd("TTL")
+        .arg("tf:{acme}:cancels")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(ttl > 0 && ttl <= 3600, "{ttl}");
+    // The latest are remembered, the oldest forgotten.
+    assert!(
+        within(store.is_cancelled(acme("unknown-499")))
+            .await
+            .unwrap()
+    );
+    assert!(!within(store.is_cancelled(acme("unknown-0"))).await.unwrap());
+    // Another tenant's same id is not cancelled.
+    assert!(
+        !within(store.is_cancelled(of("globex", "unknown-499")))
+            .await
+            .unwrap()
+    );
+    // A claimed invocation gets its tombstone, which the workers' ledger
+    // check reads.
+    assert_eq!(
+        within(store.claim(acme("running"), "7")).await.unwrap(),
+        Claim::New
+    );
+    assert_eq!(
+        within(store.remember_cancel(acme("running"), 100))
+            .await
+            .unwrap(),
+        CancelNote::Tombstone
+    );
+    let (_, cancelled) = within(store.ledger_and_cancel(acme("running"), "c1"))
+        .await
+        .unwrap();
+    assert!(cancelled);
 }

@@ -50,6 +50,7 @@ use claim::{Claimed, Delivery, claim_patiently, give_back, new_holder, owner};
 use reject::{Refusal, Refused};
 use run::{Leg, Taken};
 
+pub use cancels::CANCEL_OUTCOMES;
 pub(crate) use cancels::listen_for_cancels;
 pub(crate) use decisions::handle_decision;
 pub(crate) use reject::poison;
