@@ -14,7 +14,6 @@
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
 //! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::poison`], [`crate::caps`], [`crate::limits`], [`crate::cancels`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
-//! | `[tenant_defaults]` | table | a tenant's keys for every tenant without its own: [`crate::tenants`], [`crate::poison`], [`crate::caps`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
 //!
@@ -79,7 +78,8 @@ pub struct FleetConfig {
     /// Declared data sources and who may use them (`[data_sources.<id>]`);
     /// an undeclared id is usable by every tenant.
     pub data_sources: BTreeMap<String, DataSourceConfig>,
-//! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::poison`], [`crate::caps`], [`crate::limits`], [`crate::cancels`] |
+    /// A tenant's keys for every tenant whose table lacks them
+    /// (`[tenant_defaults]`).
     pub tenant_defaults: TenantConfig,
 }
 
