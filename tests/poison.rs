@@ -55,8 +55,14 @@ async fn monitored(profiles_toml: Option<String>) -> (Env, u16) {
 /// How many connections named `name` the NATS server has seen closed
 /// (`/connz?state=closed`): each is a disconnect of that process.
 async fn closed_connections(monitor: u16, name: &str) -> usize {
+    connections(monitor, "closed", name).await
+}
+
+/// How many connections named `name` the NATS server lists in `state`
+/// (`open` or `closed`).
+async fn connections(monitor: u16, state: &str, name: &str) -> usize {
     let body = support::reqwest_get(&format!(
-        "http://127.0.0.1:{monitor}/connz?state=closed&limit=1024"
+        "http://127.0.0.1:{monitor}/connz?state={state}&limit=1024"
     ))
     .await;
     let connz: Value = serde_json::from_str(&body).unwrap();
@@ -151,7 +157,12 @@ async fn a_poison_trickle_never_disconnects_the_orchestrator_and_bystanders_fini
         "{codes:?}"
     );
     // Every poison was answered, so each was received: a disconnect it
-    // caused is on the server's record by now.
+    // caused is on the server's record by now. (The orchestrator's
+    // connection is listed under its name, so the count can see it.)
+    assert!(
+        connections(monitor, "open", "toolfleet-orchestrator").await >= 1,
+        "the orchestrator's connection is not listed under its name"
+    );
     assert_eq!(
         closed_connections(monitor, "toolfleet-orchestrator").await,
         0,
