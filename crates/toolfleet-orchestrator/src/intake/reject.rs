@@ -113,6 +113,7 @@ impl Refusal {
                 "tenant {tenant:?} is suspended for {}s more: too many of its chat jobs could not be read \
                  (headers or body); this job was not run, submit it again after that",
                 left.as_secs().max(1)
+            ),
             Refusal::QueueFull { tenant, cap } => format!(
                 "tenant {tenant:?} already had {cap} chat jobs queued or running ahead of this one, \
                  its cap (max_queued_jobs); submit it again when some have finished"
