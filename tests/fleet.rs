@@ -12,6 +12,7 @@ mod clients;
 mod compaction;
 mod deadletters;
 mod delivery;
+mod fair;
 mod health;
 mod layout;
 mod llm_tools;

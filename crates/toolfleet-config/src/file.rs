@@ -13,6 +13,7 @@
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
+//! | `[tenant_defaults]` | table | the settings of a tenant with no table or no key of its own (`weight`): [`crate::fair`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
 //!
@@ -77,6 +78,10 @@ pub struct FleetConfig {
     /// Declared data sources and who may use them (`[data_sources.<id>]`);
     /// an undeclared id is usable by every tenant.
     pub data_sources: BTreeMap<String, DataSourceConfig>,
+    /// The settings of a tenant with no table or no key of its own
+    /// (`[tenant_defaults]`, the keys of `[tenants.<name>]` that have a
+    /// default: [`crate::fair`]).
+    pub tenant_defaults: TenantConfig,
 }
 
 /// The file as written; checked further by [`FleetConfig::validate`].
@@ -101,6 +106,8 @@ struct FileConfig {
     tenants: BTreeMap<String, TenantConfig>,
     #[serde(default)]
     data_sources: BTreeMap<String, DataSourceConfig>,
+    #[serde(default)]
+    tenant_defaults: TenantConfig,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -142,6 +149,7 @@ impl FleetConfig {
             sinks: file.sinks,
             tenants: file.tenants,
             data_sources: file.data_sources,
+            tenant_defaults: file.tenant_defaults,
         };
         config
             .validate()
@@ -162,6 +170,7 @@ impl FleetConfig {
             sinks: BTreeMap::new(),
             tenants: BTreeMap::new(),
             data_sources: BTreeMap::new(),
+            tenant_defaults: TenantConfig::default(),
         }
     }
 
@@ -232,6 +241,7 @@ impl FleetConfig {
         self.check_profiles()?;
         self.check_tenants()?;
         self.check_data_sources()?;
+        self.check_fair_share()?;
         self.prices.validate()
     }
 
@@ -464,6 +474,7 @@ mod tests {
             "provider",
             "tenants",
             "trust_user",
+            "weight",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

@@ -23,6 +23,8 @@
 //!   `tenants = [..]` every profile, sink, agent and data source carries
 //!   ([`TenantScope`]); [`access`]: what a tenant may use, asked of the
 //!   loaded file, and the checks that keep it consistent;
+//! - [`fair`]: each tenant's share of chat dispatch (`weight`, with
+//!   `[tenant_defaults]`);
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -45,6 +47,7 @@ pub mod access;
 pub mod agents;
 pub mod approvals;
 pub mod errors;
+pub mod fair;
 pub mod file;
 pub mod policy;
 pub mod profile;

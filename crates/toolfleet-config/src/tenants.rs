@@ -119,6 +119,12 @@ pub struct TenantConfig {
     /// door): a job's `user` reaches tools as trusted. Off by default.
     #[serde(default)]
     pub trust_user: bool,
+    /// The tenant's share of chat dispatch (fair dispatch takes jobs from
+    /// the tenants with work in weighted turns); `[tenant_defaults]`'s,
+    /// else [`crate::fair::DEFAULT_WEIGHT`], when unset. See
+    /// [`crate::fair`].
+    #[serde(default)]
+    pub weight: Option<u32>,
 }
 
 /// A declared data source (`[data_sources.<id>]`).

@@ -98,6 +98,10 @@ pub struct OrchestratorMetrics {
     /// Invocations parked fleet-wide, as this orchestrator last saw the
     /// parked bucket (every orchestrator reports the same count).
     pub approvals_parked: IntGauge,
+    /// Chat jobs stored per `tenant` (waiting, or delivered and not yet
+    /// acked), as fair dispatch last read the chat stream; every
+    /// orchestrator reports the same counts.
+    pub chat_queued: IntGaugeVec,
 }
 
 /// One metric's name, help and labels: the registration table below is a
@@ -297,6 +301,12 @@ const APPROVALS_PARKED: Spec = spec(
     &[],
 );
 
+const CHAT_QUEUED: Spec = spec(
+    "toolfleet_chat_jobs_queued",
+    "Chat jobs in the chat stream per tenant (waiting, or delivered and not yet acked), fleet-wide (every orchestrator reports the same count).",
+    &["tenant"],
+);
+
 /// Buckets of the approval wait: a second to a week.
 const APPROVAL_WAIT_BUCKETS: [f64; 10] = [
     1.0,
@@ -349,6 +359,7 @@ impl OrchestratorMetrics {
             approval_wait: APPROVAL_WAIT.histogram_with(r, &APPROVAL_WAIT_BUCKETS)?,
             approvals_refused: APPROVALS_REFUSED.counter(r)?,
             approvals_parked: APPROVALS_PARKED.gauge(r)?,
+            chat_queued: CHAT_QUEUED.gauges(r)?,
         };
         m.zero();
         Ok(m)

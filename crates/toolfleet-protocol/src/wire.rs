@@ -490,9 +490,28 @@ impl Subjects {
         format!("{}_TOOLS", self.stream_stem())
     }
 
-    /// The durable consumer shared by every orchestrator.
+    /// The durable consumer every orchestrator shares on the decisions
+    /// stream, and the queue group of approval requests. (Before fair
+    /// dispatch it was also the one chat consumer of every tenant; an
+    /// orchestrator removes that one from the chat stream at start.)
     pub fn chat_consumer(&self) -> String {
         "orchestrators".to_string()
+    }
+
+    /// The durable chat consumer of one tenant, shared by every
+    /// orchestrator (`chat-<tenant>`, filtered on
+    /// [`Subjects::chat_submit`]): fair dispatch takes jobs from the
+    /// tenants' consumers in turn.
+    pub fn chat_tenant_consumer(&self, tenant: &str) -> String {
+        format!("chat-{tenant}")
+    }
+
+    /// The tenant whose chat consumer `consumer` is, if it is one
+    /// ([`Subjects::chat_tenant_consumer`]).
+    pub fn consumer_tenant<'a>(&self, consumer: &'a str) -> Option<&'a str> {
+        consumer
+            .strip_prefix("chat-")
+            .filter(|tenant| valid_tenant(tenant))
     }
 
     /// The durable consumer shared by every worker of one tool.
@@ -1795,6 +1814,10 @@ mod tests {
             "toolfleet.tool.retrieval.search_documents.1_0_0"
         );
         assert_eq!(s.chat_stream(), "TOOLFLEET_CHAT");
+        assert_eq!(s.chat_tenant_consumer("acme"), "chat-acme");
+        assert_eq!(s.consumer_tenant("chat-acme"), Some("acme"));
+        assert_eq!(s.consumer_tenant("orchestrators"), None);
+        assert_eq!(s.consumer_tenant("chat-"), None);
         assert_eq!(s.tools_stream(), "TOOLFLEET_TOOLS");
         assert_eq!(s.events_stream(), "TOOLFLEET_EVENTS");
         assert_eq!(

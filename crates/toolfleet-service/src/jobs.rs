@@ -59,7 +59,9 @@ impl std::fmt::Debug for Sweeper {
 }
 
 impl Sweeper {
-    async fn run(
+    /// Sweeps `consumer` once, each poison found handed to `on_poison`
+    /// on `tracker`.
+    pub async fn run(
         &self,
         consumer: &mut jetstream::consumer::Consumer<pull::Config>,
         tracker: &TaskTracker,
@@ -105,7 +107,7 @@ impl Reconnects {
     }
 
     /// Resolves at the next reconnection after the last one seen.
-    async fn next(&mut self) {
+    pub async fn next(&mut self) {
         if self.0.changed().await.is_err() {
             // The watcher stopped (shutdown): never again.
             std::future::pending::<()>().await;
@@ -114,7 +116,7 @@ impl Reconnects {
 
     /// Whether the connection came back since the last look; marks every
     /// reconnection so far as seen.
-    fn take_new(&mut self) -> bool {
+    pub fn take_new(&mut self) -> bool {
         let new = self.0.has_changed().unwrap_or(false);
         self.0.borrow_and_update();
         new

@@ -14,17 +14,22 @@
 //!
 //! Decisions on parked invocations come in the same way
 //! ([`decisions`]): the one that decides a turn's last held call resumes
-//! the invocation as a run. The durable consumers every orchestrator
-//! shares and the listener that cancels invocations ([`cancels`]) live
-//! here too. [`Plugins`] is what the frame runs that a deployment
+//! the invocation as a run. Chat jobs are taken from the tenants in
+//! weighted turns ([`fair`], [`turns`]) off per-tenant durable consumers
+//! every orchestrator shares; those, the decisions consumer, the move
+//! from the shared consumer of earlier releases ([`migrate`]) and the
+//! listener that cancels invocations ([`cancels`]) live here too. [`Plugins`] is what the frame runs that a deployment
 //! registers.
 
 mod cancels;
 mod claim;
 mod decisions;
+mod fair;
 mod frame;
+mod migrate;
 mod reject;
 mod run;
+mod turns;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -36,7 +41,7 @@ use toolfleet_config::DEFAULT_ORCHESTRATOR;
 use toolfleet_protocol::{ChatJob, Envelope, Subjects};
 use toolfleet_service::telemetry;
 use toolfleet_store::InvocationKey;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, warn};
 
 use crate::context::ContextHandlers;
 use crate::failure::ChatErrorCode;
@@ -48,6 +53,7 @@ use run::{Leg, Taken};
 
 pub(crate) use cancels::listen_for_cancels;
 pub(crate) use decisions::handle_decision;
+pub(crate) use fair::{Dispatcher, Intake};
 pub(crate) use reject::poison;
 
 /// Ack wait of the chat and decisions consumers: how long the jobs of an
@@ -278,31 +284,48 @@ fn trace(
     span
 }
 
-/// The streams, and the durable chat consumer every orchestrator shares.
-pub(crate) async fn chat_consumer(
+/// Opens the streams and brings the chat stream to fair dispatch: the
+/// shared chat consumer of an earlier release is removed (a work queue
+/// allows per-tenant consumers only when no consumer overlaps them), and
+/// jobs it left on the untenanted submit subject are queued again under
+/// their tenant's. Returns the chat stream.
+pub(crate) async fn chat_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
-) -> Result<jetstream::consumer::Consumer<pull::Config>, OrchestratorError> {
+) -> Result<jetstream::stream::Stream, OrchestratorError> {
+    let nats = |e: toolfleet_protocol::streams::StreamError| OrchestratorError::Nats(e.to_string());
     let stream = toolfleet_protocol::streams::ensure_chat_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_tools_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_events_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_history_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_dead_letters_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
+    migrate::drop_shared_consumer(&stream, subjects).await?;
+    migrate::requeue_untenanted(js, &stream, subjects).await;
+    Ok(stream)
+}
+
+/// The durable chat consumer of `tenant` every orchestrator shares
+/// (`chat-<tenant>`, filtered on the tenant's submit subject), made if it
+/// does not exist.
+pub(crate) async fn tenant_consumer(
+    stream: &jetstream::stream::Stream,
+    subjects: &Subjects,
+    tenant: &str,
+) -> Result<jetstream::consumer::PullConsumer, OrchestratorError> {
+    let name = subjects.chat_tenant_consumer(tenant);
     let config = pull::Config {
-        durable_name: Some(subjects.chat_consumer()),
-        // The stream holds chat jobs only (`<p>.chat.submit.<tenant>`): no
-        // filter, so a stream moved from the untenanted subject still
-        // delivers the jobs it held.
+        durable_name: Some(name.clone()),
+        filter_subject: subjects.chat_submit(tenant),
         ack_policy: jetstream::consumer::AckPolicy::Explicit,
         ack_wait: CHAT_ACK_WAIT,
         // One more than we run, so the delivery after the last
@@ -311,37 +334,10 @@ pub(crate) async fn chat_consumer(
         max_ack_pending: 10_000,
         ..Default::default()
     };
-    let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
-        .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
+    stream
+        .get_or_create_consumer(&name, config)
         .await
-        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-    // A consumer made by an earlier release keeps its longer ack wait:
-    // bring it to this one's (an editable setting).
-    let info = consumer
-        .info()
-        .await
-        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-    // One made before submit subjects named a tenant filters on the old
-    // subject, and the filter of a consumer cannot be edited: make it
-    // again (the jobs stay in the work queue meanwhile).
-    if !info.config.filter_subject.is_empty() {
-        stream
-            .delete_consumer(&subjects.chat_consumer())
-            .await
-            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-        consumer = stream
-            .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
-            .await
-            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-        info!("chat consumer made again without the old subject filter");
-    } else if info.config.ack_wait != CHAT_ACK_WAIT {
-        match stream.create_consumer(config).await {
-            Ok(updated) => consumer = updated,
-            Err(e) => warn!(error = %e, ack_wait = ?info.config.ack_wait,
-                "cannot shorten the chat consumer's ack wait; a crashed orchestrator's jobs wait that long"),
-        }
-    }
-    Ok(consumer)
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer {name}: {e}")))
 }
 
 /// The durable consumer of the decisions stream every orchestrator
