@@ -112,6 +112,15 @@ impl Dispatcher {
                 }
                 tenants.rescan_at = Instant::now();
             }
+            // The permit first: who has work is read after it, so a turn
+            // goes by what is waiting now, not when the last slot freed.
+            let permit = tokio::select! {
+                () = self.shutdown.cancelled() => break,
+                p = self.permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+            };
             if Instant::now() >= tenants.rescan_at {
                 tenants.rescan(&self.fleet).await;
             }
@@ -119,6 +128,8 @@ impl Dispatcher {
                 tenants.wake(&self.fleet, &msg.subject);
             }
             if tenants.turns.is_empty() {
+                // Nothing to take: wait holding no permit.
+                drop(permit);
                 tokio::select! {
                     () = self.shutdown.cancelled() => break,
                     msg = wakeups.next() => match msg {
@@ -131,13 +142,6 @@ impl Dispatcher {
                 }
                 continue;
             }
-            let permit = tokio::select! {
-                () = self.shutdown.cancelled() => break,
-                p = self.permits.clone().acquire_owned() => match p {
-                    Ok(p) => p,
-                    Err(_) => break,
-                },
-            };
             let Some(tenant) = tenants.turns.next() else {
                 continue;
             };
