@@ -7,8 +7,8 @@
 mod approvals;
 mod bench;
 mod binaries;
-mod caps;
 mod cancels;
+mod caps;
 mod chat_cli;
 mod clients;
 mod compaction;

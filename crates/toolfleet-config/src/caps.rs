@@ -18,7 +18,7 @@ use toolfleet_llm::config_file::key_segment;
 use toolfleet_protocol::MAX_JOB_BYTES;
 
 use crate::file::FleetConfig;
-use crate::tenants::{TenantConfig, CapKeys};
+use crate::tenants::{CapKeys, TenantConfig};
 
 /// Chat jobs a tenant may have in the chat stream when nothing says
 /// otherwise.
