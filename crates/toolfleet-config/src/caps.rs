@@ -145,13 +145,7 @@ impl FleetConfig {
 mod tests {
     use super::*;
 
-    const BASE: &str = r#"
-        [deployments.local]
-        base_url = "http://127.0.0.1:11434/v1"
-        model = "m"
-        [profiles.default]
-        deployment = "local"
-    "#;
+    use crate::testing::MINIMAL as BASE;
 
     #[test]
     fn a_tenant_has_its_own_cap_else_the_defaults_table_else_the_fleets() {

@@ -171,13 +171,7 @@ impl LimitKeys {
 mod tests {
     use super::*;
 
-    const BASE: &str = r#"
-        [deployments.local]
-        base_url = "http://127.0.0.1:11434/v1"
-        model = "m"
-        [profiles.default]
-        deployment = "local"
-    "#;
+    use crate::testing::MINIMAL as BASE;
 
     #[test]
     fn a_tenants_keys_win_over_the_defaults_and_unset_means_no_limit() {
