@@ -14,6 +14,7 @@ mod clients;
 mod compaction;
 mod deadletters;
 mod delivery;
+mod fair;
 mod health;
 mod layout;
 mod limits;

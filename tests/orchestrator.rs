@@ -633,10 +633,10 @@ async fn cancelling_an_invocation_stops_its_running_tool() {
 /// A chat stream and consumer left by an earlier release — the stream over
 /// the untenanted `<p>.chat.submit`, the consumer filtered on it with a long
 /// ack wait, a job still queued — are brought to the current layout when an
-/// orchestrator starts: the stream moves to `<p>.chat.submit.*` keeping its
-/// job, the consumer is made again unfiltered with the short ack wait (so
-/// the crash-recovery time holds on an upgraded server too), and the queued
-/// job runs as the tenant it names.
+/// orchestrator starts: the stream moves to `<p>.chat.submit.*`, the shared
+/// consumer is removed (fair dispatch has one per tenant), and the queued
+/// job is moved to the submit subject of the tenant it names and runs as
+/// that tenant, taken from its consumer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_old_chat_stream_and_consumer_are_upgraded() {
     use async_nats::jetstream::{consumer::pull, stream};
@@ -692,41 +692,29 @@ async fn an_old_chat_stream_and_consumer_are_upgraded() {
     )
     .await
     .unwrap();
-    let rt = toolfleet_service::Runtime::new();
-    let spec = toolfleet_local::fleet::FleetSpec {
-        nats_url: nats.url(),
-        redis_url: redis.url(),
-        subjects: subjects.clone(),
-        citation_ttl: Duration::from_secs(60),
-        orchestrator: Some(toolfleet_orchestrator::OrchestratorConfig::new(
+    let rt = support::start_orchestrator(
+        nats.url(),
+        redis.url(),
+        toolfleet_orchestrator::OrchestratorConfig::new(
             subjects.clone(),
             toolfleet_config::FleetConfig::single(toolfleet_llm::deployments::Deployment::new(
                 model.base_url(),
                 "toolfleet-scripted",
             )),
-        )),
-        workers: Vec::new(),
-        worker_concurrency: 1,
-        nats_connect_wait: Duration::from_secs(5),
-    };
-    tokio::time::timeout(
-        WAIT,
-        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()),
+        ),
     )
-    .await
-    .unwrap()
-    .unwrap();
-    let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
-        .get_consumer(&subjects.chat_consumer())
-        .await
-        .unwrap();
-    let config = consumer.info().await.unwrap().config.clone();
-    assert_eq!(config.ack_wait, Duration::from_secs(10));
-    assert_eq!(config.filter_subject, "");
+    .await;
+    // The shared consumer is gone: fair dispatch has one per tenant.
+    assert!(
+        stream
+            .get_consumer::<pull::Config>(&subjects.chat_consumer())
+            .await
+            .is_err()
+    );
     let mut upgraded = js.get_stream(subjects.chat_stream()).await.unwrap();
     assert_eq!(
         upgraded.info().await.unwrap().config.subjects,
-        vec![subjects.chat_submit_all()]
+        vec![subjects.chat_submit_all(), subjects.chat_batch_all()]
     );
     // The job queued before the upgrade is answered as its own tenant's.
     let terminal = tokio::time::timeout(WAIT, async {
@@ -741,6 +729,15 @@ async fn an_old_chat_stream_and_consumer_are_upgraded() {
     .await
     .expect("the queued job was not answered");
     assert_eq!(terminal["type"], "completed", "{terminal}");
+    // It was taken from its tenant's own consumer, with the short ack
+    // wait (so the crash-recovery time holds on an upgraded server too).
+    let mut consumer: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&subjects.chat_tenant_consumer("acme"))
+        .await
+        .unwrap();
+    let config = consumer.info().await.unwrap().config.clone();
+    assert_eq!(config.ack_wait, Duration::from_secs(10));
+    assert_eq!(config.filter_subject, subjects.chat_submit("acme"));
     assert!(rt.drain(Duration::from_secs(10)).await);
 }
 

@@ -35,7 +35,12 @@ struct Status {
     /// By tool id.
     tools: BTreeMap<String, Value>,
     dead_letters: Option<u64>,
+    /// Chat jobs waiting, of every tenant.
     chat_backlog: Option<u64>,
+    /// Chat jobs delivered to an orchestrator and not yet acked.
+    chat_in_flight: Option<u64>,
+    /// `{tenant, backlog, in_flight}` of each tenant with chat jobs.
+    chat_tenants: Vec<Value>,
 }
 
 /// The instances `$SRV.INFO` found, by id: where each is in
@@ -180,13 +185,42 @@ impl Status {
         {
             self.dead_letters = Some(info.state.messages);
         }
-        if let Ok(s) = js.get_stream(subjects.chat_stream()).await
-            && let Ok(c) = s
-                .get_consumer::<jetstream::consumer::pull::Config>(&subjects.chat_consumer())
-                .await
-        {
-            self.chat_backlog = Some(c.cached_info().num_pending);
+        if let Ok(s) = js.get_stream(subjects.chat_stream()).await {
+            self.add_chat(&s, subjects).await;
         }
+    }
+
+    /// The chat backlog and the jobs in flight, by tenant: from the
+    /// tenants' chat consumers (fair dispatch), and for a tenant whose
+    /// consumer no orchestrator has made yet, its jobs stored.
+    async fn add_chat(&mut self, stream: &jetstream::stream::Stream, subjects: &Subjects) {
+        let mut tenants: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        let mut consumers = stream.consumers();
+        while let Some(next) = consumers.next().await {
+            let Ok(info) = next else { return };
+            if let Some(tenant) = subjects.consumer_tenant(&info.name) {
+                tenants.insert(
+                    tenant.to_owned(),
+                    (info.num_pending, info.num_ack_pending as u64),
+                );
+            }
+        }
+        if let Ok(mut stored) = stream.info_with_subjects(subjects.chat_submit_all()).await {
+            while let Some(Ok((subject, n))) = stored.next().await {
+                if let Some(tenant) = subjects.submit_tenant(&subject) {
+                    tenants.entry(tenant.to_owned()).or_insert((n as u64, 0));
+                }
+            }
+        }
+        self.chat_backlog = Some(tenants.values().map(|t| t.0).sum());
+        self.chat_in_flight = Some(tenants.values().map(|t| t.1).sum());
+        self.chat_tenants = tenants
+            .into_iter()
+            .filter(|(_, (backlog, in_flight))| backlog + in_flight > 0)
+            .map(|(tenant, (backlog, in_flight))| {
+                json!({ "tenant": tenant, "backlog": backlog, "in_flight": in_flight })
+            })
+            .collect();
     }
 
     /// Prints the status as `output`; the exit code ([`EXIT_STRANDED`]
@@ -211,6 +245,8 @@ impl Status {
                     "instances": self.instances,
                     "tools": self.tools.values().collect::<Vec<_>>(),
                     "chat_backlog": self.chat_backlog,
+                    "chat_in_flight": self.chat_in_flight,
+                    "chat_tenants": self.chat_tenants,
                     "dead_letters": self.dead_letters,
                 }))?
             ),
@@ -295,9 +331,25 @@ fn print_status(status: &Status) {
     }
     println!();
     let shown = |v: Option<u64>| v.map_or("?".to_string(), |v| v.to_string());
+    let by_tenant: Vec<String> = status
+        .chat_tenants
+        .iter()
+        .map(|t| {
+            format!(
+                "{} {}+{}",
+                t["tenant"].as_str().unwrap_or(""),
+                n(&t["backlog"]),
+                n(&t["in_flight"])
+            )
+        })
+        .collect();
     println!(
-        "chat jobs waiting: {}   dead letters kept: {}",
+        "chat jobs waiting: {}   in flight: {}   dead letters kept: {}",
         shown(status.chat_backlog),
+        shown(status.chat_in_flight),
         shown(status.dead_letters)
     );
+    if !by_tenant.is_empty() {
+        println!("by tenant (waiting+in flight): {}", by_tenant.join(", "));
+    }
 }

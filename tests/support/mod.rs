@@ -625,3 +625,32 @@ pub(crate) fn renamed_definition(dir: &Path, ns: &str, name: &str) -> PathBuf {
     std::fs::write(&path, def.to_string()).unwrap();
     path
 }
+
+/// Starts an orchestrator alone (no worker) with `config` on the servers
+/// at `nats_url` and `redis_url`, on a runtime of its own: the test stops
+/// it with `drain`.
+pub(crate) async fn start_orchestrator(
+    nats_url: String,
+    redis_url: String,
+    config: OrchestratorConfig,
+) -> toolfleet_service::Runtime {
+    let rt = toolfleet_service::Runtime::new();
+    let spec = FleetSpec {
+        nats_url,
+        redis_url,
+        subjects: config.subjects.clone(),
+        citation_ttl: Duration::from_secs(60),
+        orchestrator: Some(config),
+        workers: Vec::new(),
+        worker_concurrency: 1,
+        nats_connect_wait: Duration::from_secs(5),
+    };
+    tokio::time::timeout(
+        WAIT,
+        toolfleet_local::fleet::start(spec, &rt.metrics, &rt.tracker, rt.shutdown.clone()),
+    )
+    .await
+    .expect("orchestrator start timed out")
+    .expect("orchestrator start");
+    rt
+}

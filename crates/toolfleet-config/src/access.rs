@@ -138,6 +138,20 @@ impl FleetConfig {
 }
 
 impl FleetConfig {
+    /// One per-tenant key as it applies to `tenant`: its own table's
+    /// value, else `[tenant_defaults]`'s, else `None` (the caller's
+    /// built-in default). Every per-tenant setting is read this way.
+    pub fn tenant_key<T>(
+        &self,
+        tenant: &str,
+        key: impl Fn(&TenantConfig) -> Option<T>,
+    ) -> Option<T> {
+        self.tenants
+            .get(tenant)
+            .and_then(&key)
+            .or_else(|| key(&self.tenant_defaults))
+    }
+
     /// `tenant`'s limits: its own keys, each unset one from
     /// `[tenant_defaults]`.
     pub fn limits_of(&self, tenant: &str) -> LimitKeys {

@@ -60,17 +60,16 @@ impl Default for CancelLimits {
 impl FleetConfig {
     /// `tenant`'s cancel limits.
     pub fn cancel_limits(&self, tenant: &str) -> CancelLimits {
-        let own = self.tenants.get(tenant);
-        let defaults = &self.tenant_defaults;
-        let pick = |get: fn(&TenantConfig) -> Option<u32>, builtin: u32| {
-            own.and_then(get)
-                .or_else(|| get(defaults))
-                .unwrap_or(builtin)
-        };
         CancelLimits {
-            rate: pick(|t| t.cancel_rate, DEFAULT_CANCEL_RATE),
-            burst: pick(|t| t.cancel_burst, DEFAULT_CANCEL_BURST),
-            remembered: pick(|t| t.remembered_cancels, DEFAULT_REMEMBERED_CANCELS),
+            rate: self
+                .tenant_key(tenant, |t| t.cancel_rate)
+                .unwrap_or(DEFAULT_CANCEL_RATE),
+            burst: self
+                .tenant_key(tenant, |t| t.cancel_burst)
+                .unwrap_or(DEFAULT_CANCEL_BURST),
+            remembered: self
+                .tenant_key(tenant, |t| t.remembered_cancels)
+                .unwrap_or(DEFAULT_REMEMBERED_CANCELS),
         }
     }
 

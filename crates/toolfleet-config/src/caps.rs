@@ -89,28 +89,18 @@ impl FleetConfig {
     /// `tenant`'s caps: its own keys, else `[tenant_defaults]`, else the
     /// fleet's defaults.
     pub fn caps_of(&self, tenant: &str) -> TenantCaps {
-        let own = self
-            .tenants
-            .get(tenant)
-            .map(TenantConfig::cap_keys)
-            .unwrap_or_default();
-        let defaults = self.tenant_defaults.cap_keys();
         TenantCaps {
-            max_queued_jobs: own
-                .max_queued_jobs
-                .or(defaults.max_queued_jobs)
+            max_queued_jobs: self
+                .tenant_key(tenant, |t| t.max_queued_jobs)
                 .unwrap_or(DEFAULT_MAX_QUEUED_JOBS),
-            max_job_bytes: own
-                .max_job_bytes
-                .or(defaults.max_job_bytes)
+            max_job_bytes: self
+                .tenant_key(tenant, |t| t.max_job_bytes)
                 .map_or(MAX_JOB_BYTES, |b| b as usize),
-            max_stored_events: own
-                .max_stored_events
-                .or(defaults.max_stored_events)
+            max_stored_events: self
+                .tenant_key(tenant, |t| t.max_stored_events)
                 .unwrap_or(DEFAULT_MAX_STORED_EVENTS),
-            max_parked: own
-                .max_parked
-                .or(defaults.max_parked)
+            max_parked: self
+                .tenant_key(tenant, |t| t.max_parked)
                 .unwrap_or(DEFAULT_MAX_PARKED),
         }
     }

@@ -12,7 +12,7 @@
 //! | `[profiles.<name>]` | table | what a chat job names: [`crate::profile`], with its [`crate::policy`] tables |
 //! | `[sinks.<name>]` | table | a webhook and/or relay the events of invocations also go to: [`crate::sinks`] |
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
-//! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::poison`], [`crate::caps`], [`crate::limits`], [`crate::cancels`] |
+//! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::poison`], [`crate::caps`], [`crate::limits`], [`crate::cancels`], [`crate::fair`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
@@ -244,6 +244,7 @@ impl FleetConfig {
         self.check_poison()?;
         self.check_caps()?;
         self.check_cancel_limits()?;
+        self.check_fair_share()?;
         self.prices.validate()
     }
 
@@ -475,6 +476,9 @@ mod tests {
             "data_source",
             "confidence",
             "provider",
+            "batch_service_tier",
+            "max_concurrency",
+            "priority",
             "tenants",
             "trust_user",
             "poison_limit",
@@ -494,6 +498,7 @@ mod tests {
             "cancel_rate",
             "cancel_burst",
             "remembered_cancels",
+            "weight",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

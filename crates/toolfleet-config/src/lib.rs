@@ -32,6 +32,8 @@
 //!   their overshoot;
 //! - [`cancels`]: per tenant, how many cancels are written down per second
 //!   and how many of jobs not started are remembered ([`CancelLimits`]);
+//! - [`fair`]: each tenant's share of chat dispatch (`weight`, with
+//!   `[tenant_defaults]`);
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -56,6 +58,7 @@ pub mod approvals;
 pub mod cancels;
 pub mod caps;
 pub mod errors;
+pub mod fair;
 pub mod file;
 pub mod limits;
 pub mod poison;

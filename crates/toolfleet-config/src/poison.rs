@@ -17,7 +17,7 @@
 
 use std::time::Duration;
 
-use crate::{FleetConfig, TenantConfig};
+use crate::FleetConfig;
 
 /// Poisons within the window that suspend a tenant, by default.
 pub const DEFAULT_POISON_LIMIT: u32 = 20;
@@ -41,18 +41,15 @@ pub struct PoisonPolicy {
 impl FleetConfig {
     /// The poison guard of `tenant`.
     pub fn poison_policy(&self, tenant: &str) -> PoisonPolicy {
-        let own = self.tenants.get(tenant);
-        let pick = |key: fn(&TenantConfig) -> Option<u64>| {
-            own.and_then(key).or_else(|| key(&self.tenant_defaults))
-        };
         PoisonPolicy {
-            limit: own
-                .and_then(|t| t.poison_limit)
-                .or(self.tenant_defaults.poison_limit)
+            limit: self
+                .tenant_key(tenant, |t| t.poison_limit)
                 .unwrap_or(DEFAULT_POISON_LIMIT),
-            window: pick(|t| t.poison_window_secs)
+            window: self
+                .tenant_key(tenant, |t| t.poison_window_secs)
                 .map_or(DEFAULT_POISON_WINDOW, Duration::from_secs),
-            cooloff: pick(|t| t.poison_cooloff_secs)
+            cooloff: self
+                .tenant_key(tenant, |t| t.poison_cooloff_secs)
                 .map_or(DEFAULT_POISON_COOLOFF, Duration::from_secs),
         }
     }

@@ -21,8 +21,8 @@
 //! | `[profiles.<name>.policy]`, `.scoping`, `.rag` | tables | see [`crate::policy`] |
 
 use serde::Deserialize;
-use toolfleet_protocol::ToolId;
 use toolfleet_protocol::tools::{ToolDefinition, ToolRef};
+use toolfleet_protocol::{Priority, ToolId};
 
 use crate::agents::AgentTool;
 use crate::approvals::{self, DEFAULT_APPROVAL_TIMEOUT_MS, default_approval_timeout_ms};
@@ -84,6 +84,10 @@ pub struct Profile {
     pub sink: Option<String>,
     /// The tenants whose jobs may run this profile.
     pub tenants: TenantScope,
+    /// `batch`: every job of this profile runs as a batch job (taken
+    /// after interactive ones, with the deployment's batch service tier),
+    /// whatever the job says. Default `interactive`: the job decides.
+    pub priority: Priority,
 }
 
 fn default_profile_tools() -> Vec<ToolRef> {
@@ -129,6 +133,8 @@ struct RawProfile {
     sink: Option<String>,
     #[serde(default)]
     tenants: TenantScope,
+    #[serde(default)]
+    priority: Priority,
 }
 
 fn default_orchestrator() -> String {
@@ -178,6 +184,7 @@ impl TryFrom<RawProfile> for Profile {
             approval_timeout_ms: raw.approval_timeout_ms,
             sink: raw.sink,
             tenants: raw.tenants,
+            priority: raw.priority,
         })
     }
 }
@@ -204,6 +211,7 @@ impl Profile {
             approval_timeout_ms: DEFAULT_APPROVAL_TIMEOUT_MS,
             sink: None,
             tenants: TenantScope::any(),
+            priority: Priority::Interactive,
         }
     }
 

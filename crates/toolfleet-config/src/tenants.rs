@@ -172,6 +172,12 @@ pub struct TenantConfig {
     /// Cancels of jobs not started yet remembered at once.
     #[serde(default)]
     pub remembered_cancels: Option<u32>,
+    /// The tenant's share of chat dispatch (fair dispatch takes jobs from
+    /// the tenants with work in weighted turns); `[tenant_defaults]`'s,
+    /// else [`crate::fair::DEFAULT_WEIGHT`], when unset. See
+    /// [`crate::fair`].
+    #[serde(default)]
+    pub weight: Option<u32>,
 }
 
 /// The caps keys of [`crate::caps`] as a `[tenants.<name>]` or

@@ -36,6 +36,8 @@ pub(super) struct WireRequest<'a> {
     /// OpenAI still accepts it for non-reasoning models.
     #[serde(skip_serializing_if = "Option::is_none")]
     max_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service_tier: Option<&'a str>,
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_options: Option<StreamOptions>,
@@ -100,6 +102,7 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool) -> WireRequest<'_> {
         parallel_tool_calls: has_tools.then_some(req.parallel_tool_calls),
         temperature: req.temperature,
         max_tokens: req.max_tokens,
+        service_tier: req.service_tier.as_deref(),
         stream,
         stream_options: stream.then_some(StreamOptions {
             include_usage: true,
@@ -600,6 +603,7 @@ mod tests {
             parallel_tool_calls: true,
             temperature: Some(0.25),
             max_tokens: Some(100),
+            service_tier: None,
         }
     }
 

@@ -93,6 +93,9 @@ pub struct ChatRequest {
     pub temperature: Option<f32>,
     /// `max_tokens` (Chat Completions) or `max_output_tokens` (Responses).
     pub max_tokens: Option<u32>,
+    /// The provider's processing tier (`service_tier`, e.g. OpenAI's
+    /// `"flex"` for batch jobs); `None`: not sent, the provider's default.
+    pub service_tier: Option<String>,
 }
 
 /// What the model answered.
@@ -1160,6 +1163,7 @@ mod tests {
             parallel_tool_calls: true,
             temperature: None,
             max_tokens: None,
+            service_tier: None,
         }
     }
 

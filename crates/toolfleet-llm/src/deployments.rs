@@ -27,6 +27,9 @@
 //! | `retry.max_delay_ms` | ms ≥ `base_delay_ms`, `5000` | longest backoff delay |
 //! | `confidence` | 0.0..=1.0, `0` | how much the fleet trusts this deployment: the provider confidence of every invocation whose model calls go to it (tools with a higher `minProviderConfidence` are not offered, and workers refuse them). Decided here, never by a chat job |
 //! | `provider` | name, the `base_url`'s host | the provider label tool jobs carry (`Toolfleet-Provider`), e.g. `"openai"`, `"azure"`; `[A-Za-z0-9_.-]+`. The connection they carry (`Toolfleet-Connection`) is the deployment's name |
+//! | `batch_service_tier` | string, none | the `service_tier` sent with the model calls of batch jobs (`priority = "batch"`), e.g. OpenAI's `"flex"`; interactive jobs send none. Only for deployments whose provider accepts it |
+//! | `max_concurrency` | 1..=100000, none | model calls to this deployment in flight at once, fleet-wide (every orchestrator and LLM-tool worker on the same Redis): a call past it waits for a slot instead of meeting the provider's 429 |
+//! | `requests_per_minute` | 1..=10000000, none | model calls started per minute, fleet-wide; past it a call waits for the next minute. A 429 with `Retry-After` from the provider pauses every caller of the deployment that long |
 //!
 //! # Invariants
 //!
@@ -200,6 +203,14 @@ pub struct Deployment {
     /// The provider label tool jobs carry; `None`: the `base_url`'s host
     /// ([`Deployment::provider_name`]).
     pub provider: Option<String>,
+    /// The `service_tier` sent with the model calls of batch jobs (e.g.
+    /// OpenAI's `"flex"`: cheaper, slower); `None`: none sent.
+    pub batch_service_tier: Option<String>,
+    /// The deployment's fleet-wide limits: model calls in flight at once,
+    /// and started per minute, across every orchestrator and LLM-tool
+    /// worker sharing the store; calls past them wait their turn.
+    pub max_concurrency: Option<u32>,
+    pub requests_per_minute: Option<u32>,
     /// A key given on the command line ([`Deployment::with_api_key`]); never
     /// read from a file. Wins over `api_key_env`.
     inline_api_key: Option<String>,
@@ -226,6 +237,9 @@ impl fmt::Debug for Deployment {
             .field("retry", &self.retry)
             .field("confidence", &self.confidence)
             .field("provider", &self.provider)
+            .field("batch_service_tier", &self.batch_service_tier)
+            .field("max_concurrency", &self.max_concurrency)
+            .field("requests_per_minute", &self.requests_per_minute)
             .field(
                 "inline_api_key",
                 &self.inline_api_key.as_ref().map(|_| "[redacted]"),
@@ -271,6 +285,12 @@ struct RawDeployment {
     confidence: f64,
     #[serde(default)]
     provider: Option<String>,
+    #[serde(default)]
+    batch_service_tier: Option<String>,
+    #[serde(default)]
+    max_concurrency: Option<u32>,
+    #[serde(default)]
+    requests_per_minute: Option<u32>,
 }
 
 fn deserialize_url<'de, D: Deserializer<'de>>(d: D) -> Result<Url, D::Error> {
@@ -318,6 +338,9 @@ impl TryFrom<RawDeployment> for Deployment {
             retry: raw.retry.into(),
             confidence: raw.confidence,
             provider: raw.provider,
+            batch_service_tier: raw.batch_service_tier,
+            max_concurrency: raw.max_concurrency,
+            requests_per_minute: raw.requests_per_minute,
             inline_api_key: None,
         })
     }
@@ -344,6 +367,9 @@ impl Deployment {
             retry: RetryPolicy::default(),
             confidence: 0.0,
             provider: None,
+            batch_service_tier: None,
+            max_concurrency: None,
+            requests_per_minute: None,
             inline_api_key: None,
         }
     }
@@ -482,6 +508,7 @@ impl Deployment {
             }
         }
         self.validate_trust(at)?;
+        self.validate_limits(at)?;
         for (key, value) in [
             ("connect_timeout_ms", self.connect_timeout),
             ("first_token_timeout_ms", self.first_token_timeout),
@@ -496,6 +523,31 @@ impl Deployment {
 }
 
 impl Deployment {
+    /// The fleet-wide limits in range; the batch tier a short name.
+    fn validate_limits(&self, at: &str) -> Result<(), (String, String)> {
+        for (key, value, max) in [
+            ("max_concurrency", self.max_concurrency, 100_000),
+            ("requests_per_minute", self.requests_per_minute, 10_000_000),
+        ] {
+            if let Some(v) = value
+                && !(1..=max).contains(&v)
+            {
+                return Err((format!("{at}.{key}"), format!("must be 1..={max}, not {v}")));
+            }
+        }
+        if let Some(tier) = &self.batch_service_tier
+            && (tier.len() > 64 || check_name(tier).is_err())
+        {
+            return Err((
+                format!("{at}.batch_service_tier"),
+                format!(
+                    "{tier:?} is not a service tier (1-64 of letters, digits, `_`, `-` and `.`), e.g. \"flex\""
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// `confidence` is a number in `0..=1`; `provider` a short name.
     fn validate_trust(&self, at: &str) -> Result<(), (String, String)> {
         if !(0.0..=1.0).contains(&self.confidence) {

@@ -58,6 +58,8 @@ pub(super) struct WireRequest<'a> {
     temperature: Option<f32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     max_output_tokens: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    service_tier: Option<&'a str>,
     stream: bool,
     /// Nothing is kept at the provider: every request carries the whole
     /// conversation, so any replica can serve the next round.
@@ -131,6 +133,7 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool, reasoning_model: bool) ->
         parallel_tool_calls: has_tools.then_some(req.parallel_tool_calls),
         temperature: req.temperature,
         max_output_tokens: req.max_tokens,
+        service_tier: req.service_tier.as_deref(),
         stream,
         store: false,
         include: reasoning_model.then_some([ENCRYPTED_REASONING]),
@@ -834,6 +837,7 @@ mod tests {
             parallel_tool_calls: true,
             temperature: None,
             max_tokens: None,
+            service_tier: None,
         }
     }
 

@@ -177,6 +177,7 @@ fn nested_job(inv: &Invocation, profile: &str, task: &str, wait: u64) -> ChatJob
         surface: Some(AGENT_SURFACE.to_string()),
         // A nested job answers its caller, not the caller's sinks.
         sink: None,
+        priority: Some(inv.priority()),
     }
 }
 

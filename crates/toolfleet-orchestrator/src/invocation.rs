@@ -8,7 +8,7 @@ use std::sync::Arc;
 use toolfleet_config::ResolvedProfile;
 use toolfleet_llm::{Message, ToolSpec};
 use toolfleet_protocol::tools::CompiledTool;
-use toolfleet_protocol::{ChatJob, InvocationContext, Reference};
+use toolfleet_protocol::{ChatJob, InvocationContext, Priority, Reference};
 
 use crate::failure::ChatErrorCode;
 use crate::tools::{Scope, scoring};
@@ -43,6 +43,22 @@ pub struct Invocation {
     pub citations: Citations,
     /// When the run last read its cancel tombstone (see [`CancelCheck`]).
     pub cancel_check: CancelCheck,
+}
+
+impl Invocation {
+    /// The `service_tier` of this invocation's model calls: its
+    /// deployment's `batch_service_tier` for a batch job, else none.
+    pub fn service_tier(&self) -> Option<String> {
+        (self.job.priority == Some(Priority::Batch))
+            .then(|| self.profile.deployment.batch_service_tier.clone())
+            .flatten()
+    }
+
+    /// The priority this invocation runs with (intake sets it on the job
+    /// from its lane, its own field and its profile).
+    pub fn priority(&self) -> Priority {
+        self.job.priority.unwrap_or_default()
+    }
 }
 
 /// Sets the trust `ctx` carries from the deployment `profile` is on: its

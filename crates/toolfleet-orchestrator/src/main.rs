@@ -31,6 +31,11 @@ struct Args {
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     max_in_flight: usize,
+    /// The longest batch chat jobs wait while interactive ones keep
+    /// coming, in seconds: past it a batch job is taken next (per
+    /// orchestrator), so batch never starves.
+    #[arg(long, env = "TOOLFLEET_BATCH_MAX_WAIT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    batch_max_wait_secs: u64,
     /// Recommended models per tool (JSON: `{"tools": {"<tool id or
     /// ns:name>": ["<deployment>/<model>", ...]}}`, cheapest first). A file
     /// that cannot be read or parsed stops the start (exit 64); models no
@@ -54,6 +59,7 @@ async fn main() -> anyhow::Result<()> {
     let profiles = args::or_exit(a.llm.fleet_config().map_err(Into::into));
     let mut config = OrchestratorConfig::new(subjects, profiles);
     config.max_in_flight = a.max_in_flight;
+    config.batch_max_wait = std::time::Duration::from_secs(a.batch_max_wait_secs);
     config.sinks = a.sinks.settings();
     // A configured sink the policy refuses stops the start (exit 64).
     args::or_exit(

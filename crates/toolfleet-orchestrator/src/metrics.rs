@@ -117,6 +117,17 @@ pub struct OrchestratorMetrics {
     /// Cancels heard, by `tenant` and `outcome` (every outcome is in
     /// `CANCEL_OUTCOMES`, with the cancel listener).
     pub cancels: IntCounterVec,
+    /// Chat jobs stored per `tenant` (waiting, or delivered and not yet
+    /// acked), as fair dispatch last read the chat stream; every
+    /// orchestrator reports the same counts.
+    pub chat_queued: IntGaugeVec,
+    /// Batch jobs taken from the interactive lane and moved to the batch
+    /// one, by `tenant`.
+    pub chat_moved_to_batch: IntCounterVec,
+    /// Jobs taken by fair dispatch, by `priority` (interactive | batch)
+    /// and `reason` (turn: the lane's turn; aged: a batch job that had
+    /// waited `--batch-max-wait`).
+    pub chat_dispatched: IntCounterVec,
 }
 
 /// Every `cap` of `toolfleet_tenant_cap_refusals_total`.
@@ -352,6 +363,24 @@ const CANCELS: Spec = spec(
     &["tenant", "outcome"],
 );
 
+const CHAT_MOVED_TO_BATCH: Spec = spec(
+    "toolfleet_chat_moved_to_batch_total",
+    "Batch chat jobs (their priority field, or their profile's) submitted on the interactive subject and moved to their tenant's batch lane before running, by tenant.",
+    &["tenant"],
+);
+
+const CHAT_DISPATCHED: Spec = spec(
+    "toolfleet_chat_dispatched_total",
+    "Chat jobs taken by fair dispatch in this orchestrator, by priority (interactive, batch) and reason (turn: the lane's turn; aged: a batch job taken ahead of waiting interactive ones because batch had waited --batch-max-wait).",
+    &["priority", "reason"],
+);
+
+const CHAT_QUEUED: Spec = spec(
+    "toolfleet_chat_jobs_queued",
+    "Chat jobs in the chat stream per tenant (waiting, or delivered and not yet acked), fleet-wide (every orchestrator reports the same count).",
+    &["tenant"],
+);
+
 /// Buckets of the approval wait: a second to a week.
 const APPROVAL_WAIT_BUCKETS: [f64; 10] = [
     1.0,
@@ -411,6 +440,9 @@ impl OrchestratorMetrics {
             tenant_parked: TENANT_PARKED.gauges(r)?,
             quota: crate::quota::QuotaMetrics::register(r)?,
             cancels: CANCELS.counter(r)?,
+            chat_queued: CHAT_QUEUED.gauges(r)?,
+            chat_moved_to_batch: CHAT_MOVED_TO_BATCH.counter(r)?,
+            chat_dispatched: CHAT_DISPATCHED.counter(r)?,
         };
         m.zero();
         Ok(m)
@@ -439,6 +471,13 @@ impl OrchestratorMetrics {
         }
         for c in CAPS {
             self.caps_refused.with_label_values(&["default", c]);
+        }
+        for (p, r) in [
+            ("interactive", "turn"),
+            ("batch", "turn"),
+            ("batch", "aged"),
+        ] {
+            self.chat_dispatched.with_label_values(&[p, r]);
         }
     }
 }

@@ -13,6 +13,10 @@ use toolfleet_protocol::Subjects;
 
 use crate::sinks::SinkSettings;
 
+/// How long batch jobs wait behind interactive ones at most, by default
+/// (`--batch-max-wait`).
+pub const DEFAULT_BATCH_MAX_WAIT: Duration = Duration::from_secs(30);
+
 /// How the orchestrator runs. Model endpoints, prompts and loop policies
 /// come from the profiles ([`FleetConfig`]), resolved per chat job.
 #[derive(Clone)]
@@ -23,6 +27,9 @@ pub struct Settings {
     pub env: Arc<dyn EnvSource + Send + Sync>,
     /// Chat jobs worked on at once by this process.
     pub max_in_flight: usize,
+    /// The longest batch jobs wait behind interactive ones: past it, fair
+    /// dispatch takes a batch job next (aging, so batch never starves).
+    pub batch_max_wait: Duration,
     /// Deadline of a chat job that names none.
     pub default_timeout: Duration,
     /// Added to a tool's own timeout while waiting for its result (queueing,
@@ -47,6 +54,7 @@ impl Settings {
             profiles: Arc::new(profiles),
             env: Arc::new(ProcessEnv),
             max_in_flight: 32,
+            batch_max_wait: DEFAULT_BATCH_MAX_WAIT,
             default_timeout: Duration::from_secs(120),
             tool_wait_slack: Duration::from_secs(2),
             catalog_refresh: Duration::from_secs(2),

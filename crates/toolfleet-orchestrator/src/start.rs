@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use async_nats::jetstream;
-use futures::FutureExt;
+use futures::{FutureExt, StreamExt};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -26,7 +26,8 @@ use crate::{
 
 /// Connects to NATS and Redis as configured, registers the metrics on
 /// `rt`, and runs the orchestrator on `rt`'s tracker until its shutdown.
-/// Returns once the chat consumer is in place.
+/// Returns once the chat stream and the wake-ups of fair dispatch are in
+/// place.
 pub async fn start(
     nats: &toolfleet_service::args::NatsArgs,
     redis: &toolfleet_store::RedisOptions,
@@ -67,7 +68,8 @@ pub async fn run(
     run_with_ready(client, store, config, metrics, shutdown, None).await
 }
 
-/// [`run`], telling `ready` once the chat consumer is in place.
+/// [`run`], telling `ready` once the chat stream and the wake-ups of fair
+/// dispatch are in place (a job submitted from then on is taken).
 pub async fn run_with_ready(
     client: async_nats::Client,
     store: CitationStore,
@@ -114,8 +116,8 @@ pub async fn run_with_ready(
     };
     // Decisions on parked invocations: the one that decides a turn's last
     // held call resumes the invocation, as a chat job runs (same permits).
-    tracker.spawn(puller.clone().pull(Queue::Decisions, opened.decisions));
-    puller.pull(Queue::Chat, opened.chat).await;
+    tracker.spawn(puller.clone().pull_decisions(opened.decisions));
+    puller.dispatch(opened.chat).await;
     tracker.close();
     tracker.wait().await;
     Ok(())
@@ -147,7 +149,7 @@ fn zero_model_series(config: &OrchestratorConfig, metrics: &OrchestratorMetrics)
 /// What the start opens: the fleet, its consumers and subscriptions.
 struct Opened {
     fleet: Arc<Fleet>,
-    chat: jetstream::consumer::PullConsumer,
+    chat: intake::Intake,
     decisions: jetstream::consumer::PullConsumer,
     background: Background,
 }
@@ -173,7 +175,22 @@ impl Opened {
         let limits = toolfleet_protocol::streams::ChatLimits {
             per_tenant: settings.profiles.largest_queued_cap(),
         };
-        let chat = intake::chat_consumer(&js, subjects, limits).await?;
+        let chat = intake::Intake {
+            stream: intake::chat_stream(&js, subjects, limits).await?,
+            // Wake-ups of fair dispatch: which tenant just submitted, in
+            // which lane.
+            wakeups: futures::stream::select(
+                client
+                    .subscribe(subjects.chat_submit_all())
+                    .await
+                    .map_err(|e| nats(e.to_string()))?,
+                client
+                    .subscribe(subjects.chat_batch_all())
+                    .await
+                    .map_err(|e| nats(e.to_string()))?,
+            )
+            .boxed(),
+        };
         (settings.sinks)
             .check_config(subjects, &settings.profiles.sinks, &*settings.env)
             .map_err(OrchestratorError::Config)?;
@@ -264,15 +281,6 @@ type OnPoison = Arc<
         + Sync,
 >;
 
-/// What a pull loop of the orchestrator takes.
-#[derive(Clone, Copy)]
-enum Queue {
-    /// Chat jobs.
-    Chat,
-    /// Decisions on parked invocations.
-    Decisions,
-}
-
 /// The shared parts of the pull loops.
 #[derive(Clone)]
 struct Puller {
@@ -284,48 +292,64 @@ struct Puller {
 }
 
 impl Puller {
-    /// Pulls `queue` off `consumer` until shutdown, each message handled
-    /// by intake under the shared permits.
-    async fn pull(self, queue: Queue, consumer: jetstream::consumer::PullConsumer) {
+    /// Takes chat jobs from the tenants in turn until shutdown (fair
+    /// dispatch), each handled by intake under the shared permits.
+    async fn dispatch(self, chat: intake::Intake) {
         let fleet = self.fleet;
-        let subjects = &fleet.config.subjects;
-        let reconnects = Reconnects::watch(fleet.client.clone(), self.shutdown.clone());
-        let (stream, on_poison): (String, OnPoison) = match queue {
-            Queue::Chat => {
-                let fleet = fleet.clone();
-                let on_poison: OnPoison =
-                    Arc::new(move |p| intake::poison(fleet.clone(), p).boxed());
-                (subjects.chat_stream(), on_poison)
-            }
-            Queue::Decisions => (subjects.decisions_stream(), Arc::new(|_| async {}.boxed())),
+        let on_poison: OnPoison = {
+            let fleet = fleet.clone();
+            Arc::new(move |p| intake::poison(fleet.clone(), p).boxed())
         };
         let sweeper = Sweeper {
             js: jetstream::new(fleet.client.clone()),
-            stream,
+            stream: fleet.config.subjects.chat_stream(),
             on_poison,
         };
-        let name = subjects.chat_consumer();
+        intake::Dispatcher {
+            fleet,
+            plugins: self.plugins,
+            permits: self.permits,
+            tracker: self.tracker,
+            shutdown: self.shutdown,
+            sweeper,
+        }
+        .run(chat)
+        .await;
+    }
+
+    /// Pulls decisions on parked invocations off `consumer` until
+    /// shutdown, each handled by intake under the shared permits.
+    async fn pull_decisions(self, consumer: jetstream::consumer::PullConsumer) {
+        let fleet = self.fleet;
+        let subjects = &fleet.config.subjects;
+        let reconnects = Reconnects::watch(fleet.client.clone(), self.shutdown.clone());
+        let sweeper = Sweeper {
+            js: jetstream::new(fleet.client.clone()),
+            stream: subjects.decisions_stream(),
+            on_poison: Arc::new(|_| async {}.boxed()),
+        };
         let plugins = self.plugins;
-        jobs::pull_bounded(
+        // An idle pull holds no permit (as fair dispatch's): a decision
+        // that arrives when none is free waits for one, kept alive.
+        let pull = jobs::PullLoop {
             consumer,
             reconnects,
             sweeper,
-            self.permits,
-            self.tracker,
-            self.shutdown,
-            name,
-            intake::CHAT_PROGRESS_EVERY,
-            move |msg| {
-                let fleet = fleet.clone();
-                let plugins = plugins.clone();
-                async move {
-                    match queue {
-                        Queue::Chat => intake::handle(&fleet, &plugins, msg).await,
-                        Queue::Decisions => intake::handle_decision(&fleet, &plugins, msg).await,
-                    }
-                }
-            },
-        )
+            permits: self.permits,
+            tracker: self.tracker,
+            shutdown: self.shutdown,
+            what: format!("{} decisions", subjects.chat_consumer()),
+            progress_every: intake::CHAT_PROGRESS_EVERY,
+            hold_permit_while_waiting: false,
+        };
+        pull.in_slots(move |msg, slot| {
+            let fleet = fleet.clone();
+            let plugins = plugins.clone();
+            async move {
+                intake::handle_decision(&fleet, &plugins, msg).await;
+                drop(slot);
+            }
+        })
         .await;
     }
 }

@@ -607,6 +607,7 @@ impl Drop for CancelOnDrop {
 /// limits.
 struct SubmitMessage {
     subject_tenant: String,
+    priority: crate::Priority,
     headers: async_nats::HeaderMap,
     body: Bytes,
 }
@@ -663,6 +664,7 @@ impl SubmitMessage {
         }
         Ok(Self {
             subject_tenant: job.tenant().to_string(),
+            priority: job.priority.unwrap_or_default(),
             headers: h,
             body,
         })
@@ -675,7 +677,7 @@ impl SubmitMessage {
     ) -> Result<(), ClientError> {
         let js = async_nats::jetstream::new(client.clone());
         js.publish_with_headers(
-            subjects.chat_submit(&self.subject_tenant),
+            subjects.chat_lane(&self.subject_tenant, self.priority),
             self.headers,
             self.body,
         )
@@ -731,5 +733,6 @@ pub fn question(text: &str) -> ChatJob {
         tools: Vec::new(),
         surface: None,
         sink: None,
+        priority: None,
     }
 }

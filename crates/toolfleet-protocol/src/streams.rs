@@ -103,7 +103,12 @@ pub async fn ensure_chat_stream_with(
         subjects.chat_submit_all(),
         Some(format!("{}.chat.submit", subjects.prefix())),
         24 * 3600,
-        |config| limits.apply(config),
+        |config| {
+            // Interactive and batch jobs (fair dispatch takes a tenant's
+            // interactive ones first).
+            config.subjects.push(subjects.chat_batch_all());
+            limits.apply(config);
+        },
     )
     .await?;
     if limits.held_by(&stream.cached_info().config) {
@@ -448,25 +453,29 @@ async fn work_queue(
 ) -> Result<stream::Stream, StreamError> {
     let mut config = work_queue_config(&name, &subject, max_age_secs);
     tweak(&mut config);
+    let wanted = config.subjects.clone();
     let mut stream = js
         .get_or_create_stream(config)
         .await
         .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
-    if let Some(legacy) = legacy
-        && stream.cached_info().config.subjects == [legacy.clone()]
-    {
+    let found = stream.cached_info().config.subjects.clone();
+    // An earlier release's stream: over the legacy subject, or over some
+    // of today's subjects only (the chat stream before batch jobs).
+    let older = legacy.as_ref().is_some_and(|l| found == [l.clone()])
+        || (found.len() < wanted.len() && found.iter().all(|f| wanted.contains(f)));
+    if older {
         let mut moved = stream.cached_info().config.clone();
-        moved.subjects = vec![subject.clone()];
+        moved.subjects = wanted.clone();
         js.update_stream(moved)
             .await
-            .map_err(|e| StreamError(format!("stream {name}: moving it off {legacy}: {e}")))?;
-        tracing::info!(stream = %name, from = %legacy, to = %subject, "stream moved to the new subject");
+            .map_err(|e| StreamError(format!("stream {name}: moving it off {found:?}: {e}")))?;
+        tracing::info!(stream = %name, from = ?found, to = ?wanted, "stream moved to the new subjects");
         stream = js
             .get_stream(&name)
             .await
             .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
     }
-    check_subjects(stream.cached_info(), &subject)?;
+    check_subject_set(stream.cached_info(), &wanted)?;
     check_replicas(stream.cached_info());
     Ok(stream)
 }
@@ -500,12 +509,17 @@ pub(crate) fn check_replicas(info: &stream::Info) {
 
 /// The existing stream `info` must hold exactly `subject`.
 pub(crate) fn check_subjects(info: &stream::Info, subject: &str) -> Result<(), StreamError> {
+    check_subject_set(info, &[subject.to_owned()])
+}
+
+/// The existing stream `info` must hold exactly `subjects` (any order).
+fn check_subject_set(info: &stream::Info, subjects: &[String]) -> Result<(), StreamError> {
     let found = &info.config.subjects;
-    if found.len() == 1 && found[0] == subject {
+    if found.len() == subjects.len() && subjects.iter().all(|s| found.contains(s)) {
         return Ok(());
     }
     Err(StreamError(format!(
-        "stream {} exists over subjects {found:?}, not [{subject:?}]: another fleet or an \
+        "stream {} exists over subjects {found:?}, not {subjects:?}: another fleet or an \
          older configuration owns that name; use another subject prefix, or delete or \
          edit the stream if it is no longer used",
         info.config.name

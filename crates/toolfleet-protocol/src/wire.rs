@@ -212,9 +212,41 @@ impl Subjects {
         format!("{}.chat.submit.{tenant}", self.prefix)
     }
 
-    /// Every tenant's submit subject (the chat stream's subject).
+    /// Every tenant's submit subject (interactive jobs; with
+    /// [`Subjects::chat_batch_all`], the chat stream's subjects).
     pub fn chat_submit_all(&self) -> String {
         format!("{}.chat.submit.*", self.prefix)
+    }
+
+    /// Where a client of `tenant` submits batch chat jobs
+    /// (`<p>.chat.batch.<tenant>`): the same job as on
+    /// [`Subjects::chat_submit`], taken after the interactive ones (see
+    /// [`Priority`]).
+    pub fn chat_batch(&self, tenant: &str) -> String {
+        format!("{}.chat.batch.{tenant}", self.prefix)
+    }
+
+    /// Every tenant's batch subject.
+    pub fn chat_batch_all(&self) -> String {
+        format!("{}.chat.batch.*", self.prefix)
+    }
+
+    /// Where a job of `tenant` with `priority` is submitted.
+    pub fn chat_lane(&self, tenant: &str, priority: Priority) -> String {
+        match priority {
+            Priority::Interactive => self.chat_submit(tenant),
+            Priority::Batch => self.chat_batch(tenant),
+        }
+    }
+
+    /// The tenant and priority a chat job's subject names (submit or
+    /// batch), `None` for any other subject or an invalid tenant.
+    pub fn lane_tenant<'a>(&self, subject: &'a str) -> Option<(&'a str, Priority)> {
+        if let Some(tenant) = self.submit_tenant(subject) {
+            return Some((tenant, Priority::Interactive));
+        }
+        let tenant = self.after(subject, ".chat.batch.")?;
+        valid_tenant(tenant).then_some((tenant, Priority::Batch))
     }
 
     /// The tenant a submit subject names, `None` for a subject that is not
@@ -501,9 +533,53 @@ impl Subjects {
         format!("{}_TOOLS", self.stream_stem())
     }
 
-    /// The durable consumer shared by every orchestrator.
+    /// The durable consumer every orchestrator shares on the decisions
+    /// stream, and the queue group of approval requests. (Before fair
+    /// dispatch it was also the one chat consumer of every tenant; an
+    /// orchestrator removes that one from the chat stream at start.)
     pub fn chat_consumer(&self) -> String {
         "orchestrators".to_string()
+    }
+
+    /// The durable chat consumer of one tenant, shared by every
+    /// orchestrator (`chat-<tenant>`, filtered on
+    /// [`Subjects::chat_submit`]): fair dispatch takes jobs from the
+    /// tenants' consumers in turn.
+    pub fn chat_tenant_consumer(&self, tenant: &str) -> String {
+        format!("chat-{tenant}")
+    }
+
+    /// The durable batch consumer of one tenant (`batch-<tenant>`,
+    /// filtered on [`Subjects::chat_batch`]).
+    pub fn chat_batch_consumer(&self, tenant: &str) -> String {
+        format!("batch-{tenant}")
+    }
+
+    /// The consumer of `tenant`'s jobs of `priority`.
+    pub fn chat_lane_consumer(&self, tenant: &str, priority: Priority) -> String {
+        match priority {
+            Priority::Interactive => self.chat_tenant_consumer(tenant),
+            Priority::Batch => self.chat_batch_consumer(tenant),
+        }
+    }
+
+    /// The tenant whose interactive chat consumer `consumer` is, if it is
+    /// one ([`Subjects::chat_tenant_consumer`]).
+    pub fn consumer_tenant<'a>(&self, consumer: &'a str) -> Option<&'a str> {
+        consumer
+            .strip_prefix("chat-")
+            .filter(|tenant| valid_tenant(tenant))
+    }
+
+    /// The tenant and lane of a chat consumer (interactive or batch).
+    pub fn consumer_lane<'a>(&self, consumer: &'a str) -> Option<(&'a str, Priority)> {
+        if let Some(tenant) = self.consumer_tenant(consumer) {
+            return Some((tenant, Priority::Interactive));
+        }
+        consumer
+            .strip_prefix("batch-")
+            .filter(|tenant| valid_tenant(tenant))
+            .map(|tenant| (tenant, Priority::Batch))
     }
 
     /// The durable consumer shared by every worker of one tool.
@@ -1004,6 +1080,35 @@ pub struct ChatJob {
     /// and/or a relay subject on another prefix (over the profile's sink).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub sink: Option<SinkRequest>,
+    /// `batch` runs the job after its tenant's interactive jobs (and with
+    /// the deployment's batch service tier); absent or `interactive`: the
+    /// lane it was submitted on, or its profile's priority, decides.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority: Option<Priority>,
+}
+
+/// When a chat job runs beside others: interactive jobs are taken first;
+/// batch jobs when no interactive job waits, and at least one every
+/// `--batch-max-wait` per orchestrator (so batch never starves).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Priority {
+    /// Taken first (the default).
+    #[default]
+    Interactive,
+    /// Taken when no interactive job waits, or when batch has waited
+    /// `--batch-max-wait`.
+    Batch,
+}
+
+impl Priority {
+    /// The value's name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Priority::Interactive => "interactive",
+            Priority::Batch => "batch",
+        }
+    }
 }
 
 /// A chat job's own sink (`sink` in `schemas/chat_job.schema.json`): at
@@ -1051,6 +1156,12 @@ pub const DEFAULT_SURFACE: &str = "chat";
 pub const AGENT_SURFACE: &str = "agent";
 
 impl ChatJob {
+    /// Where a client submits this job: its tenant's batch subject when
+    /// it asks for [`Priority::Batch`], else its submit subject.
+    pub fn subject(&self, subjects: &Subjects) -> String {
+        subjects.chat_lane(self.tenant(), self.priority.unwrap_or_default())
+    }
+
     /// Where the answer is shown ([`DEFAULT_SURFACE`] when the job names
     /// none).
     pub fn surface(&self) -> &str {
@@ -1058,7 +1169,8 @@ impl ChatJob {
     }
 
     /// The tenant the job names ([`DEFAULT_TENANT`] when none): a client
-    /// submits it to [`Subjects::chat_submit`] of this tenant.
+    /// submits it to [`Subjects::chat_submit`] of this tenant (or
+    /// [`Subjects::chat_batch`], see [`ChatJob::subject`]).
     pub fn tenant(&self) -> &str {
         self.tenant.as_deref().unwrap_or(DEFAULT_TENANT)
     }
@@ -1829,6 +1941,29 @@ mod tests {
             "toolfleet.tool.retrieval.search_documents.1_0_0"
         );
         assert_eq!(s.chat_stream(), "TOOLFLEET_CHAT");
+        assert_eq!(s.chat_tenant_consumer("acme"), "chat-acme");
+        assert_eq!(s.consumer_tenant("chat-acme"), Some("acme"));
+        assert_eq!(s.consumer_tenant("orchestrators"), None);
+        assert_eq!(s.consumer_tenant("chat-"), None);
+        assert_eq!(s.chat_batch("acme"), "toolfleet.chat.batch.acme");
+        assert_eq!(s.chat_batch_consumer("acme"), "batch-acme");
+        assert_eq!(
+            s.consumer_lane("batch-acme"),
+            Some(("acme", Priority::Batch))
+        );
+        assert_eq!(
+            s.consumer_lane("chat-acme"),
+            Some(("acme", Priority::Interactive))
+        );
+        assert_eq!(
+            s.lane_tenant("toolfleet.chat.batch.acme"),
+            Some(("acme", Priority::Batch))
+        );
+        assert_eq!(
+            s.lane_tenant("toolfleet.chat.submit.acme"),
+            Some(("acme", Priority::Interactive))
+        );
+        assert_eq!(s.lane_tenant("toolfleet.chat.batch.a.b"), None);
         assert_eq!(s.tools_stream(), "TOOLFLEET_TOOLS");
         assert_eq!(s.events_stream(), "TOOLFLEET_EVENTS");
         assert_eq!(

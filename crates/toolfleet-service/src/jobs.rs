@@ -62,7 +62,7 @@ impl Sweeper {
     /// Ends `msg`, a poison: `on_poison`, then `term`, on `tracker`,
     /// holding `permit` (a trickle of poisons runs no more at once than
     /// jobs would).
-    fn dispose(
+    pub fn dispose(
         &self,
         poison: Poison,
         msg: jetstream::Message,
@@ -115,7 +115,7 @@ impl Reconnects {
     }
 
     /// Resolves at the next reconnection after the last one seen.
-    async fn next(&mut self) {
+    pub async fn next(&mut self) {
         if self.0.changed().await.is_err() {
             // The watcher stopped (shutdown): never again.
             std::future::pending::<()>().await;
@@ -124,7 +124,7 @@ impl Reconnects {
 
     /// Whether the connection came back since the last look; marks every
     /// reconnection so far as seen.
-    fn take_new(&mut self) -> bool {
+    pub fn take_new(&mut self) -> bool {
         let new = self.0.has_changed().unwrap_or(false);
         self.0.borrow_and_update();
         new

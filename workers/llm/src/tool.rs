@@ -272,6 +272,7 @@ fn build_request(
         parallel_tool_calls: false,
         temperature: preference.and_then(|p| p.temperature).map(|t| t as f32),
         max_tokens: preference.and_then(|p| p.max_tokens),
+        service_tier: None,
     };
     Ok((request, format))
 }

@@ -254,6 +254,7 @@ async fn ask(
         parallel_tool_calls: false,
         temperature: Some(PLANNING_TEMPERATURE),
         max_tokens: Some(PLANNING_MAX_TOKENS),
+        service_tier: inv.service_tier(),
     };
     // Under the tenant's limits like any model call; a refusal makes the
     // plan fail (token scoring is used) and the conversation's own call

@@ -16,19 +16,25 @@
 //!
 //! Decisions on parked invocations come in the same way
 //! ([`decisions`]): the one that decides a turn's last held call resumes
-//! the invocation as a run. The durable consumers every orchestrator
-//! shares and the listener that cancels invocations ([`cancels`]) live
-//! here too. [`Plugins`] is what the frame runs that a deployment
+//! the invocation as a run. Chat jobs are taken from the tenants in
+//! weighted turns ([`fair`], [`turns`]) off per-tenant durable consumers
+//! every orchestrator shares; those, the decisions consumer, the move
+//! from the shared consumer of earlier releases ([`migrate`]) and the
+//! listener that cancels invocations ([`cancels`]) live here too. [`Plugins`] is what the frame runs that a deployment
 //! registers.
 
 mod cancels;
 mod claim;
 mod decisions;
+mod fair;
 mod frame;
+mod lanes;
+mod migrate;
 mod queued;
 mod reject;
 mod run;
 mod suspend;
+mod turns;
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -37,10 +43,10 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use toolfleet_config::DEFAULT_ORCHESTRATOR;
-use toolfleet_protocol::{ChatJob, Envelope, Subjects};
+use toolfleet_protocol::{ChatJob, Envelope, Priority, Subjects};
 use toolfleet_service::telemetry;
 use toolfleet_store::InvocationKey;
-use tracing::{Instrument, info, warn};
+use tracing::{Instrument, warn};
 
 use crate::context::ContextHandlers;
 use crate::failure::ChatErrorCode;
@@ -53,6 +59,7 @@ use run::{Leg, Taken};
 pub use cancels::CANCEL_OUTCOMES;
 pub(crate) use cancels::listen_for_cancels;
 pub(crate) use decisions::handle_decision;
+pub(crate) use fair::{Dispatcher, Intake};
 pub(crate) use reject::poison;
 
 /// Ack wait of the chat and decisions consumers: how long the jobs of an
@@ -136,11 +143,10 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
     // The tenant is the submit subject's: whoever may publish there may act
     // as that tenant, and nobody else. A job the stream kept from before
     // subjects named a tenant runs as the one it names.
-    let subject_tenant = fleet
-        .config
-        .subjects
-        .submit_tenant(msg.subject.as_str())
-        .map(str::to_string);
+    let (subject_tenant, lane) = match fleet.config.subjects.lane_tenant(msg.subject.as_str()) {
+        Some((tenant, lane)) => (Some(tenant.to_string()), lane),
+        None => (None, Priority::Interactive),
+    };
     // The tenant's own cap (`max_job_bytes`) when it is the smaller: a
     // bigger job is refused as any oversized one (`too_large`).
     let limit = match &subject_tenant {
@@ -156,6 +162,12 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
     // Only a tenant of the subject (an identity) can be suspended.
     let guarded = subject_tenant.is_some();
     let tenant = subject_tenant.unwrap_or_else(|| job.tenant().to_string());
+    // A batch job on the interactive lane waits its turn on the batch one.
+    let priority = lanes::priority_of(fleet, &job, &tenant, lane);
+    if priority != lane && guarded && lanes::moved_to_batch(fleet, &msg, &tenant).await {
+        return;
+    }
+    job.priority = Some(priority);
     match claimed(fleet, &msg, &job, &tenant, delivery, &holder).await {
         ControlFlow::Continue(()) => {}
         ControlFlow::Break(None) => return,
@@ -197,7 +209,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         return reject::reject(fleet, &msg, delivery, refused).await;
     }
     if delivery.attempt == 1
-        && let Some(refusal) = queued::over_cap(fleet, &tenant, delivery.stream_sequence).await
+        && let Some(refusal) =
+            queued::over_cap(fleet, &tenant, &msg.subject, delivery.stream_sequence).await
     {
         let refused = Refused {
             invocation_id: Some(job.invocation_id),
@@ -321,32 +334,51 @@ fn trace(
     span
 }
 
-/// The streams, and the durable chat consumer every orchestrator shares.
-pub(crate) async fn chat_consumer(
+/// Opens the streams and brings the chat stream to fair dispatch: the
+/// shared chat consumer of an earlier release is removed (a work queue
+/// allows per-tenant consumers only when no consumer overlaps them), and
+/// jobs it left on the untenanted submit subject are queued again under
+/// their tenant's. Returns the chat stream.
+pub(crate) async fn chat_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
     limits: toolfleet_protocol::streams::ChatLimits,
-) -> Result<jetstream::consumer::Consumer<pull::Config>, OrchestratorError> {
+) -> Result<jetstream::stream::Stream, OrchestratorError> {
+    let nats = |e: toolfleet_protocol::streams::StreamError| OrchestratorError::Nats(e.to_string());
     let stream = toolfleet_protocol::streams::ensure_chat_stream_with(js, subjects, limits)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_tools_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_events_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_history_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
     toolfleet_protocol::streams::ensure_dead_letters_stream(js, subjects)
         .await
-        .map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        .map_err(nats)?;
+    migrate::drop_shared_consumer(&stream, subjects).await?;
+    migrate::requeue_untenanted(js, &stream, subjects).await;
+    Ok(stream)
+}
+
+/// The durable chat consumer of `tenant`'s `priority` lane every
+/// orchestrator shares (`chat-<tenant>` filtered on the tenant's submit
+/// subject, `batch-<tenant>` on its batch subject), made if it does not
+/// exist.
+pub(crate) async fn tenant_consumer(
+    stream: &jetstream::stream::Stream,
+    subjects: &Subjects,
+    tenant: &str,
+    priority: Priority,
+) -> Result<jetstream::consumer::PullConsumer, OrchestratorError> {
+    let name = subjects.chat_lane_consumer(tenant, priority);
     let config = pull::Config {
-        durable_name: Some(subjects.chat_consumer()),
-        // The stream holds chat jobs only (`<p>.chat.submit.<tenant>`): no
-        // filter, so a stream moved from the untenanted subject still
-        // delivers the jobs it held.
+        durable_name: Some(name.clone()),
+        filter_subject: subjects.chat_lane(tenant, priority),
         ack_policy: jetstream::consumer::AckPolicy::Explicit,
         ack_wait: CHAT_ACK_WAIT,
         // One more than we run, so the delivery after the last
@@ -355,37 +387,10 @@ pub(crate) async fn chat_consumer(
         max_ack_pending: 10_000,
         ..Default::default()
     };
-    let mut consumer: jetstream::consumer::Consumer<pull::Config> = stream
-        .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
+    stream
+        .get_or_create_consumer(&name, config)
         .await
-        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-    // A consumer made by an earlier release keeps its longer ack wait:
-    // bring it to this one's (an editable setting).
-    let info = consumer
-        .info()
-        .await
-        .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-    // One made before submit subjects named a tenant filters on the old
-    // subject, and the filter of a consumer cannot be edited: make it
-    // again (the jobs stay in the work queue meanwhile).
-    if !info.config.filter_subject.is_empty() {
-        stream
-            .delete_consumer(&subjects.chat_consumer())
-            .await
-            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-        consumer = stream
-            .get_or_create_consumer(&subjects.chat_consumer(), config.clone())
-            .await
-            .map_err(|e| OrchestratorError::Nats(format!("chat consumer: {e}")))?;
-        info!("chat consumer made again without the old subject filter");
-    } else if info.config.ack_wait != CHAT_ACK_WAIT {
-        match stream.create_consumer(config).await {
-            Ok(updated) => consumer = updated,
-            Err(e) => warn!(error = %e, ack_wait = ?info.config.ack_wait,
-                "cannot shorten the chat consumer's ack wait; a crashed orchestrator's jobs wait that long"),
-        }
-    }
-    Ok(consumer)
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer {name}: {e}")))
 }
 
 /// The durable consumer of the decisions stream every orchestrator

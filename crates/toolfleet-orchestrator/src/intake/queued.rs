@@ -21,14 +21,19 @@ use crate::Fleet;
 
 /// The refusal of a job of `tenant` at stream sequence `sequence`, when it
 /// has its cap of jobs ahead of it and that cap is below the stream's.
-pub(super) async fn over_cap(fleet: &Fleet, tenant: &str, sequence: u64) -> Option<Refusal> {
+pub(super) async fn over_cap(
+    fleet: &Fleet,
+    tenant: &str,
+    subject: &str,
+    sequence: u64,
+) -> Option<Refusal> {
     let profiles = &fleet.config.profiles;
     let cap = profiles.caps_of(tenant).max_queued_jobs;
     if cap >= profiles.largest_queued_cap() {
         // The stream's limit is this tenant's: it refused any job past it.
         return None;
     }
-    match ahead(fleet, tenant, sequence, cap).await {
+    match ahead(fleet, subject, sequence, cap).await {
         Ok(ahead) if ahead >= cap => Some(Refusal::QueueFull {
             tenant: tenant.to_string(),
             cap,
@@ -41,27 +46,23 @@ pub(super) async fn over_cap(fleet: &Fleet, tenant: &str, sequence: u64) -> Opti
     }
 }
 
-/// How many of `tenant`'s jobs are in the chat stream before `sequence`,
-/// counting up to `cap`.
-async fn ahead(fleet: &Fleet, tenant: &str, sequence: u64, cap: u64) -> Result<u64, String> {
+/// How many jobs of the lane `subject` (a tenant's interactive or batch
+/// jobs) are in the chat stream before `sequence`, counting up to `cap`.
+async fn ahead(fleet: &Fleet, subject: &str, sequence: u64, cap: u64) -> Result<u64, String> {
     let subjects = &fleet.config.subjects;
     let stream = fleet
         .js
         .get_stream_no_info(subjects.chat_stream())
         .await
         .map_err(|e| e.to_string())?;
-    let subject = subjects.chat_submit(tenant);
-    if stored(&stream, &subject).await? <= cap {
+    if stored(&stream, subject).await? <= cap {
         // This job among them: at most cap - 1 ahead.
         return Ok(0);
     }
     let mut ahead = 0;
     let mut from = 1;
     while ahead < cap {
-        match stream
-            .get_first_raw_message_by_subject(&subject, from)
-            .await
-        {
+        match stream.get_first_raw_message_by_subject(subject, from).await {
             Ok(message) if message.sequence < sequence => {
                 ahead += 1;
                 from = message.sequence + 1;

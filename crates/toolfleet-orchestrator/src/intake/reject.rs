@@ -275,7 +275,11 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         .chat_jobs
         .with_label_values(&["malformed"])
         .inc();
-    let subject_tenant = fleet.config.subjects.submit_tenant(&poison.subject);
+    let subject_tenant = fleet
+        .config
+        .subjects
+        .lane_tenant(&poison.subject)
+        .map(|(tenant, _)| tenant);
     if let Some(tenant) = subject_tenant {
         count_poison(&fleet, tenant).await;
     }

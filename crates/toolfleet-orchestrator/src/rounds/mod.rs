@@ -381,6 +381,7 @@ fn request(
         parallel_tool_calls: policy.parallel_tool_calls,
         temperature: inv.profile.profile.temperature,
         max_tokens: None,
+        service_tier: inv.service_tier(),
     }
 }
 

@@ -1,0 +1,347 @@
+//! Fair dispatch: chat jobs are taken from the tenants in weighted turns,
+//! so one tenant's backlog delays only that tenant.
+//!
+//! NATS has no fair queue, so the chat stream (a work queue) has two
+//! durable consumers per tenant, one per lane (see `lanes`):
+//! `chat-<tenant>` filtered on `<p>.chat.submit.<tenant>` (interactive)
+//! and `batch-<tenant>` on `<p>.chat.batch.<tenant>` (the filters do not
+//! overlap, so the work queue allows them side by side), shared by every
+//! orchestrator. Each orchestrator runs one [`Dispatcher`]: whenever one
+//! of its `--max-in-flight` permits is free it takes the permit, picks a
+//! lane — interactive while any tenant has interactive work, except that
+//! batch work that has waited `--batch-max-wait` since batch last had a
+//! turn goes next (aging: batch never starves) — then the lane's next
+//! tenant by smooth weighted round robin ([`Turns`], weights from
+//! `[tenants.<name>] weight`), and fetches one job from that tenant's
+//! consumer without waiting (a no-wait pull: an empty tenant costs one
+//! round trip, and no permit is held by an idle pull). Several
+//! orchestrators each take their turns, so the fleet as a whole alternates
+//! too.
+//!
+//! Which tenants have work is learned cheaply:
+//! - **wake-ups**: core subscriptions on the submit and batch subjects tell of
+//!   every new job as it is published (the job itself stays in the stream;
+//!   the copy is only read for its subject);
+//! - **a rescan** every [`RESCAN_EVERY`]: the stream's per-subject counts
+//!   (stream info with a subjects filter, one request) name every tenant
+//!   with a job stored — waiting, or delivered and not yet acked, which
+//!   is how redeliveries (an ack wait that ran out, a nak with a delay)
+//!   are found again; a tenant whose fetch finds nothing leaves the turns
+//!   until the next wake-up or rescan.
+//!
+//! Everything else is the consumers': acks, in-progress acks, redelivery
+//! and `max_deliver` are per consumer exactly as they were on the shared
+//! one. A job whose headers cannot be read (see
+//! [`toolfleet_service::poison`]) is handed to the [`Sweeper`] under the
+//! permit it was taken with: dead-lettered, answered, terminated.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures::stream::BoxStream;
+use futures::{FutureExt, StreamExt};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use toolfleet_protocol::Priority;
+use toolfleet_service::jobs::{Reconnects, Sweeper};
+use toolfleet_service::poison::Poison;
+use tracing::warn;
+
+use super::turns::Turns;
+use super::{Plugins, tenant_consumer};
+use crate::Fleet;
+
+/// How often the stream's per-subject counts are read: the longest a
+/// redelivered job (or a job whose wake-up was missed) waits to be seen.
+pub(crate) const RESCAN_EVERY: Duration = Duration::from_secs(1);
+
+/// How soon the counts are read again when a wake-up's fetch found
+/// nothing: the wake-up can arrive before the stream has stored the job.
+const RECHECK_AFTER_WAKEUP: Duration = Duration::from_millis(50);
+
+/// How long one no-wait fetch may take before it is given up (the
+/// connection broke under it).
+const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// What the dispatcher reads: the chat stream and the wake-ups (core
+/// subscriptions on every submit and batch subject, merged).
+pub(crate) struct Intake {
+    pub(crate) stream: jetstream::stream::Stream,
+    pub(crate) wakeups: BoxStream<'static, async_nats::Message>,
+}
+
+/// Takes chat jobs in weighted turns and runs each under a permit.
+pub(crate) struct Dispatcher {
+    pub(crate) fleet: Arc<Fleet>,
+    pub(crate) plugins: Arc<Plugins>,
+    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) shutdown: CancellationToken,
+    pub(crate) sweeper: Sweeper,
+}
+
+/// A tenant's lane: whose consumer a job is fetched from.
+type Lane = (String, Priority);
+
+/// The dispatcher's view of the tenants.
+struct Tenants {
+    stream: jetstream::stream::Stream,
+    consumers: HashMap<Lane, PullConsumer>,
+    interactive: Turns,
+    batch: Turns,
+    /// Since when batch work has waited without a turn (`None`: no batch
+    /// work known).
+    batch_since: Option<Instant>,
+    batch_max_wait: Duration,
+    /// Lanes woken since their last fetch.
+    woken: HashSet<Lane>,
+    /// Tenants with jobs stored at the last rescan (their queue gauge is
+    /// set to zero once they have none).
+    stored: HashSet<String>,
+    rescan_at: Instant,
+}
+
+impl Dispatcher {
+    /// Dispatches until shutdown.
+    pub(crate) async fn run(self, intake: Intake) {
+        let mut wakeups = intake.wakeups;
+        let mut reconnects = Reconnects::watch(self.fleet.client.clone(), self.shutdown.clone());
+        let mut tenants = Tenants {
+            stream: intake.stream,
+            consumers: HashMap::new(),
+            interactive: Turns::default(),
+            batch: Turns::default(),
+            batch_since: None,
+            batch_max_wait: self.fleet.config.batch_max_wait,
+            woken: HashSet::new(),
+            stored: HashSet::new(),
+            rescan_at: Instant::now(),
+        };
+        while !self.shutdown.is_cancelled() {
+            if reconnects.take_new() {
+                // Wake-ups published while the connection was down are
+                // lost: read what is stored now.
+                tenants.rescan_at = Instant::now();
+            }
+            // The permit first: who has work is read after it, so a turn
+            // goes by what is waiting now, not when the last slot freed.
+            let permit = tokio::select! {
+                () = self.shutdown.cancelled() => break,
+                p = self.permits.clone().acquire_owned() => match p {
+                    Ok(p) => p,
+                    Err(_) => break,
+                },
+            };
+            if Instant::now() >= tenants.rescan_at {
+                tenants.rescan(&self.fleet).await;
+            }
+            while let Some(Some(msg)) = wakeups.next().now_or_never() {
+                tenants.wake(&self.fleet, &msg.subject);
+            }
+            let Some((lane, reason)) = tenants.next() else {
+                // Nothing to take: wait holding no permit.
+                drop(permit);
+                tokio::select! {
+                    () = self.shutdown.cancelled() => break,
+                    msg = wakeups.next() => match msg {
+                        Some(msg) => tenants.wake(&self.fleet, &msg.subject),
+                        // The connection is closed for good.
+                        None => break,
+                    },
+                    () = tokio::time::sleep_until(tenants.rescan_at) => {}
+                    () = reconnects.next() => tenants.rescan_at = Instant::now(),
+                }
+                continue;
+            };
+            match tenants.take_one(&self, &lane).await {
+                Some(msg) => {
+                    self.fleet
+                        .metrics
+                        .chat_dispatched
+                        .with_label_values(&[lane.1.as_str(), reason])
+                        .inc();
+                    self.start(msg, permit);
+                }
+                None => tenants.idle(&lane),
+            }
+        }
+    }
+
+    /// Runs `msg` under `permit`: a chat job through intake, a poison
+    /// through the sweeper (dead-lettered, answered, terminated).
+    fn start(&self, msg: jetstream::Message, permit: OwnedSemaphorePermit) {
+        if let Some(poison) = Poison::of(&msg) {
+            self.sweeper
+                .dispose(poison, msg, Some(permit), &self.tracker);
+            return;
+        }
+        let (fleet, plugins) = (self.fleet.clone(), self.plugins.clone());
+        self.tracker.spawn(async move {
+            super::handle(&fleet, &plugins, msg).await;
+            drop(permit);
+        });
+    }
+}
+
+impl Tenants {
+    /// The lane whose turn it is, and why (`turn` or `aged`); `None` when
+    /// no tenant has work waiting.
+    fn next(&mut self) -> Option<(Lane, &'static str)> {
+        let aged = self
+            .batch_since
+            .is_some_and(|since| since.elapsed() >= self.batch_max_wait);
+        let (turns, priority, reason) = if self.batch.is_empty() {
+            (&mut self.interactive, Priority::Interactive, "turn")
+        } else if aged {
+            (&mut self.batch, Priority::Batch, "aged")
+        } else if self.interactive.is_empty() {
+            (&mut self.batch, Priority::Batch, "turn")
+        } else {
+            (&mut self.interactive, Priority::Interactive, "turn")
+        };
+        let tenant = turns.next()?;
+        if priority == Priority::Batch {
+            // Batch had its turn: its wait starts again.
+            self.batch_since = Some(Instant::now());
+        }
+        Some(((tenant, priority), reason))
+    }
+
+    /// `lane` has nothing deliverable: it takes no turn until woken.
+    fn idle(&mut self, (tenant, priority): &Lane) {
+        match priority {
+            Priority::Interactive => self.interactive.idle(tenant),
+            Priority::Batch => {
+                self.batch.idle(tenant);
+                if self.batch.is_empty() {
+                    self.batch_since = None;
+                }
+            }
+        }
+    }
+
+    /// `tenant`'s `priority` lane has work.
+    fn join(&mut self, fleet: &Fleet, tenant: &str, priority: Priority) {
+        let weight = fleet.config.profiles.weight_of(tenant);
+        match priority {
+            Priority::Interactive => self.interactive.wake(tenant, weight),
+            Priority::Batch => {
+                self.batch.wake(tenant, weight);
+                self.batch_since.get_or_insert_with(Instant::now);
+            }
+        }
+    }
+
+    /// A wake-up on `subject`: its tenant has a new job in that lane.
+    fn wake(&mut self, fleet: &Fleet, subject: &str) {
+        if let Some((tenant, priority)) = fleet.config.subjects.lane_tenant(subject) {
+            self.join(fleet, tenant, priority);
+            self.woken.insert((tenant.to_owned(), priority));
+        }
+    }
+
+    /// Reads which lanes have jobs stored; each joins its turns, and the
+    /// per-tenant queue gauge is set (both lanes together).
+    async fn rescan(&mut self, fleet: &Fleet) {
+        self.rescan_at = Instant::now() + RESCAN_EVERY;
+        let subjects = &fleet.config.subjects;
+        let mut queued: HashMap<String, u64> = HashMap::new();
+        for filter in [subjects.chat_submit_all(), subjects.chat_batch_all()] {
+            let mut counts = match self.stream.info_with_subjects(filter).await {
+                Ok(counts) => counts,
+                Err(e) => {
+                    warn!(error = %e, "fair dispatch: cannot read which tenants have chat jobs; retrying");
+                    return;
+                }
+            };
+            while let Some(next) = counts.next().await {
+                match next {
+                    Ok((subject, n)) if n > 0 => {
+                        if let Some((tenant, priority)) = subjects.lane_tenant(&subject) {
+                            self.join(fleet, tenant, priority);
+                            *queued.entry(tenant.to_owned()).or_default() += n as u64;
+                        }
+                    }
+                    Ok(_) => {}
+                    Err(e) => {
+                        warn!(error = %e, "fair dispatch: cannot read which tenants have chat jobs; retrying");
+                        return;
+                    }
+                }
+            }
+        }
+        for (tenant, n) in &queued {
+            fleet
+                .metrics
+                .chat_queued
+                .with_label_values(&[tenant])
+                .set(i64::try_from(*n).unwrap_or(i64::MAX));
+        }
+        let stored: HashSet<String> = queued.into_keys().collect();
+        for gone in self.stored.difference(&stored) {
+            fleet.metrics.chat_queued.with_label_values(&[gone]).set(0);
+        }
+        self.stored = stored;
+    }
+
+    /// One job of `lane`, if it has one deliverable now.
+    async fn take_one(&mut self, d: &Dispatcher, lane: &Lane) -> Option<jetstream::Message> {
+        let woken = self.woken.remove(lane);
+        let consumer = self.consumer(d, lane).await?;
+        let fetched = tokio::time::timeout(FETCH_TIMEOUT, async {
+            let mut batch = consumer.fetch().max_messages(1).messages().await?;
+            batch.next().await.transpose()
+        })
+        .await;
+        let tenant = lane.0.as_str();
+        match fetched {
+            Ok(Ok(Some(msg))) => {
+                // The tenant's queue series exists from its first job on,
+                // even if no rescan saw the job stored.
+                d.fleet.metrics.chat_queued.with_label_values(&[tenant]);
+                Some(msg)
+            }
+            Ok(Ok(None)) => {
+                if woken {
+                    self.rescan_at = self.rescan_at.min(Instant::now() + RECHECK_AFTER_WAKEUP);
+                }
+                None
+            }
+            Ok(Err(e)) => {
+                warn!(tenant, priority = lane.1.as_str(), error = %e, "fair dispatch: cannot pull the tenant's chat jobs; trying again later");
+                // Opened again next time (it may have been removed).
+                self.consumers.remove(lane);
+                None
+            }
+            Err(_) => {
+                warn!(
+                    tenant,
+                    priority = lane.1.as_str(),
+                    "fair dispatch: a pull got no answer in time; trying again later"
+                );
+                self.consumers.remove(lane);
+                None
+            }
+        }
+    }
+
+    /// `lane`'s consumer, opened (made if need be) on first use.
+    async fn consumer(&mut self, d: &Dispatcher, lane: &Lane) -> Option<&PullConsumer> {
+        if !self.consumers.contains_key(lane) {
+            let subjects = &d.fleet.config.subjects;
+            let consumer = match tenant_consumer(&self.stream, subjects, &lane.0, lane.1).await {
+                Ok(c) => c,
+                Err(e) => {
+                    warn!(tenant = %lane.0, priority = lane.1.as_str(), error = %e, "fair dispatch: cannot open the tenant's chat consumer; trying again later");
+                    return None;
+                }
+            };
+            self.consumers.insert(lane.clone(), consumer);
+        }
+        self.consumers.get(lane)
+    }
+}
