@@ -33,6 +33,10 @@ pub struct ChatArgs {
     /// and cancel subjects name it.
     #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
     pub tenant: String,
+    /// Submit as a batch job: taken after interactive jobs, with the
+    /// deployment's batch service tier.
+    #[arg(long)]
+    pub batch: bool,
 }
 
 /// What `toolfleet chat` shows on stderr while it waits: the tool calls as
@@ -191,6 +195,7 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<i32> {
     job.tenant = Some(args.tenant.clone());
     job.profile = args.profile.clone();
     job.user = args.user.clone();
+    job.priority = args.batch.then_some(toolfleet_protocol::Priority::Batch);
     // The trace starts here: the orchestrator's and the workers' spans are
     // its children (exported when an OTLP endpoint is configured).
     let span = tracing::info_span!(

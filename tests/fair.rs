@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use toolfleet_local::servers::{NatsServer, RedisServer};
-use toolfleet_protocol::{ChatJob, Subjects};
+use toolfleet_protocol::{ChatJob, Priority, Subjects};
+
+use toolfleet_orchestrator::settings::DEFAULT_BATCH_MAX_WAIT;
 
 use crate::support::WAIT;
 
@@ -59,8 +61,21 @@ impl Bench {
     }
 
     /// Starts an orchestrator taking `max_in_flight` jobs at once, with
-    /// `tenants` (TOML `[tenants.*]` tables) in its configuration.
+    /// `tenants` (TOML `[tenants.*]` tables, or more deployments and
+    /// profiles) in its configuration.
     async fn orchestrator(&mut self, max_in_flight: usize, tenants: &str) {
+        self.orchestrator_with(max_in_flight, tenants, DEFAULT_BATCH_MAX_WAIT)
+            .await;
+    }
+
+    /// The same, with batch jobs waiting at most `batch_max_wait` behind
+    /// interactive ones.
+    async fn orchestrator_with(
+        &mut self,
+        max_in_flight: usize,
+        tenants: &str,
+        batch_max_wait: Duration,
+    ) {
         let toml = format!(
             "[deployments.scripted]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
              [profiles.default]\ndeployment = \"scripted\"\n{tenants}",
@@ -70,22 +85,16 @@ impl Bench {
         let mut config =
             toolfleet_orchestrator::OrchestratorConfig::new(self.subjects.clone(), profiles);
         config.max_in_flight = max_in_flight;
+        config.batch_max_wait = batch_max_wait;
         let rt =
             crate::support::start_orchestrator(self.nats.url(), self.redis.url(), config).await;
         self.runtimes.push(rt);
     }
 
-    /// Queues `n` jobs of `tenant` (the submit returns once each is
-    /// stored).
+    /// Queues `n` interactive jobs of `tenant` (the submit returns once
+    /// each is stored).
     async fn queue(&self, tenant: &str, n: usize) {
-        for i in 0..n {
-            let mut job: ChatJob =
-                toolfleet_protocol::client::question(&format!("{tenant} question {i}"));
-            job.tenant = Some(tenant.into());
-            toolfleet_protocol::client::submit(&self.client, &self.subjects, &job)
-                .await
-                .unwrap();
-        }
+        self.queue_as(tenant, n, Priority::Interactive).await;
     }
 
     /// Every terminal event, from now on: the tenant of each, in the
@@ -112,12 +121,12 @@ struct Endings {
 }
 
 impl Endings {
-    /// The tenants of the next `n` invocations to end, in order (each
-    /// must complete).
-    async fn next(&mut self, n: usize) -> Vec<String> {
-        let mut tenants = Vec::new();
+    /// The `(tenant, invocation id)` of the next `n` invocations to end,
+    /// in order (each must complete).
+    async fn next_ended(&mut self, n: usize) -> Vec<(String, String)> {
+        let mut ended = Vec::new();
         tokio::time::timeout(WAIT * 2, async {
-            while tenants.len() < n {
+            while ended.len() < n {
                 let msg = self.sub.next().await.expect("events");
                 let event: serde_json::Value = serde_json::from_slice(&msg.payload).unwrap();
                 if event["type"] != "completed" && event["type"] != "error" {
@@ -125,13 +134,24 @@ impl Endings {
                 }
                 assert_eq!(event["type"], "completed", "{event}");
                 // `<p>.chat.events.<tenant>.<id>`
-                let tenant = msg.subject.split('.').nth(3).unwrap().to_string();
-                tenants.push(tenant);
+                let mut tokens = msg.subject.split('.').skip(3);
+                let tenant = tokens.next().unwrap().to_string();
+                ended.push((tenant, tokens.next().unwrap().to_string()));
             }
         })
         .await
-        .unwrap_or_else(|_| panic!("only {} of {n} jobs ended", tenants.len()));
-        tenants
+        .unwrap_or_else(|_| panic!("only {} of {n} jobs ended", ended.len()));
+        ended
+    }
+
+    /// The tenants of the next `n` invocations to end, in order.
+    async fn next(&mut self, n: usize) -> Vec<String> {
+        self.next_ended(n).await.into_iter().map(|e| e.0).collect()
+    }
+
+    /// The invocation ids of the next `n` invocations to end, in order.
+    async fn next_ids(&mut self, n: usize) -> Vec<String> {
+        self.next_ended(n).await.into_iter().map(|e| e.1).collect()
     }
 }
 
@@ -249,5 +269,140 @@ async fn the_shared_consumer_of_a_running_fleet_gives_way_and_loses_no_job() {
             .is_err(),
         "the shared consumer is still there"
     );
+    bench.stop().await;
+}
+
+impl Bench {
+    /// Queues `n` jobs of `tenant` with `priority` (the client submits
+    /// batch jobs on the tenant's batch subject); returns their ids.
+    async fn queue_as(&self, tenant: &str, n: usize, priority: Priority) -> Vec<String> {
+        let mut ids = Vec::new();
+        for i in 0..n {
+            let mut job: ChatJob = toolfleet_protocol::client::question(&format!(
+                "{tenant} {} question {i}",
+                priority.as_str()
+            ));
+            job.tenant = Some(tenant.into());
+            job.priority = Some(priority);
+            toolfleet_protocol::client::submit(&self.client, &self.subjects, &job)
+                .await
+                .unwrap();
+            ids.push(job.invocation_id);
+        }
+        ids
+    }
+}
+
+/// A tenant's batch backlog waits for its (and every tenant's)
+/// interactive jobs: an interactive job submitted behind 20 batch jobs
+/// starts at the next free slot. (Before priorities every job of a tenant
+/// was taken in arrival order: it ended last.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interactive_jobs_go_before_a_batch_backlog() {
+    let mut bench = Bench::start(100).await;
+    let mut endings = bench.endings().await;
+    let batch = bench.queue_as("acme", 20, Priority::Batch).await;
+    bench.orchestrator(1, "").await;
+    let first = endings.next_ids(1).await;
+    assert!(batch.contains(&first[0]));
+    let urgent = bench.queue_as("acme", 1, Priority::Interactive).await;
+    let globex = bench.queue_as("globex", 1, Priority::Interactive).await;
+    let order = endings.next_ids(21).await;
+    let at = |id: &String| order.iter().position(|o| o == id).expect("ended");
+    // One batch job may be running when they arrive.
+    assert!(at(&urgent[0]) <= 2, "acme's interactive job: {order:?}");
+    assert!(at(&globex[0]) <= 2, "globex's interactive job: {order:?}");
+    bench.stop().await;
+}
+
+/// Interactive jobs keep coming, yet batch jobs are taken: one at least
+/// every `--batch-max-wait` (aging). Without it not one batch job would
+/// end before the 40 interactive ones.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batch_jobs_never_starve_behind_interactive_ones() {
+    let mut bench = Bench::start(40).await;
+    let mut endings = bench.endings().await;
+    let batch = bench.queue_as("acme", 5, Priority::Batch).await;
+    bench.queue_as("acme", 20, Priority::Interactive).await;
+    bench.queue_as("globex", 20, Priority::Interactive).await;
+    bench
+        .orchestrator_with(1, "", Duration::from_millis(300))
+        .await;
+    let order = endings.next_ids(30).await;
+    let batch_done = order.iter().filter(|id| batch.contains(id)).count();
+    assert!(
+        batch_done >= 2,
+        "{batch_done} batch jobs among the first 30 to end: {order:?}"
+    );
+    bench.stop().await;
+}
+
+/// A profile that is batch moves its jobs to the batch lane (they were
+/// submitted as interactive) and its model calls carry the deployment's
+/// `batch_service_tier`; an interactive job's calls carry none, and a
+/// batch job on a deployment without a batch tier sends none either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_profile_runs_in_the_batch_lane_with_the_batch_service_tier() {
+    let mut bench = Bench::start(0).await;
+    let mut endings = bench.endings().await;
+    let extra = format!(
+        "[deployments.flexible]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
+         batch_service_tier = \"flex\"\n\
+         [profiles.bulk]\ndeployment = \"flexible\"\npriority = \"batch\"\n\
+         [profiles.chat]\ndeployment = \"flexible\"\n",
+        bench.model.base_url()
+    );
+    bench.orchestrator(2, &extra).await;
+    let submit = |profile: &str, text: &str, priority: Option<Priority>| {
+        let mut job: ChatJob = toolfleet_protocol::client::question(text);
+        job.tenant = Some("acme".into());
+        job.profile = Some(profile.into());
+        job.priority = priority;
+        job
+    };
+    let jobs = [
+        submit("bulk", "bulk question", None),
+        submit("chat", "chat question", None),
+        submit("chat", "chat batch question", Some(Priority::Batch)),
+        submit("default", "untiered batch question", Some(Priority::Batch)),
+    ];
+    let js = async_nats::jetstream::new(bench.client.clone());
+    for job in &jobs {
+        // All on the interactive subject, as a client that knows nothing
+        // of lanes would send them.
+        js.publish(
+            bench.subjects.chat_submit("acme"),
+            serde_json::to_vec(job).unwrap().into(),
+        )
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    }
+    endings.next_ids(4).await;
+    let tier_of = |text: &str| {
+        let requests = bench.model.requests();
+        let body = requests
+            .iter()
+            .find(|r| r.to_string().contains(text))
+            .unwrap_or_else(|| panic!("no request for {text:?}"));
+        body.get("service_tier").cloned()
+    };
+    assert_eq!(tier_of("bulk question"), Some(serde_json::json!("flex")));
+    assert_eq!(tier_of("chat question"), None);
+    assert_eq!(
+        tier_of("chat batch question"),
+        Some(serde_json::json!("flex"))
+    );
+    assert_eq!(tier_of("untiered batch question"), None);
+    // Three were moved to the batch lane and taken from its consumer.
+    let stream = js.get_stream(bench.subjects.chat_stream()).await.unwrap();
+    let mut batch: async_nats::jetstream::consumer::PullConsumer = stream
+        .get_consumer(&bench.subjects.chat_batch_consumer("acme"))
+        .await
+        .expect("acme's batch consumer");
+    let info = batch.info().await.unwrap();
+    assert!(info.delivered.stream_sequence > 0, "{info:?}");
+    assert_eq!(info.num_ack_pending + info.num_pending as usize, 0);
     bench.stop().await;
 }

@@ -190,25 +190,31 @@ impl Status {
         }
     }
 
-    /// The chat backlog and the jobs in flight, by tenant: from the
-    /// tenants' chat consumers (fair dispatch), and for a tenant whose
-    /// consumer no orchestrator has made yet, its jobs stored.
+    /// The chat backlog and the jobs in flight, by tenant (both lanes):
+    /// from the tenants' chat consumers (fair dispatch), and for a lane
+    /// whose consumer no orchestrator has made yet, its jobs stored.
     async fn add_chat(&mut self, stream: &jetstream::stream::Stream, subjects: &Subjects) {
         let mut tenants: BTreeMap<String, (u64, u64)> = BTreeMap::new();
+        let mut opened = std::collections::HashSet::new();
         let mut consumers = stream.consumers();
         while let Some(next) = consumers.next().await {
             let Ok(info) = next else { return };
-            if let Some(tenant) = subjects.consumer_tenant(&info.name) {
-                tenants.insert(
-                    tenant.to_owned(),
-                    (info.num_pending, info.num_ack_pending as u64),
-                );
+            if let Some((tenant, lane)) = subjects.consumer_lane(&info.name) {
+                let t = tenants.entry(tenant.to_owned()).or_insert((0, 0));
+                t.0 += info.num_pending;
+                t.1 += info.num_ack_pending as u64;
+                opened.insert((tenant.to_owned(), lane));
             }
         }
-        if let Ok(mut stored) = stream.info_with_subjects(subjects.chat_submit_all()).await {
-            while let Some(Ok((subject, n))) = stored.next().await {
-                if let Some(tenant) = subjects.submit_tenant(&subject) {
-                    tenants.entry(tenant.to_owned()).or_insert((n as u64, 0));
+        // Jobs of a lane no orchestrator has opened a consumer for yet.
+        for filter in [subjects.chat_submit_all(), subjects.chat_batch_all()] {
+            if let Ok(mut stored) = stream.info_with_subjects(filter).await {
+                while let Some(Ok((subject, n))) = stored.next().await {
+                    if let Some((tenant, lane)) = subjects.lane_tenant(&subject)
+                        && !opened.contains(&(tenant.to_owned(), lane))
+                    {
+                        tenants.entry(tenant.to_owned()).or_insert((0, 0)).0 += n as u64;
+                    }
                 }
             }
         }
