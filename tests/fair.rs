@@ -16,25 +16,30 @@ use crate::support::WAIT;
 
 /// The servers, the scripted model and a client, with no orchestrator
 /// yet: a test queues jobs first, then starts orchestrators.
-struct Bench {
+pub(crate) struct Bench {
     nats: NatsServer,
     redis: RedisServer,
-    model: toolfleet_scripted::ScriptedServer,
-    client: async_nats::Client,
-    subjects: Subjects,
+    pub(crate) model: toolfleet_scripted::ScriptedServer,
+    pub(crate) client: async_nats::Client,
+    pub(crate) subjects: Subjects,
     runtimes: Vec<toolfleet_service::Runtime>,
 }
 
 impl Bench {
     /// The servers, and a model that answers every question after
     /// `delay_ms`.
-    async fn start(delay_ms: u64) -> Self {
-        let nats = NatsServer::start().unwrap();
-        let redis = RedisServer::start().unwrap();
-        let script = serde_json::json!({
+    pub(crate) async fn start(delay_ms: u64) -> Self {
+        Self::with_script(serde_json::json!({
             "firstTokenDelayMs": delay_ms,
             "default": { "steps": [ { "answer": "done" } ] }
-        });
+        }))
+        .await
+    }
+
+    /// The servers, and a model playing `script`.
+    pub(crate) async fn with_script(script: serde_json::Value) -> Self {
+        let nats = NatsServer::start().unwrap();
+        let redis = RedisServer::start().unwrap();
         let model = toolfleet_scripted::ScriptedServer::start(
             "127.0.0.1:0".parse().unwrap(),
             toolfleet_scripted::Script::from_json(&script.to_string()).unwrap(),
@@ -63,7 +68,7 @@ impl Bench {
     /// Starts an orchestrator taking `max_in_flight` jobs at once, with
     /// `tenants` (TOML `[tenants.*]` tables, or more deployments and
     /// profiles) in its configuration.
-    async fn orchestrator(&mut self, max_in_flight: usize, tenants: &str) {
+    pub(crate) async fn orchestrator(&mut self, max_in_flight: usize, tenants: &str) {
         self.orchestrator_with(max_in_flight, tenants, DEFAULT_BATCH_MAX_WAIT)
             .await;
     }
@@ -93,13 +98,13 @@ impl Bench {
 
     /// Queues `n` interactive jobs of `tenant` (the submit returns once
     /// each is stored).
-    async fn queue(&self, tenant: &str, n: usize) {
+    pub(crate) async fn queue(&self, tenant: &str, n: usize) {
         self.queue_as(tenant, n, Priority::Interactive).await;
     }
 
     /// Every terminal event, from now on: the tenant of each, in the
     /// order they are published.
-    async fn endings(&self) -> Endings {
+    pub(crate) async fn endings(&self) -> Endings {
         let sub = self
             .client
             .subscribe(format!("{}.chat.events.>", self.subjects.prefix()))
@@ -109,14 +114,22 @@ impl Bench {
         Endings { sub }
     }
 
-    async fn stop(self) {
+    /// Stops the orchestrators without waiting for the jobs they hold
+    /// (one waiting for a later minute).
+    pub(crate) fn abandon(self) {
+        for rt in self.runtimes {
+            rt.shutdown.cancel();
+        }
+    }
+
+    pub(crate) async fn stop(self) {
         for rt in self.runtimes {
             assert!(rt.drain(Duration::from_secs(10)).await);
         }
     }
 }
 
-struct Endings {
+pub(crate) struct Endings {
     sub: async_nats::Subscriber,
 }
 
@@ -145,12 +158,12 @@ impl Endings {
     }
 
     /// The tenants of the next `n` invocations to end, in order.
-    async fn next(&mut self, n: usize) -> Vec<String> {
+    pub(crate) async fn next(&mut self, n: usize) -> Vec<String> {
         self.next_ended(n).await.into_iter().map(|e| e.0).collect()
     }
 
     /// The invocation ids of the next `n` invocations to end, in order.
-    async fn next_ids(&mut self, n: usize) -> Vec<String> {
+    pub(crate) async fn next_ids(&mut self, n: usize) -> Vec<String> {
         self.next_ended(n).await.into_iter().map(|e| e.1).collect()
     }
 }
@@ -275,7 +288,7 @@ async fn the_shared_consumer_of_a_running_fleet_gives_way_and_loses_no_job() {
 impl Bench {
     /// Queues `n` jobs of `tenant` with `priority` (the client submits
     /// batch jobs on the tenant's batch subject); returns their ids.
-    async fn queue_as(&self, tenant: &str, n: usize, priority: Priority) -> Vec<String> {
+    pub(crate) async fn queue_as(&self, tenant: &str, n: usize, priority: Priority) -> Vec<String> {
         let mut ids = Vec::new();
         for i in 0..n {
             let mut job: ChatJob = toolfleet_protocol::client::question(&format!(

@@ -27,6 +27,7 @@ mod orchestrator;
 mod poison;
 mod policies;
 mod prometheus;
+mod provider_limits;
 mod rag;
 mod retrieval_tenants;
 mod runtime;

@@ -351,6 +351,7 @@ pub(super) fn completion_from_wire(body: &[u8]) -> Result<Completion, LlmError> 
         opaque: Vec::new(),
         attempts: 1,
         time_to_first_token: None,
+        queued: std::time::Duration::ZERO,
     })
 }
 
@@ -574,6 +575,7 @@ impl ChatStreamAccumulator {
             opaque: Vec::new(),
             attempts: 1,
             time_to_first_token: None,
+            queued: std::time::Duration::ZERO,
         })
     }
 }

@@ -127,6 +127,9 @@ pub struct Completion {
     /// From sending the successful attempt's request to its first streamed
     /// output (text, refusal or tool call); `None` when not streamed.
     pub time_to_first_token: Option<Duration>,
+    /// How long the call waited at its deployment's fleet-wide gate, all
+    /// attempts together ([`crate::gate`]).
+    pub queued: Duration,
 }
 
 impl Completion {
@@ -257,6 +260,10 @@ pub struct LlmConfig {
     pub idle_timeout: Duration,
     /// HTTP/1.1 or HTTP/2 ([`HttpVersion`]).
     pub http: HttpVersion,
+    /// The fleet-wide gate of the deployment (its `max_concurrency` and
+    /// `requests_per_minute`), asked before every attempt; `None`: no
+    /// shared limit.
+    pub gate: Option<crate::gate::Gate>,
 }
 
 impl LlmConfig {
@@ -276,6 +283,7 @@ impl LlmConfig {
             first_token_timeout: DEFAULT_FIRST_TOKEN_TIMEOUT,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             http: HttpVersion::Http1,
+            gate: None,
         }
     }
 }
@@ -296,6 +304,7 @@ impl fmt::Debug for LlmConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("first_token_timeout", &self.first_token_timeout)
             .field("idle_timeout", &self.idle_timeout)
+            .field("gate", &self.gate)
             .finish()
     }
 }
@@ -346,6 +355,7 @@ struct Inner {
     retry: RetryPolicy,
     first_token_timeout: Duration,
     idle_timeout: Duration,
+    gate: Option<crate::gate::Gate>,
 }
 
 impl fmt::Debug for LlmClient {
@@ -486,6 +496,7 @@ impl LlmClient {
                 retry: config.retry,
                 first_token_timeout: config.first_token_timeout,
                 idle_timeout: config.idle_timeout,
+                gate: config.gate,
             }),
         })
     }
@@ -544,7 +555,10 @@ impl LlmClient {
         let mut attempt = 0;
         loop {
             attempt += 1;
-            let error = match self.image_once(body.clone()).await {
+            let pass = self.admit().await;
+            let answer = self.image_once(body.clone()).await;
+            drop(pass);
+            let error = match answer {
                 Ok(mut answer) => {
                     answer.attempts = attempt;
                     tracing::debug!(
@@ -557,6 +571,7 @@ impl LlmClient {
                 }
                 Err(error) => error.with_attempts(attempt),
             };
+            self.pause_on_retry_after(&error).await;
             if !self.wait_before_retry(started, &error, false).await {
                 return Err(error);
             }
@@ -634,8 +649,11 @@ impl LlmClient {
     ) -> Result<Completion, LlmError> {
         let started = Instant::now();
         let mut attempt = 0;
+        let mut queued = Duration::ZERO;
         loop {
             attempt += 1;
+            let pass = self.admit().await;
+            queued += pass.waited;
             let mut progress = Progress::default();
             let sent = Instant::now();
             let result = if stream {
@@ -649,18 +667,38 @@ impl LlmClient {
                         on_text(&completion.text);
                     }
                     completion.attempts = attempt;
+                    completion.queued = queued;
                     completion.time_to_first_token = progress.first_output.map(|t| t - sent);
                     self.note_unreplayable_reasoning(&completion);
                     return Ok(log_completion(completion, self.inner.api, stream));
                 }
                 Err(error) => error.with_attempts(attempt),
             };
+            drop(pass);
+            self.pause_on_retry_after(&error).await;
             if !self
                 .wait_before_retry(started, &error, progress.emitted)
                 .await
             {
                 return Err(error);
             }
+        }
+    }
+
+    /// A slot of the deployment's fleet-wide gate, when it has one.
+    async fn admit(&self) -> crate::gate::GatePass {
+        match &self.inner.gate {
+            Some(gate) => gate.admit().await,
+            None => crate::gate::GatePass::open(Duration::ZERO),
+        }
+    }
+
+    /// A 429 that said how long to wait pauses every caller of the
+    /// deployment (through its gate) that long.
+    async fn pause_on_retry_after(&self, error: &LlmError) {
+        let too_many = matches!(error.kind(), LlmErrorKind::Status { status: 429, .. });
+        if let (Some(gate), Some(wait), true) = (&self.inner.gate, error.retry_after(), too_many) {
+            gate.pause(wait).await;
         }
     }
 

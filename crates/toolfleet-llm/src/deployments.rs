@@ -449,7 +449,24 @@ impl Deployment {
             first_token_timeout: self.first_token_timeout,
             idle_timeout: self.idle_timeout,
             http: self.http,
+            gate: None,
         }
+    }
+
+    /// Whether calls to this deployment wait for fleet-wide limits.
+    pub fn has_fleet_limits(&self) -> bool {
+        self.max_concurrency.is_some() || self.requests_per_minute.is_some()
+    }
+
+    /// This deployment's fleet-wide limits under `name` (its key in the
+    /// file), when it has any.
+    pub fn limits(&self, name: &str) -> Option<crate::gate::DeploymentLimits> {
+        self.has_fleet_limits()
+            .then(|| crate::gate::DeploymentLimits {
+                deployment: name.to_owned(),
+                max_concurrency: self.max_concurrency,
+                requests_per_minute: self.requests_per_minute,
+            })
     }
 
     fn validate(&self, at: &str) -> Result<(), (String, String)> {

@@ -62,6 +62,7 @@ mod client;
 pub mod config_file;
 pub mod deployments;
 mod error;
+pub mod gate;
 mod images;
 pub mod model_config;
 pub mod prices;

@@ -761,6 +761,7 @@ impl ResponsesStreamAccumulator {
             opaque,
             attempts: 1,
             time_to_first_token: None,
+            queued: std::time::Duration::ZERO,
         })
     }
 }
@@ -1019,6 +1020,7 @@ mod tests {
             opaque,
             attempts: 1,
             time_to_first_token: None,
+            queued: std::time::Duration::ZERO,
         };
         assert!(has_unreplayable_reasoning(&completion(vec![bare])));
         assert!(!has_unreplayable_reasoning(&completion(vec![whole])));

@@ -226,7 +226,12 @@ impl Fleet {
         if let Some(c) = self.llms.get(&resolved.deployment_name) {
             return Ok(c.clone());
         }
-        let client = LlmClient::new(resolved.llm_config()).map_err(|e| {
+        let mut config = resolved.llm_config();
+        config.gate = resolved
+            .deployment
+            .limits(&resolved.deployment_name)
+            .map(|limits| crate::provider_gate::gate(&self.store, limits));
+        let client = LlmClient::new(config).map_err(|e| {
             Failure::new(
                 ChatErrorCode::BadDeployment,
                 format!("deployment {:?}: {e}", resolved.deployment_name),

@@ -67,6 +67,7 @@ pub mod limits;
 pub mod links;
 pub mod metrics;
 mod pools;
+mod provider_gate;
 pub mod quota;
 mod replies;
 pub mod rounds;

@@ -121,6 +121,9 @@ pub struct OrchestratorMetrics {
     /// acked), as fair dispatch last read the chat stream; every
     /// orchestrator reports the same counts.
     pub chat_queued: IntGaugeVec,
+    /// How long model calls waited for their deployment's fleet-wide
+    /// limits, by `deployment` (only deployments that have some).
+    pub provider_queued: HistogramVec,
     /// Batch jobs taken from the interactive lane and moved to the batch
     /// one, by `tenant`.
     pub chat_moved_to_batch: IntCounterVec,
@@ -375,6 +378,16 @@ const CHAT_DISPATCHED: Spec = spec(
     &["priority", "reason"],
 );
 
+const PROVIDER_QUEUED: Spec = spec(
+    "toolfleet_provider_queue_seconds",
+    "Conversation model calls of deployments with fleet-wide limits (max_concurrency, requests_per_minute): how long each waited for its place, all attempts together.",
+    &["deployment"],
+);
+
+/// Buckets of the wait at a deployment's limits: none to two minutes.
+const PROVIDER_QUEUED_BUCKETS: [f64; 10] =
+    [0.005, 0.05, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0, 60.0, 120.0];
+
 const CHAT_QUEUED: Spec = spec(
     "toolfleet_chat_jobs_queued",
     "Chat jobs in the chat stream per tenant (waiting, or delivered and not yet acked), fleet-wide (every orchestrator reports the same count).",
@@ -441,6 +454,7 @@ impl OrchestratorMetrics {
             quota: crate::quota::QuotaMetrics::register(r)?,
             cancels: CANCELS.counter(r)?,
             chat_queued: CHAT_QUEUED.gauges(r)?,
+            provider_queued: PROVIDER_QUEUED.histogram_with(r, &PROVIDER_QUEUED_BUCKETS)?,
             chat_moved_to_batch: CHAT_MOVED_TO_BATCH.counter(r)?,
             chat_dispatched: CHAT_DISPATCHED.counter(r)?,
         };

@@ -68,6 +68,7 @@ mod cancels;
 pub mod connection;
 mod lease;
 mod poison;
+pub mod provider;
 pub mod quota;
 mod retry;
 mod sinks;

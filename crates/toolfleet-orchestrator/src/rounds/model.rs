@@ -119,6 +119,11 @@ impl Fleet {
             }
         };
         m.llm_requests.with_label_values(&[model, "ok"]).inc();
+        if inv.profile.deployment.has_fleet_limits() {
+            m.provider_queued
+                .with_label_values(&[inv.profile.deployment_name.as_str()])
+                .observe(completion.queued.as_secs_f64());
+        }
         if let Some(ttft) = completion.time_to_first_token {
             m.llm_time_to_first_token
                 .with_label_values(&[model])
