@@ -128,3 +128,87 @@ async fn an_llm_tool_falls_back_across_models_and_its_spend_counts_in_the_job() 
         "{asked:?}"
     );
 }
+
+/// The LLM-tool worker holds the tenant to its rate limit as the
+/// orchestrator does, in the same count: with one model call a minute, the
+/// orchestrator's first call takes it, the tool's call is refused
+/// `rate_limited` (its model never asked), and the orchestrator's next
+/// call ends the job `rate_limited`. Without the worker's check the tool's
+/// model answered.
+#[tokio::test]
+async fn an_llm_tools_model_call_is_held_to_the_tenants_rate_limit() {
+    let profiles = format!("{PROFILES}\n[tenant_defaults]\nrequests_per_minute = 1\n");
+    let env = Env::start_with(
+        json!({
+            "rules": [
+                { "whenUserContains": ["summarize the text below"], "steps": [
+                    { "answer": "```json\n{\"summary\": \"s\", \"keyPoints\": []}\n```" } ] },
+                { "whenUserContains": ["please digest"], "steps": [
+                    { "toolCalls": [ { "name": "summarize",
+                        "arguments": { "text": "The keepers wound the lamp every night." } } ] },
+                    { "answer": "Digest: {{tool:summarize}}" } ] }
+            ]
+        }),
+        Options {
+            workers: vec!["llm"],
+            profiles_toml: Some(profiles),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (_, outcome) = env.ask("please digest the logbook").await;
+    let error = outcome.expect_err("the job ends at the tenant's limit");
+    assert!(error.to_string().contains("rate_limited"), "{error}");
+    // The model was asked once: the orchestrator's first call.
+    let asked = env.model.requests();
+    assert_eq!(asked.len(), 1, "{asked:?}");
+    assert!(!asked[0].to_string().contains("summarize the text below"));
+}
+
+/// A deployment allowing one model call at a time, shared by the
+/// orchestrator and the LLM-tool worker: two chat jobs that each call the
+/// model, then `llm:summarize` (the worker's call), then the model again,
+/// never have two calls at the model at once. Without the worker's gate,
+/// its calls overlapped the orchestrator's.
+#[tokio::test]
+async fn the_orchestrator_and_llm_tool_workers_share_a_deployments_concurrency() {
+    let profiles = PROFILES.replace(
+        "model = \"toolfleet-scripted\"\n",
+        "model = \"toolfleet-scripted\"\nmax_concurrency = 1\n",
+    );
+    let env = Env::start_with(
+        json!({
+            "firstTokenDelayMs": 300,
+            "rules": [
+                { "whenUserContains": ["summarize the text below"], "steps": [
+                    { "answer": "```json\n{\"summary\": \"s\", \"keyPoints\": []}\n```" } ] },
+                { "whenUserContains": ["please digest"], "steps": [
+                    { "toolCalls": [ { "name": "summarize",
+                        "arguments": { "text": "The keepers wound the lamp every night." } } ] },
+                    { "answer": "Digest: {{tool:summarize}}" } ] }
+            ]
+        }),
+        Options {
+            workers: vec!["llm"],
+            profiles_toml: Some(profiles),
+            ..Default::default()
+        },
+    )
+    .await;
+    let (a, b) = tokio::join!(
+        env.ask("please digest the logbook"),
+        env.ask("please digest the ledger")
+    );
+    a.1.expect("first job");
+    b.1.expect("second job");
+    let arrivals: Vec<_> = env.model.received().iter().map(|r| r.at).collect();
+    assert_eq!(arrivals.len(), 6, "three model calls per job");
+    let window = std::time::Duration::from_millis(250);
+    for start in &arrivals {
+        let at_once = arrivals
+            .iter()
+            .filter(|at| **at >= *start && **at < *start + window)
+            .count();
+        assert_eq!(at_once, 1, "two model calls at once: {arrivals:?}");
+    }
+}

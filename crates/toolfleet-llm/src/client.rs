@@ -337,6 +337,7 @@ pub struct LlmClient {
     inner: Arc<Inner>,
 }
 
+#[derive(Clone)]
 struct Inner {
     http: reqwest::Client,
     api: ApiShape,
@@ -499,6 +500,18 @@ impl LlmClient {
                 gate: config.gate,
             }),
         })
+    }
+
+    /// This client, on the same connection pool, asking `gate` before
+    /// every attempt (a caller that learns its gate per call: an LLM-tool
+    /// worker, whose shared store comes with each job).
+    #[must_use]
+    pub fn with_gate(&self, gate: crate::gate::Gate) -> Self {
+        let mut inner = (*self.inner).clone();
+        inner.gate = Some(gate);
+        Self {
+            inner: Arc::new(inner),
+        }
     }
 
     /// The API shape this client speaks.

@@ -91,6 +91,13 @@ impl QuotaMetrics {
     }
 }
 
+/// `tenant`'s limits as its tool jobs carry them to the workers that call
+/// models (`Toolfleet-Tenant-Limits`); `None` when it has none.
+pub(crate) fn carried(fleet: &Fleet, tenant: &str) -> Option<QuotaLimits> {
+    let limits = shared(&fleet.config.profiles.limits_of(tenant));
+    (!limits.is_none()).then_some(limits)
+}
+
 fn shared(limits: &LimitKeys) -> QuotaLimits {
     QuotaLimits {
         requests_per_minute: limits.requests_per_minute.map_or(0, u64::from),
@@ -166,7 +173,7 @@ impl Fleet {
                     "the tenant's {what} {} ({}) is used up ({} used in its window); a model call \
                      is admitted again in {} s",
                     limit.as_str(),
-                    in_unit(limit, caps.of(limit)),
+                    in_unit(limit, limit.cap_in(&caps)),
                     in_unit(limit, usage.of(limit)),
                     retry_after.as_secs().max(1),
                 );
@@ -219,7 +226,7 @@ impl Fleet {
         let soft = limits.soft_ratio();
         let mut warnings = Vec::new();
         for limit in SHARED {
-            let (cap, used) = (caps.of(limit), usage.of(limit));
+            let (cap, used) = (limit.cap_in(&caps), usage.of(limit));
             if cap == 0 || used == 0 {
                 continue;
             }

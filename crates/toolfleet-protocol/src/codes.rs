@@ -287,6 +287,12 @@ pub enum ToolErrorCode {
     LedgerNotWritten,
     /// The result does not fit in a NATS message.
     ResultTooLarge,
+    /// The tool's model call would pass a rate limit of the tenant's
+    /// (requests or tokens per minute): not retried by the worker.
+    RateLimited,
+    /// The tool's model call would pass a budget of the tenant's (spend
+    /// per day or month).
+    BudgetExhausted,
     /// A tool's own code.
     Custom(String),
 }
@@ -294,7 +300,7 @@ pub enum ToolErrorCode {
 impl ToolErrorCode {
     /// Every code but [`Custom`](Self::Custom), in the order the schemas
     /// list them.
-    pub const FIXED: [ToolErrorCode; 25] = [
+    pub const FIXED: [ToolErrorCode; 27] = [
         Self::InvalidArguments,
         Self::InvalidInput,
         Self::UnknownTool,
@@ -320,6 +326,8 @@ impl ToolErrorCode {
         Self::Blocked,
         Self::LedgerNotWritten,
         Self::ResultTooLarge,
+        Self::RateLimited,
+        Self::BudgetExhausted,
     ];
 
     /// The code as clients see it.
@@ -350,6 +358,8 @@ impl ToolErrorCode {
             Self::Blocked => "blocked",
             Self::LedgerNotWritten => "ledger_not_written",
             Self::ResultTooLarge => "result_too_large",
+            Self::RateLimited => "rate_limited",
+            Self::BudgetExhausted => "budget_exhausted",
             Self::Custom(code) => code,
         }
     }

@@ -61,6 +61,11 @@ pub mod headers {
     /// `confidence`), `0..=1`: a tool with a higher `minProviderConfidence`
     /// refuses the call (`blocked`).
     pub const PROVIDER_CONFIDENCE: &str = "Toolfleet-Provider-Confidence";
+    /// The tenant's fleet-wide model-call limits, from the operator's
+    /// configuration (a JSON [`TenantLimits`](crate::TenantLimits)): a
+    /// worker that calls models checks them before each call, as the
+    /// orchestrator does. Absent: no limit.
+    pub const TENANT_LIMITS: &str = "Toolfleet-Tenant-Limits";
     /// Unix time in ms after which nobody waits for the call's answer (required
     /// on tool jobs).
     pub const DEADLINE: &str = "Toolfleet-Deadline";
@@ -681,6 +686,40 @@ pub struct InvocationContext {
     pub deadline_ms: Option<u64>,
     /// W3C trace context of the invocation.
     pub traceparent: Option<String>,
+    /// The tenant's model-call limits (operator configuration), for the
+    /// workers that call models; `None`: none.
+    pub tenant_limits: Option<TenantLimits>,
+}
+
+/// A tenant's fleet-wide model-call limits as tool jobs carry them
+/// ([`headers::TENANT_LIMITS`]); 0 (or absent) is no limit. Counted in
+/// the same Redis windows by every orchestrator and worker.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TenantLimits {
+    /// Model calls started per minute.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub requests_per_minute: u64,
+    /// Tokens of the calls that ended in the minute.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub tokens_per_minute: u64,
+    /// Spend per UTC day, in millionths of a USD.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub spend_per_day_micros: u64,
+    /// Spend per UTC month, in millionths of a USD.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub spend_per_month_micros: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl TenantLimits {
+    /// Whether no limit is set.
+    pub fn is_none(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 /// The most documents a chat job attaches (as `schemas/chat_job.schema.json`).
@@ -721,7 +760,7 @@ pub struct CallContext {
 }
 
 /// The headers this module reads, in the order of [`Known`]'s slots.
-const KNOWN: [&str; 18] = [
+const KNOWN: [&str; 19] = [
     headers::INVOCATION_ID,
     headers::CALL_ID,
     headers::TOOL_ID,
@@ -734,6 +773,7 @@ const KNOWN: [&str; 18] = [
     headers::DATA_SOURCE_ID,
     headers::ATTACHED_DOCUMENTS,
     headers::PROVIDER_CONFIDENCE,
+    headers::TENANT_LIMITS,
     headers::DEADLINE,
     headers::ATTEMPT,
     headers::REPLY_TO,
@@ -843,6 +883,10 @@ impl InvocationContext {
             h.insert(DEADLINE, d.to_string().as_str());
         }
         put(h, TRACEPARENT, self.traceparent.as_deref());
+        if let Some(limits) = self.tenant_limits.filter(|l| !l.is_none()) {
+            let json = serde_json::to_string(&limits).unwrap_or_default();
+            h.insert(TENANT_LIMITS, json.as_str());
+        }
     }
 
     /// The context as a fresh header map.
@@ -908,6 +952,15 @@ impl InvocationContext {
                 ids
             }
         };
+        let tenant_limits = match h.get(TENANT_LIMITS) {
+            None => None,
+            Some(raw) => Some(serde_json::from_str::<TenantLimits>(raw).map_err(|e| {
+                ProtocolError::MalformedHeader {
+                    name: TENANT_LIMITS,
+                    reason: format!("not a JSON object of limits: {e}"),
+                }
+            })?),
+        };
         let owned = |name| h.get(name).map(str::to_string);
         Ok(Self {
             invocation_id: invocation_id.to_string(),
@@ -922,6 +975,7 @@ impl InvocationContext {
             provider_confidence,
             deadline_ms: parsed(h, DEADLINE)?,
             traceparent: owned(TRACEPARENT),
+            tenant_limits,
         })
     }
 }
@@ -2159,6 +2213,11 @@ mod tests {
                 provider_confidence: Some(0.75),
                 deadline_ms: Some(1_900_000_000_000),
                 traceparent: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+                tenant_limits: Some(TenantLimits {
+                    requests_per_minute: 60,
+                    spend_per_day_micros: 5_000_000,
+                    ..TenantLimits::default()
+                }),
             },
             call_id: "call_1".into(),
             tool_id: id(),

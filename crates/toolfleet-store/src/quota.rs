@@ -54,16 +54,9 @@ const DAY_TTL: Duration = Duration::from_secs(2 * 86_400);
 const MONTH_TTL: Duration = Duration::from_secs(62 * 86_400);
 const ONCE_TTL: Duration = Duration::from_secs(300);
 
-/// A tenant's fleet-wide limits; 0 is no limit.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct QuotaLimits {
-    pub requests_per_minute: u64,
-    pub tokens_per_minute: u64,
-    /// Millionths of a USD.
-    pub spend_per_day_micros: u64,
-    /// Millionths of a USD.
-    pub spend_per_month_micros: u64,
-}
+/// A tenant's fleet-wide limits; 0 is no limit (the limits tool jobs
+/// carry to the workers that call models, too).
+pub type QuotaLimits = toolfleet_protocol::TenantLimits;
 
 /// Which limit refused a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -195,14 +188,14 @@ impl QuotaUsage {
     }
 }
 
-impl QuotaLimits {
-    /// `limit`'s value (0: none).
-    pub fn of(&self, limit: QuotaLimit) -> u64 {
-        match limit {
-            QuotaLimit::RequestsPerMinute => self.requests_per_minute,
-            QuotaLimit::TokensPerMinute => self.tokens_per_minute,
-            QuotaLimit::SpendPerDay => self.spend_per_day_micros,
-            QuotaLimit::SpendPerMonth => self.spend_per_month_micros,
+impl QuotaLimit {
+    /// This limit's value in `limits` (0: none).
+    pub fn cap_in(self, limits: &QuotaLimits) -> u64 {
+        match self {
+            QuotaLimit::RequestsPerMinute => limits.requests_per_minute,
+            QuotaLimit::TokensPerMinute => limits.tokens_per_minute,
+            QuotaLimit::SpendPerDay => limits.spend_per_day_micros,
+            QuotaLimit::SpendPerMonth => limits.spend_per_month_micros,
         }
     }
 }

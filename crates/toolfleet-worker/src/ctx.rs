@@ -45,6 +45,12 @@ pub(crate) trait Sink: Send + Sync {
 
     /// Tells the caller how the call is going.
     fn progress<'a>(&'a self, call: &'a CallContext, message: String) -> BoxFuture<'a, ()>;
+
+    /// The store the fleet's shared limits are counted in (`None` in a
+    /// test context: no limits).
+    fn shared_store(&self) -> Option<toolfleet_store::CitationStore> {
+        None
+    }
 }
 
 /// A blob a call stored ([`ToolCtx::store_blob`]): what to hand the model
@@ -119,6 +125,17 @@ impl ToolCtx {
     /// The call: invocation context, call id, tool id, attempt.
     pub fn call(&self) -> &CallContext {
         &self.call
+    }
+
+    /// The limits this call's model calls share with the rest of the
+    /// fleet: the tenant's rate limits and budgets (sent with the job) and
+    /// each deployment's fleet-wide limits. `None` in a test context.
+    pub fn shared_limits(&self) -> Option<crate::SharedLimits> {
+        Some(crate::SharedLimits {
+            store: self.sink.shared_store()?,
+            tenant: self.call.invocation.tenant().to_owned(),
+            limits: self.call.invocation.tenant_limits,
+        })
     }
 
     /// The invocation: tenant, user, profile, data source, deadline, ….

@@ -79,6 +79,7 @@ pub mod fence;
 #[cfg(test)]
 mod fixtures;
 pub mod hooks;
+pub mod limits;
 pub mod metrics;
 mod output;
 pub mod process;
@@ -92,6 +93,7 @@ pub mod tool;
 pub use builder::{Rebuild, Reload, Worker, WorkerBuilder, WorkerError};
 pub use ctx::{BlobRef, ToolCtx};
 pub use hooks::{CallInfo, Hooks, Refusal};
+pub use limits::SharedLimits;
 pub use process::WorkerArgs;
 pub use runtime::WorkerConfig;
 pub use settings::{Secret, SettingsFile, ToolSettings};

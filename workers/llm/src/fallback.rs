@@ -34,6 +34,8 @@ pub struct Candidate<'a> {
     /// The name sent to the provider.
     pub model: &'a str,
     pub client: &'a LlmClient,
+    /// The deployment's fleet-wide limits, if it has any.
+    pub limits: Option<&'a toolfleet_llm::gate::DeploymentLimits>,
 }
 
 /// The models of a call, worked through in order (see the module docs):
@@ -65,9 +67,17 @@ impl<'a> Attempts<'a> {
                 unusable.push(format!("{id}: not provider/model"));
                 continue;
             };
-            match providers.get(provider).map(|p| &p.client) {
-                Some(Ok(client)) => usable.push(Candidate { id, model, client }),
-                Some(Err(why)) => unusable.push(format!("{id}: no API key ({why})")),
+            match providers
+                .get(provider)
+                .map(|p| (&p.client, p.limits.as_ref()))
+            {
+                Some((Ok(client), limits)) => usable.push(Candidate {
+                    id,
+                    model,
+                    client,
+                    limits,
+                }),
+                Some((Err(why), _)) => unusable.push(format!("{id}: no API key ({why})")),
                 None => unusable.push(format!("{id}: no deployment named {provider:?}")),
             }
         }

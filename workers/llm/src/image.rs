@@ -52,7 +52,12 @@ impl Tool for GenerateImage {
 
     async fn call(&self, ctx: &ToolCtx, args: ImageArgs) -> Result<ToolOutput, ToolError> {
         let mut attempts = Attempts::plan(&self.providers, &self.models)?;
+        let limits = ctx.shared_limits();
         for (index, candidate) in attempts.candidates().iter().enumerate() {
+            if let Some(limits) = &limits {
+                let token = crate::tool::model_call_token(ctx, candidate.id);
+                limits.admit_model_call(&token).await?;
+            }
             attempts.started(ctx, candidate);
             match self.attempt(ctx, candidate, &args).await {
                 Ok(output) => {
@@ -90,7 +95,13 @@ impl GenerateImage {
         candidate: &Candidate<'_>,
         args: &ImageArgs,
     ) -> Result<ToolOutput, Stop> {
-        let Candidate { id, model, client } = *candidate;
+        let Candidate {
+            id,
+            model,
+            client,
+            limits,
+        } = *candidate;
+        let client = &crate::providers::gated(ctx, client, limits);
         let request = ImageRequest {
             model: model.to_owned(),
             prompt: args.prompt.clone(),
@@ -108,10 +119,12 @@ impl GenerateImage {
             }
         })?;
         if let Some(usage) = answer.usage {
+            let cost_usd = self.providers.prices.cost(model, &usage);
+            crate::tool::count_usage(ctx, id, &usage, cost_usd).await;
             ctx.record_llm_call(LlmCall {
                 model: model.to_owned(),
                 purpose: "tool".into(),
-                cost_usd: self.providers.prices.cost(model, &usage),
+                cost_usd,
                 usage,
                 attempts: answer.attempts,
             });

@@ -4,16 +4,25 @@
 //! cannot.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
 
+use futures::FutureExt;
+use futures::future::BoxFuture;
 use toolfleet_llm::LlmClient;
 use toolfleet_llm::deployments::EnvSource;
+use toolfleet_llm::gate::{DeploymentLimits, Gate, GatePass, ProviderGate};
 use toolfleet_llm::model_config::ModelConfig;
 use toolfleet_llm::prices::PriceTable;
+use toolfleet_worker::{SharedLimits, ToolCtx};
 
 /// A deployment as the worker uses it.
 pub(crate) struct Provider {
     /// The client, or why there is none (the key is not set).
     pub(crate) client: Result<LlmClient, String>,
+    /// The deployment's fleet-wide limits (`max_concurrency`,
+    /// `requests_per_minute`), shared with the orchestrators.
+    pub(crate) limits: Option<DeploymentLimits>,
 }
 
 /// Every deployment of the configuration, by name, and the price table.
@@ -47,7 +56,13 @@ impl Providers {
                 }
                 Err(why) => Err(why.to_string()),
             };
-            by_name.insert(name.clone(), Provider { client });
+            by_name.insert(
+                name.clone(),
+                Provider {
+                    client,
+                    limits: deployment.limits(name),
+                },
+            );
         }
         Ok(Self {
             by_name,
@@ -76,4 +91,46 @@ impl Providers {
 pub fn split_model(id: &str) -> Option<(&str, &str)> {
     id.split_once('/')
         .filter(|(p, m)| !p.is_empty() && !m.is_empty())
+}
+
+/// A deployment's fleet-wide gate on the store of the call
+/// ([`toolfleet_worker::SharedLimits`]).
+struct CallGate(SharedLimits);
+
+impl ProviderGate for CallGate {
+    fn admit<'a>(&'a self, limits: &'a DeploymentLimits) -> BoxFuture<'a, GatePass> {
+        async move {
+            let started = std::time::Instant::now();
+            let slot = self
+                .0
+                .provider_slot(
+                    &limits.deployment,
+                    limits.max_concurrency,
+                    limits.requests_per_minute,
+                )
+                .await;
+            GatePass::holding(slot, started.elapsed())
+        }
+        .boxed()
+    }
+
+    fn pause<'a>(&'a self, deployment: &'a str, wait: Duration) -> BoxFuture<'a, ()> {
+        self.0.provider_pause(deployment, wait).boxed()
+    }
+}
+
+/// `client` as a call of `ctx` uses it: through its deployment's
+/// fleet-wide gate when it has `limits` and the call has a shared store.
+pub(crate) fn gated(
+    ctx: &ToolCtx,
+    client: &LlmClient,
+    limits: Option<&DeploymentLimits>,
+) -> LlmClient {
+    match (limits, ctx.shared_limits()) {
+        (Some(limits), Some(shared)) => client.with_gate(Gate {
+            gate: Arc::new(CallGate(shared)),
+            limits: limits.clone(),
+        }),
+        _ => client.clone(),
+    }
 }

@@ -221,7 +221,14 @@ impl Tool for LlmTool {
             )));
         };
         let mut attempts = Attempts::plan(&self.providers, &declared.models)?;
+        let limits = ctx.shared_limits();
         for (index, candidate) in attempts.candidates().iter().enumerate() {
+            // The tenant's limits hold for a tool's model calls as for the
+            // orchestrator's: past one the call ends, no fallback.
+            let token = model_call_token(ctx, candidate.id);
+            if let Some(limits) = &limits {
+                limits.admit_model_call(&token).await?;
+            }
             attempts.started(ctx, candidate);
             match self.attempt(ctx, declared, candidate, &args).await {
                 Ok(output) => {
@@ -233,6 +240,27 @@ impl Tool for LlmTool {
         }
         Err(attempts.exhausted())
     }
+}
+
+/// Counts what model call `id` of `ctx`'s call used against its tenant's
+/// limits.
+pub(crate) async fn count_usage(ctx: &ToolCtx, id: &str, usage: &Usage, cost_usd: Option<f64>) {
+    if let Some(shared) = ctx.shared_limits() {
+        let micros = cost_usd.map_or(0, |c| (c * 1_000_000.0).round() as u64);
+        shared
+            .record_model_usage(usage.total_tokens, micros, &model_call_token(ctx, id))
+            .await;
+    }
+}
+
+/// Names one model call of a tool call for the tenant's counts: the same
+/// call redelivered counts once.
+pub(crate) fn model_call_token(ctx: &ToolCtx, model: &str) -> String {
+    let call = ctx.call();
+    format!(
+        "tool/{}/{}/{model}",
+        call.invocation.invocation_id, call.call_id
+    )
 }
 
 /// The request one attempt of `declared` at `id` (`provider/model`, the
@@ -368,15 +396,23 @@ impl LlmTool {
         candidate: &Candidate<'_>,
         args: &Value,
     ) -> Result<ToolOutput, AttemptError> {
-        let Candidate { id, model, client } = *candidate;
+        let Candidate {
+            id,
+            model,
+            client,
+            limits,
+        } = *candidate;
         let (request, format) =
             build_request(declared, id, model, args).map_err(|e| AttemptError(e.to_string()))?;
         let started = Instant::now();
-        let (reply, usage, attempts) = self.ask(client, &request).await?;
+        let client = crate::providers::gated(ctx, client, limits);
+        let (reply, usage, attempts) = self.ask(&client, &request).await?;
+        let cost_usd = self.providers.prices.cost(model, &usage);
+        count_usage(ctx, id, &usage, cost_usd).await;
         ctx.record_llm_call(LlmCall {
             model: model.to_owned(),
             purpose: "tool".into(),
-            cost_usd: self.providers.prices.cost(model, &usage),
+            cost_usd,
             usage,
             attempts,
         });

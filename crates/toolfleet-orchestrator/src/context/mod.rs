@@ -251,6 +251,8 @@ mod builtin {
     fn open_context(inv: &mut Invocation, fleet: &Fleet) -> Result<(), Failure> {
         let trust_user = fleet.config().profiles.trusts_user(inv.job.tenant());
         inv.ctx = invocation_context(&inv.job, &inv.profile, inv.deadline_ms, trust_user);
+        // The workers that call models hold the tenant to its limits too.
+        inv.ctx.tenant_limits = crate::quota::carried(fleet, inv.job.tenant());
         check_data_sources(fleet, &inv.ctx)
     }
 

@@ -71,6 +71,7 @@ pub fn invocation_context(
         provider_confidence: None,
         deadline_ms: Some(deadline_ms),
         traceparent: job.traceparent.clone(),
+        tenant_limits: None,
     };
     trust_from(&mut ctx, profile);
     ctx

@@ -18,6 +18,10 @@ pub(super) struct LiveSink {
 }
 
 impl Sink for LiveSink {
+    fn shared_store(&self) -> Option<CitationStore> {
+        Some(self.store.clone())
+    }
+
     fn cite<'a>(
         &'a self,
         call: &'a CallContext,
