@@ -96,6 +96,8 @@ default_profile = "default"
 base_url = "{base_url}"
 model = "toolfleet-scripted"
 retry = { base_delay_ms = 20, max_delay_ms = 100 }
+# Fleet-wide limits it never reaches: the wait series exists.
+max_concurrency = 1000
 
 [profiles.default]
 deployment = "scripted"

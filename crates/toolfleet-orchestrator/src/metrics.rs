@@ -504,6 +504,7 @@ impl OrchestratorMetrics {
         self.chat_poison.with_label_values(&[tenant]);
         self.tenant_suspensions.with_label_values(&[tenant]);
         self.chat_suspended.with_label_values(&[tenant]);
+        self.chat_moved_to_batch.with_label_values(&[tenant]);
     }
 
     /// Sets the registry gauges after a rebuild that took `took`.

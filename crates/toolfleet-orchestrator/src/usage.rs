@@ -86,7 +86,9 @@ impl UsageLedger {
     /// Adds a model call a tool reported with its result (purpose `tool`):
     /// its cost as reported, else from `prices`. The model's name comes
     /// from a worker, so only a short, plain one becomes a metric label
-    /// (others count as `other`).
+    /// (others count as `other`). Its worker has already added it to the
+    /// tenant's fleet-wide counts (as reported: tokens, and the cost when
+    /// it reported one), so it is marked counted here.
     pub fn record_tool(
         &mut self,
         metrics: &OrchestratorMetrics,
@@ -120,7 +122,11 @@ impl UsageLedger {
                 .with_label_values(&[label, PURPOSE_TOOL])
                 .inc_by(c);
         }
+        let before = self.spent();
         self.add(call);
+        let after = self.spent();
+        self.counted.0 += after.0.saturating_sub(before.0);
+        self.counted.1 += after.1.saturating_sub(before.1);
     }
 
     /// The summed cost of the calls with a price.

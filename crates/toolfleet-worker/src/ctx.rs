@@ -135,6 +135,10 @@ impl ToolCtx {
             store: self.sink.shared_store()?,
             tenant: self.call.invocation.tenant().to_owned(),
             limits: self.call.invocation.tenant_limits,
+            token: format!(
+                "tool/{}/{}",
+                self.call.invocation.invocation_id, self.call.call_id
+            ),
         })
     }
 

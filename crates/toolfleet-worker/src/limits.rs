@@ -27,6 +27,8 @@ pub struct SharedLimits {
     pub(crate) store: CitationStore,
     pub(crate) tenant: String,
     pub(crate) limits: Option<TenantLimits>,
+    /// Names the call in the tenant's counts.
+    pub(crate) token: String,
 }
 
 impl std::fmt::Debug for SharedLimits {
@@ -41,12 +43,12 @@ impl std::fmt::Debug for SharedLimits {
 impl SharedLimits {
     /// Admits one model call of the call's tenant under the limits its job
     /// carried; `token` names the call (the same token is counted once).
-    /// A store that cannot be reached lets the call through.
     ///
     /// # Errors
     ///
     /// `rate_limited` or `budget_exhausted` (never retried) when a limit
-    /// is reached, saying which and for how long.
+    /// is reached, saying which and for how long; a retryable error when
+    /// the store cannot be reached (a budget is never bypassed).
     pub async fn admit_model_call(&self, token: &str) -> Result<(), ToolError> {
         let Some(limits) = self.limits.filter(|l| !l.is_none()) else {
             return Ok(());
@@ -61,15 +63,19 @@ impl SharedLimits {
             Ok(Admission::Refused {
                 limit, retry_after, ..
             }) => Err(refusal(limit, retry_after)),
-            Err(e) => {
-                tracing::warn!(tenant = %self.tenant, error = %e, "the tenant's limits cannot be read; the model call goes ahead");
-                Ok(())
-            }
+            // As the orchestrator: a budget is never bypassed; the job is
+            // tried again.
+            Err(e) => Err(ToolError::transient(format!(
+                "the tenant's limits cannot be checked: {e}"
+            ))),
         }
     }
 
     /// Adds what one model call used (`tokens`, `micros` millionths of a
-    /// USD) to the tenant's windows; `token` as for the admission.
+    /// USD) to the tenant's windows; `token` as for the admission. (The
+    /// runtime already counts what a tool reports with
+    /// [`ToolCtx::record_llm_call`](crate::ToolCtx::record_llm_call): this
+    /// is for spend a tool does not report.)
     pub async fn record_model_usage(&self, tokens: u64, micros: u64, token: &str) {
         if self.limits.is_none_or(|l| l.is_none()) {
             return;
@@ -82,6 +88,30 @@ impl SharedLimits {
         {
             tracing::warn!(tenant = %self.tenant, error = %e, "cannot count a model call's usage against the tenant's limits");
         }
+    }
+
+    /// Adds the model calls a call reported (`llm_calls` of its result) to
+    /// its tenant's counts, once per call (a redelivered job adds nothing
+    /// again). The worker runtime does this for every tool; a spend with
+    /// no reported cost counts its tokens only.
+    pub(crate) async fn count_reported(&self, calls: &[toolfleet_protocol::LlmCall]) {
+        if calls.is_empty() {
+            return;
+        }
+        let tokens = calls
+            .iter()
+            .map(|c| {
+                c.usage
+                    .total_tokens
+                    .max(c.usage.prompt_tokens + c.usage.completion_tokens)
+            })
+            .sum();
+        let micros = calls
+            .iter()
+            .filter_map(|c| c.cost_usd.filter(|c| c.is_finite() && *c >= 0.0))
+            .map(|c| (c * 1_000_000.0).round() as u64)
+            .sum();
+        self.record_model_usage(tokens, micros, &self.token).await;
     }
 
     /// Waits for a place under `deployment`'s fleet-wide limits and takes

@@ -120,7 +120,6 @@ impl GenerateImage {
         })?;
         if let Some(usage) = answer.usage {
             let cost_usd = self.providers.prices.cost(model, &usage);
-            crate::tool::count_usage(ctx, id, &usage, cost_usd).await;
             ctx.record_llm_call(LlmCall {
                 model: model.to_owned(),
                 purpose: "tool".into(),

@@ -242,17 +242,6 @@ impl Tool for LlmTool {
     }
 }
 
-/// Counts what model call `id` of `ctx`'s call used against its tenant's
-/// limits.
-pub(crate) async fn count_usage(ctx: &ToolCtx, id: &str, usage: &Usage, cost_usd: Option<f64>) {
-    if let Some(shared) = ctx.shared_limits() {
-        let micros = cost_usd.map_or(0, |c| (c * 1_000_000.0).round() as u64);
-        shared
-            .record_model_usage(usage.total_tokens, micros, &model_call_token(ctx, id))
-            .await;
-    }
-}
-
 /// Names one model call of a tool call for the tenant's counts: the same
 /// call redelivered counts once.
 pub(crate) fn model_call_token(ctx: &ToolCtx, model: &str) -> String {
@@ -408,7 +397,6 @@ impl LlmTool {
         let client = crate::providers::gated(ctx, client, limits);
         let (reply, usage, attempts) = self.ask(&client, &request).await?;
         let cost_usd = self.providers.prices.cost(model, &usage);
-        count_usage(ctx, id, &usage, cost_usd).await;
         ctx.record_llm_call(LlmCall {
             model: model.to_owned(),
             purpose: "tool".into(),

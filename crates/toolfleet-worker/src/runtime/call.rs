@@ -76,6 +76,11 @@ pub(super) async fn process_call(
             }
         },
     };
+    // What the tool's model calls spent counts against its tenant's limits
+    // here, once (the orchestrator leaves a tool's spend to its worker).
+    if let Some(limits) = ctx.shared_limits() {
+        limits.count_reported(&result.llm_calls).await;
+    }
     scrub(shared.hooks.scrubber(), &mut result);
     // And the tenant's secrets the call read from its settings.
     scrub(
