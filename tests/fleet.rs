@@ -16,6 +16,7 @@ mod deadletters;
 mod delivery;
 mod fair;
 mod health;
+mod in_flight;
 mod layout;
 mod limits;
 mod llm_tools;

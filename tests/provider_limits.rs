@@ -21,20 +21,10 @@ fn limited(bench: &Bench, keys: &str) -> String {
 }
 
 /// The most requests the model was answering at once, counting each as
-/// running for `took` from its arrival (the model's fixed delay, a little
-/// less for the slack of the clock).
+/// running for `took` from its arrival.
 fn most_at_once(bench: &Bench, took: Duration) -> usize {
     let arrivals: Vec<_> = bench.model.received().iter().map(|r| r.at).collect();
-    arrivals
-        .iter()
-        .map(|start| {
-            arrivals
-                .iter()
-                .filter(|at| **at >= *start && **at < *start + took)
-                .count()
-        })
-        .max()
-        .unwrap_or(0)
+    crate::support::most_at_once(&arrivals, took)
 }
 
 /// Two orchestrators with 8 slots each, a deployment allowing 2 calls at

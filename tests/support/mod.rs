@@ -654,3 +654,18 @@ pub(crate) async fn start_orchestrator(
     .expect("orchestrator start");
     rt
 }
+
+/// The most of `arrivals` within any `window` from one of them: how many
+/// requests a server was answering at once, when each takes `window`.
+pub(crate) fn most_at_once(arrivals: &[std::time::Instant], window: Duration) -> usize {
+    arrivals
+        .iter()
+        .map(|start| {
+            arrivals
+                .iter()
+                .filter(|at| **at >= *start && **at < *start + window)
+                .count()
+        })
+        .max()
+        .unwrap_or(0)
+}

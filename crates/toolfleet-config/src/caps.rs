@@ -10,6 +10,8 @@
 //! | `max_job_bytes` | 1024..=1048576, 1048576 (the contract's `MAX_JOB_BYTES`) | the largest chat job body the tenant may submit; a bigger one ends with `malformed_job` (its dead letter's code `too_large`), naming the cap |
 //! | `max_stored_events` | 1..=10000000, [`DEFAULT_MAX_STORED_EVENTS`] | how many of the tenant's invocations keep their latest event in the events stream (and 1,000 times that in history events): past it the tenant's own oldest go, never another tenant's |
 //! | `max_parked` | 1..=100000, [`DEFAULT_MAX_PARKED`] | the tenant's invocations parked for approval at once; one more ends with `too_many_parked` |
+//! | `max_jobs_in_flight` | 1..=100000, none | the tenant's chat jobs running at once across every orchestrator: past it, fair dispatch takes no more of its jobs until one ends (they wait in the stream, in the tenant's own queue) |
+//! | `max_tool_calls_in_flight` | 1..=100000, none | the tenant's tool calls running (or queued) at once in each tool's pool, across every orchestrator: a call past it waits for one of the tenant's own to end before it is sent, so one tenant never fills a pool's queue ahead of the others |
 //!
 //! Values are checked at load (`tenants.<name>.<key>` or
 //! `tenant_defaults.<key>` in the error).
@@ -37,23 +39,31 @@ pub struct TenantCaps {
     pub max_job_bytes: usize,
     pub max_stored_events: u64,
     pub max_parked: u64,
+    /// `None`: no cap.
+    pub max_jobs_in_flight: Option<u64>,
+    /// Per tool pool; `None`: no cap.
+    pub max_tool_calls_in_flight: Option<u64>,
 }
 
 /// Each key's range.
-const RANGES: [(&str, u64, u64); 4] = [
+const RANGES: [(&str, u64, u64); 6] = [
     ("max_queued_jobs", 1, 1_000_000),
     ("max_job_bytes", 1024, MAX_JOB_BYTES as u64),
     ("max_stored_events", 1, 10_000_000),
     ("max_parked", 1, 100_000),
+    ("max_jobs_in_flight", 1, 100_000),
+    ("max_tool_calls_in_flight", 1, 100_000),
 ];
 
 impl CapKeys {
-    fn values(&self) -> [Option<u64>; 4] {
+    fn values(&self) -> [Option<u64>; 6] {
         [
             self.max_queued_jobs,
             self.max_job_bytes,
             self.max_stored_events,
             self.max_parked,
+            self.max_jobs_in_flight,
+            self.max_tool_calls_in_flight,
         ]
     }
 
@@ -81,6 +91,8 @@ impl TenantConfig {
             max_job_bytes: self.max_job_bytes,
             max_stored_events: self.max_stored_events,
             max_parked: self.max_parked,
+            max_jobs_in_flight: self.max_jobs_in_flight,
+            max_tool_calls_in_flight: self.max_tool_calls_in_flight,
         }
     }
 }
@@ -102,6 +114,8 @@ impl FleetConfig {
             max_parked: self
                 .tenant_key(tenant, |t| t.max_parked)
                 .unwrap_or(DEFAULT_MAX_PARKED),
+            max_jobs_in_flight: self.tenant_key(tenant, |t| t.max_jobs_in_flight),
+            max_tool_calls_in_flight: self.tenant_key(tenant, |t| t.max_tool_calls_in_flight),
         }
     }
 

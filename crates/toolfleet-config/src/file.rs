@@ -488,6 +488,8 @@ mod tests {
             "max_job_bytes",
             "max_stored_events",
             "max_parked",
+            "max_jobs_in_flight",
+            "max_tool_calls_in_flight",
             "requests_per_minute",
             "tokens_per_minute",
             "spend_per_day_usd",

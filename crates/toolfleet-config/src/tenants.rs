@@ -147,6 +147,10 @@ pub struct TenantConfig {
     pub max_stored_events: Option<u64>,
     #[serde(default)]
     pub max_parked: Option<u64>,
+    #[serde(default)]
+    pub max_jobs_in_flight: Option<u64>,
+    #[serde(default)]
+    pub max_tool_calls_in_flight: Option<u64>,
     /// Rate limits, budgets and per-run caps ([`crate::limits`]); `None`:
     /// `[tenant_defaults]`'s, else no limit.
     #[serde(default, deserialize_with = "crate::limits::positive")]
@@ -188,6 +192,8 @@ pub struct CapKeys {
     pub max_job_bytes: Option<u64>,
     pub max_stored_events: Option<u64>,
     pub max_parked: Option<u64>,
+    pub max_jobs_in_flight: Option<u64>,
+    pub max_tool_calls_in_flight: Option<u64>,
 }
 
 impl TenantConfig {

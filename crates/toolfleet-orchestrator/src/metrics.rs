@@ -121,6 +121,10 @@ pub struct OrchestratorMetrics {
     /// acked), as fair dispatch last read the chat stream; every
     /// orchestrator reports the same counts.
     pub chat_queued: IntGaugeVec,
+    /// Times a tenant's chat job (`cap="jobs"`) or tool call
+    /// (`cap="tool_calls"`) waited because the tenant had its cap of them
+    /// in flight fleet-wide, by `tenant` and `cap`.
+    pub in_flight_waits: IntCounterVec,
     /// How long model calls waited for their deployment's fleet-wide
     /// limits, by `deployment` (only deployments that have some).
     pub provider_queued: HistogramVec,
@@ -378,6 +382,12 @@ const CHAT_DISPATCHED: Spec = spec(
     &["priority", "reason"],
 );
 
+const IN_FLIGHT_WAITS: Spec = spec(
+    "toolfleet_tenant_in_flight_waits_total",
+    "Times a tenant's chat job (cap=jobs: max_jobs_in_flight) or tool call (cap=tool_calls: max_tool_calls_in_flight, per pool) waited because the tenant had its cap of them in flight fleet-wide.",
+    &["tenant", "cap"],
+);
+
 const PROVIDER_QUEUED: Spec = spec(
     "toolfleet_provider_queue_seconds",
     "Conversation model calls of deployments with fleet-wide limits (max_concurrency, requests_per_minute): how long each waited for its place, all attempts together.",
@@ -454,6 +464,7 @@ impl OrchestratorMetrics {
             quota: crate::quota::QuotaMetrics::register(r)?,
             cancels: CANCELS.counter(r)?,
             chat_queued: CHAT_QUEUED.gauges(r)?,
+            in_flight_waits: IN_FLIGHT_WAITS.counter(r)?,
             provider_queued: PROVIDER_QUEUED.histogram_with(r, &PROVIDER_QUEUED_BUCKETS)?,
             chat_moved_to_batch: CHAT_MOVED_TO_BATCH.counter(r)?,
             chat_dispatched: CHAT_DISPATCHED.counter(r)?,
@@ -505,6 +516,9 @@ impl OrchestratorMetrics {
         self.tenant_suspensions.with_label_values(&[tenant]);
         self.chat_suspended.with_label_values(&[tenant]);
         self.chat_moved_to_batch.with_label_values(&[tenant]);
+        for cap in ["jobs", "tool_calls"] {
+            self.in_flight_waits.with_label_values(&[tenant, cap]);
+        }
     }
 
     /// Sets the registry gauges after a rebuild that took `took`.

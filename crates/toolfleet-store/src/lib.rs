@@ -72,6 +72,7 @@ pub mod provider;
 pub mod quota;
 mod retry;
 mod sinks;
+pub mod slots;
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -20,9 +20,8 @@
 //! store that cannot be reached lets the call through (the provider's own
 //! 429s, retried, are then the limit).
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
-use tokio::task::JoinHandle;
 use tracing::warn;
 
 use crate::CitationStore;
@@ -58,9 +57,7 @@ end
 return 0
 ";
 
-/// How long a slot's lease runs before its holder renews it: a process
-/// that died frees its slots within this.
-pub const SLOT_LEASE: Duration = Duration::from_secs(30);
+use crate::slots::SLOT_LEASE;
 
 /// How often a waiting call asks again when every slot is taken (with
 /// jitter: between half and all of it).
@@ -73,63 +70,9 @@ const LONGEST_WAIT: Duration = Duration::from_secs(1);
 
 /// One call's place under its deployment's limits: the slot is given back
 /// when this drops (its lease renewed until then).
-pub struct ProviderSlot {
-    held: Option<Held>,
-}
+pub type ProviderSlot = crate::slots::Slot;
 
-struct Held {
-    store: CitationStore,
-    key: String,
-    lease: String,
-    renew: JoinHandle<()>,
-}
-
-impl Drop for ProviderSlot {
-    fn drop(&mut self) {
-        let Some(held) = self.held.take() else {
-            return;
-        };
-        held.renew.abort();
-        // Given back at once where a runtime is running; otherwise the
-        // lease lapses by itself.
-        if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            rt.spawn(async move {
-                let (key, lease) = (held.key, held.lease);
-                let _ = held
-                    .store
-                    .run("provider_release", |mut conn| {
-                        let (key, lease) = (key.clone(), lease.clone());
-                        async move {
-                            redis::cmd("ZREM")
-                                .arg(key)
-                                .arg(lease)
-                                .query_async::<()>(&mut conn)
-                                .await
-                        }
-                    })
-                    .await;
-            });
-        }
-    }
-}
-
-impl std::fmt::Debug for ProviderSlot {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ProviderSlot")
-            .field("holds_slot", &self.held.is_some())
-            .finish()
-    }
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-}
-
-fn ms(d: Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
-}
+use crate::slots::{ms, now_ms};
 
 impl CitationStore {
     fn provider_key(&self, deployment: &str, part: &str) -> String {
@@ -169,15 +112,16 @@ impl CitationStore {
             let answer = self.acquire(&keys, &lease, &args).await;
             let wait = match answer {
                 Ok(0) => {
-                    return ProviderSlot {
-                        held: max_concurrency.map(|_| self.hold(slots, lease)),
+                    return match max_concurrency {
+                        Some(_) => crate::slots::Slot::hold(self, slots, lease),
+                        None => crate::slots::Slot::none(),
                     };
                 }
                 Ok(-1) => POLL.mul_f64(0.5 + rand_unit() / 2.0),
                 Ok(ms) => Duration::from_millis(ms.unsigned_abs()).min(LONGEST_WAIT),
                 Err(e) => {
                     warn!(deployment, error = %e, "the deployment's fleet-wide limits cannot be read; the model call goes ahead");
-                    return ProviderSlot { held: None };
+                    return crate::slots::Slot::none();
                 }
             };
             tokio::time::sleep(wait).await;
@@ -208,41 +152,6 @@ impl CitationStore {
             invocation.invoke_async(&mut conn).await
         })
         .await
-    }
-
-    /// Holds `lease` in `slots`, renewing it while held.
-    fn hold(&self, slots: String, lease: String) -> Held {
-        let store = self.clone();
-        let (key, id) = (slots.clone(), lease.clone());
-        let renew = tokio::spawn(async move {
-            loop {
-                tokio::time::sleep(SLOT_LEASE / 3).await;
-                let until = now_ms() + ms(SLOT_LEASE);
-                let renewed = store
-                    .run("provider_renew", |mut conn| {
-                        let (key, id) = (key.clone(), id.clone());
-                        async move {
-                            redis::cmd("ZADD")
-                                .arg(key)
-                                .arg("XX")
-                                .arg(until)
-                                .arg(id)
-                                .query_async::<()>(&mut conn)
-                                .await
-                        }
-                    })
-                    .await;
-                if let Err(e) = renewed {
-                    warn!(error = %e, "cannot renew a model call's slot; it may lapse");
-                }
-            }
-        });
-        Held {
-            store: self.clone(),
-            key: slots,
-            lease,
-            renew,
-        }
     }
 
     /// No call of `deployment` starts for `wait` (the provider said so),

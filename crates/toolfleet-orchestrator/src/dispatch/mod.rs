@@ -31,7 +31,7 @@
 //! (`<P>_SETTINGS`, key `<tenant>.<ns>.<name>`) at dispatch: one read per
 //! such call, never a setting of another tenant.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use toolfleet_protocol::ToolErrorCode;
@@ -49,6 +49,7 @@ use toolfleet_protocol::{
 use tracing::warn;
 
 pub mod agent;
+mod inflight;
 
 use crate::metrics::OrchestratorMetrics;
 use crate::replies::RunInbox;
@@ -116,6 +117,8 @@ struct Pending {
     /// The call's `execute_tool` span: open from dispatch to its answer
     /// (or expiry), the parent of the worker's.
     span: tracing::Span,
+    /// Its tenant's place in the tool's pool, held until it is answered.
+    place: Option<inflight::Place>,
 }
 
 /// One batch of calls sent together, and their answers so far.
@@ -306,7 +309,15 @@ impl ToolRunner<'_> {
         };
         let mut acks = Vec::new();
         for (index, (call, resolved)) in batch.calls.iter().zip(resolved).enumerate() {
-            match self.dispatch(inv, call, resolved, index, events).await {
+            let held: HashSet<String> = batch
+                .pending
+                .values()
+                .filter_map(|p| p.place.as_ref().map(|place| place.key.clone()))
+                .collect();
+            match self
+                .dispatch(inv, call, (resolved, &held), index, events)
+                .await
+            {
                 Ok((pending, ack)) => {
                     if let Some(ack) = ack {
                         acks.push((call.id.clone(), ack));
@@ -331,23 +342,11 @@ impl ToolRunner<'_> {
         &self,
         inv: &Invocation,
         call: &ToolCall,
-        resolved: &Resolved,
+        (resolved, held): (&Resolved, &HashSet<String>),
         index: usize,
         events: &Events,
     ) -> Result<(Pending, Option<PublishAckFuture>), ToolOutcome> {
-        // The call's span, from here to its answer; every way it ends
-        // marks it (a call answered at once too).
-        let span = tracing::info_span!(
-            "tool_call",
-            otel.name = format!("execute_tool {}", call.name),
-            otel.kind = "producer",
-            otel.status_code = tracing::field::Empty,
-            gen_ai.operation.name = "execute_tool",
-            gen_ai.tool.name = %call.name,
-            gen_ai.tool.call.id = %call.id,
-            gen_ai.tool.type = "function",
-            error.type = tracing::field::Empty,
-        );
+        let span = call_span(call);
         let (tool, arguments) = match self.accept(inv, call, resolved, events).await {
             Ok(accepted) => accepted,
             Err(outcome) => {
@@ -395,6 +394,13 @@ impl ToolRunner<'_> {
                 ),
             ));
         }
+        let deadline = self.answer_deadline(inv, def);
+        let place = inflight::take(self.fleet, inv, def, held, deadline)
+            .await
+            .map_err(|inflight::NoPlace::Deadline| {
+                failed(&span, ToolErrorCode::Timeout.as_str());
+                inflight::no_place(metrics, events, call, &id)
+            })?;
         let ack = match self.publish(def.delivery, &call_ctx, headers, body).await {
             Ok(ack) => ack,
             Err(e) => {
@@ -409,21 +415,31 @@ impl ToolRunner<'_> {
                 ));
             }
         };
-        let mut wait = def.timeout() + self.fleet.config.tool_wait_slack;
-        wait = wait.min(Duration::from_millis(
-            inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()),
-        ));
         Ok((
             Pending {
                 index,
                 tool,
                 started: Instant::now(),
-                deadline: tokio::time::Instant::now() + wait,
+                deadline,
                 misses: 0,
                 span,
+                place,
             },
             ack,
         ))
+    }
+
+    /// When a call of `inv` to `def` is given up: the tool's timeout and
+    /// slack, or the invocation's deadline when nearer.
+    fn answer_deadline(
+        &self,
+        inv: &Invocation,
+        def: &toolfleet_protocol::tools::ToolDefinition,
+    ) -> tokio::time::Instant {
+        let wait = (def.timeout() + self.fleet.config.tool_wait_slack).min(Duration::from_millis(
+            inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()),
+        ));
+        tokio::time::Instant::now() + wait
     }
 
     /// The invocation's tenant's settings of `def` for `call`'s job
@@ -912,6 +928,22 @@ pub(crate) fn over_the_turn_cap(
             "Error: not run: at most {} tool calls per turn.",
             inv.profile.profile.policy.max_calls_per_turn
         ),
+    )
+}
+
+/// A call's span, from its dispatch to its answer; every way it ends
+/// marks it (a call answered at once too).
+fn call_span(call: &ToolCall) -> tracing::Span {
+    tracing::info_span!(
+        "tool_call",
+        otel.name = format!("execute_tool {}", call.name),
+        otel.kind = "producer",
+        otel.status_code = tracing::field::Empty,
+        gen_ai.operation.name = "execute_tool",
+        gen_ai.tool.name = %call.name,
+        gen_ai.tool.call.id = %call.id,
+        gen_ai.tool.type = "function",
+        error.type = tracing::field::Empty,
     )
 }
 

@@ -49,6 +49,7 @@ use tokio_util::task::TaskTracker;
 use toolfleet_protocol::Priority;
 use toolfleet_service::jobs::{Reconnects, Sweeper};
 use toolfleet_service::poison::Poison;
+use toolfleet_store::slots::Slot;
 use tracing::warn;
 
 use super::turns::Turns;
@@ -66,6 +67,10 @@ const RECHECK_AFTER_WAKEUP: Duration = Duration::from_millis(50);
 /// How long one no-wait fetch may take before it is given up (the
 /// connection broke under it).
 const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a tenant found at its `max_jobs_in_flight` takes no turn
+/// before its count is read again.
+const HELD_BACK_FOR: Duration = Duration::from_millis(100);
 
 /// What the dispatcher reads: the chat stream and the wake-ups (core
 /// subscriptions on every submit and batch subject, merged).
@@ -103,6 +108,9 @@ struct Tenants {
     /// set to zero once they have none).
     stored: HashSet<String>,
     rescan_at: Instant,
+    /// Tenants found at their `max_jobs_in_flight`, and until when they
+    /// take no turn.
+    held_back: HashMap<String, Instant>,
 }
 
 impl Dispatcher {
@@ -120,6 +128,7 @@ impl Dispatcher {
             woken: HashSet::new(),
             stored: HashSet::new(),
             rescan_at: Instant::now(),
+            held_back: HashMap::new(),
         };
         while !self.shutdown.is_cancelled() {
             if reconnects.take_new() {
@@ -157,6 +166,11 @@ impl Dispatcher {
                 }
                 continue;
             };
+            let Ok(slot) = self.job_slot(&lane.0).await else {
+                // At its cap of jobs in flight: its jobs wait in the stream.
+                tenants.hold_back(&lane);
+                continue;
+            };
             match tenants.take_one(&self, &lane).await {
                 Some(msg) => {
                     self.fleet
@@ -164,16 +178,17 @@ impl Dispatcher {
                         .chat_dispatched
                         .with_label_values(&[lane.1.as_str(), reason])
                         .inc();
-                    self.start(msg, permit);
+                    self.start(msg, permit, slot);
                 }
                 None => tenants.idle(&lane),
             }
         }
     }
 
-    /// Runs `msg` under `permit`: a chat job through intake, a poison
-    /// through the sweeper (dead-lettered, answered, terminated).
-    fn start(&self, msg: jetstream::Message, permit: OwnedSemaphorePermit) {
+    /// Runs `msg` under `permit` (and its tenant's place, `slot`): a chat
+    /// job through intake, a poison through the sweeper (dead-lettered,
+    /// answered, terminated).
+    fn start(&self, msg: jetstream::Message, permit: OwnedSemaphorePermit, slot: Option<Slot>) {
         if let Some(poison) = Poison::of(&msg) {
             self.sweeper
                 .dispose(poison, msg, Some(permit), &self.tracker);
@@ -182,8 +197,35 @@ impl Dispatcher {
         let (fleet, plugins) = (self.fleet.clone(), self.plugins.clone());
         self.tracker.spawn(async move {
             super::handle(&fleet, &plugins, msg).await;
+            drop(slot);
             drop(permit);
         });
+    }
+
+    /// A place among `tenant`'s jobs in flight fleet-wide, when it has a
+    /// `max_jobs_in_flight`: `Err` when all are held. A store that cannot
+    /// be reached lets the job run.
+    async fn job_slot(&self, tenant: &str) -> Result<Option<Slot>, ()> {
+        let fleet = &self.fleet;
+        let Some(cap) = fleet.config.profiles.caps_of(tenant).max_jobs_in_flight else {
+            return Ok(None);
+        };
+        let key = fleet.store.inflight_key(tenant, "jobs");
+        match fleet.store.take_slot(&key, cap).await {
+            Ok(Some(slot)) => Ok(Some(slot)),
+            Ok(None) => {
+                fleet
+                    .metrics
+                    .in_flight_waits
+                    .with_label_values(&[tenant, "jobs"])
+                    .inc();
+                Err(())
+            }
+            Err(e) => {
+                warn!(tenant, error = %e, "the tenant's jobs in flight cannot be counted; the job runs");
+                Ok(None)
+            }
+        }
     }
 }
 
@@ -224,8 +266,25 @@ impl Tenants {
         }
     }
 
+    /// `lane`'s tenant is at its cap of jobs in flight: none of its lanes
+    /// takes a turn for a while.
+    fn hold_back(&mut self, lane: &Lane) {
+        self.held_back
+            .insert(lane.0.clone(), Instant::now() + HELD_BACK_FOR);
+        self.idle(&(lane.0.clone(), Priority::Interactive));
+        self.idle(&(lane.0.clone(), Priority::Batch));
+        // Its jobs are found again by the rescan after the hold.
+        self.rescan_at = self.rescan_at.min(Instant::now() + HELD_BACK_FOR);
+    }
+
     /// `tenant`'s `priority` lane has work.
     fn join(&mut self, fleet: &Fleet, tenant: &str, priority: Priority) {
+        if let Some(until) = self.held_back.get(tenant) {
+            if Instant::now() < *until {
+                return;
+            }
+            self.held_back.remove(tenant);
+        }
         let weight = fleet.config.profiles.weight_of(tenant);
         match priority {
             Priority::Interactive => self.interactive.wake(tenant, weight),

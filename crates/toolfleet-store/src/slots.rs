@@ -1,0 +1,182 @@
+//! Places under a fleet-wide cap: a sorted set of leases per cap, each
+//! scored by when it lapses. Taking a place drops the lapsed leases and
+//! adds one when fewer than the cap are held, in one script; a held
+//! [`Slot`] renews its lease until it drops, then gives it back. A process
+//! that dies frees its places within [`SLOT_LEASE`].
+//!
+//! Used for a deployment's concurrency ([`crate::provider`]) and a
+//! tenant's jobs and tool calls in flight ([`CitationStore::take_slot`]:
+//! `<p>:{<tenant>}:inflight:<what>`, under the tenant's hash tag).
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::task::JoinHandle;
+use tracing::warn;
+
+use crate::{CitationError, CitationStore};
+
+/// How long a place's lease runs before its holder renews it.
+pub const SLOT_LEASE: Duration = Duration::from_secs(30);
+
+const TAKE: &str = r"
+local now = tonumber(ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[2])
+redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[4]))
+return 1
+";
+
+/// A place under a cap: given back when this drops (its lease renewed
+/// until then). A slot may hold nothing (no cap applied).
+pub struct Slot {
+    held: Option<Held>,
+}
+
+struct Held {
+    store: CitationStore,
+    key: String,
+    lease: String,
+    renew: JoinHandle<()>,
+}
+
+impl Slot {
+    /// A slot that holds nothing.
+    pub fn none() -> Self {
+        Self { held: None }
+    }
+
+    /// Whether this slot holds a place.
+    pub fn is_held(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// Holds `lease` in `key`, renewing it every third of
+    /// [`SLOT_LEASE`] while held.
+    pub(crate) fn hold(store: &CitationStore, key: String, lease: String) -> Self {
+        let renewer = store.clone();
+        let (k, id) = (key.clone(), lease.clone());
+        let renew = tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(SLOT_LEASE / 3).await;
+                let until = now_ms() + ms(SLOT_LEASE);
+                let renewed = renewer
+                    .run("slot_renew", |mut conn| {
+                        let (k, id) = (k.clone(), id.clone());
+                        async move {
+                            redis::cmd("ZADD")
+                                .arg(k)
+                                .arg("XX")
+                                .arg(until)
+                                .arg(id)
+                                .query_async::<()>(&mut conn)
+                                .await
+                        }
+                    })
+                    .await;
+                if let Err(e) = renewed {
+                    warn!(error = %e, "cannot renew a held place's lease; it may lapse");
+                }
+            }
+        });
+        Self {
+            held: Some(Held {
+                store: store.clone(),
+                key,
+                lease,
+                renew,
+            }),
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let Some(held) = self.held.take() else {
+            return;
+        };
+        held.renew.abort();
+        // Given back at once where a runtime is running; otherwise the
+        // lease lapses by itself.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let (key, lease) = (held.key, held.lease);
+                let _ = held
+                    .store
+                    .run("slot_release", |mut conn| {
+                        let (key, lease) = (key.clone(), lease.clone());
+                        async move {
+                            redis::cmd("ZREM")
+                                .arg(key)
+                                .arg(lease)
+                                .query_async::<()>(&mut conn)
+                                .await
+                        }
+                    })
+                    .await;
+            });
+        }
+    }
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("held", &self.held.is_some())
+            .finish()
+    }
+}
+
+pub(crate) fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+pub(crate) fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+impl CitationStore {
+    /// The key of a tenant's in-flight cap `what` (`jobs`, or
+    /// `tool:<pool>`), under the tenant's hash tag.
+    pub fn inflight_key(&self, tenant: &str, what: &str) -> String {
+        format!("{}:{{{tenant}}}:inflight:{what}", self.prefix)
+    }
+
+    /// Takes one of `max` places of `key` (see the module docs): `None`
+    /// when all are held.
+    pub async fn take_slot(&self, key: &str, max: u64) -> Result<Option<Slot>, CitationError> {
+        static SCRIPT: std::sync::LazyLock<redis::Script> =
+            std::sync::LazyLock::new(|| redis::Script::new(TAKE));
+        let lease = uuid::Uuid::new_v4().simple().to_string();
+        let mut invocation = SCRIPT.prepare_invoke();
+        invocation
+            .key(key)
+            .arg(now_ms())
+            .arg(&lease)
+            .arg(max)
+            .arg(ms(SLOT_LEASE));
+        let invocation = &invocation;
+        let taken: u8 = self
+            .run("take_slot", |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        Ok((taken == 1).then(|| Slot::hold(self, key.to_owned(), lease)))
+    }
+
+    /// How many places of `key` are held now.
+    pub async fn slots_held(&self, key: &str) -> Result<u64, CitationError> {
+        let now = now_ms();
+        self.run("slots_held", |mut conn| async move {
+            redis::cmd("ZCOUNT")
+                .arg(key)
+                .arg(now)
+                .arg("+inf")
+                .query_async(&mut conn)
+                .await
+        })
+        .await
+    }
+}
