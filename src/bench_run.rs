@@ -29,6 +29,11 @@ pub enum BenchMode {
     Tool,
     /// Whole chat jobs: model calls, tool calls, citations and events.
     Chat,
+    /// A quiet tenant's chat jobs alone and beside a noisy one (a backlog,
+    /// poisons, a cancel flood, a slow webhook), two flooding tenants'
+    /// shares by weight, and fair dispatch against one FIFO, on servers
+    /// of its own ([`crate::bench_noisy`]).
+    Noisy,
 }
 
 #[derive(Args, Debug)]
@@ -146,6 +151,9 @@ struct Report {
 /// `toolfleet bench`: exit 0 when every measured operation succeeded, 1
 /// when one failed.
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
+    if args.mode == BenchMode::Noisy {
+        return crate::bench_noisy::run(&args).await;
+    }
     toolfleet_service::serve::raise_fd_limit();
     let load = load_of(&args)?;
     let timeout = Duration::from_secs(args.timeout_secs);
@@ -262,6 +270,7 @@ fn announce(args: &BenchArgs, load: &Load) {
         match args.mode {
             BenchMode::Tool => "tool",
             BenchMode::Chat => "chat (the scripted stand-in model)",
+            BenchMode::Noisy => "noisy",
         },
         load.concurrency,
         match (load.count, load.duration) {

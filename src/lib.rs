@@ -42,6 +42,7 @@
 
 pub mod bench;
 pub mod bench_fleet;
+pub mod bench_noisy;
 pub mod bench_run;
 pub mod blob;
 pub mod chat;

@@ -36,6 +36,11 @@ struct Args {
     /// orchestrator), so batch never starves.
     #[arg(long, env = "TOOLFLEET_BATCH_MAX_WAIT_SECS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=86_400))]
     batch_max_wait_secs: u64,
+    /// How chat jobs are taken: `fair` (per-tenant turns, interactive
+    /// before batch) or `fifo` (one queue in arrival order: no fairness;
+    /// the chat stream may not hold fair dispatch's consumers).
+    #[arg(long, env = "TOOLFLEET_CHAT_DISPATCH", value_enum, default_value_t = toolfleet_orchestrator::settings::ChatDispatch::Fair)]
+    chat_dispatch: toolfleet_orchestrator::settings::ChatDispatch,
     /// Recommended models per tool (JSON: `{"tools": {"<tool id or
     /// ns:name>": ["<deployment>/<model>", ...]}}`, cheapest first). A file
     /// that cannot be read or parsed stops the start (exit 64); models no
@@ -60,6 +65,7 @@ async fn main() -> anyhow::Result<()> {
     let mut config = OrchestratorConfig::new(subjects, profiles);
     config.max_in_flight = a.max_in_flight;
     config.batch_max_wait = std::time::Duration::from_secs(a.batch_max_wait_secs);
+    config.chat_dispatch = a.chat_dispatch;
     config.sinks = a.sinks.settings();
     // A configured sink the policy refuses stops the start (exit 64).
     args::or_exit(

@@ -17,6 +17,20 @@ use crate::sinks::SinkSettings;
 /// (`--batch-max-wait`).
 pub const DEFAULT_BATCH_MAX_WAIT: Duration = Duration::from_secs(30);
 
+/// How chat jobs are taken from the chat stream.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum ChatDispatch {
+    /// Per-tenant consumers taken in weighted turns, interactive before
+    /// batch (the default).
+    #[default]
+    Fair,
+    /// One consumer shared by every tenant, in arrival order: no fairness,
+    /// no priorities. For a fleet with one tenant, or to measure what
+    /// fairness costs (`toolfleet bench --mode noisy`). The chat stream may
+    /// not hold fair dispatch's consumers then.
+    Fifo,
+}
+
 /// How the orchestrator runs. Model endpoints, prompts and loop policies
 /// come from the profiles ([`FleetConfig`]), resolved per chat job.
 #[derive(Clone)]
@@ -30,6 +44,8 @@ pub struct Settings {
     /// The longest batch jobs wait behind interactive ones: past it, fair
     /// dispatch takes a batch job next (aging, so batch never starves).
     pub batch_max_wait: Duration,
+    /// Fair dispatch (the default), or one shared FIFO.
+    pub chat_dispatch: ChatDispatch,
     /// Deadline of a chat job that names none.
     pub default_timeout: Duration,
     /// Added to a tool's own timeout while waiting for its result (queueing,
@@ -55,6 +71,7 @@ impl Settings {
             env: Arc::new(ProcessEnv),
             max_in_flight: 32,
             batch_max_wait: DEFAULT_BATCH_MAX_WAIT,
+            chat_dispatch: ChatDispatch::Fair,
             default_timeout: Duration::from_secs(120),
             tool_wait_slack: Duration::from_secs(2),
             catalog_refresh: Duration::from_secs(2),

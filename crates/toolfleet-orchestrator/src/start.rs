@@ -12,6 +12,8 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use toolfleet_service::jobs::{self, Reconnects, Sweeper};
+
+use crate::settings::ChatDispatch;
 use toolfleet_store::CitationStore;
 use tracing::{info, warn};
 
@@ -176,7 +178,7 @@ impl Opened {
             per_tenant: settings.profiles.largest_queued_cap(),
         };
         let chat = intake::Intake {
-            stream: intake::chat_stream(&js, subjects, limits).await?,
+            stream: intake::chat_stream(&js, subjects, limits, settings.chat_dispatch).await?,
             // Wake-ups of fair dispatch: which tenant just submitted, in
             // which lane.
             wakeups: futures::stream::select(
@@ -293,8 +295,12 @@ struct Puller {
 
 impl Puller {
     /// Takes chat jobs from the tenants in turn until shutdown (fair
-    /// dispatch), each handled by intake under the shared permits.
+    /// dispatch), each handled by intake under the shared permits — or in
+    /// arrival order from one shared consumer (`--chat-dispatch fifo`).
     async fn dispatch(self, chat: intake::Intake) {
+        if self.fleet.config.chat_dispatch == ChatDispatch::Fifo {
+            return self.pull_fifo(chat).await;
+        }
         let fleet = self.fleet;
         let on_poison: OnPoison = {
             let fleet = fleet.clone();
@@ -314,6 +320,48 @@ impl Puller {
             sweeper,
         }
         .run(chat)
+        .await;
+    }
+
+    /// FIFO dispatch: every tenant's chat jobs off one consumer, in
+    /// arrival order, each handled by intake under the shared permits.
+    async fn pull_fifo(self, chat: intake::Intake) {
+        let fleet = self.fleet;
+        let subjects = &fleet.config.subjects;
+        let consumer = match intake::fifo_consumer(&chat.stream, subjects).await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot open the FIFO chat consumer; no chat job is taken");
+                return;
+            }
+        };
+        let on_poison: OnPoison = {
+            let fleet = fleet.clone();
+            Arc::new(move |p| intake::poison(fleet.clone(), p).boxed())
+        };
+        let pull = jobs::PullLoop {
+            consumer,
+            reconnects: Reconnects::watch(fleet.client.clone(), self.shutdown.clone()),
+            sweeper: Sweeper {
+                js: jetstream::new(fleet.client.clone()),
+                stream: subjects.chat_stream(),
+                on_poison,
+            },
+            permits: self.permits,
+            tracker: self.tracker,
+            shutdown: self.shutdown,
+            what: subjects.chat_consumer(),
+            progress_every: intake::CHAT_PROGRESS_EVERY,
+            hold_permit_while_waiting: true,
+        };
+        let plugins = self.plugins;
+        pull.in_slots(move |msg, slot| {
+            let (fleet, plugins) = (fleet.clone(), plugins.clone());
+            async move {
+                intake::handle(&fleet, &plugins, msg).await;
+                drop(slot);
+            }
+        })
         .await;
     }
 

@@ -42,7 +42,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer::PullConsumer};
 use futures::stream::BoxStream;
 use futures::{FutureExt, StreamExt};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -64,9 +64,14 @@ pub(crate) const RESCAN_EVERY: Duration = Duration::from_secs(1);
 /// nothing: the wake-up can arrive before the stream has stored the job.
 const RECHECK_AFTER_WAKEUP: Duration = Duration::from_millis(50);
 
-/// How long one no-wait fetch may take before it is given up (the
+/// How long one fetch waits at most: the server answers at once when the
+/// tenant has nothing (`no_wait`), unless a job of the tenant delivered
+/// before may come back (then it holds the request up to this long).
+const FETCH_EXPIRES: Duration = Duration::from_secs(1);
+
+/// How long the client waits for the server's answer beyond that (the
 /// connection broke under it).
-const FETCH_TIMEOUT: Duration = Duration::from_secs(5);
+const FETCH_TIMEOUT: Duration = Duration::from_secs(3);
 
 /// How long a tenant found at its `max_jobs_in_flight` takes no turn
 /// before its count is read again.
@@ -92,6 +97,27 @@ pub(crate) struct Dispatcher {
 /// A tenant's lane: whose consumer a job is fetched from.
 type Lane = (String, Priority);
 
+/// A fetch the dispatcher hands to a task of its own.
+struct Fetch {
+    consumer: PullConsumer,
+    lane: Lane,
+    /// `turn` or `aged` (the dispatch metric's label).
+    reason: &'static str,
+    /// A wake-up put the lane in the turns.
+    woken: bool,
+    permit: OwnedSemaphorePermit,
+    /// The tenant's place among its jobs in flight, and its count here.
+    held: (Option<Slot>, RunningGuard),
+    done: mpsc::UnboundedSender<Done>,
+}
+
+/// How a fetch went, reported to the dispatcher.
+enum Done {
+    Job { lane: Lane },
+    Empty { lane: Lane, woken: bool },
+    Failed { lane: Lane },
+}
+
 /// The dispatcher's view of the tenants.
 struct Tenants {
     stream: jetstream::stream::Stream,
@@ -111,6 +137,61 @@ struct Tenants {
     /// Tenants found at their `max_jobs_in_flight`, and until when they
     /// take no turn.
     held_back: HashMap<String, Instant>,
+    /// Jobs running here, by tenant: a free slot goes to the tenant with
+    /// the fewest for its weight.
+    running: Running,
+}
+
+/// Jobs running in this orchestrator, by tenant.
+#[derive(Clone, Default)]
+struct Running(Arc<std::sync::Mutex<HashMap<String, u32>>>);
+
+impl Running {
+    fn of(&self, tenant: &str) -> u32 {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(tenant)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Counts one more job of `tenant` until the guard drops.
+    fn start(&self, tenant: &str) -> RunningGuard {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(tenant.to_owned())
+            .or_default() += 1;
+        RunningGuard {
+            running: self.clone(),
+            tenant: tenant.to_owned(),
+        }
+    }
+}
+
+/// One job counted in [`Running`] until dropped (from before its fetch:
+/// a fetch in flight counts as a job of its tenant).
+struct RunningGuard {
+    running: Running,
+    tenant: String,
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        let mut map = self
+            .running
+            .0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(n) = map.get_mut(&self.tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                map.remove(&self.tenant);
+            }
+        }
+    }
 }
 
 impl Dispatcher {
@@ -129,7 +210,9 @@ impl Dispatcher {
             stored: HashSet::new(),
             rescan_at: Instant::now(),
             held_back: HashMap::new(),
+            running: Running::default(),
         };
+        let (done_tx, mut done) = mpsc::unbounded_channel::<Done>();
         while !self.shutdown.is_cancelled() {
             if reconnects.take_new() {
                 // Wake-ups published while the connection was down are
@@ -145,6 +228,10 @@ impl Dispatcher {
                     Err(_) => break,
                 },
             };
+            // What the fetches out reported meanwhile.
+            while let Ok(d) = done.try_recv() {
+                tenants.settle(d);
+            }
             if Instant::now() >= tenants.rescan_at {
                 tenants.rescan(&self.fleet).await;
             }
@@ -161,6 +248,7 @@ impl Dispatcher {
                         // The connection is closed for good.
                         None => break,
                     },
+                    Some(d) = done.recv() => tenants.settle(d),
                     () = tokio::time::sleep_until(tenants.rescan_at) => {}
                     () = reconnects.next() => tenants.rescan_at = Instant::now(),
                 }
@@ -171,33 +259,89 @@ impl Dispatcher {
                 tenants.hold_back(&lane);
                 continue;
             };
-            match tenants.take_one(&self, &lane).await {
-                Some(msg) => {
-                    self.fleet
-                        .metrics
-                        .chat_dispatched
-                        .with_label_values(&[lane.1.as_str(), reason])
-                        .inc();
-                    self.start(msg, permit, slot);
-                }
-                None => tenants.idle(&lane),
-            }
+            let Some(consumer) = tenants.consumer(&self, &lane).await.cloned() else {
+                tenants.idle(&lane);
+                continue;
+            };
+            // The lane takes no turn while its fetch is out; the fetch
+            // counts as a job of its tenant.
+            let woken = tenants.woken.remove(&lane);
+            tenants.pause(&lane);
+            let running = tenants.running.start(&lane.0);
+            self.spawn_fetch(Fetch {
+                consumer,
+                lane,
+                reason,
+                woken,
+                permit,
+                held: (slot, running),
+                done: done_tx.clone(),
+            });
         }
     }
 
-    /// Runs `msg` under `permit` (and its tenant's place, `slot`): a chat
-    /// job through intake, a poison through the sweeper (dead-lettered,
-    /// answered, terminated).
-    fn start(&self, msg: jetstream::Message, permit: OwnedSemaphorePermit, slot: Option<Slot>) {
-        if let Some(poison) = Poison::of(&msg) {
-            self.sweeper
-                .dispose(poison, msg, Some(permit), &self.tracker);
-            return;
-        }
+    /// Fetches one job of the lane without waiting (the server answers at
+    /// once when there is none, or after [`FETCH_EXPIRES`] when a job of
+    /// the lane delivered before may come back), reports how it went, and
+    /// runs the job under the fetch's permit. Out of the dispatcher's
+    /// loop: a slow answer delays only this lane.
+    fn spawn_fetch(&self, f: Fetch) {
         let (fleet, plugins) = (self.fleet.clone(), self.plugins.clone());
+        let (sweeper, tracker) = (self.sweeper.clone(), self.tracker.clone());
         self.tracker.spawn(async move {
+            let Fetch {
+                consumer,
+                lane,
+                reason,
+                woken,
+                permit,
+                held,
+                done,
+            } = f;
+            let fetched = tokio::time::timeout(FETCH_EXPIRES + FETCH_TIMEOUT, async {
+                let mut batch = consumer
+                    .fetch()
+                    .max_messages(1)
+                    .expires(FETCH_EXPIRES)
+                    .messages()
+                    .await?;
+                batch.next().await.transpose()
+            })
+            .await;
+            let (tenant, priority) = (lane.0.as_str(), lane.1.as_str());
+            let msg = match fetched {
+                Ok(Ok(Some(msg))) => msg,
+                Ok(Ok(None)) => {
+                    let _ = done.send(Done::Empty { lane, woken });
+                    return;
+                }
+                Ok(Err(e)) => {
+                    warn!(tenant, priority, error = %e, "fair dispatch: cannot pull the tenant's chat jobs; trying again later");
+                    let _ = done.send(Done::Failed { lane });
+                    return;
+                }
+                Err(_) => {
+                    warn!(tenant, priority, "fair dispatch: a pull got no answer in time; trying again later");
+                    let _ = done.send(Done::Failed { lane });
+                    return;
+                }
+            };
+            // The tenant's queue series exists from its first job on, even
+            // if no rescan saw the job stored.
+            fleet.metrics.chat_queued.with_label_values(&[tenant]);
+            fleet
+                .metrics
+                .chat_dispatched
+                .with_label_values(&[priority, reason])
+                .inc();
+            let _ = done.send(Done::Job { lane: lane.clone() });
+            if let Some(poison) = Poison::of(&msg) {
+                drop(held);
+                sweeper.dispose(poison, msg, Some(permit), &tracker);
+                return;
+            }
             super::handle(&fleet, &plugins, msg).await;
-            drop(slot);
+            drop(held);
             drop(permit);
         });
     }
@@ -245,7 +389,8 @@ impl Tenants {
         } else {
             (&mut self.interactive, Priority::Interactive, "turn")
         };
-        let tenant = turns.next()?;
+        let running = &self.running;
+        let tenant = turns.next_by_load(|t| running.of(t))?;
         if priority == Priority::Batch {
             // Batch had its turn: its wait starts again.
             self.batch_since = Some(Instant::now());
@@ -347,45 +492,41 @@ impl Tenants {
         self.stored = stored;
     }
 
-    /// One job of `lane`, if it has one deliverable now.
-    async fn take_one(&mut self, d: &Dispatcher, lane: &Lane) -> Option<jetstream::Message> {
-        let woken = self.woken.remove(lane);
-        let consumer = self.consumer(d, lane).await?;
-        let fetched = tokio::time::timeout(FETCH_TIMEOUT, async {
-            let mut batch = consumer.fetch().max_messages(1).messages().await?;
-            batch.next().await.transpose()
-        })
-        .await;
-        let tenant = lane.0.as_str();
-        match fetched {
-            Ok(Ok(Some(msg))) => {
-                // The tenant's queue series exists from its first job on,
-                // even if no rescan saw the job stored.
-                d.fleet.metrics.chat_queued.with_label_values(&[tenant]);
-                Some(msg)
-            }
-            Ok(Ok(None)) => {
+    /// What a fetch reported: a lane that gave a job may have more (it
+    /// takes turns again); an empty one waits for a wake-up or a rescan
+    /// (soon, when a wake-up sent it: the job may not be stored yet); a
+    /// failed one has its consumer opened again.
+    fn settle(&mut self, done: Done) {
+        match done {
+            Done::Job { lane } => self.turns_of(lane.1).resume(&lane.0),
+            Done::Empty { lane, woken } => {
+                if self.woken.contains(&lane) {
+                    // Woken again while the fetch was out.
+                    self.turns_of(lane.1).resume(&lane.0);
+                } else {
+                    self.idle(&lane);
+                }
                 if woken {
                     self.rescan_at = self.rescan_at.min(Instant::now() + RECHECK_AFTER_WAKEUP);
                 }
-                None
             }
-            Ok(Err(e)) => {
-                warn!(tenant, priority = lane.1.as_str(), error = %e, "fair dispatch: cannot pull the tenant's chat jobs; trying again later");
-                // Opened again next time (it may have been removed).
-                self.consumers.remove(lane);
-                None
-            }
-            Err(_) => {
-                warn!(
-                    tenant,
-                    priority = lane.1.as_str(),
-                    "fair dispatch: a pull got no answer in time; trying again later"
-                );
-                self.consumers.remove(lane);
-                None
+            Done::Failed { lane } => {
+                self.idle(&lane);
+                self.consumers.remove(&lane);
             }
         }
+    }
+
+    fn turns_of(&mut self, priority: Priority) -> &mut Turns {
+        match priority {
+            Priority::Interactive => &mut self.interactive,
+            Priority::Batch => &mut self.batch,
+        }
+    }
+
+    /// `lane` takes no turn while its fetch is out.
+    fn pause(&mut self, (tenant, priority): &Lane) {
+        self.turns_of(*priority).pause(tenant);
     }
 
     /// `lane`'s consumer, opened (made if need be) on first use.

@@ -59,6 +59,28 @@ pub(super) async fn drop_shared_consumer(
     }
 }
 
+/// FIFO dispatch shares one unfiltered consumer, which a work queue
+/// allows only when no consumer of fair dispatch is there: refuses to
+/// start, saying how to switch, when one is.
+pub(super) async fn refuse_tenant_consumers(
+    stream: &jetstream::stream::Stream,
+    subjects: &Subjects,
+) -> Result<(), OrchestratorError> {
+    let mut names = stream.consumer_names();
+    while let Some(name) = names.next().await {
+        let name = name.map_err(|e| OrchestratorError::Nats(e.to_string()))?;
+        if subjects.consumer_lane(&name).is_some() {
+            return Err(OrchestratorError::Config(format!(
+                "--chat-dispatch fifo: the chat stream holds fair dispatch's consumer {name:?}; \
+                 stop every orchestrator and delete the chat-* and batch-* consumers \
+                 (`nats consumer rm {} <name>`), or run with --chat-dispatch fair",
+                subjects.chat_stream()
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// How many messages `stream` holds on `subject` (0 when it cannot be
 /// read: the move is tried at the next start).
 async fn legacy_count(stream: &jetstream::stream::Stream, subject: &str) -> u64 {

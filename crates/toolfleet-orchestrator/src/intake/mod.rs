@@ -44,6 +44,8 @@ use std::time::{Duration, Instant};
 use async_nats::jetstream::{self, AckKind, consumer::pull};
 use toolfleet_config::DEFAULT_ORCHESTRATOR;
 use toolfleet_protocol::{ChatJob, Envelope, Priority, Subjects};
+
+use crate::settings::ChatDispatch;
 use toolfleet_service::telemetry;
 use toolfleet_store::InvocationKey;
 use tracing::{Instrument, warn};
@@ -343,6 +345,7 @@ pub(crate) async fn chat_stream(
     js: &jetstream::Context,
     subjects: &Subjects,
     limits: toolfleet_protocol::streams::ChatLimits,
+    dispatch: ChatDispatch,
 ) -> Result<jetstream::stream::Stream, OrchestratorError> {
     let nats = |e: toolfleet_protocol::streams::StreamError| OrchestratorError::Nats(e.to_string());
     let stream = toolfleet_protocol::streams::ensure_chat_stream_with(js, subjects, limits)
@@ -360,9 +363,35 @@ pub(crate) async fn chat_stream(
     toolfleet_protocol::streams::ensure_dead_letters_stream(js, subjects)
         .await
         .map_err(nats)?;
-    migrate::drop_shared_consumer(&stream, subjects).await?;
-    migrate::requeue_untenanted(js, &stream, subjects).await;
+    match dispatch {
+        ChatDispatch::Fair => {
+            migrate::drop_shared_consumer(&stream, subjects).await?;
+            migrate::requeue_untenanted(js, &stream, subjects).await;
+        }
+        ChatDispatch::Fifo => migrate::refuse_tenant_consumers(&stream, subjects).await?,
+    }
     Ok(stream)
+}
+
+/// The one chat consumer of FIFO dispatch (`--chat-dispatch fifo`):
+/// unfiltered, every tenant's jobs in arrival order.
+pub(crate) async fn fifo_consumer(
+    stream: &jetstream::stream::Stream,
+    subjects: &Subjects,
+) -> Result<jetstream::consumer::PullConsumer, OrchestratorError> {
+    let name = subjects.chat_consumer();
+    let config = pull::Config {
+        durable_name: Some(name.clone()),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: CHAT_ACK_WAIT,
+        max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    };
+    stream
+        .get_or_create_consumer(&name, config)
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("chat consumer {name}: {e}")))
 }
 
 /// The durable chat consumer of `tenant`'s `priority` lane every

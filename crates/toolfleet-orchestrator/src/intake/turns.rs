@@ -1,14 +1,19 @@
-//! Whose turn it is: smooth weighted round robin over the tenants with
-//! chat jobs waiting (nginx's upstream balancing; Hatchet's
+//! Whose turn it is: among the tenants with chat jobs waiting, those with
+//! the fewest jobs running here for their weight, then smooth weighted
+//! round robin among them (nginx's upstream balancing; Hatchet's
 //! `GROUP_ROUND_ROBIN` with weights).
 //!
-//! Each pick adds every waiting tenant's weight to its credit, takes the
-//! tenant with the most credit (ties: the first by name) and takes the
-//! sum of the weights off its credit. Over any run of picks among the
-//! same tenants each gets its weight's share, spread out (weights 2 and
-//! 1 give `a a b`, never `a a a a b b`). A tenant with nothing waiting
-//! leaves the turns ([`Turns::idle`]) and comes back with no credit,
-//! so a quiet spell earns no burst later.
+//! Load first: a free slot goes to a tenant using less than its share of
+//! the slots — a quiet tenant's job starts at the next free slot however
+//! deep another's backlog, and flooding tenants hold slots in proportion
+//! to their weights. Among the tenants of equal load (all of them when
+//! one job runs at a time), each pick adds each one's weight to its
+//! credit, takes the one with the most credit (ties: the first by name)
+//! and takes the sum of their weights off its credit: over any run of
+//! picks each gets its weight's share, spread out (weights 2 and 1 give
+//! `a b a a b a`, never `a a a a b b`). A tenant with nothing waiting
+//! leaves the turns ([`Turns::idle`]) and comes back with no credit, so a
+//! quiet spell earns no burst later.
 
 use std::collections::BTreeMap;
 
@@ -16,6 +21,9 @@ use std::collections::BTreeMap;
 #[derive(Debug, Default)]
 pub(crate) struct Turns {
     waiting: BTreeMap<String, Credit>,
+    /// Tenants that keep their credit but take no turn for now (a fetch of
+    /// theirs is out).
+    paused: std::collections::BTreeSet<String>,
 }
 
 #[derive(Debug)]
@@ -41,18 +49,58 @@ impl Turns {
     /// `tenant` has nothing waiting: it takes no turn until woken.
     pub(crate) fn idle(&mut self, tenant: &str) {
         self.waiting.remove(tenant);
+        self.paused.remove(tenant);
     }
 
-    /// Whether no tenant has work waiting.
+    /// `tenant` takes no turn until [`Turns::resume`] (or is idled),
+    /// keeping its credit.
+    pub(crate) fn pause(&mut self, tenant: &str) {
+        if self.waiting.contains_key(tenant) {
+            self.paused.insert(tenant.to_owned());
+        }
+    }
+
+    /// `tenant` takes turns again, with the credit it had.
+    pub(crate) fn resume(&mut self, tenant: &str) {
+        self.paused.remove(tenant);
+    }
+
+    /// Whether no tenant can take a turn now.
     pub(crate) fn is_empty(&self) -> bool {
-        self.waiting.is_empty()
+        self.waiting.keys().all(|t| self.paused.contains(t))
     }
 
-    /// The tenant whose turn it is, `None` when none waits.
+    /// The tenant whose turn it is when every tenant runs as many jobs
+    /// as any other; `None` when none waits.
+    #[cfg(test)]
     pub(crate) fn next(&mut self) -> Option<String> {
-        let total: i64 = self.waiting.values().map(|c| c.weight).sum();
+        self.next_by_load(|_| 0)
+    }
+
+    /// The tenant whose turn it is, given how many jobs each runs here
+    /// (`running`); `None` when none waits.
+    pub(crate) fn next_by_load(&mut self, running: impl Fn(&str) -> u32) -> Option<String> {
+        // Load as a fraction running / weight, compared by cross-multiplying.
+        let load = |tenant: &str, c: &Credit| (i64::from(running(tenant)), c.weight);
+        let paused = &self.paused;
+        let lightest = self
+            .waiting
+            .iter()
+            .filter(|(t, _)| !paused.contains(*t))
+            .map(|(t, c)| load(t, c))
+            .min_by(|(ra, wa), (rb, wb)| (ra * wb).cmp(&(rb * wa)))?;
+        let least = |(r, w): (i64, i64)| r * lightest.1 == lightest.0 * w;
+        let total: i64 = self
+            .waiting
+            .iter()
+            .filter(|(t, c)| !paused.contains(*t) && least(load(t, c)))
+            .map(|(_, c)| c.weight)
+            .sum();
         let mut best: Option<(&String, &mut Credit)> = None;
         for (tenant, c) in &mut self.waiting {
+            if paused.contains(tenant) || !least((i64::from(running(tenant)), c.weight)) {
+                continue;
+            }
             c.credit += c.weight;
             if best.as_ref().is_none_or(|(_, b)| c.credit > b.credit) {
                 best = Some((tenant, c));
@@ -101,6 +149,49 @@ mod tests {
         for (tenant, share) in [("a", 500), ("b", 300), ("c", 100)] {
             assert_eq!(got.iter().filter(|p| *p == tenant).count(), share);
         }
+    }
+
+    #[test]
+    fn a_tenant_running_less_for_its_weight_goes_first() {
+        let mut t = Turns::default();
+        t.wake("acme", 1);
+        t.wake("globex", 1);
+        // Acme runs 5 here, globex 1: globex takes every free slot.
+        let running = |t: &str| if t == "acme" { 5 } else { 1 };
+        for _ in 0..3 {
+            assert_eq!(t.next_by_load(running).as_deref(), Some("globex"));
+        }
+        // Weights 2 and 1: acme running 4 is as loaded as globex running 2.
+        let mut t = Turns::default();
+        t.wake("acme", 2);
+        t.wake("globex", 1);
+        let running = |t: &str| if t == "acme" { 4 } else { 2 };
+        let got = picks_by(&mut t, 6, running);
+        assert_eq!(got.iter().filter(|p| *p == "acme").count(), 4);
+        let running = |t: &str| if t == "acme" { 5 } else { 2 };
+        assert_eq!(t.next_by_load(running).as_deref(), Some("globex"));
+    }
+
+    fn picks_by(turns: &mut Turns, n: usize, running: impl Fn(&str) -> u32 + Copy) -> Vec<String> {
+        (0..n).filter_map(|_| turns.next_by_load(running)).collect()
+    }
+
+    #[test]
+    fn a_paused_tenant_takes_no_turn_and_keeps_its_credit() {
+        let mut t = Turns::default();
+        t.wake("acme", 2);
+        t.wake("globex", 1);
+        assert_eq!(t.next().as_deref(), Some("acme"));
+        t.pause("acme");
+        assert_eq!(t.next().as_deref(), Some("globex"));
+        t.pause("globex");
+        assert!(t.is_empty());
+        assert_eq!(t.next(), None);
+        t.resume("acme");
+        t.resume("globex");
+        // Weights 2:1 still hold across the pauses.
+        let got = picks(&mut t, 6);
+        assert_eq!(got.iter().filter(|p| *p == "acme").count(), 4, "{got:?}");
     }
 
     #[test]
