@@ -17,12 +17,12 @@ use crate::support::WAIT;
 /// The servers, the scripted model and a client, with no orchestrator
 /// yet: a test queues jobs first, then starts orchestrators.
 pub(crate) struct Bench {
-    nats: NatsServer,
-    redis: RedisServer,
+    pub(crate) nats: NatsServer,
+    pub(crate) redis: RedisServer,
     pub(crate) model: toolfleet_scripted::ScriptedServer,
     pub(crate) client: async_nats::Client,
     pub(crate) subjects: Subjects,
-    runtimes: Vec<toolfleet_service::Runtime>,
+    pub(crate) runtimes: Vec<toolfleet_service::Runtime>,
 }
 
 impl Bench {
@@ -417,5 +417,91 @@ async fn a_batch_profile_runs_in_the_batch_lane_with_the_batch_service_tier() {
     let info = batch.info().await.unwrap();
     assert!(info.delivered.stream_sequence > 0, "{info:?}");
     assert_eq!(info.num_ack_pending + info.num_pending as usize, 0);
+    bench.stop().await;
+}
+
+/// `--chat-dispatch fifo`: one consumer for every tenant, in arrival
+/// order (what fair dispatch replaced; kept for single-tenant fleets and
+/// to measure fairness's cost): globex's job, queued behind acme's
+/// backlog, ends after all of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_dispatch_takes_every_tenants_jobs_in_arrival_order() {
+    let mut bench = Bench::start(0).await;
+    let mut endings = bench.endings().await;
+    bench.queue("acme", 10).await;
+    bench.queue("globex", 1).await;
+    let toml = format!(
+        "[deployments.scripted]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
+         [profiles.default]\ndeployment = \"scripted\"\n",
+        bench.model.base_url()
+    );
+    let profiles = toolfleet_config::FleetConfig::from_toml(&toml, "fifo test").unwrap();
+    let mut config =
+        toolfleet_orchestrator::OrchestratorConfig::new(bench.subjects.clone(), profiles);
+    config.max_in_flight = 1;
+    config.chat_dispatch = toolfleet_orchestrator::settings::ChatDispatch::Fifo;
+    let rt = crate::support::start_orchestrator(bench.nats.url(), bench.redis.url(), config).await;
+    bench.runtimes.push(rt);
+    let order = endings.next(11).await;
+    assert_eq!(
+        order.last().map(String::as_str),
+        Some("globex"),
+        "{order:?}"
+    );
+    bench.stop().await;
+}
+
+/// A FIFO orchestrator refuses to start on a chat stream that holds fair
+/// dispatch's consumers (a work queue allows no overlapping consumers),
+/// saying how to switch; nothing queued is touched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifo_dispatch_refuses_a_stream_with_fair_consumers() {
+    let mut bench = Bench::start(0).await;
+    bench.orchestrator(1, "").await;
+    let mut endings = bench.endings().await;
+    bench.queue("acme", 1).await;
+    endings.next(1).await;
+    let toml = format!(
+        "[deployments.scripted]\nbase_url = \"{}\"\nmodel = \"toolfleet-scripted\"\n\
+         [profiles.default]\ndeployment = \"scripted\"\n",
+        bench.model.base_url()
+    );
+    let profiles = toolfleet_config::FleetConfig::from_toml(&toml, "fifo test").unwrap();
+    let mut config =
+        toolfleet_orchestrator::OrchestratorConfig::new(bench.subjects.clone(), profiles);
+    config.chat_dispatch = toolfleet_orchestrator::settings::ChatDispatch::Fifo;
+    let client = async_nats::connect(bench.nats.url()).await.unwrap();
+    let store = toolfleet_store::CitationStore::connect(
+        &bench.redis.url(),
+        bench.subjects.prefix(),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let registry = prometheus::Registry::new();
+    let dead_letters = toolfleet_service::metrics::dead_letters(&registry).unwrap();
+    let metrics =
+        toolfleet_orchestrator::metrics::OrchestratorMetrics::register(&registry, dead_letters)
+            .unwrap();
+    let ran = tokio::time::timeout(
+        WAIT,
+        toolfleet_orchestrator::run_with_ready(
+            client,
+            store,
+            config,
+            metrics,
+            tokio_util::sync::CancellationToken::new(),
+            None,
+        ),
+    )
+    .await
+    .expect("the start answered");
+    let error = ran
+        .expect_err("a FIFO orchestrator beside fair consumers")
+        .to_string();
+    assert!(
+        error.contains("chat-acme") && error.contains("--chat-dispatch fair"),
+        "{error}"
+    );
     bench.stop().await;
 }

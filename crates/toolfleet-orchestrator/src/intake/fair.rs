@@ -73,6 +73,11 @@ const FETCH_EXPIRES: Duration = Duration::from_secs(1);
 /// connection broke under it).
 const FETCH_TIMEOUT: Duration = Duration::from_secs(3);
 
+/// How long a tenant counts as active after it last had work waiting:
+/// while two or more are, each is held to its share of this
+/// orchestrator's slots (so a quiet tenant finds one free at once).
+const ACTIVE_FOR: Duration = Duration::from_secs(10);
+
 /// How long a tenant found at its `max_jobs_in_flight` takes no turn
 /// before its count is read again.
 const HELD_BACK_FOR: Duration = Duration::from_millis(100);
@@ -140,11 +145,19 @@ struct Tenants {
     /// Jobs running here, by tenant: a free slot goes to the tenant with
     /// the fewest for its weight.
     running: Running,
+    /// When each tenant last had work waiting, and its weight.
+    active: HashMap<String, (Instant, u32)>,
+    /// This orchestrator's slots (`--max-in-flight`).
+    slots: usize,
 }
 
-/// Jobs running in this orchestrator, by tenant.
+/// Jobs running in this orchestrator, by tenant; `ended` is told when
+/// one ends (a tenant held to its share may take a turn again).
 #[derive(Clone, Default)]
-struct Running(Arc<std::sync::Mutex<HashMap<String, u32>>>);
+struct Running(
+    Arc<std::sync::Mutex<HashMap<String, u32>>>,
+    Arc<tokio::sync::Notify>,
+);
 
 impl Running {
     fn of(&self, tenant: &str) -> u32 {
@@ -191,6 +204,7 @@ impl Drop for RunningGuard {
                 map.remove(&self.tenant);
             }
         }
+        self.running.1.notify_one();
     }
 }
 
@@ -211,8 +225,11 @@ impl Dispatcher {
             rescan_at: Instant::now(),
             held_back: HashMap::new(),
             running: Running::default(),
+            active: HashMap::new(),
+            slots: self.fleet.config.max_in_flight.max(1),
         };
         let (done_tx, mut done) = mpsc::unbounded_channel::<Done>();
+        let ended = tenants.running.1.clone();
         while !self.shutdown.is_cancelled() {
             if reconnects.take_new() {
                 // Wake-ups published while the connection was down are
@@ -249,6 +266,7 @@ impl Dispatcher {
                         None => break,
                     },
                     Some(d) = done.recv() => tenants.settle(d),
+                    () = ended.notified() => {}
                     () = tokio::time::sleep_until(tenants.rescan_at) => {}
                     () = reconnects.next() => tenants.rescan_at = Instant::now(),
                 }
@@ -373,6 +391,24 @@ impl Dispatcher {
     }
 }
 
+/// Each active tenant's share of `slots` (by weight, rounded up) while
+/// two or more are active; none (no cap) for a tenant alone. Forgets the
+/// tenants inactive for [`ACTIVE_FOR`].
+fn shares(active: &mut HashMap<String, (Instant, u32)>, slots: usize) -> HashMap<String, u32> {
+    active.retain(|_, (at, _)| at.elapsed() < ACTIVE_FOR);
+    if active.len() < 2 {
+        return HashMap::new();
+    }
+    let total: u64 = active.values().map(|(_, w)| u64::from(*w)).sum();
+    active
+        .iter()
+        .map(|(t, (_, w))| {
+            let share = (slots as u64 * u64::from(*w)).div_ceil(total.max(1));
+            (t.clone(), u32::try_from(share.max(1)).unwrap_or(u32::MAX))
+        })
+        .collect()
+}
+
 impl Tenants {
     /// The lane whose turn it is, and why (`turn` or `aged`); `None` when
     /// no tenant has work waiting.
@@ -389,8 +425,12 @@ impl Tenants {
         } else {
             (&mut self.interactive, Priority::Interactive, "turn")
         };
+        let shares = shares(&mut self.active, self.slots);
         let running = &self.running;
-        let tenant = turns.next_by_load(|t| running.of(t))?;
+        let tenant = turns.next_by_load(
+            |t| running.of(t),
+            |t| shares.get(t).is_none_or(|share| running.of(t) < *share),
+        )?;
         if priority == Priority::Batch {
             // Batch had its turn: its wait starts again.
             self.batch_since = Some(Instant::now());
@@ -424,6 +464,10 @@ impl Tenants {
 
     /// `tenant`'s `priority` lane has work.
     fn join(&mut self, fleet: &Fleet, tenant: &str, priority: Priority) {
+        self.active.insert(
+            tenant.to_owned(),
+            (Instant::now(), fleet.config.profiles.weight_of(tenant)),
+        );
         if let Some(until) = self.held_back.get(tenant) {
             if Instant::now() < *until {
                 return;

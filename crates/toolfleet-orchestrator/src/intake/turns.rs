@@ -74,31 +74,36 @@ impl Turns {
     /// as any other; `None` when none waits.
     #[cfg(test)]
     pub(crate) fn next(&mut self) -> Option<String> {
-        self.next_by_load(|_| 0)
+        self.next_by_load(|_| 0, |_| true)
     }
 
-    /// The tenant whose turn it is, given how many jobs each runs here
-    /// (`running`); `None` when none waits.
-    pub(crate) fn next_by_load(&mut self, running: impl Fn(&str) -> u32) -> Option<String> {
+    /// The tenant whose turn it is among those `may_take` allows, given
+    /// how many jobs each runs here (`running`); `None` when none may.
+    pub(crate) fn next_by_load(
+        &mut self,
+        running: impl Fn(&str) -> u32,
+        may_take: impl Fn(&str) -> bool,
+    ) -> Option<String> {
         // Load as a fraction running / weight, compared by cross-multiplying.
         let load = |tenant: &str, c: &Credit| (i64::from(running(tenant)), c.weight);
         let paused = &self.paused;
+        let out = |t: &str| paused.contains(t) || !may_take(t);
         let lightest = self
             .waiting
             .iter()
-            .filter(|(t, _)| !paused.contains(*t))
+            .filter(|(t, _)| !out(t))
             .map(|(t, c)| load(t, c))
             .min_by(|(ra, wa), (rb, wb)| (ra * wb).cmp(&(rb * wa)))?;
         let least = |(r, w): (i64, i64)| r * lightest.1 == lightest.0 * w;
         let total: i64 = self
             .waiting
             .iter()
-            .filter(|(t, c)| !paused.contains(*t) && least(load(t, c)))
+            .filter(|(t, c)| !out(t) && least(load(t, c)))
             .map(|(_, c)| c.weight)
             .sum();
         let mut best: Option<(&String, &mut Credit)> = None;
         for (tenant, c) in &mut self.waiting {
-            if paused.contains(tenant) || !least((i64::from(running(tenant)), c.weight)) {
+            if out(tenant) || !least((i64::from(running(tenant)), c.weight)) {
                 continue;
             }
             c.credit += c.weight;
@@ -159,7 +164,7 @@ mod tests {
         // Acme runs 5 here, globex 1: globex takes every free slot.
         let running = |t: &str| if t == "acme" { 5 } else { 1 };
         for _ in 0..3 {
-            assert_eq!(t.next_by_load(running).as_deref(), Some("globex"));
+            assert_eq!(t.next_by_load(running, |_| true).as_deref(), Some("globex"));
         }
         // Weights 2 and 1: acme running 4 is as loaded as globex running 2.
         let mut t = Turns::default();
@@ -169,11 +174,19 @@ mod tests {
         let got = picks_by(&mut t, 6, running);
         assert_eq!(got.iter().filter(|p| *p == "acme").count(), 4);
         let running = |t: &str| if t == "acme" { 5 } else { 2 };
-        assert_eq!(t.next_by_load(running).as_deref(), Some("globex"));
+        assert_eq!(t.next_by_load(running, |_| true).as_deref(), Some("globex"));
+        // A tenant at its share takes no turn, whatever its load.
+        assert_eq!(
+            t.next_by_load(running, |t| t != "globex").as_deref(),
+            Some("acme")
+        );
+        assert_eq!(t.next_by_load(running, |_| false), None);
     }
 
     fn picks_by(turns: &mut Turns, n: usize, running: impl Fn(&str) -> u32 + Copy) -> Vec<String> {
-        (0..n).filter_map(|_| turns.next_by_load(running)).collect()
+        (0..n)
+            .filter_map(|_| turns.next_by_load(running, |_| true))
+            .collect()
     }
 
     #[test]
