@@ -73,10 +73,11 @@ const FETCH_EXPIRES: Duration = Duration::from_secs(1);
 /// connection broke under it).
 const FETCH_TIMEOUT: Duration = Duration::from_secs(3);
 
-/// How long a tenant counts as active after it last had work waiting:
-/// while two or more are, each is held to its share of this
-/// orchestrator's slots (so a quiet tenant finds one free at once).
-const ACTIVE_FOR: Duration = Duration::from_secs(10);
+/// How long a tenant counts as active after it last had work waiting
+/// (longer than a client's pause between two jobs): while two or more
+/// are, each is held to its share of this orchestrator's slots, so a
+/// quiet tenant finds one free at once.
+const ACTIVE_FOR: Duration = Duration::from_secs(2);
 
 /// How long a tenant found at its `max_jobs_in_flight` takes no turn
 /// before its count is read again.
