@@ -406,6 +406,38 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<i32> {
     toolfleet_service::serve::raise_fd_limit();
     let jobs = args.count.unwrap_or(50);
     let fleet = Noisy::start(args).await.context("starting the fleet")?;
+    let phases = attacks(&fleet, jobs).await?;
+
+    eprintln!("• hooli (weight 2) and initech (weight 1) flood {FLOOD} jobs each");
+    let weights = shares(&fleet).await?;
+    fleet.purge("hooli").await?;
+    fleet.purge("initech").await?;
+
+    let (fair, fifo) = cost_of_fairness(&fleet, args.concurrency, jobs).await?;
+    let (a, i) = weights;
+    let report = Report {
+        model_delay_ms: args.model_delay_ms,
+        orchestrator_in_flight: args.concurrency,
+        jobs_per_phase: jobs,
+        weight_share_error: (a as f64 / (a + i).max(1) as f64 - 2.0 / 3.0).abs() / (2.0 / 3.0),
+        weights,
+        fairness_throughput_ratio: fair.ops_per_sec / fifo.ops_per_sec.max(f64::EPSILON),
+        fairness_p50_ratio: fair.latency_ms.p50 / fifo.latency_ms.p50.max(f64::EPSILON),
+        fair,
+        fifo,
+        phases,
+    };
+    fleet.stop().await;
+    print(&report, args.json)?;
+    let failed = report.phases.iter().any(|p| p.summary.errors > 0)
+        || report.fair.errors > 0
+        || report.fifo.errors > 0;
+    Ok(i32::from(failed))
+}
+
+/// Globex's `jobs` alone, then beside each of acme's attacks; each phase
+/// against the one it is compared with.
+async fn attacks(fleet: &Noisy, jobs: usize) -> anyhow::Result<Vec<Phase>> {
     let quiet = Load {
         concurrency: QUIET_CONCURRENCY,
         count: Some(jobs),
@@ -414,7 +446,6 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<i32> {
     let globex = fleet.jobs("globex", &fleet.subjects, None);
     // Warm up: connections, consumers, caches.
     drive("warm-up", &quiet.warm_up(), globex.clone()).await;
-    let mut phases = Vec::new();
     eprintln!("• alone");
     let alone = drive("alone", &quiet, globex.clone()).await;
 
@@ -437,7 +468,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<i32> {
 
     eprintln!("• acme floods {CANCELS} cancels");
     let flood = tokio::spawn(cancel_flood(fleet.client.clone(), fleet.subjects.clone()));
-    let cancels = drive("cancels", &quiet, globex.clone()).await;
+    let cancels = drive("cancels", &quiet, globex).await;
     flood.await??;
 
     eprintln!("• globex's answers routed to a webhook; then acme's to one that takes 10 s");
@@ -447,6 +478,7 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<i32> {
     let slow_webhook = drive("slow_webhook", &quiet, routed).await;
     fleet.purge("acme").await?;
 
+    let mut phases = Vec::new();
     for (name, summary, base) in [
         ("alone", alone.clone(), &alone),
         ("backlog", backlog, &alone),
@@ -462,17 +494,21 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<i32> {
             summary,
         });
     }
+    Ok(phases)
+}
 
-    eprintln!("• hooli (weight 2) and initech (weight 1) flood {FLOOD} jobs each");
-    let weights = shares(&fleet).await?;
-    fleet.purge("hooli").await?;
-    fleet.purge("initech").await?;
-
+/// One tenant's jobs through fair dispatch and through one FIFO, in
+/// alternating rounds at `in_flight` (the orchestrators' slots).
+async fn cost_of_fairness(
+    fleet: &Noisy,
+    in_flight: usize,
+    jobs: usize,
+) -> anyhow::Result<(Summary, Summary)> {
     eprintln!("• one tenant: fair dispatch against one FIFO, alternating rounds");
     // The other tenants quiet: none has work waiting any more.
     tokio::time::sleep(QUIET_BEFORE_ALONE).await;
     let saturating = Load {
-        concurrency: args.concurrency,
+        concurrency: in_flight,
         count: Some(jobs * 4),
         duration: None,
     };
@@ -490,29 +526,10 @@ pub async fn run(args: &BenchArgs) -> anyhow::Result<i32> {
         drive("warm-up", &saturating.warm_up(), side.clone()).await;
     }
     let mut compared = interleave(&saturating, &sides, 4).await.into_iter();
-    let (fair, fifo) = (
+    Ok((
         compared.next().context("fair")?,
         compared.next().context("fifo")?,
-    );
-    let (a, i) = weights;
-    let report = Report {
-        model_delay_ms: args.model_delay_ms,
-        orchestrator_in_flight: args.concurrency,
-        jobs_per_phase: jobs,
-        weight_share_error: (a as f64 / (a + i).max(1) as f64 - 2.0 / 3.0).abs() / (2.0 / 3.0),
-        weights,
-        fairness_throughput_ratio: fair.ops_per_sec / fifo.ops_per_sec.max(f64::EPSILON),
-        fairness_p50_ratio: fair.latency_ms.p50 / fifo.latency_ms.p50.max(f64::EPSILON),
-        fair,
-        fifo,
-        phases,
-    };
-    fleet.stop().await;
-    print(&report, args.json)?;
-    let failed = report.phases.iter().any(|p| p.summary.errors > 0)
-        || report.fair.errors > 0
-        || report.fifo.errors > 0;
-    Ok(i32::from(failed))
+    ))
 }
 
 /// Hooli's and initech's jobs among the first [`SHARES_OF`] to end while
