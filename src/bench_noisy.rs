@@ -34,7 +34,21 @@ use toolfleet_orchestrator::settings::ChatDispatch;
 use toolfleet_protocol::{ChatJob, SinkRequest, Subjects};
 
 use crate::bench::{Load, Op, Summary, drive, interleave, table};
-use crate::bench_run::BenchArgs;
+
+/// What a run is asked for (from `toolfleet bench`'s flags).
+#[derive(Debug, Clone)]
+pub struct NoisyArgs {
+    /// Globex's jobs per phase (`--count`, default 50).
+    pub count: Option<usize>,
+    /// Each orchestrator's jobs in flight (`--concurrency`).
+    pub concurrency: usize,
+    /// The scripted model's pause before every answer (`--model-delay-ms`).
+    pub model_delay_ms: u64,
+    /// How long one job may take (`--timeout-secs`).
+    pub timeout_secs: u64,
+    /// Print the report as JSON.
+    pub json: bool,
+}
 
 /// Globex's jobs in flight at once.
 const QUIET_CONCURRENCY: usize = 4;
@@ -187,7 +201,7 @@ fn fleet_config(model_url: &url::Url) -> anyhow::Result<toolfleet_config::FleetC
 }
 
 impl Noisy {
-    async fn start(args: &BenchArgs) -> anyhow::Result<Self> {
+    async fn start(args: &NoisyArgs) -> anyhow::Result<Self> {
         let nats = toolfleet_local::servers::NatsServer::start()?;
         let redis = toolfleet_local::servers::RedisServer::start()?;
         let script = serde_json::json!({
@@ -402,7 +416,7 @@ async fn cancel_flood(client: async_nats::Client, subjects: Subjects) -> anyhow:
 
 /// Runs the noisy-neighbour benchmark (see the module docs); exit 0 when
 /// every globex job succeeded.
-pub async fn run(args: &BenchArgs) -> anyhow::Result<i32> {
+pub async fn run(args: &NoisyArgs) -> anyhow::Result<i32> {
     toolfleet_service::serve::raise_fd_limit();
     let jobs = args.count.unwrap_or(50);
     let fleet = Noisy::start(args).await.context("starting the fleet")?;

@@ -152,7 +152,14 @@ struct Report {
 /// when one failed.
 pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
     if args.mode == BenchMode::Noisy {
-        return crate::bench_noisy::run(&args).await;
+        return crate::bench_noisy::run(&crate::bench_noisy::NoisyArgs {
+            count: args.count,
+            concurrency: args.concurrency,
+            model_delay_ms: args.model_delay_ms,
+            timeout_secs: args.timeout_secs,
+            json: args.json,
+        })
+        .await;
     }
     toolfleet_service::serve::raise_fd_limit();
     let load = load_of(&args)?;

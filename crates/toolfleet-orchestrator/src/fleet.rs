@@ -30,6 +30,47 @@ use crate::tools::gating;
 use crate::tools::{Scope, ToolSnapshot, agents::AgentSource, blocking};
 use crate::{Failure, PayloadLimits, Settings};
 
+/// Invocations of each tenant waiting for an agent tool's nested job here.
+#[derive(Default)]
+pub(crate) struct AgentWaits(Arc<DashMap<String, u32>>);
+
+impl AgentWaits {
+    /// Counts one invocation of `tenant` waiting, until the guard drops.
+    pub(crate) fn wait(&self, tenant: &str) -> AgentWait {
+        *self.0.entry(tenant.to_owned()).or_insert(0) += 1;
+        AgentWait {
+            waits: self.0.clone(),
+            tenant: tenant.to_owned(),
+        }
+    }
+
+    /// How many of `tenant`'s invocations wait here.
+    pub(crate) fn of(&self, tenant: &str) -> u32 {
+        self.0.get(tenant).map_or(0, |n| *n)
+    }
+}
+
+/// One invocation waiting for a nested job ([`AgentWaits::wait`]).
+pub(crate) struct AgentWait {
+    waits: Arc<DashMap<String, u32>>,
+    tenant: String,
+}
+
+impl Drop for AgentWait {
+    fn drop(&mut self) {
+        let gone = match self.waits.get_mut(&self.tenant) {
+            Some(mut n) => {
+                *n = n.saturating_sub(1);
+                *n == 0
+            }
+            None => false,
+        };
+        if gone {
+            self.waits.remove_if(&self.tenant, |_, n| *n == 0);
+        }
+    }
+}
+
 /// What every invocation shares. Built once per orchestrator process.
 pub struct Fleet {
     pub(crate) client: async_nats::Client,
@@ -46,6 +87,8 @@ pub struct Fleet {
     /// the other's token.
     cancels: DashMap<(String, String), (u64, CancellationToken)>,
     runs: AtomicU64,
+    /// Invocations waiting for an agent tool's nested job, by tenant.
+    pub(crate) agent_waits: AgentWaits,
     /// The orchestrator's one reply subscription, shared by every run.
     pub(crate) replies: Arc<Replies>,
     /// In-progress acks for every chat job held here, from one ticker.
@@ -107,6 +150,7 @@ impl Fleet {
             catalog,
             cancels: DashMap::new(),
             runs: AtomicU64::new(0),
+            agent_waits: AgentWaits::default(),
             replies,
             heartbeat,
             agents,

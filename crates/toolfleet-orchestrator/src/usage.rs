@@ -96,6 +96,9 @@ impl UsageLedger {
         mut call: LlmCall,
     ) {
         call.purpose = PURPOSE_TOOL.to_owned();
+        // What the worker added to the tenant's counts: the tokens, and
+        // the cost only when the tool reported one.
+        let reported_cost = call.cost_usd.is_some();
         if call.cost_usd.is_none() {
             call.cost_usd = prices.cost(&call.model, &call.usage);
         }
@@ -126,7 +129,9 @@ impl UsageLedger {
         self.add(call);
         let after = self.spent();
         self.counted.0 += after.0.saturating_sub(before.0);
-        self.counted.1 += after.1.saturating_sub(before.1);
+        if reported_cost {
+            self.counted.1 += after.1.saturating_sub(before.1);
+        }
     }
 
     /// The summed cost of the calls with a price.

@@ -63,6 +63,9 @@ use crate::slots::SLOT_LEASE;
 /// jitter: between half and all of it).
 const POLL: Duration = Duration::from_millis(50);
 
+/// The longest fleet-wide pause one `Retry-After` sets.
+pub const LONGEST_PAUSE: Duration = Duration::from_secs(120);
+
 /// The longest single wait between two asks (a pause or the minute's end
 /// may be longer: the call asks again after this, so a lifted pause is
 /// seen).
@@ -154,9 +157,19 @@ impl CitationStore {
         .await
     }
 
-    /// No call of `deployment` starts for `wait` (the provider said so),
+    /// No call of `deployment` starts for `wait` (the provider said so; at
+    /// most [`LONGEST_PAUSE`], whatever a provider or a proxy claims),
     /// unless a longer pause is already set.
     pub async fn provider_pause(&self, deployment: &str, wait: Duration) {
+        if wait > LONGEST_PAUSE {
+            warn!(
+                deployment,
+                asked_secs = wait.as_secs(),
+                "a Retry-After longer than the longest pause: the deployment is paused for {} s",
+                LONGEST_PAUSE.as_secs()
+            );
+        }
+        let wait = wait.min(LONGEST_PAUSE);
         static SCRIPT: std::sync::LazyLock<redis::Script> =
             std::sync::LazyLock::new(|| redis::Script::new(PAUSE));
         let mut invocation = SCRIPT.prepare_invoke();

@@ -27,6 +27,17 @@ redis.call('PEXPIRE', KEYS[1], 2 * tonumber(ARGV[4]))
 return 1
 ";
 
+/// Renews one lease (only if it is still held) and the set's own expiry,
+/// so a set whose places are all held for long never expires under them.
+const RENEW: &str = r"
+if redis.call('ZADD', KEYS[1], 'XX', 'CH', ARGV[1], ARGV[2]) >= 0 then
+  if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+    redis.call('PEXPIRE', KEYS[1], ARGV[3])
+  end
+end
+return 0
+";
+
 /// A place under a cap: given back when this drops (its lease renewed
 /// until then). A slot may hold nothing (no cap applied).
 pub struct Slot {
@@ -59,19 +70,19 @@ impl Slot {
         let renew = tokio::spawn(async move {
             loop {
                 tokio::time::sleep(SLOT_LEASE / 3).await;
+                static SCRIPT: std::sync::LazyLock<redis::Script> =
+                    std::sync::LazyLock::new(|| redis::Script::new(RENEW));
                 let until = now_ms() + ms(SLOT_LEASE);
+                let mut invocation = SCRIPT.prepare_invoke();
+                invocation
+                    .key(&k)
+                    .arg(until)
+                    .arg(&id)
+                    .arg(2 * ms(SLOT_LEASE));
+                let invocation = &invocation;
                 let renewed = renewer
-                    .run("slot_renew", |mut conn| {
-                        let (k, id) = (k.clone(), id.clone());
-                        async move {
-                            redis::cmd("ZADD")
-                                .arg(k)
-                                .arg("XX")
-                                .arg(until)
-                                .arg(id)
-                                .query_async::<()>(&mut conn)
-                                .await
-                        }
+                    .run("slot_renew", |mut conn| async move {
+                        invocation.invoke_async::<()>(&mut conn).await
                     })
                     .await;
                 if let Err(e) = renewed {

@@ -65,6 +65,10 @@ pub async fn agent_call(
                 Some(ToolErrorCode::InvalidArguments.to_string()),
             ),
             Ok(()) => {
+                // While it waits for its nested job, the invocation does not
+                // count against its tenant's share of the slots: the nested
+                // job needs one (see `intake::fair`).
+                let _waiting = fleet.agent_waits.wait(inv.job.tenant());
                 let outcome = crate::agents::run_agent_call(
                     fleet, inv, tool, call, &arguments, events, spent,
                 )

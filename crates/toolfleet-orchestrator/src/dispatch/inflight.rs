@@ -3,7 +3,8 @@
 //! tool's pool, fleet-wide ([`toolfleet_store::slots`]), and holds it until
 //! the call is answered (or given up). A call that finds them all held
 //! waits for one — its tenant's own calls free them — so one tenant never
-//! has more than its cap of jobs in a pool's queue, ahead of the others'.
+//! has more than its cap (times one turn's parallel calls, below) of jobs
+//! in a pool's queue, ahead of the others'.
 //!
 //! The calls of one turn that go to the same pool take one place between
 //! them: the first waits for it, the others go along (they are answered

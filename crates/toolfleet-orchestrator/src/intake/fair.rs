@@ -66,12 +66,14 @@ const RECHECK_AFTER_WAKEUP: Duration = Duration::from_millis(50);
 
 /// How long one fetch waits at most: the server answers at once when the
 /// tenant has nothing (`no_wait`), unless a job of the tenant delivered
-/// before may come back (then it holds the request up to this long).
-const FETCH_EXPIRES: Duration = Duration::from_secs(1);
+/// before may come back — one still running, whose stored message makes a
+/// rescan bring the tenant back — then it holds the request up to this
+/// long (a permit held that long, at most once a rescan).
+const FETCH_EXPIRES: Duration = Duration::from_millis(100);
 
 /// How long the client waits for the server's answer beyond that (the
 /// connection broke under it).
-const FETCH_TIMEOUT: Duration = Duration::from_secs(3);
+const FETCH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long a tenant counts as active after it last had work waiting
 /// (longer than a client's pause between two jobs): while two or more
@@ -234,8 +236,11 @@ impl Dispatcher {
         while !self.shutdown.is_cancelled() {
             if reconnects.take_new() {
                 // Wake-ups published while the connection was down are
-                // lost: read what is stored now.
+                // lost: read what is stored now. The fetches out were
+                // likely lost with it: their lanes take turns again.
                 tenants.rescan_at = Instant::now();
+                tenants.interactive.resume_all();
+                tenants.batch.resume_all();
             }
             // The permit first: who has work is read after it, so a turn
             // goes by what is waiting now, not when the last slot freed.
@@ -256,7 +261,7 @@ impl Dispatcher {
             while let Some(Some(msg)) = wakeups.next().now_or_never() {
                 tenants.wake(&self.fleet, &msg.subject);
             }
-            let Some((lane, reason)) = tenants.next() else {
+            let Some((lane, reason)) = tenants.next(&self.fleet) else {
                 // Nothing to take: wait holding no permit.
                 drop(permit);
                 tokio::select! {
@@ -269,7 +274,11 @@ impl Dispatcher {
                     Some(d) = done.recv() => tenants.settle(d),
                     () = ended.notified() => {}
                     () = tokio::time::sleep_until(tenants.rescan_at) => {}
-                    () = reconnects.next() => tenants.rescan_at = Instant::now(),
+                    () = reconnects.next() => {
+                        tenants.rescan_at = Instant::now();
+                        tenants.interactive.resume_all();
+                        tenants.batch.resume_all();
+                    }
                 }
                 continue;
             };
@@ -413,30 +422,38 @@ fn shares(active: &mut HashMap<String, (Instant, u32)>, slots: usize) -> HashMap
 impl Tenants {
     /// The lane whose turn it is, and why (`turn` or `aged`); `None` when
     /// no tenant has work waiting.
-    fn next(&mut self) -> Option<(Lane, &'static str)> {
+    fn next(&mut self, fleet: &Fleet) -> Option<(Lane, &'static str)> {
         let aged = self
             .batch_since
             .is_some_and(|since| since.elapsed() >= self.batch_max_wait);
-        let (turns, priority, reason) = if self.batch.is_empty() {
-            (&mut self.interactive, Priority::Interactive, "turn")
+        // The lane whose turn it is, then the other: a lane whose tenants
+        // are all at their share leaves the slot to the other lane's.
+        let order = if self.batch.is_empty() || (!aged && !self.interactive.is_empty()) {
+            [(Priority::Interactive, "turn"), (Priority::Batch, "turn")]
         } else if aged {
-            (&mut self.batch, Priority::Batch, "aged")
-        } else if self.interactive.is_empty() {
-            (&mut self.batch, Priority::Batch, "turn")
+            [(Priority::Batch, "aged"), (Priority::Interactive, "turn")]
         } else {
-            (&mut self.interactive, Priority::Interactive, "turn")
+            [(Priority::Batch, "turn"), (Priority::Interactive, "turn")]
         };
         let shares = shares(&mut self.active, self.slots);
-        let running = &self.running;
-        let tenant = turns.next_by_load(
-            |t| running.of(t),
-            |t| shares.get(t).is_none_or(|share| running.of(t) < *share),
-        )?;
-        if priority == Priority::Batch {
-            // Batch had its turn: its wait starts again.
-            self.batch_since = Some(Instant::now());
+        let running = self.running.clone();
+        // An invocation waiting for its agent tool's nested job does not
+        // hold its tenant's share (the nested job needs a slot).
+        let busy = |t: &str| running.of(t).saturating_sub(fleet.agent_waits.of(t));
+        for (priority, reason) in order {
+            let Some(tenant) = self.turns_of(priority).next_by_load(
+                |t| running.of(t),
+                |t| shares.get(t).is_none_or(|share| busy(t) < *share),
+            ) else {
+                continue;
+            };
+            if priority == Priority::Batch {
+                // Batch had its turn: its wait starts again.
+                self.batch_since = Some(Instant::now());
+            }
+            return Some(((tenant, priority), reason));
         }
-        Some(((tenant, priority), reason))
+        None
     }
 
     /// `lane` has nothing deliverable: it takes no turn until woken.
@@ -457,6 +474,7 @@ impl Tenants {
     fn hold_back(&mut self, lane: &Lane) {
         self.held_back
             .insert(lane.0.clone(), Instant::now() + HELD_BACK_FOR);
+        self.active.remove(&lane.0);
         self.idle(&(lane.0.clone(), Priority::Interactive));
         self.idle(&(lane.0.clone(), Priority::Batch));
         // Its jobs are found again by the rescan after the hold.
@@ -465,16 +483,17 @@ impl Tenants {
 
     /// `tenant`'s `priority` lane has work.
     fn join(&mut self, fleet: &Fleet, tenant: &str, priority: Priority) {
-        self.active.insert(
-            tenant.to_owned(),
-            (Instant::now(), fleet.config.profiles.weight_of(tenant)),
-        );
         if let Some(until) = self.held_back.get(tenant) {
             if Instant::now() < *until {
+                // At its cap of jobs in flight: no share of the slots either.
                 return;
             }
             self.held_back.remove(tenant);
         }
+        self.active.insert(
+            tenant.to_owned(),
+            (Instant::now(), fleet.config.profiles.weight_of(tenant)),
+        );
         let weight = fleet.config.profiles.weight_of(tenant);
         match priority {
             Priority::Interactive => self.interactive.wake(tenant, weight),

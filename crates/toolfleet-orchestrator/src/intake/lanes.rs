@@ -41,7 +41,9 @@ pub(super) fn priority_of(fleet: &Fleet, job: &ChatJob, tenant: &str, lane: Prio
 /// in the batch lane's turn). When the batch lane refuses it (its queue is
 /// full, or the stream cannot be reached) it runs here as it is: false.
 pub(super) async fn moved_to_batch(fleet: &Fleet, msg: &jetstream::Message, tenant: &str) -> bool {
-    // Without its message id: the duplicate window would drop it.
+    // A message id of its own, the same for every delivery of this job:
+    // a move repeated (the ack here lost, a crash before it) is dropped by
+    // the stream's duplicate window instead of queueing a second copy.
     let mut kept = HeaderMap::new();
     if let Some(h) = msg.headers.as_ref() {
         for (name, values) in h.iter() {
@@ -53,6 +55,11 @@ pub(super) async fn moved_to_batch(fleet: &Fleet, msg: &jetstream::Message, tena
             }
         }
     }
+    let sequence = msg.info().map_or(0, |i| i.stream_sequence);
+    kept.insert(
+        headers::NATS_MSG_ID,
+        format!("batch-move.{tenant}.{sequence}").as_str(),
+    );
     let subject = fleet.config.subjects.chat_batch(tenant);
     let stored = match fleet
         .js
@@ -66,7 +73,8 @@ pub(super) async fn moved_to_batch(fleet: &Fleet, msg: &jetstream::Message, tena
         Ok(()) => {
             if let Err(e) = msg.double_ack().await {
                 // The copy on the batch lane runs; this one, delivered
-                // again, is answered by the claim as a duplicate.
+                // again, is moved again and dropped as a duplicate (within
+                // the stream's two minutes; later, its claim answers it).
                 warn!(tenant, error = %e, "a batch job moved to its lane could not be acked on the interactive lane");
             }
             debug!(tenant, "batch job moved to the batch lane");

@@ -65,6 +65,11 @@ impl Turns {
         self.paused.remove(tenant);
     }
 
+    /// Every paused tenant takes turns again.
+    pub(crate) fn resume_all(&mut self) {
+        self.paused.clear();
+    }
+
     /// Whether no tenant can take a turn now.
     pub(crate) fn is_empty(&self) -> bool {
         self.waiting.keys().all(|t| self.paused.contains(t))
