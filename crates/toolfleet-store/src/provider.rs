@@ -26,8 +26,12 @@ use tracing::warn;
 
 use crate::CitationStore;
 
+// Lease scores and pauses are on the Redis server's clock (`TIME`), so a
+// host whose clock is ahead never lapses another's lease; ARGV[1] is
+// unused (the minute's key is named by the caller's clock).
 const ACQUIRE: &str = r"
-local now = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local paused = tonumber(redis.call('GET', KEYS[3]) or '0') or 0
 if paused > now then return paused - now end
 local max, rpm = tonumber(ARGV[3]), tonumber(ARGV[4])
@@ -49,7 +53,8 @@ return 0
 ";
 
 const PAUSE: &str = r"
-local until_ms = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local until_ms = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1])
 local paused = tonumber(redis.call('GET', KEYS[1]) or '0') or 0
 if until_ms > paused then
   redis.call('SET', KEYS[1], until_ms, 'PX', ARGV[2])
@@ -175,7 +180,7 @@ impl CitationStore {
         let mut invocation = SCRIPT.prepare_invoke();
         invocation
             .key(self.provider_key(deployment, "paused"))
-            .arg(now_ms() + ms(wait))
+            .arg(ms(wait))
             .arg(ms(wait).max(1));
         let invocation = &invocation;
         if let Err(e) = self

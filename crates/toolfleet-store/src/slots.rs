@@ -18,8 +18,11 @@ use crate::{CitationError, CitationStore};
 /// How long a place's lease runs before its holder renews it.
 pub const SLOT_LEASE: Duration = Duration::from_secs(30);
 
+// Scores are on the Redis server's clock (`TIME`): a host whose clock is
+// ahead never lapses another's lease.
 const TAKE: &str = r"
-local now = tonumber(ARGV[1])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 if redis.call('ZCARD', KEYS[1]) >= tonumber(ARGV[3]) then return 0 end
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[2])
@@ -30,10 +33,11 @@ return 1
 /// Renews one lease (only if it is still held) and the set's own expiry,
 /// so a set whose places are all held for long never expires under them.
 const RENEW: &str = r"
-if redis.call('ZADD', KEYS[1], 'XX', 'CH', ARGV[1], ARGV[2]) >= 0 then
-  if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
-    redis.call('PEXPIRE', KEYS[1], ARGV[3])
-  end
+if redis.call('ZSCORE', KEYS[1], ARGV[2]) then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[2])
+  redis.call('PEXPIRE', KEYS[1], ARGV[3])
 end
 return 0
 ";
@@ -72,11 +76,10 @@ impl Slot {
                 tokio::time::sleep(SLOT_LEASE / 3).await;
                 static SCRIPT: std::sync::LazyLock<redis::Script> =
                     std::sync::LazyLock::new(|| redis::Script::new(RENEW));
-                let until = now_ms() + ms(SLOT_LEASE);
                 let mut invocation = SCRIPT.prepare_invoke();
                 invocation
                     .key(&k)
-                    .arg(until)
+                    .arg(ms(SLOT_LEASE))
                     .arg(&id)
                     .arg(2 * ms(SLOT_LEASE));
                 let invocation = &invocation;
@@ -162,9 +165,10 @@ impl CitationStore {
             std::sync::LazyLock::new(|| redis::Script::new(TAKE));
         let lease = uuid::Uuid::new_v4().simple().to_string();
         let mut invocation = SCRIPT.prepare_invoke();
+        // ARGV[1] unused: the script reads the server's clock.
         invocation
             .key(key)
-            .arg(now_ms())
+            .arg(0)
             .arg(&lease)
             .arg(max)
             .arg(ms(SLOT_LEASE));
@@ -175,19 +179,5 @@ impl CitationStore {
             })
             .await?;
         Ok((taken == 1).then(|| Slot::hold(self, key.to_owned(), lease)))
-    }
-
-    /// How many places of `key` are held now.
-    pub async fn slots_held(&self, key: &str) -> Result<u64, CitationError> {
-        let now = now_ms();
-        self.run("slots_held", |mut conn| async move {
-            redis::cmd("ZCOUNT")
-                .arg(key)
-                .arg(now)
-                .arg("+inf")
-                .query_async(&mut conn)
-                .await
-        })
-        .await
     }
 }

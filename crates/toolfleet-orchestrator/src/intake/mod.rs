@@ -394,6 +394,9 @@ pub(crate) async fn fifo_consumer(
         .map_err(|e| OrchestratorError::Nats(format!("chat consumer {name}: {e}")))
 }
 
+/// How long a tenant's chat consumer outlives its last pull.
+pub(crate) const TENANT_CONSUMER_INACTIVE: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// The durable chat consumer of `tenant`'s `priority` lane every
 /// orchestrator shares (`chat-<tenant>` filtered on the tenant's submit
 /// subject, `batch-<tenant>` on its batch subject), made if it does not
@@ -414,6 +417,9 @@ pub(crate) async fn tenant_consumer(
         // attempt can still end the invocation visibly.
         max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
         max_ack_pending: 10_000,
+        // A tenant gone for a week leaves no consumer behind (its jobs,
+        // if any came after all, are taken by one made again).
+        inactive_threshold: TENANT_CONSUMER_INACTIVE,
         ..Default::default()
     };
     stream
