@@ -207,3 +207,47 @@ async fn the_orchestrator_and_llm_tool_workers_share_a_deployments_concurrency()
     let most = crate::support::most_at_once(&arrivals, window);
     assert_eq!(most, 1, "model calls at once: {arrivals:?}");
 }
+
+/// A batch job's tool calls keep its priority (`Toolfleet-Priority`): the
+/// LLM tool's model call carries the deployment's batch service tier, as
+/// the orchestrator's own calls do; an interactive job's carry none.
+#[tokio::test]
+async fn a_batch_jobs_llm_tool_calls_use_the_batch_service_tier() {
+    let profiles = PROFILES.replace(
+        "model = \"toolfleet-scripted\"\n",
+        "model = \"toolfleet-scripted\"\nbatch_service_tier = \"flex\"\n",
+    );
+    let env = Env::start_with(
+        json!({
+            "rules": [
+                { "whenUserContains": ["summarize the text below"], "steps": [
+                    { "answer": "```json\n{\"summary\": \"s\", \"keyPoints\": []}\n```" } ] },
+                { "whenUserContains": ["please digest"], "steps": [
+                    { "toolCalls": [ { "name": "summarize",
+                        "arguments": { "text": "The keepers wound the lamp every night." } } ] },
+                    { "answer": "Digest: {{tool:summarize}}" } ] }
+            ]
+        }),
+        Options {
+            workers: vec!["llm"],
+            profiles_toml: Some(profiles),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut job = toolfleet_protocol::client::question("please digest the logbook");
+    job.priority = Some(toolfleet_protocol::Priority::Batch);
+    env.submit(&job).await.expect("the batch job completes");
+    let asked = env.model.requests();
+    assert_eq!(asked.len(), 3, "two conversation calls and the tool's");
+    for request in &asked {
+        assert_eq!(request["service_tier"], "flex", "{request}");
+    }
+    env.ask("please digest the ledger")
+        .await
+        .1
+        .expect("the interactive job completes");
+    for request in &env.model.requests()[3..] {
+        assert!(request.get("service_tier").is_none(), "{request}");
+    }
+}

@@ -66,6 +66,9 @@ pub mod headers {
     /// worker that calls models checks them before each call, as the
     /// orchestrator does. Absent: no limit.
     pub const TENANT_LIMITS: &str = "Toolfleet-Tenant-Limits";
+    /// `batch` on the tool jobs of a batch chat job (absent: interactive):
+    /// a worker that calls models may use its deployment's batch tier.
+    pub const PRIORITY: &str = "Toolfleet-Priority";
     /// Unix time in ms after which nobody waits for the call's answer (required
     /// on tool jobs).
     pub const DEADLINE: &str = "Toolfleet-Deadline";
@@ -689,6 +692,8 @@ pub struct InvocationContext {
     /// The tenant's model-call limits (operator configuration), for the
     /// workers that call models; `None`: none.
     pub tenant_limits: Option<TenantLimits>,
+    /// The chat job's priority (only `batch` travels).
+    pub priority: Priority,
 }
 
 /// A tenant's fleet-wide model-call limits as tool jobs carry them
@@ -760,7 +765,7 @@ pub struct CallContext {
 }
 
 /// The headers this module reads, in the order of [`Known`]'s slots.
-const KNOWN: [&str; 19] = [
+const KNOWN: [&str; 20] = [
     headers::INVOCATION_ID,
     headers::CALL_ID,
     headers::TOOL_ID,
@@ -774,6 +779,7 @@ const KNOWN: [&str; 19] = [
     headers::ATTACHED_DOCUMENTS,
     headers::PROVIDER_CONFIDENCE,
     headers::TENANT_LIMITS,
+    headers::PRIORITY,
     headers::DEADLINE,
     headers::ATTEMPT,
     headers::REPLY_TO,
@@ -887,6 +893,9 @@ impl InvocationContext {
             let json = serde_json::to_string(&limits).unwrap_or_default();
             h.insert(TENANT_LIMITS, json.as_str());
         }
+        if self.priority == Priority::Batch {
+            h.insert(PRIORITY, Priority::Batch.as_str());
+        }
     }
 
     /// The context as a fresh header map.
@@ -976,6 +985,12 @@ impl InvocationContext {
             deadline_ms: parsed(h, DEADLINE)?,
             traceparent: owned(TRACEPARENT),
             tenant_limits,
+            // Anything but `batch` is the default: a worker may only lower
+            // its own cost with it.
+            priority: match h.get(PRIORITY) {
+                Some("batch") => Priority::Batch,
+                _ => Priority::Interactive,
+            },
         })
     }
 }
@@ -2218,6 +2233,7 @@ mod tests {
                     spend_per_day_micros: 5_000_000,
                     ..TenantLimits::default()
                 }),
+                priority: Priority::Batch,
             },
             call_id: "call_1".into(),
             tool_id: id(),

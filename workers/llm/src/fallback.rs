@@ -36,6 +36,8 @@ pub struct Candidate<'a> {
     pub client: &'a LlmClient,
     /// The deployment's fleet-wide limits, if it has any.
     pub limits: Option<&'a toolfleet_llm::gate::DeploymentLimits>,
+    /// The deployment's `service_tier` for batch jobs, if it has one.
+    pub batch_tier: Option<&'a str>,
 }
 
 /// The models of a call, worked through in order (see the module docs):
@@ -69,15 +71,16 @@ impl<'a> Attempts<'a> {
             };
             match providers
                 .get(provider)
-                .map(|p| (&p.client, p.limits.as_ref()))
+                .map(|p| (&p.client, p.limits.as_ref(), p.batch_tier.as_deref()))
             {
-                Some((Ok(client), limits)) => usable.push(Candidate {
+                Some((Ok(client), limits, batch_tier)) => usable.push(Candidate {
                     id,
                     model,
                     client,
                     limits,
+                    batch_tier,
                 }),
-                Some((Err(why), _)) => unusable.push(format!("{id}: no API key ({why})")),
+                Some((Err(why), ..)) => unusable.push(format!("{id}: no API key ({why})")),
                 None => unusable.push(format!("{id}: no deployment named {provider:?}")),
             }
         }

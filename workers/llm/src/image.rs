@@ -100,6 +100,7 @@ impl GenerateImage {
             model,
             client,
             limits,
+            ..
         } = *candidate;
         let client = &crate::providers::gated(ctx, client, limits);
         let request = ImageRequest {

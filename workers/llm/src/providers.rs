@@ -23,6 +23,8 @@ pub(crate) struct Provider {
     /// The deployment's fleet-wide limits (`max_concurrency`,
     /// `requests_per_minute`), shared with the orchestrators.
     pub(crate) limits: Option<DeploymentLimits>,
+    /// The `service_tier` of batch jobs' calls (`batch_service_tier`).
+    pub(crate) batch_tier: Option<String>,
 }
 
 /// Every deployment of the configuration, by name, and the price table.
@@ -61,6 +63,7 @@ impl Providers {
                 Provider {
                     client,
                     limits: deployment.limits(name),
+                    batch_tier: deployment.batch_service_tier.clone(),
                 },
             );
         }

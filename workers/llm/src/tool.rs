@@ -390,9 +390,14 @@ impl LlmTool {
             model,
             client,
             limits,
+            batch_tier,
         } = *candidate;
-        let (request, format) =
+        let (mut request, format) =
             build_request(declared, id, model, args).map_err(|e| AttemptError(e.to_string()))?;
+        // A batch job's tool calls use the deployment's batch tier too.
+        if ctx.invocation().priority == toolfleet_worker::protocol::Priority::Batch {
+            request.service_tier = batch_tier.map(str::to_owned);
+        }
         let started = Instant::now();
         let client = crate::providers::gated(ctx, client, limits);
         let (reply, usage, attempts) = self.ask(&client, &request).await?;

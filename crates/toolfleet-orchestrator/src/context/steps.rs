@@ -72,6 +72,7 @@ pub fn invocation_context(
         deadline_ms: Some(deadline_ms),
         traceparent: job.traceparent.clone(),
         tenant_limits: None,
+        priority: job.priority.unwrap_or_default(),
     };
     trust_from(&mut ctx, profile);
     ctx
