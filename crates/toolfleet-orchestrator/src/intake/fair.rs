@@ -145,6 +145,9 @@ struct Tenants {
     /// Tenants found at their `max_jobs_in_flight`, and until when they
     /// take no turn.
     held_back: HashMap<String, Instant>,
+    /// Tenants whose jobs wait at their `max_jobs_in_flight` since the last
+    /// look (a wait is counted once).
+    capped: HashSet<String>,
     /// Jobs running here, by tenant: a free slot goes to the tenant with
     /// the fewest for its weight.
     running: Running,
@@ -227,6 +230,7 @@ impl Dispatcher {
             stored: HashSet::new(),
             rescan_at: Instant::now(),
             held_back: HashMap::new(),
+            capped: HashSet::new(),
             running: Running::default(),
             active: HashMap::new(),
             slots: self.fleet.config.max_in_flight.max(1),
@@ -283,10 +287,19 @@ impl Dispatcher {
                 continue;
             };
             let Ok(slot) = self.job_slot(&lane.0).await else {
-                // At its cap of jobs in flight: its jobs wait in the stream.
+                // At its cap of jobs in flight: its jobs wait in the stream
+                // (counted once per wait, not per look).
+                if tenants.capped.insert(lane.0.clone()) {
+                    self.fleet
+                        .metrics
+                        .in_flight_waits
+                        .with_label_values(&[lane.0.as_str(), "jobs"])
+                        .inc();
+                }
                 tenants.hold_back(&lane);
                 continue;
             };
+            tenants.capped.remove(&lane.0);
             let Some(consumer) = tenants.consumer(&self, &lane).await.cloned() else {
                 tenants.idle(&lane);
                 continue;
@@ -385,14 +398,7 @@ impl Dispatcher {
         let key = fleet.store.inflight_key(tenant, "jobs");
         match fleet.store.take_slot(&key, cap).await {
             Ok(Some(slot)) => Ok(Some(slot)),
-            Ok(None) => {
-                fleet
-                    .metrics
-                    .in_flight_waits
-                    .with_label_values(&[tenant, "jobs"])
-                    .inc();
-                Err(())
-            }
+            Ok(None) => Err(()),
             Err(e) => {
                 warn!(tenant, error = %e, "the tenant's jobs in flight cannot be counted; the job runs");
                 Ok(None)
