@@ -200,12 +200,18 @@ async fn hooks_timeouts_and_failures_in_the_worker_runtime() {
         .unwrap()
         .await
         .unwrap();
-        let reply = next_json(&mut replies).await;
-        Envelope::ToolReply
-            .validator()
-            .validate(&reply)
-            .expect("replies follow the schema");
-        reply
+        // This call's reply: delivery is at least once, so a reply of an
+        // earlier call may come again (replayed from its ledger).
+        loop {
+            let reply = next_json(&mut replies).await;
+            Envelope::ToolReply
+                .validator()
+                .validate(&reply)
+                .expect("replies follow the schema");
+            if reply["callId"] == call {
+                return reply;
+            }
+        }
     };
 
     let ok = ask("c_ok", json!({})).await;
