@@ -109,7 +109,10 @@ struct Receiver {
 impl Receiver {
     /// Serves `/fast` and `/slow` (answers after [`SLOW_WEBHOOK`]) on a
     /// free loopback port.
-    async fn start(tracker: &TaskTracker, shutdown: CancellationToken) -> anyhow::Result<String> {
+    async fn start(
+        tracker: &TaskTracker,
+        shutdown: CancellationToken,
+    ) -> anyhow::Result<(String, Self)> {
         let receiver = Self::default();
         let fast = receiver.clone();
         let app = axum::Router::new()
@@ -137,8 +140,7 @@ impl Receiver {
                 .with_graceful_shutdown(shutdown.cancelled_owned())
                 .await;
         });
-        RECEIVER.set(receiver).ok();
-        Ok(url)
+        Ok((url, receiver))
     }
 
     fn arrived_now(&self, body: &[u8]) {
@@ -174,8 +176,6 @@ impl Receiver {
     }
 }
 
-static RECEIVER: std::sync::OnceLock<Receiver> = std::sync::OnceLock::new();
-
 /// The fleet under test: servers, model, a fair and a FIFO orchestrator.
 struct Noisy {
     _nats: toolfleet_local::servers::NatsServer,
@@ -185,6 +185,7 @@ struct Noisy {
     subjects: Subjects,
     fifo_subjects: Subjects,
     webhooks: String,
+    receiver: Receiver,
     shutdown: CancellationToken,
     tracker: TaskTracker,
     timeout: Duration,
@@ -215,7 +216,7 @@ impl Noisy {
         .await?;
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
-        let webhooks = Receiver::start(&tracker, shutdown.clone()).await?;
+        let (webhooks, receiver) = Receiver::start(&tracker, shutdown.clone()).await?;
         let subjects = Subjects::new(toolfleet_protocol::DEFAULT_PREFIX)?;
         let fifo_subjects = Subjects::new("fifo")?;
         for (subjects, dispatch) in [
@@ -273,6 +274,7 @@ impl Noisy {
             subjects,
             fifo_subjects,
             webhooks,
+            receiver,
             shutdown,
             tracker,
             timeout: Duration::from_secs(args.timeout_secs),
@@ -283,9 +285,11 @@ impl Noisy {
     /// `webhook`, until its answer reached it).
     fn jobs(&self, tenant: &'static str, subjects: &Subjects, webhook: Option<&str>) -> Op {
         let (client, subjects, timeout) = (self.client.clone(), subjects.clone(), self.timeout);
+        let receiver = self.receiver.clone();
         let webhook = webhook.map(|w| format!("{}{w}", self.webhooks));
         Arc::new(move |i| {
             let (client, subjects, webhook) = (client.clone(), subjects.clone(), webhook.clone());
+            let receiver = receiver.clone();
             Box::pin(async move {
                 let job = job(tenant, i, webhook);
                 let answered =
@@ -294,7 +298,6 @@ impl Noisy {
                 match answered {
                     Ok(_) if job.sink.is_none() => Ok(0),
                     Ok(_) => {
-                        let receiver = RECEIVER.get().expect("receiver");
                         if receiver.wait_for(&job.invocation_id, timeout).await {
                             Ok(0)
                         } else {

@@ -239,12 +239,7 @@ impl Dispatcher {
         let ended = tenants.running.1.clone();
         while !self.shutdown.is_cancelled() {
             if reconnects.take_new() {
-                // Wake-ups published while the connection was down are
-                // lost: read what is stored now. The fetches out were
-                // likely lost with it: their lanes take turns again.
-                tenants.rescan_at = Instant::now();
-                tenants.interactive.resume_all();
-                tenants.batch.resume_all();
+                tenants.reconnected();
             }
             // The permit first: who has work is read after it, so a turn
             // goes by what is waiting now, not when the last slot freed.
@@ -278,11 +273,7 @@ impl Dispatcher {
                     Some(d) = done.recv() => tenants.settle(d),
                     () = ended.notified() => {}
                     () = tokio::time::sleep_until(tenants.rescan_at) => {}
-                    () = reconnects.next() => {
-                        tenants.rescan_at = Instant::now();
-                        tenants.interactive.resume_all();
-                        tenants.batch.resume_all();
-                    }
+                    () = reconnects.next() => tenants.reconnected(),
                 }
                 continue;
             };
@@ -585,6 +576,15 @@ impl Tenants {
                 self.consumers.remove(&lane);
             }
         }
+    }
+
+    /// The connection came back: wake-ups published while it was down are
+    /// lost (read what is stored now), and the fetches out were likely
+    /// lost with it (their lanes take turns again).
+    fn reconnected(&mut self) {
+        self.rescan_at = Instant::now();
+        self.interactive.resume_all();
+        self.batch.resume_all();
     }
 
     fn turns_of(&mut self, priority: Priority) -> &mut Turns {

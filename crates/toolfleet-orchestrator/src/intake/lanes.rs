@@ -17,6 +17,21 @@ use tracing::{debug, warn};
 
 use crate::Fleet;
 
+/// `h` without its `Nats-Msg-Id` (a job published again under another
+/// subject would otherwise be dropped by the duplicate window).
+pub(super) fn without_msg_id(h: &HeaderMap) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    for (name, values) in h.iter() {
+        if AsRef::<str>::as_ref(name) == headers::NATS_MSG_ID {
+            continue;
+        }
+        for value in values {
+            kept.append(name.clone(), value.clone());
+        }
+    }
+    kept
+}
+
 /// The priority `job` runs with, taken from `lane`: batch when the lane,
 /// the job or its profile says so.
 pub(super) fn priority_of(fleet: &Fleet, job: &ChatJob, tenant: &str, lane: Priority) -> Priority {
@@ -44,17 +59,7 @@ pub(super) async fn moved_to_batch(fleet: &Fleet, msg: &jetstream::Message, tena
     // A message id of its own, the same for every delivery of this job:
     // a move repeated (the ack here lost, a crash before it) is dropped by
     // the stream's duplicate window instead of queueing a second copy.
-    let mut kept = HeaderMap::new();
-    if let Some(h) = msg.headers.as_ref() {
-        for (name, values) in h.iter() {
-            if AsRef::<str>::as_ref(name) == headers::NATS_MSG_ID {
-                continue;
-            }
-            for value in values {
-                kept.append(name.clone(), value.clone());
-            }
-        }
-    }
+    let mut kept = msg.headers.as_ref().map(without_msg_id).unwrap_or_default();
     let sequence = msg.info().map_or(0, |i| i.stream_sequence);
     kept.insert(
         headers::NATS_MSG_ID,

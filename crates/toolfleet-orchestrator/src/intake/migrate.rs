@@ -24,13 +24,12 @@
 //! the submit subject of the tenant they name (as they ran before: see
 //! `handle`) and removed ([`requeue_untenanted`]).
 
-use async_nats::HeaderMap;
 use async_nats::jetstream::{
     self, ErrorCode,
     stream::{ConsumerErrorKind, RawMessageErrorKind},
 };
 use futures::StreamExt;
-use toolfleet_protocol::{DEFAULT_TENANT, Subjects, headers, valid_tenant};
+use toolfleet_protocol::{DEFAULT_TENANT, Subjects, valid_tenant};
 use tracing::{info, warn};
 
 use crate::OrchestratorError;
@@ -134,15 +133,7 @@ pub(super) async fn requeue_untenanted(
             .filter(|t| valid_tenant(t))
             .unwrap_or_else(|| DEFAULT_TENANT.to_owned());
         // Without its message id: the duplicate window would drop it.
-        let mut kept = HeaderMap::new();
-        for (name, values) in msg.headers.iter() {
-            if AsRef::<str>::as_ref(name) == headers::NATS_MSG_ID {
-                continue;
-            }
-            for value in values {
-                kept.append(name.clone(), value.clone());
-            }
-        }
+        let kept = super::lanes::without_msg_id(&msg.headers);
         let published = match js
             .publish_with_headers(subjects.chat_submit(&tenant), kept, msg.payload.clone())
             .await

@@ -380,18 +380,27 @@ pub(crate) async fn fifo_consumer(
     subjects: &Subjects,
 ) -> Result<jetstream::consumer::PullConsumer, OrchestratorError> {
     let name = subjects.chat_consumer();
-    let config = pull::Config {
-        durable_name: Some(name.clone()),
-        ack_policy: jetstream::consumer::AckPolicy::Explicit,
-        ack_wait: CHAT_ACK_WAIT,
-        max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
-        max_ack_pending: 10_000,
-        ..Default::default()
-    };
+    let config = chat_consumer_config(&name, String::new());
     stream
         .get_or_create_consumer(&name, config)
         .await
         .map_err(|e| OrchestratorError::Nats(format!("chat consumer {name}: {e}")))
+}
+
+/// A chat consumer's settings (a tenant's lane, or FIFO's unfiltered
+/// one when `filter_subject` is empty).
+fn chat_consumer_config(name: &str, filter_subject: String) -> pull::Config {
+    pull::Config {
+        durable_name: Some(name.to_owned()),
+        filter_subject,
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait: CHAT_ACK_WAIT,
+        // One more than we run, so the delivery after the last attempt can
+        // still end the invocation visibly.
+        max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    }
 }
 
 /// How long a tenant's chat consumer outlives its last pull.
@@ -409,18 +418,10 @@ pub(crate) async fn tenant_consumer(
 ) -> Result<jetstream::consumer::PullConsumer, OrchestratorError> {
     let name = subjects.chat_lane_consumer(tenant, priority);
     let config = pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: subjects.chat_lane(tenant, priority),
-        ack_policy: jetstream::consumer::AckPolicy::Explicit,
-        ack_wait: CHAT_ACK_WAIT,
-        // One more than we run, so the delivery after the last
-        // attempt can still end the invocation visibly.
-        max_deliver: i64::from(MAX_CHAT_ATTEMPTS) + 1,
-        max_ack_pending: 10_000,
         // A tenant gone for a week leaves no consumer behind (its jobs,
         // if any came after all, are taken by one made again).
         inactive_threshold: TENANT_CONSUMER_INACTIVE,
-        ..Default::default()
+        ..chat_consumer_config(&name, subjects.chat_lane(tenant, priority))
     };
     stream
         .get_or_create_consumer(&name, config)
