@@ -1121,3 +1121,90 @@ async fn a_parked_record_keeps_no_webhook_url_and_the_resume_still_delivers_to_i
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// An orchestrator that parked an invocation and died before its chat
+/// job's ack landed: here its NATS user may not ack chat jobs (so no ack
+/// lands), and it is stopped once the approval request is out. The job is
+/// delivered again after its ack wait, and the next orchestrator says the
+/// same approval request again — the model is not asked again, nothing
+/// runs — and the person's approval then finishes the invocation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_park_whose_ack_was_lost_says_its_requests_again_and_reruns_nothing() {
+    let chat_stream = toolfleet_protocol::Subjects::new("toolfleet")
+        .unwrap()
+        .chat_stream();
+    let auth = format!(
+        r#"
+authorization {{
+  users = [
+    {{ user: "all", password: "all" }}
+    {{ user: "noack", password: "noack", permissions: {{
+        publish: {{ allow: [">"], deny: ["$JS.ACK.{chat_stream}.>"] }},
+        subscribe: {{ allow: [">"] }} }} }}
+  ]
+}}
+no_auth_user: "all"
+"#
+    );
+    let env = Env::start_with(
+        two_clocks_script(),
+        Options {
+            workers: vec!["system"],
+            no_orchestrator: true,
+            nats: toolfleet_local::servers::NatsConfig {
+                extra: Some(auth),
+                ..Default::default()
+            },
+            ..Default::default()
+        },
+    )
+    .await;
+    let config = || {
+        let profiles = toolfleet_config::FleetConfig::from_toml(
+            &profiles(60_000).replace("{base_url}", env.model.base_url().as_str()),
+            "test profiles",
+        )
+        .unwrap();
+        toolfleet_orchestrator::OrchestratorConfig::new(env.subjects.clone(), profiles)
+    };
+    let first = support::start_orchestrator(
+        format!("nats://noack:noack@127.0.0.1:{}", env.nats.port()),
+        env.redis.url(),
+        config(),
+    )
+    .await;
+    let job = toolfleet_protocol::client::question("What does one clock say?");
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let (call, tool, ..) = until(&mut sub, &mut seen, approval_requested).await;
+    assert_eq!(tool, "system:current_datetime@1.0.0");
+    // The park is written; the ack cannot land. The orchestrator dies.
+    first.shutdown.cancel();
+    first.drain(Duration::from_millis(200)).await;
+    let second =
+        support::start_orchestrator(env.nats.url(), env.redis.url(), config()).await;
+    let mut again = Vec::new();
+    let (repeated, ..) = until(&mut sub, &mut again, approval_requested).await;
+    assert_eq!(repeated, call, "the same call's request, said again");
+    assert!(
+        !again
+            .iter()
+            .any(|e| matches!(e.body, ChatEventBody::ToolCall { .. }) || e.body.is_terminal()),
+        "nothing reran: {again:?}"
+    );
+    assert_eq!(env.model.requests().len(), 1, "the model was asked once");
+    let v = request(
+        &env,
+        env.subjects.chat_approve("default", &job.invocation_id),
+        json!({ "callId": call, "decision": "approve" }),
+    )
+    .await;
+    assert_eq!(v["ok"], true, "{v}");
+    let end = until(&mut sub, &mut again, terminal).await;
+    assert!(
+        matches!(&end, ChatEventBody::Completed { .. }),
+        "{end:?}"
+    );
+    assert_eq!(env.model.requests().len(), 2);
+    second.drain(Duration::from_secs(5)).await;
+}

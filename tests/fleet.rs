@@ -13,6 +13,7 @@ mod chat_cli;
 mod clients;
 mod compaction;
 mod deadletters;
+mod edges;
 mod delivery;
 mod fair;
 mod health;

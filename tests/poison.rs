@@ -349,3 +349,42 @@ async fn a_header_larger_than_the_server_allows_is_refused_to_its_publisher_only
         0
     );
 }
+
+/// A poison chat job found while Redis is down cannot be claimed, so it
+/// cannot yet be proved to speak for its invocation: it is given back
+/// (not dead-lettered, its sender not left without an answer) and, once
+/// Redis is back, its sender gets the `unreadable_headers` error and the
+/// dead letter is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_found_while_redis_is_down_reaches_its_sender_once_redis_returns() {
+    let (mut env, _) = monitored(None).await;
+    let mut dead = env.subscribe("toolfleet.deadletter.chat".into()).await;
+    let mut poison = toolfleet_protocol::client::question("hello poison");
+    poison.invocation_id = "poison-while-redis-down".into();
+    let mut events = env
+        .subscribe(
+            env.subjects
+                .chat_events(poison.tenant(), &poison.invocation_id),
+        )
+        .await;
+    env.redis.stop();
+    support::publish_raw(
+        &env.nats.url(),
+        None,
+        &env.subjects.chat_submit(poison.tenant()),
+        POISONS[0],
+        &serde_json::to_vec(&poison).unwrap(),
+    )
+    .await;
+    // While the store is away: no dead letter, no word to the sender.
+    support::assert_silent(&mut dead, Duration::from_secs(4), "dead-lettered while Redis was down").await;
+    support::assert_silent(&mut events, Duration::from_millis(100), "told while Redis was down").await;
+    env.redis.start_again().expect("redis-server restarts");
+    let ev = support::next_json(&mut events).await;
+    assert_eq!(ev["type"], "error", "{ev}");
+    assert_eq!(ev["code"], "unreadable_headers", "{ev}");
+    let d = support::next_json(&mut dead).await;
+    assert_eq!(d["invocationId"], "poison-while-redis-down", "{d}");
+    support::assert_silent(&mut dead, Duration::from_secs(2), "a second dead letter").await;
+    support::chat_queue_drained(&env).await;
+}

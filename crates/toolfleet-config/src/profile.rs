@@ -13,7 +13,7 @@
 //! | `temperature` | 0.0..=2.0, the provider's | sampling temperature |
 //! | `system_prompt` | string, the orchestrator's | system prompt |
 //! | `tools` | list of tool refs, `["*"]` | profile tools: `*` every selectable tool, `ns:*` every selectable tool of a namespace, `ns:name` (highest version) or `ns:name@x.y.z` one tool, selectable or not |
-//! | `must_include_tools` | list of tool ids, `[]` | tools always offered whatever scoping picks, e.g. `"system:current_datetime@1.0.0"` |
+//! | `must_include_tools` | list of tool ids, `[]` | tools always offered whatever scoping picks (they count toward `scoping.max_tool_count`, and a list longer than that cap is refused), e.g. `"system:current_datetime@1.0.0"` |
 //! | `data_source` | string, none | data source searched before the model is called (preemptive RAG) |
 //! | `sink` | sink name, none | the `[sinks.<name>]` this profile's events also go to (a chat job's own `sink` wins) |
 //! | `tenants` | list of tenant names or `["*"]`, `["*"]` | the tenants whose jobs may run this profile ([`crate::tenants`]); another tenant's job naming it ends with `profile_not_allowed` |
@@ -250,7 +250,21 @@ impl Profile {
         }
         self.policy.validate(&format!("{at}.policy"))?;
         self.rag.validate(&format!("{at}.rag"))?;
-        self.scoping.validate(&format!("{at}.scoping"))
+        self.scoping.validate(&format!("{at}.scoping"))?;
+        // Must-include tools are offered whatever scoping picks, and count
+        // toward the cap: more of them than the cap is a contradiction,
+        // refused here rather than settled silently on every request.
+        if self.must_include_tools.len() > self.scoping.max_tool_count {
+            return Err((
+                format!("{at}.must_include_tools"),
+                format!(
+                    "lists {} tools, more than scoping.max_tool_count ({}): every must-include tool is offered and counts toward that cap; list fewer or raise the cap",
+                    self.must_include_tools.len(),
+                    self.scoping.max_tool_count
+                ),
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -258,6 +272,31 @@ impl Profile {
 mod tests {
     use crate::ConfigErrorKind;
     use crate::testing::{MINIMAL, parse_err};
+
+    #[test]
+    fn more_must_include_tools_than_the_tool_cap_are_refused() {
+        let three = "must_include_tools = [\"a:x@1.0.0\", \"a:y@1.0.0\", \"a:z@1.0.0\"]";
+        let e = parse_err(&MINIMAL.replace(
+            "deployment = \"local\"",
+            &format!(
+                "deployment = \"local\"\n{three}\n[profiles.default.scoping]\nmax_tool_count = 2\ninitial_tool_count = 1\nscoping_threshold = 2"
+            ),
+        ));
+        assert_eq!(
+            e.key.as_deref(),
+            Some("profiles.default.must_include_tools"),
+            "{e}"
+        );
+        assert!(e.message.contains("more than scoping.max_tool_count (2)"), "{e}");
+        // At the cap, both hold: all three are offered.
+        let ok = MINIMAL.replace(
+            "deployment = \"local\"",
+            &format!(
+                "deployment = \"local\"\n{three}\n[profiles.default.scoping]\nmax_tool_count = 3\ninitial_tool_count = 1\nscoping_threshold = 3"
+            ),
+        );
+        crate::FleetConfig::from_toml(&ok, "test").unwrap();
+    }
 
     #[test]
     fn bad_tool_ids_and_profile_shapes_are_refused() {

@@ -93,6 +93,8 @@ pub struct Fleet {
     pub(crate) replies: Arc<Replies>,
     /// In-progress acks for every chat job held here, from one ticker.
     pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
+    /// The NATS connection's reconnections, watched once for every run.
+    pub(crate) reconnects: toolfleet_service::jobs::Reconnects,
     /// The agent tools of the configuration (a registry backend).
     agents: AgentSource,
     /// The registry and relevance index of the latest catalog generation,
@@ -117,6 +119,7 @@ pub(crate) struct Parts {
     pub(crate) parked_bucket: kv::Store,
     pub(crate) settings_bucket: kv::Store,
     pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
+    pub(crate) reconnects: toolfleet_service::jobs::Reconnects,
 }
 
 impl Fleet {
@@ -134,6 +137,7 @@ impl Fleet {
             parked_bucket,
             settings_bucket,
             heartbeat,
+            reconnects,
         } = parts;
         let catalog =
             LiveCatalog::new(client.clone(), config.subjects.clone(), config.catalog_wait);
@@ -153,6 +157,7 @@ impl Fleet {
             agent_waits: AgentWaits::default(),
             replies,
             heartbeat,
+            reconnects,
             agents,
             tools: std::sync::Mutex::new(None),
             building: std::sync::Mutex::new(()),

@@ -79,6 +79,9 @@ pub struct OrchestratorMetrics {
     pub registry_build: Histogram,
     /// Tool calls naming no offered tool (answered with suggestions).
     pub unknown_tool_calls: IntCounter,
+    /// Tool results read back from the ledger (their replies were lost to
+    /// a reconnect, or the call was adopted from an earlier run).
+    pub results_read_back: IntCounter,
     /// Sink deliveries (webhooks, relays).
     pub sinks: crate::sinks::SinkMetrics,
     /// `toolfleet_dead_letters_total`, shared with the workers of the
@@ -301,6 +304,11 @@ const UNKNOWN_TOOL_CALLS: Spec = spec(
     "Tool calls naming no offered tool; answered with close names.",
     &[],
 );
+const RESULTS_READ_BACK: Spec = spec(
+    "toolfleet_tool_results_read_back_total",
+    "Tool results read back from the result ledger: the reply was lost (a reconnect) or the call was adopted from an earlier run of its invocation.",
+    &[],
+);
 const TOOL_BACKLOG: Spec = spec(
     "toolfleet_tool_backlog",
     "Tool jobs waiting for a worker (the tool consumer's num_pending): scale the pool on it.",
@@ -447,6 +455,7 @@ impl OrchestratorMetrics {
             registry_duplicates: REGISTRY_DUPLICATES.gauge(r)?,
             registry_build: REGISTRY_BUILD.plain_histogram(r, LATENCY_BUCKETS)?,
             unknown_tool_calls: UNKNOWN_TOOL_CALLS.total(r)?,
+            results_read_back: RESULTS_READ_BACK.total(r)?,
             sinks: crate::sinks::SinkMetrics::register(r)?,
             dead_letters,
             tool_backlog: TOOL_BACKLOG.gauges(r)?,

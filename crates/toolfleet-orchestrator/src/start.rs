@@ -12,6 +12,7 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use toolfleet_service::jobs::{self, Reconnects, Sweeper};
+use toolfleet_service::poison::Disposal;
 
 use crate::settings::ChatDispatch;
 use toolfleet_store::CitationStore;
@@ -201,6 +202,7 @@ impl Opened {
             .subscribe(subjects.chat_cancel_all())
             .await
             .map_err(|e| nats(e.to_string()))?;
+        let reconnects = jobs::Reconnects::watch(client.clone(), stop_replies.clone());
         let replies = Replies::start(&client, subjects, stop_replies)
             .await
             .map_err(|e| nats(e.to_string()))?;
@@ -221,6 +223,7 @@ impl Opened {
             parked_bucket,
             settings_bucket,
             heartbeat,
+            reconnects,
         };
         let fleet = Arc::new(Fleet::new(client, js, store, metrics, settings, parts));
         Ok(Self {
@@ -278,7 +281,7 @@ fn spawn_background(
 
 /// What a pull loop does with a message whose headers cannot be read.
 type OnPoison = Arc<
-    dyn Fn(toolfleet_service::poison::Poison) -> futures::future::BoxFuture<'static, ()>
+    dyn Fn(toolfleet_service::poison::Poison) -> futures::future::BoxFuture<'static, Disposal>
         + Send
         + Sync,
 >;
@@ -374,7 +377,7 @@ impl Puller {
         let sweeper = Sweeper {
             js: jetstream::new(fleet.client.clone()),
             stream: subjects.decisions_stream(),
-            on_poison: Arc::new(|_| async {}.boxed()),
+            on_poison: Arc::new(|_| async { Disposal::Ended }.boxed()),
         };
         let plugins = self.plugins;
         // An idle pull holds no permit (as fair dispatch's): a decision

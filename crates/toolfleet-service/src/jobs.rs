@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::warn;
 
-use crate::poison::Poison;
+use crate::poison::{Disposal, Poison};
 
 /// How long one pull request waits for messages before the next is sent.
 pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
@@ -47,7 +47,7 @@ pub struct Sweeper {
     pub js: jetstream::Context,
     /// The stream the consumer reads (for logs).
     pub stream: String,
-    pub on_poison: Arc<dyn Fn(Poison) -> BoxFuture<'static, ()> + Send + Sync>,
+    pub on_poison: Arc<dyn Fn(Poison) -> BoxFuture<'static, Disposal> + Send + Sync>,
 }
 
 impl std::fmt::Debug for Sweeper {
@@ -59,9 +59,10 @@ impl std::fmt::Debug for Sweeper {
 }
 
 impl Sweeper {
-    /// Ends `msg`, a poison: `on_poison`, then `term`, on `tracker`,
-    /// holding `permit` (a trickle of poisons runs no more at once than
-    /// jobs would).
+    /// Ends `msg`, a poison: `on_poison`, then `term` (or a delayed `nak`
+    /// when `on_poison` says [`Disposal::Later`]), on `tracker`, holding
+    /// `permit` (a trickle of poisons runs no more at once than jobs
+    /// would).
     pub fn dispose(
         &self,
         poison: Poison,
@@ -73,8 +74,11 @@ impl Sweeper {
             reason = %poison.reason, "a job whose headers cannot be read: dead-lettered, not run");
         let handled = (self.on_poison)(poison);
         tracker.spawn(async move {
-            handled.await;
-            let _ = msg.ack_with(jetstream::AckKind::Term).await;
+            let end = match handled.await {
+                Disposal::Ended => jetstream::AckKind::Term,
+                Disposal::Later(delay) => jetstream::AckKind::Nak(Some(delay)),
+            };
+            let _ = msg.ack_with(end).await;
             drop(permit);
         });
     }
@@ -111,6 +115,15 @@ impl Reconnects {
                 }
             }
         });
+        Self(rx)
+    }
+
+    /// A watcher of the same connection that counts from now on (a clone
+    /// would count every reconnection its source has not looked at).
+    #[must_use]
+    pub fn from_now(&self) -> Self {
+        let mut rx = self.0.clone();
+        rx.mark_unchanged();
         Self(rx)
     }
 

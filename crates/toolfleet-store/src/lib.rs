@@ -499,6 +499,33 @@ impl CitationStore {
         ))
     }
 
+    /// The stored results of `call_ids` of the invocation, in their order
+    /// (`None` where the ledger holds none, or an unreadable one), in one
+    /// round trip (the keys share the invocation's hash tag): what a
+    /// caller that may have missed the replies reads back.
+    pub async fn ledger_get_many(
+        &self,
+        inv: InvocationKey<'_>,
+        call_ids: &[&str],
+    ) -> Result<Vec<Option<ToolResult>>, CitationError> {
+        if call_ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let keys = &call_ids
+            .iter()
+            .map(|id| self.key(inv, &format!("result:{id}")))
+            .collect::<Vec<_>>();
+        let stored: Vec<Option<String>> = self
+            .run("ledger_get_many", |mut conn| async move {
+                redis::cmd("MGET").arg(keys).query_async(&mut conn).await
+            })
+            .await?;
+        Ok(stored
+            .into_iter()
+            .map(|s| s.and_then(|s| serde_json::from_str(&s).ok()))
+            .collect())
+    }
+
     /// Writes the invocation's cancel tombstone (for the store's TTL)
     /// whether or not the store knows it: a run or a tool job of it is
     /// then not run. The same id under another tenant is another

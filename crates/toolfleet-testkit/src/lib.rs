@@ -13,11 +13,14 @@
 //!   TLS-only, optionally password-protected (the store's cluster mode).
 //! - [`postgres`]: a PostgreSQL server with a fresh cluster on a free
 //!   loopback port, the machine's or another installation (pgvector's).
+//! - [`proxy`]: a TCP proxy in front of a server, to cut and refuse its
+//!   connections (network faults between one client and a server).
 //! - [`wait`]: the bound on every await of a test, and the next JSON
 //!   message of a subscription within it.
 
 pub mod cluster;
 pub mod postgres;
+pub mod proxy;
 pub mod redis_cluster;
 pub mod servers;
 pub mod wait;

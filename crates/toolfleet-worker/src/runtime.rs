@@ -279,7 +279,9 @@ impl Loops {
                 js: js::new(shared.client.clone()),
                 stream: config.subjects.tools_stream(),
                 on_poison: Arc::new(move |p| {
-                    dead_letters::poison(tool.clone(), shared.clone(), p).boxed()
+                    dead_letters::poison(tool.clone(), shared.clone(), p)
+                        .map(|()| toolfleet_service::poison::Disposal::Ended)
+                        .boxed()
                 }),
             }
         };

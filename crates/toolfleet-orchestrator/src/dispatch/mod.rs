@@ -50,6 +50,7 @@ use tracing::warn;
 
 pub mod agent;
 mod inflight;
+mod readback;
 
 use crate::metrics::OrchestratorMetrics;
 use crate::replies::RunInbox;
@@ -69,6 +70,10 @@ pub struct ToolRunner<'f> {
     /// A worker answered `cancelled`: it heard the invocation's cancel,
     /// which this orchestrator may not have yet ([`ToolRunner::cancelled`]).
     cancelled: bool,
+    /// The orchestrator's NATS connection coming back: replies sent while
+    /// it was away are lost, so waiting calls are read back
+    /// ([`readback`]).
+    reconnects: toolfleet_service::jobs::Reconnects,
 }
 
 impl Fleet {
@@ -84,6 +89,7 @@ impl Fleet {
             spent: Vec::new(),
             internal: None,
             cancelled: false,
+            reconnects: self.reconnects.from_now(),
         })
     }
 }
@@ -101,6 +107,10 @@ enum Waited {
     Catalog(Arc<Catalog>),
     /// The earliest deadline of the waiting calls passed.
     Deadline,
+    /// The NATS connection came back: replies may have been lost.
+    Reconnected,
+    /// Time to read the ledger for the calls marked to be read back.
+    Look,
     /// The reply subscription ended (the connection is gone for good).
     Closed,
 }
@@ -119,6 +129,14 @@ struct Pending {
     span: tracing::Span,
     /// Its tenant's place in the tool's pool, held until it is answered.
     place: Option<inflight::Place>,
+    /// The worker keeps its result in the ledger (the tool is not
+    /// idempotent): a missed reply can be read back.
+    ledger: bool,
+    /// An idempotent tool's job, to ask again when its reply may have
+    /// been lost.
+    again: Option<readback::Again>,
+    /// Read its result back from the ledger at the batch's next look.
+    look: bool,
 }
 
 /// One batch of calls sent together, and their answers so far.
@@ -127,6 +145,8 @@ struct Batch<'c> {
     answers: Vec<Option<ToolOutcome>>,
     /// By call id.
     pending: HashMap<String, Pending>,
+    /// When the ledger is read next for the calls marked `look`.
+    look_at: Option<tokio::time::Instant>,
 }
 
 /// A fresh call id for the fleet (`call_<32 hex>`): unique within the
@@ -134,6 +154,45 @@ struct Batch<'c> {
 pub fn new_call_id() -> String {
     format!("call_{}", uuid::Uuid::new_v4().simple())
 }
+
+/// The fleet's id for the model's call at `position` of round `round` of
+/// `invocation` (of `tenant`), naming `function` with `arguments`
+/// (`call_<32 hex>`, like [`new_call_id`]): the same call of a replayed
+/// run — a redelivery that took the invocation over, or a crash's — gets
+/// the same id, so its job is a duplicate JetStream drops and its result
+/// is read from the ledger ([`readback`]): a tool that keeps a ledger runs
+/// once per call however often the run is replayed. Any difference (a
+/// model that asked otherwise the second time) is another call.
+pub fn replayable_call_id(
+    (tenant, invocation): (&str, &str),
+    round: u32,
+    position: usize,
+    function: &str,
+    arguments: &str,
+) -> String {
+    // Fields separated by NUL, which none of them holds meaningfully.
+    let mut name = Vec::with_capacity(
+        tenant.len() + invocation.len() + function.len() + arguments.len() + 32,
+    );
+    for part in [
+        tenant.as_bytes(),
+        invocation.as_bytes(),
+        round.to_string().as_bytes(),
+        position.to_string().as_bytes(),
+        function.as_bytes(),
+        arguments.as_bytes(),
+    ] {
+        name.extend_from_slice(part);
+        name.push(0);
+    }
+    format!(
+        "call_{}",
+        uuid::Uuid::new_v5(&CALL_ID_NAMESPACE, &name).simple()
+    )
+}
+
+/// The namespace of [`replayable_call_id`]'s name-based UUIDs.
+const CALL_ID_NAMESPACE: uuid::Uuid = uuid::Uuid::from_u128(0x7f3c_2a1e_5b84_4d0e_9c61_0a2f_6e5d_b471);
 
 /// `tenant`'s settings of the tool `def` from the settings bucket (one
 /// read, only for a tool whose definition has a `settingsSchema`): the
@@ -306,6 +365,7 @@ impl ToolRunner<'_> {
             answers: vec![None; calls.len()],
             calls,
             pending: HashMap::new(),
+            look_at: None,
         };
         let mut acks = Vec::new();
         for (index, (call, resolved)) in batch.calls.iter().zip(resolved).enumerate() {
@@ -328,7 +388,7 @@ impl ToolRunner<'_> {
             }
         }
         self.confirm_stored(acks, &mut batch, events).await;
-        self.await_answers(&inv.ctx.invocation_id, &mut batch, &mut readings, events)
+        self.await_answers(inv, &mut batch, &mut readings, events)
             .await;
         batch
             .answers
@@ -401,6 +461,7 @@ impl ToolRunner<'_> {
                 failed(&span, ToolErrorCode::Timeout.as_str());
                 inflight::no_place(metrics, events, call, &id)
             })?;
+        let again_body = def.idempotent.then(|| body.clone());
         let ack = match self.publish(def.delivery, &call_ctx, headers, body).await {
             Ok(ack) => ack,
             Err(e) => {
@@ -415,6 +476,8 @@ impl ToolRunner<'_> {
                 ));
             }
         };
+        let ledger = !def.idempotent;
+        let again = again_body.map(|body| readback::Again::new(def.delivery, call_ctx, body));
         Ok((
             Pending {
                 index,
@@ -424,6 +487,9 @@ impl ToolRunner<'_> {
                 misses: 0,
                 span,
                 place,
+                ledger,
+                again,
+                look: false,
             },
             ack,
         ))
@@ -609,7 +675,11 @@ impl ToolRunner<'_> {
     }
 
     /// JetStream must have stored every job; a job it refused is answered
-    /// at once.
+    /// at once. A duplicate means JetStream already holds a job of this
+    /// very call (call ids are the same when a run of the invocation is
+    /// replayed, [`crate::rounds`]): the call is not run again but adopted
+    /// — its result read back from the ledger, or, for an idempotent
+    /// tool, asked again under a fresh message id ([`readback`]).
     async fn confirm_stored(
         &self,
         acks: Vec<(String, PublishAckFuture)>,
@@ -617,10 +687,16 @@ impl ToolRunner<'_> {
         events: &Events,
     ) {
         for (call_id, ack) in acks {
-            // A duplicate means JetStream already holds a job under this
-            // id: ours would never run.
             let failed = match ack.await {
-                Ok(a) if a.duplicate => Some("a job with this id is already queued".to_string()),
+                Ok(a) if a.duplicate => {
+                    if let Some(p) = batch.pending.get_mut(&call_id) {
+                        self.adopt(p).await;
+                        if p.look {
+                            batch.look_at = Some(tokio::time::Instant::now());
+                        }
+                    }
+                    None
+                }
                 Ok(_) => None,
                 Err(e) => Some(e.to_string()),
             };
@@ -640,52 +716,24 @@ impl ToolRunner<'_> {
         }
     }
 
-    /// Waits until every pending call of the batch is answered.
+    /// Waits until every pending call of the batch is answered: by its
+    /// reply, or — when the reply may have been lost — read back.
     async fn await_answers(
         &mut self,
-        invocation_id: &str,
+        inv: &Invocation,
         batch: &mut Batch<'_>,
         readings: &mut watch::Receiver<Arc<Catalog>>,
         events: &Events,
     ) {
         let mut readings_open = true;
-        let mut spent = Vec::new();
         while let Some(deadline) = batch.pending.values().map(|p| p.deadline).min() {
-            let waited = self.next(readings, &mut readings_open, deadline).await;
+            let waited = self
+                .next(readings, &mut readings_open, deadline, batch.look_at)
+                .await;
             let metrics = &self.fleet.metrics;
             match waited {
                 Waited::Result(result) => {
-                    // Only the call's own answer counts: same invocation,
-                    // same call, same tool (the reply subject alone is
-                    // not proof where permissions are loose).
-                    let ours = batch.pending.get(&result.call_id).is_some_and(|p| {
-                        result.invocation_id == invocation_id
-                            && result.tool_id == p.tool.definition.id.to_string()
-                    });
-                    if !ours {
-                        if batch.pending.contains_key(&result.call_id) {
-                            warn!(call_id = %result.call_id, tool = %result.tool_id, "a result that does not match its call was ignored");
-                        }
-                        continue;
-                    }
-                    if let Some(p) = batch.pending.remove(&result.call_id) {
-                        if result
-                            .error
-                            .as_ref()
-                            .is_some_and(|e| e.code == ToolErrorCode::Cancelled.as_str())
-                        {
-                            self.cancelled = true;
-                        }
-                        match &result.error {
-                            None => {
-                                p.span.record("otel.status_code", "ok");
-                            }
-                            Some(e) => failed(&p.span, &e.code),
-                        }
-                        let outcome = record(metrics, events, batch.calls[p.index], &p, &result);
-                        batch.answers[p.index] = Some(outcome);
-                        spent.extend(result.llm_calls);
-                    }
+                    self.take_result(&inv.ctx.invocation_id, batch, *result, events);
                 }
                 Waited::Progress { call_id, message } => {
                     if let Some(p) = batch.pending.get(&call_id) {
@@ -709,11 +757,67 @@ impl ToolRunner<'_> {
                     }
                 }
                 Waited::Catalog(catalog) => batch.note_reading(&catalog, metrics, events),
-                Waited::Deadline => batch.expire(tokio::time::Instant::now(), metrics, events),
+                Waited::Deadline => {
+                    // A reply lost on its way is no timeout: the ledger
+                    // is read once more before the call is given up.
+                    let now = tokio::time::Instant::now();
+                    self.read_back(inv, batch, events, |p| p.ledger && p.deadline <= now)
+                        .await;
+                    batch.expire(now, &self.fleet.metrics, events);
+                }
+                Waited::Reconnected => self.after_reconnect(batch).await,
+                Waited::Look => {
+                    self.read_back(inv, batch, events, |p| p.look).await;
+                    batch.look_at = batch
+                        .pending
+                        .values()
+                        .any(|p| p.look)
+                        .then(|| tokio::time::Instant::now() + readback::LOOK_EVERY);
+                }
                 Waited::Closed => break,
             }
         }
-        self.spent.extend(spent);
+    }
+
+    /// Takes `result` as its call's answer when it is one: same
+    /// invocation, a pending call, same tool (the reply subject alone is
+    /// not proof where permissions are loose).
+    fn take_result(
+        &mut self,
+        invocation_id: &str,
+        batch: &mut Batch<'_>,
+        result: ToolResult,
+        events: &Events,
+    ) {
+        let ours = batch.pending.get(&result.call_id).is_some_and(|p| {
+            result.invocation_id == invocation_id
+                && result.tool_id == p.tool.definition.id.to_string()
+        });
+        if !ours {
+            if batch.pending.contains_key(&result.call_id) {
+                warn!(call_id = %result.call_id, tool = %result.tool_id, "a result that does not match its call was ignored");
+            }
+            return;
+        }
+        let Some(p) = batch.pending.remove(&result.call_id) else {
+            return;
+        };
+        if result
+            .error
+            .as_ref()
+            .is_some_and(|e| e.code == ToolErrorCode::Cancelled.as_str())
+        {
+            self.cancelled = true;
+        }
+        match &result.error {
+            None => {
+                p.span.record("otel.status_code", "ok");
+            }
+            Some(e) => failed(&p.span, &e.code),
+        }
+        let outcome = record(&self.fleet.metrics, events, batch.calls[p.index], &p, &result);
+        batch.answers[p.index] = Some(outcome);
+        self.spent.extend(result.llm_calls);
     }
 
     /// Adds model calls spent on the invocation's behalf outside a worker
@@ -737,12 +841,14 @@ impl ToolRunner<'_> {
         std::mem::take(&mut self.spent)
     }
 
-    /// The next event for a batch whose earliest deadline is `deadline`.
+    /// The next event for a batch whose earliest deadline is `deadline`
+    /// and whose next ledger look is at `look_at`.
     async fn next(
         &mut self,
         readings: &mut watch::Receiver<Arc<Catalog>>,
         readings_open: &mut bool,
         deadline: tokio::time::Instant,
+        look_at: Option<tokio::time::Instant>,
     ) -> Waited {
         loop {
             tokio::select! {
@@ -757,6 +863,8 @@ impl ToolRunner<'_> {
                     // The catalog task ended (shutdown): deadlines still hold.
                     Err(_) => *readings_open = false,
                 },
+                () = self.reconnects.next() => return Waited::Reconnected,
+                () = tokio::time::sleep_until(look_at.unwrap_or(deadline)), if look_at.is_some_and(|at| at < deadline) => return Waited::Look,
                 () = tokio::time::sleep_until(deadline) => return Waited::Deadline,
             }
         }

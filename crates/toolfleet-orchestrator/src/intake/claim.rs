@@ -60,8 +60,10 @@ impl Delivery {
 
 /// Whether a delivery may speak for its invocation.
 pub(super) enum Claimed {
-    /// This message claimed the invocation (now or on an earlier delivery).
-    Ours,
+    /// This message claimed the invocation (now or on an earlier
+    /// delivery), and its run holds the lease taken no earlier than this
+    /// instant (the lease's time counts from there: [`keep_lease`]).
+    Ours(Instant),
     /// This message's run already ended; only its ack was lost.
     Finished,
     /// Another message holds it: named by its stream sequence.
@@ -98,10 +100,11 @@ pub(super) async fn claim_as(
     owner: &str,
     holder: &str,
 ) -> Claimed {
+    let asked = Instant::now();
     match fleet.store.claim(inv, owner).await {
         Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => {
             match fleet.store.lease(inv, holder, LEASE_TTL).await {
-                Ok(Lease::Held) => Claimed::Ours,
+                Ok(Lease::Held) => Claimed::Ours(asked),
                 Ok(Lease::Busy { left, .. }) => Claimed::Held(left),
                 Err(e) => Claimed::Unknown(e.to_string()),
             }
@@ -182,40 +185,84 @@ pub(super) enum LeaseEnd {
     /// orchestrator did not hear (it was disconnected when it was
     /// published; another orchestrator remembered it).
     Cancelled,
+    /// The lease could not be renewed and may lapse soon: the run stops
+    /// without a word before another can take the invocation over, so it
+    /// starts no tool call that the next run also starts.
+    Lost,
 }
 
+/// How long before its lease could lapse a run that cannot renew it
+/// stops: time for the run's last step to end (a tool job that was being
+/// published) before a redelivery may take the invocation over.
+pub(super) const LEASE_FENCE: Duration = Duration::from_secs(3);
+
+/// How soon a failed renewal is tried again.
+const LEASE_RETRY_EVERY: Duration = Duration::from_millis(500);
+
 /// Renews the run's lease for as long as it is polled (beside the run);
-/// returns when another run holds it, or when the invocation was
-/// cancelled (read in the same round trip). A store that cannot answer
-/// does not stop the run: if only this orchestrator lost Redis, the lease
-/// lapses after its TTL and a redelivery may take it over — the check
-/// before the terminal event then stops this run from speaking.
+/// returns when another run holds it, when the invocation was cancelled
+/// (read in the same round trip), or when the lease may soon lapse.
+///
+/// The lease lasts [`LEASE_TTL`] from the last renewal that was asked
+/// when the store held it (from `leased_at`, the claim's, at first). A
+/// store that cannot answer (lost, or cut off from this orchestrator) does
+/// not end the run at once; but [`LEASE_FENCE`] before the lease could
+/// lapse, the run is fenced ([`LeaseEnd::Lost`]): it starts no tool call
+/// from then on and stops waiting for the ones it runs — a redelivery
+/// takes the invocation over once the lease has lapsed, replays the run
+/// and adopts those calls under the same call ids (their results read from
+/// the ledger), so no tool call runs twice.
 pub(super) async fn keep_lease(
     fleet: &Fleet,
     inv: InvocationKey<'_>,
-    holder: &str,
+    (holder, leased_at): (&str, Instant),
     check: &CancelCheck,
 ) -> LeaseEnd {
     let id = inv.invocation_id();
+    let lapse_margin = LEASE_TTL.saturating_sub(LEASE_FENCE);
+    let mut held_since = leased_at;
+    let mut next = leased_at + LEASE_RENEW_EVERY;
     loop {
-        tokio::time::sleep(LEASE_RENEW_EVERY).await;
+        let fence = held_since + lapse_margin;
+        tokio::time::sleep_until(next.min(fence).into()).await;
+        let asked = Instant::now();
+        if asked >= fence {
+            return lost(id);
+        }
         // Boxed: this future lives beside the whole run, and the store
         // call (a few hundred bytes of state) is only briefly alive.
-        match Box::pin(fleet.store.renew_lease(inv, holder, LEASE_TTL)).await {
-            Ok((Lease::Held, false)) => check.passed(),
-            Ok((Lease::Held, true)) => {
+        let renewal = tokio::time::timeout_at(
+            fence.into(),
+            Box::pin(fleet.store.renew_lease(inv, holder, LEASE_TTL)),
+        )
+        .await;
+        match renewal {
+            Err(_) => return lost(id),
+            Ok(Ok((Lease::Held, false))) => {
+                check.passed();
+                held_since = asked;
+                next = asked + LEASE_RENEW_EVERY;
+            }
+            Ok(Ok((Lease::Held, true))) => {
                 warn!(invocation_id = %id, "the invocation was cancelled (its tombstone is in the store; this orchestrator missed the cancel message); it stops");
                 return LeaseEnd::Cancelled;
             }
-            Ok((Lease::Busy { .. }, _)) => {
+            Ok(Ok((Lease::Busy { .. }, _))) => {
                 warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");
                 return LeaseEnd::TakenOver;
             }
-            Err(e) => {
-                warn!(invocation_id = %id, error = %e, "cannot renew the run's lease; running on");
+            Ok(Err(e)) => {
+                warn!(invocation_id = %id, error = %e, "cannot renew the run's lease; trying again");
+                next = Instant::now() + LEASE_RETRY_EVERY;
             }
         }
     }
+}
+
+/// The run is fenced: its lease could not be renewed in time.
+fn lost(id: &str) -> LeaseEnd {
+    warn!(invocation_id = %id, "this run's lease could not be renewed and may lapse; it stops here and starts no more tool calls (a redelivery takes the invocation over and adopts its calls)");
+    LeaseEnd::Lost
 }
 
 /// How often a confirmed ack is tried.

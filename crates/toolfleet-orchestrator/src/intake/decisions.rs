@@ -36,9 +36,9 @@ async fn resume(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message, 
     let started = Instant::now();
     let delivery = Delivery::of(&msg);
     let holder = new_holder();
-    if !claim_parked(fleet, &msg, &parked, &holder).await {
+    let Some(leased_at) = claim_parked(fleet, &msg, &parked, &holder).await else {
         return;
-    }
+    };
     let id = &parked.job.invocation_id;
     let span = chat_job_span(id, &parked.tenant, delivery.attempt);
     span.record("resumed", true);
@@ -51,26 +51,28 @@ async fn resume(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message, 
         delivery,
         holder,
         started,
+        leased_at,
     };
     run(fleet, plugins, taken, Leg::Resume(Box::new(parked)))
         .instrument(span)
         .await
 }
 
-/// Claims the parked invocation for a resumed run; whether it may go on
-/// (otherwise the decision was settled here: acked, or given back).
+/// Claims the parked invocation for a resumed run; when it may go on, the
+/// time its lease counts from (otherwise the decision was settled here:
+/// acked, or given back).
 async fn claim_parked(
     fleet: &Fleet,
     msg: &jetstream::Message,
     parked: &Parked,
     holder: &str,
-) -> bool {
+) -> Option<Instant> {
     let id = &parked.job.invocation_id;
     let inv = InvocationKey::new(&parked.tenant, id);
     let held_until =
         toolfleet_protocol::now_ms() + parked.remaining_ms + LEASE_TTL.as_millis() as u64;
     match claim_patiently(fleet, msg, inv, &parked.owner, holder, held_until).await {
-        Claimed::Ours => {
+        Claimed::Ours(leased_at) => {
             // Read again under the lease: another decision's run may have
             // resumed (and parked again, or ended) while this one waited.
             let current = fleet.parked(&parked.tenant, id).await;
@@ -84,18 +86,18 @@ async fn claim_parked(
                     ack(msg).await;
                 }
             }
-            same
+            same.then_some(leased_at)
         }
         Claimed::Finished | Claimed::Other(_) => {
             // Ended before (this decision's ack was lost), or the id was
             // taken by another job: nothing to resume.
             fleet.forget_parked(&parked.tenant, id).await;
             ack(msg).await;
-            false
+            None
         }
         unclaimed @ (Claimed::Unknown(_) | Claimed::Held(_)) => {
             give_back(msg, id, unclaimed).await;
-            false
+            None
         }
     }
 }

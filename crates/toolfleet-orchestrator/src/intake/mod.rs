@@ -170,8 +170,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         return;
     }
     job.priority = Some(priority);
-    match claimed(fleet, &msg, &job, &tenant, delivery, &holder).await {
-        ControlFlow::Continue(()) => {}
+    let leased_at = match claimed(fleet, &msg, &job, &tenant, delivery, &holder).await {
+        ControlFlow::Continue(at) => at,
         ControlFlow::Break(None) => return,
         ControlFlow::Break(Some(refusal)) => {
             let refused = Refused {
@@ -182,7 +182,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
             };
             return reject::reject(fleet, &msg, delivery, refused).await;
         }
-    }
+    };
     let suspended = if guarded {
         suspend::suspended_for(fleet, &tenant).await
     } else {
@@ -234,6 +234,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         delivery,
         holder,
         started,
+        leased_at,
     };
     run::run(fleet, plugins, taken, leg).instrument(span).await
 }
@@ -257,7 +258,7 @@ async fn claimed(
     tenant: &str,
     delivery: Delivery,
     holder: &str,
-) -> ControlFlow<Option<Refusal>> {
+) -> ControlFlow<Option<Refusal>, Instant> {
     let id = &job.invocation_id;
     // The tenant's own id: another tenant's invocation of the same id is
     // claimed apart, and this one never learns of it.
@@ -269,14 +270,14 @@ async fn claimed(
         // Parked by an earlier delivery of this job, whose ack was lost
         // (or that died before it): the invocation lives in its record
         // now. Its requests are said again; nothing reruns.
-        Claimed::Ours if delivery.attempt > 1 => match fleet.parked(tenant, id).await {
+        Claimed::Ours(leased_at) if delivery.attempt > 1 => match fleet.parked(tenant, id).await {
             Ok(Some((parked, _))) if parked.owner == owner(delivery) => {
                 parked.announce_again(fleet).await;
                 let _ = fleet.store.release_lease(inv, holder).await;
                 claim::ack(msg).await;
                 ControlFlow::Break(None)
             }
-            Ok(_) => ControlFlow::Continue(()),
+            Ok(_) => ControlFlow::Continue(leased_at),
             Err(e) => {
                 warn!(invocation_id = %id, error = %e, "cannot tell whether the invocation is parked; the job will be delivered again");
                 let _ = fleet.store.release_lease(inv, holder).await;
@@ -286,7 +287,7 @@ async fn claimed(
                 ControlFlow::Break(None)
             }
         },
-        Claimed::Ours => ControlFlow::Continue(()),
+        Claimed::Ours(leased_at) => ControlFlow::Continue(leased_at),
         Claimed::Finished => {
             // Ended before; the ack was lost (an orchestrator or NATS node
             // died in between), and the terminal event may have been lost

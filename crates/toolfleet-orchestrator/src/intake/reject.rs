@@ -19,7 +19,8 @@ use toolfleet_store::InvocationKey;
 use tracing::warn;
 
 use super::MAX_CHAT_ATTEMPTS;
-use super::claim::{Claimed, Delivery, claim, new_holder};
+use super::claim::{CLAIM_RETRY_DELAY, Claimed, Delivery, claim, new_holder};
+use toolfleet_service::poison::Disposal;
 use super::suspend::count_poison;
 use crate::failure::ChatErrorCode;
 use crate::{Events, Fleet};
@@ -236,7 +237,7 @@ pub(super) async fn malformed(
                 &new_holder()
             )
             .await,
-            Claimed::Ours
+            Claimed::Ours(_)
         ),
         None => false,
     };
@@ -249,11 +250,19 @@ pub(super) async fn malformed(
     reject(fleet, msg, delivery, refused).await;
 }
 
+/// How many deliveries a poison chat job waits for the store before it is
+/// dead-lettered without telling its sender (at [`CLAIM_RETRY_DELAY`]
+/// apart: about five minutes).
+const POISON_PATIENCE: u64 = 60;
+
 /// Ends a chat job whose headers the NATS client cannot read (taken aside
 /// by the pull loop, which terminates it after this): an `error` event
 /// when an invocation id can be read from it and it may speak for that
 /// invocation, and a dead letter with the headers as received.
-pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison::Poison) {
+pub(crate) async fn poison(
+    fleet: Arc<Fleet>,
+    poison: toolfleet_service::poison::Poison,
+) -> Disposal {
     use toolfleet_protocol::headers::INVOCATION_ID;
     let invocation_id = salvage_invocation_id(&poison.payload, None).or_else(|| {
         poison
@@ -270,32 +279,38 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         "the job's headers cannot be read ({}); it was not run",
         poison.reason
     );
-    fleet
-        .metrics
-        .chat_jobs
-        .with_label_values(&["malformed"])
-        .inc();
     let subject_tenant = fleet
         .config
         .subjects
         .lane_tenant(&poison.subject)
         .map(|(tenant, _)| tenant);
+    let tenant = subject_tenant.unwrap_or(DEFAULT_TENANT);
+    // Its sender is told only when the message may speak for the
+    // invocation (it holds the claim): a store that cannot say yet gives
+    // the message back, to be told once the store is back.
+    let tell_sender = match &invocation_id {
+        Some(id) => {
+            let inv = InvocationKey::new(tenant, id);
+            match claim(&fleet, inv, delivery, &new_holder()).await {
+                Claimed::Ours(_) => true,
+                Claimed::Unknown(e) if poison.delivered < POISON_PATIENCE => {
+                    warn!(invocation_id = %id, error = %e, "a chat job whose headers cannot be read waits for the store, to tell its sender");
+                    return Disposal::Later(CLAIM_RETRY_DELAY);
+                }
+                _ => false,
+            }
+        }
+        None => false,
+    };
+    fleet
+        .metrics
+        .chat_jobs
+        .with_label_values(&["malformed"])
+        .inc();
     if let Some(tenant) = subject_tenant {
         count_poison(&fleet, tenant).await;
     }
-    let tenant = subject_tenant.unwrap_or(DEFAULT_TENANT);
-    if let Some(id) = &invocation_id
-        && matches!(
-            claim(
-                &fleet,
-                InvocationKey::new(tenant, id),
-                delivery,
-                &new_holder()
-            )
-            .await,
-            Claimed::Ours
-        )
-    {
+    if let (true, Some(id)) = (tell_sender, &invocation_id) {
         tell(&fleet, tenant, id, ChatErrorCode::UnreadableHeaders, &error).await;
     }
     let dead = DeadLetter {
@@ -313,6 +328,7 @@ pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison:
         job: None,
     };
     publish(&fleet, &dead).await;
+    Disposal::Ended
 }
 
 /// The invocation's one terminal event: an `error` with `code`.

@@ -56,6 +56,8 @@ pub(super) struct Taken {
     /// The run's lease holder.
     pub(super) holder: String,
     pub(super) started: Instant,
+    /// The run's lease was taken no earlier than this.
+    pub(super) leased_at: Instant,
 }
 
 /// When the invocation's time is up.
@@ -80,6 +82,8 @@ struct Run<'a> {
     /// The fleet's number of this run (its cancel token's entry).
     number: u64,
     started: Instant,
+    /// Its lease was taken no earlier than this.
+    leased_at: Instant,
     /// In-progress acks while it runs.
     keep_alive: Held,
 }
@@ -136,6 +140,7 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         holder: taken.holder,
         number,
         started: taken.started,
+        leased_at: taken.leased_at,
     };
     let outcome = run.race(plugins, leg, &events, &cancel, deadline).await;
     let end = match outcome {
@@ -209,8 +214,8 @@ impl Run<'_> {
             // Another delivery's run took the invocation over: it speaks for
             // the invocation now; this one stops without a word. (Renewed
             // here, beside the run, rather than on a task of its own.)
-            end = keep_lease(fleet, self.inv(), &self.holder, &cancel_check) => match end {
-                LeaseEnd::TakenOver => return None,
+            end = keep_lease(fleet, self.inv(), (&self.holder, self.leased_at), &cancel_check) => match end {
+                LeaseEnd::TakenOver | LeaseEnd::Lost => return None,
                 LeaseEnd::Cancelled => Err(Failure::new(ChatErrorCode::Cancelled, "the invocation was cancelled")),
             },
             // A bug must end the invocation with an error event, not leave it

@@ -21,7 +21,7 @@ use toolfleet_protocol::ToolErrorCode;
 use toolfleet_protocol::ToolStatus;
 
 use crate::approvals::{self, CallState, Hold, ParkedCall, Resumed};
-use crate::dispatch::{self, Resolved, new_call_id};
+use crate::dispatch::{self, Resolved};
 use crate::tools::agents::profile_of;
 use crate::tools::scoring::SEARCH_TOOLS;
 use crate::{Events, Fleet, Invocation, ToolOutcome, ToolRunner};
@@ -58,9 +58,11 @@ pub(crate) enum Ended {
 }
 
 impl Turn {
-    /// The turn of `completion`'s calls, each under a fresh id of ours,
-    /// its tool resolved, with what the approval rules hold.
-    async fn new(inv: &Invocation, completion: &Completion, fleet: &Fleet) -> Self {
+    /// The turn of `completion`'s calls in round `round`, each under an id
+    /// of ours (the same when a replayed run makes the same call:
+    /// [`dispatch::replayable_call_id`]), its tool resolved, with what the
+    /// approval rules hold.
+    async fn new(inv: &Invocation, completion: &Completion, round: u32, fleet: &Fleet) -> Self {
         let cap = inv.profile.profile.policy.max_calls_per_turn;
         let mut calls = Vec::with_capacity(completion.tool_calls.len());
         for (i, model) in completion.tool_calls.iter().enumerate() {
@@ -75,7 +77,13 @@ impl Turn {
             calls.push(TurnCall {
                 model_id: model.id.clone(),
                 call: ToolCall {
-                    id: new_call_id(),
+                    id: dispatch::replayable_call_id(
+                        (inv.job.tenant(), &inv.ctx.invocation_id),
+                        round,
+                        i,
+                        &model.name,
+                        &model.arguments,
+                    ),
                     ..model.clone()
                 },
                 resolved: Resolved {
@@ -157,12 +165,12 @@ impl Turn {
 pub(crate) async fn run_calls(
     inv: &mut Invocation,
     tools: &mut ToolRunner<'_>,
-    completion: &Completion,
+    (completion, round): (&Completion, u32),
     fleet: &Fleet,
     events: &Events,
 ) -> Ended {
     inv.messages.push(completion.assistant_message());
-    let mut turn = Turn::new(inv, completion, fleet).await;
+    let mut turn = Turn::new(inv, completion, round, fleet).await;
     run(inv, tools, &mut turn, fleet, events).await;
     for c in turn.calls.iter_mut().filter(|c| c.hold == Hold::Refuse) {
         let tool = c
