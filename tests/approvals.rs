@@ -1130,16 +1130,13 @@ async fn a_parked_record_keeps_no_webhook_url_and_the_resume_still_delivers_to_i
 /// runs — and the person's approval then finishes the invocation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_park_whose_ack_was_lost_says_its_requests_again_and_reruns_nothing() {
-    let chat_stream = toolfleet_protocol::Subjects::new("toolfleet")
-        .unwrap()
-        .chat_stream();
     let auth = format!(
         r#"
 authorization {{
   users = [
     {{ user: "all", password: "all" }}
     {{ user: "noack", password: "noack", permissions: {{
-        publish: {{ allow: [">"], deny: ["$JS.ACK.{chat_stream}.>"] }},
+        publish: {{ allow: [">"], deny: ["$JS.ACK.>"] }},
         subscribe: {{ allow: [">"] }} }} }}
   ]
 }}
@@ -1181,8 +1178,7 @@ no_auth_user: "all"
     // The park is written; the ack cannot land. The orchestrator dies.
     first.shutdown.cancel();
     first.drain(Duration::from_millis(200)).await;
-    let second =
-        support::start_orchestrator(env.nats.url(), env.redis.url(), config()).await;
+    let second = support::start_orchestrator(env.nats.url(), env.redis.url(), config()).await;
     let mut again = Vec::new();
     let (repeated, ..) = until(&mut sub, &mut again, approval_requested).await;
     assert_eq!(repeated, call, "the same call's request, said again");
@@ -1201,10 +1197,7 @@ no_auth_user: "all"
     .await;
     assert_eq!(v["ok"], true, "{v}");
     let end = until(&mut sub, &mut again, terminal).await;
-    assert!(
-        matches!(&end, ChatEventBody::Completed { .. }),
-        "{end:?}"
-    );
+    assert!(matches!(&end, ChatEventBody::Completed { .. }), "{end:?}");
     assert_eq!(env.model.requests().len(), 2);
     second.drain(Duration::from_secs(5)).await;
 }

@@ -130,7 +130,11 @@ async fn bare_fleet() -> Env {
 
 /// An orchestrator on `env`'s model, reaching NATS and Redis at these
 /// URLs (a proxy's, or the servers' own).
-async fn orchestrator(env: &Env, nats_url: String, redis_url: String) -> toolfleet_service::Runtime {
+async fn orchestrator(
+    env: &Env,
+    nats_url: String,
+    redis_url: String,
+) -> toolfleet_service::Runtime {
     let profiles = toolfleet_config::FleetConfig::single(
         toolfleet_llm::deployments::Deployment::new(env.model.base_url(), "toolfleet-scripted"),
     );
@@ -156,7 +160,9 @@ async fn submit(env: &Env, question: &str, n: usize) -> Vec<async_nats::Subscrib
 async fn results_survive_a_reconnect(idempotent: bool) {
     let env = bare_fleet().await;
     let tool = Slow::new(3_000);
-    let _worker = env.start_worker(slow_worker(tool.clone(), idempotent)).await;
+    let _worker = env
+        .start_worker(slow_worker(tool.clone(), idempotent))
+        .await;
     let proxy = Proxy::start(&format!("127.0.0.1:{}", env.nats.port()))
         .await
         .unwrap();
@@ -171,7 +177,7 @@ async fn results_survive_a_reconnect(idempotent: bool) {
         let events = events_until_terminal(sub).await;
         let terminal = events.last().unwrap();
         assert_eq!(terminal["type"], "completed", "{:?}", kinds(&events));
-        let answer = terminal["answer"].as_str().unwrap_or_default();
+        let answer = terminal["text"].as_str().unwrap_or_default();
         assert!(answer.contains("slow result 1"), "{terminal}");
     }
     let runs = tool.runs();
@@ -231,7 +237,7 @@ async fn a_run_that_cannot_renew_its_lease_stops_and_its_calls_run_once() {
     .expect("the job never ended");
     assert_eq!(terminal["type"], "completed", "{terminal}");
     assert!(
-        terminal["answer"]
+        terminal["text"]
             .as_str()
             .unwrap_or_default()
             .contains("slow result 2"),

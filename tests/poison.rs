@@ -377,8 +377,18 @@ async fn a_poison_found_while_redis_is_down_reaches_its_sender_once_redis_return
     )
     .await;
     // While the store is away: no dead letter, no word to the sender.
-    support::assert_silent(&mut dead, Duration::from_secs(4), "dead-lettered while Redis was down").await;
-    support::assert_silent(&mut events, Duration::from_millis(100), "told while Redis was down").await;
+    support::assert_silent(
+        &mut dead,
+        Duration::from_secs(4),
+        "dead-lettered while Redis was down",
+    )
+    .await;
+    support::assert_silent(
+        &mut events,
+        Duration::from_millis(100),
+        "told while Redis was down",
+    )
+    .await;
     env.redis.start_again().expect("redis-server restarts");
     let ev = support::next_json(&mut events).await;
     assert_eq!(ev["type"], "error", "{ev}");

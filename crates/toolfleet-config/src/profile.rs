@@ -287,7 +287,10 @@ mod tests {
             Some("profiles.default.must_include_tools"),
             "{e}"
         );
-        assert!(e.message.contains("more than scoping.max_tool_count (2)"), "{e}");
+        assert!(
+            e.message.contains("more than scoping.max_tool_count (2)"),
+            "{e}"
+        );
         // At the cap, both hold: all three are offered.
         let ok = MINIMAL.replace(
             "deployment = \"local\"",

@@ -288,6 +288,11 @@ impl Identity {
         if let (Some(user), Some(password)) = (&args.user, &args.password) {
             return Ok(Self::UserPassword(user.clone(), password.clone()));
         }
+        if args.user.is_none()
+            && let Some((user, password)) = url_user(&args.url)
+        {
+            return Ok(Self::UserPassword(user, Secret(password)));
+        }
         if let (Some(user), Some(path)) = (&args.user, &args.password_file) {
             let password = read_secret_file(path, "NATS password").await?;
             let password = Secret(password.trim_end_matches(['\n', '\r']).to_string());
@@ -364,7 +369,35 @@ pub async fn connect_nats(
     name: &str,
     wait: Duration,
 ) -> anyhow::Result<async_nats::Client> {
-    connect_with(url, wait, || async_nats::ConnectOptions::new().name(name)).await
+    let user = url_user(url);
+    connect_with(url, wait, || {
+        let opts = async_nats::ConnectOptions::new().name(name);
+        match &user {
+            Some((user, password)) => opts.user_and_password(user.clone(), password.clone()),
+            None => opts,
+        }
+    })
+    .await
+}
+
+/// The user and password a NATS URL carries (`nats://user:pass@host`,
+/// percent-decoded), as other NATS clients read them; the first of a
+/// comma-separated list counts. The client library itself ignores them.
+fn url_user(urls: &str) -> Option<(String, String)> {
+    let first = urls.split(',').next()?.trim();
+    let parsed = url::Url::parse(first).ok()?;
+    if parsed.username().is_empty() {
+        return None;
+    }
+    let decode = |s: &str| {
+        percent_encoding::percent_decode_str(s)
+            .decode_utf8_lossy()
+            .into_owned()
+    };
+    Some((
+        decode(parsed.username()),
+        decode(parsed.password().unwrap_or_default()),
+    ))
 }
 
 /// Connects with the options `options` builds, retrying the first
@@ -521,6 +554,19 @@ pub async fn shutdown_signal() {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn a_urls_user_and_password_are_read_decoded() {
+        assert_eq!(
+            url_user("nats://acme:p%40ss+word@127.0.0.1:4222,nats://other:x@h:1"),
+            Some(("acme".into(), "p@ss+word".into()))
+        );
+        assert_eq!(url_user("nats://127.0.0.1:4222"), None);
+        assert_eq!(
+            url_user("tls://user@h:1"),
+            Some(("user".into(), String::new()))
+        );
+    }
 
     #[derive(Parser, Debug)]
     struct Cli {

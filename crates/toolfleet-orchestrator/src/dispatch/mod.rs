@@ -171,9 +171,8 @@ pub fn replayable_call_id(
     arguments: &str,
 ) -> String {
     // Fields separated by NUL, which none of them holds meaningfully.
-    let mut name = Vec::with_capacity(
-        tenant.len() + invocation.len() + function.len() + arguments.len() + 32,
-    );
+    let mut name =
+        Vec::with_capacity(tenant.len() + invocation.len() + function.len() + arguments.len() + 32);
     for part in [
         tenant.as_bytes(),
         invocation.as_bytes(),
@@ -192,7 +191,8 @@ pub fn replayable_call_id(
 }
 
 /// The namespace of [`replayable_call_id`]'s name-based UUIDs.
-const CALL_ID_NAMESPACE: uuid::Uuid = uuid::Uuid::from_u128(0x7f3c_2a1e_5b84_4d0e_9c61_0a2f_6e5d_b471);
+const CALL_ID_NAMESPACE: uuid::Uuid =
+    uuid::Uuid::from_u128(0x7f3c_2a1e_5b84_4d0e_9c61_0a2f_6e5d_b471);
 
 /// `tenant`'s settings of the tool `def` from the settings bucket (one
 /// read, only for a tool whose definition has a `settingsSchema`): the
@@ -815,7 +815,13 @@ impl ToolRunner<'_> {
             }
             Some(e) => failed(&p.span, &e.code),
         }
-        let outcome = record(&self.fleet.metrics, events, batch.calls[p.index], &p, &result);
+        let outcome = record(
+            &self.fleet.metrics,
+            events,
+            batch.calls[p.index],
+            &p,
+            &result,
+        );
         batch.answers[p.index] = Some(outcome);
         self.spent.extend(result.llm_calls);
     }

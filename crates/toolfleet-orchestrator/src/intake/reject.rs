@@ -20,10 +20,10 @@ use tracing::warn;
 
 use super::MAX_CHAT_ATTEMPTS;
 use super::claim::{CLAIM_RETRY_DELAY, Claimed, Delivery, claim, new_holder};
-use toolfleet_service::poison::Disposal;
 use super::suspend::count_poison;
 use crate::failure::ChatErrorCode;
 use crate::{Events, Fleet};
+use toolfleet_service::poison::Disposal;
 
 /// Why a chat job is not run.
 pub(super) enum Refusal {

@@ -252,7 +252,9 @@ async fn rounds(
                 ),
             ));
         }
-        let outcomes = match turn::run_calls(inv, &mut tools, (&completion, round), fleet, events).await {
+        let outcomes = match turn::run_calls(inv, &mut tools, (&completion, round), fleet, events)
+            .await
+        {
             Ended::Ran(outcomes) => outcomes,
             Ended::Held(calls) => {
                 if tools.cancelled() {
