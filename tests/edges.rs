@@ -243,6 +243,21 @@ async fn a_run_that_cannot_renew_its_lease_stops_and_its_calls_run_once() {
             .contains("slow result 2"),
         "{terminal}"
     );
+    // The first orchestrator stopped its run (it did not wait on).
+    let superseded = first
+        .metrics
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "toolfleet_chat_jobs_total")
+        .flat_map(|f| f.get_metric().iter())
+        .filter(|m| {
+            m.get_label()
+                .iter()
+                .any(|l| l.name() == "outcome" && l.value() == "superseded")
+        })
+        .map(|m| m.get_counter().get_value())
+        .sum::<f64>();
+    assert_eq!(superseded, 1.0, "the cut-off run stopped");
     // The first orchestrator comes back: it says nothing more.
     to_nats.admit();
     to_redis.admit();
