@@ -26,10 +26,31 @@ async fn connect(urls: String) -> async_nats::Client {
     args.connect("cluster-test").await.expect("connect")
 }
 
-/// Asks until the fleet answers with its tool (the stream, the consumers
-/// and the catalog are being set up as the processes start).
+/// Waits until the process serving metrics on `port` says it is ready
+/// (`/readyz` 200: its NATS connections, Redis and consumers are up), for
+/// as long as a loaded machine may take to start a cluster and the fleet.
+async fn until_ready(port: u16, what: &str, logs: &std::path::Path) {
+    toolfleet_llm::install_crypto_provider();
+    let deadline = tokio::time::Instant::now() + WAIT * 4;
+    let url = format!("http://127.0.0.1:{port}/readyz");
+    loop {
+        if let Ok(r) = reqwest::get(&url).await
+            && r.status().is_success()
+        {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let log = std::fs::read_to_string(logs.join(format!("{what}.log"))).unwrap_or_default();
+            panic!("{what} never became ready\n{log}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Asks until the fleet answers with its tool (the catalog may not list
+/// the worker's tool yet when both processes are ready).
 async fn until_answered(client: &async_nats::Client, subjects: &Subjects, logs: &std::path::Path) {
-    let deadline = tokio::time::Instant::now() + WAIT;
+    let deadline = tokio::time::Instant::now() + WAIT * 2;
     loop {
         let job = toolfleet_protocol::client::question("What time is it?");
         let tool_ok =
@@ -85,16 +106,14 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
         .await
         .unwrap();
     let logs = tempfile::tempdir().unwrap();
-    let env = |extra: Vec<(&'static str, String)>| {
+    let ports = [free_port().unwrap(), free_port().unwrap()];
+    let env = |port: u16, extra: Vec<(&'static str, String)>| {
         let mut env = vec![
             ("TOOLFLEET_NATS_URL", cluster.urls()),
             ("TOOLFLEET_STREAM_REPLICAS", "3".to_string()),
             ("TOOLFLEET_REDIS_URL", redis.url()),
             ("TOOLFLEET_LOG", "warn".into()),
-            (
-                "TOOLFLEET_METRICS_ADDR",
-                format!("127.0.0.1:{}", free_port().unwrap()),
-            ),
+            ("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}")),
         ];
         env.extend(extra);
         env
@@ -102,21 +121,26 @@ async fn nats_cluster_r3_streams_lose_no_job_when_a_node_dies_under_load() {
     let _procs = [
         spawn(
             "toolfleet-orchestrator",
-            &env(vec![
-                ("TOOLFLEET_LLM_BASE_URL", model.base_url().to_string()),
-                ("TOOLFLEET_LLM_MODEL", "toolfleet-scripted".into()),
-                ("TOOLFLEET_LLM_API_KEY", "sk-cluster-test".into()),
-            ]),
+            &env(
+                ports[0],
+                vec![
+                    ("TOOLFLEET_LLM_BASE_URL", model.base_url().to_string()),
+                    ("TOOLFLEET_LLM_MODEL", "toolfleet-scripted".into()),
+                    ("TOOLFLEET_LLM_API_KEY", "sk-cluster-test".into()),
+                ],
+            ),
             logs.path().join("orchestrator.log"),
         ),
         spawn(
             "toolfleet-worker-system",
-            &env(vec![]),
+            &env(ports[1], vec![]),
             logs.path().join("worker-system.log"),
         ),
     ];
     let subjects = Subjects::new("toolfleet").unwrap();
     let probe = connect(cluster.urls()).await;
+    until_ready(ports[0], "orchestrator", logs.path()).await;
+    until_ready(ports[1], "worker-system", logs.path()).await;
     until_answered(&probe, &subjects, logs.path()).await;
 
     // The fleet made its streams and bucket with three replicas each.

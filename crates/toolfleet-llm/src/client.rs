@@ -339,7 +339,8 @@ pub struct LlmClient {
 
 #[derive(Clone)]
 struct Inner {
-    http: reqwest::Client,
+    /// The HTTP clients calls are sent on (several over HTTP/2).
+    http: Arc<crate::connections::Connections>,
     api: ApiShape,
     /// [`LlmConfig::reasoning`].
     reasoning: bool,
@@ -470,19 +471,14 @@ impl LlmClient {
             Some(key) => Some(credential(&config.auth, key)?),
             None => None,
         };
-        let mut http = reqwest::Client::builder()
-            .connect_timeout(config.connect_timeout)
-            .user_agent(concat!("toolfleet/", env!("CARGO_PKG_VERSION")));
-        http = match config.http {
-            HttpVersion::Http1 => http.http1_only(),
-            HttpVersion::Http2 => http.http2_prior_knowledge(),
-        };
-        let http = http.build().map_err(|e| {
-            LlmError::config(format!(
-                "could not build the HTTP client: {}",
-                error_chain(&e)
-            ))
-        })?;
+        let http = crate::connections::Connections::new(config.http, config.connect_timeout)
+            .map_err(|e| {
+                LlmError::config(format!(
+                    "could not build the HTTP client: {}",
+                    error_chain(&e)
+                ))
+            })?;
+        let http = Arc::new(http);
         Ok(Self {
             inner: Arc::new(Inner {
                 http,
@@ -569,7 +565,11 @@ impl LlmClient {
         loop {
             attempt += 1;
             let pass = self.admit().await;
-            let answer = self.image_once(body.clone()).await;
+            let conn = self.inner.http.take();
+            let answer = self.image_once(&conn.client, body.clone()).await;
+            if answer.as_ref().is_err_and(LlmError::lost_its_connection) {
+                self.inner.http.broken(&conn);
+            }
             drop(pass);
             let error = match answer {
                 Ok(mut answer) => {
@@ -591,9 +591,13 @@ impl LlmClient {
         }
     }
 
-    async fn image_once(&self, body: Bytes) -> Result<ImageAnswer, LlmError> {
+    async fn image_once(
+        &self,
+        http: &reqwest::Client,
+        body: Bytes,
+    ) -> Result<ImageAnswer, LlmError> {
         let endpoint = &self.inner.images_endpoint;
-        let (mut response, _) = self.send(endpoint, body, false).await?;
+        let (mut response, _) = self.send(http, endpoint, body, false).await?;
         let body = self.read_body(&mut response, MAX_IMAGE_BODY_BYTES).await?;
         crate::images::from_wire(&body)
     }
@@ -669,11 +673,16 @@ impl LlmClient {
             queued += pass.waited;
             let mut progress = Progress::default();
             let sent = Instant::now();
+            let conn = self.inner.http.take();
             let result = if stream {
-                self.stream_once(body.clone(), on_text, &mut progress).await
+                self.stream_once(&conn.client, body.clone(), on_text, &mut progress)
+                    .await
             } else {
-                self.plain_once(body.clone()).await
+                self.plain_once(&conn.client, body.clone()).await
             };
+            if result.as_ref().is_err_and(LlmError::lost_its_connection) {
+                self.inner.http.broken(&conn);
+            }
             let error = match result {
                 Ok(mut completion) => {
                     if !stream && !completion.text.is_empty() {
@@ -793,19 +802,25 @@ impl LlmClient {
         }
     }
 
-    async fn plain_once(&self, body: Bytes) -> Result<Completion, LlmError> {
-        let (mut response, _) = self.send(&self.inner.endpoint, body, false).await?;
+    async fn plain_once(
+        &self,
+        http: &reqwest::Client,
+        body: Bytes,
+    ) -> Result<Completion, LlmError> {
+        let (mut response, _) = self.send(http, &self.inner.endpoint, body, false).await?;
         let body = self.read_body(&mut response, MAX_BODY_BYTES).await?;
         self.parse_body(&body)
     }
 
     async fn stream_once<F: FnMut(&str) + Send>(
         &self,
+        http: &reqwest::Client,
         body: Bytes,
         on_text: &mut F,
         progress: &mut Progress,
     ) -> Result<Completion, LlmError> {
-        let (mut response, first_deadline) = self.send(&self.inner.endpoint, body, true).await?;
+        let (mut response, first_deadline) =
+            self.send(http, &self.inner.endpoint, body, true).await?;
         if is_json(response.headers()) {
             // A server that ignores `stream: true` answers with one JSON
             // body; that is still a complete, usable answer.
@@ -922,13 +937,12 @@ impl LlmClient {
     /// status. Returns the response and the deadline for the first event.
     async fn send(
         &self,
+        http: &reqwest::Client,
         endpoint: &Url,
         body: Bytes,
         stream: bool,
     ) -> Result<(reqwest::Response, Instant), LlmError> {
-        let mut request = self
-            .inner
-            .http
+        let mut request = http
             .post(endpoint.clone())
             .header(header::CONTENT_TYPE, "application/json")
             .header(
@@ -1408,11 +1422,14 @@ mod tests {
     }"#;
 
     /// Calls in flight at once: over HTTP/1.1 each holds a connection of
-    /// its own; with `HttpVersion::Http2` (h2c) they share one.
+    /// its own; with `HttpVersion::Http2` (h2c) they share a few.
     #[tokio::test]
-    async fn http2_calls_in_flight_share_a_connection() {
+    async fn http2_calls_in_flight_share_a_few_connections() {
         const CALLS: usize = 12;
-        for (http, most) in [(HttpVersion::Http1, CALLS), (HttpVersion::Http2, 1)] {
+        for (http, most) in [
+            (HttpVersion::Http1, CALLS),
+            (HttpVersion::Http2, crate::connections::H2_CONNECTIONS),
+        ] {
             let script = Script::from_json(
                 r#"{ "firstTokenDelayMs": 300, "default": { "steps": [ { "answer": "hi" } ] } }"#,
             )
@@ -1441,6 +1458,66 @@ mod tests {
             }
             assert_eq!(server.connections() as usize, most, "{http:?}");
         }
+    }
+
+    /// One HTTP/2 connection to the model breaks under hundreds of
+    /// waiting calls (a TCP proxy in between drops it): no call fails.
+    /// Each that was on it is tried again on a fresh connection (the
+    /// default retry policy), never on the dead one; the calls on the
+    /// other connections never notice.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_broken_http2_connection_fails_no_call_a_retry_can_save() {
+        const CALLS: usize = 300;
+        let script = Script::from_json(
+            r#"{ "firstTokenDelayMs": 1500, "default": { "steps": [ { "answer": "hi" } ] } }"#,
+        )
+        .expect("script");
+        let server = within(ScriptedServer::start(
+            "127.0.0.1:0".parse().expect("addr"),
+            script,
+        ))
+        .await
+        .expect("start");
+        let target = server.base_url();
+        let proxy = toolfleet_testkit::proxy::Proxy::start(&format!(
+            "{}:{}",
+            target.host_str().expect("host"),
+            target.port().expect("port")
+        ))
+        .await
+        .expect("proxy");
+        let mut base = target.clone();
+        base.set_port(Some(proxy.port())).expect("port");
+        let client = LlmClient::new(LlmConfig {
+            http: HttpVersion::Http2,
+            retry: RetryPolicy::default(),
+            ..config(base)
+        })
+        .expect("client");
+        let calls: Vec<_> = (0..CALLS)
+            .map(|_| {
+                let client = client.clone();
+                tokio::spawn(async move {
+                    client
+                        .stream_chat(&request(vec![user("hello")]), |_| {})
+                        .await
+                })
+            })
+            .collect();
+        // Every call is waiting on the model; one connection breaks.
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        proxy.cut_one();
+        let mut retried = 0;
+        for call in calls {
+            let done = within(call).await.expect("no panic").expect("answered");
+            assert_eq!(done.text, "hi");
+            retried += usize::from(done.attempts > 1);
+        }
+        // The broken connection's calls were tried again; the others not.
+        assert!(
+            retried > 0 && retried < CALLS,
+            "{retried} of {CALLS} retried"
+        );
     }
 
     #[tokio::test]

@@ -13,6 +13,8 @@
 //!
 //! - `client` (re-exported at the root): neutral types, [`LlmConfig`], [`LlmClient`] (request,
 //!   authentication, timeouts, retries, status handling);
+//! - `connections`: the HTTP clients a client's calls go out on (several
+//!   HTTP/2 connections, a broken one replaced, never asked again);
 //! - `chat_wire`: Chat Completions wire types and
 //!   [`ChatStreamAccumulator`];
 //! - `responses_wire`: Responses API wire types and
@@ -60,6 +62,7 @@ pub mod budget;
 mod chat_wire;
 mod client;
 pub mod config_file;
+mod connections;
 pub mod deployments;
 mod error;
 pub mod gate;

@@ -10,9 +10,13 @@
 //! JetStream: the events stream (`<P>_EVENTS`) keeps each invocation's
 //! latest event, and the publish waits for the stream to confirm it
 //! (tried again across a reconnection), so a client that missed it live
-//! reads it there. A terminal event that went out while the NATS
-//! connection broke is also published again, verbatim (same `seq`), for
-//! the clients following live.
+//! reads it there. The publish is tried for [`TERMINAL_PATIENCE`] —
+//! longer than a cluster node's loss stalls the stream (4–10 s measured) —
+//! and a terminal event the stream still has not stored is said so
+//! ([`Terminal::stored`]): its run leaves its chat job unacked, and the
+//! redelivery publishes it again from the store. A terminal event that
+//! went out while the NATS connection broke is also published again,
+//! verbatim (same `seq`), for the clients following live.
 
 use async_nats::jetstream::context::PublishErrorKind;
 use serde_json::Value;
@@ -28,6 +32,13 @@ use crate::{Failure, Fleet, Invocation};
 /// events.
 const FLUSH_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// An invocation's terminal event as published.
+pub(crate) struct Terminal {
+    pub(crate) payload: bytes::Bytes,
+    /// The events stream confirmed it.
+    pub(crate) stored: bool,
+}
+
 /// Publishes one invocation's events in order, numbering them.
 pub struct Events {
     /// Boxed: the channel allocates a block of slots up front, and an
@@ -36,7 +47,7 @@ pub struct Events {
     /// The `seq` the next event sent gets (the task numbers events in the
     /// order they are sent).
     next_seq: std::sync::atomic::AtomicU64,
-    task: tokio::task::JoinHandle<Option<bytes::Bytes>>,
+    task: tokio::task::JoinHandle<Option<Terminal>>,
     /// Where the routed events also go, once [`route`](Self::route)d.
     route: std::sync::Arc<std::sync::OnceLock<crate::sinks::Route>>,
 }
@@ -81,6 +92,7 @@ impl Events {
             let connected = connects();
             let mut seq = first_seq;
             let mut terminal = None;
+            let mut stored = false;
             while let Some(body) = rx.recv().await {
                 let body = *body;
                 let is_terminal = body.is_terminal();
@@ -112,7 +124,7 @@ impl Events {
                     terminal = Some(payload.clone());
                     // Boxed: the task waits on its channel for the whole
                     // invocation, and should not carry this rare state.
-                    Box::pin(publish_terminal(&client, &subject, payload)).await;
+                    stored = Box::pin(publish_terminal(&client, &subject, payload)).await;
                 } else if let Err(e) = Box::pin(client.publish(subject.clone(), payload)).await {
                     warn!(error = %e, "cannot publish a chat event");
                 }
@@ -121,7 +133,7 @@ impl Events {
                 connects() != connected
             }))
             .await;
-            terminal
+            terminal.map(|payload| Terminal { payload, stored })
         });
         Self {
             tx,
@@ -172,6 +184,12 @@ impl Events {
     /// Waits until every event sent so far is published; returns the
     /// terminal event as published, if one was sent.
     pub(crate) async fn close(self) -> Option<bytes::Bytes> {
+        self.close_terminal().await.map(|t| t.payload)
+    }
+
+    /// [`Events::close`], and whether the events stream stored the
+    /// terminal event.
+    pub(crate) async fn close_terminal(self) -> Option<Terminal> {
         drop(self.tx);
         self.task.await.ok().flatten()
     }
@@ -204,26 +222,39 @@ async fn flush_out(
     }
 }
 
-/// How often the terminal event's publish is tried before it is left to
-/// the live publish alone.
-const TERMINAL_TRIES: u32 = 5;
+/// How long the terminal event's publish is tried before its run gives
+/// up on it (the chat job is then left unacked: its redelivery publishes
+/// it again). Well inside the events stream's two-minute duplicate window,
+/// so every try is stored once.
+pub(crate) const TERMINAL_PATIENCE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The longest pause between two tries of the terminal event.
+const TERMINAL_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs(2);
 
 /// Publishes the terminal event through JetStream and waits for the events
 /// stream to store it, trying again (with the same `Nats-Msg-Id`, so it is
-/// stored once) when the publish or its confirmation is lost. The id names
-/// the events subject, so the tenant too: the same invocation id under
-/// another tenant is another invocation, whose terminal event a duplicate
-/// window shared by all tenants must not drop. Core
-/// subscribers receive it like any event; a retry after a lost
-/// confirmation may reach them twice, with the same `seq`.
-async fn publish_terminal(client: &async_nats::Client, subject: &str, payload: bytes::Bytes) {
+/// stored once) for [`TERMINAL_PATIENCE`] when the publish or its
+/// confirmation is lost — across a reconnection or a stream leader's
+/// election. The id names the events subject, so the tenant too: the same
+/// invocation id under another tenant is another invocation, whose
+/// terminal event a duplicate window shared by all tenants must not drop.
+/// Core subscribers receive it like any event; a retry after a lost
+/// confirmation may reach them twice, with the same `seq`. Whether the
+/// stream stored it.
+pub(crate) async fn publish_terminal(
+    client: &async_nats::Client,
+    subject: &str,
+    payload: bytes::Bytes,
+) -> bool {
     let js = async_nats::jetstream::new(client.clone());
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(
         toolfleet_protocol::headers::NATS_MSG_ID,
         format!("terminal:{subject}").as_str(),
     );
-    for attempt in 1..=TERMINAL_TRIES {
+    let until = tokio::time::Instant::now() + TERMINAL_PATIENCE;
+    let mut pause = std::time::Duration::from_millis(200);
+    loop {
         let stored = match js
             .publish_with_headers(subject.to_string(), headers.clone(), payload.clone())
             .await
@@ -232,19 +263,20 @@ async fn publish_terminal(client: &async_nats::Client, subject: &str, payload: b
             Err(e) => Err(e),
         };
         match stored {
-            Ok(()) => return,
+            Ok(()) => return true,
             // No events stream (deleted, or a server without JetStream):
             // the event went out live; there is nothing to retry.
             Err(e) if matches!(e.kind(), PublishErrorKind::StreamNotFound) => {
                 warn!(error = %e, "the events stream did not store the terminal event (is it there?)");
-                return;
+                return false;
             }
-            Err(e) if attempt == TERMINAL_TRIES => {
-                warn!(error = %e, "the events stream did not confirm the terminal event; it went out live only");
+            Err(e) if tokio::time::Instant::now() + pause >= until => {
+                warn!(error = %e, "the events stream did not confirm the terminal event in time; the chat job is left to be delivered again");
+                return false;
             }
             Err(_) => {
-                tokio::time::sleep(std::time::Duration::from_millis(200 * u64::from(attempt)))
-                    .await;
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(TERMINAL_BACKOFF_MAX);
             }
         }
     }

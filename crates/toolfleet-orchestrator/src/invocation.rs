@@ -75,30 +75,46 @@ pub fn trust_from(ctx: &mut InvocationContext, profile: &ResolvedProfile) {
 /// When a run last read its invocation's cancel tombstone and found none
 /// (at its start, then at each lease renewal). Its tool jobs are marked
 /// new calls (`Toolfleet-New-Call`: a worker may then answer for the
-/// tombstone from its memory of cancels) only while that read is fresh, so
-/// a cancel published more than [`CancelCheck::FRESH_MS`] plus the
-/// tombstone's write before a marked job is always one the run would have
-/// stopped for. A run that cannot read Redis marks nothing, and workers
-/// read the tombstone themselves.
+/// tombstone from its memory of cancels, and skips the ledger read) only
+/// while that read is fresh, so a cancel published more than
+/// [`CancelCheck::FRESH_MS`] plus the tombstone's write before a marked job
+/// is always one the run would have stopped for. A run that cannot read
+/// Redis marks nothing, and workers read the tombstone themselves; nor
+/// does a replayed run ([`CancelCheck::for_replay`]), whose calls may
+/// already have results in the ledger.
 #[derive(Debug, Clone, Default)]
 pub struct CancelCheck(Arc<std::sync::atomic::AtomicU64>);
+
+/// A [`CancelCheck`] that is never fresh.
+const NEVER: u64 = u64::MAX;
 
 impl CancelCheck {
     /// How long a tombstone read counts as fresh.
     pub const FRESH_MS: u64 = 3_000;
 
+    /// The check of a replayed run (its chat job, or the decision that
+    /// resumes it, delivered again): its calls get the ids the earlier
+    /// run's did, so their jobs are never marked new — a worker reads the
+    /// ledger, and answers a call that already ran with its result.
+    #[must_use]
+    pub fn for_replay() -> Self {
+        Self(Arc::new(std::sync::atomic::AtomicU64::new(NEVER)))
+    }
+
     /// The tombstone was read just now, and absent.
     pub fn passed(&self) {
-        self.0.store(
-            toolfleet_protocol::now_ms(),
+        let now = toolfleet_protocol::now_ms();
+        let _ = self.0.fetch_update(
             std::sync::atomic::Ordering::Release,
+            std::sync::atomic::Ordering::Acquire,
+            |at| (at != NEVER).then_some(now),
         );
     }
 
     /// Whether the last read is fresh enough to mark a tool job new.
     pub fn fresh(&self) -> bool {
         let at = self.0.load(std::sync::atomic::Ordering::Acquire);
-        at != 0 && toolfleet_protocol::now_ms().saturating_sub(at) < Self::FRESH_MS
+        at != 0 && at != NEVER && toolfleet_protocol::now_ms().saturating_sub(at) < Self::FRESH_MS
     }
 }
 
@@ -267,6 +283,13 @@ mod tests {
             std::sync::atomic::Ordering::Release,
         );
         assert!(!check.fresh(), "stale");
+    }
+
+    #[test]
+    fn a_replayed_runs_check_is_never_fresh() {
+        let check = CancelCheck::for_replay();
+        check.passed();
+        assert!(!check.fresh());
     }
 
     use super::*;

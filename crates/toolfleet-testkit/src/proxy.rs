@@ -2,21 +2,25 @@
 //! network faults a process cannot cause by itself: [`Proxy::cut`] drops
 //! every connection through it at once (as a broken link does), and
 //! [`Proxy::refuse`] turns new connections away until
-//! [`Proxy::admit`] (a partition that lasts). The servers behind it and
-//! the clients not using it see nothing.
+//! [`Proxy::admit`] (a partition that lasts), and [`Proxy::cut_one`]
+//! drops the oldest connection alone. The servers behind it and the
+//! clients not using it see nothing.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::oneshot;
+
+/// The connections through a proxy, oldest first: each ends when its
+/// sender is used or dropped.
+type Live = Arc<Mutex<Vec<oneshot::Sender<()>>>>;
 
 /// A proxy to one server; it stops (and drops its connections) on drop.
 pub struct Proxy {
     addr: SocketAddr,
-    /// Bumped by [`Proxy::cut`]: every connection made before ends.
-    cuts: watch::Sender<u64>,
+    live: Live,
     refusing: Arc<AtomicBool>,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -27,17 +31,17 @@ impl Proxy {
     pub async fn start(target: &str) -> std::io::Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
-        let (cuts, _) = watch::channel(0u64);
+        let live = Live::default();
         let refusing = Arc::new(AtomicBool::new(false));
         let accept = tokio::spawn(accept_loop(
             listener,
             target.to_string(),
-            cuts.clone(),
+            live.clone(),
             refusing.clone(),
         ));
         Ok(Self {
             addr,
-            cuts,
+            live,
             refusing,
             accept,
         })
@@ -58,7 +62,21 @@ impl Proxy {
     /// Drops every connection through the proxy now (each side sees its
     /// socket closed); new ones are let through unless refused.
     pub fn cut(&self) {
-        self.cuts.send_modify(|n| *n += 1);
+        let cut: Vec<_> = self.live.lock().unwrap().drain(..).collect();
+        for end in cut {
+            let _ = end.send(());
+        }
+    }
+
+    /// Drops the oldest connection still through the proxy (one broken
+    /// link among several); the others carry on.
+    pub fn cut_one(&self) {
+        let mut live = self.live.lock().unwrap();
+        while !live.is_empty() {
+            if live.remove(0).send(()).is_ok() {
+                return;
+            }
+        }
     }
 
     /// Turns every new connection away (accepted, then closed at once)
@@ -87,19 +105,19 @@ impl Drop for Proxy {
     }
 }
 
-async fn accept_loop(
-    listener: TcpListener,
-    target: String,
-    cuts: watch::Sender<u64>,
-    refusing: Arc<AtomicBool>,
-) {
+async fn accept_loop(listener: TcpListener, target: String, live: Live, refusing: Arc<AtomicBool>) {
     while let Ok((inbound, _)) = listener.accept().await {
         if refusing.load(Ordering::SeqCst) {
             drop(inbound);
             continue;
         }
-        let mut cut = cuts.subscribe();
-        cut.mark_unchanged();
+        let (end, cut) = oneshot::channel();
+        {
+            let mut live = live.lock().unwrap();
+            // Connections that ended on their own go.
+            live.retain(|end| !end.is_closed());
+            live.push(end);
+        }
         let target = target.clone();
         tokio::spawn(async move {
             let Ok(mut outbound) = TcpStream::connect(&target).await else {
@@ -110,7 +128,7 @@ async fn accept_loop(
             let _ = outbound.set_nodelay(true);
             tokio::select! {
                 _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                _ = cut.changed() => {}
+                _ = cut => {}
             }
             // Dropped: both sockets close.
         });

@@ -95,8 +95,10 @@ enum End {
     Superseded,
     /// Parked for approvals: the invocation lives in its record.
     Parked { held: usize, expires_at_ms: u64 },
-    /// Its terminal event is out: `completed`, or `error` with its code.
-    Terminal { code: Option<String> },
+    /// Its terminal event is out: `completed`, or `error` with its code;
+    /// `stored` when the events stream confirmed it (otherwise the chat
+    /// job is not acked: its redelivery publishes the event again).
+    Terminal { code: Option<String>, stored: bool },
 }
 
 /// Runs a decoded job (or a decided parked invocation) to its terminal
@@ -178,7 +180,13 @@ impl Run<'_> {
             timeout,
         } = deadline;
         let left = Duration::from_millis(deadline_ms.saturating_sub(toolfleet_protocol::now_ms()));
-        let cancel_check = CancelCheck::default();
+        // A delivery after the first replays the run: its calls may have
+        // jobs and results already (see `CancelCheck::for_replay`).
+        let cancel_check = if Delivery::of(&self.msg).attempt > 1 {
+            CancelCheck::for_replay()
+        } else {
+            CancelCheck::default()
+        };
         let cancelled_early = cancelled_before_start(fleet, self.inv(), &cancel_check).await;
         let invocation = async {
             match leg {
@@ -362,11 +370,12 @@ impl Run<'_> {
         if let Some(code) = &code {
             span.record("error.type", code.as_str());
         }
-        if let Some(terminal) = events.close().await {
+        let mut stored = true;
+        if let Some(terminal) = events.close_terminal().await {
             if let Err(e) = self
                 .fleet
                 .store
-                .finish(self.inv(), &self.owner, &terminal)
+                .finish(self.inv(), &self.owner, &terminal.payload)
                 .await
             {
                 warn!(error = %e, "cannot mark the invocation finished; if this job's ack is lost it runs again");
@@ -374,18 +383,19 @@ impl Run<'_> {
             (self.fleet.tenant_store)
                 .event_stored(&self.fleet.js, &self.fleet.config, &self.tenant)
                 .await;
+            stored = terminal.stored;
         }
         if resumed {
             self.fleet.forget_parked(&self.tenant, &self.id).await;
         }
-        End::Terminal { code }
+        End::Terminal { code, stored }
     }
 
     /// The end of every run: the message acked (last: after its terminal
     /// event or park), the run forgotten, counted and logged.
     async fn end(self, end: End) {
         drop(self.keep_alive);
-        if !matches!(end, End::Superseded) {
+        if !matches!(end, End::Superseded | End::Terminal { stored: false, .. }) {
             ack(&self.msg).await;
         }
         self.fleet.forget_run(&self.id, &self.tenant, self.number);
@@ -394,8 +404,8 @@ impl Run<'_> {
         let label = match &end {
             End::Superseded => "superseded",
             End::Parked { .. } => "parked",
-            End::Terminal { code: None } => "completed",
-            End::Terminal { code: Some(_) } => "error",
+            End::Terminal { code: None, .. } => "completed",
+            End::Terminal { code: Some(_), .. } => "error",
         };
         metrics.chat_jobs.with_label_values(&[label]).inc();
         metrics.chat_jobs_in_flight.dec();
@@ -411,7 +421,7 @@ impl Run<'_> {
                 duration_ms = took.as_millis() as u64,
                 "chat job parked for approval"
             ),
-            End::Terminal { code } => {
+            End::Terminal { code, .. } => {
                 metrics.chat_job_duration.observe(took.as_secs_f64());
                 // One line per finished job (the span carries its ids).
                 info!(
