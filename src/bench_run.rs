@@ -467,6 +467,19 @@ async fn floors(
     if args.floor {
         floors.push(Floor::jetstream(&fleet.client, &fleet.nats_url).await?);
         floors.push(Floor::request_reply(&fleet.client, &fleet.nats_url).await?);
+        if under_test.tool.is_none()
+            && let Some(models) = &fleet.models
+        {
+            let direct = crate::floor_chat::DirectChat::new(
+                models,
+                &args.local.defs.dir,
+                &args.local.corpus,
+                DEMO_QUESTIONS.iter().map(|q| q.to_string()).collect(),
+                under_test.timeout,
+            )
+            .await?;
+            floors.push(Floor::direct_chat(direct.op()));
+        }
         if let (Some(definition), Some(models)) = (under_test.llm_tool, &fleet.models) {
             floors.push(
                 Floor::direct_model(

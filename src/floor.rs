@@ -218,6 +218,20 @@ impl Floor {
         })
     }
 
+    /// The direct floor of chat jobs ([`crate::floor_chat`]): `op`
+    /// answers a question with the same model calls and tool functions,
+    /// without the fleet. Warmed up like the fleet (its HTTP pool).
+    pub fn direct_chat(op: Op) -> Self {
+        Self {
+            name: "floor: direct chat",
+            op,
+            warm_up: true,
+            responder: None,
+            stop: CancellationToken::new(),
+            stream: None,
+        }
+    }
+
     /// Stops the responder and deletes what the floor made.
     pub async fn stop(self) {
         self.stop.cancel();

@@ -31,8 +31,10 @@
 //!   errors), [`bench_fleet`] (the fleet it measures, in-process or as
 //!   separate processes, with the bench's `bench:sleep` tool and the
 //!   orchestrator's memory sampler), [`floor`] (the transport floors:
-//!   JetStream work queue, core request-reply, a direct model call) and
-//!   [`svg`] (the latency chart).
+//!   JetStream work queue, core request-reply, a direct model call),
+//!   [`floor_chat`] (the direct floor of chat jobs: the same model calls
+//!   and tool functions without the fleet) and [`svg`] (the latency
+//!   chart).
 //! - [`local`]: a fleet on this machine: its flags and its NATS and Redis
 //!   servers (reused or child processes), for `demo` and `bench`.
 //! - [`families`]: the tool families this command starts, by name. The
@@ -51,6 +53,7 @@ pub mod common;
 pub mod demo;
 pub mod families;
 pub mod floor;
+pub mod floor_chat;
 pub mod index;
 pub mod local;
 pub mod mcp;

@@ -155,6 +155,38 @@ impl TestCtx {
         result
     }
 
+    /// Runs the tool of `worker` whose function the model knows as
+    /// `function`, with `args` as JSON, in this process: no NATS, no
+    /// Redis, no argument validation or hooks (see
+    /// [`TestCtx::call_checked`] for those). What a program that embeds a
+    /// worker's tools — or `toolfleet bench`'s direct floor — calls.
+    ///
+    /// # Errors
+    ///
+    /// What the tool returns; a non-retryable [`ToolError::Failed`] when
+    /// `worker` serves no such function.
+    pub async fn call_in(
+        &self,
+        worker: &crate::Worker,
+        function: &str,
+        args: Value,
+    ) -> Result<ToolOutput, ToolError> {
+        let Some(served) = worker
+            .tools
+            .iter()
+            .find(|t| t.definition().function.name == function)
+        else {
+            return Err(ToolError::failed(format!(
+                "worker {} serves no function {function}",
+                worker.name()
+            )));
+        };
+        let ctx = self.ctx();
+        let result = served.imp.call_json(&ctx, args).await;
+        self.keep(&ctx);
+        result
+    }
+
     /// Keeps what the call reported besides its output.
     fn keep(&self, ctx: &ToolCtx) {
         if let Ok(mut state) = self.sink.state.lock() {

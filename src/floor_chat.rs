@@ -1,0 +1,180 @@
+//! The direct floor of `--mode chat` (`toolfleet bench --mode chat
+//! --floor`): what one program that needs no fleet does to answer the same
+//! questions. The same model calls — the question with the same tools
+//! offered, then the tool results — go straight to the same scripted model
+//! over one [`LlmClient`] built from the same deployment, and each tool
+//! call the model asks for is run by the same tool's function in this
+//! process ([`TestCtx::call_in`]), over its own copy of the corpus' index.
+//! No NATS, no Redis, no orchestrator, no worker runtime: the fleet's
+//! chat-job figures over this floor are the fleet's whole cost per job.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::Value;
+use toolfleet_config::FleetConfig;
+use toolfleet_llm::deployments::ProcessEnv;
+use toolfleet_llm::{ChatRequest, LlmClient, Message, ToolSpec};
+use toolfleet_protocol::InvocationContext;
+use toolfleet_worker::Worker;
+use toolfleet_worker::testing::TestCtx;
+
+use crate::bench::Op;
+use crate::families::IndexArgs;
+
+/// The families whose tools the bench's chat questions call.
+const FAMILIES: [&str; 2] = ["system", "retrieval"];
+
+/// The most model turns one question may take (the bench's script takes
+/// two).
+const MAX_TURNS: usize = 8;
+
+/// One client answering questions with tools, as a program without the
+/// fleet would.
+pub struct DirectChat {
+    client: LlmClient,
+    model: String,
+    system_prompt: Option<String>,
+    tools: Vec<Arc<ToolSpec>>,
+    workers: Vec<Worker>,
+    ctx: TestCtx,
+    questions: Vec<String>,
+    timeout: Duration,
+    _index: tempfile::TempDir,
+}
+
+impl DirectChat {
+    /// The floor for `questions` on the default profile's deployment of
+    /// `models`, the tools of [`FAMILIES`] from `definitions`, retrieval
+    /// over `corpus` (indexed here, for this floor alone).
+    pub async fn new(
+        models: &FleetConfig,
+        definitions: &Path,
+        corpus: &Path,
+        questions: Vec<String>,
+        timeout: Duration,
+    ) -> anyhow::Result<Self> {
+        let profile = models
+            .profiles
+            .get(&models.default_profile)
+            .ok_or_else(|| anyhow::anyhow!("no default profile"))?;
+        let name = profile
+            .deployments
+            .first()
+            .ok_or_else(|| anyhow::anyhow!("the default profile has no deployment"))?;
+        let deployment = models
+            .deployments
+            .get(name)
+            .ok_or_else(|| anyhow::anyhow!("no deployment {name}"))?;
+        let client = LlmClient::new(deployment.to_llm_config(&ProcessEnv)?)?;
+        let index = tempfile::tempdir()?;
+        let workers = crate::families::some(
+            &FAMILIES,
+            &crate::families::Inputs {
+                definitions,
+                index: &IndexArgs::tantivy(index.path().join("index"), corpus.to_path_buf()),
+                models: None,
+            },
+        )
+        .await?;
+        let tools = workers
+            .iter()
+            .flat_map(Worker::definitions)
+            .map(|d| Arc::new(d.tool_spec()))
+            .collect();
+        let ctx = TestCtx::new().with_invocation(InvocationContext {
+            data_source_id: profile.data_source.clone(),
+            ..InvocationContext::new("direct-floor")
+        });
+        Ok(Self {
+            client,
+            model: deployment.model.clone(),
+            system_prompt: profile.system_prompt.clone(),
+            tools,
+            workers,
+            ctx,
+            questions,
+            timeout,
+            _index: index,
+        })
+    }
+
+    /// The floor's operation: question `i` (in turn), answered.
+    pub fn op(self) -> Op {
+        let direct = Arc::new(self);
+        Arc::new(move |i| {
+            let direct = direct.clone();
+            Box::pin(async move {
+                let question = &direct.questions[i % direct.questions.len().max(1)];
+                tokio::time::timeout(direct.timeout, direct.ask(question))
+                    .await
+                    .map_err(|_| "timeout".to_string())?
+            })
+        })
+    }
+
+    /// Asks `question` until the model answers; the tool calls it took.
+    async fn ask(&self, question: &str) -> Result<u32, String> {
+        let mut messages = Vec::new();
+        if let Some(system) = &self.system_prompt {
+            messages.push(Message::System {
+                content: system.clone(),
+            });
+        }
+        messages.push(Message::User {
+            content: question.to_string(),
+        });
+        let mut calls = 0;
+        for _ in 0..MAX_TURNS {
+            let mut request = ChatRequest {
+                model: self.model.clone(),
+                messages: std::mem::take(&mut messages),
+                tools: self.tools.clone(),
+                tool_choice: None,
+                parallel_tool_calls: true,
+                temperature: None,
+                max_tokens: None,
+                service_tier: None,
+            };
+            let completion = self
+                .client
+                .stream_chat(&request, |_| {})
+                .await
+                .map_err(|e| e.code().to_string())?;
+            messages = std::mem::take(&mut request.messages);
+            if completion.tool_calls.is_empty() {
+                return if completion.text.is_empty() {
+                    Err("empty_reply".into())
+                } else {
+                    Ok(calls)
+                };
+            }
+            messages.push(completion.assistant_message());
+            for call in &completion.tool_calls {
+                calls += 1;
+                let content = self.run_tool(&call.name, &call.arguments).await;
+                messages.push(Message::Tool {
+                    call_id: call.id.clone(),
+                    content,
+                });
+            }
+        }
+        Err("too_many_turns".into())
+    }
+
+    /// The tool message for one call: its output, or its error as text
+    /// (as the fleet tells the model).
+    async fn run_tool(&self, function: &str, arguments: &str) -> String {
+        let args: Value = serde_json::from_str(arguments).unwrap_or_default();
+        for worker in &self.workers {
+            if worker.definitions().any(|d| d.function.name == function) {
+                return match self.ctx.call_in(worker, function, args).await {
+                    Ok(output) => output.content,
+                    Err(e) => format!("Error: {e}"),
+                };
+            }
+        }
+        format!("Error: no tool {function}")
+    }
+}
