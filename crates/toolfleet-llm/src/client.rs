@@ -187,9 +187,10 @@ pub enum HttpVersion {
     Http1,
     /// HTTP/2 only — negotiated over TLS, by prior knowledge (h2c) over
     /// plain `http://` — for servers known to speak it. Calls in flight
-    /// share one connection: far less memory and fewer descriptors per
-    /// waiting call, but at most as many calls at once as the server allows
-    /// streams on a connection (often 100–250 for public APIs; set by the
+    /// share a few connections (four, taken in turn; one that breaks is
+    /// replaced): far less memory and fewer descriptors per waiting call,
+    /// but at most as many calls at once as the server allows streams on
+    /// those connections (often 100–250 each for public APIs; set by the
     /// server, e.g. a gateway's `max_concurrent_streams`).
     Http2,
 }

@@ -16,7 +16,7 @@
 //! | `auth` | `"bearer"` (default) or `{ header = "<name>" }` | `Authorization: Bearer <key>`, or the key as is in the named header (Azure: `{ header = "api-key" }`) |
 //! | `query` | table of strings, `{}` | extra query parameters on every request, e.g. `{ "api-version" = "2024-10-21" }`; credential-like names (`key`, `api-key`, `token`, …) are refused |
 //! | `stream` | bool, `true` | stream responses (server-sent events) or wait for whole answers |
-//! | `http` | `"http1"` (default) or `"http2"` | `http1`: HTTP/1.1, a connection per call in flight; `http2`: HTTP/2 only (over TLS, or h2c over plain `http://`), for servers known to speak it — calls in flight share one connection (far less memory per waiting call), but the server's streams per connection (often 100–250 for public APIs) then cap the calls in flight |
+//! | `http` | `"http1"` (default) or `"http2"` | `http1`: HTTP/1.1, a connection per call in flight; `http2`: HTTP/2 only (over TLS, or h2c over plain `http://`), for servers known to speak it — calls in flight share four connections, taken in turn, a broken one replaced (far less memory per waiting call), but the server's streams per connection (often 100–250 for public APIs) then cap the calls in flight |
 //! | `connect_timeout_ms` | ms > 0, [`DEFAULT_CONNECT_TIMEOUT`](crate::DEFAULT_CONNECT_TIMEOUT) | TCP and TLS connect |
 //! | `first_token_timeout_ms` | ms > 0, [`DEFAULT_FIRST_TOKEN_TIMEOUT`](crate::DEFAULT_FIRST_TOKEN_TIMEOUT) | request sent to first streamed event (or whole answer when not streaming) |
 //! | `idle_timeout_ms` | ms > 0, [`DEFAULT_IDLE_TIMEOUT`](crate::DEFAULT_IDLE_TIMEOUT) | longest gap between streamed chunks |
