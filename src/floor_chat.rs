@@ -38,7 +38,7 @@ pub struct DirectChat {
     system_prompt: Option<String>,
     tools: Vec<Arc<ToolSpec>>,
     workers: Vec<Worker>,
-    ctx: TestCtx,
+    invocation: InvocationContext,
     questions: Vec<String>,
     timeout: Duration,
     _index: tempfile::TempDir,
@@ -83,17 +83,17 @@ impl DirectChat {
             .flat_map(Worker::definitions)
             .map(|d| Arc::new(d.tool_spec()))
             .collect();
-        let ctx = TestCtx::new().with_invocation(InvocationContext {
+        let invocation = InvocationContext {
             data_source_id: profile.data_source.clone(),
             ..InvocationContext::new("direct-floor")
-        });
+        };
         Ok(Self {
             client,
             model: deployment.model.clone(),
             system_prompt: profile.system_prompt.clone(),
             tools,
             workers,
-            ctx,
+            invocation,
             questions,
             timeout,
             _index: index,
@@ -151,9 +151,17 @@ impl DirectChat {
                 };
             }
             messages.push(completion.assistant_message());
-            for call in &completion.tool_calls {
+            // The turn's calls together, as the fleet runs them.
+            let ctx = TestCtx::new().with_invocation(self.invocation.clone());
+            let outputs = futures::future::join_all(
+                completion
+                    .tool_calls
+                    .iter()
+                    .map(|call| self.run_tool(&ctx, &call.name, &call.arguments)),
+            )
+            .await;
+            for (call, content) in completion.tool_calls.iter().zip(outputs) {
                 calls += 1;
-                let content = self.run_tool(&call.name, &call.arguments).await;
                 messages.push(Message::Tool {
                     call_id: call.id.clone(),
                     content,
@@ -165,11 +173,11 @@ impl DirectChat {
 
     /// The tool message for one call: its output, or its error as text
     /// (as the fleet tells the model).
-    async fn run_tool(&self, function: &str, arguments: &str) -> String {
+    async fn run_tool(&self, ctx: &TestCtx, function: &str, arguments: &str) -> String {
         let args: Value = serde_json::from_str(arguments).unwrap_or_default();
         for worker in &self.workers {
             if worker.definitions().any(|d| d.function.name == function) {
-                return match self.ctx.call_in(worker, function, args).await {
+                return match ctx.call_in(worker, function, args).await {
                     Ok(output) => output.content,
                     Err(e) => format!("Error: {e}"),
                 };

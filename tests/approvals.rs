@@ -1130,19 +1130,18 @@ async fn a_parked_record_keeps_no_webhook_url_and_the_resume_still_delivers_to_i
 /// runs — and the person's approval then finishes the invocation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_park_whose_ack_was_lost_says_its_requests_again_and_reruns_nothing() {
-    let auth = format!(
-        r#"
-authorization {{
+    let auth = r#"
+authorization {
   users = [
-    {{ user: "all", password: "all" }}
-    {{ user: "noack", password: "noack", permissions: {{
-        publish: {{ allow: [">"], deny: ["$JS.ACK.>"] }},
-        subscribe: {{ allow: [">"] }} }} }}
+    { user: "all", password: "all" }
+    { user: "noack", password: "noack", permissions: {
+        publish: { allow: [">"], deny: ["$JS.ACK.>"] },
+        subscribe: { allow: [">"] } } }
   ]
-}}
+}
 no_auth_user: "all"
 "#
-    );
+    .to_string();
     let env = Env::start_with(
         two_clocks_script(),
         Options {

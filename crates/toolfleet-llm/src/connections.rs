@@ -89,22 +89,24 @@ impl Connections {
         if self.http == HttpVersion::Http1 {
             return;
         }
+        // Built before the lock (a client's TLS setup is not quick); the
+        // build cannot fail where it did not the first time (same
+        // settings), and if it did the old client would stay.
+        let Ok(fresh) = build(self.http, self.connect_timeout) else {
+            return;
+        };
         let mut held = self.slots[conn.slot]
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         if held.generation != conn.generation {
             return;
         }
-        // Building cannot fail where it did not the first time (same
-        // settings); if it did, the old client stays.
-        if let Ok(client) = build(self.http, self.connect_timeout) {
-            held.client = client;
-            held.generation += 1;
-            tracing::debug!(
-                slot = conn.slot,
-                "an HTTP/2 connection to the model broke; replaced"
-            );
-        }
+        held.client = fresh;
+        held.generation += 1;
+        tracing::debug!(
+            slot = conn.slot,
+            "an HTTP/2 connection to the model broke; replaced"
+        );
     }
 }
 

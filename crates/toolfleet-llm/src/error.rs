@@ -64,14 +64,14 @@ impl LlmError {
         Self::new(LlmErrorKind::Connect, "connect", message)
     }
 
-    /// A response that started but did not finish: the connection dropped or
-    /// the body ended before the model said it was done.
     /// Whether the call lost a connection it had (not one it could not
     /// open): that connection is not to be used again.
     pub(crate) fn lost_its_connection(&self) -> bool {
         self.code() == "connection_lost"
     }
 
+    /// A response that started but did not finish: the connection dropped or
+    /// the body ended before the model said it was done.
     pub(crate) fn connection_lost(message: impl Into<String>) -> Self {
         Self::new(LlmErrorKind::Connect, "connection_lost", message)
     }

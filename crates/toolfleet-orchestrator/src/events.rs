@@ -239,8 +239,8 @@ const TERMINAL_BACKOFF_MAX: std::time::Duration = std::time::Duration::from_secs
 /// invocation id under another tenant is another invocation, whose
 /// terminal event a duplicate window shared by all tenants must not drop.
 /// Core subscribers receive it like any event; a retry after a lost
-/// confirmation may reach them twice, with the same `seq`. Whether the
-/// stream stored it.
+/// confirmation may reach them twice, with the same `seq`. Whether it is
+/// done: stored, or there is no events stream to keep it.
 pub(crate) async fn publish_terminal(
     client: &async_nats::Client,
     subject: &str,
@@ -265,10 +265,11 @@ pub(crate) async fn publish_terminal(
         match stored {
             Ok(()) => return true,
             // No events stream (deleted, or a server without JetStream):
-            // the event went out live; there is nothing to retry.
+            // the event went out live; there is nothing to retry, nor
+            // anywhere to keep it.
             Err(e) if matches!(e.kind(), PublishErrorKind::StreamNotFound) => {
                 warn!(error = %e, "the events stream did not store the terminal event (is it there?)");
-                return false;
+                return true;
             }
             Err(e) if tokio::time::Instant::now() + pause >= until => {
                 warn!(error = %e, "the events stream did not confirm the terminal event in time; the chat job is left to be delivered again");

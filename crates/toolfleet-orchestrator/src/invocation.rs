@@ -82,8 +82,29 @@ pub fn trust_from(ctx: &mut InvocationContext, profile: &ResolvedProfile) {
 /// Redis marks nothing, and workers read the tombstone themselves; nor
 /// does a replayed run ([`CancelCheck::for_replay`]), whose calls may
 /// already have results in the ledger.
+///
+/// It also carries whether the run's lease is in doubt (its renewals
+/// failing, [`CancelCheck::lease_in_doubt`]): no tool job goes out while
+/// it is ([`CancelCheck::lease_held`]).
 #[derive(Debug, Clone, Default)]
-pub struct CancelCheck(Arc<std::sync::atomic::AtomicU64>);
+pub struct CancelCheck(Arc<Checks>);
+
+#[derive(Debug)]
+struct Checks {
+    /// When the tombstone was last read absent (Unix ms; 0 never,
+    /// [`NEVER`] for a replay).
+    read_at: std::sync::atomic::AtomicU64,
+    in_doubt: tokio::sync::watch::Sender<bool>,
+}
+
+impl Default for Checks {
+    fn default() -> Self {
+        Self {
+            read_at: std::sync::atomic::AtomicU64::new(0),
+            in_doubt: tokio::sync::watch::Sender::new(false),
+        }
+    }
+}
 
 /// A [`CancelCheck`] that is never fresh.
 const NEVER: u64 = u64::MAX;
@@ -98,13 +119,18 @@ impl CancelCheck {
     /// ledger, and answers a call that already ran with its result.
     #[must_use]
     pub fn for_replay() -> Self {
-        Self(Arc::new(std::sync::atomic::AtomicU64::new(NEVER)))
+        let check = Self::default();
+        check
+            .0
+            .read_at
+            .store(NEVER, std::sync::atomic::Ordering::Release);
+        check
     }
 
     /// The tombstone was read just now, and absent.
     pub fn passed(&self) {
         let now = toolfleet_protocol::now_ms();
-        let _ = self.0.fetch_update(
+        let _ = self.0.read_at.fetch_update(
             std::sync::atomic::Ordering::Release,
             std::sync::atomic::Ordering::Acquire,
             |at| (at != NEVER).then_some(now),
@@ -113,8 +139,21 @@ impl CancelCheck {
 
     /// Whether the last read is fresh enough to mark a tool job new.
     pub fn fresh(&self) -> bool {
-        let at = self.0.load(std::sync::atomic::Ordering::Acquire);
+        let at = self.0.read_at.load(std::sync::atomic::Ordering::Acquire);
         at != 0 && at != NEVER && toolfleet_protocol::now_ms().saturating_sub(at) < Self::FRESH_MS
+    }
+
+    /// Says whether the run's lease is in doubt (renewals failing, near
+    /// its lapse) or held again.
+    pub fn lease_in_doubt(&self, doubt: bool) {
+        self.0.in_doubt.send_replace(doubt);
+    }
+
+    /// Returns once the run's lease is not in doubt (at once, usually):
+    /// what a tool job waits for before it goes out.
+    pub async fn lease_held(&self) {
+        let mut held = self.0.in_doubt.subscribe();
+        let _ = held.wait_for(|doubt| !*doubt).await;
     }
 }
 
@@ -278,7 +317,7 @@ mod tests {
         assert!(!check.fresh(), "never read");
         check.passed();
         assert!(check.fresh());
-        check.0.store(
+        check.0.read_at.store(
             toolfleet_protocol::now_ms() - CancelCheck::FRESH_MS - 1,
             std::sync::atomic::Ordering::Release,
         );
@@ -290,6 +329,23 @@ mod tests {
         let check = CancelCheck::for_replay();
         check.passed();
         assert!(!check.fresh());
+    }
+
+    #[tokio::test]
+    async fn tool_jobs_wait_while_the_lease_is_in_doubt() {
+        let check = CancelCheck::default();
+        check.lease_held().await;
+        check.lease_in_doubt(true);
+        let waiting = check.clone();
+        let mut held = tokio::spawn(async move { waiting.lease_held().await });
+        assert!(
+            tokio::time::timeout(std::time::Duration::from_millis(50), &mut held)
+                .await
+                .is_err(),
+            "waits while in doubt"
+        );
+        check.lease_in_doubt(false);
+        held.await.unwrap();
     }
 
     use super::*;

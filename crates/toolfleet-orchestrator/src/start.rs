@@ -12,7 +12,6 @@ use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use toolfleet_service::jobs::{self, Reconnects, Sweeper};
-use toolfleet_service::poison::Disposal;
 
 use crate::settings::ChatDispatch;
 use toolfleet_store::CitationStore;
@@ -281,7 +280,7 @@ fn spawn_background(
 
 /// What a pull loop does with a message whose headers cannot be read.
 type OnPoison = Arc<
-    dyn Fn(toolfleet_service::poison::Poison) -> futures::future::BoxFuture<'static, Disposal>
+    dyn Fn(toolfleet_service::poison::Poison) -> futures::future::BoxFuture<'static, ()>
         + Send
         + Sync,
 >;
@@ -313,6 +312,7 @@ impl Puller {
             js: jetstream::new(fleet.client.clone()),
             stream: fleet.config.subjects.chat_stream(),
             on_poison,
+            progress_every: intake::CHAT_PROGRESS_EVERY,
         };
         intake::Dispatcher {
             fleet,
@@ -349,6 +349,7 @@ impl Puller {
                 js: jetstream::new(fleet.client.clone()),
                 stream: subjects.chat_stream(),
                 on_poison,
+                progress_every: intake::CHAT_PROGRESS_EVERY,
             },
             permits: self.permits,
             tracker: self.tracker,
@@ -377,7 +378,8 @@ impl Puller {
         let sweeper = Sweeper {
             js: jetstream::new(fleet.client.clone()),
             stream: subjects.decisions_stream(),
-            on_poison: Arc::new(|_| async { Disposal::Ended }.boxed()),
+            on_poison: Arc::new(|_| async {}.boxed()),
+            progress_every: intake::CHAT_PROGRESS_EVERY,
         };
         let plugins = self.plugins;
         // An idle pull holds no permit (as fair dispatch's): a decision

@@ -289,9 +289,9 @@ impl Identity {
             return Ok(Self::UserPassword(user.clone(), password.clone()));
         }
         if args.user.is_none()
-            && let Some((user, password)) = url_user(&args.url)
+            && let Some(identity) = url_identity(&args.url)
         {
-            return Ok(Self::UserPassword(user, Secret(password)));
+            return Ok(identity);
         }
         if let (Some(user), Some(path)) = (&args.user, &args.password_file) {
             let password = read_secret_file(path, "NATS password").await?;
@@ -369,21 +369,18 @@ pub async fn connect_nats(
     name: &str,
     wait: Duration,
 ) -> anyhow::Result<async_nats::Client> {
-    let user = url_user(url);
+    let identity = url_identity(url).unwrap_or(Identity::Anonymous);
     connect_with(url, wait, || {
-        let opts = async_nats::ConnectOptions::new().name(name);
-        match &user {
-            Some((user, password)) => opts.user_and_password(user.clone(), password.clone()),
-            None => opts,
-        }
+        identity.apply(async_nats::ConnectOptions::new().name(name))
     })
     .await
 }
 
-/// The user and password a NATS URL carries (`nats://user:pass@host`,
-/// percent-decoded), as other NATS clients read them; the first of a
-/// comma-separated list counts. The client library itself ignores them.
-fn url_user(urls: &str) -> Option<(String, String)> {
+/// The identity a NATS URL carries, as other NATS clients read it:
+/// `nats://user:pass@host` a user and password, `nats://token@host` a
+/// token (percent-decoded); the first of a comma-separated list counts.
+/// The client library itself ignores both.
+fn url_identity(urls: &str) -> Option<Identity> {
     let first = urls.split(',').next()?.trim();
     let parsed = url::Url::parse(first).ok()?;
     if parsed.username().is_empty() {
@@ -394,10 +391,11 @@ fn url_user(urls: &str) -> Option<(String, String)> {
             .decode_utf8_lossy()
             .into_owned()
     };
-    Some((
-        decode(parsed.username()),
-        decode(parsed.password().unwrap_or_default()),
-    ))
+    let user = decode(parsed.username());
+    Some(match parsed.password() {
+        Some(password) => Identity::UserPassword(user, Secret(decode(password))),
+        None => Identity::Token(Secret(user)),
+    })
 }
 
 /// Connects with the options `options` builds, retrying the first
@@ -556,16 +554,21 @@ mod tests {
     use clap::Parser;
 
     #[test]
-    fn a_urls_user_and_password_are_read_decoded() {
+    fn a_urls_user_and_password_or_token_are_read_decoded() {
+        let read = |url: &str| match url_identity(url) {
+            Some(Identity::UserPassword(user, password)) => {
+                Some(format!("user {user} {}", password.expose()))
+            }
+            Some(Identity::Token(token)) => Some(format!("token {}", token.expose())),
+            Some(_) => Some("other".into()),
+            None => None,
+        };
         assert_eq!(
-            url_user("nats://acme:p%40ss+word@127.0.0.1:4222,nats://other:x@h:1"),
-            Some(("acme".into(), "p@ss+word".into()))
+            read("nats://acme:p%40ss+word@127.0.0.1:4222,nats://other:x@h:1").as_deref(),
+            Some("user acme p@ss+word")
         );
-        assert_eq!(url_user("nats://127.0.0.1:4222"), None);
-        assert_eq!(
-            url_user("tls://user@h:1"),
-            Some(("user".into(), String::new()))
-        );
+        assert_eq!(read("nats://127.0.0.1:4222"), None);
+        assert_eq!(read("tls://s3cr%2Ft@h:1").as_deref(), Some("token s3cr/t"));
     }
 
     #[derive(Parser, Debug)]

@@ -33,7 +33,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::warn;
 
-use crate::poison::{Disposal, Poison};
+use crate::poison::Poison;
 
 /// How long one pull request waits for messages before the next is sent.
 pub const PULL_EXPIRES: Duration = Duration::from_secs(5);
@@ -47,7 +47,11 @@ pub struct Sweeper {
     pub js: jetstream::Context,
     /// The stream the consumer reads (for logs).
     pub stream: String,
-    pub on_poison: Arc<dyn Fn(Poison) -> BoxFuture<'static, Disposal> + Send + Sync>,
+    pub on_poison: Arc<dyn Fn(Poison) -> BoxFuture<'static, ()> + Send + Sync>,
+    /// How often a poison being handled is kept alive (an in-progress
+    /// ack): `on_poison` may wait (for the store that proves the message
+    /// may speak for its invocation) longer than the ack wait.
+    pub progress_every: Duration,
 }
 
 impl std::fmt::Debug for Sweeper {
@@ -59,8 +63,8 @@ impl std::fmt::Debug for Sweeper {
 }
 
 impl Sweeper {
-    /// Ends `msg`, a poison: `on_poison`, then `term` (or a delayed `nak`
-    /// when `on_poison` says [`Disposal::Later`]), on `tracker`, holding
+    /// Ends `msg`, a poison: `on_poison` (the message kept alive with
+    /// in-progress acks meanwhile), then `term`, on `tracker`, holding
     /// `permit` (a trickle of poisons runs no more at once than jobs
     /// would).
     pub fn dispose(
@@ -73,12 +77,19 @@ impl Sweeper {
         warn!(stream = %self.stream, seq = poison.stream_sequence, subject = %poison.subject,
             reason = %poison.reason, "a job whose headers cannot be read: dead-lettered, not run");
         let handled = (self.on_poison)(poison);
+        let every = self.progress_every;
         tracker.spawn(async move {
-            let end = match handled.await {
-                Disposal::Ended => jetstream::AckKind::Term,
-                Disposal::Later(delay) => jetstream::AckKind::Nak(Some(delay)),
-            };
-            let _ = msg.ack_with(end).await;
+            let mut handled = handled;
+            let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+            loop {
+                tokio::select! {
+                    () = &mut handled => break,
+                    _ = tick.tick() => {
+                        let _ = msg.ack_with(jetstream::AckKind::Progress).await;
+                    }
+                }
+            }
+            let _ = msg.ack_with(jetstream::AckKind::Term).await;
             drop(permit);
         });
     }

@@ -14,29 +14,15 @@
 //! A pull loop takes such a delivery out of the normal path
 //! ([`Poison::of`]): its [`crate::jobs::Sweeper`] hands it to the
 //! process's `on_poison` (dead-letter it, tell its sender), then
-//! terminates it. No disconnect, no redelivery — unless `on_poison` needs
-//! something that is not there yet (the store that proves the message may
-//! speak for its invocation): it then answers [`Disposal::Later`], and the
-//! message comes back after that delay.
+//! terminates it. No disconnect, no redelivery.
 
 use async_nats::jetstream;
 use base64::Engine as _;
-
-/// What `on_poison` made of a poison message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Disposal {
-    /// Dealt with: the message is terminated.
-    Ended,
-    /// Not yet: the message is delivered again after this delay.
-    Later(std::time::Duration),
-}
 
 /// A job whose headers the client cannot read in full.
 #[derive(Debug, Clone)]
 pub struct Poison {
     pub stream_sequence: u64,
-    /// How often the message was delivered (1 the first time).
-    pub delivered: u64,
     pub subject: String,
     /// The header block as received, base64 (standard alphabet).
     pub raw_headers: String,
@@ -54,9 +40,6 @@ impl Poison {
         let invalid = headers.invalid()?;
         Some(Self {
             stream_sequence: msg.info().map_or(0, |i| i.stream_sequence),
-            delivered: msg
-                .info()
-                .map_or(1, |i| u64::try_from(i.delivered).unwrap_or(1)),
             subject: msg.subject.to_string(),
             raw_headers: base64::engine::general_purpose::STANDARD.encode(invalid.raw()),
             reason: invalid.reason().to_string(),

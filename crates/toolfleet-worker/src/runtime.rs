@@ -273,16 +273,16 @@ impl Loops {
     /// answered and dead-lettered.
     fn pull(&self, tool: Arc<Served>, consumer: ToolConsumer) {
         let config = &self.shared.config;
+        let progress_every = config.ack_wait_for(tool.definition()) / 3;
         let sweeper = {
             let (tool, shared) = (tool.clone(), self.shared.clone());
             Sweeper {
                 js: js::new(shared.client.clone()),
                 stream: config.subjects.tools_stream(),
                 on_poison: Arc::new(move |p| {
-                    dead_letters::poison(tool.clone(), shared.clone(), p)
-                        .map(|()| toolfleet_service::poison::Disposal::Ended)
-                        .boxed()
+                    dead_letters::poison(tool.clone(), shared.clone(), p).boxed()
                 }),
+                progress_every,
             }
         };
         let pull = PullLoop {
@@ -293,7 +293,7 @@ impl Loops {
             tracker: self.tracker.clone(),
             shutdown: self.shutdown.clone(),
             what: tool.definition().id.to_string(),
-            progress_every: config.ack_wait_for(tool.definition()) / 3,
+            progress_every,
             hold_permit_while_waiting: self.hold_permit_while_waiting,
         };
         let shared = self.shared.clone();

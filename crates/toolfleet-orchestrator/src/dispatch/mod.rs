@@ -256,8 +256,9 @@ pub async fn resolve_tool(
 impl ToolRunner<'_> {
     /// Runs one turn's `calls` under the invocation's loop policy; returns
     /// an outcome per call, in call order. Each call's id must be one of
-    /// ours ([`new_call_id`]), never the model's: it names the call's job,
-    /// reply subject, events and citations.
+    /// ours ([`replayable_call_id`], or [`new_call_id`] for the
+    /// orchestrator's own calls), never the model's: it names the call's
+    /// job, reply subject, events and citations.
     ///
     /// Each call's tool is resolved here ([`resolve_tool`]) and none is
     /// approved: a call whose tool needs a person's approval under the
@@ -358,8 +359,11 @@ impl ToolRunner<'_> {
         calls: Vec<(&ToolCall, &Resolved)>,
         events: &Events,
     ) -> Vec<ToolOutcome> {
-        // Before any job goes out: every reading after this one counts.
+        // Before any job goes out: every reading after this one counts,
+        // and so does every reconnection (one before cannot have lost a
+        // reply of this batch).
         let mut readings = self.fleet.catalog.subscribe();
+        self.reconnects.take_new();
         let (calls, resolved): (Vec<&ToolCall>, Vec<&Resolved>) = calls.into_iter().unzip();
         let mut batch = Batch {
             answers: vec![None; calls.len()],
@@ -417,8 +421,8 @@ impl ToolRunner<'_> {
         let metrics = &self.fleet.metrics;
         let def = &tool.definition;
         let id = def.id.to_string();
-        // Our call id, minted per call: unique within the invocation, so
-        // safe as an idempotency key.
+        // Our call id: unique within the invocation, and the same for the
+        // same call of a replayed run, so safe as an idempotency key.
         span.record("gen_ai.tool.name", id.as_str());
         let mut invocation = inv.ctx.clone();
         invocation.traceparent =
@@ -430,8 +434,9 @@ impl ToolRunner<'_> {
             attempt: 1,
             reply_to: format!("{}.{}", self.inbox.inbox, call.id),
             citation_floor: inv.citations.floor(),
-            // Ours is a fresh random id; marked only while the run's
-            // tombstone read is fresh (see `CancelCheck`).
+            // Marked only in a first run (a replay's ids may have results
+            // already) while its tombstone read is fresh (see
+            // `CancelCheck`).
             new_call: inv.cancel_check.fresh(),
         };
         let headers = call_ctx.to_headers();
@@ -462,6 +467,10 @@ impl ToolRunner<'_> {
                 inflight::no_place(metrics, events, call, &id)
             })?;
         let again_body = def.idempotent.then(|| body.clone());
+        // No job goes out while the run's lease is in doubt (see
+        // `intake::claim::keep_lease`): if it lapses, the run that takes
+        // the invocation over starts this call, not both.
+        inv.cancel_check.lease_held().await;
         let ack = match self.publish(def.delivery, &call_ctx, headers, body).await {
             Ok(ack) => ack,
             Err(e) => {
@@ -689,15 +698,20 @@ impl ToolRunner<'_> {
         for (call_id, ack) in acks {
             let failed = match ack.await {
                 Ok(a) if a.duplicate => {
-                    if let Some(p) = batch.pending.get_mut(&call_id) {
-                        self.adopt(p).await;
-                        if p.look {
-                            batch.look_at = Some(tokio::time::Instant::now());
-                        }
-                    }
+                    self.adopt_stored(&call_id, batch).await;
                     None
                 }
                 Ok(_) => None,
+                // The confirmation was lost, not necessarily the job (a
+                // reconnect, a stream leader's election): a call that must
+                // not run twice is adopted — answered from the ledger if
+                // its job runs, else `timeout` — never failed while its
+                // job may still run.
+                Err(e) if batch.pending.get(&call_id).is_some_and(|p| p.ledger) => {
+                    warn!(call_id = %call_id, error = %e, "a tool job's storage was not confirmed; its result is looked for in the ledger");
+                    self.adopt_stored(&call_id, batch).await;
+                    None
+                }
                 Err(e) => Some(e.to_string()),
             };
             if let Some(e) = failed
@@ -712,6 +726,21 @@ impl ToolRunner<'_> {
                     ToolErrorCode::DispatchFailed.as_str(),
                     format!("Error: the tool job was not stored: {e}"),
                 ));
+            }
+        }
+    }
+
+    /// Adopts the pending call `call_id`, whose job may be out already
+    /// ([`readback`]).
+    async fn adopt_stored(&self, call_id: &str, batch: &mut Batch<'_>) {
+        if let Some(p) = batch.pending.get_mut(call_id) {
+            if let Some(ack) = self.adopt(p).await
+                && let Err(e) = ack.await
+            {
+                warn!(call_id = %call_id, error = %e, "a call asked again was not stored");
+            }
+            if p.look {
+                batch.look_at = Some(tokio::time::Instant::now());
             }
         }
     }

@@ -28,6 +28,7 @@
 use std::time::Duration;
 
 use async_nats::HeaderMap;
+use async_nats::jetstream::context::PublishAckFuture;
 use bytes::Bytes;
 use toolfleet_protocol::CallContext;
 use toolfleet_protocol::tools::Delivery;
@@ -46,8 +47,6 @@ pub(super) struct Again {
     delivery: Delivery,
     call: CallContext,
     body: Bytes,
-    /// How often it was asked again.
-    asked: u32,
 }
 
 impl Again {
@@ -56,21 +55,20 @@ impl Again {
             delivery,
             call,
             body,
-            asked: 0,
         }
     }
 
-    /// The job's headers for its next asking: the same call, under a
-    /// message id of its own (JetStream would drop the first one's as a
-    /// duplicate), and not marked new (the worker reads the tombstone).
-    fn headers(&mut self) -> HeaderMap {
-        self.asked += 1;
+    /// The job's headers for another asking: the same call, under a
+    /// message id of its own — random, so no earlier asking, of this run
+    /// or of an earlier run of the invocation, makes JetStream drop it as
+    /// a duplicate — and not marked new (the worker reads the tombstone).
+    fn headers(&self) -> HeaderMap {
         let mut call = self.call.clone();
         call.new_call = false;
         let mut headers = call.to_headers();
         headers.insert(
             toolfleet_protocol::headers::NATS_MSG_ID,
-            format!("{}.again{}", call.msg_id(), self.asked).as_str(),
+            format!("{}.again.{}", call.msg_id(), uuid::Uuid::new_v4().simple()).as_str(),
         );
         headers
     }
@@ -83,8 +81,15 @@ impl ToolRunner<'_> {
             waiting = batch.pending.len(),
             "connection back: reading back the waiting calls"
         );
+        let mut acks = Vec::new();
         for p in batch.pending.values_mut() {
-            self.adopt(p).await;
+            acks.extend(self.adopt(p).await);
+        }
+        // Every job out first, then their acks together.
+        for ack in acks {
+            if let Err(e) = ack.await {
+                warn!(error = %e, "a call asked again was not stored");
+            }
         }
         if batch.pending.values().any(|p| p.look) {
             batch.look_at = Some(tokio::time::Instant::now());
@@ -92,25 +97,27 @@ impl ToolRunner<'_> {
     }
 
     /// Makes `p` answerable without its first reply: read back from the
-    /// ledger, or (idempotent) asked again.
-    pub(super) async fn adopt(&self, p: &mut Pending) {
+    /// ledger, or (idempotent) asked again — the job published, its
+    /// storage (when it goes through JetStream) for the caller to await.
+    pub(super) async fn adopt(&self, p: &mut Pending) -> Option<PublishAckFuture> {
         if p.ledger {
             p.look = true;
-        } else if let Some(again) = &mut p.again {
-            let headers = again.headers();
-            match self
-                .publish(again.delivery, &again.call, headers, again.body.clone())
-                .await
-            {
-                Ok(Some(ack)) => {
-                    if let Err(e) = ack.await {
-                        warn!(call_id = %again.call.call_id, error = %e, "a call asked again was not stored");
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => {
-                    warn!(call_id = %again.call.call_id, error = %e, "a call could not be asked again");
-                }
+            return None;
+        }
+        let again = p.again.as_ref()?;
+        match self
+            .publish(
+                again.delivery,
+                &again.call,
+                again.headers(),
+                again.body.clone(),
+            )
+            .await
+        {
+            Ok(ack) => ack,
+            Err(e) => {
+                warn!(call_id = %again.call.call_id, error = %e, "a call could not be asked again");
+                None
             }
         }
     }

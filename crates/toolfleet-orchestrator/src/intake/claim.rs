@@ -186,32 +186,38 @@ pub(super) enum LeaseEnd {
     /// published; another orchestrator remembered it).
     Cancelled,
     /// The lease could not be renewed and may lapse soon: the run stops
-    /// without a word before another can take the invocation over, so it
-    /// starts no tool call that the next run also starts.
+    /// without a word before another can take the invocation over.
     Lost,
 }
 
-/// How long before its lease could lapse a run that cannot renew it
-/// stops: time for the run's last step to end (a tool job that was being
-/// published) before a redelivery may take the invocation over.
-pub(super) const LEASE_FENCE: Duration = Duration::from_secs(3);
+/// How long before its lease could lapse a run that cannot renew it holds
+/// its tool calls ([`CancelCheck::lease_in_doubt`]): no tool job goes out
+/// until a renewal succeeds (a tool job being published at that moment
+/// has this long to get out).
+pub(super) const LEASE_DOUBT: Duration = Duration::from_secs(3);
+
+/// How long before its lease could lapse a run that still cannot renew it
+/// stops ([`LeaseEnd::Lost`]).
+pub(super) const LEASE_STOP: Duration = Duration::from_secs(1);
 
 /// How soon a failed renewal is tried again.
 const LEASE_RETRY_EVERY: Duration = Duration::from_millis(500);
 
 /// Renews the run's lease for as long as it is polled (beside the run);
 /// returns when another run holds it, when the invocation was cancelled
-/// (read in the same round trip), or when the lease may soon lapse.
+/// (read in the same round trip), or when the lease may lapse.
 ///
 /// The lease lasts [`LEASE_TTL`] from the last renewal that was asked
 /// when the store held it (from `leased_at`, the claim's, at first). A
-/// store that cannot answer (lost, or cut off from this orchestrator) does
-/// not end the run at once; but [`LEASE_FENCE`] before the lease could
-/// lapse, the run is fenced ([`LeaseEnd::Lost`]): it starts no tool call
-/// from then on and stops waiting for the ones it runs — a redelivery
-/// takes the invocation over once the lease has lapsed, replays the run
-/// and adopts those calls under the same call ids (their results read from
-/// the ledger), so no tool call runs twice.
+/// store that cannot answer (slow, lost, or cut off from this
+/// orchestrator) does not end the run at once. [`LEASE_DOUBT`] before the
+/// lease could lapse the run holds its tool calls — none starts until a
+/// renewal succeeds, and one does, so a Redis failover pauses runs rather
+/// than ending them. [`LEASE_STOP`] before it could lapse the run stops
+/// ([`LeaseEnd::Lost`]): a redelivery may take the invocation over once
+/// the lease has lapsed; it replays the run and adopts the calls already
+/// made under the same call ids (their results read from the ledger), so
+/// no tool call runs twice.
 pub(super) async fn keep_lease(
     fleet: &Fleet,
     inv: InvocationKey<'_>,
@@ -219,50 +225,112 @@ pub(super) async fn keep_lease(
     check: &CancelCheck,
 ) -> LeaseEnd {
     let id = inv.invocation_id();
-    let lapse_margin = LEASE_TTL.saturating_sub(LEASE_FENCE);
     let mut held_since = leased_at;
     let mut next = leased_at + LEASE_RENEW_EVERY;
+    let mut in_doubt = false;
     loop {
-        let fence = held_since + lapse_margin;
-        tokio::time::sleep_until(next.min(fence).into()).await;
-        let asked = Instant::now();
-        if asked >= fence {
-            return lost(id);
+        let doubt_at = held_since + LEASE_TTL.saturating_sub(LEASE_DOUBT);
+        let stop_at = held_since + LEASE_TTL.saturating_sub(LEASE_STOP);
+        let wake = if in_doubt { next } else { next.min(doubt_at) };
+        tokio::time::sleep_until(wake.min(stop_at).into()).await;
+        let now = Instant::now();
+        if now >= stop_at {
+            return lost(id, check);
+        }
+        if !in_doubt && now >= doubt_at {
+            in_doubt = doubt(id, check);
+        }
+        if now < next {
+            continue;
         }
         // Boxed: this future lives beside the whole run, and the store
         // call (a few hundred bytes of state) is only briefly alive.
-        let renewal = tokio::time::timeout_at(
-            fence.into(),
-            Box::pin(fleet.store.renew_lease(inv, holder, LEASE_TTL)),
-        )
-        .await;
+        let mut renew = Box::pin(fleet.store.renew_lease(inv, holder, LEASE_TTL));
+        // A renewal that hangs past the point of doubt puts the run in
+        // doubt while it still waits.
+        let renewal = loop {
+            let until = if in_doubt { stop_at } else { doubt_at };
+            match tokio::time::timeout_at(until.into(), &mut renew).await {
+                Ok(renewal) => break Some(renewal),
+                Err(_) if !in_doubt => in_doubt = doubt(id, check),
+                Err(_) => break None,
+            }
+        };
         match renewal {
-            Err(_) => return lost(id),
-            Ok(Ok((Lease::Held, false))) => {
-                check.passed();
-                held_since = asked;
-                next = asked + LEASE_RENEW_EVERY;
-            }
-            Ok(Ok((Lease::Held, true))) => {
-                warn!(invocation_id = %id, "the invocation was cancelled (its tombstone is in the store; this orchestrator missed the cancel message); it stops");
-                return LeaseEnd::Cancelled;
-            }
-            Ok(Ok((Lease::Busy { .. }, _))) => {
-                warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");
-                return LeaseEnd::TakenOver;
-            }
-            Ok(Err(e)) => {
-                warn!(invocation_id = %id, error = %e, "cannot renew the run's lease; trying again");
-                next = Instant::now() + LEASE_RETRY_EVERY;
-            }
+            None => return lost(id, check),
+            Some(renewal) => match renewal {
+                Ok((Lease::Held, false)) => {
+                    check.passed();
+                    held_since = now;
+                    next = now + LEASE_RENEW_EVERY;
+                    if in_doubt {
+                        in_doubt = false;
+                        check.lease_in_doubt(false);
+                        tracing::info!(invocation_id = %id, "this run's lease is renewed again; its tool calls go on");
+                    }
+                }
+                Ok((Lease::Held, true)) => {
+                    warn!(invocation_id = %id, "the invocation was cancelled (its tombstone is in the store; this orchestrator missed the cancel message); it stops");
+                    return LeaseEnd::Cancelled;
+                }
+                Ok((Lease::Busy { .. }, _)) => {
+                    warn!(invocation_id = %id, "this run's lease on the invocation was taken over (it could not renew in time); it stops");
+                    return LeaseEnd::TakenOver;
+                }
+                Err(e) => {
+                    warn!(invocation_id = %id, error = %e, "cannot renew the run's lease; trying again");
+                    next = Instant::now() + LEASE_RETRY_EVERY;
+                }
+            },
         }
     }
 }
 
-/// The run is fenced: its lease could not be renewed in time.
-fn lost(id: &str) -> LeaseEnd {
-    warn!(invocation_id = %id, "this run's lease could not be renewed and may lapse; it stops here and starts no more tool calls (a redelivery takes the invocation over and adopts its calls)");
+/// The run's lease is in doubt: its tool calls wait. Returns `true`.
+fn doubt(id: &str, check: &CancelCheck) -> bool {
+    check.lease_in_doubt(true);
+    warn!(invocation_id = %id, "this run's lease could not be renewed; it starts no tool call until it is");
+    true
+}
+
+/// The run stops: its lease could not be renewed in time.
+fn lost(id: &str, check: &CancelCheck) -> LeaseEnd {
+    check.lease_in_doubt(true);
+    warn!(invocation_id = %id, "this run's lease could not be renewed and may lapse; it stops here (a redelivery takes the invocation over and adopts its calls)");
     LeaseEnd::Lost
+}
+
+/// Answers a delivery whose invocation's run already finished — its ack
+/// was lost (an orchestrator or NATS node died in between), or the events
+/// stream never confirmed its terminal event: publishes the stored
+/// terminal event again, verbatim, through the stream (its message id
+/// drops a repeat), with `msg` kept alive meanwhile; acks once the stream
+/// has it, else gives `msg` back to try again. Runs nothing.
+pub(super) async fn answer_finished(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    inv: InvocationKey<'_>,
+) {
+    let _alive = fleet.heartbeat.hold(msg);
+    let stored = match fleet.store.terminal_event(inv).await {
+        Ok(Some(event)) => {
+            let subject = fleet
+                .config
+                .subjects
+                .chat_events(inv.tenant(), inv.invocation_id());
+            crate::events::publish_terminal(&fleet.client, &subject, event.into()).await
+        }
+        Ok(None) => true,
+        Err(e) => {
+            warn!(invocation_id = %inv.invocation_id(), error = %e, "cannot read the finished run's terminal event");
+            false
+        }
+    };
+    if stored {
+        ack(msg).await;
+    } else {
+        let _ = msg.ack_with(AckKind::Nak(Some(CLAIM_RETRY_DELAY))).await;
+    }
 }
 
 /// How often a confirmed ack is tried.

@@ -15,7 +15,8 @@ use tracing::{Instrument, warn};
 
 use super::Plugins;
 use super::claim::{
-    CLAIM_RETRY_DELAY, Claimed, Delivery, LEASE_TTL, ack, claim_patiently, give_back, new_holder,
+    CLAIM_RETRY_DELAY, Claimed, Delivery, LEASE_TTL, ack, answer_finished, claim_patiently,
+    give_back, new_holder,
 };
 use super::run::{Leg, Taken, chat_job_span, run};
 use crate::approvals::Parked;
@@ -88,9 +89,15 @@ async fn claim_parked(
             }
             same.then_some(leased_at)
         }
-        Claimed::Finished | Claimed::Other(_) => {
-            // Ended before (this decision's ack was lost), or the id was
-            // taken by another job: nothing to resume.
+        Claimed::Finished => {
+            // Ended before: this decision's ack was lost, or the stream
+            // never confirmed the terminal event. Nothing to resume.
+            fleet.forget_parked(&parked.tenant, id).await;
+            answer_finished(fleet, msg, inv).await;
+            None
+        }
+        Claimed::Other(_) => {
+            // The id was taken by another job: nothing to resume.
             fleet.forget_parked(&parked.tenant, id).await;
             ack(msg).await;
             None

@@ -289,28 +289,7 @@ async fn claimed(
         },
         Claimed::Ours(leased_at) => ControlFlow::Continue(leased_at),
         Claimed::Finished => {
-            // Ended before; the ack was lost (an orchestrator or NATS node
-            // died in between), or the events stream never confirmed the
-            // terminal event: publish it again, verbatim, through the
-            // stream (its message id drops a repeat), ack, run nothing.
-            let stored = match fleet.store.terminal_event(inv).await {
-                Ok(Some(event)) => {
-                    let subject = fleet.config.subjects.chat_events(tenant, id);
-                    crate::events::publish_terminal(&fleet.client, &subject, event.into()).await
-                }
-                Ok(None) => true,
-                Err(e) => {
-                    warn!(invocation_id = %id, error = %e, "cannot read the finished run's terminal event");
-                    false
-                }
-            };
-            if stored {
-                claim::ack(msg).await;
-            } else {
-                let _ = msg
-                    .ack_with(AckKind::Nak(Some(claim::CLAIM_RETRY_DELAY)))
-                    .await;
-            }
+            claim::answer_finished(fleet, msg, inv).await;
             ControlFlow::Break(None)
         }
         Claimed::Other(owner) => ControlFlow::Break(Some(Refusal::Duplicate {

@@ -19,11 +19,10 @@ use toolfleet_store::InvocationKey;
 use tracing::warn;
 
 use super::MAX_CHAT_ATTEMPTS;
-use super::claim::{CLAIM_RETRY_DELAY, Claimed, Delivery, claim, new_holder};
+use super::claim::{Claimed, Delivery, claim, new_holder};
 use super::suspend::count_poison;
 use crate::failure::ChatErrorCode;
 use crate::{Events, Fleet};
-use toolfleet_service::poison::Disposal;
 
 /// Why a chat job is not run.
 pub(super) enum Refusal {
@@ -250,19 +249,15 @@ pub(super) async fn malformed(
     reject(fleet, msg, delivery, refused).await;
 }
 
-/// How many deliveries a poison chat job waits for the store before it is
-/// dead-lettered without telling its sender (at [`CLAIM_RETRY_DELAY`]
-/// apart: about five minutes).
-const POISON_PATIENCE: u64 = 60;
+/// How long a poison chat job waits for the store (to claim its
+/// invocation and tell its sender) before it is dead-lettered untold.
+const POISON_PATIENCE: Duration = Duration::from_secs(300);
 
 /// Ends a chat job whose headers the NATS client cannot read (taken aside
 /// by the pull loop, which terminates it after this): an `error` event
 /// when an invocation id can be read from it and it may speak for that
 /// invocation, and a dead letter with the headers as received.
-pub(crate) async fn poison(
-    fleet: Arc<Fleet>,
-    poison: toolfleet_service::poison::Poison,
-) -> Disposal {
+pub(crate) async fn poison(fleet: Arc<Fleet>, poison: toolfleet_service::poison::Poison) {
     use toolfleet_protocol::headers::INVOCATION_ID;
     let invocation_id = salvage_invocation_id(&poison.payload, None).or_else(|| {
         poison
@@ -286,19 +281,13 @@ pub(crate) async fn poison(
         .map(|(tenant, _)| tenant);
     let tenant = subject_tenant.unwrap_or(DEFAULT_TENANT);
     // Its sender is told only when the message may speak for the
-    // invocation (it holds the claim): a store that cannot say yet gives
-    // the message back, to be told once the store is back.
+    // invocation (it holds the claim): a store that cannot say yet is
+    // waited for (the message kept alive meanwhile), so the sender is
+    // told once the store is back.
     let tell_sender = match &invocation_id {
         Some(id) => {
             let inv = InvocationKey::new(tenant, id);
-            match claim(&fleet, inv, delivery, &new_holder()).await {
-                Claimed::Ours(_) => true,
-                Claimed::Unknown(e) if poison.delivered < POISON_PATIENCE => {
-                    warn!(invocation_id = %id, error = %e, "a chat job whose headers cannot be read waits for the store, to tell its sender");
-                    return Disposal::Later(CLAIM_RETRY_DELAY);
-                }
-                _ => false,
-            }
+            claim_for_poison(&fleet, inv, delivery).await
         }
         None => false,
     };
@@ -328,7 +317,23 @@ pub(crate) async fn poison(
         job: None,
     };
     publish(&fleet, &dead).await;
-    Disposal::Ended
+}
+
+/// Claims a poison's invocation for its message; whether it may speak for
+/// it. A store that cannot answer is asked again every second for up to
+/// [`POISON_PATIENCE`]; after that the poison is ended untold.
+async fn claim_for_poison(fleet: &Fleet, inv: InvocationKey<'_>, delivery: Delivery) -> bool {
+    let until = std::time::Instant::now() + POISON_PATIENCE;
+    loop {
+        match claim(fleet, inv, delivery, &new_holder()).await {
+            Claimed::Ours(_) => return true,
+            Claimed::Unknown(e) if std::time::Instant::now() < until => {
+                warn!(invocation_id = %inv.invocation_id(), error = %e, "a chat job whose headers cannot be read waits for the store, to tell its sender");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            _ => return false,
+        }
+    }
 }
 
 /// The invocation's one terminal event: an `error` with `code`.
