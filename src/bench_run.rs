@@ -110,6 +110,11 @@ pub struct BenchArgs {
     /// figures as ratios to them.
     #[arg(long)]
     pub floor: bool,
+    /// Replicas of the streams the bench's fleet and floors create (3 on a
+    /// 3-node cluster given with `--nats-url`: the fleet and the JetStream
+    /// floor both on R3 streams).
+    #[arg(long, env = toolfleet_service::args::ENV_STREAM_REPLICAS, default_value_t = 1)]
+    pub stream_replicas: usize,
     #[command(flatten)]
     pub local: LocalArgs,
 }
@@ -162,6 +167,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<i32> {
         .await;
     }
     toolfleet_service::serve::raise_fd_limit();
+    toolfleet_protocol::streams::set_default_replicas(args.stream_replicas);
     let load = load_of(&args)?;
     let timeout = Duration::from_secs(args.timeout_secs);
     let (tool, tool_arguments) = tool_under_test(&args)?;
