@@ -129,13 +129,15 @@ pub async fn scripted_model(args: ScriptedModelArgs) -> anyhow::Result<i32> {
 }
 
 /// The fleet a serving command runs, on the servers and with the
-/// concurrency of its worker flags.
+/// concurrency of its worker flags; the streams it creates get the flags'
+/// `--stream-replicas` (as the separate binaries' do).
 fn fleet_spec(
     worker: &WorkerArgs,
     subjects: toolfleet_protocol::Subjects,
     orchestrator: Option<OrchestratorConfig>,
     workers: Vec<Worker>,
 ) -> FleetSpec {
+    toolfleet_protocol::streams::set_default_replicas(worker.nats.stream_replicas);
     FleetSpec {
         nats_url: worker.nats.url.clone(),
         redis_url: worker.redis.url.clone(),
