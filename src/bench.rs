@@ -401,6 +401,8 @@ pub struct ToolCaller {
     body: bytes::Bytes,
     replies: Replies,
     timeout: Duration,
+    /// The invocation's data source (a retrieval tool searches it).
+    data_source: Option<String>,
     /// This run's token: invocation ids are `<run>-<n>`, unique across
     /// runs and the warm-up without a random id (a `getrandom` call) per
     /// call.
@@ -427,9 +429,18 @@ impl ToolCaller {
             body: body.into(),
             replies: Replies::subscribe(client, subjects.reply_inbox()).await?,
             timeout,
+            data_source: None,
             run: toolfleet_protocol::client::new_invocation_id(),
             calls: Arc::default(),
         })
+    }
+
+    /// Calls under invocations of `data_source` (what a retrieval tool
+    /// searches).
+    #[must_use]
+    pub fn with_data_source(mut self, data_source: Option<String>) -> Self {
+        self.data_source = data_source;
+        self
     }
 
     /// The caller as an [`Op`] for [`drive`].
@@ -450,6 +461,7 @@ impl ToolCaller {
         let call_id = format!("call_{n}");
         let (reply_to, rx) = self.replies.expect(&call_id);
         let mut invocation = InvocationContext::new(invocation_id);
+        invocation.data_source_id.clone_from(&self.data_source);
         invocation.deadline_ms =
             Some(toolfleet_protocol::now_ms() + self.timeout.as_millis() as u64);
         let call = CallContext {

@@ -115,6 +115,10 @@ pub struct BenchArgs {
     /// floor both on R3 streams).
     #[arg(long, env = toolfleet_service::args::ENV_STREAM_REPLICAS, default_value_t = 1)]
     pub stream_replicas: usize,
+    /// Tool mode: the data source of the calls' invocation (what a
+    /// retrieval tool searches; the bench's corpus is `handbook`).
+    #[arg(long)]
+    pub data_source: Option<String>,
     #[command(flatten)]
     pub local: LocalArgs,
 }
@@ -427,6 +431,7 @@ async fn fleet_op(
                 under_test.timeout,
             )
             .await?;
+            let caller = caller.with_data_source(args.data_source.clone());
             (caller.op(), format!("fleet: tool calls ({tool})"))
         }
         None => (
