@@ -485,20 +485,18 @@ impl ToolRunner<'_> {
                 ));
             }
         };
-        let ledger = !def.idempotent;
-        let again = again_body.map(|body| readback::Again::new(def.delivery, call_ctx, body));
         Ok((
             Pending {
                 index,
-                tool,
                 started: Instant::now(),
                 deadline,
                 misses: 0,
                 span,
                 place,
-                ledger,
-                again,
+                ledger: !def.idempotent,
+                again: again_body.map(|body| readback::Again::new(def.delivery, call_ctx, body)),
                 look: false,
+                tool,
             },
             ack,
         ))

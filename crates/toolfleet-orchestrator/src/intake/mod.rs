@@ -136,6 +136,18 @@ impl Plugins {
     }
 }
 
+/// The largest chat job body taken from `tenant`'s subject: the fleet's
+/// limit, or the tenant's own cap (`max_job_bytes`) when it is the
+/// smaller. A bigger job is refused as any oversized one (`too_large`).
+fn job_limit(fleet: &Fleet, tenant: Option<&str>) -> usize {
+    match tenant {
+        Some(tenant) => {
+            (fleet.limits().job_body()).min(fleet.config.profiles.caps_of(tenant).max_job_bytes)
+        }
+        None => fleet.limits().job_body(),
+    }
+}
+
 /// Handles one delivery of a chat job (see the module docs).
 pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message) {
     let started = Instant::now();
@@ -149,14 +161,7 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         Some((tenant, lane)) => (Some(tenant.to_string()), lane),
         None => (None, Priority::Interactive),
     };
-    // The tenant's own cap (`max_job_bytes`) when it is the smaller: a
-    // bigger job is refused as any oversized one (`too_large`).
-    let limit = match &subject_tenant {
-        Some(tenant) => {
-            (fleet.limits().job_body()).min(fleet.config.profiles.caps_of(tenant).max_job_bytes)
-        }
-        None => fleet.limits().job_body(),
-    };
+    let limit = job_limit(fleet, subject_tenant.as_deref());
     let mut job: ChatJob = match Envelope::ChatJob.decode_within(&msg.payload, limit) {
         Ok(job) => job,
         Err(e) => return reject::malformed(fleet, &msg, delivery, subject_tenant, e).await,
