@@ -7,6 +7,9 @@
 //! process ([`TestCtx::call_in`]), over its own copy of the corpus' index.
 //! No NATS, no Redis, no orchestrator, no worker runtime: the fleet's
 //! chat-job figures over this floor are the fleet's whole cost per job.
+//! Like the fleet, it searches the profile's data source with the question
+//! before the first model call when the profile pre-fetches (the same tool,
+//! the same `topK`), and gives the model what it found.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -26,6 +29,9 @@ use crate::families::IndexArgs;
 /// The families whose tools the bench's chat questions call.
 const FAMILIES: [&str; 2] = ["system", "retrieval"];
 
+/// The search the fleet's pre-fetch runs on a data source.
+const PREFETCH_SEARCH: &str = "search_data_sources";
+
 /// The most model turns one question may take (the bench's script takes
 /// two).
 const MAX_TURNS: usize = 8;
@@ -36,6 +42,9 @@ pub struct DirectChat {
     client: LlmClient,
     model: String,
     system_prompt: Option<String>,
+    /// The profile's pre-fetch: `topK` of the search before the first
+    /// model call.
+    prefetch: Option<u32>,
     tools: Vec<Arc<ToolSpec>>,
     workers: Vec<Worker>,
     invocation: InvocationContext,
@@ -91,6 +100,8 @@ impl DirectChat {
             client,
             model: deployment.model.clone(),
             system_prompt: profile.system_prompt.clone(),
+            prefetch: (profile.rag.prefetch && profile.data_source.is_some())
+                .then_some(profile.rag.top_k),
             tools,
             workers,
             invocation,
@@ -122,10 +133,21 @@ impl DirectChat {
                 content: system.clone(),
             });
         }
+        let mut calls = 0;
+        if let Some(top_k) = self.prefetch {
+            let ctx = TestCtx::new().with_invocation(self.invocation.clone());
+            let arguments = serde_json::json!({ "query": question, "topK": top_k }).to_string();
+            let found = self.run_tool(&ctx, PREFETCH_SEARCH, &arguments).await;
+            calls += 1;
+            if !found.starts_with("Error") {
+                messages.push(Message::User {
+                    content: format!("Passages found for the question:\n{found}"),
+                });
+            }
+        }
         messages.push(Message::User {
             content: question.to_string(),
         });
-        let mut calls = 0;
         for _ in 0..MAX_TURNS {
             let mut request = ChatRequest {
                 model: self.model.clone(),
