@@ -179,6 +179,66 @@ async fn an_llm_tool_is_measured_beside_a_direct_call_to_the_same_model() {
     assert!(ratio["p50"].as_f64().unwrap() > 0.0, "{ratio}");
 }
 
+/// Chat jobs beside the direct floor: the same questions answered by one
+/// client with the same model calls, the pre-fetch search and the tools'
+/// functions in-process. Both sides answer every question, with the same
+/// tool calls per job (the floor makes what the fleet makes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_jobs_are_measured_beside_a_direct_floor_that_makes_the_same_calls() {
+    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .current_dir(support::root())
+        .env("TOOLFLEET_LOG", "warn")
+        .args([
+            "bench",
+            "--isolated",
+            "--mode",
+            "chat",
+            "--count",
+            "9",
+            "--concurrency",
+            "3",
+            "--warmup",
+            "3",
+            "--floor",
+            "--json",
+        ])
+        .kill_on_drop(true)
+        .output();
+    let out = tokio::time::timeout(Duration::from_secs(180), child)
+        .await
+        .expect("the bench finishes")
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect(&stderr);
+    assert_eq!(report["fleet"]["ok"], 9, "{report:#}");
+    let direct = report["floors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|f| f["name"] == "floor: direct chat")
+        .expect("the direct chat floor");
+    assert_eq!(
+        (&direct["ok"], &direct["errors"]),
+        (&9.into(), &0.into()),
+        "{report:#}"
+    );
+    // Each side's operation counts its tool calls: the same questions in
+    // the same order make the same calls (and some).
+    assert!(direct["tool_calls"].as_u64().unwrap() > 9, "{report:#}");
+    assert_eq!(
+        report["fleet"]["tool_calls"], direct["tool_calls"],
+        "the same tool calls on both sides: {report:#}"
+    );
+    let ratio = report["ratios"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["floor"] == "floor: direct chat")
+        .expect("a ratio to the direct chat");
+    assert!(ratio["p50"].as_f64().unwrap() > 0.0, "{ratio}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_direct_model_call_sends_the_llm_tools_own_request() {
     let summary =
