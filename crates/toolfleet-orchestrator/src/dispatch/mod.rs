@@ -808,14 +808,14 @@ impl ToolRunner<'_> {
 
     /// Takes `result` as its call's answer when it is one: same
     /// invocation, a pending call, same tool (the reply subject alone is
-    /// not proof where permissions are loose).
+    /// not proof where permissions are loose). Whether it was.
     fn take_result(
         &mut self,
         invocation_id: &str,
         batch: &mut Batch<'_>,
         result: ToolResult,
         events: &Events,
-    ) {
+    ) -> bool {
         let ours = batch.pending.get(&result.call_id).is_some_and(|p| {
             result.invocation_id == invocation_id
                 && result.tool_id == p.tool.definition.id.to_string()
@@ -824,10 +824,10 @@ impl ToolRunner<'_> {
             if batch.pending.contains_key(&result.call_id) {
                 warn!(call_id = %result.call_id, tool = %result.tool_id, "a result that does not match its call was ignored");
             }
-            return;
+            return false;
         }
         let Some(p) = batch.pending.remove(&result.call_id) else {
-            return;
+            return false;
         };
         if result
             .error
@@ -851,6 +851,7 @@ impl ToolRunner<'_> {
         );
         batch.answers[p.index] = Some(outcome);
         self.spent.extend(result.llm_calls);
+        true
     }
 
     /// Adds model calls spent on the invocation's behalf outside a worker

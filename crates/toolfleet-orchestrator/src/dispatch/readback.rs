@@ -151,9 +151,16 @@ impl ToolRunner<'_> {
             }
         };
         for result in found.into_iter().flatten() {
-            debug!(call_id = %result.call_id, "a call's result was read back from the ledger");
-            self.fleet.metrics.results_read_back.inc();
-            self.take_result(&inv.ctx.invocation_id, batch, result, events);
+            let call_id = result.call_id.clone();
+            if self.take_result(&inv.ctx.invocation_id, batch, result, events) {
+                debug!(call_id = %call_id, "a call's result was read back from the ledger");
+                self.fleet.metrics.results_read_back.inc();
+            } else if let Some(p) = batch.pending.get_mut(&call_id) {
+                // Another tool's result under this call id (its version
+                // changed between runs): not ours, and not read again;
+                // the call waits for its own reply or its deadline.
+                p.look = false;
+            }
         }
     }
 }
