@@ -111,41 +111,47 @@ async fn tool_mode_calls_go_through_the_tools_stream_with_their_outcome() {
     env.shutdown.cancel();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_llm_tool_is_measured_beside_a_direct_call_to_the_same_model() {
-    // The whole command, as BENCHMARKS.md runs it: its own servers, the
-    // scripted model of examples/bench-script.json, the LLM tools family.
+/// Runs the whole command, as BENCHMARKS.md does (its own servers, the
+/// scripted model of examples/bench-script.json), with `args` and
+/// `--floor --json`; its report. The bench waits 10 s for its workers'
+/// cancel-hearing margin first.
+async fn bench_report(args: &[&str]) -> serde_json::Value {
     let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
         .current_dir(support::root())
         .env("TOOLFLEET_LOG", "warn")
-        .args([
-            "bench",
-            "--isolated",
-            "--mode",
-            "tool",
-            "--tool",
-            "llm:summarize@1.0.0",
-            "--tool-args",
-            r#"{"text":"The keeper lit the lamp at dusk and wound the clockwork every four hours."}"#,
-            "--count",
-            "8",
-            "--concurrency",
-            "2",
-            "--warmup",
-            "2",
-            "--floor",
-            "--json",
-        ])
+        .args(["bench", "--isolated"])
+        .args(args)
+        .args(["--floor", "--json"])
         .kill_on_drop(true)
         .output();
-    // The bench waits 10 s for its workers' cancel-hearing margin first.
     let out = tokio::time::timeout(Duration::from_secs(180), child)
         .await
         .expect("the bench finishes")
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect(&stderr);
+    serde_json::from_slice(&out.stdout).expect(&stderr)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_llm_tool_is_measured_beside_a_direct_call_to_the_same_model() {
+    // The whole command, as BENCHMARKS.md runs it: its own servers, the
+    // scripted model of examples/bench-script.json, the LLM tools family.
+    let report = bench_report(&[
+        "--mode",
+        "tool",
+        "--tool",
+        "llm:summarize@1.0.0",
+        "--tool-args",
+        r#"{"text":"The keeper lit the lamp at dusk and wound the clockwork every four hours."}"#,
+        "--count",
+        "8",
+        "--concurrency",
+        "2",
+        "--warmup",
+        "2",
+    ])
+    .await;
     assert_eq!(report["tool"], "llm:summarize@1.0.0");
     assert_eq!(report["model"], "default/toolfleet-scripted");
     assert_eq!(report["fleet"]["ok"], 8, "{report:#}");
@@ -185,32 +191,17 @@ async fn an_llm_tool_is_measured_beside_a_direct_call_to_the_same_model() {
 /// tool calls per job (the floor makes what the fleet makes).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_jobs_are_measured_beside_a_direct_floor_that_makes_the_same_calls() {
-    let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
-        .current_dir(support::root())
-        .env("TOOLFLEET_LOG", "warn")
-        .args([
-            "bench",
-            "--isolated",
-            "--mode",
-            "chat",
-            "--count",
-            "9",
-            "--concurrency",
-            "3",
-            "--warmup",
-            "3",
-            "--floor",
-            "--json",
-        ])
-        .kill_on_drop(true)
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(180), child)
-        .await
-        .expect("the bench finishes")
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{stderr}");
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).expect(&stderr);
+    let report = bench_report(&[
+        "--mode",
+        "chat",
+        "--count",
+        "9",
+        "--concurrency",
+        "3",
+        "--warmup",
+        "3",
+    ])
+    .await;
     assert_eq!(report["fleet"]["ok"], 9, "{report:#}");
     let direct = report["floors"]
         .as_array()

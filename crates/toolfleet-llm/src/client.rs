@@ -1422,6 +1422,21 @@ mod tests {
         }]
     }"#;
 
+    /// A scripted server that answers "hi" to anything, `delay_ms` before
+    /// its first token.
+    async fn slow_hi(delay_ms: u64) -> ScriptedServer {
+        let script = Script::from_json(&format!(
+            r#"{{ "firstTokenDelayMs": {delay_ms}, "default": {{ "steps": [ {{ "answer": "hi" }} ] }} }}"#
+        ))
+        .expect("script");
+        within(ScriptedServer::start(
+            "127.0.0.1:0".parse().expect("addr"),
+            script,
+        ))
+        .await
+        .expect("start")
+    }
+
     /// Calls in flight at once: over HTTP/1.1 each holds a connection of
     /// its own; with `HttpVersion::Http2` (h2c) they share a few.
     #[tokio::test]
@@ -1431,16 +1446,7 @@ mod tests {
             (HttpVersion::Http1, CALLS),
             (HttpVersion::Http2, crate::connections::H2_CONNECTIONS),
         ] {
-            let script = Script::from_json(
-                r#"{ "firstTokenDelayMs": 300, "default": { "steps": [ { "answer": "hi" } ] } }"#,
-            )
-            .expect("script");
-            let server = within(ScriptedServer::start(
-                "127.0.0.1:0".parse().expect("addr"),
-                script,
-            ))
-            .await
-            .expect("start");
+            let server = slow_hi(300).await;
             let client = LlmClient::new(LlmConfig {
                 http,
                 ..config(server.base_url())
@@ -1469,16 +1475,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_broken_http2_connection_fails_no_call_a_retry_can_save() {
         const CALLS: usize = 300;
-        let script = Script::from_json(
-            r#"{ "firstTokenDelayMs": 1500, "default": { "steps": [ { "answer": "hi" } ] } }"#,
-        )
-        .expect("script");
-        let server = within(ScriptedServer::start(
-            "127.0.0.1:0".parse().expect("addr"),
-            script,
-        ))
-        .await
-        .expect("start");
+        let server = slow_hi(1500).await;
         let target = server.base_url();
         let proxy = toolfleet_testkit::proxy::Proxy::start(&format!(
             "{}:{}",

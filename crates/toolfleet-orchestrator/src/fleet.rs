@@ -93,7 +93,8 @@ pub struct Fleet {
     pub(crate) replies: Arc<Replies>,
     /// In-progress acks for every chat job held here, from one ticker.
     pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
-    /// The NATS connection's reconnections, watched once for every run.
+    /// The NATS connection's reconnections, watched once for every run
+    /// and pull loop (each takes its own view, `Reconnects::from_now`).
     pub(crate) reconnects: toolfleet_service::jobs::Reconnects,
     /// The agent tools of the configuration (a registry backend).
     agents: AgentSource,

@@ -11,7 +11,7 @@ use futures::{FutureExt, StreamExt};
 use tokio::sync::Semaphore;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
-use toolfleet_service::jobs::{self, Reconnects, Sweeper};
+use toolfleet_service::jobs::{self, Sweeper};
 
 use crate::settings::ChatDispatch;
 use toolfleet_store::CitationStore;
@@ -344,7 +344,7 @@ impl Puller {
         };
         let pull = jobs::PullLoop {
             consumer,
-            reconnects: Reconnects::watch(fleet.client.clone(), self.shutdown.clone()),
+            reconnects: fleet.reconnects.from_now(),
             sweeper: Sweeper {
                 js: jetstream::new(fleet.client.clone()),
                 stream: subjects.chat_stream(),
@@ -374,7 +374,7 @@ impl Puller {
     async fn pull_decisions(self, consumer: jetstream::consumer::PullConsumer) {
         let fleet = self.fleet;
         let subjects = &fleet.config.subjects;
-        let reconnects = Reconnects::watch(fleet.client.clone(), self.shutdown.clone());
+        let reconnects = fleet.reconnects.from_now();
         let sweeper = Sweeper {
             js: jetstream::new(fleet.client.clone()),
             stream: subjects.decisions_stream(),

@@ -47,7 +47,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use toolfleet_protocol::Priority;
-use toolfleet_service::jobs::{Reconnects, Sweeper};
+use toolfleet_service::jobs::Sweeper;
 use toolfleet_service::poison::Poison;
 use toolfleet_store::slots::Slot;
 use tracing::warn;
@@ -218,7 +218,7 @@ impl Dispatcher {
     /// Dispatches until shutdown.
     pub(crate) async fn run(self, intake: Intake) {
         let mut wakeups = intake.wakeups;
-        let mut reconnects = Reconnects::watch(self.fleet.client.clone(), self.shutdown.clone());
+        let mut reconnects = self.fleet.reconnects.from_now();
         let mut tenants = Tenants {
             stream: intake.stream,
             consumers: HashMap::new(),
