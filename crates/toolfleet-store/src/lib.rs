@@ -58,11 +58,15 @@
 //!   [`CitationStore::is_cancelled`]) at a bounded cost per tenant.
 //! - `sinks`: delivery attempts of routed events
 //!   ([`CitationStore::sink_attempt`]).
+//! - [`api_keys`]: the gateway's API keys, by their SHA-256
+//!   ([`CitationStore::api_key`]), under their own hash tag
+//!   (`<p>:{apikeys}:…`, the table in the module).
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
 //!   at once. Every operation is safe to repeat (see each one).
 
+pub mod api_keys;
 mod blob;
 mod cancels;
 pub mod connection;
