@@ -4,6 +4,8 @@
 //! converts quantities between units and cites the conversion factor it
 //! used, so its answers carry a `[doc:N]` reference like any fleet tool.
 
+use std::path::Path;
+
 use serde::Deserialize;
 use serde_json::json;
 use toolfleet_worker::{NewReference, Tool, ToolCtx, ToolError, ToolOutput, Worker, WorkerError};
@@ -14,6 +16,9 @@ pub const NAME: &str = "units";
 /// The tool's definition, carried in the binary.
 pub const DEFINITION: &str = include_str!("../tool_definitions/units.convert.json");
 
+/// The implementation key of [`Convert`] in a definition.
+pub const IMPLEMENTATION_KEY: &str = "units.convert";
+
 /// The units worker, with the definition it carries.
 ///
 /// # Errors
@@ -22,7 +27,42 @@ pub const DEFINITION: &str = include_str!("../tool_definitions/units.convert.jso
 pub fn worker() -> Result<Worker, WorkerError> {
     Worker::builder(NAME)
         .definition_json(DEFINITION)
-        .tool("units.convert", Convert)
+        .tool(IMPLEMENTATION_KEY, Convert)
+        .build()
+}
+
+/// The units worker as `--tool-definitions` configures it: the
+/// `units.convert` definitions in `dir` (an operator's edited description,
+/// another version) are served instead of the one the binary carries; a
+/// directory without any (the fleet's shared one) leaves the carried one.
+/// A `dir` that does not exist is an error, unless it is the default
+/// (`tool_definitions`, relative: the binary is usually run elsewhere).
+///
+/// # Errors
+///
+/// [`WorkerError::Config`] for a missing directory that was named, an
+/// unreadable or invalid definition file in it, or an invalid definition.
+pub fn worker_from(dir: &Path) -> Result<Worker, WorkerError> {
+    if !dir.is_dir() {
+        if dir == Path::new(toolfleet_worker::service::args::DEFAULT_TOOL_DEFINITIONS) {
+            return worker();
+        }
+        return Err(WorkerError::Config(format!(
+            "--tool-definitions {}: no such directory",
+            dir.display()
+        )));
+    }
+    let ours: Vec<_> = toolfleet_worker::protocol::tools::load_dir(dir)
+        .map_err(|e| WorkerError::Config(e.to_string()))?
+        .into_iter()
+        .filter(|d| d.implementation_key == IMPLEMENTATION_KEY)
+        .collect();
+    if ours.is_empty() {
+        return worker();
+    }
+    ours.into_iter()
+        .fold(Worker::builder(NAME), |b, d| b.definition(d))
+        .tool(IMPLEMENTATION_KEY, Convert)
         .build()
 }
 
@@ -150,6 +190,59 @@ impl Tool for Convert {
 mod tests {
     use super::*;
     use toolfleet_worker::TestCtx;
+
+    fn served(worker: &Worker) -> Vec<(String, String)> {
+        worker
+            .definitions()
+            .map(|d| (d.id.to_string(), d.description.clone()))
+            .collect()
+    }
+
+    /// A fresh directory under the system's temporary one.
+    fn scratch(name: &str) -> std::path::PathBuf {
+        let dir = std::env::temp_dir().join(format!("units-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        dir
+    }
+
+    /// `--tool-definitions` is honoured: the directory's `units.convert`
+    /// definitions replace the carried one; a directory without any (the
+    /// fleet's shared one) leaves it; a named directory that does not exist
+    /// is a configuration error. (Before: the flag was ignored.)
+    #[test]
+    fn tool_definitions_replace_the_carried_definition() {
+        let dir = scratch("defs");
+        let mut def: serde_json::Value = serde_json::from_str(DEFINITION).unwrap();
+        def["id"] = json!("units:convert@1.1.0");
+        def["description"] = json!("Our edited description.");
+        std::fs::write(dir.join("units.convert.json"), def.to_string()).unwrap();
+        let w = worker_from(&dir).unwrap();
+        assert_eq!(
+            served(&w),
+            [(
+                "units:convert@1.1.0".to_owned(),
+                "Our edited description.".to_owned()
+            )]
+        );
+
+        let shared = scratch("shared");
+        let fleets = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tool_definitions");
+        let clock = "system.current_datetime.json";
+        std::fs::copy(fleets.join(clock), shared.join(clock)).unwrap();
+        let w = worker_from(&shared).unwrap();
+        assert_eq!(served(&w)[0].0, "units:convert@1.0.0");
+
+        let missing = dir.join("nope");
+        match worker_from(&missing) {
+            Err(WorkerError::Config(e)) => assert!(e.contains("no such directory"), "{e}"),
+            other => panic!("{:?}", other.map(|w| served(&w))),
+        }
+        std::fs::write(dir.join("broken.json"), "{").unwrap();
+        assert!(worker_from(&dir).is_err(), "a broken file is an error");
+        let _ = std::fs::remove_dir_all(&dir);
+        let _ = std::fs::remove_dir_all(&shared);
+    }
 
     #[test]
     fn converts_within_a_kind_and_refuses_across_kinds() {

@@ -77,7 +77,10 @@ pub struct IndexArgs {
     /// Files ingested into an empty index at start (as data source
     /// --corpus-collection), so a fresh demo has something to find. Empty:
     /// none.
-    #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus")]
+    // Not clap's path parser, which refuses the empty value the help
+    // promises.
+    #[arg(long, env = "TOOLFLEET_CORPUS_DIR", default_value = "examples/corpus",
+          value_parser = parse_corpus_dir)]
     pub corpus_dir: PathBuf,
     /// The data source the start-up corpus belongs to.
     #[arg(long, env = "TOOLFLEET_CORPUS_COLLECTION", default_value = "handbook")]
@@ -105,6 +108,11 @@ pub struct IndexArgs {
     /// Vector size to ask for (models that support `dimensions`).
     #[arg(long, env = "TOOLFLEET_EMBEDDINGS_DIMENSIONS")]
     pub embeddings_dimensions: Option<u32>,
+}
+
+/// `--corpus-dir`: any path, or empty for none.
+fn parse_corpus_dir(value: &str) -> Result<PathBuf, std::convert::Infallible> {
+    Ok(PathBuf::from(value))
 }
 
 impl std::fmt::Debug for IndexArgs {
@@ -350,4 +358,45 @@ pub fn worker(
         .metrics(metrics.search_duration)
         .metrics(metrics.passages_returned)
         .build()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        index: IndexArgs,
+    }
+
+    async fn seeded(args: &[&str]) -> usize {
+        let cli = Cli::try_parse_from(std::iter::once("t").chain(args.iter().copied()))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        let store = open_and_seed(&cli.index).await.unwrap();
+        store
+            .list_documents("default", &["handbook".to_owned()], &[], 100)
+            .await
+            .unwrap()
+            .len()
+    }
+
+    /// `--corpus-dir ""` is accepted and means no corpus, as its help
+    /// says (before: refused, "a value is required").
+    #[tokio::test]
+    async fn an_empty_corpus_dir_means_none() {
+        let corpus = tempfile::tempdir().unwrap();
+        std::fs::write(corpus.path().join("a.md"), "# Leave\n\nTwenty days a year.").unwrap();
+        let corpus = corpus.path().to_str().unwrap();
+        let index = tempfile::tempdir().unwrap();
+        let index = index.path().to_str().unwrap();
+        assert_eq!(seeded(&["--index-dir", index, "--corpus-dir", ""]).await, 0);
+        let index2 = tempfile::tempdir().unwrap();
+        let index2 = index2.path().to_str().unwrap();
+        assert_eq!(
+            seeded(&["--index-dir", index2, "--corpus-dir", corpus]).await,
+            1
+        );
+    }
 }
