@@ -138,8 +138,16 @@ fn fleet_spec(
     workers: Vec<Worker>,
 ) -> FleetSpec {
     toolfleet_protocol::streams::set_default_replicas(worker.nats.stream_replicas);
+    // NATS_URL or the nats CLI's context when no --nats-url is given, as
+    // for the separate binaries.
+    let nats = toolfleet_service::args::or_exit(
+        worker
+            .nats
+            .with_fallbacks(&toolfleet_service::nats_context::ProcessVars)
+            .map_err(Into::into),
+    );
     FleetSpec {
-        nats_url: worker.nats.url.clone(),
+        nats_url: nats.url().to_owned(),
         redis_url: worker.redis.url.clone(),
         subjects,
         citation_ttl: worker.redis.ttl,

@@ -10,6 +10,8 @@ use clap::Args;
 
 use toolfleet_protocol::redact_url;
 
+use crate::nats_context;
+
 pub const ENV_NATS_URL: &str = "TOOLFLEET_NATS_URL";
 pub const DEFAULT_NATS_URL: &str = "nats://127.0.0.1:4222";
 pub const ENV_SUBJECT_PREFIX: &str = "TOOLFLEET_SUBJECT_PREFIX";
@@ -79,9 +81,10 @@ impl std::str::FromStr for Secret {
 /// and no error names them.
 #[derive(Args, Debug, Clone)]
 pub struct NatsArgs {
-    /// NATS server URL(s), comma-separated.
-    #[arg(id = "nats_url", long = "nats-url", env = ENV_NATS_URL, default_value = DEFAULT_NATS_URL, hide_env_values = true)]
-    pub url: String,
+    /// NATS server URL(s), comma-separated [default: `$NATS_URL`, else
+    /// the `nats` CLI's selected context's, else nats://127.0.0.1:4222].
+    #[arg(id = "nats_url", long = "nats-url", env = ENV_NATS_URL, hide_env_values = true)]
+    pub url: Option<String>,
     /// Prefix of every subject (and, upper-cased, of the stream names):
     /// tokens of lowercase letters, digits and `-`, joined by `.`.
     #[arg(long = "subject-prefix", env = ENV_SUBJECT_PREFIX, default_value = toolfleet_protocol::DEFAULT_PREFIX)]
@@ -117,7 +120,9 @@ pub struct NatsArgs {
     /// File holding an NKey user seed (`SU…`): the server knows the public key.
     #[arg(id = "nats_nkey", long = "nats-nkey", env = ENV_NATS_NKEY, conflicts_with = "nats_creds")]
     pub nkey_seed_file: Option<PathBuf>,
-    /// A `.creds` file (user JWT and NKey seed), for servers in operator mode.
+    /// A `.creds` file (user JWT and NKey seed), for servers in operator
+    /// mode [default, when no other identity is given: `$NATS_CREDS`, else
+    /// the `nats` CLI's selected context's identity].
     #[arg(id = "nats_creds", long = "nats-creds", env = ENV_NATS_CREDS)]
     pub creds_file: Option<PathBuf>,
     /// PEM file of the CA(s) that signed the server's certificate.
@@ -151,7 +156,7 @@ impl NatsArgs {
     /// identity, no TLS, the default prefix): for tests and local fleets.
     pub fn for_url(url: impl Into<String>) -> Self {
         Self {
-            url: url.into(),
+            url: Some(url.into()),
             prefix: toolfleet_protocol::DEFAULT_PREFIX.to_string(),
             connect_wait_secs: 30,
             user: None,
@@ -168,6 +173,87 @@ impl NatsArgs {
             inbox_prefix: None,
             stream_replicas: DEFAULT_STREAM_REPLICAS,
         }
+    }
+
+    /// The server URL(s): `--nats-url` (or `TOOLFLEET_NATS_URL`), else
+    /// the default; [`NatsArgs::with_fallbacks`] fills it from the
+    /// standard settings first.
+    pub fn url(&self) -> &str {
+        self.url.as_deref().unwrap_or(DEFAULT_NATS_URL)
+    }
+
+    /// These settings with what the flags and `TOOLFLEET_NATS_*` left
+    /// unset taken from the standard ones ([`crate::nats_context`]): the
+    /// URL from `NATS_URL`, else the `nats` CLI's selected context; when
+    /// no identity is given at all (no user, password, token, NKey,
+    /// `.creds` nor one in the URL), `NATS_CREDS`, else the context's
+    /// identity; the context's TLS files when none are given, its inbox
+    /// prefix when none is. `vars` is the environment (the process's in
+    /// binaries, a map in tests).
+    ///
+    /// # Errors
+    ///
+    /// [`BadConfig`] when the context that would be used cannot be read.
+    pub fn with_fallbacks(&self, vars: &dyn nats_context::Vars) -> Result<Self, BadConfig> {
+        use nats_context::ContextIdentity as Id;
+        let mut out = self.clone();
+        // Read only when something is left to take from it.
+        let mut context: Option<Option<nats_context::NatsContext>> = None;
+        let mut context = || -> Result<Option<nats_context::NatsContext>, BadConfig> {
+            if context.is_none() {
+                context = Some(nats_context::selected(vars)?);
+            }
+            Ok(context.clone().flatten())
+        };
+        if out.url.is_none() {
+            out.url = match nats_context::set(vars, nats_context::ENV_NATS_URL) {
+                Some(url) => Some(url),
+                None => context()?.and_then(|c| c.url().map(str::to_owned)),
+            };
+        }
+        if !out.has_identity() {
+            if let Some(creds) = nats_context::set(vars, nats_context::ENV_NATS_CREDS) {
+                out.creds_file = Some(creds.into());
+            } else if let Some(c) = context()? {
+                match c.identity(vars)? {
+                    Some(Id::UserPassword(user, password)) => {
+                        out.user = Some(user);
+                        out.password = Some(Secret(password));
+                    }
+                    Some(Id::Creds(path)) => out.creds_file = Some(path),
+                    Some(Id::NKeySeedFile(path)) => out.nkey_seed_file = Some(path),
+                    Some(Id::Token(token)) => out.token = Some(Secret(token)),
+                    None => {}
+                }
+            }
+        }
+        if out.tls_ca.is_none()
+            && out.tls_cert.is_none()
+            && let Some(c) = context()?
+        {
+            let (ca, cert) = c.tls(vars);
+            out.tls_ca = ca;
+            (out.tls_cert, out.tls_key) = cert.unzip();
+        }
+        if out.inbox_prefix.is_none()
+            && let Some(c) = context()?
+        {
+            out.inbox_prefix = c.inbox_prefix().map(str::to_owned);
+        }
+        Ok(out)
+    }
+
+    /// Whether any identity is given: a flag or `TOOLFLEET_NATS_*`
+    /// variable, or credentials in the URL.
+    fn has_identity(&self) -> bool {
+        self.user.is_some()
+            || self.password.is_some()
+            || self.password_file.is_some()
+            || self.token.is_some()
+            || self.token_file.is_some()
+            || self.nkey_seed_file.is_some()
+            || self.creds_file.is_some()
+            || self.url.as_deref().and_then(url_identity).is_some()
     }
 
     pub fn subjects(
@@ -205,6 +291,16 @@ impl NatsArgs {
         name: &str,
         inbox_prefix: Option<&str>,
     ) -> anyhow::Result<async_nats::Client> {
+        let resolved = self.with_fallbacks(&nats_context::ProcessVars)?;
+        let inbox_prefix = inbox_prefix.or(resolved.inbox_prefix.as_deref());
+        resolved.connect_resolved(name, inbox_prefix).await
+    }
+
+    async fn connect_resolved(
+        &self,
+        name: &str,
+        inbox_prefix: Option<&str>,
+    ) -> anyhow::Result<async_nats::Client> {
         toolfleet_protocol::streams::set_default_replicas(self.stream_replicas);
         if let Some(prefix) = inbox_prefix
             && !valid_inbox_prefix(prefix)
@@ -221,7 +317,7 @@ impl NatsArgs {
         };
         tls.check()?;
         connect_with(
-            &self.url,
+            self.url(),
             Duration::from_secs(self.connect_wait_secs),
             || {
                 let mut opts = identity.apply(async_nats::ConnectOptions::new().name(name));
@@ -289,7 +385,7 @@ impl Identity {
             return Ok(Self::UserPassword(user.clone(), password.clone()));
         }
         if args.user.is_none()
-            && let Some(identity) = url_identity(&args.url)
+            && let Some(identity) = url_identity(args.url())
         {
             return Ok(identity);
         }
@@ -503,7 +599,8 @@ impl NatsArgs {
     ///
     /// [`BadConfig`] naming the URL, its password hidden.
     pub fn check_url(&self) -> Result<(), BadConfig> {
-        for u in self.url.split(',') {
+        let resolved = self.with_fallbacks(&nats_context::ProcessVars)?;
+        for u in resolved.url().split(',') {
             if let Err(e) = u.trim().parse::<async_nats::ServerAddr>() {
                 return Err(BadConfig(format!(
                     "bad NATS URL {}: {e}",
@@ -660,6 +757,127 @@ mod tests {
         a.creds_file = None;
         a.tls_ca = Some(dir.path().join("missing-ca.pem"));
         let e = a.connect("t").await.unwrap_err().to_string();
+        /// A `nats` CLI context in a temporary config directory, selected.
+        fn cli_context(json: &str) -> tempfile::TempDir {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::create_dir_all(dir.path().join("nats/context")).unwrap();
+            std::fs::write(dir.path().join("nats/context.txt"), "ops").unwrap();
+            std::fs::write(dir.path().join("nats/context/ops.json"), json).unwrap();
+            dir
+        }
+
+        fn env(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+            pairs
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect()
+        }
+
+        /// Flags and `TOOLFLEET_NATS_*` (clap reads both into the same
+        /// fields), then `NATS_URL` / `NATS_CREDS`, then the selected context,
+        /// then the default: each setting on its own.
+        #[test]
+        fn nats_settings_fall_back_on_nats_url_nats_creds_then_the_cli_context() {
+            let ctx = cli_context(
+                r#"{"url":"nats://ctx:4222","creds":"/ctx/u.creds","ca":"/ctx/ca.pem","cert":"/ctx/c.pem","key":"/ctx/k.pem"}"#,
+            );
+            let xdg = ctx.path().to_str().unwrap();
+            let resolved = |args: &[&str], vars: &[(&str, &str)]| {
+                let mut all = vec![("XDG_CONFIG_HOME", xdg)];
+                all.extend_from_slice(vars);
+                parse(args).unwrap().with_fallbacks(&env(&all)).unwrap()
+            };
+            // Nothing given: the context's URL, identity and TLS.
+            let a = resolved(&[], &[]);
+            assert_eq!(a.url(), "nats://ctx:4222");
+            assert_eq!(a.creds_file, Some("/ctx/u.creds".into()));
+            assert_eq!(a.tls_ca, Some("/ctx/ca.pem".into()));
+            assert_eq!(a.tls_key, Some("/ctx/k.pem".into()));
+            // NATS_URL and NATS_CREDS before the context.
+            let a = resolved(
+                &[],
+                &[("NATS_URL", "nats://std:1"), ("NATS_CREDS", "/std.creds")],
+            );
+            assert_eq!(a.url(), "nats://std:1");
+            assert_eq!(a.creds_file, Some("/std.creds".into()));
+            // Flags before both; an explicit identity of another kind keeps
+            // the fallbacks' out entirely (no conflict made up).
+            let a = resolved(
+                &["--nats-url", "nats://flag:2", "--nats-token", "t0k"],
+                &[("NATS_URL", "nats://std:1"), ("NATS_CREDS", "/std.creds")],
+            );
+            assert_eq!(a.url(), "nats://flag:2");
+            assert_eq!((a.creds_file, a.token.unwrap().expose()), (None, "t0k"));
+            let a = resolved(
+                &["--nats-creds", "/flag.creds", "--nats-tls-ca", "/mine.pem"],
+                &[],
+            );
+            assert_eq!(a.creds_file, Some("/flag.creds".into()));
+            assert_eq!((a.tls_ca, a.tls_cert), (Some("/mine.pem".into()), None));
+            // Credentials in the URL are an identity given.
+            let a = resolved(
+                &["--nats-url", "nats://u:p@h:1"],
+                &[("NATS_CREDS", "/std.creds")],
+            );
+            assert_eq!(a.creds_file, None);
+            // No context, nothing set: the default.
+            let none = parse(&[]).unwrap().with_fallbacks(&env(&[])).unwrap();
+            assert_eq!(none.url(), DEFAULT_NATS_URL);
+            assert!(!none.has_identity() && none.tls_ca.is_none());
+            // Blank variables are unset.
+            let a = resolved(&[], &[("NATS_URL", " "), ("NATS_CREDS", "")]);
+            assert_eq!(a.url(), "nats://ctx:4222");
+        }
+
+        #[test]
+        fn a_contexts_user_token_or_nkey_becomes_the_identity_and_stays_out_of_debug() {
+            for (json, check) in [
+                (
+                    r#"{"user":"ops","password":"hunter2","token":"ignored"}"#,
+                    (|a: &NatsArgs| {
+                        a.user.as_deref() == Some("ops")
+                            && a.password.as_ref().map(Secret::expose) == Some("hunter2")
+                            && a.token.is_none()
+                    }) as fn(&NatsArgs) -> bool,
+                ),
+                (r#"{"token":"hunter2"}"#, |a| {
+                    a.token.as_ref().map(Secret::expose) == Some("hunter2")
+                }),
+                (r#"{"nkey":"/k/u.nk"}"#, |a| {
+                    a.nkey_seed_file == Some("/k/u.nk".into())
+                }),
+            ] {
+                let ctx = cli_context(json);
+                let vars = env(&[("XDG_CONFIG_HOME", ctx.path().to_str().unwrap())]);
+                let a = parse(&[]).unwrap().with_fallbacks(&vars).unwrap();
+                assert!(check(&a), "{json}: {a:?}");
+                assert!(!format!("{a:?}").contains("hunter2"), "{a:?}");
+                assert_eq!(a.url(), DEFAULT_NATS_URL, "a context without url");
+            }
+        }
+
+        /// A broken selected context stops the start (exit 64), naming it;
+        /// with every setting given it is never read.
+        #[test]
+        fn a_broken_selected_context_is_a_configuration_error() {
+            let ctx = cli_context("{ not json");
+            let vars = env(&[("XDG_CONFIG_HOME", ctx.path().to_str().unwrap())]);
+            let e = parse(&[]).unwrap().with_fallbacks(&vars).unwrap_err();
+            assert!(e.0.contains("ops.json"), "{e}");
+            let given = parse(&[
+                "--nats-url",
+                "nats://h:1",
+                "--nats-token",
+                "t",
+                "--nats-tls-ca",
+                "/ca.pem",
+                "--nats-inbox-prefix",
+                "_I",
+            ])
+            .unwrap();
+            assert!(given.with_fallbacks(&vars).is_ok());
+        }
+
         assert!(e.contains("does not exist"), "{e}");
     }
 

@@ -11,6 +11,9 @@
 //!   `traceparent` across messages and HTTP requests).
 //! - [`metrics`]: registration helpers and the `/metrics`, `/livez`,
 //!   `/readyz` (and `/healthz`, the same as `/livez`) endpoint; each
+//! - [`nats_context`]: the standard NATS settings (`NATS_URL`,
+//!   `NATS_CREDS`, the `nats` CLI's selected context), the fallbacks of
+//!   `NatsArgs`.
 //!   subsystem owns its metric struct.
 //! - [`health`]: readiness checks (NATS connected, Redis answering,
 //!   consumers in place), the connection gauges and `toolfleet_build_info`.
@@ -31,3 +34,4 @@ pub mod serve;
 pub mod telemetry;
 
 pub use serve::{GRACE_PERIOD, Runtime, serve_until_signal};
+pub mod nats_context;

@@ -68,6 +68,16 @@ pub fn servers_with_secrets(
 /// environment or their files, and passwords in the NATS and Redis URLs):
 /// what its children's stderr is scrubbed of.
 pub fn worker_secrets(args: &toolfleet_worker::WorkerArgs) -> Vec<toolfleet_worker::Secret> {
+    // With what the connection takes from NATS_URL or the nats CLI's
+    // context (a broken context has stopped the start already).
+    let nats = args
+        .nats
+        .with_fallbacks(&toolfleet_worker::service::nats_context::ProcessVars)
+        .unwrap_or_else(|_| args.nats.clone());
+    let args = toolfleet_worker::WorkerArgs {
+        nats,
+        ..args.clone()
+    };
     let mut secrets: Vec<String> = [&args.nats.password, &args.nats.token]
         .into_iter()
         .flatten()
@@ -80,7 +90,7 @@ pub fn worker_secrets(args: &toolfleet_worker::WorkerArgs) -> Vec<toolfleet_work
     {
         secrets.extend(child::read_secret(file).ok());
     }
-    for url in args.nats.url.split(',').chain(args.redis.url.split(',')) {
+    for url in args.nats.url().split(',').chain(args.redis.url.split(',')) {
         secrets.extend(url_password(url));
     }
     secrets
