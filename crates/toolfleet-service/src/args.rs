@@ -704,6 +704,127 @@ mod tests {
         assert_eq!(parse(&[]).unwrap().stream_replicas, 1);
     }
 
+    /// A `nats` CLI context in a temporary config directory, selected.
+    fn cli_context(json: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("nats/context")).unwrap();
+        std::fs::write(dir.path().join("nats/context.txt"), "ops").unwrap();
+        std::fs::write(dir.path().join("nats/context/ops.json"), json).unwrap();
+        dir
+    }
+
+    fn env(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .collect()
+    }
+
+    /// Flags and `TOOLFLEET_NATS_*` (clap reads both into the same
+    /// fields), then `NATS_URL` / `NATS_CREDS`, then the selected context,
+    /// then the default: each setting on its own.
+    #[test]
+    fn nats_settings_fall_back_on_nats_url_nats_creds_then_the_cli_context() {
+        let ctx = cli_context(
+            r#"{"url":"nats://ctx:4222","creds":"/ctx/u.creds","ca":"/ctx/ca.pem","cert":"/ctx/c.pem","key":"/ctx/k.pem"}"#,
+        );
+        let xdg = ctx.path().to_str().unwrap();
+        let resolved = |args: &[&str], vars: &[(&str, &str)]| {
+            let mut all = vec![("XDG_CONFIG_HOME", xdg)];
+            all.extend_from_slice(vars);
+            parse(args).unwrap().with_fallbacks(&env(&all)).unwrap()
+        };
+        // Nothing given: the context's URL, identity and TLS.
+        let a = resolved(&[], &[]);
+        assert_eq!(a.url(), "nats://ctx:4222");
+        assert_eq!(a.creds_file, Some("/ctx/u.creds".into()));
+        assert_eq!(a.tls_ca, Some("/ctx/ca.pem".into()));
+        assert_eq!(a.tls_key, Some("/ctx/k.pem".into()));
+        // NATS_URL and NATS_CREDS before the context.
+        let a = resolved(
+            &[],
+            &[("NATS_URL", "nats://std:1"), ("NATS_CREDS", "/std.creds")],
+        );
+        assert_eq!(a.url(), "nats://std:1");
+        assert_eq!(a.creds_file, Some("/std.creds".into()));
+        // Flags before both; an explicit identity of another kind keeps
+        // the fallbacks' out entirely (no conflict made up).
+        let a = resolved(
+            &["--nats-url", "nats://flag:2", "--nats-token", "t0k"],
+            &[("NATS_URL", "nats://std:1"), ("NATS_CREDS", "/std.creds")],
+        );
+        assert_eq!(a.url(), "nats://flag:2");
+        assert_eq!((a.creds_file, a.token.unwrap().expose()), (None, "t0k"));
+        let a = resolved(
+            &["--nats-creds", "/flag.creds", "--nats-tls-ca", "/mine.pem"],
+            &[],
+        );
+        assert_eq!(a.creds_file, Some("/flag.creds".into()));
+        assert_eq!((a.tls_ca, a.tls_cert), (Some("/mine.pem".into()), None));
+        // Credentials in the URL are an identity given.
+        let a = resolved(
+            &["--nats-url", "nats://u:p@h:1"],
+            &[("NATS_CREDS", "/std.creds")],
+        );
+        assert_eq!(a.creds_file, None);
+        // No context, nothing set: the default.
+        let none = parse(&[]).unwrap().with_fallbacks(&env(&[])).unwrap();
+        assert_eq!(none.url(), DEFAULT_NATS_URL);
+        assert!(!none.has_identity() && none.tls_ca.is_none());
+        // Blank variables are unset.
+        let a = resolved(&[], &[("NATS_URL", " "), ("NATS_CREDS", "")]);
+        assert_eq!(a.url(), "nats://ctx:4222");
+    }
+
+    #[test]
+    fn a_contexts_user_token_or_nkey_becomes_the_identity_and_stays_out_of_debug() {
+        for (json, check) in [
+            (
+                r#"{"user":"ops","password":"hunter2","token":"ignored"}"#,
+                (|a: &NatsArgs| {
+                    a.user.as_deref() == Some("ops")
+                        && a.password.as_ref().map(Secret::expose) == Some("hunter2")
+                        && a.token.is_none()
+                }) as fn(&NatsArgs) -> bool,
+            ),
+            (r#"{"token":"hunter2"}"#, |a| {
+                a.token.as_ref().map(Secret::expose) == Some("hunter2")
+            }),
+            (r#"{"nkey":"/k/u.nk"}"#, |a| {
+                a.nkey_seed_file == Some("/k/u.nk".into())
+            }),
+        ] {
+            let ctx = cli_context(json);
+            let vars = env(&[("XDG_CONFIG_HOME", ctx.path().to_str().unwrap())]);
+            let a = parse(&[]).unwrap().with_fallbacks(&vars).unwrap();
+            assert!(check(&a), "{json}: {a:?}");
+            assert!(!format!("{a:?}").contains("hunter2"), "{a:?}");
+            assert_eq!(a.url(), DEFAULT_NATS_URL, "a context without url");
+        }
+    }
+
+    /// A broken selected context stops the start (exit 64), naming it;
+    /// with every setting given it is never read.
+    #[test]
+    fn a_broken_selected_context_is_a_configuration_error() {
+        let ctx = cli_context("{ not json");
+        let vars = env(&[("XDG_CONFIG_HOME", ctx.path().to_str().unwrap())]);
+        let e = parse(&[]).unwrap().with_fallbacks(&vars).unwrap_err();
+        assert!(e.0.contains("ops.json"), "{e}");
+        let given = parse(&[
+            "--nats-url",
+            "nats://h:1",
+            "--nats-token",
+            "t",
+            "--nats-tls-ca",
+            "/ca.pem",
+            "--nats-inbox-prefix",
+            "_I",
+        ])
+        .unwrap();
+        assert!(given.with_fallbacks(&vars).is_ok());
+    }
+
     #[test]
     fn contradictory_identities_are_configuration_errors() {
         for bad in [
@@ -757,126 +878,6 @@ mod tests {
         a.creds_file = None;
         a.tls_ca = Some(dir.path().join("missing-ca.pem"));
         let e = a.connect("t").await.unwrap_err().to_string();
-        /// A `nats` CLI context in a temporary config directory, selected.
-        fn cli_context(json: &str) -> tempfile::TempDir {
-            let dir = tempfile::tempdir().unwrap();
-            std::fs::create_dir_all(dir.path().join("nats/context")).unwrap();
-            std::fs::write(dir.path().join("nats/context.txt"), "ops").unwrap();
-            std::fs::write(dir.path().join("nats/context/ops.json"), json).unwrap();
-            dir
-        }
-
-        fn env(pairs: &[(&str, &str)]) -> std::collections::HashMap<String, String> {
-            pairs
-                .iter()
-                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
-                .collect()
-        }
-
-        /// Flags and `TOOLFLEET_NATS_*` (clap reads both into the same
-        /// fields), then `NATS_URL` / `NATS_CREDS`, then the selected context,
-        /// then the default: each setting on its own.
-        #[test]
-        fn nats_settings_fall_back_on_nats_url_nats_creds_then_the_cli_context() {
-            let ctx = cli_context(
-                r#"{"url":"nats://ctx:4222","creds":"/ctx/u.creds","ca":"/ctx/ca.pem","cert":"/ctx/c.pem","key":"/ctx/k.pem"}"#,
-            );
-            let xdg = ctx.path().to_str().unwrap();
-            let resolved = |args: &[&str], vars: &[(&str, &str)]| {
-                let mut all = vec![("XDG_CONFIG_HOME", xdg)];
-                all.extend_from_slice(vars);
-                parse(args).unwrap().with_fallbacks(&env(&all)).unwrap()
-            };
-            // Nothing given: the context's URL, identity and TLS.
-            let a = resolved(&[], &[]);
-            assert_eq!(a.url(), "nats://ctx:4222");
-            assert_eq!(a.creds_file, Some("/ctx/u.creds".into()));
-            assert_eq!(a.tls_ca, Some("/ctx/ca.pem".into()));
-            assert_eq!(a.tls_key, Some("/ctx/k.pem".into()));
-            // NATS_URL and NATS_CREDS before the context.
-            let a = resolved(
-                &[],
-                &[("NATS_URL", "nats://std:1"), ("NATS_CREDS", "/std.creds")],
-            );
-            assert_eq!(a.url(), "nats://std:1");
-            assert_eq!(a.creds_file, Some("/std.creds".into()));
-            // Flags before both; an explicit identity of another kind keeps
-            // the fallbacks' out entirely (no conflict made up).
-            let a = resolved(
-                &["--nats-url", "nats://flag:2", "--nats-token", "t0k"],
-                &[("NATS_URL", "nats://std:1"), ("NATS_CREDS", "/std.creds")],
-            );
-            assert_eq!(a.url(), "nats://flag:2");
-            assert_eq!((a.creds_file, a.token.unwrap().expose()), (None, "t0k"));
-            let a = resolved(
-                &["--nats-creds", "/flag.creds", "--nats-tls-ca", "/mine.pem"],
-                &[],
-            );
-            assert_eq!(a.creds_file, Some("/flag.creds".into()));
-            assert_eq!((a.tls_ca, a.tls_cert), (Some("/mine.pem".into()), None));
-            // Credentials in the URL are an identity given.
-            let a = resolved(
-                &["--nats-url", "nats://u:p@h:1"],
-                &[("NATS_CREDS", "/std.creds")],
-            );
-            assert_eq!(a.creds_file, None);
-            // No context, nothing set: the default.
-            let none = parse(&[]).unwrap().with_fallbacks(&env(&[])).unwrap();
-            assert_eq!(none.url(), DEFAULT_NATS_URL);
-            assert!(!none.has_identity() && none.tls_ca.is_none());
-            // Blank variables are unset.
-            let a = resolved(&[], &[("NATS_URL", " "), ("NATS_CREDS", "")]);
-            assert_eq!(a.url(), "nats://ctx:4222");
-        }
-
-        #[test]
-        fn a_contexts_user_token_or_nkey_becomes_the_identity_and_stays_out_of_debug() {
-            for (json, check) in [
-                (
-                    r#"{"user":"ops","password":"hunter2","token":"ignored"}"#,
-                    (|a: &NatsArgs| {
-                        a.user.as_deref() == Some("ops")
-                            && a.password.as_ref().map(Secret::expose) == Some("hunter2")
-                            && a.token.is_none()
-                    }) as fn(&NatsArgs) -> bool,
-                ),
-                (r#"{"token":"hunter2"}"#, |a| {
-                    a.token.as_ref().map(Secret::expose) == Some("hunter2")
-                }),
-                (r#"{"nkey":"/k/u.nk"}"#, |a| {
-                    a.nkey_seed_file == Some("/k/u.nk".into())
-                }),
-            ] {
-                let ctx = cli_context(json);
-                let vars = env(&[("XDG_CONFIG_HOME", ctx.path().to_str().unwrap())]);
-                let a = parse(&[]).unwrap().with_fallbacks(&vars).unwrap();
-                assert!(check(&a), "{json}: {a:?}");
-                assert!(!format!("{a:?}").contains("hunter2"), "{a:?}");
-                assert_eq!(a.url(), DEFAULT_NATS_URL, "a context without url");
-            }
-        }
-
-        /// A broken selected context stops the start (exit 64), naming it;
-        /// with every setting given it is never read.
-        #[test]
-        fn a_broken_selected_context_is_a_configuration_error() {
-            let ctx = cli_context("{ not json");
-            let vars = env(&[("XDG_CONFIG_HOME", ctx.path().to_str().unwrap())]);
-            let e = parse(&[]).unwrap().with_fallbacks(&vars).unwrap_err();
-            assert!(e.0.contains("ops.json"), "{e}");
-            let given = parse(&[
-                "--nats-url",
-                "nats://h:1",
-                "--nats-token",
-                "t",
-                "--nats-tls-ca",
-                "/ca.pem",
-                "--nats-inbox-prefix",
-                "_I",
-            ])
-            .unwrap();
-            assert!(given.with_fallbacks(&vars).is_ok());
-        }
 
         assert!(e.contains("does not exist"), "{e}");
     }

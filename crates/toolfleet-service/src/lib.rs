@@ -7,13 +7,13 @@
 //!   `ToolDefsArgs`; the Redis group is the store's `RedisOptions`), NATS
 //!   connection with a start-up wait, exit code 64 on bad configuration,
 //!   signals.
+//! - [`nats_context`]: the standard NATS settings (`NATS_URL`,
+//!   `NATS_CREDS`, the `nats` CLI's selected context), the fallbacks of
+//!   `NatsArgs`.
 //! - [`telemetry`]: logs (text or JSON) and traces (OTLP, W3C
 //!   `traceparent` across messages and HTTP requests).
 //! - [`metrics`]: registration helpers and the `/metrics`, `/livez`,
 //!   `/readyz` (and `/healthz`, the same as `/livez`) endpoint; each
-//! - [`nats_context`]: the standard NATS settings (`NATS_URL`,
-//!   `NATS_CREDS`, the `nats` CLI's selected context), the fallbacks of
-//!   `NatsArgs`.
 //!   subsystem owns its metric struct.
 //! - [`health`]: readiness checks (NATS connected, Redis answering,
 //!   consumers in place), the connection gauges and `toolfleet_build_info`.
@@ -28,10 +28,10 @@ pub mod dead_letters;
 pub mod health;
 pub mod jobs;
 pub mod metrics;
+pub mod nats_context;
 pub mod netpolicy;
 pub mod poison;
 pub mod serve;
 pub mod telemetry;
 
 pub use serve::{GRACE_PERIOD, Runtime, serve_until_signal};
-pub mod nats_context;
