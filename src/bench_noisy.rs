@@ -229,7 +229,8 @@ impl Noisy {
             config.chat_dispatch = dispatch;
             config.env = Arc::new(HashMap::from([(
                 toolfleet_orchestrator::sinks::DEFAULT_SECRET_ENV.to_owned(),
-                "bench-webhook-secret".to_owned(),
+                // A Standard Webhooks secret (the receiver does not check it).
+                "whsec_dG9vbGZsZWV0IGJlbmNoIG5vaXN5IHdlYmhvb2tzISE=".to_owned(),
             )]));
             let sinks = &mut config.sinks;
             sinks.allow_http = true;

@@ -1055,7 +1055,10 @@ async fn a_parked_record_keeps_no_webhook_url_and_the_resume_still_delivers_to_i
             workers: vec!["system"],
             profiles_toml: Some(profiles(600_000)),
             data_source: None,
-            env: vec![("TOOLFLEET_SINK_SECRET", "whsec-approvals-test-3c4d")],
+            env: vec![(
+                "TOOLFLEET_SINK_SECRET",
+                "whsec_dG9vbGZsZWV0IGFwcHJvdmFscyB0ZXN0IHNlY3JldCE=",
+            )],
             tweak: |config| {
                 let sinks = &mut config.sinks;
                 sinks.allow_http = true;

@@ -19,8 +19,9 @@ use toolfleet_protocol::{ChatJob, SinkEvents, SinkRequest};
 
 use crate::support::{self, Env, Options, WAIT};
 
-const SECRET: &str = "whsec-test-only-5f1c";
-const ACME_SECRET: &str = "whsec-acme-test-only-9d2e";
+/// Standard Webhooks secrets (`whsec_` and base64 of 32 bytes).
+const SECRET: &str = "whsec_dG9vbGZsZWV0IHNpbmtzIHRlc3Q6IGpvYiBzZWNyZXQ=";
+const ACME_SECRET: &str = "whsec_dG9vbGZsZWV0IHNpbmtzIHRlc3Q6IGFjbWUgc2Vjci4=";
 
 /// One request the receiver got.
 #[derive(Debug, Clone)]
@@ -143,6 +144,20 @@ fn script() -> Value {
 /// A fleet with no workers, the `routed` profile's sink `acme` on
 /// `receiver`'s `/hook`.
 async fn fleet(receiver: &Receiver, tweak: fn(&mut OrchestratorConfig)) -> Env {
+    let env = vec![
+        ("TOOLFLEET_SINK_SECRET", SECRET),
+        ("TOOLFLEET_SINK_ACME_SECRET", ACME_SECRET),
+    ];
+    fleet_at(&receiver.url("hook"), env, tweak).await
+}
+
+/// A fleet with no workers, the `routed` profile's sink `acme` on
+/// `acme_url`, with `env` in the orchestrator's environment.
+async fn fleet_at(
+    acme_url: &str,
+    env: Vec<(&'static str, &'static str)>,
+    tweak: fn(&mut OrchestratorConfig),
+) -> Env {
     let profiles = format!(
         r#"
 default_profile = "default"
@@ -158,7 +173,7 @@ sink = "acme"
 url = "{}"
 secret_env = "TOOLFLEET_SINK_ACME_SECRET"
 "#,
-        receiver.url("hook")
+        acme_url
     );
     Env::start_with(
         script(),
@@ -166,10 +181,7 @@ secret_env = "TOOLFLEET_SINK_ACME_SECRET"
             workers: Vec::new(),
             tweak,
             profiles_toml: Some(profiles),
-            env: vec![
-                ("TOOLFLEET_SINK_SECRET", SECRET),
-                ("TOOLFLEET_SINK_ACME_SECRET", ACME_SECRET),
-            ],
+            env,
             data_source: None,
             ..Options::default()
         },
@@ -193,31 +205,49 @@ fn with_sink(
     }
 }
 
-/// Checks `Toolfleet-Signature` as a receiver would: HMAC-SHA256 with the
-/// secret over `<t>.<tenant>.<body>` (the tenant the receiver expects:
-/// the jobs here run as `default`), compared in constant time.
+/// Checks the Standard Webhooks signature as a receiver would (the
+/// integration with the reference Python library is
+/// [`the_standard_webhooks_python_library_verifies_real_deliveries`]):
+/// HMAC-SHA256 with the decoded `whsec_` key over
+/// `<webhook-id>.<webhook-timestamp>.<body>`, one `v1,<base64>` of the
+/// space-separated list matching; the id names the receiver's tenant
+/// (`default` here).
 fn assert_signed(r: &Received, secret: &str) {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
     assert_eq!(r.headers["toolfleet-tenant"], "default");
-    let header = r.headers["toolfleet-signature"].to_str().unwrap();
-    let (t, v1) = header
-        .split_once(',')
-        .and_then(|(t, v)| Some((t.strip_prefix("t=")?, v.strip_prefix("v1=")?)))
-        .unwrap_or_else(|| panic!("{header}"));
-    let t: u64 = t.parse().unwrap();
-    let mac: Vec<u8> = (0..v1.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&v1[i..i + 2], 16).unwrap())
-        .collect();
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.as_bytes());
-    let mut signed = format!("{t}.default.").into_bytes();
+    let id = r.headers["webhook-id"].to_str().unwrap();
+    assert!(id.starts_with("default:"), "{id}");
+    let t: u64 = r.headers["webhook-timestamp"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    assert!(now.abs_diff(t) < 300, "{t} is the attempt's time");
+    let key = b64.decode(secret.strip_prefix("whsec_").unwrap()).unwrap();
+    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &key);
+    let mut signed = format!("{id}.{t}.").into_bytes();
     signed.extend_from_slice(&r.body);
-    ring::hmac::verify(&key, &signed, &mac).expect("the signature verifies with the secret");
-    // Signed for another tenant, it would not verify.
-    let mut other = format!("{t}.globex.").into_bytes();
-    other.extend_from_slice(&r.body);
-    assert!(ring::hmac::verify(&key, &other, &mac).is_err());
+    let header = r.headers["webhook-signature"].to_str().unwrap();
+    let macs: Vec<Vec<u8>> = header
+        .split(' ')
+        .map(|s| b64.decode(s.strip_prefix("v1,").unwrap()).unwrap())
+        .collect();
+    assert!(
+        macs.iter()
+            .any(|m| ring::hmac::verify(&key, &signed, m).is_ok()),
+        "a signature verifies with the secret: {header}"
+    );
     let wrong = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, b"another secret");
-    assert!(ring::hmac::verify(&wrong, &signed, &mac).is_err());
+    assert!(
+        macs.iter()
+            .all(|m| ring::hmac::verify(&wrong, &signed, m).is_err())
+    );
+    assert!(r.headers.get("toolfleet-signature").is_none());
     assert_eq!(r.headers["content-type"], "application/json");
 }
 
@@ -241,8 +271,19 @@ async fn sink_dead_letters(env: &Env) -> async_nats::Subscriber {
     .await
 }
 
+/// `<invocationId>:<seq>` of the `webhook-id`
+/// (`<tenant>:<invocationId>:<seq>:<16 hex of the body's SHA-256>`).
 fn event_id(r: &Received) -> String {
-    r.headers["toolfleet-event-id"].to_str().unwrap().to_owned()
+    let id = r.headers["webhook-id"].to_str().unwrap();
+    let (rest, digest) = id.rsplit_once(':').unwrap();
+    assert_eq!(digest.len(), 16, "{id}");
+    let digest_of_body = ring::digest::digest(&ring::digest::SHA256, &r.body);
+    let hex: String = digest_of_body.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    assert_eq!(digest, hex, "{id}");
+    rest.split_once(':').unwrap().1.to_owned()
 }
 
 fn body(r: &Received) -> Value {
@@ -699,5 +740,236 @@ async fn a_job_webhook_whose_name_resolves_to_a_private_address_is_dead_lettered
         "no path in the dead letter: {letter}"
     );
     assert!(receiver.got().is_empty());
+    metrics_once(&env, "webhook", "refused", 1).await;
+}
+
+/// A secret being rotated: the new key first, the old one after it
+/// (`webhook-signature` then carries a signature of each).
+const ROTATING_SECRET: &str = "whsec_dG9vbGZsZWV0IHNpbmtzIHRlc3Q6IGpvYiBzZWNyZXQ= \
+                               whsec_dG9vbGZsZWV0IHNpbmtzIHRlc3Q6IG9sZCBzZWNyZXQ=";
+const OLD_SECRET: &str = "whsec_dG9vbGZsZWV0IHNpbmtzIHRlc3Q6IG9sZCBzZWNyZXQ=";
+const WRONG_SECRET: &str = "whsec_dG9vbGZsZWV0IHNpbmtzIHRlc3Q6IHdyb25nIGtleSE=";
+
+/// `tests/clients/standard_webhooks_receiver.py`: deliveries verified by
+/// the official `standardwebhooks` Python package, one JSON line each.
+struct PythonReceiver {
+    port: u16,
+    lines: tokio::sync::Mutex<tokio::io::Lines<tokio::io::BufReader<tokio::process::ChildStdout>>>,
+    got: Mutex<Vec<Value>>,
+    _child: tokio::process::Child,
+}
+
+impl PythonReceiver {
+    /// Starts the receiver with `secrets` (path name → `whsec_` secret).
+    async fn start(secrets: Value) -> Self {
+        use tokio::io::AsyncBufReadExt as _;
+        let mut child = tokio::process::Command::new("python3")
+            .arg(support::root().join("tests/clients/standard_webhooks_receiver.py"))
+            .arg(secrets.to_string())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .expect("python3 runs");
+        let mut lines = tokio::io::BufReader::new(child.stdout.take().unwrap()).lines();
+        let first = tokio::time::timeout(WAIT, lines.next_line())
+            .await
+            .expect("the receiver starts in time")
+            .unwrap()
+            .unwrap_or_else(|| {
+                panic!(
+                    "the receiver exited: is the standardwebhooks package installed? \
+                     (scripts/ensure-servers installs it: pip install standardwebhooks)"
+                )
+            });
+        let port = serde_json::from_str::<Value>(&first).unwrap()["port"]
+            .as_u64()
+            .unwrap();
+        Self {
+            port: u16::try_from(port).unwrap(),
+            lines: tokio::sync::Mutex::new(lines),
+            got: Mutex::default(),
+            _child: child,
+        }
+    }
+
+    fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}/{path}", self.port)
+    }
+
+    /// Reads deliveries (bounded) until `done` holds for all of them.
+    async fn wait_until(&self, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
+        let mut lines = self.lines.lock().await;
+        tokio::time::timeout(WAIT, async {
+            loop {
+                let got = self.got.lock().unwrap().clone();
+                if done(&got) {
+                    return got;
+                }
+                let line = lines.next_line().await.unwrap().expect("the receiver runs");
+                self.got
+                    .lock()
+                    .unwrap()
+                    .push(serde_json::from_str(&line).unwrap());
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the receiver got only {:?}", self.got.lock().unwrap()))
+    }
+}
+
+/// Real deliveries from a fleet on real servers, checked by the reference
+/// Standard Webhooks library (Python) as the receiver: a configured
+/// sink's secret; a job's webhook under a secret being rotated, verified
+/// by a receiver that knows only the old key; a delivery refused once
+/// (503) and retried under the same `webhook-id`; and a receiver with
+/// another key, which the library refuses (401: dead-lettered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_standard_webhooks_python_library_verifies_real_deliveries() {
+    let receiver = PythonReceiver::start(json!({
+        "acme": ACME_SECRET,
+        "new": SECRET,
+        "old": OLD_SECRET,
+        "wrong": WRONG_SECRET,
+    }))
+    .await;
+    let env = fleet_at(
+        &receiver.url("acme"),
+        vec![
+            ("TOOLFLEET_SINK_SECRET", ROTATING_SECRET),
+            ("TOOLFLEET_SINK_ACME_SECRET", ACME_SECRET),
+        ],
+        loopback,
+    )
+    .await;
+    let mut dead = sink_dead_letters(&env).await;
+
+    // The profile's configured sink.
+    let configured = ChatJob {
+        profile: Some("routed".into()),
+        ..toolfleet_protocol::client::question("Route this, please.")
+    };
+    let outcome = env.submit(&configured).await.expect("it completes");
+    assert_eq!(outcome.text, "Routed answer.");
+    // The job's own webhooks: every event to a receiver of the old key,
+    // the final one to a flaky receiver of the new key, and to one with
+    // another key.
+    let old = with_sink(
+        "Route everything.",
+        Some(receiver.url("old")),
+        None,
+        SinkEvents::All,
+    );
+    let seen = non_delta_events(&env, &old).await;
+    let flaky = with_sink(
+        "Route once.",
+        Some(receiver.url("flaky-new")),
+        None,
+        SinkEvents::Final,
+    );
+    env.submit(&flaky).await.expect("it completes");
+    let wrong = with_sink(
+        "Route astray.",
+        Some(receiver.url("wrong")),
+        None,
+        SinkEvents::Final,
+    );
+    env.submit(&wrong)
+        .await
+        .expect("a refused webhook never fails the job");
+
+    let of = |got: &[Value], path: &str| -> Vec<Value> {
+        got.iter().filter(|l| l["path"] == path).cloned().collect()
+    };
+    let got = receiver
+        .wait_until(|got| {
+            of(got, "acme").len() == 1
+                && of(got, "old").len() == seen.len()
+                && of(got, "flaky-new").len() == 2
+                && !of(got, "wrong").is_empty()
+        })
+        .await;
+
+    let acme = &of(&got, "acme")[0];
+    assert_eq!(acme["verified"], true, "{acme}");
+    assert_eq!(acme["event"]["type"], "completed", "{acme}");
+    assert_eq!(acme["tenant"], "default");
+    let id = acme["id"].as_str().unwrap();
+    let prefix = format!(
+        "default:{}:{}:",
+        configured.invocation_id, acme["event"]["seq"]
+    );
+    assert!(
+        id.starts_with(&prefix) && id.len() == prefix.len() + 16,
+        "{id}"
+    );
+
+    let mut old_got = of(&got, "old");
+    for l in &old_got {
+        assert_eq!(
+            l["verified"], true,
+            "the old key verifies during a rotation: {l}"
+        );
+        assert_eq!(
+            l["signature"].as_str().unwrap().matches("v1,").count(),
+            2,
+            "{l}"
+        );
+    }
+    old_got.sort_by_key(|l| l["event"]["seq"].as_u64());
+    let events: Vec<Value> = old_got.iter().map(|l| l["event"].clone()).collect();
+    assert_eq!(events, seen, "every non-delta event, verified, once");
+    let ids: std::collections::BTreeSet<&str> =
+        old_got.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), seen.len(), "one id per event: {ids:?}");
+
+    let flaky_got = of(&got, "flaky-new");
+    assert_eq!(flaky_got[0]["error"], "flaky: 503 to the first delivery");
+    assert_eq!(flaky_got[1]["verified"], true, "{}", flaky_got[1]);
+    assert_eq!(
+        flaky_got[0]["id"], flaky_got[1]["id"],
+        "a retry keeps its webhook-id (the idempotency key)"
+    );
+
+    let wrong_got = &of(&got, "wrong")[0];
+    assert_eq!(wrong_got["verified"], false, "{wrong_got}");
+    assert!(
+        wrong_got["error"]
+            .as_str()
+            .unwrap()
+            .contains("No matching signature"),
+        "{wrong_got}"
+    );
+    let letter = support::next_json(&mut dead).await;
+    assert_eq!(letter["code"], "sink_http_401", "{letter}");
+    assert_eq!(letter["invocationId"], wrong.invocation_id.as_str());
+}
+
+/// A secret that is not a Standard Webhooks secret sends nothing
+/// unsigned: the delivery is dead-lettered `sink_secret_invalid`, saying
+/// which variable, never its value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_secret_that_is_not_whsec_base64_is_dead_lettered_unsent() {
+    let receiver = Receiver::start().await;
+    let env = fleet_at(
+        &receiver.url("hook"),
+        vec![("TOOLFLEET_SINK_SECRET", "hunter2-not-base64!")],
+        loopback,
+    )
+    .await;
+    let mut dead = sink_dead_letters(&env).await;
+    let job = with_sink(
+        "Route this.",
+        Some(receiver.url("hook")),
+        None,
+        SinkEvents::Final,
+    );
+    env.submit(&job).await.expect("the invocation completes");
+    let letter = support::next_json(&mut dead).await;
+    assert_eq!(letter["code"], "sink_secret_invalid", "{letter}");
+    assert_eq!(letter["attempts"], 1, "not retried: {letter}");
+    let error = letter["error"].as_str().unwrap();
+    assert!(error.contains("TOOLFLEET_SINK_SECRET"), "{error}");
+    assert!(!letter.to_string().contains("hunter2"), "{letter}");
+    assert!(receiver.got().is_empty(), "nothing was sent");
     metrics_once(&env, "webhook", "refused", 1).await;
 }

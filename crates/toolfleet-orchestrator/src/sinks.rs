@@ -22,9 +22,11 @@
 //! - A sink never fails, delays or changes an invocation; only an invalid
 //!   sink named by the job ends it (`invalid_sink`, before the model is
 //!   called, with nothing routed).
-//! - A webhook is never sent unsigned: no secret, no delivery (dead letter
-//!   `sink_secret_missing`). Secrets are read from the environment at
-//!   delivery and never logged, published or put in a label.
+//! - A webhook is never sent unsigned: no secret, or one that is not a
+//!   Standard Webhooks secret, no delivery (dead letter
+//!   `sink_secret_missing`, `sink_secret_invalid`). Secrets are read from
+//!   the environment at delivery and never logged, published or put in a
+//!   label.
 //! - Every URL passes the SSRF policy of the web worker
 //!   ([`toolfleet_service::netpolicy`]) when the job starts and again at
 //!   each delivery, and every address its host resolves to is checked
@@ -32,8 +34,8 @@
 //! - A relay subject is never under the fleet's own prefix and has no
 //!   wildcard; one named by a job must be under a prefix the operator
 //!   allows.
-//! - Events reach a sink at least once (`Toolfleet-Event-Id` =
-//!   `<invocationId>:<seq>` is the same for every retry) and not
+//! - Events reach a sink at least once (a webhook's `webhook-id`, a
+//!   relay's `Toolfleet-Event-Id`, is the same for every retry) and not
 //!   necessarily in order: a retried event may arrive after a later one.
 
 pub mod relay;
@@ -370,10 +372,18 @@ impl SinkSettings {
                 self.check_relay(subjects, relay, None)
                     .map_err(|e| format!("sinks.{name}.relay: {e}"))?;
             }
-            if let Some(var) = &sink.secret_env
-                && env.var(var).is_none_or(|v| v.is_empty())
-            {
-                warn!(sink = %name, secret_env = %var, "the sink's secret is not set: its webhook deliveries are dead-lettered until it is");
+            if let Some(var) = &sink.secret_env {
+                match env.var(var).filter(|v| !v.trim().is_empty()) {
+                    None => {
+                        warn!(sink = %name, secret_env = %var, "the sink's secret is not set: its webhook deliveries are dead-lettered until it is");
+                    }
+                    // What is wrong, never the value.
+                    Some(secret) => {
+                        if let Err(why) = webhook::SigningKeys::parse(&secret) {
+                            warn!(sink = %name, secret_env = %var, problem = %why, "the sink's secret is not a Standard Webhooks secret (whsec_<base64>): its webhook deliveries are dead-lettered until it is");
+                        }
+                    }
+                }
             }
         }
         Ok(())

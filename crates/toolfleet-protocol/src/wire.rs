@@ -108,12 +108,21 @@ pub mod headers {
     /// (one destination, as JSON; the orchestrator's `sinks` module reads
     /// and writes it).
     pub const SINK: &str = "Toolfleet-Sink";
-    /// On a webhook POST and a relayed event: `<invocationId>:<seq>`, the
-    /// same for every retry of one event (a receiver's idempotency key).
+    /// On a relayed event: `<invocationId>:<seq>`, the same for every
+    /// retry of one event (a receiver's idempotency key).
     pub const EVENT_ID: &str = "Toolfleet-Event-Id";
-    /// On a webhook POST: `t=<unix seconds>,v1=<hex HMAC-SHA256 of
-    /// "<t>.<tenant>.<body>">` with the sink's secret.
-    pub const SIGNATURE: &str = "Toolfleet-Signature";
+    /// On a webhook POST (Standard Webhooks): the message id,
+    /// `<tenant>:<invocationId>:<seq>:<16 hex of the body's SHA-256>`,
+    /// the same for every retry of one event (the receiver's idempotency
+    /// key) and signed.
+    pub const WEBHOOK_ID: &str = "webhook-id";
+    /// On a webhook POST (Standard Webhooks): the attempt's unix time in
+    /// seconds, signed.
+    pub const WEBHOOK_TIMESTAMP: &str = "webhook-timestamp";
+    /// On a webhook POST (Standard Webhooks): `v1,<base64 HMAC-SHA256 of
+    /// "<id>.<timestamp>.<body>">`, one per key of the sink's secret,
+    /// separated by spaces (key rotation).
+    pub const WEBHOOK_SIGNATURE: &str = "webhook-signature";
 }
 
 /// Why a message could not be understood.

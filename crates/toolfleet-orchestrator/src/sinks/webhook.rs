@@ -1,13 +1,32 @@
-//! Webhook delivery: one signed HTTPS POST per routed event.
+//! Webhook delivery: one signed HTTPS POST per routed event, signed as
+//! [Standard Webhooks](https://www.standardwebhooks.com/) says, so that
+//! any of its verifying libraries (or OpenAI's and Svix's) checks it.
 //!
 //! The body is the chat event exactly as published on NATS. Headers:
-//! `Content-Type: application/json`, `Toolfleet-Tenant`,
-//! `Toolfleet-Event-Id: <invocationId>:<seq>` (the same on every retry)
-//! and `Toolfleet-Signature: t=<unix seconds>,v1=<hex HMAC-SHA256 of
-//! "<t>.<tenant>.<body>">` with the sink's secret (ring's HMAC, the crypto
-//! already in the process for TLS). A receiver recomputes the HMAC over
-//! the timestamp, its own tenant and the raw body, compares in constant
-//! time, and refuses a timestamp too far from its clock (a replay).
+//! `Content-Type: application/json`, `Toolfleet-Tenant` (a convenience,
+//! not signed), and Standard Webhooks' three:
+//!
+//! - `webhook-id`: [`message_id`], `<tenant>:<invocationId>:<seq>:<16 hex
+//!   of the body's SHA-256>`. The same for every retry of one event (it is
+//!   the receiver's idempotency key), and another for another event: a
+//!   crashed run's rerun numbers its events from 0 again, and an event
+//!   of the rerun that differs from the first run's at that `seq` gets
+//!   its own id instead of being dropped as a duplicate. It holds no `.`
+//!   (tenants and invocation ids are `[A-Za-z0-9_-]`), as the spec asks of
+//!   an id that is partly the client's. Its tenant is signed: job-named
+//!   webhooks of every tenant share one secret, and a receiver checks the
+//!   id's tenant is its own.
+//! - `webhook-timestamp`: the attempt's unix time in seconds.
+//! - `webhook-signature`: [`signature`], `v1,<base64 HMAC-SHA256 of
+//!   "<id>.<timestamp>.<body>">`, one per key of the sink's secret,
+//!   space-separated (a rotation signs with the new and the old key).
+//!
+//! The secret ([`SigningKeys`]) is `whsec_` then base64 of 24 to 64
+//! random bytes (the prefix may be left out, as the libraries allow);
+//! several, separated by whitespace, for a rotation. It is read from the
+//! environment at each delivery and never logged: an error names its
+//! variable and what is wrong, never the value. HMAC is ring's, the
+//! crypto already in the process for TLS.
 //!
 //! The client resolves names itself ([`CheckedResolver`]): every address
 //! of the host must pass the SSRF address gate, or nothing is connected
@@ -17,6 +36,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use base64::Engine as _;
 use toolfleet_protocol::headers;
 use toolfleet_service::netpolicy::{Blocked, NetPolicy};
 
@@ -26,8 +46,8 @@ use super::SinkSettings;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeliveryError {
     /// For the dead letter: `ssrf_blocked`, `sink_secret_missing`,
-    /// `sink_http_<status>`, `sink_unreachable`, `sink_timeout`,
-    /// `relay_failed`.
+    /// `sink_secret_invalid`, `sink_http_<status>`, `sink_unreachable`,
+    /// `sink_timeout`, `relay_failed`.
     pub code: String,
     /// For people: never a secret, never a URL's path or query.
     pub message: String,
@@ -61,21 +81,85 @@ impl DeliveryError {
     }
 }
 
-/// The `Toolfleet-Signature` value for `body` of an invocation of
-/// `tenant` at `timestamp` (unix seconds): HMAC-SHA256 over
-/// `<timestamp>.<tenant>.<body>`. The tenant is signed (and sent in
-/// `Toolfleet-Tenant`) so that a delivery signed for one tenant's webhook
-/// cannot be replayed to another's receiver as theirs: job-named webhooks
-/// of every tenant share one secret.
-pub fn signature(secret: &[u8], timestamp: u64, tenant: &str, body: &[u8]) -> String {
-    let key = ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret);
-    let mut ctx = ring::hmac::Context::with_key(&key);
-    ctx.update(timestamp.to_string().as_bytes());
-    ctx.update(b".");
-    ctx.update(tenant.as_bytes());
-    ctx.update(b".");
-    ctx.update(body);
-    format!("t={timestamp},v1={}", hex(ctx.sign().as_ref()))
+/// The prefix Standard Webhooks gives a symmetric secret.
+pub const SECRET_PREFIX: &str = "whsec_";
+
+/// The shortest and longest key Standard Webhooks allows, in bytes
+/// (192 and 512 bits).
+const KEY_BYTES: std::ops::RangeInclusive<usize> = 24..=64;
+
+/// Standard base64, with or without its padding: what the reference
+/// libraries accept in a `whsec_` secret.
+const SECRET_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
+
+/// The HMAC keys of one sink's secret, the current one first. Its `Debug`
+/// shows how many, never a key.
+pub struct SigningKeys(Vec<ring::hmac::Key>);
+
+impl std::fmt::Debug for SigningKeys {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SigningKeys({} keys)", self.0.len())
+    }
+}
+
+impl SigningKeys {
+    /// Reads a secret: one or more `whsec_<base64>` (the prefix optional),
+    /// separated by whitespace. The error says what is wrong and never
+    /// holds the secret.
+    pub fn parse(secret: &str) -> Result<Self, String> {
+        let mut keys = Vec::new();
+        for (n, part) in secret.split_whitespace().enumerate() {
+            let which = n + 1;
+            let encoded = part.strip_prefix(SECRET_PREFIX).unwrap_or(part);
+            let bytes = SECRET_BASE64.decode(encoded).map_err(|_| {
+                format!("its key {which} is not {SECRET_PREFIX} followed by standard base64")
+            })?;
+            if !KEY_BYTES.contains(&bytes.len()) {
+                return Err(format!(
+                    "its key {which} is {} bytes; Standard Webhooks keys are {} to {} random bytes",
+                    bytes.len(),
+                    KEY_BYTES.start(),
+                    KEY_BYTES.end()
+                ));
+            }
+            keys.push(ring::hmac::Key::new(ring::hmac::HMAC_SHA256, &bytes));
+        }
+        if keys.is_empty() {
+            return Err("it is empty".into());
+        }
+        Ok(Self(keys))
+    }
+}
+
+/// The `webhook-id` of an event of an invocation of `tenant`: `event_id`
+/// (`<invocationId>:<seq>`) after the tenant, and the first 8 bytes of the
+/// body's SHA-256 in hex (see the module's documentation).
+pub fn message_id(tenant: &str, event_id: &str, body: &[u8]) -> String {
+    let digest = ring::digest::digest(&ring::digest::SHA256, body);
+    format!("{tenant}:{event_id}:{}", hex(&digest.as_ref()[..8]))
+}
+
+/// The `webhook-signature` value for `body` sent as message `id` at
+/// `timestamp` (unix seconds): `v1,<base64 HMAC-SHA256 of
+/// "<id>.<timestamp>.<body>">` for each key, separated by spaces.
+pub fn signature(keys: &SigningKeys, id: &str, timestamp: u64, body: &[u8]) -> String {
+    let signed = |key: &ring::hmac::Key| {
+        let mut ctx = ring::hmac::Context::with_key(key);
+        ctx.update(id.as_bytes());
+        ctx.update(b".");
+        ctx.update(timestamp.to_string().as_bytes());
+        ctx.update(b".");
+        ctx.update(body);
+        format!(
+            "v1,{}",
+            base64::engine::general_purpose::STANDARD.encode(ctx.sign())
+        )
+    };
+    keys.0.iter().map(signed).collect::<Vec<_>>().join(" ")
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -178,9 +262,9 @@ impl Webhooks {
         })
     }
 
-    /// POSTs `body` (an event of an invocation of `tenant`) to `url`,
-    /// signed with the secret in `secret_env`; `from_job` when a chat job
-    /// named the webhook.
+    /// POSTs `body` (an event of an invocation of `tenant`, `event_id`
+    /// `<invocationId>:<seq>`) to `url`, signed with the secret in
+    /// `secret_env`; `from_job` when a chat job named the webhook.
     // Each argument is one fact of the delivery, read once; a struct
     // would only rename them.
     #[allow(clippy::too_many_arguments)]
@@ -202,28 +286,13 @@ impl Webhooks {
             .check_webhook_from(url, from_job)
             .map_err(|e| DeliveryError::refused("ssrf_blocked", e))?;
         let host = url.host_str().unwrap_or("?").to_owned();
-        let Some(secret) = secret.filter(|s| !s.is_empty()) else {
-            return Err(DeliveryError::refused(
-                "sink_secret_missing",
-                format!(
-                    "the webhook's secret ({secret_env}) is not set in the orchestrator's \
-                     environment: not sent unsigned"
-                ),
-            ));
-        };
+        let keys = signing_keys(secret, secret_env)?;
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let signed = signature(secret.as_bytes(), now, tenant, &body);
         let http = if from_job { &self.jobs } else { &self.http };
-        let sent = http
-            .post(url)
-            .header(reqwest::header::CONTENT_TYPE, "application/json")
-            .header(headers::TENANT, tenant)
-            .header(headers::EVENT_ID, event_id)
-            .header(headers::SIGNATURE, signed)
-            .body(body)
+        let sent = signed_request(http, url, &keys, tenant, event_id, now, body)
             .send()
             .await;
         match sent {
@@ -241,6 +310,50 @@ impl Webhooks {
             Err(e) => Err(classify(&e, &host)),
         }
     }
+}
+
+/// The keys of a webhook's secret, or why it cannot be sent (never
+/// unsigned): no secret, or one that is not a Standard Webhooks secret.
+fn signing_keys(secret: Option<String>, secret_env: &str) -> Result<SigningKeys, DeliveryError> {
+    let Some(secret) = secret.filter(|s| !s.trim().is_empty()) else {
+        return Err(DeliveryError::refused(
+            "sink_secret_missing",
+            format!(
+                "the webhook's secret ({secret_env}) is not set in the orchestrator's \
+                 environment: not sent unsigned"
+            ),
+        ));
+    };
+    SigningKeys::parse(&secret).map_err(|why| {
+        DeliveryError::refused(
+            "sink_secret_invalid",
+            format!(
+                "the webhook's secret ({secret_env}) is not a Standard Webhooks secret \
+                 ({SECRET_PREFIX}<base64>): {why}; not sent unsigned"
+            ),
+        )
+    })
+}
+
+/// The POST of `body` with its headers, signed at `timestamp`.
+fn signed_request(
+    http: &reqwest::Client,
+    url: url::Url,
+    keys: &SigningKeys,
+    tenant: &str,
+    event_id: &str,
+    timestamp: u64,
+    body: bytes::Bytes,
+) -> reqwest::RequestBuilder {
+    let id = message_id(tenant, event_id, &body);
+    let signed = signature(keys, &id, timestamp, &body);
+    http.post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .header(headers::TENANT, tenant)
+        .header(headers::WEBHOOK_ID, id)
+        .header(headers::WEBHOOK_TIMESTAMP, timestamp.to_string())
+        .header(headers::WEBHOOK_SIGNATURE, signed)
+        .body(body)
 }
 
 /// A transport error: a refused address, a timeout, or unreachable.
@@ -280,20 +393,142 @@ fn classify(e: &reqwest::Error, host: &str) -> DeliveryError {
 mod tests {
     use super::*;
 
+    /// The Standard Webhooks reference libraries' own vector (their
+    /// `test_sign_function`: Python, JavaScript, Go).
     #[test]
-    fn the_signature_is_hmac_sha256_of_the_timestamp_the_tenant_and_the_body() {
-        // Computed independently with Python's hmac module:
-        // hmac.new(b"Jefe", b"1.acme.hat do ya want for nothing?", sha256).
-        let sig = signature(b"Jefe", 1, "acme", b"hat do ya want for nothing?");
-        assert_eq!(
-            sig,
-            "t=1,v1=287d9a8b0f48410c3f833ec255510c56cdef3d4966f85f4c4b0d3ad1bb30d938"
+    fn the_signature_is_the_reference_libraries_vector() {
+        let keys = SigningKeys::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let sig = signature(
+            &keys,
+            "msg_p5jXN8AQM9LWM0D4loKWxJek",
+            1_614_265_330,
+            br#"{"test": 2432232314}"#,
         );
-        // Another tenant, another signature.
-        assert_ne!(
-            signature(b"Jefe", 1, "globex", b"hat do ya want for nothing?"),
+        assert_eq!(sig, "v1,g0hM9SsE+OTPJTGt/tmIKtSyZlE3uFJELVlNIOLJ1OE=");
+        // The prefix is optional, as in the libraries; padding too.
+        let bare = SigningKeys::parse("MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        assert_eq!(
+            signature(
+                &bare,
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1_614_265_330,
+                br#"{"test": 2432232314}"#
+            ),
             sig
         );
+        // Another id, timestamp or body: another signature.
+        for (id, t, body) in [
+            ("msg_other", 1_614_265_330, &br#"{"test": 2432232314}"#[..]),
+            (
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1_614_265_331,
+                br#"{"test": 2432232314}"#,
+            ),
+            (
+                "msg_p5jXN8AQM9LWM0D4loKWxJek",
+                1_614_265_330,
+                br#"{"test":2432232314}"#,
+            ),
+        ] {
+            assert_ne!(signature(&keys, id, t, body), sig, "{id} {t}");
+        }
+    }
+
+    #[test]
+    fn a_rotation_signs_with_every_key_current_first() {
+        let new = "whsec_AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh8=";
+        let old = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw";
+        let both = SigningKeys::parse(&format!("{new}\n  {old} ")).unwrap();
+        let one = |s: &str| signature(&SigningKeys::parse(s).unwrap(), "a:b:0:00", 7, b"{}");
+        assert_eq!(
+            signature(&both, "a:b:0:00", 7, b"{}"),
+            format!("{} {}", one(new), one(old))
+        );
+    }
+
+    #[test]
+    fn a_secret_that_is_not_a_standard_webhooks_secret_is_refused_without_echoing_it() {
+        let long = format!("whsec_{}", "A".repeat(88));
+        for (secret, says) in [
+            ("", "empty"),
+            ("  ", "empty"),
+            ("whsec_not-base64!", "key 1 is not whsec_"),
+            ("whsec_c2hvcnQ=", "key 1 is 5 bytes"),
+            (long.as_str(), "key 1 is 66 bytes"),
+            (
+                "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw bench-webhook-secret",
+                "key 2 is not",
+            ),
+        ] {
+            let e = SigningKeys::parse(secret).unwrap_err();
+            assert!(e.contains(says), "{secret:?}: {e}");
+            for part in secret.split_whitespace() {
+                assert!(!e.contains(part.trim_start_matches(SECRET_PREFIX)), "{e}");
+            }
+        }
+        let e = signing_keys(Some("whsec_c2hvcnQ=".into()), "ACME_SECRET").unwrap_err();
+        assert_eq!((e.code.as_str(), e.refused), ("sink_secret_invalid", true));
+        assert!(
+            e.message.contains("ACME_SECRET") && !e.message.contains("c2hvcnQ"),
+            "{e:?}"
+        );
+        let e = signing_keys(None, "ACME_SECRET").unwrap_err();
+        assert_eq!(e.code, "sink_secret_missing");
+        let keys = SigningKeys::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        assert_eq!(format!("{keys:?}"), "SigningKeys(1 keys)");
+    }
+
+    #[test]
+    fn the_message_id_is_stable_for_an_event_and_changes_with_its_body() {
+        let id = message_id("acme", "inv-1:3", br#"{"seq":3,"type":"completed"}"#);
+        assert_eq!(
+            id,
+            message_id("acme", "inv-1:3", br#"{"seq":3,"type":"completed"}"#)
+        );
+        let (head, digest) = id.rsplit_once(':').unwrap();
+        assert_eq!(head, "acme:inv-1:3");
+        assert_eq!(digest.len(), 16);
+        assert!(!id.contains('.'), "{id}");
+        // A rerun's different event at the same seq; another tenant.
+        assert_ne!(
+            id,
+            message_id("acme", "inv-1:3", br#"{"seq":3,"type":"tool_call"}"#)
+        );
+        assert_ne!(
+            id,
+            message_id("globex", "inv-1:3", br#"{"seq":3,"type":"completed"}"#)
+        );
+    }
+
+    /// The request as sent: Standard Webhooks' three headers under their
+    /// names, and a signature over the id and timestamp it carries.
+    #[test]
+    fn the_request_carries_the_standard_webhooks_headers() {
+        let keys = SigningKeys::parse("whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw").unwrap();
+        let body = bytes::Bytes::from_static(br#"{"invocationId":"inv-1","seq":0}"#);
+        toolfleet_llm::install_crypto_provider();
+        let request = signed_request(
+            &reqwest::Client::new(),
+            "https://hooks.example.com/x".parse().unwrap(),
+            &keys,
+            "acme",
+            "inv-1:0",
+            1_700_000_000,
+            body.clone(),
+        )
+        .build()
+        .unwrap();
+        let h = request.headers();
+        let id = h["webhook-id"].to_str().unwrap();
+        assert_eq!(id, message_id("acme", "inv-1:0", &body));
+        assert_eq!(h["webhook-timestamp"], "1700000000");
+        assert_eq!(
+            h["webhook-signature"].to_str().unwrap(),
+            signature(&keys, id, 1_700_000_000, &body)
+        );
+        assert_eq!(h["toolfleet-tenant"], "acme");
+        assert_eq!(h["content-type"], "application/json");
+        assert!(h.get("toolfleet-signature").is_none());
     }
 
     #[test]
