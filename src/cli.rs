@@ -87,6 +87,16 @@ pub enum Command {
     /// after `error` or when nothing of it is kept, 2 when it is still
     /// running and `--no-follow` was given.
     Events(crate::ops::events::EventsArgs),
+    /// Serve the OpenAI-compatible HTTP API (`/v1/chat/completions`,
+    /// `/v1/responses`, `/v1/models`) in front of the fleet: each request a
+    /// chat job of its API key's tenant (docs/gateway.md).
+    Gateway(Box<crate::gateway::GatewayArgs>),
+    /// The gateway's API keys: add (printed once, stored hashed), ls,
+    /// revoke.
+    Keys {
+        #[command(subcommand)]
+        command: crate::keys::KeysCommand,
+    },
     /// Serve the live fleet's tools to MCP clients.
     Mcp {
         #[command(subcommand)]
@@ -129,6 +139,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Cancel(args) => crate::ops::cancel::run(args).await,
         Command::Status(args) => crate::ops::status::run(args).await,
         Command::Events(args) => crate::ops::events::run(args).await,
+        Command::Gateway(args) => crate::gateway::run(*args).await,
+        Command::Keys { command } => crate::keys::run(command).await,
         Command::Mcp { command } => crate::mcp::run(command).await,
         Command::Settings { command } => crate::settings::run(command).await,
         Command::Completions { shell } => {

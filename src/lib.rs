@@ -25,6 +25,9 @@
 //!   `events`, `health`, `cancel`, `approve`, `deadletters`.
 //! - [`mcp`]: `toolfleet mcp serve`'s flags and start-up; [`mcp_serve`]:
 //!   the live fleet's tools as an MCP server.
+//! - [`gateway`]: `toolfleet gateway`, the OpenAI-compatible HTTP door
+//!   (Chat Completions, Responses, models) with its own `# Layout`;
+//!   [`keys`]: `toolfleet keys add|ls|revoke`, its API keys.
 //! - [`bench_run`]: `toolfleet bench` from arguments to report, over
 //!   [`bench`] (the load generator: operations at a concurrency for a
 //!   count or a duration, summarised as throughput, percentiles and
@@ -54,7 +57,9 @@ pub mod demo;
 pub mod families;
 pub mod floor;
 pub mod floor_chat;
+pub mod gateway;
 pub mod index;
+pub mod keys;
 pub mod local;
 pub mod mcp;
 pub mod mcp_serve;

@@ -42,6 +42,7 @@ async fn main() {
     let interactive = !matches!(
         cli.command,
         toolfleet::cli::Command::Up(_)
+            | toolfleet::cli::Command::Gateway(_)
             | toolfleet::cli::Command::BenchWorker(_)
             | toolfleet::cli::Command::ScriptedModel(_)
     );

@@ -35,6 +35,13 @@ pub struct UpArgs {
     /// Prometheus metrics and health endpoint.
     #[arg(long, env = toolfleet_service::args::ENV_METRICS_ADDR, default_value = "127.0.0.1:9464")]
     pub metrics_addr: SocketAddr,
+    /// Also serve the OpenAI-compatible gateway (`toolfleet gateway`) on
+    /// `--gateway-listen`, its metrics beside the fleet's.
+    #[arg(long)]
+    pub gateway: bool,
+    /// Where `--gateway` listens.
+    #[arg(long, env = crate::gateway::ENV_LISTEN, default_value = crate::gateway::DEFAULT_LISTEN)]
+    pub gateway_listen: SocketAddr,
 }
 
 #[derive(Args, Debug)]
@@ -91,11 +98,36 @@ pub async fn up(args: UpArgs) -> anyhow::Result<i32> {
         })
         .await,
     );
+    let gateway = args.gateway.then(|| {
+        let config = crate::gateway::GatewayConfig::new(subjects.clone(), models.clone());
+        (args.gateway_listen, config)
+    });
     let mut orchestrator = OrchestratorConfig::new(subjects.clone(), models);
     orchestrator.max_in_flight = args.max_in_flight;
     orchestrator.sinks = sinks;
     let spec = fleet_spec(&args.worker, subjects, Some(orchestrator), workers);
-    serve(spec, args.metrics_addr).await
+    match gateway {
+        Some(gateway) => serve_with_gateway(spec, &args.worker, gateway, args.metrics_addr).await,
+        None => serve(spec, args.metrics_addr).await,
+    }
+}
+
+/// [`serve`], and the gateway on the same runtime once the fleet takes
+/// jobs (`toolfleet up --gateway`).
+async fn serve_with_gateway(
+    spec: FleetSpec,
+    worker: &WorkerArgs,
+    (listen, config): (SocketAddr, crate::gateway::GatewayConfig),
+    metrics_addr: SocketAddr,
+) -> anyhow::Result<i32> {
+    toolfleet_service::serve_until_signal(metrics_addr, |rt| async move {
+        toolfleet_local::fleet::serve(spec, &rt).await?;
+        let (client, store) = crate::gateway::connect(&worker.nats, &worker.redis, &config).await?;
+        rt.health.nats(&client);
+        crate::gateway::serve_on(&rt, listen, client, store, config).await
+    })
+    .await?;
+    Ok(0)
 }
 
 /// `toolfleet bench-worker`: every family this command ships plus the
