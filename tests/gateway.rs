@@ -1212,3 +1212,238 @@ async fn gateway_curl_streams_an_answer() {
     );
     check_citations(&seen.content, &seen.annotations, true);
 }
+
+/// The passwords of every identity `ops/nats/auth.conf` names (each
+/// `$TOOLFLEET_NATS_<ROLE>_PASSWORD`), as the server's environment; and
+/// the one of `user`.
+fn auth_passwords(auth: &str) -> Vec<(String, String)> {
+    let mut vars: Vec<String> = auth
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == '$'))
+        .filter_map(|w| w.strip_prefix('$'))
+        .filter(|w| w.starts_with("TOOLFLEET_NATS_") && w.ends_with("_PASSWORD"))
+        .map(str::to_string)
+        .collect();
+    vars.sort();
+    vars.dedup();
+    vars.into_iter()
+        .map(|v| (v.clone(), format!("pw-{v}")))
+        .collect()
+}
+
+/// A fleet process of a role of `ops/nats/auth.conf`, killed on drop.
+struct Role(std::process::Child);
+
+impl Drop for Role {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn role(bin: &str, user: &str, nats_url: &str, extra: &[(&str, String)]) -> Role {
+    let inbox = match user.strip_prefix("worker-") {
+        Some(family) => format!("_INBOX.worker.{family}"),
+        None => format!("_INBOX.{user}"),
+    };
+    let password = format!(
+        "pw-TOOLFLEET_NATS_{}_PASSWORD",
+        user.trim_start_matches("worker-").to_uppercase()
+    );
+    let child = std::process::Command::new(support::sibling_bin(bin))
+        .current_dir(support::root())
+        .env("TOOLFLEET_NATS_URL", nats_url)
+        .env("TOOLFLEET_NATS_USER", user)
+        .env("TOOLFLEET_NATS_PASSWORD", password)
+        .env("TOOLFLEET_NATS_INBOX_PREFIX", inbox)
+        .env(
+            "TOOLFLEET_METRICS_ADDR",
+            format!(
+                "127.0.0.1:{}",
+                toolfleet_local::servers::free_port().unwrap()
+            ),
+        )
+        .envs(extra.iter().map(|(k, v)| (*k, v)))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{bin}: {e}"));
+    Role(child)
+}
+
+/// On a server running the shipped `ops/nats/auth.conf`, the gateway under
+/// its own identity (`gateway`, inbox `_INBOX.gateway`) answers a key's
+/// request through the orchestrator and a worker under theirs, without a
+/// permission violation; and that identity may not touch tool jobs,
+/// results, approvals or settings.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_answers_under_its_least_privilege_nats_identity() {
+    use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
+    let dir = support::root().join("ops/nats");
+    let auth = std::fs::read_to_string(dir.join("auth.conf")).unwrap();
+    assert!(auth.contains("TOOLFLEET_NATS_GATEWAY_PASSWORD"));
+    let nats = NatsServer::start_configured(NatsConfig {
+        extra: Some("include \"auth.conf\"".into()),
+        files: vec![
+            ("auth.conf".into(), auth.clone().into_bytes()),
+            (
+                "mcp-role.conf".into(),
+                std::fs::read(dir.join("mcp-role.conf")).unwrap(),
+            ),
+        ],
+        env: auth_passwords(&auth),
+        ..NatsConfig::default()
+    })
+    .expect("nats-server with ops/nats/auth.conf");
+    let redis = RedisServer::start().unwrap();
+    let model = toolfleet_scripted::ScriptedServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        toolfleet_scripted::Script::from_json(&script().to_string()).unwrap(),
+    )
+    .await
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("toolfleet.toml");
+    support::write_scripted_config(&config, &model.base_url());
+    let common = [
+        ("TOOLFLEET_REDIS_URL", redis.url()),
+        ("TOOLFLEET_CONFIG", config.display().to_string()),
+    ];
+    let _fleet = [
+        role(
+            "toolfleet-orchestrator",
+            "orchestrator",
+            &nats.url(),
+            &common,
+        ),
+        role(
+            "toolfleet-worker-system",
+            "worker-system",
+            &nats.url(),
+            &common,
+        ),
+    ];
+
+    let mut args = toolfleet_service::args::NatsArgs::for_url(nats.url());
+    args.user = Some("gateway".into());
+    args.password = Some(toolfleet_service::args::Secret::new(
+        "pw-TOOLFLEET_NATS_GATEWAY_PASSWORD",
+    ));
+    args.inbox_prefix = Some("_INBOX.gateway".into());
+    args.connect_wait_secs = 10;
+    let client = args.connect("toolfleet-gateway").await.unwrap();
+    let store =
+        toolfleet_store::CitationStore::connect(&redis.url(), "toolfleet", Duration::from_secs(60))
+            .await
+            .unwrap();
+    let profiles = toolfleet_config::FleetConfig::load(&config).unwrap();
+    let (shutdown, tracker) = (
+        tokio_util::sync::CancellationToken::new(),
+        tokio_util::task::TaskTracker::new(),
+    );
+    let _stop = shutdown.clone().drop_guard();
+    let addr = toolfleet::gateway::start(
+        tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap(),
+        client,
+        store,
+        GatewayConfig::new(
+            toolfleet_protocol::Subjects::new("toolfleet").unwrap(),
+            profiles,
+        ),
+        &prometheus::Registry::new(),
+        &tracker,
+        shutdown.clone(),
+    )
+    .await
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(["keys", "add", "--tenant", "acme"])
+        .env("TOOLFLEET_REDIS_URL", redis.url())
+        .output()
+        .unwrap();
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    toolfleet_llm::install_crypto_provider();
+    let http = reqwest::Client::new();
+    // The orchestrator and the worker start on their own: ask until the
+    // clock is offered (until then: 503, or an answer without the tool).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let answer = loop {
+        let r = http
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .bearer_auth(&key)
+            .json(&json!({"model": "default", "stream": true,
+                "messages": [{"role": "user", "content": "Tell me what time it is."}]}))
+            .send()
+            .await
+            .unwrap();
+        let status = r.status();
+        if status == 200 {
+            let seen = check_chat_stream(&frames(&r.text().await.unwrap()), false);
+            if seen.content.starts_with("It is ") && !seen.content.contains("no_worker") {
+                break seen.content;
+            }
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no answer through the secure fleet: {}\n{}",
+            status,
+            nats.log()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert!(answer.contains("20"), "the clock answered: {answer}");
+    let violations: Vec<String> = nats
+        .log()
+        .lines()
+        .filter(|l| l.contains("Violation"))
+        .map(str::to_string)
+        .collect();
+    assert!(violations.is_empty(), "{violations:#?}");
+
+    // What the identity may not do: the server refuses each.
+    let (tx, mut errors) = tokio::sync::mpsc::unbounded_channel();
+    let hostile = async_nats::ConnectOptions::with_user_and_password(
+        "gateway".into(),
+        "pw-TOOLFLEET_NATS_GATEWAY_PASSWORD".into(),
+    )
+    .custom_inbox_prefix("_INBOX.gateway")
+    .event_callback(move |event| {
+        let tx = tx.clone();
+        async move {
+            if let async_nats::Event::ServerError(e) = event {
+                let _ = tx.send(e.to_string().to_lowercase());
+            }
+        }
+    })
+    .connect(nats.url())
+    .await
+    .unwrap();
+    for (what, subject) in [
+        ("publish", "toolfleet.tool.system.current_datetime.1_0_0"),
+        ("publish", "toolfleet.chat.approve.acme.inv-1"),
+        ("publish", "toolfleet.reply.call_1"),
+        ("publish", "$KV.TOOLFLEET_SETTINGS.acme.x"),
+        ("subscription", "toolfleet.reply.>"),
+        ("subscription", "toolfleet.tool.>"),
+        ("subscription", "_INBOX.orchestrator.>"),
+    ] {
+        if what == "publish" {
+            hostile.publish(subject, "forged".into()).await.unwrap();
+        } else {
+            let _sub = hostile.subscribe(subject).await.unwrap();
+        }
+        hostile.flush().await.unwrap();
+        let wanted = format!(
+            "permissions violation for {what} to \"{}\"",
+            subject.to_lowercase()
+        );
+        loop {
+            let e = tokio::time::timeout(WAIT, errors.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{what} to {subject} was not refused"))
+                .unwrap();
+            if e.contains(&wanted) {
+                break;
+            }
+        }
+    }
+}

@@ -17,7 +17,7 @@ use toolfleet_service::args::{NatsArgs, Secret};
 use crate::support::{self, WAIT};
 
 /// (user, the server's environment variable with its password).
-pub(crate) const USERS: [(&str, &str); 10] = [
+pub(crate) const USERS: [(&str, &str); 11] = [
     ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
     ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
     ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
@@ -28,6 +28,7 @@ pub(crate) const USERS: [(&str, &str); 10] = [
     ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
     ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
     ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
+    ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
 ];
 
 /// The inbox prefix a role's processes set (ops/nats/auth.conf).

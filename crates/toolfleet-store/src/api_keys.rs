@@ -184,7 +184,10 @@ impl CitationStore {
         let index = &self.api_key_key("index");
         let ids: HashMap<String, String> = self
             .run("api_keys", |mut conn| async move {
-                redis::cmd("HGETALL").arg(index).query_async(&mut conn).await
+                redis::cmd("HGETALL")
+                    .arg(index)
+                    .query_async(&mut conn)
+                    .await
             })
             .await?;
         let mut out = Vec::new();

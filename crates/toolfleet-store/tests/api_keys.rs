@@ -35,7 +35,10 @@ async fn keys_are_found_by_hash_listed_and_revoked_at_once() {
         .await
         .unwrap();
     store
-        .add_api_key(&h3, &record("key_short", "acme", Duration::from_millis(300)))
+        .add_api_key(
+            &h3,
+            &record("key_short", "acme", Duration::from_millis(300)),
+        )
         .await
         .unwrap();
     assert_eq!(store.api_key(&h1).await.unwrap(), Some(one.clone()));
