@@ -1447,3 +1447,180 @@ async fn gateway_answers_under_its_least_privilege_nats_identity() {
         }
     }
 }
+
+/// A child process killed on drop.
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Child {
+    /// SIGTERM, then the exit status (within the wait).
+    fn stop(&mut self) -> std::process::ExitStatus {
+        std::process::Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .unwrap();
+        let deadline = std::time::Instant::now() + WAIT;
+        loop {
+            if let Some(status) = self.0.try_wait().unwrap() {
+                return status;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no exit after SIGTERM"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+/// Asks `url` (a gateway) with `key` until it answers 200: the process
+/// starts on its own.
+async fn until_answered(http: &reqwest::Client, url: &str, key: &str, body: &Value) -> Value {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        if let Ok(r) = http.post(url).bearer_auth(key).json(body).send().await
+            && r.status() == 200
+        {
+            return r.json().await.unwrap();
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{url} never answered"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `toolfleet gateway` as its own process (configured by its environment
+/// variables) in front of a fleet: it answers, `/readyz` checks NATS and
+/// Redis, `/metrics` counts its requests, SIGTERM stops it cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_the_command_serves_until_sigterm() {
+    let door = Door::start().await;
+    let key = door.key("acme", &[]);
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("toolfleet.toml");
+    std::fs::write(
+        &config,
+        PROFILES.replace("{base_url}", door.env.model.base_url().as_str()),
+    )
+    .unwrap();
+    let (listen, metrics) = (
+        toolfleet_local::servers::free_port().unwrap(),
+        toolfleet_local::servers::free_port().unwrap(),
+    );
+    let mut gateway = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .arg("gateway")
+            .env("TOOLFLEET_NATS_URL", door.env.nats.url())
+            .env("TOOLFLEET_REDIS_URL", door.env.redis.url())
+            .env("TOOLFLEET_CONFIG", &config)
+            .env("TOOLFLEET_GATEWAY_LISTEN", format!("127.0.0.1:{listen}"))
+            .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{metrics}"))
+            .env("TOOLFLEET_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let answer = until_answered(
+        &door.http,
+        &format!("http://127.0.0.1:{listen}/v1/chat/completions"),
+        &key,
+        &json!({"model": "acme-extra", "messages": [{"role": "user", "content": "hello"}]}),
+    )
+    .await;
+    assert_eq!(
+        answer["choices"][0]["message"]["content"],
+        "Hello from the fleet."
+    );
+    let ready = door
+        .http
+        .get(format!("http://127.0.0.1:{metrics}/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 200);
+    let said = ready.text().await.unwrap();
+    assert!(
+        said.contains("ok   nats") && said.contains("ok   redis"),
+        "{said}"
+    );
+    let text = door
+        .http
+        .get(format!("http://127.0.0.1:{metrics}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        text.contains(
+            r#"toolfleet_gateway_requests_total{route="chat_completions",status="200"} 1"#
+        ),
+        "{text}"
+    );
+    assert!(gateway.stop().success());
+}
+
+/// `toolfleet up --gateway`: the whole fleet and the gateway in one
+/// process, as a developer runs it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gateway_toolfleet_up_serves_it_beside_the_fleet() {
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let model = toolfleet_scripted::ScriptedServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        toolfleet_scripted::Script::from_json(&script().to_string()).unwrap(),
+    )
+    .await
+    .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let config = tmp.path().join("toolfleet.toml");
+    support::write_scripted_config(&config, &model.base_url());
+    let (listen, metrics) = (
+        toolfleet_local::servers::free_port().unwrap(),
+        toolfleet_local::servers::free_port().unwrap(),
+    );
+    let mut up = Child(
+        std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .args(["up", "--gateway"])
+            .current_dir(support::root())
+            .env("TOOLFLEET_NATS_URL", nats.url())
+            .env("TOOLFLEET_REDIS_URL", redis.url())
+            .env("TOOLFLEET_CONFIG", &config)
+            .env("TOOLFLEET_INDEX_DIR", tmp.path().join("index"))
+            .env("TOOLFLEET_GATEWAY_LISTEN", format!("127.0.0.1:{listen}"))
+            .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{metrics}"))
+            .env("TOOLFLEET_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+        .args(["keys", "add", "--tenant", "default"])
+        .env("TOOLFLEET_REDIS_URL", redis.url())
+        .output()
+        .unwrap();
+    let key = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    toolfleet_llm::install_crypto_provider();
+    let http = reqwest::Client::new();
+    let answer = until_answered(
+        &http,
+        &format!("http://127.0.0.1:{listen}/v1/responses"),
+        &key,
+        &json!({"model": "default", "input": "Tell me what time it is."}),
+    )
+    .await;
+    let text = answer["output"][0]["content"][0]["text"].as_str().unwrap();
+    assert!(text.starts_with("It is "), "{answer}");
+    assert!(up.stop().success());
+}
