@@ -1,7 +1,7 @@
 //! The OpenAI-compatible gateway (`toolfleet gateway`) in front of a fleet
 //! on real servers (nats-server, redis-server, the scripted model): raw
 //! HTTP for both APIs, streamed and not, checked with the same parsers as
-//! OpenAI's recorded streams (`/work/shared/conformance`, read in place);
+//! OpenAI's recorded streams (`shared/conformance` beside the checkout);
 //! keys made and revoked by `toolfleet keys`; errors in OpenAI's shape; a
 //! client that goes away cancels its job; tenants kept apart; approvals;
 //! the official `openai` Python client (`tests/gateway/openai_client.py`)
@@ -396,8 +396,16 @@ fn check_citations(text: &str, annotations: &[Value], nested: bool) {
     );
 }
 
+/// OpenAI's recorded streams, read in place: `shared/conformance` beside
+/// this checkout (its SOURCES.md says where each comes from).
 fn conformance(dir: &str) -> PathBuf {
-    PathBuf::from("/work/shared/conformance").join(dir)
+    let path = support::root().join("../shared/conformance").join(dir);
+    assert!(
+        path.is_dir(),
+        "the recorded OpenAI streams are expected in {} (shared/conformance beside the checkout)",
+        path.display()
+    );
+    path
 }
 
 const LIGHTHOUSE: &str = "How do lighthouse keepers warn ships?";
