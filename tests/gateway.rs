@@ -901,6 +901,33 @@ async fn gateway_a_client_that_goes_away_cancels_its_job() {
         assert_ne!(e["type"], "completed", "the answer ran to its end: {e}");
     }
     door.env.wait_for_cancel_written("acme", &invocation).await;
+
+    // Not streamed: hanging up while the answer is awaited cancels too.
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(800))
+        .build()
+        .unwrap();
+    let slow =
+        json!({"model": "default", "messages": [{"role": "user", "content": "Answer slowly."}]});
+    let gave_up = impatient
+        .post(door.url("/v1/chat/completions"))
+        .bearer_auth(&key)
+        .json(&slow)
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the answer is slow");
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let e = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .expect("the slow invocation is cancelled in time")
+            .unwrap();
+        let e: Value = serde_json::from_slice(&e.payload).unwrap();
+        if e["type"] == "error" && e["invocationId"] != invocation.as_str() {
+            assert_eq!(e["code"], "cancelled", "{e}");
+            break;
+        }
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
