@@ -110,9 +110,18 @@ impl Follow {
             };
             match step {
                 Some(Step::Event(e)) => self.on_event(e.body).await,
-                Some(Step::Failed(e)) => self
-                    .queue
-                    .push_back(Output::Failed(ApiError::from_client(&e, self.timeout))),
+                Some(Step::Failed(e)) => {
+                    // Refused before it was stored: there is nothing to
+                    // cancel (a cancel would only be remembered).
+                    if matches!(
+                        e,
+                        ClientError::QueueFull(_) | ClientError::JobTooLarge { .. }
+                    ) {
+                        self.cancel = None;
+                    }
+                    self.queue
+                        .push_back(Output::Failed(ApiError::from_client(&e, self.timeout)));
+                }
                 None => self.queue.push_back(Output::Failed(ApiError::unavailable(
                     "The fleet's events stopped before the answer.",
                 ))),
