@@ -33,6 +33,7 @@ mod provider_limits;
 mod rag;
 mod retrieval_tenants;
 mod runtime;
+mod scale_from_zero;
 mod scoping;
 mod secrets;
 mod security;

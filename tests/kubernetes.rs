@@ -666,6 +666,30 @@ fn pools_that_scale_from_zero_are_declared_in_the_orchestrator_config() {
         );
     }
     assert!(from_zero > 0, "no pool scales from zero");
+    // The orchestrator loads the file, and resolves each declared pool's
+    // tools from the definitions the image ships: they are the tools whose
+    // consumers the pool's triggers scale on (the orchestrator makes those
+    // consumers before the pool first runs).
+    let fleet = toolfleet_config::FleetConfig::from_toml(file, "toolfleet.toml").unwrap();
+    let definitions = toolfleet_protocol::tools::load_dir(root().join("tool_definitions")).unwrap();
+    let declared = toolfleet_orchestrator::tools::declared::DeclaredPools::resolve(
+        &fleet,
+        definitions,
+        "tool_definitions",
+    )
+    .unwrap_or_else(|e| panic!("the orchestrator would not start: {e}"));
+    let subjects = subjects(&objects);
+    let expected = consumers_by_pool(&objects, &subjects);
+    for (pool, tools) in declared.by_pool() {
+        let consumers: BTreeSet<String> = tools
+            .iter()
+            .map(|id| subjects.tool_consumer(&id.parse().unwrap()))
+            .collect();
+        assert_eq!(
+            consumers, expected[pool],
+            "pools.{pool}: the declared tools are those its triggers scale on"
+        );
+    }
 }
 
 /// The NATS users of `ops/nats/auth.conf` (and the files it includes).
@@ -770,12 +794,10 @@ fn every_family_has_an_absent_alert_on_its_job() {
             alerts.contains(&format!("absent(up{{job=\"{job}\"}} == 1)")),
             "alerts.yml has no absent rule on job {job}"
         );
-        if job != "toolfleet-gateway" {
-            assert!(
-                compose.contains(&format!("job_name: {job}\n")),
-                "prometheus.yml has no scrape job {job}: the rule would not work under compose"
-            );
-        }
+        assert!(
+            compose.contains(&format!("job_name: {job}\n")),
+            "prometheus.yml has no scrape job {job}: the rule would not work under compose"
+        );
     }
     assert_eq!(of_kind(&objects, "PrometheusRule").count(), 1);
 }

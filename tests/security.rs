@@ -383,6 +383,10 @@ agent = {{ name = "helper", description = "Agrees." }}
 deployment = "scripted"
 data_source = "handbook"
 require_approval = ["system:current_datetime"]
+# Declared, with no worker: the orchestrator makes its consumers under
+# its own role at start (scale from zero).
+[pools.web]
+declared = true
 "#,
             model.base_url()
         ),
@@ -398,6 +402,13 @@ require_approval = ["system:current_datetime"]
                 vec![
                     ("TOOLFLEET_CONFIG", config.display().to_string()),
                     ("TOOLFLEET_SECURITY_TEST_KEY", "sk-security-test".into()),
+                    (
+                        "TOOLFLEET_TOOL_DEFINITIONS",
+                        support::root()
+                            .join("tool_definitions")
+                            .display()
+                            .to_string(),
+                    ),
                 ],
             ),
             logs.path().join("orchestrator.log"),
@@ -638,6 +649,17 @@ require_approval = ["system:current_datetime"]
         "{end:?}\n{}",
         std::fs::read_to_string(&procs[0].log).unwrap_or_default()
     );
+
+    // The declared web pool's consumers, made by the orchestrator (read
+    // under its role, which may read the tool consumers it makes).
+    let tools = async_nats::jetstream::new(secure.connect("orchestrator").await)
+        .get_stream("TOOLFLEET_TOOLS")
+        .await
+        .unwrap();
+    for consumer in ["tool_web_search_1_0_0", "tool_web_read_page_1_0_0"] {
+        let info = tools.consumer_info(consumer).await;
+        assert!(info.is_ok(), "{consumer}: {:?}", info.err());
+    }
 
     // Not one permission was missing on the way, and no secret was logged.
     assert_eq!(secure.violations(), Vec::<String>::new());

@@ -14,6 +14,7 @@
 //! | `[tenants.<name>]` | table | one tenant's default profile and whether its users are trusted: [`crate::tenants`] |
 //! | `[tenant_defaults]` | table, the keys of `[tenants.<name>]` | values for every tenant whose own table does not set them: [`crate::tenants`], [`crate::poison`], [`crate::caps`], [`crate::limits`], [`crate::cancels`], [`crate::fair`] |
 //! | `[data_sources.<id>]` | table | a data source and the tenants that may use it: [`crate::tenants`] |
+//! | `[pools.<name>]` | table | a worker pool declared to the orchestrator, so its tools are offered while none of its workers is live (scale from zero): [`crate::pools`] |
 //! | `[links]` | table of strings, `{}` | link templates by reference type (`data_source`, `knowledge`, …): an `http(s)` URL with `{source}` and/or `{title}`; never for `document` |
 //! | `[prices."<model>"]` | table | USD per million tokens: [`toolfleet_llm::prices`] |
 //!
@@ -49,6 +50,7 @@ use toolfleet_llm::model_config::{DEFAULT_PROFILE, ModelConfig};
 use toolfleet_llm::prices::PriceTable;
 
 use crate::agents::{DEFAULT_MAX_AGENT_DEPTH, MAX_AGENT_DEPTH_LIMIT};
+use crate::pools::PoolConfig;
 use crate::profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 use crate::sinks::SinkConfig;
 use crate::tenants::{DataSourceConfig, TenantConfig};
@@ -81,6 +83,9 @@ pub struct FleetConfig {
     /// A tenant's keys for every tenant whose table lacks them
     /// (`[tenant_defaults]`).
     pub tenant_defaults: TenantConfig,
+    /// Worker pools the orchestrator knows of before any of their workers
+    /// is live (`[pools.<name>]`).
+    pub pools: BTreeMap<String, PoolConfig>,
 }
 
 /// The file as written; checked further by [`FleetConfig::validate`].
@@ -107,6 +112,8 @@ struct FileConfig {
     data_sources: BTreeMap<String, DataSourceConfig>,
     #[serde(default)]
     tenant_defaults: TenantConfig,
+    #[serde(default)]
+    pools: BTreeMap<String, PoolConfig>,
 }
 
 fn default_max_agent_depth() -> u32 {
@@ -149,6 +156,7 @@ impl FleetConfig {
             tenants: file.tenants,
             data_sources: file.data_sources,
             tenant_defaults: file.tenant_defaults,
+            pools: file.pools,
         };
         config
             .validate()
@@ -170,6 +178,7 @@ impl FleetConfig {
             tenants: BTreeMap::new(),
             data_sources: BTreeMap::new(),
             tenant_defaults: TenantConfig::default(),
+            pools: BTreeMap::new(),
         }
     }
 
@@ -180,6 +189,12 @@ impl FleetConfig {
             profile.data_source = Some(data_source.to_owned());
         }
         self
+    }
+
+    /// The declared pools (`[pools.<name>] declared = true`), by name:
+    /// their tools are offered while none of their workers is live.
+    pub fn declared_pools(&self) -> impl Iterator<Item = (&String, &PoolConfig)> {
+        self.pools.iter().filter(|(_, p)| p.declared)
     }
 
     /// The model part of this configuration, as a process that only calls
@@ -245,6 +260,7 @@ impl FleetConfig {
         self.check_caps()?;
         self.check_cancel_limits()?;
         self.check_fair_share()?;
+        crate::pools::check(&self.pools)?;
         self.prices.validate()
     }
 
@@ -501,6 +517,7 @@ mod tests {
             "cancel_burst",
             "remembered_cancels",
             "weight",
+            "declared",
         ] {
             assert!(
                 EXAMPLE.contains(&format!("\n{key} =")) || EXAMPLE.contains(&format!("# {key} =")),

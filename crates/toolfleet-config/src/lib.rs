@@ -34,6 +34,9 @@
 //!   and how many of jobs not started are remembered ([`CancelLimits`]);
 //! - [`fair`]: each tenant's share of chat dispatch (`weight`, with
 //!   `[tenant_defaults]`);
+//! - [`pools`]: worker pools declared to the orchestrator
+//!   (`[pools.<name>]`), whose tools are offered while none of their
+//!   workers is live (scale from zero);
 //! - [`resolve`]: a job's profile, as its tenant may use it, on its first
 //!   usable deployment ([`ResolvedProfile`]), with the trust that
 //!   deployment carries;
@@ -63,6 +66,7 @@ pub mod file;
 pub mod limits;
 pub mod poison;
 pub mod policy;
+pub mod pools;
 pub mod profile;
 pub mod resolve;
 pub mod sinks;
@@ -78,6 +82,7 @@ pub use file::{ConfigArgs, FleetConfig};
 pub use limits::{LimitKeys, Ratio, Usd};
 pub use poison::PoisonPolicy;
 pub use policy::{LoopPolicy, RagPolicy, ScopingPolicy, TruncatedPolicy};
+pub use pools::PoolConfig;
 pub use profile::{DEFAULT_ORCHESTRATOR, ORCHESTRATORS, Profile};
 pub use resolve::{ResolvedDeployment, ResolvedProfile};
 pub use sinks::SinkConfig;

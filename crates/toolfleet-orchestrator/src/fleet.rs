@@ -168,7 +168,8 @@ impl Fleet {
         }
     }
 
-    /// The registry (agents, then the live catalog) and relevance index of
+    /// The registry (agents, then the live catalog, then the declared
+    /// pools' tools no live worker serves) and relevance index of
     /// the latest catalog reading: built once per catalog generation, then
     /// shared by every invocation until the catalog changes.
     pub fn tool_snapshot(&self) -> Arc<ToolSnapshot> {
@@ -206,7 +207,7 @@ impl Fleet {
         let started = std::time::Instant::now();
         let snapshot = Arc::new(blocking(|| {
             ToolSnapshot::build(
-                &self.agents,
+                (&self.agents, &self.config.declared),
                 &catalog,
                 self.config.compat.as_deref(),
                 &self.config.profiles,

@@ -24,7 +24,8 @@
 //! **Parts** the stages call, never calling back up: [`approvals`] (the
 //! durable pause: records, the parked bucket, approval requests, timeouts),
 //! [`agents`] (an agent tool's call as a nested chat job), [`sinks`]
-//! (response routing and its relay), `pools` (the scaling signals).
+//! (response routing and its relay), `pools` (the scaling signals, and
+//! the declared pools' consumers).
 //!
 //! **Shared** below them all: [`Fleet`] (what every invocation shares),
 //! [`Settings`], [`invocation`], [`tools`] (snapshot, gates, scoring),
@@ -42,10 +43,13 @@
 //! - Every invocation ends in exactly one terminal event, and the chat job
 //!   is acked after it.
 //! - Events are numbered in publish order by one task per invocation.
-//! - Only tools a live worker serves (agent tools: the orchestrators) and
-//!   the job's gates permit are offered; a call to any other tool is
-//!   answered at once (with close names), and so is a call whose tool has
-//!   been missing from two catalog readings in a row while it waits.
+//! - Only tools a live worker serves (agent tools: the orchestrators; a
+//!   declared pool's tools: the pool's first worker to start) and the
+//!   job's gates permit are offered; a call to any other tool is answered
+//!   at once (with close names), and so is a call whose tool has been
+//!   missing from two catalog readings in a row while it waits (bar a
+//!   declared pool's: its job waits in its queue for a worker, until just
+//!   before the job's deadline).
 //! - Every failure ends in an `error` event with a code — never silence.
 
 // Tests are exempt from the 100-line limit: a scenario reads top to bottom.

@@ -1,7 +1,8 @@
 //! `toolfleet-orchestrator`: takes chat jobs and runs the agentic loop.
 //! Configured by flags and `TOOLFLEET_*` environment variables (`--help`).
-//! It reads no tool definition files: the tools it offers are those the
-//! fleet's live workers advertise.
+//! The tools it offers are those the fleet's live workers advertise; it
+//! reads tool definition files only for the pools its profiles file
+//! declares (`[pools.<name>] declared = true`: scale from zero).
 
 use std::net::SocketAddr;
 
@@ -48,6 +49,12 @@ struct Args {
     /// skipped.
     #[arg(long, env = "TOOLFLEET_TOOL_COMPAT", value_name = "FILE")]
     tool_compat: Option<std::path::PathBuf>,
+    /// Directory of tool definition files, read only when the profiles
+    /// file declares a pool (`[pools.<name>] declared = true`): the
+    /// definitions of its tools, offered while none of its workers is
+    /// live. Give the directory its workers serve.
+    #[arg(long, env = args::ENV_TOOL_DEFINITIONS, default_value = args::DEFAULT_TOOL_DEFINITIONS, value_name = "DIR")]
+    tool_definitions: std::path::PathBuf,
     /// Prometheus metrics and health endpoint.
     #[arg(long, env = args::ENV_METRICS_ADDR, default_value = "0.0.0.0:9464")]
     metrics_addr: SocketAddr,
@@ -62,7 +69,17 @@ async fn main() -> anyhow::Result<()> {
     args::or_exit(a.nats.check_url().map_err(Into::into));
     args::or_exit(a.redis.check_url().map_err(Into::into));
     let profiles = args::or_exit(a.llm.fleet_config().map_err(Into::into));
+    // A declared pool's tools from the definition files (exit 64 on an
+    // unknown pool or a definition that will not load).
+    let declared = args::or_exit(
+        toolfleet_orchestrator::tools::declared::DeclaredPools::load(
+            &profiles,
+            &a.tool_definitions,
+        )
+        .map_err(anyhow::Error::msg),
+    );
     let mut config = OrchestratorConfig::new(subjects, profiles);
+    config.declared = declared;
     config.max_in_flight = a.max_in_flight;
     config.batch_max_wait = std::time::Duration::from_secs(a.batch_max_wait_secs);
     config.chat_dispatch = a.chat_dispatch;

@@ -7,19 +7,106 @@
 //!
 //! Every orchestrator exports the same numbers; dashboards and alerts take
 //! `max by (tool)`.
+//!
+//! A declared pool ([`crate::tools::declared`]) may have no worker at all
+//! yet, so no consumer: the orchestrator makes its tools' consumers
+//! ([`ensure_consumers`]), as a worker of the pool would make them, at
+//! start and again when a reading finds one missing, so its jobs queue
+//! where its autoscaler (KEDA's `nats-jetstream` trigger reads a
+//! consumer's pending and unacknowledged jobs) and these gauges see them.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use async_nats::jetstream;
 use futures::StreamExt;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use toolfleet_protocol::Subjects;
+use toolfleet_protocol::streams::{TOOL_MAX_ACK_WAIT, TOOL_MAX_ATTEMPTS};
+use toolfleet_protocol::tools::ToolDefinition;
+use tracing::{info, warn};
 
-use crate::Fleet;
+use crate::tools::declared::DeclaredPools;
+use crate::{Fleet, OrchestratorError};
+
+/// Makes the durable consumer of every declared tool that has none, with
+/// the settings a worker of its pool makes it with (the worker defaults:
+/// a worker with other settings brings the ack wait to its own as it
+/// starts). A consumer of that name already there — a worker's, or one the
+/// operator made — is used as it is, if it is pinned to the tool's
+/// subject.
+///
+/// # Errors
+///
+/// The tools stream or a consumer cannot be read or made (the
+/// orchestrator's NATS identity needs the consumer-create permission of
+/// `ops/nats/auth.conf`), or a consumer of a declared tool's name belongs
+/// to another subject.
+pub(crate) async fn ensure_consumers(
+    js: &jetstream::Context,
+    subjects: &Subjects,
+    declared: &DeclaredPools,
+) -> Result<(), OrchestratorError> {
+    if declared.is_empty() {
+        return Ok(());
+    }
+    let stream = js
+        .get_stream(subjects.tools_stream())
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("the tools stream: {e}")))?;
+    for tool in declared.tools() {
+        ensure_consumer(&stream, subjects, &tool.definition).await?;
+    }
+    Ok(())
+}
+
+/// [`ensure_consumers`] for one tool.
+async fn ensure_consumer(
+    stream: &jetstream::stream::Stream,
+    subjects: &Subjects,
+    def: &ToolDefinition,
+) -> Result<(), OrchestratorError> {
+    let config = toolfleet_protocol::streams::tool_consumer_config(
+        subjects,
+        def,
+        toolfleet_protocol::streams::tool_ack_wait(def, TOOL_MAX_ACK_WAIT),
+        TOOL_MAX_ATTEMPTS,
+    );
+    let name = subjects.tool_consumer(&def.id);
+    let filter = config.filter_subject.clone();
+    let mut consumer = stream
+        .get_or_create_consumer(&name, config)
+        .await
+        .map_err(|e| {
+            OrchestratorError::Nats(format!(
+                "the consumer {name} of the declared tool {}: {e} (the orchestrator's NATS \
+                 identity makes it: it needs $JS.API.CONSUMER.INFO.{stream}.* and \
+                 $JS.API.CONSUMER.CREATE.{stream}.*.{}.tool.>, as in ops/nats/auth.conf)",
+                def.id,
+                subjects.prefix(),
+                stream = subjects.tools_stream(),
+            ))
+        })?;
+    let found = consumer
+        .info()
+        .await
+        .map_err(|e| OrchestratorError::Nats(format!("the consumer {name}: {e}")))?
+        .config
+        .filter_subject
+        .clone();
+    if found != filter {
+        return Err(OrchestratorError::Config(format!(
+            "the consumer {name} belongs to {found}, not to the declared tool {} ({filter})",
+            def.id
+        )));
+    }
+    Ok(())
+}
 
 /// One reading: every tool consumer's backlog and jobs in flight, and the
-/// live workers of each tool (also of a live tool without a consumer yet).
+/// live workers of each tool (also of a live tool without a consumer yet,
+/// and of each declared tool, whose missing consumer is made again).
 async fn read(fleet: &Fleet) -> Result<BTreeMap<String, (u64, u64, usize)>, String> {
     let subjects = &fleet.config.subjects;
     let stream = fleet
@@ -45,6 +132,21 @@ async fn read(fleet: &Fleet) -> Result<BTreeMap<String, (u64, u64, usize)>, Stri
         pools
             .entry(entry.definition().id.to_string())
             .or_insert((0, 0, entry.workers));
+    }
+    // A declared tool's consumer gone (a stream made again, an operator's
+    // `nats consumer rm`): made again, or its jobs would queue unseen.
+    for tool in fleet.config.declared.tools() {
+        let id = tool.definition.id.to_string();
+        if pools.contains_key(&id) {
+            continue;
+        }
+        match ensure_consumer(&stream, subjects, &tool.definition).await {
+            Ok(()) => info!(tool = %id, "made the missing consumer of a declared pool's tool"),
+            Err(e) => {
+                warn!(tool = %id, error = %e, "cannot make the consumer of a declared pool's tool")
+            }
+        }
+        pools.insert(id, (0, 0, 0));
     }
     Ok(pools)
 }

@@ -12,6 +12,7 @@ use toolfleet_llm::deployments::{EnvSource, ProcessEnv};
 use toolfleet_protocol::Subjects;
 
 use crate::sinks::SinkSettings;
+use crate::tools::declared::DeclaredPools;
 
 /// How long batch jobs wait behind interactive ones at most, by default
 /// (`--batch-max-wait`).
@@ -60,6 +61,10 @@ pub struct Settings {
     pub compat: Option<Arc<toolfleet_protocol::registry::CompatFile>>,
     /// Webhook and relay sinks: retries, SSRF exceptions, allowed relays.
     pub sinks: SinkSettings,
+    /// The tools of the pools the profiles file declares, offered while
+    /// none of their workers is live (scale from zero): none until
+    /// [`DeclaredPools::load`] resolves them from definition files.
+    pub declared: DeclaredPools,
 }
 
 impl Settings {
@@ -78,6 +83,7 @@ impl Settings {
             catalog_wait: Duration::from_millis(250),
             compat: None,
             sinks: SinkSettings::default(),
+            declared: DeclaredPools::none(),
         }
     }
 }

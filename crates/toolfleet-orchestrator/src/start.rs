@@ -193,6 +193,9 @@ impl Opened {
             )
             .boxed(),
         };
+        // Scale from zero: the declared pools' consumers, before any job.
+        pools::ensure_consumers(&js, subjects, &settings.declared).await?;
+        declared_pools_said(&settings);
         (settings.sinks)
             .check_config(subjects, &settings.profiles.sinks, &*settings.env)
             .map_err(OrchestratorError::Config)?;
@@ -235,6 +238,22 @@ impl Opened {
                 approval_requests,
             },
         })
+    }
+}
+
+/// Logs the declared pools and their tools; warns of pools the profiles
+/// file declares whose tools this orchestrator was not given (a fleet
+/// built without [`DeclaredPools::load`](crate::tools::declared::DeclaredPools::load)):
+/// their tools are offered only while a worker serves them.
+fn declared_pools_said(settings: &crate::Settings) {
+    let by_pool = settings.declared.by_pool();
+    for (pool, tools) in &by_pool {
+        info!(pool, tools = ?tools, "declared pool: its tools are offered while none of its workers is live");
+    }
+    for (pool, _) in settings.profiles.declared_pools() {
+        if !by_pool.contains_key(pool.as_str()) {
+            warn!(pool = %pool, "the profiles file declares this pool, but its tools' definitions were not loaded: they are offered only while one of its workers is live");
+        }
     }
 }
 

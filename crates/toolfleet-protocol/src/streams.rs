@@ -13,6 +13,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, stream};
 
 use crate::Subjects;
+use crate::tools::ToolDefinition;
 
 /// A stream could not be created or looked up.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -432,6 +433,48 @@ pub async fn ensure_tools_stream(
         |_| {},
     )
     .await
+}
+
+/// Attempts of a tool job before its worker dead-letters it, by default
+/// (the worker SDK's `WorkerConfig::max_attempts`).
+pub const TOOL_MAX_ATTEMPTS: u32 = 3;
+/// The shortest ack wait of a tool's consumer.
+pub const TOOL_MIN_ACK_WAIT: Duration = Duration::from_secs(2);
+/// The longest ack wait of a tool's consumer, by default (the worker
+/// SDK's `WorkerConfig::ack_wait`).
+pub const TOOL_MAX_ACK_WAIT: Duration = Duration::from_secs(30);
+
+/// The ack wait of `def`'s consumer: a quarter of the tool's timeout,
+/// within [`TOOL_MIN_ACK_WAIT`] and `longest` (see the worker SDK's
+/// `WorkerConfig::ack_wait_for` for why).
+pub fn tool_ack_wait(def: &ToolDefinition, longest: Duration) -> Duration {
+    (def.timeout() / 4).clamp(TOOL_MIN_ACK_WAIT, longest.max(TOOL_MIN_ACK_WAIT))
+}
+
+/// The durable pull consumer of one JetStream tool, shared by every copy
+/// of its pool: named [`Subjects::tool_consumer`], filtered on the tool's
+/// subject, explicit acks, and `max_deliver` two past the worker's own
+/// `max_attempts` (the worker terminates first; this is the backstop for a
+/// job that kills its worker every time). Workers make it as they start;
+/// an orchestrator makes the consumers of a declared pool's tools before
+/// any worker of the pool has started (scale from zero), with the worker
+/// defaults ([`TOOL_MAX_ACK_WAIT`], [`TOOL_MAX_ATTEMPTS`]), so either may
+/// come first.
+pub fn tool_consumer_config(
+    subjects: &Subjects,
+    def: &ToolDefinition,
+    ack_wait: Duration,
+    max_attempts: u32,
+) -> jetstream::consumer::pull::Config {
+    jetstream::consumer::pull::Config {
+        durable_name: Some(subjects.tool_consumer(&def.id)),
+        filter_subject: subjects.tool(&def.id),
+        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+        ack_wait,
+        max_deliver: i64::from(max_attempts) + 2,
+        max_ack_pending: 10_000,
+        ..Default::default()
+    }
 }
 
 /// A work-queue stream of jobs: file storage, a 2-minute duplicate window

@@ -23,6 +23,16 @@
 //! (its tool's timeout plus slack, never past the invocation's) is answered
 //! `timeout`.
 //!
+//! A declared pool's tool ([`crate::tools::declared`]) with no live worker
+//! is no `no_worker`: its job goes out and queues on the tool's consumer
+//! (where the pool's autoscaler sees it), a `tool_progress` event says the
+//! call waits for the pool's first worker, and the call waits for it until
+//! just before the invocation's deadline ([`POOL_WAIT_MARGIN`]); once a
+//! worker is live, the tool's own timeout counts from then on. A call that
+//! waited in vain is answered `no_worker` and ends the invocation with
+//! `deadline_exceeded`, naming the pool ([`ToolRunner::ended`]): no time is
+//! left for the model.
+//!
 //! Every call's tool is resolved once ([`resolve_tool`]); a call whose tool
 //! needs a person's approval under the invocation's rules runs only when
 //! it carries that approval ([`Resolved::approved`]), whoever called the
@@ -74,7 +84,16 @@ pub struct ToolRunner<'f> {
     /// it was away are lost, so waiting calls are read back
     /// ([`readback`]).
     reconnects: toolfleet_service::jobs::Reconnects,
+    /// A call waited for a declared pool's first worker until the
+    /// invocation's deadline, in vain ([`ToolRunner::ended`]).
+    ended: Option<Failure>,
 }
+
+/// How long before the invocation's deadline a call waiting for a declared
+/// pool's first worker gives up: time to answer it and end the invocation
+/// with an `error` that names the pool, before the deadline ends it
+/// without a word on why.
+pub const POOL_WAIT_MARGIN: Duration = Duration::from_secs(1);
 
 impl Fleet {
     /// A [`ToolRunner`] with its reply inbox registered with the
@@ -90,6 +109,7 @@ impl Fleet {
             internal: None,
             cancelled: false,
             reconnects: self.reconnects.from_now(),
+            ended: None,
         })
     }
 }
@@ -137,6 +157,9 @@ struct Pending {
     again: Option<readback::Again>,
     /// Read its result back from the ledger at the batch's next look.
     look: bool,
+    /// The declared pool whose first worker the call waits for (none of
+    /// its workers was live when it was sent); `None` once one is.
+    waits_for: Option<String>,
 }
 
 /// One batch of calls sent together, and their answers so far.
@@ -411,7 +434,7 @@ impl ToolRunner<'_> {
         events: &Events,
     ) -> Result<(Pending, Option<PublishAckFuture>), ToolOutcome> {
         let span = call_span(call);
-        let (tool, arguments) = match self.accept(inv, call, resolved, events).await {
+        let (tool, arguments, waits_for) = match self.accept(inv, call, resolved, events).await {
             Ok(accepted) => accepted,
             Err(outcome) => {
                 failed(&span, ToolErrorCode::ToolCallRefused.as_str());
@@ -459,7 +482,7 @@ impl ToolRunner<'_> {
                 ),
             ));
         }
-        let deadline = self.answer_deadline(inv, def);
+        let deadline = self.answer_deadline(inv, def, waits_for.is_some());
         let place = inflight::take(self.fleet, inv, def, held, deadline)
             .await
             .map_err(|inflight::NoPlace::Deadline| {
@@ -485,6 +508,15 @@ impl ToolRunner<'_> {
                 ));
             }
         };
+        if let Some(pool) = &waits_for {
+            events.send(ChatEventBody::ToolProgress {
+                call_id: call.id.clone(),
+                tool: id.clone(),
+                message: format!(
+                    "No worker of the pool {pool} is running yet: the call waits for one to start."
+                ),
+            });
+        }
         Ok((
             Pending {
                 index,
@@ -497,21 +529,30 @@ impl ToolRunner<'_> {
                 again: again_body.map(|body| readback::Again::new(def.delivery, call_ctx, body)),
                 look: false,
                 tool,
+                waits_for,
             },
             ack,
         ))
     }
 
     /// When a call of `inv` to `def` is given up: the tool's timeout and
-    /// slack, or the invocation's deadline when nearer.
+    /// slack, or the invocation's deadline when nearer; a call that waits
+    /// for a declared pool's first worker (`for_pool`), [`POOL_WAIT_MARGIN`]
+    /// before the invocation's deadline (a pool may take that long to
+    /// start).
     fn answer_deadline(
         &self,
         inv: &Invocation,
         def: &toolfleet_protocol::tools::ToolDefinition,
+        for_pool: bool,
     ) -> tokio::time::Instant {
-        let wait = (def.timeout() + self.fleet.config.tool_wait_slack).min(Duration::from_millis(
-            inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()),
-        ));
+        let left =
+            Duration::from_millis(inv.deadline_ms.saturating_sub(toolfleet_protocol::now_ms()));
+        let wait = if for_pool {
+            left.saturating_sub(POOL_WAIT_MARGIN)
+        } else {
+            (def.timeout() + self.fleet.config.tool_wait_slack).min(left)
+        };
         tokio::time::Instant::now() + wait
     }
 
@@ -548,14 +589,15 @@ impl ToolRunner<'_> {
     /// Takes a call's resolved tool and its arguments and publishes its
     /// `tool_call` event; answers at once a call to an unknown tool, to a
     /// tool that needs an approval the call does not have, with arguments
-    /// that are not JSON, or to a tool no live worker serves.
+    /// that are not JSON, or to a tool no live worker serves — unless its
+    /// pool is declared: then the pool whose first worker it waits for.
     async fn accept(
         &self,
         inv: &Invocation,
         call: &ToolCall,
         resolved: &Resolved,
         events: &Events,
-    ) -> Result<(Arc<CompiledTool>, Value), ToolOutcome> {
+    ) -> Result<(Arc<CompiledTool>, Value, Option<String>), ToolOutcome> {
         let metrics = &self.fleet.metrics;
         let internal = self
             .internal
@@ -635,16 +677,19 @@ impl ToolRunner<'_> {
                 redact(&arguments, &def.sensitive_arguments)
             },
         });
-        if !self.fleet.catalog.is_live(&id).await {
-            return Err(no_worker(
+        if self.fleet.catalog.is_live(&id).await {
+            return Ok((tool, arguments, None));
+        }
+        match self.fleet.config.declared.pool_of(&id) {
+            Some(pool) => Ok((tool, arguments, Some(pool.to_owned()))),
+            None => Err(no_worker(
                 metrics,
                 events,
                 call,
                 &id,
                 "no live worker serves it",
-            ));
+            )),
         }
-        Ok((tool, arguments))
     }
 
     /// Publishes a job: to the tool's stream (the ack comes later), or as a
@@ -783,13 +828,18 @@ impl ToolRunner<'_> {
                         ));
                     }
                 }
-                Waited::Catalog(catalog) => batch.note_reading(&catalog, metrics, events),
+                Waited::Catalog(catalog) => {
+                    batch.note_reading(&catalog, &self.fleet.config, metrics, events);
+                }
                 Waited::Deadline => {
                     // A reply lost on its way is no timeout: the ledger
                     // is read once more before the call is given up.
                     let now = tokio::time::Instant::now();
                     self.read_back(inv, batch, events, |p| p.ledger && p.deadline <= now)
                         .await;
+                    if let Some(failure) = batch.give_up_waiting(now, metrics, events) {
+                        self.ended.get_or_insert(failure);
+                    }
                     batch.expire(now, &self.fleet.metrics, events);
                 }
                 Waited::Reconnected => self.after_reconnect(batch).await,
@@ -860,6 +910,15 @@ impl ToolRunner<'_> {
         self.spent.extend(calls);
     }
 
+    /// A call that waited for a declared pool's first worker until the
+    /// invocation's deadline, in vain: the invocation ends with this
+    /// `deadline_exceeded` failure, naming the pool, rather than calling
+    /// the model with no time left.
+    #[must_use]
+    pub fn ended(&self) -> Option<Failure> {
+        self.ended.clone()
+    }
+
     /// Whether a worker answered one of this runner's calls `cancelled`:
     /// workers answer so only once they heard the invocation's cancel, so
     /// the invocation is over even if this orchestrator's own copy of the
@@ -907,13 +966,30 @@ impl ToolRunner<'_> {
 
 impl Batch<'_> {
     /// Counts a catalog reading against each pending call: two readings in
-    /// a row without its tool answer it `no_worker`.
-    fn note_reading(&mut self, catalog: &Catalog, metrics: &OrchestratorMetrics, events: &Events) {
+    /// a row without its tool answer it `no_worker`, unless its pool is
+    /// declared (its job waits for the next worker). A call that waited
+    /// for a declared pool's first worker gets its tool's own time from the
+    /// reading that shows one live.
+    fn note_reading(
+        &mut self,
+        catalog: &Catalog,
+        settings: &crate::Settings,
+        metrics: &OrchestratorMetrics,
+        events: &Events,
+    ) {
+        let now = tokio::time::Instant::now();
         let mut gone = Vec::new();
         for (call_id, p) in &mut self.pending {
-            if catalog.is_live(&p.tool.definition.id.to_string()) {
+            let def = &p.tool.definition;
+            let id = def.id.to_string();
+            if catalog.is_live(&id) {
                 p.misses = 0;
-            } else {
+                if p.waits_for.take().is_some() {
+                    p.deadline = p
+                        .deadline
+                        .min(now + def.timeout() + settings.tool_wait_slack);
+                }
+            } else if settings.declared.pool_of(&id).is_none() {
                 p.misses += 1;
                 if p.misses >= 2 {
                     gone.push(call_id.clone());
@@ -932,6 +1008,51 @@ impl Batch<'_> {
                 ));
             }
         }
+    }
+
+    /// Answers `no_worker` to every pending call that waited for a declared
+    /// pool's first worker until its deadline (`now` or earlier); the
+    /// invocation's failure for the first of them, if any.
+    fn give_up_waiting(
+        &mut self,
+        now: tokio::time::Instant,
+        metrics: &OrchestratorMetrics,
+        events: &Events,
+    ) -> Option<Failure> {
+        let expired: Vec<String> = self
+            .pending
+            .iter()
+            .filter(|(_, p)| p.waits_for.is_some() && p.deadline <= now)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let mut failure = None;
+        for call_id in expired {
+            let Some(p) = self.pending.remove(&call_id) else {
+                continue;
+            };
+            let pool = p.waits_for.clone().unwrap_or_default();
+            let tool = p.tool.definition.id.to_string();
+            failed(&p.span, ToolErrorCode::NoWorker.as_str());
+            self.answers[p.index] = Some(no_worker(
+                metrics,
+                events,
+                self.calls[p.index],
+                &tool,
+                &format!("no worker of the pool {pool} started in time"),
+            ));
+            failure.get_or_insert_with(|| {
+                Failure::new(
+                    crate::failure::ChatErrorCode::DeadlineExceeded,
+                    format!(
+                        "no worker of the declared pool {pool} started before the job's deadline: \
+                         the call to {tool} waited {:.1} s in its queue (a pool that scales from \
+                         zero must start a worker within the job's timeout)",
+                        p.started.elapsed().as_secs_f64()
+                    ),
+                )
+            });
+        }
+        failure
     }
 
     /// Answers `timeout` to every pending call whose deadline is `now` or

@@ -204,6 +204,9 @@ async fn resume(
             "the invocation was cancelled",
         ));
     }
+    if let Some(failure) = tools.ended() {
+        return Err(failure);
+    }
     caps.close_round(resumed.model_call_ids.len(), &outcomes, &policy, fleet);
     fleet.publish_references(inv, &outcomes, events)?;
     rounds(inv, fleet, events, tools, caps, state.round + 1).await
@@ -280,6 +283,11 @@ async fn rounds(
                 ChatErrorCode::Cancelled,
                 "the invocation was cancelled",
             ));
+        }
+        // A call waited for a declared pool's first worker until the
+        // deadline: no time is left for the model.
+        if let Some(failure) = tools.ended() {
+            return Err(failure);
         }
         caps.close_round(completion.tool_calls.len(), &outcomes, &policy, fleet);
         fleet.publish_references(inv, &outcomes, events)?;

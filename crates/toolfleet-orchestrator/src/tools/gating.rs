@@ -22,7 +22,9 @@
 //! name the job's surface), **`minProviderConfidence`** (the confidence of
 //! the deployment the invocation calls, 0 unless the operator set one,
 //! must reach it — the same rule workers apply; a job cannot claim one)
-//! and **liveness** (a tool no live worker serves is never offered). A
+//! and **liveness** (a tool no live worker serves is never offered, bar a
+//! declared pool's, which waits for the pool's first worker:
+//! [`super::declared`]). A
 //! tool whose definition names `tenants` is served to those tenants only:
 //! to any other it is as if no worker served it (a job naming it fails
 //! with `invalid_tool_selection`, "not served", revealing nothing more).
@@ -41,6 +43,7 @@ use toolfleet_protocol::registry::{Registry, RegistryEntry};
 use toolfleet_protocol::tools::{CompiledTool, Purpose, ToolDefinition, ToolId, ToolRef};
 
 use super::agents::AGENTS_SOURCE;
+use super::declared::DECLARED_SOURCE;
 use crate::Failure;
 use crate::failure::ChatErrorCode;
 
@@ -144,7 +147,7 @@ pub fn permitted(
     gate: &Gate<'_>,
 ) -> Result<Permitted, Failure> {
     let offerable = |e: &RegistryEntry| {
-        e.is_live()
+        (e.is_live() || &*e.source == DECLARED_SOURCE)
             && e.tool.definition.allows_tenant(gate.tenant)
             && if &*e.source == AGENTS_SOURCE {
                 gate.agents

@@ -1,5 +1,7 @@
 //! The tools an invocation may use, shared by every stage: the registry of
-//! one catalog generation ([`ToolSnapshot`]), the gates ([`gating`]), the
+//! one catalog generation ([`ToolSnapshot`]), the declared pools' tools
+//! offered while none of their workers is live ([`declared`]), the gates
+//! ([`gating`]), the
 //! pure scoring and planning functions ([`scoring`]), the agent tools'
 //! registry backend ([`agents`]), an invocation's [`Scope`], and what a
 //! call came to ([`ToolOutcome`]).
@@ -8,6 +10,7 @@
 //! these functions and publish what they decide.
 
 pub mod agents;
+pub mod declared;
 pub mod gating;
 pub mod scoring;
 
@@ -17,12 +20,13 @@ use std::sync::Arc;
 use toolfleet_config::ScopingPolicy;
 use toolfleet_llm::ToolSpec;
 use toolfleet_protocol::catalog::Catalog;
-use toolfleet_protocol::registry::{Registry, ToolSource};
+use toolfleet_protocol::registry::{DirSource, Registry, ToolSource};
 use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{Reference, ToolStatus};
 use tracing::warn;
 
 use agents::AgentSource;
+use declared::{DECLARED_SOURCE, DeclaredPools};
 
 /// The worker family that serves tools imported from MCP servers.
 pub const MCP_FAMILY: &str = "mcp";
@@ -79,15 +83,29 @@ impl std::fmt::Debug for ToolSnapshot {
 
 impl ToolSnapshot {
     /// The registry over the agent tools, then the live catalog (the
-    /// configuration's agents win a duplicate id), and its index.
+    /// configuration's agents win a duplicate id), then the declared
+    /// pools' tools no live worker serves (backend `declared`: served by
+    /// no worker yet, offered all the same), and its index.
     pub fn build(
-        agents: &AgentSource,
+        (agents, declared): (&AgentSource, &DeclaredPools),
         catalog: &Catalog,
         compat: Option<&toolfleet_protocol::registry::CompatFile>,
         profiles: &toolfleet_config::FleetConfig,
     ) -> Self {
-        let mut registry =
-            Registry::build(&[agents as &dyn ToolSource, catalog as &dyn ToolSource]);
+        // Only those no live worker serves: a live one is the catalog's
+        // (its workers' definition), and no duplicate is logged.
+        let waiting = DirSource::from_tools(
+            DECLARED_SOURCE,
+            declared
+                .tools()
+                .filter(|t| !catalog.is_live(&t.definition.id.to_string()))
+                .cloned(),
+        );
+        let mut registry = Registry::build(&[
+            agents as &dyn ToolSource,
+            catalog as &dyn ToolSource,
+            &waiting as &dyn ToolSource,
+        ]);
         if let Some(compat) = compat {
             // `<deployment>/<model>`: the deployment's own model, or a
             // profile's utility model on it.
@@ -256,7 +274,12 @@ agent = { name = "helper", description = "Helps." }
             "compat.json",
         )
         .unwrap();
-        let snapshot = ToolSnapshot::build(&agents, &catalog, Some(&compat), &config);
+        let snapshot = ToolSnapshot::build(
+            (&agents, &DeclaredPools::none()),
+            &catalog,
+            Some(&compat),
+            &config,
+        );
         let helper = snapshot.registry.get("agent:helper@1.0.0").unwrap();
         assert_eq!(&*helper.source, agents::AGENTS_SOURCE);
         assert_eq!(
@@ -270,5 +293,71 @@ agent = { name = "helper", description = "Helps." }
             ["openai/gpt-4o-mini"]
         );
         assert_eq!(snapshot.tools.len(), 2);
+    }
+
+    /// A declared pool's tool no live worker serves is in the registry
+    /// from the `declared` backend and permitted; once a worker serves it,
+    /// it is the catalog's (no duplicate), and an undeclared tool with no
+    /// worker is never permitted.
+    #[test]
+    fn a_declared_tool_is_permitted_while_no_worker_serves_it() {
+        let config = toolfleet_config::FleetConfig::from_toml(
+            "[deployments.d]\nbase_url = \"http://127.0.0.1:9/v1\"\nmodel = \"m\"\n\
+             [profiles.default]\ndeployment = \"d\"\n\
+             [pools.web]\ndeclared = true\n",
+            "test",
+        )
+        .unwrap();
+        let definitions = ["web:search@1.0.0", "web:read_page@1.0.0"].map(|id| {
+            let function = id.split([':', '@']).nth(1).unwrap();
+            tool(id, function).definition.clone()
+        });
+        let declared =
+            DeclaredPools::resolve(&config, definitions.to_vec(), "tool_definitions").unwrap();
+        let agents = AgentSource::new(&config).unwrap();
+        let permitted_ids = |catalog: &Catalog| {
+            let snapshot = ToolSnapshot::build((&agents, &declared), catalog, None, &config);
+            let gate = gating::Gate {
+                documents: false,
+                data_source: false,
+                surface: "chat",
+                provider_confidence: 0.0,
+                agents: false,
+                own_profile: "default",
+                tenant: "default",
+                agents_denied: &[],
+            };
+            let profile = toolfleet_config::Profile::new("d");
+            let job = toolfleet_protocol::client::question("hi");
+            let permitted = gating::permitted(&snapshot.registry, &profile, &job, &gate).unwrap();
+            let sources: Vec<(String, String)> = snapshot
+                .registry
+                .list()
+                .map(|e| (e.id().to_string(), e.source.to_string()))
+                .collect();
+            assert!(snapshot.registry.duplicates().is_empty());
+            let ids: Vec<String> = permitted
+                .tools
+                .iter()
+                .map(|t| t.definition.id.to_string())
+                .collect();
+            (ids, sources)
+        };
+        let (ids, sources) = permitted_ids(&Catalog::default());
+        assert_eq!(ids, ["web:read_page@1.0.0", "web:search@1.0.0"]);
+        assert!(sources.iter().all(|(_, s)| s == declared::DECLARED_SOURCE));
+        let live =
+            Catalog::from_tools([tool("web:search@1.0.0", "search"), tool("t:a@1.0.0", "a")]);
+        let (ids, sources) = permitted_ids(&live);
+        assert_eq!(
+            ids,
+            ["t:a@1.0.0", "web:read_page@1.0.0", "web:search@1.0.0"]
+        );
+        assert!(sources.contains(&("web:search@1.0.0".into(), "catalog".into())));
+        assert!(sources.contains(&("web:read_page@1.0.0".into(), "declared".into())));
+        // Undeclared: a tool no worker serves is not permitted.
+        let none = DeclaredPools::none();
+        let snapshot = ToolSnapshot::build((&agents, &none), &Catalog::default(), None, &config);
+        assert!(snapshot.registry.list().next().is_none());
     }
 }

@@ -41,7 +41,7 @@ pub struct WorkerConfig {
 pub const CANCEL_HEARING_MARGIN: Duration = Duration::from_secs(10);
 
 /// The shortest ack wait of a tool consumer.
-pub const MIN_ACK_WAIT: Duration = Duration::from_secs(2);
+pub const MIN_ACK_WAIT: Duration = toolfleet_protocol::streams::TOOL_MIN_ACK_WAIT;
 
 impl WorkerConfig {
     /// The defaults for the fleet named by `subjects`: 16 jobs at once, 3
@@ -50,9 +50,11 @@ impl WorkerConfig {
         Self {
             subjects,
             concurrency: 16,
-            max_attempts: 3,
+            // The defaults an orchestrator makes a declared pool's
+            // consumers with, before any worker of it has started.
+            max_attempts: toolfleet_protocol::streams::TOOL_MAX_ATTEMPTS,
             retry_delay: Duration::from_millis(500),
-            ack_wait: Duration::from_secs(30),
+            ack_wait: toolfleet_protocol::streams::TOOL_MAX_ACK_WAIT,
             cancel_hearing_margin: CANCEL_HEARING_MARGIN,
         }
     }
@@ -65,6 +67,6 @@ impl WorkerConfig {
     /// heartbeat, as Temporal's activity heartbeat timeout) at a third of
     /// it.
     pub fn ack_wait_for(&self, def: &ToolDefinition) -> Duration {
-        (def.timeout() / 4).clamp(MIN_ACK_WAIT, self.ack_wait.max(MIN_ACK_WAIT))
+        toolfleet_protocol::streams::tool_ack_wait(def, self.ack_wait)
     }
 }

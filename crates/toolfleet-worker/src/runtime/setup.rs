@@ -171,17 +171,14 @@ async fn consumer(
 ) -> Result<ToolConsumer, WorkerError> {
     let name = config.subjects.tool_consumer(&def.id);
     let filter = config.subjects.tool(&def.id);
-    let settings = pull::Config {
-        durable_name: Some(name.clone()),
-        filter_subject: filter.clone(),
-        ack_policy: jetstream::consumer::AckPolicy::Explicit,
-        ack_wait: config.ack_wait_for(def),
-        // Our own cap terminates first; this is the backstop for a job
-        // that kills its worker every time.
-        max_deliver: i64::from(config.max_attempts) + 2,
-        max_ack_pending: 10_000,
-        ..Default::default()
-    };
+    // The settings an orchestrator makes a declared pool's consumers with
+    // too (scale from zero): either may come first.
+    let settings = toolfleet_protocol::streams::tool_consumer_config(
+        &config.subjects,
+        def,
+        config.ack_wait_for(def),
+        config.max_attempts,
+    );
     let mut consumer: ToolConsumer = stream
         .get_or_create_consumer(&name, settings.clone())
         .await
