@@ -2,8 +2,6 @@
 //! scripted model server. `main` parses, sets up telemetry and calls
 //! `toolfleet::cli::run`, which hands each command to its module.
 
-use clap::Parser;
-
 /// Once the reader of our output goes away (`toolfleet tools list |
 /// head`), stop quietly with success, as Unix tools do, instead of
 /// panicking on the next write.
@@ -26,7 +24,8 @@ fn quiet_on_broken_pipe() {
 #[tokio::main]
 async fn main() {
     quiet_on_broken_pipe();
-    let cli = match toolfleet::cli::Cli::try_parse() {
+    let build = toolfleet_service::build_info!();
+    let cli = match toolfleet_service::args::try_parse::<toolfleet::cli::Cli>(build) {
         Ok(cli) => cli,
         Err(e) => {
             let code = if e.use_stderr() {

@@ -42,6 +42,7 @@ mod sinks;
 mod support;
 mod tenant_config;
 mod traces;
+mod versions;
 
 use std::collections::HashSet;
 

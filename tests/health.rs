@@ -82,8 +82,16 @@ async fn readyz_follows_nats_and_redis_and_the_probe_says_so() {
     })
     .await;
     assert!(metrics.contains("toolfleet_nats_connected 1"), "{metrics}");
+    // The build's revision and version (tests/versions.rs checks them).
     assert!(
-        metrics.contains("toolfleet_build_info{version="),
+        metrics
+            .lines()
+            .any(|l| l.starts_with("toolfleet_build_info{revision=\"")
+                && l.ends_with(&format!(",version=\"{}\"}} 1", env!("CARGO_PKG_VERSION")))),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("process_resident_memory_bytes "),
         "{metrics}"
     );
 

@@ -53,13 +53,16 @@ fn crates_depend_only_where_the_rules_allow() {
     ] {
         assert_eq!(our_deps(m), set(&[]), "{m}");
     }
-    // Store and service: only the contract.
-    for m in [
-        "crates/toolfleet-store/Cargo.toml",
-        "crates/toolfleet-service/Cargo.toml",
-    ] {
-        assert_eq!(our_deps(m), set(&["toolfleet-protocol"]), "{m}");
-    }
+    // Store and service: only the contract (the service also the revision
+    // macro, which depends on nothing).
+    assert_eq!(
+        our_deps("crates/toolfleet-store/Cargo.toml"),
+        set(&["toolfleet-protocol"])
+    );
+    assert_eq!(
+        our_deps("crates/toolfleet-service/Cargo.toml"),
+        set(&["toolfleet-build", "toolfleet-protocol"])
+    );
     // The SDK: never the LLM client or the orchestrator.
     assert_eq!(
         our_deps("crates/toolfleet-worker/Cargo.toml"),
@@ -162,6 +165,23 @@ fn crates_depend_only_where_the_rules_allow() {
             .iter()
             .any(|d| d == "toolfleet-worker" || d.starts_with("toolfleet-worker-"))
     );
+}
+
+/// The revision macro is a procedural macro with no dependency and no
+/// build script: what it reads (git's files, `TOOLFLEET_GIT_REVISION`)
+/// then recompiles only the `main.rs` that expands it, never a library
+/// (a build script's output is an input of every crate above it).
+#[test]
+fn the_revision_macro_has_no_dependency_and_no_build_script() {
+    let dir = support::root().join("crates/toolfleet-build");
+    let text = std::fs::read_to_string(dir.join("Cargo.toml")).unwrap();
+    let doc: toml::Table = text.parse().unwrap();
+    assert_eq!(doc["lib"]["proc-macro"].as_bool(), Some(true));
+    for table in ["dependencies", "build-dependencies", "target"] {
+        assert!(!doc.contains_key(table), "toolfleet-build: [{table}]");
+    }
+    assert!(doc["package"].get("build").is_none());
+    assert!(!dir.join("build.rs").exists());
 }
 
 /// The lightest family stays light: no search engine, no tokenizer, no

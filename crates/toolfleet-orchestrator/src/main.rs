@@ -62,7 +62,7 @@ struct Args {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    let a: Args = args::parse_or_exit();
+    let a: Args = args::parse_or_exit(toolfleet_service::build_info!());
     let telemetry =
         toolfleet_service::telemetry::init("toolfleet-orchestrator", "info", &a.telemetry);
     let subjects = args::or_exit(a.nats.subjects().map_err(Into::into));

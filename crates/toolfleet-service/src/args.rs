@@ -557,10 +557,38 @@ pub struct ToolDefsArgs {
     pub dir: PathBuf,
 }
 
-/// Parses the command line, exiting with [`EXIT_CONFIG`] on a bad value
-/// (0 for `--help` / `--version`).
-pub fn parse_or_exit<T: clap::Parser>() -> T {
-    T::try_parse().unwrap_or_else(|e| {
+/// `T`'s command line, its `--version` printing `<name> <version>
+/// (<revision>)` of `build`, which becomes this process's build
+/// ([`crate::build::set`]).
+pub fn command_of<T: clap::CommandFactory>(build: crate::build::BuildInfo) -> clap::Command {
+    crate::build::set(build);
+    T::command().version(crate::build::version_line())
+}
+
+/// Parses the command line into `T` ([`command_of`]); the error is
+/// clap's, `--help` and `--version` included.
+///
+/// # Errors
+///
+/// A bad value, or `--help` / `--version` (printed by the caller).
+pub fn try_parse<T: clap::Parser>(build: crate::build::BuildInfo) -> Result<T, clap::Error> {
+    try_parse_from(build, std::env::args_os())
+}
+
+fn try_parse_from<T: clap::Parser>(
+    build: crate::build::BuildInfo,
+    args: impl IntoIterator<Item = impl Into<std::ffi::OsString> + Clone>,
+) -> Result<T, clap::Error> {
+    let mut command = command_of::<T>(build);
+    let mut matches = command.try_get_matches_from_mut(args)?;
+    T::from_arg_matches_mut(&mut matches).map_err(|e| e.format(&mut command))
+}
+
+/// Parses the command line ([`try_parse`]), exiting with [`EXIT_CONFIG`]
+/// on a bad value (0 for `--help` / `--version`). A binary's `main` calls
+/// it with `toolfleet_service::build_info!()`.
+pub fn parse_or_exit<T: clap::Parser>(build: crate::build::BuildInfo) -> T {
+    try_parse(build).unwrap_or_else(|e| {
         let _ = e.print();
         std::process::exit(if e.use_stderr() { EXIT_CONFIG } else { 0 })
     })
@@ -649,6 +677,31 @@ pub async fn shutdown_signal() {
 mod tests {
     use super::*;
     use clap::Parser;
+
+    #[test]
+    fn version_prints_the_name_the_version_and_the_revision() {
+        #[derive(Parser, Debug)]
+        #[command(name = "toolfleet-x")]
+        struct Cli {
+            #[arg(long)]
+            wait: Option<u64>,
+        }
+        let build = crate::build_info!();
+        let e = try_parse_from::<Cli>(build, ["toolfleet-x", "--version"]).unwrap_err();
+        assert_eq!(e.kind(), clap::error::ErrorKind::DisplayVersion);
+        assert!(!e.use_stderr());
+        // The build in force: this one, unless another test set one first.
+        let line = crate::build::version_line();
+        assert_eq!(e.to_string(), format!("toolfleet-x {line}\n"));
+        assert!(line.starts_with(env!("CARGO_PKG_VERSION")), "{line}");
+        assert!(
+            try_parse_from::<Cli>(build, ["toolfleet-x", "--wait", "soon"])
+                .unwrap_err()
+                .use_stderr()
+        );
+        let parsed = try_parse_from::<Cli>(build, ["toolfleet-x", "--wait", "3"]).unwrap();
+        assert_eq!(parsed.wait, Some(3));
+    }
 
     #[test]
     fn a_urls_user_and_password_or_token_are_read_decoded() {

@@ -84,8 +84,9 @@ impl Health {
 }
 
 /// The connection metrics: `toolfleet_nats_connected`,
-/// `toolfleet_redis_connected` (1 or 0), `toolfleet_nats_reconnects_total`
-/// and `toolfleet_build_info{version}`.
+/// `toolfleet_redis_connected` (1 or 0) and `toolfleet_nats_reconnects_total`
+/// (`toolfleet_build_info` is the process's:
+/// [`crate::metrics::register_process`]).
 #[derive(Clone)]
 pub struct ConnectionMetrics {
     pub nats_connected: IntGauge,
@@ -94,7 +95,7 @@ pub struct ConnectionMetrics {
 }
 
 impl ConnectionMetrics {
-    /// Registers them (and `toolfleet_build_info`) on `registry`.
+    /// Registers them on `registry`.
     ///
     /// # Errors
     ///
@@ -112,21 +113,10 @@ impl ConnectionMetrics {
             "toolfleet_nats_reconnects_total",
             "Times this process reconnected to NATS after losing it.",
         )?;
-        let build_info = prometheus::IntGaugeVec::new(
-            prometheus::Opts::new(
-                "toolfleet_build_info",
-                "Always 1: the build of this process.",
-            ),
-            &["version"],
-        )?;
-        build_info
-            .with_label_values(&[env!("CARGO_PKG_VERSION")])
-            .set(1);
         for c in [
             Box::new(nats_connected.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(redis_connected.clone()),
             Box::new(nats_reconnects.clone()),
-            Box::new(build_info),
         ] {
             registry.register(c)?;
         }

@@ -1,8 +1,12 @@
 //! toolfleet-service: the process plumbing every fleet binary shares. It
-//! depends only on the contract crate.
+//! depends only on the contract crate (and `toolfleet-build`, the
+//! revision macro, which has no dependency at all).
 //!
 //! # Layout
 //!
+//! - [`build`]: the version and git revision of this process's build
+//!   (`build_info!` in a binary's `main`, handed over once with
+//!   `build::set`), for `--version`, metrics, the services API and traces.
 //! - [`args`]: command-line and environment groups (`NatsArgs`,
 //!   `ToolDefsArgs`; the Redis group is the store's `RedisOptions`), NATS
 //!   connection with a start-up wait, exit code 64 on bad configuration,
@@ -14,9 +18,10 @@
 //!   `traceparent` across messages and HTTP requests).
 //! - [`metrics`]: registration helpers and the `/metrics`, `/livez`,
 //!   `/readyz` (and `/healthz`, the same as `/livez`) endpoint; each
-//!   subsystem owns its metric struct.
+//!   subsystem owns its metric struct; `toolfleet_build_info` and the
+//!   `process_*` metrics of every served process.
 //! - [`health`]: readiness checks (NATS connected, Redis answering,
-//!   consumers in place), the connection gauges and `toolfleet_build_info`.
+//!   consumers in place) and the connection gauges.
 //! - [`jobs`]: bounded pulling from a durable JetStream consumer, and
 //!   in-progress acks for long jobs.
 //! - [`serve`]: serve until a signal, then drain within a grace period.
@@ -24,6 +29,7 @@
 //!   shared by the web worker and the orchestrator's webhook sinks.
 
 pub mod args;
+pub mod build;
 pub mod dead_letters;
 pub mod health;
 pub mod jobs;

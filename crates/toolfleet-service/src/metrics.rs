@@ -69,6 +69,36 @@ pub fn dead_letters(r: &Registry) -> prometheus::Result<IntCounterVec> {
     )
 }
 
+/// What a process says of itself, registered once on its registry by
+/// [`crate::serve_until_signal`]: `toolfleet_build_info{version,revision}`
+/// (always 1; the build [`crate::build::get`] gives) and, on Linux, the
+/// standard `process_*` metrics (`process_cpu_seconds_total`,
+/// `process_resident_memory_bytes`, `process_virtual_memory_bytes`,
+/// `process_open_fds`, `process_max_fds`, `process_start_time_seconds`,
+/// `process_threads`), read from `/proc` at each scrape.
+///
+/// # Errors
+///
+/// They are registered already.
+pub fn register_process(r: &Registry) -> prometheus::Result<()> {
+    let build = crate::build::get();
+    let info = prometheus::IntGaugeVec::new(
+        Opts::new(
+            "toolfleet_build_info",
+            "Always 1: the version and git revision of this process's build.",
+        ),
+        &["version", "revision"],
+    )?;
+    info.with_label_values(&[build.version, build.revision])
+        .set(1);
+    r.register(Box::new(info))?;
+    #[cfg(target_os = "linux")]
+    r.register(Box::new(
+        prometheus::process_collector::ProcessCollector::for_self(),
+    ))?;
+    Ok(())
+}
+
 /// Renders the registry in the Prometheus text format.
 pub fn render(registry: &Registry) -> String {
     let mut buf = Vec::new();
@@ -157,4 +187,39 @@ pub async fn spawn(
         }
     });
     Ok(local)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_says_its_build_and_its_resources() {
+        let r = Registry::new();
+        register_process(&r).unwrap();
+        let text = render(&r);
+        let build = crate::build::get();
+        assert!(
+            text.contains(&format!(
+                "toolfleet_build_info{{revision=\"{}\",version=\"{}\"}} 1",
+                build.revision, build.version
+            )),
+            "{text}"
+        );
+        #[cfg(target_os = "linux")]
+        for family in [
+            "process_cpu_seconds_total",
+            "process_resident_memory_bytes",
+            "process_open_fds",
+            "process_start_time_seconds",
+        ] {
+            let value = text
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("{family} ")))
+                .and_then(|v| v.parse::<f64>().ok());
+            assert!(value.is_some_and(|v| v >= 0.0), "{family}: {text}");
+        }
+        // Once per registry.
+        assert!(register_process(&r).is_err());
+    }
 }

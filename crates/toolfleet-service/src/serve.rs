@@ -60,7 +60,8 @@ impl Default for Runtime {
 
 /// What every fleet binary does after parsing its configuration: bind
 /// `metrics_addr`, run `start` (which returns once its parts are taking
-/// work), then serve `/metrics` and `/healthz` there, wait for SIGINT or
+/// work), then serve `/metrics` (with `toolfleet_build_info` and the
+/// `process_*` metrics) and `/healthz` there, wait for SIGINT or
 /// SIGTERM, stop taking work, and drain within [`GRACE_PERIOD`].
 pub async fn serve_until_signal<F, Fut>(metrics_addr: SocketAddr, start: F) -> anyhow::Result<()>
 where
@@ -69,6 +70,7 @@ where
 {
     raise_fd_limit();
     let runtime = Runtime::new();
+    crate::metrics::register_process(&runtime.metrics)?;
     // Bind first (a taken port is a start-up error before any work), serve
     // once the parts take work: an answering /healthz means ready.
     let listener = tokio::net::TcpListener::bind(metrics_addr)
@@ -85,7 +87,13 @@ where
             }
         });
     }
-    tracing::info!(metrics = %addr, "running; SIGTERM or Ctrl-C to stop");
+    let build = crate::build::get();
+    tracing::info!(
+        metrics = %addr,
+        version = build.version,
+        revision = build.revision,
+        "running; SIGTERM or Ctrl-C to stop"
+    );
     crate::args::shutdown_signal().await;
     tracing::info!("stopping: no new jobs; finishing those in flight");
     if !runtime.drain(GRACE_PERIOD).await {

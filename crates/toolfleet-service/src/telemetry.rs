@@ -232,7 +232,7 @@ fn exporter(
         .with_service_name(service_name)
         .with_attribute(opentelemetry::KeyValue::new(
             "service.version",
-            env!("CARGO_PKG_VERSION"),
+            crate::build::get().version,
         ))
         .build();
     Ok(Some(

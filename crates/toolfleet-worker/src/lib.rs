@@ -103,6 +103,9 @@ pub use tool::{Tool, ToolError, ToolOutput};
 pub use toolfleet_protocol as protocol;
 /// Process plumbing: command-line groups, tracing, exit codes.
 pub use toolfleet_service as service;
+/// The version and git revision of the binary that expands it, for
+/// [`process::main`]: call it in the binary's `main.rs`.
+pub use toolfleet_service::build_info;
 /// The citation store a worker writes references and results to (needed
 /// to run a [`Worker`] yourself with [`Worker::run`]).
 pub use toolfleet_store as store;

@@ -202,8 +202,9 @@ struct StandaloneArgs<A: Args> {
 #[derive(Args, Debug, Clone, Copy, Default)]
 pub struct NoArgs {}
 
-/// The whole `main` of the worker binary `binary` (its name in `--help`):
-/// parses the shared settings and the
+/// The whole `main` of the worker binary `binary` (its name in `--help`
+/// and `--version`, which prints `version`: pass
+/// `toolfleet_worker::build_info!()`): parses the shared settings and the
 /// binary's own `A` (flags and `TOOLFLEET_*` environment variables;
 /// `--help` lists them), builds the worker with the async `build` (it may connect to a store first), serves it until
 /// SIGTERM and drains. A bad setting or a worker that cannot be built exits
@@ -220,7 +221,7 @@ pub struct NoArgs {}
 ///
 /// #[tokio::main]
 /// async fn main() -> std::process::ExitCode {
-///     toolfleet_worker::process::main("units-worker", "toolfleet worker: converts units.", "0.0.0.0:9470", async |args, _: &NoArgs| {
+///     toolfleet_worker::process::main("units-worker", toolfleet_worker::build_info!(), "toolfleet worker: converts units.", "0.0.0.0:9470", async |args, _: &NoArgs| {
 ///         toolfleet_worker::Worker::builder("units")
 ///             .definitions_dir(&args.defs.dir)
 ///             .tool("units.convert", Convert)
@@ -231,6 +232,7 @@ pub struct NoArgs {}
 /// ```
 pub async fn main<A, E>(
     binary: &'static str,
+    version: toolfleet_service::build::BuildInfo,
     about: &'static str,
     default_metrics_addr: &str,
     build: impl AsyncFnOnce(&WorkerArgs, &A) -> Result<Worker, E>,
@@ -239,12 +241,13 @@ where
     A: Args + FromArgMatches,
     E: std::fmt::Display,
 {
-    use clap::CommandFactory;
     let usage = |message: &dyn std::fmt::Display| {
         eprintln!("configuration error: {message}");
         std::process::ExitCode::from(toolfleet_service::args::EXIT_CONFIG as u8)
     };
-    let command = StandaloneArgs::<A>::command().name(binary).about(about);
+    let command = toolfleet_service::args::command_of::<StandaloneArgs<A>>(version)
+        .name(binary)
+        .about(about);
     let args = match command
         .try_get_matches()
         .and_then(|m| StandaloneArgs::<A>::from_arg_matches(&m))

@@ -10,6 +10,7 @@ use toolfleet_worker::process::NoArgs;
 async fn main() -> std::process::ExitCode {
     toolfleet_worker::process::main(
         "units-worker",
+        toolfleet_worker::build_info!(),
         "A third-party toolfleet worker: converts units (units:convert@1.0.0).",
         "0.0.0.0:9470",
         async |args, _: &NoArgs| units_worker::worker_from(&args.defs.dir),

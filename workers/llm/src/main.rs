@@ -39,6 +39,7 @@ struct LlmToolArgs {
 async fn main() -> std::process::ExitCode {
     toolfleet_worker::process::main(
         "toolfleet-worker-llm",
+        toolfleet_worker::build_info!(),
         "toolfleet worker: serves declarative LLM tools (summarize, classify, charts, …).",
         "0.0.0.0:9467",
         async |args, own: &LlmToolArgs| {

@@ -36,6 +36,7 @@ fn main() -> std::process::ExitCode {
 async fn serve(hidden: Result<(), String>) -> std::process::ExitCode {
     toolfleet_worker::process::main(
         "toolfleet-worker-mcp",
+        toolfleet_worker::build_info!(),
         "toolfleet worker: serves the tools of MCP servers (stdio or streamable HTTP) as fleet tools.",
         "0.0.0.0:9469",
         async |args, own: &McpArgs| {

@@ -9,6 +9,7 @@ use toolfleet_worker_retrieval::IndexArgs;
 async fn main() -> std::process::ExitCode {
     toolfleet_worker::process::main(
         "toolfleet-worker-retrieval",
+        toolfleet_worker::build_info!(),
         "toolfleet worker: serves retrieval:* tools over the document index.",
         "0.0.0.0:9466",
         async |args, index: &IndexArgs| {

@@ -8,6 +8,7 @@ use toolfleet_worker::process::NoArgs;
 async fn main() -> std::process::ExitCode {
     toolfleet_worker::process::main(
         "toolfleet-worker-system",
+        toolfleet_worker::build_info!(),
         "toolfleet worker: serves system:* tools (current date and time).",
         "0.0.0.0:9465",
         async |args, _: &NoArgs| toolfleet_worker_system::worker(&args.defs.dir),

@@ -21,6 +21,7 @@ struct WebArgs {
 async fn main() -> std::process::ExitCode {
     toolfleet_worker::process::main(
         "toolfleet-worker-web",
+        toolfleet_worker::build_info!(),
         "toolfleet worker: serves web:search and web:read_page (SSRF-safe).",
         "0.0.0.0:9468",
         async |args, own: &WebArgs| {

@@ -64,7 +64,12 @@ pub(super) async fn set_up(
         // Every job it ran, JetStream ones included, in each endpoint's
         // `data` (the library's own counts see only direct calls).
         .stats_handler(move |endpoint, _| job_stats.data(&endpoint))
-        .start(config.subjects.worker_service(), env!("CARGO_PKG_VERSION"))
+        // The process's version (its binary's, the workspace's), as
+        // `--version` and `toolfleet_build_info` say it.
+        .start(
+            config.subjects.worker_service(),
+            toolfleet_service::build::get().version,
+        )
         .await
         .map_err(|e| WorkerError::Nats(format!("services API: {e}")))?;
     let mut tools = Vec::with_capacity(worker.tools.len());
