@@ -594,19 +594,7 @@ pub fn parse_or_exit<T: clap::Parser>(build: crate::build::BuildInfo) -> T {
     })
 }
 
-/// A configuration error found only when it is used (a malformed server
-/// URL): commands exit with [`EXIT_CONFIG`] for it, as for a bad flag. The
-/// message never holds a password.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct BadConfig(pub String);
-
-impl std::fmt::Display for BadConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for BadConfig {}
+pub use crate::bad_config::BadConfig;
 
 /// The exit code for a command's error: [`EXIT_CONFIG`] when it is a
 /// [`BadConfig`] anywhere in its chain, else 1.
@@ -931,7 +919,6 @@ mod tests {
         a.creds_file = None;
         a.tls_ca = Some(dir.path().join("missing-ca.pem"));
         let e = a.connect("t").await.unwrap_err().to_string();
-
         assert!(e.contains("does not exist"), "{e}");
     }
 

@@ -11,6 +11,9 @@
 //!   `ToolDefsArgs`; the Redis group is the store's `RedisOptions`), NATS
 //!   connection with a start-up wait, exit code 64 on bad configuration,
 //!   signals.
+//! - `bad_config`: `args::BadConfig`, the configuration error both
+//!   `args` and `nats_context` raise (a module of its own so neither needs
+//!   the other).
 //! - [`nats_context`]: the standard NATS settings (`NATS_URL`,
 //!   `NATS_CREDS`, the `nats` CLI's selected context), the fallbacks of
 //!   `NatsArgs`.
@@ -29,6 +32,7 @@
 //!   shared by the web worker and the orchestrator's webhook sinks.
 
 pub mod args;
+mod bad_config;
 pub mod build;
 pub mod dead_letters;
 pub mod health;

@@ -20,7 +20,7 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
-use crate::args::BadConfig;
+use crate::bad_config::BadConfig;
 
 /// The standard variable of the NATS server URL(s).
 pub const ENV_NATS_URL: &str = "NATS_URL";
