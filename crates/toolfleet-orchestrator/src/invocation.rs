@@ -129,11 +129,16 @@ impl CancelCheck {
 
     /// The tombstone was read just now, and absent.
     pub fn passed(&self) {
-        let now = toolfleet_protocol::now_ms();
+        self.passed_at(toolfleet_protocol::now_ms());
+    }
+
+    /// The tombstone was read at `at` (Unix ms), and absent (a later read
+    /// already noted is kept).
+    pub fn passed_at(&self, at: u64) {
         let _ = self.0.read_at.fetch_update(
             std::sync::atomic::Ordering::Release,
             std::sync::atomic::Ordering::Acquire,
-            |at| (at != NEVER).then_some(now),
+            |last| (last != NEVER).then_some(last.max(at)),
         );
     }
 

@@ -135,6 +135,15 @@ impl CitationStore {
         if tombstone {
             return Ok(true);
         }
+        self.cancel_remembered(inv).await
+    }
+
+    /// Whether a cancel of the invocation is among its tenant's remembered
+    /// ones ([`CitationStore::remember_cancel`]) and younger than
+    /// [`REMEMBERED_CANCEL_TTL`]: the half of [`CitationStore::is_cancelled`]
+    /// that [`CitationStore::claim_and_lease`] cannot read (the tenant's
+    /// set lives under another hash tag than the invocation's keys).
+    pub async fn cancel_remembered(&self, inv: InvocationKey<'_>) -> Result<bool, CitationError> {
         let set = &self.remembered_cancels(inv.tenant());
         let id = inv.invocation_id();
         let at: Option<f64> = self

@@ -34,6 +34,44 @@ end
 return {0, current, redis.call('PTTL', KEYS[1]), cancelled}
 ";
 
+/// [`CitationStore::claim`] and [`LEASE`] in one script (the invocation's claim, lease
+/// and tombstone share its hash tag): claims `KEYS[1]` for owner
+/// `ARGV[1]` (TTL `ARGV[2]` s; `ARGV[5]` marks a finished owner) and, when
+/// the claim is this owner's, takes the lease `KEYS[2]` for holder
+/// `ARGV[3]` (TTL `ARGV[4]` ms) and reads the tombstone `KEYS[3]`.
+/// Returns `{claim, held, holder, left_ms, cancelled}`.
+const CLAIM_AND_LEASE: &str = r"
+local claim = 'new'
+if not redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then
+  local owner = redis.call('GET', KEYS[1])
+  if owner == false or owner == ARGV[1] then
+    claim = 'again'
+  elseif owner == ARGV[1] .. ARGV[5] then
+    return {'finished', 0, '', 0, 0}
+  else
+    return {'other', 0, owner, 0, 0}
+  end
+end
+local cancelled = redis.call('EXISTS', KEYS[3])
+local current = redis.call('GET', KEYS[2])
+if current == false or current == ARGV[3] then
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[4])
+  return {claim, 1, ARGV[3], tonumber(ARGV[4]), cancelled}
+end
+return {claim, 0, current, redis.call('PTTL', KEYS[2]), cancelled}
+";
+
+/// What [`CitationStore::claim_and_lease`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimLease {
+    pub claim: crate::Claim,
+    /// The lease, when the claim is the caller's (`New` or `Again`).
+    pub lease: Option<Lease>,
+    /// The invocation's cancel tombstone is there (read when the claim is
+    /// the caller's).
+    pub tombstone: bool,
+}
+
 /// What [`CitationStore::lease`] found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Lease {
@@ -54,6 +92,58 @@ impl CitationStore {
         ttl: Duration,
     ) -> Result<Lease, CitationError> {
         Ok(self.lease_script(inv, holder, ttl, false).await?.0)
+    }
+
+    /// [`CitationStore::claim`], then — when the claim is `owner`'s —
+    /// [`CitationStore::lease`] for `holder` and whether the cancel
+    /// tombstone is there, atomically and in one round trip. Safe to
+    /// repeat, as both are.
+    pub async fn claim_and_lease(
+        &self,
+        inv: InvocationKey<'_>,
+        owner: &str,
+        holder: &str,
+        ttl: Duration,
+    ) -> Result<ClaimLease, CitationError> {
+        static SCRIPT: std::sync::LazyLock<redis::Script> =
+            std::sync::LazyLock::new(|| redis::Script::new(CLAIM_AND_LEASE));
+        let mut invocation = SCRIPT.prepare_invoke();
+        invocation
+            .key(self.key(inv, "owner"))
+            .key(self.key(inv, "lease"))
+            .key(self.tombstone(inv))
+            .arg(owner)
+            .arg(self.ttl.as_secs().max(1))
+            .arg(holder)
+            .arg(ttl.as_millis().max(1) as u64)
+            .arg(crate::FINISHED);
+        let invocation = &invocation;
+        let (claim, held, current, left_ms, cancelled): (String, i64, String, i64, i64) = self
+            .run("claim_and_lease", |mut conn| async move {
+                invocation.invoke_async(&mut conn).await
+            })
+            .await?;
+        let lease = || {
+            Some(if held == 1 {
+                Lease::Held
+            } else {
+                Lease::Busy {
+                    holder: current.clone(),
+                    left: Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)),
+                }
+            })
+        };
+        let (claim, lease) = match claim.as_str() {
+            "new" => (crate::Claim::New, lease()),
+            "again" => (crate::Claim::Again, lease()),
+            "finished" => (crate::Claim::Finished, None),
+            _ => (crate::Claim::Other(current.clone()), None),
+        };
+        Ok(ClaimLease {
+            claim,
+            lease,
+            tombstone: cancelled == 1,
+        })
     }
 
     /// [`CitationStore::lease`], and in the same round trip whether the

@@ -91,7 +91,7 @@ pub use blob::{Blob, MAX_BLOB_BYTES};
 pub use cancels::{CancelNote, REMEMBERED_CANCEL_TTL};
 use connection::{Conn, Connector, Secrets};
 pub use connection::{DEFAULT_RETRY_BUDGET, RedisOptions, redact_url};
-pub use lease::Lease;
+pub use lease::{ClaimLease, Lease};
 pub use poison::{PoisonCount, PoisonRule};
 
 /// Default lifetime of an invocation's keys.

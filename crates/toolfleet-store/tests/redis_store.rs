@@ -1304,3 +1304,78 @@ async fn cancels_of_unknown_ids_cost_one_bounded_key_per_tenant() {
         .unwrap();
     assert!(cancelled);
 }
+
+/// The claim, the lease and the tombstone in one round trip answer as the
+/// three calls do one after another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_and_its_lease_are_taken_in_one_round_trip() {
+    use toolfleet_store::{Claim, ClaimLease, Lease};
+    let redis = RedisServer::start().unwrap();
+    let store = within(CitationStore::connect(&redis.url(), "tf", TTL))
+        .await
+        .unwrap();
+    let long = Duration::from_secs(30);
+    let first = within(store.claim_and_lease(acme("inv-c"), "seq-1", "run-a", long))
+        .await
+        .unwrap();
+    assert_eq!(
+        first,
+        ClaimLease {
+            claim: Claim::New,
+            lease: Some(Lease::Held),
+            tombstone: false,
+        }
+    );
+    // The same message again while its run lives: claimed again, the
+    // lease busy (and whose, for how long).
+    let again = within(store.claim_and_lease(acme("inv-c"), "seq-1", "run-b", long))
+        .await
+        .unwrap();
+    assert_eq!(again.claim, Claim::Again);
+    match again.lease {
+        Some(Lease::Busy { holder, left }) => {
+            assert_eq!(holder, "run-a");
+            assert!(left > Duration::from_secs(20) && left <= long, "{left:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    // Another message with the same id: refused, named, no lease taken.
+    let other = within(store.claim_and_lease(acme("inv-c"), "seq-2", "run-c", long))
+        .await
+        .unwrap();
+    assert_eq!(other.claim, Claim::Other("seq-1".into()));
+    assert_eq!(other.lease, None);
+    assert!(
+        matches!(
+            within(store.lease(acme("inv-c"), "run-c", long)).await.unwrap(),
+            Lease::Busy { holder, .. } if holder == "run-a"
+        ),
+        "the refused claim took the lease"
+    );
+    // A cancel tombstone is read with the lease (its own tenant's only).
+    within(store.mark_cancelled(of("globex", "inv-c")))
+        .await
+        .unwrap();
+    let run_a = within(store.claim_and_lease(acme("inv-c"), "seq-1", "run-a", long))
+        .await
+        .unwrap();
+    assert_eq!((run_a.lease, run_a.tombstone), (Some(Lease::Held), false));
+    within(store.mark_cancelled(acme("inv-c"))).await.unwrap();
+    let run_a = within(store.claim_and_lease(acme("inv-c"), "seq-1", "run-a", long))
+        .await
+        .unwrap();
+    assert!(run_a.tombstone);
+    // Finished: answered from the store, nothing leased.
+    within(store.finish(acme("inv-c"), "seq-1", b"{}"))
+        .await
+        .unwrap();
+    let done = within(store.claim_and_lease(acme("inv-c"), "seq-1", "run-d", long))
+        .await
+        .unwrap();
+    assert_eq!((done.claim, done.lease), (Claim::Finished, None));
+    // The same calls one by one agree.
+    assert_eq!(
+        within(store.claim(acme("inv-c"), "seq-1")).await.unwrap(),
+        Claim::Finished
+    );
+}

@@ -123,22 +123,25 @@ fn count(fleet: &Fleet, tenant: &str, outcome: &str) {
         .inc();
 }
 
-/// Whether a cancel for the invocation came before its job started. A
-/// store that cannot answer does not stop the job (logged).
-pub(super) async fn cancelled_before_start(
-    fleet: &Fleet,
-    inv: InvocationKey<'_>,
+/// Whether a cancel for the invocation came before its job started, as
+/// read with its claim (`read`: `None` when the store could not say —
+/// that does not stop the job — and when, Unix ms).
+pub(super) fn cancelled_before_start(
+    id: &str,
+    (read, read_ms): (Option<bool>, u64),
     check: &CancelCheck,
 ) -> bool {
-    let id = inv.invocation_id();
-    match fleet.store.is_cancelled(inv).await {
-        Ok(true) => true,
-        Ok(false) => {
-            check.passed();
+    match read {
+        Some(true) => true,
+        Some(false) => {
+            check.passed_at(read_ms);
             false
         }
-        Err(e) => {
-            warn!(invocation_id = id, error = %e, "cannot read the cancel tombstone; running the job");
+        None => {
+            warn!(
+                invocation_id = id,
+                "the cancel tombstone could not be read with the claim; running the job"
+            );
             false
         }
     }

@@ -18,7 +18,7 @@
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, AckKind};
-use toolfleet_store::{InvocationKey, Lease};
+use toolfleet_store::{Claim, ClaimLease, InvocationKey, Lease};
 use tracing::warn;
 
 use crate::Fleet;
@@ -58,12 +58,25 @@ impl Delivery {
     }
 }
 
+/// A delivery's claim on its invocation, with the run's lease, as taken.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Leased {
+    /// The lease was taken no earlier than this (its time counts from
+    /// here: [`keep_lease`]).
+    pub(super) at: Instant,
+    /// Whether the invocation was cancelled, read with the claim (its
+    /// tombstone, or a remembered cancel); `None` when the store could not
+    /// say.
+    pub(super) cancelled: Option<bool>,
+    /// When that was read (Unix ms).
+    pub(super) read_ms: u64,
+}
+
 /// Whether a delivery may speak for its invocation.
 pub(super) enum Claimed {
     /// This message claimed the invocation (now or on an earlier
-    /// delivery), and its run holds the lease taken no earlier than this
-    /// instant (the lease's time counts from there: [`keep_lease`]).
-    Ours(Instant),
+    /// delivery), and its run holds the lease.
+    Ours(Leased),
     /// This message's run already ended; only its ack was lost.
     Finished,
     /// Another message holds it: named by its stream sequence.
@@ -101,17 +114,53 @@ pub(super) async fn claim_as(
     holder: &str,
 ) -> Claimed {
     let asked = Instant::now();
-    match fleet.store.claim(inv, owner).await {
-        Ok(toolfleet_store::Claim::New | toolfleet_store::Claim::Again) => {
-            match fleet.store.lease(inv, holder, LEASE_TTL).await {
-                Ok(Lease::Held) => Claimed::Ours(asked),
-                Ok(Lease::Busy { left, .. }) => Claimed::Held(left),
-                Err(e) => Claimed::Unknown(e.to_string()),
-            }
+    let read_ms = toolfleet_protocol::now_ms();
+    // One round trip for the claim, the lease and the tombstone (they
+    // share the invocation's hash tag); the tenant's remembered cancels
+    // live under another, so they are read beside it.
+    let (claimed, remembered) = tokio::join!(
+        fleet.store.claim_and_lease(inv, owner, holder, LEASE_TTL),
+        fleet.store.cancel_remembered(inv),
+    );
+    let claimed = match claimed {
+        Ok(claimed) => claimed,
+        Err(e) => return Claimed::Unknown(e.to_string()),
+    };
+    match claimed {
+        ClaimLease {
+            lease: Some(Lease::Held),
+            tombstone,
+            ..
+        } => {
+            let cancelled = match remembered {
+                _ if tombstone => Some(true),
+                Ok(remembered) => Some(remembered),
+                Err(e) => {
+                    warn!(invocation_id = %inv.invocation_id(), error = %e, "cannot read the tenant's remembered cancels; running the job");
+                    None
+                }
+            };
+            Claimed::Ours(Leased {
+                at: asked,
+                cancelled,
+                read_ms,
+            })
         }
-        Ok(toolfleet_store::Claim::Finished) => Claimed::Finished,
-        Ok(toolfleet_store::Claim::Other(owner)) => Claimed::Other(owner),
-        Err(e) => Claimed::Unknown(e.to_string()),
+        ClaimLease {
+            lease: Some(Lease::Busy { left, .. }),
+            ..
+        } => Claimed::Held(left),
+        ClaimLease {
+            claim: Claim::Finished,
+            ..
+        } => Claimed::Finished,
+        ClaimLease {
+            claim: Claim::Other(owner),
+            ..
+        } => Claimed::Other(owner),
+        ClaimLease { claim, .. } => {
+            Claimed::Unknown(format!("the store claimed ({claim:?}) but took no lease"))
+        }
     }
 }
 

@@ -37,7 +37,7 @@ async fn resume(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message, 
     let started = Instant::now();
     let delivery = Delivery::of(&msg);
     let holder = new_holder();
-    let Some(leased_at) = claim_parked(fleet, &msg, &parked, &holder).await else {
+    let Some(leased) = claim_parked(fleet, &msg, &parked, &holder).await else {
         return;
     };
     let id = &parked.job.invocation_id;
@@ -52,7 +52,7 @@ async fn resume(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message, 
         delivery,
         holder,
         started,
-        leased_at,
+        leased,
     };
     run(fleet, plugins, taken, Leg::Resume(Box::new(parked)))
         .instrument(span)
@@ -67,13 +67,13 @@ async fn claim_parked(
     msg: &jetstream::Message,
     parked: &Parked,
     holder: &str,
-) -> Option<Instant> {
+) -> Option<super::claim::Leased> {
     let id = &parked.job.invocation_id;
     let inv = InvocationKey::new(&parked.tenant, id);
     let held_until =
         toolfleet_protocol::now_ms() + parked.remaining_ms + LEASE_TTL.as_millis() as u64;
     match claim_patiently(fleet, msg, inv, &parked.owner, holder, held_until).await {
-        Claimed::Ours(leased_at) => {
+        Claimed::Ours(leased) => {
             // Read again under the lease: another decision's run may have
             // resumed (and parked again, or ended) while this one waited.
             let current = fleet.parked(&parked.tenant, id).await;
@@ -87,7 +87,7 @@ async fn claim_parked(
                     ack(msg).await;
                 }
             }
-            same.then_some(leased_at)
+            same.then_some(leased)
         }
         Claimed::Finished => {
             // Ended before: this decision's ack was lost, or the stream

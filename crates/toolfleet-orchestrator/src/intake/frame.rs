@@ -73,7 +73,9 @@ pub(crate) async fn invoke(
     }
     inv.cancel_check = cancel_check.clone();
     let orchestrator = plugins.orchestrator_of(&inv)?;
-    plugins.context.run(&mut inv, fleet, events).await?;
+    // Boxed: the context stage (pre-fetching among it) is over before the
+    // orchestrator's long waits, and should not be carried through them.
+    Box::pin(plugins.context.run(&mut inv, fleet, events)).await?;
     let ending = orchestrator.run(&mut inv, fleet, events).await?;
     finish(fleet, inv, ending, events)
 }

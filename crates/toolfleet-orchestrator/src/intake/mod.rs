@@ -150,6 +150,18 @@ fn job_limit(fleet: &Fleet, tenant: Option<&str>) -> usize {
 
 /// Handles one delivery of a chat job (see the module docs).
 pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message) {
+    // Boxed: the steps before the run are brief, and their futures (the
+    // claim, every refusal) are large; inline, the job's task would carry
+    // their space for as long as the run waits on its model.
+    let Some((taken, leg, span)) = Box::pin(admit(fleet, msg)).await else {
+        return;
+    };
+    run::run(fleet, plugins, taken, leg).instrument(span).await
+}
+
+/// Decodes, claims and checks one delivery; what its run needs, or `None`
+/// when the delivery was settled here (refused, answered, given back).
+async fn admit(fleet: &Arc<Fleet>, msg: jetstream::Message) -> Option<(Taken, Leg, tracing::Span)> {
     let started = Instant::now();
     let delivery = Delivery::of(&msg);
     // This delivery's run, should it get the invocation's lease.
@@ -164,7 +176,10 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
     let limit = job_limit(fleet, subject_tenant.as_deref());
     let mut job: ChatJob = match Envelope::ChatJob.decode_within(&msg.payload, limit) {
         Ok(job) => job,
-        Err(e) => return reject::malformed(fleet, &msg, delivery, subject_tenant, e).await,
+        Err(e) => {
+            reject::malformed(fleet, &msg, delivery, subject_tenant, e).await;
+            return None;
+        }
     };
     // Only a tenant of the subject (an identity) can be suspended.
     let guarded = subject_tenant.is_some();
@@ -172,12 +187,12 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
     // A batch job on the interactive lane waits its turn on the batch one.
     let priority = lanes::priority_of(fleet, &job, &tenant, lane);
     if priority != lane && guarded && lanes::moved_to_batch(fleet, &msg, &tenant).await {
-        return;
+        return None;
     }
     job.priority = Some(priority);
-    let leased_at = match claimed(fleet, &msg, &job, &tenant, delivery, &holder).await {
+    let leased = match claimed(fleet, &msg, &job, &tenant, delivery, &holder).await {
         ControlFlow::Continue(at) => at,
-        ControlFlow::Break(None) => return,
+        ControlFlow::Break(None) => return None,
         ControlFlow::Break(Some(refusal)) => {
             let refused = Refused {
                 invocation_id: Some(job.invocation_id),
@@ -185,7 +200,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
                 tell_sender: false,
                 refusal,
             };
-            return reject::reject(fleet, &msg, delivery, refused).await;
+            reject::reject(fleet, &msg, delivery, refused).await;
+            return None;
         }
     };
     let suspended = if guarded {
@@ -213,7 +229,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
             tell_sender: true,
             refusal,
         };
-        return reject::reject(fleet, &msg, delivery, refused).await;
+        reject::reject(fleet, &msg, delivery, refused).await;
+        return None;
     }
     if delivery.attempt == 1
         && let Some(refusal) =
@@ -225,7 +242,8 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
             tell_sender: true,
             refusal,
         };
-        return reject::reject(fleet, &msg, delivery, refused).await;
+        reject::reject(fleet, &msg, delivery, refused).await;
+        return None;
     }
     job.tenant = Some(tenant.clone());
     let span = trace(&msg, &mut job, &tenant, delivery);
@@ -239,9 +257,9 @@ pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream
         delivery,
         holder,
         started,
-        leased_at,
+        leased,
     };
-    run::run(fleet, plugins, taken, leg).instrument(span).await
+    Some((taken, leg, span))
 }
 
 /// Claims the job's invocation and settles what the claim says: go on
@@ -263,7 +281,7 @@ async fn claimed(
     tenant: &str,
     delivery: Delivery,
     holder: &str,
-) -> ControlFlow<Option<Refusal>, Instant> {
+) -> ControlFlow<Option<Refusal>, claim::Leased> {
     let id = &job.invocation_id;
     // The tenant's own id: another tenant's invocation of the same id is
     // claimed apart, and this one never learns of it.
@@ -275,14 +293,14 @@ async fn claimed(
         // Parked by an earlier delivery of this job, whose ack was lost
         // (or that died before it): the invocation lives in its record
         // now. Its requests are said again; nothing reruns.
-        Claimed::Ours(leased_at) if delivery.attempt > 1 => match fleet.parked(tenant, id).await {
+        Claimed::Ours(leased) if delivery.attempt > 1 => match fleet.parked(tenant, id).await {
             Ok(Some((parked, _))) if parked.owner == owner(delivery) => {
                 parked.announce_again(fleet).await;
                 let _ = fleet.store.release_lease(inv, holder).await;
                 claim::ack(msg).await;
                 ControlFlow::Break(None)
             }
-            Ok(_) => ControlFlow::Continue(leased_at),
+            Ok(_) => ControlFlow::Continue(leased),
             Err(e) => {
                 warn!(invocation_id = %id, error = %e, "cannot tell whether the invocation is parked; the job will be delivered again");
                 let _ = fleet.store.release_lease(inv, holder).await;
@@ -292,7 +310,7 @@ async fn claimed(
                 ControlFlow::Break(None)
             }
         },
-        Claimed::Ours(leased_at) => ControlFlow::Continue(leased_at),
+        Claimed::Ours(leased) => ControlFlow::Continue(leased),
         Claimed::Finished => {
             claim::answer_finished(fleet, msg, inv).await;
             ControlFlow::Break(None)

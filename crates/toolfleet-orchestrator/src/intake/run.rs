@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 use super::Plugins;
 use super::cancels::cancelled_before_start;
-use super::claim::{Delivery, LEASE_TTL, LeaseEnd, ack, keep_lease, owner};
+use super::claim::{Delivery, LEASE_TTL, LeaseEnd, Leased, ack, keep_lease, owner};
 use super::frame::{self, Finished};
 use crate::approvals::store::ParkError;
 use crate::approvals::{self, CallState, Parked};
@@ -56,8 +56,8 @@ pub(super) struct Taken {
     /// The run's lease holder.
     pub(super) holder: String,
     pub(super) started: Instant,
-    /// The run's lease was taken no earlier than this.
-    pub(super) leased_at: Instant,
+    /// The claim, as taken.
+    pub(super) leased: Leased,
 }
 
 /// When the invocation's time is up.
@@ -84,6 +84,8 @@ struct Run<'a> {
     started: Instant,
     /// Its lease was taken no earlier than this.
     leased_at: Instant,
+    /// Whether the invocation was cancelled, as read with its claim.
+    cancel_read: (Option<bool>, u64),
     /// In-progress acks while it runs.
     keep_alive: Held,
 }
@@ -142,20 +144,22 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         holder: taken.holder,
         number,
         started: taken.started,
-        leased_at: taken.leased_at,
+        leased_at: taken.leased.at,
+        cancel_read: (taken.leased.cancelled, taken.leased.read_ms),
     };
     let outcome = run.race(plugins, leg, &events, &cancel, deadline).await;
+    // Boxed, as the steps before the run are (`super::handle`): brief,
+    // and not to be carried while the run waits.
     let end = match outcome {
         None => {
-            events.close().await;
+            Box::pin(events.close()).await;
             End::Superseded
         }
         Some(outcome) => {
-            run.speak(outcome, events, deadline.at_ms, &cancel, resumed_from)
-                .await
+            Box::pin(run.speak(outcome, events, deadline.at_ms, &cancel, resumed_from)).await
         }
     };
-    run.end(end).await;
+    Box::pin(run.end(end)).await;
 }
 
 impl Run<'_> {
@@ -187,8 +191,11 @@ impl Run<'_> {
         } else {
             CancelCheck::default()
         };
-        let cancelled_early = cancelled_before_start(fleet, self.inv(), &cancel_check).await;
-        let invocation = async {
+        let cancelled_early = cancelled_before_start(&self.id, self.cancel_read, &cancel_check);
+        // Boxed: moved into the select below, it would otherwise take its
+        // space twice in this future (once as the local, once in the
+        // select), for the whole run.
+        let invocation = Box::pin(async {
             match leg {
                 Leg::Fresh {
                     job,
@@ -210,11 +217,21 @@ impl Run<'_> {
                     )
                     .await
                 }
+                // Boxed: rebuilding a parked invocation holds two of
+                // them for a moment, which a fresh run should not carry.
                 Leg::Resume(parked) => {
-                    frame::resume(fleet, plugins, *parked, deadline_ms, events, &cancel_check).await
+                    Box::pin(frame::resume(
+                        fleet,
+                        plugins,
+                        *parked,
+                        deadline_ms,
+                        events,
+                        &cancel_check,
+                    ))
+                    .await
                 }
             }
-        };
+        });
         let outcome = tokio::select! {
             biased;
             // Cancelled while it waited in the stream: nothing runs.
@@ -238,7 +255,8 @@ impl Run<'_> {
         // checked (and renewed, so nobody can take it over for the lease's
         // length) right before the terminal event, so a run that lost it
         // between two renewals adds no second terminal event, finish or ack.
-        if let Ok(Lease::Busy { .. }) = fleet.store.lease(self.inv(), &self.holder, LEASE_TTL).await
+        if let Ok(Lease::Busy { .. }) =
+            Box::pin(fleet.store.lease(self.inv(), &self.holder, LEASE_TTL)).await
         {
             warn!(invocation_id = %self.id, "this run's lease was taken over while it ended; it stops without its terminal event");
             return None;
