@@ -603,15 +603,14 @@ impl LlmClient {
         crate::images::from_wire(&body)
     }
 
-    /// Encodes once, then runs attempts until one succeeds or the retry
-    /// policy (or a streamed answer) says stop.
+    /// Runs attempts until one succeeds or the retry policy (or a
+    /// streamed answer) says stop.
     async fn call<F: FnMut(&str) + Send>(
         &self,
         req: &ChatRequest,
         stream: bool,
         on_text: &mut F,
     ) -> Result<Completion, LlmError> {
-        let body = self.encode(req, stream)?;
         tracing::debug!(
             api = ?self.inner.api,
             model = %req.model,
@@ -638,7 +637,7 @@ impl LlmClient {
             error.type = tracing::field::Empty,
         );
         let result = self
-            .attempts(body, stream, on_text)
+            .attempts(req, stream, on_text)
             .instrument(span.clone())
             .await;
         match &result {
@@ -658,10 +657,14 @@ impl LlmClient {
         result
     }
 
-    /// The attempts of one call, retried as the policy says.
+    /// The attempts of one call, retried as the policy says. Each attempt
+    /// encodes the request anew rather than keeping one encoding for them
+    /// all: the body is let go once it is sent ([`Self::send`]), so a call
+    /// that waits on a slow model holds no copy of its request (several KiB
+    /// each, for thousands of waiting calls).
     async fn attempts<F: FnMut(&str) + Send>(
         &self,
-        body: Bytes,
+        req: &ChatRequest,
         stream: bool,
         on_text: &mut F,
     ) -> Result<Completion, LlmError> {
@@ -675,11 +678,13 @@ impl LlmClient {
             let mut progress = Progress::default();
             let sent = Instant::now();
             let conn = self.inner.http.take();
-            let result = if stream {
-                self.stream_once(&conn.client, body.clone(), on_text, &mut progress)
-                    .await
-            } else {
-                self.plain_once(&conn.client, body.clone()).await
+            let result = match self.encode(req, stream) {
+                Err(e) => Err(e),
+                Ok(body) if stream => {
+                    self.stream_once(&conn.client, body, on_text, &mut progress)
+                        .await
+                }
+                Ok(body) => self.plain_once(&conn.client, body).await,
             };
             if result.as_ref().is_err_and(LlmError::lost_its_connection) {
                 self.inner.http.broken(&conn);
@@ -954,7 +959,11 @@ impl LlmClient {
                     "application/json"
                 },
             )
-            .body(body);
+            // Not as bytes: reqwest keeps a copy of a bytes body until the
+            // response comes (to follow a redirect with it), which for a
+            // slow model is the whole wait. As a body of its own (its length
+            // still sent), it is dropped once sent; a retry encodes again.
+            .body(reqwest::Body::wrap(http_body_util::Full::new(body)));
         if let Some((name, value)) = &self.inner.credential {
             request = request.header(name.clone(), value.clone());
         }
