@@ -16,6 +16,9 @@ pub struct PostgresServer {
     proc: Proc,
     port: u16,
     dir: tempfile::TempDir,
+    bindir: PathBuf,
+    as_root: bool,
+    settings: Vec<String>,
 }
 
 impl PostgresServer {
@@ -30,6 +33,13 @@ impl PostgresServer {
     /// `bin` directory). Retried on a new port like
     /// [`crate::servers::NatsServer::start`].
     pub fn start_in(bindir: &Path) -> Result<Self, LocalError> {
+        Self::start_configured(bindir, &[])
+    }
+
+    /// [`PostgresServer::start_in`] with server settings (`name=value`,
+    /// each passed as `-c`; say `ssl=on`). Paths in them may name files
+    /// the caller puts in place before: the server reads them at start.
+    pub fn start_configured(bindir: &Path, settings: &[String]) -> Result<Self, LocalError> {
         if !bindir.join("postgres").is_file() || !bindir.join("initdb").is_file() {
             return Err(LocalError::NoPostgres(bindir.display().to_string()));
         }
@@ -44,34 +54,55 @@ impl PostgresServer {
                         .arg(dir.path()),
                 )?;
             }
-            let data = dir.path().join("data");
             run(
                 "initdb",
                 as_owner(bindir.join("initdb"), as_root)
                     .arg("-D")
-                    .arg(&data)
+                    .arg(dir.path().join("data"))
                     .args(["-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync"]),
             )?;
             let port = free_port().map_err(|e| LocalError::Io("postgres", e))?;
-            let mut proc = Proc::spawn_found(
-                "postgres",
-                as_owner(bindir.join("postgres"), as_root)
-                    .arg("-D")
-                    .arg(&data)
-                    .arg("-k")
-                    .arg(dir.path())
-                    .args(["-p", &port.to_string()])
-                    .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]),
-                &dir.path().join("postgres.log"),
-            )?;
-            let log = dir.path().join("postgres.log");
-            proc.wait_ready(|| {
-                std::fs::read_to_string(&log)
-                    .is_ok_and(|l| l.contains("ready to accept connections"))
-                    && TcpStream::connect(("127.0.0.1", port)).is_ok()
-            })?;
-            Ok(Self { proc, port, dir })
+            let proc = spawn(bindir, dir.path(), port, as_root, settings)?;
+            Ok(Self {
+                proc,
+                port,
+                dir,
+                bindir: bindir.to_path_buf(),
+                as_root,
+                settings: settings.to_vec(),
+            })
         })
+    }
+
+    /// Stops the server (fast shutdown: clients are disconnected); its
+    /// data stays for [`PostgresServer::start_again`].
+    pub fn stop(&mut self) {
+        self.proc.stop_with("INT", Duration::from_secs(10));
+    }
+
+    /// Starts a stopped server again on the same port with the same data.
+    pub fn start_again(&mut self) -> Result<(), LocalError> {
+        self.stop();
+        self.proc = spawn(
+            &self.bindir,
+            self.dir.path(),
+            self.port,
+            self.as_root,
+            &self.settings,
+        )?;
+        Ok(())
+    }
+
+    /// The directory the cluster lives in (`data/`, the log): a place for
+    /// files a test hands the server, such as certificates.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// Whether the server runs as the user `postgres` (we are root): files
+    /// it must read need that owner.
+    pub fn runs_as_postgres(&self) -> bool {
+        self.as_root
     }
 
     pub fn port(&self) -> u16 {
@@ -95,6 +126,39 @@ impl Drop for PostgresServer {
         // SIGKILL would leave them behind).
         self.proc.stop_with("QUIT", Duration::from_secs(5));
     }
+}
+
+/// Starts `postgres` on the cluster in `dir` and waits until it accepts
+/// connections on `port`.
+fn spawn(
+    bindir: &Path,
+    dir: &Path,
+    port: u16,
+    as_root: bool,
+    settings: &[String],
+) -> Result<Proc, LocalError> {
+    let log = dir.join("postgres.log");
+    // A restarted server's readiness is read from its own log: the earlier
+    // one is kept beside it.
+    if log.is_file() {
+        let _ = std::fs::rename(&log, dir.join("postgres.before.log"));
+    }
+    let mut cmd = as_owner(bindir.join("postgres"), as_root);
+    cmd.arg("-D")
+        .arg(dir.join("data"))
+        .arg("-k")
+        .arg(dir)
+        .args(["-p", &port.to_string()])
+        .args(["-c", "listen_addresses=127.0.0.1", "-c", "fsync=off"]);
+    for setting in settings {
+        cmd.args(["-c", setting]);
+    }
+    let mut proc = Proc::spawn_found("postgres", &mut cmd, &log)?;
+    proc.wait_ready(|| {
+        std::fs::read_to_string(&log).is_ok_and(|l| l.contains("ready to accept connections"))
+            && TcpStream::connect(("127.0.0.1", port)).is_ok()
+    })?;
+    Ok(proc)
 }
 
 /// Where the machine's PostgreSQL binaries are.

@@ -17,13 +17,16 @@
 //! scored here. Rows written before the extension appeared are filled in
 //! when the column is added.
 //!
-//! Reads share one connection (tokio-postgres pipelines concurrent
-//! queries on it); writes take a second one under a lock, since a
-//! transaction needs the connection to itself.
+//! Statements run on connections of a pool (deadpool-postgres): a
+//! connection found closed (PostgreSQL restarted, a network cut) is
+//! dropped and a new one opened for the next statement, so searches recover
+//! when the server returns, without restarting the worker. While the server
+//! is down a statement fails as [`StoreError::Unavailable`].
 
 use std::fmt::Write as _;
 use std::sync::Arc;
 
+use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod};
 use futures::FutureExt;
 use futures::future::BoxFuture;
 use tokio_postgres::types::ToSql;
@@ -42,8 +45,7 @@ pub struct PostgresStore {
 }
 
 struct Inner {
-    read: Client,
-    write: tokio::sync::Mutex<Client>,
+    pool: Pool,
     documents: String,
     items: String,
     /// The pgvector version when vectors are searched in the database.
@@ -54,9 +56,22 @@ struct Inner {
 /// only as an array and searched here.
 const PGVECTOR_MAX_DIMENSIONS: usize = 16_000;
 
+/// Connections the pool keeps open at most.
+pub const POOL_SIZE: usize = 16;
+/// How long opening a connection (TCP, TLS, authentication) may take when
+/// the URL sets no `connect_timeout`, and how long a statement waits for a
+/// free connection.
+const CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn pg(action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError {
     move |e| {
-        if e.is_closed() {
+        // The server going away (shutting down, refusing connections while
+        // it starts, the connection lost) is unavailability, not a failure
+        // of the statement.
+        let going_away = e
+            .code()
+            .is_some_and(|c| c.code().starts_with("08") || c.code().starts_with("57P"));
+        if e.is_closed() || going_away {
             StoreError::Unavailable(format!("{action}: the PostgreSQL connection is closed"))
         } else {
             // The database's own message, never the connection string.
@@ -68,6 +83,47 @@ fn pg(action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError 
     }
 }
 
+fn pool_error(action: &'static str) -> impl FnOnce(PoolError) -> StoreError {
+    move |e| match e {
+        PoolError::Backend(e) => match pg(action)(e) {
+            StoreError::Engine(detail) => StoreError::Unavailable(detail),
+            other => other,
+        },
+        // The pool's own messages (a timeout, closed) hold no URL.
+        other => StoreError::Unavailable(format!("{action}: {other}")),
+    }
+}
+
+/// The pool of connections to `url` (opened as statements need them).
+fn pool(url: &str) -> Result<Pool, StoreError> {
+    let mut config: tokio_postgres::Config = url
+        .parse()
+        // The parser's message names the bad part, never the password.
+        .map_err(|e| StoreError::Invalid(format!("the PostgreSQL URL: {e}")))?;
+    if config.get_connect_timeout().is_none() {
+        config.connect_timeout(CONNECT_TIMEOUT);
+    }
+    let manager = Manager::from_config(
+        config,
+        NoTls,
+        ManagerConfig {
+            // `Fast`: a connection whose task has ended is replaced; one
+            // that died unnoticed fails its statement once, then is.
+            recycling_method: RecyclingMethod::Fast,
+        },
+    );
+    Pool::builder(manager)
+        .max_size(POOL_SIZE)
+        .runtime(deadpool_postgres::Runtime::Tokio1)
+        .wait_timeout(Some(CONNECT_TIMEOUT * 2))
+        .create_timeout(Some(CONNECT_TIMEOUT * 2))
+        .recycle_timeout(Some(CONNECT_TIMEOUT))
+        .build()
+        .map_err(|e| StoreError::Engine(format!("building the PostgreSQL pool: {e}")))
+}
+
+/// A connection of its own, outside any pool (tests' administration).
+#[cfg(test)]
 async fn connect(url: &str) -> Result<Client, StoreError> {
     let (client, connection) = tokio_postgres::connect(url, NoTls).await.map_err(|e| {
         // The URL may hold a password: say what failed, not where.
@@ -101,16 +157,19 @@ impl PostgresStore {
                 "table prefix {prefix:?} must be 1-32 of a-z, 0-9 and _, starting with a letter"
             )));
         }
-        let read = connect(url).await?;
-        let write = connect(url).await?;
+        let pool = pool(url)?;
         let documents = format!("{prefix}_documents");
         let items = format!("{prefix}_items");
-        Self::create_tables(&write, prefix, &documents, &items).await?;
-        let pgvector = Self::enable_pgvector(&write, &items).await?;
+        let client = pool
+            .get()
+            .await
+            .map_err(pool_error("connecting to PostgreSQL"))?;
+        Self::create_tables(&client, prefix, &documents, &items).await?;
+        let pgvector = Self::enable_pgvector(&client, &items).await?;
+        drop(client);
         Ok(Self {
             inner: Arc::new(Inner {
-                read,
-                write: tokio::sync::Mutex::new(write),
+                pool,
                 documents,
                 items,
                 pgvector,
@@ -204,6 +263,25 @@ impl PostgresStore {
             "a retrieval table of an earlier release was migrated to tenants: its rows now belong to the default tenant"
         );
         Ok(())
+    }
+
+    /// A connection of the pool: an open one, or a new one.
+    async fn client(&self, action: &'static str) -> Result<Object, StoreError> {
+        self.inner.pool.get().await.map_err(pool_error(action))
+    }
+
+    /// One cheap statement through the pool: what `/readyz` asks.
+    ///
+    /// # Errors
+    ///
+    /// [`StoreError::Unavailable`] while PostgreSQL cannot be reached.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.client("checking PostgreSQL")
+            .await?
+            .simple_query("SELECT 1")
+            .await
+            .map_err(pg("checking PostgreSQL"))
+            .map(drop)
     }
 
     /// The pgvector version in use, or `None` when vectors are scored by
@@ -408,8 +486,8 @@ impl PostgresStore {
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect();
         let rows = self
-            .inner
-            .read
+            .client(action)
+            .await?
             .query(sql, &refs)
             .await
             .map_err(pg(action))?;
@@ -465,8 +543,8 @@ impl PostgresStore {
         let refs: Vec<&(dyn ToSql + Sync)> =
             params.iter().map(|p| &**p as &(dyn ToSql + Sync)).collect();
         let rows = self
-            .inner
-            .read
+            .client("searching vectors")
+            .await?
             .query(&sql, &refs)
             .await
             .map_err(pg("searching vectors"))?;
@@ -512,7 +590,7 @@ impl Store for PostgresStore {
                 }
             }
             let inner = &*self.inner;
-            let mut client = inner.write.lock().await;
+            let mut client = self.client("writing").await?;
             let tx = client.transaction().await.map_err(pg("beginning"))?;
             for (document, chunks) in &batch {
                 tx.execute(
@@ -566,7 +644,7 @@ impl Store for PostgresStore {
                 )));
             }
             let inner = &*self.inner;
-            let mut client = inner.write.lock().await;
+            let mut client = self.client("writing").await?;
             let tx = client.transaction().await.map_err(pg("beginning"))?;
             Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), tenant, &items).await?;
             tx.commit().await.map_err(pg("committing"))
@@ -589,8 +667,8 @@ impl Store for PostgresStore {
             check_tenant(tenant)?;
             let limit = i64::try_from(limit.max(1)).unwrap_or(i64::MAX);
             let rows = self
-                .inner
-                .read
+                .client("listing documents")
+                .await?
                 .query(
                     &format!(
                         "SELECT payload::text FROM {}
@@ -624,8 +702,8 @@ impl Store for PostgresStore {
         async move {
             check_tenant(tenant)?;
             let row = self
-                .inner
-                .read
+                .client("reading a document")
+                .await?
                 .query_opt(
                     &format!(
                         "SELECT payload::text FROM {} WHERE tenant = $1 AND id = $2",
@@ -648,8 +726,9 @@ impl Store for PostgresStore {
     fn tenants(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>> {
         async move {
             let inner = &*self.inner;
-            let rows = inner
-                .read
+            let rows = self
+                .client("listing tenants")
+                .await?
                 .query(
                     &format!(
                         "SELECT tenant FROM {} UNION SELECT tenant FROM {} ORDER BY 1",
@@ -861,6 +940,87 @@ mod tests {
             .await
             .unwrap();
         crate::tools::tenant_attack::run(Arc::new(attacked)).await;
+    }
+
+    /// A search under a deadline (every await in a test has one).
+    async fn search_once(store: &PostgresStore) -> Result<usize, StoreError> {
+        let q = crate::conformance::query("lighthouse keepers");
+        match tokio::time::timeout(std::time::Duration::from_secs(30), store.search(&q)).await {
+            Ok(r) => r.map(|hits| hits.len()),
+            Err(_) => Err(StoreError::Engine("no answer within 30 s".into())),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn searches_recover_after_a_postgresql_restart_without_restarting_the_worker() {
+        use crate::conformance::{TENANT, chunk, record};
+        use std::sync::atomic::{AtomicU8, Ordering};
+        let mut server = server();
+        let store = PostgresStore::connect(&server.url(), "restart")
+            .await
+            .unwrap();
+        store
+            .replace_document(
+                TENANT,
+                record("ds:a.md", "ds"),
+                vec![chunk("ds:a.md", 0, "Old lighthouse keepers.")],
+            )
+            .await
+            .unwrap();
+        // A stream of searches, each tagged with the phase it started in:
+        // 0 before the stop, 1 while stopped or starting, 2 after the start.
+        let phase = Arc::new(AtomicU8::new(0));
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stream = {
+            let (store, phase, stop) = (store.clone(), phase.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                while !stop.load(Ordering::SeqCst) {
+                    let started = phase.load(Ordering::SeqCst);
+                    let result = search_once(&store).await;
+                    seen.push((started, phase.load(Ordering::SeqCst), result));
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                seen
+            })
+        };
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        phase.store(1, Ordering::SeqCst);
+        tokio::task::block_in_place(|| server.stop());
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        tokio::task::block_in_place(|| server.start_again()).unwrap();
+        phase.store(2, Ordering::SeqCst);
+        tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+        stop.store(true, Ordering::SeqCst);
+        let seen = tokio::time::timeout(std::time::Duration::from_secs(60), stream)
+            .await
+            .unwrap()
+            .unwrap();
+        let (mut before, mut down_errors, mut after) = (0, 0, 0);
+        for (started, ended, result) in &seen {
+            match (started, ended, result) {
+                (0, 0, r) => {
+                    assert_eq!(r.as_ref().ok(), Some(&1), "before the stop: {r:?}");
+                    before += 1;
+                }
+                (2, _, r) => {
+                    assert_eq!(r.as_ref().ok(), Some(&1), "after the restart: {r:?}");
+                    after += 1;
+                }
+                (_, _, Err(e)) => {
+                    assert!(matches!(e, StoreError::Unavailable(_)), "while down: {e}");
+                    down_errors += 1;
+                }
+                (_, _, Ok(_)) => {}
+            }
+        }
+        assert!(before > 0 && after > 0, "{seen:?}");
+        assert!(
+            down_errors > 0,
+            "searches failed while it was down: {seen:?}"
+        );
+        // The same store (the same worker) answers the readiness check.
+        store.ping().await.unwrap();
     }
 
     /// Tables as the release before tenants created them, with a row each.
