@@ -282,3 +282,43 @@ async fn a_pool_without_workers_shows_its_backlog() {
     until_gauges((1, 0)).await;
     worker.stop().await;
 }
+
+/// The retrieval worker on PostgreSQL: `/readyz` asks the store (a cheap
+/// query through the pool), so it is 503 naming the store while
+/// PostgreSQL is down and 200 again once it is back, the same process.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readyz_of_a_retrieval_worker_follows_postgresql() {
+    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let redis = toolfleet_local::servers::RedisServer::start().unwrap();
+    let mut postgres = toolfleet_testkit::postgres::PostgresServer::start()
+        .expect("PostgreSQL (scripts/ensure-servers installs it)");
+    let port = toolfleet_local::servers::free_port().unwrap();
+    let corpus = tempfile::tempdir().unwrap();
+    let mut worker = Command::new(support::sibling_bin("toolfleet-worker-retrieval"))
+        .current_dir(support::root())
+        .env("TOOLFLEET_NATS_URL", nats.url())
+        .env("TOOLFLEET_REDIS_URL", redis.url())
+        .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
+        .env("TOOLFLEET_STORE", "postgres")
+        .env("TOOLFLEET_POSTGRES_URL", postgres.url())
+        .env("TOOLFLEET_CORPUS_DIR", corpus.path())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let _guard = support::KillOnDrop(&mut worker);
+    let ready = format!("http://127.0.0.1:{port}/readyz");
+    let body = until(&ready, "ready", |s, _| s == 200).await;
+    assert!(body.contains("ok   store"), "{body}");
+
+    tokio::task::block_in_place(|| postgres.stop());
+    let body = until(&ready, "unready without PostgreSQL", |s, _| s == 503).await;
+    assert!(
+        body.contains("FAIL store") && body.contains("ok   nats"),
+        "{body}"
+    );
+
+    tokio::task::block_in_place(|| postgres.start_again()).unwrap();
+    let body = until(&ready, "ready again", |s, _| s == 200).await;
+    assert!(body.contains("ok   store"), "{body}");
+}

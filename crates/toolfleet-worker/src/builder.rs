@@ -65,7 +65,12 @@ pub struct Worker {
     pub(crate) hooks: Arc<HookSet>,
     pub(crate) collectors: Vec<Box<dyn Collector>>,
     pub(crate) reload: Option<Reload>,
+    pub(crate) readiness: Vec<(String, Readiness)>,
 }
+
+/// A readiness check of a worker's own (see [`WorkerBuilder::readiness`]).
+pub type Readiness =
+    Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
 /// Builds a worker's next tool set (see [`WorkerBuilder::reload_on`]).
 pub type Rebuild =
@@ -107,6 +112,7 @@ impl Worker {
             problems: Vec::new(),
             secrets: Vec::new(),
             reload: None,
+            readiness: Vec::new(),
         }
     }
 
@@ -146,6 +152,7 @@ pub struct WorkerBuilder {
     problems: Vec<String>,
     secrets: Vec<crate::Secret>,
     reload: Option<Reload>,
+    readiness: Vec<(String, Readiness)>,
 }
 
 impl WorkerBuilder {
@@ -168,6 +175,23 @@ impl WorkerBuilder {
             when,
             rebuild: Arc::new(rebuild),
         });
+        self
+    }
+
+    /// A readiness check of the worker's own, beside NATS, Redis and the
+    /// consumers (say its backing store: a cheap query): `/readyz` of a
+    /// worker served as a process ([`Worker::serve`]) answers 503 naming
+    /// `name` while `check` fails. Keep it cheap; it runs at every probe,
+    /// under the health module's timeout.
+    pub fn readiness(
+        mut self,
+        name: impl Into<String>,
+        check: impl Fn() -> futures::future::BoxFuture<'static, Result<(), String>>
+        + Send
+        + Sync
+        + 'static,
+    ) -> Self {
+        self.readiness.push((name.into(), Arc::new(check)));
         self
     }
 
@@ -315,6 +339,7 @@ impl WorkerBuilder {
             )),
             collectors: self.collectors,
             reload: self.reload,
+            readiness: self.readiness,
         })
     }
 }

@@ -90,7 +90,7 @@ pub mod settings;
 pub mod testing;
 pub mod tool;
 
-pub use builder::{Rebuild, Reload, Worker, WorkerBuilder, WorkerError};
+pub use builder::{Readiness, Rebuild, Reload, Worker, WorkerBuilder, WorkerError};
 pub use ctx::{BlobRef, ToolCtx};
 pub use hooks::{CallInfo, Hooks, Refusal};
 pub use limits::SharedLimits;

@@ -57,6 +57,9 @@ impl Worker {
             rt.watch_connections(&client, Some(ping))?;
             rt.health
                 .check("consumers", self.consumer_check(&client, &subjects));
+            for (name, check) in self.readiness.drain(..) {
+                rt.health.check(name, move || check());
+            }
             let metrics = WorkerMetrics::register_all(&rt.metrics)?;
             self.register_metrics(&rt.metrics)?;
             let mut config = WorkerConfig::new(subjects);

@@ -322,6 +322,7 @@ pub fn worker(
 ) -> Result<Worker, WorkerError> {
     let metrics = RetrievalMetrics::new()
         .map_err(|e| WorkerError::Config(format!("retrieval metrics: {e}")))?;
+    let probed = store.clone();
     let mut r = Retrieval::new(store).with_metrics(metrics.clone());
     if let Some(embedder) = embedder {
         r = r.with_embedder(embedder);
@@ -355,6 +356,12 @@ pub fn worker(
             tools::RetrieveProfileContext(r.clone()),
         )
         .tool("retrieval.entity_lookup", tools::EntityLookup(r))
+        // `/readyz` asks the store (PostgreSQL: `SELECT 1` through the
+        // pool), so a worker whose database is gone is taken out of rotation.
+        .readiness("store", move || {
+            let store = probed.clone();
+            Box::pin(async move { store.ping().await.map_err(|e| e.to_string()) })
+        })
         .metrics(metrics.search_duration)
         .metrics(metrics.passages_returned)
         .build()

@@ -656,6 +656,10 @@ impl Store for PostgresStore {
         self.search_async(query).boxed()
     }
 
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        PostgresStore::ping(self).boxed()
+    }
+
     fn list_documents<'a>(
         &'a self,
         tenant: &'a str,

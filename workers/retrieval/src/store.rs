@@ -157,6 +157,12 @@ pub trait Store: Send + Sync {
         id: &'a str,
     ) -> BoxFuture<'a, Result<Option<DocumentRecord>, StoreError>>;
 
+    /// Whether the backend answers, by its cheapest round trip (what the
+    /// worker's `/readyz` asks). A local index is always there.
+    fn ping(&self) -> BoxFuture<'_, Result<(), StoreError>> {
+        Box::pin(async { Ok(()) })
+    }
+
     /// The tenants that have anything stored, sorted (what `toolfleet
     /// ingest` checks before it picks a tenant by default).
     fn tenants(&self) -> BoxFuture<'_, Result<Vec<String>, StoreError>>;
