@@ -12,7 +12,8 @@
 //! every named volume is declared. Mutated copies of the file show that a
 //! misspelt flag, variable, user, inbox, path or subcommand is caught.
 //!
-//! The YAML is read by python3's PyYAML (anchors and merge keys included);
+//! The YAML is read by python3's PyYAML (anchors and merge keys included;
+//! installed with pip into the tests' temporary directory when missing);
 //! `docker compose config -q` validates the file too where the compose
 //! plugin is installed (skipped with a note otherwise). Run on its own with
 //! `cargo nextest run --test compose`; it needs the workspace's binaries
@@ -25,6 +26,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::OnceLock;
 
 use serde_json::Value;
 
@@ -44,6 +46,9 @@ const READ_BY_TELEMETRY: &[&str] = &[
 /// The image every fleet service runs (ops/Dockerfile).
 const FLEET_IMAGE: &str = "toolfleet:";
 
+/// Installed with pip when python3 has no `yaml` module.
+const PYYAML: &str = "PyYAML==6.0.3";
+
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
@@ -53,11 +58,53 @@ fn bin(name: &str) -> PathBuf {
     Path::new(env!("CARGO_BIN_EXE_toolfleet")).with_file_name(name)
 }
 
+/// Where PyYAML is, when python3 does not have it: installed once with pip
+/// into the tests' temporary directory (as scripts/validate-kubernetes
+/// installs its validator).
+fn pyyaml_path() -> Option<PathBuf> {
+    static PATH: OnceLock<Option<PathBuf>> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let has_yaml = Command::new("python3")
+            .args(["-c", "import yaml"])
+            .stdin(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap_or_else(|e| panic!("python3 is needed to read YAML: {e}"))
+            .success();
+        if has_yaml {
+            return None;
+        }
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("pyyaml");
+        if !dir.join("yaml").exists() {
+            let out = Command::new("python3")
+                .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+                .arg("--target")
+                .arg(&dir)
+                .arg(PYYAML)
+                .stdin(Stdio::null())
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "PyYAML is missing and pip cannot install it ({}): apt-get install python3-yaml\n{}",
+                PYYAML,
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        Some(dir)
+    })
+    .clone()
+}
+
 /// The compose file as JSON: PyYAML resolves anchors, aliases and `<<`
 /// merge keys as compose does.
 fn parse(yaml: &str) -> Value {
     let script = "import json, sys, yaml\njson.dump(yaml.safe_load(sys.stdin), sys.stdout)";
-    let mut child = Command::new("python3")
+    let mut command = Command::new("python3");
+    if let Some(dir) = pyyaml_path() {
+        command.env("PYTHONPATH", dir);
+    }
+    let mut child = command
         .args(["-c", script])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -71,12 +118,11 @@ fn parse(yaml: &str) -> Value {
         .write_all(yaml.as_bytes())
         .unwrap();
     let out = child.wait_with_output().unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        !stderr.contains("No module named 'yaml'"),
-        "PyYAML is missing: apt-get install python3-yaml (or python3 -m pip install pyyaml)"
+        out.status.success(),
+        "the YAML does not parse:\n{}",
+        String::from_utf8_lossy(&out.stderr)
     );
-    assert!(out.status.success(), "the YAML does not parse:\n{stderr}");
     serde_json::from_slice(&out.stdout).unwrap()
 }
 
