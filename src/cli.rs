@@ -45,7 +45,7 @@ pub enum Command {
     /// Ingest files into the document index retrieval workers search
     /// (progress, then a summary; a bad file is reported and skipped).
     Ingest(Box<crate::index::IngestArgs>),
-    /// Check the document index.
+    /// Check the document index, or migrate its PostgreSQL tables.
     Index {
         #[command(subcommand)]
         command: crate::index::IndexCommand,
@@ -131,7 +131,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::BenchWorker(args) => crate::serve::bench_worker(args).await,
         Command::Tools { command } => crate::tools::run(command).await,
         Command::Ingest(args) => crate::index::ingest(*args).await,
-        Command::Index { command } => crate::index::search(command).await,
+        Command::Index { command } => crate::index::run(command).await,
         Command::Blob { command } => crate::blob::run(command).await,
         Command::Health(args) => crate::ops::health::run(args).await,
         Command::Deadletters { command } => crate::ops::deadletters::run(command).await,

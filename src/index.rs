@@ -1,6 +1,8 @@
 //! The document index from the command line: `toolfleet ingest` (files
-//! into the index retrieval workers search) and `toolfleet index search`
-//! (the index searched as a retrieval tool would, to check an ingest).
+//! into the index retrieval workers search), `toolfleet index search`
+//! (the index searched as a retrieval tool would, to check an ingest) and
+//! `toolfleet index migrate` (the PostgreSQL tables brought to this
+//! release's schema, run as their owner before workers start).
 
 use std::path::PathBuf;
 
@@ -72,6 +74,51 @@ pub enum IndexCommand {
         #[arg(short = 'o', long = "output", value_enum, default_value_t = Output::Text)]
         output: Output,
     },
+    /// Create or upgrade the PostgreSQL tables of `--postgres-prefix` to
+    /// this release's schema (versioned migrations, recorded in
+    /// `<prefix>_schema_migrations`; a second run changes nothing). Run it
+    /// as the tables' owner before starting workers: workers only check
+    /// the version, so their role needs no DDL rights. A tantivy index
+    /// needs none.
+    Migrate {
+        #[command(flatten)]
+        index: IndexArgs,
+    },
+}
+
+/// `toolfleet index …`.
+pub async fn run(command: IndexCommand) -> anyhow::Result<i32> {
+    match command {
+        IndexCommand::Migrate { index } => migrate(&index).await,
+        search @ IndexCommand::Search { .. } => self::search(search).await,
+    }
+}
+
+/// `toolfleet index migrate`: exit 0 when the tables are current.
+async fn migrate(index: &IndexArgs) -> anyhow::Result<i32> {
+    use toolfleet_worker_retrieval::Backend;
+    use toolfleet_worker_retrieval::postgres_store::PostgresStore;
+    if index.backend == Backend::Tantivy {
+        println!("the tantivy index needs no migrations (it is opened as it is)");
+        return Ok(0);
+    }
+    let url = index.postgres_url.as_deref().ok_or_else(|| {
+        anyhow::anyhow!("--store postgres needs --postgres-url (or TOOLFLEET_POSTGRES_URL)")
+    })?;
+    let prefix = &index.postgres_prefix;
+    let migrated = PostgresStore::migrate(url, prefix).await?;
+    for (version, description) in &migrated.applied {
+        println!("applied {version}: {description}");
+    }
+    let vectors = migrated.pgvector.as_deref().map_or_else(
+        || "vectors scored by the workers (no pgvector)".to_owned(),
+        |v| format!("vectors searched with pgvector {v}"),
+    );
+    println!(
+        "the tables of prefix {prefix} are at schema version {} ({vectors})",
+        migrated.version
+    );
+    Ok(0)
 }
 
 /// `toolfleet ingest`: exit 0 when every file went in, 2 when some input
@@ -208,7 +255,7 @@ fn note_problems(
 }
 
 /// `toolfleet index search`: exit 0 (also when nothing matches).
-pub async fn search(command: IndexCommand) -> anyhow::Result<i32> {
+async fn search(command: IndexCommand) -> anyhow::Result<i32> {
     let IndexCommand::Search {
         query,
         index,
@@ -216,7 +263,10 @@ pub async fn search(command: IndexCommand) -> anyhow::Result<i32> {
         tenant,
         top_k,
         output,
-    } = command;
+    } = command
+    else {
+        anyhow::bail!("not a search");
+    };
     let store = toolfleet_worker_retrieval::open_store(&index)
         .await
         .map_err(anyhow::Error::msg)?;

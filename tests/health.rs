@@ -283,25 +283,80 @@ async fn a_pool_without_workers_shows_its_backlog() {
     worker.stop().await;
 }
 
-/// The retrieval worker on PostgreSQL: `/readyz` asks the store (a cheap
-/// query through the pool), so it is 503 naming the store while
-/// PostgreSQL is down and 200 again once it is back, the same process.
+/// The retrieval worker on PostgreSQL, as production runs it: `toolfleet
+/// index migrate` as the tables' owner, the worker under a role with rows
+/// only (no CREATE), refused with a clear message before the migration.
+/// Its `/readyz` asks the store (a cheap query through the pool), so it is
+/// 503 naming the store while PostgreSQL is down and 200 again once it is
+/// back, the same process.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readyz_of_a_retrieval_worker_follows_postgresql() {
     let nats = toolfleet_local::servers::NatsServer::start().unwrap();
     let redis = toolfleet_local::servers::RedisServer::start().unwrap();
     let mut postgres = toolfleet_testkit::postgres::PostgresServer::start()
         .expect("PostgreSQL (scripts/ensure-servers installs it)");
+    let migrate = || {
+        Command::new(env!("CARGO_BIN_EXE_toolfleet"))
+            .args(["index", "migrate", "--store", "postgres"])
+            .env("TOOLFLEET_POSTGRES_URL", postgres.url())
+            .output()
+            .unwrap()
+    };
+    // The worker's role: rows only, and no CREATE anywhere.
+    let (admin, connection) = tokio_postgres::connect(&postgres.url(), tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    admin
+        .batch_execute(
+            "CREATE ROLE worker LOGIN;
+             REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+             ALTER DEFAULT PRIVILEGES IN SCHEMA public
+                GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO worker;",
+        )
+        .await
+        .unwrap();
+    let worker_url = format!("postgres://worker@127.0.0.1:{}/postgres", postgres.port());
     let port = toolfleet_local::servers::free_port().unwrap();
     let corpus = tempfile::tempdir().unwrap();
-    let mut worker = Command::new(support::sibling_bin("toolfleet-worker-retrieval"))
-        .current_dir(support::root())
-        .env("TOOLFLEET_NATS_URL", nats.url())
-        .env("TOOLFLEET_REDIS_URL", redis.url())
-        .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
-        .env("TOOLFLEET_STORE", "postgres")
-        .env("TOOLFLEET_POSTGRES_URL", postgres.url())
-        .env("TOOLFLEET_CORPUS_DIR", corpus.path())
+    let worker_command = || {
+        let mut c = Command::new(support::sibling_bin("toolfleet-worker-retrieval"));
+        c.current_dir(support::root())
+            .env("TOOLFLEET_NATS_URL", nats.url())
+            .env("TOOLFLEET_REDIS_URL", redis.url())
+            .env("TOOLFLEET_METRICS_ADDR", format!("127.0.0.1:{port}"))
+            .env("TOOLFLEET_STORE", "postgres")
+            .env("TOOLFLEET_POSTGRES_URL", &worker_url)
+            .env("TOOLFLEET_CORPUS_DIR", corpus.path());
+        c
+    };
+
+    // Before the migration the worker refuses to start, saying what to run.
+    let refused = worker_command().output().unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(!refused.status.success(), "{said}");
+    assert!(said.contains("toolfleet index migrate"), "{said}");
+
+    // The owner migrates; a second run changes nothing.
+    let first = migrate();
+    let printed = String::from_utf8_lossy(&first.stdout);
+    assert!(
+        first.status.success(),
+        "{printed}{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    assert!(
+        printed.contains("applied 1:") && printed.contains("schema version"),
+        "{printed}"
+    );
+    let again = migrate();
+    let printed = String::from_utf8_lossy(&again.stdout);
+    assert!(
+        again.status.success() && !printed.contains("applied"),
+        "{printed}"
+    );
+
+    let mut worker = worker_command()
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()

@@ -336,6 +336,12 @@ async fn retrieval_acme_reads_nothing_of_globex_tantivy() {
 async fn retrieval_acme_reads_nothing_of_globex_postgres() {
     let secure = Secure::start();
     let postgres = toolfleet_testkit::postgres::PostgresServer::start().expect("PostgreSQL");
+    toolfleet_worker_retrieval::postgres_store::PostgresStore::migrate(
+        &postgres.url(),
+        "toolfleet",
+    )
+    .await
+    .unwrap();
     let store = toolfleet_worker_retrieval::postgres_store::PostgresStore::connect(
         &postgres.url(),
         "toolfleet",

@@ -391,6 +391,7 @@ async fn main() {
     drop(tantivy);
     let postgres = fresh_postgres().await;
     if let Some((_, url, _)) = &postgres {
+        PostgresStore::migrate(url, "ingest").await.unwrap();
         let store = PostgresStore::connect(url, "ingest").await.unwrap();
         let rate = bench_ingest(&store, &corpus, mb).await;
         println!("| PostgreSQL | {rate:.2} MB/s | {:.2} |", rate / chunk_mb_s);
@@ -409,7 +410,10 @@ async fn main() {
     if let Some((_, url, _)) = &postgres {
         stores.push((
             "PostgreSQL",
-            Arc::new(PostgresStore::connect(url, "search").await.unwrap()),
+            Arc::new({
+                PostgresStore::migrate(url, "search").await.unwrap();
+                PostgresStore::connect(url, "search").await.unwrap()
+            }),
         ));
     }
     for (name, store) in stores {
@@ -490,6 +494,7 @@ async fn bench_vectors(work: &Path, postgres: Option<&str>) {
         Arc::new(TantivyStore::open(&work.join("tantivy-vectors")).unwrap()),
     )];
     if let Some(url) = postgres {
+        PostgresStore::migrate(url, "vectors").await.unwrap();
         let store = PostgresStore::connect(url, "vectors").await.unwrap();
         let how = store
             .pgvector()
@@ -499,6 +504,7 @@ async fn bench_vectors(work: &Path, postgres: Option<&str>) {
         stores.push((format!("PostgreSQL ({how})"), Arc::new(store)));
     }
     if let Ok(url) = std::env::var("TOOLFLEET_BENCH_PGVECTOR_URL") {
+        PostgresStore::migrate(&url, "bench_vectors").await.unwrap();
         let store = PostgresStore::connect(&url, "bench_vectors").await.unwrap();
         let version = store
             .pgvector()

@@ -1,21 +1,24 @@
 //! The shared [`Store`] backend: PostgreSQL, for fleets whose retrieval
 //! workers run on many hosts against one store.
 //!
-//! Two tables per prefix (`<prefix>_documents`, `<prefix>_items`), created
-//! when missing. Items are ranked by full-text search over a generated
+//! Two tables per prefix (`<prefix>_documents`, `<prefix>_items`), made
+//! by versioned migrations that `toolfleet index migrate` runs as the
+//! tables' owner ([`PostgresStore::migrate`], recorded in
+//! `<prefix>_schema_migrations`); a worker only checks the version at
+//! connect and alters nothing, so its role needs no DDL rights. Items are ranked by full-text search over a generated
 //! `tsvector` column (title weighted above text, GIN-indexed) with
 //! `websearch_to_tsquery`, which reads any text without syntax errors; a
 //! query of stop words only has no lexemes and finds nothing. A document's
 //! record and chunks are replaced in one transaction.
 //!
 //! Vectors are kept as `real[]`. When the `vector` extension (pgvector) is
-//! installed on the server — or can be created by the connecting role —
+//! installed on the server — or can be created by the migrating role —
 //! each vector is also stored in a `vector` column and similarity search
 //! runs inside PostgreSQL (`<=>`, exact, after the filters, so a scoped
 //! search never misses a neighbour the way an approximate index with a
 //! post-filter can). Without it the filtered rows' arrays are read and
 //! scored here. Rows written before the extension appeared are filled in
-//! when the column is added.
+//! when a migration run adds the column.
 //!
 //! Statements run on connections of a pool (deadpool-postgres): a
 //! connection found closed (PostgreSQL restarted, a network cut) is
@@ -55,6 +58,65 @@ struct Inner {
 /// pgvector's limit on a `vector`'s dimensions: a longer vector is kept
 /// only as an array and searched here.
 const PGVECTOR_MAX_DIMENSIONS: usize = 16_000;
+
+/// The schema version this release reads and writes: the last of
+/// [`MIGRATIONS`].
+pub const SCHEMA_VERSION: i32 = 1;
+
+/// The versioned migrations, in order: (version, what it does).
+const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    "tables keyed by (tenant, id); full-text, scope and time indexes; vectors as real[]",
+)];
+
+/// What [`PostgresStore::migrate`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Migrated {
+    /// The schema version the tables are at now.
+    pub version: i32,
+    /// The migrations this run applied (none when already current).
+    pub applied: Vec<(i32, &'static str)>,
+    /// The pgvector version when vectors are searched in the database.
+    pub pgvector: Option<String>,
+}
+
+fn check_prefix(prefix: &str) -> Result<(), StoreError> {
+    let valid = !prefix.is_empty()
+        && prefix.len() <= 32
+        && prefix.starts_with(|c: char| c.is_ascii_lowercase())
+        && prefix
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if valid {
+        Ok(())
+    } else {
+        Err(StoreError::Invalid(format!(
+            "table prefix {prefix:?} must be 1-32 of a-z, 0-9 and _, starting with a letter"
+        )))
+    }
+}
+
+/// The schema version `<prefix>_schema_migrations` records: 0 when the
+/// table is missing (never migrated).
+async fn schema_version(client: &Client, prefix: &str) -> Result<i32, StoreError> {
+    let table = format!("{prefix}_schema_migrations");
+    let exists = client
+        .query_one("SELECT to_regclass($1) IS NOT NULL", &[&table])
+        .await
+        .map_err(pg("looking for the migrations table"))?
+        .get::<_, bool>(0);
+    if !exists {
+        return Ok(0);
+    }
+    Ok(client
+        .query_one(
+            &format!("SELECT coalesce(max(version), 0) FROM {table}"),
+            &[],
+        )
+        .await
+        .map_err(pg("reading the schema version"))?
+        .get(0))
+}
 
 /// Connections the pool keeps open at most.
 pub const POOL_SIZE: usize = 16;
@@ -138,25 +200,19 @@ async fn connect(url: &str) -> Result<Client, StoreError> {
 }
 
 impl PostgresStore {
-    /// Connects to `url` and creates the tables of `prefix` when missing.
-    /// `prefix` is 1-32 of `[a-z0-9_]`, starting with a letter.
+    /// Connects to `url` and opens the tables of `prefix`, which
+    /// `toolfleet index migrate` ([`PostgresStore::migrate`]) has brought to
+    /// [`SCHEMA_VERSION`]. Nothing is created or altered: the role needs
+    /// only SELECT, INSERT, UPDATE and DELETE on them. `prefix` is 1-32 of
+    /// `[a-z0-9_]`, starting with a letter.
     ///
     /// # Errors
     ///
     /// [`StoreError::Invalid`] for a bad prefix, [`StoreError::Unavailable`]
-    /// when PostgreSQL cannot be reached.
+    /// when PostgreSQL cannot be reached or the tables are not at this
+    /// release's schema version (saying to run `toolfleet index migrate`).
     pub async fn connect(url: &str, prefix: &str) -> Result<Self, StoreError> {
-        let valid = !prefix.is_empty()
-            && prefix.len() <= 32
-            && prefix.starts_with(|c: char| c.is_ascii_lowercase())
-            && prefix
-                .chars()
-                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-        if !valid {
-            return Err(StoreError::Invalid(format!(
-                "table prefix {prefix:?} must be 1-32 of a-z, 0-9 and _, starting with a letter"
-            )));
-        }
+        check_prefix(prefix)?;
         let pool = pool(url)?;
         let documents = format!("{prefix}_documents");
         let items = format!("{prefix}_items");
@@ -164,8 +220,34 @@ impl PostgresStore {
             .get()
             .await
             .map_err(pool_error("connecting to PostgreSQL"))?;
-        Self::create_tables(&client, prefix, &documents, &items).await?;
-        let pgvector = Self::enable_pgvector(&client, &items).await?;
+        let version = schema_version(&client, prefix).await?;
+        if version != SCHEMA_VERSION {
+            let why = if version < SCHEMA_VERSION {
+                format!(
+                    "the PostgreSQL tables of prefix {prefix:?} are at schema version {version}, \
+                     this release needs {SCHEMA_VERSION}: run `toolfleet index migrate \
+                     --store postgres --postgres-prefix {prefix}` as the tables' owner first"
+                )
+            } else {
+                format!(
+                    "the PostgreSQL tables of prefix {prefix:?} are at schema version {version}, \
+                     newer than this release's {SCHEMA_VERSION}: upgrade this worker"
+                )
+            };
+            return Err(StoreError::Unavailable(why));
+        }
+        let pgvector = client
+            .query_opt(
+                "SELECT e.extversion::text FROM pg_extension e
+                 WHERE e.extname = 'vector' AND EXISTS (
+                    SELECT 1 FROM information_schema.columns
+                    WHERE table_schema = current_schema() AND table_name = $1
+                      AND column_name = 'vec')",
+                &[&items],
+            )
+            .await
+            .map_err(pg("looking for pgvector"))?
+            .map(|row| row.get::<_, String>(0));
         drop(client);
         Ok(Self {
             inner: Arc::new(Inner {
@@ -177,44 +259,111 @@ impl PostgresStore {
         })
     }
 
-    /// Creates the tables when missing and migrates tables of an earlier
-    /// release to tenants, in one transaction under an advisory lock (two
-    /// workers starting at once migrate once).
+    /// Brings the tables of `prefix` to [`SCHEMA_VERSION`]: each missing
+    /// migration in its own transaction, under an advisory lock (two runs
+    /// at once migrate once), recorded in `<prefix>_schema_migrations`;
+    /// then, when the server has pgvector (installed, or creatable by this
+    /// role), the `vec` column, filled for rows that predate it. Idempotent:
+    /// a second run changes nothing. Run as the tables' owner (it needs
+    /// CREATE); workers then need no DDL rights.
+    ///
+    /// # Errors
+    ///
+    /// As [`PostgresStore::connect`]; [`StoreError::Engine`] when a
+    /// migration fails (rolled back), [`StoreError::Invalid`] when the
+    /// tables are newer than this release.
+    pub async fn migrate(url: &str, prefix: &str) -> Result<Migrated, StoreError> {
+        check_prefix(prefix)?;
+        let pool = pool(url)?;
+        let client = pool
+            .get()
+            .await
+            .map_err(pool_error("connecting to PostgreSQL"))?;
+        let documents = format!("{prefix}_documents");
+        let items = format!("{prefix}_items");
+        let migrations = format!("{prefix}_schema_migrations");
+        let lock = format!("toolfleet-retrieval:{prefix}");
+        let mut applied = Vec::new();
+        for &(version, description) in MIGRATIONS {
+            client
+                .batch_execute("BEGIN")
+                .await
+                .map_err(pg("beginning a migration"))?;
+            let done = async {
+                client
+                    .execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&lock])
+                    .await
+                    .map_err(pg("locking the schema"))?;
+                client
+                    .batch_execute(&format!(
+                        "CREATE TABLE IF NOT EXISTS {migrations} (
+                            version integer PRIMARY KEY,
+                            description text NOT NULL,
+                            applied_at timestamptz NOT NULL DEFAULT now())"
+                    ))
+                    .await
+                    .map_err(pg("creating the migrations table"))?;
+                let current = schema_version(&client, prefix).await?;
+                if current > SCHEMA_VERSION {
+                    return Err(StoreError::Invalid(format!(
+                        "the PostgreSQL tables of prefix {prefix:?} are at schema version \
+                         {current}, newer than this release's {SCHEMA_VERSION}"
+                    )));
+                }
+                if current >= version {
+                    return Ok(false);
+                }
+                match version {
+                    1 => Self::create_tables(&client, &documents, &items).await?,
+                    _ => unreachable!("every migration has its step"),
+                }
+                client
+                    .execute(
+                        &format!("INSERT INTO {migrations} (version, description) VALUES ($1, $2)"),
+                        &[&version, &description],
+                    )
+                    .await
+                    .map_err(pg("recording a migration"))?;
+                Ok(true)
+            }
+            .await;
+            let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
+            let ended = client
+                .batch_execute(end)
+                .await
+                .map_err(pg("ending a migration"));
+            let done = done?;
+            ended?;
+            if done {
+                applied.push((version, description));
+            }
+        }
+        let pgvector = Self::enable_pgvector(&client, &items).await?;
+        Ok(Migrated {
+            version: SCHEMA_VERSION,
+            applied,
+            pgvector,
+        })
+    }
+
+    /// Migration 1: creates the tables when missing and migrates tables of
+    /// a release before tenants (and before migrations) to tenants.
     async fn create_tables(
         client: &Client,
-        prefix: &str,
         documents: &str,
         items: &str,
     ) -> Result<(), StoreError> {
-        let lock = format!("toolfleet-retrieval:{prefix}");
         client
-            .batch_execute("BEGIN")
+            .batch_execute(&create_sql(documents, items))
             .await
-            .map_err(pg("beginning the schema transaction"))?;
-        let done = async {
-            client
-                .execute("SELECT pg_advisory_xact_lock(hashtext($1))", &[&lock])
-                .await
-                .map_err(pg("locking the schema"))?;
-            client
-                .batch_execute(&create_sql(documents, items))
-                .await
-                .map_err(pg("creating the tables"))?;
-            for table in [documents, items] {
-                Self::migrate_to_tenants(client, table).await?;
-            }
-            client
-                .batch_execute(&index_sql(documents, items))
-                .await
-                .map_err(pg("creating the indexes"))
+            .map_err(pg("creating the tables"))?;
+        for table in [documents, items] {
+            Self::migrate_to_tenants(client, table).await?;
         }
-        .await;
-        let end = if done.is_ok() { "COMMIT" } else { "ROLLBACK" };
-        let ended = client
-            .batch_execute(end)
+        client
+            .batch_execute(&index_sql(documents, items))
             .await
-            .map_err(pg("ending the schema transaction"));
-        done.and(ended)
+            .map_err(pg("creating the indexes"))
     }
 
     /// A table of an earlier release (no `tenant` column, keyed by `id`
@@ -913,21 +1062,21 @@ mod tests {
             .expect("PostgreSQL for the store suite (scripts/ensure-servers installs it)")
     }
 
+    /// The tables of `prefix` migrated, then a store on them.
+    async fn migrated(url: &str, prefix: &str) -> PostgresStore {
+        PostgresStore::migrate(url, prefix).await.unwrap();
+        PostgresStore::connect(url, prefix).await.unwrap()
+    }
+
     #[tokio::test]
     async fn passes_the_store_suite() {
         let server = server();
-        let store = PostgresStore::connect(&server.url(), "toolfleet")
-            .await
-            .unwrap();
+        let store = migrated(&server.url(), "toolfleet").await;
         crate::conformance::documents(&store).await;
         // A second prefix is a second, empty index in the same database.
-        let other = PostgresStore::connect(&server.url(), "other")
-            .await
-            .unwrap();
+        let other = migrated(&server.url(), "other").await;
         crate::conformance::context_items(&other).await;
-        let vectors = PostgresStore::connect(&server.url(), "vectors")
-            .await
-            .unwrap();
+        let vectors = migrated(&server.url(), "vectors").await;
         crate::conformance::vectors(&vectors).await;
         assert!(
             other
@@ -936,13 +1085,9 @@ mod tests {
                 .unwrap()
                 .is_empty()
         );
-        let tenants = PostgresStore::connect(&server.url(), "tenants")
-            .await
-            .unwrap();
+        let tenants = migrated(&server.url(), "tenants").await;
         crate::conformance::tenants(&tenants).await;
-        let attacked = PostgresStore::connect(&server.url(), "attacked")
-            .await
-            .unwrap();
+        let attacked = migrated(&server.url(), "attacked").await;
         crate::tools::tenant_attack::run(Arc::new(attacked)).await;
     }
 
@@ -960,9 +1105,7 @@ mod tests {
         use crate::conformance::{TENANT, chunk, record};
         use std::sync::atomic::{AtomicU8, Ordering};
         let mut server = server();
-        let store = PostgresStore::connect(&server.url(), "restart")
-            .await
-            .unwrap();
+        let store = migrated(&server.url(), "restart").await;
         store
             .replace_document(
                 TENANT,
@@ -1027,6 +1170,88 @@ mod tests {
         store.ping().await.unwrap();
     }
 
+    #[tokio::test]
+    async fn a_worker_role_without_ddl_rights_works_after_migrations() {
+        use crate::conformance::{TENANT, chunk, query, record};
+        let server = server();
+        let admin = connect(&server.url()).await.unwrap();
+        // The worker's role: rows only. PostgreSQL 15 gives no role CREATE
+        // on the public schema but its owner's; said again for older ones.
+        admin
+            .batch_execute(
+                "CREATE ROLE worker LOGIN;
+                 REVOKE CREATE ON SCHEMA public FROM PUBLIC;
+                 ALTER DEFAULT PRIVILEGES IN SCHEMA public
+                    GRANT SELECT, INSERT, UPDATE, DELETE ON TABLES TO worker;",
+            )
+            .await
+            .unwrap();
+        let worker_url = format!("postgres://worker@127.0.0.1:{}/postgres", server.port());
+
+        // Before migrations the worker refuses to start, saying what to run.
+        let error = PostgresStore::connect(&worker_url, "toolfleet")
+            .await
+            .err()
+            .expect("not migrated");
+        assert!(
+            error.to_string().contains("schema version 0")
+                && error.to_string().contains("toolfleet index migrate"),
+            "{error}"
+        );
+        // Nor may it migrate: it has no CREATE.
+        let error = PostgresStore::migrate(&worker_url, "toolfleet")
+            .await
+            .expect_err("no DDL rights");
+        assert!(error.to_string().contains("permission denied"), "{error}");
+
+        // The owner migrates; again changes nothing.
+        let first = PostgresStore::migrate(&server.url(), "toolfleet")
+            .await
+            .unwrap();
+        assert_eq!(first.version, SCHEMA_VERSION);
+        assert_eq!(first.applied.len(), MIGRATIONS.len());
+        let again = PostgresStore::migrate(&server.url(), "toolfleet")
+            .await
+            .unwrap();
+        assert!(again.applied.is_empty(), "{again:?}");
+        let recorded: i64 = admin
+            .query_one("SELECT count(*) FROM toolfleet_schema_migrations", &[])
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(recorded, i64::try_from(MIGRATIONS.len()).unwrap());
+
+        // Now the worker's role writes and reads.
+        let store = PostgresStore::connect(&worker_url, "toolfleet")
+            .await
+            .unwrap();
+        store
+            .replace_document(
+                TENANT,
+                record("ds:a.md", "ds"),
+                vec![chunk("ds:a.md", 0, "Old lighthouse keepers.")],
+            )
+            .await
+            .unwrap();
+        assert_eq!(store.search(&query("lighthouse")).await.unwrap().len(), 1);
+        crate::conformance::context_items(&store).await;
+
+        // Tables newer than this release: refused, saying to upgrade.
+        admin
+            .execute(
+                "INSERT INTO toolfleet_schema_migrations (version, description)
+                 VALUES ($1, 'from the future')",
+                &[&(SCHEMA_VERSION + 1)],
+            )
+            .await
+            .unwrap();
+        let error = PostgresStore::connect(&worker_url, "toolfleet")
+            .await
+            .err()
+            .expect("too new");
+        assert!(error.to_string().contains("upgrade this worker"), "{error}");
+    }
+
     /// Tables as the release before tenants created them, with a row each.
     const PRE_TENANT_TABLES: &str = "
         CREATE TABLE old_documents (
@@ -1087,13 +1312,16 @@ mod tests {
             .await
             .unwrap();
 
-        // Two workers start at once: one migrates, the other finds it done.
+        // Two migration runs at once: one migrates, the other finds it done.
         let url = server.url();
         let (a, b) = tokio::join!(
-            PostgresStore::connect(&url, "old"),
-            PostgresStore::connect(&url, "old")
+            PostgresStore::migrate(&url, "old"),
+            PostgresStore::migrate(&url, "old")
         );
-        let (store, _) = (a.unwrap(), b.unwrap());
+        let mut applied = [a.unwrap().applied.len(), b.unwrap().applied.len()];
+        applied.sort_unstable();
+        assert_eq!(applied, [0, 1]);
+        let store = PostgresStore::connect(&url, "old").await.unwrap();
         let mut q = query("lighthouse keepers");
         q.tenant = DEFAULT_TENANT.into();
         let hits = store.search(&q).await.unwrap();
@@ -1294,9 +1522,7 @@ mod tests {
     #[tokio::test]
     async fn passes_the_store_suite_with_pgvector() {
         let server = PgvectorServer::start().await;
-        let store = PostgresStore::connect(&server.url, "toolfleet")
-            .await
-            .unwrap();
+        let store = migrated(&server.url, "toolfleet").await;
         assert!(
             store.pgvector().is_some(),
             "the vector extension is created"
@@ -1304,13 +1530,9 @@ mod tests {
         crate::conformance::documents(&store).await;
         crate::conformance::context_items(&store).await;
         // Tenants, with vectors searched inside PostgreSQL.
-        let tenants = PostgresStore::connect(&server.url, "tenants")
-            .await
-            .unwrap();
+        let tenants = migrated(&server.url, "tenants").await;
         crate::conformance::tenants(&tenants).await;
-        let vectors = PostgresStore::connect(&server.url, "vectors")
-            .await
-            .unwrap();
+        let vectors = migrated(&server.url, "vectors").await;
         crate::conformance::vectors(&vectors).await;
         // The vectors really are searched in the database: the column is
         // filled, one row per item with a vector that can be one.
@@ -1326,14 +1548,12 @@ mod tests {
         assert_eq!(filled, 6, "near, middle, far, elsewhere, longer, zero");
 
         // Rows written before the extension (here: before the column) are
-        // filled in when a store next connects, and found.
+        // filled in when migrations run again, and found.
         admin
             .batch_execute("ALTER TABLE vectors_items DROP COLUMN vec")
             .await
             .unwrap();
-        let reopened = PostgresStore::connect(&server.url, "vectors")
-            .await
-            .unwrap();
+        let reopened = migrated(&server.url, "vectors").await;
         assert!(reopened.pgvector().is_some());
         let hits = reopened
             .search(&Query {
@@ -1357,7 +1577,7 @@ mod tests {
             admin.batch_execute(statement).await.unwrap();
         }
         let plain_url = format!("postgres://plain@127.0.0.1:{}/plain", server.port);
-        let plain = PostgresStore::connect(&plain_url, "vectors").await.unwrap();
+        let plain = migrated(&plain_url, "vectors").await;
         assert!(
             plain.pgvector().is_none(),
             "pgvector is not trusted: superuser only"
