@@ -8,8 +8,10 @@
 //! and the password the server is given for it; the NATS server mounts
 //! `nats-secure.conf` and everything it includes, has every password
 //! `auth.conf` names and loads with them (`nats-server -t`); health checks
-//! probe the service's own metrics port; every host path mounted exists and
-//! every named volume is declared. Mutated copies of the file show that a
+//! probe the service's own metrics port; every host path mounted exists,
+//! every named volume is declared, and every file a command or variable
+//! names inside the container is in the image (ops/Dockerfile's `COPY`) or
+//! a mount, and in the repository. Mutated copies of the file show that a
 //! misspelt flag, variable, user, inbox, path or subcommand is caught.
 //!
 //! The YAML is read by python3's PyYAML (anchors and merge keys included;
@@ -342,6 +344,70 @@ impl Auth {
     }
 }
 
+/// The image's working directory (the last `WORKDIR` of ops/Dockerfile)
+/// and what its `COPY` lines put where: container path -> repository path.
+fn image_files() -> (String, Vec<(String, PathBuf)>) {
+    let dockerfile = std::fs::read_to_string(root().join("ops/Dockerfile")).unwrap();
+    let mut workdir = String::from("/");
+    let mut copies = Vec::new();
+    for line in dockerfile.lines() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        match words.as_slice() {
+            ["WORKDIR", dir] => workdir = (*dir).to_string(),
+            ["COPY", src, dst] => {
+                let dst = dst.trim_end_matches('/');
+                let dst = if dst.starts_with('/') {
+                    dst.to_string()
+                } else {
+                    format!("{}/{dst}", workdir.trim_end_matches('/'))
+                };
+                copies.push((dst, root().join(src.trim_end_matches('/'))));
+            }
+            _ => {}
+        }
+    }
+    (workdir, copies)
+}
+
+/// A path a service names inside its container, checked against what the
+/// image holds and what the service mounts: `None` when it is there (or is
+/// outside both, such as a volume's), else the problem. A file the
+/// operator writes from a shipped example (`config/mcp.toml` from
+/// `config/mcp.example.toml`) counts as there.
+fn missing_path(value: &str, workdir: &str, files: &[(String, PathBuf)]) -> Option<String> {
+    let looks_like_path = value.contains('/') && !value.contains(':') && !value.contains(' ');
+    if !looks_like_path {
+        return None;
+    }
+    let absolute = if value.starts_with('/') {
+        value.to_string()
+    } else {
+        format!("{}/{value}", workdir.trim_end_matches('/'))
+    };
+    let best = files
+        .iter()
+        .filter(|(inside, _)| absolute == *inside || absolute.starts_with(&format!("{inside}/")))
+        .max_by_key(|(inside, _)| inside.len());
+    let Some((inside, repo)) = best else {
+        return (absolute.starts_with(&format!("{}/", workdir.trim_end_matches('/'))))
+            .then(|| format!("{value} is neither in the image nor mounted"));
+    };
+    let path = repo.join(absolute[inside.len()..].trim_start_matches('/'));
+    let example = path.file_stem().zip(path.extension()).map(|(stem, ext)| {
+        path.with_file_name(format!(
+            "{}.example.{}",
+            stem.to_string_lossy(),
+            ext.to_string_lossy()
+        ))
+    });
+    (!path.exists() && !example.is_some_and(|e| e.exists())).then(|| {
+        format!(
+            "{value} is {}, which does not exist",
+            path.strip_prefix(root()).unwrap_or(&path).display()
+        )
+    })
+}
+
 /// Everything wrong with a compose file, one line each.
 fn problems(compose: &Value, helps: &mut Helps) -> Vec<String> {
     let mut problems = Vec::new();
@@ -353,6 +419,7 @@ fn problems(compose: &Value, helps: &mut Helps) -> Vec<String> {
         .map(|m| m.keys().collect())
         .unwrap_or_default();
     let nats_dir = root().join("ops/nats");
+    let (workdir, image_copies) = image_files();
     let auth = Auth::read(&nats_dir, "nats-secure.conf");
 
     // The NATS server: the secure configuration, every file it includes
@@ -475,6 +542,27 @@ fn problems(compose: &Value, helps: &mut Helps) -> Vec<String> {
             let ours = var.starts_with("TOOLFLEET_") || var.starts_with("OTEL_");
             if ours && !reads.contains(var) && !READ_BY_TELEMETRY.contains(&var.as_str()) {
                 problems.push(format!("{name}: `{command}` does not read {var}"));
+            }
+        }
+
+        // The files it names: in the image or mounted, and in the repository.
+        let mut files = image_copies.clone();
+        for volume in strings(&service["volumes"]) {
+            let mut parts = volume.split(':');
+            if let (Some(source), Some(target)) = (parts.next(), parts.next())
+                && let Some(path) = source.strip_prefix("./")
+            {
+                files.push((target.trim_end_matches('/').to_string(), root().join(path)));
+            }
+        }
+        let values = rest
+            .iter()
+            .filter(|a| !a.starts_with('-'))
+            .cloned()
+            .chain(env.values().map(|v| interpolate_defaults(v)));
+        for value in values {
+            if let Some(problem) = missing_path(&value, &workdir, &files) {
+                problems.push(format!("{name}: {problem}"));
             }
         }
 
@@ -605,6 +693,7 @@ fn every_service_matches_the_binaries_and_files_it_names() {
 #[test]
 fn a_misspelt_flag_variable_user_inbox_or_path_is_caught() {
     let text = compose_text();
+    let original = parse(&text);
     let mut helps = Helps::default();
     let cases = [
         (
@@ -668,6 +757,21 @@ fn a_misspelt_flag_variable_user_inbox_or_path_is_caught() {
             "is not ./ops/nats/nats-secure.conf",
         ),
         (
+            "      - examples/demo-script.json\n",
+            "      - examples/demo-scrpt.json\n",
+            "examples/demo-scrpt.json is examples/demo-scrpt.json, which does not exist",
+        ),
+        (
+            "      - /app/examples/corpus\n",
+            "      - /app/example/corpus\n",
+            "/app/example/corpus is neither in the image nor mounted",
+        ),
+        (
+            "TOOLFLEET_MCP_CONFIG: /app/config/mcp.toml",
+            "TOOLFLEET_MCP_CONFIG: /app/config/mpc.toml",
+            "/app/config/mpc.toml is config/mpc.toml, which does not exist",
+        ),
+        (
             "http://127.0.0.1:9470/readyz",
             "http://127.0.0.1:9471/readyz",
             "probes http://127.0.0.1:9471/readyz",
@@ -680,8 +784,9 @@ fn a_misspelt_flag_variable_user_inbox_or_path_is_caught() {
     ];
     for (from, to, expected) in cases {
         assert!(text.contains(from), "the mutation's text {from:?} is gone");
-        let mutated = text.replacen(from, to, 1);
-        let found = problems(&parse(&mutated), &mut helps);
+        let mutated = parse(&text.replacen(from, to, 1));
+        assert_ne!(mutated, original, "{from:?} is only in a comment");
+        let found = problems(&mutated, &mut helps);
         assert!(
             found.iter().any(|p| p.contains(expected)),
             "{from:?} -> {to:?}: expected a problem with {expected:?}, got:\n{}",
