@@ -673,6 +673,20 @@ fn every_service_matches_the_binaries_and_files_it_names() {
     let pg = environment(&services["worker-retrieval-postgres"]);
     assert_eq!(pg["TOOLFLEET_STORE"], "postgres");
     assert!(pg["TOOLFLEET_POSTGRES_URL"].contains("@postgres:5432/"));
+    // Workers alter no schema: the migration runs first, on the same store.
+    let migrate = &services["postgres-migrate"];
+    assert_eq!(
+        strings(&migrate["command"]),
+        ["toolfleet", "index", "migrate"]
+    );
+    assert_eq!(
+        environment(migrate)["TOOLFLEET_POSTGRES_URL"],
+        pg["TOOLFLEET_POSTGRES_URL"]
+    );
+    assert_eq!(
+        services["worker-retrieval-postgres"]["depends_on"]["postgres-migrate"]["condition"],
+        "service_completed_successfully"
+    );
     for (name, service) in services {
         if service["image"]
             .as_str()
