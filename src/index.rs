@@ -83,19 +83,29 @@ pub enum IndexCommand {
     Migrate {
         #[command(flatten)]
         index: IndexArgs,
+        /// The dimensions of the `vector(N)` column (with pgvector), fixed
+        /// when the column is made: the embedding model's. Default:
+        /// --embeddings-dimensions, else the dimensions of a known
+        /// --embeddings-model (text-embedding-3-small 1536,
+        /// text-embedding-3-large 3072, text-embedding-ada-002 1536).
+        #[arg(long, env = "TOOLFLEET_VECTOR_DIMENSIONS")]
+        vector_dimensions: Option<usize>,
     },
 }
 
 /// `toolfleet index …`.
 pub async fn run(command: IndexCommand) -> anyhow::Result<i32> {
     match command {
-        IndexCommand::Migrate { index } => migrate(&index).await,
+        IndexCommand::Migrate {
+            index,
+            vector_dimensions,
+        } => migrate(&index, vector_dimensions).await,
         search @ IndexCommand::Search { .. } => self::search(search).await,
     }
 }
 
 /// `toolfleet index migrate`: exit 0 when the tables are current.
-async fn migrate(index: &IndexArgs) -> anyhow::Result<i32> {
+async fn migrate(index: &IndexArgs, vector_dimensions: Option<usize>) -> anyhow::Result<i32> {
     use toolfleet_worker_retrieval::Backend;
     use toolfleet_worker_retrieval::postgres_store::PostgresStore;
     if index.backend == Backend::Tantivy {
@@ -106,14 +116,31 @@ async fn migrate(index: &IndexArgs) -> anyhow::Result<i32> {
         anyhow::anyhow!("--store postgres needs --postgres-url (or TOOLFLEET_POSTGRES_URL)")
     })?;
     let prefix = &index.postgres_prefix;
-    let migrated = PostgresStore::migrate(url, prefix).await?;
+    let dimensions = vector_dimensions.or_else(|| {
+        let asked = index
+            .embeddings_dimensions
+            .and_then(|d| usize::try_from(d).ok());
+        asked.or(match index.embeddings_model.as_str() {
+            "text-embedding-3-small" | "text-embedding-ada-002" => Some(1536),
+            "text-embedding-3-large" => Some(3072),
+            _ => None,
+        })
+    });
+    let migrated = PostgresStore::migrate(url, prefix, dimensions).await?;
     for (version, description) in &migrated.applied {
         println!("applied {version}: {description}");
     }
-    let vectors = migrated.pgvector.as_deref().map_or_else(
-        || "vectors scored by the workers (no pgvector)".to_owned(),
-        |v| format!("vectors searched with pgvector {v}"),
-    );
+    let vectors = match (&migrated.pgvector, migrated.dimensions) {
+        (Some(v), Some(n)) => format!(
+            "vectors of {n} dimensions searched with pgvector {v}, {}",
+            if migrated.hnsw {
+                "HNSW-indexed"
+            } else {
+                "without an HNSW index (exact scans)"
+            }
+        ),
+        _ => "vectors scored by the workers (no pgvector, or no dimensions)".to_owned(),
+    };
     println!(
         "the tables of prefix {prefix} are at schema version {} ({vectors})",
         migrated.version

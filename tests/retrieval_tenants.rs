@@ -339,6 +339,7 @@ async fn retrieval_acme_reads_nothing_of_globex_postgres() {
     toolfleet_worker_retrieval::postgres_store::PostgresStore::migrate(
         &postgres.url(),
         "toolfleet",
+        None,
     )
     .await
     .unwrap();

@@ -391,7 +391,9 @@ async fn main() {
     drop(tantivy);
     let postgres = fresh_postgres().await;
     if let Some((_, url, _)) = &postgres {
-        PostgresStore::migrate(url, "ingest").await.unwrap();
+        PostgresStore::migrate(url, "ingest", Some(DIMENSIONS))
+            .await
+            .unwrap();
         let store = PostgresStore::connect(url, "ingest").await.unwrap();
         let rate = bench_ingest(&store, &corpus, mb).await;
         println!("| PostgreSQL | {rate:.2} MB/s | {:.2} |", rate / chunk_mb_s);
@@ -411,7 +413,9 @@ async fn main() {
         stores.push((
             "PostgreSQL",
             Arc::new({
-                PostgresStore::migrate(url, "search").await.unwrap();
+                PostgresStore::migrate(url, "search", Some(DIMENSIONS))
+                    .await
+                    .unwrap();
                 PostgresStore::connect(url, "search").await.unwrap()
             }),
         ));
@@ -494,7 +498,9 @@ async fn bench_vectors(work: &Path, postgres: Option<&str>) {
         Arc::new(TantivyStore::open(&work.join("tantivy-vectors")).unwrap()),
     )];
     if let Some(url) = postgres {
-        PostgresStore::migrate(url, "vectors").await.unwrap();
+        PostgresStore::migrate(url, "vectors", Some(DIMENSIONS))
+            .await
+            .unwrap();
         let store = PostgresStore::connect(url, "vectors").await.unwrap();
         let how = store
             .pgvector()
@@ -504,7 +510,9 @@ async fn bench_vectors(work: &Path, postgres: Option<&str>) {
         stores.push((format!("PostgreSQL ({how})"), Arc::new(store)));
     }
     if let Ok(url) = std::env::var("TOOLFLEET_BENCH_PGVECTOR_URL") {
-        PostgresStore::migrate(&url, "bench_vectors").await.unwrap();
+        PostgresStore::migrate(&url, "bench_vectors", Some(DIMENSIONS))
+            .await
+            .unwrap();
         let store = PostgresStore::connect(&url, "bench_vectors").await.unwrap();
         let version = store
             .pgvector()

@@ -5,20 +5,25 @@
 //! by versioned migrations that `toolfleet index migrate` runs as the
 //! tables' owner ([`PostgresStore::migrate`], recorded in
 //! `<prefix>_schema_migrations`); a worker only checks the version at
-//! connect and alters nothing, so its role needs no DDL rights. Items are ranked by full-text search over a generated
-//! `tsvector` column (title weighted above text, GIN-indexed) with
-//! `websearch_to_tsquery`, which reads any text without syntax errors; a
-//! query of stop words only has no lexemes and finds nothing. A document's
-//! record and chunks are replaced in one transaction.
+//! connect and alters nothing, so its role needs no DDL rights. Items are
+//! ranked by full-text search over a generated `tsvector` column (title
+//! weighted above text, GIN-indexed) with `websearch_to_tsquery`, which
+//! reads any text without syntax errors; a query of stop words only has no
+//! lexemes and finds nothing. A document's record and chunks are replaced
+//! in one transaction.
 //!
 //! Vectors are kept as `real[]`. When the `vector` extension (pgvector) is
-//! installed on the server — or can be created by the migrating role —
-//! each vector is also stored in a `vector` column and similarity search
-//! runs inside PostgreSQL (`<=>`, exact, after the filters, so a scoped
-//! search never misses a neighbour the way an approximate index with a
-//! post-filter can). Without it the filtered rows' arrays are read and
-//! scored here. Rows written before the extension appeared are filled in
-//! when a migration run adds the column.
+//! installed on the server — or can be created by the migrating role — and
+//! the migration was given the embedding model's dimensions `N`, each
+//! vector of `N` dimensions is also stored in a `vec vector(N)` column with
+//! an HNSW index (cosine; pgvector 0.5 on, `N` up to 2000), and similarity
+//! search runs inside PostgreSQL as `ORDER BY vec <=> q LIMIT k`, the shape
+//! the index serves. HNSW is approximate and filters apply to what it
+//! returns: the planner uses it when the tenant and scope filters keep
+//! many rows, and scans the filtered rows exactly when they keep few.
+//! Vectors of other dimensions, or all of them without pgvector, are read
+//! as arrays and scored here, exactly. Rows written before the column
+//! appeared are filled in by the next migration run.
 //!
 //! Statements run on connections of a pool (deadpool-postgres): a
 //! connection found closed (PostgreSQL restarted, a network cut) is
@@ -51,13 +56,17 @@ struct Inner {
     pool: Pool,
     documents: String,
     items: String,
-    /// The pgvector version when vectors are searched in the database.
-    pgvector: Option<String>,
+    /// When vectors are searched in the database: the pgvector version
+    /// and the `vec` column's dimensions.
+    vectors: Option<(String, usize)>,
 }
 
 /// pgvector's limit on a `vector`'s dimensions: a longer vector is kept
 /// only as an array and searched here.
 const PGVECTOR_MAX_DIMENSIONS: usize = 16_000;
+/// pgvector's limit on the dimensions of a `vector` an HNSW index holds:
+/// a longer column is searched exactly, without one.
+pub const HNSW_MAX_DIMENSIONS: usize = 2_000;
 
 /// The schema version this release reads and writes: the last of
 /// [`MIGRATIONS`].
@@ -78,6 +87,10 @@ pub struct Migrated {
     pub applied: Vec<(i32, &'static str)>,
     /// The pgvector version when vectors are searched in the database.
     pub pgvector: Option<String>,
+    /// The `vec` column's dimensions (`vector(N)`), when it exists.
+    pub dimensions: Option<usize>,
+    /// Whether the column has its HNSW index.
+    pub hnsw: bool,
 }
 
 fn check_prefix(prefix: &str) -> Result<(), StoreError> {
@@ -116,6 +129,13 @@ async fn schema_version(client: &Client, prefix: &str) -> Result<i32, StoreError
         .await
         .map_err(pg("reading the schema version"))?
         .get(0))
+}
+
+/// The `vec` column as a migration run left it.
+struct VectorColumn {
+    version: String,
+    dimensions: usize,
+    hnsw: bool,
 }
 
 /// Connections the pool keeps open at most.
@@ -236,25 +256,29 @@ impl PostgresStore {
             };
             return Err(StoreError::Unavailable(why));
         }
-        let pgvector = client
+        // The typed column a migration made: its dimensions are its
+        // typmod (an untyped column of an earlier release has -1 and is
+        // not used until migrations type it).
+        let vectors = client
             .query_opt(
-                "SELECT e.extversion::text FROM pg_extension e
-                 WHERE e.extname = 'vector' AND EXISTS (
-                    SELECT 1 FROM information_schema.columns
-                    WHERE table_schema = current_schema() AND table_name = $1
-                      AND column_name = 'vec')",
+                "SELECT e.extversion::text, a.atttypmod FROM pg_extension e, pg_attribute a
+                 WHERE e.extname = 'vector' AND a.attrelid = to_regclass($1)
+                   AND a.attname = 'vec' AND NOT a.attisdropped",
                 &[&items],
             )
             .await
             .map_err(pg("looking for pgvector"))?
-            .map(|row| row.get::<_, String>(0));
+            .and_then(|row| {
+                let dimensions = usize::try_from(row.get::<_, i32>(1)).ok()?;
+                Some((row.get::<_, String>(0), dimensions))
+            });
         drop(client);
         Ok(Self {
             inner: Arc::new(Inner {
                 pool,
                 documents,
                 items,
-                pgvector,
+                vectors,
             }),
         })
     }
@@ -272,7 +296,11 @@ impl PostgresStore {
     /// As [`PostgresStore::connect`]; [`StoreError::Engine`] when a
     /// migration fails (rolled back), [`StoreError::Invalid`] when the
     /// tables are newer than this release.
-    pub async fn migrate(url: &str, prefix: &str) -> Result<Migrated, StoreError> {
+    pub async fn migrate(
+        url: &str,
+        prefix: &str,
+        dimensions: Option<usize>,
+    ) -> Result<Migrated, StoreError> {
         check_prefix(prefix)?;
         let pool = pool(url)?;
         let client = pool
@@ -338,11 +366,13 @@ impl PostgresStore {
                 applied.push((version, description));
             }
         }
-        let pgvector = Self::enable_pgvector(&client, &items).await?;
+        let vectors = Self::enable_pgvector(&client, &items, dimensions).await?;
         Ok(Migrated {
             version: SCHEMA_VERSION,
             applied,
-            pgvector,
+            pgvector: vectors.as_ref().map(|v| v.version.clone()),
+            dimensions: vectors.as_ref().map(|v| v.dimensions),
+            hnsw: vectors.is_some_and(|v| v.hnsw),
         })
     }
 
@@ -437,12 +467,27 @@ impl PostgresStore {
     /// the worker (the extension is not installed on the server).
     #[must_use]
     pub fn pgvector(&self) -> Option<&str> {
-        self.inner.pgvector.as_deref()
+        self.inner.vectors.as_ref().map(|(v, _)| v.as_str())
+    }
+
+    /// The dimensions of the vectors searched in the database (the `vec`
+    /// column's `N`); others are scored by the worker.
+    #[must_use]
+    pub fn vector_dimensions(&self) -> Option<usize> {
+        self.inner.vectors.as_ref().map(|(_, n)| *n)
     }
 
     /// Creates the `vector` extension when the server has it and the role
-    /// may, adds the `vec` column and fills it for rows that predate it.
-    async fn enable_pgvector(client: &Client, items: &str) -> Result<Option<String>, StoreError> {
+    /// may; makes the `vec` column `vector(dimensions)` (kept when it has
+    /// them; an untyped one of an earlier release is replaced), fills it for
+    /// rows that predate it, and builds its HNSW index (cosine) when pgvector
+    /// has HNSW (0.5) and the dimensions fit one. Without `dimensions` an
+    /// existing typed column is kept as it is, and none is made.
+    async fn enable_pgvector(
+        client: &Client,
+        items: &str,
+        dimensions: Option<usize>,
+    ) -> Result<Option<VectorColumn>, StoreError> {
         let available = client
             .query_opt(
                 "SELECT installed_version, default_version FROM pg_available_extensions
@@ -468,30 +513,51 @@ impl PostgresStore {
             );
             return Ok(None);
         }
-        let has_column = client
+        let existing: Option<i32> = client
             .query_opt(
-                "SELECT 1 FROM information_schema.columns
-                 WHERE table_schema = current_schema() AND table_name = $1 AND column_name = 'vec'",
+                "SELECT atttypmod FROM pg_attribute
+                 WHERE attrelid = to_regclass($1) AND attname = 'vec' AND NOT attisdropped",
                 &[&items],
             )
             .await
             .map_err(pg("looking for the vector column"))?
-            .is_some();
-        if !has_column {
-            client
-                .batch_execute(&format!(
-                    "ALTER TABLE {items} ADD COLUMN IF NOT EXISTS vec vector;"
-                ))
-                .await
-                .map_err(pg("adding the vector column"))?;
-        }
-        // Rows written without the column filled (before the extension, or
-        // by a worker that runs without it) are filled at every connect.
+            .map(|row| row.get(0));
+        let existing = existing.and_then(|m| usize::try_from(m).ok());
+        let dimensions = match (existing, dimensions) {
+            (Some(has), Some(wanted)) if has != wanted => {
+                return Err(StoreError::Invalid(format!(
+                    "the vector column of {items} is vector({has}), not vector({wanted}): the \
+                     dimensions are fixed when the column is made; to change them (a new \
+                     embedding model), drop the column (ALTER TABLE {items} DROP COLUMN vec), \
+                     migrate again and re-ingest"
+                )));
+            }
+            (Some(has), _) => has,
+            (None, Some(wanted)) if (1..=PGVECTOR_MAX_DIMENSIONS).contains(&wanted) => {
+                // No column, or an untyped one: made anew, typed.
+                client
+                    .batch_execute(&format!(
+                        "ALTER TABLE {items} DROP COLUMN IF EXISTS vec;
+                         ALTER TABLE {items} ADD COLUMN vec vector({wanted});"
+                    ))
+                    .await
+                    .map_err(pg("adding the vector column"))?;
+                wanted
+            }
+            (None, Some(wanted)) => {
+                return Err(StoreError::Invalid(format!(
+                    "vector dimensions {wanted}: pgvector keeps 1 to {PGVECTOR_MAX_DIMENSIONS}"
+                )));
+            }
+            (None, None) => return Ok(None),
+        };
+        // Rows written before the column (or before the extension) are
+        // filled at every run.
         client
             .batch_execute(&format!(
-                "UPDATE {items} SET vec = embedding::vector
+                "UPDATE {items} SET vec = embedding::vector({dimensions})
                  WHERE embedding IS NOT NULL AND vec IS NULL
-                   AND cardinality(embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
+                   AND cardinality(embedding) = {dimensions}
                    AND array_position(embedding, NULL) IS NULL;"
             ))
             .await
@@ -504,7 +570,45 @@ impl PostgresStore {
             .await
             .map_err(pg("reading the pgvector version"))?
             .get(0);
-        Ok(Some(version))
+        let hnsw = Self::build_hnsw(client, items, dimensions, &version).await?;
+        Ok(Some(VectorColumn {
+            version,
+            dimensions,
+            hnsw,
+        }))
+    }
+
+    /// Builds the `vec` column's HNSW index (cosine) when missing, if
+    /// pgvector has HNSW (0.5 on) and the dimensions fit one. Whether the
+    /// column has it.
+    async fn build_hnsw(
+        client: &Client,
+        items: &str,
+        dimensions: usize,
+        version: &str,
+    ) -> Result<bool, StoreError> {
+        let has_hnsw = client
+            .query_opt("SELECT 1 FROM pg_am WHERE amname = 'hnsw'", &[])
+            .await
+            .map_err(pg("looking for HNSW"))?
+            .is_some();
+        let hnsw = has_hnsw && dimensions <= HNSW_MAX_DIMENSIONS;
+        if hnsw {
+            client
+                .batch_execute(&format!(
+                    "CREATE INDEX IF NOT EXISTS {items}_vec_hnsw ON {items}
+                        USING hnsw (vec vector_cosine_ops);"
+                ))
+                .await
+                .map_err(pg("building the HNSW index"))?;
+        } else {
+            tracing::warn!(
+                dimensions,
+                pgvector = %version,
+                "no HNSW index (pgvector before 0.5, or more than {HNSW_MAX_DIMENSIONS} dimensions): vector searches scan"
+            );
+        }
+        Ok(hnsw)
     }
 
     /// Inserts or replaces `items`, a thousand rows per statement (columns
@@ -513,12 +617,12 @@ impl PostgresStore {
     async fn insert_items(
         tx: &tokio_postgres::Transaction<'_>,
         table: &str,
-        pgvector: bool,
+        vector_dimensions: Option<usize>,
         tenant: &str,
         items: &[Item],
     ) -> Result<(), StoreError> {
         let statement = tx
-            .prepare(&insert_sql(table, pgvector))
+            .prepare(&insert_sql(table, vector_dimensions))
             .await
             .map_err(pg("preparing an insert"))?;
         let rows = last_of_each_id(items)?;
@@ -664,26 +768,17 @@ impl PostgresStore {
             return Ok(Vec::new());
         }
         let items = &self.inner.items;
-        let dimensions = i32::try_from(vector.len()).unwrap_or(i32::MAX);
-        params.push(Box::new(dimensions));
-        let dimensions_param = params.len();
-        let pgvector = self.inner.pgvector.is_some() && vector.len() <= PGVECTOR_MAX_DIMENSIONS;
-        if pgvector {
+        if let Some(n) = self.vector_dimensions().filter(|n| *n == vector.len()) {
             params.push(Box::new(to_json(vector)?));
             let vector_param = params.len();
             params.push(Box::new(i64::try_from(top_k).unwrap_or(100)));
             let limit = params.len();
-            // `<=>` is cosine distance; a stored zero vector's is NaN,
-            // which sorts last and is left out.
-            let sql = format!(
-                "SELECT payload::text, (1 - d)::real FROM (
-                    SELECT payload, id, vec <=> ${vector_param}::text::vector AS d FROM {items}
-                    WHERE vec IS NOT NULL AND vector_dims(vec) = ${dimensions_param}{filters}
-                    ORDER BY d, id LIMIT ${limit}) AS nearest
-                 WHERE d <> 'NaN'::float8 ORDER BY d, id"
-            );
+            let sql = nearest_sql(items, n, filters, vector_param, limit);
             return self.hits(&sql, &params, "searching vectors").await;
         }
+        let dimensions = i32::try_from(vector.len()).unwrap_or(i32::MAX);
+        params.push(Box::new(dimensions));
+        let dimensions_param = params.len();
         // Scored here, over the filtered rows' arrays.
         let sql = format!(
             "SELECT payload::text, embedding FROM {items}
@@ -771,7 +866,7 @@ impl Store for PostgresStore {
                 )
                 .await
                 .map_err(pg("writing the document record"))?;
-                Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), tenant, chunks)
+                Self::insert_items(&tx, &inner.items, self.vector_dimensions(), tenant, chunks)
                     .await?;
             }
             tx.commit().await.map_err(pg("committing"))
@@ -795,7 +890,7 @@ impl Store for PostgresStore {
             let inner = &*self.inner;
             let mut client = self.client("writing").await?;
             let tx = client.transaction().await.map_err(pg("beginning"))?;
-            Self::insert_items(&tx, &inner.items, inner.pgvector.is_some(), tenant, &items).await?;
+            Self::insert_items(&tx, &inner.items, self.vector_dimensions(), tenant, &items).await?;
             tx.commit().await.map_err(pg("committing"))
         }
         .boxed()
@@ -945,6 +1040,22 @@ fn create_sql(documents: &str, items: &str) -> String {
     )
 }
 
+/// The vector search in the database: the rows `filters` keep nearest
+/// the `vector(n)` parameter `$vector_param`, at most `$limit`.
+/// `ORDER BY vec <=> q LIMIT k` is the shape the HNSW index serves
+/// (approximate; the planner scans the filtered rows exactly when the
+/// filters keep few). `<=>` is cosine distance; a stored zero vector's is
+/// NaN, which sorts last and is left out.
+fn nearest_sql(items: &str, n: usize, filters: &str, vector_param: usize, limit: usize) -> String {
+    format!(
+        "SELECT payload::text, (1 - d)::real FROM (
+            SELECT payload, id, vec <=> ${vector_param}::text::vector({n}) AS d
+            FROM {items} WHERE vec IS NOT NULL{filters}
+            ORDER BY vec <=> ${vector_param}::text::vector({n}) LIMIT ${limit}) AS nearest
+         WHERE d <> 'NaN'::float8 ORDER BY d, id"
+    )
+}
+
 /// The indexes, every scope filter led by the tenant (the primary key
 /// serves the tenant alone and ids).
 fn index_sql(documents: &str, items: &str) -> String {
@@ -963,16 +1074,16 @@ fn index_sql(documents: &str, items: &str) -> String {
 /// The statement [`PostgresStore::insert_items`] runs: one row per element
 /// of fifteen arrays, all of one tenant (`$16`), an upsert on (tenant,
 /// id).
-fn insert_sql(table: &str, pgvector: bool) -> String {
+fn insert_sql(table: &str, vector_dimensions: Option<usize>) -> String {
     // With pgvector the array is copied into the `vec` column when it
-    // can be a vector: 1 to 16 000 elements, none missing.
-    let (vec_column, vec_value, vec_update) = if pgvector {
+    // can be one of its vectors: its dimensions, none missing.
+    let (vec_column, vec_value, vec_update) = if let Some(n) = vector_dimensions {
         (
             ", vec",
             format!(
-                ", CASE WHEN cardinality(a.embedding) BETWEEN 1 AND {PGVECTOR_MAX_DIMENSIONS}
+                ", CASE WHEN cardinality(a.embedding) = {n}
                     AND array_position(a.embedding, NULL) IS NULL
-                    THEN a.embedding::vector END"
+                    THEN a.embedding::vector({n}) END"
             ),
             ", vec = EXCLUDED.vec",
         )
@@ -1062,9 +1173,11 @@ mod tests {
             .expect("PostgreSQL for the store suite (scripts/ensure-servers installs it)")
     }
 
-    /// The tables of `prefix` migrated, then a store on them.
+    /// The tables of `prefix` migrated, then a store on them. Vectors of
+    /// three dimensions (the conformance suite's) in the `vec` column where
+    /// the server has pgvector.
     async fn migrated(url: &str, prefix: &str) -> PostgresStore {
-        PostgresStore::migrate(url, prefix).await.unwrap();
+        PostgresStore::migrate(url, prefix, Some(3)).await.unwrap();
         PostgresStore::connect(url, prefix).await.unwrap()
     }
 
@@ -1199,18 +1312,18 @@ mod tests {
             "{error}"
         );
         // Nor may it migrate: it has no CREATE.
-        let error = PostgresStore::migrate(&worker_url, "toolfleet")
+        let error = PostgresStore::migrate(&worker_url, "toolfleet", None)
             .await
             .expect_err("no DDL rights");
         assert!(error.to_string().contains("permission denied"), "{error}");
 
         // The owner migrates; again changes nothing.
-        let first = PostgresStore::migrate(&server.url(), "toolfleet")
+        let first = PostgresStore::migrate(&server.url(), "toolfleet", None)
             .await
             .unwrap();
         assert_eq!(first.version, SCHEMA_VERSION);
         assert_eq!(first.applied.len(), MIGRATIONS.len());
-        let again = PostgresStore::migrate(&server.url(), "toolfleet")
+        let again = PostgresStore::migrate(&server.url(), "toolfleet", None)
             .await
             .unwrap();
         assert!(again.applied.is_empty(), "{again:?}");
@@ -1315,8 +1428,8 @@ mod tests {
         // Two migration runs at once: one migrates, the other finds it done.
         let url = server.url();
         let (a, b) = tokio::join!(
-            PostgresStore::migrate(&url, "old"),
-            PostgresStore::migrate(&url, "old")
+            PostgresStore::migrate(&url, "old", None),
+            PostgresStore::migrate(&url, "old", None)
         );
         let mut applied = [a.unwrap().applied.len(), b.unwrap().applied.len()];
         applied.sort_unstable();
@@ -1545,7 +1658,10 @@ mod tests {
             .await
             .unwrap()
             .get(0);
-        assert_eq!(filled, 6, "near, middle, far, elsewhere, longer, zero");
+        assert_eq!(
+            filled, 5,
+            "near, middle, far, elsewhere, zero: the vector(3) column holds no longer one"
+        );
 
         // Rows written before the extension (here: before the column) are
         // filled in when migrations run again, and found.
@@ -1583,6 +1699,107 @@ mod tests {
             "pgvector is not trusted: superuser only"
         );
         crate::conformance::vectors(&plain).await;
+    }
+
+    #[tokio::test]
+    async fn vector_searches_use_the_hnsw_index_of_a_typed_column() {
+        use crate::conformance::TENANT;
+        let server = PgvectorServer::start().await;
+        let migrated = PostgresStore::migrate(&server.url, "ann", Some(8))
+            .await
+            .unwrap();
+        assert_eq!(migrated.dimensions, Some(8));
+        assert!(migrated.hnsw, "pgvector 0.6 has HNSW");
+        let store = PostgresStore::connect(&server.url, "ann").await.unwrap();
+        assert_eq!(store.vector_dimensions(), Some(8));
+        // Enough rows that an index beats a scan: 3000 vectors, spread.
+        let items: Vec<Item> = (0..3000u32)
+            .map(|i| {
+                let mut item = crate::conformance::chunk("x", 0, "a note");
+                item.document_id = None;
+                item.kind = crate::model::ItemKind::Knowledge;
+                item.id = format!("k{i}");
+                #[allow(clippy::cast_precision_loss)]
+                let x = i as f32;
+                item.embedding = Some(
+                    (0..8)
+                        .map(|d| ((x + 1.0) * (d as f32 + 1.0)).sin())
+                        .collect(),
+                );
+                item
+            })
+            .collect();
+        store.upsert_items(TENANT, items).await.unwrap();
+        let admin = connect(&server.url).await.unwrap();
+        let column: String = admin
+            .query_one(
+                "SELECT format_type(atttypid, atttypmod) FROM pg_attribute
+                 WHERE attrelid = 'ann_items'::regclass AND attname = 'vec'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(column, "vector(8)");
+        let index: String = admin
+            .query_one(
+                "SELECT indexdef FROM pg_indexes WHERE indexname = 'ann_items_vec_hnsw'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(
+            index.contains("USING hnsw (vec vector_cosine_ops)"),
+            "{index}"
+        );
+        admin.batch_execute("ANALYZE ann_items").await.unwrap();
+        // The statement the store runs for a tenant's vector search, as
+        // its plan.
+        let probe = "[1,0,0,0,0,0,0,0]";
+        let plan: Vec<String> = admin
+            .query(
+                &format!(
+                    "EXPLAIN {}",
+                    nearest_sql("ann_items", 8, " AND tenant = $1", 2, 3)
+                ),
+                &[&TENANT, &probe, &10i64],
+            )
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get(0))
+            .collect();
+        assert!(
+            plan.iter()
+                .any(|l| l.contains("Index Scan using ann_items_vec_hnsw")),
+            "{plan:#?}"
+        );
+        let hits = store
+            .search(&Query {
+                tenant: TENANT.into(),
+                vector: Some(vec![1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]),
+                top_k: 10,
+                ..Query::default()
+            })
+            .await
+            .unwrap();
+        assert_eq!(hits.len(), 10);
+        assert!(hits.windows(2).all(|w| w[0].score >= w[1].score));
+
+        // The dimensions are fixed once the column is made.
+        let error = PostgresStore::migrate(&server.url, "ann", Some(16))
+            .await
+            .expect_err("other dimensions");
+        assert!(
+            error.to_string().contains("vector(8), not vector(16)"),
+            "{error}"
+        );
+        // Migrating again without them keeps the column.
+        let again = PostgresStore::migrate(&server.url, "ann", None)
+            .await
+            .unwrap();
+        assert_eq!((again.dimensions, again.hnsw), (Some(8), true));
     }
 
     #[tokio::test]
