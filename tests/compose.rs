@@ -8,10 +8,10 @@
 //! and the password the server is given for it; the NATS server mounts
 //! `nats-secure.conf` and everything it includes, has every password
 //! `auth.conf` names and loads with them (`nats-server -t`); health checks
-//! probe the service's own metrics port; every host path mounted exists,
-//! every named volume is declared, and every file a command or variable
-//! names inside the container is in the image (ops/Dockerfile's `COPY`) or
-//! a mount, and in the repository. Mutated copies of the file show that a
+//! probe the service's own metrics port; no host port is published twice;
+//! every host path mounted exists, every named volume is declared, and
+//! every file a command or variable names inside the container is in the
+//! image (ops/Dockerfile's `COPY`) or a mount, and in the repository. Mutated copies of the file show that a
 //! misspelt flag, variable, user, inbox, path or subcommand is caught.
 //!
 //! The YAML is read by python3's PyYAML (anchors and merge keys included;
@@ -464,6 +464,24 @@ fn problems(compose: &Value, helps: &mut Helps) -> Vec<String> {
         }
     }
 
+    // No two services publish the same host port (profiles may run
+    // together).
+    let mut published: BTreeMap<String, &String> = BTreeMap::new();
+    for (name, service) in services {
+        for port in strings(&service["ports"]) {
+            let parts: Vec<&str> = port.split(':').collect();
+            if parts.len() < 2 {
+                continue;
+            }
+            let host = parts[..parts.len() - 1].join(":");
+            if let Some(other) = published.insert(host.clone(), name) {
+                problems.push(format!(
+                    "{name}: host port {host} is published by {other} too"
+                ));
+            }
+        }
+    }
+
     for (name, service) in services {
         // Paths and volumes, every service.
         for volume in strings(&service["volumes"]) {
@@ -784,6 +802,11 @@ fn a_misspelt_flag_variable_user_inbox_or_path_is_caught() {
             "TOOLFLEET_MCP_CONFIG: /app/config/mcp.toml",
             "TOOLFLEET_MCP_CONFIG: /app/config/mpc.toml",
             "/app/config/mpc.toml is config/mpc.toml, which does not exist",
+        ),
+        (
+            "\"127.0.0.1:9470:9470\"",
+            "\"127.0.0.1:9468:9470\"",
+            "host port 127.0.0.1:9468 is published by",
         ),
         (
             "http://127.0.0.1:9470/readyz",
