@@ -120,6 +120,112 @@ impl PostgresServer {
     }
 }
 
+/// Certificates for a PostgreSQL TLS test, made with the `openssl`
+/// command as the Redis TLS tests make theirs: a CA (`ca.pem`), an
+/// unrelated second CA (`other-ca.pem`), and a server certificate for
+/// `127.0.0.1` and `localhost` signed by the first (`server.pem`,
+/// `server.key`). Readable by the server when it runs as `postgres`.
+pub struct TestCa {
+    dir: tempfile::TempDir,
+}
+
+impl TestCa {
+    pub fn new() -> Result<Self, LocalError> {
+        let dir = tempfile::tempdir().map_err(|e| LocalError::Io("openssl", e))?;
+        let openssl = |args: &[&str]| {
+            run(
+                "openssl",
+                Command::new("openssl").args(args).current_dir(dir.path()),
+            )
+        };
+        std::fs::write(
+            dir.path().join("server.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+        )
+        .map_err(|e| LocalError::Io("openssl", e))?;
+        for ca in ["ca", "other-ca"] {
+            openssl(&[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                &format!("/CN=toolfleet test {ca}"),
+                "-keyout",
+                &format!("{ca}.key"),
+                "-out",
+                &format!("{ca}.pem"),
+            ])?;
+        }
+        openssl(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ])?;
+        openssl(&[
+            "x509",
+            "-req",
+            "-in",
+            "server.csr",
+            "-CA",
+            "ca.pem",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "2",
+            "-extfile",
+            "server.ext",
+            "-out",
+            "server.pem",
+        ])?;
+        // PostgreSQL reads its key only when its own user owns it, mode
+        // 0600; as root the server runs as `postgres`.
+        run(
+            "chmod",
+            Command::new("chmod")
+                .arg("600")
+                .arg(dir.path().join("server.key")),
+        )?;
+        if running_as_root() {
+            run("chmod", Command::new("chmod").arg("755").arg(dir.path()))?;
+            run(
+                "chown",
+                Command::new("chown")
+                    .arg("postgres:postgres")
+                    .arg(dir.path().join("server.key"))
+                    .arg(dir.path().join("server.pem")),
+            )?;
+        }
+        Ok(Self { dir })
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// The settings for [`PostgresServer::start_configured`] that turn TLS
+    /// on with the server certificate.
+    pub fn server_settings(&self) -> Vec<String> {
+        vec![
+            "ssl=on".into(),
+            format!("ssl_cert_file={}", self.path("server.pem").display()),
+            format!("ssl_key_file={}", self.path("server.key").display()),
+        ]
+    }
+}
+
 impl Drop for PostgresServer {
     fn drop(&mut self) {
         // SIGQUIT: the postmaster stops its children and exits at once (a
@@ -161,8 +267,9 @@ fn spawn(
     Ok(proc)
 }
 
-/// Where the machine's PostgreSQL binaries are.
-fn machine_bindir() -> Result<PathBuf, LocalError> {
+/// Where the machine's PostgreSQL binaries are (for
+/// [`PostgresServer::start_configured`]).
+pub fn machine_bindir() -> Result<PathBuf, LocalError> {
     let on_path = std::env::var_os("PATH").and_then(|paths| {
         std::env::split_paths(&paths)
             .find(|d| d.join("postgres").is_file() && d.join("initdb").is_file())

@@ -6,7 +6,8 @@
 //!   at paragraph or sentence boundaries; [`ingest`]: files and JSON Lines
 //!   into a store.
 //! - [`store`]: the index as a trait, with two backends
-//!   ([`tantivy_store`] on local disk, [`postgres_store`] shared), and
+//!   ([`tantivy_store`] on local disk, [`postgres_store`] shared, TLS to
+//!   it from the URL's `sslmode` in [`postgres_tls`]), and
 //!   [`model`]/[`search`]: what it holds and how it is asked.
 //! - [`tools`]: the retrieval tools, scoped by the call's headers.
 //! - [`IndexArgs`]: which store (command line and environment).
@@ -23,6 +24,7 @@ pub mod ingest;
 pub mod model;
 pub mod normalize;
 pub mod postgres_store;
+pub mod postgres_tls;
 pub mod search;
 pub mod store;
 pub mod tantivy_store;

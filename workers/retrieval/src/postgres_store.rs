@@ -37,8 +37,10 @@ use std::sync::Arc;
 use deadpool_postgres::{Manager, ManagerConfig, Object, Pool, PoolError, RecyclingMethod};
 use futures::FutureExt;
 use futures::future::BoxFuture;
+use tokio_postgres::Client;
+#[cfg(test)]
+use tokio_postgres::NoTls;
 use tokio_postgres::types::ToSql;
-use tokio_postgres::{Client, NoTls};
 
 use crate::analysis::sanitize_query;
 use crate::model::{Item, normalize_entity};
@@ -156,10 +158,20 @@ fn pg(action: &'static str) -> impl FnOnce(tokio_postgres::Error) -> StoreError 
         if e.is_closed() || going_away {
             StoreError::Unavailable(format!("{action}: the PostgreSQL connection is closed"))
         } else {
-            // The database's own message, never the connection string.
-            let detail = e
-                .as_db_error()
-                .map_or_else(|| e.to_string(), |d| d.message().to_owned());
+            // The database's own message, never the connection string;
+            // else the error and its causes (a TLS handshake's says why).
+            let detail = e.as_db_error().map_or_else(
+                || {
+                    let mut detail = e.to_string();
+                    let mut source = std::error::Error::source(&e);
+                    while let Some(cause) = source {
+                        let _ = write!(detail, ": {cause}");
+                        source = cause.source();
+                    }
+                    detail
+                },
+                |d| d.message().to_owned(),
+            );
             StoreError::Engine(format!("{action}: {detail}"))
         }
     }
@@ -178,6 +190,7 @@ fn pool_error(action: &'static str) -> impl FnOnce(PoolError) -> StoreError {
 
 /// The pool of connections to `url` (opened as statements need them).
 fn pool(url: &str) -> Result<Pool, StoreError> {
+    let (url, tls) = crate::postgres_tls::split(url)?;
     let mut config: tokio_postgres::Config = url
         .parse()
         // The parser's message names the bad part, never the password.
@@ -185,9 +198,10 @@ fn pool(url: &str) -> Result<Pool, StoreError> {
     if config.get_connect_timeout().is_none() {
         config.connect_timeout(CONNECT_TIMEOUT);
     }
+    config.ssl_mode(tls.tokio_mode());
     let manager = Manager::from_config(
         config,
-        NoTls,
+        tls.connector()?,
         ManagerConfig {
             // `Fast`: a connection whose task has ended is replaced; one
             // that died unnoticed fails its statement once, then is.
@@ -1800,6 +1814,94 @@ mod tests {
             .await
             .unwrap();
         assert_eq!((again.dimensions, again.hnsw), (Some(8), true));
+    }
+
+    /// Whether a connection the store's pool makes for `url` is encrypted.
+    async fn ssl_in_use(url: &str) -> Result<bool, StoreError> {
+        let pool = pool(url)?;
+        let client = pool.get().await.map_err(pool_error("connecting"))?;
+        Ok(client
+            .query_one(
+                "SELECT ssl FROM pg_stat_ssl WHERE pid = pg_backend_pid()",
+                &[],
+            )
+            .await
+            .map_err(pg("reading pg_stat_ssl"))?
+            .get(0))
+    }
+
+    #[tokio::test]
+    async fn tls_follows_the_urls_sslmode_and_verify_full_checks_ca_and_host() {
+        use toolfleet_testkit::postgres::{PostgresServer, TestCa, machine_bindir};
+        let ca = TestCa::new().expect("openssl on PATH (apt-get install openssl)");
+        let server =
+            PostgresServer::start_configured(&machine_bindir().unwrap(), &ca.server_settings())
+                .unwrap();
+        let port = server.port();
+        let url =
+            |host: &str, query: &str| format!("postgres://postgres@{host}:{port}/postgres?{query}");
+        let root = |name: &str| ca.path(name).display().to_string();
+
+        // verify-full with the test CA: encrypted, and the store works.
+        let full = url(
+            "127.0.0.1",
+            &format!("sslmode=verify-full&sslrootcert={}", root("ca.pem")),
+        );
+        assert!(ssl_in_use(&full).await.unwrap());
+        let store = migrated(&full, "tls").await;
+        crate::conformance::context_items(&store).await;
+
+        // A certificate of another CA, or for another host: refused.
+        let wrong_ca = url(
+            "127.0.0.1",
+            &format!("sslmode=verify-full&sslrootcert={}", root("other-ca.pem")),
+        );
+        let error = ssl_in_use(&wrong_ca).await.unwrap_err();
+        assert!(matches!(error, StoreError::Unavailable(_)), "{error}");
+        assert!(error.to_string().contains("certificate"), "{error}");
+        let wrong_host = |mode: &str| {
+            url(
+                "db.example.com",
+                &format!(
+                    "hostaddr=127.0.0.1&sslmode={mode}&sslrootcert={}",
+                    root("ca.pem")
+                ),
+            )
+        };
+        let error = ssl_in_use(&wrong_host("verify-full")).await.unwrap_err();
+        assert!(error.to_string().contains("certificate"), "{error}");
+        // verify-ca checks the chain only; the host name does not matter.
+        assert!(ssl_in_use(&wrong_host("verify-ca")).await.unwrap());
+        let error = ssl_in_use(&url(
+            "127.0.0.1",
+            &format!("sslmode=verify-ca&sslrootcert={}", root("other-ca.pem")),
+        ))
+        .await
+        .unwrap_err();
+        assert!(error.to_string().contains("certificate"), "{error}");
+
+        // require encrypts without checking; prefer (the default) encrypts
+        // when the server can; disable does not.
+        assert!(
+            ssl_in_use(&url("127.0.0.1", "sslmode=require"))
+                .await
+                .unwrap()
+        );
+        assert!(ssl_in_use(&url("127.0.0.1", "")).await.unwrap());
+        assert!(
+            !ssl_in_use(&url("127.0.0.1", "sslmode=disable"))
+                .await
+                .unwrap()
+        );
+        // A missing CA file is a clear error, not a plaintext fallback.
+        let error = ssl_in_use(&url(
+            "127.0.0.1",
+            "sslmode=verify-full&sslrootcert=/nonexistent/ca.pem",
+        ))
+        .await
+        .unwrap_err();
+        assert!(matches!(error, StoreError::Invalid(_)), "{error}");
+        assert!(error.to_string().contains("/nonexistent/ca.pem"), "{error}");
     }
 
     #[tokio::test]
