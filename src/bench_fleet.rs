@@ -282,6 +282,8 @@ impl BenchFleet {
                 workers: bench_workers_with(&local.defs.dir, &index, llm_models).await?,
                 worker_concurrency: shape.worker_concurrency,
                 nats_connect_wait: Duration::from_secs(10),
+                nats: None,
+                redis: None,
             };
             let metrics = prometheus::Registry::new();
             toolfleet_local::fleet::start(spec, &metrics, &tracker, shutdown.clone()).await?;

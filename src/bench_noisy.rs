@@ -249,6 +249,8 @@ impl Noisy {
                 workers: Vec::new(),
                 worker_concurrency: 1,
                 nats_connect_wait: Duration::from_secs(10),
+                nats: None,
+                redis: None,
             };
             toolfleet_local::fleet::start(
                 spec,

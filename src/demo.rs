@@ -102,6 +102,8 @@ impl LocalFleet {
             workers,
             worker_concurrency: max_in_flight,
             nats_connect_wait: Duration::from_secs(10),
+            nats: None,
+            redis: None,
         };
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();

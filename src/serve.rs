@@ -187,6 +187,10 @@ fn fleet_spec(
         workers,
         worker_concurrency: worker.concurrency,
         nats_connect_wait: Duration::from_secs(worker.nats.connect_wait_secs),
+        // Every flag counts: identity, TLS, inbox prefix, Redis TLS and
+        // cluster, as for the separate binaries.
+        nats: Some(nats.clone()),
+        redis: Some(worker.redis.clone()),
     }
 }
 

@@ -837,10 +837,19 @@ fn chat_against_a_dead_server_fails_clearly() {
 }
 
 /// `toolfleet up` runs the whole fleet in one process from a profiles file
-/// (`--config`), as a developer runs it.
+/// (`--config`), as a developer runs it — on a NATS server that wants a
+/// user and password, which every part of the fleet logs in with (the
+/// NATS flags reach them all, not only the URL).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
-    let nats = toolfleet_local::servers::NatsServer::start().unwrap();
+    let nats = toolfleet_local::servers::NatsServer::start_configured(
+        toolfleet_local::servers::NatsConfig {
+            extra: Some("authorization { user: up, password: up-secret }\n".into()),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let with_identity = nats.url().replacen("nats://", "nats://up:up-secret@", 1);
     let redis = toolfleet_local::servers::RedisServer::start().unwrap();
     let script =
         toolfleet_scripted::Script::load(&support::root().join("examples/demo-script.json"))
@@ -863,6 +872,8 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
     cmd.arg("up")
         .current_dir(support::root())
         .env("TOOLFLEET_NATS_URL", nats.url())
+        .env("TOOLFLEET_NATS_USER", "up")
+        .env("TOOLFLEET_NATS_PASSWORD", "up-secret")
         .env("TOOLFLEET_REDIS_URL", redis.url())
         .env("TOOLFLEET_CONFIG", &config)
         .env("TOOLFLEET_INDEX_DIR", dir.path().join("index"))
@@ -876,7 +887,7 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
     loop {
         let out = Command::new(env!("CARGO_BIN_EXE_toolfleet"))
             .args(["chat", "How do honeybees find their way back to the hive?"])
-            .env("TOOLFLEET_NATS_URL", nats.url())
+            .env("TOOLFLEET_NATS_URL", &with_identity)
             .output()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout).to_string();

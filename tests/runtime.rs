@@ -181,6 +181,8 @@ async fn start_fleet(
         workers,
         worker_concurrency: 4,
         nats_connect_wait: Duration::from_secs(5),
+        nats: None,
+        redis: None,
     };
     tokio::time::timeout(
         support::WAIT,

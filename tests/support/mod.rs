@@ -170,6 +170,8 @@ impl Env {
             workers,
             worker_concurrency: 16,
             nats_connect_wait: Duration::from_secs(10),
+            nats: None,
+            redis: None,
         };
         let shutdown = CancellationToken::new();
         let tracker = TaskTracker::new();
@@ -644,6 +646,8 @@ pub(crate) async fn start_orchestrator(
         workers: Vec::new(),
         worker_concurrency: 1,
         nats_connect_wait: Duration::from_secs(5),
+        nats: None,
+        redis: None,
     };
     tokio::time::timeout(
         WAIT,

@@ -28,6 +28,40 @@ pub struct FleetSpec {
     pub worker_concurrency: usize,
     /// How long to keep trying the first NATS connection.
     pub nats_connect_wait: Duration,
+    /// The whole NATS settings (identity, TLS, inbox prefix) when a
+    /// command's flags gave them (`toolfleet up`): every part connects with
+    /// them. `None`: plainly to `nats_url`.
+    pub nats: Option<toolfleet_service::args::NatsArgs>,
+    /// The whole Redis settings (TLS, cluster) likewise; `None`: plainly to
+    /// `redis_url`.
+    pub redis: Option<toolfleet_store::RedisOptions>,
+}
+
+impl FleetSpec {
+    /// A connection for one part, named `name`.
+    async fn connect_nats(&self, name: &str) -> anyhow::Result<async_nats::Client> {
+        match &self.nats {
+            Some(nats) => nats.connect(name).await,
+            None => {
+                toolfleet_service::args::connect_nats(&self.nats_url, name, self.nats_connect_wait)
+                    .await
+            }
+        }
+    }
+
+    async fn connect_store(&self) -> anyhow::Result<CitationStore> {
+        let (prefix, ttl) = (self.subjects.prefix(), self.citation_ttl);
+        let store = match &self.redis {
+            Some(redis) => CitationStore::connect_with(redis, prefix, ttl).await,
+            None => CitationStore::connect(&self.redis_url, prefix, ttl).await,
+        };
+        store.map_err(|e| {
+            anyhow::anyhow!(
+                "cannot connect to Redis at {}: {e}",
+                toolfleet_protocol::redact_url(&self.redis_url)
+            )
+        })
+    }
 }
 
 /// Starts the parts of `spec` as tasks on `tracker`; they stop when
@@ -57,13 +91,12 @@ pub async fn serve(spec: FleetSpec, rt: &toolfleet_service::Runtime) -> anyhow::
 }
 
 async fn start_parts(
-    spec: FleetSpec,
+    mut spec: FleetSpec,
     metrics: &prometheus::Registry,
     tracker: &TaskTracker,
     shutdown: CancellationToken,
     rt: Option<&toolfleet_service::Runtime>,
 ) -> anyhow::Result<()> {
-    let wait = spec.nats_connect_wait;
     // The connection gauges follow the first connection; every part's
     // connection is a readiness check.
     let mut watched = false;
@@ -79,26 +112,17 @@ async fn start_parts(
         }
         Ok(())
     };
-    let store = CitationStore::connect(&spec.redis_url, spec.subjects.prefix(), spec.citation_ttl)
-        .await
-        .map_err(|e| {
-            anyhow::anyhow!(
-                "cannot connect to Redis at {}: {e}",
-                toolfleet_protocol::redact_url(&spec.redis_url)
-            )
-        })?;
+    let store = spec.connect_store().await?;
 
     let dead_letters = toolfleet_service::metrics::dead_letters(metrics)?;
-    if !spec.workers.is_empty() {
+    let workers = std::mem::take(&mut spec.workers);
+    if !workers.is_empty() {
         let worker_metrics = WorkerMetrics::register(metrics, dead_letters.clone())?;
-        for mut worker in spec.workers {
+        for mut worker in workers {
             worker.register_metrics(metrics)?;
-            let client = toolfleet_service::args::connect_nats(
-                &spec.nats_url,
-                &format!("toolfleet-worker-{}", worker.name()),
-                wait,
-            )
-            .await?;
+            let client = spec
+                .connect_nats(&format!("toolfleet-worker-{}", worker.name()))
+                .await?;
             watch(&client, &store)?;
             if let Some(rt) = rt {
                 rt.health.check(
@@ -128,10 +152,8 @@ async fn start_parts(
         }
     }
 
-    if let Some(config) = spec.orchestrator {
-        let client =
-            toolfleet_service::args::connect_nats(&spec.nats_url, "toolfleet-orchestrator", wait)
-                .await?;
+    if let Some(config) = spec.orchestrator.take() {
+        let client = spec.connect_nats("toolfleet-orchestrator").await?;
         watch(&client, &store)?;
         let m = OrchestratorMetrics::register(metrics, dead_letters)?;
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
