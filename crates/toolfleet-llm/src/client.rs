@@ -673,18 +673,19 @@ impl LlmClient {
         let mut queued = Duration::ZERO;
         loop {
             attempt += 1;
+            // Before the gate: a request that cannot be encoded (it never
+            // could: encoding is deterministic) takes no slot.
+            let body = self.encode(req, stream)?;
             let pass = self.admit().await;
             queued += pass.waited;
             let mut progress = Progress::default();
             let sent = Instant::now();
             let conn = self.inner.http.take();
-            let result = match self.encode(req, stream) {
-                Err(e) => Err(e),
-                Ok(body) if stream => {
-                    self.stream_once(&conn.client, body, on_text, &mut progress)
-                        .await
-                }
-                Ok(body) => self.plain_once(&conn.client, body).await,
+            let result = if stream {
+                self.stream_once(&conn.client, body, on_text, &mut progress)
+                    .await
+            } else {
+                self.plain_once(&conn.client, body).await
             };
             if result.as_ref().is_err_and(LlmError::lost_its_connection) {
                 self.inner.http.broken(&conn);
@@ -977,6 +978,22 @@ impl LlmClient {
             Ok(Ok(response)) => response,
         };
         let status = response.status();
+        if status.is_redirection() {
+            let to = response
+                .headers()
+                .get(header::LOCATION)
+                .and_then(|l| l.to_str().ok())
+                .map(toolfleet_protocol::redact_url)
+                .unwrap_or_default();
+            let status = status.as_u16();
+            return Err(LlmError::status(
+                status,
+                None,
+                format!(
+                    "the model endpoint redirects (HTTP {status}) to {to:?}; set the deployment's base_url to where it redirects"
+                ),
+            ));
+        }
         if !status.is_success() {
             let retry_after = retry_after(response.headers());
             // The body only adds detail; a status error stands without it.
@@ -1626,6 +1643,11 @@ mod tests {
                             .and_then(|v| v.to_str().ok())
                             .unwrap_or_default()
                             .to_owned();
+                        // The body goes with its length, never chunked.
+                        assert_eq!(
+                            headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()),
+                            Some(body.len().to_string().as_str())
+                        );
                         record
                             .authorization
                             .lock()
@@ -1649,6 +1671,12 @@ mod tests {
                             "401" => (
                                 StatusCode::UNAUTHORIZED,
                                 format!(r#"{{"error":{{"message":"Incorrect API key provided: {SECRET}","type":"invalid_request_error","code":"invalid_api_key"}}}}"#),
+                            )
+                                .into_response(),
+                            "moved" => (
+                                StatusCode::PERMANENT_REDIRECT,
+                                [("location", "https://user:pw@elsewhere.example/v1/chat/completions")],
+                                "",
                             )
                                 .into_response(),
                             "echo" => (
@@ -1711,8 +1739,16 @@ mod tests {
         }
         assert!(err2.to_string().contains("[redacted]"));
 
+        // A redirect is not followed (the body is not kept to send again):
+        // the error names where to, without credentials, and is final.
+        let err = call("moved").await;
+        assert_eq!(err.code(), "http_308");
+        assert!(!err.is_retryable());
+        assert!(err.to_string().contains("elsewhere.example"), "{err}");
+        assert!(!err.to_string().contains("pw@"), "{err}");
+
         let auth = seen.authorization.lock().expect("lock").clone();
-        assert_eq!(auth.len(), 5);
+        assert_eq!(auth.len(), 6);
         assert!(auth.iter().all(|a| a == &format!("Bearer {SECRET}")));
     }
 

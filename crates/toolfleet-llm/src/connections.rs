@@ -113,6 +113,10 @@ impl Connections {
 fn build(http: HttpVersion, connect_timeout: Duration) -> Result<reqwest::Client, reqwest::Error> {
     let builder = reqwest::Client::builder()
         .connect_timeout(connect_timeout)
+        // A request body is sent once and not kept (see `LlmClient::send`),
+        // so a redirect could not be followed with it: the call fails with
+        // the new location instead (configure that URL).
+        .redirect(reqwest::redirect::Policy::none())
         .user_agent(concat!("toolfleet/", env!("CARGO_PKG_VERSION")));
     match http {
         HttpVersion::Http1 => builder.http1_only(),

@@ -137,7 +137,13 @@ impl CitationStore {
             "new" => (crate::Claim::New, lease()),
             "again" => (crate::Claim::Again, lease()),
             "finished" => (crate::Claim::Finished, None),
-            _ => (crate::Claim::Other(current.clone()), None),
+            "other" => (crate::Claim::Other(current.clone()), None),
+            other => {
+                return Err(CitationError::new(
+                    crate::ErrorKind::Corrupt,
+                    format!("the claim script answered {other:?}"),
+                ));
+            }
         };
         Ok(ClaimLease {
             claim,

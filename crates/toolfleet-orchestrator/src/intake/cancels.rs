@@ -123,25 +123,23 @@ fn count(fleet: &Fleet, tenant: &str, outcome: &str) {
         .inc();
 }
 
-/// Whether a cancel for the invocation came before its job started, as
-/// read with its claim (`read`: `None` when the store could not say —
-/// that does not stop the job — and when, Unix ms).
-pub(super) fn cancelled_before_start(
-    id: &str,
-    (read, read_ms): (Option<bool>, u64),
+/// Whether a cancel for the invocation came before its job started. A
+/// store that cannot answer does not stop the job (logged). Read once the
+/// run is registered, so a cancel is either found here or reaches the run.
+pub(super) async fn cancelled_before_start(
+    fleet: &Fleet,
+    inv: InvocationKey<'_>,
     check: &CancelCheck,
 ) -> bool {
-    match read {
-        Some(true) => true,
-        Some(false) => {
-            check.passed_at(read_ms);
+    let id = inv.invocation_id();
+    match fleet.store.is_cancelled(inv).await {
+        Ok(true) => true,
+        Ok(false) => {
+            check.passed();
             false
         }
-        None => {
-            warn!(
-                invocation_id = id,
-                "the cancel tombstone could not be read with the claim; running the job"
-            );
+        Err(e) => {
+            warn!(invocation_id = id, error = %e, "cannot read the cancel tombstone; running the job");
             false
         }
     }

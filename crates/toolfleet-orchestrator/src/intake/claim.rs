@@ -64,12 +64,6 @@ pub(super) struct Leased {
     /// The lease was taken no earlier than this (its time counts from
     /// here: [`keep_lease`]).
     pub(super) at: Instant,
-    /// Whether the invocation was cancelled, read with the claim (its
-    /// tombstone, or a remembered cancel); `None` when the store could not
-    /// say.
-    pub(super) cancelled: Option<bool>,
-    /// When that was read (Unix ms).
-    pub(super) read_ms: u64,
 }
 
 /// Whether a delivery may speak for its invocation.
@@ -114,38 +108,23 @@ pub(super) async fn claim_as(
     holder: &str,
 ) -> Claimed {
     let asked = Instant::now();
-    let read_ms = toolfleet_protocol::now_ms();
-    // One round trip for the claim, the lease and the tombstone (they
-    // share the invocation's hash tag); the tenant's remembered cancels
-    // live under another, so they are read beside it.
-    let (claimed, remembered) = tokio::join!(
-        fleet.store.claim_and_lease(inv, owner, holder, LEASE_TTL),
-        fleet.store.cancel_remembered(inv),
-    );
-    let claimed = match claimed {
+    // The claim and the lease in one round trip (one script: the keys
+    // share the invocation's hash tag). Whether it was cancelled is read
+    // by the run once it is registered (`cancels::cancelled_before_start`),
+    // so a cancel is either read there or reaches the registered run.
+    let claimed = match fleet
+        .store
+        .claim_and_lease(inv, owner, holder, LEASE_TTL)
+        .await
+    {
         Ok(claimed) => claimed,
         Err(e) => return Claimed::Unknown(e.to_string()),
     };
     match claimed {
         ClaimLease {
             lease: Some(Lease::Held),
-            tombstone,
             ..
-        } => {
-            let cancelled = match remembered {
-                _ if tombstone => Some(true),
-                Ok(remembered) => Some(remembered),
-                Err(e) => {
-                    warn!(invocation_id = %inv.invocation_id(), error = %e, "cannot read the tenant's remembered cancels; running the job");
-                    None
-                }
-            };
-            Claimed::Ours(Leased {
-                at: asked,
-                cancelled,
-                read_ms,
-            })
-        }
+        } => Claimed::Ours(Leased { at: asked }),
         ClaimLease {
             lease: Some(Lease::Busy { left, .. }),
             ..

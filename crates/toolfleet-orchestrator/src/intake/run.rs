@@ -84,8 +84,6 @@ struct Run<'a> {
     started: Instant,
     /// Its lease was taken no earlier than this.
     leased_at: Instant,
-    /// Whether the invocation was cancelled, as read with its claim.
-    cancel_read: (Option<bool>, u64),
     /// In-progress acks while it runs.
     keep_alive: Held,
 }
@@ -145,7 +143,6 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         number,
         started: taken.started,
         leased_at: taken.leased.at,
-        cancel_read: (taken.leased.cancelled, taken.leased.read_ms),
     };
     let outcome = run.race(plugins, leg, &events, &cancel, deadline).await;
     // Boxed, as the steps before the run are (`super::handle`): brief,
@@ -191,7 +188,7 @@ impl Run<'_> {
         } else {
             CancelCheck::default()
         };
-        let cancelled_early = cancelled_before_start(&self.id, self.cancel_read, &cancel_check);
+        let cancelled_early = cancelled_before_start(fleet, self.inv(), &cancel_check).await;
         // Boxed: moved into the select below, it would otherwise take its
         // space twice in this future (once as the local, once in the
         // select), for the whole run.
