@@ -1370,3 +1370,28 @@ async fn the_retrieval_binary_embeds_its_corpus_and_queries_when_configured() {
     }
     assert!(!log.contains(key), "{log}");
 }
+
+/// Every flag a `--help` lists does what it says: the MCP worker's tools
+/// are its servers', so it neither lists `--tool-definitions` nor takes it
+/// on the command line (exit 64, saying why); the other workers list it.
+#[test]
+fn the_mcp_worker_offers_no_tool_definitions_flag() {
+    let mcp = support::sibling_bin("toolfleet-worker-mcp");
+    let help = Command::new(&mcp).arg("--help").output().unwrap();
+    assert!(help.status.success());
+    let text = String::from_utf8_lossy(&help.stdout);
+    assert!(text.contains("--mcp-config"), "{text}");
+    assert!(!text.contains("--tool-definitions"), "{text}");
+    let refused = Command::new(&mcp)
+        .args(["--tool-definitions", "/tmp", "--mcp-config", "/nonexistent"])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(64));
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("takes no --tool-definitions"), "{said}");
+    let system = Command::new(support::sibling_bin("toolfleet-worker-system"))
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&system.stdout).contains("--tool-definitions"));
+}

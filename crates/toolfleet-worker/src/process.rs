@@ -244,17 +244,62 @@ where
     A: Args + FromArgMatches,
     E: std::fmt::Display,
 {
+    let names = (binary, about, default_metrics_addr);
+    main_with(names, version, Flags::default(), build).await
+}
+
+/// What a worker binary's command line offers beyond the flags every
+/// worker has.
+#[derive(Debug, Clone, Copy)]
+pub struct Flags {
+    /// Its tools come from definition files (`--tool-definitions`). A
+    /// worker whose tools come from elsewhere (the MCP worker: from its
+    /// servers) hides the flag and refuses it on the command line (the
+    /// variable, which a deployment may set for every worker, is ignored).
+    pub tool_definitions: bool,
+}
+
+impl Default for Flags {
+    fn default() -> Self {
+        Self {
+            tool_definitions: true,
+        }
+    }
+}
+
+/// [`main`] with `flags`; `names` are the binary's name, its one-line
+/// description and its default metrics address.
+pub async fn main_with<A, E>(
+    (binary, about, default_metrics_addr): (&'static str, &'static str, &str),
+    version: toolfleet_service::build::BuildInfo,
+    flags: Flags,
+    build: impl AsyncFnOnce(&WorkerArgs, &A) -> Result<Worker, E>,
+) -> std::process::ExitCode
+where
+    A: Args + FromArgMatches,
+    E: std::fmt::Display,
+{
     let usage = |message: &dyn std::fmt::Display| {
         eprintln!("configuration error: {message}");
         std::process::ExitCode::from(toolfleet_service::args::EXIT_CONFIG as u8)
     };
-    let command = toolfleet_service::args::command_of::<StandaloneArgs<A>>(version)
+    let mut command = toolfleet_service::args::command_of::<StandaloneArgs<A>>(version)
         .name(binary)
         .about(about);
-    let args = match command
-        .try_get_matches()
-        .and_then(|m| StandaloneArgs::<A>::from_arg_matches(&m))
-    {
+    if !flags.tool_definitions {
+        command = command.mut_arg("dir", |a| a.hide(true));
+    }
+    let args = match command.try_get_matches().and_then(|m| {
+        if !flags.tool_definitions
+            && m.value_source("dir") == Some(clap::parser::ValueSource::CommandLine)
+        {
+            return Err(clap::Error::raw(
+                clap::error::ErrorKind::UnknownArgument,
+                "this worker takes no --tool-definitions: its tools do not come from definition files\n",
+            ));
+        }
+        StandaloneArgs::<A>::from_arg_matches(&m)
+    }) {
         Ok(a) => a,
         Err(e) => {
             let _ = e.print();

@@ -34,11 +34,17 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn serve(hidden: Result<(), String>) -> std::process::ExitCode {
-    toolfleet_worker::process::main(
-        "toolfleet-worker-mcp",
+    toolfleet_worker::process::main_with(
+        (
+            "toolfleet-worker-mcp",
+            "toolfleet worker: serves the tools of MCP servers (stdio or streamable HTTP) as fleet tools.",
+            "0.0.0.0:9469",
+        ),
         toolfleet_worker::build_info!(),
-        "toolfleet worker: serves the tools of MCP servers (stdio or streamable HTTP) as fleet tools.",
-        "0.0.0.0:9469",
+        // Its tools are its servers'.
+        toolfleet_worker::process::Flags {
+            tool_definitions: false,
+        },
         async |args, own: &McpArgs| {
             if let Err(e) = &hidden {
                 tracing::warn!(error = %e, "cannot empty the worker's start-up environment: children that may read its memory may find credentials in /proc/<worker>/environ");
