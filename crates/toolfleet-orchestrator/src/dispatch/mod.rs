@@ -424,6 +424,34 @@ impl ToolRunner<'_> {
             .collect()
     }
 
+    /// The context a call's job carries: the invocation's, traced under
+    /// the call's span, with our call id — unique within the invocation,
+    /// and the same for the same call of a replayed run, so safe as an
+    /// idempotency key.
+    fn call_context(
+        &self,
+        inv: &Invocation,
+        call: &ToolCall,
+        def: &toolfleet_protocol::tools::ToolDefinition,
+        span: &tracing::Span,
+    ) -> CallContext {
+        let mut invocation = inv.ctx.clone();
+        invocation.traceparent =
+            toolfleet_service::telemetry::traceparent(span, invocation.traceparent.as_deref());
+        CallContext {
+            invocation,
+            call_id: call.id.clone(),
+            tool_id: def.id.clone(),
+            attempt: 1,
+            reply_to: format!("{}.{}", self.inbox.inbox, call.id),
+            citation_floor: inv.citations.floor(),
+            // Marked only in a first run (a replay's ids may have results
+            // already) while its tombstone read is fresh (see
+            // `CancelCheck`).
+            new_call: inv.cancel_check.fresh(),
+        }
+    }
+
     /// Sends one call's job, or answers it at once.
     async fn dispatch(
         &self,
@@ -444,24 +472,8 @@ impl ToolRunner<'_> {
         let metrics = &self.fleet.metrics;
         let def = &tool.definition;
         let id = def.id.to_string();
-        // Our call id: unique within the invocation, and the same for the
-        // same call of a replayed run, so safe as an idempotency key.
         span.record("gen_ai.tool.name", id.as_str());
-        let mut invocation = inv.ctx.clone();
-        invocation.traceparent =
-            toolfleet_service::telemetry::traceparent(&span, invocation.traceparent.as_deref());
-        let call_ctx = CallContext {
-            invocation,
-            call_id: call.id.clone(),
-            tool_id: def.id.clone(),
-            attempt: 1,
-            reply_to: format!("{}.{}", self.inbox.inbox, call.id),
-            citation_floor: inv.citations.floor(),
-            // Marked only in a first run (a replay's ids may have results
-            // already) while its tombstone read is fresh (see
-            // `CancelCheck`).
-            new_call: inv.cancel_check.fresh(),
-        };
+        let call_ctx = self.call_context(inv, call, def, &span);
         let headers = call_ctx.to_headers();
         let settings = self.settings_for(inv, call, def, &span, events).await?;
         let body = encode(&ToolJob {
