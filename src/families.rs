@@ -92,3 +92,22 @@ async fn family(name: &str, inputs: &Inputs<'_>) -> anyhow::Result<Worker> {
         other => anyhow::bail!("no tool family named {other:?} (known: {NAMES:?})"),
     }
 }
+
+/// The web family (`web:search`, `web:read_page`), with the tools'
+/// settings from `settings` (TOML, a table per tool; none: every setting's
+/// default, DuckDuckGo for search) and secrets from the environment. Not
+/// among [`NAMES`]: it reaches the internet, which the demo and the bench
+/// must not need; `toolfleet up` starts it.
+pub fn web(definitions: &Path, settings: Option<&Path>) -> anyhow::Result<Worker> {
+    let settings = match settings {
+        Some(path) => toolfleet_worker::settings::SettingsFile::load(path)
+            .with_context(|| format!("the web tools' settings ({})", path.display()))?,
+        None => toolfleet_worker::settings::SettingsFile::empty(),
+    };
+    Ok(toolfleet_worker_web::worker(
+        definitions,
+        &settings,
+        &toolfleet_worker::settings::ProcessSecrets,
+        &toolfleet_worker_web::Network::default(),
+    )?)
+}

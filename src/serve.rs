@@ -42,6 +42,13 @@ pub struct UpArgs {
     /// Where `--gateway` listens.
     #[arg(long, env = crate::gateway::ENV_LISTEN, default_value = crate::gateway::DEFAULT_LISTEN)]
     pub gateway_listen: SocketAddr,
+    /// The web tools' settings (TOML, a table per tool, as the web
+    /// worker's `--settings`); without it every setting has its default.
+    #[arg(long, env = "TOOLFLEET_TOOL_SETTINGS", value_name = "FILE")]
+    pub tool_settings: Option<PathBuf>,
+    /// Start no web worker (its tools reach the internet).
+    #[arg(long)]
+    pub no_web: bool,
 }
 
 #[derive(Args, Debug)]
@@ -90,7 +97,7 @@ pub async fn up(args: UpArgs) -> anyhow::Result<i32> {
         eprintln!("toolfleet up: {e}");
         return Ok(toolfleet_service::args::EXIT_CONFIG);
     }
-    let workers = toolfleet_service::args::or_exit(
+    let mut workers = toolfleet_service::args::or_exit(
         crate::families::all(&crate::families::Inputs {
             definitions: &args.worker.defs.dir,
             index: &args.index,
@@ -98,6 +105,12 @@ pub async fn up(args: UpArgs) -> anyhow::Result<i32> {
         })
         .await,
     );
+    if !args.no_web {
+        workers.push(toolfleet_service::args::or_exit(crate::families::web(
+            &args.worker.defs.dir,
+            args.tool_settings.as_deref(),
+        )));
+    }
     let gateway = args.gateway.then(|| {
         let config = crate::gateway::GatewayConfig::new(subjects.clone(), models.clone());
         (args.gateway_listen, config)

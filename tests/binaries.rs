@@ -905,7 +905,7 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
         "the profile's API shape was used"
     );
     // Ready, and it says what it checked: NATS, Redis, each worker's
-    // consumers.
+    // consumers — the web worker's too (`up` starts every family).
     let ready = reqwest::get(format!("http://127.0.0.1:{port}/readyz"))
         .await
         .unwrap();
@@ -916,6 +916,7 @@ async fn toolfleet_up_serves_chat_jobs_from_a_profiles_file() {
         "ok   redis",
         "ok   consumers of system",
         "ok   consumers of retrieval",
+        "ok   consumers of web",
     ] {
         assert!(said.contains(check), "{check}: {said}");
     }
