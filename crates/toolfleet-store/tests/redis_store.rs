@@ -6,7 +6,7 @@
 // Tests are exempt from the 100-line limit: a scenario reads top to bottom.
 #![allow(clippy::too_many_lines)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -768,94 +768,9 @@ async fn a_password_and_an_acl_user_authenticate() {
     assert!(!format!("{err:?}").contains("not-the-Secret"), "{err:?}");
 }
 
-/// A CA, a server certificate for 127.0.0.1 and a client certificate,
-/// made with the `openssl` command.
-struct Pki {
-    dir: tempfile::TempDir,
-}
-
-impl Pki {
-    fn new() -> Self {
-        let dir = tempfile::tempdir().unwrap();
-        let run = |args: &[&str]| {
-            let out = Command::new("openssl")
-                .args(args)
-                .current_dir(dir.path())
-                .output()
-                .expect("openssl on PATH (apt-get install openssl)");
-            assert!(
-                out.status.success(),
-                "openssl {args:?}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-        };
-        std::fs::write(
-            dir.path().join("server.ext"),
-            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
-             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n",
-        )
-        .unwrap();
-        std::fs::write(
-            dir.path().join("client.ext"),
-            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
-             extendedKeyUsage=clientAuth\n",
-        )
-        .unwrap();
-        for ca in ["ca", "other-ca"] {
-            run(&[
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "2",
-                "-subj",
-                &format!("/CN=toolfleet test {ca}"),
-                "-keyout",
-                &format!("{ca}.key"),
-                "-out",
-                &format!("{ca}.pem"),
-            ]);
-        }
-        for (name, ext) in [("server", "server.ext"), ("client", "client.ext")] {
-            run(&[
-                "req",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-subj",
-                &format!("/CN={name}"),
-                "-keyout",
-                &format!("{name}.key"),
-                "-out",
-                &format!("{name}.csr"),
-            ]);
-            run(&[
-                "x509",
-                "-req",
-                "-in",
-                &format!("{name}.csr"),
-                "-CA",
-                "ca.pem",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-days",
-                "2",
-                "-extfile",
-                ext,
-                "-out",
-                &format!("{name}.pem"),
-            ]);
-        }
-        Self { dir }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.path().join(name)
-    }
-}
+/// A CA, a server certificate for 127.0.0.1 and a client certificate
+/// (the testkit's, as the PostgreSQL TLS tests use).
+type Pki = toolfleet_testkit::postgres::TestCa;
 
 fn tls_options(url: &str, pki: &Pki, ca: &str, client: bool, budget: Duration) -> RedisOptions {
     RedisOptions {
@@ -872,7 +787,7 @@ fn path_str(p: &Path) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rediss_with_a_custom_ca_a_client_certificate_and_a_password() {
-    let pki = Pki::new();
+    let pki = Pki::new().expect("openssl on PATH (apt-get install openssl)");
     let redis = CustomRedis::start(|port| {
         vec![
             "--port".into(),
@@ -1188,7 +1103,7 @@ async fn a_frozen_redis_fails_as_unavailable_after_the_budget_and_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_works_on_a_tls_cluster_with_a_password() {
-    let pki = Pki::new();
+    let pki = Pki::new().expect("openssl on PATH (apt-get install openssl)");
     let options = ClusterOptions {
         tls: Some(ClusterTls {
             cert: pki.path("server.pem"),

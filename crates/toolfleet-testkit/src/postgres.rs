@@ -120,11 +120,13 @@ impl PostgresServer {
     }
 }
 
-/// Certificates for a PostgreSQL TLS test, made with the `openssl`
-/// command as the Redis TLS tests make theirs: a CA (`ca.pem`), an
-/// unrelated second CA (`other-ca.pem`), and a server certificate for
-/// `127.0.0.1` and `localhost` signed by the first (`server.pem`,
-/// `server.key`). Readable by the server when it runs as `postgres`.
+/// Certificates for a TLS test (PostgreSQL's, and the store's Redis
+/// ones), made with the `openssl` command: a CA (`ca.pem`), an unrelated
+/// second CA (`other-ca.pem`), a server certificate for `127.0.0.1` and
+/// `localhost` (`server.pem`, `server.key`; also good for client auth, as a
+/// Redis Cluster node's connections to the others need) and a client
+/// certificate (`client.pem`, `client.key`), both signed by the first.
+/// The server's are readable by PostgreSQL when it runs as `postgres`.
 pub struct TestCa {
     dir: tempfile::TempDir,
 }
@@ -141,7 +143,13 @@ impl TestCa {
         std::fs::write(
             dir.path().join("server.ext"),
             "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
-             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth\n",
+             keyUsage=digitalSignature,keyEncipherment\nextendedKeyUsage=serverAuth,clientAuth\n",
+        )
+        .map_err(|e| LocalError::Io("openssl", e))?;
+        std::fs::write(
+            dir.path().join("client.ext"),
+            "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature,keyEncipherment\n\
+             extendedKeyUsage=clientAuth\n",
         )
         .map_err(|e| LocalError::Io("openssl", e))?;
         for ca in ["ca", "other-ca"] {
@@ -161,35 +169,37 @@ impl TestCa {
                 &format!("{ca}.pem"),
             ])?;
         }
-        openssl(&[
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            "/CN=127.0.0.1",
-            "-keyout",
-            "server.key",
-            "-out",
-            "server.csr",
-        ])?;
-        openssl(&[
-            "x509",
-            "-req",
-            "-in",
-            "server.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            "server.ext",
-            "-out",
-            "server.pem",
-        ])?;
+        for name in ["server", "client"] {
+            openssl(&[
+                "req",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-subj",
+                &format!("/CN={name}"),
+                "-keyout",
+                &format!("{name}.key"),
+                "-out",
+                &format!("{name}.csr"),
+            ])?;
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &format!("{name}.csr"),
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "2",
+                "-extfile",
+                &format!("{name}.ext"),
+                "-out",
+                &format!("{name}.pem"),
+            ])?;
+        }
         // PostgreSQL reads its key only when its own user owns it, mode
         // 0600; as root the server runs as `postgres`.
         run(
