@@ -495,13 +495,12 @@ async fn fifo_dispatch_refuses_a_stream_with_fair_consumers() {
             .unwrap();
     let ran = tokio::time::timeout(
         WAIT,
-        toolfleet_orchestrator::run_with_ready(
+        toolfleet_orchestrator::run(
             client,
             store,
             config,
             metrics,
             tokio_util::sync::CancellationToken::new(),
-            None,
         ),
     )
     .await

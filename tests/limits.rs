@@ -263,24 +263,18 @@ async fn second_orchestrator(env: &Env, limits: &str, shutdown: CancellationToke
     .await
     .unwrap();
     let client = async_nats::connect(env.nats.url()).await.unwrap();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let run = toolfleet_orchestrator::run_with_ready(
-        client,
-        store,
-        config,
-        metrics,
-        shutdown,
-        Some(ready_tx),
-    );
+    let orchestrator = tokio::time::timeout(
+        WAIT,
+        toolfleet_orchestrator::Ready::open(client, store, config, metrics, shutdown),
+    )
+    .await
+    .expect("the orchestrator starts in time")
+    .expect("the orchestrator starts");
     tokio::spawn(async move {
-        if let Err(e) = run.await {
+        if let Err(e) = orchestrator.run().await {
             panic!("the second orchestrator stopped: {e}");
         }
     });
-    tokio::time::timeout(WAIT, ready_rx)
-        .await
-        .expect("the orchestrator starts in time")
-        .expect("the orchestrator starts");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

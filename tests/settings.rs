@@ -301,16 +301,20 @@ async fn a_tenants_settings_reach_its_own_calls_only_and_secrets_stay_references
                 .unwrap()
         }
     };
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(toolfleet_orchestrator::run_with_ready(
-        connect(&nats, "orchestrator").await,
-        store().await,
-        config,
-        metrics,
-        shutdown.clone(),
-        Some(ready_tx),
-    ));
-    tokio::time::timeout(WAIT, ready_rx).await.unwrap().unwrap();
+    let orchestrator = tokio::time::timeout(
+        WAIT,
+        toolfleet_orchestrator::Ready::open(
+            connect(&nats, "orchestrator").await,
+            store().await,
+            config,
+            metrics,
+            shutdown.clone(),
+        ),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    tokio::spawn(orchestrator.run());
     let probe = Probe::default();
     let worker = Worker::builder("units")
         .definition_json(DEFINITION)

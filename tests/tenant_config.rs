@@ -69,24 +69,24 @@ impl Secured {
             toolfleet_service::metrics::dead_letters(registry).unwrap(),
         )
         .unwrap();
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let run = toolfleet_orchestrator::run_with_ready(
-            fleet.connect("orchestrator").await,
-            fleet.store().await,
-            config,
-            metrics,
-            fleet.shutdown.clone(),
-            Some(ready_tx),
-        );
+        let orchestrator = tokio::time::timeout(
+            WAIT,
+            toolfleet_orchestrator::Ready::open(
+                fleet.connect("orchestrator").await,
+                fleet.store().await,
+                config,
+                metrics,
+                fleet.shutdown.clone(),
+            ),
+        )
+        .await
+        .expect("the orchestrator starts in time")
+        .expect("the orchestrator starts");
         tokio::spawn(async move {
-            if let Err(e) = run.await {
+            if let Err(e) = orchestrator.run().await {
                 panic!("the orchestrator stopped: {e}");
             }
         });
-        tokio::time::timeout(WAIT, ready_rx)
-            .await
-            .expect("the orchestrator starts in time")
-            .expect("the orchestrator starts");
         fleet
     }
 

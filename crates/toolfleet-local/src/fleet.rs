@@ -156,22 +156,15 @@ async fn start_parts(
         let client = spec.connect_nats("toolfleet-orchestrator").await?;
         watch(&client, &store)?;
         let m = OrchestratorMetrics::register(metrics, dead_letters)?;
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let orchestrator =
+            toolfleet_orchestrator::Ready::open(client, store, config, m, shutdown)
+                .await
+                .context("the orchestrator cannot start")?;
         tracker.spawn(async move {
-            if let Err(e) = toolfleet_orchestrator::run_with_ready(
-                client,
-                store,
-                config,
-                m,
-                shutdown,
-                Some(ready_tx),
-            )
-            .await
-            {
+            if let Err(e) = orchestrator.run().await {
                 tracing::error!(error = %e, "orchestrator stopped");
             }
         });
-        ready_rx.await.context("the orchestrator failed to start")?;
     }
     Ok(())
 }

@@ -95,6 +95,6 @@ pub use invocation::Invocation;
 pub use limits::PayloadLimits;
 pub use rounds::{Agentic, Answer, Ending, Orchestrator, PURPOSE_CONVERSATION};
 pub use settings::Settings;
-pub use start::{run, run_with_ready, start};
+pub use start::{Ready, run, start};
 pub use tools::ToolOutcome;
 pub use usage::UsageLedger;

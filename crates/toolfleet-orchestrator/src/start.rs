@@ -45,16 +45,14 @@ pub async fn start(
     rt.watch_connections(&client, Some(ping))?;
     let dead_letters = toolfleet_service::metrics::dead_letters(&rt.metrics)?;
     let metrics = OrchestratorMetrics::register(&rt.metrics, dead_letters)?;
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let shutdown = rt.shutdown.clone();
+    let orchestrator = Ready::open(client, store, config, metrics, rt.shutdown.clone())
+        .await
+        .context("the orchestrator cannot start")?;
     rt.tracker.spawn(async move {
-        if let Err(e) =
-            run_with_ready(client, store, config, metrics, shutdown, Some(ready_tx)).await
-        {
+        if let Err(e) = orchestrator.run().await {
             tracing::error!(error = %e, "orchestrator stopped");
         }
     });
-    ready_rx.await.context("the orchestrator failed to start")?;
     Ok(())
 }
 
@@ -67,62 +65,94 @@ pub async fn run(
     metrics: OrchestratorMetrics,
     shutdown: CancellationToken,
 ) -> Result<(), OrchestratorError> {
-    run_with_ready(client, store, config, metrics, shutdown, None).await
+    Ready::open(client, store, config, metrics, shutdown)
+        .await?
+        .run()
+        .await
 }
 
-/// [`run`], telling `ready` once the chat stream and the wake-ups of fair
-/// dispatch are in place (a job submitted from then on is taken).
-pub async fn run_with_ready(
-    client: async_nats::Client,
-    store: CitationStore,
-    config: OrchestratorConfig,
-    metrics: OrchestratorMetrics,
-    shutdown: CancellationToken,
-    ready: Option<tokio::sync::oneshot::Sender<()>>,
-) -> Result<(), OrchestratorError> {
-    match PayloadLimits::of(&client).startup_message() {
-        Some((limits::Severity::Warning, message)) => warn!("{message}"),
-        Some((limits::Severity::Notice, message)) => info!("{message}"),
-        None => {}
-    }
-    zero_model_series(&config, &metrics);
-    let (settings, plugins) = config.into_parts();
-    let plugins = Arc::new(plugins);
-    // The replies keep flowing until the invocations in flight are done
-    // (after `tracker.wait()` below), not just until shutdown is asked: a
-    // draining run may still be waiting on its tools.
-    let stop_replies = CancellationToken::new();
-    let _stop_replies_on_return = stop_replies.clone().drop_guard();
-    let opened = Opened::open(client, store, settings, metrics, stop_replies).await?;
-    let fleet = opened.fleet.clone();
-    fleet.catalog.refresh().await;
-    // The registry and its gauges from the first reading on.
-    fleet.tool_snapshot();
+/// An orchestrator ready to take jobs: its streams, consumers, subscriptions and background
+/// tasks are in place: a job submitted from [`Ready::open`]'s
+/// return on is taken once [`Ready::run`] pulls. Opening is where a
+/// start fails (a stream of another layout, a bad sink, JetStream not
+/// answering), so a caller waiting for readiness gets that error itself.
+pub struct Ready {
+    puller: Puller,
+    decisions: jetstream::consumer::PullConsumer,
+    chat: intake::Intake,
+    /// Stops the replies when the run returns (after the invocations in
+    /// flight are done), not when shutdown is asked: a draining run may
+    /// still be waiting on its tools.
+    _stop_replies: tokio_util::sync::DropGuard,
+}
 
-    let tracker = TaskTracker::new();
-    spawn_background(&tracker, &fleet, opened.background, &shutdown);
-    let known = plugins.names();
-    for w in fleet.config.profiles.warnings_among(&known) {
-        warn!("{w}");
+impl Ready {
+    /// Opens the streams, consumers and subscriptions, builds the
+    /// [`Fleet`] and spawns the background tasks (which stop at
+    /// `shutdown`).
+    pub async fn open(
+        client: async_nats::Client,
+        store: CitationStore,
+        config: OrchestratorConfig,
+        metrics: OrchestratorMetrics,
+        shutdown: CancellationToken,
+    ) -> Result<Self, OrchestratorError> {
+        match PayloadLimits::of(&client).startup_message() {
+            Some((limits::Severity::Warning, message)) => warn!("{message}"),
+            Some((limits::Severity::Notice, message)) => info!("{message}"),
+            None => {}
+        }
+        zero_model_series(&config, &metrics);
+        let (settings, plugins) = config.into_parts();
+        let plugins = Arc::new(plugins);
+        let stop_replies = CancellationToken::new();
+        let opened =
+            Opened::open(client, store, settings, metrics, stop_replies.clone()).await?;
+        let fleet = opened.fleet.clone();
+        fleet.catalog.refresh().await;
+        // The registry and its gauges from the first reading on.
+        fleet.tool_snapshot();
+
+        let tracker = TaskTracker::new();
+        spawn_background(&tracker, &fleet, opened.background, &shutdown);
+        let known = plugins.names();
+        for w in fleet.config.profiles.warnings_among(&known) {
+            warn!("{w}");
+        }
+        info!(stream = %fleet.config.subjects.chat_stream(), profiles = fleet.config.profiles.profiles.len(), orchestrators = ?known, "orchestrator taking chat jobs");
+        Ok(Self {
+            puller: Puller {
+                permits: Arc::new(Semaphore::new(fleet.config.max_in_flight.max(1))),
+                fleet,
+                plugins,
+                tracker,
+                shutdown,
+            },
+            decisions: opened.decisions,
+            chat: opened.chat,
+            _stop_replies: stop_replies.drop_guard(),
+        })
     }
-    info!(stream = %fleet.config.subjects.chat_stream(), profiles = fleet.config.profiles.profiles.len(), orchestrators = ?known, "orchestrator taking chat jobs");
-    if let Some(ready) = ready {
-        let _ = ready.send(());
+
+    /// Pulls decisions and chat jobs until shutdown, then lets the
+    /// invocations in flight finish.
+    pub async fn run(self) -> Result<(), OrchestratorError> {
+        let Self {
+            puller,
+            decisions,
+            chat,
+            _stop_replies,
+        } = self;
+        let tracker = puller.tracker.clone();
+        // Decisions on parked invocations: the one that decides a turn's
+        // last held call resumes the invocation, as a chat job runs (same
+        // permits).
+        tracker.spawn(puller.clone().pull_decisions(decisions));
+        puller.dispatch(chat).await;
+        tracker.close();
+        tracker.wait().await;
+        Ok(())
     }
-    let puller = Puller {
-        permits: Arc::new(Semaphore::new(fleet.config.max_in_flight.max(1))),
-        fleet,
-        plugins,
-        tracker: tracker.clone(),
-        shutdown,
-    };
-    // Decisions on parked invocations: the one that decides a turn's last
-    // held call resumes the invocation, as a chat job runs (same permits).
-    tracker.spawn(puller.clone().pull_decisions(opened.decisions));
-    puller.dispatch(opened.chat).await;
-    tracker.close();
-    tracker.wait().await;
-    Ok(())
 }
 
 /// Every fallback a profile can make, and every model's answered
