@@ -474,6 +474,11 @@ pub struct ToolDefinition {
     /// a job delivered again (its ack was lost) simply runs again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub idempotent: bool,
+    /// Results kept and reused by the orchestrator's tool-result cache
+    /// (`docs/tool-cache.md`): only for an [`idempotent`](Self::idempotent)
+    /// tool, checked at load.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache: Option<ToolCache>,
     /// A person must approve each call before it runs: the orchestrator
     /// parks the invocation (`approval_requested`) until an approval, a
     /// denial or the profile's approval timeout.
@@ -515,6 +520,58 @@ fn default_true() -> bool {
 
 fn default_timeout_ms() -> u64 {
     DEFAULT_TIMEOUT_MS
+}
+
+/// A tool's result cache (its definition's `cache`): the orchestrator
+/// answers a call from a stored `ok` result of the same tool version, the
+/// same arguments (in any key order) and the same scope, while it lasts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ToolCache {
+    /// How long a stored result is reused, in ms
+    /// ([`MIN_CACHE_TTL_MS`]..=[`MAX_CACHE_TTL_MS`]).
+    pub ttl_ms: u64,
+    /// Who shares a stored result.
+    pub scope: CacheScope,
+}
+
+impl ToolCache {
+    /// How long a stored result is reused.
+    #[must_use]
+    pub fn ttl(&self) -> Duration {
+        Duration::from_millis(self.ttl_ms)
+    }
+}
+
+/// The shortest `cache.ttlMs` a definition may name: 1 s.
+pub const MIN_CACHE_TTL_MS: u64 = 1_000;
+/// The longest `cache.ttlMs` a definition may name: 7 days.
+pub const MAX_CACHE_TTL_MS: u64 = 7 * 24 * 3600 * 1000;
+
+/// Who shares a tool's cached results.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CacheScope {
+    /// The calls of one tenant (the one the fleet decided).
+    Tenant,
+    /// The calls of one authenticated user of one tenant; a call without
+    /// one is not cached.
+    User,
+    /// Every tenant's calls: only for a tool whose answer depends on its
+    /// arguments alone (no settings, data source or attached documents).
+    Global,
+}
+
+impl CacheScope {
+    /// The scope's name, as in a definition and a key.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Tenant => "tenant",
+            Self::User => "user",
+            Self::Global => "global",
+        }
+    }
 }
 
 /// The function the model sees.
@@ -821,7 +878,56 @@ fn compile_checked(
         check_strict(&definition.function.parameters, "/function/parameters")
             .map_err(|(pointer, message)| invalid(pointer, message))?;
     }
+    if let Some(cache) = &definition.cache {
+        check_cache(definition, cache).map_err(|(pointer, message)| invalid(pointer, message))?;
+    }
     Ok(arguments)
+}
+
+/// A `cache` is for tools whose calls can be answered again without
+/// running: idempotent ones (a read, a pure computation), for a bounded
+/// time; one shared by every tenant only where nothing but the arguments
+/// decides the answer.
+fn check_cache(definition: &ToolDefinition, cache: &ToolCache) -> Result<(), (String, String)> {
+    if !definition.idempotent {
+        return Err((
+            "/cache".to_owned(),
+            "a tool-result cache needs \"idempotent\": true (only a read or a pure computation \
+             may be answered from an earlier call)"
+                .to_owned(),
+        ));
+    }
+    if !(MIN_CACHE_TTL_MS..=MAX_CACHE_TTL_MS).contains(&cache.ttl_ms) {
+        return Err((
+            "/cache/ttlMs".to_owned(),
+            format!(
+                "{} ms is outside {MIN_CACHE_TTL_MS}..={MAX_CACHE_TTL_MS} (1 s to 7 days)",
+                cache.ttl_ms
+            ),
+        ));
+    }
+    if cache.scope == CacheScope::Global {
+        let per_tenant = if definition.settings_schema.is_some() {
+            Some("it has per-tenant settings (settingsSchema)")
+        } else if matches!(
+            definition.purpose(),
+            Purpose::DocumentProcessing | Purpose::DataSourceSearch
+        ) {
+            Some("its purpose reads the tenant's documents or data source")
+        } else {
+            None
+        };
+        if let Some(why) = per_tenant {
+            return Err((
+                "/cache/scope".to_owned(),
+                format!(
+                    "scope \"global\" would share one tenant's results with another: {why}; \
+                     use \"tenant\""
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The provider's strict mode rejects a schema in which an object allows
@@ -2001,5 +2107,79 @@ mod tests {
         let error = ToolRegistry::new(vec![bad]).expect_err("semantic check runs");
         assert!(error.to_string().contains("tool definition "), "{error}");
         assert!(error.to_string().contains("\"ghost\""), "{error}");
+    }
+
+    /// A minimal idempotent definition with `extra` merged in.
+    fn cached(extra: Value) -> Result<ToolDefinition, ToolDefError> {
+        let mut value = json!({
+            "schemaVersion": 1,
+            "id": "units:convert@1.0.0",
+            "implementationKey": "units.convert",
+            "title": "Convert",
+            "description": "Converts units.",
+            "category": "utility",
+            "idempotent": true,
+            "function": {
+                "name": "convert",
+                "description": "Converts units.",
+                "parameters": { "type": "object", "properties": { "value": { "type": "number" } } }
+            }
+        });
+        for (k, v) in extra.as_object().expect("an object") {
+            value[k] = v.clone();
+        }
+        parse(value)
+    }
+
+    #[test]
+    fn a_cache_is_only_for_idempotent_tools_with_a_bounded_ttl() {
+        let ok = cached(json!({ "cache": { "ttlMs": 60000, "scope": "tenant" } })).expect("valid");
+        assert_eq!(
+            ok.cache,
+            Some(ToolCache {
+                ttl_ms: 60_000,
+                scope: CacheScope::Tenant
+            })
+        );
+        assert_eq!(ok.cache.unwrap().ttl(), Duration::from_secs(60));
+        let error =
+            cached(json!({ "idempotent": false, "cache": { "ttlMs": 60000, "scope": "tenant" } }))
+                .expect_err("not idempotent");
+        assert_eq!(error.kind(), ToolDefErrorKind::Invalid);
+        assert!(error.to_string().contains("at /cache:"), "{error}");
+        assert!(
+            error.to_string().contains("\"idempotent\": true"),
+            "{error}"
+        );
+        for ttl in [999, 604_800_001] {
+            let error = cached(json!({ "cache": { "ttlMs": ttl, "scope": "user" } }))
+                .expect_err("ttl out of bounds");
+            assert!(error.to_string().contains("/cache/ttlMs"), "{error}");
+        }
+        for bad in [
+            json!({ "cache": { "ttlMs": 60000, "scope": "everyone" } }),
+            json!({ "cache": { "ttlMs": 60000 } }),
+            json!({ "cache": { "ttlMs": 60000, "scope": "tenant", "extra": 1 } }),
+        ] {
+            let error = cached(bad).expect_err("schema");
+            assert_eq!(error.kind(), ToolDefErrorKind::Schema, "{error}");
+        }
+    }
+
+    #[test]
+    fn a_global_cache_is_refused_where_tenants_answers_differ() {
+        cached(json!({ "cache": { "ttlMs": 60000, "scope": "global" } })).expect("arguments only");
+        for extra in [
+            json!({ "settingsSchema": { "type": "object" } }),
+            json!({ "purpose": "data_source_search" }),
+            json!({ "purpose": "document_processing" }),
+        ] {
+            let mut extra = extra;
+            extra["cache"] = json!({ "ttlMs": 60000, "scope": "global" });
+            let error = cached(extra.clone()).expect_err("global refused");
+            assert!(error.to_string().contains("/cache/scope"), "{error}");
+            extra["cache"]["scope"] = json!("tenant");
+            cached(extra).expect("tenant scope is fine");
+        }
     }
 }

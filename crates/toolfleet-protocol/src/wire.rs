@@ -1455,6 +1455,10 @@ pub enum ChatEventBody {
     },
     /// The model called a tool that needs a person's approval: the
     /// invocation is parked until every such call of the turn is decided
+        /// Answered from the tool-result cache, without running the tool
+        /// (absent on the wire when not).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cached: bool,
     /// on `subject`, or `expires_at_ms` passes.
     #[serde(rename_all = "camelCase")]
     ApprovalRequested {

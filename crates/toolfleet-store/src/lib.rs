@@ -61,6 +61,10 @@
 //! - [`api_keys`]: the gateway's API keys, by their SHA-256
 //!   ([`CitationStore::api_key`]), under their own hash tag
 //!   (`<p>:{apikeys}:…`, the table in the module).
+//! - [`tool_cache`]: the tool-result cache ([`CitationStore::cache_lookup`],
+//!   [`CitationStore::cache_store`], [`CitationStore::cache_purge`]), one
+//!   hash tag per tool (`<p>:{tc:<ns>:<name>}:…`, the table in the module),
+//!   purged by generation counters.
 //! - `retry`: which Redis errors are transient, and the backoff between
 //!   tries. Every operation retries transient errors within the options'
 //!   budget and then fails as [`ErrorKind::Unavailable`]; other errors fail
@@ -77,6 +81,7 @@ pub mod quota;
 mod retry;
 mod sinks;
 pub mod slots;
+pub mod tool_cache;
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -94,6 +94,7 @@ pub async fn agent_call(
         duration_ms: u64::try_from(elapsed.as_millis()).unwrap_or(u64::MAX),
         error_code,
         warnings: Vec::new(),
+        cached: false,
     });
     outcome
 }

@@ -1099,6 +1099,7 @@ impl Batch<'_> {
                 duration_ms: p.started.elapsed().as_millis() as u64,
                 error_code: Some(ToolErrorCode::Timeout.to_string()),
                 warnings: Vec::new(),
+                cached: false,
             });
             self.answers[p.index] = Some(ToolOutcome {
                 content: format!(
@@ -1265,6 +1266,7 @@ pub(crate) fn immediate_with(
         duration_ms: 0,
         error_code: Some(code.to_string()),
         warnings: Vec::new(),
+        cached: false,
     });
     ToolOutcome {
         content,
@@ -1342,6 +1344,7 @@ fn record(
         duration_ms: elapsed.as_millis() as u64,
         error_code: result.error.as_ref().map(|e| e.code.clone()),
         warnings: bounded_warnings(&result.warnings),
+        cached: false,
     });
     let content = match result.status {
         ToolStatus::Ok => result.content.clone(),

@@ -100,6 +100,7 @@ pub(super) fn search_tools_call(
         duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
         error_code,
         warnings: Vec::new(),
+        cached: false,
     });
     ToolOutcome {
         content,
