@@ -500,11 +500,68 @@ pub async fn call_tool(
     tenant: &str,
     arguments: serde_json::Value,
     timeout: Duration,
+    on_progress: impl FnMut(&str),
+) -> Result<crate::ToolResult, ClientError> {
+    let ids = CallIds::new();
+    call_tool_as(
+        client,
+        subjects,
+        tool,
+        tenant,
+        &ids,
+        arguments,
+        timeout,
+        on_progress,
+    )
+    .await
+}
+
+/// The ids a call of [`call_tool_as`] runs under, chosen by its caller
+/// (who may then name the call, or cancel it with [`cancel_call`], while
+/// it runs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CallIds {
+    /// The fresh invocation the call is the one tool job of.
+    pub invocation_id: String,
+    /// The call's id within it.
+    pub call_id: String,
+}
+
+impl CallIds {
+    /// Fresh ids: a new invocation, a new call.
+    pub fn new() -> Self {
+        Self {
+            invocation_id: new_invocation_id(),
+            call_id: format!("call_{}", uuid::Uuid::new_v4().simple()),
+        }
+    }
+}
+
+impl Default for CallIds {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// [`call_tool`] under ids the caller chose.
+///
+/// # Errors
+///
+/// As [`call_tool`].
+#[allow(clippy::too_many_arguments)]
+pub async fn call_tool_as(
+    client: &async_nats::Client,
+    subjects: &Subjects,
+    tool: &crate::tools::ToolDefinition,
+    tenant: &str,
+    ids: &CallIds,
+    arguments: serde_json::Value,
+    timeout: Duration,
     mut on_progress: impl FnMut(&str),
 ) -> Result<crate::ToolResult, ClientError> {
-    let call_id = format!("call_{}", uuid::Uuid::new_v4().simple());
+    let call_id = ids.call_id.clone();
     let reply_to = format!("{}.{call_id}", subjects.reply_inbox());
-    let mut invocation = crate::InvocationContext::new(new_invocation_id());
+    let mut invocation = crate::InvocationContext::new(ids.invocation_id.clone());
     invocation.tenant = Some(tenant.to_string());
     invocation.deadline_ms = Some(crate::now_ms() + timeout.as_millis() as u64);
     let call = crate::CallContext {
@@ -734,5 +791,10 @@ pub fn question(text: &str) -> ChatJob {
         surface: None,
         sink: None,
         priority: None,
+        thread_id: None,
+        multitask_strategy: None,
+        idempotency_key: None,
+        not_before: None,
+        budget: None,
     }
 }
