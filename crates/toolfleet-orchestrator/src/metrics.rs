@@ -60,6 +60,9 @@ pub struct OrchestratorMetrics {
     /// `tool`, `status`: ok | error | blocked | timeout.
     pub tool_calls: IntCounterVec,
     pub tool_call_duration: HistogramVec,
+    /// The tool-result cache, by `tool` and `outcome` (every outcome is in
+    /// [`TOOL_CACHE_OUTCOMES`]).
+    pub tool_cache: IntCounterVec,
     /// Model calls moved to a profile's next deployment, by `from` and `to`
     /// (deployment names of the configuration: bounded).
     pub llm_fallbacks: IntCounterVec,
@@ -264,6 +267,13 @@ const TOOL_CALLS: Spec = spec(
     "Tool calls dispatched by the orchestrator, by final status.",
     &["tool", "status"],
 );
+const TOOL_CACHE: Spec = spec(
+    "toolfleet_tool_cache_total",
+    "Calls of tools with a result cache, by outcome: hit (answered from the cache), miss (run), store (an ok result kept), bypass (the cache did not answer, or a user-scoped call had no user: run uncached).",
+    &["tool", "outcome"],
+);
+/// Every `outcome` of `toolfleet_tool_cache_total`.
+pub const TOOL_CACHE_OUTCOMES: [&str; 4] = ["hit", "miss", "store", "bypass"];
 const TOOL_CALL_DURATION: Spec = spec(
     "toolfleet_tool_call_duration_seconds",
     "Tool call round trip as the orchestrator sees it.",
@@ -448,6 +458,7 @@ impl OrchestratorMetrics {
             tool_results_truncated: TOOL_RESULTS_TRUNCATED.counter(r)?,
             tool_calls: TOOL_CALLS.counter(r)?,
             tool_call_duration: TOOL_CALL_DURATION.histogram(r)?,
+            tool_cache: TOOL_CACHE.counter(r)?,
             scoping_decisions: SCOPING_DECISIONS.counter(r)?,
             tools_offered: TOOLS_OFFERED.plain_histogram(r, &TOOLS_OFFERED_BUCKETS)?,
             tool_expansions: TOOL_EXPANSIONS.counter(r)?,

@@ -1386,6 +1386,10 @@ pub enum ChatEventBody {
         /// What the tool reported that did not fail the call.
         #[serde(default, skip_serializing_if = "Vec::is_empty")]
         warnings: Vec<ToolWarning>,
+        /// Answered from the tool-result cache, without running the tool
+        /// (absent on the wire when not).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        cached: bool,
     },
     /// A progress message a tool sent while working on a call (its
     /// worker's `progress` reply), passed on as it came, shortened to
@@ -1455,10 +1459,6 @@ pub enum ChatEventBody {
     },
     /// The model called a tool that needs a person's approval: the
     /// invocation is parked until every such call of the turn is decided
-        /// Answered from the tool-result cache, without running the tool
-        /// (absent on the wire when not).
-        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-        cached: bool,
     /// on `subject`, or `expires_at_ms` passes.
     #[serde(rename_all = "camelCase")]
     ApprovalRequested {

@@ -59,6 +59,7 @@ use toolfleet_protocol::{
 use tracing::warn;
 
 pub mod agent;
+mod cache;
 mod inflight;
 mod readback;
 
@@ -160,6 +161,9 @@ struct Pending {
     /// The declared pool whose first worker the call waits for (none of
     /// its workers was live when it was sent); `None` once one is.
     waits_for: Option<String>,
+    /// The call missed the tool-result cache: its `ok` result is stored
+    /// ([`cache`]).
+    cache: Option<cache::Miss>,
 }
 
 /// One batch of calls sent together, and their answers so far.
@@ -473,6 +477,13 @@ impl ToolRunner<'_> {
         let def = &tool.definition;
         let id = def.id.to_string();
         span.record("gen_ai.tool.name", id.as_str());
+        let cached = match cache::look(self.fleet, inv, call, &tool, &arguments, events).await {
+            cache::Looked::Hit(outcome) => {
+                span.record("otel.status_code", "ok");
+                return Err(outcome);
+            }
+            cache::Looked::Run(miss) => miss,
+        };
         let call_ctx = self.call_context(inv, call, def, &span);
         let headers = call_ctx.to_headers();
         let settings = self.settings_for(inv, call, def, &span, events).await?;
@@ -542,6 +553,7 @@ impl ToolRunner<'_> {
                 look: false,
                 tool,
                 waits_for,
+                cache: cached,
             },
             ack,
         ))
@@ -888,9 +900,12 @@ impl ToolRunner<'_> {
             }
             return false;
         }
-        let Some(p) = batch.pending.remove(&result.call_id) else {
+        let Some(mut p) = batch.pending.remove(&result.call_id) else {
             return false;
         };
+        if let Some(miss) = p.cache.take() {
+            cache::keep(self.fleet, miss, &result);
+        }
         if result
             .error
             .as_ref()

@@ -1,0 +1,223 @@
+//! The tool-result cache at dispatch (`docs/tool-cache.md`): a call of a
+//! tool whose definition has a `cache` is looked up before its job goes
+//! out, and answered at once from a stored `ok` result of the same tool
+//! version, arguments (in any key order), context and scope; otherwise its
+//! job goes out as any other, and an `ok` result is stored when it comes
+//! back ([`keep`]).
+//!
+//! The scope's tenant and user are the fleet's: the submit subject's
+//! tenant, and the user only when the operator trusts the tenant's users
+//! (`Invocation::ctx`), never a field of the job. A `user`-scoped call
+//! without one is not cached. Errors, `blocked` and timed-out results are
+//! never stored, nor are calls held for an approval (they never reach
+//! dispatch). A cache that does not answer is passed by: the call runs,
+//! and `toolfleet_tool_cache_total{outcome="bypass"}` counts it.
+//!
+//! A hit's references get fresh indices from this invocation's counter
+//! (one reservation under the call's id, as a worker's would be, so a
+//! replayed run reuses them), and the result's `[doc:N]` markers are
+//! renumbered to match: citations of a cached result work as a fresh
+//! one's.
+
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use toolfleet_llm::ToolCall;
+use toolfleet_protocol::tools::CompiledTool;
+use toolfleet_protocol::{ChatEventBody, ToolResult, ToolStatus};
+use toolfleet_store::tool_cache::{CacheKey, CallScope, Generations, Lookup};
+use toolfleet_store::{InvocationKey, NewReference};
+use tracing::{debug, warn};
+
+use crate::{Events, Fleet, Invocation, ToolOutcome};
+
+/// A call that missed: where to store its result, and the generations
+/// its lookup read (a purge since then keeps the result out).
+#[derive(Debug, Clone)]
+pub(super) struct Miss {
+    key: CacheKey,
+    gens: Generations,
+    ttl: Duration,
+    /// The tool's id, the metric's label.
+    tool: String,
+}
+
+/// What the lookup of a call decided.
+pub(super) enum Looked {
+    /// Answered from the cache.
+    Hit(ToolOutcome),
+    /// Run the call; store its `ok` result when one comes (`Some`).
+    Run(Option<Miss>),
+}
+
+/// Looks `call` of `tool` with `arguments` up in the cache, when its
+/// definition has one. A hit publishes its `tool_result` event (`cached`)
+/// here.
+pub(super) async fn look(
+    fleet: &Fleet,
+    inv: &Invocation,
+    call: &ToolCall,
+    tool: &CompiledTool,
+    arguments: &Value,
+    events: &Events,
+) -> Looked {
+    let def = &tool.definition;
+    let Some(cache) = def.cache else {
+        return Looked::Run(None);
+    };
+    let id = def.id.to_string();
+    let count = |outcome: &str| {
+        fleet
+            .metrics
+            .tool_cache
+            .with_label_values(&[id.as_str(), outcome])
+            .inc();
+    };
+    let scope = CallScope {
+        tenant: inv.job.tenant(),
+        user: inv.ctx.user.as_deref(),
+        data_source_id: inv.ctx.data_source_id.as_deref(),
+        attached_documents: &inv.ctx.attached_documents,
+        resource: inv.ctx.resource.as_deref(),
+    };
+    let Some(key) = CacheKey::new(&def.id, cache.scope, arguments, &scope) else {
+        // Scope `user`, and no user the fleet vouches for.
+        count("bypass");
+        return Looked::Run(None);
+    };
+    let started = Instant::now();
+    let gens = match fleet.store.cache_lookup(&key).await {
+        Ok(Lookup::Miss(gens)) => gens,
+        Ok(Lookup::Hit(stored)) => {
+            match replay(fleet, inv, call, &id, *stored, started, events).await {
+                Some(outcome) => {
+                    count("hit");
+                    return Looked::Hit(outcome);
+                }
+                None => {
+                    count("bypass");
+                    return Looked::Run(None);
+                }
+            }
+        }
+        Err(e) => {
+            debug!(tool = %id, error = %e, "the tool-result cache did not answer; the call runs");
+            count("bypass");
+            return Looked::Run(None);
+        }
+    };
+    count("miss");
+    Looked::Run(Some(Miss {
+        key,
+        gens,
+        ttl: cache.ttl(),
+        tool: id,
+    }))
+}
+
+/// Answers `call` with `stored`: its references under fresh indices of
+/// this invocation, its markers renumbered, a `tool_result` event marked
+/// `cached`. `None` when the references cannot be reserved (the call then
+/// runs).
+async fn replay(
+    fleet: &Fleet,
+    inv: &Invocation,
+    call: &ToolCall,
+    tool: &str,
+    stored: ToolResult,
+    started: Instant,
+    events: &Events,
+) -> Option<ToolOutcome> {
+    let mut content = stored.content;
+    let mut references = Vec::new();
+    if !stored.references.is_empty() {
+        let old: Vec<u64> = stored.references.iter().map(|r| r.index).collect();
+        let fresh = stored
+            .references
+            .into_iter()
+            .map(|r| NewReference {
+                kind: r.kind,
+                title: r.title,
+                source: r.source,
+                url: r.url,
+                snippet: r.snippet,
+            })
+            .collect();
+        let reserved = fleet
+            .store
+            .reserve(
+                InvocationKey::new(inv.job.tenant(), &inv.ctx.invocation_id),
+                &call.id,
+                &call.id,
+                tool,
+                fresh,
+                inv.citations.floor(),
+            )
+            .await;
+        references = match reserved {
+            Ok(r) => r,
+            Err(e) => {
+                warn!(tool, error = %e, "a cached result's references could not be reserved; the call runs");
+                return None;
+            }
+        };
+        let renumbered: HashMap<u64, u64> = old
+            .into_iter()
+            .zip(references.iter().map(|r| r.index))
+            .collect();
+        content =
+            toolfleet_protocol::references::renumber(&content, |n| renumbered.get(&n).copied());
+    }
+    fleet
+        .metrics
+        .tool_calls
+        .with_label_values(&[tool, ToolStatus::Ok.as_str()])
+        .inc();
+    events.send(ChatEventBody::ToolResult {
+        call_id: call.id.clone(),
+        tool: tool.to_string(),
+        status: ToolStatus::Ok,
+        duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        error_code: None,
+        warnings: super::bounded_warnings(&stored.warnings),
+        cached: true,
+    });
+    Some(ToolOutcome {
+        content,
+        status: ToolStatus::Ok,
+        references,
+    })
+}
+
+/// Stores `result` for the call that missed (in a task of its own: the
+/// call's answer never waits for it), when it is `ok`: an error, a
+/// `blocked` or a timed-out result is never kept, nor the model calls a
+/// tool spent (a hit spends none).
+pub(super) fn keep(fleet: &Fleet, miss: Miss, result: &ToolResult) {
+    if result.status != ToolStatus::Ok || result.error.is_some() {
+        return;
+    }
+    let mut kept = result.clone();
+    kept.llm_calls.clear();
+    kept.replayed = false;
+    let store = fleet.store.clone();
+    let metrics = fleet.metrics.tool_cache.clone();
+    tokio::spawn(async move {
+        let outcome = match store
+            .cache_store(&miss.key, miss.gens, &kept, miss.ttl)
+            .await
+        {
+            Ok(true) => "store",
+            // Purged since the lookup: the result may predate the purge.
+            Ok(false) => return,
+            Err(e) => {
+                debug!(tool = %miss.tool, error = %e, "a result could not be cached");
+                "bypass"
+            }
+        };
+        metrics
+            .with_label_values(&[miss.tool.as_str(), outcome])
+            .inc();
+    });
+}
