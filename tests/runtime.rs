@@ -360,3 +360,58 @@ async fn two_fleets_on_one_server_never_see_each_other() {
         assert!(rt.drain(Duration::from_secs(10)).await);
     }
 }
+
+/// A server whose JetStream store cannot hold a fleet's byte limits (they
+/// are reserved at creation, against `max_file_store`): the orchestrator
+/// refuses to start with the server's own words and what to do, instead of
+/// a bare failure (what a busy CI disk once showed as "channel closed").
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_too_small_for_the_fleets_streams_is_a_clear_start_error() {
+    let nats = NatsServer::start_configured(toolfleet_local::servers::NatsConfig {
+        extra: Some("jetstream {\n  max_file_store: 512MB\n}".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    let redis = RedisServer::start().unwrap();
+    let subjects = Subjects::new("small-disk").unwrap();
+    let profiles = toolfleet_config::FleetConfig::from_toml(
+        "[deployments.scripted]\nbase_url = \"http://127.0.0.1:9\"\nmodel = \"m\"\n\
+         [profiles.default]\ndeployment = \"scripted\"\n",
+        "small store test",
+    )
+    .unwrap();
+    let config = toolfleet_orchestrator::OrchestratorConfig::new(subjects.clone(), profiles);
+    let store = toolfleet_store::CitationStore::connect(
+        &redis.url(),
+        subjects.prefix(),
+        Duration::from_secs(60),
+    )
+    .await
+    .unwrap();
+    let registry = prometheus::Registry::new();
+    let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
+        &registry,
+        toolfleet_service::metrics::dead_letters(&registry).unwrap(),
+    )
+    .unwrap();
+    let opened = tokio::time::timeout(
+        support::WAIT,
+        toolfleet_orchestrator::Ready::open(
+            async_nats::connect(nats.url()).await.unwrap(),
+            store,
+            config,
+            metrics,
+            tokio_util::sync::CancellationToken::new(),
+        ),
+    )
+    .await
+    .expect("the start answers");
+    let Err(error) = opened else {
+        panic!("an orchestrator started on a store smaller than its streams' limits");
+    };
+    let error = error.to_string();
+    assert!(error.contains("SMALL-DISK_CHAT"), "{error}");
+    assert!(error.contains("insufficient storage"), "{error}");
+    assert!(error.contains("max_file_store"), "{error}");
+    assert!(!error.starts_with("NATS: NATS:"), "{error}");
+}

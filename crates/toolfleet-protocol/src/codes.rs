@@ -83,6 +83,9 @@ pub enum ChatErrorCode {
     /// (`max_run_tokens`, `max_run_spend_usd`): it ends before its next
     /// model call.
     RunLimitExceeded,
+    /// The job's thread has a job running and the job's strategy is
+    /// `reject` (`docs/threads.md`): it did not run.
+    ThreadBusy,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -94,7 +97,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 28] = [
+    pub const FIXED: [ChatErrorCode; 29] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -123,6 +126,7 @@ impl ChatErrorCode {
         Self::RateLimited,
         Self::BudgetExhausted,
         Self::RunLimitExceeded,
+        Self::ThreadBusy,
     ];
 
     /// The prefix of a provider failure's code.
@@ -164,6 +168,7 @@ impl ChatErrorCode {
             Self::RateLimited => "rate_limited",
             Self::BudgetExhausted => "budget_exhausted",
             Self::RunLimitExceeded => "run_limit_exceeded",
+            Self::ThreadBusy => "thread_busy",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

@@ -25,6 +25,8 @@
 //! - [`client`]: submitting a chat job and following its events.
 //! - [`redact`]: credentials out of URLs before they reach a message, and
 //!   a call's sensitive arguments out of events and dead letters.
+//! - [`thread`]: threads (`threadId`, `multitaskStrategy`) and idempotency
+//!   keys.
 
 // The contract is a public API: every item says what it is to a client or
 // worker author.
@@ -41,6 +43,7 @@ pub mod registry;
 pub mod schema;
 pub mod search;
 pub mod streams;
+pub mod thread;
 pub mod tools;
 pub mod usage;
 pub mod wire;

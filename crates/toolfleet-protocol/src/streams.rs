@@ -20,6 +20,30 @@ use crate::tools::ToolDefinition;
 #[error("NATS: {0}")]
 pub struct StreamError(String);
 
+impl StreamError {
+    /// `message`, with what to do when JetStream could not reserve a
+    /// stream's size: every stream here has a byte limit, which the server
+    /// reserves against its `max_file_store` (by default 75% of the disk
+    /// free when it started).
+    fn new(message: String) -> Self {
+        if message.contains("10047") || message.contains("insufficient storage") {
+            return Self(format!(
+                "{message} — the server could not reserve the stream's byte limit: \
+                 free disk where its JetStream store lives and restart it, or raise \
+                 `max_file_store` in its `jetstream` block (each fleet prefix reserves \
+                 about 2 GiB: the chat stream 1 GiB, events, history, parked approvals \
+                 and dead letters 256 MiB each)"
+            ));
+        }
+        Self(message)
+    }
+
+    /// What went wrong, without the `NATS:` of its display.
+    pub fn detail(&self) -> &str {
+        &self.0
+    }
+}
+
 static DEFAULT_REPLICAS: AtomicUsize = AtomicUsize::new(1);
 
 /// Sets the replica count of the streams and buckets this process creates
@@ -120,11 +144,11 @@ pub async fn ensure_chat_stream_with(
     limits.apply(&mut config);
     js.update_stream(config)
         .await
-        .map_err(|e| StreamError(format!("stream {name}: setting its per-tenant limit: {e}")))?;
+        .map_err(|e| StreamError::new(format!("stream {name}: setting its per-tenant limit: {e}")))?;
     tracing::info!(stream = %name, per_tenant = limits.per_tenant, "chat stream limits set");
     js.get_stream(&name)
         .await
-        .map_err(|e| StreamError(format!("stream {name}: {e}")))
+        .map_err(|e| StreamError::new(format!("stream {name}: {e}")))
 }
 
 /// How long the events stream keeps an invocation's latest event: past
@@ -165,7 +189,7 @@ pub async fn ensure_events_stream(
             ..Default::default()
         })
         .await
-        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+        .map_err(|e| StreamError::new(format!("stream {name}: {e}")))?;
     check_subjects(stream.cached_info(), &subject)?;
     check_replicas(stream.cached_info());
     let found = &stream.cached_info().config;
@@ -269,10 +293,10 @@ pub async fn parked_bucket(
     limited.max_bytes = PARKED_MAX_BYTES;
     js.update_stream(limited)
         .await
-        .map_err(|e| StreamError(format!("bucket {name}: setting its size limit: {e}")))?;
+        .map_err(|e| StreamError::new(format!("bucket {name}: setting its size limit: {e}")))?;
     js.get_key_value(&name)
         .await
-        .map_err(|e| StreamError(format!("bucket {name}: {e}")))
+        .map_err(|e| StreamError::new(format!("bucket {name}: {e}")))
 }
 
 /// The bucket of per-tenant tool settings (key:
@@ -328,11 +352,11 @@ pub async fn key_value(
                     ..Default::default()
                 })
                 .await
-                .map_err(|e| StreamError(format!("bucket {name}: {e}")))?;
+                .map_err(|e| StreamError::new(format!("bucket {name}: {e}")))?;
             check_subjects(stream.cached_info(), &subject)?;
             js.get_key_value(name)
                 .await
-                .map_err(|e| StreamError(format!("bucket {name}: {e}")))?
+                .map_err(|e| StreamError::new(format!("bucket {name}: {e}")))?
         }
     };
     check_subjects(store.stream.cached_info(), &subject)?;
@@ -360,7 +384,7 @@ async fn limits_stream(
             ..limits
         })
         .await
-        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+        .map_err(|e| StreamError::new(format!("stream {name}: {e}")))?;
     check_subjects(stream.cached_info(), &subject)?;
     check_replicas(stream.cached_info());
     Ok(stream)
@@ -412,7 +436,7 @@ pub async fn ensure_sinks_stream(
             ..work_queue_config(&name, &subject, 3600)
         })
         .await
-        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+        .map_err(|e| StreamError::new(format!("stream {name}: {e}")))?;
     check_subjects(stream.cached_info(), &subject)?;
     check_replicas(stream.cached_info());
     Ok(stream)
@@ -500,7 +524,7 @@ async fn work_queue(
     let mut stream = js
         .get_or_create_stream(config)
         .await
-        .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+        .map_err(|e| StreamError::new(format!("stream {name}: {e}")))?;
     let found = stream.cached_info().config.subjects.clone();
     // An earlier release's stream: over the legacy subject, or over some
     // of today's subjects only (the chat stream before batch jobs).
@@ -511,12 +535,12 @@ async fn work_queue(
         moved.subjects = wanted.clone();
         js.update_stream(moved)
             .await
-            .map_err(|e| StreamError(format!("stream {name}: moving it off {found:?}: {e}")))?;
+            .map_err(|e| StreamError::new(format!("stream {name}: moving it off {found:?}: {e}")))?;
         tracing::info!(stream = %name, from = ?found, to = ?wanted, "stream moved to the new subjects");
         stream = js
             .get_stream(&name)
             .await
-            .map_err(|e| StreamError(format!("stream {name}: {e}")))?;
+            .map_err(|e| StreamError::new(format!("stream {name}: {e}")))?;
     }
     check_subject_set(stream.cached_info(), &wanted)?;
     check_replicas(stream.cached_info());
@@ -561,7 +585,7 @@ fn check_subject_set(info: &stream::Info, subjects: &[String]) -> Result<(), Str
     if found.len() == subjects.len() && subjects.iter().all(|s| found.contains(s)) {
         return Ok(());
     }
-    Err(StreamError(format!(
+    Err(StreamError::new(format!(
         "stream {} exists over subjects {found:?}, not {subjects:?}: another fleet or an \
          older configuration owns that name; use another subject prefix, or delete or \
          edit the stream if it is no longer used",

@@ -453,6 +453,20 @@ impl Subjects {
         format!("{}_SETTINGS", self.stream_stem())
     }
 
+    /// The key-value bucket of threads (key: `<tenant>.<thread id>`,
+    /// [`thread_key`](crate::thread::thread_key)): each thread's running
+    /// job, its queue and its conversation. Only orchestrators use it.
+    pub fn threads_bucket(&self) -> String {
+        format!("{}_THREADS", self.stream_stem())
+    }
+
+    /// The key-value bucket of idempotency keys (key: `<tenant>.<key>`,
+    /// [`idempotency_key`](crate::thread::idempotency_key)): the first
+    /// invocation of each. Only orchestrators use it.
+    pub fn idempotency_bucket(&self) -> String {
+        format!("{}_IDEMPOTENCY", self.stream_stem())
+    }
+
     /// What follows `<p><infix>` in `subject`.
     fn after<'a>(&self, subject: &'a str, infix: &str) -> Option<&'a str> {
         subject
@@ -1163,6 +1177,19 @@ pub struct ChatJob {
     /// lane it was submitted on, or its profile's priority, decides.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority: Option<Priority>,
+    /// The tenant's thread this job continues (`docs/threads.md`): its
+    /// `messages` are only the new turn; the fleet keeps the earlier ones.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread_id: Option<String>,
+    /// What happens when the thread has a job running (else the profile's
+    /// `multitask_strategy`, else `reject`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub multitask_strategy: Option<crate::thread::MultitaskStrategy>,
+    /// A repeated submit with the same key (of the same tenant, within the
+    /// fleet's idempotency window) gets the first job's outcome instead of
+    /// a second run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idempotency_key: Option<String>,
 }
 
 /// When a chat job runs beside others: interactive jobs are taken first;
@@ -1351,6 +1378,39 @@ pub enum ChatEventBody {
         profile: Option<String>,
         /// The ids of the tools offered to the model.
         tools: Vec<String>,
+        /// The thread the job continues, when it names one.
+        #[serde(
+            rename = "threadId",
+            default,
+            skip_serializing_if = "Option::is_none"
+        )]
+        thread_id: Option<String>,
+    },
+    /// Where a job of a thread stands (`docs/threads.md`): sent before
+    /// `started` when it has to wait (`queued`, `interrupting`), and when
+    /// it takes the thread (`running`).
+    #[serde(rename_all = "camelCase")]
+    Thread {
+        /// The thread (the tenant's).
+        thread_id: String,
+        /// `queued`, `interrupting` or `running`.
+        state: crate::thread::ThreadState,
+        /// The strategy the job arrived with.
+        strategy: crate::thread::MultitaskStrategy,
+        /// The job running on the thread when this one arrived, if any.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        ahead: Option<String>,
+    },
+    /// The job repeats an idempotency key of an earlier job of its tenant
+    /// (within the window): it does not run; its terminal event is the
+    /// earlier job's, replayed, once that one has ended.
+    #[serde(rename_all = "camelCase")]
+    Duplicate {
+        /// The earlier job's invocation id (its events are on its own
+        /// subject).
+        replay_of: String,
+        /// The key both jobs carry.
+        idempotency_key: String,
     },
     /// A piece of the answer as the model streams it, `[doc:N]` markers as
     /// written.
@@ -1554,6 +1614,8 @@ impl ChatEventBody {
     pub fn name(&self) -> &'static str {
         match self {
             ChatEventBody::Started { .. } => "started",
+            ChatEventBody::Thread { .. } => "thread",
+            ChatEventBody::Duplicate { .. } => "duplicate",
             ChatEventBody::Delta { .. } => "delta",
             ChatEventBody::ToolCall { .. } => "tool_call",
             ChatEventBody::ToolResult { .. } => "tool_result",

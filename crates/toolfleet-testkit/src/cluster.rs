@@ -68,8 +68,13 @@ impl NatsCluster {
 
     fn spawn(&self, i: usize) -> Result<Proc, LocalError> {
         let node = &self.nodes[i];
+        let config = node.dir.path().join("nats.conf");
+        std::fs::write(&config, crate::servers::JETSTREAM_LIMITS)
+            .map_err(|e| LocalError::Io("nats-server", e))?;
         let mut cmd = Command::new("nats-server");
         cmd.current_dir(node.dir.path())
+            .arg("-c")
+            .arg(config)
             .args(["-js", "-a", "127.0.0.1", "-p", &node.port.to_string()])
             .args(["-m", &node.monitor_port.to_string()])
             .args(["-n", &node.name, "--cluster_name", CLUSTER_NAME])

@@ -169,6 +169,14 @@ pub struct NatsConfig {
     pub env: Vec<(String, String)>,
 }
 
+/// The JetStream block of a test server's config: a store limit of its
+/// own rather than the server's default (75% of the disk free at its
+/// start). Every stream of a fleet reserves its byte limit against it
+/// (about 2 GiB per fleet prefix), so on a busy CI disk a test with two
+/// fleets on one server was refused for "insufficient storage" while the
+/// tests write a few megabytes.
+pub(crate) const JETSTREAM_LIMITS: &str = "jetstream {\n  max_file_store: 256GB\n}\n";
+
 /// A `nats-server -js` child process.
 pub struct NatsServer {
     proc: Proc,
@@ -228,11 +236,12 @@ impl NatsServer {
             text.push_str(extra);
             text.push('\n');
         }
-        if !text.is_empty() {
-            let file = dir.join("nats.conf");
-            std::fs::write(&file, text).map_err(|e| LocalError::Io("nats-server", e))?;
-            cmd.arg("-c").arg(file);
+        if !text.contains("jetstream") {
+            text.push_str(JETSTREAM_LIMITS);
         }
+        let file = dir.join("nats.conf");
+        std::fs::write(&file, text).map_err(|e| LocalError::Io("nats-server", e))?;
+        cmd.arg("-c").arg(file);
         cmd.envs(config.env.iter().map(|(k, v)| (k, v)));
         cmd.args(["-js", "-a", "127.0.0.1", "-p", &port.to_string(), "-sd"])
             .arg(dir.join("jetstream"));

@@ -316,6 +316,7 @@ mod builtin {
                 model: inv.model().to_string(),
                 profile: Some(inv.profile.name.clone()),
                 tools: inv.tool_ids(),
+                thread_id: inv.job.thread_id.clone(),
             });
             // Nothing to say when every permitted tool is offered and
             // nothing was left out: `started` lists them.

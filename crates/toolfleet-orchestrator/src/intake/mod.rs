@@ -26,6 +26,7 @@
 mod cancels;
 mod claim;
 mod decisions;
+mod delay;
 mod fair;
 mod frame;
 mod lanes;
@@ -59,6 +60,7 @@ use reject::{Refusal, Refused};
 use run::{Leg, Taken};
 
 pub use cancels::CANCEL_OUTCOMES;
+pub use delay::DEFAULT_MAX_NOT_BEFORE;
 pub(crate) use cancels::listen_for_cancels;
 pub(crate) use decisions::handle_decision;
 pub(crate) use fair::{Dispatcher, Intake};
@@ -245,6 +247,10 @@ async fn admit(fleet: &Arc<Fleet>, msg: jetstream::Message) -> Option<(Taken, Le
         reject::reject(fleet, &msg, delivery, refused).await;
         return None;
     }
+    // A job that asks to start later waits for its time (delay.rs).
+    if delay::held_back(fleet, &msg, &job, &tenant, &holder, delivery).await {
+        return None;
+    }
     job.tenant = Some(tenant.clone());
     let span = trace(&msg, &mut job, &tenant, delivery);
     let leg = Leg::Fresh {
@@ -358,7 +364,8 @@ pub(crate) async fn chat_stream(
     limits: toolfleet_protocol::streams::ChatLimits,
     dispatch: ChatDispatch,
 ) -> Result<jetstream::stream::Stream, OrchestratorError> {
-    let nats = |e: toolfleet_protocol::streams::StreamError| OrchestratorError::Nats(e.to_string());
+    let nats =
+        |e: toolfleet_protocol::streams::StreamError| OrchestratorError::Nats(e.detail().to_string());
     let stream = toolfleet_protocol::streams::ensure_chat_stream_with(js, subjects, limits)
         .await
         .map_err(nats)?;
