@@ -158,6 +158,7 @@ impl DirectChat {
                 temperature: None,
                 max_tokens: None,
                 service_tier: None,
+                prompt_cache_key: None,
             };
             let completion = self
                 .client

@@ -38,9 +38,26 @@ pub(super) struct WireRequest<'a> {
     max_tokens: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     service_tier: Option<&'a str>,
+    /// Requests sharing it share the provider's prompt cache (OpenAI);
+    /// dropped for deployments that do not accept it
+    /// ([`WireRequest::keep_prompt_cache_key`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_cache_key: Option<&'a str>,
     stream: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     stream_options: Option<StreamOptions>,
+}
+
+impl WireRequest<'_> {
+    /// The request with its `prompt_cache_key` only when `keep` (the
+    /// deployment accepts the field).
+    #[must_use]
+    pub(super) fn keep_prompt_cache_key(mut self, keep: bool) -> Self {
+        if !keep {
+            self.prompt_cache_key = None;
+        }
+        self
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -85,13 +102,18 @@ struct WireFunctionOut<'a> {
     arguments: &'a str,
 }
 
-/// The request body for `POST {base_url}/chat/completions`.
+/// The request body for `POST {base_url}/chat/completions`. The tools go
+/// out sorted by name ([`sorted_tools`]), so the prompt's beginning
+/// (system prompt, then tools) is the same from round to round and the
+/// provider's prompt cache can serve it.
 pub(super) fn to_wire(req: &ChatRequest, stream: bool) -> WireRequest<'_> {
     let has_tools = !req.tools.is_empty();
     WireRequest {
         model: &req.model,
         messages: req.messages.iter().map(message_to_wire).collect(),
-        tools: req.tools.iter().map(|t| t.to_chat_completions()).collect(),
+        tools: sorted_tools(&req.tools)
+            .map(|t| t.to_chat_completions())
+            .collect(),
         // `tool_choice` and `parallel_tool_calls` are rejected by OpenAI
         // when no tools are sent, so they travel only with tools.
         tool_choice: req
@@ -103,11 +125,25 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool) -> WireRequest<'_> {
         temperature: req.temperature,
         max_tokens: req.max_tokens,
         service_tier: req.service_tier.as_deref(),
+        prompt_cache_key: req.prompt_cache_key.as_deref(),
         stream,
         stream_options: stream.then_some(StreamOptions {
             include_usage: true,
         }),
     }
+}
+
+/// `tools` by name (stable: two of one name keep their order). Scoping
+/// ranks a request's tools by relevance and `search_tools` adds some
+/// mid-conversation; sent in that order, the same tool set would make a
+/// different prompt from turn to turn and miss the provider's prompt
+/// cache (which matches a prompt's beginning, tools included).
+pub(super) fn sorted_tools(
+    tools: &[std::sync::Arc<super::ToolSpec>],
+) -> impl Iterator<Item = &super::ToolSpec> {
+    let mut sorted: Vec<&super::ToolSpec> = tools.iter().map(AsRef::as_ref).collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    sorted.into_iter()
 }
 
 /// `"auto"`, `"none"`, `"required"` or
@@ -581,13 +617,13 @@ impl ChatStreamAccumulator {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use serde_json::json;
 
     use super::*;
     use crate::{LlmErrorKind, SseDecoder, ToolSpec};
 
-    fn spec(name: &str, strict: bool) -> ToolSpec {
+    pub(crate) fn spec(name: &str, strict: bool) -> ToolSpec {
         ToolSpec {
             name: name.into(),
             description: format!("does {name}"),
@@ -606,6 +642,7 @@ mod tests {
             temperature: Some(0.25),
             max_tokens: Some(100),
             service_tier: None,
+            prompt_cache_key: None,
         }
     }
 
@@ -1088,5 +1125,89 @@ mod tests {
             ],
             "every fixture listed in SOURCES.md must be replayed"
         );
+    }
+
+    /// A client of the scripted stand-in speaking Chat Completions, with
+    /// or without `prompt_cache_key` accepted by its deployment.
+    pub(crate) fn stand_in_client(
+        server: &toolfleet_scripted::ScriptedServer,
+        api: crate::ApiShape,
+        send_key: bool,
+    ) -> crate::LlmClient {
+        crate::LlmClient::new(crate::LlmConfig {
+            api,
+            prompt_cache_key: send_key,
+            retry: crate::RetryPolicy::never(),
+            ..crate::LlmConfig::new(server.base_url())
+        })
+        .expect("client")
+    }
+
+    /// The scripted stand-in, answering "ok" to everything.
+    pub(crate) async fn stand_in() -> toolfleet_scripted::ScriptedServer {
+        tokio::time::timeout(
+            std::time::Duration::from_secs(10),
+            toolfleet_scripted::ScriptedServer::start(
+                "127.0.0.1:0".parse().expect("addr"),
+                toolfleet_scripted::Script::from_json(
+                    r#"{"default": {"steps": [{"answer": "ok"}]}}"#,
+                )
+                .expect("script"),
+            ),
+        )
+        .await
+        .expect("in time")
+        .expect("start")
+    }
+
+    /// What the stand-in received: the system prompt first, the tools
+    /// sorted by name whatever order scoping gave them, then the
+    /// history; `prompt_cache_key` only from a deployment that accepts it.
+    #[tokio::test]
+    async fn the_stand_in_gets_sorted_tools_and_the_cache_key_only_where_accepted() {
+        let server = stand_in().await;
+        let mut req = request(
+            vec![
+                Message::System {
+                    content: "sys".into(),
+                },
+                Message::User {
+                    content: "hi".into(),
+                },
+            ],
+            vec![spec("zeta", false), spec("alpha", false), spec("mid", true)],
+        );
+        req.prompt_cache_key = Some("tf-0123456789abcdef".into());
+        for send_key in [true, false] {
+            let client = stand_in_client(&server, crate::ApiShape::ChatCompletions, send_key);
+            let done = tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                client.stream_chat(&req, |_| {}),
+            )
+            .await
+            .expect("in time")
+            .expect("answered");
+            assert_eq!(done.text, "ok");
+        }
+        let bodies = server.requests();
+        assert_eq!(bodies.len(), 2);
+        for body in &bodies {
+            let names: Vec<&str> = body["tools"]
+                .as_array()
+                .expect("tools")
+                .iter()
+                .filter_map(|t| t["function"]["name"].as_str())
+                .collect();
+            assert_eq!(names, ["alpha", "mid", "zeta"]);
+            assert_eq!(
+                body["messages"][0],
+                json!({"role": "system", "content": "sys"})
+            );
+            assert_eq!(body["messages"][1]["role"], "user");
+        }
+        assert_eq!(bodies[0]["prompt_cache_key"], "tf-0123456789abcdef");
+        assert!(bodies[1].get("prompt_cache_key").is_none(), "{}", bodies[1]);
+        // The neutral request keeps the order it was given.
+        assert_eq!(req.tools[0].name, "zeta");
     }
 }

@@ -96,6 +96,11 @@ pub struct ChatRequest {
     /// The provider's processing tier (`service_tier`, e.g. OpenAI's
     /// `"flex"` for batch jobs); `None`: not sent, the provider's default.
     pub service_tier: Option<String>,
+    /// OpenAI's `prompt_cache_key`: requests that share it (and their
+    /// prompt's beginning) are routed to the same prompt cache. Sent only
+    /// when the deployment accepts it ([`LlmConfig::prompt_cache_key`]);
+    /// `None`: not sent.
+    pub prompt_cache_key: Option<String>,
 }
 
 /// What the model answered.
@@ -242,6 +247,12 @@ pub struct LlmConfig {
     /// (gpt-4o, gpt-4o-mini, ...) answer that request with 400. Chat
     /// Completions ignores it.
     pub reasoning: bool,
+    /// The provider accepts `prompt_cache_key`: a request's
+    /// [`ChatRequest::prompt_cache_key`] is sent. `false` by default, since
+    /// a strict OpenAI-compatible server may refuse a field it does not
+    /// know; the deployments file turns it on for OpenAI itself
+    /// ([`crate::deployments`]).
+    pub prompt_cache_key: bool,
     pub auth: Auth,
     /// Query parameters added to every request, e.g. Azure OpenAI's
     /// `("api-version", "2025-04-01-preview")`.
@@ -276,6 +287,7 @@ impl LlmConfig {
             api_key: None,
             api: ApiShape::default(),
             reasoning: false,
+            prompt_cache_key: false,
             auth: Auth::default(),
             extra_query: Vec::new(),
             stream: true,
@@ -298,6 +310,7 @@ impl fmt::Debug for LlmConfig {
             .field("api_key", &self.api_key.as_ref().map(|_| "[redacted]"))
             .field("api", &self.api)
             .field("reasoning", &self.reasoning)
+            .field("prompt_cache_key", &self.prompt_cache_key)
             .field("auth", &self.auth)
             .field("extra_query", &query)
             .field("stream", &self.stream)
@@ -345,6 +358,8 @@ struct Inner {
     api: ApiShape,
     /// [`LlmConfig::reasoning`].
     reasoning: bool,
+    /// [`LlmConfig::prompt_cache_key`].
+    prompt_cache_key: bool,
     /// Chat Completions or Responses, per `api`.
     endpoint: Url,
     /// `images/generations`.
@@ -485,6 +500,7 @@ impl LlmClient {
                 http,
                 api: config.api,
                 reasoning: config.reasoning,
+                prompt_cache_key: config.prompt_cache_key,
                 endpoint,
                 images_endpoint,
                 server,
@@ -771,14 +787,14 @@ impl LlmClient {
 
     fn encode(&self, req: &ChatRequest, stream: bool) -> Result<Bytes, LlmError> {
         let body = match self.inner.api {
-            ApiShape::ChatCompletions => {
-                serde_json::to_vec(&crate::chat_wire::to_wire(req, stream))
-            }
-            ApiShape::Responses => serde_json::to_vec(&crate::responses_wire::to_wire(
-                req,
-                stream,
-                self.inner.reasoning,
-            )),
+            ApiShape::ChatCompletions => serde_json::to_vec(
+                &crate::chat_wire::to_wire(req, stream)
+                    .keep_prompt_cache_key(self.inner.prompt_cache_key),
+            ),
+            ApiShape::Responses => serde_json::to_vec(
+                &crate::responses_wire::to_wire(req, stream, self.inner.reasoning)
+                    .keep_prompt_cache_key(self.inner.prompt_cache_key),
+            ),
         };
         body.map(Bytes::from)
             .map_err(|e| LlmError::protocol(format!("could not encode the request: {e}")))
@@ -1256,6 +1272,7 @@ mod tests {
             temperature: None,
             max_tokens: None,
             service_tier: None,
+            prompt_cache_key: None,
         }
     }
 

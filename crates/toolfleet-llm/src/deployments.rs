@@ -27,6 +27,7 @@
 //! | `retry.max_delay_ms` | ms ≥ `base_delay_ms`, `5000` | longest backoff delay |
 //! | `confidence` | 0.0..=1.0, `0` | how much the fleet trusts this deployment: the provider confidence of every invocation whose model calls go to it (tools with a higher `minProviderConfidence` are not offered, and workers refuse them). Decided here, never by a chat job |
 //! | `provider` | name, the `base_url`'s host | the provider label tool jobs carry (`Toolfleet-Provider`), e.g. `"openai"`, `"azure"`; `[A-Za-z0-9_.-]+`. The connection they carry (`Toolfleet-Connection`) is the deployment's name |
+//! | `prompt_cache_key` | bool, `true` for `https://api.openai.com`, else `false` | send each conversation request's `prompt_cache_key` (an opaque hash of the fleet, tenant and profile), so requests sharing a prompt's beginning reach the same prompt cache. Only for providers that accept the field (OpenAI does; a strict compatible server may refuse an unknown field with 400) |
 //! | `batch_service_tier` | string, none | the `service_tier` sent with the model calls of batch jobs (`priority = "batch"`), e.g. OpenAI's `"flex"`; interactive jobs send none. Only for deployments whose provider accepts it |
 //! | `max_concurrency` | 1..=100000, none | model calls to this deployment in flight at once, fleet-wide (every orchestrator and LLM-tool worker on the same Redis): a call past it waits for a slot instead of meeting the provider's 429 |
 //! | `requests_per_minute` | 1..=10000000, none | model calls started per minute, fleet-wide; past it a call waits for the next minute. A 429 with `Retry-After` from the provider pauses every caller of the deployment that long |
@@ -179,6 +180,10 @@ pub struct Deployment {
     /// A reasoning model: Responses requests ask for its encrypted
     /// reasoning ([`LlmConfig::reasoning`]). Never assumed.
     pub reasoning: bool,
+    /// The provider accepts `prompt_cache_key`
+    /// ([`LlmConfig::prompt_cache_key`]): by default only OpenAI's own
+    /// API ([`accepts_prompt_cache_key`]).
+    pub prompt_cache_key: bool,
     /// The API root including `/v1`; a query string in it is kept.
     pub base_url: Url,
     /// Model name sent to the provider, priced and token-counted.
@@ -221,6 +226,7 @@ impl fmt::Debug for Deployment {
         f.debug_struct("Deployment")
             .field("api", &self.api)
             .field("reasoning", &self.reasoning)
+            .field("prompt_cache_key", &self.prompt_cache_key)
             .field(
                 "base_url",
                 &toolfleet_protocol::redact_url(self.base_url.as_str()),
@@ -255,6 +261,9 @@ struct RawDeployment {
     api: ApiShape,
     #[serde(default)]
     reasoning: bool,
+    /// `None`: [`accepts_prompt_cache_key`] of the `base_url`.
+    #[serde(default)]
+    prompt_cache_key: Option<bool>,
     // Parsed here rather than through `url`'s serde feature, which this
     // crate does not enable itself.
     #[serde(deserialize_with = "deserialize_url")]
@@ -293,6 +302,14 @@ struct RawDeployment {
     requests_per_minute: Option<u32>,
 }
 
+/// Whether the API at `base_url` is known to accept `prompt_cache_key`:
+/// OpenAI's own (`https://api.openai.com`). Other OpenAI-compatible servers
+/// differ (some refuse a field they do not know), so the file says so
+/// for them (`prompt_cache_key = true`).
+pub fn accepts_prompt_cache_key(base_url: &Url) -> bool {
+    base_url.scheme() == "https" && base_url.host_str() == Some("api.openai.com")
+}
+
 fn deserialize_url<'de, D: Deserializer<'de>>(d: D) -> Result<Url, D::Error> {
     let text = String::deserialize(d)?;
     Url::parse(&text).map_err(|e| serde::de::Error::custom(format!("not a URL: {e}")))
@@ -325,6 +342,9 @@ impl TryFrom<RawDeployment> for Deployment {
         Ok(Self {
             api: raw.api,
             reasoning: raw.reasoning,
+            prompt_cache_key: raw
+                .prompt_cache_key
+                .unwrap_or_else(|| accepts_prompt_cache_key(&raw.base_url)),
             base_url: raw.base_url,
             model: raw.model,
             api_key_env: raw.api_key_env,
@@ -354,6 +374,7 @@ impl Deployment {
         Self {
             api: ApiShape::default(),
             reasoning: false,
+            prompt_cache_key: accepts_prompt_cache_key(&base_url),
             base_url,
             model: model.into(),
             api_key_env: None,
@@ -437,6 +458,7 @@ impl Deployment {
             api_key,
             api: self.api,
             reasoning: self.reasoning,
+            prompt_cache_key: self.prompt_cache_key,
             auth: self.auth.clone(),
             extra_query: self
                 .query
@@ -647,5 +669,53 @@ mod tests {
             d.api_key(&HashMap::new()).expect("a key").as_deref(),
             Some("sk-very-secret")
         );
+    }
+
+    #[test]
+    fn prompt_cache_key_is_on_for_openai_and_off_elsewhere_unless_the_file_says() {
+        let config = ModelConfig::from_toml(
+            r#"
+            [deployments.openai]
+            base_url = "https://api.openai.com/v1"
+            model = "gpt-4o-mini"
+
+            [deployments.local]
+            base_url = "http://127.0.0.1:8000/v1"
+            model = "qwen"
+
+            [deployments.vllm]
+            base_url = "http://127.0.0.1:8000/v1"
+            model = "qwen"
+            prompt_cache_key = true
+
+            [deployments.quiet]
+            base_url = "https://api.openai.com/v1"
+            model = "gpt-4o-mini"
+            prompt_cache_key = false
+            "#,
+            "test.toml",
+        )
+        .expect("loads");
+        let sends = |name: &str| {
+            config.deployments[name]
+                .to_llm_config(&HashMap::new())
+                .expect("llm config")
+                .prompt_cache_key
+        };
+        assert!(sends("openai"));
+        assert!(!sends("local"));
+        assert!(sends("vllm"));
+        assert!(!sends("quiet"));
+        let e = ModelConfig::from_toml(
+            r#"
+            [deployments.bad]
+            base_url = "https://api.openai.com/v1"
+            model = "gpt-4o-mini"
+            prompt_cache_key = "yes"
+            "#,
+            "test.toml",
+        )
+        .expect_err("not a bool");
+        assert!(e.to_string().contains("prompt_cache_key"), "{e}");
     }
 }

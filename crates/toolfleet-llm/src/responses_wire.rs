@@ -34,7 +34,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::chat_wire::{finished_call, provider_error};
+use super::chat_wire::{finished_call, provider_error, sorted_tools};
 use super::{
     ChatRequest, Completion, FinishReason, LlmError, Message, SseEvent, ToolChoice, Usage,
 };
@@ -42,14 +42,17 @@ use super::{
 // ---------------------------------------------------------------------------
 // Request
 
+/// Fields in the order of the prompt a provider builds from them: the
+/// instructions, then the tools (sorted by name), then the conversation,
+/// so the stable beginning also comes first in the body.
 #[derive(Debug, Serialize)]
 pub(super) struct WireRequest<'a> {
     model: &'a str,
     #[serde(skip_serializing_if = "Option::is_none")]
     instructions: Option<String>,
-    input: Vec<InputItem<'a>>,
     #[serde(skip_serializing_if = "Vec::is_empty")]
     tools: Vec<Value>,
+    input: Vec<InputItem<'a>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     tool_choice: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -60,6 +63,11 @@ pub(super) struct WireRequest<'a> {
     max_output_tokens: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     service_tier: Option<&'a str>,
+    /// Requests sharing it share the provider's prompt cache (OpenAI);
+    /// dropped for deployments that do not accept it
+    /// ([`WireRequest::keep_prompt_cache_key`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prompt_cache_key: Option<&'a str>,
     stream: bool,
     /// Nothing is kept at the provider: every request carries the whole
     /// conversation, so any replica can serve the next round.
@@ -68,6 +76,18 @@ pub(super) struct WireRequest<'a> {
     /// otherwise (non-reasoning models refuse it with 400).
     #[serde(skip_serializing_if = "Option::is_none")]
     include: Option<[&'static str; 1]>,
+}
+
+impl WireRequest<'_> {
+    /// The request with its `prompt_cache_key` only when `keep` (the
+    /// deployment accepts the field).
+    #[must_use]
+    pub(super) fn keep_prompt_cache_key(mut self, keep: bool) -> Self {
+        if !keep {
+            self.prompt_cache_key = None;
+        }
+        self
+    }
 }
 
 /// What a reasoning model is asked to include so its reasoning can be
@@ -101,7 +121,8 @@ enum TypedItem<'a> {
 }
 
 /// The request body for `POST {base_url}/responses`; `reasoning_model`
-/// adds `include: ["reasoning.encrypted_content"]`.
+/// adds `include: ["reasoning.encrypted_content"]`. The tools go out
+/// sorted by name ([`sorted_tools`]), for the provider's prompt cache.
 pub(super) fn to_wire(req: &ChatRequest, stream: bool, reasoning_model: bool) -> WireRequest<'_> {
     let leading_system = req
         .messages
@@ -124,7 +145,7 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool, reasoning_model: bool) ->
         model: &req.model,
         instructions: (!instructions.is_empty()).then(|| instructions.join("\n\n")),
         input,
-        tools: req.tools.iter().map(|t| t.to_responses()).collect(),
+        tools: sorted_tools(&req.tools).map(|t| t.to_responses()).collect(),
         tool_choice: req
             .tool_choice
             .as_ref()
@@ -134,6 +155,7 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool, reasoning_model: bool) ->
         temperature: req.temperature,
         max_output_tokens: req.max_tokens,
         service_tier: req.service_tier.as_deref(),
+        prompt_cache_key: req.prompt_cache_key.as_deref(),
         stream,
         store: false,
         include: reasoning_model.then_some([ENCRYPTED_REASONING]),
@@ -839,6 +861,7 @@ mod tests {
             temperature: None,
             max_tokens: None,
             service_tier: None,
+            prompt_cache_key: None,
         }
     }
 
@@ -1585,5 +1608,57 @@ mod tests {
             ],
             "every fixture listed in SOURCES.md must be replayed"
         );
+    }
+
+    /// What the stand-in received over the Responses API: instructions,
+    /// then the tools sorted by name, then the input (in that order in
+    /// the body too); `prompt_cache_key` only from a deployment that
+    /// accepts it.
+    #[tokio::test]
+    async fn the_stand_in_gets_sorted_tools_and_the_cache_key_only_where_accepted() {
+        use crate::chat_wire::tests::{spec, stand_in, stand_in_client};
+        let server = stand_in().await;
+        let mut req = request(
+            vec![
+                Message::System {
+                    content: "sys".into(),
+                },
+                user("hi"),
+            ],
+            vec![spec("zeta", false), spec("alpha", false), spec("mid", true)],
+        );
+        req.prompt_cache_key = Some("tf-0123456789abcdef".into());
+        let text = serde_json::to_string(&to_wire(&req, true, false)).expect("serialise");
+        let at = |key: &str| text.find(&format!("\"{key}\":")).expect(key);
+        assert!(
+            at("instructions") < at("tools") && at("tools") < at("input"),
+            "{text}"
+        );
+        for send_key in [true, false] {
+            let client = stand_in_client(&server, crate::ApiShape::Responses, send_key);
+            let done = tokio::time::timeout(
+                std::time::Duration::from_secs(10),
+                client.stream_chat(&req, |_| {}),
+            )
+            .await
+            .expect("in time")
+            .expect("answered");
+            assert_eq!(done.text, "ok");
+        }
+        let bodies = server.requests();
+        assert_eq!(bodies.len(), 2);
+        for body in &bodies {
+            let names: Vec<&str> = body["tools"]
+                .as_array()
+                .expect("tools")
+                .iter()
+                .filter_map(|t| t["name"].as_str())
+                .collect();
+            assert_eq!(names, ["alpha", "mid", "zeta"]);
+            assert_eq!(body["instructions"], "sys");
+            assert_eq!(body["input"][0]["role"], "user");
+        }
+        assert_eq!(bodies[0]["prompt_cache_key"], "tf-0123456789abcdef");
+        assert!(bodies[1].get("prompt_cache_key").is_none(), "{}", bodies[1]);
     }
 }

@@ -141,6 +141,10 @@ pub struct OrchestratorMetrics {
     /// and `reason` (turn: the lane's turn; aged: a batch job that had
     /// waited `--batch-max-wait`).
     pub chat_dispatched: IntCounterVec,
+    /// Conversation model calls whose prompt prefix (system prompt and
+    /// tools) differed from their invocation's previous call's, by
+    /// `profile`: the provider's prompt cache could not serve them.
+    pub prompt_prefix_changes: IntCounterVec,
 }
 
 /// Every `cap` of `toolfleet_tenant_cap_refusals_total`.
@@ -412,6 +416,12 @@ const PROVIDER_QUEUED: Spec = spec(
     &["deployment"],
 );
 
+const PROMPT_PREFIX_CHANGES: Spec = spec(
+    "toolfleet_prompt_prefix_changes_total",
+    "Conversation model calls whose prompt prefix (system prompt, then the tools sorted by name) differed from their invocation's previous call's, by profile: the provider's prompt cache could not serve their beginning.",
+    &["profile"],
+);
+
 /// Buckets of the wait at a deployment's limits: none to two minutes.
 const PROVIDER_QUEUED_BUCKETS: [f64; 10] =
     [0.005, 0.05, 0.25, 0.5, 1.0, 2.5, 5.0, 15.0, 60.0, 120.0];
@@ -488,6 +498,7 @@ impl OrchestratorMetrics {
             provider_queued: PROVIDER_QUEUED.histogram_with(r, &PROVIDER_QUEUED_BUCKETS)?,
             chat_moved_to_batch: CHAT_MOVED_TO_BATCH.counter(r)?,
             chat_dispatched: CHAT_DISPATCHED.counter(r)?,
+            prompt_prefix_changes: PROMPT_PREFIX_CHANGES.counter(r)?,
         };
         m.zero();
         Ok(m)

@@ -24,6 +24,11 @@ pub struct UsageLedger {
     /// The limits a `limit_warning` was sent for in this invocation.
     #[serde(default)]
     warned: Vec<String>,
+    /// The prompt prefix of the last conversation call
+    /// ([`crate::rounds::prefix_hash`]), kept with the ledger so a resumed
+    /// invocation compares with the call before it parked.
+    #[serde(default)]
+    prefix: Option<u64>,
 }
 
 /// One model call to record.
@@ -171,6 +176,15 @@ impl UsageLedger {
         self.counted = (self.counted.0.max(spent.0), self.counted.1.max(spent.1));
     }
 
+    /// Notes the prompt prefix of a conversation call; `true` when an
+    /// earlier call of the invocation had another one (the provider's
+    /// prompt cache could not serve this call's beginning).
+    pub(crate) fn prefix_changed(&mut self, hash: u64) -> bool {
+        self.prefix
+            .replace(hash)
+            .is_some_and(|before| before != hash)
+    }
+
     /// `true` the first time it is asked for `limit` in this invocation.
     pub(crate) fn warn_once(&mut self, limit: &str) -> bool {
         if self.warned.iter().any(|w| w == limit) {
@@ -223,5 +237,23 @@ mod tests {
         assert_eq!(ledger.cost(), Some(0.75));
         assert_eq!(ledger.calls().len(), 3);
         assert_eq!(ledger.calls()[1].attempts, 2);
+    }
+
+    #[test]
+    fn a_prefix_change_is_one_that_differs_from_the_call_before_even_after_a_park() {
+        let mut ledger = UsageLedger::default();
+        assert!(!ledger.prefix_changed(7), "the first call changes nothing");
+        assert!(!ledger.prefix_changed(7));
+        assert!(ledger.prefix_changed(8));
+        let parked = serde_json::to_value(&ledger).expect("serialise");
+        let mut resumed: UsageLedger = serde_json::from_value(parked).expect("read back");
+        assert!(!resumed.prefix_changed(8));
+        assert!(resumed.prefix_changed(7));
+        // A ledger parked before the field existed reads as no call yet.
+        let old: UsageLedger = serde_json::from_value(serde_json::json!({
+            "total": Usage::default(), "cost": null, "calls": []
+        }))
+        .expect("an older ledger");
+        assert_eq!(old.prefix, None);
     }
 }

@@ -290,6 +290,7 @@ fn build_request(
         temperature: preference.and_then(|p| p.temperature).map(|t| t as f32),
         max_tokens: preference.and_then(|p| p.max_tokens),
         service_tier: None,
+        prompt_cache_key: None,
     };
     Ok((request, format))
 }

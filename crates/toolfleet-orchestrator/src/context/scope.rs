@@ -255,6 +255,9 @@ async fn ask(
         temperature: Some(PLANNING_TEMPERATURE),
         max_tokens: Some(PLANNING_MAX_TOKENS),
         service_tier: inv.service_tier(),
+        // The planning prompt holds the candidate tools, which differ
+        // from question to question: nothing for a cache to share.
+        prompt_cache_key: None,
     };
     // Under the tenant's limits like any model call; a refusal makes the
     // plan fail (token scoring is used) and the conversation's own call

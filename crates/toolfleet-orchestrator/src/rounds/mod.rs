@@ -25,6 +25,8 @@ mod expansion;
 mod model;
 mod turn;
 
+pub use model::{prefix_hash, prompt_cache_key};
+
 use crate::approvals::{self, CallState, Park, Resumed};
 use crate::dispatch;
 use crate::failure::ChatErrorCode;
@@ -384,7 +386,8 @@ fn limit_hit(fleet: &Fleet, limit: &str) {
 /// The round's request, with the conversation moved into it (the caller
 /// puts it back after the call). The tools stay in it even when they are
 /// forbidden (the prompt prefix, and its cache, do not change);
-/// `tool_choice: none` forbids them.
+/// `tool_choice: none` forbids them. It carries the tenant's and
+/// profile's [`prompt_cache_key`] (sent where the deployment accepts it).
 fn request(
     inv: &mut Invocation,
     policy: &LoopPolicy,
@@ -402,6 +405,11 @@ fn request(
         temperature: inv.profile.profile.temperature,
         max_tokens: None,
         service_tier: inv.service_tier(),
+        prompt_cache_key: Some(prompt_cache_key(
+            fleet.config().subjects.prefix(),
+            inv.ctx.tenant(),
+            &inv.profile.name,
+        )),
     }
 }
 

@@ -1,5 +1,17 @@
 //! [`Fleet::call_model`]: one model call with its deltas, metrics, usage
-//! and fallback across the profile's deployments.
+//! and fallback across the profile's deployments; and what keeps the
+//! provider's prompt cache useful: the [`prompt_cache_key`] a
+//! conversation's requests carry, and the count of turns whose prompt
+//! prefix changed ([`prefix_hash`]).
+//!
+//! A provider's prompt cache (OpenAI's, vLLM's prefix cache) serves the
+//! longest beginning a prompt shares with a recent one. The stable
+//! beginning of a conversation's requests is its system prompt, then its
+//! tools (sent sorted by name, by the wire layer of `toolfleet-llm`), then
+//! the history, which only grows. Tools changing between turns (a
+//! `search_tools` expansion, a live worker leaving) change that beginning:
+//! such a turn pays for its whole prompt again, and
+//! `toolfleet_prompt_prefix_changes_total{profile}` counts it.
 
 use std::time::Instant;
 
@@ -30,6 +42,7 @@ impl Fleet {
         events: &Events,
     ) -> Result<Completion, Failure> {
         loop {
+            self.note_prefix(inv, request);
             for warning in self.admit_model_call(inv).await? {
                 events.send(warning);
             }
@@ -75,6 +88,19 @@ impl Fleet {
                     return Ok(completion);
                 }
             }
+        }
+    }
+
+    /// Counts the call in `toolfleet_prompt_prefix_changes_total` when its
+    /// prompt prefix differs from the invocation's previous call's (kept
+    /// in the usage ledger, so it survives a park). Once per turn: a
+    /// fallback to the next deployment sends the same prefix.
+    fn note_prefix(&self, inv: &mut Invocation, request: &ChatRequest) {
+        if inv.usage.prefix_changed(prefix_hash(request)) {
+            self.metrics
+                .prompt_prefix_changes
+                .with_label_values(&[inv.profile.name.as_str()])
+                .inc();
         }
     }
 
@@ -141,5 +167,150 @@ impl Fleet {
             },
         );
         Ok(completion)
+    }
+}
+
+/// The `prompt_cache_key` of a conversation's model calls: `tf-` and 16
+/// hex digits of the SHA-256 of the fleet's subject prefix, the tenant
+/// and the profile. One key per tenant and profile, so a tenant's
+/// requests share a cache and never another tenant's; opaque, because a
+/// tenant's name may be a customer's, and the key goes to the provider
+/// (whose logs and dashboards show it); the same in every orchestrator
+/// and release, so the whole fleet's calls share it. Sixty-four bits keep
+/// two tenants apart for any number of tenants a fleet has.
+pub fn prompt_cache_key(prefix: &str, tenant: &str, profile: &str) -> String {
+    let mut input = Vec::with_capacity(prefix.len() + tenant.len() + profile.len() + 2);
+    for (i, part) in [prefix, tenant, profile].into_iter().enumerate() {
+        if i > 0 {
+            // A separator no name holds: (`a`, `b.c`) and (`a.b`, `c`)
+            // must not meet.
+            input.push(0);
+        }
+        input.extend_from_slice(part.as_bytes());
+    }
+    let digest = ring::digest::digest(&ring::digest::SHA256, &input);
+    let hex: String = digest.as_ref()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("tf-{hex}")
+}
+
+/// A hash of what a provider's prompt cache can share between two calls
+/// of one conversation: the leading system messages and the tools as the
+/// wire sends them (sorted by name), not the history after them.
+pub fn prefix_hash(request: &ChatRequest) -> u64 {
+    let mut context = ring::digest::Context::new(&ring::digest::SHA256);
+    let mut part = |bytes: &[u8]| {
+        // Each part with its length, so parts cannot run into each other.
+        context.update(&(bytes.len() as u64).to_le_bytes());
+        context.update(bytes);
+    };
+    for message in &request.messages {
+        let toolfleet_llm::Message::System { content } = message else {
+            break;
+        };
+        part(content.as_bytes());
+    }
+    let mut tools: Vec<&toolfleet_llm::ToolSpec> =
+        request.tools.iter().map(AsRef::as_ref).collect();
+    tools.sort_by(|a, b| a.name.cmp(&b.name));
+    for tool in tools {
+        part(tool.to_chat_completions().to_string().as_bytes());
+    }
+    let digest = context.finish();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&digest.as_ref()[..8]);
+    u64::from_le_bytes(first)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+    use toolfleet_llm::{Message, ToolSpec};
+
+    use super::*;
+
+    fn tool(name: &str) -> Arc<ToolSpec> {
+        Arc::new(ToolSpec {
+            name: name.to_owned(),
+            description: format!("the {name} tool"),
+            parameters: json!({"type": "object"}),
+            strict: false,
+        })
+    }
+
+    fn request(system: &str, tools: &[&str], history: &[&str]) -> ChatRequest {
+        let mut messages = vec![Message::System {
+            content: system.to_owned(),
+        }];
+        messages.extend(history.iter().map(|h| Message::User {
+            content: (*h).to_owned(),
+        }));
+        ChatRequest {
+            model: "m".into(),
+            messages,
+            tools: tools.iter().map(|t| tool(t)).collect(),
+            tool_choice: None,
+            parallel_tool_calls: true,
+            temperature: None,
+            max_tokens: None,
+            service_tier: None,
+            prompt_cache_key: None,
+        }
+    }
+
+    #[test]
+    fn the_prefix_is_the_system_prompt_and_the_tool_set_not_their_order_or_the_history() {
+        let first = prefix_hash(&request("Be brief.", &["b", "a"], &["hi"]));
+        assert_eq!(
+            first,
+            prefix_hash(&request(
+                "Be brief.",
+                &["a", "b"],
+                &["hi", "more", "and more"]
+            )),
+            "tool order and a longer history keep the prefix"
+        );
+        assert_ne!(
+            first,
+            prefix_hash(&request("Be brief.", &["a", "b", "c"], &["hi"]))
+        );
+        assert_ne!(first, prefix_hash(&request("Be brief.", &["a"], &["hi"])));
+        assert_ne!(
+            first,
+            prefix_hash(&request("Be long.", &["a", "b"], &["hi"]))
+        );
+        // Parts cannot run into each other.
+        assert_ne!(
+            prefix_hash(&request("x", &["ab"], &[])),
+            prefix_hash(&request("x", &["a", "b"], &[]))
+        );
+    }
+
+    #[test]
+    fn the_cache_key_is_opaque_stable_and_per_tenant_and_profile() {
+        let key = prompt_cache_key("toolfleet", "acme", "default");
+        assert_eq!(key, prompt_cache_key("toolfleet", "acme", "default"));
+        assert_eq!(key.len(), 3 + 16);
+        assert!(key.starts_with("tf-") && key[3..].bytes().all(|b| b.is_ascii_hexdigit()));
+        assert!(!key.contains("acme") && !key.contains("default"));
+        for other in [
+            prompt_cache_key("toolfleet", "globex", "default"),
+            prompt_cache_key("toolfleet", "acme", "support"),
+            prompt_cache_key("staging", "acme", "default"),
+            prompt_cache_key("toolfleet", "acme\0default", ""),
+        ] {
+            assert_ne!(key, other);
+        }
+        // A fixed value: the key must not change between releases (every
+        // orchestrator of a fleet sends the same), so a new hash is a
+        // deliberate change, made here.
+        assert_eq!(
+            prompt_cache_key("toolfleet", "default", "default"),
+            "tf-3964b1226ec6a290"
+        );
     }
 }
