@@ -178,6 +178,9 @@ fn nested_job(inv: &Invocation, profile: &str, task: &str, wait: u64) -> ChatJob
         // A nested job answers its caller, not the caller's sinks.
         sink: None,
         priority: Some(inv.priority()),
+        // A nested job starts at once, under its caller's budget.
+        not_before: None,
+        budget: None,
         // A nested job is one turn of its own: no thread, no key.
         thread_id: None,
         multitask_strategy: None,

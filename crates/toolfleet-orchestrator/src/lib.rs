@@ -25,7 +25,8 @@
 //! durable pause: records, the parked bucket, approval requests, timeouts),
 //! [`agents`] (an agent tool's call as a nested chat job), [`sinks`]
 //! (response routing and its relay), `pools` (the scaling signals, and
-//! the declared pools' consumers).
+//! the declared pools' consumers), [`schedules`] (scheduled chat jobs:
+//! each due time fired once across the fleet by compare-and-set).
 //!
 //! **Shared** below them all: [`Fleet`] (what every invocation shares),
 //! [`Settings`], [`invocation`], [`tools`] (snapshot, gates, scoring),
@@ -75,6 +76,7 @@ mod provider_gate;
 pub mod quota;
 mod replies;
 pub mod rounds;
+pub mod schedules;
 pub mod settings;
 pub mod sinks;
 pub mod start;

@@ -42,6 +42,10 @@ struct Args {
     /// the chat stream may not hold fair dispatch's consumers).
     #[arg(long, env = "TOOLFLEET_CHAT_DISPATCH", value_enum, default_value_t = toolfleet_orchestrator::settings::ChatDispatch::Fair)]
     chat_dispatch: toolfleet_orchestrator::settings::ChatDispatch,
+    /// How far ahead a chat job's `notBefore` may be, in seconds: a job
+    /// asking to start later is refused (`malformed_job`).
+    #[arg(long, env = "TOOLFLEET_MAX_NOT_BEFORE_SECS", default_value_t = 7 * 24 * 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    max_not_before_secs: u64,
     /// Recommended models per tool (JSON: `{"tools": {"<tool id or
     /// ns:name>": ["<deployment>/<model>", ...]}}`, cheapest first). A file
     /// that cannot be read or parsed stops the start (exit 64); models no
@@ -83,6 +87,7 @@ async fn main() -> anyhow::Result<()> {
     config.max_in_flight = a.max_in_flight;
     config.batch_max_wait = std::time::Duration::from_secs(a.batch_max_wait_secs);
     config.chat_dispatch = a.chat_dispatch;
+    config.max_not_before = std::time::Duration::from_secs(a.max_not_before_secs);
     config.sinks = a.sinks.settings();
     // A configured sink the policy refuses stops the start (exit 64).
     args::or_exit(

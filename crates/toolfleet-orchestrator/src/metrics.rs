@@ -120,6 +120,8 @@ pub struct OrchestratorMetrics {
     pub tenant_parked: IntGaugeVec,
     /// The tenants' rate limits, budgets and per-run caps.
     pub quota: crate::quota::QuotaMetrics,
+    /// Scheduled chat jobs' due times, by outcome.
+    pub schedules: crate::schedules::ScheduleMetrics,
     /// Cancels heard, by `tenant` and `outcome` (every outcome is in
     /// `CANCEL_OUTCOMES`, with the cancel listener).
     pub cancels: IntCounterVec,
@@ -492,6 +494,7 @@ impl OrchestratorMetrics {
             caps_refused: CAPS_REFUSED.counter(r)?,
             tenant_parked: TENANT_PARKED.gauges(r)?,
             quota: crate::quota::QuotaMetrics::register(r)?,
+            schedules: crate::schedules::ScheduleMetrics::register(r)?,
             cancels: CANCELS.counter(r)?,
             chat_queued: CHAT_QUEUED.gauges(r)?,
             in_flight_waits: IN_FLIGHT_WAITS.counter(r)?,

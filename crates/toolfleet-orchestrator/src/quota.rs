@@ -107,6 +107,27 @@ fn shared(limits: &LimitKeys) -> QuotaLimits {
     }
 }
 
+/// The tenant's per-run caps tightened by the job's own `budget` (a
+/// schedule's runs carry the schedule's): the smaller cap wins, so a job
+/// can lower its caps, never raise them.
+fn with_budget(
+    mut limits: LimitKeys,
+    budget: Option<toolfleet_protocol::schedule::RunBudget>,
+) -> LimitKeys {
+    let Some(budget) = budget else { return limits };
+    if let Some(tokens) = budget.max_tokens {
+        limits.max_run_tokens = Some(limits.max_run_tokens.map_or(tokens, |t| t.min(tokens)));
+    }
+    if let Some(usd) = budget.max_spend_usd.and_then(toolfleet_config::Usd::from_usd) {
+        limits.max_run_spend_usd = Some(
+            limits
+                .max_run_spend_usd
+                .map_or(usd, |u| if u.micros() <= usd.micros() { u } else { usd }),
+        );
+    }
+    limits
+}
+
 /// `n` of `limit` in the limit's unit (USD for spend).
 #[allow(clippy::cast_precision_loss)]
 fn in_unit(limit: QuotaLimit, n: u64) -> f64 {
@@ -131,7 +152,7 @@ impl Fleet {
     ) -> Result<Vec<ChatEventBody>, Failure> {
         let tenant = inv.ctx.tenant().to_owned();
         let limits = self.config.profiles.limits_of(&tenant);
-        self.check_run_caps(inv, &tenant, &limits)?;
+        self.check_run_caps(inv, &tenant, &with_budget(limits, inv.job.budget))?;
         if !limits.has_shared() {
             return Ok(Vec::new());
         }

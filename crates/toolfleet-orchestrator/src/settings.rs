@@ -65,6 +65,8 @@ pub struct Settings {
     /// none of their workers is live (scale from zero): none until
     /// [`DeclaredPools::load`] resolves them from definition files.
     pub declared: DeclaredPools,
+    /// How far ahead a chat job's `notBefore` may be (further: refused).
+    pub max_not_before: Duration,
 }
 
 impl Settings {
@@ -84,6 +86,7 @@ impl Settings {
             compat: None,
             sinks: SinkSettings::default(),
             declared: DeclaredPools::none(),
+            max_not_before: crate::intake::DEFAULT_MAX_NOT_BEFORE,
         }
     }
 }

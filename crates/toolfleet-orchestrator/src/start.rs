@@ -325,6 +325,7 @@ fn spawn_background(
         fleet.clone(),
         shutdown.clone(),
     ));
+    tracker.spawn(crate::schedules::run(fleet.clone(), shutdown.clone()));
 }
 
 /// What a pull loop does with a message whose headers cannot be read.

@@ -27,6 +27,8 @@
 //!   a call's sensitive arguments out of events and dead letters.
 //! - [`thread`]: threads (`threadId`, `multitaskStrategy`) and idempotency
 //!   keys.
+//! - [`schedule`]: scheduled chat jobs (the `<P>_SCHEDULES` records) and
+//!   a job's per-run budget.
 
 // The contract is a public API: every item says what it is to a client or
 // worker author.
@@ -40,6 +42,7 @@ pub mod codes;
 pub mod redact;
 pub mod references;
 pub mod registry;
+pub mod schedule;
 pub mod schema;
 pub mod search;
 pub mod streams;

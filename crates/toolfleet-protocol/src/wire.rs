@@ -1190,6 +1190,15 @@ pub struct ChatJob {
     /// a second run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub idempotency_key: Option<String>,
+    /// Not run before this time (RFC 3339): the job waits in the chat
+    /// stream until then (`docs/schedules.md`); a time further ahead than
+    /// the fleet allows (7 days by default) is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_before: Option<String>,
+    /// A per-run budget that tightens the tenant's own per-run caps (a
+    /// schedule's runs carry the schedule's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub budget: Option<crate::schedule::RunBudget>,
 }
 
 /// When a chat job runs beside others: interactive jobs are taken first;

@@ -1,0 +1,154 @@
+//! A chat job's `notBefore`: a job that asks to start later is not run
+//! yet. Its delivery is given back with a delay until then (a nak with
+//! that delay: the job waits in the chat stream, holding no permit and no
+//! slot, and comes back once, at its time), after its claim is taken (so
+//! its id is its own from submission on) and its lease let go. A time
+//! further ahead than `--max-not-before` (7 days by default), or one that
+//! is not RFC 3339, is refused at once with `malformed_job`.
+//!
+//! One nak for the whole wait, not one per ack wait: every delivery
+//! counts towards the consumer's `max_deliver`, so a job naked again and
+//! again would be dropped by the server before it ran. The wait spends one
+//! delivery, so a delayed job has two run attempts (not three) should the
+//! orchestrators running it die.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use chrono::DateTime;
+use toolfleet_protocol::{ChatJob, ProtocolError};
+use toolfleet_store::InvocationKey;
+use tracing::info;
+
+use super::claim::Delivery;
+use super::reject::{self, Refusal, Refused};
+use crate::Fleet;
+
+/// How far ahead a job may ask to start, by default
+/// (`--max-not-before`).
+pub const DEFAULT_MAX_NOT_BEFORE: Duration = Duration::from_secs(7 * 24 * 3600);
+
+/// A wait shorter than this is not worth a redelivery: the job runs now.
+const RUN_NOW_WITHIN: Duration = Duration::from_millis(250);
+
+/// When a job may run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Now (no `notBefore`, or it has passed).
+    Now,
+    /// After this wait.
+    Later(Duration),
+    /// Never: the time cannot be read, or is too far ahead (why).
+    Refused(String),
+}
+
+/// When `job` may run, at `now_ms` (unix ms), if it may ask to wait at
+/// most `max_ahead`.
+pub(crate) fn start_of(job: &ChatJob, now_ms: u64, max_ahead: Duration) -> Start {
+    let Some(text) = job.not_before.as_deref() else {
+        return Start::Now;
+    };
+    let Ok(at) = DateTime::parse_from_rfc3339(text) else {
+        return Start::Refused(format!(
+            "notBefore {text:?} is not an RFC 3339 time (e.g. 2026-12-01T09:00:00+01:00)"
+        ));
+    };
+    let at_ms = u64::try_from(at.timestamp_millis()).unwrap_or(0);
+    let wait = Duration::from_millis(at_ms.saturating_sub(now_ms));
+    if wait > max_ahead {
+        return Start::Refused(format!(
+            "notBefore {text} is {} s ahead, more than the {} s this fleet lets a job wait \
+             (--max-not-before); submit it nearer the time, or use a schedule",
+            wait.as_secs(),
+            max_ahead.as_secs()
+        ));
+    }
+    if wait < RUN_NOW_WITHIN {
+        Start::Now
+    } else {
+        Start::Later(wait)
+    }
+}
+
+/// Settles a delivery whose job may not run yet: given back with a delay
+/// until its `notBefore` (its lease let go, its claim kept), or refused.
+/// Whether it was settled here (`false`: the job runs now).
+pub(super) async fn held_back(
+    fleet: &Fleet,
+    msg: &jetstream::Message,
+    job: &ChatJob,
+    tenant: &str,
+    holder: &str,
+    delivery: Delivery,
+) -> bool {
+    let start = start_of(
+        job,
+        toolfleet_protocol::now_ms(),
+        fleet.config.max_not_before,
+    );
+    match start {
+        Start::Now => false,
+        Start::Later(wait) => {
+            let inv = InvocationKey::new(tenant, &job.invocation_id);
+            let _ = fleet.store.release_lease(inv, holder).await;
+            info!(invocation_id = %job.invocation_id, tenant, wait_secs = wait.as_secs(),
+                not_before = ?job.not_before, "chat job scheduled: it waits for its notBefore");
+            let _ = msg.ack_with(AckKind::Nak(Some(wait))).await;
+            true
+        }
+        Start::Refused(why) => {
+            let refused = Refused {
+                invocation_id: Some(job.invocation_id.clone()),
+                tenant: tenant.to_string(),
+                tell_sender: true,
+                refusal: Refusal::Malformed(ProtocolError::Schema {
+                    schema: "chat_job.schema.json",
+                    details: why,
+                }),
+            };
+            reject::reject(fleet, msg, delivery, refused).await;
+            true
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn job(not_before: Option<&str>) -> ChatJob {
+        let mut job = toolfleet_protocol::client::question("hi");
+        job.not_before = not_before.map(str::to_string);
+        job
+    }
+
+    #[test]
+    fn a_job_waits_for_its_time_and_no_longer_than_allowed() {
+        // 2026-01-01T00:00:00Z
+        let now = 1_767_225_600_000;
+        let week = DEFAULT_MAX_NOT_BEFORE;
+        assert_eq!(start_of(&job(None), now, week), Start::Now);
+        assert_eq!(
+            start_of(&job(Some("2025-12-31T23:00:00Z")), now, week),
+            Start::Now
+        );
+        assert_eq!(
+            start_of(&job(Some("2026-01-01T01:00:00+01:00")), now, week),
+            Start::Now
+        );
+        assert_eq!(
+            start_of(&job(Some("2026-01-01T00:00:30Z")), now, week),
+            Start::Later(Duration::from_secs(30))
+        );
+        let far = start_of(&job(Some("2026-01-09T00:00:00Z")), now, week);
+        assert!(
+            matches!(&far, Start::Refused(why) if why.contains("--max-not-before")),
+            "{far:?}"
+        );
+        let bad = start_of(&job(Some("tomorrow")), now, week);
+        assert!(
+            matches!(&bad, Start::Refused(why) if why.contains("RFC 3339")),
+            "{bad:?}"
+        );
+    }
+}
