@@ -176,6 +176,9 @@ fn zero_model_series(config: &OrchestratorConfig, metrics: &OrchestratorMetrics)
             }
         }
     }
+    for name in config.profiles.profiles.keys() {
+        metrics.prompt_prefix_changes.with_label_values(&[name]);
+    }
 }
 
 /// What the start opens: the fleet, its consumers and subscriptions.

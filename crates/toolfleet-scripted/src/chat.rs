@@ -141,6 +141,8 @@ pub(crate) struct Envelope<'a> {
     id: String,
     created: u64,
     model: &'a str,
+    /// A step's `usage`, sent instead of the estimate.
+    usage: Option<Value>,
 }
 
 impl Envelope<'_> {
@@ -149,7 +151,21 @@ impl Envelope<'_> {
             id: new_id("chatcmpl").replacen('_', "-", 1),
             created: unix_now(),
             model,
+            usage: None,
         }
+    }
+
+    /// The answer reports `usage` (a step's) instead of the estimate.
+    pub(crate) fn with_usage(mut self, usage: Option<Value>) -> Self {
+        self.usage = usage;
+        self
+    }
+
+    /// The step's usage, else the estimate.
+    fn usage(&self, prompt_tokens: u64, completion_tokens: u64) -> Value {
+        self.usage
+            .clone()
+            .unwrap_or_else(|| usage_json(prompt_tokens, completion_tokens))
     }
 
     fn base(&self, object: &str) -> Map<String, Value> {
@@ -212,7 +228,7 @@ pub(crate) fn completion_body(
     );
     body.insert(
         "usage".into(),
-        usage_json(prompt_tokens, estimate_tokens(reply_chars(reply))),
+        envelope.usage(prompt_tokens, estimate_tokens(reply_chars(reply))),
     );
     Value::Object(body)
 }
@@ -303,7 +319,7 @@ pub(crate) fn stream_pieces(
         body.insert("choices".into(), json!([]));
         body.insert(
             "usage".into(),
-            usage_json(prompt_tokens, estimate_tokens(reply_chars(reply))),
+            envelope.usage(prompt_tokens, estimate_tokens(reply_chars(reply))),
         );
         pieces.push(piece(Tag::Other, Value::Object(body).to_string()));
     }

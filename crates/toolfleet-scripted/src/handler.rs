@@ -129,6 +129,8 @@ struct Answer<'a> {
     reply: Reply,
     /// The step reasons (Responses: a reasoning item comes first).
     reasoning: bool,
+    /// The step's `usage`, reported instead of the estimate.
+    usage: Option<Value>,
     prompt_tokens: u64,
     /// A `length` fault cut the reply short.
     truncated: bool,
@@ -165,6 +167,7 @@ impl<'a> Answer<'a> {
             request,
             reply,
             reasoning: plan.reasoning,
+            usage: plan.usage,
             prompt_tokens: estimate_tokens(prompt_chars),
             truncated,
             slow,
@@ -176,13 +179,13 @@ impl<'a> Answer<'a> {
         let model = self.script.model();
         match self.api {
             Api::Chat => chat::completion_body(
-                &chat::Envelope::new(model),
+                &chat::Envelope::new(model).with_usage(self.usage.clone()),
                 &self.reply,
                 self.prompt_tokens,
                 self.truncated,
             ),
             Api::Responses => responses::body(
-                &responses::Envelope::new(model, self.request),
+                &responses::Envelope::new(model, self.request).with_usage(self.usage.clone()),
                 &self.reply,
                 self.reasoning,
                 self.prompt_tokens,
@@ -196,14 +199,14 @@ impl<'a> Answer<'a> {
         let model = self.script.model();
         match self.api {
             Api::Chat => chat::stream_pieces(
-                &chat::Envelope::new(model),
+                &chat::Envelope::new(model).with_usage(self.usage.clone()),
                 &self.reply,
                 self.prompt_tokens,
                 chat::includes_usage(self.request),
                 self.truncated,
             ),
             Api::Responses => responses::stream_pieces(
-                &responses::Envelope::new(model, self.request),
+                &responses::Envelope::new(model, self.request).with_usage(self.usage.clone()),
                 &self.reply,
                 self.reasoning,
                 self.prompt_tokens,

@@ -34,6 +34,8 @@ pub(crate) struct Plan {
     pub(crate) reply: Reply,
     pub(crate) reasoning: bool,
     pub(crate) fault: Option<(StepKey, Fault)>,
+    /// The step's `usage`, reported instead of the estimate.
+    pub(crate) usage: Option<Value>,
 }
 
 /// Whether a request lets the model call tools: it does not say
@@ -58,6 +60,7 @@ pub(crate) fn plan(script: &Script, turns: &[Turn], model: &str, tools_offered: 
         reply: Reply::Answer(FALLBACK_ANSWER.to_owned()),
         reasoning: false,
         fault: None,
+        usage: None,
     };
     let (index, chosen, past_end) = match steps.get(step) {
         Some(chosen) => (step, chosen, false),
@@ -93,6 +96,7 @@ pub(crate) fn plan(script: &Script, turns: &[Turn], model: &str, tools_offered: 
         reply,
         reasoning: chosen.reasoning,
         fault: chosen.fault.clone().map(|f| ((rule, index), f)),
+        usage: chosen.usage.clone(),
     }
 }
 

@@ -343,6 +343,8 @@ pub(crate) struct Envelope<'a> {
     model: &'a str,
     /// Echoed back the way the real API echoes request parameters.
     request: &'a Value,
+    /// A step's `usage`, sent instead of the estimate.
+    usage: Option<Value>,
 }
 
 impl<'a> Envelope<'a> {
@@ -352,7 +354,14 @@ impl<'a> Envelope<'a> {
             created_at: unix_now(),
             model,
             request,
+            usage: None,
         }
+    }
+
+    /// The answer reports `usage` (a step's) instead of the estimate.
+    pub(crate) fn with_usage(mut self, usage: Option<Value>) -> Self {
+        self.usage = usage;
+        self
     }
 
     /// The output items of `reply`, a reasoning item first when the step
@@ -363,6 +372,8 @@ impl<'a> Envelope<'a> {
     }
 
     fn response(&self, status: &str, output: Vec<Value>, usage: Option<Value>) -> Value {
+        // A step's own usage replaces the estimate where one is reported.
+        let usage = usage.map(|estimate| self.usage.clone().unwrap_or(estimate));
         let echo = |key: &str, default: Value| {
             self.request
                 .get(key)
@@ -904,6 +915,60 @@ mod tests {
                 "{body}: {error}"
             );
         }
+        within(server.shutdown()).await;
+    }
+
+    /// A step's `usage` goes out as it is, in both API shapes, streamed
+    /// or not; other steps keep the estimate; one that is not an object
+    /// is refused when the script is read.
+    #[tokio::test]
+    async fn a_step_reports_its_own_usage_instead_of_the_estimate() {
+        let responses_usage = json!({"input_tokens": 2006, "input_tokens_details": {"cached_tokens": 1920},
+            "output_tokens": 30, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 2036});
+        let chat_usage = json!({"prompt_tokens": 2006, "completion_tokens": 30, "total_tokens": 2036,
+            "prompt_tokens_details": {"cached_tokens": 1920}});
+        let script = json!({"rules": [
+            {"whenUserContains": ["responses"], "steps": [{"answer": "hi", "usage": responses_usage}]},
+            {"whenUserContains": ["chat"], "steps": [{"answer": "hi", "usage": chat_usage}]}
+        ]});
+        let (server, client) = start(&script.to_string()).await;
+        for stream in [true, false] {
+            let body = json!({"model": "m", "stream": stream,
+                "input": [{"role": "user", "content": "responses please"}]});
+            let (status, _, text, _) = send(&client, &server, "responses", &body).await;
+            assert_eq!(status, 200);
+            let done = if stream {
+                response_events(&text).pop().expect("events")["response"].clone()
+            } else {
+                serde_json::from_str(&text).expect("body")
+            };
+            assert_eq!(done["usage"], responses_usage, "stream: {stream}");
+            let body = json!({"model": "m", "stream": stream, "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": "chat please"}]});
+            let (status, _, text, _) = send(&client, &server, "chat/completions", &body).await;
+            assert_eq!(status, 200);
+            let usage = if stream {
+                let last = payloads(&text)
+                    .into_iter()
+                    .rev()
+                    .nth(1)
+                    .expect("usage chunk");
+                serde_json::from_str::<Value>(&last).expect("chunk")["usage"].clone()
+            } else {
+                serde_json::from_str::<Value>(&text).expect("body")["usage"].clone()
+            };
+            assert_eq!(usage, chat_usage, "stream: {stream}");
+        }
+        let body = json!({"model": "m", "input": [{"role": "user", "content": "other"}]});
+        let (_, _, text, _) = send(&client, &server, "responses", &body).await;
+        let estimate: Value = serde_json::from_str(&text).expect("body");
+        assert_eq!(
+            estimate["usage"]["input_tokens_details"]["cached_tokens"],
+            0
+        );
+        let bad = json!({"rules": [{"whenUserContains": ["x"], "steps": [{"answer": "hi", "usage": 12}]}]});
+        let e = Script::from_json(&bad.to_string()).expect_err("not an object");
+        assert!(e.to_string().contains("usage must be a JSON object"), "{e}");
         within(server.shutdown()).await;
     }
 }

@@ -98,6 +98,12 @@
 //!     the request's `include` asks for `reasoning.encrypted_content`, as
 //!     with OpenAI. Chat Completions ignores it.
 //!   - `fault`: something to go wrong when this step is played, see `fault`.
+//!   - `usage` (a JSON object): the usage the answer reports, sent as it
+//!     is instead of the estimate (Chat Completions: the usage chunk's or
+//!     body's `usage`; Responses: the final response's `usage`), e.g. one
+//!     taken from a recorded provider stream with its
+//!     `prompt_tokens_details.cached_tokens` /
+//!     `input_tokens_details.cached_tokens`. Use the request's API shape.
 //!
 //! The step to play is the number of assistant turns with tool calls after
 //! the last user message: step 0 on the first call, step 1 after one tool
@@ -219,6 +225,7 @@ struct RawStep {
     #[serde(default)]
     reasoning: bool,
     fault: Option<RawFault>,
+    usage: Option<Value>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -264,6 +271,8 @@ pub(crate) struct Step {
     pub(crate) action: Action,
     pub(crate) reasoning: bool,
     pub(crate) fault: Option<Fault>,
+    /// The usage to report instead of the estimate (`usage`).
+    pub(crate) usage: Option<Value>,
 }
 
 impl Step {
@@ -274,6 +283,7 @@ impl Step {
             }),
             reasoning: false,
             fault: None,
+            usage: None,
         }
     }
 }
@@ -509,10 +519,14 @@ fn steps_from_raw(at: &str, raw: Vec<RawStep>) -> Result<Vec<Step>, String> {
             Some(raw) => Some(fault_from_raw(&format!("{at}.fault"), raw, action.kind())?),
             None => None,
         };
+        if step.usage.as_ref().is_some_and(|u| !u.is_object()) {
+            return Err(format!("{at}.usage must be a JSON object"));
+        }
         steps.push(Step {
             action,
             reasoning: step.reasoning,
             fault,
+            usage: step.usage,
         });
     }
     // A placeholder for a tool this rule never calls is a typo, and would
