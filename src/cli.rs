@@ -109,6 +109,13 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::settings::SettingsCommand,
     },
+    /// Scheduled chat jobs (the schedules bucket every orchestrator
+    /// watches): add (cron in a time zone, a job file, missed-run policy,
+    /// concurrency, budget), ls, rm, pause, resume (docs/schedules.md).
+    Schedule {
+        #[command(subcommand)]
+        command: crate::schedule::ScheduleCommand,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish,
     /// powershell): `toolfleet completions bash > /etc/bash_completion.d/toolfleet`.
     Completions { shell: clap_complete::Shell },
@@ -143,6 +150,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Keys { command } => crate::keys::run(command).await,
         Command::Mcp { command } => crate::mcp::run(command).await,
         Command::Settings { command } => crate::settings::run(command).await,
+        Command::Schedule { command } => crate::schedule::run(command).await,
         Command::Completions { shell } => {
             use clap::CommandFactory;
             clap_complete::generate(

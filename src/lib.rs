@@ -21,6 +21,8 @@
 //! - [`blob`]: `toolfleet blob get`.
 //! - [`settings`]: `toolfleet settings set|get|ls|rm`, the operator's
 //!   per-tenant tool settings.
+//! - [`schedule`]: `toolfleet schedule add|ls|rm|pause|resume`, scheduled
+//!   chat jobs.
 //! - [`ops`]: the operator's commands on a running fleet: `status`,
 //!   `events`, `health`, `cancel`, `approve`, `deadletters`.
 //! - [`mcp`]: `toolfleet mcp serve`'s flags and start-up; [`mcp_serve`]:
@@ -65,6 +67,7 @@ pub mod mcp;
 pub mod mcp_serve;
 pub mod ops;
 pub mod serve;
+pub mod schedule;
 pub mod settings;
 pub mod svg;
 pub mod tools;

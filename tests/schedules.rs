@@ -1,3 +1,597 @@
-//! Scheduled chat jobs and `notBefore` against real servers (issue 32).
+//! Scheduled chat jobs and `notBefore` (issue 32, part 4) on real
+//! nats-server and redis-server, with the scripted model server standing
+//! in for the provider: a schedule fires each due time once across two
+//! orchestrators, a missed due time is skipped (or caught up once), a busy
+//! schedule does not run twice at once, pause and rm stop it, bad cron and
+//! time zones are refused, and a job waits for its `notBefore`.
+
+// Tests are exempt from the 100-line limit: a scenario reads top to bottom.
+#![allow(clippy::too_many_lines)]
 
 mod support;
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use clap::Parser;
+use futures::{StreamExt, TryStreamExt};
+use serde_json::{Value, json};
+use tokio_util::sync::CancellationToken;
+use toolfleet_protocol::schedule::{MissedPolicy, Schedule, schedules_bucket};
+
+use support::{Env, Options, WAIT, events_until_terminal};
+
+fn script() -> Value {
+    json!({ "default": { "steps": [ { "answer": "The report is ready." } ] } })
+}
+
+fn now_secs() -> i64 {
+    i64::try_from(
+        SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs(),
+    )
+    .unwrap()
+}
+
+/// Runs `toolfleet schedule …` against the test's NATS server; its exit
+/// code.
+async fn schedule_cli(env: &Env, args: &[&str]) -> i32 {
+    let url = env.nats.url();
+    let mut argv = vec!["toolfleet", "schedule"];
+    argv.extend_from_slice(args);
+    argv.extend_from_slice(&["--nats-url", url.as_str()]);
+    let cli = toolfleet::cli::Cli::try_parse_from(argv).expect("the command line parses");
+    tokio::time::timeout(WAIT, toolfleet::cli::run(cli))
+        .await
+        .expect("the command ends in time")
+        .expect("the command runs")
+}
+
+/// A job file for `schedule add`.
+fn job_file(dir: &tempfile::TempDir) -> String {
+    let path = dir.path().join("job.json");
+    std::fs::write(
+        &path,
+        r#"{"messages": [{"role": "user", "content": "Write the daily report."}]}"#,
+    )
+    .unwrap();
+    path.to_str().unwrap().to_string()
+}
+
+/// An orchestrator of its own, as another process would be: its own NATS
+/// and Redis connections, its own metrics (returned).
+async fn second_orchestrator(env: &Env, shutdown: CancellationToken) -> prometheus::Registry {
+    let profiles = toolfleet_config::FleetConfig::single(
+        toolfleet_llm::deployments::Deployment::new(env.model.base_url(), "toolfleet-scripted")
+            .with_api_key("sk-test".to_string()),
+    );
+    let config = toolfleet_orchestrator::OrchestratorConfig::new(env.subjects.clone(), profiles);
+    let registry = prometheus::Registry::new();
+    let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
+        &registry,
+        toolfleet_service::metrics::dead_letters(&registry).unwrap(),
+    )
+    .unwrap();
+    let store = toolfleet_store::CitationStore::connect(
+        &env.redis.url(),
+        env.subjects.prefix(),
+        Duration::from_secs(600),
+    )
+    .await
+    .unwrap();
+    let client = async_nats::connect(env.nats.url()).await.unwrap();
+    let orchestrator = tokio::time::timeout(
+        WAIT,
+        toolfleet_orchestrator::Ready::open(client, store, config, metrics, shutdown),
+    )
+    .await
+    .expect("the orchestrator starts in time")
+    .expect("the orchestrator starts");
+    tokio::spawn(async move {
+        if let Err(e) = orchestrator.run().await {
+            panic!("the second orchestrator stopped: {e}");
+        }
+    });
+    registry
+}
+
+/// `toolfleet_schedule_runs_total{outcome}` in `registry`.
+fn runs(registry: &prometheus::Registry, outcome: &str) -> u64 {
+    registry
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "toolfleet_schedule_runs_total")
+        .flat_map(|f| f.get_metric().iter())
+        .filter(|m| m.get_label().iter().any(|l| l.value() == outcome))
+        .map(|m| {
+            #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+            let n = m.get_counter().get_value() as u64;
+            n
+        })
+        .sum()
+}
+
+/// Every chat job published on `tenant`'s submit subject, as it arrives:
+/// a core subscription beside the stream (what orchestrators submit).
+struct Submitted {
+    sub: async_nats::Subscriber,
+    seen: Vec<(String, SystemTime)>,
+}
+
+impl Submitted {
+    async fn watch(env: &Env, tenant: &str) -> Self {
+        Self {
+            sub: env.subscribe(env.subjects.chat_submit(tenant)).await,
+            seen: Vec::new(),
+        }
+    }
+
+    /// Collects submissions for `period`.
+    async fn collect_for(&mut self, period: Duration) {
+        let until = tokio::time::Instant::now() + period;
+        while let Ok(Some(msg)) = tokio::time::timeout_at(until, self.sub.next()).await {
+            let job: Value = serde_json::from_slice(&msg.payload).unwrap();
+            let id = job["invocationId"].as_str().unwrap().to_string();
+            self.seen.push((id, SystemTime::now()));
+        }
+    }
+
+    /// Collects until `n` submissions were seen (at most [`WAIT`]).
+    async fn until(&mut self, n: usize) {
+        let deadline = tokio::time::Instant::now() + WAIT;
+        while self.seen.len() < n {
+            let msg = tokio::time::timeout_at(deadline, self.sub.next())
+                .await
+                .unwrap_or_else(|_| panic!("only {} submissions: {:?}", self.seen.len(), self.seen))
+                .unwrap();
+            let job: Value = serde_json::from_slice(&msg.payload).unwrap();
+            let id = job["invocationId"].as_str().unwrap().to_string();
+            self.seen.push((id, SystemTime::now()));
+        }
+    }
+
+    fn ids(&self) -> Vec<&str> {
+        self.seen.iter().map(|(id, _)| id.as_str()).collect()
+    }
+}
+
+/// What happened on `tenant`'s chat subjects, in the order the server
+/// sent it (one subscription, so one order): `("submit", id)` for a job
+/// published, `("end", id)` for an invocation's terminal event. Filled in
+/// by a task of its own.
+async fn chat_timeline(
+    env: &Env,
+    tenant: &str,
+) -> std::sync::Arc<std::sync::Mutex<Vec<(&'static str, String)>>> {
+    let mut all = env
+        .subscribe(format!("{}.chat.>", env.subjects.prefix()))
+        .await;
+    let submit = env.subjects.chat_submit(tenant);
+    let events = env.subjects.chat_events_of(tenant).replace(".*", ".");
+    let timeline = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let fill = timeline.clone();
+    tokio::spawn(async move {
+        while let Some(msg) = all.next().await {
+            let Ok(body) = serde_json::from_slice::<Value>(&msg.payload) else {
+                continue;
+            };
+            let id = body["invocationId"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string();
+            if msg.subject.as_str() == submit {
+                fill.lock().unwrap().push(("submit", id));
+            } else if msg.subject.as_str().starts_with(&events)
+                && (body["type"] == "completed" || body["type"] == "error")
+            {
+                fill.lock().unwrap().push(("end", id));
+            }
+        }
+    });
+    timeline
+}
+
+/// The schedule stored under `tenant`.`id`.
+async fn stored(env: &Env, tenant: &str, id: &str) -> Option<Schedule> {
+    let js = async_nats::jetstream::new(env.client.clone());
+    let bucket = schedules_bucket(&js, &env.subjects).await.unwrap();
+    bucket
+        .get(format!("{tenant}.{id}"))
+        .await
+        .unwrap()
+        .map(|b| serde_json::from_slice(&b).unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_fire_each_due_time_once_across_two_orchestrators_and_rm_stops_them() {
+    let env = Env::start_with(script(), Options::default()).await;
+    let b_shutdown = CancellationToken::new();
+    let b_metrics = second_orchestrator(&env, b_shutdown.clone()).await;
+    let _stop_b = b_shutdown.drop_guard();
+    let dir = tempfile::tempdir().unwrap();
+    let job = job_file(&dir);
+    let mut submitted = Submitted::watch(&env, "acme").await;
+    // Every second, no limit on runs in flight: every due time is a run,
+    // and two orchestrators race for each.
+    let code = schedule_cli(
+        &env,
+        &[
+            "add",
+            "--tenant",
+            "acme",
+            "--id",
+            "report",
+            "--cron",
+            "* * * * * *",
+            "--job",
+            &job,
+            "--allow-concurrent",
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    submitted.until(5).await;
+    assert_eq!(
+        schedule_cli(&env, &["rm", "--tenant", "acme", "--id", "report"]).await,
+        0
+    );
+    // A run whose record update won just before the removal may still be
+    // published; after that, nothing.
+    submitted.collect_for(Duration::from_secs(2)).await;
+    let after_rm = submitted.seen.len();
+    submitted.collect_for(Duration::from_secs(3)).await;
+    assert_eq!(
+        submitted.seen.len(),
+        after_rm,
+        "rm stops the schedule: {:?}",
+        submitted.ids()
+    );
+
+    let ids = submitted.ids();
+    let distinct: HashSet<&str> = ids.iter().copied().collect();
+    assert_eq!(
+        distinct.len(),
+        ids.len(),
+        "a due time submitted twice: {ids:?}"
+    );
+    let dues: Vec<i64> = ids
+        .iter()
+        .map(|id| id.strip_prefix("sched-report-").expect(id).parse().unwrap())
+        .collect();
+    assert!(dues.windows(2).all(|w| w[0] < w[1]), "{dues:?}");
+    // Both orchestrators counted exactly the runs there were, between them.
+    let total = runs(&env.metrics, "submitted") + runs(&b_metrics, "submitted");
+    assert_eq!(total, ids.len() as u64);
+    // A run is a chat job of the schedule's tenant like any other: it is
+    // answered on that tenant's events.
+    let last = ids.last().unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let event =
+            toolfleet_protocol::client::last_event(&env.client, &env.subjects, "acme", last)
+                .await
+                .unwrap();
+        if let Some(e) = event.filter(|e| e.body.is_terminal()) {
+            assert_eq!(e.body.name(), "completed", "{e:?}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{last} never ended");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(stored(&env, "acme", "report").await.is_none());
+}
+
+/// A schedule record whose next due time passed an hour ago: what a fleet
+/// that was down then finds.
+fn overdue(id: &str, missed: MissedPolicy) -> Schedule {
+    let now = now_secs();
+    Schedule {
+        tenant: "acme".into(),
+        id: id.into(),
+        // Every minute at second 0: 60 due times were missed.
+        cron: "0 * * * * *".into(),
+        tz: "Europe/Paris".into(),
+        job: serde_json::from_value(json!({
+            "invocationId": "template",
+            "messages": [{"role": "user", "content": "Write the hourly report."}]
+        }))
+        .unwrap(),
+        missed,
+        max_concurrent: 1,
+        budget: None,
+        paused: false,
+        next_due: now - 3600 - (now % 60),
+        runs: Vec::new(),
+        created_ms: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_a_missed_due_time_is_skipped_or_caught_up_once_across_two_orchestrators() {
+    let env = Env::start_with(script(), Options::default()).await;
+    let b_shutdown = CancellationToken::new();
+    let b_metrics = second_orchestrator(&env, b_shutdown.clone()).await;
+    let _stop_b = b_shutdown.drop_guard();
+    let mut submitted = Submitted::watch(&env, "acme").await;
+    let js = async_nats::jetstream::new(env.client.clone());
+    let bucket = schedules_bucket(&js, &env.subjects).await.unwrap();
+    for s in [
+        overdue("skipper", MissedPolicy::Skip),
+        overdue("catcher", MissedPolicy::CatchUpOne),
+    ] {
+        bucket
+            .put(s.key(), serde_json::to_vec(&s).unwrap().into())
+            .await
+            .unwrap();
+    }
+    // Both records move on to a due time after now.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let (skipper, catcher) = loop {
+        let skipper = stored(&env, "acme", "skipper").await.unwrap();
+        let catcher = stored(&env, "acme", "catcher").await.unwrap();
+        if skipper.next_due > now_secs() - 60 && catcher.next_due > now_secs() - 60 {
+            break (skipper, catcher);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{skipper:?} {catcher:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(skipper.runs.is_empty(), "skip submits nothing: {skipper:?}");
+    assert_eq!(catcher.runs.len(), 1, "{catcher:?}");
+    // Until the next minute's due time, exactly one run was submitted: the
+    // catch-up for the latest missed due time, whichever orchestrator won.
+    let quiet = u64::try_from((catcher.next_due - now_secs() - 2).clamp(0, 5)).unwrap();
+    submitted.collect_for(Duration::from_secs(quiet)).await;
+    let ids = submitted.ids();
+    let catch_up = &catcher.runs[0].invocation_id;
+    assert_eq!(
+        ids.iter().filter(|id| *id == catch_up).count(),
+        1,
+        "{ids:?}"
+    );
+    assert!(
+        !ids.iter().any(|id| id.starts_with("sched-skipper-")),
+        "{ids:?}"
+    );
+    assert_eq!(catcher.runs[0].due % 60, 0, "a due time of the expression");
+    assert!(
+        catcher.runs[0].due > now_secs() - 120,
+        "the latest missed one"
+    );
+    let both = |outcome| runs(&env.metrics, outcome) + runs(&b_metrics, outcome);
+    assert_eq!(both("skipped_missed"), 1);
+    assert_eq!(both("caught_up"), 1);
+    assert_eq!(both("submitted"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_a_busy_schedule_never_runs_twice_at_once_and_pause_stops_it() {
+    // Each run takes its time (a slow first token), longer than a second.
+    let script = json!({
+        "firstTokenDelayMs": 2500,
+        "default": { "steps": [ { "answer": "The report is ready." } ] }
+    });
+    let env = Env::start_with(script, Options::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let job = job_file(&dir);
+    let timeline = chat_timeline(&env, "acme").await;
+    let mut submitted = Submitted::watch(&env, "acme").await;
+    let code = schedule_cli(
+        &env,
+        &[
+            "add",
+            "--tenant",
+            "acme",
+            "--id",
+            "busy",
+            "--cron",
+            "* * * * * *",
+            "--job",
+            &job,
+        ],
+    )
+    .await;
+    assert_eq!(code, 0);
+    submitted.until(2).await;
+    assert_eq!(
+        schedule_cli(&env, &["pause", "--tenant", "acme", "--id", "busy"]).await,
+        0
+    );
+    assert!(stored(&env, "acme", "busy").await.unwrap().paused);
+    submitted.collect_for(Duration::from_secs(2)).await;
+    let at_pause = submitted.seen.len();
+    submitted.collect_for(Duration::from_secs(3)).await;
+    assert_eq!(submitted.seen.len(), at_pause, "pause stops the schedule");
+    // Every run ends; none was submitted while another ran.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let ends = || {
+        timeline
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(k, _)| *k == "end")
+            .count()
+    };
+    while ends() < at_pause {
+        assert!(tokio::time::Instant::now() < deadline, "every run ends");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut running: Option<String> = None;
+    for (kind, id) in timeline.lock().unwrap().iter() {
+        match *kind {
+            "submit" => {
+                assert!(
+                    running.is_none(),
+                    "{id} was submitted while {running:?} ran"
+                );
+                running = Some(id.clone());
+            }
+            _ if running.as_deref() == Some(id.as_str()) => running = None,
+            _ => {}
+        }
+    }
+    let skipped = env
+        .metrics
+        .gather()
+        .iter()
+        .filter(|f| f.name() == "toolfleet_schedule_runs_total")
+        .flat_map(|f| f.get_metric().iter())
+        .filter(|m| m.get_label().iter().any(|l| l.value() == "skipped_busy"))
+        .map(|m| m.get_counter().get_value())
+        .sum::<f64>();
+    assert!(skipped >= 1.0, "due times found it busy and were skipped");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_bad_cron_zone_or_job_is_refused_and_nothing_is_stored() {
+    let env = Env::start_with(script(), Options::default()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let job = job_file(&dir);
+    let bad_job = dir.path().join("bad.json");
+    std::fs::write(&bad_job, r#"{"messages": "not a list"}"#).unwrap();
+    let bad_job = bad_job.to_str().unwrap().to_string();
+    for args in [
+        vec!["--cron", "0 25 * * *", "--job", &job],
+        vec!["--cron", "every morning", "--job", &job],
+        vec![
+            "--cron",
+            "0 9 * * 1-5",
+            "--tz",
+            "Europe/Atlantis",
+            "--job",
+            &job,
+        ],
+        vec!["--cron", "0 9 * * 1-5", "--job", &bad_job],
+        vec![
+            "--cron",
+            "0 9 * * 1-5",
+            "--job",
+            &job,
+            "--max-spend-usd",
+            "0",
+        ],
+    ] {
+        let mut argv = vec!["add", "--tenant", "acme", "--id", "daily"];
+        argv.extend_from_slice(&args);
+        assert_eq!(schedule_cli(&env, &argv).await, 64, "{args:?}");
+    }
+    let bad_tenant = [
+        "add",
+        "--tenant",
+        "acme.x",
+        "--cron",
+        "0 9 * * *",
+        "--job",
+        &job,
+    ];
+    assert_eq!(schedule_cli(&env, &bad_tenant).await, 64);
+    let js = async_nats::jetstream::new(env.client.clone());
+    let bucket = schedules_bucket(&js, &env.subjects).await.unwrap();
+    let keys: Vec<String> = bucket.keys().await.unwrap().try_collect().await.unwrap();
+    assert!(keys.is_empty(), "{keys:?}");
+    // A good one is stored with its next due time in its zone; the same id
+    // again is refused unless replaced.
+    let good = [
+        "add",
+        "--tenant",
+        "acme",
+        "--id",
+        "daily",
+        "--cron",
+        "0 9 * * 1-5",
+        "--tz",
+        "Europe/Paris",
+        "--job",
+        &job,
+        "--missed",
+        "catch-up-one",
+        "--max-tokens",
+        "5000",
+    ];
+    assert_eq!(schedule_cli(&env, &good).await, 0);
+    assert_eq!(schedule_cli(&env, &good).await, 64);
+    let s = stored(&env, "acme", "daily").await.unwrap();
+    assert_eq!(s.missed, MissedPolicy::CatchUpOne);
+    assert_eq!(s.budget.unwrap().max_tokens, Some(5000));
+    assert!(s.next_due > now_secs());
+    assert_eq!(schedule_cli(&env, &["ls", "--tenant", "acme"]).await, 0);
+    assert_eq!(
+        schedule_cli(&env, &["rm", "--tenant", "acme", "--id", "nope"]).await,
+        1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn not_before_delays_a_job_and_one_too_far_ahead_is_refused() {
+    let env = Env::start_with(script(), Options::default()).await;
+    let not_before_ms = (SystemTime::now() + Duration::from_secs(3))
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    let not_before = rfc3339(not_before_ms);
+    let mut job = toolfleet_protocol::client::question("Remind me later.");
+    job.tenant = Some("acme".into());
+    job.not_before = Some(not_before.clone());
+    let mut events = env.follow_and_submit(&job).await;
+    let first = support::next_json(&mut events).await;
+    let first_at = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    assert!(
+        first_at >= not_before_ms,
+        "the job started before its notBefore {not_before}: {first}"
+    );
+    let mut rest = events_until_terminal(&mut events).await;
+    rest.insert(0, first);
+    assert_eq!(rest.last().unwrap()["type"], "completed", "{rest:?}");
+
+    // Thirty days ahead is more than the fleet's week.
+    let far_ms = (SystemTime::now() + Duration::from_secs(30 * 24 * 3600))
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    let mut far = toolfleet_protocol::client::question("Remind me next month.");
+    far.tenant = Some("acme".into());
+    far.not_before = Some(rfc3339(far_ms));
+    let mut events = env.follow_and_submit(&far).await;
+    let end = tokio::time::timeout(WAIT, events_until_terminal(&mut events))
+        .await
+        .expect("refused at once");
+    let end = end.last().unwrap();
+    assert_eq!(end["type"], "error");
+    assert_eq!(end["code"], "malformed_job", "{end}");
+    assert!(
+        end["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-not-before"),
+        "{end}"
+    );
+    // Not a time at all.
+    let mut bad = toolfleet_protocol::client::question("Whenever.");
+    bad.not_before = Some("tomorrow morning".into());
+    let mut events = env.follow_and_submit(&bad).await;
+    let end = tokio::time::timeout(WAIT, events_until_terminal(&mut events))
+        .await
+        .expect("refused at once");
+    assert!(
+        end.last().unwrap()["message"]
+            .as_str()
+            .unwrap()
+            .contains("RFC 3339"),
+        "{end:?}"
+    );
+}
+
+/// `ms` (unix ms) as RFC 3339 UTC.
+fn rfc3339(ms: u128) -> String {
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::try_from(ms).unwrap() * 1_000_000)
+        .unwrap()
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap()
+}
