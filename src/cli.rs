@@ -116,6 +116,12 @@ pub enum Command {
         #[command(subcommand)]
         command: crate::schedule::ScheduleCommand,
     },
+    /// The tool-result cache: purge a tool's cached results, of every
+    /// tenant or one (docs/tool-cache.md).
+    Cache {
+        #[command(subcommand)]
+        command: crate::cache::CacheCommand,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish,
     /// powershell): `toolfleet completions bash > /etc/bash_completion.d/toolfleet`.
     Completions { shell: clap_complete::Shell },
@@ -148,6 +154,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<i32> {
         Command::Events(args) => crate::ops::events::run(args).await,
         Command::Gateway(args) => crate::gateway::run(*args).await,
         Command::Keys { command } => crate::keys::run(command).await,
+        Command::Cache { command } => crate::cache::run(command).await,
         Command::Mcp { command } => crate::mcp::run(command).await,
         Command::Settings { command } => crate::settings::run(command).await,
         Command::Schedule { command } => crate::schedule::run(command).await,

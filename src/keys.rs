@@ -79,7 +79,8 @@ pub struct StoreArgs {
 }
 
 impl StoreArgs {
-    async fn connect(&self) -> anyhow::Result<CitationStore> {
+    /// The store, connected (also `toolfleet cache`'s).
+    pub(crate) async fn connect(&self) -> anyhow::Result<CitationStore> {
         toolfleet_protocol::Subjects::new(&self.prefix)?;
         CitationStore::connect_with(&self.redis, &self.prefix, self.redis.ttl)
             .await

@@ -19,6 +19,7 @@
 //! - [`tools`]: `toolfleet tools` list, show, search, validate.
 //! - [`index`]: `toolfleet ingest` and `toolfleet index search`.
 //! - [`blob`]: `toolfleet blob get`.
+//! - [`cache`]: `toolfleet cache purge`, the tool-result cache.
 //! - [`settings`]: `toolfleet settings set|get|ls|rm`, the operator's
 //!   per-tenant tool settings.
 //! - [`schedule`]: `toolfleet schedule add|ls|rm|pause|resume`, scheduled
@@ -52,6 +53,7 @@ pub mod bench_fleet;
 pub mod bench_noisy;
 pub mod bench_run;
 pub mod blob;
+pub mod cache;
 pub mod chat;
 pub mod cli;
 pub mod common;

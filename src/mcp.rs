@@ -17,7 +17,10 @@ pub enum McpCommand {
     /// definition or the profile's `require_approval`) nor one `--tenant`
     /// may not use; `tools/call` runs the tool as a tool job of a fresh
     /// invocation of `--tenant`, its progress passed on as MCP progress,
-    /// its references as resource links.
+    /// its references as resource links; a `tools/call` with a `task`
+    /// answers with a task (MCP 2025-11-25 tasks: `tasks/get`,
+    /// `tasks/result`, `tasks/cancel`, `tasks/list`) whose id is the
+    /// fleet invocation of its tool job.
     Serve {
         /// The tenant the calls run as.
         #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]

@@ -12,6 +12,20 @@
 //! is an MCP tool error (`isError`); an unknown tool a JSON-RPC error
 //! (-32602), as the spec says. A call the client cancels (or gives up on)
 //! is cancelled in the fleet too.
+//!
+//! A tool whose definition declares an object `outputSchema` is listed
+//! with it, and its result's data is the call's `structuredContent`.
+//!
+//! **Tasks** (MCP 2025-11-25): a `tools/call` with a `task` parameter
+//! answers at once with a task whose id is the fleet invocation of the
+//! tool job it started; `tasks/get`, `tasks/result` (waits for the end),
+//! `tasks/cancel` (cancels the job through the fleet's cancel subject)
+//! and `tasks/list` serve it ([`tasks`] keeps the books, [`wire`] adds
+//! to the SDK's messages what it does not speak of tasks). Tasks live in
+//! this process, for this `mcp serve`'s one tenant.
+
+mod tasks;
+mod wire;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,9 +37,11 @@ use rmcp::model::{
     ListToolsResult, PaginatedRequestParams, ProgressNotificationParam, ServerCapabilities,
     ServerConfig, Tool,
 };
+use rmcp::model::{CustomRequest, CustomResult};
 use rmcp::service::{RequestContext, RoleServer};
 use toolfleet_protocol::Subjects;
 use toolfleet_protocol::catalog::{Catalog, discover};
+use toolfleet_protocol::client::{CallIds, ClientError};
 use toolfleet_protocol::tools::ToolDefinition;
 
 /// The fleet seen as an MCP server.
@@ -43,6 +59,8 @@ pub struct FleetServer {
     /// The last reading of the catalog, reused for a moment (every call
     /// would otherwise wait out a discovery).
     cached: Arc<tokio::sync::Mutex<Option<Reading>>>,
+    /// The tasks of task-augmented calls (shared by every HTTP session).
+    tasks: Arc<tasks::TaskStore>,
 }
 
 /// A reading of the live tools and when it was taken.
@@ -67,6 +85,7 @@ impl FleetServer {
             needs_approval,
             discovery_wait: Duration::from_millis(500),
             cached: Arc::default(),
+            tasks: Arc::default(),
         }
     }
 
@@ -156,7 +175,21 @@ fn mcp_tool(d: &ToolDefinition) -> Tool {
         Arc::new(schema),
     );
     tool.title = Some(d.title.clone());
+    tool.output_schema = output_schema(d).map(Arc::new);
     tool
+}
+
+/// The definition's `outputSchema` when MCP can declare it: an object
+/// schema at its root (the spec's `structuredContent` is an object).
+fn output_schema(d: &ToolDefinition) -> Option<serde_json::Map<String, serde_json::Value>> {
+    match &d.output_schema {
+        Some(serde_json::Value::Object(map))
+            if map.get("type").and_then(serde_json::Value::as_str) == Some("object") =>
+        {
+            Some(map.clone())
+        }
+        _ => None,
+    }
 }
 
 impl ServerHandler for FleetServer {
@@ -166,6 +199,17 @@ impl ServerHandler for FleetServer {
             .with_instructions(
                 "The tools of a toolfleet fleet: each call runs as a tool job on the fleet's worker pools.",
             )
+    }
+
+    async fn on_custom_request(
+        &self,
+        request: CustomRequest,
+        _context: RequestContext<RoleServer>,
+    ) -> Result<CustomResult, rmcp::ErrorData> {
+        let CustomRequest { method, params, .. } = request;
+        self.task_request(&method, params)
+            .await
+            .map(CustomResult::new)
     }
 
     async fn list_tools(
@@ -184,15 +228,9 @@ impl ServerHandler for FleetServer {
         request: CallToolRequestParams,
         context: RequestContext<RoleServer>,
     ) -> Result<CallToolResponse, rmcp::ErrorData> {
-        let tools = self.tools().await?;
-        let Some(tool) = tools.iter().find(|d| d.function.name == request.name) else {
-            return Err(rmcp::ErrorData::invalid_params(
-                format!("no live tool of the fleet is named {}", request.name),
-                None,
-            ));
-        };
+        let tool = self.find_tool(&request.name).await?;
         let arguments = serde_json::Value::Object(request.arguments.clone().unwrap_or_default());
-        let timeout = tool.timeout() + Duration::from_secs(5);
+        let ids = CallIds::new();
         let token = context.meta.get_progress_token();
         let peer = context.peer.clone();
         let (progress_tx, mut progress_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
@@ -211,56 +249,241 @@ impl ServerHandler for FleetServer {
             () = context.ct.cancelled() => {
                 return Err(rmcp::ErrorData::internal_error("the call was cancelled", None));
             }
-            r = toolfleet_protocol::client::call_tool(
-                &self.client,
-                &self.subjects,
-                tool,
-                &self.tenant,
-                arguments,
-                timeout,
-                |m| {
-                    let _ = progress_tx.send(m.to_string());
-                },
-            ) => r,
+            r = self.call(&tool, &ids, arguments, |m| {
+                let _ = progress_tx.send(m.to_string());
+            }) => r,
         };
         drop(progress_tx);
         let _ = forward.await;
-        let result = match called {
-            Ok(result) => result,
-            Err(e) => {
-                return Ok(CallToolResult::error(vec![ContentBlock::text(e.to_string())]).into());
+        Ok(answer(called).into())
+    }
+}
+
+impl FleetServer {
+    /// The live tool named `name`, or the JSON-RPC error for an unknown
+    /// tool (-32602, as the spec says).
+    async fn find_tool(&self, name: &str) -> Result<ToolDefinition, rmcp::ErrorData> {
+        let tools = self.tools().await?;
+        tools
+            .into_iter()
+            .find(|d| d.function.name == name)
+            .ok_or_else(|| {
+                rmcp::ErrorData::invalid_params(
+                    format!("no live tool of the fleet is named {name}"),
+                    None,
+                )
+            })
+    }
+
+    /// Runs `tool` as the one tool job of a fresh invocation `ids` of the
+    /// tenant, within the tool's timeout (and a margin).
+    async fn call(
+        &self,
+        tool: &ToolDefinition,
+        ids: &CallIds,
+        arguments: serde_json::Value,
+        on_progress: impl FnMut(&str),
+    ) -> Result<toolfleet_protocol::ToolResult, ClientError> {
+        toolfleet_protocol::client::call_tool_as(
+            &self.client,
+            &self.subjects,
+            tool,
+            &self.tenant,
+            ids,
+            arguments,
+            tool.timeout() + Duration::from_secs(5),
+            on_progress,
+        )
+        .await
+    }
+}
+
+/// A fleet call's outcome as MCP's tool result: the tool's content, its
+/// data as structured content and its references as resource links; a
+/// failed call (or one that could not be made) a tool error.
+fn answer(called: Result<toolfleet_protocol::ToolResult, ClientError>) -> CallToolResult {
+    let result = match called {
+        Ok(result) => result,
+        Err(e) => return CallToolResult::error(vec![ContentBlock::text(e.to_string())]),
+    };
+    if result.status != toolfleet_protocol::ToolStatus::Ok {
+        let why = result
+            .error
+            .as_ref()
+            .map(|e| format!("{}: {}", e.code, e.message))
+            .unwrap_or_else(|| result.status.as_str().to_string());
+        return CallToolResult::error(vec![ContentBlock::text(why)]);
+    }
+    let mut content = vec![ContentBlock::text(result.content.clone())];
+    for r in &result.references {
+        let uri = r
+            .url
+            .clone()
+            .unwrap_or_else(|| format!("toolfleet-ref:{}/{}", result.invocation_id, r.index));
+        let mut link = rmcp::model::Resource::new(uri, r.title.clone());
+        link.title = Some(r.title.clone());
+        link.description = r.snippet.clone();
+        content.push(ContentBlock::ResourceLink(link));
+    }
+    let mut out = CallToolResult::success(content);
+    // MCP's structured content is an object.
+    out.structured_content = result.data.clone().map(|data| match data {
+        serde_json::Value::Object(_) => data,
+        other => serde_json::json!({ "result": other }),
+    });
+    out
+}
+
+impl FleetServer {
+    /// A task-augmented `tools/call`: the job started, its task answered
+    /// at once.
+    async fn start_task(
+        &self,
+        params: Option<serde_json::Value>,
+    ) -> Result<serde_json::Value, rmcp::ErrorData> {
+        let params = params.unwrap_or_default();
+        let name = params
+            .get("name")
+            .and_then(serde_json::Value::as_str)
+            .ok_or_else(|| rmcp::ErrorData::invalid_params("name is required", None))?;
+        let arguments = match params.get("arguments") {
+            None | Some(serde_json::Value::Null) => serde_json::json!({}),
+            Some(a @ serde_json::Value::Object(_)) => a.clone(),
+            Some(_) => {
+                return Err(rmcp::ErrorData::invalid_params(
+                    "arguments must be an object",
+                    None,
+                ));
             }
         };
-        let mut content = vec![ContentBlock::text(result.content.clone())];
-        for r in &result.references {
-            let uri = r
-                .url
-                .clone()
-                .unwrap_or_else(|| format!("toolfleet-ref:{}/{}", result.invocation_id, r.index));
-            let mut link = rmcp::model::Resource::new(uri, r.title.clone());
-            link.title = Some(r.title.clone());
-            link.description = r.snippet.clone();
-            content.push(ContentBlock::ResourceLink(link));
-        }
-        let mut out = if result.status == toolfleet_protocol::ToolStatus::Ok {
-            CallToolResult::success(content)
-        } else {
-            let why = result
-                .error
-                .as_ref()
-                .map(|e| format!("{}: {}", e.code, e.message))
-                .unwrap_or_else(|| result.status.as_str().to_string());
-            CallToolResult::error(vec![ContentBlock::text(why)])
-        };
-        if result.status == toolfleet_protocol::ToolStatus::Ok {
-            // MCP's structured content is an object.
-            out.structured_content = result.data.clone().map(|data| match data {
-                serde_json::Value::Object(_) => data,
-                other => serde_json::json!({ "result": other }),
-            });
-        }
-        Ok(out.into())
+        let ttl = params
+            .get("task")
+            .and_then(|t| t.get("ttl"))
+            .and_then(serde_json::Value::as_u64);
+        let tool = self.find_tool(name).await?;
+        let ids = CallIds::new();
+        let created = self
+            .tasks
+            .create(ids.clone(), ttl)
+            .map_err(|e| e.to_rpc())?;
+        let (fleet, id) = (self.clone(), ids.invocation_id.clone());
+        let runner = tokio::spawn(async move {
+            let store = fleet.tasks.clone();
+            let called = fleet
+                .call(&tool, &ids, arguments, |m| store.progress(&id, m))
+                .await;
+            let result = answer(called);
+            // 2025-11-25: a tool result with `isError` is a failed task.
+            let (status, message) = if result.is_error == Some(true) {
+                (tasks::Status::Failed, first_text(&result))
+            } else {
+                (tasks::Status::Completed, "the tool answered".to_string())
+            };
+            let outcome = match serde_json::to_value(&result) {
+                Ok(v) => tasks::Outcome::Result(v),
+                Err(e) => tasks::Outcome::Error(rmcp::ErrorData::internal_error(
+                    format!("the result cannot be written: {e}"),
+                    None,
+                )),
+            };
+            store.finish(&id, status, message, outcome);
+        });
+        self.tasks.attach(&ids_of(&created), runner.abort_handle());
+        Ok(created)
     }
+
+    /// `tasks/cancel`: the task cancelled, and its fleet call with it
+    /// (through the call's cancel subject).
+    async fn cancel_task(&self, id: &str) -> Result<serde_json::Value, rmcp::ErrorData> {
+        let (task, ids) = self.tasks.cancel(id).map_err(|e| e.to_rpc())?;
+        toolfleet_protocol::client::cancel_call(
+            &self.client,
+            &self.subjects,
+            &self.tenant,
+            &ids.invocation_id,
+            &ids.call_id,
+        )
+        .await
+        .map_err(|e| rmcp::ErrorData::internal_error(format!("the fleet's cancel: {e}"), None))?;
+        Ok(task)
+    }
+
+    /// `tasks/result`: waits for the task's end.
+    async fn task_result(&self, id: &str) -> Result<serde_json::Value, rmcp::ErrorData> {
+        match self.tasks.result(id).await.map_err(|e| e.to_rpc())? {
+            tasks::Outcome::Result(result) => Ok(result),
+            tasks::Outcome::Error(e) => Err(e),
+        }
+    }
+
+    /// The task requests ([`wire`] renamed them to [`wire::TASK_METHODS`]'s
+    /// names, which the SDK passes on as custom requests).
+    async fn task_request(
+        &self,
+        method: &str,
+        params: Option<serde_json::Value>,
+    ) -> Result<serde_json::Value, rmcp::ErrorData> {
+        let id = || -> Result<String, rmcp::ErrorData> {
+            params
+                .as_ref()
+                .and_then(|p| p.get("taskId"))
+                .and_then(serde_json::Value::as_str)
+                .map(str::to_string)
+                .ok_or_else(|| rmcp::ErrorData::invalid_params("taskId is required", None))
+        };
+        match wire::task_method(method) {
+            Some("tools/call") => self.start_task(params.clone()).await,
+            Some("tasks/get") => self.tasks.get(&id()?).map_err(|e| e.to_rpc()),
+            Some("tasks/cancel") => self.cancel_task(&id()?).await,
+            Some("tasks/result") => self.task_result(&id()?).await,
+            Some("tasks/list") => {
+                let cursor = params
+                    .as_ref()
+                    .and_then(|p| p.get("cursor"))
+                    .and_then(serde_json::Value::as_str);
+                self.tasks.list(cursor).map_err(|e| e.to_rpc())
+            }
+            _ => Err(rmcp::ErrorData::new(
+                rmcp::model::ErrorCode::METHOD_NOT_FOUND,
+                format!("no method {method}"),
+                None,
+            )),
+        }
+    }
+}
+
+impl FleetServer {
+    /// Cancels the fleet jobs of the tasks still working (the server
+    /// stops; its tasks end with it).
+    pub async fn cancel_working_tasks(&self) {
+        for ids in self.tasks.cancel_all() {
+            let _ = toolfleet_protocol::client::cancel_call(
+                &self.client,
+                &self.subjects,
+                &self.tenant,
+                &ids.invocation_id,
+                &ids.call_id,
+            )
+            .await;
+        }
+    }
+}
+
+/// The task id of a `CreateTaskResult`.
+fn ids_of(created: &serde_json::Value) -> String {
+    created["task"]["taskId"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The first text of a tool result (its error's message).
+fn first_text(result: &CallToolResult) -> String {
+    result
+        .content
+        .iter()
+        .find_map(|c| c.as_text().map(|t| t.text.clone()))
+        .unwrap_or_else(|| "the tool failed".into())
 }
 
 /// Serves `server` over MCP's streamable HTTP at `http://<listen>/mcp`
@@ -287,12 +510,15 @@ pub async fn serve_http(
     // Open event streams end with the server, so a stop does not wait on
     // clients that keep theirs open.
     let stop = config.cancellation_token.clone();
+    let tasks = server.clone();
     let service = StreamableHttpService::new(
         move || Ok(server.clone()),
         Arc::new(LocalSessionManager::default()),
         config,
     );
-    let app = axum::Router::new().nest_service("/mcp", service);
+    let app = axum::Router::new()
+        .nest_service("/mcp", service)
+        .layer(axum::middleware::from_fn(wire::http));
     let listener = tokio::net::TcpListener::bind(listen).await?;
     eprintln!(
         "toolfleet mcp serve: listening on http://{}/mcp",
@@ -304,6 +530,7 @@ pub async fn serve_http(
             stop.cancel();
         })
         .await?;
+    tasks.cancel_working_tasks().await;
     Ok(())
 }
 
@@ -313,8 +540,12 @@ pub async fn serve_http(
 ///
 /// When the MCP session cannot start.
 pub async fn serve_stdio(server: FleetServer) -> anyhow::Result<()> {
-    let running = server.serve(rmcp::transport::stdio()).await?;
+    let (stdin, stdout, written) = wire::stdio();
+    let running = server.clone().serve((stdin, stdout)).await?;
     running.waiting().await?;
+    server.cancel_working_tasks().await;
+    // The last answers out before the process ends.
+    let _ = tokio::time::timeout(Duration::from_secs(2), written).await;
     Ok(())
 }
 
