@@ -518,6 +518,11 @@ impl OrchestratorMetrics {
         }
         self.dead_letters.with_label_values(&["chat", ""]);
         self.dead_letters.with_label_values(&["sink", ""]);
+        // Tools are known only from the catalog: each outcome's series is
+        // there from the start under `tool=""`, as the dead letters'.
+        for o in TOOL_CACHE_OUTCOMES {
+            self.tool_cache.with_label_values(&["", o]);
+        }
         for o in CHAT_OUTCOMES {
             self.chat_jobs.with_label_values(&[o]);
         }
