@@ -43,28 +43,24 @@ pub(super) struct Miss {
     tool: String,
 }
 
-/// What the lookup of a call decided.
-pub(super) enum Looked {
-    /// Answered from the cache.
-    Hit(ToolOutcome),
-    /// Run the call; store its `ok` result when one comes (`Some`).
-    Run(Option<Miss>),
-}
+/// What the lookup of a call decided: run it (`Ok`), storing its `ok`
+/// result when it missed (`Some`), or its answer from the cache (`Err`,
+/// as every call answered without a job).
+type Looked = Result<Option<Miss>, ToolOutcome>;
 
 /// Looks `call` of `tool` with `arguments` up in the cache, when its
 /// definition has one. A hit publishes its `tool_result` event (`cached`)
-/// here.
+/// here and marks the call's `span` ok.
 pub(super) async fn look(
     fleet: &Fleet,
     inv: &Invocation,
-    call: &ToolCall,
-    tool: &CompiledTool,
-    arguments: &Value,
+    (call, tool, arguments): (&ToolCall, &CompiledTool, &Value),
     events: &Events,
+    span: &tracing::Span,
 ) -> Looked {
     let def = &tool.definition;
     let Some(cache) = def.cache else {
-        return Looked::Run(None);
+        return Ok(None);
     };
     let id = def.id.to_string();
     let count = |outcome: &str| {
@@ -84,7 +80,7 @@ pub(super) async fn look(
     let Some(key) = CacheKey::new(&def.id, cache.scope, arguments, &scope) else {
         // Scope `user`, and no user the fleet vouches for.
         count("bypass");
-        return Looked::Run(None);
+        return Ok(None);
     };
     let started = Instant::now();
     let gens = match fleet.store.cache_lookup(&key).await {
@@ -93,22 +89,23 @@ pub(super) async fn look(
             match replay(fleet, inv, call, &id, *stored, started, events).await {
                 Some(outcome) => {
                     count("hit");
-                    return Looked::Hit(outcome);
+                    span.record("otel.status_code", "ok");
+                    return Err(outcome);
                 }
                 None => {
                     count("bypass");
-                    return Looked::Run(None);
+                    return Ok(None);
                 }
             }
         }
         Err(e) => {
             debug!(tool = %id, error = %e, "the tool-result cache did not answer; the call runs");
             count("bypass");
-            return Looked::Run(None);
+            return Ok(None);
         }
     };
     count("miss");
-    Looked::Run(Some(Miss {
+    Ok(Some(Miss {
         key,
         gens,
         ttl: cache.ttl(),

@@ -477,13 +477,7 @@ impl ToolRunner<'_> {
         let def = &tool.definition;
         let id = def.id.to_string();
         span.record("gen_ai.tool.name", id.as_str());
-        let cached = match cache::look(self.fleet, inv, call, &tool, &arguments, events).await {
-            cache::Looked::Hit(outcome) => {
-                span.record("otel.status_code", "ok");
-                return Err(outcome);
-            }
-            cache::Looked::Run(miss) => miss,
-        };
+        let cached = cache::look(self.fleet, inv, (call, &tool, &arguments), events, &span).await?;
         let call_ctx = self.call_context(inv, call, def, &span);
         let headers = call_ctx.to_headers();
         let settings = self.settings_for(inv, call, def, &span, events).await?;
