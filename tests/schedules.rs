@@ -10,7 +10,7 @@
 
 mod support;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
@@ -594,4 +594,187 @@ fn rfc3339(ms: u128) -> String {
         .unwrap()
         .format(&time::format_description::well_known::Rfc3339)
         .unwrap()
+}
+
+/// The shipped `ops/nats/auth.conf` identities (user, the server's
+/// variable with its password).
+const AUTH_USERS: [(&str, &str); 11] = [
+    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
+    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
+    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
+    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
+    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
+    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
+    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
+    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
+    ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
+    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
+    ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
+];
+
+fn auth_password(user: &str) -> String {
+    format!("pw-{user}-schedules-canary")
+}
+
+fn auth_inbox(user: &str) -> String {
+    match user.strip_prefix("client-") {
+        Some(tenant) => format!("_INBOX.client.{tenant}"),
+        None => format!("_INBOX.{user}"),
+    }
+}
+
+/// `nats-server` running the shipped role identities.
+fn secure_nats() -> toolfleet_local::servers::NatsServer {
+    let nats_dir = support::root().join("ops/nats");
+    toolfleet_local::servers::NatsServer::start_configured(toolfleet_local::servers::NatsConfig {
+        extra: Some("include \"auth.conf\"".into()),
+        files: vec![
+            (
+                "auth.conf".into(),
+                std::fs::read(nats_dir.join("auth.conf")).unwrap(),
+            ),
+            (
+                "mcp-role.conf".into(),
+                std::fs::read(nats_dir.join("mcp-role.conf")).unwrap(),
+            ),
+        ],
+        env: AUTH_USERS
+            .iter()
+            .map(|(user, var)| (var.to_string(), auth_password(user)))
+            .collect(),
+        ..Default::default()
+    })
+    .expect("nats-server with ops/nats/auth.conf")
+}
+
+async fn connect_as(nats: &toolfleet_local::servers::NatsServer, user: &str) -> async_nats::Client {
+    async_nats::ConnectOptions::with_user_and_password(user.into(), auth_password(user))
+        .custom_inbox_prefix(auth_inbox(user))
+        .connect(nats.url())
+        .await
+        .expect("connect")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_them() {
+    let nats = secure_nats();
+    let redis = toolfleet_local::servers::RedisServer::start().expect("redis-server");
+    let model = toolfleet_scripted::ScriptedServer::start(
+        "127.0.0.1:0".parse().unwrap(),
+        toolfleet_scripted::Script::from_json(&script().to_string()).unwrap(),
+    )
+    .await
+    .unwrap();
+    let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+    // The orchestrator under its own identity.
+    let profiles = toolfleet_config::FleetConfig::single(
+        toolfleet_llm::deployments::Deployment::new(model.base_url(), "toolfleet-scripted")
+            .with_api_key("sk-test".to_string()),
+    );
+    let config = toolfleet_orchestrator::OrchestratorConfig::new(subjects.clone(), profiles);
+    let registry = prometheus::Registry::new();
+    let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
+        &registry,
+        toolfleet_service::metrics::dead_letters(&registry).unwrap(),
+    )
+    .unwrap();
+    let store = toolfleet_store::CitationStore::connect(
+        &redis.url(),
+        "toolfleet",
+        Duration::from_secs(600),
+    )
+    .await
+    .unwrap();
+    let shutdown = CancellationToken::new();
+    let _stop = shutdown.clone().drop_guard();
+    let orchestrator = toolfleet_orchestrator::Ready::open(
+        connect_as(&nats, "orchestrator").await,
+        store,
+        config,
+        metrics,
+        shutdown,
+    )
+    .await
+    .expect("the orchestrator starts under its role");
+    tokio::spawn(orchestrator.run());
+
+    // A tenant's client cannot write (or make) the schedules bucket.
+    let acme = connect_as(&nats, "client-acme").await;
+    let acme_js = async_nats::jetstream::new(acme.clone());
+    let forged = overdue("forged", MissedPolicy::CatchUpOne);
+    let wrote = tokio::time::timeout(
+        Duration::from_secs(5),
+        acme_js.publish(
+            "$KV.TOOLFLEET_SCHEDULES.acme.forged",
+            serde_json::to_vec(&forged).unwrap().into(),
+        ),
+    )
+    .await;
+    let stored_by_acme = match wrote {
+        Ok(Ok(ack)) => tokio::time::timeout(Duration::from_secs(5), ack)
+            .await
+            .is_ok_and(|a| a.is_ok()),
+        _ => false,
+    };
+    assert!(!stored_by_acme, "a tenant stored a schedule");
+    assert!(
+        schedules_bucket(&acme_js, &subjects).await.is_err(),
+        "a tenant opened the schedules bucket"
+    );
+
+    // The operator schedules a job for acme; the orchestrator role fires
+    // it on acme's subject and it runs as acme's.
+    let dir = tempfile::tempdir().unwrap();
+    let job = job_file(&dir);
+    let url = nats.url();
+    let password = auth_password("operator");
+    let argv = [
+        "toolfleet",
+        "schedule",
+        "add",
+        "--tenant",
+        "acme",
+        "--id",
+        "nightly",
+        "--cron",
+        "* * * * * *",
+        "--job",
+        &job,
+        "--nats-url",
+        &url,
+        "--nats-user",
+        "operator",
+        "--nats-password",
+        &password,
+        "--nats-inbox-prefix",
+        "_INBOX.operator",
+    ];
+    let mut events = acme
+        .subscribe(subjects.chat_events_of("acme"))
+        .await
+        .unwrap();
+    acme.flush().await.unwrap();
+    let cli = toolfleet::cli::Cli::try_parse_from(argv).unwrap();
+    assert_eq!(toolfleet::cli::run(cli).await.unwrap(), 0);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let msg = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .expect("a scheduled run answers on acme's events")
+            .unwrap();
+        let event: Value = serde_json::from_slice(&msg.payload).unwrap();
+        if event["type"] == "completed" {
+            let id = event["invocationId"].as_str().unwrap();
+            assert!(id.starts_with("sched-nightly-"), "{event}");
+            break;
+        }
+        assert_ne!(event["type"], "error", "{event}");
+    }
+    assert!(runs(&registry, "submitted") >= 1);
+    // The forged record never reached the bucket.
+    let operator = connect_as(&nats, "operator").await;
+    let bucket = schedules_bucket(&async_nats::jetstream::new(operator), &subjects)
+        .await
+        .unwrap();
+    assert!(bucket.get("acme.forged").await.unwrap().is_none());
 }
