@@ -493,6 +493,7 @@ mod tests {
             "confidence",
             "provider",
             "batch_service_tier",
+            "prompt_cache_key",
             "max_concurrency",
             "priority",
             "tenants",
