@@ -18,6 +18,10 @@ use crate::tools::declared::DeclaredPools;
 /// (`--batch-max-wait`).
 pub const DEFAULT_BATCH_MAX_WAIT: Duration = Duration::from_secs(30);
 
+/// How far ahead a chat job's `notBefore` may be, by default
+/// (`--max-not-before-secs`): a week.
+pub const DEFAULT_MAX_NOT_BEFORE: Duration = Duration::from_secs(7 * 24 * 3600);
+
 /// How chat jobs are taken from the chat stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum ChatDispatch {
@@ -86,7 +90,7 @@ impl Settings {
             compat: None,
             sinks: SinkSettings::default(),
             declared: DeclaredPools::none(),
-            max_not_before: crate::intake::DEFAULT_MAX_NOT_BEFORE,
+            max_not_before: DEFAULT_MAX_NOT_BEFORE,
         }
     }
 }

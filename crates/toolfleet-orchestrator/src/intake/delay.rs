@@ -24,9 +24,7 @@ use super::claim::Delivery;
 use super::reject::{self, Refusal, Refused};
 use crate::Fleet;
 
-/// How far ahead a job may ask to start, by default
-/// (`--max-not-before`).
-pub const DEFAULT_MAX_NOT_BEFORE: Duration = Duration::from_secs(7 * 24 * 3600);
+pub use crate::settings::DEFAULT_MAX_NOT_BEFORE;
 
 /// A wait shorter than this is not worth a redelivery: the job runs now.
 const RUN_NOW_WITHIN: Duration = Duration::from_millis(250);
