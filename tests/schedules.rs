@@ -778,3 +778,78 @@ async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_t
         .unwrap();
     assert!(bucket.get("acme.forged").await.unwrap().is_none());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_a_runs_budget_ends_it_where_the_tenant_has_no_cap() {
+    // Two rounds: a tool call, then the answer. The tenant has no per-run
+    // cap; the schedule's budget of 1 token stops the run before its
+    // second model call.
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["time"],
+            "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "It is {{tool:current_datetime}}." }
+            ]
+        }],
+        "default": { "steps": [ { "answer": "no script" } ] }
+    });
+    let env = Env::start_only(script, &["system"]).await;
+    let mut unbudgeted = toolfleet_protocol::client::question("What time is it?");
+    unbudgeted.tenant = Some("acme".into());
+    let mut events = env.follow_and_submit(&unbudgeted).await;
+    let end = tokio::time::timeout(WAIT, events_until_terminal(&mut events))
+        .await
+        .unwrap();
+    assert_eq!(end.last().unwrap()["type"], "completed", "{end:?}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let job = dir.path().join("job.json");
+    std::fs::write(
+        &job,
+        r#"{"messages": [{"role": "user", "content": "What time is it?"}]}"#,
+    )
+    .unwrap();
+    let mut events = env.subscribe(env.subjects.chat_events_of("acme")).await;
+    let args = [
+        "add",
+        "--tenant",
+        "acme",
+        "--id",
+        "clock",
+        "--cron",
+        "* * * * * *",
+        "--job",
+        job.to_str().unwrap(),
+        "--max-tokens",
+        "1",
+    ];
+    assert_eq!(schedule_cli(&env, &args).await, 0);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let end = loop {
+        let msg = tokio::time::timeout_at(deadline, events.next())
+            .await
+            .expect("a run ends")
+            .unwrap();
+        let event: Value = serde_json::from_slice(&msg.payload).unwrap();
+        if event["type"] == "completed" || event["type"] == "error" {
+            break event;
+        }
+    };
+    assert_eq!(
+        schedule_cli(&env, &["rm", "--tenant", "acme", "--id", "clock"]).await,
+        0
+    );
+    assert!(
+        end["invocationId"]
+            .as_str()
+            .unwrap()
+            .starts_with("sched-clock-"),
+        "{end}"
+    );
+    assert_eq!(end["code"], "run_limit_exceeded", "{end}");
+    assert!(
+        end["message"].as_str().unwrap().contains("max_run_tokens"),
+        "{end}"
+    );
+}
