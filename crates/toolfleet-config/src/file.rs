@@ -496,6 +496,7 @@ mod tests {
             "prompt_cache_key",
             "max_concurrency",
             "priority",
+            "multitask_strategy",
             "tenants",
             "trust_user",
             "poison_limit",

@@ -21,6 +21,7 @@
 //! | `[profiles.<name>.policy]`, `.scoping`, `.rag` | tables | see [`crate::policy`] |
 
 use serde::Deserialize;
+use toolfleet_protocol::thread::MultitaskStrategy;
 use toolfleet_protocol::tools::{ToolDefinition, ToolRef};
 use toolfleet_protocol::{Priority, ToolId};
 
@@ -88,6 +89,10 @@ pub struct Profile {
     /// after interactive ones, with the deployment's batch service tier),
     /// whatever the job says. Default `interactive`: the job decides.
     pub priority: Priority,
+    /// What happens to a job of a thread that arrives while another of
+    /// its jobs runs, when the job does not say (`docs/threads.md`).
+    /// Default `reject`.
+    pub multitask_strategy: MultitaskStrategy,
 }
 
 fn default_profile_tools() -> Vec<ToolRef> {
@@ -135,6 +140,8 @@ struct RawProfile {
     tenants: TenantScope,
     #[serde(default)]
     priority: Priority,
+    #[serde(default)]
+    multitask_strategy: MultitaskStrategy,
 }
 
 fn default_orchestrator() -> String {
@@ -185,6 +192,7 @@ impl TryFrom<RawProfile> for Profile {
             sink: raw.sink,
             tenants: raw.tenants,
             priority: raw.priority,
+            multitask_strategy: raw.multitask_strategy,
         })
     }
 }
@@ -212,6 +220,7 @@ impl Profile {
             sink: None,
             tenants: TenantScope::any(),
             priority: Priority::Interactive,
+            multitask_strategy: MultitaskStrategy::Reject,
         }
     }
 

@@ -110,6 +110,8 @@ pub struct Fleet {
     pub(crate) settings_bucket: kv::Store,
     /// What each tenant stores, held to its caps (see [`crate::caps`]).
     pub(crate) tenant_store: crate::caps::TenantStore,
+    /// The threads and idempotency buckets (see [`threads`](crate::threads)).
+    pub(crate) threads: crate::threads::store::Buckets,
 }
 
 /// What the orchestrator's start makes for the [`Fleet`] besides its
@@ -119,6 +121,7 @@ pub(crate) struct Parts {
     pub(crate) agents: AgentSource,
     pub(crate) parked_bucket: kv::Store,
     pub(crate) settings_bucket: kv::Store,
+    pub(crate) threads: crate::threads::store::Buckets,
     pub(crate) heartbeat: toolfleet_service::jobs::Heartbeat,
     pub(crate) reconnects: toolfleet_service::jobs::Reconnects,
 }
@@ -137,6 +140,7 @@ impl Fleet {
             agents,
             parked_bucket,
             settings_bucket,
+            threads,
             heartbeat,
             reconnects,
         } = parts;
@@ -165,6 +169,7 @@ impl Fleet {
             parked_bucket,
             settings_bucket,
             tenant_store: crate::caps::TenantStore::default(),
+            threads,
         }
     }
 

@@ -43,6 +43,9 @@ pub struct Invocation {
     pub citations: Citations,
     /// When the run last read its cancel tombstone (see [`CancelCheck`]).
     pub cancel_check: CancelCheck,
+    /// The job's thread's conversation, tapped as the run goes (a job
+    /// that names a thread: [`threads`](crate::threads)).
+    pub thread: Option<crate::threads::tap::ThreadTap>,
 }
 
 impl Invocation {

@@ -33,7 +33,8 @@
 //! [`failure`], [`catalog`], [`usage`], [`quota`] (tenants' rate limits,
 //! budgets and per-run caps), [`limits`], [`links`],
 //! [`metrics`], `replies`, `text`, `tenant_queue` (per-tenant queues
-//! taken in turn, and token buckets).
+//! taken in turn, and token buckets), [`threads`] (threads: one job of
+//! each at a time by compare-and-set, and the conversation they keep).
 //!
 //! Around them: [`config`] ([`OrchestratorConfig`]: settings and what a
 //! deployment registers) and [`start`](mod@start) (connect, open, spawn,
@@ -82,6 +83,7 @@ pub mod sinks;
 pub mod start;
 mod tenant_queue;
 mod text;
+pub mod threads;
 pub mod tools;
 pub mod usage;
 

@@ -69,6 +69,8 @@ pub struct Settings {
     /// none of their workers is live (scale from zero): none until
     /// [`DeclaredPools::load`] resolves them from definition files.
     pub declared: DeclaredPools,
+    /// How threads and idempotency keys are kept (`docs/threads.md`).
+    pub threads: crate::threads::store::ThreadSettings,
     /// How far ahead a chat job's `notBefore` may be (further: refused).
     pub max_not_before: Duration,
 }
@@ -90,6 +92,7 @@ impl Settings {
             compat: None,
             sinks: SinkSettings::default(),
             declared: DeclaredPools::none(),
+            threads: crate::threads::store::ThreadSettings::default(),
             max_not_before: DEFAULT_MAX_NOT_BEFORE,
         }
     }

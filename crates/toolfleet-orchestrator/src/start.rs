@@ -246,6 +246,9 @@ impl Opened {
         let settings_bucket = toolfleet_protocol::streams::settings_bucket(&js, subjects)
             .await
             .map_err(|e| nats(e.to_string()))?;
+        let threads = crate::threads::store::Buckets::open(&js, subjects, &settings.threads)
+            .await
+            .map_err(|e| nats(e.to_string()))?;
         let decisions = intake::decisions_consumer(&js, subjects).await?;
         let approval_requests = client
             .queue_subscribe(subjects.chat_approve_all(), subjects.chat_consumer())
@@ -257,6 +260,7 @@ impl Opened {
             agents,
             parked_bucket,
             settings_bucket,
+            threads,
             heartbeat,
             reconnects,
         };

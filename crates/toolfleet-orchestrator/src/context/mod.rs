@@ -216,6 +216,7 @@ pub fn open(
         usage: UsageLedger::default(),
         citations: Citations::default(),
         cancel_check: CancelCheck::default(),
+        thread: None,
     })
 }
 
@@ -285,6 +286,10 @@ mod builtin {
         name: "conversation",
         step: |inv, _| {
             inv.messages = conversation(&inv.job, &inv.profile);
+            // A thread's earlier turns go before the job's new messages.
+            if let Some(thread) = &inv.thread {
+                thread.prepend(&mut inv.messages);
+            }
             Ok(())
         },
     };

@@ -45,6 +45,8 @@ pub(crate) struct Nesting {
     /// job's own profile's rules are widened by them, never narrowed, so
     /// a nested run cannot run what its caller holds.
     pub(crate) inherited_approval: Vec<toolfleet_protocol::tools::ToolRef>,
+    /// The job's place on its thread, when it names one.
+    pub(crate) thread: Option<std::sync::Arc<crate::threads::Seat>>,
 }
 
 /// Runs `job` through the frame: the context stage, then the profile's
@@ -58,6 +60,11 @@ pub(crate) async fn invoke(
     events: &Events,
     cancel_check: &CancelCheck,
 ) -> Result<Finished, Failure> {
+    // A repeated idempotency key runs nothing: the first job's outcome.
+    if let Some(first) = super::idempotency::first_of(fleet, &job).await? {
+        return (super::idempotency::replay(fleet, &job, &first, events).await)
+            .map(Finished::Completed);
+    }
     let mut inv = context::open(
         fleet,
         job,
@@ -65,6 +72,15 @@ pub(crate) async fn invoke(
         nesting.agent_depth,
         &plugins.names(),
     )?;
+    // A thread's job runs when it has the thread (its strategy says how
+    // it gets it, or that it does not).
+    if let Some(seat) = &nesting.thread {
+        let strategy =
+            (inv.job.multitask_strategy).unwrap_or(inv.profile.profile.multitask_strategy);
+        seat.enter(fleet, &|event| events.send(event), strategy)
+            .await?;
+        inv.thread = Some(seat.tap());
+    }
     let rules = &mut inv.profile.profile.require_approval;
     for r in nesting.inherited_approval {
         if !rules.contains(&r) {
@@ -98,6 +114,9 @@ pub(crate) fn finish(
     fleet.publish_references(&mut inv, &[], events)?;
     // Only what the answer cites, renumbered 1..k, with links.
     let cited = toolfleet_protocol::references::cited_only(&answer.text, &inv.citations.all());
+    if let Some(thread) = &inv.thread {
+        thread.answered(&inv.messages, &cited.text);
+    }
     let links = &fleet.config().profiles.links;
     Ok(Finished::Completed(ChatEventBody::Completed {
         text: cited.text,
@@ -118,7 +137,7 @@ pub(crate) async fn resume(
     parked: Parked,
     deadline_ms: u64,
     events: &Events,
-    cancel_check: &CancelCheck,
+    (cancel_check, thread): (&CancelCheck, Option<crate::threads::tap::ThreadTap>),
 ) -> Result<Finished, Failure> {
     // Rebuilt first, so the invocation's sinks hear the decisions and the
     // end too; an invocation that only ends needs no rebuilding to.
@@ -182,6 +201,10 @@ pub(crate) async fn resume(
     }
     let (mut inv, resumed) = rebuilt?;
     inv.cancel_check = cancel_check.clone();
+    if let Some(thread) = thread {
+        thread.tap(&inv.messages);
+        inv.thread = Some(thread);
+    }
     let orchestrator = plugins.orchestrator_of(&inv)?;
     let ending = orchestrator
         .resume(&mut inv, resumed, fleet, events)

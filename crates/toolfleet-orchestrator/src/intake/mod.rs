@@ -29,6 +29,7 @@ mod decisions;
 mod delay;
 mod fair;
 mod frame;
+mod idempotency;
 mod lanes;
 mod migrate;
 mod queued;

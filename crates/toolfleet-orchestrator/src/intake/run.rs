@@ -86,6 +86,10 @@ struct Run<'a> {
     leased_at: Instant,
     /// In-progress acks while it runs.
     keep_alive: Held,
+    /// The job's place on its thread, when it names one.
+    thread: Option<Arc<crate::threads::Seat>>,
+    /// The job's idempotency key, when it has one.
+    idempotency_key: Option<String>,
 }
 
 /// What a run came to.
@@ -132,7 +136,16 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         &id,
         first_seq,
     );
+    let thread = match &leg {
+        Leg::Fresh { job, .. } => {
+            crate::threads::Seat::of(job, &tenant, taken.delivery.stream_sequence, deadline.at_ms)
+        }
+        Leg::Resume(p) => crate::threads::Seat::resumed(&p.job, &tenant, deadline.at_ms),
+    };
+    let idempotency_key = leg.job().idempotency_key.clone();
     let run = Run {
+        thread,
+        idempotency_key,
         keep_alive: fleet.heartbeat.hold(&taken.msg),
         fleet,
         msg: taken.msg,
@@ -145,6 +158,7 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         leased_at: taken.leased.at,
     };
     let outcome = run.race(plugins, leg, &events, &cancel, deadline).await;
+    let outcome = Box::pin(run.leave_thread(outcome, deadline.at_ms)).await;
     // Boxed, as the steps before the run are (`super::handle`): brief,
     // and not to be carried while the run waits.
     let end = match outcome {
@@ -202,6 +216,7 @@ impl Run<'_> {
                     let nesting = frame::Nesting {
                         agent_depth,
                         inherited_approval,
+                        thread: self.thread.clone(),
                     };
                     frame::invoke(
                         fleet,
@@ -223,7 +238,7 @@ impl Run<'_> {
                         *parked,
                         deadline_ms,
                         events,
-                        &cancel_check,
+                        (&cancel_check, self.thread.as_ref().map(|s| s.tap())),
                     ))
                     .await
                 }
@@ -259,6 +274,43 @@ impl Run<'_> {
             return None;
         }
         Some(outcome)
+    }
+
+    /// Lets the job's thread go as the run ended (a parked run keeps it),
+    /// and says so when a newer job of the thread cut this one short.
+    async fn leave_thread(
+        &self,
+        outcome: Option<Result<Finished, Failure>>,
+        deadline_ms: u64,
+    ) -> Option<Result<Finished, Failure>> {
+        use crate::threads::{Leaving, record::Cut};
+        let Some(seat) = &self.thread else {
+            return outcome;
+        };
+        let how = match &outcome {
+            None => Leaving::Superseded,
+            Some(Ok(Finished::Parked(p))) => Leaving::Parked(
+                p.expires_at_ms + deadline_ms.saturating_sub(toolfleet_protocol::now_ms()),
+            ),
+            Some(_) => Leaving::Ended,
+        };
+        let cut = seat.leave(self.fleet, how).await;
+        match (outcome, cut) {
+            (Some(Err(f)), Some(cut)) if f.code == ChatErrorCode::Cancelled => {
+                let (how, kept) = match cut {
+                    Cut::Keep => ("interrupted", "what it finished stays in the thread"),
+                    Cut::Drop => ("rolled back", "nothing of its turn stays in the thread"),
+                };
+                Some(Err(Failure::new(
+                    ChatErrorCode::Cancelled,
+                    format!(
+                        "{how} by a newer job of thread {}: {kept}",
+                        seat.thread_id()
+                    ),
+                )))
+            }
+            (outcome, _) => outcome,
+        }
     }
 
     /// Says how the run ended: the park kept (or, when it cannot be, an
@@ -387,6 +439,18 @@ impl Run<'_> {
         }
         let mut stored = true;
         if let Some(terminal) = events.close_terminal().await {
+            // The first job of an idempotency key leaves its outcome for
+            // the repeats.
+            if let Some(key) = &self.idempotency_key {
+                super::idempotency::remember(
+                    self.fleet,
+                    &self.tenant,
+                    key,
+                    &self.id,
+                    &terminal.payload,
+                )
+                .await;
+            }
             if let Err(e) = self
                 .fleet
                 .store

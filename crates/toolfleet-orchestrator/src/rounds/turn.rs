@@ -251,6 +251,10 @@ pub(crate) fn after(inv: &mut Invocation, tools: &mut ToolRunner<'_>, turn: &Tur
             content,
         });
     }
+    // What a thread keeps of this run if it is cut short from here on.
+    if let Some(thread) = &inv.thread {
+        thread.tap(&inv.messages);
+    }
 }
 
 /// Runs the turn's calls that run now (see the module docs); outcomes land

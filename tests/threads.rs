@@ -1,0 +1,579 @@
+//! Threads and double texting (issue 32, part 1) on real nats-server and
+//! redis-server, with two orchestrators and the scripted model server
+//! standing in for the provider (it records every request, so a test sees
+//! the conversation each turn was sent): the thread keeps the
+//! conversation so a client sends only its new message; `reject`,
+//! `enqueue`, `interrupt` and `rollback`, a race of two jobs on one thread
+//! across both orchestrators; a thread bounded and expiring; another
+//! tenant (under the shipped `ops/nats/auth.conf` identities) neither
+//! reads nor joins it; a bad thread id refused.
+
+// Tests are exempt from the 100-line limit: a scenario reads top to bottom.
+#![allow(clippy::too_many_lines)]
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use toolfleet_protocol::ChatJob;
+use toolfleet_protocol::thread::MultitaskStrategy;
+
+use support::{Env, Options, WAIT, events_until_terminal, kinds, next_json};
+
+/// Answers echo the question; `slow` questions take a while; `tool`
+/// questions call the clock first, then answer slowly (so a newer job
+/// can cut them short after their tool call finished).
+fn script() -> Value {
+    json!({
+        "rules": [
+            { "whenUserContains": ["tool"], "steps": [
+                { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+                { "answer": "after the clock: {{user}}",
+                  "fault": { "kind": "slowFirstToken", "delayMs": 6000 } } ] },
+            { "whenUserContains": ["slow"], "steps": [
+                { "answer": "slowly: {{user}}",
+                  "fault": { "kind": "slowFirstToken", "delayMs": 1500 } } ] }
+        ],
+        "default": { "steps": [ { "answer": "noted: {{user}}" } ] }
+    })
+}
+
+/// A fleet with the system worker and two orchestrators (the second on
+/// its own runtime, returned to be kept alive), threads tuned by `tweak`.
+async fn two_orchestrators(
+    tweak: fn(&mut toolfleet_orchestrator::OrchestratorConfig),
+) -> (Env, toolfleet_service::Runtime) {
+    let env = Env::start_with(
+        script(),
+        Options {
+            workers: vec!["system"],
+            tweak,
+            ..Options::default()
+        },
+    )
+    .await;
+    let profiles = toolfleet_config::FleetConfig::single(
+        toolfleet_llm::deployments::Deployment::new(env.model.base_url(), "toolfleet-scripted")
+            .with_api_key("sk-test-secret-never-logged".to_string()),
+    );
+    let mut config =
+        toolfleet_orchestrator::OrchestratorConfig::new(env.subjects.clone(), profiles);
+    tweak(&mut config);
+    let second = support::start_orchestrator(env.nats.url(), env.redis.url(), config).await;
+    (env, second)
+}
+
+fn no_tweak(_: &mut toolfleet_orchestrator::OrchestratorConfig) {}
+
+/// A job of thread `thread` saying `text`, with `strategy`.
+fn job(thread: &str, text: &str, strategy: Option<MultitaskStrategy>) -> ChatJob {
+    let mut job = toolfleet_protocol::client::question(text);
+    job.thread_id = Some(thread.into());
+    job.multitask_strategy = strategy;
+    job
+}
+
+/// The model requests whose last user message is `text`.
+fn requests_for(env: &Env, text: &str) -> Vec<Value> {
+    env.model
+        .requests()
+        .into_iter()
+        .filter(|r| {
+            r["messages"]
+                .as_array()
+                .and_then(|m| m.iter().rev().find(|m| m["role"] == "user"))
+                .is_some_and(|m| m["content"] == text)
+        })
+        .collect()
+}
+
+/// The text of every message of `request`, in order (`role: content`).
+fn transcript(request: &Value) -> Vec<String> {
+    request["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            format!(
+                "{}: {}",
+                m["role"].as_str().unwrap(),
+                m["content"].as_str().unwrap_or("")
+            )
+        })
+        .collect()
+}
+
+/// Runs `job` to its end; its events.
+async fn run(env: &Env, job: &ChatJob) -> Vec<Value> {
+    let mut events = env.follow_and_submit(job).await;
+    events_until_terminal(&mut events).await
+}
+
+/// The event of `kind` among `events`.
+fn event<'a>(events: &'a [Value], kind: &str) -> &'a Value {
+    events
+        .iter()
+        .find(|e| e["type"] == kind)
+        .unwrap_or_else(|| panic!("no {kind} event in {:?}", kinds(events)))
+}
+
+/// Waits for the next event of `kind` on `events`; every event until it.
+async fn until(events: &mut async_nats::Subscriber, kind: &str) -> Vec<Value> {
+    let mut seen = Vec::new();
+    loop {
+        let e = next_json(events).await;
+        let done = e["type"] == kind;
+        seen.push(e);
+        if done {
+            return seen;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_keep_the_conversation_so_a_client_sends_only_the_new_message() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    let first = run(&env, &job("t-keep", "my name is Ada", None)).await;
+    assert_eq!(event(&first, "completed")["text"], "noted: my name is Ada");
+    assert_eq!(event(&first, "started")["threadId"], "t-keep");
+    let second = run(&env, &job("t-keep", "what is my name?", None)).await;
+    assert_eq!(second.last().unwrap()["type"], "completed", "{second:?}");
+    let asked = requests_for(&env, "what is my name?");
+    assert_eq!(asked.len(), 1);
+    let said = transcript(&asked[0]);
+    // The system prompt, the thread's turn, then the new message.
+    assert_eq!(
+        said[1..],
+        [
+            "user: my name is Ada",
+            "assistant: noted: my name is Ada",
+            "user: what is my name?"
+        ],
+        "{said:?}"
+    );
+    // Another thread of the tenant starts empty.
+    run(&env, &job("t-other", "hello", None)).await;
+    let said = transcript(&requests_for(&env, "hello")[0]);
+    assert_eq!(said[1..], ["user: hello"], "{said:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_reject_a_second_job_while_one_runs_even_in_a_race_across_two_orchestrators() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    // Reject is the default: a job arriving while another runs ends at
+    // once, and runs nothing.
+    let mut running = env
+        .follow_and_submit(&job("t-busy", "slow one", None))
+        .await;
+    until(&mut running, "started").await;
+    let refused = run(&env, &job("t-busy", "second", None)).await;
+    let error = event(&refused, "error");
+    assert_eq!(error["code"], "thread_busy", "{refused:?}");
+    assert!(error["message"].as_str().unwrap().contains("t-busy"));
+    assert!(requests_for(&env, "second").is_empty());
+    assert_eq!(
+        events_until_terminal(&mut running).await.last().unwrap()["type"],
+        "completed"
+    );
+    // A race: two jobs of one thread published together, taken by the two
+    // orchestrators; exactly one gets the thread, every time.
+    for round in 0..4 {
+        let thread = format!("t-race-{round}");
+        let (a, b) = (
+            job(&thread, &format!("slow a{round}"), None),
+            job(&thread, &format!("slow b{round}"), None),
+        );
+        let mut ea = env
+            .subscribe(env.subjects.chat_events("default", &a.invocation_id))
+            .await;
+        let mut eb = env
+            .subscribe(env.subjects.chat_events("default", &b.invocation_id))
+            .await;
+        let (ra, rb) = tokio::join!(
+            toolfleet_protocol::client::submit(&env.client, &env.subjects, &a),
+            toolfleet_protocol::client::submit(&env.client, &env.subjects, &b),
+        );
+        ra.unwrap();
+        rb.unwrap();
+        let (ea, eb) = tokio::join!(
+            events_until_terminal(&mut ea),
+            events_until_terminal(&mut eb)
+        );
+        let ends: Vec<&str> = [&ea, &eb]
+            .iter()
+            .map(|e| {
+                let last = e.last().unwrap();
+                if last["type"] == "completed" {
+                    "completed"
+                } else {
+                    last["code"].as_str().unwrap()
+                }
+            })
+            .collect();
+        let mut sorted = ends.clone();
+        sorted.sort_unstable();
+        assert_eq!(
+            sorted,
+            ["completed", "thread_busy"],
+            "round {round}: {ea:?} {eb:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_enqueue_runs_the_waiting_jobs_one_at_a_time_in_order() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    let enqueue = Some(MultitaskStrategy::Enqueue);
+    let mut a = env
+        .follow_and_submit(&job("t-line", "slow first", enqueue))
+        .await;
+    until(&mut a, "started").await;
+    let b_job = job("t-line", "slow second", enqueue);
+    let mut b = env.follow_and_submit(&b_job).await;
+    // b waits in line before c is even submitted.
+    let waited = until(&mut b, "thread").await;
+    let thread = waited.last().unwrap();
+    assert_eq!(thread["state"], "queued", "{thread}");
+    assert_eq!(thread["strategy"], "enqueue");
+    let mut c = env
+        .follow_and_submit(&job("t-line", "slow third", enqueue))
+        .await;
+    let (ea, eb, ec) = tokio::join!(
+        events_until_terminal(&mut a),
+        events_until_terminal(&mut b),
+        events_until_terminal(&mut c)
+    );
+    for events in [&ea, &eb, &ec] {
+        assert_eq!(events.last().unwrap()["type"], "completed", "{events:?}");
+    }
+    // b got the thread only after a let it go: `running`, then `started`.
+    let states: Vec<&str> = eb
+        .iter()
+        .filter(|e| e["type"] == "thread")
+        .map(|e| e["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, ["running"], "{eb:?}");
+    assert!(kinds(&ec).contains(&"thread"));
+    // Each turn was sent the turns before it: one at a time, in order.
+    let third = transcript(&requests_for(&env, "slow third")[0]);
+    assert_eq!(
+        third[1..],
+        [
+            "user: slow first",
+            "assistant: slowly: slow first",
+            "user: slow second",
+            "assistant: slowly: slow second",
+            "user: slow third"
+        ],
+        "{third:?}"
+    );
+}
+
+/// A job of thread `thread` that calls the clock, then answers slowly; a
+/// newer job with `strategy` is submitted once the clock's result is in.
+/// The older job's events, the newer's, and the newer's model request.
+async fn cut_short(
+    env: &Env,
+    thread: &str,
+    strategy: MultitaskStrategy,
+) -> (Vec<Value>, Vec<Value>, Vec<String>) {
+    let mut older = env
+        .follow_and_submit(&job(thread, "tool please", None))
+        .await;
+    let mut seen = until(&mut older, "tool_result").await;
+    assert_eq!(seen.last().unwrap()["status"], "ok", "{seen:?}");
+    let newer_text = format!("{strategy} now");
+    let newer = run(env, &job(thread, &newer_text, Some(strategy))).await;
+    seen.extend(events_until_terminal(&mut older).await);
+    let asked = requests_for(env, &newer_text);
+    assert_eq!(asked.len(), 1);
+    (seen, newer, transcript(&asked[0]))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_interrupt_cancels_the_running_job_and_keeps_its_finished_tool_calls() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    let (older, newer, said) = cut_short(&env, "t-int", MultitaskStrategy::Interrupt).await;
+    let error = event(&older, "error");
+    assert_eq!(error["code"], "cancelled", "{older:?}");
+    assert!(
+        error["message"].as_str().unwrap().contains("interrupted"),
+        "{error}"
+    );
+    let waiting = event(&newer, "thread");
+    assert_eq!(waiting["state"], "interrupting");
+    assert_eq!(waiting["ahead"], older[0]["invocationId"]);
+    assert_eq!(newer.last().unwrap()["type"], "completed", "{newer:?}");
+    // The interrupted turn's question and its finished tool call (the
+    // assistant's call, the clock's result) stay in the thread; its
+    // unfinished answer does not.
+    assert_eq!(said[1], "user: tool please", "{said:?}");
+    assert!(said[2].starts_with("assistant: "), "{said:?}");
+    assert!(said[3].starts_with("tool: "), "{said:?}");
+    assert_eq!(said[4..], ["user: interrupt now"], "{said:?}");
+    assert!(!said.iter().any(|m| m.contains("after the clock")));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_rollback_cancels_the_running_job_and_forgets_its_turn() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    run(&env, &job("t-roll", "remember blue", None)).await;
+    let (older, newer, said) = cut_short(&env, "t-roll", MultitaskStrategy::Rollback).await;
+    let error = event(&older, "error");
+    assert_eq!(error["code"], "cancelled");
+    assert!(
+        error["message"].as_str().unwrap().contains("rolled back"),
+        "{error}"
+    );
+    assert_eq!(newer.last().unwrap()["type"], "completed", "{newer:?}");
+    // Only the turn before the rolled-back one, then the new message.
+    assert_eq!(
+        said[1..],
+        [
+            "user: remember blue",
+            "assistant: noted: remember blue",
+            "user: rollback now"
+        ],
+        "{said:?}"
+    );
+}
+
+fn small_threads(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
+    config.threads.max_messages = 4;
+    config.threads.ttl = Duration::from_secs(3);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_are_bounded_and_forgotten_after_their_ttl() {
+    let (env, _second) = two_orchestrators(small_threads).await;
+    for turn in 1..=4 {
+        run(&env, &job("t-small", &format!("turn {turn}"), None)).await;
+    }
+    // At most four messages are kept: the oldest turns went first.
+    let said = transcript(&requests_for(&env, "turn 4")[0]);
+    assert_eq!(
+        said[1..],
+        [
+            "user: turn 2",
+            "assistant: noted: turn 2",
+            "user: turn 3",
+            "assistant: noted: turn 3",
+            "user: turn 4"
+        ],
+        "{said:?}"
+    );
+    // Left alone past its TTL, the thread is forgotten.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let js = async_nats::jetstream::new(env.client.clone());
+        let kv = js
+            .get_key_value(env.subjects.threads_bucket())
+            .await
+            .unwrap();
+        if kv.get("default.t-small").await.unwrap().is_none() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the thread did not expire"
+        );
+    }
+    run(&env, &job("t-small", "after the ttl", None)).await;
+    let said = transcript(&requests_for(&env, "after the ttl")[0]);
+    assert_eq!(said[1..], ["user: after the ttl"], "{said:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_refuse_a_bad_thread_id_or_strategy_clearly_and_run_nothing() {
+    let env = Env::start_with(script(), Options::default()).await;
+    for (field, value) in [
+        ("threadId", json!("a.b")),
+        ("threadId", json!("")),
+        ("threadId", json!("x".repeat(129))),
+        ("multitaskStrategy", json!("merge")),
+    ] {
+        let mut body =
+            serde_json::to_value(toolfleet_protocol::client::question("bad thread")).unwrap();
+        body[field] = value.clone();
+        let id = body["invocationId"].as_str().unwrap().to_owned();
+        let mut events = env
+            .subscribe(env.subjects.chat_events("default", &id))
+            .await;
+        env.client
+            .publish(
+                env.subjects.chat_submit("default"),
+                serde_json::to_vec(&body).unwrap().into(),
+            )
+            .await
+            .unwrap();
+        let error = next_json(&mut events).await;
+        assert_eq!(error["type"], "error", "{field}={value}: {error}");
+        assert_eq!(error["code"], "malformed_job", "{error}");
+        assert!(
+            error["message"].as_str().unwrap().contains(field),
+            "{error}"
+        );
+    }
+    assert!(requests_for(&env, "bad thread").is_empty());
+}
+
+/// Tenants under the shipped identities: `acme` and `globex` name the
+/// same thread id; each has its own thread, and neither can read the
+/// threads bucket.
+mod tenants {
+    use super::*;
+    use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
+
+    const USERS: [(&str, &str); 11] = [
+        ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
+        ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
+        ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
+        ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
+        ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
+        ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
+        ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
+        ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
+        ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
+        ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
+        ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
+    ];
+
+    fn password(user: &str) -> String {
+        format!("pw-{user}-canary-7f3a")
+    }
+
+    fn inbox(user: &str) -> String {
+        match user.strip_prefix("client-") {
+            Some(tenant) => format!("_INBOX.client.{tenant}"),
+            None => format!("_INBOX.{user}"),
+        }
+    }
+
+    async fn connect(nats: &NatsServer, user: &str) -> async_nats::Client {
+        async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
+            .custom_inbox_prefix(inbox(user))
+            .connect(nats.url())
+            .await
+            .expect("connect")
+    }
+
+    #[tokio::test(flavor = "multi_thread")]
+    async fn threads_another_tenant_naming_the_same_thread_neither_reads_nor_joins_it() {
+        let dir = support::root().join("ops/nats");
+        let nats = NatsServer::start_configured(NatsConfig {
+            extra: Some("include \"auth.conf\"".into()),
+            files: vec![
+                (
+                    "auth.conf".into(),
+                    std::fs::read(dir.join("auth.conf")).unwrap(),
+                ),
+                (
+                    "mcp-role.conf".into(),
+                    std::fs::read(dir.join("mcp-role.conf")).unwrap(),
+                ),
+            ],
+            env: USERS
+                .iter()
+                .map(|(user, var)| (var.to_string(), password(user)))
+                .collect(),
+            ..NatsConfig::default()
+        })
+        .expect("nats-server with ops/nats/auth.conf");
+        let redis = RedisServer::start().expect("redis-server");
+        let model = toolfleet_scripted::ScriptedServer::start(
+            "127.0.0.1:0".parse().unwrap(),
+            toolfleet_scripted::Script::from_json(&script().to_string()).unwrap(),
+        )
+        .await
+        .unwrap();
+        let subjects = toolfleet_protocol::Subjects::new("toolfleet").unwrap();
+        let profiles = toolfleet_config::FleetConfig::single(
+            toolfleet_llm::deployments::Deployment::new(model.base_url(), "toolfleet-scripted"),
+        );
+        let config = toolfleet_orchestrator::OrchestratorConfig::new(subjects.clone(), profiles);
+        let registry = prometheus::Registry::new();
+        let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
+            &registry,
+            toolfleet_service::metrics::dead_letters(&registry).unwrap(),
+        )
+        .unwrap();
+        let store = toolfleet_store::CitationStore::connect(
+            &redis.url(),
+            subjects.prefix(),
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+        let shutdown = tokio_util::sync::CancellationToken::new();
+        let _stop = shutdown.clone().drop_guard();
+        let orchestrator = tokio::time::timeout(
+            WAIT,
+            toolfleet_orchestrator::Ready::open(
+                connect(&nats, "orchestrator").await,
+                store,
+                config,
+                metrics,
+                shutdown.clone(),
+            ),
+        )
+        .await
+        .expect("the orchestrator starts in time")
+        .expect("the orchestrator starts under its identity");
+        tokio::spawn(async move { orchestrator.run().await });
+        let acme = connect(&nats, "client-acme").await;
+        let globex = connect(&nats, "client-globex").await;
+        let ask = |client: async_nats::Client, tenant: &'static str, text: &'static str| {
+            let subjects = subjects.clone();
+            async move {
+                let mut job = job("shared-thread", text, None);
+                job.tenant = Some(tenant.into());
+                tokio::time::timeout(
+                    WAIT,
+                    toolfleet_protocol::client::chat(&client, &subjects, &job, WAIT, |_| {}),
+                )
+                .await
+                .expect("in time")
+                .expect("answered")
+            }
+        };
+        ask(acme.clone(), "acme", "the vault code is canary-4711").await;
+        let answer = ask(globex.clone(), "globex", "what is the vault code?").await;
+        assert!(!format!("{answer:?}").contains("canary-4711"));
+        let said = transcript(
+            &model
+                .requests()
+                .into_iter()
+                .find(|r| r.to_string().contains("what is the vault code?"))
+                .unwrap(),
+        );
+        // globex's thread of that id is its own: empty before its question.
+        assert_eq!(said[1..], ["user: what is the vault code?"], "{said:?}");
+        assert!(!said.iter().any(|m| m.contains("canary")));
+        // acme's own next turn still has its earlier one.
+        ask(acme.clone(), "acme", "and again?").await;
+        let said = transcript(
+            &model
+                .requests()
+                .into_iter()
+                .find(|r| r.to_string().contains("and again?"))
+                .unwrap(),
+        );
+        assert_eq!(said[1], "user: the vault code is canary-4711", "{said:?}");
+        // Neither tenant may read the threads bucket, whatever key it tries.
+        for client in [&globex, &acme] {
+            let js = async_nats::jetstream::new(client.clone());
+            let read = tokio::time::timeout(Duration::from_secs(5), async {
+                let kv = js.get_key_value(subjects.threads_bucket()).await?;
+                kv.get("acme.shared-thread").await.map_err(Into::into)
+            })
+            .await;
+            let leaked: Option<Result<Option<bytes::Bytes>, async_nats::Error>> = read.ok();
+            assert!(
+                !matches!(leaked, Some(Ok(Some(_)))),
+                "a tenant read the threads bucket"
+            );
+        }
+    }
+}
