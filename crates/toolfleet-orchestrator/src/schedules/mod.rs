@@ -53,8 +53,20 @@ use crate::Fleet;
 use plan::Plan;
 pub use timing::{Timing, TimingError};
 
-/// How often each orchestrator looks for due schedules.
+/// How often each orchestrator looks for due schedules: every second, just
+/// after the second turns (so a due time fires within milliseconds of it,
+/// and the orchestrators look at the same moment: their compare-and-sets
+/// race, and one wins).
 pub const TICK: Duration = Duration::from_secs(1);
+/// How long after a second turns the orchestrators look.
+const TICK_OFFSET_MS: u64 = 20;
+
+/// How long until the next look (see [`TICK`]).
+fn until_next_tick() -> Duration {
+    let tick = u64::try_from(TICK.as_millis()).unwrap_or(1000).max(1);
+    let into = now_ms() % tick;
+    Duration::from_millis((tick + TICK_OFFSET_MS - into) % tick).max(Duration::from_millis(1))
+}
 /// How long a run that left no terminal event counts as in flight (a job
 /// waits at most a day in the chat stream; a run lasts an hour at most,
 /// unless it is parked for a person longer).
@@ -135,7 +147,8 @@ pub(crate) async fn run(fleet: Arc<Fleet>, shutdown: CancellationToken) {
             }
         };
         known.clear();
-        let mut tick = tokio::time::interval(TICK);
+        let tick = tokio::time::sleep(until_next_tick());
+        tokio::pin!(tick);
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -147,7 +160,8 @@ pub(crate) async fn run(fleet: Arc<Fleet>, shutdown: CancellationToken) {
                     }
                     None => break,
                 },
-                _ = tick.tick() => {
+                () = &mut tick => {
+                    tick.as_mut().reset(tokio::time::Instant::now() + until_next_tick());
                     let now = i64::try_from(now_ms() / 1000).unwrap_or(i64::MAX);
                     for (key, k) in known.iter_mut().filter(|(_, k)| k.tried_until <= now) {
                         if step(&fleet, &bucket, key, k, now).await {
