@@ -22,6 +22,16 @@
 //! bearer_token_file = "/run/secrets/search_mcp_token"  # `Authorization: Bearer …` from a file
 //! # bearer_token_env = "SEARCH_MCP_TOKEN"              # … or from the environment
 //! init_timeout_ms = 10000               # how long `initialize` may take
+//!
+//! [servers.files]
+//! url = "https://files.example.com/mcp"
+//! [servers.files.oauth]                 # OAuth 2.1 client credentials (instead of a bearer token)
+//! client_id = "toolfleet"
+//! client_secret_file = "/run/secrets/files_client_secret"  # or client_secret_env
+//! # scope = "files:read"
+//! [servers.files.oauth.tenants.acme]    # acme's own client (its tokens are acme's)
+//! client_id = "toolfleet-acme"
+//! client_secret_file = "/run/secrets/files_acme_secret"
 //! ```
 //!
 //! A stdio child gets an explicit environment — `PATH`, `HOME`, `LANG`,
@@ -83,6 +93,9 @@ pub struct ServerSpec {
     pub bearer_token_env: Option<String>,
     /// A file holding the bearer token (instead of `bearer_token_env`).
     pub bearer_token_file: Option<PathBuf>,
+    /// OAuth 2.1 client credentials for an HTTP server (instead of a
+    /// bearer token): tokens are obtained per tenant.
+    pub oauth: Option<OAuthSpec>,
     #[serde(default = "default_timeout_ms")]
     pub timeout_ms: u64,
     #[serde(default = "default_init_timeout_ms")]
@@ -104,6 +117,69 @@ pub struct ServerSpec {
     /// tool listed here is served only while its digest is one of them.
     #[serde(default)]
     pub accept: BTreeMap<String, Accepted>,
+}
+
+/// An OAuth 2.1 client of an HTTP server: the default one, and others for
+/// some tenants.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OAuthSpec {
+    pub client_id: String,
+    /// A file holding the client secret (read at each token request).
+    pub client_secret_file: Option<PathBuf>,
+    /// A variable of the worker's holding the client secret.
+    pub client_secret_env: Option<String>,
+    /// The scope asked for (space-separated); absent: the protected
+    /// resource's `scopes_supported`, when it lists any.
+    pub scope: Option<String>,
+    /// Tenants with a client of their own.
+    #[serde(default)]
+    pub tenants: BTreeMap<String, OAuthClient>,
+}
+
+/// One OAuth client: its id, where its secret is, the scope it asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct OAuthClient {
+    pub client_id: String,
+    pub client_secret_file: Option<PathBuf>,
+    pub client_secret_env: Option<String>,
+    pub scope: Option<String>,
+}
+
+impl OAuthSpec {
+    /// The client `tenant` uses (the default one for listing, `None`).
+    pub fn client_for(&self, tenant: Option<&str>) -> OAuthClient {
+        match tenant.and_then(|t| self.tenants.get(t)) {
+            Some(client) => client.clone(),
+            None => OAuthClient {
+                client_id: self.client_id.clone(),
+                client_secret_file: self.client_secret_file.clone(),
+                client_secret_env: self.client_secret_env.clone(),
+                scope: self.scope.clone(),
+            },
+        }
+    }
+
+    /// Every client has an id and exactly one place for its secret.
+    fn check(&self) -> Result<(), String> {
+        let clients = std::iter::once((String::from("oauth"), self.client_for(None))).chain(
+            self.tenants
+                .iter()
+                .map(|(t, c)| (format!("oauth.tenants.{t}"), c.clone())),
+        );
+        for (key, c) in clients {
+            if c.client_id.is_empty() {
+                return Err(format!("{key}: client_id is empty"));
+            }
+            if c.client_secret_file.is_some() == c.client_secret_env.is_some() {
+                return Err(format!(
+                    "{key}: give client_secret_file or client_secret_env (one of them)"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A child's user and group.
@@ -267,16 +343,26 @@ impl McpConfig {
                     }
                     let host = authority.rsplit_once(':').map_or(authority, |(h, _)| h);
                     let loopback = matches!(host, "localhost" | "127.0.0.1" | "[::1]");
-                    let bearer = s.bearer_token_env.is_some() || s.bearer_token_file.is_some();
+                    let bearer = s.bearer_token_env.is_some()
+                        || s.bearer_token_file.is_some()
+                        || s.oauth.is_some();
                     if bearer && url.starts_with("http://") && !loopback {
                         return Err(format!(
-                            "server {name}: a bearer token goes over https only (or to loopback)"
+                            "server {name}: a bearer token (or OAuth) goes over https only (or to loopback)"
                         ));
                     }
                 }
                 (None, false) => {}
             }
             let bearer = s.bearer_token_env.is_some() || s.bearer_token_file.is_some();
+            if let Some(oauth) = &s.oauth {
+                if s.url.is_none() || bearer {
+                    return Err(format!(
+                        "server {name}: oauth applies to an HTTP server without a bearer token"
+                    ));
+                }
+                oauth.check().map_err(|e| format!("server {name}: {e}"))?;
+            }
             if bearer && s.url.is_none() {
                 return Err(format!(
                     "server {name}: bearer_token_env and bearer_token_file apply to an HTTP server only"

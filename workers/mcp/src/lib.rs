@@ -19,12 +19,15 @@
 //!   stderr; the worker made non-dumpable;
 //! - [`tools`]: MCP tools as definitions (fenced descriptions, approval
 //!   from hints, tenants) and the tool that calls them (fenced results);
+//! - [`oauth`]: OAuth 2.1 client credentials for HTTP servers (metadata
+//!   discovery, the `resource` parameter, tokens per tenant);
 //! - [`pins`]: tool digests, pinned or accepted by the operator;
 //! - [`metrics`]: calls, durations, tools and refused changes by server.
 
 pub mod child;
 pub mod config;
 pub mod metrics;
+pub mod oauth;
 pub mod pins;
 pub mod server;
 pub mod tools;

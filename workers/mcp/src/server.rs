@@ -12,6 +12,11 @@
 //! carries `_meta` `toolfleet/tenant` (and `toolfleet/user`, when the job
 //! has a user the fleet trusts).
 //!
+//! An HTTP server with `oauth` gets one connection per tenant too, each
+//! with its tenant's token ([`crate::oauth`]); a connection whose token
+//! is about to expire is made again, and one the server refuses with
+//! `401` is made again once with a new token.
+//!
 //! One connection attempt at a time per instance: callers that find one in
 //! flight wait for its outcome rather than queue for attempts of their own
 //! (a server that hangs on `initialize` costs its callers one
@@ -105,6 +110,8 @@ struct Connection {
     /// A connection was lost and none made since: the next one may offer
     /// other tools.
     lost: bool,
+    /// When the connection's OAuth token stops being used.
+    expires: Option<tokio::time::Instant>,
 }
 
 /// One connection to the server: the shared one, or a tenant's child.
@@ -150,6 +157,8 @@ pub struct Server {
     pub pins: Pins,
     shared: Arc<Instance>,
     children: Mutex<Children>,
+    /// The tokens of an HTTP server with `oauth`.
+    oauth: Option<crate::oauth::OAuth>,
 }
 
 /// What a caller of [`Server::peer`] does, decided under the lock.
@@ -195,6 +204,14 @@ impl Server {
         spec: ServerSpec,
         secrets: Vec<Secret>,
     ) -> Arc<Self> {
+        let oauth = match (&spec.oauth, &spec.url) {
+            (Some(o), Some(url)) => Some(crate::oauth::OAuth::new(
+                o.clone(),
+                url,
+                spec.init_timeout(),
+            )),
+            _ => None,
+        };
         Arc::new(Self {
             name: name.into(),
             spec,
@@ -202,6 +219,7 @@ impl Server {
             pins: Pins::default(),
             shared: Arc::default(),
             children: Mutex::default(),
+            oauth,
         })
     }
 
@@ -238,7 +256,7 @@ impl Server {
     /// tenant) the tenant's, made room for by closing the least recently
     /// used idle one.
     fn instance_for(&self, caller: &Caller) -> Result<Arc<Instance>, McpError> {
-        if !self.spec.per_tenant {
+        if !self.spec.per_tenant && self.oauth.is_none() {
             return Ok(self.shared.clone());
         }
         let (instance, evicted) = {
@@ -287,13 +305,22 @@ impl Server {
         loop {
             let step = {
                 let mut connection = instance.connection();
+                let fresh = connection
+                    .expires
+                    .is_none_or(|e| e > tokio::time::Instant::now());
                 match (&connection.running, &connection.connecting) {
-                    (Some(r), _) if !r.is_closed() && !r.peer().is_transport_closed() => {
+                    (Some(r), _) if fresh && !r.is_closed() && !r.peer().is_transport_closed() => {
                         Step::Live(r.peer().clone())
                     }
                     (_, Some((_, outcome))) => Step::Wait(outcome.clone()),
                     (_, None) => {
-                        if connection.running.take().is_some() {
+                        if !fresh && let Some(old) = connection.running.take() {
+                            // Its token expires: connect again with a new
+                            // one (the tools are the same).
+                            tokio::spawn(async move {
+                                let _ = old.cancel().await;
+                            });
+                        } else if connection.running.take().is_some() {
                             connection.lost = true;
                             tracing::warn!(
                                 server = %self.name,
@@ -338,10 +365,12 @@ impl Server {
                 server: self.name.clone(),
                 after: self.spec.init_timeout(),
             })??;
+        let (connected, expires) = connected;
         let peer = connected.peer().clone();
         let again = {
             let mut connection = instance.connection();
             connection.running = Some(connected);
+            connection.expires = expires;
             std::mem::take(&mut connection.lost)
         };
         if again && instance.tenant.is_none() {
@@ -352,11 +381,21 @@ impl Server {
         Ok(peer)
     }
 
+    /// A connection, and when its OAuth token expires (if it has one).
     async fn connect(
         &self,
         instance: &Instance,
-    ) -> Result<RunningService<RoleClient, Handler>, McpError> {
+    ) -> Result<
+        (
+            RunningService<RoleClient, Handler>,
+            Option<tokio::time::Instant>,
+        ),
+        McpError,
+    > {
         match self.spec.transport() {
+            Transport::Http { url } if self.oauth.is_some() => {
+                self.connect_oauth(instance, &url).await
+            }
             Transport::Stdio { program, args } => {
                 crate::child::protect_worker();
                 let tenant = instance.tenant.as_deref();
@@ -381,6 +420,7 @@ impl Server {
                     .clone()
                     .serve(transport)
                     .await
+                    .map(|r| (r, None))
                     .map_err(|e| self.unavailable(format!("initialize failed: {e}")))
             }
             Transport::Http { url } => {
@@ -398,9 +438,48 @@ impl Server {
                     .clone()
                     .serve(transport)
                     .await
+                    .map(|r| (r, None))
                     .map_err(|e| self.unavailable(format!("initialize failed: {e}")))
             }
         }
+    }
+
+    /// Connects to an HTTP server with the instance's tenant's OAuth
+    /// token; a `401` drops the token and tries once more with a new one.
+    async fn connect_oauth(
+        &self,
+        instance: &Instance,
+        url: &str,
+    ) -> Result<
+        (
+            RunningService<RoleClient, Handler>,
+            Option<tokio::time::Instant>,
+        ),
+        McpError,
+    > {
+        let Some(oauth) = &self.oauth else {
+            return Err(self.unavailable("no OAuth client"));
+        };
+        let tenant = instance.tenant.as_deref();
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        for attempt in 0..2 {
+            let (token, until) = oauth.token(tenant).await.map_err(|e| self.unavailable(e))?;
+            let config =
+                rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(
+                    url,
+                )
+                .auth_header(token);
+            let transport = rmcp::transport::StreamableHttpClientTransport::from_config(config);
+            match instance.handler.clone().serve(transport).await {
+                Ok(running) => return Ok((running, Some(until))),
+                Err(e) if attempt == 0 && format!("{e:?}").contains("AuthRequired") => {
+                    tracing::info!(server = %self.name, tenant = tenant.unwrap_or("-"), "MCP server refused the OAuth token; getting a new one");
+                    oauth.refused(tenant).await;
+                }
+                Err(e) => return Err(self.unavailable(format!("initialize failed: {e}"))),
+            }
+        }
+        Err(self.unavailable("the server refused a new OAuth token too"))
     }
 
     /// The HTTP server's bearer token, from its file or variable.
@@ -449,21 +528,43 @@ impl Server {
         deadline: tokio::time::Instant,
     ) -> Result<CallToolResult, McpError> {
         let instance = self.instance_for(caller)?;
-        let peer = tokio::time::timeout_at(deadline, self.peer(&instance))
-            .await
-            .map_err(|_| McpError::Timeout {
-                server: self.name.clone(),
-                after: self.spec.timeout(),
-            })??;
         let mut params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
         params.meta = Some(meta(caller));
-        match tokio::time::timeout_at(deadline, peer.call_tool(params)).await {
-            Ok(r) => r.map_err(|e| self.service_error(e)),
-            Err(_) => Err(McpError::Timeout {
-                server: self.name.clone(),
-                after: self.spec.timeout(),
-            }),
+        let called = self.call_once(&instance, params.clone(), deadline).await?;
+        match (&self.oauth, called) {
+            // The server refused the token (it expired early, or the
+            // server forgot it): it never ran the call, so one more try
+            // on a connection with a new token.
+            (Some(oauth), Err(e)) if auth_refused(&e) => {
+                tracing::info!(server = %self.name, tenant = %caller.tenant, "MCP server refused the OAuth token; connecting with a new one");
+                oauth.refused(instance.tenant.as_deref()).await;
+                instance.close().await;
+                self.call_once(&instance, params, deadline)
+                    .await?
+                    .map_err(|e| self.service_error(e))
+            }
+            (_, called) => called.map_err(|e| self.service_error(e)),
         }
+    }
+
+    /// One `tools/call` on the instance's connection (made if need be):
+    /// the error of connecting, or the call's outcome.
+    async fn call_once(
+        &self,
+        instance: &Instance,
+        params: CallToolRequestParams,
+        deadline: tokio::time::Instant,
+    ) -> Result<Result<CallToolResult, rmcp::service::ServiceError>, McpError> {
+        let timeout = || McpError::Timeout {
+            server: self.name.clone(),
+            after: self.spec.timeout(),
+        };
+        let peer = tokio::time::timeout_at(deadline, self.peer(instance))
+            .await
+            .map_err(|_| timeout())??;
+        tokio::time::timeout_at(deadline, peer.call_tool(params))
+            .await
+            .map_err(|_| timeout())
     }
 
     fn service_error(&self, e: rmcp::service::ServiceError) -> McpError {
@@ -502,6 +603,12 @@ impl Server {
             child.close().await;
         }
     }
+}
+
+/// Whether a call failed on the server's `401` (its token refused).
+fn auth_refused(e: &rmcp::service::ServiceError) -> bool {
+    let shown = format!("{e} {e:?}");
+    shown.contains("Auth required") || shown.contains("AuthRequired")
 }
 
 /// A call's `_meta`: its tenant, and its user when there is one.
