@@ -225,9 +225,8 @@ async fn threads_reject_a_second_job_while_one_runs_even_in_a_race_across_two_or
 async fn threads_enqueue_runs_the_waiting_jobs_one_at_a_time_in_order() {
     let (env, _second) = two_orchestrators(no_tweak).await;
     let enqueue = Some(MultitaskStrategy::Enqueue);
-    let mut a = env
-        .follow_and_submit(&job("t-line", "slow first", enqueue))
-        .await;
+    let a_job = job("t-line", "slow first", enqueue);
+    let mut a = env.follow_and_submit(&a_job).await;
     until(&mut a, "started").await;
     let b_job = job("t-line", "slow second", enqueue);
     let mut b = env.follow_and_submit(&b_job).await;
@@ -236,9 +235,8 @@ async fn threads_enqueue_runs_the_waiting_jobs_one_at_a_time_in_order() {
     let thread = waited.last().unwrap();
     assert_eq!(thread["state"], "queued", "{thread}");
     assert_eq!(thread["strategy"], "enqueue");
-    let mut c = env
-        .follow_and_submit(&job("t-line", "slow third", enqueue))
-        .await;
+    let c_job = job("t-line", "slow third", enqueue);
+    let mut c = env.follow_and_submit(&c_job).await;
     let (ea, eb, ec) = tokio::join!(
         events_until_terminal(&mut a),
         events_until_terminal(&mut b),
@@ -268,6 +266,35 @@ async fn threads_enqueue_runs_the_waiting_jobs_one_at_a_time_in_order() {
         ],
         "{third:?}"
     );
+    // `toolfleet events --thread` shows the thread's three jobs, and only
+    // them (another thread's job is left out).
+    run(&env, &job("t-elsewhere", "unrelated", None)).await;
+    let (code, out, err) = support::toolfleet_at(
+        &env.nats.url(),
+        &["events", "--thread", "t-line", "--no-follow", "-o", "json"],
+    );
+    assert_eq!(code, Some(0), "{err}");
+    let shown: std::collections::BTreeSet<String> = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str::<Value>(l).unwrap()["invocationId"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    let expected: std::collections::BTreeSet<String> = [
+        a_job.invocation_id,
+        b_job.invocation_id,
+        c_job.invocation_id,
+    ]
+    .into();
+    assert_eq!(shown, expected, "{out}");
+    let (code, _, err) = support::toolfleet_at(
+        &env.nats.url(),
+        &["events", "--thread", "no-such-thread", "--no-follow"],
+    );
+    assert_eq!(code, Some(1), "{err}");
 }
 
 /// A job of thread `thread` that calls the clock, then answers slowly; a

@@ -1,5 +1,6 @@
 //! `toolfleet events`: an invocation's events, replayed from the history
-//! stream (two hours) and, while it runs, followed to its end.
+//! stream (two hours) and, while it runs, followed to its end; or, with
+//! `--thread`, the events of every invocation of a thread.
 
 use std::time::Duration;
 
@@ -13,8 +14,14 @@ use crate::common::{Output, one_line};
 
 #[derive(Args, Debug)]
 pub struct EventsArgs {
-    /// The invocation id.
-    invocation_id: String,
+    /// The invocation id (or `--thread`).
+    #[arg(required_unless_present = "thread")]
+    invocation_id: Option<String>,
+    /// Follow a thread instead of one invocation: the events of every
+    /// invocation of the tenant's thread (those whose `thread` or
+    /// `started` event names it), from what the history keeps on.
+    #[arg(long, conflicts_with = "invocation_id")]
+    thread: Option<String>,
     /// The invocation's tenant.
     #[arg(long, env = "TOOLFLEET_TENANT", default_value = toolfleet_protocol::DEFAULT_TENANT)]
     tenant: String,
@@ -37,14 +44,19 @@ pub struct EventsArgs {
 /// holds nothing of the invocation (unknown, still queued or expired), 2
 /// when it is still running and `--no-follow` was given.
 pub async fn run(args: EventsArgs) -> anyhow::Result<i32> {
+    if let Some(thread) = &args.thread {
+        return thread_events(&args, thread).await;
+    }
     let EventsArgs {
         invocation_id,
         tenant,
         no_follow,
         output,
         nats,
+        ..
     } = &args;
-    let (invocation_id, tenant, follow) = (invocation_id.as_str(), tenant.as_str(), !no_follow);
+    let invocation_id = invocation_id.as_deref().unwrap_or_default();
+    let (tenant, follow) = (tenant.as_str(), !no_follow);
     if !crate::common::tenant_ok("toolfleet events", tenant)
         || !crate::common::invocation_ok("toolfleet events", invocation_id)
     {
@@ -107,6 +119,74 @@ pub async fn run(args: EventsArgs) -> anyhow::Result<i32> {
                 return Ok(code);
             }
             None => continue,
+        }
+    }
+}
+
+/// `toolfleet events --thread T`: the tenant's history, every event of
+/// the invocations of thread `T` shown as it comes (each begins with a
+/// `thread` or `started` event naming it). Without `--no-follow` it goes
+/// on with the thread's next jobs until interrupted (or an hour without
+/// one); with it, exits 0 at the end of what is stored (1: nothing of
+/// the thread).
+async fn thread_events(args: &EventsArgs, thread: &str) -> anyhow::Result<i32> {
+    let tenant = args.tenant.as_str();
+    if !crate::common::tenant_ok("toolfleet events", tenant) {
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    if !toolfleet_protocol::thread::valid_thread_id(thread) {
+        eprintln!("toolfleet events: --thread {thread:?} is not 1-128 of [A-Za-z0-9_-]");
+        return Ok(toolfleet_service::args::EXIT_CONFIG);
+    }
+    let subjects: Subjects = args.nats.subjects()?;
+    let js = jetstream::new(args.nats.connect("toolfleet-events").await?);
+    let stream = js
+        .get_stream(subjects.history_stream())
+        .await
+        .map_err(|e| anyhow::anyhow!("the history stream {}: {e}", subjects.history_stream()))?;
+    let consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            filter_subject: subjects.chat_history_of(tenant),
+            deliver_policy: jetstream::consumer::DeliverPolicy::All,
+            ..Default::default()
+        })
+        .await?;
+    let mut pending = consumer.cached_info().num_pending;
+    let mut messages = consumer.messages().await?;
+    let mut printer = EventPrinter::new(args.output);
+    let mut members = std::collections::HashSet::new();
+    loop {
+        if pending == 0 && args.no_follow {
+            if members.is_empty() {
+                eprintln!("no events of thread {thread} (tenant {tenant}) in the history");
+                return Ok(1);
+            }
+            return Ok(0);
+        }
+        let msg = match tokio::time::timeout(Duration::from_secs(3600), messages.next()).await {
+            Ok(Some(Ok(msg))) => msg,
+            Ok(Some(Err(e))) => return Err(anyhow::anyhow!("reading the events stream: {e}")),
+            Ok(None) | Err(_) => return Ok(0),
+        };
+        let Ok(info) = msg.info() else { continue };
+        pending = info.pending;
+        let Ok(event) = toolfleet_protocol::Envelope::ChatEvent.decode::<ChatEvent>(&msg.payload)
+        else {
+            continue;
+        };
+        let names = match &event.body {
+            ChatEventBody::Thread { thread_id, .. } => Some(thread_id.as_str()),
+            ChatEventBody::Started { thread_id, .. } => thread_id.as_deref(),
+            _ => None,
+        };
+        if names == Some(thread)
+            && members.insert(event.invocation_id.clone())
+            && args.output == Output::Text
+        {
+            println!("-- {} (thread {thread})", event.invocation_id);
+        }
+        if members.contains(&event.invocation_id) {
+            printer.show(&event, info.published);
         }
     }
 }
