@@ -536,6 +536,9 @@ async fn not_before_delays_a_job_and_one_too_far_ahead_is_refused() {
     let mut job = toolfleet_protocol::client::question("Remind me later.");
     job.tenant = Some("acme".into());
     job.not_before = Some(not_before.clone());
+    // Less than the wait: its time counts from its notBefore, not from its
+    // submission.
+    job.timeout_ms = Some(2000);
     let mut events = env.follow_and_submit(&job).await;
     let first = support::next_json(&mut events).await;
     let first_at = SystemTime::now()

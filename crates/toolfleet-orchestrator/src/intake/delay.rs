@@ -68,6 +68,21 @@ pub(crate) fn start_of(job: &ChatJob, now_ms: u64, max_ahead: Duration) -> Start
     }
 }
 
+/// When `job`'s deadline starts counting (unix ms): its publication
+/// (`published_ms`), or its `notBefore` when that is later — a delayed
+/// job's `timeoutMs` is its run's, not spent waiting.
+pub(super) fn counted_from(job: &ChatJob, published_ms: Option<u64>) -> Option<u64> {
+    let not_before = job
+        .not_before
+        .as_deref()
+        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+        .and_then(|t| u64::try_from(t.timestamp_millis()).ok());
+    match (published_ms, not_before) {
+        (Some(p), Some(n)) => Some(p.max(n)),
+        (p, n) => p.or(n),
+    }
+}
+
 /// Settles a delivery whose job may not run yet: given back with a delay
 /// until its `notBefore` (its lease let go, its claim kept), or refused.
 /// Whether it was settled here (`false`: the job runs now).
@@ -143,6 +158,10 @@ mod tests {
             matches!(&far, Start::Refused(why) if why.contains("--max-not-before")),
             "{far:?}"
         );
+        // The deadline counts from the later of publication and notBefore.
+        let waited = job(Some("2026-01-01T00:00:30Z"));
+        assert_eq!(counted_from(&waited, Some(now)), Some(now + 30_000));
+        assert_eq!(counted_from(&job(None), Some(now)), Some(now));
         let bad = start_of(&job(Some("tomorrow")), now, week);
         assert!(
             matches!(&bad, Start::Refused(why) if why.contains("RFC 3339")),

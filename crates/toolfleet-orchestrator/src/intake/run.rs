@@ -546,7 +546,9 @@ pub(super) fn invocation_deadline(
         .timeout_ms
         .map(Duration::from_millis)
         .unwrap_or(fleet.config.default_timeout);
-    (deadline_ms(delivery.published_ms, now, timeout), timeout)
+    // A delayed job's time counts from its notBefore, not from its wait.
+    let published = super::delay::counted_from(job, delivery.published_ms);
+    (deadline_ms(published, now, timeout), timeout)
 }
 
 /// The invocation's deadline (Unix ms): `timeout` after the job was
