@@ -101,6 +101,7 @@ impl Progress {
                 status,
                 duration_ms,
                 error_code,
+                cached,
                 ..
             } => {
                 self.clear();
@@ -108,7 +109,11 @@ impl Progress {
                     .as_deref()
                     .map(|c| format!(" ({c})"))
                     .unwrap_or_default();
-                eprintln!("  ← {tool}: {}{code} in {duration_ms} ms", status.as_str());
+                let cached = if *cached { ", cached" } else { "" };
+                eprintln!(
+                    "  ← {tool}: {}{code} in {duration_ms} ms{cached}",
+                    status.as_str()
+                );
             }
             ChatEventBody::ApprovalRequested {
                 call_id,
