@@ -856,3 +856,40 @@ async fn schedules_a_runs_budget_ends_it_where_the_tenant_has_no_cap() {
         "{end}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn not_before_a_waiting_job_can_be_cancelled() {
+    let env = Env::start_with(script(), Options::default()).await;
+    let at = (SystemTime::now() + Duration::from_secs(3))
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    let mut job = toolfleet_protocol::client::question("Remind me in a moment.");
+    job.tenant = Some("acme".into());
+    job.not_before = Some(rfc3339(at));
+    let mut events = env.follow_and_submit(&job).await;
+    // Taken and given back to wait: its id is claimed.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while env.keys(&job.invocation_id).await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the job was never taken"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    toolfleet_protocol::client::cancel(&env.client, &env.subjects, "acme", &job.invocation_id)
+        .await
+        .unwrap();
+    env.wait_for_cancel_written("acme", &job.invocation_id)
+        .await;
+    let end = tokio::time::timeout(WAIT, events_until_terminal(&mut events))
+        .await
+        .expect("the cancelled job ends at its time");
+    let end = end.last().unwrap();
+    assert_eq!(end["type"], "error", "{end}");
+    assert_eq!(end["code"], "cancelled", "{end}");
+    assert!(
+        env.model.received().is_empty(),
+        "a cancelled job never calls the model"
+    );
+}
