@@ -66,8 +66,9 @@ async fn start_server(dir: &Path, mcp: u16, auth: u16) -> std::process::Child {
 }
 
 /// The worker's configuration: the default client, acme's own, and
-/// globex's with a wrong secret.
-fn config(dir: &Path, mcp: u16) -> std::path::PathBuf {
+/// globex's with a wrong secret; and the same server again as `fixed`,
+/// with a static bearer token (`token`).
+fn config(dir: &Path, mcp: u16, token: &str) -> std::path::PathBuf {
     let secret = |name: &str, value: &str| {
         let path = dir.join(name);
         std::fs::write(&path, format!("{value}\n")).unwrap();
@@ -87,22 +88,27 @@ client_secret_file = "{}"
 [servers.tides.oauth.tenants.globex]
 client_id = "fleet-globex"
 client_secret_file = "{}"
+
+[servers.fixed]
+url = "http://127.0.0.1:{mcp}/mcp"
+bearer_token_file = "{}"
 "#,
         secret("default.secret", DEFAULT_SECRET),
         secret("acme.secret", ACME_SECRET),
         secret("globex.secret", WRONG_SECRET),
+        secret("fixed.token", token),
     );
     let path = dir.join("mcp.toml");
     std::fs::write(&path, text).unwrap();
     path
 }
 
-/// The answer to "who am I?" as `tenant`, once the fleet offers the tool;
+/// The answer to `question` as `tenant`, once the fleet offers the tool;
 /// its events too.
-async fn ask(env: &Env, tenant: &str) -> (String, String) {
+async fn ask_as(env: &Env, tenant: &str, question: &str) -> (String, String) {
     let deadline = tokio::time::Instant::now() + WAIT;
     loop {
-        let mut job = toolfleet_protocol::client::question("who am I?");
+        let mut job = toolfleet_protocol::client::question(question);
         job.tenant = Some(tenant.into());
         let outcome = env.submit(&job).await.unwrap();
         if !outcome.text.contains("there is no tool named") {
@@ -114,6 +120,32 @@ async fn ask(env: &Env, tenant: &str) -> (String, String) {
         assert!(tokio::time::Instant::now() < deadline, "{}", outcome.text);
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
+}
+
+/// The answer to "who am I?" as `tenant` (the OAuth server), and its
+/// events.
+async fn ask(env: &Env, tenant: &str) -> (String, String) {
+    ask_as(env, tenant, "who am I?").await
+}
+
+/// A token of the default client, as an operator would get one to
+/// configure as a static bearer token.
+async fn static_token(auth: u16, resource: &str) -> String {
+    let answer: Value = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{auth}/token"))
+        .basic_auth("fleet", Some(DEFAULT_SECRET))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(format!(
+            "grant_type=client_credentials&resource={}",
+            url::form_urlencoded::byte_serialize(resource.as_bytes()).collect::<String>()
+        ))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    answer["access_token"].as_str().unwrap().to_string()
 }
 
 /// The stand-in's log: one JSON object per token request.
@@ -128,6 +160,10 @@ fn token_requests(dir: &Path) -> Vec<Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_mcp_import_gets_tokens_per_tenant_with_oauth_and_the_resource_parameter() {
     let env = Env::start_bare(json!({ "rules": [
+        { "whenUserContains": ["fixed"], "steps": [
+            { "toolCalls": [ { "name": "mcp_fixed_whoami", "arguments": {} } ] },
+            { "answer": "Fixed: {{tool:mcp_fixed_whoami}}" }
+        ] },
         { "whenUserContains": ["who"], "steps": [
             { "toolCalls": [ { "name": "mcp_tides_whoami", "arguments": {} } ] },
             { "answer": "Said: {{tool:mcp_tides_whoami}}" }
@@ -139,7 +175,8 @@ async fn the_mcp_import_gets_tokens_per_tenant_with_oauth_and_the_resource_param
     let resource = format!("http://127.0.0.1:{mcp}/mcp");
     let mut first = start_server(dir.path(), mcp, auth).await;
     let first = KillOnDrop(&mut first);
-    let config = config(dir.path(), mcp);
+    let token = static_token(auth, &resource).await;
+    let config = config(dir.path(), mcp, &token);
     let log = dir.path().join("worker.log");
     let mut worker = start_worker(&env, &config, &log);
     let _worker = KillOnDrop(&mut worker);
@@ -149,6 +186,12 @@ async fn the_mcp_import_gets_tokens_per_tenant_with_oauth_and_the_resource_param
     assert!(acme.contains("called by client fleet-acme"), "{acme}");
     let (other, _) = ask(&env, "default").await;
     assert!(other.contains("called by client fleet\n"), "{other}");
+    // Today's static bearer token still works.
+    let (fixed, _) = ask_as(&env, "acme", "and with the fixed token?").await;
+    assert!(
+        fixed.contains("Fixed: ") && fixed.contains("called by client fleet\n"),
+        "{fixed}"
+    );
     // A wrong secret: a clear error, naming the client.
     let (globex, globex_events) = ask(&env, "globex").await;
     assert!(
