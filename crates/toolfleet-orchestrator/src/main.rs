@@ -29,6 +29,8 @@ struct Args {
     telemetry: toolfleet_service::telemetry::TelemetryArgs,
     #[command(flatten)]
     sinks: toolfleet_orchestrator::sinks::SinkArgs,
+    #[command(flatten)]
+    threads: toolfleet_orchestrator::threads::store::ThreadArgs,
     /// Chat jobs in flight at once.
     #[arg(long, env = "TOOLFLEET_MAX_IN_FLIGHT", default_value_t = 32)]
     max_in_flight: usize,
@@ -89,6 +91,7 @@ async fn main() -> anyhow::Result<()> {
     config.chat_dispatch = a.chat_dispatch;
     config.max_not_before = std::time::Duration::from_secs(a.max_not_before_secs);
     config.sinks = a.sinks.settings();
+    config.threads = a.threads.settings();
     // A configured sink the policy refuses stops the start (exit 64).
     args::or_exit(
         (config.sinks)

@@ -47,6 +47,36 @@ impl Default for ThreadSettings {
     }
 }
 
+/// The orchestrator's flags for [`ThreadSettings`].
+#[derive(clap::Args, Debug, Clone)]
+pub struct ThreadArgs {
+    /// How long a thread nobody touched is kept, in seconds (the threads
+    /// bucket's age).
+    #[arg(long, env = "TOOLFLEET_THREAD_TTL_SECS", default_value_t = DEFAULT_THREAD_TTL.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    pub thread_ttl_secs: u64,
+    /// The most messages a thread keeps (the oldest turns go first).
+    #[arg(long, env = "TOOLFLEET_THREAD_MAX_MESSAGES", default_value_t = DEFAULT_THREAD_MAX_MESSAGES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
+    pub thread_max_messages: usize,
+    /// The most bytes of messages (as JSON) a thread keeps.
+    #[arg(long, env = "TOOLFLEET_THREAD_MAX_BYTES", default_value_t = DEFAULT_THREAD_MAX_BYTES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=8 * 1024 * 1024))]
+    pub thread_max_bytes: usize,
+    /// How long an idempotency key is remembered, in seconds.
+    #[arg(long, env = "TOOLFLEET_IDEMPOTENCY_WINDOW_SECS", default_value_t = DEFAULT_IDEMPOTENCY_WINDOW.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
+    pub idempotency_window_secs: u64,
+}
+
+impl ThreadArgs {
+    /// The settings these flags say.
+    pub fn settings(&self) -> ThreadSettings {
+        ThreadSettings {
+            ttl: Duration::from_secs(self.thread_ttl_secs),
+            max_messages: self.thread_max_messages,
+            max_bytes: self.thread_max_bytes,
+            idempotency_window: Duration::from_secs(self.idempotency_window_secs),
+        }
+    }
+}
+
 /// The fleet's two buckets of this module.
 #[derive(Clone)]
 pub struct Buckets {
