@@ -268,6 +268,22 @@ async fn the_same_arguments_in_any_key_order_hit_and_other_arguments_miss() {
         results(&second),
         vec![(ToolStatus::Ok, false), (ToolStatus::Ok, true)]
     );
+    // The cached flag is in the published contract.
+    for event in &second.events {
+        let v = serde_json::to_value(event).unwrap();
+        toolfleet_protocol::Envelope::ChatEvent
+            .validator()
+            .validate(&v)
+            .unwrap_or_else(|e| panic!("{v}: {e:?}"));
+    }
+    assert!(
+        second
+            .events
+            .iter()
+            .any(|e| serde_json::to_value(e).unwrap()["cached"] == json!(true)),
+        "{:?}",
+        second.events
+    );
     assert_eq!(runs(&ran), 2, "only the new question ran");
     assert_eq!(ran.lock().unwrap()[1].arguments, json!({ "q": "moon" }));
     let cited: Vec<(u64, String)> = second
