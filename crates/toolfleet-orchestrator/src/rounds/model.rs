@@ -35,14 +35,16 @@ impl Fleet {
     /// admitted under the tenant's limits first ([`crate::quota`]): a
     /// refusal is the [`Failure`] (`rate_limited`, `budget_exhausted`,
     /// `run_limit_exceeded`), and what the call used is counted after it.
+    /// A call whose prompt prefix differs from the invocation's previous
+    /// call's is counted in `toolfleet_prompt_prefix_changes_total`.
     pub async fn call_model(
         &self,
         inv: &mut Invocation,
         request: &mut ChatRequest,
         events: &Events,
     ) -> Result<Completion, Failure> {
+        self.note_prefix(inv, request);
         loop {
-            self.note_prefix(inv, request);
             for warning in self.admit_model_call(inv).await? {
                 events.send(warning);
             }
