@@ -541,4 +541,55 @@ bearer_token_env = "T"
             assert!(e.contains(why), "{bad}: {e}");
         }
     }
+
+    #[test]
+    fn the_documented_example_loads() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/mcp.md");
+        let text = std::fs::read_to_string(path).unwrap();
+        let start = text.find("```toml mcp-config\n").unwrap() + "```toml mcp-config\n".len();
+        let end = start + text[start..].find("```").unwrap();
+        let c = parse(&text[start..end]).unwrap();
+        let oauth = c.servers["files"].oauth.clone().unwrap();
+        assert_eq!(oauth.client_for(Some("acme")).client_id, "toolfleet-acme");
+        assert_eq!(oauth.client_for(Some("globex")).client_id, "toolfleet");
+        assert_eq!(oauth.client_for(None).client_id, "toolfleet");
+    }
+
+    #[test]
+    fn an_oauth_client_is_for_an_http_server_with_one_secret() {
+        let http = "[servers.n]\nurl = \"https://a/mcp\"\n";
+        for (bad, why) in [
+            (
+                "[servers.n]\ncommand = [\"x\"]\n[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"",
+                "oauth applies to an HTTP server",
+            ),
+            (
+                "[servers.n]\nurl = \"https://a/mcp\"\nbearer_token_env = \"T\"\n[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"",
+                "without a bearer token",
+            ),
+            (
+                &format!("{http}[servers.n.oauth]\nclient_id = \"c\""),
+                "give client_secret_file or client_secret_env",
+            ),
+            (
+                &format!(
+                    "{http}[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"\nclient_secret_file = \"/s\""
+                ),
+                "give client_secret_file or client_secret_env",
+            ),
+            (
+                &format!(
+                    "{http}[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"\n[servers.n.oauth.tenants.acme]\nclient_id = \"\"\nclient_secret_env = \"A\""
+                ),
+                "oauth.tenants.acme: client_id is empty",
+            ),
+            (
+                "[servers.n]\nurl = \"http://mcp.example.com/mcp\"\n[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"",
+                "https only",
+            ),
+        ] {
+            let e = parse(bad).expect_err(bad);
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+    }
 }
