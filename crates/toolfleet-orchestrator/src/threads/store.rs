@@ -57,8 +57,9 @@ pub struct ThreadArgs {
     /// The most messages a thread keeps (the oldest turns go first).
     #[arg(long, env = "TOOLFLEET_THREAD_MAX_MESSAGES", default_value_t = DEFAULT_THREAD_MAX_MESSAGES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=100_000))]
     pub thread_max_messages: usize,
-    /// The most bytes of messages (as JSON) a thread keeps.
-    #[arg(long, env = "TOOLFLEET_THREAD_MAX_BYTES", default_value_t = DEFAULT_THREAD_MAX_BYTES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=8 * 1024 * 1024))]
+    /// The most bytes of messages (as JSON) a thread keeps (at most 512
+    /// KiB: a thread's record, twice that at most, must fit a NATS message).
+    #[arg(long, env = "TOOLFLEET_THREAD_MAX_BYTES", default_value_t = DEFAULT_THREAD_MAX_BYTES, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1024..=512 * 1024))]
     pub thread_max_bytes: usize,
     /// How long an idempotency key is remembered, in seconds.
     #[arg(long, env = "TOOLFLEET_IDEMPOTENCY_WINDOW_SECS", default_value_t = DEFAULT_IDEMPOTENCY_WINDOW.as_secs(), value_parser = clap::value_parser!(u64).range(1..))]
