@@ -311,3 +311,38 @@ impl Fleet {
         ))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use toolfleet_config::Usd;
+    use toolfleet_protocol::schedule::RunBudget;
+
+    use super::*;
+
+    #[test]
+    fn a_jobs_budget_only_tightens_the_tenants_run_caps() {
+        let tenant = LimitKeys {
+            max_run_tokens: Some(1000),
+            max_run_spend_usd: Some(Usd::from_micros(500_000)),
+            ..LimitKeys::default()
+        };
+        let budget = |tokens, usd| {
+            Some(RunBudget {
+                max_tokens: tokens,
+                max_spend_usd: usd,
+            })
+        };
+        assert_eq!(with_budget(tenant, None), tenant);
+        // Lower: the job's wins.
+        let lower = with_budget(tenant, budget(Some(10), Some(0.25)));
+        assert_eq!(lower.max_run_tokens, Some(10));
+        assert_eq!(lower.max_run_spend_usd, Some(Usd::from_micros(250_000)));
+        // Higher: the tenant's stays.
+        let higher = with_budget(tenant, budget(Some(1_000_000), Some(100.0)));
+        assert_eq!(higher, tenant);
+        // A tenant without caps gets the job's.
+        let none = with_budget(LimitKeys::default(), budget(Some(7), None));
+        assert_eq!(none.max_run_tokens, Some(7));
+        assert_eq!(none.max_run_spend_usd, None);
+    }
+}
