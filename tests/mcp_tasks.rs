@@ -7,8 +7,10 @@
 //!   `execution.taskSupport`, a typed call's `structuredContent` checked
 //!   by the SDK against the schema;
 //! - a tool called as a task: polled with `tasks/get` until completed, its
-//!   result from `tasks/result` (with the task in `_meta`);
-//! - a long task cancelled with `tasks/cancel`: the fleet job is cancelled
+//!   result from `tasks/result` (with the task in `_meta`); another's
+//!   `tasks/result` asked for at once, waiting for the end;
+//! - a long task, its status message the tool's progress, cancelled with
+//!   `tasks/cancel`: the fleet job is cancelled
 //!   (its cancel subject, and the worker drops the tool's call), the task
 //!   stays cancelled, its result and a second cancel refused;
 //! - `tasks/list`, an unknown id and a bad cursor;
@@ -18,7 +20,7 @@
 
 mod support;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -26,10 +28,9 @@ use futures::StreamExt;
 use serde_json::{Value, json};
 use support::{Env, KillOnDrop, WAIT};
 
-/// Never answers: creates its marker, then waits until the worker drops
+/// Never answers: says so as progress, then waits until the worker drops
 /// it (a cancel), counting the drops.
 struct Stall {
-    marker: PathBuf,
     dropped: Arc<AtomicUsize>,
 }
 
@@ -46,11 +47,11 @@ impl toolfleet_worker::Tool for Stall {
     type Args = Value;
     async fn call(
         &self,
-        _ctx: &toolfleet_worker::ToolCtx,
+        ctx: &toolfleet_worker::ToolCtx,
         _args: Value,
     ) -> Result<toolfleet_worker::ToolOutput, toolfleet_worker::ToolError> {
         let _dropped = Dropped(self.dropped.clone());
-        std::fs::write(&self.marker, b"").unwrap();
+        ctx.progress("stalling until cancelled").await;
         std::future::pending::<()>().await;
         unreachable!("pending never ends")
     }
@@ -66,7 +67,6 @@ async fn fleet(dir: &Path) -> (Env, Arc<AtomicUsize>, support::TestWorker) {
     std::fs::write(&path, def.to_string()).unwrap();
     let dropped = Arc::new(AtomicUsize::new(0));
     let stall = Stall {
-        marker: dir.join("stalling"),
         dropped: dropped.clone(),
     };
     let worker = toolfleet_worker::Worker::builder("testing")
@@ -107,15 +107,14 @@ async fn serve_http(env: &Env, tenant: &str) -> (std::process::Child, String) {
 }
 
 /// Runs the task client against `target` as `tenant` (for stdio).
-async fn client(target: &str, env: &Env, tenant: &str, marker: &Path, args: &[&str]) -> Value {
+async fn client(target: &str, env: &Env, tenant: &str, args: &[&str]) -> Value {
     let mut command = std::process::Command::new("python3");
     command
         .arg(support::root().join("tests/mcp/task_client.py"))
         .arg(target)
         .args(args)
         .env("TOOLFLEET_NATS_URL", env.nats.url())
-        .env("TOOLFLEET_TENANT", tenant)
-        .env("STALL_MARKER", marker);
+        .env("TOOLFLEET_TENANT", tenant);
     let out = tokio::time::timeout(
         WAIT * 4,
         tokio::task::spawn_blocking(move || command.output()),
@@ -170,7 +169,17 @@ fn check_owner_saw(seen: &Value) {
         id
     );
 
+    // tasks/result of a working task waited for its end.
+    assert_eq!(
+        seen["waitedResult"]["structuredContent"]["utcOffset"], "-03:00",
+        "{seen}"
+    );
+    // A working task's status message is the tool's latest progress.
     assert_eq!(seen["slowWorking"]["status"], "working", "{seen}");
+    assert_eq!(
+        seen["slowWorking"]["statusMessage"], "stalling until cancelled",
+        "{seen}"
+    );
     assert_eq!(seen["cancelled"]["status"], "cancelled", "{seen}");
     assert_eq!(seen["cancelledAfter"]["status"], "cancelled", "{seen}");
     assert!(
@@ -208,13 +217,12 @@ fn check_owner_saw(seen: &Value) {
 async fn a_real_mcp_client_runs_tools_as_tasks_over_stdio_and_http() {
     let dir = tempfile::tempdir().unwrap();
     let (env, dropped, _worker) = fleet(dir.path()).await;
-    let marker = dir.path().join("stalling");
     let mut cancels = env.subscribe("toolfleet.chat.cancel.>".into()).await;
     let binary = env!("CARGO_BIN_EXE_toolfleet");
     let args = ["owner", "current_datetime", "stall"];
 
     // Over stdio: the kept task ends with the server (the client closes it).
-    let seen = client(binary, &env, "acme", &marker, &args).await;
+    let seen = client(binary, &env, "acme", &args).await;
     check_owner_saw(&seen);
     // The fleet job was cancelled: its cancel went out, and the worker
     // dropped the tool's call.
@@ -230,14 +238,13 @@ async fn a_real_mcp_client_runs_tools_as_tasks_over_stdio_and_http() {
     until_count(&dropped, 2, "the worker did not drop the cancelled calls").await;
 
     // Over streamable HTTP.
-    std::fs::remove_file(&marker).unwrap();
     let (mut server, url) = serve_http(&env, "acme").await;
     let _server = KillOnDrop(&mut server);
-    let seen = client(&url, &env, "acme", &marker, &args).await;
+    let seen = client(&url, &env, "acme", &args).await;
     check_owner_saw(&seen);
     until_count(&dropped, 3, "the worker did not drop the cancelled call").await;
     let kept = seen["kept"].as_str().unwrap();
-    let done = client(&url, &env, "acme", &marker, &["finish", kept]).await;
+    let done = client(&url, &env, "acme", &["finish", kept]).await;
     assert_eq!(done["before"]["status"], "working", "{done}");
     assert_eq!(done["after"]["status"], "cancelled", "{done}");
     until_count(&dropped, 4, "the worker did not drop the finished call").await;
@@ -247,13 +254,12 @@ async fn a_real_mcp_client_runs_tools_as_tasks_over_stdio_and_http() {
 async fn another_tenant_neither_sees_nor_cancels_a_task() {
     let dir = tempfile::tempdir().unwrap();
     let (env, dropped, _worker) = fleet(dir.path()).await;
-    let marker = dir.path().join("stalling");
     let (mut acme, acme_url) = serve_http(&env, "acme").await;
     let _acme = KillOnDrop(&mut acme);
     let (mut globex, globex_url) = serve_http(&env, "globex").await;
     let _globex = KillOnDrop(&mut globex);
     let args = ["owner", "current_datetime", "stall"];
-    let seen = client(&acme_url, &env, "acme", &marker, &args).await;
+    let seen = client(&acme_url, &env, "acme", &args).await;
     check_owner_saw(&seen);
     let ids: Vec<String> = ["task", "cancelled"]
         .iter()
@@ -263,7 +269,7 @@ async fn another_tenant_neither_sees_nor_cancels_a_task() {
 
     let mut args = vec!["intruder"];
     args.extend(ids.iter().map(String::as_str));
-    let tried = client(&globex_url, &env, "globex", &marker, &args).await;
+    let tried = client(&globex_url, &env, "globex", &args).await;
     for id in &ids {
         for method in ["tasks/get", "tasks/result", "tasks/cancel"] {
             let answer = tried["tries"][id][method].as_str().unwrap();
@@ -277,7 +283,7 @@ async fn another_tenant_neither_sees_nor_cancels_a_task() {
 
     // acme's task runs on, untouched, until acme cancels it.
     let kept = &ids[2];
-    let done = client(&acme_url, &env, "acme", &marker, &["finish", kept]).await;
+    let done = client(&acme_url, &env, "acme", &["finish", kept]).await;
     assert_eq!(done["before"]["status"], "working", "{done}");
     assert_eq!(done["after"]["status"], "cancelled", "{done}");
     until_count(

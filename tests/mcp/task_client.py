@@ -7,7 +7,8 @@ as one JSON object.
 
 Usage:
   task_client.py TARGET owner QUICK SLOW   calls QUICK typed and as a task
-      (polled, its result fetched), SLOW as a task it cancels, and SLOW
+      (polled, its result fetched; another's result waited for), SLOW as a
+      task it cancels once it runs, and SLOW
       again as a task it leaves running; lists the tasks
   task_client.py TARGET intruder ID...     tries tasks/get, tasks/result and
       tasks/cancel on each ID, and lists its own tasks
@@ -84,11 +85,16 @@ async def until_ended(session: ClientSession, task_id: str) -> list:
     return seen
 
 
-async def until_in_flight(marker: str) -> None:
-    """Waits until the slow tool is running (it creates MARKER)."""
+async def until_in_flight(session: ClientSession, task_id: str) -> dict:
+    """Polls task TASK_ID until its status message is the slow tool's
+    progress (it is running): the task then."""
     deadline = time.monotonic() + 30
-    while not os.path.exists(marker) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        task = await get(session, task_id)
+        if task.get("statusMessage") == "stalling until cancelled":
+            return task
         await anyio.sleep(0.05)
+    return task
 
 
 async def owner(session: ClientSession, quick: str, slow: str) -> dict:
@@ -103,11 +109,13 @@ async def owner(session: ClientSession, quick: str, slow: str) -> dict:
     result = await raw(session, "tasks/result", {"taskId": task["taskId"]})
     result = wire.CallToolResult.model_validate(result).model_dump(mode="json", by_alias=True, exclude_none=True)
 
+    # tasks/result of a task still working waits for its end.
+    waited = await start(session, quick, {"utcOffset": "-03:00"})
+    waited_result = await raw(session, "tasks/result", {"taskId": waited["taskId"]})
+
     # A slow task, cancelled while it runs; a second one left running.
-    marker = os.environ["STALL_MARKER"]
     cancelled = await start(session, slow, {})
-    await until_in_flight(marker)
-    working = await get(session, cancelled["taskId"])
+    working = await until_in_flight(session, cancelled["taskId"])
     after_cancel = wire.CancelTaskResult.model_validate(
         await raw(session, "tasks/cancel", {"taskId": cancelled["taskId"]})
     ).model_dump(mode="json", by_alias=True, exclude_none=True)
@@ -123,6 +131,7 @@ async def owner(session: ClientSession, quick: str, slow: str) -> dict:
         "task": task,
         "statuses": statuses,
         "result": result,
+        "waitedResult": waited_result,
         "slowWorking": working,
         "cancelled": after_cancel,
         "cancelledAfter": await get(session, cancelled["taskId"]),
