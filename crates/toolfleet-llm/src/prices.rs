@@ -8,6 +8,11 @@
 //! | `input` | number ≥ 0, required | uncached prompt tokens |
 //! | `cached_input` | number ≥ 0, `input` | prompt tokens served from the provider's cache |
 //! | `output` | number ≥ 0, required | completion tokens, reasoning tokens included |
+//!
+//! Cached prompt tokens are what the provider's usage reports as served
+//! from its prompt cache (`prompt_tokens_details.cached_tokens`, Responses
+//! `input_tokens_details.cached_tokens`); how the fleet keeps requests
+//! cacheable is docs/prompt-caching.md.
 
 use std::collections::BTreeMap;
 
