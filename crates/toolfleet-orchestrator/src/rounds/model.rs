@@ -184,7 +184,7 @@ pub fn prompt_cache_key(prefix: &str, tenant: &str, profile: &str) -> String {
     let mut input = Vec::with_capacity(prefix.len() + tenant.len() + profile.len() + 2);
     for (i, part) in [prefix, tenant, profile].into_iter().enumerate() {
         if i > 0 {
-            // A separator no name holds: (`a`, `b.c`) and (`a.b`, `c`)
+            // A separator no name holds: (`ab`, `c`) and (`a`, `bc`)
             // must not meet.
             input.push(0);
         }
