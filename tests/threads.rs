@@ -31,6 +31,9 @@ fn script() -> Value {
                 { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
                 { "answer": "after the clock: {{user}}",
                   "fault": { "kind": "slowFirstToken", "delayMs": 6000 } } ] },
+            { "whenUserContains": ["long"], "steps": [
+                { "answer": "at length: {{user}}",
+                  "fault": { "kind": "slowFirstToken", "delayMs": 4000 } } ] },
             { "whenUserContains": ["slow"], "steps": [
                 { "answer": "slowly: {{user}}",
                   "fault": { "kind": "slowFirstToken", "delayMs": 1500 } } ] }
@@ -295,6 +298,48 @@ async fn threads_enqueue_runs_the_waiting_jobs_one_at_a_time_in_order() {
         &["events", "--thread", "no-such-thread", "--no-follow"],
     );
     assert_eq!(code, Some(1), "{err}");
+}
+
+fn one_in_flight(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
+    config.max_in_flight = 1;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_a_waiting_job_gives_its_in_flight_place_back_while_it_waits() {
+    // Two orchestrators of one place each: one runs the thread's long job,
+    // the other takes the job queued behind it — which must not keep its
+    // place while it waits, or nothing else could run until the long job
+    // ends.
+    let (env, _second) = two_orchestrators(one_in_flight).await;
+    let enqueue = Some(MultitaskStrategy::Enqueue);
+    let long = job("t-place", "long task", enqueue);
+    let mut a = env.follow_and_submit(&long).await;
+    until(&mut a, "started").await;
+    let mut b = env
+        .follow_and_submit(&job("t-place", "queued behind", enqueue))
+        .await;
+    until(&mut b, "thread").await;
+    let meanwhile = env
+        .submit(&toolfleet_protocol::client::question("meanwhile"))
+        .await
+        .unwrap();
+    assert_eq!(meanwhile.text, "noted: meanwhile");
+    // The long job has not ended: the other job did not wait for it.
+    let store = env.store().await;
+    let ended = store
+        .terminal_event(toolfleet_store::InvocationKey::new(
+            "default",
+            &long.invocation_id,
+        ))
+        .await
+        .unwrap();
+    assert!(
+        ended.is_none(),
+        "a job waited for the thread's long job to end"
+    );
+    let (ea, eb) = tokio::join!(events_until_terminal(&mut a), events_until_terminal(&mut b));
+    assert_eq!(ea.last().unwrap()["type"], "completed", "{ea:?}");
+    assert_eq!(eb.last().unwrap()["type"], "completed", "{eb:?}");
 }
 
 /// A job of thread `thread` that calls the clock, then answers slowly; a

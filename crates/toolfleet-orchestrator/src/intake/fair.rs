@@ -372,9 +372,10 @@ impl Dispatcher {
                 sweeper.dispose(poison, msg, Some(permit), &tracker);
                 return;
             }
-            super::handle(&fleet, &plugins, msg).await;
+            // The permit goes with the job: a job waiting for its thread
+            // gives it back while it waits (`threads::Seat`).
+            super::handle_holding(&fleet, &plugins, msg, Some(permit)).await;
             drop(held);
-            drop(permit);
         });
     }
 

@@ -153,12 +153,26 @@ fn job_limit(fleet: &Fleet, tenant: Option<&str>) -> usize {
 
 /// Handles one delivery of a chat job (see the module docs).
 pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message) {
+    handle_holding(fleet, plugins, msg, None).await;
+}
+
+/// [`handle`], the job holding `place` (its dispatcher's in-flight permit)
+/// until its run ends — given back while it waits for its thread.
+pub(crate) async fn handle_holding(
+    fleet: &Arc<Fleet>,
+    plugins: &Plugins,
+    msg: jetstream::Message,
+    place: Option<tokio::sync::OwnedSemaphorePermit>,
+) {
     // Boxed: the steps before the run are brief, and their futures (the
     // claim, every refusal) are large; inline, the job's task would carry
     // their space for as long as the run waits on its model.
-    let Some((taken, leg, span)) = Box::pin(admit(fleet, msg)).await else {
+    let Some((taken, mut leg, span)) = Box::pin(admit(fleet, msg)).await else {
         return;
     };
+    if let Leg::Fresh { place: held, .. } = &mut leg {
+        *held = place;
+    }
     run::run(fleet, plugins, taken, leg).instrument(span).await
 }
 
@@ -258,6 +272,7 @@ async fn admit(fleet: &Arc<Fleet>, msg: jetstream::Message) -> Option<(Taken, Le
         agent_depth: depth_of(msg.headers.as_ref()),
         inherited_approval: crate::agents::inherited_approval(msg.headers.as_ref()),
         job: Box::new(job),
+        place: None,
     };
     let taken = Taken {
         msg,

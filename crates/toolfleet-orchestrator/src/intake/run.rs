@@ -34,6 +34,9 @@ pub(super) enum Leg {
         agent_depth: u32,
         /// A nested job's caller's approval rules (`Toolfleet-Require-Approval`).
         inherited_approval: Vec<toolfleet_protocol::tools::ToolRef>,
+        /// The dispatcher's in-flight permit the run holds (given back
+        /// while the job waits for its thread).
+        place: Option<tokio::sync::OwnedSemaphorePermit>,
     },
     /// From its parked record, every held call decided.
     Resume(Box<Parked>),
@@ -88,6 +91,9 @@ struct Run<'a> {
     keep_alive: Held,
     /// The job's place on its thread, when it names one.
     thread: Option<Arc<crate::threads::Seat>>,
+    /// The dispatcher's permit, held until the run ends (a thread's job
+    /// holds it through its seat).
+    _place: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The job's idempotency key, when it has one.
     idempotency_key: Option<String>,
 }
@@ -136,15 +142,34 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         &id,
         first_seq,
     );
-    let thread = match &leg {
-        Leg::Fresh { job, .. } => {
-            crate::threads::Seat::of(job, &tenant, taken.delivery.stream_sequence, deadline.at_ms)
+    let mut leg = leg;
+    let (thread, place) = match &mut leg {
+        Leg::Fresh { job, place, .. } => {
+            let seat = crate::threads::Seat::of(
+                job,
+                &tenant,
+                taken.delivery.stream_sequence,
+                deadline.at_ms,
+            );
+            // A thread's job holds its permit through its seat.
+            let place = match &seat {
+                Some(seat) => {
+                    seat.hold(place.take());
+                    None
+                }
+                None => place.take(),
+            };
+            (seat, place)
         }
-        Leg::Resume(p) => crate::threads::Seat::resumed(&p.job, &tenant, deadline.at_ms),
+        Leg::Resume(p) => (
+            crate::threads::Seat::resumed(&p.job, &tenant, deadline.at_ms),
+            None,
+        ),
     };
     let idempotency_key = leg.job().idempotency_key.clone();
     let run = Run {
         thread,
+        _place: place,
         idempotency_key,
         keep_alive: fleet.heartbeat.hold(&taken.msg),
         fleet,
@@ -212,6 +237,7 @@ impl Run<'_> {
                     job,
                     agent_depth,
                     inherited_approval,
+                    ..
                 } => {
                     let nesting = frame::Nesting {
                         agent_depth,

@@ -10,7 +10,9 @@
 //! subject and wait for it to let go. A waiting job stays inside its run,
 //! under its lease, deadline and cancel, so an orchestrator that dies
 //! while it waits loses nothing: the job is delivered again and finds its
-//! place in line. The context stage puts the thread's conversation
+//! place in line. While it waits it gives its dispatcher's in-flight
+//! permit back (other jobs run meanwhile), and takes one again before it
+//! runs. The context stage puts the thread's conversation
 //! before the job's new messages ([`ThreadTap::prepend`]); the run taps
 //! the conversation as it goes ([`ThreadTap::tap`]: at the start, after
 //! each finished batch of tool calls, at the answer), so a run cut short
@@ -29,7 +31,9 @@ pub mod tap;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+
 use std::time::Duration;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use toolfleet_protocol::thread::{MultitaskStrategy, ThreadState, thread_key};
 use toolfleet_protocol::{ChatEventBody, ChatJob};
@@ -76,6 +80,9 @@ pub struct Seat {
     tap: ThreadTap,
     /// It has the thread (its leave lets it go, with its turn).
     holding: AtomicBool,
+    /// The dispatcher's in-flight permit the run holds: given back while
+    /// the job waits, taken again before it runs.
+    place: std::sync::Mutex<Option<OwnedSemaphorePermit>>,
 }
 
 impl Seat {
@@ -92,6 +99,7 @@ impl Seat {
             until_ms: deadline_ms + SEAT_MARGIN_MS,
             tap: ThreadTap::default(),
             holding: AtomicBool::new(false),
+            place: std::sync::Mutex::new(None),
         }))
     }
 
@@ -101,6 +109,32 @@ impl Seat {
         let seat = Self::of(job, tenant, 0, deadline_ms)?;
         seat.holding.store(true, Ordering::Release);
         Some(seat)
+    }
+
+    /// Holds `place` (the run's in-flight permit) for the run.
+    pub(crate) fn hold(&self, place: Option<OwnedSemaphorePermit>) {
+        *self.place.lock().unwrap_or_else(|e| e.into_inner()) = place;
+    }
+
+    /// Gives the run's permit back while the job waits: its semaphore, to
+    /// take one again with.
+    fn give_place_back(&self) -> Option<Arc<Semaphore>> {
+        let permit = self
+            .place
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()?;
+        Some(permit.semaphore().clone())
+    }
+
+    /// Takes a permit again, before the job runs (waiting like any job
+    /// for a free one).
+    async fn take_place(&self, semaphore: Option<Arc<Semaphore>>) {
+        if let Some(semaphore) = semaphore
+            && let Ok(permit) = semaphore.acquire_owned().await
+        {
+            *self.place.lock().unwrap_or_else(|e| e.into_inner()) = Some(permit);
+        }
     }
 
     fn key(&self) -> String {
@@ -167,6 +201,8 @@ impl Seat {
             }
         };
         say(self.event(state, strategy, ahead.clone()));
+        // Waiting runs nothing: the permit goes back for other jobs.
+        let semaphore = self.give_place_back();
         loop {
             tokio::time::sleep(WAIT_POLL).await;
             let (arrival, prior) = store::change(bucket, &key, |r: &mut ThreadRecord| {
@@ -177,6 +213,7 @@ impl Seat {
             .await
             .map_err(unavailable)?;
             if arrival == Arrival::Run {
+                self.take_place(semaphore).await;
                 say(self.event(ThreadState::Running, strategy, ahead));
                 self.took(prior);
                 return Ok(());
