@@ -540,17 +540,24 @@ async fn not_before_delays_a_job_and_one_too_far_ahead_is_refused() {
     // submission.
     job.timeout_ms = Some(2000);
     let mut events = env.follow_and_submit(&job).await;
-    let first = support::next_json(&mut events).await;
-    let first_at = SystemTime::now()
+    // Its followers hear at once that it is scheduled ...
+    let scheduled = support::next_json(&mut events).await;
+    assert_eq!(scheduled["type"], "scheduled", "{scheduled}");
+    assert_eq!(scheduled["seq"], 0);
+    assert_eq!(scheduled["notBefore"], not_before.as_str());
+    // ... and it starts no earlier than its time, numbered on from there.
+    let started = support::next_json(&mut events).await;
+    let started_at = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()
         .as_millis();
     assert!(
-        first_at >= not_before_ms,
-        "the job started before its notBefore {not_before}: {first}"
+        started_at >= not_before_ms,
+        "the job started before its notBefore {not_before}: {started}"
     );
-    let mut rest = events_until_terminal(&mut events).await;
-    rest.insert(0, first);
+    assert_eq!(started["type"], "started", "{started}");
+    assert_eq!(started["seq"], 1);
+    let rest = events_until_terminal(&mut events).await;
     assert_eq!(rest.last().unwrap()["type"], "completed", "{rest:?}");
 
     // Thirty days ahead is more than the fleet's week.

@@ -1421,6 +1421,14 @@ pub enum ChatEventBody {
         /// The key both jobs carry.
         idempotency_key: String,
     },
+    /// The job asked to start later (its `notBefore`,
+    /// `docs/schedules.md`): it waits in the chat stream, and `started`
+    /// follows at its time. Always `seq` 0; the run's events go on from 1.
+    #[serde(rename_all = "camelCase")]
+    Scheduled {
+        /// When it starts, as the job gave it (RFC 3339).
+        not_before: String,
+    },
     /// A piece of the answer as the model streams it, `[doc:N]` markers as
     /// written.
     Delta {
@@ -1625,6 +1633,7 @@ impl ChatEventBody {
             ChatEventBody::Started { .. } => "started",
             ChatEventBody::Thread { .. } => "thread",
             ChatEventBody::Duplicate { .. } => "duplicate",
+            ChatEventBody::Scheduled { .. } => "scheduled",
             ChatEventBody::Delta { .. } => "delta",
             ChatEventBody::ToolCall { .. } => "tool_call",
             ChatEventBody::ToolResult { .. } => "tool_result",

@@ -72,15 +72,47 @@ pub(crate) fn start_of(job: &ChatJob, now_ms: u64, max_ahead: Duration) -> Start
 /// (`published_ms`), or its `notBefore` when that is later — a delayed
 /// job's `timeoutMs` is its run's, not spent waiting.
 pub(super) fn counted_from(job: &ChatJob, published_ms: Option<u64>) -> Option<u64> {
-    let not_before = job
-        .not_before
-        .as_deref()
-        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
-        .and_then(|t| u64::try_from(t.timestamp_millis()).ok());
-    match (published_ms, not_before) {
+    match (published_ms, not_before_ms(job)) {
         (Some(p), Some(n)) => Some(p.max(n)),
         (p, n) => p.or(n),
     }
+}
+
+/// The job's `notBefore` in unix ms, when it has one that can be read.
+fn not_before_ms(job: &ChatJob) -> Option<u64> {
+    job.not_before
+        .as_deref()
+        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+        .and_then(|t| u64::try_from(t.timestamp_millis()).ok())
+}
+
+/// Was `job` submitted to wait (published before its `notBefore`)? Its
+/// first event is then `scheduled` (seq 0), and its run's go on from 1.
+fn scheduled(job: &ChatJob, published_ms: Option<u64>) -> bool {
+    let wait = u64::try_from(RUN_NOW_WITHIN.as_millis()).unwrap_or(u64::MAX);
+    matches!((published_ms, not_before_ms(job)), (Some(p), Some(n)) if p.saturating_add(wait) < n)
+}
+
+/// The `seq` of a fresh run's first event: 1 after a `scheduled` event,
+/// else 0.
+pub(super) fn first_seq(job: &ChatJob, published_ms: Option<u64>) -> u64 {
+    u64::from(scheduled(job, published_ms))
+}
+
+/// Tells the job's followers it is scheduled: its `scheduled` event, seq
+/// 0 (sent again, the same, by a repeated delivery).
+async fn announce(fleet: &Fleet, job: &ChatJob, tenant: &str) {
+    let Some(not_before) = job.not_before.clone() else {
+        return;
+    };
+    let events = crate::Events::start(
+        fleet.client.clone(),
+        &fleet.config.subjects,
+        tenant,
+        &job.invocation_id,
+    );
+    events.send(toolfleet_protocol::ChatEventBody::Scheduled { not_before });
+    events.close().await;
 }
 
 /// Settles a delivery whose job may not run yet: given back with a delay
@@ -100,8 +132,18 @@ pub(super) async fn held_back(
         fleet.config.max_not_before,
     );
     match start {
-        Start::Now => false,
+        Start::Now => {
+            // Submitted to wait, but first taken after its time: said all
+            // the same, so its run's events follow a `scheduled` one.
+            if delivery.attempt == 1 && scheduled(job, delivery.published_ms) {
+                announce(fleet, job, tenant).await;
+            }
+            false
+        }
         Start::Later(wait) => {
+            if scheduled(job, delivery.published_ms) {
+                announce(fleet, job, tenant).await;
+            }
             let inv = InvocationKey::new(tenant, &job.invocation_id);
             let _ = fleet.store.release_lease(inv, holder).await;
             info!(invocation_id = %job.invocation_id, tenant, wait_secs = wait.as_secs(),

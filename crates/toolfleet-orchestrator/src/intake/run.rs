@@ -122,7 +122,8 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
     let (first_seq, owner, deadline, resumed_from) = match &leg {
         Leg::Fresh { job, .. } => {
             let (at_ms, timeout) = invocation_deadline(fleet, job, taken.delivery, now);
-            (0, owner(taken.delivery), Deadline { at_ms, timeout }, None)
+            let first = super::delay::first_seq(job, taken.delivery.published_ms);
+            (first, owner(taken.delivery), Deadline { at_ms, timeout }, None)
         }
         // The wait for a person did not count: what was left then.
         Leg::Resume(p) => (
