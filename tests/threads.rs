@@ -300,6 +300,55 @@ async fn threads_enqueue_runs_the_waiting_jobs_one_at_a_time_in_order() {
     assert_eq!(code, Some(1), "{err}");
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_a_profiles_strategy_applies_when_the_job_names_none() {
+    let env = Env::start_with(
+        script(),
+        Options {
+            profiles_toml: Some(
+                r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+multitask_strategy = "enqueue"
+"#
+                .into(),
+            ),
+            ..Options::default()
+        },
+    )
+    .await;
+    let mut a = env
+        .follow_and_submit(&job("t-profile", "slow one", None))
+        .await;
+    until(&mut a, "started").await;
+    // No strategy of its own: the profile's (enqueue) makes it wait.
+    let second = run(&env, &job("t-profile", "second", None)).await;
+    assert_eq!(event(&second, "thread")["state"], "queued", "{second:?}");
+    assert_eq!(event(&second, "thread")["strategy"], "enqueue");
+    assert_eq!(second.last().unwrap()["type"], "completed", "{second:?}");
+    // The job's own strategy wins over the profile's.
+    let mut c = env
+        .follow_and_submit(&job("t-profile", "slow again", None))
+        .await;
+    until(&mut c, "started").await;
+    let refused = run(
+        &env,
+        &job("t-profile", "not now", Some(MultitaskStrategy::Reject)),
+    )
+    .await;
+    assert_eq!(
+        event(&refused, "error")["code"],
+        "thread_busy",
+        "{refused:?}"
+    );
+    events_until_terminal(&mut a).await;
+    events_until_terminal(&mut c).await;
+}
+
 fn one_in_flight(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
     config.max_in_flight = 1;
 }
