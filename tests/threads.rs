@@ -349,6 +349,61 @@ multitask_strategy = "enqueue"
     events_until_terminal(&mut c).await;
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_a_dead_orchestrators_place_lapses_and_the_line_moves_on() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    // What an orchestrator that died mid-run (and whose job never came
+    // back) leaves: the thread held by its job until its deadline and
+    // margin, here 2.5 s from now.
+    let now = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    )
+    .unwrap();
+    let record = json!({
+        "active": { "invocationId": "ghost-run", "untilMs": now + 2500 },
+        "messages": [ { "role": "user", "content": "said before the crash" } ],
+        "turns": 1
+    });
+    let js = async_nats::jetstream::new(env.client.clone());
+    let kv = js
+        .get_key_value(env.subjects.threads_bucket())
+        .await
+        .unwrap();
+    kv.put("default.t-ghost", record.to_string().into())
+        .await
+        .unwrap();
+    let events = run(
+        &env,
+        &job(
+            "t-ghost",
+            "after the crash",
+            Some(MultitaskStrategy::Enqueue),
+        ),
+    )
+    .await;
+    let states: Vec<(&str, &str)> = events
+        .iter()
+        .filter(|e| e["type"] == "thread")
+        .map(|e| (e["state"].as_str().unwrap(), e["ahead"].as_str().unwrap()))
+        .collect();
+    assert_eq!(
+        states,
+        [("queued", "ghost-run"), ("running", "ghost-run")],
+        "{events:?}"
+    );
+    assert_eq!(events.last().unwrap()["type"], "completed", "{events:?}");
+    // The thread's conversation survived the crash.
+    let said = transcript(&requests_for(&env, "after the crash")[0]);
+    assert_eq!(
+        said[1..],
+        ["user: said before the crash", "user: after the crash"],
+        "{said:?}"
+    );
+}
+
 fn one_in_flight(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
     config.max_in_flight = 1;
 }
