@@ -37,6 +37,18 @@ pub struct ChatArgs {
     /// deployment's batch service tier.
     #[arg(long)]
     pub batch: bool,
+    /// The thread the question continues (1-128 of [A-Za-z0-9_-]): the
+    /// fleet keeps its earlier turns (docs/threads.md).
+    #[arg(long)]
+    pub thread: Option<String>,
+    /// When the thread has a job running: reject, enqueue, interrupt or
+    /// rollback (else the profile's, else reject).
+    #[arg(long, requires = "thread")]
+    pub strategy: Option<toolfleet_protocol::thread::MultitaskStrategy>,
+    /// A key that makes a repeat of this question (within the fleet's
+    /// window, 24 h) get the first one's answer instead of running again.
+    #[arg(long)]
+    pub idempotency_key: Option<String>,
 }
 
 /// What `toolfleet chat` shows on stderr while it waits: the tool calls as
@@ -201,6 +213,20 @@ pub async fn run(args: ChatArgs) -> anyhow::Result<i32> {
     job.profile = args.profile.clone();
     job.user = args.user.clone();
     job.priority = args.batch.then_some(toolfleet_protocol::Priority::Batch);
+    for (flag, value) in [
+        ("--thread", &args.thread),
+        ("--idempotency-key", &args.idempotency_key),
+    ] {
+        if let Some(value) = value
+            && !toolfleet_protocol::thread::valid_thread_id(value)
+        {
+            eprintln!("toolfleet chat: {flag} {value:?} is not 1-128 of [A-Za-z0-9_-]");
+            return Ok(64);
+        }
+    }
+    job.thread_id = args.thread.clone();
+    job.multitask_strategy = args.strategy;
+    job.idempotency_key = args.idempotency_key.clone();
     // The trace starts here: the orchestrator's and the workers' spans are
     // its children (exported when an OTLP endpoint is configured).
     let span = tracing::info_span!(

@@ -404,6 +404,31 @@ async fn threads_a_dead_orchestrators_place_lapses_and_the_line_moves_on() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_toolfleet_chat_takes_a_thread_and_an_idempotency_key() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    let url = env.nats.url();
+    let chat = |args: &[&str]| support::toolfleet_at(&url, &[&["chat"], args].concat());
+    let (code, out, err) = chat(&["--thread", "t-cli", "my name is Bo"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("noted: my name is Bo"), "{out}");
+    let (code, _, err) = chat(&["--thread", "t-cli", "--strategy", "enqueue", "who am I?"]);
+    assert_eq!(code, Some(0), "{err}");
+    let said = transcript(&requests_for(&env, "who am I?")[0]);
+    assert_eq!(said[1], "user: my name is Bo", "{said:?}");
+    for _ in 0..2 {
+        let (code, out, err) = chat(&["--idempotency-key", "k-cli", "count me once"]);
+        assert_eq!(code, Some(0), "{err}");
+        assert!(out.contains("noted: count me once"), "{out}");
+    }
+    assert_eq!(requests_for(&env, "count me once").len(), 1);
+    let (code, _, err) = chat(&["--thread", "a.b", "bad"]);
+    assert_eq!(code, Some(64), "{err}");
+    assert!(err.contains("--thread"), "{err}");
+    let (code, _, err) = chat(&["--thread", "t-cli", "--strategy", "merge", "bad"]);
+    assert_ne!(code, Some(0), "{err}");
+}
+
 fn one_in_flight(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
     config.max_in_flight = 1;
 }
