@@ -35,30 +35,33 @@ pub enum Plan {
 
 /// What `schedule` does at `now` (unix seconds).
 ///
-/// On time (at most [`ON_TIME_GRACE_SECS`] late), its due time is fired
-/// and the next one follows it (which may be due already: it fires at the
-/// next tick, so a quick schedule loses no due time to a slow tick). Late,
-/// `skip` moves to the first due time after now, and `catch_up_one` fires
-/// one run, for the latest missed due time, then does the same.
+/// On time (at most [`ON_TIME_GRACE_SECS`] late), one run is fired, for
+/// the latest due time passed (several pass together only when a look
+/// came late, e.g. a second-by-second schedule after a stall: they are
+/// one run, so the schedule never falls behind), and the next due time is
+/// the first after now. Late, `skip` moves to the first due time after
+/// now, and `catch_up_one` fires one run, for the latest missed due time,
+/// then does the same.
 pub fn plan(schedule: &Schedule, timing: &Timing, now: i64) -> Result<Plan, TimingError> {
     if schedule.paused || now < schedule.next_due {
         return Ok(Plan::Wait);
     }
+    let next_due = timing.next_after(now)?;
+    let latest = timing
+        .latest_at_or_before(now)
+        .unwrap_or(schedule.next_due)
+        .max(schedule.next_due);
     if now - schedule.next_due <= ON_TIME_GRACE_SECS {
         return Ok(Plan::Fire {
-            due: schedule.next_due,
-            next_due: timing.next_after(schedule.next_due)?,
+            due: latest,
+            next_due,
             catch_up: false,
         });
     }
-    let next_due = timing.next_after(now)?;
     Ok(match schedule.missed {
         MissedPolicy::Skip => Plan::SkipMissed { next_due },
         MissedPolicy::CatchUpOne => Plan::Fire {
-            due: timing
-                .latest_at_or_before(now)
-                .unwrap_or(schedule.next_due)
-                .max(schedule.next_due),
+            due: latest,
             next_due,
             catch_up: true,
         },
@@ -100,6 +103,17 @@ mod tests {
             Plan::Fire {
                 due: 600,
                 next_due: 660,
+                catch_up: false
+            }
+        );
+        // A late look (three due times of a five-second schedule passed):
+        // one run, for the latest, and the schedule is not behind after.
+        let quick = Timing::parse("*/5 * * * * *", "UTC").unwrap();
+        assert_eq!(
+            plan(&schedule(600, MissedPolicy::Skip), &quick, 611).unwrap(),
+            Plan::Fire {
+                due: 610,
+                next_due: 615,
                 catch_up: false
             }
         );
