@@ -369,7 +369,7 @@ async fn schedules_a_missed_due_time_is_skipped_or_caught_up_once_across_two_orc
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn schedules_a_busy_schedule_never_runs_twice_at_once_and_pause_stops_it() {
+async fn schedules_a_busy_schedule_never_runs_twice_at_once_pause_stops_it_and_resume_goes_on() {
     // Each run takes its time (a slow first token), longer than a second.
     let script = json!({
         "firstTokenDelayMs": 2500,
@@ -444,6 +444,27 @@ async fn schedules_a_busy_schedule_never_runs_twice_at_once_and_pause_stops_it()
         .map(|m| m.get_counter().get_value())
         .sum::<f64>();
     assert!(skipped >= 1.0, "due times found it busy and were skipped");
+
+    // Resumed, it fires again: one run, for a due time after the pause
+    // (the seconds it was paused are not made up one by one).
+    let before = submitted.seen.len();
+    let resumed_at = now_secs();
+    assert_eq!(
+        schedule_cli(&env, &["resume", "--tenant", "acme", "--id", "busy"]).await,
+        0
+    );
+    submitted.until(before + 1).await;
+    let due: i64 = submitted.seen[before]
+        .0
+        .strip_prefix("sched-busy-")
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(due >= resumed_at - 1, "a stale due time {due} was fired");
+    assert_eq!(
+        schedule_cli(&env, &["rm", "--tenant", "acme", "--id", "busy"]).await,
+        0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
