@@ -118,7 +118,10 @@ fn with_budget(
     if let Some(tokens) = budget.max_tokens {
         limits.max_run_tokens = Some(limits.max_run_tokens.map_or(tokens, |t| t.min(tokens)));
     }
-    if let Some(usd) = budget.max_spend_usd.and_then(toolfleet_config::Usd::from_usd) {
+    if let Some(usd) = budget
+        .max_spend_usd
+        .and_then(toolfleet_config::Usd::from_usd)
+    {
         limits.max_run_spend_usd = Some(
             limits
                 .max_run_spend_usd
