@@ -61,9 +61,9 @@ use reject::{Refusal, Refused};
 use run::{Leg, Taken};
 
 pub use cancels::CANCEL_OUTCOMES;
-pub use delay::DEFAULT_MAX_NOT_BEFORE;
 pub(crate) use cancels::listen_for_cancels;
 pub(crate) use decisions::handle_decision;
+pub use delay::DEFAULT_MAX_NOT_BEFORE;
 pub(crate) use fair::{Dispatcher, Intake};
 pub(crate) use reject::poison;
 
