@@ -7,7 +7,10 @@
 //! `TOOL` is `namespace:name` (every version), or a whole id whose version
 //! is then ignored — results of a version are never kept apart from its
 //! other versions' generation. A tenant's purge leaves the tool's
-//! `global` results, which no tenant owns, alone.
+//! `global` results, which no tenant owns, alone. The command cannot know
+//! every tool a fleet runs: a name no result was ever stored under (a
+//! typo) is purged all the same, and the output says that nothing was
+//! known to be cached under it.
 
 use clap::{Args, Subcommand};
 
@@ -75,7 +78,7 @@ async fn purge(args: PurgeArgs) -> anyhow::Result<i32> {
         return Ok(toolfleet_service::args::EXIT_CONFIG);
     }
     let store = args.store.connect().await?;
-    let generation = store.cache_purge(&tool, args.tenant.as_deref()).await?;
+    let purged = store.cache_purge(&tool, args.tenant.as_deref()).await?;
     match args.output {
         Output::Text => {
             let whose = args
@@ -83,15 +86,22 @@ async fn purge(args: PurgeArgs) -> anyhow::Result<i32> {
                 .as_deref()
                 .map_or("every tenant".to_owned(), |t| format!("tenant {t}"));
             println!(
-                "purged the cached results of {tool} (every version) for {whose} (generation {generation})"
+                "purged the cached results of {tool} (every version) for {whose} (generation {})",
+                purged.generation
             );
+            if !purged.known {
+                println!(
+                    "note: nothing was known to be cached under {tool} for {whose}: no result of it was stored within the longest TTL (is the name right?)"
+                );
+            }
         }
         Output::Json => println!(
             "{}",
             serde_json::json!({
                 "tool": tool,
                 "tenant": args.tenant,
-                "generation": generation,
+                "generation": purged.generation,
+                "known": purged.known,
             })
         ),
     }

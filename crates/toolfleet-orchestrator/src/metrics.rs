@@ -275,11 +275,11 @@ const TOOL_CALLS: Spec = spec(
 );
 const TOOL_CACHE: Spec = spec(
     "toolfleet_tool_cache_total",
-    "Calls of tools with a result cache, by outcome: hit (answered from the cache), miss (run), store (an ok result kept), bypass (the cache did not answer, or a user-scoped call had no user: run uncached).",
+    "Calls of tools with a result cache, by outcome: hit (answered from the cache), miss (run), store (an ok result kept), skip (an ok result not kept: it had warnings, was replayed, or was over 256 KiB), bypass (the cache did not answer or was passed by after a failure, or a user-scoped call had no user: run uncached).",
     &["tool", "outcome"],
 );
 /// Every `outcome` of `toolfleet_tool_cache_total`.
-pub const TOOL_CACHE_OUTCOMES: [&str; 4] = ["hit", "miss", "store", "bypass"];
+pub const TOOL_CACHE_OUTCOMES: [&str; 5] = ["hit", "miss", "store", "skip", "bypass"];
 const TOOL_CALL_DURATION: Spec = spec(
     "toolfleet_tool_call_duration_seconds",
     "Tool call round trip as the orchestrator sees it.",

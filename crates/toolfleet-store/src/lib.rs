@@ -214,6 +214,9 @@ pub struct CitationStore {
     reserve: redis::Script,
     retry_budget: Duration,
     secrets: Arc<Secrets>,
+    /// The tool-result cache's breaker, shared by every clone: a lookup
+    /// that failed keeps the cache passed by for a while.
+    cache_breaker: Arc<tool_cache::Breaker>,
 }
 
 impl std::fmt::Debug for CitationStore {
@@ -347,6 +350,7 @@ impl CitationStore {
             reserve: redis::Script::new(RESERVE),
             retry_budget: options.retry_budget,
             secrets,
+            cache_breaker: Arc::default(),
         })
     }
 

@@ -2,7 +2,8 @@
 //! `cache` ([`toolfleet_protocol::tools::ToolCache`]), kept for the
 //! definition's TTL and given again to a call with the same tool version,
 //! the same arguments (in any key order), the same context a tool may read
-//! (data source, attached documents, resource) and the same scope.
+//! (data source, attached documents, resource, the tenant's settings of
+//! the tool) and the same scope.
 //!
 //! Keys, all of one tool under the hash tag `{tc:<ns>:<name>}` (every
 //! version of the tool), so a lookup is one `MGET` in one slot of a
@@ -21,22 +22,33 @@
 //! a purge is one `INCR` and purged entries simply lapse. A store checks
 //! the generations it read before the call ran, in the same script that
 //! writes the entry: a result of a call that began before a purge is not
-//! kept. The generation keys outlive every entry that names them (each
-//! store renews them for longer than any entry lives), so a generation
-//! never starts again from zero under a live entry.
+//! kept. A generation key that is missing is *unknown*, never zero: a
+//! lookup that finds none is a miss whatever the entry says, and the store
+//! that finds none sets it to a fresh random number (a purge of a missing
+//! one too, before adding one), so an entry stored under a generation that
+//! was lost (evicted, deleted) never matches again. The generation keys
+//! outlive every entry that names them (each store renews them for longer
+//! than any entry lives). An entry is at most [`MAX_ENTRY_BYTES`]: a
+//! bigger result is not stored.
 //!
 //! The digest is SHA-256 of the canonical JSON ([`canonical_json`]: keys
 //! sorted at every depth, numbers as `serde_json` prints them) of the tool
-//! id with its version, the arguments, the context and, for scope `user`,
-//! the user. Tenant and user are the ones the fleet decided, never a
-//! job's claim.
+//! id with its version, the arguments, the context, the SHA-256 of the
+//! tenant's settings of the tool and, for scope `user`, the user. Tenant
+//! and user are the ones the fleet decided, never a job's claim. A
+//! `global` call whose context names a data source, attached documents or
+//! a resource — names that mean something only inside one tenant — is kept
+//! as its tenant's (scope `tenant` for that call).
 //!
-//! A lookup is tried once, within [`LOOKUP_TIMEOUT`]: a cache that does
-//! not answer is a miss for the caller, never a wait or an error of the
-//! call.
+//! A lookup is tried once, within [`LOOKUP_TIMEOUT`]; one that fails or
+//! does not answer in time opens the store's breaker: for
+//! [`BREAKER_OPEN_FOR`] every lookup and store is passed by at once
+//! without asking Redis. A cache that does not answer is a miss for the
+//! caller, never an error of the call, and costs it at most one short
+//! wait per breaker period.
 
-use std::sync::LazyLock;
-use std::time::Duration;
+use std::sync::{LazyLock, Mutex};
+use std::time::{Duration, Instant};
 
 use serde_json::{Value, json};
 use toolfleet_protocol::ToolResult;
@@ -48,33 +60,104 @@ use crate::{CitationError, CitationStore, ErrorKind};
 /// longer than any entry ([`MAX_CACHE_TTL_MS`]) plus a day.
 pub const GENERATION_TTL: Duration = Duration::from_millis(MAX_CACHE_TTL_MS + 86_400_000);
 
-/// How long a lookup or a store may take before the cache is passed by.
-pub const LOOKUP_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long a lookup may take before the cache is passed by: a call of a
+/// cached tool waits at most this long for Redis (a healthy one on the
+/// same network answers in well under a millisecond).
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
+
+/// How long a store may take (it runs in a task of its own: no answer
+/// waits for it).
+pub const STORE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// How long the cache is passed by, without asking Redis, after a lookup
+/// failed or did not answer in time: a slow Redis costs a batch of calls
+/// one [`LOOKUP_TIMEOUT`], not one each.
+pub const BREAKER_OPEN_FOR: Duration = Duration::from_secs(5);
+
+/// The largest entry (the result's JSON and its generations) kept: a
+/// bigger result is not stored ([`Stored::TooLarge`]), so one tool's
+/// answers cannot fill Redis.
+pub const MAX_ENTRY_BYTES: usize = 256 * 1024;
 
 /// Writes an entry only while the generations are the ones the lookup
-/// read; renews the generation keys so they outlive the entry.
-const STORE: &str = r"
-local function num(k) return tonumber(redis.call('GET', k) or '0') or 0 end
-if num(KEYS[1]) ~= tonumber(ARGV[1]) or num(KEYS[2]) ~= tonumber(ARGV[2]) then
-  return 0
-end
-redis.call('SET', KEYS[3], ARGV[3], 'PX', ARGV[4])
+/// read (ARGV 1 and 2; empty: the key was missing, and must still be: it
+/// is then set to the fresh number in ARGV 6 or 7); renews the generation
+/// keys so they outlive the entry. The entry is JSON:
+/// `{"gens":[all,tenant],"result":…}`.
+const STORE: &str = r#"
+local gens = {}
 for i = 1, 2 do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+  if i == 2 and KEYS[2] == KEYS[1] then
+    gens[2] = gens[1]
+  else
+    local cur = redis.call('GET', KEYS[i])
+    if ARGV[i] == '' then
+      if cur then return 0 end
+      cur = ARGV[5 + i]
+      redis.call('SET', KEYS[i], cur, 'PX', ARGV[5])
+    elseif cur ~= ARGV[i] then
+      return 0
+    end
+    gens[i] = cur
+  end
 end
+local entry = '{"gens":[' .. gens[1] .. ',' .. gens[2] .. '],"result":' .. ARGV[3] .. '}'
+redis.call('SET', KEYS[3], entry, 'PX', ARGV[4])
+redis.call('PEXPIRE', KEYS[1], ARGV[5])
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
 return 1
-";
+"#;
 
-/// Adds one to a generation and sets its TTL; the new generation.
+/// Adds one to a generation (a missing one first set to the fresh number
+/// in ARGV 2) and sets its TTL: the new generation, and whether the key
+/// was there (1) or not (0).
 const PURGE: &str = r"
+local known = redis.call('EXISTS', KEYS[1])
+if known == 0 then redis.call('SET', KEYS[1], ARGV[2]) end
 local g = redis.call('INCR', KEYS[1])
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
-return g
+return {g, known}
 ";
 
 /// [`STORE`] and [`PURGE`], their digests computed once.
 static STORE_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(STORE));
 static PURGE_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(PURGE));
+
+/// A fresh generation for a key that is missing: a random number between
+/// 2^32 and 2^52 (exact in any JSON reader, and `INCR` never overflows
+/// it), so no entry stored under a lost generation matches the new one.
+fn fresh_generation() -> u64 {
+    let random = uuid::Uuid::new_v4().as_u128();
+    (1 << 32) + u64::try_from(random % ((1 << 52) - (1 << 32))).unwrap_or(0)
+}
+
+/// The cache's breaker: open for [`BREAKER_OPEN_FOR`] after a lookup
+/// failed. Shared by every clone of a [`CitationStore`].
+#[derive(Debug, Default)]
+pub(crate) struct Breaker {
+    /// Until when the cache is passed by.
+    open_until: Mutex<Option<Instant>>,
+}
+
+impl Breaker {
+    /// Whether the cache is passed by now.
+    fn is_open(&self) -> bool {
+        let guard = self
+            .open_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        guard.is_some_and(|until| Instant::now() < until)
+    }
+
+    /// Passes the cache by for [`BREAKER_OPEN_FOR`] from now.
+    fn open(&self) {
+        *self
+            .open_until
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(Instant::now() + BREAKER_OPEN_FOR);
+    }
+}
 
 /// Where a call's result is cached: its tool, tenant (none for a global
 /// entry) and digest. Made by [`CacheKey::new`].
@@ -103,12 +186,29 @@ pub struct CallScope<'a> {
     pub attached_documents: &'a [String],
     /// The chat job's resource.
     pub resource: Option<&'a str>,
+    /// The tenant's settings of the tool, as its job carries them (a tool
+    /// with a `settingsSchema`): a result made under other settings is
+    /// another call's.
+    pub settings: Option<&'a Value>,
+}
+
+impl CallScope<'_> {
+    /// Whether the call names something that means something only inside
+    /// its tenant: a data source, attached documents or a resource.
+    fn names_tenant_things(&self) -> bool {
+        self.data_source_id.is_some_and(|d| !d.is_empty())
+            || !self.attached_documents.is_empty()
+            || self.resource.is_some_and(|r| !r.is_empty())
+    }
 }
 
 impl CacheKey {
     /// The key of a call of `tool` with `arguments` in `call`'s scope;
     /// `None` for scope `user` without an authenticated user (such a call
-    /// is not cached).
+    /// is not cached). A `global` call that names a data source, attached
+    /// documents or a resource is keyed as its tenant's (scope `tenant`):
+    /// another tenant naming the same `resource` means another thing by
+    /// it, and must not get this tenant's result.
     #[must_use]
     pub fn new(
         tool: &ToolId,
@@ -116,10 +216,17 @@ impl CacheKey {
         arguments: &Value,
         call: &CallScope<'_>,
     ) -> Option<Self> {
+        let scope = match scope {
+            CacheScope::Global if call.names_tenant_things() => CacheScope::Tenant,
+            other => other,
+        };
         let user = match scope {
             CacheScope::User => Some(call.user.filter(|u| !u.is_empty())?),
             CacheScope::Tenant | CacheScope::Global => None,
         };
+        let settings = call
+            .settings
+            .map(|s| sha256_hex(canonical_json(s).as_bytes()));
         let canonical = canonical_json(&json!({
             "tool": tool.to_string(),
             "arguments": arguments,
@@ -127,6 +234,7 @@ impl CacheKey {
             "dataSourceId": call.data_source_id,
             "attachedDocuments": call.attached_documents,
             "resource": call.resource,
+            "settings": settings,
         }));
         Some(Self {
             tool: format!("{}:{}", tool.namespace, tool.name),
@@ -141,6 +249,13 @@ impl CacheKey {
     pub fn digest(&self) -> &str {
         &self.digest
     }
+
+    /// The scope the call is kept under: the definition's, except a
+    /// `global` call that names its tenant's things ([`CacheKey::new`]).
+    #[must_use]
+    pub fn scope(&self) -> CacheScope {
+        self.scope
+    }
 }
 
 /// A cached result found by [`CitationStore::cache_lookup`].
@@ -153,12 +268,36 @@ pub enum Lookup {
     Miss(Generations),
 }
 
-/// The generations a lookup read: a result is stored under them only if
-/// they are still current ([`CitationStore::cache_store`]).
+/// The generations a lookup read (`None`: the key was missing): a result
+/// is stored under them only if they are still current
+/// ([`CitationStore::cache_store`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Generations {
-    all: u64,
-    tenant: u64,
+    all: Option<u64>,
+    tenant: Option<u64>,
+}
+
+/// What [`CitationStore::cache_store`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stored {
+    /// The result is kept.
+    Kept,
+    /// A purge (or another store that set a missing generation) came
+    /// since the lookup: nothing kept, the result may predate the purge.
+    Purged,
+    /// The entry would be over [`MAX_ENTRY_BYTES`]: nothing kept.
+    TooLarge,
+}
+
+/// What [`CitationStore::cache_purge`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Purged {
+    /// The new generation.
+    pub generation: u64,
+    /// Whether the generation key was there: when not, nothing is known
+    /// to be cached under it (no result of the tool — of the tenant, with
+    /// one — was stored for longer than any entry lives, or ever).
+    pub known: bool,
 }
 
 /// `value` as canonical JSON: object keys sorted at every depth, no
@@ -235,30 +374,36 @@ impl CitationStore {
 
     /// The stored result of `key`'s call, if one under the current
     /// generations is there; one `MGET`, tried once within
-    /// [`LOOKUP_TIMEOUT`].
+    /// [`LOOKUP_TIMEOUT`]. A lookup that fails opens the breaker.
     ///
     /// # Errors
     ///
-    /// [`ErrorKind::Unavailable`] when Redis does not answer in time (the
-    /// caller runs the call as if nothing were stored), else as every
-    /// operation. An unreadable entry is a miss, not an error.
+    /// [`ErrorKind::Unavailable`] when Redis does not answer in time or
+    /// the breaker is open (the caller runs the call as if nothing were
+    /// stored), else as every operation. An unreadable entry is a miss,
+    /// not an error.
     pub async fn cache_lookup(&self, key: &CacheKey) -> Result<Lookup, CitationError> {
+        self.breaker_closed("cache_lookup")?;
         let keys = self.cache_keys(key);
-        let (all, tenant, entry): (Option<u64>, Option<u64>, Option<String>) = self
-            .once("cache_lookup", |mut conn| {
+        let looked = self
+            .once("cache_lookup", LOOKUP_TIMEOUT, |mut conn| {
                 let keys = &keys;
                 async move { redis::cmd("MGET").arg(keys).query_async(&mut conn).await }
             })
-            .await?;
-        let now = Generations {
-            all: all.unwrap_or(0),
-            tenant: tenant.unwrap_or(0),
-        };
+            .await;
+        if looked.is_err() {
+            self.cache_breaker.open();
+        }
+        let (all, tenant, entry): (Option<u64>, Option<u64>, Option<String>) = looked?;
+        let now = Generations { all, tenant };
         let stored = entry.and_then(|s| serde_json::from_str::<Value>(&s).ok());
         let hit = stored.and_then(|v| {
             let gens = v.get("gens")?.as_array()?;
-            let current =
-                gens.first()?.as_u64()? == now.all && gens.get(1)?.as_u64()? == now.tenant;
+            // A missing generation is unknown: nothing matches it.
+            let current = now.all.is_some()
+                && now.tenant.is_some()
+                && gens.first()?.as_u64() == now.all
+                && gens.get(1)?.as_u64() == now.tenant;
             current
                 .then(|| serde_json::from_value::<ToolResult>(v.get("result")?.clone()).ok())
                 .flatten()
@@ -270,8 +415,8 @@ impl CitationStore {
     }
 
     /// Stores `result` as `key`'s for `ttl`, unless a purge came after
-    /// the lookup that read `gens` (then nothing is stored). Whether it
-    /// was stored. Tried once within [`LOOKUP_TIMEOUT`].
+    /// the lookup that read `gens` ([`Stored::Purged`]) or it is too large
+    /// ([`Stored::TooLarge`]). Tried once within [`STORE_TIMEOUT`].
     ///
     /// # Errors
     ///
@@ -282,35 +427,49 @@ impl CitationStore {
         gens: Generations,
         result: &ToolResult,
         ttl: Duration,
-    ) -> Result<bool, CitationError> {
-        let value = json!({ "gens": [gens.all, gens.tenant], "result": result }).to_string();
+    ) -> Result<Stored, CitationError> {
+        self.breaker_closed("cache_store")?;
+        let result = serde_json::to_string(result)
+            .map_err(|e| CitationError::new(ErrorKind::Invalid, format!("cache_store: {e}")))?;
+        // The generations and the JSON around the result: at most 64
+        // bytes.
+        if result.len() + 64 > MAX_ENTRY_BYTES {
+            return Ok(Stored::TooLarge);
+        }
+        let generation = |g: Option<u64>| g.map(|g| g.to_string()).unwrap_or_default();
         let mut script = STORE_SCRIPT.prepare_invoke();
         for k in self.cache_keys(key) {
             script.key(k);
         }
         script
-            .arg(gens.all)
-            .arg(gens.tenant)
-            .arg(value)
+            .arg(generation(gens.all))
+            .arg(generation(gens.tenant))
+            .arg(result)
             .arg(
                 u64::try_from(ttl.as_millis())
                     .unwrap_or(MAX_CACHE_TTL_MS)
                     .max(1),
             )
-            .arg(u64::try_from(GENERATION_TTL.as_millis()).unwrap_or(u64::MAX));
+            .arg(u64::try_from(GENERATION_TTL.as_millis()).unwrap_or(u64::MAX))
+            .arg(fresh_generation())
+            .arg(fresh_generation());
         let script = &script;
         let stored: i64 = self
-            .once("cache_store", |mut conn| async move {
+            .once("cache_store", STORE_TIMEOUT, |mut conn| async move {
                 script.invoke_async(&mut conn).await
             })
             .await?;
-        Ok(stored == 1)
+        Ok(if stored == 1 {
+            Stored::Kept
+        } else {
+            Stored::Purged
+        })
     }
 
     /// Purges `tool`'s cached results (`ns:name`: every version): of
     /// `tenant` only (its tenant- and user-scoped entries; global ones
-    /// stay), or of everyone. The new generation. Safe to repeat (a
-    /// second purge purges nothing more).
+    /// stay), or of everyone. Safe to repeat (a second purge purges
+    /// nothing more).
     ///
     /// # Errors
     ///
@@ -320,7 +479,7 @@ impl CitationStore {
         &self,
         tool: &str,
         tenant: Option<&str>,
-    ) -> Result<u64, CitationError> {
+    ) -> Result<Purged, CitationError> {
         let Some((ns, name)) = tool.split_once(':') else {
             return Err(CitationError::new(
                 ErrorKind::Invalid,
@@ -344,22 +503,45 @@ impl CitationStore {
         let mut script = PURGE_SCRIPT.prepare_invoke();
         script
             .key(key)
-            .arg(u64::try_from(GENERATION_TTL.as_millis()).unwrap_or(u64::MAX));
+            .arg(u64::try_from(GENERATION_TTL.as_millis()).unwrap_or(u64::MAX))
+            .arg(fresh_generation());
         let script = &script;
-        self.run("cache_purge", |mut conn| async move {
-            script.invoke_async(&mut conn).await
+        let (generation, known): (u64, i64) = self
+            .run("cache_purge", |mut conn| async move {
+                script.invoke_async(&mut conn).await
+            })
+            .await?;
+        Ok(Purged {
+            generation,
+            known: known == 1,
         })
-        .await
     }
 
-    /// Runs `op` once, within [`LOOKUP_TIMEOUT`]: the cache is worth no
-    /// retries (a miss costs one tool call).
-    async fn once<T, F, Fut>(&self, what: &'static str, op: F) -> Result<T, CitationError>
+    /// An [`ErrorKind::Unavailable`] error, without asking Redis, while
+    /// the breaker is open.
+    fn breaker_closed(&self, what: &str) -> Result<(), CitationError> {
+        if self.cache_breaker.is_open() {
+            return Err(CitationError::new(
+                ErrorKind::Unavailable,
+                format!("{what}: passed by (a lookup failed within the last {BREAKER_OPEN_FOR:?})"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Runs `op` once, within `limit`: the cache is worth no retries (a
+    /// miss costs one tool call).
+    async fn once<T, F, Fut>(
+        &self,
+        what: &'static str,
+        limit: Duration,
+        op: F,
+    ) -> Result<T, CitationError>
     where
         F: FnOnce(crate::Conn) -> Fut,
         Fut: std::future::Future<Output = redis::RedisResult<T>>,
     {
-        match tokio::time::timeout(LOOKUP_TIMEOUT, op(self.conn.clone())).await {
+        match tokio::time::timeout(limit, op(self.conn.clone())).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => {
                 let mut error = CitationError::from(e);
@@ -368,7 +550,7 @@ impl CitationStore {
             }
             Err(_) => Err(CitationError::new(
                 ErrorKind::Unavailable,
-                format!("{what}: no answer within {LOOKUP_TIMEOUT:?}"),
+                format!("{what}: no answer within {limit:?}"),
             )),
         }
     }
@@ -457,6 +639,88 @@ mod tests {
             key(&tool, CacheScope::Global, json!({"a": 1}), &acme()),
             key(&tool, CacheScope::Global, json!({"a": 1}), &globex)
         );
+    }
+
+    #[test]
+    fn a_global_call_naming_its_tenants_things_is_the_tenants() {
+        let tool = id("units:convert@1.0.0");
+        let args = json!({"a": 1});
+        let docs = ["d1".to_owned()];
+        for (tenant, named) in [
+            (
+                "acme",
+                CallScope {
+                    resource: Some("page-7"),
+                    ..acme()
+                },
+            ),
+            (
+                "acme",
+                CallScope {
+                    data_source_id: Some("hr"),
+                    ..acme()
+                },
+            ),
+            (
+                "acme",
+                CallScope {
+                    attached_documents: &docs,
+                    ..acme()
+                },
+            ),
+            (
+                "globex",
+                CallScope {
+                    tenant: "globex",
+                    resource: Some("page-7"),
+                    ..acme()
+                },
+            ),
+        ] {
+            let key = CacheKey::new(&tool, CacheScope::Global, &args, &named).unwrap();
+            assert_eq!(key.scope(), CacheScope::Tenant, "{named:?}");
+            assert_eq!(key.tenant.as_deref(), Some(tenant));
+        }
+        let acme_page = CallScope {
+            resource: Some("page-7"),
+            ..acme()
+        };
+        let globex_page = CallScope {
+            tenant: "globex",
+            ..acme_page
+        };
+        assert_ne!(
+            CacheKey::new(&tool, CacheScope::Global, &args, &acme_page),
+            CacheKey::new(&tool, CacheScope::Global, &args, &globex_page),
+            "the same resource of two tenants is two calls"
+        );
+        // Empty names name nothing: still global.
+        let empty = CallScope {
+            resource: Some(""),
+            data_source_id: Some(""),
+            ..acme()
+        };
+        let key = CacheKey::new(&tool, CacheScope::Global, &args, &empty).unwrap();
+        assert_eq!(key.scope(), CacheScope::Global);
+        assert_eq!(key.tenant, None);
+    }
+
+    #[test]
+    fn other_settings_are_another_call() {
+        let tool = id("units:convert@1.0.0");
+        let args = json!({"a": 1});
+        let old = json!({"units": "metric", "region": "eu"});
+        let reordered = json!({"region": "eu", "units": "metric"});
+        let new = json!({"units": "imperial", "region": "eu"});
+        let with = |settings| CallScope { settings, ..acme() };
+        let key = |settings| CacheKey::new(&tool, CacheScope::Tenant, &args, &with(settings));
+        assert_eq!(
+            key(Some(&old)),
+            key(Some(&reordered)),
+            "key order does not matter"
+        );
+        assert_ne!(key(Some(&old)), key(Some(&new)));
+        assert_ne!(key(Some(&old)), key(None));
     }
 
     #[test]

@@ -1,23 +1,28 @@
 //! The tool-result cache at dispatch (`docs/tool-cache.md`): a call of a
 //! tool whose definition has a `cache` is looked up before its job goes
 //! out, and answered at once from a stored `ok` result of the same tool
-//! version, arguments (in any key order), context and scope; otherwise its
-//! job goes out as any other, and an `ok` result is stored when it comes
-//! back ([`keep`]).
+//! version, arguments (in any key order), context, tenant settings of the
+//! tool and scope; otherwise its job goes out as any other, and an `ok`
+//! result without warnings is stored when it comes back ([`keep`]).
 //!
 //! The scope's tenant and user are the fleet's: the submit subject's
 //! tenant, and the user only when the operator trusts the tenant's users
 //! (`Invocation::ctx`), never a field of the job. A `user`-scoped call
 //! without one is not cached. Errors, `blocked` and timed-out results are
-//! never stored, nor are calls held for an approval (they never reach
-//! dispatch). A cache that does not answer is passed by: the call runs,
-//! and `toolfleet_tool_cache_total{outcome="bypass"}` counts it.
+//! never stored, nor results with warnings (a truncated reply, an output
+//! that missed its schema, a fallback: nothing to freeze for a TTL), nor
+//! results read back from a ledger (`replayed`), nor calls held for an
+//! approval (they never reach dispatch). A cache that does not answer is
+//! passed by (and, for a while, not asked: the store's breaker): the call
+//! runs, and `toolfleet_tool_cache_total{outcome="bypass"}` counts it.
 //!
 //! A hit's references get fresh indices from this invocation's counter
 //! (one reservation under the call's id, as a worker's would be, so a
 //! replayed run reuses them), and the result's `[doc:N]` markers are
-//! renumbered to match: citations of a cached result work as a fresh
-//! one's.
+//! renumbered to match — a marker that names none of its references is
+//! dropped: citations of a cached result work as a fresh one's. Only the
+//! references the call itself cited are stored, as a fresh result keeps
+//! only those.
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -26,7 +31,7 @@ use serde_json::Value;
 use toolfleet_llm::ToolCall;
 use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{ChatEventBody, ToolResult, ToolStatus};
-use toolfleet_store::tool_cache::{CacheKey, CallScope, Generations, Lookup};
+use toolfleet_store::tool_cache::{CacheKey, CallScope, Generations, Lookup, Stored};
 use toolfleet_store::{InvocationKey, NewReference};
 use tracing::{debug, warn};
 
@@ -49,12 +54,13 @@ pub(super) struct Miss {
 type Looked = Result<Option<Miss>, ToolOutcome>;
 
 /// Looks `call` of `tool` with `arguments` up in the cache, when its
-/// definition has one. A hit publishes its `tool_result` event (`cached`)
-/// here and marks the call's `span` ok.
+/// definition has one; `settings` are the tenant's settings of the tool
+/// that its job would carry (part of the key). A hit publishes its
+/// `tool_result` event (`cached`) here and marks the call's `span` ok.
 pub(super) async fn look(
     fleet: &Fleet,
     inv: &Invocation,
-    (call, tool, arguments): (&ToolCall, &CompiledTool, &Value),
+    (call, tool, arguments, settings): (&ToolCall, &CompiledTool, &Value, Option<&Value>),
     events: &Events,
     span: &tracing::Span,
 ) -> Looked {
@@ -76,6 +82,7 @@ pub(super) async fn look(
         data_source_id: inv.ctx.data_source_id.as_deref(),
         attached_documents: &inv.ctx.attached_documents,
         resource: inv.ctx.resource.as_deref(),
+        settings,
     };
     let Some(key) = CacheKey::new(&def.id, cache.scope, arguments, &scope) else {
         // Scope `user`, and no user the fleet vouches for.
@@ -126,8 +133,8 @@ async fn replay(
     started: Instant,
     events: &Events,
 ) -> Option<ToolOutcome> {
-    let mut content = stored.content;
     let mut references = Vec::new();
+    let mut renumbered: HashMap<u64, u64> = HashMap::new();
     if !stored.references.is_empty() {
         let old: Vec<u64> = stored.references.iter().map(|r| r.index).collect();
         let fresh = stored
@@ -159,13 +166,15 @@ async fn replay(
                 return None;
             }
         };
-        let renumbered: HashMap<u64, u64> = old
+        renumbered = old
             .into_iter()
             .zip(references.iter().map(|r| r.index))
             .collect();
-        content =
-            toolfleet_protocol::references::renumber(&content, |n| renumbered.get(&n).copied());
     }
+    // Always: a marker the stored result has no reference for would cite
+    // whatever this invocation holds under its number.
+    let content =
+        toolfleet_protocol::references::renumber(&stored.content, |n| renumbered.get(&n).copied());
     fleet
         .metrics
         .tool_calls
@@ -187,34 +196,90 @@ async fn replay(
     })
 }
 
+/// Why an `ok` `result` is not stored, if it is not: only one without
+/// warnings, as its worker first made it, is.
+fn unfit(result: &ToolResult) -> Option<&'static str> {
+    if !result.warnings.is_empty() {
+        Some("it carries warnings")
+    } else if result.replayed {
+        Some("it was read back from a ledger")
+    } else {
+        None
+    }
+}
+
 /// Stores `result` for the call that missed (in a task of its own: the
-/// call's answer never waits for it), when it is `ok`: an error, a
-/// `blocked` or a timed-out result is never kept, nor the model calls a
-/// tool spent (a hit spends none).
+/// call's answer never waits for it), when it is fit ([`unfit`]): an
+/// error, a `blocked` or a timed-out result is never kept, nor one with
+/// warnings or replayed, nor the model calls a tool spent (a hit spends
+/// none), nor references another call cited (as a fresh result's).
 pub(super) fn keep(fleet: &Fleet, miss: Miss, result: &ToolResult) {
+    let metrics = fleet.metrics.tool_cache.clone();
+    let count = move |tool: &str, outcome: &str| metrics.with_label_values(&[tool, outcome]).inc();
     if result.status != ToolStatus::Ok || result.error.is_some() {
+        return;
+    }
+    if let Some(why) = unfit(result) {
+        debug!(tool = %miss.tool, why, "a result is not cached");
+        count(&miss.tool, "skip");
         return;
     }
     let mut kept = result.clone();
     kept.llm_calls.clear();
-    kept.replayed = false;
+    kept.references
+        .retain(|r| r.call_id.as_deref() == Some(result.call_id.as_str()));
     let store = fleet.store.clone();
-    let metrics = fleet.metrics.tool_cache.clone();
     tokio::spawn(async move {
         let outcome = match store
             .cache_store(&miss.key, miss.gens, &kept, miss.ttl)
             .await
         {
-            Ok(true) => "store",
+            Ok(Stored::Kept) => "store",
             // Purged since the lookup: the result may predate the purge.
-            Ok(false) => return,
+            Ok(Stored::Purged) => return,
+            Ok(Stored::TooLarge) => {
+                debug!(tool = %miss.tool, "a result is too large to cache");
+                "skip"
+            }
             Err(e) => {
                 debug!(tool = %miss.tool, error = %e, "a result could not be cached");
                 "bypass"
             }
         };
-        metrics
-            .with_label_values(&[miss.tool.as_str(), outcome])
-            .inc();
+        count(&miss.tool, outcome);
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ok() -> ToolResult {
+        serde_json::from_value(serde_json::json!({
+            "invocationId": "inv-1",
+            "callId": "call_1",
+            "toolId": "units:convert@1.0.0",
+            "status": "ok",
+            "content": "1 m is 100 cm",
+            "attempt": 1,
+            "durationMs": 3
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn only_a_result_without_warnings_and_not_replayed_is_fit_to_keep() {
+        assert_eq!(unfit(&ok()), None);
+        let mut warned = ok();
+        warned.warnings.push(toolfleet_protocol::ToolWarning {
+            code: "reply_truncated".into(),
+            message: "cut".into(),
+        });
+        assert_eq!(unfit(&warned), Some("it carries warnings"));
+        let replayed = ToolResult {
+            replayed: true,
+            ..ok()
+        };
+        assert_eq!(unfit(&replayed), Some("it was read back from a ledger"));
+    }
 }

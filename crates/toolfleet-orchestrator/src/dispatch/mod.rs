@@ -477,10 +477,18 @@ impl ToolRunner<'_> {
         let def = &tool.definition;
         let id = def.id.to_string();
         span.record("gen_ai.tool.name", id.as_str());
-        let cached = cache::look(self.fleet, inv, (call, &tool, &arguments), events, &span).await?;
+        // The settings first: they are part of the cache's key.
+        let settings = self.settings_for(inv, call, def, &span, events).await?;
+        let cached = cache::look(
+            self.fleet,
+            inv,
+            (call, &tool, &arguments, settings.as_ref()),
+            events,
+            &span,
+        )
+        .await?;
         let call_ctx = self.call_context(inv, call, def, &span);
         let headers = call_ctx.to_headers();
-        let settings = self.settings_for(inv, call, def, &span, events).await?;
         let body = encode(&ToolJob {
             arguments,
             settings,
