@@ -434,7 +434,7 @@ mod tests {
         .unwrap_err();
         assert!(bad_tz.contains("IANA"), "{bad_tz}");
         let budget = build(
-            &add_args(&["--cron", "0 9 * * *", "--max-spend-usd", "-1"], &job),
+            &add_args(&["--cron", "0 9 * * *", "--max-spend-usd=-1"], &job),
             0,
         )
         .unwrap_err();

@@ -68,7 +68,7 @@ async fn start_server(dir: &Path, mcp: u16, auth: u16) -> std::process::Child {
 /// The worker's configuration: the default client, acme's own, and
 /// globex's with a wrong secret; and the same server again as `fixed`,
 /// with a static bearer token (`token`).
-fn config(dir: &Path, mcp: u16, token: &str) -> std::path::PathBuf {
+fn config(dir: &Path, mcp: u16, auth: u16, token: &str) -> std::path::PathBuf {
     let secret = |name: &str, value: &str| {
         let path = dir.join(name);
         std::fs::write(&path, format!("{value}\n")).unwrap();
@@ -80,6 +80,7 @@ fn config(dir: &Path, mcp: u16, token: &str) -> std::path::PathBuf {
 url = "http://127.0.0.1:{mcp}/mcp"
 init_timeout_ms = 5000
 [servers.tides.oauth]
+issuer = "http://127.0.0.1:{auth}"
 client_id = "fleet"
 client_secret_file = "{}"
 [servers.tides.oauth.tenants.acme]
@@ -176,7 +177,7 @@ async fn the_mcp_import_gets_tokens_per_tenant_with_oauth_and_the_resource_param
     let mut first = start_server(dir.path(), mcp, auth).await;
     let first = KillOnDrop(&mut first);
     let token = static_token(auth, &resource).await;
-    let config = config(dir.path(), mcp, &token);
+    let config = config(dir.path(), mcp, auth, &token);
     let log = dir.path().join("worker.log");
     let mut worker = start_worker(&env, &config, &log);
     let _worker = KillOnDrop(&mut worker);

@@ -7,18 +7,22 @@ for this resource), and beside it a small authorization-server stand-in
 Usage: oauth_server.py MCP_PORT AS_PORT LOG
 
 - the MCP server: http://127.0.0.1:MCP_PORT/mcp, a tool `whoami` that
-  answers with the OAuth client id of the token it was called with;
+  answers with the OAuth client id of the token it was called with, and
+  a tool `slow` that answers after `seconds`;
 - the authorization server: http://127.0.0.1:AS_PORT, RFC 8414 metadata
   and a token endpoint for the client-credentials grant (client
   authentication by HTTP Basic) that REFUSES a request whose `resource`
   parameter is missing or is not the MCP server's URL (`invalid_target`),
   and a client whose secret is wrong (`invalid_client`); each token
   request is written to LOG as a JSON line (client id, resource, outcome:
-  never a secret).
+  never a secret). Its tokens live TOKEN_LIFETIME seconds (an environment
+  variable; 600 when not set).
 """
 
+import asyncio
 import base64
 import json
+import os
 import secrets
 import sys
 import threading
@@ -41,6 +45,7 @@ CLIENTS = {
     "fleet-acme": "acme-s3cret-7c1b",
     "fleet-globex": "globex-s3cret-55aa",
 }
+LIFETIME = int(os.environ.get("TOKEN_LIFETIME", "600"))
 TOKENS: dict = {}  # token -> (client id, resource, expires at)
 LOCK = threading.Lock()
 
@@ -110,9 +115,11 @@ class AuthorizationServer(BaseHTTPRequestHandler):
             return
         token = secrets.token_urlsafe(24)
         with LOCK:
-            TOKENS[token] = (client_id, resource, int(time.time()) + 600)
+            # Checked at each request; kept a while past its expiry, so a
+            # call that started with it may still run to its end.
+            TOKENS[token] = (client_id, resource, int(time.time()) + LIFETIME + 60)
         log({**entry, "outcome": "issued"})
-        self.answer(200, {"access_token": token, "token_type": "Bearer", "expires_in": 600, "scope": "tides"})
+        self.answer(200, {"access_token": token, "token_type": "Bearer", "expires_in": LIFETIME, "scope": "tides"})
 
     def log_message(self, format: str, *args) -> None:
         pass
@@ -144,6 +151,13 @@ def whoami() -> str:
     """Says which OAuth client called."""
     token = get_access_token()
     return f"called by client {token.client_id if token else 'nobody'}"
+
+
+@server.tool(annotations=ToolAnnotations(read_only_hint=True))
+async def slow(seconds: float) -> str:
+    """Answers after `seconds`."""
+    await asyncio.sleep(seconds)
+    return f"slept {seconds}s"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@
 //! [servers.files]
 //! url = "https://files.example.com/mcp"
 //! [servers.files.oauth]                 # OAuth 2.1 client credentials (instead of a bearer token)
+//! issuer = "https://auth.example.com"   # the only authorization server the secret goes to (or token_endpoint)
 //! client_id = "toolfleet"
 //! client_secret_file = "/run/secrets/files_client_secret"  # or client_secret_env
 //! # scope = "files:read"
@@ -124,6 +125,14 @@ pub struct ServerSpec {
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct OAuthSpec {
+    /// The authorization server trusted with the secrets: its metadata
+    /// must name this issuer, and the protected resource must name it
+    /// among its authorization servers. Required unless `token_endpoint`
+    /// is given.
+    pub issuer: Option<String>,
+    /// The token endpoint, when the operator names it (then no
+    /// authorization-server metadata is needed); else the issuer's.
+    pub token_endpoint: Option<String>,
     pub client_id: String,
     /// A file holding the client secret (read at each token request).
     pub client_secret_file: Option<PathBuf>,
@@ -161,8 +170,31 @@ impl OAuthSpec {
         }
     }
 
-    /// Every client has an id and exactly one place for its secret.
+    /// The authorization server is named (an https URL, or http to
+    /// loopback); every client has an id and exactly one place for its
+    /// secret.
     fn check(&self) -> Result<(), String> {
+        if self.issuer.is_none() && self.token_endpoint.is_none() {
+            return Err(
+                "oauth: give issuer (the authorization server trusted with the secret) or token_endpoint"
+                    .into(),
+            );
+        }
+        for (key, value) in [
+            ("issuer", &self.issuer),
+            ("token_endpoint", &self.token_endpoint),
+        ] {
+            if let Some(value) = value {
+                let ok = url::Url::parse(value).is_ok_and(|u| {
+                    u.scheme() == "https" || (u.scheme() == "http" && crate::oauth::is_loopback(&u))
+                });
+                if !ok {
+                    return Err(format!(
+                        "oauth.{key} {value:?} is not an https URL (or http to loopback)"
+                    ));
+                }
+            }
+        }
         let clients = std::iter::once((String::from("oauth"), self.client_for(None))).chain(
             self.tenants
                 .iter()
@@ -558,37 +590,49 @@ bearer_token_env = "T"
     #[test]
     fn an_oauth_client_is_for_an_http_server_with_one_secret() {
         let http = "[servers.n]\nurl = \"https://a/mcp\"\n";
+        let issued =
+            |rest: &str| format!("{http}[servers.n.oauth]\nissuer = \"https://as\"\n{rest}");
+        assert!(parse(&issued("client_id = \"c\"\nclient_secret_env = \"S\"")).is_ok());
+        assert!(
+            parse(&format!(
+                "{http}[servers.n.oauth]\ntoken_endpoint = \"https://as/token\"\nclient_id = \"c\"\nclient_secret_env = \"S\""
+            ))
+            .is_ok()
+        );
         for (bad, why) in [
             (
-                "[servers.n]\ncommand = [\"x\"]\n[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"",
+                "[servers.n]\ncommand = [\"x\"]\n[servers.n.oauth]\nissuer = \"https://as\"\nclient_id = \"c\"\nclient_secret_env = \"S\"".to_string(),
                 "oauth applies to an HTTP server",
             ),
             (
-                "[servers.n]\nurl = \"https://a/mcp\"\nbearer_token_env = \"T\"\n[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"",
+                "[servers.n]\nurl = \"https://a/mcp\"\nbearer_token_env = \"T\"\n[servers.n.oauth]\nissuer = \"https://as\"\nclient_id = \"c\"\nclient_secret_env = \"S\"".to_string(),
                 "without a bearer token",
             ),
             (
-                &format!("{http}[servers.n.oauth]\nclient_id = \"c\""),
+                format!("{http}[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\""),
+                "give issuer",
+            ),
+            (
+                issued("client_id = \"c\"\nclient_secret_env = \"S\"").replace("https://as", "http://as.example.com"),
+                "oauth.issuer",
+            ),
+            (issued("client_id = \"c\""), "give client_secret_file or client_secret_env"),
+            (
+                issued("client_id = \"c\"\nclient_secret_env = \"S\"\nclient_secret_file = \"/s\""),
                 "give client_secret_file or client_secret_env",
             ),
             (
-                &format!(
-                    "{http}[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"\nclient_secret_file = \"/s\""
-                ),
-                "give client_secret_file or client_secret_env",
-            ),
-            (
-                &format!(
-                    "{http}[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"\n[servers.n.oauth.tenants.acme]\nclient_id = \"\"\nclient_secret_env = \"A\""
+                issued(
+                    "client_id = \"c\"\nclient_secret_env = \"S\"\n[servers.n.oauth.tenants.acme]\nclient_id = \"\"\nclient_secret_env = \"A\"",
                 ),
                 "oauth.tenants.acme: client_id is empty",
             ),
             (
-                "[servers.n]\nurl = \"http://mcp.example.com/mcp\"\n[servers.n.oauth]\nclient_id = \"c\"\nclient_secret_env = \"S\"",
+                "[servers.n]\nurl = \"http://mcp.example.com/mcp\"\n[servers.n.oauth]\nissuer = \"https://as\"\nclient_id = \"c\"\nclient_secret_env = \"S\"".to_string(),
                 "https only",
             ),
         ] {
-            let e = parse(bad).expect_err(bad);
+            let e = parse(&bad).expect_err(&bad);
             assert!(e.contains(why), "{bad}: {e}");
         }
     }

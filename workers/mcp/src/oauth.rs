@@ -4,22 +4,30 @@
 //!
 //! 1. **Protected-resource metadata** (RFC 9728): from the
 //!    `resource_metadata` of the server's `401`'s `WWW-Authenticate:
-//!    Bearer …`, else `/.well-known/oauth-protected-resource` (with the
-//!    server's path, then without). Its `resource` must be the server's
-//!    URL (or a prefix of it): it names the token's audience.
-//! 2. **Authorization-server metadata**: RFC 8414's
-//!    `/.well-known/oauth-authorization-server`, then OpenID Connect's
-//!    `openid-configuration`; its `issuer` must be the server named.
+//!    Bearer …` when it is on the server's own origin, else
+//!    `/.well-known/oauth-protected-resource` (with the server's path,
+//!    then without). Its `resource` must be the server's URL or a parent
+//!    of it: same scheme, host and port, its path a prefix of whole
+//!    segments.
+//! 2. **The configured authorization server**: the operator names the
+//!    `issuer` trusted with the client's secret (or its `token_endpoint`).
+//!    A protected resource that names other authorization servers only is
+//!    refused: a server cannot send the worker's secret elsewhere. The
+//!    issuer's metadata (RFC 8414's `/.well-known/oauth-authorization-server`,
+//!    then OpenID Connect's `openid-configuration`) must name that issuer.
 //! 3. **A token** from its `token_endpoint`: `grant_type=client_credentials`
-//!    with the `resource` parameter (RFC 8707) and the scope, the client
+//!    with the `resource` parameter — the MCP server's canonical URI
+//!    (RFC 8707) — and the scope (the client's, else the `401`'s
+//!    `scope`, else the resource's `scopes_supported`), the client
 //!    authenticated with HTTP Basic (or in the body, when the server only
 //!    takes `client_secret_post`).
 //!
 //! Tokens are kept per tenant (a tenant may have a client of its own)
-//! until a little before they expire, and dropped when the server answers
-//! `401` to one. Every URL is https, or http to loopback. Neither the
-//! secret nor a token is ever in an error or a log line: errors name the
-//! client id and what the authorization server said.
+//! until a little before they expire; a token the server refuses with
+//! `401` is dropped, unless another took its place already. Every URL is
+//! https, or http to loopback when the MCP server itself is on loopback.
+//! Neither the secret nor a token is ever in an error or a log line:
+//! errors name the client id and what the authorization server said.
 
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -45,8 +53,9 @@ pub struct OAuthError(pub String);
 /// Where tokens come from, learned once per server.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Discovered {
-    /// The `resource` parameter: the protected resource's identifier.
+    /// The `resource` parameter: the MCP server's canonical URI.
     pub resource: String,
+    /// The configured authorization server's token endpoint.
     pub token_endpoint: String,
     /// The scope the resource says it supports (space-separated), if any.
     pub scopes: Option<String>,
@@ -65,6 +74,8 @@ struct Token {
 pub struct OAuth {
     spec: OAuthSpec,
     url: String,
+    /// The server's URL parsed (`None`: unparsable, every request fails).
+    server: Option<url::Url>,
     http: reqwest::Client,
     discovered: tokio::sync::Mutex<Option<Discovered>>,
     /// By tenant (`None`: the listing connection's).
@@ -120,6 +131,7 @@ impl OAuth {
         Self {
             spec,
             url: url.to_string(),
+            server: url::Url::parse(url).ok(),
             http,
             discovered: tokio::sync::Mutex::default(),
             tokens: Mutex::default(),
@@ -147,11 +159,22 @@ impl OAuth {
         Ok((token.value, token.until))
     }
 
-    /// Forgets `tenant`'s token (the server refused it), and what was
-    /// discovered (it may have moved).
-    pub async fn refused(&self, tenant: Option<&str>) {
-        self.tokens_lock().remove(&tenant.map(str::to_string));
-        *self.discovered.lock().await = None;
+    /// Forgets `tenant`'s token `refused` (the server refused it), and
+    /// what was discovered (it may have moved) — unless the token kept is
+    /// another already (a concurrent refusal got a new one, which stays).
+    pub async fn refused(&self, tenant: Option<&str>, refused: &str) {
+        let key = tenant.map(str::to_string);
+        let dropped = {
+            let mut tokens = self.tokens_lock();
+            let current = tokens.get(&key).is_some_and(|t| t.value == refused);
+            if current {
+                tokens.remove(&key);
+            }
+            current
+        };
+        if dropped {
+            *self.discovered.lock().await = None;
+        }
     }
 
     fn tokens_lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<Option<String>, Token>> {
@@ -166,33 +189,69 @@ impl OAuth {
         if let Some(d) = &*discovered {
             return Ok(d.clone());
         }
-        let resource = self.resource_metadata().await?;
-        let issuer = resource.authorization_servers.first().ok_or_else(|| {
-            OAuthError("the protected-resource metadata names no authorization server".into())
-        })?;
-        let server = self.server_metadata(issuer).await?;
-        let token_endpoint = server.token_endpoint.ok_or_else(|| {
-            OAuthError(format!(
-                "authorization server {issuer} has no token_endpoint"
-            ))
-        })?;
-        allowed(&token_endpoint)?;
-        let methods = &server.token_endpoint_auth_methods_supported;
+        let server = self.server()?;
+        let (resource, challenge_scope) = self.resource_metadata(server).await?;
+        let (token_endpoint, secret_in_body) = match &self.spec.issuer {
+            Some(issuer) => {
+                let named = &resource.authorization_servers;
+                if !named.is_empty() && !named.iter().any(|a| same_issuer(a, issuer)) {
+                    return Err(OAuthError(format!(
+                        "the protected resource names authorization server {}, not the configured issuer {issuer}: the client's secret goes to the configured issuer only",
+                        named.join(", ")
+                    )));
+                }
+                let metadata = self.server_metadata(issuer).await?;
+                let endpoint = match (&self.spec.token_endpoint, metadata.token_endpoint) {
+                    (Some(configured), _) => configured.clone(),
+                    (None, Some(endpoint)) => endpoint,
+                    (None, None) => {
+                        return Err(OAuthError(format!(
+                            "authorization server {issuer} has no token_endpoint"
+                        )));
+                    }
+                };
+                let methods = &metadata.token_endpoint_auth_methods_supported;
+                let in_body = !methods.is_empty()
+                    && !methods.iter().any(|m| m == "client_secret_basic")
+                    && methods.iter().any(|m| m == "client_secret_post");
+                (endpoint, in_body)
+            }
+            None => match &self.spec.token_endpoint {
+                Some(endpoint) => (endpoint.clone(), false),
+                None => return Err(OAuthError("no issuer or token_endpoint configured".into())),
+            },
+        };
+        self.allowed(&token_endpoint)?;
         let d = Discovered {
-            resource: resource.resource,
+            resource: canonical(server),
             token_endpoint,
-            scopes: (!resource.scopes_supported.is_empty())
-                .then(|| resource.scopes_supported.join(" ")),
-            secret_in_body: !methods.is_empty()
-                && !methods.iter().any(|m| m == "client_secret_basic")
-                && methods.iter().any(|m| m == "client_secret_post"),
+            scopes: challenge_scope.or_else(|| {
+                (!resource.scopes_supported.is_empty()).then(|| resource.scopes_supported.join(" "))
+            }),
+            secret_in_body,
         };
         *discovered = Some(d.clone());
         Ok(d)
     }
 
-    /// RFC 9728: where the `401` says, else the well-known places.
-    async fn resource_metadata(&self) -> Result<ResourceMetadata, OAuthError> {
+    /// The MCP server's URL, parsed.
+    fn server(&self) -> Result<&url::Url, OAuthError> {
+        self.server
+            .as_ref()
+            .ok_or_else(|| OAuthError(format!("{:?} is not a URL", self.url)))
+    }
+
+    /// https, or http to loopback when the MCP server is on loopback too.
+    fn allowed(&self, url: &str) -> Result<(), OAuthError> {
+        allowed(url, self.server.as_ref().is_some_and(is_loopback))
+    }
+
+    /// RFC 9728: where the `401` says (on the server's own origin), else
+    /// the well-known places; and the `401`'s `scope`, if any.
+    async fn resource_metadata(
+        &self,
+        server: &url::Url,
+    ) -> Result<(ResourceMetadata, Option<String>), OAuthError> {
         let probe = self
             .http
             .post(&self.url)
@@ -202,19 +261,27 @@ impl OAuth {
             .send()
             .await
             .map_err(|e| OAuthError(format!("the MCP server cannot be reached: {e}")))?;
+        let challenge = (probe.status() == reqwest::StatusCode::UNAUTHORIZED)
+            .then(|| {
+                probe
+                    .headers()
+                    .get_all(reqwest::header::WWW_AUTHENTICATE)
+                    .iter()
+                    .filter_map(|v| v.to_str().ok())
+                    .find_map(bearer_params)
+            })
+            .flatten()
+            .unwrap_or_default();
         let mut candidates = Vec::new();
-        if probe.status() == reqwest::StatusCode::UNAUTHORIZED
-            && let Some(url) = probe
-                .headers()
-                .get_all(reqwest::header::WWW_AUTHENTICATE)
-                .iter()
-                .filter_map(|v| v.to_str().ok())
-                .find_map(resource_metadata_param)
-        {
-            candidates.push(url);
+        if let Some(url) = challenge.get("resource_metadata") {
+            if same_origin(url, server) {
+                candidates.push(url.clone());
+            } else {
+                tracing::warn!(url = %self.url, metadata = %url, "the MCP server names protected-resource metadata on another origin; using its own well-known place");
+            }
         }
-        let (origin, path) = split_url(&self.url)?;
-        let path = path.trim_end_matches('/');
+        let origin = server.origin().ascii_serialization();
+        let path = server.path().trim_end_matches('/');
         if !path.is_empty() {
             candidates.push(format!(
                 "{origin}/.well-known/oauth-protected-resource{path}"
@@ -222,20 +289,20 @@ impl OAuth {
         }
         candidates.push(format!("{origin}/.well-known/oauth-protected-resource"));
         let metadata: ResourceMetadata = self.first_json(&candidates).await?;
-        let canonical = self.url.trim_end_matches('/');
-        let resource = metadata.resource.trim_end_matches('/');
-        if resource.is_empty() || !canonical.starts_with(resource) {
+        if !resource_covers(&metadata.resource, server) {
             return Err(OAuthError(format!(
-                "the protected-resource metadata is for {:?}, not {canonical}",
-                metadata.resource
+                "the protected-resource metadata is for {:?}, not {}",
+                metadata.resource,
+                canonical(server)
             )));
         }
-        Ok(metadata)
+        Ok((metadata, challenge.get("scope").cloned()))
     }
 
     /// RFC 8414, then OpenID Connect discovery, for `issuer`.
     async fn server_metadata(&self, issuer: &str) -> Result<ServerMetadata, OAuthError> {
-        let (origin, path) = split_url(issuer)?;
+        let parsed = url::Url::parse(issuer).map_err(|e| OAuthError(format!("{issuer:?}: {e}")))?;
+        let (origin, path) = (parsed.origin().ascii_serialization(), parsed.path());
         let path = path.trim_end_matches('/');
         let candidates = if path.is_empty() {
             vec![
@@ -250,7 +317,7 @@ impl OAuth {
             ]
         };
         let metadata: ServerMetadata = self.first_json(&candidates).await?;
-        if metadata.issuer.trim_end_matches('/') != issuer.trim_end_matches('/') {
+        if !same_issuer(&metadata.issuer, issuer) {
             return Err(OAuthError(format!(
                 "the authorization server's metadata names issuer {:?}, not {issuer}",
                 metadata.issuer
@@ -266,7 +333,7 @@ impl OAuth {
     ) -> Result<T, OAuthError> {
         let mut tried = Vec::new();
         for url in urls {
-            allowed(url)?;
+            self.allowed(url)?;
             match self.http.get(url).send().await {
                 Ok(r) if r.status().is_success() => match read(r).await {
                     Ok(bytes) => match serde_json::from_slice(&bytes) {
@@ -385,40 +452,127 @@ fn scrub(text: String, secret: &str) -> String {
     }
 }
 
-/// `resource_metadata="…"` of a `WWW-Authenticate: Bearer …` value.
-fn resource_metadata_param(header: &str) -> Option<String> {
-    let (scheme, params) = header.trim().split_once(' ')?;
-    if !scheme.eq_ignore_ascii_case("bearer") {
-        return None;
+/// The parameters of a `WWW-Authenticate` value's `Bearer` challenge
+/// (RFC 9110 §11.2: `key=token` or `key="quoted string"`, commas inside
+/// quotes kept), by lower-cased key; `None` without a Bearer challenge.
+fn bearer_params(header: &str) -> Option<BTreeMap<String, String>> {
+    let mut rest = header.trim_start();
+    // The challenges before Bearer's (another scheme's) are skipped.
+    loop {
+        let (scheme, after) = rest.split_at(rest.find([' ', ',']).unwrap_or(rest.len()));
+        if scheme.eq_ignore_ascii_case("bearer") {
+            rest = after;
+            break;
+        }
+        let next = rest.to_ascii_lowercase().find("bearer")?;
+        rest = &rest[next..];
     }
-    params.split(',').find_map(|p| {
-        let (k, v) = p.trim().split_once('=')?;
-        (k.trim().eq_ignore_ascii_case("resource_metadata"))
-            .then(|| v.trim().trim_matches('"').to_string())
-    })
+    let mut params = BTreeMap::new();
+    loop {
+        rest = rest.trim_start_matches([' ', '\t', ',']);
+        let Some(eq) = rest.find('=') else { break };
+        let key = rest[..eq].trim();
+        if key.is_empty() || key.contains([' ', ',']) {
+            break; // the next challenge
+        }
+        rest = rest[eq + 1..].trim_start();
+        let value = if let Some(quoted) = rest.strip_prefix('"') {
+            let mut value = String::new();
+            let mut chars = quoted.char_indices();
+            let mut end = quoted.len();
+            while let Some((i, c)) = chars.next() {
+                match c {
+                    '\\' => {
+                        if let Some((_, escaped)) = chars.next() {
+                            value.push(escaped);
+                        }
+                    }
+                    '"' => {
+                        end = i + 1;
+                        break;
+                    }
+                    c => value.push(c),
+                }
+            }
+            rest = &quoted[end.min(quoted.len())..];
+            value
+        } else {
+            let end = rest.find([',', ' ']).unwrap_or(rest.len());
+            let value = rest[..end].to_string();
+            rest = &rest[end..];
+            value
+        };
+        params.insert(key.to_ascii_lowercase(), value);
+    }
+    Some(params)
 }
 
-/// `(scheme://authority, path)` of a URL.
-fn split_url(url: &str) -> Result<(String, String), OAuthError> {
-    let parsed = url::Url::parse(url).map_err(|e| OAuthError(format!("{url:?}: {e}")))?;
-    let origin = parsed.origin().ascii_serialization();
-    Ok((origin, parsed.path().to_string()))
+/// The server's canonical URI (the MCP authorization specification's, for
+/// RFC 8707's `resource`): scheme and host lower-case, no fragment, no
+/// trailing slash.
+pub fn canonical(server: &url::Url) -> String {
+    let mut url = server.clone();
+    url.set_fragment(None);
+    let text = url.to_string();
+    match text.split_once('?') {
+        Some((base, query)) => format!("{}?{query}", base.trim_end_matches('/')),
+        None => text.trim_end_matches('/').to_string(),
+    }
 }
 
-/// https, or http to loopback.
-fn allowed(url: &str) -> Result<(), OAuthError> {
-    let parsed = url::Url::parse(url).map_err(|e| OAuthError(format!("{url:?}: {e}")))?;
-    let loopback = match parsed.host() {
-        Some(url::Host::Domain(d)) => d == "localhost",
+/// Whether protected-resource metadata for `resource` may speak for
+/// `server`: same scheme, host and port, and its path the server's or a
+/// parent of it on whole segments (`/mcp` covers `/mcp/x`, never
+/// `/mcpx`).
+pub fn resource_covers(resource: &str, server: &url::Url) -> bool {
+    let Ok(resource) = url::Url::parse(resource) else {
+        return false;
+    };
+    let segments = |u: &url::Url| -> Vec<String> {
+        u.path()
+            .split('/')
+            .filter(|s| !s.is_empty())
+            .map(str::to_string)
+            .collect()
+    };
+    let (theirs, ours) = (segments(&resource), segments(server));
+    resource.scheme() == server.scheme()
+        && resource.host() == server.host()
+        && resource.port_or_known_default() == server.port_or_known_default()
+        && resource.fragment().is_none()
+        && theirs.len() <= ours.len()
+        && theirs.iter().zip(&ours).all(|(a, b)| a == b)
+}
+
+/// Whether `url` is on `server`'s origin (scheme, host and port).
+fn same_origin(url: &str, server: &url::Url) -> bool {
+    url::Url::parse(url).is_ok_and(|u| u.origin() == server.origin())
+}
+
+/// Whether two issuer identifiers are the same (a trailing slash aside).
+fn same_issuer(a: &str, b: &str) -> bool {
+    a.trim_end_matches('/') == b.trim_end_matches('/')
+}
+
+/// Whether `url`'s host is loopback (`localhost`, 127/8, `::1`).
+pub fn is_loopback(url: &url::Url) -> bool {
+    match url.host() {
+        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
         Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
         Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
         None => false,
-    };
+    }
+}
+
+/// https; http to loopback only when `loopback_ok` (the MCP server is on
+/// loopback itself).
+fn allowed(url: &str, loopback_ok: bool) -> Result<(), OAuthError> {
+    let parsed = url::Url::parse(url).map_err(|e| OAuthError(format!("{url:?}: {e}")))?;
     match parsed.scheme() {
         "https" => Ok(()),
-        "http" if loopback => Ok(()),
+        "http" if loopback_ok && is_loopback(&parsed) => Ok(()),
         _ => Err(OAuthError(format!(
-            "{url} is neither https nor loopback http"
+            "{url} is not https (plain http goes to loopback only, for a loopback MCP server)"
         ))),
     }
 }
@@ -428,25 +582,85 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_resource_metadata_is_read_from_www_authenticate() {
+    fn the_challenge_is_read_from_www_authenticate() {
+        let p = bearer_params(
+            r#"Bearer error="invalid_token", scope="files:read, files:write", resource_metadata="http://127.0.0.1:9/.well-known/oauth-protected-resource""#,
+        )
+        .unwrap();
         assert_eq!(
-            resource_metadata_param(
-                r#"Bearer error="invalid_token", resource_metadata="http://127.0.0.1:9/.well-known/oauth-protected-resource""#
-            )
-            .as_deref(),
-            Some("http://127.0.0.1:9/.well-known/oauth-protected-resource")
+            p["resource_metadata"],
+            "http://127.0.0.1:9/.well-known/oauth-protected-resource"
         );
-        assert_eq!(resource_metadata_param("Basic realm=\"x\""), None);
-        assert_eq!(resource_metadata_param("Bearer realm=\"x\""), None);
+        // A comma inside quotes is the value's.
+        assert_eq!(p["scope"], "files:read, files:write");
+        assert_eq!(p["error"], "invalid_token");
+        let p = bearer_params(r#"Basic realm="a, b", Bearer realm=x, scope="s \"q\"""#).unwrap();
+        assert_eq!(p["realm"], "x");
+        assert_eq!(p["scope"], "s \"q\"");
+        assert_eq!(bearer_params("Basic realm=\"x\""), None);
+        assert!(
+            !bearer_params("Bearer realm=\"x\"")
+                .unwrap()
+                .contains_key("resource_metadata")
+        );
     }
 
     #[test]
-    fn only_https_or_loopback_http_is_spoken_to() {
-        assert!(allowed("https://as.example.com/token").is_ok());
-        assert!(allowed("http://127.0.0.1:8080/token").is_ok());
-        assert!(allowed("http://localhost/token").is_ok());
-        assert!(allowed("http://as.example.com/token").is_err());
-        assert!(allowed("ftp://127.0.0.1/token").is_err());
+    fn a_resource_covers_its_server_on_whole_segments_of_the_same_origin() {
+        let server = url::Url::parse("https://api.example.com/mcp").unwrap();
+        for ok in [
+            "https://api.example.com",
+            "https://api.example.com/",
+            "https://api.example.com/mcp",
+            "https://API.example.com:443/mcp/",
+        ] {
+            assert!(resource_covers(ok, &server), "{ok}");
+        }
+        for bad in [
+            "https://api.example.com.evil.io/mcp",
+            "https://api.example.com.evil.io",
+            "http://api.example.com/mcp",
+            "https://api.example.com:8443/mcp",
+            "https://api.example.com/mc",
+            "https://api.example.com/mcpx",
+            "https://api.example.com/mcp/deeper",
+            "https://evil.io/mcp",
+            "not a url",
+        ] {
+            assert!(!resource_covers(bad, &server), "{bad}");
+        }
+        // The resource sent is the server's canonical URI.
+        assert_eq!(canonical(&server), "https://api.example.com/mcp");
+        let odd = url::Url::parse("HTTPS://Api.Example.com/mcp/#frag").unwrap();
+        assert_eq!(canonical(&odd), "https://api.example.com/mcp");
+        let root = url::Url::parse("https://api.example.com").unwrap();
+        assert_eq!(canonical(&root), "https://api.example.com");
+    }
+
+    #[test]
+    fn plain_http_goes_to_loopback_only_for_a_loopback_server() {
+        assert!(allowed("https://as.example.com/token", false).is_ok());
+        assert!(allowed("http://127.0.0.1:8080/token", true).is_ok());
+        assert!(allowed("http://localhost/token", true).is_ok());
+        // A remote MCP server cannot point the worker at loopback http.
+        assert!(allowed("http://127.0.0.1:8080/token", false).is_err());
+        assert!(allowed("http://localhost/token", false).is_err());
+        assert!(allowed("http://as.example.com/token", true).is_err());
+        assert!(allowed("ftp://127.0.0.1/token", true).is_err());
+        // Metadata named by the server's 401 is read on its own origin only.
+        let server = url::Url::parse("https://api.example.com/mcp").unwrap();
+        assert!(same_origin(
+            "https://api.example.com/.well-known/oauth-protected-resource",
+            &server
+        ));
+        for other in [
+            "https://169.254.169.254/latest/meta-data",
+            "http://api.example.com/.well-known/oauth-protected-resource",
+            "https://api.example.com:444/x",
+            "https://api.example.com.evil.io/x",
+        ] {
+            assert!(!same_origin(other, &server), "{other}");
+        }
     }
 
     #[test]

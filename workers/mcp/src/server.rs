@@ -15,7 +15,11 @@
 //! An HTTP server with `oauth` gets one connection per tenant too, each
 //! with its tenant's token ([`crate::oauth`]); a connection whose token
 //! is about to expire is made again, and one the server refuses with
-//! `401` is made again once with a new token.
+//! `401` is made again once with a new token. A connection replaced is
+//! never cut: the calls in flight on it hold it ([`Live`]) and finish on
+//! it; it closes when the last one ends. A `401` drops a connection (and
+//! its token) only while it is still the one in use (its generation), so
+//! calls refused at once do not drop each other's new connections.
 //!
 //! One connection attempt at a time per instance: callers that find one in
 //! flight wait for its outcome rather than queue for attempts of their own
@@ -95,14 +99,47 @@ impl rmcp::ClientHandler for Handler {
     }
 }
 
+/// A live connection as its users hold it: the service stays up while
+/// any holds it (dropping the last closes it).
+#[derive(Clone)]
+struct Live {
+    service: Arc<RunningService<RoleClient, Handler>>,
+    /// Which connection of its instance this is (the attempt's number).
+    generation: u64,
+    /// The OAuth token it was made with.
+    token: Option<String>,
+    /// When its OAuth token stops being used.
+    expires: Option<tokio::time::Instant>,
+}
+
+impl Live {
+    fn peer(&self) -> &Peer<RoleClient> {
+        self.service.peer()
+    }
+
+    /// Open, and its token (if any) not about to expire.
+    fn usable(&self) -> bool {
+        self.expires.is_none_or(|e| e > tokio::time::Instant::now())
+            && !self.service.is_closed()
+            && !self.service.peer().is_transport_closed()
+    }
+}
+
+/// A connection made: the service, its token and when that expires.
+type Connected = (
+    RunningService<RoleClient, Handler>,
+    Option<String>,
+    Option<tokio::time::Instant>,
+);
+
 /// An attempt's outcome, as its callers share it.
-type Outcome = Result<Peer<RoleClient>, McpError>;
+type Outcome = Result<Live, McpError>;
 
 /// A connection, and the attempt to make one in flight (if any). Only
 /// ever locked for a moment, never across an await.
 #[derive(Default)]
 struct Connection {
-    running: Option<RunningService<RoleClient, Handler>>,
+    running: Option<Live>,
     /// The attempt in flight: its number, and where its outcome appears
     /// (its sender dropped unanswered when its caller gave up on it).
     connecting: Option<(u64, watch::Receiver<Option<Outcome>>)>,
@@ -110,8 +147,6 @@ struct Connection {
     /// A connection was lost and none made since: the next one may offer
     /// other tools.
     lost: bool,
-    /// When the connection's OAuth token stops being used.
-    expires: Option<tokio::time::Instant>,
 }
 
 /// One connection to the server: the shared one, or a tenant's child.
@@ -134,8 +169,28 @@ impl Instance {
 
     async fn close(&self) {
         let running = self.connection().running.take();
-        if let Some(r) = running {
-            let _ = r.cancel().await;
+        if let Some(live) = running {
+            match Arc::try_unwrap(live.service) {
+                Ok(service) => {
+                    let _ = service.cancel().await;
+                }
+                // Calls hold it still: it is closing, they end with it.
+                Err(shared) => shared.cancellation_token().cancel(),
+            }
+        }
+    }
+
+    /// Drops connection `generation` if it is still the one in use (the
+    /// server refused its token); its calls in flight keep it until they
+    /// end.
+    fn drop_if(&self, generation: u64) {
+        let mut connection = self.connection();
+        if connection
+            .running
+            .as_ref()
+            .is_some_and(|l| l.generation == generation)
+        {
+            connection.running = None;
         }
     }
 }
@@ -163,7 +218,7 @@ pub struct Server {
 
 /// What a caller of [`Server::peer`] does, decided under the lock.
 enum Step {
-    Live(Peer<RoleClient>),
+    Live(Live),
     Wait(watch::Receiver<Option<Outcome>>),
     Connect(u64, watch::Sender<Option<Outcome>>),
 }
@@ -299,33 +354,32 @@ impl Server {
         Ok(instance)
     }
 
-    /// The live connection's peer, connecting (again) when there is none or
-    /// the last one closed, or waiting for the attempt in flight.
-    async fn peer(&self, instance: &Instance) -> Result<Peer<RoleClient>, McpError> {
+    /// The live connection (held: it stays up while the caller holds
+    /// it), connecting (again) when there is none, the last one closed or
+    /// its token is about to expire, or waiting for the attempt in flight.
+    async fn peer(&self, instance: &Instance) -> Result<Live, McpError> {
         loop {
             let step = {
                 let mut connection = instance.connection();
-                let fresh = connection
-                    .expires
-                    .is_none_or(|e| e > tokio::time::Instant::now());
                 match (&connection.running, &connection.connecting) {
-                    (Some(r), _) if fresh && !r.is_closed() && !r.peer().is_transport_closed() => {
-                        Step::Live(r.peer().clone())
-                    }
+                    (Some(live), _) if live.usable() => Step::Live(live.clone()),
                     (_, Some((_, outcome))) => Step::Wait(outcome.clone()),
                     (_, None) => {
-                        if !fresh && let Some(old) = connection.running.take() {
+                        match connection.running.take() {
                             // Its token expires: connect again with a new
-                            // one (the tools are the same).
-                            tokio::spawn(async move {
-                                let _ = old.cancel().await;
-                            });
-                        } else if connection.running.take().is_some() {
-                            connection.lost = true;
-                            tracing::warn!(
-                                server = %self.name,
-                                "MCP server connection closed; connecting again"
-                            );
+                            // one (the tools are the same). The old one is
+                            // not cut: its calls in flight hold it.
+                            Some(old)
+                                if !old.service.is_closed()
+                                    && !old.peer().is_transport_closed() => {}
+                            Some(_) => {
+                                connection.lost = true;
+                                tracing::warn!(
+                                    server = %self.name,
+                                    "MCP server connection closed; connecting again"
+                                );
+                            }
+                            None => {}
                         }
                         let (tx, rx) = watch::channel(None);
                         connection.attempts += 1;
@@ -335,7 +389,7 @@ impl Server {
                 }
             };
             match step {
-                Step::Live(peer) => return Ok(peer),
+                Step::Live(live) => return Ok(live),
                 Step::Wait(mut attempt) => {
                     if let Ok(outcome) = attempt.wait_for(Option::is_some).await
                         && let Some(outcome) = &*outcome
@@ -348,7 +402,7 @@ impl Server {
                     // Declared after `tx`, dropped before it: the attempt
                     // is gone when its waiters wake.
                     let attempt = Attempt(instance, n);
-                    let outcome = self.attempt(instance).await;
+                    let outcome = self.attempt(instance, n).await;
                     drop(attempt);
                     tx.send_replace(Some(outcome.clone()));
                     return outcome;
@@ -357,20 +411,25 @@ impl Server {
         }
     }
 
-    /// Connects within the init timeout and stores the connection.
-    async fn attempt(&self, instance: &Instance) -> Outcome {
+    /// Connects within the init timeout and stores the connection as
+    /// `generation`.
+    async fn attempt(&self, instance: &Instance, generation: u64) -> Outcome {
         let connected = tokio::time::timeout(self.spec.init_timeout(), self.connect(instance))
             .await
             .map_err(|_| McpError::Timeout {
                 server: self.name.clone(),
                 after: self.spec.init_timeout(),
             })??;
-        let (connected, expires) = connected;
-        let peer = connected.peer().clone();
+        let (service, token, expires) = connected;
+        let live = Live {
+            service: Arc::new(service),
+            generation,
+            token,
+            expires,
+        };
         let again = {
             let mut connection = instance.connection();
-            connection.running = Some(connected);
-            connection.expires = expires;
+            connection.running = Some(live.clone());
             std::mem::take(&mut connection.lost)
         };
         if again && instance.tenant.is_none() {
@@ -378,20 +437,12 @@ impl Server {
             instance.handler.changed.store(true, Ordering::Release);
             instance.handler.notify.notify_waiters();
         }
-        Ok(peer)
+        Ok(live)
     }
 
-    /// A connection, and when its OAuth token expires (if it has one).
-    async fn connect(
-        &self,
-        instance: &Instance,
-    ) -> Result<
-        (
-            RunningService<RoleClient, Handler>,
-            Option<tokio::time::Instant>,
-        ),
-        McpError,
-    > {
+    /// A connection, its OAuth token and when that expires (if it has
+    /// one).
+    async fn connect(&self, instance: &Instance) -> Result<Connected, McpError> {
         match self.spec.transport() {
             Transport::Http { url } if self.oauth.is_some() => {
                 self.connect_oauth(instance, &url).await
@@ -420,7 +471,7 @@ impl Server {
                     .clone()
                     .serve(transport)
                     .await
-                    .map(|r| (r, None))
+                    .map(|r| (r, None, None))
                     .map_err(|e| self.unavailable(format!("initialize failed: {e}")))
             }
             Transport::Http { url } => {
@@ -438,7 +489,7 @@ impl Server {
                     .clone()
                     .serve(transport)
                     .await
-                    .map(|r| (r, None))
+                    .map(|r| (r, None, None))
                     .map_err(|e| self.unavailable(format!("initialize failed: {e}")))
             }
         }
@@ -446,17 +497,7 @@ impl Server {
 
     /// Connects to an HTTP server with the instance's tenant's OAuth
     /// token; a `401` drops the token and tries once more with a new one.
-    async fn connect_oauth(
-        &self,
-        instance: &Instance,
-        url: &str,
-    ) -> Result<
-        (
-            RunningService<RoleClient, Handler>,
-            Option<tokio::time::Instant>,
-        ),
-        McpError,
-    > {
+    async fn connect_oauth(&self, instance: &Instance, url: &str) -> Result<Connected, McpError> {
         let Some(oauth) = &self.oauth else {
             return Err(self.unavailable("no OAuth client"));
         };
@@ -468,13 +509,13 @@ impl Server {
                 rmcp::transport::streamable_http_client::StreamableHttpClientTransportConfig::with_uri(
                     url,
                 )
-                .auth_header(token);
+                .auth_header(token.clone());
             let transport = rmcp::transport::StreamableHttpClientTransport::from_config(config);
             match instance.handler.clone().serve(transport).await {
-                Ok(running) => return Ok((running, Some(until))),
+                Ok(running) => return Ok((running, Some(token), Some(until))),
                 Err(e) if attempt == 0 && format!("{e:?}").contains("AuthRequired") => {
                     tracing::info!(server = %self.name, tenant = tenant.unwrap_or("-"), "MCP server refused the OAuth token; getting a new one");
-                    oauth.refused(tenant).await;
+                    oauth.refused(tenant, &token).await;
                 }
                 Err(e) => return Err(self.unavailable(format!("initialize failed: {e}"))),
             }
@@ -503,8 +544,8 @@ impl Server {
     ///
     /// [`McpError`] when the server cannot be reached or refuses.
     pub async fn list_tools(&self) -> Result<Vec<rmcp::model::Tool>, McpError> {
-        let peer = self.peer(&self.shared).await?;
-        tokio::time::timeout(self.spec.init_timeout(), peer.list_all_tools())
+        let live = self.peer(&self.shared).await?;
+        tokio::time::timeout(self.spec.init_timeout(), live.peer().list_all_tools())
             .await
             .map_err(|_| McpError::Timeout {
                 server: self.name.clone(),
@@ -530,41 +571,49 @@ impl Server {
         let instance = self.instance_for(caller)?;
         let mut params = CallToolRequestParams::new(tool.to_string()).with_arguments(arguments);
         params.meta = Some(meta(caller));
-        let called = self.call_once(&instance, params.clone(), deadline).await?;
+        let (called, live) = self.call_once(&instance, params.clone(), deadline).await?;
         match (&self.oauth, called) {
             // The server refused the token (it expired early, or the
             // server forgot it): it never ran the call, so one more try
-            // on a connection with a new token.
+            // on a connection with a new token. The connection and token
+            // are dropped only if still the ones in use: another call
+            // refused at the same time may have replaced them already.
             (Some(oauth), Err(e)) if auth_refused(&e) => {
                 tracing::info!(server = %self.name, tenant = %caller.tenant, "MCP server refused the OAuth token; connecting with a new one");
-                oauth.refused(instance.tenant.as_deref()).await;
-                instance.close().await;
+                if let Some(token) = &live.token {
+                    oauth.refused(instance.tenant.as_deref(), token).await;
+                }
+                instance.drop_if(live.generation);
+                drop(live);
                 self.call_once(&instance, params, deadline)
                     .await?
+                    .0
                     .map_err(|e| self.service_error(e))
             }
             (_, called) => called.map_err(|e| self.service_error(e)),
         }
     }
 
-    /// One `tools/call` on the instance's connection (made if need be):
-    /// the error of connecting, or the call's outcome.
+    /// One `tools/call` on the instance's connection (made if need be),
+    /// which it holds until the call ends: the error of connecting, or the
+    /// call's outcome and the connection it was made on.
     async fn call_once(
         &self,
         instance: &Instance,
         params: CallToolRequestParams,
         deadline: tokio::time::Instant,
-    ) -> Result<Result<CallToolResult, rmcp::service::ServiceError>, McpError> {
+    ) -> Result<(Result<CallToolResult, rmcp::service::ServiceError>, Live), McpError> {
         let timeout = || McpError::Timeout {
             server: self.name.clone(),
             after: self.spec.timeout(),
         };
-        let peer = tokio::time::timeout_at(deadline, self.peer(instance))
+        let live = tokio::time::timeout_at(deadline, self.peer(instance))
             .await
             .map_err(|_| timeout())??;
-        tokio::time::timeout_at(deadline, peer.call_tool(params))
+        let called = tokio::time::timeout_at(deadline, live.peer().call_tool(params))
             .await
-            .map_err(|_| timeout())
+            .map_err(|_| timeout())?;
+        Ok((called, live))
     }
 
     fn service_error(&self, e: rmcp::service::ServiceError) -> McpError {
