@@ -186,7 +186,7 @@ impl OAuthSpec {
         ] {
             if let Some(value) = value {
                 let ok = url::Url::parse(value).is_ok_and(|u| {
-                    u.scheme() == "https" || (u.scheme() == "http" && crate::oauth::is_loopback(&u))
+                    u.scheme() == "https" || (u.scheme() == "http" && is_loopback(&u))
                 });
                 if !ok {
                     return Err(format!(
@@ -211,6 +211,16 @@ impl OAuthSpec {
             }
         }
         Ok(())
+    }
+}
+
+/// Whether `url`'s host is loopback (`localhost`, 127/8, `::1`).
+pub fn is_loopback(url: &url::Url) -> bool {
+    match url.host() {
+        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
+        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
+        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
+        None => false,
     }
 }
 

@@ -36,7 +36,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use tokio::time::Instant;
 
-use crate::config::{OAuthClient, OAuthSpec};
+use crate::config::{OAuthClient, OAuthSpec, is_loopback};
 
 /// A token is renewed this long before it expires.
 const EARLY: Duration = Duration::from_secs(30);
@@ -552,16 +552,6 @@ fn same_origin(url: &str, server: &url::Url) -> bool {
 /// Whether two issuer identifiers are the same (a trailing slash aside).
 fn same_issuer(a: &str, b: &str) -> bool {
     a.trim_end_matches('/') == b.trim_end_matches('/')
-}
-
-/// Whether `url`'s host is loopback (`localhost`, 127/8, `::1`).
-pub fn is_loopback(url: &url::Url) -> bool {
-    match url.host() {
-        Some(url::Host::Domain(d)) => d.eq_ignore_ascii_case("localhost"),
-        Some(url::Host::Ipv4(ip)) => ip.is_loopback(),
-        Some(url::Host::Ipv6(ip)) => ip.is_loopback(),
-        None => false,
-    }
 }
 
 /// https; http to loopback only when `loopback_ok` (the MCP server is on
