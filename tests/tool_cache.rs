@@ -40,7 +40,9 @@ struct Ran {
 
 /// A tool that records every call it runs, cites one document named after
 /// its `q` argument, and answers with a canary naming the tenant it ran
-/// for; `fail: true` makes it fail.
+/// for (and the `greeting` of its settings, when it has one); `fail: true`
+/// makes it fail, `warn: true` adds a warning, `stray: true` writes a
+/// `[doc:1]` marker it never cited.
 #[derive(Clone)]
 struct Probe {
     ran: Arc<Mutex<Vec<Ran>>>,
@@ -59,6 +61,19 @@ impl Tool for Probe {
             return Err(ToolError::failed("the probe failed, as asked"));
         }
         let q = args["q"].as_str().unwrap_or_default().to_owned();
+        if args["warn"] == json!(true) {
+            ctx.warning("probe_warning", "the probe warns, as asked");
+        }
+        if let Some(greeting) = ctx.settings().and_then(|s| s["greeting"].as_str()) {
+            return Ok(ToolOutput::text(format!(
+                "{q} for {tenant}: greeting={greeting}"
+            )));
+        }
+        if args["stray"] == json!(true) {
+            return Ok(ToolOutput::text(format!(
+                "{q} for {tenant}: see [doc:1] STRAY-{tenant}"
+            )));
+        }
         if args["plain"] == json!(true) {
             // Nothing cited: the call needs no Redis.
             return Ok(ToolOutput::text(format!(
@@ -102,7 +117,9 @@ fn definition(namespace: &str, function: &str, cache: &Value) -> String {
                     "q": { "type": "string" },
                     "lang": { "type": "string" },
                     "fail": { "type": "boolean" },
-                    "plain": { "type": "boolean" }
+                    "plain": { "type": "boolean" },
+                    "warn": { "type": "boolean" },
+                    "stray": { "type": "boolean" }
                 },
                 "required": ["q"]
             }
@@ -111,17 +128,33 @@ fn definition(namespace: &str, function: &str, cache: &Value) -> String {
     .to_string()
 }
 
+/// `definition` with a `settingsSchema` (a `greeting`).
+fn with_settings(definition: &str) -> String {
+    let mut def: Value = serde_json::from_str(definition).unwrap();
+    def["settingsSchema"] = json!({
+        "type": "object",
+        "properties": { "greeting": { "type": "string" } }
+    });
+    def.to_string()
+}
+
 /// The `testing` worker: `probe` (tenant scope, a minute), `probe_short`
-/// (tenant scope, 1 s) and `probe_user` (user scope, a minute).
+/// (tenant scope, 1 s), `probe_user` (user scope, a minute) and
+/// `probe_set` (tenant scope, a minute, with per-tenant settings).
 fn testing_worker(ran: &Arc<Mutex<Vec<Ran>>>) -> Worker {
     let mut builder = Worker::builder("testing");
     for (function, cache) in [
         ("probe", json!({ "ttlMs": 60000, "scope": "tenant" })),
         ("probe_short", json!({ "ttlMs": 1000, "scope": "tenant" })),
         ("probe_user", json!({ "ttlMs": 60000, "scope": "user" })),
+        ("probe_set", json!({ "ttlMs": 60000, "scope": "tenant" })),
     ] {
+        let mut def = definition("testing", function, &cache);
+        if function == "probe_set" {
+            def = with_settings(&def);
+        }
         builder = builder
-            .definition_json(&definition("testing", function, &cache))
+            .definition_json(&def)
             .tool(format!("testing.{function}"), Probe { ran: ran.clone() });
     }
     builder.build().unwrap()
@@ -150,6 +183,23 @@ fn script() -> Value {
             rule("short", "probe_short", &[json!({ "q": "brief" })]),
             rule("personal", "probe_user", &[json!({ "q": "mine" })]),
             rule("plainly", "probe", &[json!({ "q": "tides", "plain": true })]),
+            rule("warned", "probe", &[json!({ "q": "tides", "warn": true })]),
+            rule("settled", "probe_set", &[json!({ "q": "hello" })]),
+            // A result with a marker it never cited; then, after a call
+            // that cites [doc:1] itself, the same call again.
+            rule("ghost", "probe", &[json!({ "q": "ghost", "stray": true })]),
+            rule("haunted", "probe", &[json!({ "q": "moon" }), json!({ "stray": true, "q": "ghost" })]),
+            // Three calls in one round, the model taking its time (the
+            // test freezes Redis meanwhile).
+            { "whenUserContains": ["frozen"], "steps": [
+                { "fault": { "kind": "slowFirstToken", "delayMs": 1500, "times": 1 },
+                  "toolCalls": [
+                    { "name": "probe", "arguments": { "plain": true, "q": "one" } },
+                    { "name": "probe", "arguments": { "plain": true, "q": "two" } },
+                    { "name": "probe", "arguments": { "plain": true, "q": "three" } }
+                  ] },
+                { "answer": "Answer: {{tool:probe}}" }
+            ] },
             // The same call, the model taking its time over it (the test
             // takes Redis away meanwhile).
             { "whenUserContains": ["slowly"], "steps": [
@@ -486,8 +536,23 @@ async fn purge_forgets_one_tenants_results_or_everyones() {
         ),
         "{stdout}"
     );
+    assert!(!stdout.contains("note:"), "{stdout}");
     assert!(!cached(&ask(&env, "globex", None, "alpha").await));
     assert_eq!(runs(&ran), 3);
+
+    // A name nothing was ever stored under (a typo): purged all the same,
+    // and the output says nothing was known under it.
+    let (code, stdout, stderr) = purge(&env, &["testing:prboe"]);
+    assert_eq!(code, Some(0), "{stderr}");
+    assert!(
+        stdout.contains("note: nothing was known to be cached under testing:prboe"),
+        "{stdout}"
+    );
+    let (code, stdout, _) = purge(&env, &["testing:prboe", "-o", "json"]);
+    assert_eq!(code, Some(0));
+    let printed: Value = serde_json::from_str(&stdout).unwrap();
+    // Known now: the first purge made its generation.
+    assert_eq!(printed["known"], json!(true), "{printed}");
     assert!(cached(&ask(&env, "default", None, "alpha").await));
 
     // Everyone (a whole id names its tool): default runs again too.
@@ -537,6 +602,186 @@ async fn calls_are_answered_uncached_while_redis_is_down() {
     assert_eq!(cache_count(&env, PROBE, "hit").await, 0);
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_result_with_warnings_is_never_cached() {
+    let (env, ran, _worker) = start().await;
+    for attempt in 1..=2 {
+        let outcome = ask(&env, "default", None, "warned").await;
+        assert_eq!(results(&outcome), vec![(ToolStatus::Ok, false)]);
+        assert_eq!(runs(&ran), attempt, "the warned call ran again");
+    }
+    // Each result was judged and not kept (counted `skip`).
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while cache_count(&env, PROBE, "skip").await < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "never skipped");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(cache_count(&env, PROBE, "miss").await, 2);
+    assert_eq!(cache_count(&env, PROBE, "store").await, 0);
+    assert_eq!(cache_count(&env, PROBE, "hit").await, 0);
+    let mut redis = env.redis_conn.clone();
+    let entries: Vec<String> = redis::cmd("KEYS")
+        .arg("toolfleet:{tc:testing:probe}:e:*")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(entries.is_empty(), "{entries:?}");
+}
+
+/// Writes `greeting` as tenant `default`'s settings of `testing:probe_set`,
+/// as `toolfleet settings set` does (a put into the settings bucket,
+/// nothing else).
+async fn set_greeting(env: &Env, greeting: &str) {
+    let kv = async_nats::jetstream::new(env.client.clone())
+        .get_key_value("TOOLFLEET_SETTINGS")
+        .await
+        .expect("the orchestrator made the settings bucket");
+    let key = toolfleet_protocol::settings_key("default", "testing", "probe_set");
+    kv.put(key, json!({ "greeting": greeting }).to_string().into())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_new_settings_miss_the_results_of_its_old_ones() {
+    let (env, ran, _worker) = start().await;
+    let tool = "testing:probe_set@1.0.0";
+    set_greeting(&env, "hello-old").await;
+    let first = ask(&env, "default", None, "settled").await;
+    assert_eq!(results(&first), vec![(ToolStatus::Ok, false)]);
+    assert!(first.text.contains("greeting=hello-old"), "{}", first.text);
+    stored(&env, tool, 1).await;
+    let again = ask(&env, "default", None, "settled").await;
+    assert_eq!(results(&again), vec![(ToolStatus::Ok, true)]);
+    assert_eq!(runs(&ran), 1);
+
+    // The operator changes the settings: the next call runs under them,
+    // never answered from the result made under the old ones.
+    set_greeting(&env, "hello-new").await;
+    let changed = ask(&env, "default", None, "settled").await;
+    assert_eq!(results(&changed), vec![(ToolStatus::Ok, false)]);
+    assert!(
+        changed.text.contains("greeting=hello-new"),
+        "{}",
+        changed.text
+    );
+    assert!(!changed.text.contains("hello-old"), "{}", changed.text);
+    assert_eq!(runs(&ran), 2);
+    stored(&env, tool, 2).await;
+    // And back: the old settings' result is still theirs.
+    set_greeting(&env, "hello-old").await;
+    let back = ask(&env, "default", None, "settled").await;
+    assert_eq!(results(&back), vec![(ToolStatus::Ok, true)]);
+    assert!(back.text.contains("greeting=hello-old"), "{}", back.text);
+    assert_eq!(runs(&ran), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hit_never_keeps_a_marker_it_has_no_reference_for() {
+    let (env, ran, _worker) = start().await;
+    let first = ask(&env, "default", None, "ghost").await;
+    assert_eq!(results(&first), vec![(ToolStatus::Ok, false)]);
+    stored(&env, PROBE, 1).await;
+
+    // Round 1 cites [doc:1] (probe moon); round 2 is the stored result
+    // that names [doc:1] without a reference of its own: given again, the
+    // marker must not point at the moon.
+    let second = ask(&env, "default", None, "haunted").await;
+    assert_eq!(
+        results(&second),
+        vec![(ToolStatus::Ok, false), (ToolStatus::Ok, true)]
+    );
+    assert_eq!(runs(&ran), 2);
+    let last_request = env.model.requests().last().cloned().unwrap().to_string();
+    assert!(last_request.contains("STRAY-default"), "{last_request}");
+    assert!(
+        !last_request.contains("see [doc:1] STRAY"),
+        "a stray marker survived the hit: {last_request}"
+    );
+    assert!(
+        last_request.contains("[doc:1] moon for default"),
+        "{last_request}"
+    );
+}
+
+/// How many `MGET`s of `tool`'s cache keys Redis has run since its slow
+/// log was last reset (the test logs every command).
+async fn cache_lookups(redis: &mut redis::aio::MultiplexedConnection, tool: &str) -> usize {
+    let log: Vec<redis::Value> = redis::cmd("SLOWLOG")
+        .arg("GET")
+        .arg(100_000)
+        .query_async(redis)
+        .await
+        .unwrap();
+    let tag = format!("{{tc:{tool}}}");
+    log.iter()
+        .filter(|entry| {
+            let text = format!("{entry:?}");
+            text.contains("MGET") && text.contains(&tag)
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_is_asked_once_and_then_passed_by() {
+    let (env, ran, _worker) = start().await;
+    let mut redis = env.redis_conn.clone();
+    for (name, value) in [
+        ("slowlog-log-slower-than", "0"),
+        ("slowlog-max-len", "100000"),
+    ] {
+        let () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg(name)
+            .arg(value)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+    }
+    let () = redis::cmd("SLOWLOG")
+        .arg("RESET")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+
+    // The model takes its time over three calls of a cached tool; Redis
+    // freezes meanwhile (SIGSTOP: connections open, nothing answered).
+    let job = toolfleet_protocol::client::question("three at once, frozen");
+    let mut events = env.follow_and_submit(&job).await;
+    loop {
+        let event = support::next_json(&mut events).await;
+        if event["type"] == "started" {
+            break;
+        }
+    }
+    env.redis.pause();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while cache_count(&env, PROBE, "bypass").await == 0 {
+        if tokio::time::Instant::now() >= deadline {
+            env.redis.resume();
+            panic!("the cache was never passed by");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    env.redis.resume();
+
+    let end = support::events_until_terminal(&mut events).await;
+    assert_eq!(end.last().unwrap()["type"], "completed", "{end:#?}");
+    let answered: Vec<&Value> = end.iter().filter(|e| e["type"] == "tool_result").collect();
+    assert_eq!(answered.len(), 3, "{end:#?}");
+    for result in answered {
+        assert_eq!(result["status"], "ok", "{result}");
+        assert_eq!(result.get("cached"), None, "{result}");
+    }
+    assert_eq!(runs(&ran), 3, "every call ran: the cache did not answer");
+    assert_eq!(cache_count(&env, PROBE, "bypass").await, 3);
+    assert_eq!(cache_count(&env, PROBE, "miss").await, 0);
+    assert_eq!(cache_count(&env, PROBE, "hit").await, 0);
+    // The first lookup reached the frozen Redis (which ran it once thawed);
+    // the breaker kept the other two from asking at all.
+    assert_eq!(cache_lookups(&mut redis, "testing:probe").await, 1);
+}
+
 /// (user, the server's environment variable with its password): every
 /// identity of `ops/nats/auth.conf` (the server needs them all).
 const USERS: [(&str, &str); 11] = [
@@ -581,7 +826,10 @@ async fn connect(nats: &toolfleet_local::servers::NatsServer, user: &str) -> asy
 /// acme's and globex's identities ask the same question of a tenant-scoped
 /// tool (`units:convert`, served under the `units` role): each gets its own
 /// result, never the other's canary, cached or not; a job on globex's
-/// subject whose body claims acme is globex's all the same.
+/// subject whose body claims acme is refused (`tenant_mismatch`). Of a
+/// `global` tool (`system:current_datetime`, served under the `system`
+/// role), a call naming a `resource` is
+/// its tenant's: globex naming acme's resource runs its own call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_tenant_never_gets_a_tenants_cached_result() {
     use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
@@ -606,8 +854,12 @@ async fn another_tenant_never_gets_a_tenants_cached_result() {
     })
     .expect("nats-server with ops/nats/auth.conf");
     let redis = RedisServer::start().expect("redis-server");
-    let rule = |word: &str| rule(word, "convert", &[json!({ "q": "the secret" })]);
-    let script = json!({ "rules": [rule("convert"), rule("claim")] });
+    let rule = |word: &str, function: &str| rule(word, function, &[json!({ "q": "the secret" })]);
+    let script = json!({ "rules": [
+        rule("convert", "convert"),
+        rule("claim", "convert"),
+        rule("page", "current_datetime"),
+    ] });
     let model = toolfleet_scripted::ScriptedServer::start(
         "127.0.0.1:0".parse().unwrap(),
         toolfleet_scripted::Script::from_json(&script.to_string()).unwrap(),
@@ -669,22 +921,51 @@ async fn another_tenant_never_gets_a_tenants_cached_result() {
     .await
     .expect("the worker starts in time")
     .expect("the worker starts");
+    // The system role's one tool, as a global-scoped probe.
+    let system = Worker::builder("system")
+        .definition_json(&definition(
+            "system",
+            "current_datetime",
+            &json!({ "ttlMs": 60000, "scope": "global" }),
+        ))
+        .tool("system.current_datetime", Probe { ran: ran.clone() })
+        .build()
+        .unwrap();
+    tokio::time::timeout(
+        WAIT,
+        system.start(
+            connect(&nats, "worker-system").await,
+            store().await.unwrap(),
+            toolfleet_worker::WorkerConfig::new(subjects.clone()),
+            toolfleet_worker::metrics::WorkerMetrics::register_all(&prometheus::Registry::new())
+                .unwrap(),
+            shutdown.clone(),
+        ),
+    )
+    .await
+    .expect("the system worker starts in time")
+    .expect("the system worker starts");
 
     let acme = connect(&nats, "client-acme").await;
     let globex = connect(&nats, "client-globex").await;
+    let ask_about =
+        |client: &async_nats::Client, tenant: &str, question: &str, resource: Option<&str>| {
+            let mut job = toolfleet_protocol::client::question(question);
+            job.tenant = Some(tenant.into());
+            job.resource = resource.map(str::to_owned);
+            let (client, subjects) = (client.clone(), subjects.clone());
+            async move {
+                tokio::time::timeout(
+                    WAIT,
+                    toolfleet_protocol::client::chat(&client, &subjects, &job, WAIT, |_| {}),
+                )
+                .await
+                .expect("in time")
+                .expect("completes")
+            }
+        };
     let ask = |client: &async_nats::Client, tenant: &str, question: &str| {
-        let mut job = toolfleet_protocol::client::question(question);
-        job.tenant = Some(tenant.into());
-        let (client, subjects) = (client.clone(), subjects.clone());
-        async move {
-            tokio::time::timeout(
-                WAIT,
-                toolfleet_protocol::client::chat(&client, &subjects, &job, WAIT, |_| {}),
-            )
-            .await
-            .expect("in time")
-            .expect("completes")
-        }
+        ask_about(client, tenant, question, None)
     };
     // Until the orchestrator's catalog has read the worker.
     let deadline = tokio::time::Instant::now() + WAIT;
@@ -782,6 +1063,8 @@ async fn another_tenant_never_gets_a_tenants_cached_result() {
             break event;
         }
     };
+    assert_eq!(end["type"], "error", "{end}");
+    assert_eq!(end["code"], "tenant_mismatch", "{end}");
     assert!(!end.to_string().contains("CANARY-acme"), "{end}");
     assert_eq!(
         ran.lock()
@@ -791,4 +1074,60 @@ async fn another_tenant_never_gets_a_tenants_cached_result() {
             .count(),
         1
     );
+
+    // A global tool, a call naming a resource: acme's is acme's.
+    let page = |client, tenant| ask_about(client, tenant, "page please", Some("page-7"));
+    let theirs = page(&acme, "acme").await;
+    assert_eq!(results(&theirs), vec![(ToolStatus::Ok, false)]);
+    assert!(theirs.text.contains("CANARY-acme-"), "{}", theirs.text);
+    let entries = |n| {
+        let redis_url = redis_url.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + WAIT;
+            let mut c = redis::Client::open(redis_url.as_str())
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap();
+            loop {
+                let keys: Vec<String> = redis::cmd("KEYS")
+                    .arg("toolfleet:{tc:system:current_datetime}:e:*")
+                    .query_async(&mut c)
+                    .await
+                    .unwrap();
+                if keys.len() >= n {
+                    return keys;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "{n} never stored");
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    let keys = entries(1).await;
+    assert!(keys[0].contains(":e:tenant:acme:"), "{keys:?}");
+    // globex names the very same resource: its own call, its own canary.
+    let before = ran.lock().unwrap().len();
+    let attack = page(&globex, "globex").await;
+    assert_eq!(
+        results(&attack),
+        vec![(ToolStatus::Ok, false)],
+        "{}",
+        attack.text
+    );
+    assert!(attack.text.contains("CANARY-globex-"), "{}", attack.text);
+    assert!(!attack.text.contains("CANARY-acme"), "{}", attack.text);
+    assert_eq!(ran.lock().unwrap().len(), before + 1);
+    entries(2).await;
+    let again = page(&acme, "acme").await;
+    assert_eq!(results(&again), vec![(ToolStatus::Ok, true)]);
+    assert!(again.text.contains("CANARY-acme-"), "{}", again.text);
+
+    // Without a resource the call is global, as its definition says:
+    // stored once, given to every tenant.
+    let plain = ask(&acme, "acme", "page please").await;
+    assert_eq!(results(&plain), vec![(ToolStatus::Ok, false)]);
+    let keys = entries(3).await;
+    assert!(keys.iter().any(|k| k.contains(":e:global:")), "{keys:?}");
+    let shared = ask(&globex, "globex", "page please").await;
+    assert_eq!(results(&shared), vec![(ToolStatus::Ok, true)]);
 }

@@ -137,6 +137,16 @@ impl Proc {
         self.kill();
     }
 
+    /// Sends `signal` (a name `kill` knows) to the process, if it runs.
+    pub(crate) fn signal(&self, signal: &str) {
+        if let Some(c) = self.child.as_ref() {
+            let _ = Command::new("kill")
+                .arg(format!("-{signal}"))
+                .arg(c.id().to_string())
+                .status();
+        }
+    }
+
     pub(crate) fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
@@ -354,6 +364,19 @@ impl RedisServer {
 
     pub fn stop(&mut self) {
         self.proc.kill();
+    }
+
+    /// Freezes the server (SIGSTOP): its connections stay open, and no
+    /// command is answered until [`RedisServer::resume`] — a Redis that
+    /// hangs, not one that is gone.
+    pub fn pause(&self) {
+        self.proc.signal("STOP");
+    }
+
+    /// Thaws a [`RedisServer::pause`]d server (SIGCONT): it answers what
+    /// it was sent meanwhile.
+    pub fn resume(&self) {
+        self.proc.signal("CONT");
     }
 
     /// Starts a stopped server again on the same port (empty: it keeps
