@@ -217,7 +217,8 @@ async fn step(fleet: &Fleet, bucket: &kv::Store, key: &str, k: &Known, now: i64)
         Ok(plan) => plan,
         Err(e) => {
             warn!(key, error = %e, "a schedule cannot be fired");
-            return false;
+            // Said again only every few seconds, not at every look.
+            return true;
         }
     };
     let mut next = k.schedule.clone();
