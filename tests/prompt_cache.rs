@@ -20,7 +20,7 @@ use serde_json::{Value, json};
 use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
 use toolfleet_orchestrator::rounds::prompt_cache_key;
 use toolfleet_protocol::tools::{Origin, ToolDefinition};
-use toolfleet_protocol::{ChatJob, Subjects};
+use toolfleet_protocol::{ChatEvent, ChatEventBody, ChatJob, Subjects, ToolStatus};
 use toolfleet_worker::{Tool, ToolCtx, ToolError, ToolOutput, Worker};
 
 use support::{Env, Options, WAIT};
@@ -33,9 +33,11 @@ const OUTPUT: f64 = 8.0;
 
 /// Two Responses deployments on the stand-in: `cached` accepts
 /// `prompt_cache_key` (said in the file: it is no OpenAI URL), `uncached`
-/// is left at the default for its URL (it does not). Profiles `capped`
-/// (tools beyond the first 20 only through one `search_tools` call) and
-/// `steady` (every tool offered) both use `cached`.
+/// is left at the default for its URL (it does not); and `chat`, a Chat
+/// Completions one that accepts it. Profiles `capped` (tools beyond the
+/// first 20 only through one `search_tools` call), `gated` (the same, and
+/// `bravo_task_001` waits for a person's approval) and `steady` (every
+/// tool offered) use `cached`; profile `chat` uses `chat`.
 const PROFILES: &str = r#"
 [deployments.cached]
 api = "responses"
@@ -47,6 +49,12 @@ prompt_cache_key = true
 api = "responses"
 base_url = "{base_url}"
 model = "plain-model"
+
+[deployments.chat]
+api = "chat_completions"
+base_url = "{base_url}"
+model = "chat-model"
+prompt_cache_key = true
 
 [profiles.default]
 deployment = "cached"
@@ -64,6 +72,17 @@ max_expansion_rounds = 1
 max_tool_count = 22
 scoping_threshold = 21
 
+[profiles.gated]
+deployment = "cached"
+require_approval = ["t:bravo_task_001"]
+[profiles.gated.scoping]
+max_expansion_rounds = 1
+max_tool_count = 22
+scoping_threshold = 21
+
+[profiles.chat]
+deployment = "chat"
+
 [prices."cached-model"]
 input = 2.0
 cached_input = 0.5
@@ -71,6 +90,11 @@ output = 8.0
 
 [prices."plain-model"]
 input = 2.0
+output = 8.0
+
+[prices."chat-model"]
+input = 2.0
+cached_input = 0.5
 output = 8.0
 "#;
 
@@ -381,8 +405,9 @@ fn tools_per_request(env: &Env) -> Vec<Vec<String>> {
 
 /// A `search_tools` expansion changes the tools between two turns of one
 /// invocation: counted once, for its profile. An invocation whose tools
-/// stay put over two turns counts nothing. Every request sends its tools
-/// sorted by name, after the system prompt (`instructions`).
+/// stay put over two turns counts nothing. A first request sends its
+/// tools sorted by name, after the system prompt (`instructions`); the
+/// tools an expansion adds go after them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_cache_prefix_changes_count_a_changed_tool_set_and_nothing_else() {
     let env = Env::start_with(
@@ -437,19 +462,23 @@ async fn prompt_cache_prefix_changes_count_a_changed_tool_set_and_nothing_else()
     let offered = tools_per_request(&env);
     assert_eq!(offered.len(), 4);
     assert_eq!(offered[0], offered[1], "steady: one prefix");
-    assert!(!offered[2].contains(&"convert_currency".to_owned()));
-    assert!(
-        offered[3].contains(&"convert_currency".to_owned()),
-        "{:?}",
-        offered[3]
-    );
-    for tools in &offered {
-        let mut sorted = tools.clone();
+    // A first request's tools go out sorted by name, `search_tools` among
+    // them; not by id: `a:zebra_count` goes last.
+    for first in [&offered[0], &offered[2]] {
+        let mut sorted = first.clone();
         sorted.sort();
-        assert_eq!(*tools, sorted, "sent sorted by name");
+        assert_eq!(*first, sorted, "sent sorted by name");
     }
-    // Sorted by name, not by id: `a:zebra_count` goes last.
     assert_eq!(offered[0].last().map(String::as_str), Some("zebra_count"));
+    assert!(offered[2].contains(&"search_tools".to_owned()));
+    assert!(!offered[2].contains(&"convert_currency".to_owned()));
+    // The expansion's tool goes after them, every tool before it in
+    // place, and `search_tools` stays though its one round is used up.
+    assert_eq!(
+        offered[3],
+        [offered[2].clone(), vec!["convert_currency".to_owned()]].concat(),
+        "the new tool appended"
+    );
     for body in env.model.requests() {
         assert!(
             body["instructions"].is_string(),
@@ -457,6 +486,181 @@ async fn prompt_cache_prefix_changes_count_a_changed_tool_set_and_nothing_else()
         );
         assert_eq!(body["input"][0]["role"], "user");
     }
+}
+
+/// Reads `sub` until `pick` returns something (every event on the way is
+/// kept in `seen`).
+async fn until<T>(
+    sub: &mut async_nats::Subscriber,
+    seen: &mut Vec<ChatEvent>,
+    mut pick: impl FnMut(&ChatEvent) -> Option<T>,
+) -> T {
+    loop {
+        let msg = tokio::time::timeout(WAIT, sub.next())
+            .await
+            .expect("an event in time")
+            .expect("the subscription is open");
+        let event: ChatEvent = serde_json::from_slice(&msg.payload).expect("an event");
+        let found = pick(&event);
+        seen.push(event);
+        if let Some(found) = found {
+            return found;
+        }
+    }
+}
+
+/// Approves `call` of `job` as a person would, and checks it was taken.
+async fn approve(env: &Env, job: &ChatJob, call: &str) {
+    let subject = env.subjects.chat_approve("default", &job.invocation_id);
+    let body = json!({ "callId": call, "decision": "approve" }).to_string();
+    let reply = tokio::time::timeout(WAIT, env.client.request(subject, body.into()))
+        .await
+        .expect("an answer in time")
+        .expect("an orchestrator answers");
+    let reply: Value = serde_json::from_slice(&reply.payload).expect("JSON");
+    assert_eq!(reply, json!({ "ok": true }));
+}
+
+/// A run resumed after a park for approval goes on where the run before
+/// it stood: its one `search_tools` round is spent, so a second search
+/// is answered `expansion_capped` and adds nothing (before, the resumed
+/// run counted from 0 and expanded past the cap); and its requests offer
+/// the same tools in the same order as the last one before the park
+/// (the expansion's tool after the first offer, `search_tools` still
+/// among them), so the prefix changed once, at the expansion.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_cache_a_resumed_run_keeps_its_offer_and_its_spent_expansions() {
+    let env = Env::start_with(
+        json!({ "rules": [
+            { "whenUserContains": ["charlie"], "steps": [
+                { "toolCalls": [ { "name": "search_tools", "arguments": { "query": "currency" } } ] },
+                { "toolCalls": [ { "name": "bravo_task_001", "arguments": {} } ] },
+                { "toolCalls": [ { "name": "search_tools", "arguments": { "query": "zebras" } } ] },
+                { "answer": "{{tool:search_tools}}" }
+            ] }
+        ] }),
+        Options {
+            workers: vec![],
+            profiles_toml: Some(PROFILES.into()),
+            data_source: None,
+            ..Default::default()
+        },
+    )
+    .await;
+    let _worker = env.start_worker(worker()).await;
+    until_offered(&env, "convert_currency").await;
+    let job = job("charlie records please", "gated");
+    let mut sub = env.follow_and_submit(&job).await;
+    let mut seen = Vec::new();
+    let call = until(&mut sub, &mut seen, |e| match &e.body {
+        ChatEventBody::ApprovalRequested { call_id, .. } => Some(call_id.clone()),
+        _ => None,
+    })
+    .await;
+    assert_eq!(env.model.requests().len(), 2, "parked after two turns");
+    approve(&env, &job, &call).await;
+    let end = until(&mut sub, &mut seen, |e| {
+        e.body.is_terminal().then(|| e.body.clone())
+    })
+    .await;
+    let ChatEventBody::Completed { text, .. } = &end else {
+        panic!("{end:?}");
+    };
+    assert!(text.contains("no more tools can be added"), "{text}");
+    let searches: Vec<(ToolStatus, Option<String>)> = seen
+        .iter()
+        .filter_map(|e| match &e.body {
+            ChatEventBody::ToolResult {
+                tool,
+                status,
+                error_code,
+                ..
+            } if tool == "search_tools" => Some((*status, error_code.clone())),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(
+        searches,
+        [
+            (ToolStatus::Ok, None),
+            (ToolStatus::Error, Some("expansion_capped".to_owned()))
+        ],
+        "the resumed run's search is past the cap"
+    );
+    let expansions = seen
+        .iter()
+        .filter(|e| matches!(&e.body, ChatEventBody::Scoping { decision, .. } if decision == "expansion"))
+        .count();
+    assert_eq!(expansions, 1, "{seen:?}");
+
+    let offered = tools_per_request(&env);
+    assert_eq!(offered.len(), 4);
+    assert!(offered[0].contains(&"search_tools".to_owned()));
+    assert_eq!(
+        offered[1],
+        [offered[0].clone(), vec!["convert_currency".to_owned()]].concat()
+    );
+    assert_eq!(offered[2], offered[1], "the resumed run's offer");
+    assert_eq!(offered[3], offered[1]);
+    let changes = metric(
+        &env.metrics,
+        "toolfleet_prompt_prefix_changes_total",
+        &[("profile", "gated")],
+    );
+    assert_eq!(changes, 1.0, "the expansion's turn only");
+}
+
+/// The cached tokens of a Chat Completions usage (OpenAI's documented
+/// shape, `usage.prompt_tokens_details.cached_tokens`: the recorded Chat
+/// streams predate it) reach the `completed` event, its model call, the
+/// token metric and the cost at the cached price; the request carried
+/// the profile's `prompt_cache_key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_cache_cached_tokens_through_chat_completions_reach_events_metrics_and_cost() {
+    let usage = json!({
+        "prompt_tokens": 2006, "completion_tokens": 300, "total_tokens": 2306,
+        "prompt_tokens_details": { "cached_tokens": 1920, "audio_tokens": 0 },
+        "completion_tokens_details": { "reasoning_tokens": 0 }
+    });
+    let env = Env::start_with(
+        json!({ "default": { "steps": [ { "answer": "a hit", "usage": usage } ] } }),
+        Options {
+            workers: vec![],
+            profiles_toml: Some(PROFILES.into()),
+            data_source: None,
+            ..Default::default()
+        },
+    )
+    .await;
+    let out = env
+        .submit(&job("a cache hit", "chat"))
+        .await
+        .expect("completed");
+    assert_eq!(out.usage.prompt_tokens, 2006);
+    assert_eq!(out.usage.cached_tokens, 1920, "the completed event's usage");
+    assert_eq!(out.llm_calls.len(), 1);
+    assert_eq!(out.llm_calls[0].usage.cached_tokens, 1920, "its model call");
+    let cost = (86.0 * INPUT + 1920.0 * CACHED_INPUT + 300.0 * OUTPUT) / 1e6;
+    assert_usd(out.cost_usd, cost, "cached tokens at the cached price");
+    let tokens = |kind: &str| {
+        metric(
+            &env.metrics,
+            "toolfleet_llm_tokens_total",
+            &[("model", "chat-model"), ("kind", kind)],
+        )
+    };
+    assert_eq!(tokens("cached"), 1920.0);
+    assert_eq!(tokens("prompt"), 2006.0);
+    let requests = env.model.requests();
+    assert_eq!(requests.len(), 1);
+    assert!(
+        requests[0]["messages"].is_array(),
+        "a Chat Completions request"
+    );
+    assert_eq!(
+        requests[0]["prompt_cache_key"],
+        json!(prompt_cache_key("toolfleet", "default", "chat"))
+    );
 }
 
 /// The passwords of the shipped identities the tenant test uses (every

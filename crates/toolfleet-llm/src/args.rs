@@ -80,6 +80,11 @@ pub struct LlmArgs {
     /// The provider label tool jobs carry (default: the base URL's host).
     #[arg(long = "llm-provider", env = "TOOLFLEET_LLM_PROVIDER", value_parser = parse_provider)]
     pub provider: Option<String>,
+    /// Send each conversation request's `prompt_cache_key` (true or
+    /// false); the default is true for OpenAI's own API and false for any
+    /// other URL. The `prompt_cache_key` of a deployment in `--config`.
+    #[arg(long = "llm-prompt-cache-key", env = "TOOLFLEET_LLM_PROMPT_CACHE_KEY", value_parser = clap::builder::BoolishValueParser::new())]
+    pub prompt_cache_key: Option<bool>,
 }
 
 fn parse_provider(s: &str) -> Result<String, String> {
@@ -126,6 +131,9 @@ impl LlmArgs {
         deployment.idle_timeout = Duration::from_millis(self.idle_timeout_ms);
         deployment.confidence = self.confidence;
         deployment.provider = self.provider.clone();
+        if let Some(send) = self.prompt_cache_key {
+            deployment.prompt_cache_key = send;
+        }
         if let Some(key) = &self.api_key {
             deployment = deployment.with_api_key(key.clone());
         }
@@ -170,7 +178,22 @@ mod tests {
         let plain = Cli::try_parse_from(["x"]).unwrap().llm.deployment();
         assert_eq!(plain.confidence, 0.0);
         assert_eq!(plain.provider_name(), "api.openai.com");
+        assert!(plain.prompt_cache_key, "on for OpenAI by default");
+        let local = ["x", "--llm-base-url", "http://127.0.0.1:8000/v1"];
+        let off = Cli::try_parse_from(local).unwrap().llm.deployment();
+        assert!(!off.prompt_cache_key, "off elsewhere by default");
+        let on = Cli::try_parse_from([&local[..], &["--llm-prompt-cache-key", "true"]].concat())
+            .unwrap()
+            .llm
+            .deployment();
+        assert!(on.prompt_cache_key, "the flag turns it on");
+        let quiet = Cli::try_parse_from(["x", "--llm-prompt-cache-key", "false"])
+            .unwrap()
+            .llm
+            .deployment();
+        assert!(!quiet.prompt_cache_key, "and off");
         for bad in [
+            &["x", "--llm-prompt-cache-key", "maybe"][..],
             &["x", "--llm-confidence", "1.5"][..],
             &["x", "--llm-confidence", "high"][..],
             &["x", "--llm-provider", "no spaces"][..],

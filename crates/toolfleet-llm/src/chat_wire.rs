@@ -103,17 +103,18 @@ struct WireFunctionOut<'a> {
 }
 
 /// The request body for `POST {base_url}/chat/completions`. The tools go
-/// out sorted by name ([`sorted_tools`]), so the prompt's beginning
-/// (system prompt, then tools) is the same from round to round and the
-/// provider's prompt cache can serve it.
+/// out in the order the request gives them: the caller keeps that order
+/// stable from round to round (the orchestrator: the first round's tools
+/// sorted by name, later additions after them), so the prompt's beginning
+/// stays the same and the provider's prompt cache can serve it. Sorting
+/// here would put a tool added mid-conversation among the others, and
+/// every tool after it would miss the cache.
 pub(super) fn to_wire(req: &ChatRequest, stream: bool) -> WireRequest<'_> {
     let has_tools = !req.tools.is_empty();
     WireRequest {
         model: &req.model,
         messages: req.messages.iter().map(message_to_wire).collect(),
-        tools: sorted_tools(&req.tools)
-            .map(|t| t.to_chat_completions())
-            .collect(),
+        tools: req.tools.iter().map(|t| t.to_chat_completions()).collect(),
         // `tool_choice` and `parallel_tool_calls` are rejected by OpenAI
         // when no tools are sent, so they travel only with tools.
         tool_choice: req
@@ -131,19 +132,6 @@ pub(super) fn to_wire(req: &ChatRequest, stream: bool) -> WireRequest<'_> {
             include_usage: true,
         }),
     }
-}
-
-/// `tools` by name (stable: two of one name keep their order). Scoping
-/// ranks a request's tools by relevance and `search_tools` adds some
-/// mid-conversation; sent in that order, the same tool set would make a
-/// different prompt from turn to turn and miss the provider's prompt
-/// cache (which matches a prompt's beginning, tools included).
-pub(super) fn sorted_tools(
-    tools: &[std::sync::Arc<super::ToolSpec>],
-) -> impl Iterator<Item = &super::ToolSpec> {
-    let mut sorted: Vec<&super::ToolSpec> = tools.iter().map(AsRef::as_ref).collect();
-    sorted.sort_by(|a, b| a.name.cmp(&b.name));
-    sorted.into_iter()
 }
 
 /// `"auto"`, `"none"`, `"required"` or
@@ -1160,11 +1148,13 @@ pub(super) mod tests {
         .expect("start")
     }
 
-    /// What the stand-in received: the system prompt first, the tools
-    /// sorted by name whatever order scoping gave them, then the
-    /// history; `prompt_cache_key` only from a deployment that accepts it.
+    /// What the stand-in received: the system prompt first, the tools in
+    /// the order the request gave them (not re-sorted: a caller that
+    /// appends a tool keeps every tool before it in place), then the
+    /// history; `prompt_cache_key` only from a deployment that accepts
+    /// it.
     #[tokio::test]
-    async fn the_stand_in_gets_sorted_tools_and_the_cache_key_only_where_accepted() {
+    async fn the_stand_in_gets_the_tools_in_order_and_the_cache_key_only_where_accepted() {
         let server = stand_in().await;
         let mut req = request(
             vec![
@@ -1175,7 +1165,11 @@ pub(super) mod tests {
                     content: "hi".into(),
                 },
             ],
-            vec![spec("zeta", false), spec("alpha", false), spec("mid", true)],
+            vec![
+                spec("alpha", false),
+                spec("mid", true),
+                spec("added", false),
+            ],
         );
         req.prompt_cache_key = Some("tf-0123456789abcdef".into());
         for send_key in [true, false] {
@@ -1198,7 +1192,7 @@ pub(super) mod tests {
                 .iter()
                 .filter_map(|t| t["function"]["name"].as_str())
                 .collect();
-            assert_eq!(names, ["alpha", "mid", "zeta"]);
+            assert_eq!(names, ["alpha", "mid", "added"]);
             assert_eq!(
                 body["messages"][0],
                 json!({"role": "system", "content": "sys"})
@@ -1207,7 +1201,5 @@ pub(super) mod tests {
         }
         assert_eq!(bodies[0]["prompt_cache_key"], "tf-0123456789abcdef");
         assert!(bodies[1].get("prompt_cache_key").is_none(), "{}", bodies[1]);
-        // The neutral request keeps the order it was given.
-        assert_eq!(req.tools[0].name, "zeta");
     }
 }

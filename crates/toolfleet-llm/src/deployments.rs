@@ -27,7 +27,7 @@
 //! | `retry.max_delay_ms` | ms ≥ `base_delay_ms`, `5000` | longest backoff delay |
 //! | `confidence` | 0.0..=1.0, `0` | how much the fleet trusts this deployment: the provider confidence of every invocation whose model calls go to it (tools with a higher `minProviderConfidence` are not offered, and workers refuse them). Decided here, never by a chat job |
 //! | `provider` | name, the `base_url`'s host | the provider label tool jobs carry (`Toolfleet-Provider`), e.g. `"openai"`, `"azure"`; `[A-Za-z0-9_.-]+`. The connection they carry (`Toolfleet-Connection`) is the deployment's name |
-//! | `prompt_cache_key` | bool, `true` for `https://api.openai.com`, else `false` | send each conversation request's `prompt_cache_key` (an opaque hash of the fleet, tenant and profile), so requests sharing a prompt's beginning reach the same prompt cache. Only for providers that accept the field (OpenAI does; a strict compatible server may refuse an unknown field with 400) |
+//! | `prompt_cache_key` | bool, `true` for `https://api.openai.com` and its regional hosts (`https://eu.api.openai.com`, …), else `false` | send each conversation request's `prompt_cache_key` (an opaque hash of the fleet, tenant and profile), so requests sharing a prompt's beginning reach the same prompt cache. Only for providers that accept the field (OpenAI does; a strict compatible server may refuse an unknown field with 400) |
 //! | `batch_service_tier` | string, none | the `service_tier` sent with the model calls of batch jobs (`priority = "batch"`), e.g. OpenAI's `"flex"`; interactive jobs send none. Only for deployments whose provider accepts it |
 //! | `max_concurrency` | 1..=100000, none | model calls to this deployment in flight at once, fleet-wide (every orchestrator and LLM-tool worker on the same Redis): a call past it waits for a slot instead of meeting the provider's 429 |
 //! | `requests_per_minute` | 1..=10000000, none | model calls started per minute, fleet-wide; past it a call waits for the next minute. A 429 with `Retry-After` from the provider pauses every caller of the deployment that long |
@@ -303,11 +303,17 @@ struct RawDeployment {
 }
 
 /// Whether the API at `base_url` is known to accept `prompt_cache_key`:
-/// OpenAI's own (`https://api.openai.com`). Other OpenAI-compatible servers
-/// differ (some refuse a field they do not know), so the file says so
-/// for them (`prompt_cache_key = true`).
+/// OpenAI's own, `https://api.openai.com` and its data-residency hosts
+/// (`eu.api.openai.com`, `us.api.openai.com`, … — every name under
+/// `api.openai.com` is OpenAI's). Other OpenAI-compatible servers differ
+/// (some refuse a field they do not know; Azure OpenAI documents it for
+/// recent models and API versions only), so the file says so for them
+/// (`prompt_cache_key = true`).
 pub fn accepts_prompt_cache_key(base_url: &Url) -> bool {
-    base_url.scheme() == "https" && base_url.host_str() == Some("api.openai.com")
+    base_url.scheme() == "https"
+        && base_url
+            .host_str()
+            .is_some_and(|host| host == "api.openai.com" || host.ends_with(".api.openai.com"))
 }
 
 fn deserialize_url<'de, D: Deserializer<'de>>(d: D) -> Result<Url, D::Error> {
@@ -704,6 +710,17 @@ mod tests {
         };
         assert!(sends("openai"));
         assert!(!sends("local"));
+        for (url, on) in [
+            ("https://eu.api.openai.com/v1", true),
+            ("https://us.api.openai.com/v1", true),
+            ("http://api.openai.com/v1", false),
+            ("https://api.openai.com.example.net/v1", false),
+            ("https://notapi.openai.com/v1", false),
+            ("https://my-resource.openai.azure.com/openai/v1", false),
+        ] {
+            let url = Url::parse(url).expect("url");
+            assert_eq!(accepts_prompt_cache_key(&url), on, "{url}");
+        }
         assert!(sends("vllm"));
         assert!(!sends("quiet"));
         let e = ModelConfig::from_toml(

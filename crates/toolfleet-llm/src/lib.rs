@@ -57,9 +57,11 @@
 //! - Dropping a call's future closes its HTTP connection at once: no task
 //!   is spawned, so nothing keeps reading a stream nobody wants.
 //! - A request's beginning is stable for the provider's prompt cache: the
-//!   system prompt, then the tools sorted by name (whatever order the
-//!   caller gave), then the conversation; `prompt_cache_key` goes out only
-//!   when the deployment accepts it ([`LlmConfig::prompt_cache_key`]).
+//!   first system message (Responses: `instructions`, alone), then the
+//!   tools in the caller's order (never re-sorted: the caller keeps it
+//!   stable, new tools last), then the conversation, later system messages
+//!   included; `prompt_cache_key` goes out only when the deployment
+//!   accepts it ([`LlmConfig::prompt_cache_key`]).
 
 pub mod args;
 pub mod budget;

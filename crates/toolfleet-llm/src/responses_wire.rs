@@ -8,12 +8,22 @@
 //!
 //! | neutral | Responses |
 //! |---|---|
-//! | leading `System` messages | `instructions` (joined by a blank line) |
+//! | the first message, when `System` | `instructions` |
 //! | later `System`, `User` | `{"type":"message","role":..,"content":..}` |
 //! | `Assistant.opaque` | replayed verbatim, first (reasoning items) |
 //! | `Assistant.content` | `{"type":"message","role":"assistant",..}` |
 //! | `Assistant.tool_calls` | `{"type":"function_call",call_id,name,arguments}` |
 //! | `Tool` | `{"type":"function_call_output",call_id,output}` |
+//!
+//! Only the first system message is `instructions`: it is the profile's
+//! system prompt, the same for every job of a profile, and the provider
+//! builds the prompt from `instructions`, then the tools, then `input`.
+//! Per-job system text (a job's own system messages, the fleet's
+//! retrieval directive) goes after the tools as `system` input messages,
+//! so it does not change the beginning every job of the profile shares.
+//! They stay `system` (not `developer`): the same role the model read
+//! them with in `instructions`, and one every OpenAI-compatible Responses
+//! server knows.
 //!
 //! Requests are stateless (`store: false`). For a deployment marked as a
 //! reasoning model ([`LlmConfig::reasoning`](crate::LlmConfig::reasoning))
@@ -34,7 +44,7 @@
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 
-use super::chat_wire::{finished_call, provider_error, sorted_tools};
+use super::chat_wire::{finished_call, provider_error};
 use super::{
     ChatRequest, Completion, FinishReason, LlmError, Message, SseEvent, ToolChoice, Usage,
 };
@@ -43,8 +53,8 @@ use super::{
 // Request
 
 /// Fields in the order of the prompt a provider builds from them: the
-/// instructions, then the tools (sorted by name), then the conversation,
-/// so the stable beginning also comes first in the body.
+/// instructions, then the tools (in the caller's stable order), then the
+/// conversation, so the stable beginning also comes first in the body.
 #[derive(Debug, Serialize)]
 pub(super) struct WireRequest<'a> {
     model: &'a str,
@@ -121,31 +131,25 @@ enum TypedItem<'a> {
 }
 
 /// The request body for `POST {base_url}/responses`; `reasoning_model`
-/// adds `include: ["reasoning.encrypted_content"]`. The tools go out
-/// sorted by name ([`sorted_tools`]), for the provider's prompt cache.
+/// adds `include: ["reasoning.encrypted_content"]`. The first message,
+/// when a system message, is `instructions`; every later one is input
+/// (see the module docs). The tools go out in the caller's order, which
+/// it keeps stable for the provider's prompt cache.
 pub(super) fn to_wire(req: &ChatRequest, stream: bool, reasoning_model: bool) -> WireRequest<'_> {
-    let leading_system = req
-        .messages
-        .iter()
-        .take_while(|m| matches!(m, Message::System { .. }))
-        .count();
-    let instructions: Vec<&str> = req.messages[..leading_system]
-        .iter()
-        .filter_map(|m| match m {
-            Message::System { content } => Some(content.as_str()),
-            _ => None,
-        })
-        .collect();
-    let mut input = Vec::with_capacity(req.messages.len());
-    for message in &req.messages[leading_system..] {
+    let (instructions, rest) = match req.messages.split_first() {
+        Some((Message::System { content }, rest)) => (Some(content.clone()), rest),
+        _ => (None, req.messages.as_slice()),
+    };
+    let mut input = Vec::with_capacity(rest.len());
+    for message in rest {
         push_input(&mut input, message);
     }
     let has_tools = !req.tools.is_empty();
     WireRequest {
         model: &req.model,
-        instructions: (!instructions.is_empty()).then(|| instructions.join("\n\n")),
+        instructions,
         input,
-        tools: sorted_tools(&req.tools).map(|t| t.to_responses()).collect(),
+        tools: req.tools.iter().map(|t| t.to_responses()).collect(),
         tool_choice: req
             .tool_choice
             .as_ref()
@@ -921,8 +925,11 @@ mod tests {
             body,
             json!({
                 "model": "m",
-                "instructions": "be brief\n\ncite sources",
+                "instructions": "be brief",
                 "input": [
+                    // A second system message is the job's own: after the
+                    // tools, not in the profile's stable instructions.
+                    {"type": "message", "role": "system", "content": "cite sources"},
                     {"type": "message", "role": "user", "content": "weather?"},
                     reasoning,
                     {"type": "message", "role": "assistant", "content": "Checking."},
@@ -1610,12 +1617,13 @@ mod tests {
         );
     }
 
-    /// What the stand-in received over the Responses API: instructions,
-    /// then the tools sorted by name, then the input (in that order in
-    /// the body too); `prompt_cache_key` only from a deployment that
-    /// accepts it.
+    /// What the stand-in received over the Responses API: the profile's
+    /// system prompt as `instructions`, then the tools in the request's
+    /// order, then the input, with a job's own system message in it, after
+    /// the tools (in that order in the body too); `prompt_cache_key` only
+    /// from a deployment that accepts it.
     #[tokio::test]
-    async fn the_stand_in_gets_sorted_tools_and_the_cache_key_only_where_accepted() {
+    async fn the_stand_in_gets_a_stable_beginning_and_the_cache_key_only_where_accepted() {
         use crate::chat_wire::tests::{spec, stand_in, stand_in_client};
         let server = stand_in().await;
         let mut req = request(
@@ -1623,9 +1631,16 @@ mod tests {
                 Message::System {
                     content: "sys".into(),
                 },
+                Message::System {
+                    content: "the job's own".into(),
+                },
                 user("hi"),
             ],
-            vec![spec("zeta", false), spec("alpha", false), spec("mid", true)],
+            vec![
+                spec("alpha", false),
+                spec("mid", true),
+                spec("added", false),
+            ],
         );
         req.prompt_cache_key = Some("tf-0123456789abcdef".into());
         let text = serde_json::to_string(&to_wire(&req, true, false)).expect("serialise");
@@ -1654,9 +1669,13 @@ mod tests {
                 .iter()
                 .filter_map(|t| t["name"].as_str())
                 .collect();
-            assert_eq!(names, ["alpha", "mid", "zeta"]);
+            assert_eq!(names, ["alpha", "mid", "added"]);
             assert_eq!(body["instructions"], "sys");
-            assert_eq!(body["input"][0]["role"], "user");
+            assert_eq!(
+                body["input"][0],
+                json!({"type": "message", "role": "system", "content": "the job's own"})
+            );
+            assert_eq!(body["input"][1]["role"], "user");
         }
         assert_eq!(bodies[0]["prompt_cache_key"], "tf-0123456789abcdef");
         assert!(bodies[1].get("prompt_cache_key").is_none(), "{}", bodies[1]);

@@ -297,12 +297,25 @@ impl Invocation {
         message
     }
 
-    /// The offered tools as the model sees them, with `search_tools` when
-    /// tools were left out and the model may still add some.
-    pub fn tool_specs(&self) -> Vec<Arc<ToolSpec>> {
+    /// The offered tools as the model sees them, in an order that stays
+    /// put for the whole invocation (the provider's prompt cache serves
+    /// the longest beginning two requests share): the first request's
+    /// tools sorted by function name, `search_tools` among them when
+    /// tools were left out, then the tools `search_tools` added, in the
+    /// order they came. The first call fixes that offer
+    /// ([`crate::tools::Scope::fix_first_offer`]); from then on
+    /// `search_tools` stays offered even once the caps are reached (a
+    /// call is answered that no more tools can be added), so reaching a
+    /// cap does not change the requests' beginning.
+    pub fn tool_specs(&mut self) -> Vec<Arc<ToolSpec>> {
+        let first = self.scope.fix_first_offer(&mut self.tools);
         let mut specs: Vec<Arc<ToolSpec>> = self.tools.iter().map(|t| t.spec.clone()).collect();
-        if self.scope.can_expand(self.tools.len()) {
-            specs.push(crate::tools::search_tools_spec());
+        if first.search_tools {
+            // A tool of the first offer that has gone since (its worker
+            // left, before a resume) shortens it.
+            let lead = &specs[..first.tools.min(specs.len())];
+            let at = lead.partition_point(|s| s.name.as_str() < scoring::SEARCH_TOOLS);
+            specs.insert(at, crate::tools::search_tools_spec());
         }
         specs
     }

@@ -254,6 +254,15 @@ pub struct Parked {
     pub messages: Vec<Message>,
     /// The offered tools' ids.
     pub offered: Vec<String>,
+    /// `search_tools` calls so far: a resumed run expands no further than
+    /// its cap (0 in records written before it was kept).
+    #[serde(default)]
+    pub expansions: u32,
+    /// The first request's offer, so a resumed run offers the tools in
+    /// the same order (none in records written before it was kept: fixed
+    /// again at the next request).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_offer: Option<crate::tools::FirstOffer>,
     pub usage: UsageLedger,
     pub citations: Citations,
     /// Of the invocation's deadline, what was left when it parked: the
@@ -304,6 +313,8 @@ impl Parked {
             deployment: inv.profile.deployment_name.clone(),
             agent_depth: inv.agent_depth,
             offered: inv.tool_ids(),
+            expansions: inv.scope.expansions,
+            first_offer: inv.scope.first_offer,
             messages: inv.messages,
             usage: inv.usage,
             citations: inv.citations,

@@ -251,6 +251,8 @@ fn rebuild(
                 .cloned()
         })
         .collect();
+    inv.scope.expansions = parked.expansions;
+    inv.scope.first_offer = parked.first_offer;
     inv.usage = parked.usage.clone();
     inv.citations = parked.citations.clone();
     let resumed = Resumed {

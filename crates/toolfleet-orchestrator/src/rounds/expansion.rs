@@ -1,8 +1,12 @@
 //! `search_tools`: when scoping left tools out, the model may search the
 //! permitted tools not offered yet; the matches join the offered ones from
-//! the next round on, at most `max_expansion_rounds` times and never beyond
-//! `max_tool_count` tools; each addition is a `scoping` event with
-//! decision `expansion`.
+//! the next round on, after them (never sorted among them, so the
+//! requests' beginning up to the new tools stays the same), at most
+//! `max_expansion_rounds` times and never beyond `max_tool_count` tools;
+//! each addition is a `scoping` event with decision `expansion`. A search
+//! that found nothing changes no request; one past the caps is answered
+//! `expansion_capped` (`search_tools` stays offered, see
+//! [`Invocation::tool_specs`]).
 
 use std::time::Instant;
 use toolfleet_protocol::ToolErrorCode;
@@ -78,9 +82,10 @@ pub(super) fn search_tools_call(
                         .iter()
                         .map(|t| t.definition.id.to_string())
                         .collect();
+                    // Appended, in the order found: every tool already
+                    // offered keeps its place in the requests, and with it
+                    // the provider's cached prompt up to the first new one.
                     inv.tools.extend(found.added);
-                    inv.tools
-                        .sort_by(|a, b| a.definition.id.cmp(&b.definition.id));
                     events.send(ChatEventBody::Scoping {
                         decision: "expansion".into(),
                         permitted: inv.scope.permitted.tools.len(),

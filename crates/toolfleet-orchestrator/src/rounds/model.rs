@@ -6,11 +6,16 @@
 //!
 //! A provider's prompt cache (OpenAI's, vLLM's prefix cache) serves the
 //! longest beginning a prompt shares with a recent one. The stable
-//! beginning of a conversation's requests is its system prompt, then its
-//! tools (sent sorted by name, by the wire layer of `toolfleet-llm`), then
-//! the history, which only grows. Tools changing between turns (a
-//! `search_tools` expansion, a live worker leaving) change that beginning:
-//! such a turn pays for its whole prompt again, and
+//! beginning of a conversation's requests is the profile's system prompt,
+//! then its tools (in the order [`Invocation::tool_specs`] keeps: the
+//! first request's sorted by name, later additions after them), then the
+//! history. The history mostly grows, turn by turn; a compaction replaces
+//! its older part with a summary, and the request after it misses the
+//! cache from there on. Within an invocation the tools change only when a
+//! `search_tools` call adds some (and, across a park, when an offered
+//! tool's workers all left before the resume); between invocations, when
+//! scoping picks others or the catalog changed. A turn whose tools
+//! changed pays again for the prompt from the first new tool on, and
 //! `toolfleet_prompt_prefix_changes_total{profile}` counts it.
 
 use std::time::Instant;
@@ -199,8 +204,10 @@ pub fn prompt_cache_key(prefix: &str, tenant: &str, profile: &str) -> String {
 }
 
 /// A hash of what a provider's prompt cache can share between two calls
-/// of one conversation: the leading system messages and the tools as the
-/// wire sends them (sorted by name), not the history after them.
+/// of one conversation: the first system message (the profile's system
+/// prompt; a Responses request's `instructions`) and the tools in the
+/// order the wire sends them, not what follows them (a job's own system
+/// messages, the history).
 pub fn prefix_hash(request: &ChatRequest) -> u64 {
     let mut context = ring::digest::Context::new(&ring::digest::SHA256);
     let mut part = |bytes: &[u8]| {
@@ -208,16 +215,11 @@ pub fn prefix_hash(request: &ChatRequest) -> u64 {
         context.update(&(bytes.len() as u64).to_le_bytes());
         context.update(bytes);
     };
-    for message in &request.messages {
-        let toolfleet_llm::Message::System { content } = message else {
-            break;
-        };
-        part(content.as_bytes());
+    match request.messages.first() {
+        Some(toolfleet_llm::Message::System { content }) => part(content.as_bytes()),
+        _ => part(b""),
     }
-    let mut tools: Vec<&toolfleet_llm::ToolSpec> =
-        request.tools.iter().map(AsRef::as_ref).collect();
-    tools.sort_by(|a, b| a.name.cmp(&b.name));
-    for tool in tools {
+    for tool in &request.tools {
         part(tool.to_chat_completions().to_string().as_bytes());
     }
     let digest = context.finish();
@@ -265,8 +267,8 @@ mod tests {
     }
 
     #[test]
-    fn the_prefix_is_the_system_prompt_and_the_tool_set_not_their_order_or_the_history() {
-        let first = prefix_hash(&request("Be brief.", &["b", "a"], &["hi"]));
+    fn the_prefix_is_the_system_prompt_and_the_tools_in_order_not_what_follows() {
+        let first = prefix_hash(&request("Be brief.", &["a", "b"], &["hi"]));
         assert_eq!(
             first,
             prefix_hash(&request(
@@ -274,7 +276,24 @@ mod tests {
                 &["a", "b"],
                 &["hi", "more", "and more"]
             )),
-            "tool order and a longer history keep the prefix"
+            "a longer history keeps the prefix"
+        );
+        let mut own_system = request("Be brief.", &["a", "b"], &["hi"]);
+        own_system.messages.insert(
+            1,
+            Message::System {
+                content: "The job's own instructions.".into(),
+            },
+        );
+        assert_eq!(
+            first,
+            prefix_hash(&own_system),
+            "a job's own system message comes after the prefix"
+        );
+        assert_ne!(
+            first,
+            prefix_hash(&request("Be brief.", &["b", "a"], &["hi"])),
+            "the order the tools are sent in is part of the prompt"
         );
         assert_ne!(
             first,
@@ -285,10 +304,12 @@ mod tests {
             first,
             prefix_hash(&request("Be long.", &["a", "b"], &["hi"]))
         );
-        // Parts cannot run into each other.
+        // Each part is framed by its length: a system prompt that ends
+        // with a tool's very JSON is not that prompt and that tool.
+        let glued = format!("x{}", tool("a").to_chat_completions());
         assert_ne!(
-            prefix_hash(&request("x", &["ab"], &[])),
-            prefix_hash(&request("x", &["a", "b"], &[]))
+            prefix_hash(&request(&glued, &[], &[])),
+            prefix_hash(&request("x", &["a"], &[]))
         );
     }
 

@@ -155,9 +155,30 @@ pub struct Scope {
     pub(crate) snapshot: Arc<ToolSnapshot>,
     /// Every tool the invocation may use.
     pub permitted: Permitted,
-    /// `search_tools` calls that added tools so far.
+    /// `search_tools` calls so far, found or not (a park record keeps
+    /// it, so a resumed run expands no further than the cap).
     pub expansions: u32,
+    /// What the first model request offered, once it was made (a park
+    /// record keeps it): see [`FirstOffer`].
+    pub first_offer: Option<FirstOffer>,
     pub(crate) policy: ScopingPolicy,
+}
+
+/// What the first model request of an invocation offered, fixed for the
+/// rest of it so every request begins the same way (a provider's prompt
+/// cache serves the longest beginning two prompts share, the tools
+/// included): its tools lead, sorted by function name, with
+/// `search_tools` among them when it was offered; tools a `search_tools`
+/// call adds follow them, in the order they were added.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FirstOffer {
+    /// How many of the offered tools the first request had.
+    pub tools: usize,
+    /// Whether it offered `search_tools`: then every request of the
+    /// invocation does, and a call past the caps is answered that no
+    /// more tools can be added (`expansion_capped`).
+    pub search_tools: bool,
 }
 
 impl Scope {
@@ -166,8 +187,26 @@ impl Scope {
             snapshot,
             permitted,
             expansions: 0,
+            first_offer: None,
             policy,
         }
+    }
+
+    /// Fixes the first request's offer, once (later calls change
+    /// nothing): `offered` sorted by function name, how many there are,
+    /// and whether `search_tools` goes with them (tools were left out and
+    /// the caps allow a search).
+    pub fn fix_first_offer(&mut self, offered: &mut [Arc<CompiledTool>]) -> FirstOffer {
+        if let Some(first) = self.first_offer {
+            return first;
+        }
+        offered.sort_by(|a, b| a.definition.function.name.cmp(&b.definition.function.name));
+        let first = FirstOffer {
+            tools: offered.len(),
+            search_tools: self.can_expand(offered.len()),
+        };
+        self.first_offer = Some(first);
+        first
     }
 
     /// Whether the model may still add tools with `search_tools` when
