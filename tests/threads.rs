@@ -471,6 +471,56 @@ async fn threads_a_waiting_job_gives_its_in_flight_place_back_while_it_waits() {
     assert_eq!(eb.last().unwrap()["type"], "completed", "{eb:?}");
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_racing_jobs_that_wait_run_one_after_the_other() {
+    let (env, _second) = two_orchestrators(no_tweak).await;
+    for (round, strategy) in [MultitaskStrategy::Enqueue, MultitaskStrategy::Interrupt]
+        .into_iter()
+        .enumerate()
+    {
+        let thread = format!("t-waiters-{round}");
+        let mut running = env
+            .follow_and_submit(&job(&thread, &format!("tool first {round}"), None))
+            .await;
+        until(&mut running, "tool_result").await;
+        // Two jobs of the same strategy at once, through both orchestrators.
+        let (b, c) = (
+            job(&thread, &format!("slow b{round}"), Some(strategy)),
+            job(&thread, &format!("slow c{round}"), Some(strategy)),
+        );
+        let mut eb = env
+            .subscribe(env.subjects.chat_events("default", &b.invocation_id))
+            .await;
+        let mut ec = env
+            .subscribe(env.subjects.chat_events("default", &c.invocation_id))
+            .await;
+        let (rb, rc) = tokio::join!(
+            toolfleet_protocol::client::submit(&env.client, &env.subjects, &b),
+            toolfleet_protocol::client::submit(&env.client, &env.subjects, &c),
+        );
+        rb.unwrap();
+        rc.unwrap();
+        let (first, eb, ec) = tokio::join!(
+            events_until_terminal(&mut running),
+            events_until_terminal(&mut eb),
+            events_until_terminal(&mut ec)
+        );
+        let first = first.last().unwrap();
+        match strategy {
+            MultitaskStrategy::Interrupt => assert_eq!(first["code"], "cancelled", "{first}"),
+            _ => assert_eq!(first["type"], "completed", "{first}"),
+        }
+        assert_eq!(eb.last().unwrap()["type"], "completed", "{eb:?}");
+        assert_eq!(ec.last().unwrap()["type"], "completed", "{ec:?}");
+        // One after the other: whichever ran second was sent the other's turn.
+        let said_b = transcript(&requests_for(&env, &format!("slow b{round}"))[0]);
+        let said_c = transcript(&requests_for(&env, &format!("slow c{round}"))[0]);
+        let b_saw_c = said_b.iter().any(|m| m.contains(&format!("slow c{round}")));
+        let c_saw_b = said_c.iter().any(|m| m.contains(&format!("slow b{round}")));
+        assert!(b_saw_c ^ c_saw_b, "{strategy}: {said_b:?} {said_c:?}");
+    }
+}
+
 /// A job of thread `thread` that calls the clock, then answers slowly; a
 /// newer job with `strategy` is submitted once the clock's result is in.
 /// The older job's events, the newer's, and the newer's model request.
