@@ -208,6 +208,17 @@ fn unfit(result: &ToolResult) -> Option<&'static str> {
     }
 }
 
+/// `result` as it is stored: without the model calls the tool spent (a
+/// hit spends none) and with only the references its own call cited (as
+/// a fresh result's answer keeps only those).
+fn to_keep(result: &ToolResult) -> ToolResult {
+    let mut kept = result.clone();
+    kept.llm_calls.clear();
+    kept.references
+        .retain(|r| r.call_id.as_deref() == Some(result.call_id.as_str()));
+    kept
+}
+
 /// Stores `result` for the call that missed (in a task of its own: the
 /// call's answer never waits for it), when it is fit ([`unfit`]): an
 /// error, a `blocked` or a timed-out result is never kept, nor one with
@@ -224,10 +235,7 @@ pub(super) fn keep(fleet: &Fleet, miss: Miss, result: &ToolResult) {
         count(&miss.tool, "skip");
         return;
     }
-    let mut kept = result.clone();
-    kept.llm_calls.clear();
-    kept.references
-        .retain(|r| r.call_id.as_deref() == Some(result.call_id.as_str()));
+    let kept = to_keep(result);
     let store = fleet.store.clone();
     tokio::spawn(async move {
         let outcome = match store
@@ -265,6 +273,35 @@ mod tests {
             "durationMs": 3
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn only_the_calls_own_references_are_kept() {
+        let reference = |index: u64, call: Option<&str>| toolfleet_protocol::Reference {
+            index,
+            kind: "document".into(),
+            title: format!("doc {index}"),
+            source: None,
+            url: None,
+            snippet: None,
+            tool_id: Some("units:convert@1.0.0".into()),
+            call_id: call.map(str::to_owned),
+        };
+        let result = ToolResult {
+            references: vec![
+                reference(1, Some("call_1")),
+                reference(2, Some("call_other")),
+                reference(3, None),
+                reference(4, Some("call_1")),
+            ],
+            ..ok()
+        };
+        let kept: Vec<u64> = to_keep(&result)
+            .references
+            .iter()
+            .map(|r| r.index)
+            .collect();
+        assert_eq!(kept, vec![1, 4]);
     }
 
     #[test]
