@@ -1388,11 +1388,7 @@ pub enum ChatEventBody {
         /// The ids of the tools offered to the model.
         tools: Vec<String>,
         /// The thread the job continues, when it names one.
-        #[serde(
-            rename = "threadId",
-            default,
-            skip_serializing_if = "Option::is_none"
-        )]
+        #[serde(rename = "threadId", default, skip_serializing_if = "Option::is_none")]
         thread_id: Option<String>,
     },
     /// Where a job of a thread stands (`docs/threads.md`): sent before
