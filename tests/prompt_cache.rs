@@ -4,10 +4,13 @@
 //! metric and the cost at the cached price (the input price without one);
 //! requests carry the tenant's and profile's `prompt_cache_key` only where
 //! the deployment accepts it, never another tenant's, whatever a job
-//! claims (the shipped `ops/nats/auth.conf` identities); the tools go out
-//! sorted by name; `toolfleet_prompt_prefix_changes_total` counts a turn
-//! whose tool set changed and no other. The scripted model server stands
-//! in for the provider and records what it was asked.
+//! claims (the shipped `ops/nats/auth.conf` identities); a first
+//! request's tools go out sorted by name, an expansion's after them, in
+//! the same order after a park for approval, whose resumed run expands
+//! no further than its cap; `toolfleet_prompt_prefix_changes_total`
+//! counts a turn whose tools changed and no other; the cached tokens of a
+//! Chat Completions usage count as the Responses ones do. The scripted
+//! model server stands in for the provider and records what it was asked.
 
 // The harness is shared with other targets; its start is over 100 lines.
 #[allow(clippy::too_many_lines)]
@@ -419,6 +422,10 @@ async fn prompt_cache_prefix_changes_count_a_changed_tool_set_and_nothing_else()
             { "whenUserContains": ["bravo"], "steps": [
                 { "toolCalls": [ { "name": "bravo_task_001", "arguments": {} } ] },
                 { "answer": "{{tool:bravo_task_001}}" }
+            ] },
+            { "whenUserContains": ["delta"], "steps": [
+                { "toolCalls": [ { "name": "search_tools", "arguments": { "query": "unicorn stables" } } ] },
+                { "answer": "{{tool:search_tools}}" }
             ] }
         ] }),
         Options {
@@ -486,6 +493,16 @@ async fn prompt_cache_prefix_changes_count_a_changed_tool_set_and_nothing_else()
         );
         assert_eq!(body["input"][0]["role"], "user");
     }
+
+    // A search that finds nothing changes no request.
+    let unfound = env
+        .submit(&job("delta records please", "capped"))
+        .await
+        .expect("completed");
+    assert_eq!(unfound.rounds, 2);
+    let offered = tools_per_request(&env);
+    assert_eq!(offered[4], offered[5], "nothing was added");
+    assert_eq!(changes("capped"), 1.0, "nothing more counted");
 }
 
 /// Reads `sub` until `pick` returns something (every event on the way is
@@ -805,9 +822,11 @@ async fn raw_chat(client: &async_nats::Client, tenant: &str, body: &Value) -> Va
 
 /// Tenant globex, under its own identity, submits a job that claims to be
 /// acme's: it is refused before any model call. Its own job reaches the
-/// provider with globex's cache key — never acme's, so globex's requests
-/// never share acme's prompt cache — and neither key holds a tenant's
-/// name.
+/// provider with globex's cache key, never acme's — so globex cannot
+/// steer its requests to where acme's are routed (the key routes; it
+/// does not isolate: the provider's cache is per organization and found
+/// by prefix, see docs/prompt-caching.md) — and neither key holds a
+/// tenant's name as it is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_cache_a_tenant_gets_its_own_key_whatever_its_job_claims() {
     let nats = secured_nats();

@@ -180,11 +180,16 @@ impl Fleet {
 /// The `prompt_cache_key` of a conversation's model calls: `tf-` and 16
 /// hex digits of the SHA-256 of the fleet's subject prefix, the tenant
 /// and the profile. One key per tenant and profile, so a tenant's
-/// requests share a cache and never another tenant's; opaque, because a
-/// tenant's name may be a customer's, and the key goes to the provider
-/// (whose logs and dashboards show it); the same in every orchestrator
-/// and release, so the whole fleet's calls share it. Sixty-four bits keep
-/// two tenants apart for any number of tenants a fleet has.
+/// requests are routed together, and never under another tenant's key —
+/// routing only: the provider's cache is its organization's, found by
+/// prefix whatever the key, so tenants whose caches must be apart need
+/// separate provider projects. Hashed, because a tenant's name may be a
+/// customer's and the key goes to the provider (whose logs and
+/// dashboards show it); but unsalted, over guessable inputs, so whoever
+/// sees a key can confirm a guessed tenant name. The same in every
+/// orchestrator and release, so the whole fleet's calls share it.
+/// Sixty-four bits keep two tenants apart for any number of tenants a
+/// fleet has.
 pub fn prompt_cache_key(prefix: &str, tenant: &str, profile: &str) -> String {
     let mut input = Vec::with_capacity(prefix.len() + tenant.len() + profile.len() + 2);
     for (i, part) in [prefix, tenant, profile].into_iter().enumerate() {
