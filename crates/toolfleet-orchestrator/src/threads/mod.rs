@@ -12,9 +12,9 @@
 //! while it waits loses nothing: the job is delivered again and finds its
 //! place in line. While it waits it gives its dispatcher's in-flight
 //! permit back (other jobs run meanwhile), and takes one again before it
-//! runs. The context stage puts the thread's conversation
-//! before the job's new messages ([`ThreadTap::prepend`]); the run taps
-//! the conversation as it goes ([`ThreadTap::tap`]: at the start, after
+//! runs. The context stage puts the thread's conversation before the
+//! job's new messages ([`ThreadTap::prepend`]); the run taps the
+//! conversation as it goes ([`ThreadTap::tap`]: at the start, after
 //! each finished batch of tool calls, at the answer), so a run cut short
 //! leaves what it finished. When the run ends the seat is let go
 //! ([`Seat::leave`]): the conversation as it ended becomes the thread's —
@@ -31,10 +31,9 @@ pub mod tap;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-
 use std::time::Duration;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use toolfleet_protocol::thread::{MultitaskStrategy, ThreadState, thread_key};
 use toolfleet_protocol::{ChatEventBody, ChatJob};
 use tracing::warn;
@@ -57,7 +56,7 @@ const SEAT_MARGIN_MS: u64 = 30_000;
 /// How a run of a thread's job ended, for [`Seat::leave`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Leaving {
-    /// Its terminal event is out (`completed` or `error`).
+    /// It ended (`completed` or `error`, said right after).
     Ended,
     /// It parked for approval until this time (Unix ms): it keeps the
     /// thread.
