@@ -450,3 +450,63 @@ impl Parked {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> Parked {
+        Parked {
+            version: RECORD_VERSION,
+            park_id: "p1".into(),
+            job: toolfleet_protocol::client::question("hi"),
+            sealed_webhook: None,
+            tenant: "default".into(),
+            owner: "o".into(),
+            profile: "default".into(),
+            deployment: "d".into(),
+            agent_depth: 0,
+            messages: Vec::new(),
+            offered: vec!["t:b@1.0.0".into(), "t:a@1.0.0".into()],
+            expansions: 2,
+            first_offer: Some(crate::tools::FirstOffer {
+                tools: 1,
+                search_tools: true,
+            }),
+            usage: UsageLedger::default(),
+            citations: Citations::default(),
+            remaining_ms: 1,
+            next_seq: 1,
+            parked_at_ms: 1,
+            expires_at_ms: 2,
+            model_call_ids: Vec::new(),
+            calls: Vec::new(),
+            state: Value::Null,
+            cancelled: false,
+            resumed_from: None,
+        }
+    }
+
+    /// A record keeps the `search_tools` rounds spent and the first
+    /// request's offer; one written before they were kept still reads
+    /// (none spent, the offer fixed again at the next request).
+    #[test]
+    fn a_record_keeps_the_spent_expansions_and_the_first_offer_and_an_older_one_reads() {
+        let mut value = serde_json::to_value(record()).expect("serialise");
+        assert_eq!(value["expansions"], 2);
+        assert_eq!(
+            value["firstOffer"],
+            serde_json::json!({"tools": 1, "searchTools": true})
+        );
+        let back: Parked = serde_json::from_value(value.clone()).expect("reads");
+        assert_eq!(
+            (back.expansions, back.first_offer),
+            (2, record().first_offer)
+        );
+        let object = value.as_object_mut().expect("an object");
+        object.remove("expansions");
+        object.remove("firstOffer");
+        let older: Parked = serde_json::from_value(value).expect("an older record reads");
+        assert_eq!((older.expansions, older.first_offer), (0, None));
+    }
+}
