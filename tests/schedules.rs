@@ -326,6 +326,13 @@ async fn schedules_a_missed_due_time_is_skipped_or_caught_up_once_across_two_orc
             .await
             .unwrap();
     }
+    // A record under another tenant's key than the tenant it names is
+    // never fired (the key is whose it is).
+    let sneaky = overdue("sneaky", MissedPolicy::CatchUpOne);
+    bucket
+        .put("globex.sneaky", serde_json::to_vec(&sneaky).unwrap().into())
+        .await
+        .unwrap();
     // Both records move on to a due time after now.
     let deadline = tokio::time::Instant::now() + WAIT;
     let (skipper, catcher) = loop {
@@ -355,6 +362,10 @@ async fn schedules_a_missed_due_time_is_skipped_or_caught_up_once_across_two_orc
     );
     assert!(
         !ids.iter().any(|id| id.starts_with("sched-skipper-")),
+        "{ids:?}"
+    );
+    assert!(
+        !ids.iter().any(|id| id.starts_with("sched-sneaky-")),
         "{ids:?}"
     );
     assert_eq!(catcher.runs[0].due % 60, 0, "a due time of the expression");

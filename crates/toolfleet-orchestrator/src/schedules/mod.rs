@@ -44,7 +44,7 @@ use async_nats::jetstream::kv;
 use futures::StreamExt;
 use prometheus::{IntCounterVec, Opts, Registry};
 use tokio_util::sync::CancellationToken;
-use toolfleet_protocol::schedule::{Schedule, ScheduledRun, schedules_bucket};
+use toolfleet_protocol::schedule::{Schedule, ScheduledRun, parse_schedule_key, schedules_bucket};
 use toolfleet_protocol::{client, now_ms};
 use toolfleet_store::InvocationKey;
 use tracing::{info, warn};
@@ -182,6 +182,18 @@ fn seen(known: &mut HashMap<String, Known>, entry: kv::Entry) {
     }
     let parsed = serde_json::from_slice::<Schedule>(&entry.value)
         .map_err(|e| e.to_string())
+        .and_then(|s| {
+            // The key says whose it is: a record naming another tenant
+            // (or id) than its key is not fired.
+            if parse_schedule_key(&entry.key) == Some((s.tenant.as_str(), s.id.as_str())) {
+                Ok(s)
+            } else {
+                Err(format!(
+                    "its key does not name its tenant {:?} and id {:?}",
+                    s.tenant, s.id
+                ))
+            }
+        })
         .and_then(|s| {
             Timing::parse(&s.cron, &s.tz)
                 .map(|t| (s, t))
