@@ -347,6 +347,22 @@ multitask_strategy = "enqueue"
     );
     events_until_terminal(&mut a).await;
     events_until_terminal(&mut c).await;
+    // A strategy the fleet does not know stops the configuration's load.
+    let bad = toolfleet_config::FleetConfig::from_toml(
+        r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "http://127.0.0.1:1/v1"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+multitask_strategy = "merge"
+"#,
+        "bad profiles",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(bad.contains("merge"), "{bad}");
 }
 
 #[tokio::test(flavor = "multi_thread")]
