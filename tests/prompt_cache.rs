@@ -680,6 +680,53 @@ async fn prompt_cache_cached_tokens_through_chat_completions_reach_events_metric
     );
 }
 
+/// A job's own system message goes after the tools, as a `system` input
+/// message: `instructions` hold the profile's system prompt alone, the
+/// beginning every job of the profile shares (before, the job's text was
+/// joined into it, and each such job began differently). The model reads
+/// the same text, with the same role.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prompt_cache_a_jobs_own_system_message_comes_after_the_profiles_prompt() {
+    let env = Env::start_with(
+        json!({ "default": { "steps": [ { "answer": "ok" } ] } }),
+        Options {
+            workers: vec![],
+            profiles_toml: Some(PROFILES.into()),
+            data_source: None,
+            ..Default::default()
+        },
+    )
+    .await;
+    for own in ["Answer in French.", "Answer in German."] {
+        let mut job = job("hello", "default");
+        job.messages.insert(
+            0,
+            toolfleet_protocol::ChatMessage {
+                role: toolfleet_protocol::ChatRole::System,
+                content: own.into(),
+            },
+        );
+        env.submit(&job).await.expect("completed");
+    }
+    let requests = env.model.requests();
+    assert_eq!(requests.len(), 2);
+    for (body, own) in requests
+        .iter()
+        .zip(["Answer in French.", "Answer in German."])
+    {
+        assert_eq!(
+            body["instructions"],
+            json!(toolfleet_orchestrator::DEFAULT_SYSTEM_PROMPT),
+            "the profile's prompt alone: {body}"
+        );
+        assert_eq!(
+            body["input"][0],
+            json!({ "type": "message", "role": "system", "content": own })
+        );
+        assert_eq!(body["input"][1]["role"], "user");
+    }
+}
+
 /// The passwords of the shipped identities the tenant test uses (every
 /// identity of `ops/nats/auth.conf` needs one to start the server).
 const USERS: [(&str, &str); 11] = [
