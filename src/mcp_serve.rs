@@ -13,8 +13,12 @@
 //! (-32602), as the spec says. A call the client cancels (or gives up on)
 //! is cancelled in the fleet too.
 //!
-//! A tool whose definition declares an object `outputSchema` is listed
-//! with it, and its result's data is the call's `structuredContent`.
+//! A tool whose definition declares an object `outputSchema` (one that
+//! compiles) is listed with it, and its result's data is the call's
+//! `structuredContent`, checked against the schema first: data missing or
+//! not matching makes the call a tool error (`isError`, saying why, no
+//! `structuredContent`), so a client that checks (the Python SDK raises)
+//! never gets content that breaks the declared schema.
 //!
 //! **Tasks** (MCP 2025-11-25): a `tools/call` with a `task` parameter
 //! answers at once with a task whose id is the fleet invocation of the
@@ -22,7 +26,10 @@
 //! `tasks/cancel` (cancels the job through the fleet's cancel subject)
 //! and `tasks/list` serve it ([`tasks`] keeps the books, [`wire`] adds
 //! to the SDK's messages what it does not speak of tasks). Tasks live in
-//! this process, for this `mcp serve`'s one tenant.
+//! this process, for this `mcp serve`'s one tenant, each bound to its
+//! requestor ([`requestor`]): the hash of the `Authorization` header (an
+//! authenticating proxy's), else the HTTP session; over stdio, the one
+//! client.
 
 mod tasks;
 mod wire;
@@ -59,7 +66,8 @@ pub struct FleetServer {
     /// The last reading of the catalog, reused for a moment (every call
     /// would otherwise wait out a discovery).
     cached: Arc<tokio::sync::Mutex<Option<Reading>>>,
-    /// The tasks of task-augmented calls (shared by every HTTP session).
+    /// The tasks of task-augmented calls (of every HTTP session, each
+    /// task bound to its requestor).
     tasks: Arc<tasks::TaskStore>,
 }
 
@@ -68,6 +76,8 @@ type Reading = (tokio::time::Instant, Vec<ToolDefinition>);
 
 /// How long a catalog reading is reused.
 const CATALOG_FRESH: Duration = Duration::from_secs(2);
+/// A call is waited for its tool's timeout and this margin.
+const CALL_MARGIN: Duration = Duration::from_secs(5);
 
 impl FleetServer {
     pub fn new(
@@ -175,20 +185,57 @@ fn mcp_tool(d: &ToolDefinition) -> Tool {
         Arc::new(schema),
     );
     tool.title = Some(d.title.clone());
-    tool.output_schema = output_schema(d).map(Arc::new);
+    tool.output_schema = output_schema(d).map(|(schema, _)| Arc::new(schema));
     tool
 }
 
-/// The definition's `outputSchema` when MCP can declare it: an object
-/// schema at its root (the spec's `structuredContent` is an object).
-fn output_schema(d: &ToolDefinition) -> Option<serde_json::Map<String, serde_json::Value>> {
+/// The definition's `outputSchema` when MCP can declare it — an object
+/// schema at its root (the spec's `structuredContent` is an object) that
+/// compiles — and its validator.
+fn output_schema(
+    d: &ToolDefinition,
+) -> Option<(
+    serde_json::Map<String, serde_json::Value>,
+    toolfleet_protocol::schema::Validator,
+)> {
     match &d.output_schema {
-        Some(serde_json::Value::Object(map))
+        Some(value @ serde_json::Value::Object(map))
             if map.get("type").and_then(serde_json::Value::as_str) == Some("object") =>
         {
-            Some(map.clone())
+            let validator = toolfleet_protocol::schema::Validator::compile(value).ok()?;
+            Some((map.clone(), validator))
         }
         _ => None,
+    }
+}
+
+/// Who a task request comes from: the hash of its `Authorization` header
+/// (a proxy that authenticates passes it on: the same principal in any
+/// session), else its HTTP session (`Mcp-Session-Id`); over stdio, where
+/// there are no HTTP parts, the one client.
+///
+/// # Errors
+///
+/// An HTTP request with neither (refused: its tasks could be nobody's).
+fn requestor(context: &RequestContext<RoleServer>) -> Result<String, rmcp::ErrorData> {
+    let Some(parts) = context.extensions.get::<axum::http::request::Parts>() else {
+        return Ok("stdio".into());
+    };
+    if let Some(auth) = parts.headers.get(axum::http::header::AUTHORIZATION) {
+        let digest = ring::digest::digest(&ring::digest::SHA256, auth.as_bytes());
+        let hex: String = digest.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        return Ok(format!("authorization:{hex}"));
+    }
+    match parts
+        .headers
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+    {
+        Some(session) => Ok(format!("session:{session}")),
+        None => Err(rmcp::ErrorData::invalid_request(
+            "tasks need an MCP session (Mcp-Session-Id) or an Authorization header",
+            None,
+        )),
     }
 }
 
@@ -204,10 +251,11 @@ impl ServerHandler for FleetServer {
     async fn on_custom_request(
         &self,
         request: CustomRequest,
-        _context: RequestContext<RoleServer>,
+        context: RequestContext<RoleServer>,
     ) -> Result<CustomResult, rmcp::ErrorData> {
         let CustomRequest { method, params, .. } = request;
-        self.task_request(&method, params)
+        let owner = requestor(&context)?;
+        self.task_request(&owner, &method, params)
             .await
             .map(CustomResult::new)
     }
@@ -255,7 +303,7 @@ impl ServerHandler for FleetServer {
         };
         drop(progress_tx);
         let _ = forward.await;
-        Ok(answer(called).into())
+        Ok(answer(called, output_schema(&tool).map(|(_, v)| v).as_ref()).into())
     }
 }
 
@@ -291,7 +339,7 @@ impl FleetServer {
             &self.tenant,
             ids,
             arguments,
-            tool.timeout() + Duration::from_secs(5),
+            tool.timeout() + CALL_MARGIN,
             on_progress,
         )
         .await
@@ -300,8 +348,15 @@ impl FleetServer {
 
 /// A fleet call's outcome as MCP's tool result: the tool's content, its
 /// data as structured content and its references as resource links; a
-/// failed call (or one that could not be made) a tool error.
-fn answer(called: Result<toolfleet_protocol::ToolResult, ClientError>) -> CallToolResult {
+/// failed call (or one that could not be made) a tool error. With the
+/// tool's declared `outputSchema` (`schema`), the data is the structured
+/// content only when it matches; data missing or not matching is a tool
+/// error saying so (a client checks structured content against the
+/// schema the tool was listed with).
+fn answer(
+    called: Result<toolfleet_protocol::ToolResult, ClientError>,
+    schema: Option<&toolfleet_protocol::schema::Validator>,
+) -> CallToolResult {
     let result = match called {
         Ok(result) => result,
         Err(e) => return CallToolResult::error(vec![ContentBlock::text(e.to_string())]),
@@ -325,8 +380,26 @@ fn answer(called: Result<toolfleet_protocol::ToolResult, ClientError>) -> CallTo
         link.description = r.snippet.clone();
         content.push(ContentBlock::ResourceLink(link));
     }
+    if let Some(schema) = schema {
+        let refused = match &result.data {
+            None => Some("the tool returned no structured data".to_string()),
+            Some(data) => schema.validate(data).err().map(|violations| {
+                format!(
+                    "its data does not match the tool's outputSchema: {}",
+                    toolfleet_protocol::schema::describe(&violations)
+                )
+            }),
+        };
+        if let Some(why) = refused {
+            return CallToolResult::error(vec![ContentBlock::text(format!(
+                "output_schema_mismatch: {why}"
+            ))]);
+        }
+    }
     let mut out = CallToolResult::success(content);
-    // MCP's structured content is an object.
+    // MCP's structured content is an object: data of a tool that declares
+    // no schema and is not an object is wrapped (declared schemas are
+    // object schemas, checked above, so their data is never wrapped).
     out.structured_content = result.data.clone().map(|data| match data {
         serde_json::Value::Object(_) => data,
         other => serde_json::json!({ "result": other }),
@@ -339,6 +412,7 @@ impl FleetServer {
     /// at once.
     async fn start_task(
         &self,
+        owner: &str,
         params: Option<serde_json::Value>,
     ) -> Result<serde_json::Value, rmcp::ErrorData> {
         let params = params.unwrap_or_default();
@@ -362,9 +436,10 @@ impl FleetServer {
             .and_then(serde_json::Value::as_u64);
         let tool = self.find_tool(name).await?;
         let ids = CallIds::new();
+        let ttl = tasks::granted_ttl(ttl, tool.timeout() + CALL_MARGIN);
         let created = self
             .tasks
-            .create(ids.clone(), ttl)
+            .create(owner, ids.clone(), ttl)
             .map_err(|e| e.to_rpc())?;
         let (fleet, id) = (self.clone(), ids.invocation_id.clone());
         let runner = tokio::spawn(async move {
@@ -372,7 +447,8 @@ impl FleetServer {
             let called = fleet
                 .call(&tool, &ids, arguments, |m| store.progress(&id, m))
                 .await;
-            let result = answer(called);
+            let schema = output_schema(&tool).map(|(_, v)| v);
+            let result = answer(called, schema.as_ref());
             // 2025-11-25: a tool result with `isError` is a failed task.
             let (status, message) = if result.is_error == Some(true) {
                 (tasks::Status::Failed, first_text(&result))
@@ -392,11 +468,17 @@ impl FleetServer {
         Ok(created)
     }
 
-    /// `tasks/cancel`: the task cancelled, and its fleet call with it
-    /// (through the call's cancel subject).
-    async fn cancel_task(&self, id: &str) -> Result<serde_json::Value, rmcp::ErrorData> {
-        let (task, ids) = self.tasks.cancel(id).map_err(|e| e.to_rpc())?;
-        toolfleet_protocol::client::cancel_call(
+    /// `tasks/cancel`: `owner`'s task cancelled, and its fleet call with
+    /// it (its runner, which holds the call, is stopped; the call's cancel
+    /// subject tells the worker too). The task is cancelled whatever the
+    /// extra publish does: a failed one is logged, never the answer.
+    async fn cancel_task(
+        &self,
+        owner: &str,
+        id: &str,
+    ) -> Result<serde_json::Value, rmcp::ErrorData> {
+        let (task, ids) = self.tasks.cancel(owner, id).map_err(|e| e.to_rpc())?;
+        if let Err(e) = toolfleet_protocol::client::cancel_call(
             &self.client,
             &self.subjects,
             &self.tenant,
@@ -404,13 +486,19 @@ impl FleetServer {
             &ids.call_id,
         )
         .await
-        .map_err(|e| rmcp::ErrorData::internal_error(format!("the fleet's cancel: {e}"), None))?;
+        {
+            tracing::warn!(task = %id, error = %e, "the fleet's cancel of a cancelled task could not be published");
+        }
         Ok(task)
     }
 
-    /// `tasks/result`: waits for the task's end.
-    async fn task_result(&self, id: &str) -> Result<serde_json::Value, rmcp::ErrorData> {
-        match self.tasks.result(id).await.map_err(|e| e.to_rpc())? {
+    /// `tasks/result`: waits for the end of `owner`'s task.
+    async fn task_result(
+        &self,
+        owner: &str,
+        id: &str,
+    ) -> Result<serde_json::Value, rmcp::ErrorData> {
+        match self.tasks.result(owner, id).await.map_err(|e| e.to_rpc())? {
             tasks::Outcome::Result(result) => Ok(result),
             tasks::Outcome::Error(e) => Err(e),
         }
@@ -420,6 +508,7 @@ impl FleetServer {
     /// names, which the SDK passes on as custom requests).
     async fn task_request(
         &self,
+        owner: &str,
         method: &str,
         params: Option<serde_json::Value>,
     ) -> Result<serde_json::Value, rmcp::ErrorData> {
@@ -432,16 +521,19 @@ impl FleetServer {
                 .ok_or_else(|| rmcp::ErrorData::invalid_params("taskId is required", None))
         };
         match wire::task_method(method) {
-            Some("tools/call") => self.start_task(params.clone()).await,
-            Some("tasks/get") => self.tasks.get(&id()?).map_err(|e| e.to_rpc()),
-            Some("tasks/cancel") => self.cancel_task(&id()?).await,
-            Some("tasks/result") => self.task_result(&id()?).await,
+            Some("tools/call") => self.start_task(owner, params.clone()).await,
+            Some("tasks/get") => self.tasks.get(owner, &id()?).map_err(|e| e.to_rpc()),
+            Some("tasks/cancel") => self.cancel_task(owner, &id()?).await,
+            Some("tasks/result") => self.task_result(owner, &id()?).await,
             Some("tasks/list") => {
-                let cursor = params
-                    .as_ref()
-                    .and_then(|p| p.get("cursor"))
-                    .and_then(serde_json::Value::as_str);
-                self.tasks.list(cursor).map_err(|e| e.to_rpc())
+                let cursor = match params.as_ref().and_then(|p| p.get("cursor")) {
+                    None | Some(serde_json::Value::Null) => None,
+                    Some(serde_json::Value::String(c)) => Some(c.as_str()),
+                    Some(other) => {
+                        return Err(tasks::TaskError::BadCursor(other.to_string()).to_rpc());
+                    }
+                };
+                self.tasks.list(owner, cursor).map_err(|e| e.to_rpc())
             }
             _ => Err(rmcp::ErrorData::new(
                 rmcp::model::ErrorCode::METHOD_NOT_FOUND,
@@ -511,6 +603,7 @@ pub async fn serve_http(
     // clients that keep theirs open.
     let stop = config.cancellation_token.clone();
     let tasks = server.clone();
+    tasks::TaskStore::sweep(&server.tasks);
     let service = StreamableHttpService::new(
         move || Ok(server.clone()),
         Arc::new(LocalSessionManager::default()),
@@ -540,6 +633,7 @@ pub async fn serve_http(
 ///
 /// When the MCP session cannot start.
 pub async fn serve_stdio(server: FleetServer) -> anyhow::Result<()> {
+    tasks::TaskStore::sweep(&server.tasks);
     let (stdin, stdout, written) = wire::stdio();
     let running = server.clone().serve((stdin, stdout)).await?;
     running.waiting().await?;
@@ -571,6 +665,68 @@ mod tests {
             v[k] = x.clone();
         }
         serde_json::from_value(v).unwrap()
+    }
+
+    /// An ok result of the fleet with `data`.
+    fn result(data: Option<serde_json::Value>) -> toolfleet_protocol::ToolResult {
+        let mut v = serde_json::json!({
+            "invocationId": "inv-1", "callId": "call_1", "toolId": "demo:echo@1.0.0",
+            "status": "ok", "content": "the text", "attempt": 1, "durationMs": 3
+        });
+        if let Some(data) = data {
+            v["data"] = data;
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn structured_content_is_sent_only_when_it_matches_the_declared_schema() {
+        let d = definition(serde_json::json!({ "outputSchema": {
+            "type": "object",
+            "properties": { "n": { "type": "integer" } },
+            "required": ["n"]
+        } }));
+        let (declared, schema) = output_schema(&d).unwrap();
+        assert_eq!(
+            mcp_tool(&d).output_schema.as_deref(),
+            Some(&declared),
+            "listed with the schema it is checked against"
+        );
+        let ok = answer(
+            Ok(result(Some(serde_json::json!({ "n": 3 })))),
+            Some(&schema),
+        );
+        assert_eq!(ok.is_error, Some(false));
+        assert_eq!(ok.structured_content, Some(serde_json::json!({ "n": 3 })));
+        for data in [
+            Some(serde_json::json!({ "n": "three" })),
+            Some(serde_json::json!(3)),
+            None,
+        ] {
+            let refused = answer(Ok(result(data.clone())), Some(&schema));
+            assert_eq!(refused.is_error, Some(true), "{data:?}");
+            assert_eq!(refused.structured_content, None, "{data:?}");
+            assert!(
+                first_text(&refused).starts_with("output_schema_mismatch: "),
+                "{refused:?}"
+            );
+        }
+        // Without a declared schema, data goes as it is (a non-object
+        // wrapped: structured content is an object).
+        let free = answer(Ok(result(Some(serde_json::json!(3)))), None);
+        assert_eq!(
+            free.structured_content,
+            Some(serde_json::json!({ "result": 3 }))
+        );
+        // A schema that is not an object's, or does not compile, is not
+        // declared at all.
+        for schema in [
+            serde_json::json!({ "type": "string" }),
+            serde_json::json!({ "type": "object", "properties": { "n": { "type": 5 } } }),
+        ] {
+            let d = definition(serde_json::json!({ "outputSchema": schema }));
+            assert!(mcp_tool(&d).output_schema.is_none(), "{schema}");
+        }
     }
 
     #[test]

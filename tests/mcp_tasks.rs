@@ -13,10 +13,17 @@
 //!   `tasks/cancel`: the fleet job is cancelled
 //!   (its cancel subject, and the worker drops the tool's call), the task
 //!   stays cancelled, its result and a second cancel refused;
-//! - `tasks/list`, an unknown id and a bad cursor;
-//! - a second tenant's `mcp serve`, given the first's task ids, finds none
-//!   of them (get, result, cancel) and lists none, and the first's task
-//!   runs on untouched.
+//! - `tasks/list`, an unknown id and a bad cursor; a cancelled task's
+//!   `tasks/result` an internal error, not an unknown id's -32602;
+//! - a tool whose data breaks its declared `outputSchema`: a tool error
+//!   without `structuredContent` (the SDK raises on content that breaks
+//!   the schema), and as a task a failed one;
+//! - a task asked with ttl 0 is granted the floor (60 s past the tool's
+//!   timeout) and runs to its end;
+//! - another session of the same `mcp serve` (HTTP), given the first's
+//!   task ids while the first is open, finds none of them (get, result,
+//!   cancel) and lists none; the owning session then cancels its task;
+//! - a second tenant's `mcp serve`, likewise.
 
 mod support;
 
@@ -57,8 +64,23 @@ impl toolfleet_worker::Tool for Stall {
     }
 }
 
+/// Answers data that breaks its declared `outputSchema` (`n` is to be an
+/// integer).
+struct Mismatch;
+
+impl toolfleet_worker::Tool for Mismatch {
+    type Args = Value;
+    async fn call(
+        &self,
+        _ctx: &toolfleet_worker::ToolCtx,
+        _args: Value,
+    ) -> Result<toolfleet_worker::ToolOutput, toolfleet_worker::ToolError> {
+        toolfleet_worker::ToolOutput::text("three").with_data(json!({ "n": "three" }))
+    }
+}
+
 /// The fleet: the system family (`current_datetime`, with an output
-/// schema) and a `stall` tool (two minutes' timeout).
+/// schema), a `stall` tool (two minutes' timeout) and a `mismatch` tool.
 async fn fleet(dir: &Path) -> (Env, Arc<AtomicUsize>, support::TestWorker) {
     let env = Env::start_only(json!({ "rules": [] }), &["system"]).await;
     let path = support::renamed_definition(dir, "testing", "stall");
@@ -69,9 +91,20 @@ async fn fleet(dir: &Path) -> (Env, Arc<AtomicUsize>, support::TestWorker) {
     let stall = Stall {
         dropped: dropped.clone(),
     };
+    let mismatch = support::renamed_definition(dir, "testing", "mismatch");
+    let mut def: Value =
+        serde_json::from_str(&std::fs::read_to_string(&mismatch).unwrap()).unwrap();
+    def["outputSchema"] = json!({
+        "type": "object",
+        "properties": { "n": { "type": "integer" } },
+        "required": ["n"]
+    });
+    std::fs::write(&mismatch, def.to_string()).unwrap();
     let worker = toolfleet_worker::Worker::builder("testing")
         .definition_file(&path)
         .tool("testing.stall", stall)
+        .definition_file(&mismatch)
+        .tool("testing.mismatch", Mismatch)
         .build()
         .unwrap();
     let worker = env.start_worker(worker).await;
@@ -182,11 +215,15 @@ fn check_owner_saw(seen: &Value) {
     );
     assert_eq!(seen["cancelled"]["status"], "cancelled", "{seen}");
     assert_eq!(seen["cancelledAfter"]["status"], "cancelled", "{seen}");
+    // What the cancelled call itself answers: an internal error, not
+    // the -32602 of an unknown id.
+    let cancelled_result = seen["cancelledResult"].as_str().unwrap();
     assert!(
-        seen["cancelledResult"]
-            .as_str()
-            .unwrap()
-            .contains("was cancelled"),
+        cancelled_result.starts_with("[-32603] ") && cancelled_result.contains("was cancelled"),
+        "{seen}"
+    );
+    assert!(
+        seen["unknown"].as_str().unwrap().starts_with("[-32602] "),
         "{seen}"
     );
     assert!(
@@ -211,6 +248,127 @@ fn check_owner_saw(seen: &Value) {
         assert!(listed.contains(&seen[key]["taskId"]), "{key}: {seen}");
     }
     assert!(listed.contains(&seen["kept"]), "{seen}");
+    check_mismatch_and_ttl(seen);
+}
+
+/// The tool whose data breaks its schema, and the task asked with ttl 0.
+fn check_mismatch_and_ttl(seen: &Value) {
+    let mismatch = &seen["mismatch"];
+    for result in [&mismatch["typed"], &mismatch["result"]] {
+        assert_eq!(result["isError"], true, "{seen}");
+        assert!(result.get("structuredContent").is_none(), "{seen}");
+        let text = result["content"][0]["text"].as_str().unwrap();
+        assert!(
+            text.starts_with("output_schema_mismatch: its data does not match"),
+            "{text}"
+        );
+    }
+    assert_eq!(
+        mismatch["statuses"].as_array().unwrap().last().unwrap(),
+        "failed",
+        "{seen}"
+    );
+    // ttl 0 asked: the floor granted (60 s past the tool's timeout and
+    // the call's margin), and the task ran to its end.
+    let tiny = &seen["tinyTtl"];
+    assert!(tiny["ttl"].as_u64().unwrap() >= 60_000, "{seen}");
+    assert_eq!(
+        tiny["statuses"].as_array().unwrap().last().unwrap(),
+        "completed",
+        "{seen}"
+    );
+    assert_eq!(tiny["result"]["structuredContent"]["utcOffset"], "+02:00");
+}
+
+/// The task client's `owner … hold` as it runs: what it saw first, and a
+/// way to let it finish (cancel the task it left running, in its own
+/// session) for what it saw then.
+struct Holding {
+    child: std::process::Child,
+    lines: std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+}
+
+impl Holding {
+    /// Starts it against `url` and waits for its first report.
+    async fn start(url: &str, env: &Env, tenant: &str) -> (Self, Value) {
+        let mut child = std::process::Command::new("python3")
+            .arg(support::root().join("tests/mcp/task_client.py"))
+            .args([
+                url,
+                "owner",
+                "current_datetime",
+                "stall",
+                "mismatch",
+                "hold",
+            ])
+            .env("TOOLFLEET_NATS_URL", env.nats.url())
+            .env("TOOLFLEET_TENANT", tenant)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let mut holding = Self {
+            child,
+            lines: std::io::BufRead::lines(std::io::BufReader::new(stdout)),
+        };
+        let seen = holding.next().await;
+        (holding, seen)
+    }
+
+    async fn next(&mut self) -> Value {
+        let line = tokio::task::block_in_place(|| self.lines.next());
+        let line = line.expect("the client reports").unwrap();
+        serde_json::from_str(&line).unwrap()
+    }
+
+    /// Lets it cancel its kept task: what it saw of it before and after.
+    async fn finish(mut self) -> Value {
+        use std::io::Write;
+        let mut stdin = self.child.stdin.take().unwrap();
+        stdin.write_all(b"go\n").unwrap();
+        drop(stdin);
+        let done = tokio::time::timeout(WAIT, self.next())
+            .await
+            .expect("it finishes");
+        let status = tokio::task::block_in_place(|| self.child.wait()).unwrap();
+        assert!(status.success());
+        done
+    }
+}
+
+impl Drop for Holding {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The ids of the owner's tasks: the quick one, the cancelled one, the
+/// one kept running.
+fn task_ids(seen: &Value) -> Vec<String> {
+    ["task", "cancelled"]
+        .iter()
+        .map(|k| seen[k]["taskId"].as_str().unwrap().to_string())
+        .chain([seen["kept"].as_str().unwrap().to_string()])
+        .collect()
+}
+
+/// An intruder at `url` tried `ids`: none found, none listed.
+async fn check_intruder_finds_none(url: &str, env: &Env, tenant: &str, ids: &[String]) {
+    let mut args = vec!["intruder"];
+    args.extend(ids.iter().map(String::as_str));
+    let tried = client(url, env, tenant, &args).await;
+    for id in ids {
+        for method in ["tasks/get", "tasks/result", "tasks/cancel"] {
+            let answer = tried["tries"][id][method].as_str().unwrap();
+            assert!(
+                answer.contains(&format!("[-32602] no task {id}")),
+                "{method} {id}: {answer}"
+            );
+        }
+    }
+    assert_eq!(tried["listed"], json!([]), "{tried}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,7 +377,7 @@ async fn a_real_mcp_client_runs_tools_as_tasks_over_stdio_and_http() {
     let (env, dropped, _worker) = fleet(dir.path()).await;
     let mut cancels = env.subscribe("toolfleet.chat.cancel.>".into()).await;
     let binary = env!("CARGO_BIN_EXE_toolfleet");
-    let args = ["owner", "current_datetime", "stall"];
+    let args = ["owner", "current_datetime", "stall", "mismatch"];
 
     // Over stdio: the kept task ends with the server (the client closes it).
     let seen = client(binary, &env, "acme", &args).await;
@@ -237,14 +395,17 @@ async fn a_real_mcp_client_runs_tools_as_tasks_over_stdio_and_http() {
     // fleet job was cancelled too.
     until_count(&dropped, 2, "the worker did not drop the cancelled calls").await;
 
-    // Over streamable HTTP.
+    // Over streamable HTTP, the owner's session kept open.
     let (mut server, url) = serve_http(&env, "acme").await;
     let _server = KillOnDrop(&mut server);
-    let seen = client(&url, &env, "acme", &args).await;
+    let (owner, seen) = Holding::start(&url, &env, "acme").await;
     check_owner_saw(&seen);
     until_count(&dropped, 3, "the worker did not drop the cancelled call").await;
-    let kept = seen["kept"].as_str().unwrap();
-    let done = client(&url, &env, "acme", &["finish", kept]).await;
+    // Another session of the same process, same tenant: none of the
+    // owner's tasks is there for it.
+    check_intruder_finds_none(&url, &env, "acme", &task_ids(&seen)).await;
+    // The owning session then cancels its task, still running.
+    let done = owner.finish().await;
     assert_eq!(done["before"]["status"], "working", "{done}");
     assert_eq!(done["after"]["status"], "cancelled", "{done}");
     until_count(&dropped, 4, "the worker did not drop the finished call").await;
@@ -258,32 +419,12 @@ async fn another_tenant_neither_sees_nor_cancels_a_task() {
     let _acme = KillOnDrop(&mut acme);
     let (mut globex, globex_url) = serve_http(&env, "globex").await;
     let _globex = KillOnDrop(&mut globex);
-    let args = ["owner", "current_datetime", "stall"];
-    let seen = client(&acme_url, &env, "acme", &args).await;
+    let (owner, seen) = Holding::start(&acme_url, &env, "acme").await;
     check_owner_saw(&seen);
-    let ids: Vec<String> = ["task", "cancelled"]
-        .iter()
-        .map(|k| seen[k]["taskId"].as_str().unwrap().to_string())
-        .chain([seen["kept"].as_str().unwrap().to_string()])
-        .collect();
-
-    let mut args = vec!["intruder"];
-    args.extend(ids.iter().map(String::as_str));
-    let tried = client(&globex_url, &env, "globex", &args).await;
-    for id in &ids {
-        for method in ["tasks/get", "tasks/result", "tasks/cancel"] {
-            let answer = tried["tries"][id][method].as_str().unwrap();
-            assert!(
-                answer.contains(&format!("no task {id}")),
-                "{method} {id}: {answer}"
-            );
-        }
-    }
-    assert_eq!(tried["listed"], json!([]), "{tried}");
+    check_intruder_finds_none(&globex_url, &env, "globex", &task_ids(&seen)).await;
 
     // acme's task runs on, untouched, until acme cancels it.
-    let kept = &ids[2];
-    let done = client(&acme_url, &env, "acme", &["finish", kept]).await;
+    let done = owner.finish().await;
     assert_eq!(done["before"]["status"], "working", "{done}");
     assert_eq!(done["after"]["status"], "cancelled", "{done}");
     until_count(

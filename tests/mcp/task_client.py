@@ -6,13 +6,18 @@ own 2025-11-25 wire models (`mcp_types._v2025_11_25`). Prints what it saw
 as one JSON object.
 
 Usage:
-  task_client.py TARGET owner QUICK SLOW   calls QUICK typed and as a task
-      (polled, its result fetched; another's result waited for), SLOW as a
-      task it cancels once it runs, and SLOW
-      again as a task it leaves running; lists the tasks
+  task_client.py TARGET owner QUICK SLOW MISMATCH [hold]
+      calls QUICK typed and as a task (polled, its result fetched;
+      another's result waited for; one asked with ttl 0), SLOW as a task it
+      cancels once it runs, and SLOW again as a task it leaves running;
+      MISMATCH (whose data breaks its outputSchema) typed and as a task;
+      lists the tasks. With `hold`: prints what it saw, waits for a line on
+      stdin, then (same session) reads the task left running and cancels
+      it, and prints that too.
   task_client.py TARGET intruder ID...     tries tasks/get, tasks/result and
       tasks/cancel on each ID, and lists its own tasks
-  task_client.py TARGET finish ID          reads task ID, then cancels it
+
+An error is shown as "[code] message".
 
 TARGET is the `toolfleet` binary (stdio; the tenant from TOOLFLEET_TENANT)
 or an http://…/mcp URL."""
@@ -49,7 +54,7 @@ async def refused(session: ClientSession, method: str, params: dict) -> str:
         await raw(session, method, params)
         return "answered"
     except Exception as e:  # the SDK raises the server's JSON-RPC error
-        return str(e)
+        return f"[{getattr(e, 'code', '?')}] {e}"
 
 
 async def unchecked(session: ClientSession, method: str, params: dict) -> dict:
@@ -62,8 +67,8 @@ async def unchecked(session: ClientSession, method: str, params: dict) -> dict:
     return await session._dispatcher.send_raw_request(method, params, opts)
 
 
-async def start(session: ClientSession, tool: str, arguments: dict) -> dict:
-    params = {"name": tool, "arguments": arguments, "task": {"ttl": 600000}}
+async def start(session: ClientSession, tool: str, arguments: dict, ttl: int = 600000) -> dict:
+    params = {"name": tool, "arguments": arguments, "task": {"ttl": ttl}}
     created = await unchecked(session, "tools/call", params)
     return wire.CreateTaskResult.model_validate(created).task.model_dump(mode="json", by_alias=True)
 
@@ -97,7 +102,29 @@ async def until_in_flight(session: ClientSession, task_id: str) -> dict:
     return task
 
 
-async def owner(session: ClientSession, quick: str, slow: str) -> dict:
+async def mismatch(session: ClientSession, tool: str) -> dict:
+    """MISMATCH typed (the SDK would raise on structured content that breaks
+    the schema: a tool error has none) and as a task."""
+    typed = await session.call_tool(tool, {})
+    task = await start(session, tool, {})
+    statuses = await until_ended(session, task["taskId"])
+    result = await raw(session, "tasks/result", {"taskId": task["taskId"]})
+    return {
+        "typed": typed.model_dump(mode="json", by_alias=True, exclude_none=True),
+        "statuses": statuses,
+        "result": wire.CallToolResult.model_validate(result).model_dump(mode="json", by_alias=True, exclude_none=True),
+    }
+
+
+async def tiny_ttl(session: ClientSession, quick: str) -> dict:
+    """QUICK as a task asked to be kept 0 ms: the ttl granted, and it ends."""
+    task = await start(session, quick, {"utcOffset": "+02:00"}, ttl=0)
+    statuses = await until_ended(session, task["taskId"])
+    result = await raw(session, "tasks/result", {"taskId": task["taskId"]})
+    return {"ttl": task["ttl"], "statuses": statuses, "result": result}
+
+
+async def owner(session: ClientSession, quick: str, slow: str, bad: str) -> dict:
     init_caps = session.server_capabilities
     listed = await raw(session, "tools/list", {})
     tools = {t["name"]: t for t in listed["tools"]}
@@ -123,6 +150,8 @@ async def owner(session: ClientSession, quick: str, slow: str) -> dict:
 
     listed_tasks = wire.ListTasksResult.model_validate(await raw(session, "tasks/list", {}))
     return {
+        "mismatch": await mismatch(session, bad),
+        "tinyTtl": await tiny_ttl(session, quick),
         "capabilities": init_caps.model_dump(mode="json", by_alias=True, exclude_none=True)
         if init_caps else None,
         "outputSchema": tools[quick].get("outputSchema"),
@@ -161,6 +190,13 @@ async def finish(session: ClientSession, task_id: str) -> dict:
     return {"before": before, "after": await get(session, task_id)}
 
 
+async def owner_holding(session: ClientSession, rest: list) -> None:
+    seen = await owner(session, rest[0], rest[1], rest[2])
+    print(json.dumps(seen), flush=True)
+    await anyio.to_thread.run_sync(sys.stdin.readline)
+    print(json.dumps(await finish(session, seen["kept"])), flush=True)
+
+
 async def main() -> None:
     target, scenario, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
     if target.startswith("http"):
@@ -171,12 +207,13 @@ async def main() -> None:
     async with transport as streams:
         async with ClientSession(streams[0], streams[1]) as session:
             await session.initialize()
+            if scenario == "owner" and rest[3:] == ["hold"]:
+                await owner_holding(session, rest)
+                return
             if scenario == "owner":
-                seen = await owner(session, rest[0], rest[1])
-            elif scenario == "intruder":
-                seen = await intruder(session, rest)
+                seen = await owner(session, rest[0], rest[1], rest[2])
             else:
-                seen = await finish(session, rest[0])
+                seen = await intruder(session, rest)
     print(json.dumps(seen))
 
 
