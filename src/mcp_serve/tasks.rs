@@ -646,6 +646,25 @@ mod tests {
         assert!(store.get(ALICE, "inv-1").is_ok());
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn an_expired_working_task_is_stopped_on_a_timer_without_any_request() {
+        let store = std::sync::Arc::new(TaskStore::default());
+        store
+            .create(ALICE, ids(1), Duration::from_millis(300))
+            .unwrap();
+        let runner = tokio::spawn(std::future::pending::<()>());
+        store.attach("inv-1", runner.abort_handle());
+        // Its ttl runs out (the books go by the wall clock).
+        std::thread::sleep(Duration::from_millis(400));
+        TaskStore::sweep(&store);
+        // No request touches the store: the timer alone stops the job.
+        let stopped = tokio::time::timeout(SWEEP_EVERY * 3, runner)
+            .await
+            .expect("the sweep stopped the job")
+            .unwrap_err();
+        assert!(stopped.is_cancelled(), "{stopped:?}");
+    }
+
     #[test]
     fn tasks_are_listed_in_pages_with_a_cursor_given_to_their_owner() {
         let store = TaskStore::default();

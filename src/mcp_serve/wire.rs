@@ -44,7 +44,10 @@ pub(crate) fn task_method(renamed: &str) -> Option<&'static str> {
 /// The largest request body read (a larger one is refused with 413).
 const MAX_BODY: usize = 16 * 1024 * 1024;
 
-/// The `tasks` capability of 2025-11-25.
+/// The `tasks` capability of 2025-11-25. `list` is declared because
+/// every task is bound to its requestor (the spec asks a receiver that
+/// cannot identify requestors not to): `tasks/list` lists the caller's
+/// own only (see `tasks`).
 fn tasks_capability() -> Value {
     json!({ "list": {}, "cancel": {}, "requests": { "tools": { "call": {} } } })
 }
