@@ -50,6 +50,20 @@ async fn two_orchestrators() -> (Env, toolfleet_service::Runtime) {
     (env, second)
 }
 
+/// The value of metric `series` summed over both orchestrators.
+async fn counted(env: &Env, second: &toolfleet_service::Runtime, series: &str) -> f64 {
+    let mut text = env.metrics_text().await;
+    text.push_str(
+        &prometheus::TextEncoder::new()
+            .encode_to_string(&second.metrics.gather())
+            .unwrap(),
+    );
+    text.lines()
+        .filter_map(|l| l.strip_prefix(series))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum()
+}
+
 fn keyed(text: &str, key: &str) -> ChatJob {
     let mut job = toolfleet_protocol::client::question(text);
     job.idempotency_key = Some(key.into());
@@ -136,7 +150,7 @@ async fn idempotency_a_repeat_after_the_streams_duplicate_window_gets_the_first_
 
 #[tokio::test(flavor = "multi_thread")]
 async fn idempotency_a_repeat_of_a_running_job_waits_for_its_answer_and_runs_nothing() {
-    let (env, _second) = two_orchestrators().await;
+    let (env, second) = two_orchestrators().await;
     let first = keyed("slow report", "report-7");
     let mut first_events = env.follow_and_submit(&first).await;
     // The first is running (its model call takes a while) when the repeat
@@ -159,6 +173,8 @@ async fn idempotency_a_repeat_of_a_running_job_waits_for_its_answer_and_runs_not
     assert_eq!(done["type"], "completed", "{done}");
     assert_eq!(replayed.last().unwrap()["text"], done["text"]);
     assert_eq!(asked(&env, "slow report"), 1);
+    let replays = counted(&env, &second, "toolfleet_idempotent_replays_total").await;
+    assert_eq!(replays, 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread")]

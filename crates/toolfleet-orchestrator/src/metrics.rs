@@ -122,6 +122,8 @@ pub struct OrchestratorMetrics {
     pub quota: crate::quota::QuotaMetrics,
     /// Scheduled chat jobs' due times, by outcome.
     pub schedules: crate::schedules::ScheduleMetrics,
+    /// Jobs of threads by strategy and outcome, and idempotent replays.
+    pub threads: crate::threads::metrics::ThreadMetrics,
     /// Cancels heard, by `tenant` and `outcome` (every outcome is in
     /// `CANCEL_OUTCOMES`, with the cancel listener).
     pub cancels: IntCounterVec,
@@ -495,6 +497,7 @@ impl OrchestratorMetrics {
             tenant_parked: TENANT_PARKED.gauges(r)?,
             quota: crate::quota::QuotaMetrics::register(r)?,
             schedules: crate::schedules::ScheduleMetrics::register(r)?,
+            threads: crate::threads::metrics::ThreadMetrics::register(r)?,
             cancels: CANCELS.counter(r)?,
             chat_queued: CHAT_QUEUED.gauges(r)?,
             in_flight_waits: IN_FLIGHT_WAITS.counter(r)?,

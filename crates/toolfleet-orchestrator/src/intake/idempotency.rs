@@ -92,6 +92,7 @@ pub(super) async fn replay(
         replay_of: first.to_owned(),
         idempotency_key: key.clone(),
     });
+    fleet.metrics.threads.replays.inc();
     let name = idempotency_key(tenant, &key);
     loop {
         if let Some(event) = ended(fleet, &name, InvocationKey::new(tenant, first)).await {

@@ -25,6 +25,7 @@
 //! ([`record`]). [`store::Buckets`] also holds the idempotency bucket
 //! (`intake::idempotency`).
 
+pub mod metrics;
 pub(crate) mod record;
 pub mod store;
 pub mod tap;
@@ -176,10 +177,12 @@ impl Seat {
         .map_err(unavailable)?;
         let (state, ahead) = match arrival {
             Arrival::Run => {
+                fleet.metrics.threads.arrived(strategy, "took");
                 self.took(prior);
                 return Ok(());
             }
             Arrival::Refused { ahead } => {
+                fleet.metrics.threads.arrived(strategy, "refused");
                 return Err(Failure::new(
                     ChatErrorCode::ThreadBusy,
                     format!(
@@ -199,6 +202,7 @@ impl Seat {
                 (state, ahead)
             }
         };
+        fleet.metrics.threads.arrived(strategy, "waited");
         say(self.event(state, strategy, ahead.clone()));
         // Waiting runs nothing: the permit goes back for other jobs.
         let semaphore = self.give_place_back();
