@@ -218,7 +218,12 @@ fn output_schema(
 ///
 /// An HTTP request with neither (refused: its tasks could be nobody's).
 fn requestor(context: &RequestContext<RoleServer>) -> Result<String, rmcp::ErrorData> {
-    let Some(parts) = context.extensions.get::<axum::http::request::Parts>() else {
+    requestor_of(context.extensions.get::<axum::http::request::Parts>())
+}
+
+/// [`requestor`] of a request's HTTP parts (`None` over stdio).
+fn requestor_of(parts: Option<&axum::http::request::Parts>) -> Result<String, rmcp::ErrorData> {
+    let Some(parts) = parts else {
         return Ok("stdio".into());
     };
     if let Some(auth) = parts.headers.get(axum::http::header::AUTHORIZATION) {
@@ -727,6 +732,44 @@ mod tests {
             let d = definition(serde_json::json!({ "outputSchema": schema }));
             assert!(mcp_tool(&d).output_schema.is_none(), "{schema}");
         }
+    }
+
+    #[test]
+    fn a_task_requestor_is_its_authorization_else_its_session() {
+        let parts = |headers: &[(&str, &str)]| {
+            let mut request = axum::http::Request::builder();
+            for (k, v) in headers {
+                request = request.header(*k, *v);
+            }
+            request.body(()).unwrap().into_parts().0
+        };
+        assert_eq!(requestor_of(None).unwrap(), "stdio");
+        let alice = requestor_of(Some(&parts(&[
+            ("authorization", "Bearer alice"),
+            ("mcp-session-id", "s1"),
+        ])))
+        .unwrap();
+        // The same principal in another session is the same requestor;
+        // the header itself is never kept.
+        let alice_again = requestor_of(Some(&parts(&[
+            ("authorization", "Bearer alice"),
+            ("mcp-session-id", "s2"),
+        ])))
+        .unwrap();
+        assert_eq!(alice, alice_again);
+        assert!(alice.starts_with("authorization:") && !alice.contains("alice"));
+        let mallory = requestor_of(Some(&parts(&[("authorization", "Bearer mallory")]))).unwrap();
+        assert_ne!(alice, mallory);
+        assert_eq!(
+            requestor_of(Some(&parts(&[("mcp-session-id", "s1")]))).unwrap(),
+            "session:s1"
+        );
+        assert_ne!(
+            requestor_of(Some(&parts(&[("mcp-session-id", "s2")]))).unwrap(),
+            "session:s1"
+        );
+        let refused = requestor_of(Some(&parts(&[]))).unwrap_err();
+        assert_eq!(refused.code, rmcp::model::ErrorCode::INVALID_REQUEST);
     }
 
     #[test]

@@ -653,6 +653,37 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn a_refused_token_is_dropped_only_while_it_is_the_one_kept() {
+        let spec: OAuthSpec = toml::from_str(
+            "issuer = \"https://as.example.com\"\nclient_id = \"c\"\nclient_secret_env = \"S\"",
+        )
+        .unwrap();
+        let oauth = OAuth::new(spec, "https://api.example.com/mcp", Duration::from_secs(1));
+        let keep = |value: &str| {
+            oauth.tokens_lock().insert(
+                Some("acme".into()),
+                Token {
+                    value: value.into(),
+                    until: Instant::now() + Duration::from_secs(60),
+                },
+            );
+        };
+        let kept = || {
+            oauth
+                .tokens_lock()
+                .get(&Some("acme".into()))
+                .map(|t| t.value.clone())
+        };
+        // Two calls refused with the first token: the first refusal got a
+        // new one; the second refusal, of the old token, leaves it.
+        keep("new");
+        oauth.refused(Some("acme"), "old").await;
+        assert_eq!(kept().as_deref(), Some("new"));
+        oauth.refused(Some("acme"), "new").await;
+        assert_eq!(kept(), None);
+    }
+
     #[test]
     fn a_refusal_never_carries_the_secret() {
         assert_eq!(
