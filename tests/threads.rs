@@ -464,6 +464,74 @@ async fn threads_toolfleet_chat_takes_a_thread_and_an_idempotency_key() {
     assert_ne!(code, Some(0), "{err}");
 }
 
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_a_job_parked_for_approval_keeps_its_thread_until_it_resumes_and_ends() {
+    let env = Env::start_with(
+        script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(
+                r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+require_approval = ["system:current_datetime"]
+approval_timeout_ms = 600000
+"#
+                .into(),
+            ),
+            ..Options::default()
+        },
+    )
+    .await;
+    let enqueue = Some(MultitaskStrategy::Enqueue);
+    let mut held = env
+        .follow_and_submit(&job("t-parked", "tool please", enqueue))
+        .await;
+    let asked = until(&mut held, "approval_requested").await;
+    let request = asked.last().unwrap().clone();
+    // Parked (its chat job acked): the thread is still its.
+    let mut next = env
+        .follow_and_submit(&job("t-parked", "after approval", enqueue))
+        .await;
+    assert_eq!(
+        until(&mut next, "thread").await.last().unwrap()["state"],
+        "queued"
+    );
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert!(requests_for(&env, "after approval").is_empty());
+    let reply = env
+        .client
+        .request(
+            request["subject"].as_str().unwrap().to_owned(),
+            json!({ "callId": request["callId"], "decision": "approve" })
+                .to_string()
+                .into(),
+        )
+        .await
+        .unwrap();
+    let reply: Value = serde_json::from_slice(&reply.payload).unwrap();
+    assert_eq!(reply["ok"], true, "{reply}");
+    let (first, second) = tokio::join!(
+        events_until_terminal(&mut held),
+        events_until_terminal(&mut next)
+    );
+    assert_eq!(first.last().unwrap()["type"], "completed", "{first:?}");
+    assert_eq!(second.last().unwrap()["type"], "completed", "{second:?}");
+    // The resumed turn (its approved call, its answer) is in the thread.
+    let said = transcript(&requests_for(&env, "after approval")[0]);
+    assert_eq!(said[1], "user: tool please", "{said:?}");
+    assert!(said.iter().any(|m| m.starts_with("tool: ")), "{said:?}");
+    assert!(
+        said.iter()
+            .any(|m| m.contains("after the clock: tool please")),
+        "{said:?}"
+    );
+}
+
 fn one_in_flight(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
     config.max_in_flight = 1;
 }
