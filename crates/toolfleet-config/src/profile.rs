@@ -17,6 +17,7 @@
 //! | `data_source` | string, none | data source searched before the model is called (preemptive RAG) |
 //! | `sink` | sink name, none | the `[sinks.<name>]` this profile's events also go to (a chat job's own `sink` wins) |
 //! | `tenants` | list of tenant names or `["*"]`, `["*"]` | the tenants whose jobs may run this profile ([`crate::tenants`]); another tenant's job naming it ends with `profile_not_allowed` |
+//! | `multitask_strategy` | `reject`, `enqueue`, `interrupt` or `rollback`; `"reject"` | what a job of a thread does when another of the thread's jobs runs and it names no `multitaskStrategy` (`docs/threads.md`) |
 //! | `agent`, `require_approval`, `approval_timeout_ms` | | see [`crate::agents`] and [`crate::approvals`] |
 //! | `[profiles.<name>.policy]`, `.scoping`, `.rag` | tables | see [`crate::policy`] |
 
