@@ -287,11 +287,13 @@ async fn two_fleets_on_one_server_never_see_each_other() {
             "KV_FLEET-A_CATALOG",
             "KV_FLEET-A_IDEMPOTENCY",
             "KV_FLEET-A_PARKED",
+            "KV_FLEET-A_SCHEDULES",
             "KV_FLEET-A_SETTINGS",
             "KV_FLEET-A_THREADS",
             "KV_FLEET-B_CATALOG",
             "KV_FLEET-B_IDEMPOTENCY",
             "KV_FLEET-B_PARKED",
+            "KV_FLEET-B_SCHEDULES",
             "KV_FLEET-B_SETTINGS",
             "KV_FLEET-B_THREADS",
         ]
