@@ -61,9 +61,13 @@ use crate::{CitationError, CitationStore, ErrorKind};
 pub const GENERATION_TTL: Duration = Duration::from_millis(MAX_CACHE_TTL_MS + 86_400_000);
 
 /// How long a lookup may take before the cache is passed by: a call of a
-/// cached tool waits at most this long for Redis (a healthy one on the
-/// same network answers in well under a millisecond).
-pub const LOOKUP_TIMEOUT: Duration = Duration::from_millis(50);
+/// cached tool waits at most this long for Redis. A healthy one on the
+/// same network answers in well under a millisecond, but a busy host (a
+/// loaded 2-core node, a CI runner) can stall it for tens of
+/// milliseconds, and a timeout opens the breaker for every call: so not
+/// shorter. A Redis that is really slow costs one call this wait per
+/// [`BREAKER_OPEN_FOR`].
+pub const LOOKUP_TIMEOUT: Duration = Duration::from_millis(250);
 
 /// How long a store may take (it runs in a task of its own: no answer
 /// waits for it).
