@@ -17,7 +17,7 @@ use clap::Parser;
 use futures::{StreamExt, TryStreamExt};
 use serde_json::{Value, json};
 use tokio_util::sync::CancellationToken;
-use toolfleet_protocol::schedule::{MissedPolicy, Schedule, schedules_bucket};
+use toolfleet_protocol::schedule::{MissedPolicy, Schedule, ScheduledRun, schedules_bucket};
 
 use support::{Env, Options, WAIT, events_until_terminal};
 
@@ -193,6 +193,17 @@ async fn chat_timeline(
     timeline
 }
 
+/// The due time in a run id of schedule `id`
+/// (`sched-<id>-<due>-<nonce>`).
+fn due_of(run_id: &str, id: &str) -> i64 {
+    let rest = run_id
+        .strip_prefix(&format!("sched-{id}-"))
+        .unwrap_or_else(|| panic!("{run_id} is not a run of {id}"));
+    let (due, nonce) = rest.split_once('-').expect(run_id);
+    assert_eq!(nonce.len(), 32, "{run_id}: a 128-bit nonce");
+    due.parse().expect(run_id)
+}
+
 /// The schedule stored under `tenant`.`id`.
 async fn stored(env: &Env, tenant: &str, id: &str) -> Option<Schedule> {
     let js = async_nats::jetstream::new(env.client.clone());
@@ -256,10 +267,7 @@ async fn schedules_fire_each_due_time_once_across_two_orchestrators_and_rm_stops
         ids.len(),
         "a due time submitted twice: {ids:?}"
     );
-    let dues: Vec<i64> = ids
-        .iter()
-        .map(|id| id.strip_prefix("sched-report-").expect(id).parse().unwrap())
-        .collect();
+    let dues: Vec<i64> = ids.iter().map(|id| due_of(id, "report")).collect();
     assert!(dues.windows(2).all(|w| w[0] < w[1]), "{dues:?}");
     // Both orchestrators counted exactly the runs there were, between them.
     let total = runs(&env.metrics, "submitted") + runs(&b_metrics, "submitted");
@@ -465,12 +473,7 @@ async fn schedules_a_busy_schedule_never_runs_twice_at_once_pause_stops_it_and_r
         0
     );
     submitted.until(before + 1).await;
-    let due: i64 = submitted.seen[before]
-        .0
-        .strip_prefix("sched-busy-")
-        .unwrap()
-        .parse()
-        .unwrap();
+    let due = due_of(&submitted.seen[before].0, "busy");
     assert!(due >= resumed_at - 1, "a stale due time {due} was fired");
     assert_eq!(
         schedule_cli(&env, &["rm", "--tenant", "acme", "--id", "busy"]).await,
@@ -932,5 +935,240 @@ async fn not_before_a_waiting_job_can_be_cancelled() {
     assert!(
         env.model.received().is_empty(),
         "a cancelled job never calls the model"
+    );
+}
+
+/// A record of schedule `id` of acme firing every second from the next
+/// second on, its runs asking the model `message`, at most `limit` at
+/// once, holding `runs` already.
+fn every_second(id: &str, message: &str, limit: u32, runs: Vec<ScheduledRun>) -> Schedule {
+    Schedule {
+        tenant: "acme".into(),
+        id: id.into(),
+        cron: "* * * * * *".into(),
+        tz: "UTC".into(),
+        job: serde_json::from_value(json!({
+            "invocationId": "template",
+            "messages": [{"role": "user", "content": message}]
+        }))
+        .unwrap(),
+        missed: MissedPolicy::Skip,
+        max_concurrent: limit,
+        budget: None,
+        paused: false,
+        next_due: now_secs() + 1,
+        runs,
+        created_ms: 0,
+    }
+}
+
+/// Stores `schedule` in the bucket, as the operator's `add` would.
+async fn put(env: &Env, schedule: &Schedule) {
+    let js = async_nats::jetstream::new(env.client.clone());
+    let bucket = schedules_bucket(&js, &env.subjects).await.unwrap();
+    bucket
+        .put(schedule.key(), serde_json::to_vec(schedule).unwrap().into())
+        .await
+        .unwrap();
+}
+
+/// Removes acme's schedule `id`.
+async fn remove(env: &Env, id: &str) {
+    assert_eq!(
+        schedule_cli(env, &["rm", "--tenant", "acme", "--id", id]).await,
+        0
+    );
+}
+
+fn now_ms() -> u64 {
+    toolfleet_protocol::now_ms()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_a_run_recorded_but_never_submitted_does_not_block_the_next() {
+    let env = Env::start_with(script(), Options::default()).await;
+    let mut submitted = Submitted::watch(&env, "acme").await;
+    // What an orchestrator that died between its record and its
+    // submission leaves: a run recorded three minutes ago, never
+    // acknowledged by the stream, never claimed, with no event.
+    let mut schedule = every_second("orphan", "Write the daily report.", 1, Vec::new());
+    let mut orphan = ScheduledRun::new(&schedule, now_secs() - 180, now_ms() - 180_000);
+    orphan.accepted_ms = None;
+    schedule.runs.push(orphan.clone());
+    put(&env, &schedule).await;
+    // The next due time fires: the orphan counts as lost, not in flight.
+    submitted.until(1).await;
+    remove(&env, "orphan").await;
+    assert!(
+        submitted.ids()[0].starts_with("sched-orphan-"),
+        "{:?}",
+        submitted.ids()
+    );
+    assert_ne!(submitted.ids()[0], orphan.invocation_id);
+    assert_eq!(runs(&env.metrics, "lost"), 1);
+    assert_eq!(runs(&env.metrics, "skipped_busy"), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_a_limit_of_two_keeps_every_run_in_flight() {
+    // Slow runs: ten seconds before the model's first token.
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["slow"],
+            "steps": [ { "answer": "Done, slowly.", "fault": { "kind": "slowFirstToken", "delayMs": 10000 } } ]
+        }],
+        "default": { "steps": [ { "answer": "The report is ready." } ] }
+    });
+    let env = Env::start_with(script, Options::default()).await;
+    // Run A: in flight (taken, its model call under way), the oldest.
+    let mut a = toolfleet_protocol::client::question("A slow report.");
+    a.tenant = Some("acme".into());
+    let mut a_events = env.follow_and_submit(&a).await;
+    let started = support::next_json(&mut a_events).await;
+    assert_eq!(started["type"], "started", "{started}");
+    // Run B: newer, and ended (its terminal event stored).
+    let b_id = "sched-pair-1-00000000000000000000000000000000";
+    let store = env.store().await;
+    store
+        .finish(
+            toolfleet_store::InvocationKey::new("acme", b_id),
+            "1",
+            br#"{"type":"completed"}"#,
+        )
+        .await
+        .unwrap();
+    let recorded = |id: &str| ScheduledRun {
+        invocation_id: id.to_string(),
+        due: now_secs() - 5,
+        submitted_ms: now_ms() - 5000,
+        accepted_ms: Some(now_ms() - 5000),
+    };
+    let mut submitted = Submitted::watch(&env, "acme").await;
+    let schedule = every_second(
+        "pair",
+        "Another slow report.",
+        2,
+        vec![recorded(&a.invocation_id), recorded(b_id)],
+    );
+    put(&env, &schedule).await;
+    // One run fits beside A; after it, A and it are two: every due time
+    // is skipped while they run (forgetting A, the oldest, would let a
+    // third in).
+    submitted.until(1).await;
+    submitted.collect_for(Duration::from_secs(4)).await;
+    let record = stored(&env, "acme", "pair").await.unwrap();
+    remove(&env, "pair").await;
+    assert_eq!(submitted.seen.len(), 1, "{:?}", submitted.ids());
+    let kept: Vec<&str> = record
+        .runs
+        .iter()
+        .map(|r| r.invocation_id.as_str())
+        .collect();
+    assert_eq!(kept, [a.invocation_id.as_str(), submitted.ids()[0]]);
+    assert!(runs(&env.metrics, "skipped_busy") >= 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_a_tenant_cannot_take_or_cancel_a_future_run_by_its_id() {
+    let script = json!({
+        "rules": [{
+            "whenUserContains": ["impostor"],
+            "steps": [ { "answer": "Not the report." } ]
+        }],
+        "default": { "steps": [ { "answer": "The report is ready." } ] }
+    });
+    let env = Env::start_with(script, Options::default()).await;
+    // The tenant's own client (its subject, so its tenant) takes the ids
+    // the next due times would have had under a predictable scheme, and
+    // cancels them in advance.
+    let first_due = now_secs() + 4;
+    for due in first_due..first_due + 6 {
+        let mut impostor = toolfleet_protocol::client::question("I am the impostor.");
+        impostor.tenant = Some("acme".into());
+        impostor.invocation_id = format!("sched-guarded-{due}");
+        let mut events = env.follow_and_submit(&impostor).await;
+        let end = events_until_terminal(&mut events).await;
+        assert_eq!(end.last().unwrap()["type"], "completed", "{end:?}");
+        toolfleet_protocol::client::cancel(
+            &env.client,
+            &env.subjects,
+            "acme",
+            &impostor.invocation_id,
+        )
+        .await
+        .unwrap();
+    }
+    let mut submitted = Submitted::watch(&env, "acme").await;
+    let mut schedule = every_second("guarded", "Write the daily report.", 1, Vec::new());
+    schedule.next_due = first_due;
+    put(&env, &schedule).await;
+    submitted.until(1).await;
+    remove(&env, "guarded").await;
+    let run = submitted.ids()[0].to_string();
+    assert!(due_of(&run, "guarded") >= first_due);
+    // The run is the schedule's: its own answer, not cancelled.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let end = loop {
+        let last = toolfleet_protocol::client::last_event(&env.client, &env.subjects, "acme", &run)
+            .await
+            .unwrap();
+        if let Some(e) = last.filter(|e| e.body.is_terminal()) {
+            break e;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{run} never ended");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let end = serde_json::to_value(&end).unwrap();
+    assert_eq!(end["type"], "completed", "{end}");
+    assert_eq!(end["text"], "The report is ready.", "{end}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn not_before_past_the_chat_streams_day_is_refused_and_so_is_such_a_limit() {
+    let env = Env::start_with(script(), Options::default()).await;
+    // 23 h 30 min: under the old week, past 23 h less the job's timeout
+    // (the stream would delete the job before it ran).
+    let at = (SystemTime::now() + Duration::from_secs(23 * 3600 + 1800))
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    let mut job = toolfleet_protocol::client::question("Remind me tomorrow.");
+    job.tenant = Some("acme".into());
+    job.not_before = Some(rfc3339(at));
+    let mut events = env.follow_and_submit(&job).await;
+    let end = tokio::time::timeout(WAIT, events_until_terminal(&mut events))
+        .await
+        .expect("refused at once");
+    let end = end.last().unwrap();
+    assert_eq!(end["code"], "malformed_job", "{end}");
+    assert!(end["message"].as_str().unwrap().contains("a day"), "{end}");
+    // An orchestrator configured to let jobs wait longer does not start.
+    let profiles = toolfleet_config::FleetConfig::single(
+        toolfleet_llm::deployments::Deployment::new(env.model.base_url(), "toolfleet-scripted")
+            .with_api_key("sk-test".to_string()),
+    );
+    let mut config =
+        toolfleet_orchestrator::OrchestratorConfig::new(env.subjects.clone(), profiles);
+    config.max_not_before = Duration::from_secs(2 * 24 * 3600);
+    let registry = prometheus::Registry::new();
+    let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
+        &registry,
+        toolfleet_service::metrics::dead_letters(&registry).unwrap(),
+    )
+    .unwrap();
+    let opened = toolfleet_orchestrator::Ready::open(
+        env.client.clone(),
+        env.store().await,
+        config,
+        metrics,
+        CancellationToken::new(),
+    )
+    .await;
+    let Err(e) = opened else {
+        panic!("an orchestrator started with a two-day --max-not-before-secs")
+    };
+    assert!(
+        e.to_string().contains("--max-not-before-secs 172800"),
+        "{e}"
     );
 }

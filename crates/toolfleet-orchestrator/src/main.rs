@@ -44,9 +44,11 @@ struct Args {
     /// the chat stream may not hold fair dispatch's consumers).
     #[arg(long, env = "TOOLFLEET_CHAT_DISPATCH", value_enum, default_value_t = toolfleet_orchestrator::settings::ChatDispatch::Fair)]
     chat_dispatch: toolfleet_orchestrator::settings::ChatDispatch,
-    /// How far ahead a chat job's `notBefore` may be, in seconds: a job
+    /// How far ahead a chat job's `notBefore` may be, in seconds (at most
+    /// 82800, 23 h: the chat stream deletes a job a day after its
+    /// submission; each job's limit is also less its timeout): a job
     /// asking to start later is refused (`malformed_job`).
-    #[arg(long, env = "TOOLFLEET_MAX_NOT_BEFORE_SECS", default_value_t = 7 * 24 * 3600, value_parser = clap::value_parser!(u64).range(1..))]
+    #[arg(long, env = "TOOLFLEET_MAX_NOT_BEFORE_SECS", default_value_t = toolfleet_orchestrator::settings::DEFAULT_MAX_NOT_BEFORE.as_secs(), value_parser = clap::value_parser!(u64).range(1..=toolfleet_orchestrator::settings::MAX_NOT_BEFORE_CEILING.as_secs()))]
     max_not_before_secs: u64,
     /// Recommended models per tool (JSON: `{"tools": {"<tool id or
     /// ns:name>": ["<deployment>/<model>", ...]}}`, cheapest first). A file

@@ -18,9 +18,42 @@ use crate::tools::declared::DeclaredPools;
 /// (`--batch-max-wait`).
 pub const DEFAULT_BATCH_MAX_WAIT: Duration = Duration::from_secs(30);
 
+/// Room a delayed job keeps in the chat stream after its run's deadline,
+/// for a redelivery should the orchestrator running it die (the ack
+/// wait, a second attempt): an hour.
+pub const NOT_BEFORE_ROOM: Duration = Duration::from_secs(3600);
+
+/// The most `--max-not-before-secs` may be: the chat stream's `max_age`
+/// ([`CHAT_MAX_AGE`](toolfleet_protocol::streams::CHAT_MAX_AGE), a day)
+/// less [`NOT_BEFORE_ROOM`] — 23 h. A job waiting longer would be deleted
+/// by the stream before it ran, with no event at all. Each job's own limit
+/// is also less its timeout (`intake::delay`).
+pub const MAX_NOT_BEFORE_CEILING: Duration = Duration::from_secs(
+    toolfleet_protocol::streams::CHAT_MAX_AGE.as_secs() - NOT_BEFORE_ROOM.as_secs(),
+);
+
 /// How far ahead a chat job's `notBefore` may be, by default
-/// (`--max-not-before-secs`): a week.
-pub const DEFAULT_MAX_NOT_BEFORE: Duration = Duration::from_secs(7 * 24 * 3600);
+/// (`--max-not-before-secs`): [`MAX_NOT_BEFORE_CEILING`], 23 h (less the
+/// job's timeout).
+pub const DEFAULT_MAX_NOT_BEFORE: Duration = MAX_NOT_BEFORE_CEILING;
+
+/// Refuses a `--max-not-before-secs` past [`MAX_NOT_BEFORE_CEILING`]
+/// (or zero), saying why: the start stops rather than accept jobs the
+/// chat stream would delete unrun.
+pub fn check_max_not_before(max: Duration) -> Result<(), String> {
+    if max.is_zero() || max > MAX_NOT_BEFORE_CEILING {
+        return Err(format!(
+            "--max-not-before-secs {} must be 1 to {}: a job waits in the chat stream, which \
+             deletes it {} s after its submission, and its run and a redelivery need the last \
+             {} s of that (use a schedule for later times)",
+            max.as_secs(),
+            MAX_NOT_BEFORE_CEILING.as_secs(),
+            toolfleet_protocol::streams::CHAT_MAX_AGE.as_secs(),
+            NOT_BEFORE_ROOM.as_secs()
+        ));
+    }
+    Ok(())
+}
 
 /// How chat jobs are taken from the chat stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]

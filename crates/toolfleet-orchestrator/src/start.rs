@@ -103,6 +103,8 @@ impl Ready {
             None => {}
         }
         zero_model_series(&config, &metrics);
+        crate::settings::check_max_not_before(config.max_not_before)
+            .map_err(OrchestratorError::Config)?;
         let (settings, plugins) = config.into_parts();
         let plugins = Arc::new(plugins);
         let stop_replies = CancellationToken::new();

@@ -5,11 +5,12 @@
 //!
 //! A schedule fires once per due time across all orchestrators: the one
 //! whose compare-and-set of the record (advancing [`Schedule::next_due`])
-//! succeeds submits the run, as invocation [`Schedule::run_id`] — the same
-//! id for the same due time on every orchestrator, so a run submitted
-//! twice still runs once (ids are claimed per tenant). The timing itself
-//! (cron in a time zone) is the orchestrator's (`schedules`), so this crate
-//! takes no cron or time-zone dependency.
+//! succeeds submits the run, as invocation [`Schedule::run_id`] — the due
+//! time and a random nonce the winner chose and stored in the record, so
+//! nobody can guess a future run's id (a tenant could otherwise take it
+//! first, or cancel it in advance). The timing itself (cron in a time
+//! zone) is the orchestrator's (`schedules`), so this crate takes no cron
+//! or time-zone dependency.
 
 use std::time::Duration;
 
@@ -147,8 +148,28 @@ pub struct ScheduledRun {
     pub invocation_id: String,
     /// The due time it was submitted for (unix seconds).
     pub due: i64,
-    /// When it was submitted (unix ms).
+    /// When it was recorded, just before its submission (unix ms).
     pub submitted_ms: u64,
+    /// When the chat stream acknowledged its job (unix ms): absent, the
+    /// run may never have been submitted (the orchestrator that won it
+    /// died, or its publish failed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub accepted_ms: Option<u64>,
+}
+
+impl ScheduledRun {
+    /// A run of `schedule` for `due`, recorded at `now_ms`, under a fresh
+    /// unguessable invocation id ([`Schedule::run_id`]).
+    #[must_use]
+    pub fn new(schedule: &Schedule, due: i64, now_ms: u64) -> Self {
+        let nonce = uuid::Uuid::new_v4().simple().to_string();
+        Self {
+            invocation_id: schedule.run_id(due, &nonce),
+            due,
+            submitted_ms: now_ms,
+            accepted_ms: None,
+        }
+    }
 }
 
 /// A scheduled chat job: the record in the schedules bucket.
@@ -182,9 +203,10 @@ pub struct Schedule {
     pub paused: bool,
     /// The next due time (unix seconds).
     pub next_due: i64,
-    /// The latest runs submitted, newest last (at most
-    /// [`Schedule::runs_kept`]): whether they ended tells whether the
-    /// schedule is busy.
+    /// The runs that may still be in flight, newest last (the firing
+    /// orchestrator drops those that ended; a schedule without a
+    /// concurrency limit keeps its latest [`RUNS_KEPT_UNLIMITED`]): whether
+    /// they ended tells whether the schedule is busy.
     #[serde(default)]
     pub runs: Vec<ScheduledRun>,
     /// When the schedule was added (unix ms).
@@ -201,10 +223,12 @@ pub const RUNS_KEPT_UNLIMITED: usize = 16;
 
 impl Schedule {
     /// The invocation id of its run for due time `due` (unix seconds):
-    /// `sched-<id>-<due>`, the same on every orchestrator.
+    /// `sched-<id>-<due>-<nonce>`, the nonce chosen at random by the
+    /// orchestrator that won the due time and kept in the record (at most
+    /// 114 characters: the id is at most 64).
     #[must_use]
-    pub fn run_id(&self, due: i64) -> String {
-        format!("sched-{}-{due}", self.id)
+    pub fn run_id(&self, due: i64, nonce: &str) -> String {
+        format!("sched-{}-{due}-{nonce}", self.id)
     }
 
     /// The key of this schedule in the bucket.
@@ -213,22 +237,13 @@ impl Schedule {
         schedule_key(&self.tenant, &self.id)
     }
 
-    /// How many runs the record remembers.
+    /// The job of `run`: the template with the run's invocation id, the
+    /// schedule's tenant and its budget (the tighter of the schedule's and
+    /// the template's own).
     #[must_use]
-    pub fn runs_kept(&self) -> usize {
-        match self.max_concurrent {
-            0 => RUNS_KEPT_UNLIMITED,
-            n => usize::try_from(n).unwrap_or(usize::MAX).min(1024),
-        }
-    }
-
-    /// The job of its run for `due`: the template with the run's
-    /// invocation id, the schedule's tenant and its budget (the tighter of
-    /// the schedule's and the template's own).
-    #[must_use]
-    pub fn job_for(&self, due: i64) -> ChatJob {
+    pub fn job_for(&self, run: &ScheduledRun) -> ChatJob {
         let mut job = self.job.clone();
-        job.invocation_id = self.run_id(due);
+        job.invocation_id = run.invocation_id.clone();
         job.tenant = Some(self.tenant.clone());
         if let Some(budget) = self.budget {
             job.budget = Some(budget.tighter(job.budget));
@@ -236,12 +251,15 @@ impl Schedule {
         job
     }
 
-    /// Remembers `run`, forgetting the oldest past [`Schedule::runs_kept`].
+    /// Remembers `run`. A schedule without a concurrency limit forgets
+    /// its oldest past [`RUNS_KEPT_UNLIMITED`]; one with a limit forgets
+    /// nothing here (a run still in flight must be counted: the firing
+    /// orchestrator drops the runs that ended before it remembers a new
+    /// one, so they stay within the limit).
     pub fn remember(&mut self, run: ScheduledRun) {
         self.runs.push(run);
-        let kept = self.runs_kept();
-        if self.runs.len() > kept {
-            let extra = self.runs.len() - kept;
+        if self.max_concurrent == 0 && self.runs.len() > RUNS_KEPT_UNLIMITED {
+            let extra = self.runs.len() - RUNS_KEPT_UNLIMITED;
             self.runs.drain(..extra);
         }
     }
@@ -279,9 +297,24 @@ mod tests {
     #[test]
     fn a_run_has_the_runs_id_tenant_and_the_tighter_budget() {
         let s = schedule();
-        let job = s.job_for(1_800_000_000);
-        assert_eq!(job.invocation_id, "sched-daily-1800000000");
+        let run = ScheduledRun::new(&s, 1_800_000_000, 0);
+        let job = s.job_for(&run);
+        assert_eq!(job.invocation_id, run.invocation_id);
+        assert!(
+            job.invocation_id.starts_with("sched-daily-1800000000-"),
+            "{}",
+            job.invocation_id
+        );
+        // The nonce: another run of the same due time has another id.
+        assert_ne!(
+            ScheduledRun::new(&s, 1_800_000_000, 0).invocation_id,
+            run.invocation_id
+        );
         assert!(crate::valid_invocation_id(&job.invocation_id));
+        let mut longest = s.clone();
+        longest.id = "x".repeat(64);
+        let id = ScheduledRun::new(&longest, i64::from(i32::MAX) * 4, 0).invocation_id;
+        assert!(crate::valid_invocation_id(&id), "{id}");
         assert_eq!(job.tenant.as_deref(), Some("acme"));
         assert_eq!(
             job.budget,
@@ -303,17 +336,25 @@ mod tests {
     }
 
     #[test]
-    fn the_record_round_trips_and_keeps_its_latest_runs() {
+    fn the_record_round_trips_and_keeps_its_runs() {
         let mut s = schedule();
+        s.max_concurrent = 2;
         for due in 0..3 {
-            s.remember(ScheduledRun {
-                invocation_id: s.run_id(due),
-                due,
-                submitted_ms: 0,
-            });
+            let run = ScheduledRun::new(&s, due, 0);
+            s.remember(run);
         }
-        assert_eq!(s.runs.len(), 1);
-        assert_eq!(s.runs[0].due, 2);
+        // A limit forgets no run here: the firing orchestrator drops the
+        // ended ones.
+        assert_eq!(s.runs.len(), 3);
+        let mut unlimited = s.clone();
+        unlimited.max_concurrent = 0;
+        for due in 3..40 {
+            let run = ScheduledRun::new(&unlimited, due, 0);
+            unlimited.remember(run);
+        }
+        assert_eq!(unlimited.runs.len(), RUNS_KEPT_UNLIMITED);
+        assert_eq!(unlimited.runs.last().unwrap().due, 39);
+        s.runs[0].accepted_ms = Some(5);
         let json = serde_json::to_string(&s).unwrap();
         assert_eq!(serde_json::from_str::<Schedule>(&json).unwrap(), s);
         assert_eq!(

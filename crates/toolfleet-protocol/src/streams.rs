@@ -113,6 +113,10 @@ pub async fn ensure_chat_stream(
     ensure_chat_stream_with(js, subjects, ChatLimits::default()).await
 }
 
+/// How long the chat stream keeps a job nobody took (its `max_age`): a
+/// day. A job's `notBefore` must leave it room to run within it.
+pub const CHAT_MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+
 /// Creates the chat-job stream if it does not exist, and brings an
 /// existing one to `limits` (an older fleet's stream had none; an
 /// operator's new caps take effect at the next orchestrator start).
@@ -127,7 +131,7 @@ pub async fn ensure_chat_stream_with(
         subjects.chat_stream(),
         subjects.chat_submit_all(),
         Some(format!("{}.chat.submit", subjects.prefix())),
-        24 * 3600,
+        CHAT_MAX_AGE.as_secs(),
         |config| {
             // Interactive and batch jobs (fair dispatch takes a tenant's
             // interactive ones first).

@@ -695,6 +695,16 @@ impl CitationStore {
         .await
     }
 
+    /// Is the invocation claimed (a job of its id taken by an
+    /// orchestrator, running or finished)? Reads only: claims nothing.
+    pub async fn is_claimed(&self, inv: InvocationKey<'_>) -> Result<bool, CitationError> {
+        let key = &self.key(inv, "owner");
+        self.run("is_claimed", |mut conn| async move {
+            conn.exists::<_, bool>(key).await
+        })
+        .await
+    }
+
     /// Keeps the invocation's claim for at least `at_least` (and never
     /// less than the store's TTL): a parked invocation may wait longer
     /// than the TTL for a person, and its id must stay claimed meanwhile.

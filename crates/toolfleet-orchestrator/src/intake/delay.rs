@@ -2,9 +2,19 @@
 //! yet. Its delivery is given back with a delay until then (a nak with
 //! that delay: the job waits in the chat stream, holding no permit and no
 //! slot, and comes back once, at its time), after its claim is taken (so
-//! its id is its own from submission on) and its lease let go. A time
-//! further ahead than `--max-not-before` (7 days by default), or one that
-//! is not RFC 3339, is refused at once with `malformed_job`.
+//! its id is its own from submission on) and its lease let go.
+//!
+//! **How far ahead.** The chat stream deletes a job a day after its
+//! submission (`CHAT_MAX_AGE`), taken or not, with no event: a job must
+//! run, and have room for a redelivery, within that day. So a `notBefore`
+//! more than `--max-not-before-secs` (at most, and by default, 23 h:
+//! [`MAX_NOT_BEFORE_CEILING`](crate::settings::MAX_NOT_BEFORE_CEILING))
+//! less the job's own timeout after its submission is refused at once
+//! with `malformed_job`, as is one that is not RFC 3339.
+//!
+//! **Clock skew.** A redelivered job (the delayed nak's delivery) that
+//! comes back up to [`SKEW_TOLERANCE`] early by this host's clock runs
+//! now rather than being naked again (which would spend a delivery).
 //!
 //! One nak for the whole wait, not one per ack wait: every delivery
 //! counts towards the consumer's `max_deliver`, so a job naked again and
@@ -29,6 +39,10 @@ pub use crate::settings::DEFAULT_MAX_NOT_BEFORE;
 /// A wait shorter than this is not worth a redelivery: the job runs now.
 const RUN_NOW_WITHIN: Duration = Duration::from_millis(250);
 
+/// How early by this host's clock a redelivered job may come back and
+/// still run now (the server's timer and this clock may differ a little).
+pub(crate) const SKEW_TOLERANCE: Duration = Duration::from_secs(5);
+
 /// When a job may run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Start {
@@ -40,9 +54,28 @@ pub(crate) enum Start {
     Refused(String),
 }
 
-/// When `job` may run, at `now_ms` (unix ms), if it may ask to wait at
-/// most `max_ahead`.
-pub(crate) fn start_of(job: &ChatJob, now_ms: u64, max_ahead: Duration) -> Start {
+/// What a delivery's `notBefore` is judged by.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Judged {
+    /// Now (unix ms).
+    pub(crate) now_ms: u64,
+    /// When the job was submitted (unix ms; `now_ms` when unknown): the
+    /// chat stream's day counts from there.
+    pub(crate) published_ms: u64,
+    /// The fleet's `--max-not-before-secs`.
+    pub(crate) max_ahead: Duration,
+    /// The job's run time (its `timeoutMs`, else the default).
+    pub(crate) timeout: Duration,
+    /// Which delivery this is (1: the first).
+    pub(crate) attempt: u32,
+}
+
+/// When `job` may run, judged by `by`: no more than `max_ahead`, nor than
+/// the chat stream's day less [`NOT_BEFORE_ROOM`] and its timeout, after
+/// its submission.
+///
+/// [`NOT_BEFORE_ROOM`]: crate::settings::NOT_BEFORE_ROOM
+pub(crate) fn start_of(job: &ChatJob, by: Judged) -> Start {
     let Some(text) = job.not_before.as_deref() else {
         return Start::Now;
     };
@@ -52,16 +85,28 @@ pub(crate) fn start_of(job: &ChatJob, now_ms: u64, max_ahead: Duration) -> Start
         ));
     };
     let at_ms = u64::try_from(at.timestamp_millis()).unwrap_or(0);
-    let wait = Duration::from_millis(at_ms.saturating_sub(now_ms));
-    if wait > max_ahead {
+    let ahead = Duration::from_millis(at_ms.saturating_sub(by.published_ms.min(by.now_ms)));
+    let stream_room = toolfleet_protocol::streams::CHAT_MAX_AGE
+        .saturating_sub(crate::settings::NOT_BEFORE_ROOM)
+        .saturating_sub(by.timeout);
+    let limit = by.max_ahead.min(stream_room);
+    if ahead > limit {
         return Start::Refused(format!(
-            "notBefore {text} is {} s ahead, more than the {} s this fleet lets a job wait \
-             (--max-not-before); submit it nearer the time, or use a schedule",
-            wait.as_secs(),
-            max_ahead.as_secs()
+            "notBefore {text} is {} s after the job's submission, more than the {} s this fleet \
+             lets it wait (--max-not-before, less its {} s timeout: the chat stream keeps a job \
+             a day); submit it nearer the time, or use a schedule",
+            ahead.as_secs(),
+            limit.as_secs(),
+            by.timeout.as_secs()
         ));
     }
-    if wait < RUN_NOW_WITHIN {
+    let wait = Duration::from_millis(at_ms.saturating_sub(by.now_ms));
+    let run_now_within = if by.attempt > 1 {
+        SKEW_TOLERANCE
+    } else {
+        RUN_NOW_WITHIN
+    };
+    if wait < run_now_within {
         Start::Now
     } else {
         Start::Later(wait)
@@ -126,10 +171,18 @@ pub(super) async fn held_back(
     holder: &str,
     delivery: Delivery,
 ) -> bool {
+    let now_ms = toolfleet_protocol::now_ms();
     let start = start_of(
         job,
-        toolfleet_protocol::now_ms(),
-        fleet.config.max_not_before,
+        Judged {
+            now_ms,
+            published_ms: delivery.published_ms.unwrap_or(now_ms),
+            max_ahead: fleet.config.max_not_before,
+            timeout: job
+                .timeout_ms
+                .map_or(fleet.config.default_timeout, Duration::from_millis),
+            attempt: delivery.attempt,
+        },
     );
     match start {
         Start::Now => {
@@ -177,37 +230,96 @@ mod tests {
         job
     }
 
+    /// Judged at 2026-01-01T00:00:00Z, submitted then, on a first
+    /// delivery, with the default limit and a two-minute timeout.
+    fn first(now: u64) -> Judged {
+        Judged {
+            now_ms: now,
+            published_ms: now,
+            max_ahead: DEFAULT_MAX_NOT_BEFORE,
+            timeout: Duration::from_secs(120),
+            attempt: 1,
+        }
+    }
+
     #[test]
     fn a_job_waits_for_its_time_and_no_longer_than_allowed() {
         // 2026-01-01T00:00:00Z
         let now = 1_767_225_600_000;
-        let week = DEFAULT_MAX_NOT_BEFORE;
-        assert_eq!(start_of(&job(None), now, week), Start::Now);
+        let by = first(now);
+        assert_eq!(start_of(&job(None), by), Start::Now);
+        assert_eq!(start_of(&job(Some("2025-12-31T23:00:00Z")), by), Start::Now);
         assert_eq!(
-            start_of(&job(Some("2025-12-31T23:00:00Z")), now, week),
+            start_of(&job(Some("2026-01-01T01:00:00+01:00")), by),
             Start::Now
         );
         assert_eq!(
-            start_of(&job(Some("2026-01-01T01:00:00+01:00")), now, week),
-            Start::Now
-        );
-        assert_eq!(
-            start_of(&job(Some("2026-01-01T00:00:30Z")), now, week),
+            start_of(&job(Some("2026-01-01T00:00:30Z")), by),
             Start::Later(Duration::from_secs(30))
         );
-        let far = start_of(&job(Some("2026-01-09T00:00:00Z")), now, week);
+        // 23 h less the timeout is the most; a minute more is refused.
+        assert_eq!(
+            start_of(&job(Some("2026-01-01T22:58:00Z")), by),
+            Start::Later(Duration::from_secs(22 * 3600 + 58 * 60))
+        );
+        let far = start_of(&job(Some("2026-01-01T22:59:00Z")), by);
         assert!(
             matches!(&far, Start::Refused(why) if why.contains("--max-not-before")),
             "{far:?}"
         );
+        // A longer timeout leaves less room; a smaller limit is kept.
+        let hour = Judged {
+            timeout: Duration::from_secs(3600),
+            ..by
+        };
+        assert!(matches!(
+            start_of(&job(Some("2026-01-01T22:30:00Z")), hour),
+            Start::Refused(_)
+        ));
+        let small = Judged {
+            max_ahead: Duration::from_secs(60),
+            ..by
+        };
+        assert!(matches!(
+            start_of(&job(Some("2026-01-01T00:02:00Z")), small),
+            Start::Refused(_)
+        ));
+        // The day counts from the submission, not from this delivery.
+        let late = Judged {
+            now_ms: now + 3 * 3600 * 1000,
+            ..by
+        };
+        assert!(matches!(
+            start_of(&job(Some("2026-01-01T23:30:00Z")), late),
+            Start::Refused(_)
+        ));
         // The deadline counts from the later of publication and notBefore.
         let waited = job(Some("2026-01-01T00:00:30Z"));
         assert_eq!(counted_from(&waited, Some(now)), Some(now + 30_000));
         assert_eq!(counted_from(&job(None), Some(now)), Some(now));
-        let bad = start_of(&job(Some("tomorrow")), now, week);
+        let bad = start_of(&job(Some("tomorrow")), by);
         assert!(
             matches!(&bad, Start::Refused(why) if why.contains("RFC 3339")),
             "{bad:?}"
+        );
+    }
+
+    #[test]
+    fn a_redelivery_a_little_early_runs_now() {
+        let now = 1_767_225_600_000;
+        let soon = job(Some("2026-01-01T00:00:03Z"));
+        assert_eq!(
+            start_of(&soon, first(now)),
+            Start::Later(Duration::from_secs(3))
+        );
+        let again = Judged {
+            attempt: 2,
+            ..first(now)
+        };
+        assert_eq!(start_of(&soon, again), Start::Now);
+        assert_eq!(
+            start_of(&job(Some("2026-01-01T00:01:00Z")), again),
+            Start::Later(Duration::from_secs(60))
         );
     }
 }

@@ -7,12 +7,13 @@
 //! `update` with the revision it read succeeds (advancing `nextDue`,
 //! remembering the run) is the one that submits the run; every other one
 //! finds the revision moved and does nothing. The run's invocation id is
-//! the schedule's and the due time's (`sched-<id>-<due>`), the same on
-//! every orchestrator, so even a job submitted twice would run once (ids
-//! are claimed per tenant, beyond any duplicate window). No `Nats-Msg-Id`:
-//! the chat stream's duplicate window is shared by every tenant, so a
-//! guessable message id could let any client drop a schedule's run
-//! (`toolfleet_protocol::client`).
+//! the due time's with a random nonce the winner chose and stored in the
+//! record (`sched-<id>-<due>-<nonce>`): nobody can guess it, so a tenant
+//! cannot take a future run's id first (ids are claimed per tenant) nor
+//! cancel it in advance (cancels of unknown ids are remembered). No
+//! `Nats-Msg-Id`: the chat stream's duplicate window is shared by every
+//! tenant (`toolfleet_protocol::client`); the compare-and-set already
+//! makes one submission.
 //!
 //! **Missed due times** (more than [`plan::ON_TIME_GRACE_SECS`] late: the
 //! fleet was down, or the schedule paused) follow the schedule's policy:
@@ -20,8 +21,12 @@
 //! time that finds `maxConcurrent` of the schedule's runs still in flight
 //! is skipped (a run has ended when its terminal event is stored: the
 //! events stream, else the store's record of the finished claim; a run
-//! older than [`BUSY_HORIZON`] no longer counts). **Budget**: each run
-//! carries the schedule's ([`RunBudget`](toolfleet_protocol::schedule::RunBudget)),
+//! older than [`BUSY_HORIZON`] no longer counts; a run the chat stream
+//! never acknowledged, [`LOST_GRACE`] after it was recorded with no claim
+//! and no event, was lost and no longer counts). The firing orchestrator
+//! keeps every run still in flight in the record and drops the others, so
+//! a limit above one holds too. **Budget**: each run carries the
+//! schedule's ([`RunBudget`](toolfleet_protocol::schedule::RunBudget)),
 //! which only tightens the tenant's own per-run caps.
 //!
 //! A run is submitted as the schedule's tenant, on that tenant's submit
@@ -30,8 +35,12 @@
 //! subject's tenant. Only the operator (and the orchestrators) may write
 //! the bucket (`ops/nats/auth.conf`), so a tenant cannot schedule.
 //!
-//! The set that wins submits after its compare-and-set: an orchestrator
-//! that dies between the two loses that one run (it is never run twice).
+//! The one that wins submits after its compare-and-set, then records the
+//! stream's acknowledgement in the record: an orchestrator that dies
+//! between the two loses that one run (it is never run twice), and the
+//! run counts as lost, not in flight, once [`LOST_GRACE`] has passed.
+//! Due schedules are fired concurrently, at most [`FIRING_AT_ONCE`] at a
+//! time, so one slow submission does not hold up the others.
 
 pub mod plan;
 pub mod timing;
@@ -72,14 +81,25 @@ fn until_next_tick() -> Duration {
 /// unless it is parked for a person longer).
 pub const BUSY_HORIZON: Duration = Duration::from_secs(24 * 3600);
 
+/// How long a recorded run whose submission the chat stream never
+/// acknowledged may go without a claim or an event before it counts as
+/// lost (its orchestrator died between the record and the submission, or
+/// the publish failed and the record could not be undone), not in flight.
+pub const LOST_GRACE: Duration = Duration::from_secs(120);
+
+/// Due schedules an orchestrator fires at once.
+pub const FIRING_AT_ONCE: usize = 16;
+
 /// Every outcome of a due time, the `outcome` label of
-/// `toolfleet_schedule_runs_total`.
-pub const OUTCOMES: [&str; 5] = [
+/// `toolfleet_schedule_runs_total` (`lost` counts runs found lost, each
+/// once, when they are dropped from the record).
+pub const OUTCOMES: [&str; 6] = [
     "submitted",
     "caught_up",
     "skipped_missed",
     "skipped_busy",
     "failed",
+    "lost",
 ];
 
 /// Metrics of the schedules.
@@ -97,7 +117,7 @@ impl ScheduleMetrics {
         let runs = IntCounterVec::new(
             Opts::new(
                 "toolfleet_schedule_runs_total",
-                "Due times of schedules this orchestrator won, by outcome: submitted, caught_up (one run for missed due times), skipped_missed, skipped_busy (the schedule's runs in flight at its limit), failed (the run could not be submitted).",
+                "Due times of schedules this orchestrator won, by outcome: submitted, caught_up (one run for missed due times), skipped_missed, skipped_busy (the schedule's runs in flight at its limit), failed (the run could not be submitted); lost: runs recorded but never acknowledged by the chat stream, found with no claim and no event and no longer counted in flight.",
             ),
             &["outcome"],
         )?;
@@ -163,8 +183,9 @@ pub(crate) async fn run(fleet: Arc<Fleet>, shutdown: CancellationToken) {
                 () = &mut tick => {
                     tick.as_mut().reset(tokio::time::Instant::now() + until_next_tick());
                     let now = i64::try_from(now_ms() / 1000).unwrap_or(i64::MAX);
-                    for (key, k) in known.iter_mut().filter(|(_, k)| k.tried_until <= now) {
-                        if step(&fleet, &bucket, key, k, now).await {
+                    let tried = fire_due(&fleet, &bucket, &known, now).await;
+                    for key in tried {
+                        if let Some(k) = known.get_mut(&key) {
                             k.tried_until = now + RETRY_AFTER_SECS;
                         }
                     }
@@ -172,6 +193,27 @@ pub(crate) async fn run(fleet: Arc<Fleet>, shutdown: CancellationToken) {
             }
         }
     }
+}
+
+/// Fires what is due among `known` at `now`, at most [`FIRING_AT_ONCE`]
+/// at a time; the keys whose record an update was tried for.
+async fn fire_due(
+    fleet: &Fleet,
+    bucket: &kv::Store,
+    known: &HashMap<String, Known>,
+    now: i64,
+) -> Vec<String> {
+    let mut steps = Vec::new();
+    for (key, k) in known {
+        if k.tried_until <= now {
+            steps.push(async move { step(fleet, bucket, key, k, now).await.then(|| key.clone()) });
+        }
+    }
+    let tried: Vec<Option<String>> = futures::stream::iter(steps)
+        .buffer_unordered(FIRING_AT_ONCE)
+        .collect()
+        .await;
+    tried.into_iter().flatten().collect()
 }
 
 /// Takes a watched entry into `known`: a schedule put, or one removed.
@@ -234,11 +276,13 @@ async fn step(fleet: &Fleet, bucket: &kv::Store, key: &str, k: &Known, now: i64)
         }
     };
     let mut next = k.schedule.clone();
-    let (due, outcome) = match plan {
+    let mut lost = 0u64;
+    let mut fired = None;
+    let outcome = match plan {
         Plan::Wait => return false,
         Plan::SkipMissed { next_due } => {
             next.next_due = next_due;
-            (None, "skipped_missed")
+            "skipped_missed"
         }
         Plan::Fire {
             due,
@@ -246,15 +290,16 @@ async fn step(fleet: &Fleet, bucket: &kv::Store, key: &str, k: &Known, now: i64)
             catch_up,
         } => {
             next.next_due = next_due;
-            if busy(fleet, &k.schedule).await {
-                (None, "skipped_busy")
+            let runs = in_flight(fleet, &k.schedule).await;
+            lost = runs.lost;
+            next.runs = runs.live;
+            if runs.busy {
+                "skipped_busy"
             } else {
-                next.remember(ScheduledRun {
-                    invocation_id: k.schedule.run_id(due),
-                    due,
-                    submitted_ms: now_ms(),
-                });
-                (Some(due), if catch_up { "caught_up" } else { "submitted" })
+                let run = ScheduledRun::new(&k.schedule, due, now_ms());
+                fired = Some(run.clone());
+                next.remember(run);
+                if catch_up { "caught_up" } else { "submitted" }
             }
         }
     };
@@ -265,7 +310,19 @@ async fn step(fleet: &Fleet, bucket: &kv::Store, key: &str, k: &Known, now: i64)
         // Another orchestrator fired it (or the operator changed it).
         return true;
     };
-    let Some(due) = due else {
+    if lost > 0 {
+        warn!(
+            key,
+            lost, "runs of a schedule were recorded but never submitted: not counted in flight"
+        );
+        fleet
+            .metrics
+            .schedules
+            .runs
+            .with_label_values(&["lost"])
+            .inc_by(lost);
+    }
+    let Some(run) = fired else {
         info!(
             key,
             outcome,
@@ -280,7 +337,7 @@ async fn step(fleet: &Fleet, bucket: &kv::Store, key: &str, k: &Known, now: i64)
             .inc();
         return true;
     };
-    let outcome = submit(fleet, bucket, key, &next, due, revision)
+    let outcome = submit(fleet, bucket, key, &next, &run, revision)
         .await
         .map_or("failed", |()| outcome);
     fleet
@@ -292,24 +349,28 @@ async fn step(fleet: &Fleet, bucket: &kv::Store, key: &str, k: &Known, now: i64)
     true
 }
 
-/// Submits the run of `due` (after this orchestrator won it); on failure,
-/// takes the run out of the record again (so it does not count as in
-/// flight), when nobody changed the record since (`revision`).
+/// Submits `run` (after this orchestrator won its due time) and records
+/// the stream's acknowledgement; on failure, takes the run out of the
+/// record again (so it does not count as in flight), when nobody changed
+/// the record since (`revision`; otherwise it counts as lost after
+/// [`LOST_GRACE`]).
 async fn submit(
     fleet: &Fleet,
     bucket: &kv::Store,
     key: &str,
     schedule: &Schedule,
-    due: i64,
+    run: &ScheduledRun,
     revision: u64,
 ) -> Result<(), ()> {
-    let job = schedule.job_for(due);
+    let job = schedule.job_for(run);
+    let due = run.due;
     let subjects = &fleet.config.subjects;
     let mut last = None;
     for attempt in 0..3u64 {
         match client::submit(&fleet.client, subjects, &job).await {
             Ok(()) => {
                 info!(key, invocation_id = %job.invocation_id, due, "schedule fired: run submitted");
+                accepted(bucket, key, &job.invocation_id).await;
                 return Ok(());
             }
             Err(e) => last = Some(e),
@@ -326,44 +387,118 @@ async fn submit(
     Err(())
 }
 
-/// Has `schedule` its limit of runs in flight? A run is in flight until
-/// its terminal event is stored (or [`BUSY_HORIZON`] after it was
-/// submitted); one that cannot be checked counts as in flight.
-async fn busy(fleet: &Fleet, schedule: &Schedule) -> bool {
-    let limit = schedule.max_concurrent;
-    if limit == 0 {
-        return false;
-    }
-    let horizon = u64::try_from(BUSY_HORIZON.as_millis()).unwrap_or(u64::MAX);
-    let now = now_ms();
-    let mut in_flight = 0u32;
-    for run in schedule.runs.iter().rev() {
-        if run.submitted_ms.saturating_add(horizon) < now {
-            continue;
+/// Records in `key`'s record that the chat stream acknowledged run
+/// `invocation_id` (a compare-and-set, read again when another
+/// orchestrator or the operator wrote in between; given up after a few
+/// tries: the run then counts in flight while it has a claim or events).
+async fn accepted(bucket: &kv::Store, key: &str, invocation_id: &str) {
+    for _ in 0..5 {
+        let Ok(Some(entry)) = bucket.entry(key).await else {
+            return;
+        };
+        if entry.operation != kv::Operation::Put {
+            return;
         }
-        if !ended(fleet, &schedule.tenant, &run.invocation_id).await {
-            in_flight += 1;
-            if in_flight >= limit {
-                return true;
-            }
+        let Ok(mut schedule) = serde_json::from_slice::<Schedule>(&entry.value) else {
+            return;
+        };
+        let Some(run) = schedule
+            .runs
+            .iter_mut()
+            .find(|r| r.invocation_id == invocation_id)
+        else {
+            return;
+        };
+        run.accepted_ms = Some(now_ms());
+        let Ok(value) = serde_json::to_vec(&schedule) else {
+            return;
+        };
+        if bucket
+            .update(key, value.into(), entry.revision)
+            .await
+            .is_ok()
+        {
+            return;
         }
     }
-    false
+    warn!(
+        key,
+        invocation_id, "the acknowledgement of a scheduled run could not be recorded"
+    );
 }
 
-/// Has invocation `id` of `tenant` ended (its terminal event stored)?
-async fn ended(fleet: &Fleet, tenant: &str, id: &str) -> bool {
+/// The recorded runs of a schedule, looked at.
+struct InFlight {
+    /// The runs still in flight (kept in the record), oldest first.
+    live: Vec<ScheduledRun>,
+    /// Runs found lost (recorded, never acknowledged, no claim or event
+    /// after [`LOST_GRACE`]).
+    lost: u64,
+    /// Whether `live` is at the schedule's limit.
+    busy: bool,
+}
+
+/// What a recorded run is now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RunState {
+    /// Its terminal event is stored, or it is past [`BUSY_HORIZON`].
+    Over,
+    /// Recorded, never acknowledged, and nothing of it seen after
+    /// [`LOST_GRACE`].
+    Lost,
+    /// Still running or waiting (or it cannot be checked).
+    InFlight,
+}
+
+/// `schedule`'s runs still in flight: every one is kept (a limit counts
+/// all of them), the ended, expired and lost ones dropped. A schedule
+/// without a limit is never busy and its runs are not looked at.
+async fn in_flight(fleet: &Fleet, schedule: &Schedule) -> InFlight {
+    let limit = schedule.max_concurrent;
+    if limit == 0 {
+        return InFlight {
+            live: schedule.runs.clone(),
+            lost: 0,
+            busy: false,
+        };
+    }
+    let now = now_ms();
+    let mut live = Vec::new();
+    let mut lost = 0;
+    for run in &schedule.runs {
+        match state_of(fleet, &schedule.tenant, run, now).await {
+            RunState::Over => {}
+            RunState::Lost => lost += 1,
+            RunState::InFlight => live.push(run.clone()),
+        }
+    }
+    let busy = live.len() >= usize::try_from(limit).unwrap_or(usize::MAX);
+    InFlight { live, lost, busy }
+}
+
+/// What `run` of `tenant` is at `now` (unix ms). One that cannot be
+/// checked counts as in flight.
+async fn state_of(fleet: &Fleet, tenant: &str, run: &ScheduledRun, now: u64) -> RunState {
+    let horizon = u64::try_from(BUSY_HORIZON.as_millis()).unwrap_or(u64::MAX);
+    if run.submitted_ms.saturating_add(horizon) < now {
+        return RunState::Over;
+    }
+    let id = run.invocation_id.as_str();
     let subjects = &fleet.config.subjects;
-    if let Ok(Some(event)) = client::last_event(&fleet.client, subjects, tenant, id).await
+    let last = client::last_event(&fleet.client, subjects, tenant, id).await;
+    if let Ok(Some(event)) = &last
         && event.body.is_terminal()
     {
-        return true;
+        return RunState::Over;
     }
-    matches!(
-        fleet
-            .store
-            .terminal_event(InvocationKey::new(tenant, id))
-            .await,
-        Ok(Some(_))
-    )
+    let inv = InvocationKey::new(tenant, id);
+    if matches!(fleet.store.terminal_event(inv).await, Ok(Some(_))) {
+        return RunState::Over;
+    }
+    let grace = u64::try_from(LOST_GRACE.as_millis()).unwrap_or(u64::MAX);
+    let unseen = matches!(last, Ok(None)) && matches!(fleet.store.is_claimed(inv).await, Ok(false));
+    if run.accepted_ms.is_none() && run.submitted_ms.saturating_add(grace) < now && unseen {
+        return RunState::Lost;
+    }
+    RunState::InFlight
 }
