@@ -156,10 +156,9 @@ async fn start_parts(
         let client = spec.connect_nats("toolfleet-orchestrator").await?;
         watch(&client, &store)?;
         let m = OrchestratorMetrics::register(metrics, dead_letters)?;
-        let orchestrator =
-            toolfleet_orchestrator::Ready::open(client, store, config, m, shutdown)
-                .await
-                .context("the orchestrator cannot start")?;
+        let orchestrator = toolfleet_orchestrator::Ready::open(client, store, config, m, shutdown)
+            .await
+            .context("the orchestrator cannot start")?;
         tracker.spawn(async move {
             if let Err(e) = orchestrator.run().await {
                 tracing::error!(error = %e, "orchestrator stopped");
