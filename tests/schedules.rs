@@ -1172,3 +1172,68 @@ async fn not_before_past_the_chat_streams_day_is_refused_and_so_is_such_a_limit(
         "{e}"
     );
 }
+
+/// Profiles with an agent tool (`research`, a nested chat job).
+const AGENT_PROFILES: &str = r#"
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+
+[profiles.default]
+deployment = "scripted"
+
+[profiles.researcher]
+deployment = "scripted"
+agent = { name = "research", description = "Researches a question." }
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_jobs_budget_reaches_the_nested_job_of_its_agent_tool() {
+    // The caller asks the agent; the agent's nested job needs two model
+    // calls (a tool, then its answer). The tenant has no per-run cap.
+    let script = json!({ "rules": [
+        { "whenUserContains": ["TIME CHECK"], "steps": [
+            { "toolCalls": [ { "name": "current_datetime", "arguments": {} } ] },
+            { "answer": "It is {{tool:current_datetime}}." } ] },
+        { "whenUserContains": ["what time"], "steps": [
+            { "toolCalls": [ { "name": "research", "arguments": { "task": "TIME CHECK now" } } ] },
+            { "answer": "{{tool:research}}" } ] }
+    ] });
+    let env = Env::start_with(
+        script,
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(AGENT_PROFILES.to_string()),
+            ..Default::default()
+        },
+    )
+    .await;
+    let mut all = env
+        .subscribe(env.subjects.chat_events("default", "*"))
+        .await;
+    // One token: the caller's first model call is made, and spends it.
+    let mut job = toolfleet_protocol::client::question("what time is it?");
+    job.budget = Some(toolfleet_protocol::schedule::RunBudget {
+        max_tokens: Some(1),
+        max_spend_usd: None,
+    });
+    toolfleet_protocol::client::submit(&env.client, &env.subjects, &job)
+        .await
+        .unwrap();
+    // The nested job runs under what its caller had left: it ends before
+    // its second model call, as the caller would.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let nested_end = loop {
+        let msg = tokio::time::timeout_at(deadline, all.next())
+            .await
+            .expect("the nested job ends")
+            .unwrap();
+        let event: Value = serde_json::from_slice(&msg.payload).unwrap();
+        let terminal = event["type"] == "completed" || event["type"] == "error";
+        if terminal && event["invocationId"] != job.invocation_id.as_str() {
+            break event;
+        }
+    };
+    assert_eq!(nested_end["type"], "error", "{nested_end}");
+    assert_eq!(nested_end["code"], "run_limit_exceeded", "{nested_end}");
+}

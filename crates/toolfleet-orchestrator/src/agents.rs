@@ -40,6 +40,7 @@ use toolfleet_protocol::{
 use toolfleet_store::NewReference;
 use tracing::warn;
 
+use crate::quota::remaining_budget;
 use crate::tools::agents::profile_of;
 use crate::{Events, Fleet, Invocation, ToolOutcome};
 
@@ -101,7 +102,11 @@ pub async fn run_agent_call(
         wait,
     };
     let answer = match nested
-        .ask(nested_job(inv, profile, task, wait), inv, events)
+        .ask(
+            nested_job(inv, profile, task, wait, remaining_budget(fleet, inv)),
+            inv,
+            events,
+        )
         .await
     {
         Ok(answer) => answer,
@@ -154,11 +159,18 @@ fn configured_profile<'t>(fleet: &Fleet, tool: &'t CompiledTool) -> Option<&'t s
 
 /// The nested chat job of an agent call: the agent's profile, the
 /// caller's tenant, user, data source and documents, the surface `agent`,
-/// a deadline of `wait`. It claims no trust (a chat job may not): the
+/// a deadline of `wait`, and what is left of the caller's per-run caps as
+/// its `budget` (`budget`). It claims no trust (a chat job may not): the
 /// nested run takes its provider confidence, provider and connection from
 /// the deployment its own profile calls, and its user only if its tenant
 /// is trusted to assert users.
-fn nested_job(inv: &Invocation, profile: &str, task: &str, wait: u64) -> ChatJob {
+fn nested_job(
+    inv: &Invocation,
+    profile: &str,
+    task: &str,
+    wait: u64,
+    budget: Option<toolfleet_protocol::schedule::RunBudget>,
+) -> ChatJob {
     ChatJob {
         invocation_id: client::new_invocation_id(),
         messages: vec![ChatMessage {
@@ -178,9 +190,10 @@ fn nested_job(inv: &Invocation, profile: &str, task: &str, wait: u64) -> ChatJob
         // A nested job answers its caller, not the caller's sinks.
         sink: None,
         priority: Some(inv.priority()),
-        // A nested job starts at once, under its caller's budget.
+        // A nested job starts at once, under what is left of its
+        // caller's budget.
         not_before: None,
-        budget: None,
+        budget,
         // A nested job is one turn of its own: no thread, no key.
         thread_id: None,
         multitask_strategy: None,

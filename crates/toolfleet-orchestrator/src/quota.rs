@@ -131,6 +131,41 @@ fn with_budget(
     limits
 }
 
+/// What `inv` may still spend under its per-run caps (the tenant's,
+/// tightened by its own `budget`), as the `budget` of a job it starts for
+/// itself (an agent tool's nested job: it runs under its caller's
+/// budget). `None` when it has no cap; a cap already spent leaves the
+/// least a budget may be (one token, one micro-USD), as the caller's own
+/// next model call would be refused.
+pub(crate) fn remaining_budget(
+    fleet: &Fleet,
+    inv: &Invocation,
+) -> Option<toolfleet_protocol::schedule::RunBudget> {
+    let limits = with_budget(
+        fleet.config.profiles.limits_of(inv.ctx.tenant()),
+        inv.job.budget,
+    );
+    left_of(&limits, inv.usage.spent())
+}
+
+/// The caps of `limits` less `spent` (tokens, micro-USD), each at least
+/// one; `None` without caps.
+#[allow(clippy::cast_precision_loss)]
+fn left_of(
+    limits: &LimitKeys,
+    (tokens, micros): (u64, u64),
+) -> Option<toolfleet_protocol::schedule::RunBudget> {
+    let budget = toolfleet_protocol::schedule::RunBudget {
+        max_tokens: limits
+            .max_run_tokens
+            .map(|cap| cap.saturating_sub(tokens).max(1)),
+        max_spend_usd: limits
+            .max_run_spend_usd
+            .map(|cap| cap.micros().saturating_sub(micros).max(1) as f64 / 1_000_000.0),
+    };
+    (budget != toolfleet_protocol::schedule::RunBudget::default()).then_some(budget)
+}
+
 /// `n` of `limit` in the limit's unit (USD for spend).
 #[allow(clippy::cast_precision_loss)]
 fn in_unit(limit: QuotaLimit, n: u64) -> f64 {
@@ -321,6 +356,21 @@ mod tests {
     use toolfleet_protocol::schedule::RunBudget;
 
     use super::*;
+
+    #[test]
+    fn a_nested_job_gets_what_its_caller_has_left() {
+        let mut caps = LimitKeys::default();
+        assert_eq!(left_of(&caps, (500, 0)), None);
+        caps.max_run_tokens = Some(1000);
+        caps.max_run_spend_usd = Usd::from_usd(0.5);
+        let left = left_of(&caps, (400, 100_000)).unwrap();
+        assert_eq!(left.max_tokens, Some(600));
+        assert!((left.max_spend_usd.unwrap() - 0.4).abs() < 1e-9);
+        // Spent: the least a budget may be, still a valid one.
+        let spent = left_of(&caps, (5000, 9_000_000)).unwrap();
+        assert_eq!(spent.max_tokens, Some(1));
+        assert!(spent.is_valid());
+    }
 
     #[test]
     fn a_jobs_budget_only_tightens_the_tenants_run_caps() {
