@@ -1237,3 +1237,51 @@ async fn a_jobs_budget_reaches_the_nested_job_of_its_agent_tool() {
     assert_eq!(nested_end["type"], "error", "{nested_end}");
     assert_eq!(nested_end["code"], "run_limit_exceeded", "{nested_end}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn not_before_a_tenants_waiting_jobs_are_capped() {
+    let env = Env::start_with(
+        script(),
+        Options {
+            tweak: |c| c.max_delayed_jobs = 2,
+            ..Default::default()
+        },
+    )
+    .await;
+    let later = rfc3339(
+        (SystemTime::now() + Duration::from_secs(60))
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_millis(),
+    );
+    let delayed = |tenant: &str| {
+        let mut job = toolfleet_protocol::client::question("Remind me in a minute.");
+        job.tenant = Some(tenant.into());
+        job.not_before = Some(later.clone());
+        job
+    };
+    // Two of acme's wait; the third is refused at once, saying why.
+    for _ in 0..2 {
+        let mut events = env.follow_and_submit(&delayed("acme")).await;
+        let first = support::next_json(&mut events).await;
+        assert_eq!(first["type"], "scheduled", "{first}");
+    }
+    let mut events = env.follow_and_submit(&delayed("acme")).await;
+    let end = tokio::time::timeout(WAIT, events_until_terminal(&mut events))
+        .await
+        .expect("refused at once");
+    let end = end.last().unwrap();
+    assert_eq!(end["type"], "error", "{end}");
+    assert_eq!(end["code"], "queue_full", "{end}");
+    assert!(
+        end["message"]
+            .as_str()
+            .unwrap()
+            .contains("--max-delayed-jobs"),
+        "{end}"
+    );
+    // The cap is per tenant: globex's job waits.
+    let mut events = env.follow_and_submit(&delayed("globex")).await;
+    let first = support::next_json(&mut events).await;
+    assert_eq!(first["type"], "scheduled", "{first}");
+}

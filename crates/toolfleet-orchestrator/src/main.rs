@@ -50,6 +50,11 @@ struct Args {
     /// asking to start later is refused (`malformed_job`).
     #[arg(long, env = "TOOLFLEET_MAX_NOT_BEFORE_SECS", default_value_t = toolfleet_orchestrator::settings::DEFAULT_MAX_NOT_BEFORE.as_secs(), value_parser = clap::value_parser!(u64).range(1..=toolfleet_orchestrator::settings::MAX_NOT_BEFORE_CEILING.as_secs()))]
     max_not_before_secs: u64,
+    /// A tenant's chat jobs waiting for their `notBefore` at once (1 to
+    /// 5000; each stays pending on a chat consumer whose max_ack_pending
+    /// is 10000): more are refused (`queue_full`).
+    #[arg(long, env = "TOOLFLEET_MAX_DELAYED_JOBS", default_value_t = toolfleet_orchestrator::settings::DEFAULT_MAX_DELAYED_JOBS, value_parser = clap::value_parser!(u64).range(1..=5000))]
+    max_delayed_jobs: u64,
     /// Recommended models per tool (JSON: `{"tools": {"<tool id or
     /// ns:name>": ["<deployment>/<model>", ...]}}`, cheapest first). A file
     /// that cannot be read or parsed stops the start (exit 64); models no
@@ -92,6 +97,7 @@ async fn main() -> anyhow::Result<()> {
     config.batch_max_wait = std::time::Duration::from_secs(a.batch_max_wait_secs);
     config.chat_dispatch = a.chat_dispatch;
     config.max_not_before = std::time::Duration::from_secs(a.max_not_before_secs);
+    config.max_delayed_jobs = a.max_delayed_jobs;
     config.sinks = a.sinks.settings();
     config.threads = a.threads.settings();
     // A configured sink the policy refuses stops the start (exit 64).

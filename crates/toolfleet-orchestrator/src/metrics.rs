@@ -152,7 +152,7 @@ pub struct OrchestratorMetrics {
 }
 
 /// Every `cap` of `toolfleet_tenant_cap_refusals_total`.
-pub const CAPS: [&str; 3] = ["queued_jobs", "job_bytes", "parked"];
+pub const CAPS: [&str; 4] = ["queued_jobs", "job_bytes", "parked", "delayed_jobs"];
 
 /// One metric's name, help and labels: the registration table below is a
 /// list of these, each registered in one line.

@@ -55,6 +55,12 @@ pub fn check_max_not_before(max: Duration) -> Result<(), String> {
     Ok(())
 }
 
+/// A tenant's chat jobs waiting for their `notBefore` at once, by default
+/// (`--max-delayed-jobs`): each stays pending on a chat consumer, whose
+/// `max_ack_pending` is 10 000 (with FIFO dispatch, one consumer shared
+/// by every tenant).
+pub const DEFAULT_MAX_DELAYED_JOBS: u64 = 1000;
+
 /// How chat jobs are taken from the chat stream.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
 pub enum ChatDispatch {
@@ -106,6 +112,9 @@ pub struct Settings {
     pub threads: crate::threads::store::ThreadSettings,
     /// How far ahead a chat job's `notBefore` may be (further: refused).
     pub max_not_before: Duration,
+    /// A tenant's chat jobs waiting for their `notBefore` at once (more:
+    /// refused with `queue_full`).
+    pub max_delayed_jobs: u64,
 }
 
 impl Settings {
@@ -127,6 +136,7 @@ impl Settings {
             declared: DeclaredPools::none(),
             threads: crate::threads::store::ThreadSettings::default(),
             max_not_before: DEFAULT_MAX_NOT_BEFORE,
+            max_delayed_jobs: DEFAULT_MAX_DELAYED_JOBS,
         }
     }
 }

@@ -74,6 +74,7 @@ pub mod api_keys;
 mod blob;
 mod cancels;
 pub mod connection;
+mod delayed;
 mod lease;
 mod poison;
 pub mod provider;

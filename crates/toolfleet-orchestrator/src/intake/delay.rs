@@ -12,6 +12,17 @@
 //! less the job's own timeout after its submission is refused at once
 //! with `malformed_job`, as is one that is not RFC 3339.
 //!
+//! **How many.** A waiting job stays pending on its chat consumer (a nak
+//! with a delay is not an ack), and a consumer takes at most its
+//! `max_ack_pending` (10 000) unacknowledged jobs: past that it delivers
+//! nothing. So a tenant may have at most `--max-delayed-jobs` (1000 by
+//! default) jobs waiting at once, counted in the store
+//! (`CitationStore::hold_delayed`); more are refused with `queue_full`.
+//! With fair dispatch each tenant has consumers of its own; with FIFO
+//! dispatch one consumer is shared by every tenant, so the tenants'
+//! waiting jobs together must stay below it (keep the cap times the
+//! tenants under 10 000, or use fair dispatch).
+//!
 //! **Clock skew.** A redelivered job (the delayed nak's delivery) that
 //! comes back up to [`SKEW_TOLERANCE`] early by this host's clock runs
 //! now rather than being naked again (which would spend a delivery).
@@ -28,7 +39,7 @@ use async_nats::jetstream::{self, AckKind};
 use chrono::DateTime;
 use toolfleet_protocol::{ChatJob, ProtocolError};
 use toolfleet_store::InvocationKey;
-use tracing::info;
+use tracing::{info, warn};
 
 use super::claim::Delivery;
 use super::reject::{self, Refusal, Refused};
@@ -194,10 +205,31 @@ pub(super) async fn held_back(
             false
         }
         Start::Later(wait) => {
+            let inv = InvocationKey::new(tenant, &job.invocation_id);
+            let until = now_ms.saturating_add(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX));
+            let cap = fleet.config.max_delayed_jobs;
+            match fleet.store.hold_delayed(inv, now_ms, until, cap).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let refused = Refused {
+                        invocation_id: Some(job.invocation_id.clone()),
+                        tenant: tenant.to_string(),
+                        tell_sender: true,
+                        refusal: Refusal::TooManyDelayed {
+                            tenant: tenant.to_string(),
+                            cap,
+                        },
+                    };
+                    reject::reject(fleet, msg, delivery, refused).await;
+                    return true;
+                }
+                // Not counted, but not refused for the store's trouble.
+                Err(e) => warn!(invocation_id = %job.invocation_id, tenant, error = %e,
+                    "a delayed job could not be counted against --max-delayed-jobs"),
+            }
             if scheduled(job, delivery.published_ms) {
                 announce(fleet, job, tenant).await;
             }
-            let inv = InvocationKey::new(tenant, &job.invocation_id);
             let _ = fleet.store.release_lease(inv, holder).await;
             info!(invocation_id = %job.invocation_id, tenant, wait_secs = wait.as_secs(),
                 not_before = ?job.not_before, "chat job scheduled: it waits for its notBefore");

@@ -42,6 +42,8 @@ pub(super) enum Refusal {
     Suspended { tenant: String, left: Duration },
     /// Its tenant had its cap of queued jobs ahead of it.
     QueueFull { tenant: String, cap: u64 },
+    /// Its tenant had its cap of delayed jobs waiting (`notBefore`).
+    TooManyDelayed { tenant: String, cap: u64 },
 }
 
 impl Refusal {
@@ -52,7 +54,7 @@ impl Refusal {
             Refusal::Duplicate { .. } => "duplicate",
             Refusal::TooManyAttempts { .. } => "error",
             Refusal::Suspended { .. } => "suspended",
-            Refusal::QueueFull { .. } => "error",
+            Refusal::QueueFull { .. } | Refusal::TooManyDelayed { .. } => "error",
         }
     }
 
@@ -61,6 +63,7 @@ impl Refusal {
     fn cap(&self) -> Option<&'static str> {
         match self {
             Refusal::QueueFull { .. } => Some("queued_jobs"),
+            Refusal::TooManyDelayed { .. } => Some("delayed_jobs"),
             Refusal::Malformed(ProtocolError::TooLarge { limit, .. })
                 if *limit < toolfleet_protocol::MAX_JOB_BYTES =>
             {
@@ -78,7 +81,9 @@ impl Refusal {
             Refusal::TenantMismatch { .. } => ChatErrorCode::TenantMismatch,
             Refusal::TooManyAttempts { .. } => ChatErrorCode::TooManyAttempts,
             Refusal::Suspended { .. } => ChatErrorCode::TenantSuspended,
-            Refusal::QueueFull { .. } => ChatErrorCode::QueueFull,
+            Refusal::QueueFull { .. } | Refusal::TooManyDelayed { .. } => {
+                ChatErrorCode::QueueFull
+            }
         }
     }
 
@@ -117,6 +122,10 @@ impl Refusal {
             Refusal::QueueFull { tenant, cap } => format!(
                 "tenant {tenant:?} already had {cap} chat jobs queued or running ahead of this one, \
                  its cap (max_queued_jobs); submit it again when some have finished"
+            ),
+            Refusal::TooManyDelayed { tenant, cap } => format!(
+                "tenant {tenant:?} already has {cap} chat jobs waiting for their notBefore, the \
+                 fleet's cap (--max-delayed-jobs); submit this one nearer its time, or use a schedule"
             ),
         }
     }
