@@ -931,3 +931,85 @@ mod tenants {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_a_failed_park_lets_the_thread_go_at_once() {
+    // The tenant may park one invocation: a second job that needs an
+    // approval cannot park and fails (`too_many_parked`). Its thread must
+    // be free at once — not held until the approval would have expired.
+    let env = Env::start_with(
+        script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(
+                r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+require_approval = ["system:current_datetime"]
+approval_timeout_ms = 600000
+[tenant_defaults]
+max_parked = 1
+"#
+                .into(),
+            ),
+            ..Options::default()
+        },
+    )
+    .await;
+    let mut parked = env
+        .follow_and_submit(&job("t-park-cap-a", "tool please", None))
+        .await;
+    until(&mut parked, "approval_requested").await;
+    let refused = run(&env, &job("t-park-cap-b", "tool again", None)).await;
+    let refused = refused.last().unwrap();
+    assert_eq!(refused["code"], "too_many_parked", "{refused}");
+    // The thread's next job runs (its default strategy is reject: a held
+    // thread would refuse it with thread_busy).
+    let next = run(&env, &job("t-park-cap-b", "and now", None)).await;
+    let next = next.last().unwrap();
+    assert_eq!(next["type"], "completed", "{next}");
+    assert_eq!(next["text"], "noted: and now");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_a_repeat_waiting_for_its_first_job_gives_its_in_flight_place_back() {
+    // Two orchestrators of one place each. The first runs the thread's
+    // long job; the second takes the keyed job queued behind it (which
+    // gives its place back), then a repeat of that key. The repeat must
+    // not keep the place while it waits for the keyed job, or the keyed
+    // job, once it has the thread, could never run: both would end at
+    // their deadline.
+    let (env, _second) = two_orchestrators(one_in_flight).await;
+    let enqueue = Some(MultitaskStrategy::Enqueue);
+    let mut a = env
+        .follow_and_submit(&job("t-repeat-place", "long task", enqueue))
+        .await;
+    until(&mut a, "started").await;
+    let mut keyed = job("t-repeat-place", "keyed behind", enqueue);
+    keyed.idempotency_key = Some("repeat-place-1".into());
+    keyed.timeout_ms = Some(30_000);
+    let mut b = env.follow_and_submit(&keyed).await;
+    assert_eq!(
+        until(&mut b, "thread").await.last().unwrap()["state"],
+        "queued"
+    );
+    let mut repeat = keyed.clone();
+    repeat.invocation_id = format!("{}-again", keyed.invocation_id);
+    let mut r = env.follow_and_submit(&repeat).await;
+    until(&mut r, "duplicate").await;
+    let (ea, eb, er) = tokio::join!(
+        events_until_terminal(&mut a),
+        events_until_terminal(&mut b),
+        events_until_terminal(&mut r)
+    );
+    assert_eq!(ea.last().unwrap()["type"], "completed", "{ea:?}");
+    let eb = eb.last().unwrap();
+    assert_eq!(eb["type"], "completed", "{eb}");
+    let er = er.last().unwrap();
+    assert_eq!(er["type"], "completed", "{er}");
+    assert_eq!(er["text"], eb["text"]);
+}

@@ -47,6 +47,9 @@ pub(crate) struct Nesting {
     pub(crate) inherited_approval: Vec<toolfleet_protocol::tools::ToolRef>,
     /// The job's place on its thread, when it names one.
     pub(crate) thread: Option<std::sync::Arc<crate::threads::Seat>>,
+    /// The run's in-flight permit, given back while a repeat of an
+    /// idempotency key waits for the first job.
+    pub(crate) place: Option<std::sync::Arc<crate::threads::Place>>,
 }
 
 /// Runs `job` through the frame: the context stage, then the profile's
@@ -62,6 +65,9 @@ pub(crate) async fn invoke(
 ) -> Result<Finished, Failure> {
     // A repeated idempotency key runs nothing: the first job's outcome.
     if let Some(first) = super::idempotency::first_of(fleet, &job).await? {
+        if let Some(place) = &nesting.place {
+            place.give_back();
+        }
         return (super::idempotency::replay(fleet, &job, &first, events).await)
             .map(Finished::Completed);
     }

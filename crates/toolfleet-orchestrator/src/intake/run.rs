@@ -91,9 +91,10 @@ struct Run<'a> {
     keep_alive: Held,
     /// The job's place on its thread, when it names one.
     thread: Option<Arc<crate::threads::Seat>>,
-    /// The dispatcher's permit, held until the run ends (a thread's job
-    /// holds it through its seat).
-    _place: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The dispatcher's permit, held until the run ends (given back while
+    /// the job waits for its thread or replays its idempotency key's first
+    /// job).
+    place: Option<Arc<crate::threads::Place>>,
     /// The job's idempotency key, when it has one.
     idempotency_key: Option<String>,
 }
@@ -152,15 +153,12 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
                 taken.delivery.stream_sequence,
                 deadline.at_ms,
             );
-            // A thread's job holds its permit through its seat.
-            let place = match &seat {
-                Some(seat) => {
-                    seat.hold(place.take());
-                    None
-                }
-                None => place.take(),
-            };
-            (seat, place)
+            // A thread's job gives its permit back through its seat.
+            let place = crate::threads::Place::holding(place.take());
+            if let Some(seat) = &seat {
+                seat.hold(place.clone());
+            }
+            (seat, Some(place))
         }
         Leg::Resume(p) => (
             crate::threads::Seat::resumed(&p.job, &tenant, deadline.at_ms),
@@ -170,7 +168,7 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
     let idempotency_key = leg.job().idempotency_key.clone();
     let run = Run {
         thread,
-        _place: place,
+        place,
         idempotency_key,
         keep_alive: fleet.heartbeat.hold(&taken.msg),
         fleet,
@@ -184,7 +182,7 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         leased_at: taken.leased.at,
     };
     let outcome = run.race(plugins, leg, &events, &cancel, deadline).await;
-    let outcome = Box::pin(run.leave_thread(outcome, deadline.at_ms)).await;
+    let outcome = Box::pin(run.leave_thread(outcome)).await;
     // Boxed, as the steps before the run are (`super::handle`): brief,
     // and not to be carried while the run waits.
     let end = match outcome {
@@ -244,6 +242,7 @@ impl Run<'_> {
                         agent_depth,
                         inherited_approval,
                         thread: self.thread.clone(),
+                        place: self.place.clone(),
                     };
                     frame::invoke(
                         fleet,
@@ -308,7 +307,6 @@ impl Run<'_> {
     async fn leave_thread(
         &self,
         outcome: Option<Result<Finished, Failure>>,
-        deadline_ms: u64,
     ) -> Option<Result<Finished, Failure>> {
         use crate::threads::{Leaving, record::Cut};
         let Some(seat) = &self.thread else {
@@ -316,9 +314,9 @@ impl Run<'_> {
         };
         let how = match &outcome {
             None => Leaving::Superseded,
-            Some(Ok(Finished::Parked(p))) => Leaving::Parked(
-                p.expires_at_ms + deadline_ms.saturating_sub(toolfleet_protocol::now_ms()),
-            ),
+            // Held only once the park is kept ([`Self::speak`]): a park
+            // that fails lets the thread go at once.
+            Some(Ok(Finished::Parked(_))) => return outcome,
             Some(_) => Leaving::Ended,
         };
         let cut = seat.leave(self.fleet, how).await;
@@ -340,6 +338,14 @@ impl Run<'_> {
         }
     }
 
+    /// Keeps the job's thread while it is parked (`Parked`), or lets it
+    /// go when the park could not be kept (`Ended`).
+    async fn hold_thread(&self, how: crate::threads::Leaving) {
+        if let Some(seat) = &self.thread {
+            seat.leave(self.fleet, how).await;
+        }
+    }
+
     /// Says how the run ended: the park kept (or, when it cannot be, an
     /// `approval_unavailable` error), or the terminal event.
     async fn speak(
@@ -353,12 +359,19 @@ impl Run<'_> {
         let resumed = resumed_from.is_some();
         let outcome = match outcome {
             Ok(Finished::Parked(parked)) => {
+                let until_ms =
+                    parked.expires_at_ms + deadline_ms.saturating_sub(toolfleet_protocol::now_ms());
                 match self
                     .park(*parked, events, deadline_ms, cancel, resumed_from)
                     .await
                 {
-                    Ok(end) => return end,
+                    Ok(end) => {
+                        self.hold_thread(crate::threads::Leaving::Parked(until_ms))
+                            .await;
+                        return end;
+                    }
                     Err((failure, events)) => {
+                        self.hold_thread(crate::threads::Leaving::Ended).await;
                         return self.terminal(Err(failure), events, resumed).await;
                     }
                 }

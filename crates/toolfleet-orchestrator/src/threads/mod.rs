@@ -11,8 +11,9 @@
 //! under its lease, deadline and cancel, so an orchestrator that dies
 //! while it waits loses nothing: the job is delivered again and finds its
 //! place in line. While it waits it gives its dispatcher's in-flight
-//! permit back (other jobs run meanwhile), and takes one again before it
-//! runs. The context stage puts the thread's conversation before the
+//! permit back ([`Place`]: other jobs run meanwhile), and takes one again
+//! before the compare-and-set that takes the thread, so a job that has
+//! the thread never waits for a permit. The context stage puts the thread's conversation before the
 //! job's new messages ([`ThreadTap::prepend`]); the run taps the
 //! conversation as it goes ([`ThreadTap::tap`]: at the start, after
 //! each finished batch of tool calls, at the answer), so a run cut short
@@ -26,6 +27,7 @@
 //! (`intake::idempotency`).
 
 pub mod metrics;
+pub mod place;
 pub(crate) mod record;
 pub mod store;
 pub mod tap;
@@ -34,13 +36,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use toolfleet_protocol::thread::{MultitaskStrategy, ThreadState, thread_key};
 use toolfleet_protocol::{ChatEventBody, ChatJob};
 use tracing::warn;
 
 use crate::failure::ChatErrorCode;
 use crate::{Failure, Fleet};
+pub use place::Place;
 use record::{Arrival, Arriving, Bounds, Cut, ThreadRecord};
 pub use store::{
     Buckets, DEFAULT_IDEMPOTENCY_WINDOW, DEFAULT_THREAD_MAX_BYTES, DEFAULT_THREAD_MAX_MESSAGES,
@@ -48,8 +50,9 @@ pub use store::{
 };
 pub use tap::ThreadTap;
 
-/// How often a waiting job looks whether it may take the thread.
-const WAIT_POLL: Duration = Duration::from_millis(200);
+/// How often a waiting job looks whether it may take the thread (a read
+/// of the record; a write only when it may).
+const WAIT_POLL: Duration = Duration::from_millis(500);
 /// How long past its deadline a job's place on a thread is kept (its run
 /// ends by its deadline; the margin covers the end and a lease's lapse).
 const SEAT_MARGIN_MS: u64 = 30_000;
@@ -81,8 +84,8 @@ pub struct Seat {
     /// It has the thread (its leave lets it go, with its turn).
     holding: AtomicBool,
     /// The dispatcher's in-flight permit the run holds: given back while
-    /// the job waits, taken again before it runs.
-    place: std::sync::Mutex<Option<OwnedSemaphorePermit>>,
+    /// the job waits, taken again before it takes the thread.
+    place: std::sync::OnceLock<Arc<Place>>,
 }
 
 impl Seat {
@@ -99,7 +102,7 @@ impl Seat {
             until_ms: deadline_ms + SEAT_MARGIN_MS,
             tap: ThreadTap::default(),
             holding: AtomicBool::new(false),
-            place: std::sync::Mutex::new(None),
+            place: std::sync::OnceLock::new(),
         }))
     }
 
@@ -112,29 +115,13 @@ impl Seat {
     }
 
     /// Holds `place` (the run's in-flight permit) for the run.
-    pub(crate) fn hold(&self, place: Option<OwnedSemaphorePermit>) {
-        *self.place.lock().unwrap_or_else(|e| e.into_inner()) = place;
+    pub(crate) fn hold(&self, place: Arc<Place>) {
+        let _ = self.place.set(place);
     }
 
-    /// Gives the run's permit back while the job waits: its semaphore, to
-    /// take one again with.
-    fn give_place_back(&self) -> Option<Arc<Semaphore>> {
-        let permit = self
-            .place
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .take()?;
-        Some(permit.semaphore().clone())
-    }
-
-    /// Takes a permit again, before the job runs (waiting like any job
-    /// for a free one).
-    async fn take_place(&self, semaphore: Option<Arc<Semaphore>>) {
-        if let Some(semaphore) = semaphore
-            && let Ok(permit) = semaphore.acquire_owned().await
-        {
-            *self.place.lock().unwrap_or_else(|e| e.into_inner()) = Some(permit);
-        }
+    /// The run's place (none held when the run was given none).
+    fn place(&self) -> Arc<Place> {
+        self.place.get().cloned().unwrap_or_default()
     }
 
     fn key(&self) -> String {
@@ -205,9 +192,20 @@ impl Seat {
         fleet.metrics.threads.arrived(strategy, "waited");
         say(self.event(state, strategy, ahead.clone()));
         // Waiting runs nothing: the permit goes back for other jobs.
-        let semaphore = self.give_place_back();
+        let place = self.place();
+        place.give_back();
         loop {
             tokio::time::sleep(WAIT_POLL).await;
+            // Looked at first: the permit is taken again only when the
+            // thread is the job's to take, and before it takes it.
+            let (mut record, _) = store::read::<ThreadRecord>(bucket, &key)
+                .await
+                .map_err(unavailable)?;
+            let now = toolfleet_protocol::now_ms();
+            if record.try_take(&self.invocation_id, self.until_ms, now) != Arrival::Run {
+                continue;
+            }
+            place.take_again().await;
             let (arrival, prior) = store::change(bucket, &key, |r: &mut ThreadRecord| {
                 let now = toolfleet_protocol::now_ms();
                 let arrival = r.try_take(&self.invocation_id, self.until_ms, now);
@@ -216,11 +214,11 @@ impl Seat {
             .await
             .map_err(unavailable)?;
             if arrival == Arrival::Run {
-                self.take_place(semaphore).await;
                 say(self.event(ThreadState::Running, strategy, ahead));
                 self.took(prior);
                 return Ok(());
             }
+            place.give_back();
         }
     }
 
