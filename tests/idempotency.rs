@@ -264,3 +264,77 @@ async fn idempotency_a_bad_key_is_refused_clearly_and_runs_nothing() {
     }
     assert_eq!(asked(&env, "bad key job"), 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idempotency_a_first_job_refused_before_it_ran_gives_its_key_back() {
+    let (env, _second) = two_orchestrators().await;
+    // The thread is busy: the keyed job is refused (`thread_busy`) and
+    // runs nothing. Its key must not answer every retry with that refusal
+    // for the whole window: once the thread is free, a retry runs.
+    let mut busy = toolfleet_protocol::client::question("slow one");
+    busy.thread_id = Some("t-key".into());
+    let mut running = env.follow_and_submit(&busy).await;
+    loop {
+        if next_json(&mut running).await["type"] == "started" {
+            break;
+        }
+    }
+    let mut first = keyed("after the busy one", "busy-1");
+    first.thread_id = Some("t-key".into());
+    let mut refused = env.follow_and_submit(&first).await;
+    let refused = events_until_terminal(&mut refused).await;
+    assert_eq!(
+        refused.last().unwrap()["code"],
+        "thread_busy",
+        "{refused:?}"
+    );
+    let done = events_until_terminal(&mut running).await;
+    assert_eq!(done.last().unwrap()["type"], "completed", "{done:?}");
+    let mut retry = first.clone();
+    retry.invocation_id = format!("{}-retry", first.invocation_id);
+    let mut retried = env.follow_and_submit(&retry).await;
+    let retried = events_until_terminal(&mut retried).await;
+    assert!(
+        !kinds(&retried).contains(&"duplicate"),
+        "the retry was answered from the refused job: {retried:?}"
+    );
+    let last = retried.last().unwrap();
+    assert_eq!(last["type"], "completed", "{retried:?}");
+    assert_eq!(last["text"], "noted: after the busy one");
+    // The retry that ran holds the key now: a repeat gets its answer.
+    let mut again = first.clone();
+    again.invocation_id = format!("{}-again", first.invocation_id);
+    let replayed = env.submit(&again).await.unwrap();
+    assert_eq!(replayed.text, "noted: after the busy one");
+    assert_eq!(asked(&env, "after the busy one"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn idempotency_a_repeat_with_another_body_is_refused_and_runs_nothing() {
+    let (env, _second) = two_orchestrators().await;
+    let first = env
+        .submit(&keyed("refund order 4711", "refund-1"))
+        .await
+        .unwrap();
+    assert_eq!(first.text, "noted: refund order 4711");
+    // The same key, another question: not the first job's answer.
+    let mut other = env
+        .follow_and_submit(&keyed("refund order 4712", "refund-1"))
+        .await;
+    let other = events_until_terminal(&mut other).await;
+    let last = other.last().unwrap();
+    assert_eq!(last["type"], "error", "{other:?}");
+    assert_eq!(last["code"], "idempotency_mismatch");
+    assert!(
+        last["message"].as_str().unwrap().contains("refund-1"),
+        "{last}"
+    );
+    assert_eq!(asked(&env, "refund order 4712"), 0);
+    // The same question again is still answered from the first job.
+    let again = env
+        .submit(&keyed("refund order 4711", "refund-1"))
+        .await
+        .unwrap();
+    assert_eq!(again.text, first.text);
+    assert_eq!(asked(&env, "refund order 4711"), 1);
+}

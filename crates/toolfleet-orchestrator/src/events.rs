@@ -50,6 +50,9 @@ pub struct Events {
     task: tokio::task::JoinHandle<Option<Terminal>>,
     /// Where the routed events also go, once [`route`](Self::route)d.
     route: std::sync::Arc<std::sync::OnceLock<crate::sinks::Route>>,
+    /// A `tool_call` event was sent: the run dispatched a tool (an
+    /// idempotency key's failed first job then keeps its key).
+    called_tools: std::sync::atomic::AtomicBool,
 }
 
 impl Events {
@@ -140,6 +143,7 @@ impl Events {
             next_seq: std::sync::atomic::AtomicU64::new(first_seq),
             task,
             route,
+            called_tools: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -170,10 +174,18 @@ impl Events {
     }
 
     fn queue(&self, body: ChatEventBody) {
+        if matches!(body, ChatEventBody::ToolCall { .. }) {
+            (self.called_tools).store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         if self.tx.send(Box::new(body)).is_ok() {
             self.next_seq
                 .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
+    }
+
+    /// Whether the run sent a `tool_call` event (dispatched a tool).
+    pub(crate) fn called_tools(&self) -> bool {
+        (self.called_tools).load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The `seq` the next event sent will get.

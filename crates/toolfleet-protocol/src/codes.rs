@@ -86,6 +86,9 @@ pub enum ChatErrorCode {
     /// The job's thread has a job running and the job's strategy is
     /// `reject` (`docs/threads.md`): it did not run.
     ThreadBusy,
+    /// The job's `idempotencyKey` was first used (within the window) by a
+    /// job of another body (`docs/threads.md`): it did not run.
+    IdempotencyMismatch,
     /// The model provider failed: `llm_<kind>`, the kind being the
     /// provider client's error code (`http_429`, `timeout`, a provider's
     /// own code).
@@ -97,7 +100,7 @@ pub enum ChatErrorCode {
 impl ChatErrorCode {
     /// Every code but [`Llm`](Self::Llm) and [`Custom`](Self::Custom), in
     /// the order the schema lists them.
-    pub const FIXED: [ChatErrorCode; 29] = [
+    pub const FIXED: [ChatErrorCode; 30] = [
         Self::MalformedJob,
         Self::DuplicateInvocation,
         Self::TenantMismatch,
@@ -127,6 +130,7 @@ impl ChatErrorCode {
         Self::BudgetExhausted,
         Self::RunLimitExceeded,
         Self::ThreadBusy,
+        Self::IdempotencyMismatch,
     ];
 
     /// The prefix of a provider failure's code.
@@ -169,6 +173,7 @@ impl ChatErrorCode {
             Self::BudgetExhausted => "budget_exhausted",
             Self::RunLimitExceeded => "run_limit_exceeded",
             Self::ThreadBusy => "thread_busy",
+            Self::IdempotencyMismatch => "idempotency_mismatch",
             Self::Llm(kind) => return format!("{}{kind}", Self::LLM_PREFIX).into(),
             Self::Custom(code) => return code.as_str().into(),
         };

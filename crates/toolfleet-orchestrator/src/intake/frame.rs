@@ -64,7 +64,12 @@ pub(crate) async fn invoke(
     cancel_check: &CancelCheck,
 ) -> Result<Finished, Failure> {
     // A repeated idempotency key runs nothing: the first job's outcome.
-    if let Some(first) = super::idempotency::first_of(fleet, &job).await? {
+    let first = match super::idempotency::first_of(fleet, &job).await? {
+        super::idempotency::Keyed::First => None,
+        super::idempotency::Keyed::Ended => Some(job.invocation_id.clone()),
+        super::idempotency::Keyed::Repeat(first) => Some(first),
+    };
+    if let Some(first) = first {
         if let Some(place) = &nesting.place {
             place.give_back();
         }

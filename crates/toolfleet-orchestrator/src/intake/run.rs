@@ -181,6 +181,9 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         started: taken.started,
         leased_at: taken.leased.at,
     };
+    if resumed_from.is_some() {
+        run.touch_key().await;
+    }
     let outcome = run.race(plugins, leg, &events, &cancel, deadline).await;
     let outcome = Box::pin(run.leave_thread(outcome)).await;
     // Boxed, as the steps before the run are (`super::handle`): brief,
@@ -346,6 +349,14 @@ impl Run<'_> {
         }
     }
 
+    /// Rewrites the job's idempotency key's record (it parked, or
+    /// resumed), so its window cannot lapse while the job waits.
+    async fn touch_key(&self) {
+        if let Some(key) = &self.idempotency_key {
+            super::idempotency::touch(self.fleet, (&self.tenant, key, &self.id)).await;
+        }
+    }
+
     /// Says how the run ended: the park kept (or, when it cannot be, an
     /// `approval_unavailable` error), or the terminal event.
     async fn speak(
@@ -368,6 +379,7 @@ impl Run<'_> {
                     Ok(end) => {
                         self.hold_thread(crate::threads::Leaving::Parked(until_ms))
                             .await;
+                        self.touch_key().await;
                         return end;
                     }
                     Err((failure, events)) => {
@@ -478,16 +490,18 @@ impl Run<'_> {
             span.record("error.type", code.as_str());
         }
         let mut stored = true;
+        // A refusal or transient failure before any tool ran gives an
+        // idempotency key back (`super::idempotency::releases`).
+        let release = super::idempotency::releases(code.as_deref(), events.called_tools(), resumed);
         if let Some(terminal) = events.close_terminal().await {
             // The first job of an idempotency key leaves its outcome for
             // the repeats.
             if let Some(key) = &self.idempotency_key {
                 super::idempotency::remember(
                     self.fleet,
-                    &self.tenant,
-                    key,
-                    &self.id,
+                    (&self.tenant, key, &self.id),
                     &terminal.payload,
+                    release,
                 )
                 .await;
             }
