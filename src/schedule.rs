@@ -72,7 +72,8 @@ pub struct AddArgs {
     #[arg(long)]
     id: Option<String>,
     /// Cron expression: 5 fields (minute hour day-of-month month
-    /// day-of-week) or 6 (seconds first), e.g. "0 9 * * 1-5".
+    /// day-of-week) or 6 (seconds first), e.g. "0 9 * * 1-5"; a 7th
+    /// (year) is refused.
     #[arg(long)]
     cron: String,
     /// IANA time zone the expression is read in.
@@ -101,7 +102,8 @@ pub struct AddArgs {
     /// still applies: the smaller wins).
     #[arg(long)]
     max_spend_usd: Option<f64>,
-    /// Replace a schedule of the same id.
+    /// Replace a schedule of the same id (keeping the runs it recorded:
+    /// still in flight, they count against its limit).
     #[arg(long)]
     replace: bool,
     #[command(flatten)]
@@ -218,6 +220,13 @@ fn job_of(path: &std::path::Path, tenant: &str) -> Result<ChatJob, String> {
             path.display()
         ));
     }
+    if job.idempotency_key.is_some() {
+        return Err(format!(
+            "--job {}: a scheduled job has no idempotencyKey (every run would repeat the first \
+             one's answer instead of running)",
+            path.display()
+        ));
+    }
     if job.not_before.is_some() {
         return Err(format!(
             "--job {}: a scheduled job has no notBefore (the schedule says when)",
@@ -240,10 +249,7 @@ async fn add(args: AddArgs) -> anyhow::Result<i32> {
     let key = schedule.key();
     let value = serde_json::to_vec(&schedule)?;
     if args.replace {
-        bucket
-            .put(&key, value.into())
-            .await
-            .context("storing the schedule")?;
+        replace(&bucket, &key, schedule.clone()).await?;
     } else if let Err(e) = bucket.create(&key, value.into()).await {
         if e.kind() == async_nats::jetstream::kv::CreateErrorKind::AlreadyExists {
             eprintln!(
@@ -262,6 +268,41 @@ async fn add(args: AddArgs) -> anyhow::Result<i32> {
         toolfleet_orchestrator::schedules::timing::utc(schedule.next_due)
     );
     Ok(0)
+}
+
+/// Stores `schedule` under `key` in place of the one there, keeping its
+/// runs (still in flight, they count against the new record's limit): a
+/// compare-and-set, tried again when an orchestrator fired it in between;
+/// a plain create when there is none.
+async fn replace(
+    bucket: &async_nats::jetstream::kv::Store,
+    key: &str,
+    mut schedule: Schedule,
+) -> anyhow::Result<()> {
+    for _ in 0..10 {
+        let current = bucket.entry(key).await.context("reading the schedule")?;
+        let Some(entry) =
+            current.filter(|e| e.operation == async_nats::jetstream::kv::Operation::Put)
+        else {
+            let value = serde_json::to_vec(&schedule)?;
+            if bucket.create(key, value.into()).await.is_ok() {
+                return Ok(());
+            }
+            continue;
+        };
+        if let Ok(old) = serde_json::from_slice::<Schedule>(&entry.value) {
+            schedule.runs = old.runs;
+        }
+        let value = serde_json::to_vec(&schedule)?;
+        if bucket
+            .update(key, value.into(), entry.revision)
+            .await
+            .is_ok()
+        {
+            return Ok(());
+        }
+    }
+    anyhow::bail!("the schedule kept changing; try again")
 }
 
 async fn ls(args: LsArgs) -> anyhow::Result<i32> {
@@ -446,6 +487,13 @@ mod tests {
         .unwrap();
         let other = build(&add_args(&["--cron", "0 9 * * *"], &job), 0).unwrap_err();
         assert!(other.contains("globex"), "{other}");
+        std::fs::write(
+            &job,
+            r#"{"idempotencyKey": "k1", "messages": [{"role": "user", "content": "x"}]}"#,
+        )
+        .unwrap();
+        let keyed = build(&add_args(&["--cron", "0 9 * * *"], &job), 0).unwrap_err();
+        assert!(keyed.contains("idempotencyKey"), "{keyed}");
         std::fs::write(&job, r#"{"messages": []}"#).unwrap();
         let empty = build(&add_args(&["--cron", "0 9 * * *"], &job), 0).unwrap_err();
         assert!(empty.contains("chat_job.schema.json"), "{empty}");

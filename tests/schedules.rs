@@ -492,6 +492,8 @@ async fn schedules_bad_cron_zone_or_job_is_refused_and_nothing_is_stored() {
     for args in [
         vec!["--cron", "0 25 * * *", "--job", &job],
         vec!["--cron", "every morning", "--job", &job],
+        // croner's 7th field, a year: refused.
+        vec!["--cron", "0 0 9 * * * 2027", "--job", &job],
         vec![
             "--cron",
             "0 9 * * 1-5",
@@ -558,6 +560,19 @@ async fn schedules_bad_cron_zone_or_job_is_refused_and_nothing_is_stored() {
         schedule_cli(&env, &["rm", "--tenant", "acme", "--id", "nope"]).await,
         1
     );
+    // Replaced, it keeps the runs it recorded (they may still run).
+    let mut with_run = s.clone();
+    with_run
+        .runs
+        .push(ScheduledRun::new(&s, now_secs(), now_ms()));
+    put(&env, &with_run).await;
+    let mut replaced = good.to_vec();
+    replaced[6] = "30 8 * * 1-5";
+    replaced.push("--replace");
+    assert_eq!(schedule_cli(&env, &replaced).await, 0);
+    let after = stored(&env, "acme", "daily").await.unwrap();
+    assert_eq!(after.cron, "30 8 * * 1-5");
+    assert_eq!(after.runs, with_run.runs);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -42,6 +42,14 @@ impl Timing {
     /// Parses `cron` and `tz`, with errors that say what is wrong.
     pub fn parse(cron: &str, tz: &str) -> Result<Self, TimingError> {
         let tz = Tz::from_str(tz.trim()).map_err(|_| TimingError::Zone(tz.to_string()))?;
+        // croner reads an optional 7th field, a year; the fleet keeps to 5
+        // or 6 fields (what its docs and the CLI describe).
+        if cron.split_whitespace().count() > 6 {
+            return Err(TimingError::Cron {
+                expression: cron.to_string(),
+                reason: "a 7th field (a year) is not supported".into(),
+            });
+        }
         let parsed = Cron::from_str(cron).map_err(|e| TimingError::Cron {
             expression: cron.to_string(),
             reason: e.to_string(),
@@ -128,6 +136,9 @@ mod tests {
         assert!(matches!(e, TimingError::Cron { .. }), "{e}");
         assert!(e.to_string().contains("61 * * * *"), "{e}");
         assert!(Timing::parse("every day", "UTC").is_err());
+        let year = Timing::parse("0 0 9 * * * 2027", "UTC").unwrap_err();
+        assert!(year.to_string().contains("year"), "{year}");
+        assert!(Timing::parse("@daily", "UTC").is_ok());
         let e = Timing::parse("0 9 * * *", "Mars/Olympus").unwrap_err();
         assert_eq!(e, TimingError::Zone("Mars/Olympus".into()));
         assert!(e.to_string().contains("IANA"), "{e}");
