@@ -1192,7 +1192,8 @@ pub struct ChatJob {
     pub idempotency_key: Option<String>,
     /// Not run before this time (RFC 3339): the job waits in the chat
     /// stream until then (`docs/schedules.md`); a time further ahead than
-    /// the fleet allows (7 days by default) is refused.
+    /// the fleet allows (23 h after its submission, less its timeout, by
+    /// default and at most: the chat stream keeps a job a day) is refused.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_before: Option<String>,
     /// A per-run budget that tightens the tenant's own per-run caps (a
