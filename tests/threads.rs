@@ -1013,3 +1013,53 @@ async fn threads_a_repeat_waiting_for_its_first_job_gives_its_in_flight_place_ba
     assert_eq!(er["type"], "completed", "{er}");
     assert_eq!(er["text"], eb["text"]);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_carry_earlier_passages_without_their_citation_numbers() {
+    // A job's `[doc:N]` numbers are its own: the next job of the thread
+    // numbers its references from 1 again. The first turn's search result
+    // and answer cite [doc:N]; the second turn must not be sent those
+    // markers (the model would repeat them, and they would be dropped or
+    // name another source), but it is sent the passages.
+    let env = Env::start_with(
+        support::lighthouse_script(),
+        Options {
+            workers: vec!["system", "retrieval"],
+            ..Options::default()
+        },
+    )
+    .await;
+    let first = run(
+        &env,
+        &job("t-cite", "how does a lighthouse warn ships?", None),
+    )
+    .await;
+    let answered = first.last().unwrap();
+    assert_eq!(answered["type"], "completed", "{first:?}");
+    let searched = env
+        .model
+        .requests()
+        .into_iter()
+        .filter(|r| r["messages"].to_string().contains("lighthouse"))
+        .last()
+        .unwrap();
+    assert!(
+        transcript(&searched)[1..]
+            .iter()
+            .any(|m| m.contains("[doc:")),
+        "the first turn's search cites nothing: {searched}"
+    );
+    let second = run(&env, &job("t-cite", "what else?", None)).await;
+    assert_eq!(second.last().unwrap()["type"], "completed", "{second:?}");
+    let sent = &requests_for(&env, "what else?")[0];
+    let said = transcript(sent);
+    assert!(
+        said.iter().any(|m| m.starts_with("tool: ") && m.len() > 20),
+        "the passages were not carried: {said:?}"
+    );
+    // (The profile's system prompt explains the markers: not a citation.)
+    assert!(
+        !said[1..].iter().any(|m| m.contains("[doc:")),
+        "an earlier turn's citation number was carried: {said:?}"
+    );
+}

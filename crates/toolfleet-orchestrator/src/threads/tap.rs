@@ -62,10 +62,36 @@ impl ThreadTap {
         }
     }
 
-    /// The conversation as the run left it, if it got that far.
+    /// The conversation as the run left it, if it got that far, its
+    /// citation markers dropped ([`uncited`]).
     pub(crate) fn take_turn(&self) -> Option<Vec<Message>> {
-        self.lock().turn.take()
+        self.lock().turn.take().map(uncited)
     }
+}
+
+/// `messages` with every `[doc:N]` marker dropped from the tool results
+/// and the answers. A marker's number is its invocation's (references are
+/// numbered 1.. per job): a later job of the thread numbers its own
+/// references from 1 again, so an old marker the model read or repeated
+/// would be dropped or, worse, name another source. The passages stay;
+/// a later turn that wants to cite one calls its tool again.
+pub(crate) fn uncited(mut messages: Vec<Message>) -> Vec<Message> {
+    let strip = |text: &mut String| {
+        if text.contains("[doc:") {
+            *text = toolfleet_protocol::references::cited_only(text, &[]).text;
+        }
+    };
+    for message in &mut messages {
+        match message {
+            Message::Tool { content, .. } => strip(content),
+            Message::Assistant {
+                content: Some(content),
+                ..
+            } => strip(content),
+            _ => {}
+        }
+    }
+    messages
 }
 
 #[cfg(test)]
@@ -99,5 +125,30 @@ mod tests {
         assert_eq!(turn.len(), 3, "{turn:?}");
         assert!(matches!(&turn[2], Message::Assistant { content: Some(c), .. } if c == "done"));
         assert!(tap.take_turn().is_none());
+    }
+
+    #[test]
+    fn a_turn_keeps_its_passages_but_not_their_citation_numbers() {
+        let tap = ThreadTap::default();
+        let messages = vec![
+            Message::User {
+                content: "about [doc:1] as typed".into(),
+            },
+            Message::Tool {
+                call_id: "c1".into(),
+                content: "[doc:1] Fog signals warn ships. [doc:2] Lenses.".into(),
+            },
+        ];
+        tap.answered(&messages, "Fog signals [doc:1].");
+        let turn = tap.take_turn().unwrap();
+        assert!(matches!(&turn[0], Message::User { content } if content.contains("[doc:1]")));
+        assert!(
+            matches!(&turn[1], Message::Tool { content, .. } if content.contains("Fog signals warn ships") && !content.contains("[doc:")),
+            "{turn:?}"
+        );
+        assert!(
+            matches!(&turn[2], Message::Assistant { content: Some(c), .. } if c == "Fog signals."),
+            "{turn:?}"
+        );
     }
 }
