@@ -1300,3 +1300,22 @@ async fn not_before_a_tenants_waiting_jobs_are_capped() {
     let first = support::next_json(&mut events).await;
     assert_eq!(first["type"], "scheduled", "{first}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_a_run_just_recorded_still_counts_in_flight() {
+    let env = Env::start_with(script(), Options::default()).await;
+    let mut submitted = Submitted::watch(&env, "acme").await;
+    // Recorded ten seconds ago, not acknowledged yet, nothing seen of it:
+    // within the two minutes' grace, it may still be on its way.
+    let mut schedule = every_second("fresh", "Write the daily report.", 1, Vec::new());
+    let fresh = ScheduledRun::new(&schedule, now_secs() - 10, now_ms() - 10_000);
+    schedule.runs.push(fresh.clone());
+    put(&env, &schedule).await;
+    submitted.collect_for(Duration::from_secs(3)).await;
+    let record = stored(&env, "acme", "fresh").await.unwrap();
+    remove(&env, "fresh").await;
+    assert!(submitted.seen.is_empty(), "{:?}", submitted.ids());
+    assert!(runs(&env.metrics, "skipped_busy") >= 1);
+    assert_eq!(runs(&env.metrics, "lost"), 0);
+    assert_eq!(record.runs, [fresh]);
+}
