@@ -1063,3 +1063,52 @@ async fn threads_carry_earlier_passages_without_their_citation_numbers() {
         "an earlier turn's citation number was carried: {said:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_interrupting_a_parked_job_keeps_what_it_did_before_it_parked() {
+    let env = Env::start_with(
+        script(),
+        Options {
+            workers: vec!["system"],
+            profiles_toml: Some(
+                r#"
+default_profile = "default"
+[deployments.scripted]
+base_url = "{base_url}"
+model = "toolfleet-scripted"
+[profiles.default]
+deployment = "scripted"
+require_approval = ["system:current_datetime"]
+approval_timeout_ms = 600000
+"#
+                .into(),
+            ),
+            ..Options::default()
+        },
+    )
+    .await;
+    let mut held = env
+        .follow_and_submit(&job("t-parked-cut", "tool please", None))
+        .await;
+    until(&mut held, "approval_requested").await;
+    // A newer job interrupts the parked one: it is cancelled, and what
+    // it did before it parked (its question; not the held call, which
+    // never ran) stays in the thread for the newer job.
+    let newer = job(
+        "t-parked-cut",
+        "never mind",
+        Some(MultitaskStrategy::Interrupt),
+    );
+    let mut next = env.follow_and_submit(&newer).await;
+    let cut = events_until_terminal(&mut held).await;
+    let cut = cut.last().unwrap();
+    assert_eq!(cut["code"], "cancelled", "{cut}");
+    let done = events_until_terminal(&mut next).await;
+    assert_eq!(done.last().unwrap()["type"], "completed", "{done:?}");
+    let said = transcript(&requests_for(&env, "never mind")[0]);
+    assert_eq!(
+        said[1..],
+        ["user: tool please", "user: never mind"],
+        "{said:?}"
+    );
+}

@@ -161,7 +161,7 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
             (seat, Some(place))
         }
         Leg::Resume(p) => (
-            crate::threads::Seat::resumed(&p.job, &tenant, deadline.at_ms),
+            crate::threads::Seat::resumed(&p.job, &tenant, deadline.at_ms, &p.messages),
             None,
         ),
     };

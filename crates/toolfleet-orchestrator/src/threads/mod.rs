@@ -107,10 +107,19 @@ impl Seat {
     }
 
     /// The seat of a parked job resumed: it kept the thread while it
-    /// waited (its conversation comes from its parked record).
-    pub(crate) fn resumed(job: &ChatJob, tenant: &str, deadline_ms: u64) -> Option<Arc<Self>> {
+    /// waited (its conversation comes from its parked record, `parked`).
+    /// What it did before it parked is tapped at once, so it stays in the
+    /// thread however the run ends — even cancelled (interrupted) before
+    /// its frame starts.
+    pub(crate) fn resumed(
+        job: &ChatJob,
+        tenant: &str,
+        deadline_ms: u64,
+        parked: &[toolfleet_llm::Message],
+    ) -> Option<Arc<Self>> {
         let seat = Self::of(job, tenant, 0, deadline_ms)?;
         seat.holding.store(true, Ordering::Release);
+        seat.tap.tap_parked(parked);
         Some(seat)
     }
 

@@ -50,6 +50,21 @@ impl ThreadTap {
         self.lock().turn = Some(messages[at..].to_vec());
     }
 
+    /// Records a parked conversation (`messages`, as its record keeps it)
+    /// up to, not including, the assistant message whose calls were held:
+    /// what stays in the thread if the invocation ends without going on
+    /// (cancelled or interrupted while it waited, or its approval timed
+    /// out), so a call that never ran leaves no call without a result.
+    pub fn tap_parked(&self, messages: &[Message]) {
+        let held = messages
+            .iter()
+            .rposition(
+                |m| matches!(m, Message::Assistant { tool_calls, .. } if !tool_calls.is_empty()),
+            )
+            .unwrap_or(messages.len());
+        self.tap(&messages[..held]);
+    }
+
     /// Records the finished conversation: `messages`, then the answer.
     pub fn answered(&self, messages: &[Message], answer: &str) {
         self.tap(messages);
@@ -125,6 +140,36 @@ mod tests {
         assert_eq!(turn.len(), 3, "{turn:?}");
         assert!(matches!(&turn[2], Message::Assistant { content: Some(c), .. } if c == "done"));
         assert!(tap.take_turn().is_none());
+    }
+
+    #[test]
+    fn a_parked_turn_is_kept_up_to_its_held_calls() {
+        let tap = ThreadTap::default();
+        let call = |id: &str| Message::Assistant {
+            content: None,
+            tool_calls: vec![toolfleet_llm::ToolCall {
+                id: id.into(),
+                name: "f".into(),
+                arguments: "{}".into(),
+            }],
+            opaque: Vec::new(),
+        };
+        let parked = vec![
+            Message::System {
+                content: "be brief".into(),
+            },
+            Message::User {
+                content: "now".into(),
+            },
+            call("c1"),
+            Message::Tool {
+                call_id: "c1".into(),
+                content: "ran".into(),
+            },
+            call("c2"),
+        ];
+        tap.tap_parked(&parked);
+        assert_eq!(tap.take_turn().unwrap(), parked[1..4].to_vec());
     }
 
     #[test]
