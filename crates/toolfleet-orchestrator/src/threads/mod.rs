@@ -187,6 +187,18 @@ impl Seat {
                     ),
                 ));
             }
+            Arrival::Full => {
+                fleet.metrics.threads.arrived(strategy, "refused");
+                return Err(Failure::new(
+                    ChatErrorCode::ThreadBusy,
+                    format!(
+                        "thread {} has {} jobs waiting, as many as its line holds; this job did not run",
+                        self.thread_id,
+                        record::MAX_LINE
+                    ),
+                ));
+            }
+            Arrival::Displaced => return Err(self.displaced()),
             Arrival::Wait {
                 state,
                 ahead,
@@ -211,8 +223,10 @@ impl Seat {
                 .await
                 .map_err(unavailable)?;
             let now = toolfleet_protocol::now_ms();
-            if record.try_take(&self.invocation_id, self.until_ms, now) != Arrival::Run {
-                continue;
+            match record.try_take(&self.invocation_id, self.until_ms, now) {
+                Arrival::Run => {}
+                Arrival::Displaced => return Err(self.displaced()),
+                _ => continue,
             }
             place.take_again().await;
             let (arrival, prior) = store::change(bucket, &key, |r: &mut ThreadRecord| {
@@ -228,7 +242,22 @@ impl Seat {
                 return Ok(());
             }
             place.give_back();
+            if arrival == Arrival::Displaced {
+                return Err(self.displaced());
+            }
         }
+    }
+
+    /// The failure of a job that waited and lost its place in line: a
+    /// newer interrupting job took it (or its place lapsed).
+    fn displaced(&self) -> Failure {
+        Failure::new(
+            ChatErrorCode::Cancelled,
+            format!(
+                "superseded by a newer interrupting job of thread {} before it ran: it did not run",
+                self.thread_id
+            ),
+        )
     }
 
     fn took(&self, prior: Vec<toolfleet_llm::Message>) {

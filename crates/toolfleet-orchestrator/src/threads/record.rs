@@ -15,6 +15,11 @@ use serde::{Deserialize, Serialize};
 use toolfleet_llm::Message;
 use toolfleet_protocol::thread::{MultitaskStrategy, ThreadState};
 
+/// The most jobs that may wait for one thread: one more is refused
+/// (`thread_busy`, the line full), so a thread's record — read by every
+/// waiting job — stays small.
+pub(crate) const MAX_LINE: usize = 32;
+
 /// A thread as the bucket keeps it.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -86,6 +91,11 @@ pub(crate) enum Arrival {
     Run,
     /// It is refused (`reject`): `ahead` has the thread (or waits for it).
     Refused { ahead: String },
+    /// It is refused: [`MAX_LINE`] jobs wait for the thread already.
+    Full,
+    /// It waited, and a newer interrupting job took its place (or its
+    /// place lapsed): it does not run.
+    Displaced,
     /// It waits (`queued` or `interrupting`); `cancel` names the job it
     /// interrupts, for the caller to cancel.
     Wait {
@@ -131,6 +141,9 @@ impl ThreadRecord {
             seq: job.seq,
             first: job.strategy.cancels(),
         };
+        if job.strategy != MultitaskStrategy::Reject && self.queue.len() >= MAX_LINE {
+            return Arrival::Full;
+        }
         match job.strategy {
             MultitaskStrategy::Reject => Arrival::Refused { ahead },
             MultitaskStrategy::Enqueue => {
@@ -147,16 +160,17 @@ impl ThreadRecord {
                 } else {
                     Cut::Keep
                 };
-                // Ahead of every job waiting, behind an earlier interrupter.
-                let at = self.queue.iter().take_while(|w| w.first).count();
-                self.queue.insert(at, waiting);
-                let cancel = match self.active.as_mut() {
-                    Some(active) if active.cut.is_none() => {
-                        active.cut = Some(cut);
-                        Some(active.invocation_id.clone())
-                    }
-                    _ => None,
-                };
+                // Ahead of every job waiting; the newest interrupter takes
+                // the place of an earlier one still waiting (displaced: it
+                // ends without running), and its strategy decides what
+                // becomes of the running job's turn.
+                self.queue.retain(|w| !w.first);
+                self.queue.insert(0, waiting);
+                let cancel = self.active.as_mut().and_then(|active| {
+                    let first_cut = active.cut.is_none();
+                    active.cut = Some(cut);
+                    first_cut.then(|| active.invocation_id.clone())
+                });
                 if self.active.is_none() {
                     return self.try_take(id, job.until_ms, now_ms);
                 }
@@ -170,13 +184,16 @@ impl ThreadRecord {
     }
 
     /// A waiting job takes the thread if nobody has it and it is first in
-    /// line.
+    /// line; [`Arrival::Displaced`] when it is no longer in line.
     pub(crate) fn try_take(&mut self, id: &str, until_ms: u64, now_ms: u64) -> Arrival {
         self.sweep(now_ms);
         if self.active.is_none() && self.queue.first().is_some_and(|w| w.invocation_id == id) {
             self.queue.remove(0);
             self.take(id, until_ms);
             return Arrival::Run;
+        }
+        if !self.queue.iter().any(|w| w.invocation_id == id) {
+            return Arrival::Displaced;
         }
         let ahead = self
             .active
@@ -377,6 +394,60 @@ mod tests {
         r.arrive(job("i", MultitaskStrategy::Interrupt, 3), NOW);
         let order: Vec<_> = r.queue.iter().map(|w| w.invocation_id.as_str()).collect();
         assert_eq!(order, ["i", "q"]);
+    }
+
+    #[test]
+    fn the_newest_interrupter_displaces_a_waiting_one_and_decides_the_cut() {
+        let mut r = ThreadRecord::default();
+        r.arrive(job("a", MultitaskStrategy::Reject, 1), NOW);
+        r.arrive(job("q", MultitaskStrategy::Enqueue, 2), NOW);
+        assert!(matches!(
+            r.arrive(job("i1", MultitaskStrategy::Interrupt, 3), NOW),
+            Arrival::Wait {
+                cancel: Some(_),
+                ..
+            }
+        ));
+        assert_eq!(r.active.as_ref().unwrap().cut, Some(Cut::Keep));
+        // A second interrupter (a rollback): it goes first, i1 leaves the
+        // line, and the running job's turn is now dropped; it is cancelled
+        // already (no second cancel).
+        assert!(matches!(
+            r.arrive(job("i2", MultitaskStrategy::Rollback, 4), NOW),
+            Arrival::Wait { cancel: None, .. }
+        ));
+        assert_eq!(r.active.as_ref().unwrap().cut, Some(Cut::Drop));
+        let order: Vec<_> = r.queue.iter().map(|w| w.invocation_id.as_str()).collect();
+        assert_eq!(order, ["i2", "q"]);
+        assert_eq!(r.try_take("i1", NOW + 10_000, NOW), Arrival::Displaced);
+        assert_eq!(
+            r.leave("a", Some(vec![user("a's turn")]), WIDE),
+            Some(Cut::Drop)
+        );
+        assert!(r.messages.is_empty());
+        assert_eq!(r.try_take("i2", NOW + 10_000, NOW), Arrival::Run);
+    }
+
+    #[test]
+    fn a_full_line_refuses_one_more() {
+        let mut r = ThreadRecord::default();
+        r.arrive(job("a", MultitaskStrategy::Reject, 1), NOW);
+        for n in 0..MAX_LINE {
+            let id = format!("q{n}");
+            assert!(matches!(
+                r.arrive(job(&id, MultitaskStrategy::Enqueue, 2 + n as u64), NOW),
+                Arrival::Wait { .. }
+            ));
+        }
+        for strategy in [MultitaskStrategy::Enqueue, MultitaskStrategy::Interrupt] {
+            assert_eq!(r.arrive(job("late", strategy, 999), NOW), Arrival::Full);
+        }
+        assert_eq!(r.queue.len(), MAX_LINE);
+        // A redelivery of a job in line keeps its place.
+        assert!(matches!(
+            r.arrive(job("q3", MultitaskStrategy::Enqueue, 5), NOW),
+            Arrival::Wait { .. }
+        ));
     }
 
     #[test]
