@@ -715,13 +715,25 @@ async fn connect_as(nats: &toolfleet_local::servers::NatsServer, user: &str) -> 
         .expect("connect")
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_them() {
+/// A fleet under the shipped `ops/nats/auth.conf` identities: NATS,
+/// Redis, the scripted model (answering [`script`]) and an orchestrator
+/// under its own role (stopped when the returned guard drops); its
+/// metrics.
+struct SecureFleet {
+    nats: toolfleet_local::servers::NatsServer,
+    _redis: toolfleet_local::servers::RedisServer,
+    _model: toolfleet_scripted::ScriptedServer,
+    subjects: toolfleet_protocol::Subjects,
+    registry: prometheus::Registry,
+    _stop: tokio_util::sync::DropGuard,
+}
+
+async fn secure_fleet(script: Value) -> SecureFleet {
     let nats = secure_nats();
     let redis = toolfleet_local::servers::RedisServer::start().expect("redis-server");
     let model = toolfleet_scripted::ScriptedServer::start(
         "127.0.0.1:0".parse().unwrap(),
-        toolfleet_scripted::Script::from_json(&script().to_string()).unwrap(),
+        toolfleet_scripted::Script::from_json(&script.to_string()).unwrap(),
     )
     .await
     .unwrap();
@@ -746,7 +758,7 @@ async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_t
     .await
     .unwrap();
     let shutdown = CancellationToken::new();
-    let _stop = shutdown.clone().drop_guard();
+    let stop = shutdown.clone().drop_guard();
     let orchestrator = toolfleet_orchestrator::Ready::open(
         connect_as(&nats, "orchestrator").await,
         store,
@@ -757,9 +769,23 @@ async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_t
     .await
     .expect("the orchestrator starts under its role");
     tokio::spawn(orchestrator.run());
+    SecureFleet {
+        nats,
+        _redis: redis,
+        _model: model,
+        subjects,
+        registry,
+        _stop: stop,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_them() {
+    let fleet = secure_fleet(script()).await;
+    let (nats, subjects, registry) = (&fleet.nats, &fleet.subjects, &fleet.registry);
 
     // A tenant's client cannot write (or make) the schedules bucket.
-    let acme = connect_as(&nats, "client-acme").await;
+    let acme = connect_as(nats, "client-acme").await;
     let mut acme_js = async_nats::jetstream::new(acme.clone());
     // Refused requests go unanswered: do not wait the default 5 s each.
     acme_js.set_timeout(Duration::from_secs(1));
@@ -780,7 +806,7 @@ async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_t
     };
     assert!(!stored_by_acme, "a tenant stored a schedule");
     assert!(
-        schedules_bucket(&acme_js, &subjects).await.is_err(),
+        schedules_bucket(&acme_js, subjects).await.is_err(),
         "a tenant opened the schedules bucket"
     );
 
@@ -832,10 +858,10 @@ async fn schedules_only_the_operator_schedules_and_the_orchestrator_role_fires_t
         }
         assert_ne!(event["type"], "error", "{event}");
     }
-    assert!(runs(&registry, "submitted") >= 1);
+    assert!(runs(registry, "submitted") >= 1);
     // The forged record never reached the bucket.
-    let operator = connect_as(&nats, "operator").await;
-    let bucket = schedules_bucket(&async_nats::jetstream::new(operator), &subjects)
+    let operator = connect_as(nats, "operator").await;
+    let bucket = schedules_bucket(&async_nats::jetstream::new(operator), subjects)
         .await
         .unwrap();
     assert!(bucket.get("acme.forged").await.unwrap().is_none());
@@ -1085,55 +1111,75 @@ async fn schedules_a_limit_of_two_keeps_every_run_in_flight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn schedules_a_tenant_cannot_take_or_cancel_a_future_run_by_its_id() {
-    let script = json!({
+    let fleet = secure_fleet(json!({
         "rules": [{
             "whenUserContains": ["impostor"],
             "steps": [ { "answer": "Not the report." } ]
         }],
         "default": { "steps": [ { "answer": "The report is ready." } ] }
-    });
-    let env = Env::start_with(script, Options::default()).await;
-    // The tenant's own client (its subject, so its tenant) takes the ids
-    // the next due times would have had under a predictable scheme, and
-    // cancels them in advance.
+    }))
+    .await;
+    let subjects = &fleet.subjects;
+    // The tenant's own client (ops/nats/auth.conf's client-acme) takes
+    // the ids the next due times would have had under a predictable
+    // scheme, and cancels them in advance.
+    let acme = connect_as(&fleet.nats, "client-acme").await;
     let first_due = now_secs() + 4;
     for due in first_due..first_due + 6 {
         let mut impostor = toolfleet_protocol::client::question("I am the impostor.");
         impostor.tenant = Some("acme".into());
         impostor.invocation_id = format!("sched-guarded-{due}");
-        let mut events = env.follow_and_submit(&impostor).await;
+        let mut events = acme
+            .subscribe(subjects.chat_events("acme", &impostor.invocation_id))
+            .await
+            .unwrap();
+        acme.flush().await.unwrap();
+        toolfleet_protocol::client::submit(&acme, subjects, &impostor)
+            .await
+            .unwrap();
         let end = events_until_terminal(&mut events).await;
         assert_eq!(end.last().unwrap()["type"], "completed", "{end:?}");
-        toolfleet_protocol::client::cancel(
-            &env.client,
-            &env.subjects,
-            "acme",
-            &impostor.invocation_id,
+        toolfleet_protocol::client::cancel(&acme, subjects, "acme", &impostor.invocation_id)
+            .await
+            .unwrap();
+    }
+    let mut events = acme
+        .subscribe(subjects.chat_events_of("acme"))
+        .await
+        .unwrap();
+    acme.flush().await.unwrap();
+    // The operator schedules the job, from the predicted due time on.
+    let mut schedule = every_second("guarded", "Write the daily report.", 1, Vec::new());
+    schedule.next_due = first_due;
+    let operator = connect_as(&fleet.nats, "operator").await;
+    let bucket = schedules_bucket(&async_nats::jetstream::new(operator), subjects)
+        .await
+        .unwrap();
+    bucket
+        .put(
+            schedule.key(),
+            serde_json::to_vec(&schedule).unwrap().into(),
         )
         .await
         .unwrap();
-    }
-    let mut submitted = Submitted::watch(&env, "acme").await;
-    let mut schedule = every_second("guarded", "Write the daily report.", 1, Vec::new());
-    schedule.next_due = first_due;
-    put(&env, &schedule).await;
-    submitted.until(1).await;
-    remove(&env, "guarded").await;
-    let run = submitted.ids()[0].to_string();
-    assert!(due_of(&run, "guarded") >= first_due);
-    // The run is the schedule's: its own answer, not cancelled.
+    // Its first run is the schedule's: its own answer, not cancelled.
     let deadline = tokio::time::Instant::now() + WAIT;
     let end = loop {
-        let last = toolfleet_protocol::client::last_event(&env.client, &env.subjects, "acme", &run)
+        let msg = tokio::time::timeout_at(deadline, events.next())
             .await
+            .expect("a scheduled run ends")
             .unwrap();
-        if let Some(e) = last.filter(|e| e.body.is_terminal()) {
-            break e;
+        let event: Value = serde_json::from_slice(&msg.payload).unwrap();
+        let id = event["invocationId"].as_str().unwrap_or_default();
+        if id.starts_with("sched-guarded-")
+            && (event["type"] == "completed" || event["type"] == "error")
+        {
+            break event;
         }
-        assert!(tokio::time::Instant::now() < deadline, "{run} never ended");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let end = serde_json::to_value(&end).unwrap();
+    bucket.delete(schedule.key()).await.unwrap();
+    let run = end["invocationId"].as_str().unwrap();
+    assert!(due_of(run, "guarded") >= first_due, "{end}");
     assert_eq!(end["type"], "completed", "{end}");
     assert_eq!(end["text"], "The report is ready.", "{end}");
 }
