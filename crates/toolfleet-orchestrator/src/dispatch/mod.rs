@@ -493,20 +493,7 @@ impl ToolRunner<'_> {
             arguments,
             settings,
         });
-        if let Err(e) = self.fleet.limits().check_job(&headers, body.len()) {
-            failed(&span, ToolErrorCode::TooLarge.as_str());
-            return Err(immediate(
-                metrics,
-                events,
-                call,
-                &id,
-                ToolErrorCode::TooLarge.as_str(),
-                format!(
-                    "Error: the job for {} is {} bytes, and at most {} fit. Send shorter arguments.",
-                    call.name, e.body, e.limit
-                ),
-            ));
-        }
+        self.fits(call, &id, (&headers, body.len()), events, &span)?;
         let deadline = self.answer_deadline(inv, def, waits_for.is_some());
         let place = inflight::take(self.fleet, inv, def, held, deadline)
             .await
@@ -558,6 +545,34 @@ impl ToolRunner<'_> {
                 cache: cached,
             },
             ack,
+        ))
+    }
+
+    /// Whether a call's job (its `headers` and a body of `body_len` bytes)
+    /// fits the server's payload limit; answered at once (`too_large`)
+    /// when it does not.
+    fn fits(
+        &self,
+        call: &ToolCall,
+        id: &str,
+        (headers, body_len): (&async_nats::HeaderMap, usize),
+        events: &Events,
+        span: &tracing::Span,
+    ) -> Result<(), ToolOutcome> {
+        let Err(e) = self.fleet.limits().check_job(headers, body_len) else {
+            return Ok(());
+        };
+        failed(span, ToolErrorCode::TooLarge.as_str());
+        Err(immediate(
+            &self.fleet.metrics,
+            events,
+            call,
+            id,
+            ToolErrorCode::TooLarge.as_str(),
+            format!(
+                "Error: the job for {} is {} bytes, and at most {} fit. Send shorter arguments.",
+                call.name, e.body, e.limit
+            ),
         ))
     }
 
