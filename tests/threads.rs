@@ -188,6 +188,11 @@ async fn threads_reject_a_second_job_while_one_runs_even_in_a_race_across_two_or
     let refused = run(&env, &job("t-busy", "second", None)).await;
     let error = event(&refused, "error");
     assert_eq!(error["code"], "thread_busy", "{refused:?}");
+    // Said first as a `thread` event, so `toolfleet events --thread` shows
+    // the refused job too.
+    assert_eq!(kinds(&refused), ["thread", "error"], "{refused:?}");
+    assert_eq!(event(&refused, "thread")["state"], "refused");
+    assert_eq!(event(&refused, "thread")["threadId"], "t-busy");
     assert!(error["message"].as_str().unwrap().contains("t-busy"));
     assert!(requests_for(&env, "second").is_empty());
     let series = r#"toolfleet_thread_jobs_total{outcome="refused",strategy="reject"}"#;
@@ -1008,7 +1013,11 @@ async fn threads_a_repeat_waiting_for_its_first_job_gives_its_in_flight_place_ba
     let mut repeat = keyed.clone();
     repeat.invocation_id = format!("{}-again", keyed.invocation_id);
     let mut r = env.follow_and_submit(&repeat).await;
-    until(&mut r, "duplicate").await;
+    // It names its thread, so `toolfleet events --thread` shows it.
+    assert_eq!(
+        until(&mut r, "duplicate").await.last().unwrap()["threadId"],
+        "t-repeat-place"
+    );
     let (ea, eb, er) = tokio::join!(
         events_until_terminal(&mut a),
         events_until_terminal(&mut b),

@@ -177,6 +177,7 @@ async fn thread_events(args: &EventsArgs, thread: &str) -> anyhow::Result<i32> {
         let names = match &event.body {
             ChatEventBody::Thread { thread_id, .. } => Some(thread_id.as_str()),
             ChatEventBody::Started { thread_id, .. } => thread_id.as_deref(),
+            ChatEventBody::Duplicate { thread_id, .. } => thread_id.as_deref(),
             _ => None,
         };
         if names == Some(thread)

@@ -113,6 +113,11 @@ pub enum ThreadState {
     Interrupting,
     /// It holds the thread and runs now.
     Running,
+    /// It does not get the thread — refused (`reject`, or the thread's
+    /// line is full), or displaced while it waited by a newer interrupting
+    /// job —: its `error` follows (so `toolfleet events --thread` shows
+    /// it).
+    Refused,
 }
 
 impl ThreadState {
@@ -122,6 +127,7 @@ impl ThreadState {
             Self::Queued => "queued",
             Self::Interrupting => "interrupting",
             Self::Running => "running",
+            Self::Refused => "refused",
         }
     }
 }

@@ -1417,6 +1417,10 @@ pub enum ChatEventBody {
         replay_of: String,
         /// The key both jobs carry.
         idempotency_key: String,
+        /// The repeat's thread, when it names one (so `toolfleet events
+        /// --thread` shows it).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        thread_id: Option<String>,
     },
     /// The job asked to start later (its `notBefore`,
     /// `docs/schedules.md`): it waits in the chat stream, and `started`

@@ -181,6 +181,7 @@ pub(super) async fn replay(
         events.send(ChatEventBody::Duplicate {
             replay_of: first.to_owned(),
             idempotency_key: key.clone(),
+            thread_id: job.thread_id.clone(),
         });
         fleet.metrics.threads.replays.inc();
     }

@@ -179,6 +179,7 @@ impl Seat {
             }
             Arrival::Refused { ahead } => {
                 fleet.metrics.threads.arrived(strategy, "refused");
+                say(self.event(ThreadState::Refused, strategy, Some(ahead.clone())));
                 return Err(Failure::new(
                     ChatErrorCode::ThreadBusy,
                     format!(
@@ -189,6 +190,7 @@ impl Seat {
             }
             Arrival::Full => {
                 fleet.metrics.threads.arrived(strategy, "refused");
+                say(self.event(ThreadState::Refused, strategy, None));
                 return Err(Failure::new(
                     ChatErrorCode::ThreadBusy,
                     format!(
@@ -198,7 +200,7 @@ impl Seat {
                     ),
                 ));
             }
-            Arrival::Displaced => return Err(self.displaced()),
+            Arrival::Displaced => return Err(self.displaced(say, strategy)),
             Arrival::Wait {
                 state,
                 ahead,
@@ -225,7 +227,7 @@ impl Seat {
             let now = toolfleet_protocol::now_ms();
             match record.try_take(&self.invocation_id, self.until_ms, now) {
                 Arrival::Run => {}
-                Arrival::Displaced => return Err(self.displaced()),
+                Arrival::Displaced => return Err(self.displaced(say, strategy)),
                 _ => continue,
             }
             place.take_again().await;
@@ -243,14 +245,20 @@ impl Seat {
             }
             place.give_back();
             if arrival == Arrival::Displaced {
-                return Err(self.displaced());
+                return Err(self.displaced(say, strategy));
             }
         }
     }
 
     /// The failure of a job that waited and lost its place in line: a
-    /// newer interrupting job took it (or its place lapsed).
-    fn displaced(&self) -> Failure {
+    /// newer interrupting job took it (or its place lapsed); said first as
+    /// its `thread` event (`refused`).
+    fn displaced(
+        &self,
+        say: &(dyn Fn(ChatEventBody) + Send + Sync),
+        strategy: MultitaskStrategy,
+    ) -> Failure {
+        say(self.event(ThreadState::Refused, strategy, None));
         Failure::new(
             ChatErrorCode::Cancelled,
             format!(
