@@ -221,37 +221,7 @@ async fn admit(fleet: &Arc<Fleet>, msg: jetstream::Message) -> Option<(Taken, Le
             return None;
         }
     };
-    let suspended = if guarded {
-        suspend::suspended_for(fleet, &tenant).await
-    } else {
-        None
-    };
-    let checked = reject::check(fleet, job.tenant.as_deref(), &tenant, delivery).and_then(|()| {
-        suspended.map_or(Ok(()), |left| {
-            fleet
-                .metrics
-                .chat_suspended
-                .with_label_values(&[tenant.as_str()])
-                .inc();
-            Err(Refusal::Suspended {
-                tenant: tenant.clone(),
-                left,
-            })
-        })
-    });
-    if let Err(refusal) = checked {
-        let refused = Refused {
-            invocation_id: Some(job.invocation_id),
-            tenant,
-            tell_sender: true,
-            refusal,
-        };
-        reject::reject(fleet, &msg, delivery, refused).await;
-        return None;
-    }
-    if delivery.attempt == 1
-        && let Some(refusal) =
-            queued::over_cap(fleet, &tenant, &msg.subject, delivery.stream_sequence).await
+    if let Some(refusal) = refused_after_claim(fleet, &msg, &job, &tenant, guarded, delivery).await
     {
         let refused = Refused {
             invocation_id: Some(job.invocation_id),
@@ -282,6 +252,45 @@ async fn admit(fleet: &Arc<Fleet>, msg: jetstream::Message) -> Option<(Taken, Le
         leased,
     };
     Some((taken, leg, span))
+}
+
+/// What refuses a claimed job, told to its sender: a tenant it claims
+/// that is not the subject's, its tenant's suspension (`guarded`: only a
+/// subject's tenant, an identity, can be suspended), or, on a first
+/// delivery, its tenant's cap of queued jobs.
+async fn refused_after_claim(
+    fleet: &Arc<Fleet>,
+    msg: &jetstream::Message,
+    job: &ChatJob,
+    tenant: &str,
+    guarded: bool,
+    delivery: Delivery,
+) -> Option<Refusal> {
+    let suspended = if guarded {
+        suspend::suspended_for(fleet, tenant).await
+    } else {
+        None
+    };
+    let checked = reject::check(fleet, job.tenant.as_deref(), tenant, delivery).and_then(|()| {
+        suspended.map_or(Ok(()), |left| {
+            fleet
+                .metrics
+                .chat_suspended
+                .with_label_values(&[tenant])
+                .inc();
+            Err(Refusal::Suspended {
+                tenant: tenant.to_string(),
+                left,
+            })
+        })
+    });
+    if let Err(refusal) = checked {
+        return Some(refusal);
+    }
+    if delivery.attempt == 1 {
+        return queued::over_cap(fleet, tenant, &msg.subject, delivery.stream_sequence).await;
+    }
+    None
 }
 
 /// Claims the job's invocation and settles what the claim says: go on
@@ -380,8 +389,9 @@ pub(crate) async fn chat_stream(
     limits: toolfleet_protocol::streams::ChatLimits,
     dispatch: ChatDispatch,
 ) -> Result<jetstream::stream::Stream, OrchestratorError> {
-    let nats =
-        |e: toolfleet_protocol::streams::StreamError| OrchestratorError::Nats(e.detail().to_string());
+    let nats = |e: toolfleet_protocol::streams::StreamError| {
+        OrchestratorError::Nats(e.detail().to_string())
+    };
     let stream = toolfleet_protocol::streams::ensure_chat_stream_with(js, subjects, limits)
         .await
         .map_err(nats)?;

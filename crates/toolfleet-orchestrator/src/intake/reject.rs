@@ -81,9 +81,7 @@ impl Refusal {
             Refusal::TenantMismatch { .. } => ChatErrorCode::TenantMismatch,
             Refusal::TooManyAttempts { .. } => ChatErrorCode::TooManyAttempts,
             Refusal::Suspended { .. } => ChatErrorCode::TenantSuspended,
-            Refusal::QueueFull { .. } | Refusal::TooManyDelayed { .. } => {
-                ChatErrorCode::QueueFull
-            }
+            Refusal::QueueFull { .. } | Refusal::TooManyDelayed { .. } => ChatErrorCode::QueueFull,
         }
     }
 

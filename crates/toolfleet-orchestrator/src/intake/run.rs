@@ -124,7 +124,12 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
         Leg::Fresh { job, .. } => {
             let (at_ms, timeout) = invocation_deadline(fleet, job, taken.delivery, now);
             let first = super::delay::first_seq(job, taken.delivery.published_ms);
-            (first, owner(taken.delivery), Deadline { at_ms, timeout }, None)
+            (
+                first,
+                owner(taken.delivery),
+                Deadline { at_ms, timeout },
+                None,
+            )
         }
         // The wait for a person did not count: what was left then.
         Leg::Resume(p) => (
