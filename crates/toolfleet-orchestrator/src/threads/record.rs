@@ -67,8 +67,10 @@ pub(crate) struct Waiting {
     pub(crate) invocation_id: String,
     /// Unix ms after which it cannot be waiting any more.
     pub(crate) until_ms: u64,
-    /// Its chat stream sequence: enqueued jobs take the thread in the
-    /// order they were submitted, whichever orchestrator saw them first.
+    /// Its chat stream sequence: enqueued jobs waiting for a busy thread
+    /// take it in the order they were submitted, whichever orchestrator
+    /// saw them first (a free thread goes to whichever job reaches it
+    /// first).
     pub(crate) seq: u64,
     /// It interrupted the job before it (it runs before the enqueued ones).
     #[serde(default)]
