@@ -36,6 +36,7 @@
 
 pub mod approval;
 pub mod blob;
+pub mod canonical;
 pub mod catalog;
 pub mod client;
 pub mod codes;

@@ -304,45 +304,7 @@ pub struct Purged {
     pub known: bool,
 }
 
-/// `value` as canonical JSON: object keys sorted at every depth, no
-/// whitespace, strings escaped and numbers printed as `serde_json` does —
-/// so `{"b":1,"a":2}` and `{"a":2,"b":1}` are one text.
-#[must_use]
-pub fn canonical_json(value: &Value) -> String {
-    let mut out = String::new();
-    write_canonical(value, &mut out);
-    out
-}
-
-fn write_canonical(value: &Value, out: &mut String) {
-    match value {
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_by(|a, b| a.0.cmp(b.0));
-            out.push('{');
-            for (i, (k, v)) in entries.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push(':');
-                write_canonical(v, out);
-            }
-            out.push('}');
-        }
-        Value::Array(items) => {
-            out.push('[');
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                write_canonical(v, out);
-            }
-            out.push(']');
-        }
-        scalar => out.push_str(&scalar.to_string()),
-    }
-}
+pub use toolfleet_protocol::canonical::canonical_json;
 
 fn sha256_hex(bytes: &[u8]) -> String {
     use std::fmt::Write;

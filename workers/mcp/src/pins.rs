@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
 
-use serde_json::{Value, json};
+use serde_json::json;
 
 use crate::config::ServerSpec;
 
@@ -35,9 +35,9 @@ pub fn digest(tool: &rmcp::model::Tool) -> String {
         "outputSchema": tool.output_schema.as_deref(),
         "annotations": tool.annotations,
     });
-    let mut text = String::new();
-    canonical(&said, &mut text);
-    text_digest(&text)
+    text_digest(&toolfleet_worker::protocol::canonical::canonical_json(
+        &said,
+    ))
 }
 
 /// SHA-256 of `text`, its first 32 hex digits.
@@ -48,37 +48,6 @@ pub fn text_digest(text: &str) -> String {
         let _ = write!(hex, "{b:02x}");
     }
     hex
-}
-
-/// `value` as JSON with every object's keys sorted, whatever the map type
-/// serde_json was built with.
-fn canonical(value: &Value, out: &mut String) {
-    match value {
-        Value::Object(map) => {
-            let sorted: BTreeMap<&String, &Value> = map.iter().collect();
-            out.push('{');
-            for (i, (k, v)) in sorted.into_iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                out.push_str(&Value::String(k.clone()).to_string());
-                out.push(':');
-                canonical(v, out);
-            }
-            out.push('}');
-        }
-        Value::Array(items) => {
-            out.push('[');
-            for (i, v) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push(',');
-                }
-                canonical(v, out);
-            }
-            out.push(']');
-        }
-        other => out.push_str(&other.to_string()),
-    }
 }
 
 /// The digests pinned by this process: (server, MCP tool name) → digest.
@@ -168,6 +137,7 @@ impl Pins {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::Value;
 
     fn tool(description: &str, schema: Value) -> rmcp::model::Tool {
         serde_json::from_value(json!({
