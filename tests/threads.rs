@@ -1057,8 +1057,7 @@ async fn threads_carry_earlier_passages_without_their_citation_numbers() {
         .model
         .requests()
         .into_iter()
-        .filter(|r| r["messages"].to_string().contains("lighthouse"))
-        .last()
+        .rfind(|r| r["messages"].to_string().contains("lighthouse"))
         .unwrap();
     assert!(
         transcript(&searched)[1..]
