@@ -37,7 +37,6 @@ use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{
     AGENT_SURFACE, ChatEventBody, ChatJob, ChatMessage, ChatRole, Reference, ToolStatus, headers,
 };
-use toolfleet_store::NewReference;
 use tracing::warn;
 
 use crate::quota::remaining_budget;
@@ -290,33 +289,16 @@ async fn renumber(
     if references.is_empty() {
         return Ok((text, references));
     }
-    let old: Vec<u64> = references.iter().map(|r| r.index).collect();
-    let new = references
-        .into_iter()
-        .map(|r| NewReference {
-            kind: r.kind,
-            title: r.title,
-            source: r.source,
-            url: r.url,
-            snippet: r.snippet,
-        })
-        .collect();
-    let stored = fleet
+    let (stored, map) = fleet
         .store
-        .reserve(
+        .reserve_again(
             toolfleet_store::InvocationKey::new(inv.job.tenant(), &inv.job.invocation_id),
             call_id,
-            call_id,
             tool_id,
-            new,
+            references,
             inv.citations.floor(),
         )
         .await?;
-    let map: std::collections::HashMap<u64, u64> = old
-        .iter()
-        .copied()
-        .zip(stored.iter().map(|r| r.index))
-        .collect();
     let text = toolfleet_protocol::references::renumber(&text, |n| map.get(&n).copied());
     Ok((text, stored))
 }

@@ -388,6 +388,39 @@ impl CitationStore {
         self.ttl
     }
 
+    /// References another answer holds (a nested job's, a cached result's)
+    /// given indices of `inv` under `call_id` ([`CitationStore::reserve`]),
+    /// with the map from each one's old index to its new one — what the
+    /// answer's `[doc:N]` markers are renumbered by.
+    pub async fn reserve_again(
+        &self,
+        inv: InvocationKey<'_>,
+        call_id: &str,
+        tool_id: &str,
+        refs: Vec<Reference>,
+        floor: u64,
+    ) -> Result<(Vec<Reference>, std::collections::HashMap<u64, u64>), CitationError> {
+        if refs.is_empty() {
+            return Ok((Vec::new(), std::collections::HashMap::new()));
+        }
+        let old: Vec<u64> = refs.iter().map(|r| r.index).collect();
+        let fresh = refs
+            .into_iter()
+            .map(|r| NewReference {
+                kind: r.kind,
+                title: r.title,
+                source: r.source,
+                url: r.url,
+                snippet: r.snippet,
+            })
+            .collect();
+        let stored = self
+            .reserve(inv, call_id, call_id, tool_id, fresh, floor)
+            .await?;
+        let map = old.into_iter().zip(stored.iter().map(|r| r.index)).collect();
+        Ok((stored, map))
+    }
+
     /// Atomically takes indices from the invocation's counter and stores the
     /// references under them. A second call for the same `call_id` with the
     /// same number of references reuses the first call's indices.

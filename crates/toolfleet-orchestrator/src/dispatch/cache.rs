@@ -24,7 +24,6 @@
 //! references the call itself cited are stored, as a fresh result keeps
 //! only those.
 
-use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -32,7 +31,7 @@ use toolfleet_llm::ToolCall;
 use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{ChatEventBody, ToolResult, ToolStatus};
 use toolfleet_store::tool_cache::{CacheKey, CallScope, Generations, Lookup, Stored};
-use toolfleet_store::{InvocationKey, NewReference};
+use toolfleet_store::InvocationKey;
 use tracing::{debug, warn};
 
 use crate::{Events, Fleet, Invocation, ToolOutcome};
@@ -133,44 +132,23 @@ async fn replay(
     started: Instant,
     events: &Events,
 ) -> Option<ToolOutcome> {
-    let mut references = Vec::new();
-    let mut renumbered: HashMap<u64, u64> = HashMap::new();
-    if !stored.references.is_empty() {
-        let old: Vec<u64> = stored.references.iter().map(|r| r.index).collect();
-        let fresh = stored
-            .references
-            .into_iter()
-            .map(|r| NewReference {
-                kind: r.kind,
-                title: r.title,
-                source: r.source,
-                url: r.url,
-                snippet: r.snippet,
-            })
-            .collect();
-        let reserved = fleet
-            .store
-            .reserve(
-                InvocationKey::new(inv.job.tenant(), &inv.ctx.invocation_id),
-                &call.id,
-                &call.id,
-                tool,
-                fresh,
-                inv.citations.floor(),
-            )
-            .await;
-        references = match reserved {
-            Ok(r) => r,
-            Err(e) => {
-                warn!(tool, error = %e, "a cached result's references could not be reserved; the call runs");
-                return None;
-            }
-        };
-        renumbered = old
-            .into_iter()
-            .zip(references.iter().map(|r| r.index))
-            .collect();
-    }
+    let reserved = fleet
+        .store
+        .reserve_again(
+            InvocationKey::new(inv.job.tenant(), &inv.ctx.invocation_id),
+            &call.id,
+            tool,
+            stored.references,
+            inv.citations.floor(),
+        )
+        .await;
+    let (references, renumbered) = match reserved {
+        Ok(r) => r,
+        Err(e) => {
+            warn!(tool, error = %e, "a cached result's references could not be reserved; the call runs");
+            return None;
+        }
+    };
     // Always: a marker the stored result has no reference for would cite
     // whatever this invocation holds under its number.
     let content =
