@@ -541,13 +541,27 @@ fn one_in_flight(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
     config.max_in_flight = 1;
 }
 
+fn one_in_flight_fifo(config: &mut toolfleet_orchestrator::OrchestratorConfig) {
+    config.max_in_flight = 1;
+    config.chat_dispatch = toolfleet_orchestrator::settings::ChatDispatch::Fifo;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn threads_a_waiting_job_gives_its_in_flight_place_back_while_it_waits() {
-    // Two orchestrators of one place each: one runs the thread's long job,
-    // the other takes the job queued behind it — which must not keep its
-    // place while it waits, or nothing else could run until the long job
-    // ends.
-    let (env, _second) = two_orchestrators(one_in_flight).await;
+    waiting_gives_its_place_back(one_in_flight).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn threads_a_waiting_job_gives_its_place_back_under_fifo_dispatch_too() {
+    waiting_gives_its_place_back(one_in_flight_fifo).await;
+}
+
+/// Two orchestrators of one place each (`tweak`): one runs the thread's
+/// long job, the other takes the job queued behind it — which must not
+/// keep its place while it waits, or nothing else could run until the
+/// long job ends.
+async fn waiting_gives_its_place_back(tweak: fn(&mut toolfleet_orchestrator::OrchestratorConfig)) {
+    let (env, _second) = two_orchestrators(tweak).await;
     let enqueue = Some(MultitaskStrategy::Enqueue);
     let long = job("t-place", "long task", enqueue);
     let mut a = env.follow_and_submit(&long).await;

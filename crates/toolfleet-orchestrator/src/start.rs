@@ -418,10 +418,13 @@ impl Puller {
             hold_permit_while_waiting: true,
         };
         let plugins = self.plugins;
-        pull.in_slots(move |msg, slot| {
+        pull.in_slots(move |msg, mut slot| {
             let (fleet, plugins) = (fleet.clone(), plugins.clone());
             async move {
-                intake::handle(&fleet, &plugins, msg).await;
+                // The permit goes with the job, as in fair dispatch: a job
+                // waiting for its thread gives it back while it waits.
+                let place = slot.take_permit();
+                intake::handle_holding(&fleet, &plugins, msg, place).await;
                 drop(slot);
             }
         })

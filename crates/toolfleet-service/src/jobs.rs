@@ -262,6 +262,13 @@ impl Slot {
     pub fn free(&mut self) {
         self.permit = None;
     }
+
+    /// Takes the permit, for a job that gives it back and takes one again
+    /// itself while it waits (a chat job waiting for its thread); the job
+    /// stays alive until the slot is dropped.
+    pub fn take_permit(&mut self) -> Option<OwnedSemaphorePermit> {
+        self.permit.take()
+    }
 }
 
 impl PullLoop {

@@ -1,6 +1,6 @@
 //! Intake, the first stage: a chat job from the stream to its ack.
 //!
-//! [`handle`] takes one delivery through its steps: decode (size against
+//! [`handle_holding`] takes one delivery through its steps: decode (size against
 //! the smaller of the contract's and the server's limit, then schema), the
 //! claim ([`claim`]), the typed checks ([`reject::check`]), the tenant's
 //! suspension for poison ([`suspend`]) and its queued-jobs cap where the
@@ -151,13 +151,10 @@ fn job_limit(fleet: &Fleet, tenant: Option<&str>) -> usize {
     }
 }
 
-/// Handles one delivery of a chat job (see the module docs).
-pub(crate) async fn handle(fleet: &Arc<Fleet>, plugins: &Plugins, msg: jetstream::Message) {
-    handle_holding(fleet, plugins, msg, None).await;
-}
-
-/// [`handle`], the job holding `place` (its dispatcher's in-flight permit)
-/// until its run ends — given back while it waits for its thread.
+/// Handles one delivery of a chat job (see the module docs), the job
+/// holding `place` (its dispatcher's in-flight permit) until its run ends
+/// — given back while it waits for its thread or an idempotency key's
+/// first job.
 pub(crate) async fn handle_holding(
     fleet: &Arc<Fleet>,
     plugins: &Plugins,

@@ -191,7 +191,7 @@ pub(super) async fn run(fleet: &Arc<Fleet>, plugins: &Plugins, taken: Taken, leg
     }
     let outcome = run.race(plugins, leg, &events, &cancel, deadline).await;
     let outcome = Box::pin(run.leave_thread(outcome)).await;
-    // Boxed, as the steps before the run are (`super::handle`): brief,
+    // Boxed, as the steps before the run are (`super::handle_holding`): brief,
     // and not to be carried while the run waits.
     let end = match outcome {
         None => {
