@@ -145,7 +145,7 @@ fn claim(r: &mut KeyRecord, id: &str, digest: &str, now_ms: u64) -> Result<Keyed
 /// The SHA-256 (hex) of what a job asks: its JSON with the fields that
 /// may differ between two submits of one request left out — its
 /// `invocationId`, `traceparent`, `timeoutMs`, `sink`, `priority` and
-/// `notBefore` — keys in order (`serde_json`'s maps are sorted).
+/// `notBefore` — as canonical JSON (keys sorted at every depth).
 pub(super) fn body_digest(job: &ChatJob) -> String {
     let mut value = serde_json::to_value(job).unwrap_or_default();
     if let Some(fields) = value.as_object_mut() {
@@ -160,8 +160,8 @@ pub(super) fn body_digest(job: &ChatJob) -> String {
             fields.remove(field);
         }
     }
-    let bytes = serde_json::to_vec(&value).unwrap_or_default();
-    let digest = ring::digest::digest(&ring::digest::SHA256, &bytes);
+    let text = toolfleet_protocol::canonical::canonical_json(&value);
+    let digest = ring::digest::digest(&ring::digest::SHA256, text.as_bytes());
     digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
