@@ -305,6 +305,22 @@ pub(super) async fn remember(
     }
 }
 
+/// Gives the key back when its first job `id` is refused before it runs
+/// (after its claim: out of deliveries — `too_many_attempts` —, its
+/// tenant suspended, its queue full): a retry claims the key and runs.
+pub(super) async fn release(fleet: &Fleet, (tenant, key, id): (&str, &str, &str)) {
+    let name = idempotency_key(tenant, key);
+    let released = store::change(&fleet.threads.idempotency, &name, |r: &mut KeyRecord| {
+        if r.invocation_id == id && r.terminal.is_none() {
+            *r = KeyRecord::default();
+        }
+    })
+    .await;
+    if let Err(e) = released {
+        warn!(invocation_id = id, error = %e, "cannot give the idempotency key of a refused job back; it is held for the window");
+    }
+}
+
 /// Rewrites the key's record of its first job `id` (parked, or resumed),
 /// so the bucket's age, counted from the last write, starts again.
 pub(super) async fn touch(fleet: &Fleet, (tenant, key, id): (&str, &str, &str)) {

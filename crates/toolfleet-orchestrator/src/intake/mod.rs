@@ -220,6 +220,10 @@ async fn admit(fleet: &Arc<Fleet>, msg: jetstream::Message) -> Option<(Taken, Le
     };
     if let Some(refusal) = refused_after_claim(fleet, &msg, &job, &tenant, guarded, delivery).await
     {
+        // An idempotency key its earlier deliveries claimed goes back.
+        if let Some(key) = &job.idempotency_key {
+            idempotency::release(fleet, (&tenant, key, &job.invocation_id)).await;
+        }
         let refused = Refused {
             invocation_id: Some(job.invocation_id),
             tenant,
