@@ -108,8 +108,7 @@ impl Ready {
         let (settings, plugins) = config.into_parts();
         let plugins = Arc::new(plugins);
         let stop_replies = CancellationToken::new();
-        let opened =
-            Opened::open(client, store, settings, metrics, stop_replies.clone()).await?;
+        let opened = Opened::open(client, store, settings, metrics, stop_replies.clone()).await?;
         let fleet = opened.fleet.clone();
         fleet.catalog.refresh().await;
         // The registry and its gauges from the first reading on.

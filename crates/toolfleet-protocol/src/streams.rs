@@ -146,9 +146,9 @@ pub async fn ensure_chat_stream_with(
     let name = subjects.chat_stream();
     let mut config = stream.cached_info().config.clone();
     limits.apply(&mut config);
-    js.update_stream(config)
-        .await
-        .map_err(|e| StreamError::new(format!("stream {name}: setting its per-tenant limit: {e}")))?;
+    js.update_stream(config).await.map_err(|e| {
+        StreamError::new(format!("stream {name}: setting its per-tenant limit: {e}"))
+    })?;
     tracing::info!(stream = %name, per_tenant = limits.per_tenant, "chat stream limits set");
     js.get_stream(&name)
         .await
@@ -537,9 +537,9 @@ async fn work_queue(
     if older {
         let mut moved = stream.cached_info().config.clone();
         moved.subjects = wanted.clone();
-        js.update_stream(moved)
-            .await
-            .map_err(|e| StreamError::new(format!("stream {name}: moving it off {found:?}: {e}")))?;
+        js.update_stream(moved).await.map_err(|e| {
+            StreamError::new(format!("stream {name}: moving it off {found:?}: {e}"))
+        })?;
         tracing::info!(stream = %name, from = ?found, to = ?wanted, "stream moved to the new subjects");
         stream = js
             .get_stream(&name)

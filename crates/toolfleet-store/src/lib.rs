@@ -417,7 +417,10 @@ impl CitationStore {
         let stored = self
             .reserve(inv, call_id, call_id, tool_id, fresh, floor)
             .await?;
-        let map = old.into_iter().zip(stored.iter().map(|r| r.index)).collect();
+        let map = old
+            .into_iter()
+            .zip(stored.iter().map(|r| r.index))
+            .collect();
         Ok((stored, map))
     }
 

@@ -30,8 +30,8 @@ use serde_json::Value;
 use toolfleet_llm::ToolCall;
 use toolfleet_protocol::tools::CompiledTool;
 use toolfleet_protocol::{ChatEventBody, ToolResult, ToolStatus};
-use toolfleet_store::tool_cache::{CacheKey, CallScope, Generations, Lookup, Stored};
 use toolfleet_store::InvocationKey;
+use toolfleet_store::tool_cache::{CacheKey, CallScope, Generations, Lookup, Stored};
 use tracing::{debug, warn};
 
 use crate::{Events, Fleet, Invocation, ToolOutcome};
