@@ -112,7 +112,10 @@ async fn idempotency_a_repeat_after_the_streams_duplicate_window_gets_the_first_
     let js = async_nats::jetstream::new(env.client.clone());
     let mut chat = js.get_stream(env.subjects.chat_stream()).await.unwrap();
     let window = chat.info().await.unwrap().config.duplicate_window;
-    assert!(window + Duration::from_secs(30) <= THREE_MINUTES, "{window:?}");
+    assert!(
+        window + Duration::from_secs(30) <= THREE_MINUTES,
+        "{window:?}"
+    );
     let first = keyed("pay invoice 42", "invoice-42");
     let mut events = env
         .subscribe(env.subjects.chat_events("default", &first.invocation_id))
