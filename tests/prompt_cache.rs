@@ -20,7 +20,7 @@ use std::path::PathBuf;
 
 use futures::StreamExt;
 use serde_json::{Value, json};
-use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
+use toolfleet_local::servers::{NatsServer, RedisServer};
 use toolfleet_orchestrator::rounds::prompt_cache_key;
 use toolfleet_protocol::tools::{Origin, ToolDefinition};
 use toolfleet_protocol::{ChatEvent, ChatEventBody, ChatJob, Subjects, ToolStatus};
@@ -727,66 +727,7 @@ async fn prompt_cache_a_jobs_own_system_message_comes_after_the_profiles_prompt(
     }
 }
 
-/// The passwords of the shipped identities the tenant test uses (every
-/// identity of `ops/nats/auth.conf` needs one to start the server).
-const USERS: [(&str, &str); 11] = [
-    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
-    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
-    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
-    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
-    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
-    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
-    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
-    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
-    ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
-    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
-    ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
-];
-
-fn password(user: &str) -> String {
-    format!("pw-{user}-prompt-cache")
-}
-
-/// `nats-server` running the shipped `ops/nats/auth.conf`.
-fn secured_nats() -> NatsServer {
-    let dir = support::root().join("ops/nats");
-    NatsServer::start_configured(NatsConfig {
-        extra: Some("include \"auth.conf\"".into()),
-        files: vec![
-            (
-                "auth.conf".into(),
-                std::fs::read(dir.join("auth.conf")).unwrap(),
-            ),
-            (
-                "mcp-role.conf".into(),
-                std::fs::read(dir.join("mcp-role.conf")).unwrap(),
-            ),
-        ],
-        env: USERS
-            .iter()
-            .map(|(user, var)| (var.to_string(), password(user)))
-            .collect(),
-        ..NatsConfig::default()
-    })
-    .expect("nats-server with ops/nats/auth.conf")
-}
-
-/// `user`'s connection, with its role's inbox prefix.
-async fn connect(nats: &NatsServer, user: &str) -> async_nats::Client {
-    let inbox = match user.strip_prefix("client-") {
-        Some(tenant) => format!("_INBOX.client.{tenant}"),
-        None => format!("_INBOX.{user}"),
-    };
-    tokio::time::timeout(
-        WAIT,
-        async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
-            .custom_inbox_prefix(inbox)
-            .connect(nats.url()),
-    )
-    .await
-    .expect("connect in time")
-    .expect("connect")
-}
+use support::identities::{connect_as as connect, secure_nats as secured_nats};
 
 /// The orchestrator under its own identity, on `profiles`.
 async fn start_orchestrator(

@@ -656,64 +656,7 @@ fn rfc3339(ms: u128) -> String {
         .unwrap()
 }
 
-/// The shipped `ops/nats/auth.conf` identities (user, the server's
-/// variable with its password).
-const AUTH_USERS: [(&str, &str); 11] = [
-    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
-    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
-    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
-    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
-    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
-    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
-    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
-    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
-    ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
-    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
-    ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
-];
-
-fn auth_password(user: &str) -> String {
-    format!("pw-{user}-schedules-canary")
-}
-
-fn auth_inbox(user: &str) -> String {
-    match user.strip_prefix("client-") {
-        Some(tenant) => format!("_INBOX.client.{tenant}"),
-        None => format!("_INBOX.{user}"),
-    }
-}
-
-/// `nats-server` running the shipped role identities.
-fn secure_nats() -> toolfleet_local::servers::NatsServer {
-    let nats_dir = support::root().join("ops/nats");
-    toolfleet_local::servers::NatsServer::start_configured(toolfleet_local::servers::NatsConfig {
-        extra: Some("include \"auth.conf\"".into()),
-        files: vec![
-            (
-                "auth.conf".into(),
-                std::fs::read(nats_dir.join("auth.conf")).unwrap(),
-            ),
-            (
-                "mcp-role.conf".into(),
-                std::fs::read(nats_dir.join("mcp-role.conf")).unwrap(),
-            ),
-        ],
-        env: AUTH_USERS
-            .iter()
-            .map(|(user, var)| (var.to_string(), auth_password(user)))
-            .collect(),
-        ..Default::default()
-    })
-    .expect("nats-server with ops/nats/auth.conf")
-}
-
-async fn connect_as(nats: &toolfleet_local::servers::NatsServer, user: &str) -> async_nats::Client {
-    async_nats::ConnectOptions::with_user_and_password(user.into(), auth_password(user))
-        .custom_inbox_prefix(auth_inbox(user))
-        .connect(nats.url())
-        .await
-        .expect("connect")
-}
+use support::identities::{connect_as, password as auth_password, secure_nats};
 
 /// A fleet under the shipped `ops/nats/auth.conf` identities: NATS,
 /// Redis, the scripted model (answering [`script`]) and an orchestrator

@@ -16,35 +16,7 @@ use toolfleet_service::args::{NatsArgs, Secret};
 
 use crate::support::{self, WAIT};
 
-/// (user, the server's environment variable with its password).
-pub(crate) const USERS: [(&str, &str); 11] = [
-    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
-    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
-    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
-    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
-    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
-    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
-    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
-    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
-    ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
-    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
-    ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
-];
-
-/// The inbox prefix a role's processes set (ops/nats/auth.conf).
-pub(crate) fn inbox_prefix(user: &str) -> String {
-    if let Some(family) = user.strip_prefix("worker-") {
-        format!("_INBOX.worker.{family}")
-    } else if let Some(tenant) = user.strip_prefix("client-") {
-        format!("_INBOX.client.{tenant}")
-    } else {
-        format!("_INBOX.{user}")
-    }
-}
-
-pub(crate) fn password(user: &str) -> String {
-    format!("pw-{user}-canary-7f3a")
-}
+pub(crate) use crate::support::identities::{USERS, inbox_prefix, password};
 
 /// A server running the shipped role identities.
 pub(crate) struct Secure {
@@ -60,26 +32,11 @@ impl Secure {
     /// `toolfleet-worker-mcp --print-nats-role` printed) instead of the
     /// shipped `mcp-role.conf`.
     pub(crate) fn start_with_mcp_role(mcp_role: Option<String>) -> Self {
-        let nats_dir = support::root().join("ops/nats");
-        let auth = std::fs::read(nats_dir.join("auth.conf")).unwrap();
-        let mcp_role = match mcp_role {
-            Some(role) => role.into_bytes(),
-            None => std::fs::read(nats_dir.join("mcp-role.conf")).unwrap(),
-        };
-        let nats = NatsServer::start_configured(NatsConfig {
-            extra: Some("include \"auth.conf\"".into()),
-            files: vec![
-                ("auth.conf".into(), auth),
-                ("mcp-role.conf".into(), mcp_role),
-            ],
-            env: USERS
-                .iter()
-                .map(|(user, var)| (var.to_string(), password(user)))
-                .collect(),
-            ..NatsConfig::default()
-        })
-        .expect("nats-server with ops/nats/auth.conf");
-        Self { nats }
+        Self {
+            nats: crate::support::identities::secure_nats_with_mcp_role(
+                mcp_role.map(String::into_bytes),
+            ),
+        }
     }
 
     fn args(&self, user: &str) -> NatsArgs {

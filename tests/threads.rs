@@ -805,63 +805,13 @@ async fn threads_refuse_a_bad_thread_id_or_strategy_clearly_and_run_nothing() {
 /// threads bucket.
 mod tenants {
     use super::*;
-    use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
+    use toolfleet_local::servers::RedisServer;
 
-    const USERS: [(&str, &str); 11] = [
-        ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
-        ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
-        ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
-        ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
-        ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
-        ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
-        ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
-        ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
-        ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
-        ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
-        ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
-    ];
-
-    fn password(user: &str) -> String {
-        format!("pw-{user}-canary-7f3a")
-    }
-
-    fn inbox(user: &str) -> String {
-        match user.strip_prefix("client-") {
-            Some(tenant) => format!("_INBOX.client.{tenant}"),
-            None => format!("_INBOX.{user}"),
-        }
-    }
-
-    async fn connect(nats: &NatsServer, user: &str) -> async_nats::Client {
-        async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
-            .custom_inbox_prefix(inbox(user))
-            .connect(nats.url())
-            .await
-            .expect("connect")
-    }
+    use crate::support::identities::connect_as as connect;
 
     #[tokio::test(flavor = "multi_thread")]
     async fn threads_another_tenant_naming_the_same_thread_neither_reads_nor_joins_it() {
-        let dir = support::root().join("ops/nats");
-        let nats = NatsServer::start_configured(NatsConfig {
-            extra: Some("include \"auth.conf\"".into()),
-            files: vec![
-                (
-                    "auth.conf".into(),
-                    std::fs::read(dir.join("auth.conf")).unwrap(),
-                ),
-                (
-                    "mcp-role.conf".into(),
-                    std::fs::read(dir.join("mcp-role.conf")).unwrap(),
-                ),
-            ],
-            env: USERS
-                .iter()
-                .map(|(user, var)| (var.to_string(), password(user)))
-                .collect(),
-            ..NatsConfig::default()
-        })
-        .expect("nats-server with ops/nats/auth.conf");
+        let nats = crate::support::identities::secure_nats();
         let redis = RedisServer::start().expect("redis-server");
         let model = toolfleet_scripted::ScriptedServer::start(
             "127.0.0.1:0".parse().unwrap(),

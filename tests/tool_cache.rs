@@ -782,46 +782,7 @@ async fn a_frozen_redis_is_asked_once_and_then_passed_by() {
     assert_eq!(cache_lookups(&mut redis, "testing:probe").await, 1);
 }
 
-/// (user, the server's environment variable with its password): every
-/// identity of `ops/nats/auth.conf` (the server needs them all).
-const USERS: [(&str, &str); 11] = [
-    ("client-acme", "TOOLFLEET_NATS_CLIENT_ACME_PASSWORD"),
-    ("client-globex", "TOOLFLEET_NATS_CLIENT_GLOBEX_PASSWORD"),
-    ("orchestrator", "TOOLFLEET_NATS_ORCHESTRATOR_PASSWORD"),
-    ("worker-system", "TOOLFLEET_NATS_SYSTEM_PASSWORD"),
-    ("worker-retrieval", "TOOLFLEET_NATS_RETRIEVAL_PASSWORD"),
-    ("worker-llm", "TOOLFLEET_NATS_LLM_PASSWORD"),
-    ("worker-web", "TOOLFLEET_NATS_WEB_PASSWORD"),
-    ("worker-units", "TOOLFLEET_NATS_UNITS_PASSWORD"),
-    ("worker-mcp", "TOOLFLEET_NATS_MCP_PASSWORD"),
-    ("operator", "TOOLFLEET_NATS_OPERATOR_PASSWORD"),
-    ("gateway", "TOOLFLEET_NATS_GATEWAY_PASSWORD"),
-];
-
-fn password(user: &str) -> String {
-    format!("pw-{user}-cache-canary")
-}
-
-/// The inbox prefix of `user`'s role (ops/nats/auth.conf).
-fn inbox_prefix(user: &str) -> String {
-    match (user.strip_prefix("client-"), user.strip_prefix("worker-")) {
-        (Some(tenant), _) => format!("_INBOX.client.{tenant}"),
-        (_, Some(family)) => format!("_INBOX.worker.{family}"),
-        _ => format!("_INBOX.{user}"),
-    }
-}
-
-async fn connect(nats: &toolfleet_local::servers::NatsServer, user: &str) -> async_nats::Client {
-    tokio::time::timeout(
-        WAIT,
-        async_nats::ConnectOptions::with_user_and_password(user.into(), password(user))
-            .custom_inbox_prefix(inbox_prefix(user))
-            .connect(nats.url()),
-    )
-    .await
-    .expect("connect in time")
-    .expect("connect")
-}
+use support::identities::connect_as as connect;
 
 /// acme's and globex's identities ask the same question of a tenant-scoped
 /// tool (`units:convert`, served under the `units` role): each gets its own
@@ -832,27 +793,8 @@ async fn connect(nats: &toolfleet_local::servers::NatsServer, user: &str) -> asy
 /// its tenant's: globex naming acme's resource runs its own call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_tenant_never_gets_a_tenants_cached_result() {
-    use toolfleet_local::servers::{NatsConfig, NatsServer, RedisServer};
-    let ops = support::root().join("ops/nats");
-    let nats = NatsServer::start_configured(NatsConfig {
-        extra: Some("include \"auth.conf\"".into()),
-        files: vec![
-            (
-                "auth.conf".into(),
-                std::fs::read(ops.join("auth.conf")).unwrap(),
-            ),
-            (
-                "mcp-role.conf".into(),
-                std::fs::read(ops.join("mcp-role.conf")).unwrap(),
-            ),
-        ],
-        env: USERS
-            .iter()
-            .map(|(u, var)| (var.to_string(), password(u)))
-            .collect(),
-        ..NatsConfig::default()
-    })
-    .expect("nats-server with ops/nats/auth.conf");
+    use toolfleet_local::servers::RedisServer;
+    let nats = support::identities::secure_nats();
     let redis = RedisServer::start().expect("redis-server");
     let rule = |word: &str, function: &str| rule(word, function, &[json!({ "q": "the secret" })]);
     let script = json!({ "rules": [

@@ -26,6 +26,8 @@ use toolfleet_scripted::{Script, ScriptedServer};
 // testkit, which the crates' own tests share.
 pub(crate) use toolfleet_testkit::wait::{WAIT, next_json};
 
+pub(crate) mod identities;
+
 pub(crate) fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
 }
