@@ -8,7 +8,6 @@
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 use toolfleet_protocol::ChatJob;
 
 use crate::support::{Env, Options, WAIT, events_until_terminal, kinds};
@@ -242,39 +241,14 @@ async fn limits_a_run_over_max_run_tokens_ends_with_run_limit_exceeded() {
 
 /// An orchestrator of its own, as another process would be: its own NATS
 /// and Redis connections, its own metrics; only Redis is shared.
-async fn second_orchestrator(env: &Env, limits: &str, shutdown: CancellationToken) {
+async fn second_orchestrator(env: &Env, limits: &str) -> toolfleet_service::Runtime {
     let profiles = toolfleet_config::FleetConfig::from_toml(
         &profiles(limits).replace("{base_url}", env.model.base_url().as_str()),
         "second orchestrator",
     )
     .unwrap();
     let config = toolfleet_orchestrator::OrchestratorConfig::new(env.subjects.clone(), profiles);
-    let registry = prometheus::Registry::new();
-    let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
-        &registry,
-        toolfleet_service::metrics::dead_letters(&registry).unwrap(),
-    )
-    .unwrap();
-    let store = toolfleet_store::CitationStore::connect(
-        &env.redis.url(),
-        env.subjects.prefix(),
-        Duration::from_secs(600),
-    )
-    .await
-    .unwrap();
-    let client = async_nats::connect(env.nats.url()).await.unwrap();
-    let orchestrator = tokio::time::timeout(
-        WAIT,
-        toolfleet_orchestrator::Ready::open(client, store, config, metrics, shutdown),
-    )
-    .await
-    .expect("the orchestrator starts in time")
-    .expect("the orchestrator starts");
-    tokio::spawn(async move {
-        if let Err(e) = orchestrator.run().await {
-            panic!("the second orchestrator stopped: {e}");
-        }
-    });
+    crate::support::start_orchestrator(env.nats.url(), env.redis.url(), config).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -300,8 +274,7 @@ async fn limits_two_orchestrators_share_one_requests_per_minute() {
     tokio::time::timeout(WAIT, env.tracker.wait())
         .await
         .expect("orchestrator A stops");
-    let b = CancellationToken::new();
-    second_orchestrator(&env, limits, b.clone()).await;
+    let b = second_orchestrator(&env, limits).await;
     let third = run(&env, &job("acme", "hello")).await;
     assert_eq!(terminal(&third)["type"], "completed", "{third:?}");
     let fourth = run(&env, &job("acme", "hello")).await;
@@ -310,8 +283,7 @@ async fn limits_two_orchestrators_share_one_requests_per_minute() {
     // Both at once: a burst through B and a third orchestrator C, still
     // within the same minute, gets no call past the limit (a request is
     // counted in the same step as its check: no overshoot).
-    let c = CancellationToken::new();
-    second_orchestrator(&env, limits, c.clone()).await;
+    let c = second_orchestrator(&env, limits).await;
     let burst: Vec<_> = (0..6)
         .map(|_| {
             let job = job("acme", "hello");
@@ -323,6 +295,6 @@ async fn limits_two_orchestrators_share_one_requests_per_minute() {
         assert_eq!(terminal(&events)["code"], "rate_limited", "{events:?}");
     }
     assert_eq!(model_calls(&env), 3);
-    b.cancel();
-    c.cancel();
+    b.shutdown.cancel();
+    c.shutdown.cancel();
 }

@@ -62,39 +62,13 @@ fn job_file(dir: &tempfile::TempDir) -> String {
 
 /// An orchestrator of its own, as another process would be: its own NATS
 /// and Redis connections, its own metrics (returned).
-async fn second_orchestrator(env: &Env, shutdown: CancellationToken) -> prometheus::Registry {
+async fn second_orchestrator(env: &Env) -> toolfleet_service::Runtime {
     let profiles = toolfleet_config::FleetConfig::single(
         toolfleet_llm::deployments::Deployment::new(env.model.base_url(), "toolfleet-scripted")
             .with_api_key("sk-test".to_string()),
     );
     let config = toolfleet_orchestrator::OrchestratorConfig::new(env.subjects.clone(), profiles);
-    let registry = prometheus::Registry::new();
-    let metrics = toolfleet_orchestrator::metrics::OrchestratorMetrics::register(
-        &registry,
-        toolfleet_service::metrics::dead_letters(&registry).unwrap(),
-    )
-    .unwrap();
-    let store = toolfleet_store::CitationStore::connect(
-        &env.redis.url(),
-        env.subjects.prefix(),
-        Duration::from_secs(600),
-    )
-    .await
-    .unwrap();
-    let client = async_nats::connect(env.nats.url()).await.unwrap();
-    let orchestrator = tokio::time::timeout(
-        WAIT,
-        toolfleet_orchestrator::Ready::open(client, store, config, metrics, shutdown),
-    )
-    .await
-    .expect("the orchestrator starts in time")
-    .expect("the orchestrator starts");
-    tokio::spawn(async move {
-        if let Err(e) = orchestrator.run().await {
-            panic!("the second orchestrator stopped: {e}");
-        }
-    });
-    registry
+    support::start_orchestrator(env.nats.url(), env.redis.url(), config).await
 }
 
 /// `toolfleet_schedule_runs_total{outcome}` in `registry`.
@@ -218,9 +192,9 @@ async fn stored(env: &Env, tenant: &str, id: &str) -> Option<Schedule> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn schedules_fire_each_due_time_once_across_two_orchestrators_and_rm_stops_them() {
     let env = Env::start_with(script(), Options::default()).await;
-    let b_shutdown = CancellationToken::new();
-    let b_metrics = second_orchestrator(&env, b_shutdown.clone()).await;
-    let _stop_b = b_shutdown.drop_guard();
+    let b = second_orchestrator(&env).await;
+    let b_metrics = b.metrics.clone();
+    let _stop_b = b.shutdown.clone().drop_guard();
     let dir = tempfile::tempdir().unwrap();
     let job = job_file(&dir);
     let mut submitted = Submitted::watch(&env, "acme").await;
@@ -319,9 +293,9 @@ fn overdue(id: &str, missed: MissedPolicy) -> Schedule {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn schedules_a_missed_due_time_is_skipped_or_caught_up_once_across_two_orchestrators() {
     let env = Env::start_with(script(), Options::default()).await;
-    let b_shutdown = CancellationToken::new();
-    let b_metrics = second_orchestrator(&env, b_shutdown.clone()).await;
-    let _stop_b = b_shutdown.drop_guard();
+    let b = second_orchestrator(&env).await;
+    let b_metrics = b.metrics.clone();
+    let _stop_b = b.shutdown.clone().drop_guard();
     let mut submitted = Submitted::watch(&env, "acme").await;
     let js = async_nats::jetstream::new(env.client.clone());
     let bucket = schedules_bucket(&js, &env.subjects).await.unwrap();
