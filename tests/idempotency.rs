@@ -50,20 +50,6 @@ async fn two_orchestrators() -> (Env, toolfleet_service::Runtime) {
     (env, second)
 }
 
-/// The value of metric `series` summed over both orchestrators.
-async fn counted(env: &Env, second: &toolfleet_service::Runtime, series: &str) -> f64 {
-    let mut text = env.metrics_text().await;
-    text.push_str(
-        &prometheus::TextEncoder::new()
-            .encode_to_string(&second.metrics.gather())
-            .unwrap(),
-    );
-    text.lines()
-        .filter_map(|l| l.strip_prefix(series))
-        .filter_map(|v| v.trim().parse::<f64>().ok())
-        .sum()
-}
-
 fn keyed(text: &str, key: &str) -> ChatJob {
     let mut job = toolfleet_protocol::client::question(text);
     job.idempotency_key = Some(key.into());
@@ -177,7 +163,7 @@ async fn idempotency_a_repeat_of_a_running_job_waits_for_its_answer_and_runs_not
     assert_eq!(done["type"], "completed", "{done}");
     assert_eq!(replayed.last().unwrap()["text"], done["text"]);
     assert_eq!(asked(&env, "slow report"), 1);
-    let replays = counted(&env, &second, "toolfleet_idempotent_replays_total").await;
+    let replays = support::counted(&env, &second, "toolfleet_idempotent_replays_total").await;
     assert_eq!(replays, 1.0);
 }
 

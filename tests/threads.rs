@@ -69,21 +69,6 @@ async fn two_orchestrators(
 
 fn no_tweak(_: &mut toolfleet_orchestrator::OrchestratorConfig) {}
 
-/// The value of metric `series` (name and labels, as exposed) summed over
-/// both orchestrators.
-async fn counted(env: &Env, second: &toolfleet_service::Runtime, series: &str) -> f64 {
-    let mut text = env.metrics_text().await;
-    text.push_str(
-        &prometheus::TextEncoder::new()
-            .encode_to_string(&second.metrics.gather())
-            .unwrap(),
-    );
-    text.lines()
-        .filter_map(|l| l.strip_prefix(series))
-        .filter_map(|v| v.trim().parse::<f64>().ok())
-        .sum()
-}
-
 /// A job of thread `thread` saying `text`, with `strategy`.
 fn job(thread: &str, text: &str, strategy: Option<MultitaskStrategy>) -> ChatJob {
     let mut job = toolfleet_protocol::client::question(text);
@@ -196,7 +181,7 @@ async fn threads_reject_a_second_job_while_one_runs_even_in_a_race_across_two_or
     assert!(error["message"].as_str().unwrap().contains("t-busy"));
     assert!(requests_for(&env, "second").is_empty());
     let series = r#"toolfleet_thread_jobs_total{outcome="refused",strategy="reject"}"#;
-    assert_eq!(counted(&env, &second, series).await, 1.0);
+    assert_eq!(support::counted(&env, &second, series).await, 1.0);
     assert_eq!(
         events_until_terminal(&mut running).await.last().unwrap()["type"],
         "completed"
@@ -279,7 +264,7 @@ async fn threads_enqueue_runs_the_waiting_jobs_one_at_a_time_in_order() {
     assert_eq!(states, ["running"], "{eb:?}");
     assert!(kinds(&ec).contains(&"thread"));
     let series = r#"toolfleet_thread_jobs_total{outcome="waited",strategy="enqueue"}"#;
-    assert_eq!(counted(&env, &second, series).await, 2.0);
+    assert_eq!(support::counted(&env, &second, series).await, 2.0);
     // Each turn was sent the turns before it: one at a time, in order.
     let third = transcript(&requests_for(&env, "slow third")[0]);
     assert_eq!(

@@ -675,3 +675,18 @@ pub(crate) fn most_at_once(arrivals: &[std::time::Instant], window: Duration) ->
         .max()
         .unwrap_or(0)
 }
+
+/// The value of metric `series` (name and labels, as exposed) summed over
+/// `env`'s orchestrator and a `second` one.
+pub(crate) async fn counted(env: &Env, second: &toolfleet_service::Runtime, series: &str) -> f64 {
+    let mut text = env.metrics_text().await;
+    text.push_str(
+        &prometheus::TextEncoder::new()
+            .encode_to_string(&second.metrics.gather())
+            .unwrap(),
+    );
+    text.lines()
+        .filter_map(|l| l.strip_prefix(series))
+        .filter_map(|v| v.trim().parse::<f64>().ok())
+        .sum()
+}
